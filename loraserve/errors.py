@@ -1,0 +1,82 @@
+"""One error type that carries its gRPC status, mapped to the wire at the service edge only."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class StatusError(Exception):
+    """A failure a client can act on: a gRPC status code and a message naming the fault."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+
+def invalid(message: str) -> StatusError:
+    return StatusError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def not_found(message: str) -> StatusError:
+    return StatusError(grpc.StatusCode.NOT_FOUND, message)
+
+
+def precondition(message: str) -> StatusError:
+    return StatusError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+def exhausted(message: str) -> StatusError:
+    return StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+def unavailable(message: str) -> StatusError:
+    return StatusError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def grpc_errors(method):
+    """Maps StatusError (and unexpected exceptions) of an async servicer method to gRPC aborts.
+
+    Works for unary methods (coroutines) and server-streaming ones (async generators).
+    """
+
+    async def _abort(context, exc: BaseException):
+        if isinstance(exc, StatusError):
+            log.info("%s -> %s: %s", method.__name__, exc.code.name, exc.message)
+            await context.abort(exc.code, exc.message)
+        log.exception("%s failed unexpectedly", method.__name__)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream_wrapper(self, request, context):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
+                await _abort(context, exc)
+
+        return stream_wrapper
+
+    @functools.wraps(method)
+    async def unary_wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+
+    return unary_wrapper
