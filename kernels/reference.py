@@ -1,0 +1,86 @@
+"""Plain-PyTorch shrink/expand: the test oracle and the CPU path.
+
+Signatures are shared with kernels/triton_lora.py. Slot buffers are zero beyond each
+adapter's rank, so computing over the full slot rank R is exact for mixed ranks.
+LoRA scaling is already folded into B by the adapter store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .meta import LoraMeta
+
+
+def _slot_groups(meta: LoraMeta):
+    """Yields (slot, token index tensor) for every slot with tokens this step (host sync: CPU path)."""
+    counts = meta.tokens_per_slot.tolist()
+    starts = meta.slot_start.tolist()
+    for slot, (n, start) in enumerate(zip(counts, starts)):
+        if n:
+            yield slot, meta.sorted_token_ids[start : start + n].long()
+
+
+def lora_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """buf[s, t, :] = x[t] @ lora_a[slot(t), s].T for every slice s; rows of no-adapter tokens are 0.
+
+    x:      [T, in]
+    lora_a: [max_loras, S, R, in]
+    out:    [S, T, R] float32 (allocated if None)
+    """
+    num_slices, rank = lora_a.shape[1], lora_a.shape[2]
+    if out is None:
+        out = torch.empty(num_slices, x.shape[0], rank, dtype=torch.float32, device=x.device)
+    out.zero_()
+    for slot, idx in _slot_groups(meta):
+        xs = x.index_select(0, idx).float()  # [n, in]
+        a = lora_a[slot].float()  # [S, R, in]
+        out[:, idx] = torch.einsum("ti,sri->str", xs, a)
+    return out
+
+
+def lora_expand(
+    y: torch.Tensor,
+    buf: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_offsets: tuple[int, ...],
+    meta: LoraMeta,
+) -> torch.Tensor:
+    """y[t, off_s:off_s+n_s] += buf[s, t] @ lora_b[slot(t), off_s:off_s+n_s].T, in place.
+
+    y:             [T, N] with N = slice_offsets[-1]
+    buf:           [S, T, R] (from lora_shrink, or lora_embedding_shrink with S = 1)
+    lora_b:        [max_loras, N, R]
+    slice_offsets: S + 1 output offsets, e.g. (0, q, q + k, q + k + v)
+    """
+    for slot, idx in _slot_groups(meta):
+        b = lora_b[slot].float()  # [N, R]
+        delta = torch.cat(
+            [
+                buf[s].index_select(0, idx) @ b[slice_offsets[s] : slice_offsets[s + 1]].T
+                for s in range(len(slice_offsets) - 1)
+            ],
+            dim=1,
+        )  # [n, N]
+        y.index_add_(0, idx, delta.to(y.dtype))
+    return y
+
+
+def lora_embedding_shrink(
+    token_ids: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Embedding LoRA has no matmul before expand: buf[0, t, :] = lora_a[slot(t), token_ids[t], :].
+
+    token_ids: [T]
+    lora_a:    [max_loras, vocab, R] (the PEFT lora_embedding_A, transposed)
+    out:       [1, T, R] float32
+    """
+    rank = lora_a.shape[2]
+    if out is None:
+        out = torch.empty(1, token_ids.shape[0], rank, dtype=torch.float32, device=token_ids.device)
+    out.zero_()
+    for slot, idx in _slot_groups(meta):
+        out[0, idx] = lora_a[slot].index_select(0, token_ids.index_select(0, idx).long()).float()
+    return out
