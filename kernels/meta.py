@@ -6,9 +6,27 @@ data-dependent shapes, so it is safe inside a captured CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class BlockList:
+    """The work list of the Triton kernels: each slot's token group cut into blocks of block_m rows.
+
+    blocks:     [3, max_blocks] int32; per block: slot (max_loras = the no-adapter group,
+                -1 = unused entry), first row and end row in sorted_token_ids
+    num_blocks: [2] int32; blocks of real slots, and blocks including the no-adapter group
+                (real slots come first, the no-adapter group's blocks after them)
+    max_blocks: host int, an upper bound on num_blocks[1] that depends only on T and max_loras,
+                so a launch shape sized from it is fixed for a captured batch size
+    """
+
+    block_m: int
+    blocks: torch.Tensor
+    num_blocks: torch.Tensor
+    max_blocks: int
 
 
 @dataclass
@@ -21,6 +39,8 @@ class LoraMeta:
     slot_start:        [max_loras] int32, offset of each slot's group in sorted_token_ids
     num_tokens:        T (host int; the launch shape)
     max_loras:         number of slots (host int)
+    active_slots:      [max_loras] int32, slots with tokens this step first (ascending), then -1
+    num_active:        [1] int32, how many slots have tokens
     """
 
     token_slots: torch.Tensor
@@ -29,6 +49,16 @@ class LoraMeta:
     slot_start: torch.Tensor
     num_tokens: int
     max_loras: int
+    active_slots: torch.Tensor | None = None
+    num_active: torch.Tensor | None = None
+    _block_lists: dict[int, BlockList] = field(default_factory=dict, repr=False)
+
+    def block_list(self, block_m: int) -> BlockList:
+        """The work list for tiles of block_m rows; built on first use, then shared by every layer."""
+        blocks = self._block_lists.get(block_m)
+        if blocks is None:
+            blocks = self._block_lists[block_m] = _make_block_list(self, block_m)
+        return blocks
 
 
 def make_lora_meta(token_slots: torch.Tensor, max_loras: int) -> LoraMeta:
@@ -37,8 +67,15 @@ def make_lora_meta(token_slots: torch.Tensor, max_loras: int) -> LoraMeta:
     # No-adapter tokens sort after every real slot.
     keys = torch.where(slots < 0, torch.full_like(slots, max_loras), slots)
     sorted_ids = torch.argsort(keys, stable=True).to(torch.int32)
-    counts = torch.bincount(keys.to(torch.int64), minlength=max_loras + 1)[:max_loras]
+    # scatter_add, not bincount: CUDA bincount reads the maximum back to the host.
+    counts = torch.zeros(max_loras + 1, dtype=torch.int64, device=slots.device)
+    counts.scatter_add_(0, keys.to(torch.int64), torch.ones_like(keys, dtype=torch.int64))
+    counts = counts[:max_loras]
     starts = torch.cumsum(counts, 0) - counts
+    active = counts > 0
+    # Stable sort of "is idle" puts the active slots first, in ascending order.
+    order = torch.argsort((~active).to(torch.int8), stable=True).to(torch.int32)
+    active_slots = torch.where(active[order.long()], order, torch.full_like(order, -1))
     return LoraMeta(
         token_slots=slots,
         sorted_token_ids=sorted_ids,
@@ -46,4 +83,32 @@ def make_lora_meta(token_slots: torch.Tensor, max_loras: int) -> LoraMeta:
         slot_start=starts.to(torch.int32),
         num_tokens=int(slots.shape[0]),
         max_loras=max_loras,
+        active_slots=active_slots,
+        num_active=active.sum(dtype=torch.int32).reshape(1),
     )
+
+
+def _make_block_list(meta: LoraMeta, block_m: int) -> BlockList:
+    """Cuts each slot's group (and the no-adapter group, as slot max_loras) into blocks of block_m rows.
+
+    A group of n tokens gives ceil(n / block_m) blocks, so the total is at most
+    ceil(T / block_m) + (number of non-empty groups) <= ceil(T / block_m) + min(T, max_loras + 1).
+    """
+    num_tokens, num_slots = meta.num_tokens, meta.max_loras
+    device = meta.tokens_per_slot.device
+    counts = meta.tokens_per_slot.to(torch.int64)
+    lora_total = counts.sum().reshape(1)
+    counts = torch.cat([counts, num_tokens - lora_total])  # [L + 1], last: no-adapter group
+    starts = torch.cat([meta.slot_start.to(torch.int64), lora_total])
+    group_blocks = (counts + block_m - 1) // block_m
+    ends = torch.cumsum(group_blocks, 0)  # block index one past each group's last block
+    max_blocks = -(-num_tokens // block_m) + min(num_tokens, num_slots + 1)
+    block = torch.arange(max_blocks, device=device)
+    group = torch.searchsorted(ends, block, right=True)  # == L + 1 past the last block
+    used = group <= num_slots
+    group = group.clamp(max=num_slots)
+    first_row = starts[group] + (block - (ends[group] - group_blocks[group])) * block_m
+    end_row = starts[group] + counts[group]
+    blocks = torch.stack([torch.where(used, group, -1), first_row, end_row]).to(torch.int32)
+    num_blocks = torch.stack([ends[num_slots - 1], ends[num_slots]]).to(torch.int32)
+    return BlockList(block_m, blocks.contiguous(), num_blocks, max_blocks)

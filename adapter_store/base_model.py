@@ -1,0 +1,107 @@
+"""What the store knows of the base model it serves: its name and each LoRA-capable module's shape.
+
+Adapters are checked against it at registration: every tensor must map to one of these
+modules and agree with its (in_features, out_features). Built from a Hugging Face
+config.json (Llama, Mistral, Qwen2, SmolLM2, Mixtral, Qwen2/3-MoE) or from a GGUF's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class BaseModelSpec:
+    name: str
+    aliases: frozenset[str] = frozenset()
+    # PEFT module name (without "base_model.model.") -> (in_features, out_features).
+    # Expert modules are stored once with "{e}" in place of the index; num_experts bounds it.
+    modules: dict[str, tuple[int, int]] = field(default_factory=dict)
+    num_experts: int = 0
+    vocab_size: int = 0
+    hidden_size: int = 0
+
+    def matches(self, base_model_name: str) -> bool:
+        """True when an adapter's base_model_name_or_path names this model (by repo id or basename)."""
+        wanted = {self.name, *self.aliases}
+        tail = base_model_name.rstrip("/").split("/")[-1]
+        return base_model_name in wanted or any(tail == w.rstrip("/").split("/")[-1] for w in wanted)
+
+    def module_shape(self, module: str) -> tuple[int, int] | None:
+        """(in, out) of a module, or None if the base model has no such module."""
+        if module in self.modules:
+            return self.modules[module]
+        m = EXPERT.search(module)
+        if m and int(m.group(1)) < self.num_experts:
+            return self.modules.get(EXPERT.sub(".experts.{e}.", module, count=1))
+        return None
+
+
+def from_hf_config(name: str, cfg: dict, aliases: tuple[str, ...] = ()) -> BaseModelSpec:
+    hidden = cfg["hidden_size"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    vocab = cfg["vocab_size"]
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    mods: dict[str, tuple[int, int]] = {"model.embed_tokens": (vocab, hidden), "lm_head": (hidden, vocab)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        mods[f"{p}.self_attn.q_proj"] = (hidden, heads * head_dim)
+        mods[f"{p}.self_attn.k_proj"] = (hidden, kv_heads * head_dim)
+        mods[f"{p}.self_attn.v_proj"] = (hidden, kv_heads * head_dim)
+        mods[f"{p}.self_attn.o_proj"] = (heads * head_dim, hidden)
+        if experts:
+            mods.update(_moe_modules(p, cfg, hidden))
+        else:
+            inter = cfg["intermediate_size"]
+            mods[f"{p}.mlp.gate_proj"] = (hidden, inter)
+            mods[f"{p}.mlp.up_proj"] = (hidden, inter)
+            mods[f"{p}.mlp.down_proj"] = (inter, hidden)
+    return BaseModelSpec(name, frozenset(aliases), mods, experts, vocab, hidden)
+
+
+def _moe_modules(p: str, cfg: dict, hidden: int) -> dict[str, tuple[int, int]]:
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    if cfg.get("model_type") == "mixtral":
+        e = f"{p}.block_sparse_moe.experts.{{e}}"
+        return {f"{e}.w1": (hidden, inter), f"{e}.w3": (hidden, inter), f"{e}.w2": (inter, hidden)}
+    e = f"{p}.mlp.experts.{{e}}"
+    return {f"{e}.gate_proj": (hidden, inter), f"{e}.up_proj": (hidden, inter), f"{e}.down_proj": (inter, hidden)}
+
+
+def from_hf_dir(path: Path, name: str | None = None) -> BaseModelSpec:
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    model_name = name or cfg.get("_name_or_path") or Path(path).name
+    return from_hf_config(model_name, cfg, aliases=(str(path),))
+
+
+def from_gguf(path: Path, name: str) -> BaseModelSpec:
+    """Reads only the GGUF metadata (llama architecture keys)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def value(key: str, default=None):
+        f = reader.fields.get(key)
+        if f is None:
+            return default
+        return f.parts[f.data[0]].tolist()[0] if f.types else default
+
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    vocab_field = reader.fields.get("tokenizer.ggml.tokens")
+    cfg = {
+        "model_type": arch,
+        "hidden_size": value(f"{arch}.embedding_length"),
+        "num_attention_heads": value(f"{arch}.attention.head_count"),
+        "num_key_value_heads": value(f"{arch}.attention.head_count_kv"),
+        "num_hidden_layers": value(f"{arch}.block_count"),
+        "intermediate_size": value(f"{arch}.feed_forward_length"),
+        "vocab_size": value(f"{arch}.vocab_size") or (len(vocab_field.data) if vocab_field else 0),
+    }
+    return from_hf_config(name, cfg, aliases=(str(path),))

@@ -1,0 +1,394 @@
+"""CPU cache of packed shard blobs: a disk tier, a Redis tier, and the tiering in front.
+
+Keys are content-addressed, `<adapter sha256>/<layout hash>/tp<R>-ep<E>`, so a blob under
+a key never changes: any copy is as good as another, and a corrupted one is simply
+dropped and rebuilt by the caller. Every method is synchronous (the service runs them
+with asyncio.to_thread) and safe to call from several threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from loraserve.errors import StatusError, exhausted, invalid
+
+log = logging.getLogger(__name__)
+
+_KEY_RE = re.compile(r"[0-9a-f]{64}/[0-9a-f]{16,64}/tp[0-9]+-ep[0-9]+")
+
+
+class CacheUnavailable(Exception):
+    """The backend is down (connection refused, timeouts); the caller may use another tier."""
+
+
+def check_key(key: str) -> str:
+    if not _KEY_RE.fullmatch(key):
+        raise invalid(f"cache key {key!r} is not of the form <sha256 hex>/<layout hash hex>/tp<N>-ep<N>")
+    return key
+
+
+def _check_fits(key: str, size_bytes: int, budget_bytes: int, where: str) -> None:
+    if size_bytes > budget_bytes:
+        raise exhausted(f"shard {key} is {size_bytes} bytes, over the {where} cache budget of {budget_bytes} bytes")
+
+
+# ---------------------------------------------------------------------------------------
+# Disk
+# ---------------------------------------------------------------------------------------
+
+# File = magic (8 bytes) + sha256 of the blob (32 bytes) + blob; one file, so one atomic rename.
+_MAGIC = b"LSSHARD1"
+_HEADER_BYTES = len(_MAGIC) + 32
+_SUFFIX = ".shard"
+
+
+class DiskCache:
+    """Blobs as files `<root>/<digest>/<layout>/<tp-ep>.shard`; LRU by mtime, bounded by bytes.
+
+    One process owns a root: the LRU index lives in memory and is rebuilt from the files'
+    mtimes on start (get() touches them, so the order survives restarts).
+    """
+
+    name = "disk"
+
+    def __init__(self, root: Path, budget_bytes: int):
+        self.root = Path(root)
+        self.budget_bytes = budget_bytes
+        self._tmp_dir = self.root / ".tmp"  # same filesystem as the shards, so os.replace is atomic
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> blob bytes, oldest first
+        self._total_bytes = 0
+        self._tmp_dir.mkdir(parents=True, exist_ok=True)
+        self._rebuild_index()
+
+    def _rebuild_index(self) -> None:
+        for stale in self._tmp_dir.iterdir():
+            stale.unlink(missing_ok=True)  # a put that died mid-write
+        found = []
+        for path in self.root.glob(f"*/*/*{_SUFFIX}"):
+            key = str(path.relative_to(self.root))[: -len(_SUFFIX)]
+            if not _KEY_RE.fullmatch(key):
+                log.warning("disk cache: ignoring %s, not a shard file name", path)
+                continue
+            st = path.stat()
+            found.append((st.st_mtime_ns, key, st.st_size - _HEADER_BYTES))
+        for _, key, size_bytes in sorted(found):
+            self._index[key] = size_bytes
+            self._total_bytes += size_bytes
+        log.info("disk cache at %s: %d shards, %d bytes", self.root, len(self._index), self._total_bytes)
+        with self._lock:
+            self._evict_over_budget(keep=None)  # the budget may have shrunk since the last run
+
+    def _path(self, key: str) -> Path:
+        return self.root / (check_key(key) + _SUFFIX)
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                data, inode = f.read(), os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            return None
+        blob = data[_HEADER_BYTES:]
+        if data[: len(_MAGIC)] != _MAGIC or hashlib.sha256(blob).digest() != data[len(_MAGIC) : _HEADER_BYTES]:
+            log.warning("disk cache: shard %s in %s failed its sha256 check; deleting it", key, path)
+            with self._lock:
+                if _inode(path) == inode:  # not already replaced by a fresh put
+                    self._remove(key)
+            return None
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                with _ignore_missing():
+                    os.utime(path)  # the LRU order on disk, for the next start
+        return blob
+
+    def put(self, key: str, blob: bytes) -> None:
+        path = self._path(key)
+        _check_fits(key, len(blob), self.budget_bytes, f"disk ({self.root})")
+        tmp = self._tmp_dir / f"{uuid.uuid4().hex}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_MAGIC + hashlib.sha256(blob).digest())
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            with self._lock:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp, path)
+                self._total_bytes += len(blob) - self._index.pop(key, 0)
+                self._index[key] = len(blob)
+                self._evict_over_budget(keep=key)
+            _fsync_dir(path.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def delete_prefix(self, prefix: str) -> int:
+        with self._lock:
+            keys = [k for k in self._index if k.startswith(prefix)]
+            for key in keys:
+                self._remove(key)
+        return len(keys)
+
+    def total_bytes(self) -> int:
+        with self._lock:
+            return self._total_bytes
+
+    def _evict_over_budget(self, keep: str | None) -> None:
+        while self._total_bytes > self.budget_bytes:
+            oldest = next(iter(self._index))
+            if oldest == keep:
+                return
+            log.info("disk cache: evicting %s (%d bytes) to stay under %d bytes", oldest, self._index[oldest], self.budget_bytes)
+            self._remove(oldest)
+
+    def _remove(self, key: str) -> None:
+        """Deletes a shard and its empty folders; the lock is held."""
+        path = self.root / (key + _SUFFIX)
+        path.unlink(missing_ok=True)
+        self._total_bytes -= self._index.pop(key, 0)
+        for folder in (path.parent, path.parent.parent):
+            with _ignore_missing(OSError):  # not empty: another shard lives there
+                folder.rmdir()
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _ignore_missing(*errors: type[BaseException]):
+    try:
+        yield
+    except (FileNotFoundError, *errors):
+        pass
+
+
+# ---------------------------------------------------------------------------------------
+# Redis
+# ---------------------------------------------------------------------------------------
+
+
+class RedisCache:
+    """Blobs in chunks under `<prefix>:shard:<key>` (a meta hash) and `...:c<i>` (the chunks).
+
+    The LRU is a sorted set `<prefix>:lru` (key -> last access, ms) and the running total
+    `<prefix>:total` (bytes). Writes and removals are WATCH/MULTI/EXEC transactions, so
+    several stores can share one Redis. Run Redis with `maxmemory-policy noeviction`:
+    this cache enforces its own budget.
+    """
+
+    name = "redis"
+
+    def __init__(self, url: str, prefix: str, budget_bytes: int, chunk_bytes: int = 4 * 2**20,
+                 socket_timeout_s: float = 2.0):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self.url = _redact(url)
+        self.prefix = prefix
+        self.budget_bytes = budget_bytes
+        self.chunk_bytes = chunk_bytes
+        self._lru_key, self._total_key = f"{prefix}:lru", f"{prefix}:total"
+        # One quick retry (a pooled connection gone stale after a Redis restart), no backoff:
+        # a down Redis must fail fast so the tiering can serve from disk.
+        self._redis = redis.Redis.from_url(
+            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), retries=1),
+        )
+
+    def _meta_key(self, key: str) -> str:
+        return f"{self.prefix}:shard:{check_key(key)}"
+
+    def get(self, key: str) -> bytes | None:
+        meta_key = self._meta_key(key)
+        with self._errors():
+            meta = self._redis.hgetall(meta_key)
+            if not meta:
+                return None
+            pipe = self._redis.pipeline(transaction=False)  # one round trip for every chunk
+            for i in range(int(meta[b"n_chunks"])):
+                pipe.get(f"{meta_key}:c{i}")
+            pipe.zadd(self._lru_key, {key: _now_ms()}, xx=True)
+            *chunks, _ = pipe.execute()
+            if any(c is None for c in chunks):
+                log.info("redis cache: shard %s lost chunks (removed meanwhile?); a miss", key)
+                return None
+            blob = b"".join(chunks)
+            if len(blob) != int(meta[b"size"]) or hashlib.sha256(blob).hexdigest() != meta[b"sha256"].decode():
+                log.warning("redis cache: shard %s (%s at %s) failed its sha256 check; deleting it", key, meta_key, self.url)
+                self._remove(key)
+                return None
+            return blob
+
+    def put(self, key: str, blob: bytes) -> None:
+        meta_key = self._meta_key(key)
+        _check_fits(key, len(blob), self.budget_bytes, f"redis ({self.url})")
+        chunks = [blob[i : i + self.chunk_bytes] for i in range(0, len(blob), self.chunk_bytes)]
+        meta = {"size": len(blob), "n_chunks": len(chunks), "sha256": hashlib.sha256(blob).hexdigest()}
+
+        def write(pipe) -> None:
+            old = pipe.hgetall(meta_key)
+            pipe.multi()
+            for i, chunk in enumerate(chunks):
+                pipe.set(f"{meta_key}:c{i}", chunk)
+            for i in range(len(chunks), int(old.get(b"n_chunks", 0))):
+                pipe.delete(f"{meta_key}:c{i}")
+            pipe.hset(meta_key, mapping=meta)
+            pipe.zadd(self._lru_key, {key: _now_ms()})
+            pipe.incrby(self._total_key, len(blob) - int(old.get(b"size", 0)))
+
+        with self._errors():
+            self._redis.transaction(write, meta_key)
+            self._evict_over_budget(keep=key)
+
+    def delete_prefix(self, prefix: str) -> int:
+        with self._errors():
+            keys = [k.decode() for k in self._redis.zrange(self._lru_key, 0, -1)]
+            return sum(self._remove(k) for k in keys if k.startswith(prefix))
+
+    def total_bytes(self) -> int:
+        with self._errors():
+            return int(self._redis.get(self._total_key) or 0)
+
+    def _evict_over_budget(self, keep: str) -> None:
+        while int(self._redis.get(self._total_key) or 0) > self.budget_bytes:
+            oldest = [k.decode() for k in self._redis.zrange(self._lru_key, 0, 1)]
+            victim = next((k for k in oldest if k != keep), None)
+            if victim is None:
+                return
+            log.info("redis cache: evicting %s to stay under %d bytes", victim, self.budget_bytes)
+            self._remove(victim)
+
+    def _remove(self, key: str) -> bool:
+        """Deletes a shard, its chunks and its LRU entry in one transaction; True if it existed."""
+        meta_key = self._meta_key(key)
+
+        def remove(pipe) -> bool:
+            meta = pipe.hgetall(meta_key)
+            pipe.multi()
+            pipe.delete(meta_key, *(f"{meta_key}:c{i}" for i in range(int(meta.get(b"n_chunks", 0)))))
+            pipe.zrem(self._lru_key, key)
+            pipe.decrby(self._total_key, int(meta.get(b"size", 0)))
+            return bool(meta)
+
+        return self._redis.transaction(remove, meta_key, value_from_callable=True)
+
+    @contextmanager
+    def _errors(self):
+        import redis
+
+        try:
+            yield
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise CacheUnavailable(f"redis at {self.url} unavailable: {exc}") from exc
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
+# ---------------------------------------------------------------------------------------
+# Tiers
+# ---------------------------------------------------------------------------------------
+
+
+class TieredCache:
+    """Tiers fastest first (e.g. [RedisCache, DiskCache]). A tier that is down is skipped,
+    logged once per outage, and retried after `retry_after_s`."""
+
+    def __init__(self, tiers: list, retry_after_s: float = 5.0):
+        self.tiers = list(tiers)
+        self.retry_after_s = retry_after_s
+        self._lock = threading.Lock()
+        self._down_until: dict[int, float] = {}  # tier index -> monotonic time of the next try
+
+    def get(self, key: str) -> tuple[bytes, str] | None:
+        for i, tier in enumerate(self.tiers):
+            blob = self._call(i, tier.get, key)
+            if blob is not None:
+                for upper in range(i):
+                    self._backfill(upper, key, blob)
+                return blob, tier.name
+        return None
+
+    def put(self, key: str, blob: bytes) -> None:
+        """Into every available tier; raises RESOURCE_EXHAUSTED only if no tier can hold it."""
+        too_big: list[StatusError] = []
+        for i, tier in enumerate(self.tiers):
+            try:
+                self._call(i, tier.put, key, blob)
+            except StatusError as exc:
+                too_big.append(exc)
+        if len(too_big) == len(self.tiers):
+            raise too_big[0]
+
+    def delete_prefix(self, prefix: str) -> int:
+        return sum(self._call(i, tier.delete_prefix, prefix) or 0 for i, tier in enumerate(self.tiers))
+
+    def total_bytes(self) -> dict[str, int | None]:
+        """Bytes held per tier name (None while a tier is down)."""
+        return {tier.name: self._call(i, tier.total_bytes) for i, tier in enumerate(self.tiers)}
+
+    def _backfill(self, i: int, key: str, blob: bytes) -> None:
+        try:
+            self._call(i, self.tiers[i].put, key, blob)
+        except StatusError as exc:  # too big for that tier: it stays in the lower one
+            log.debug("not back-filling %s into %s: %s", key, self.tiers[i].name, exc.message)
+
+    def _call(self, i: int, method, *args):
+        """method(*args), or None while tier i is down."""
+        with self._lock:
+            if time.monotonic() < self._down_until.get(i, 0.0):
+                return None
+        try:
+            result = method(*args)
+        except CacheUnavailable as exc:
+            self._mark_down(i, exc)
+            return None
+        self._mark_up(i)
+        return result
+
+    def _mark_down(self, i: int, exc: CacheUnavailable) -> None:
+        with self._lock:
+            first = i not in self._down_until
+            self._down_until[i] = time.monotonic() + self.retry_after_s
+        if first:
+            others = [t.name for j, t in enumerate(self.tiers) if j != i] or ["no cache"]
+            log.warning("%s unavailable (%s); serving from %s", self.tiers[i].name, exc, ", ".join(others))
+
+    def _mark_up(self, i: int) -> None:
+        with self._lock:
+            was_down = self._down_until.pop(i, None) is not None
+        if was_down:
+            log.info("%s is available again", self.tiers[i].name)

@@ -1,0 +1,32 @@
+"""The adapter store's one config object, built in one place (loraserve/cli.py) and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .sources import SourceConfig
+from .validate import Limits
+
+
+@dataclass
+class StoreConfig:
+    listen: str = "127.0.0.1:50061"
+    data_dir: Path = Path("var/store")
+    base_model: str = ""                  # the base model adapters must be made for ("" = any)
+    base_model_path: Path | None = None   # HF dir (config.json) or .gguf: module shapes to check
+    disk_cache_bytes: int = 8 << 30
+    redis_url: str | None = None          # e.g. redis://127.0.0.1:6379/0; None = disk tier only
+    redis_prefix: str = "loraserve:"
+    redis_cache_bytes: int = 4 << 30
+    admin_token: str | None = None        # when set, mutating RPCs need "authorization: Bearer <token>"
+    limits: Limits = field(default_factory=Limits)
+    sources: SourceConfig = field(default_factory=lambda: SourceConfig(local_roots=(Path.cwd(),)))
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.data_dir / "cache"
+
+    @property
+    def staging_dir(self) -> Path:
+        return self.data_dir / "staging"

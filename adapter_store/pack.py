@@ -1,0 +1,175 @@
+"""PEFT tensors -> slot-shaped, scaled, cast, per-rank shard blobs (docs/SHARD_FORMAT.md).
+
+Two steps, both pure: `pack_full` builds each layout module's unsliced packed (a, b) with
+the LoRA scaling folded into b; `shard` cuts them for one (tp_rank, ep_rank) by the
+module kind's rule (adapter_store/layout.py). `shard_blob` serialises a shard to safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as st_save
+
+from loraserve.errors import invalid, precondition
+from loraserve.v1 import common_pb2 as pb
+
+from . import validate
+from .base_model import BaseModelSpec
+from .layout import DTYPES, K, MOE, check_layout, layout_hash, slice_module
+
+FORMAT = "loraserve.shard.v1"
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """A validated PEFT LoRA adapter: module -> (A [r, in], B [out, r]) in PEFT's layout."""
+
+    settings: validate.LoraSettings
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    digest: str
+    weight_bytes: int
+
+    @property
+    def rank(self) -> int:
+        return max(self.settings.module_rank(m) for m in self.modules)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(a.numel() + b.numel() for a, b in self.modules.values())
+
+
+def content_digest(config: dict, weights: bytes) -> str:
+    """sha256 over the canonical config and the weight bytes: the adapter's identity."""
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    h.update(b"\0")
+    h.update(weights)
+    return h.hexdigest()
+
+
+def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.Limits) -> PeftAdapter:
+    """Reads an adapter directory through every check in validate.py, in order."""
+    config = validate.read_config(directory)
+    settings = validate.check_config(config, spec, limits)
+    path = validate.check_weights_file(directory, limits)
+    tensors = validate.load_tensors(path, limits)
+    modules = validate.group_modules(tensors, settings, spec)
+    validate.check_finite(modules)
+    weights = path.read_bytes()
+    return PeftAdapter(settings, modules, content_digest(config, weights), len(weights))
+
+
+def _module_names(m: pb.ModuleLayout, e: int | None) -> list[str]:
+    return [p.format(e=e) if e is not None else p for p in m.peft_modules]
+
+
+def _pack_linear(m, names, adapter, r_pack, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """a: [S, r_pack, in], b: [N, r_pack], zeros where a slice is not targeted."""
+    a = torch.zeros(len(names), r_pack, m.input_size, dtype=torch.float32)
+    b = torch.zeros(sum(m.output_sizes), r_pack, dtype=torch.float32)
+    offset = 0
+    for s, (name, n) in enumerate(zip(names, m.output_sizes)):
+        if name in adapter.modules:
+            la, lb = adapter.modules[name]
+            r = la.shape[0]
+            if la.shape[1] != m.input_size or lb.shape[0] != n:
+                raise precondition(
+                    f"module {name!r}: adapter maps {la.shape[1]} -> {lb.shape[0]} features, "
+                    f"the executor's layout module {m.name!r} expects {m.input_size} -> {n}"
+                )
+            a[s, :r] = la.float()
+            b[offset : offset + n, :r] = lb.float() * adapter.settings.module_scale(name)
+        offset += n
+    return a.to(dtype), b.to(dtype)
+
+
+def _pack_embedding(m, adapter, r_pack, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """a: [vocab, r_pack] (PEFT's lora_embedding_A transposed), b: [dim, r_pack]."""
+    name = m.peft_modules[0]
+    la, lb = adapter.modules[name]
+    if la.shape[1] != m.input_size or lb.shape[0] != m.output_sizes[0]:
+        raise precondition(f"module {name!r}: embedding shapes {list(la.shape)}/{list(lb.shape)} do not fit layout module {m.name!r}")
+    r = la.shape[0]
+    a = torch.zeros(m.input_size, r_pack, dtype=torch.float32)
+    b = torch.zeros(m.output_sizes[0], r_pack, dtype=torch.float32)
+    a[:, :r] = la.float().T
+    b[:, :r] = lb.float() * adapter.settings.module_scale(name)
+    return a.to(dtype), b.to(dtype)
+
+
+def _served_names(layout: pb.Layout) -> set[str]:
+    names = set()
+    for m in layout.modules:
+        for e in range(m.num_experts) if m.kind in MOE else [None]:
+            names.update(_module_names(m, e))
+    return names
+
+
+def padded_rank(rank: int, layout: pb.Layout) -> int:
+    """Fully sharded layouts cut the rank dim, so it is padded (with zeros) to a multiple of tp_size."""
+    tp = layout.tp_size or 1
+    return -(-rank // tp) * tp if layout.fully_sharded else rank
+
+
+def pack_full(adapter: PeftAdapter, layout: pb.Layout) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every layout module the adapter targets -> its unsliced packed (a, b), in the layout's dtype."""
+    check_layout(layout)
+    if adapter.rank > layout.max_rank:
+        raise precondition(f"adapter rank {adapter.rank} is above the executor's max_rank {layout.max_rank}")
+    unserved = sorted(set(adapter.modules) - _served_names(layout))
+    if unserved:
+        raise precondition(f"adapter targets modules the executor's layout does not serve: {unserved[:5]}")
+    r_pack = padded_rank(adapter.rank, layout)
+    dtype = DTYPES[layout.dtype]
+    packed = {}
+    for m in layout.modules:
+        experts = range(m.num_experts) if m.kind in MOE else [None]
+        if not any(n in adapter.modules for e in experts for n in _module_names(m, e)):
+            continue
+        if m.kind == K.EMBEDDING:
+            packed[m.name] = _pack_embedding(m, adapter, r_pack, dtype)
+        elif m.kind in MOE:
+            per_expert = [_pack_linear(m, _module_names(m, e), adapter, r_pack, dtype) for e in experts]
+            packed[m.name] = (torch.stack([a for a, _ in per_expert]), torch.stack([b for _, b in per_expert]))
+        else:
+            packed[m.name] = _pack_linear(m, _module_names(m, None), adapter, r_pack, dtype)
+    return packed
+
+
+def shard(
+    full: dict[str, tuple[torch.Tensor, torch.Tensor]], layout: pb.Layout, rank: pb.ShardRank
+) -> dict[str, torch.Tensor]:
+    """One rank's tensors, named "<module>.lora_a" / "<module>.lora_b"."""
+    tp, ep = layout.tp_size or 1, layout.ep_size or 1
+    if rank.tp_rank >= tp or rank.ep_rank >= ep:
+        raise invalid(f"rank tp={rank.tp_rank} ep={rank.ep_rank} is outside tp_size {tp} x ep_size {ep}")
+    out = {}
+    for m in layout.modules:
+        if m.name in full:
+            a, b = slice_module(m, *full[m.name], layout, rank)
+            out[f"{m.name}.lora_a"], out[f"{m.name}.lora_b"] = a, b
+    return out
+
+
+def shard_blob(adapter: PeftAdapter, tensors: dict[str, torch.Tensor], layout: pb.Layout, rank: pb.ShardRank) -> bytes:
+    r_padded = padded_rank(adapter.rank, layout)
+    meta = {
+        "format": FORMAT,
+        "adapter_digest": adapter.digest,
+        "layout_hash": layout_hash(layout),
+        "rank": str(adapter.rank),
+        "rank_padded": str(r_padded),
+        "tp_rank": str(rank.tp_rank),
+        "ep_rank": str(rank.ep_rank),
+        "dtype": layout.dtype,
+    }
+    return st_save(tensors, metadata=meta)
+
+
+def shard_key(digest: str, layout: pb.Layout, rank: pb.ShardRank) -> str:
+    """Content-addressed cache key of one shard."""
+    return f"{digest}/{layout_hash(layout)}/tp{rank.tp_rank}-ep{rank.ep_rank}"

@@ -1,0 +1,239 @@
+"""The AdapterStore gRPC servicer: thin; the work is in sources, validate, pack, cache, registry.
+
+Blocking work (downloads, validation, packing, cache I/O) runs in threads so one slow
+register never stalls FetchShard streams to executors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from loraserve.errors import StatusError, grpc_errors, invalid, precondition
+from loraserve.v1 import adapter_store_pb2 as spb
+from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
+from loraserve.v1 import common_pb2 as pb
+
+from . import base_model, pack, sources
+from .cache import DiskCache, RedisCache, TieredCache
+from .config import StoreConfig
+from .layout import check_layout, layout_hash
+from .registry import Registry
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "loraserve.v1.AdapterStore"
+DEFAULT_CHUNK = 1 << 20
+MAX_CHUNK = 3 << 20  # stays under gRPC's default 4 MiB message limit
+MAX_PAGE = 1000
+
+
+def load_spec(cfg: StoreConfig) -> base_model.BaseModelSpec | None:
+    path = cfg.base_model_path
+    if path is None:
+        return None
+    if Path(path).suffix == ".gguf":
+        return base_model.from_gguf(path, cfg.base_model or Path(path).stem)
+    return base_model.from_hf_dir(Path(path), cfg.base_model or None)
+
+
+def build_cache(cfg: StoreConfig) -> TieredCache:
+    tiers = [DiskCache(cfg.cache_dir, cfg.disk_cache_bytes)]
+    if cfg.redis_url:
+        tiers.insert(0, RedisCache(cfg.redis_url, cfg.redis_prefix, cfg.redis_cache_bytes))
+    return TieredCache(tiers)
+
+
+class AdapterStoreService(spb_grpc.AdapterStoreServicer):
+    def __init__(self, cfg: StoreConfig):
+        self.cfg = cfg
+        cfg.staging_dir.mkdir(parents=True, exist_ok=True)
+        self.registry = Registry(cfg.data_dir)
+        self.cache = build_cache(cfg)
+        self.spec = load_spec(cfg)
+        self._inflight: dict[str, asyncio.Future] = {}
+
+    # -- auth ------------------------------------------------------------------------
+    def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
+        token = self.cfg.admin_token
+        if not token:
+            return
+        auth = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not auth:
+            raise StatusError(grpc.StatusCode.UNAUTHENTICATED, "this RPC needs an admin token: send 'authorization: Bearer <token>'")
+        if auth != f"Bearer {token}":
+            raise StatusError(grpc.StatusCode.PERMISSION_DENIED, "the admin token is not valid")
+
+    # -- registration ----------------------------------------------------------------
+    @grpc_errors
+    async def RegisterAdapter(self, request, context):
+        self._require_admin(context)
+        pack.validate.check_name(request.name)
+        if not request.uri:
+            raise invalid("uri is required (file:///path, s3://bucket/prefix or hf://org/name[@revision])")
+        return await asyncio.to_thread(self._register, request.name, request.uri, request.revision or None)
+
+    def _register(self, name: str, uri: str, revision: str | None) -> pb.AdapterManifest:
+        t0 = time.perf_counter()
+        staging = Path(tempfile.mkdtemp(dir=self.cfg.staging_dir))
+        try:
+            fetched = sources.fetch(uri, revision, self.cfg.sources, staging)
+            t_fetch = time.perf_counter() - t0
+            adapter = pack.load_adapter(fetched.directory, self.spec, self.cfg.limits)
+            manifest = self._manifest(name, fetched, adapter)
+            self.registry.put(manifest, sorted(p for p in fetched.directory.iterdir() if p.is_file()))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        log.info(
+            "registered %s from %s: digest %s, rank %d, %d modules, %d bytes (fetch %.2fs, total %.2fs)",
+            name, fetched.uri, adapter.digest[:12], adapter.rank, len(adapter.modules),
+            adapter.weight_bytes, t_fetch, time.perf_counter() - t0,
+        )
+        return manifest
+
+    def _manifest(self, name, fetched: sources.FetchedAdapter, adapter: pack.PeftAdapter) -> pb.AdapterManifest:
+        s = adapter.settings
+        return pb.AdapterManifest(
+            name=name, revision=fetched.revision, uri=fetched.uri, digest=adapter.digest,
+            rank=adapter.rank, lora_alpha=s.alpha, use_rslora=s.use_rslora,
+            target_modules=sorted(adapter.modules), weight_bytes=adapter.weight_bytes,
+            num_parameters=adapter.num_parameters, base_model=s.base_model,
+            created_unix_ms=int(time.time() * 1000),
+        )
+
+    @grpc_errors
+    async def GetAdapter(self, request, context):
+        return self.registry.get(request.name)
+
+    @grpc_errors
+    async def ListAdapters(self, request, context):
+        size = request.page_size or 100
+        if size > MAX_PAGE:
+            raise invalid(f"page_size {size} is above the maximum of {MAX_PAGE}")
+        items, token = self.registry.page(size, request.page_token)
+        return spb.ListAdaptersResponse(adapters=items, next_page_token=token)
+
+    @grpc_errors
+    async def DeleteAdapter(self, request, context):
+        self._require_admin(context)
+        manifest = self.registry.delete(request.name)
+        if not self.registry.is_referenced(manifest.digest):
+            dropped = await asyncio.to_thread(self.cache.delete_prefix, f"{manifest.digest}/")
+            log.info("deleted %s (digest %s, %d cached shards dropped)", request.name, manifest.digest[:12], dropped)
+        return spb.DeleteAdapterResponse(deleted=True)
+
+    # -- shards ----------------------------------------------------------------------
+    def _check_fetch(self, name: str, digest: str, layout: pb.Layout) -> pb.AdapterManifest:
+        manifest = self.registry.get(name)
+        if digest and digest != manifest.digest:
+            raise precondition(f"adapter {name!r} now has digest {manifest.digest[:12]}, not the requested {digest[:12]}")
+        check_layout(layout)
+        if self.spec is not None and layout.base_model and not self.spec.matches(layout.base_model):
+            raise precondition(f"executor serves base model {layout.base_model!r}, this store serves {self.spec.name!r}")
+        if manifest.rank > layout.max_rank:
+            raise precondition(f"adapter {name!r} has rank {manifest.rank}, above the executor's max_rank {layout.max_rank}")
+        return manifest
+
+    @grpc_errors
+    async def FetchShard(self, request, context):
+        manifest = self._check_fetch(request.name, request.digest, request.layout)
+        chunk = request.chunk_bytes or DEFAULT_CHUNK
+        if chunk > MAX_CHUNK:
+            raise invalid(f"chunk_bytes {chunk} is above the maximum of {MAX_CHUNK}")
+        blob, tier = await self._shard(manifest, request.layout, request.rank)
+        yield spb.ShardChunk(header=spb.ShardHeader(
+            manifest=manifest, layout_hash=layout_hash(request.layout), total_bytes=len(blob), cache_tier=tier))
+        view = memoryview(blob)
+        for start in range(0, len(blob), chunk):
+            yield spb.ShardChunk(data=bytes(view[start : start + chunk]))
+        yield spb.ShardChunk(trailer=spb.ShardTrailer(sha256=hashlib.sha256(blob).hexdigest()))
+
+    async def _shard(self, manifest: pb.AdapterManifest, layout: pb.Layout, rank: pb.ShardRank) -> tuple[bytes, str]:
+        """The shard from the first cache tier that has it, else packed once (concurrent callers share it)."""
+        key = pack.shard_key(manifest.digest, layout, rank)
+        hit = await asyncio.to_thread(self.cache.get, key)
+        if hit is not None:
+            return hit
+        if key in self._inflight:
+            return await asyncio.shield(self._inflight[key])
+        future = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            blobs = await asyncio.to_thread(self._pack_ranks, manifest, layout, [rank])
+            result = (blobs[0], "packed")
+            future.set_result(result)
+            return result
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # retrieved: no "never retrieved" warning when nobody else waits
+            raise
+        finally:
+            del self._inflight[key]
+
+    def _pack_ranks(self, manifest: pb.AdapterManifest, layout: pb.Layout, ranks: list[pb.ShardRank]) -> list[bytes]:
+        """Packs once, slices for each rank, caches each shard. Runs in a thread."""
+        t0 = time.perf_counter()
+        adapter = pack.load_adapter(self.registry.adapter_dir(manifest.digest), self.spec, self.cfg.limits)
+        if adapter.digest != manifest.digest:
+            raise StatusError(grpc.StatusCode.DATA_LOSS, f"stored files of adapter {manifest.name!r} no longer match digest {manifest.digest[:12]}: register it again")
+        full = pack.pack_full(adapter, layout)
+        blobs = []
+        for rank in ranks:
+            blob = pack.shard_blob(adapter, pack.shard(full, layout, rank), layout, rank)
+            try:
+                self.cache.put(pack.shard_key(manifest.digest, layout, rank), blob)
+            except StatusError as e:  # too large for the cache budget: still served, not kept
+                log.warning("shard of %s not cached: %s", manifest.name, e.message)
+            blobs.append(blob)
+        log.info("packed %s for layout %s, %d rank(s), %d bytes in %.2fs", manifest.name,
+                 layout_hash(layout)[:12], len(ranks), sum(map(len, blobs)), time.perf_counter() - t0)
+        return blobs
+
+    @grpc_errors
+    async def Prefetch(self, request, context):
+        self._require_admin(context)
+        results = []
+        for item in request.items:
+            results.extend(await self._prefetch_item(item))
+        return spb.PrefetchResponse(results=results)
+
+    async def _prefetch_item(self, item: spb.PrefetchItem) -> list[spb.PrefetchResult]:
+        ranks = list(item.ranks) or [
+            pb.ShardRank(tp_rank=t, ep_rank=e)
+            for t in range(item.layout.tp_size or 1) for e in range(item.layout.ep_size or 1)
+        ]
+        try:
+            manifest = self._check_fetch(item.name, "", item.layout)
+            todo = [r for r in ranks if not await asyncio.to_thread(self.cache.get, pack.shard_key(manifest.digest, item.layout, r))]
+            blobs = await asyncio.to_thread(self._pack_ranks, manifest, item.layout, todo) if todo else []
+        except StatusError as e:
+            return [spb.PrefetchResult(name=item.name, rank=r, ok=False, error=f"{e.code.name}: {e.message}") for r in ranks]
+        sizes = {(r.tp_rank, r.ep_rank): len(b) for r, b in zip(todo, blobs)}
+        return [
+            spb.PrefetchResult(name=item.name, rank=r, ok=True, bytes=sizes.get((r.tp_rank, r.ep_rank), 0),
+                               cache_tier="packed" if (r.tp_rank, r.ep_rank) in sizes else "cached")
+            for r in ranks
+        ]
+
+
+async def serve(cfg: StoreConfig) -> tuple[grpc.aio.Server, int]:
+    """Starts the store on cfg.listen (with the standard health service); returns (server, port)."""
+    server = grpc.aio.server()
+    spb_grpc.add_AdapterStoreServicer_to_server(AdapterStoreService(cfg), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(cfg.listen)
+    if port == 0:
+        raise RuntimeError(f"could not listen on {cfg.listen}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("adapter store listening on %s (data %s, redis %s)", cfg.listen, cfg.data_dir, cfg.redis_url or "off")
+    return server, port

@@ -1,0 +1,264 @@
+"""Every check an adapter passes before the store keeps it: one function each, one error type.
+
+Each failure raises loraserve.errors.StatusError with a message naming the file, tensor or
+field at fault: INVALID_ARGUMENT for a bad file, FAILED_PRECONDITION for an adapter made
+for another base model or above the server's maximum rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+
+from loraserve.errors import invalid, precondition
+
+from .base_model import BaseModelSpec
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILE = "adapter_model.bin"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+ALLOWED_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+PREFIX = "base_model.model."
+TENSOR_RE = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$")
+MAX_CONFIG_BYTES = 1 << 20
+# PEFT saves the frozen base weights of targeted embeddings/lm_head (save_embedding_layers);
+# they equal the base model's and are not served.
+SAVED_EMBEDDING_RE = re.compile(r"^base_model\.model\.(.*\.)?(embed_tokens|lm_head|wte|embed_in|embed_out)\.base_layer\.weight$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_rank: int = 256
+    max_adapter_bytes: int = 2 << 30
+    max_header_bytes: int = 16 << 20
+    max_tensors: int = 100_000
+    allow_pickle: bool = False
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    r: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    base_model: str
+    rank_pattern: dict = field(default_factory=dict)
+    alpha_pattern: dict = field(default_factory=dict)
+
+    def module_rank(self, module: str) -> int:
+        return int(_pattern_value(self.rank_pattern, module, self.r))
+
+    def module_scale(self, module: str) -> float:
+        """LoRA scaling: alpha / r, or alpha / sqrt(r) with rsLoRA (per-module patterns honoured)."""
+        r = self.module_rank(module)
+        alpha = float(_pattern_value(self.alpha_pattern, module, self.alpha))
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern matching: a key matches the module name or its suffix."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def check_name(name: str) -> None:
+    if not NAME_RE.match(name or ""):
+        raise invalid(
+            f"adapter name {name!r} is invalid: use 1-128 characters from A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit"
+        )
+
+
+def read_config(directory: Path) -> dict:
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise invalid(f"{CONFIG_FILE} is missing")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise invalid(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        cfg = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise invalid(f"{CONFIG_FILE} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise invalid(f"{CONFIG_FILE} must hold a JSON object")
+    return cfg
+
+
+def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraSettings:
+    """The config is a plain PEFT LoRA config this server can apply."""
+    if cfg.get("peft_type") != "LORA":
+        raise invalid(f"{CONFIG_FILE}: peft_type is {cfg.get('peft_type')!r}, only 'LORA' adapters are served")
+    _refuse_features(cfg)
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise invalid(f"{CONFIG_FILE}: r must be a positive integer, got {r!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+        raise invalid(f"{CONFIG_FILE}: lora_alpha must be a positive number, got {alpha!r}")
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    if not isinstance(rank_pattern, dict) or not isinstance(alpha_pattern, dict):
+        raise invalid(f"{CONFIG_FILE}: rank_pattern and alpha_pattern must be objects")
+    ranks = [r, *rank_pattern.values()]
+    if any(not isinstance(x, int) or x < 1 for x in ranks):
+        raise invalid(f"{CONFIG_FILE}: rank_pattern values must be positive integers")
+    if max(ranks) > limits.max_rank:
+        raise precondition(f"adapter rank {max(ranks)} is above this store's maximum rank {limits.max_rank}")
+    targets = cfg.get("target_modules") or ()
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    base = cfg.get("base_model_name_or_path") or ""
+    if spec is not None and base and not spec.matches(base):
+        raise precondition(f"adapter was made for base model {base!r}, this store serves {spec.name!r}")
+    return LoraSettings(r, float(alpha), bool(cfg.get("use_rslora")), targets, base, rank_pattern, alpha_pattern)
+
+
+def _refuse_features(cfg: dict) -> None:
+    if cfg.get("use_dora"):
+        raise invalid(f"{CONFIG_FILE}: DoRA adapters (use_dora: true) are not supported")
+    if cfg.get("modules_to_save"):
+        raise invalid(f"{CONFIG_FILE}: modules_to_save {cfg['modules_to_save']} is not supported: only LoRA A/B weights are served")
+    if cfg.get("bias", "none") != "none":
+        raise invalid(f"{CONFIG_FILE}: bias {cfg['bias']!r} is not supported (only 'none')")
+    for key in ("lora_bias", "layer_replication", "use_qalora", "alora_invocation_tokens"):
+        if cfg.get(key):
+            raise invalid(f"{CONFIG_FILE}: {key} is not supported")
+
+
+def check_weights_file(directory: Path, limits: Limits) -> Path:
+    """The weights file to read: safetensors, or pickled .bin only when explicitly allowed."""
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
+        if (directory / PICKLE_FILE).is_file():
+            if not limits.allow_pickle:
+                raise invalid(
+                    f"{PICKLE_FILE} holds pickled weights, refused by default; convert it to "
+                    f"{WEIGHTS_FILE} or start the store with --allow-pickle"
+                )
+            return directory / PICKLE_FILE
+        raise invalid(f"{WEIGHTS_FILE} is missing")
+    size = path.stat().st_size
+    if size > limits.max_adapter_bytes:
+        raise invalid(f"{WEIGHTS_FILE} is {size} bytes, above the limit of {limits.max_adapter_bytes} bytes")
+    return path
+
+
+def check_safetensors_header(data: bytes, limits: Limits) -> dict:
+    """Parses and checks a safetensors header before any tensor is built from the bytes."""
+    if len(data) < 8:
+        raise invalid(f"{WEIGHTS_FILE}: {len(data)} bytes is too short for a safetensors header")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > limits.max_header_bytes or 8 + n > len(data):
+        raise invalid(f"{WEIGHTS_FILE}: header length {n} exceeds the file ({len(data)} bytes) or the limit")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise invalid(f"{WEIGHTS_FILE}: header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise invalid(f"{WEIGHTS_FILE}: header must be a JSON object")
+    header.pop("__metadata__", None)
+    if len(header) > limits.max_tensors:
+        raise invalid(f"{WEIGHTS_FILE}: {len(header)} tensors, above the limit of {limits.max_tensors}")
+    _check_offsets(header, len(data) - 8 - n)
+    return header
+
+
+def _check_offsets(header: dict, data_bytes: int) -> None:
+    spans = []
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise invalid(f"{WEIGHTS_FILE}: tensor {name!r} has a malformed header entry")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in ALLOWED_DTYPES:
+            raise invalid(f"{WEIGHTS_FILE}: tensor {name!r} has dtype {dtype!r}; allowed: {sorted(ALLOWED_DTYPES)}")
+        if not isinstance(shape, list) or any(not isinstance(d, int) or d < 0 for d in shape):
+            raise invalid(f"{WEIGHTS_FILE}: tensor {name!r} has a malformed shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise invalid(f"{WEIGHTS_FILE}: tensor {name!r} has malformed data_offsets {offsets!r}")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_bytes:
+            raise invalid(f"{WEIGHTS_FILE}: tensor {name!r} data_offsets {offsets} fall outside the file's {data_bytes} data bytes")
+        if end - begin != math.prod(shape) * ALLOWED_DTYPES[dtype]:
+            raise invalid(f"{WEIGHTS_FILE}: tensor {name!r} spans {end - begin} bytes, its shape {shape} {dtype} needs {math.prod(shape) * ALLOWED_DTYPES[dtype]}")
+        spans.append((begin, end, name))
+    spans.sort()
+    for (_, end, name), (begin, _, other) in zip(spans, spans[1:]):
+        if begin < end:
+            raise invalid(f"{WEIGHTS_FILE}: tensors {name!r} and {other!r} overlap")
+
+
+def load_tensors(path: Path, limits: Limits) -> dict[str, torch.Tensor]:
+    if path.name == PICKLE_FILE:  # only reached with allow_pickle; still no arbitrary objects
+        try:
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
+            raise invalid(f"{PICKLE_FILE} could not be read: {e}") from None
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise invalid(f"{PICKLE_FILE} must hold a dict of tensors")
+        return tensors
+    data = path.read_bytes()
+    check_safetensors_header(data, limits)
+    try:
+        return st_load(data)
+    except Exception as e:  # noqa: BLE001
+        raise invalid(f"{WEIGHTS_FILE} could not be read: {e}") from None
+
+
+def group_modules(
+    tensors: dict[str, torch.Tensor], settings: LoraSettings, spec: BaseModelSpec | None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Maps every tensor to a module's (A, B) and checks the shapes against r and the base model.
+
+    Linear: A [r, in], B [out, r]. Embedding: A [r, vocab], B [dim, r] (PEFT's names).
+    """
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if SAVED_EMBEDDING_RE.match(name):
+            continue
+        m = TENSOR_RE.match(name)
+        if not m or not name.startswith(PREFIX):
+            raise invalid(f"tensor {name!r} is not a LoRA A/B weight of a known module")
+        parts.setdefault(m["module"][len(PREFIX) :], {})[m["part"]] = t
+    if not parts:
+        raise invalid(f"{WEIGHTS_FILE} holds no LoRA tensors")
+    modules = {}
+    for module, p in sorted(parts.items()):
+        a = p.get("lora_A.weight", p.get("lora_embedding_A"))
+        b = p.get("lora_B.weight", p.get("lora_embedding_B"))
+        if a is None or b is None or len(p) != 2:
+            raise invalid(f"module {module!r} needs exactly one lora_A and one lora_B tensor, has {sorted(p)}")
+        _check_shapes(module, a, b, settings.module_rank(module), spec)
+        modules[module] = (a, b)
+    return modules
+
+
+def _check_shapes(module: str, a: torch.Tensor, b: torch.Tensor, r: int, spec: BaseModelSpec | None) -> None:
+    if a.dim() != 2 or b.dim() != 2:
+        raise invalid(f"module {module!r}: lora_A and lora_B must be 2-D, got {list(a.shape)} and {list(b.shape)}")
+    if a.shape[0] != r or b.shape[1] != r:
+        raise invalid(f"module {module!r}: lora_A {list(a.shape)} / lora_B {list(b.shape)} disagree with r={r}")
+    if spec is None:
+        return
+    shape = spec.module_shape(module)
+    if shape is None:
+        raise invalid(f"module {module!r} does not exist in base model {spec.name!r}")
+    if (a.shape[1], b.shape[0]) != shape:
+        raise invalid(
+            f"module {module!r}: adapter maps {a.shape[1]} -> {b.shape[0]} features, "
+            f"base model {spec.name!r} has {shape[0]} -> {shape[1]}"
+        )
+
+
+def check_finite(modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for module, (a, b) in modules.items():
+        for part, t in (("lora_A", a), ("lora_B", b)):
+            if not torch.isfinite(t).all():
+                raise invalid(f"module {module!r}: {part} holds NaN or Inf values")

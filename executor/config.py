@@ -1,0 +1,65 @@
+"""The executor's one configuration object, built in one place (the CLI) and passed down.
+
+No module of the executor reads the environment: everything it may be told is a field here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ExecutorConfig:
+    # The base model: a .gguf file or a Hugging Face model directory.
+    model: str = ""
+    base_model: str = ""  # the name adapters must have been trained on; part of the layout
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1"
+    dtype: str = "float32"  # "float32" | "float16" | "bfloat16"
+    tp_size: int = 1
+
+    # LoRA slots and the CPU tier in front of them.
+    max_loras: int = 8  # GPU slots: adapters usable in one batch
+    max_rank: int = 64  # slot rank; larger adapters are refused by the store
+    max_cpu_adapters: int = 32  # packed shards kept in (pinned) host memory
+    slot_wait_timeout_s: float = 30.0  # how long a request waits for a slot when all are in use
+
+    # KV cache and batching.
+    num_blocks: int = 1024  # KV blocks of block_size tokens each
+    block_size: int = 16
+    max_num_seqs: int = 32  # sequences in one step
+    max_num_batched_tokens: int = 2048  # tokens (prefill + decode) in one step
+    max_model_len: int = 2048  # prompt + output tokens of one sequence
+
+    # Request limits and defaults.
+    default_max_tokens: int = 64
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+
+    # Services.
+    store_address: str = "localhost:50051"
+    listen_address: str = "0.0.0.0:50052"
+    admin_token: str | None = None  # None: admin RPCs are open
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
+        if self.num_blocks * self.block_size < self.max_model_len:
+            # One sequence of max_model_len tokens must fit alone, or it could never finish.
+            raise ValueError(
+                f"num_blocks * block_size = {self.num_blocks * self.block_size} tokens is less "
+                f"than max_model_len = {self.max_model_len}"
+            )
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

@@ -1,0 +1,178 @@
+"""Continuous batching: which tokens of which sequences run in the next forward step.
+
+Each step first serves the running sequences (one decode token each, or the next chunk of an
+unfinished prefill), then admits waiting ones (FCFS, chunked prefill) while the token budget
+(`max_num_batched_tokens`), the sequence budget (`max_num_seqs`) and the KV blocks last.
+When a running sequence needs a block and none is free, the most recently admitted running
+sequence is preempted: its blocks are freed and it goes back to the front of the waiting
+queue to be recomputed later (prompt + tokens generated so far). A sequence that cannot get
+a block even when it runs alone is failed rather than left to wait forever.
+
+The scheduler only decides; it never runs the model. The engine turns a `SchedulePlan`
+into input_ids / positions / attention metadata and reports sampled tokens back through
+`append_token`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kv_cache import BlockAllocator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    token_ids: list[int]  # prompt, then generated tokens
+    num_prompt_tokens: int
+    slot: int = -1  # LoRA slot of its adapter, -1 = base model
+    is_ready: Callable[[], bool] = lambda: True  # adapter copy finished (CUDA event)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    context_len: int  # tokens already in the cache = position of the first query token
+    num_tokens: int  # query tokens this step
+    needs_sample: bool  # the chunk reaches the end: sample the next token from its last row
+
+    @property
+    def query_token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.context_len : self.context_len + self.num_tokens]
+
+
+@dataclass
+class SchedulePlan:
+    seqs: list[ScheduledSeq]
+    failed: list[Sequence]  # cannot fit in the KV cache even alone: the engine fails them
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def append_token(self, seq: Sequence, token_id: int) -> None:
+        seq.token_ids.append(token_id)
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a finished, cancelled or failed sequence and frees its blocks. Idempotent."""
+        seq.finished = True
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+
+    def schedule(self) -> SchedulePlan:
+        plan = SchedulePlan(seqs=[], failed=[], preempted=[])
+        budget = self.max_num_batched_tokens
+        # 1. Running sequences, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            if n == 0:  # nothing new to compute (its sampled token was never appended)
+                i += 1
+                continue
+            while not self._grow(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:
+                    self.running.pop()
+                    self._free(seq)
+                    seq.finished = True
+                    plan.failed.append(seq)
+                    break
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            else:
+                plan.seqs.append(self._plan_one(seq, n))
+                budget -= n
+                i += 1
+        # 2. Admit waiting sequences (FCFS; an adapter still loading does not block others).
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if seq in plan.preempted or not seq.is_ready():
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                break  # out of blocks: admit later, when running sequences free some
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            plan.seqs.append(self._plan_one(seq, n))
+            budget -= n
+        if plan.seqs:
+            num_decode = sum(s.num_tokens == 1 for s in plan.seqs)
+            log.debug(
+                "step: %d seqs (%d prefill, %d decode), %d tokens, %d waiting, %d free blocks",
+                len(plan.seqs),
+                len(plan.seqs) - num_decode,
+                num_decode,
+                plan.num_tokens,
+                len(self.waiting),
+                self.allocator.num_free,
+            )
+        return plan
+
+    def _plan_one(self, seq: Sequence, n: int) -> ScheduledSeq:
+        context_len = seq.num_computed
+        seq.num_computed += n
+        return ScheduledSeq(seq, context_len, n, needs_sample=seq.num_computed == len(seq.token_ids))
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Makes seq's block table cover num_tokens tokens; False if the blocks are not there."""
+        needed = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if self.allocator.num_free < needed:
+            return False
+        seq.block_table.extend(self.allocator.allocate(needed))
+        return True
+
+    def _preempt(self, seq: Sequence, plan: SchedulePlan) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+        log.info("preempted seq %d (%d tokens) for lack of KV blocks", seq.seq_id, len(seq.token_ids))
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+            seq.block_table = []

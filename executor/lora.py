@@ -1,0 +1,233 @@
+"""LoRA-capable layers with per-slot weight buffers, the layout the executor declares, and shard loading.
+
+Every LoRA-capable module has the same surface: `create_lora_weights`, `set_lora`, `reset_lora`,
+`forward(x, lora_meta)`. Slot buffers hold up to `max_loras` adapters at once; each token picks its
+own slot through the step's LoraMeta (slot -1 = base model only). Slot buffers are zero beyond
+each adapter's rank, so the kernels compute over the full `max_rank` and stay exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraserve import kernels
+from loraserve.kernels import LoraMeta
+from loraserve.v1 import common_pb2
+
+from .model.config import ModelConfig
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    max_loras: int  # GPU slots
+    max_rank: int  # slot rank; adapters of lower rank are zero-padded
+    dtype: torch.dtype
+    targets_embeddings: bool = False  # also allocate slots for embed_tokens and lm_head (vocab-sized: costly)
+
+
+def _fit_error(slot_buf: torch.Tensor, src: torch.Tensor) -> str | None:
+    """Why src cannot be copied into slot_buf[:, :r, ...] (rank is dim 1 of every per-slot buffer)."""
+    if src.dim() != slot_buf.dim() or src.dtype != slot_buf.dtype:
+        return f"shard tensor {tuple(src.shape)} {src.dtype} vs slot {tuple(slot_buf.shape)} {slot_buf.dtype}"
+    want = (*slot_buf.shape[:1], src.shape[1], *slot_buf.shape[2:])
+    if src.shape[1] > slot_buf.shape[1] or tuple(src.shape) != want:
+        return f"shard tensor {tuple(src.shape)} does not fit slot {tuple(slot_buf.shape)} (rank is dim 1)"
+    return None
+
+
+def _copy_into_slot(slot_buf: torch.Tensor, src: torch.Tensor) -> None:
+    """slot_buf[:, :r] = src, slot_buf[:, r:] = 0. No reshape or cast. src must outlive the async copy."""
+    if (err := _fit_error(slot_buf, src)) is not None:
+        raise ValueError(err)
+    r = src.shape[1]
+    slot_buf[:, :r].copy_(src, non_blocking=True)
+    slot_buf[:, r:].zero_()
+
+
+class LinearWithLoRA(nn.Module):
+    """y = x @ W.T + b + per-token LoRA delta, for one or several output slices packed in W.
+
+    weight:  [N, in], N = sum(output_sizes) (q|k|v for QKV, gate|up for gate_up, one slice otherwise)
+    lora_a:  [max_loras, S, max_rank, in]
+    lora_b:  [max_loras, N, max_rank]  (scaling already folded in by the adapter store)
+    """
+
+    def __init__(self, in_features, output_sizes, bias, lora: LoraSpec | None, dtype, device):
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = tuple(output_sizes)
+        offsets = [0]
+        for n in self.output_sizes:
+            offsets.append(offsets[-1] + n)
+        self.slice_offsets = tuple(offsets)  # (0, n0, n0 + n1, ...)
+        n_out = offsets[-1]
+        self.weight = nn.Parameter(torch.empty(n_out, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(n_out, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+        self.lora_a: torch.Tensor | None = None
+        self.lora_b: torch.Tensor | None = None
+        if lora is not None:
+            self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
+
+    def create_lora_weights(self, max_loras: int, max_rank: int, dtype: torch.dtype | None = None) -> None:
+        dtype = dtype or self.weight.dtype
+        dev = self.weight.device
+        n_slices, n_out = len(self.output_sizes), self.slice_offsets[-1]
+        a = torch.zeros(max_loras, n_slices, max_rank, self.in_features, dtype=dtype, device=dev)
+        b = torch.zeros(max_loras, n_out, max_rank, dtype=dtype, device=dev)
+        self.register_buffer("lora_a", a, persistent=False)
+        self.register_buffer("lora_b", b, persistent=False)
+
+    def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        """lora_a: [S, r, in], lora_b: [N, r] (a shard's tensors, already in the slot dtype)."""
+        _copy_into_slot(self.lora_a[slot], lora_a)
+        _copy_into_slot(self.lora_b[slot], lora_b)
+
+    def reset_lora(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None = None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # [T, N]
+        if lora_meta is None or self.lora_a is None:
+            return y
+        buf = kernels.lora_shrink(x, self.lora_a, lora_meta)  # [S, T, max_rank] float32
+        return kernels.lora_expand(y, buf, self.lora_b, self.slice_offsets, lora_meta)
+
+
+class VocabEmbeddingWithLoRA(nn.Module):
+    """Token embedding with per-token LoRA: y = W[ids] + lora_a[slot, ids] @ lora_b[slot].T
+
+    weight:  [vocab, dim]
+    lora_a:  [max_loras, vocab, max_rank]   (PEFT's lora_embedding_A, transposed)
+    lora_b:  [max_loras, dim, max_rank]
+    """
+
+    def __init__(self, vocab_size, embed_dim, lora: LoraSpec | None, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, embed_dim, dtype=dtype, device=device), requires_grad=False)
+        self.slice_offsets = (0, embed_dim)
+        self.lora_a: torch.Tensor | None = None
+        self.lora_b: torch.Tensor | None = None
+        if lora is not None:
+            self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
+
+    def create_lora_weights(self, max_loras: int, max_rank: int, dtype: torch.dtype | None = None) -> None:
+        dtype = dtype or self.weight.dtype
+        vocab, dim = self.weight.shape
+        a = torch.zeros(max_loras, vocab, max_rank, dtype=dtype, device=self.weight.device)
+        b = torch.zeros(max_loras, dim, max_rank, dtype=dtype, device=self.weight.device)
+        self.register_buffer("lora_a", a, persistent=False)
+        self.register_buffer("lora_b", b, persistent=False)
+
+    def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        """lora_a: [vocab, r], lora_b: [dim, r]."""
+        _copy_into_slot(self.lora_a[slot], lora_a)
+        _copy_into_slot(self.lora_b[slot], lora_b)
+
+    def reset_lora(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def forward(self, ids: torch.Tensor, lora_meta: LoraMeta | None = None) -> torch.Tensor:
+        y = F.embedding(ids, self.weight)  # [T, dim]
+        if lora_meta is None or self.lora_a is None:
+            return y
+        buf = kernels.lora_embedding_shrink(ids, self.lora_a, lora_meta)  # [1, T, max_rank]
+        return kernels.lora_expand(y, buf, self.lora_b, self.slice_offsets, lora_meta)
+
+
+LORA_MODULE_TYPES = (LinearWithLoRA, VocabEmbeddingWithLoRA)
+
+
+def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules that have slot buffers, by their path in the model."""
+    return {
+        name: m for name, m in model.named_modules() if isinstance(m, LORA_MODULE_TYPES) and m.lora_a is not None
+    }
+
+
+def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str, tp_size: int = 1):
+    """The loraserve.v1.Layout of the slot buffers LlamaForCausalLM(cfg, spec) allocates.
+
+    Module names are the executor's; peft_modules are the PEFT names packed into each, in slice order.
+    """
+    c = model_cfg
+    K = common_pb2.ModuleKind
+    modules = []
+    if spec.targets_embeddings:
+        modules.append(
+            common_pb2.ModuleLayout(
+                name="model.embed_tokens", kind=K.EMBEDDING, input_size=c.vocab_size,
+                output_sizes=[c.hidden_size], peft_modules=["model.embed_tokens"],
+            )
+        )
+    for i in range(c.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        modules += [
+            common_pb2.ModuleLayout(
+                name=f"{attn}.qkv_proj", kind=K.QKV, input_size=c.hidden_size,
+                output_sizes=[c.q_size, c.kv_size, c.kv_size], head_size=c.head_dim,
+                peft_modules=[f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
+            ),
+            common_pb2.ModuleLayout(
+                name=f"{attn}.o_proj", kind=K.ROW, input_size=c.q_size,
+                output_sizes=[c.hidden_size], peft_modules=[f"{attn}.o_proj"],
+            ),
+            common_pb2.ModuleLayout(
+                name=f"{mlp}.gate_up_proj", kind=K.MERGED_COLUMN, input_size=c.hidden_size,
+                output_sizes=[c.intermediate_size, c.intermediate_size],
+                peft_modules=[f"{mlp}.gate_proj", f"{mlp}.up_proj"],
+            ),
+            common_pb2.ModuleLayout(
+                name=f"{mlp}.down_proj", kind=K.ROW, input_size=c.intermediate_size,
+                output_sizes=[c.hidden_size], peft_modules=[f"{mlp}.down_proj"],
+            ),
+        ]  # fmt: skip
+    if spec.targets_embeddings:
+        modules.append(
+            common_pb2.ModuleLayout(
+                name="lm_head", kind=K.LM_HEAD, input_size=c.hidden_size,
+                output_sizes=[c.vocab_size], peft_modules=["lm_head"],
+            )
+        )
+    return common_pb2.Layout(
+        modules=modules, tp_size=tp_size, fully_sharded=False, ep_size=1,
+        dtype=DTYPE_NAMES[spec.dtype], max_rank=spec.max_rank, base_model=base_model_name,
+    )  # fmt: skip
+
+
+def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+    """Copies one shard's tensors into `slot` of every LoRA module; modules absent from it are zeroed.
+
+    tensors: "<module>.lora_a" / "<module>.lora_b" as in docs/SHARD_FORMAT.md. Everything is checked
+    before any slot buffer is written, so a bad shard leaves the slot as it was.
+    """
+    modules = lora_modules(model)
+    known = {f"{name}.{part}" for name in modules for part in ("lora_a", "lora_b")}
+    unknown = sorted(set(tensors) - known)
+    if unknown:
+        raise ValueError(f"shard has tensors for no LoRA module of this model: {unknown[:8]}")
+    for name, module in modules.items():
+        a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
+        if (a is None) != (b is None):
+            raise ValueError(f"shard has only one of {name}.lora_a / {name}.lora_b")
+        if a is None:
+            continue
+        for part, src, buf in (("lora_a", a, module.lora_a[slot]), ("lora_b", b, module.lora_b[slot])):
+            if (err := _fit_error(buf, src)) is not None:
+                raise ValueError(f"{name}.{part}: {err}")
+        if a.shape[1] != b.shape[1]:
+            raise ValueError(f"{name}: lora_a rank {a.shape[1]} != lora_b rank {b.shape[1]}")
+    for name, module in modules.items():
+        if f"{name}.lora_a" in tensors:
+            module.set_lora(slot, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"])
+        else:
+            module.reset_lora(slot)

@@ -1,0 +1,182 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flattened batch and a paged KV cache.
+
+T = tokens of all sequences in the step (prefill chunks and decode tokens mixed), H = query heads,
+KVH = kv heads, D = head_dim. q/k/v and gate/up are fused; module paths are part of the LoRA layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraserve.kernels import LoraMeta
+
+from ..engine.kv_cache import AttentionMetadata, KVCache, paged_attention
+from ..lora import LinearWithLoRA, LoraSpec, VocabEmbeddingWithLoRA
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32 like transformers, cast back before the weight.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None, device=None) -> torch.Tensor:
+    """[D/2] float32 inverse frequencies of RoPE with cfg's scaling (transformers' rope init functions)."""
+    dim = cfg.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    scaling = cfg.rope_scaling or {}
+    rope_type = cfg.rope_type
+    base = cfg.rope_theta
+    if rope_type == "dynamic":
+        # NTK-aware: the base grows once the sequence passes max_position_embeddings.
+        max_pos = cfg.max_position_embeddings
+        seq_len = max(seq_len or max_pos, max_pos)
+        factor = scaling["factor"]
+        base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, short kept, the band between interpolated."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, device):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, device=device), persistent=False)  # [D/2]
+
+    def forward(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, D] in dtype (computed in float32, as transformers does)."""
+        inv_freq = self.inv_freq
+        if self.cfg.rope_type == "dynamic":  # depends on the step's longest sequence: a host sync
+            inv_freq = rope_inv_freq(self.cfg, int(positions.max()) + 1, device=positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos, sin [T, D]. Rotates the two halves of each head (transformers' layout)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = LinearWithLoRA(
+            cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.attention_bias, lora, dtype, device
+        )
+        self.o_proj = LinearWithLoRA(cfg.q_size, (cfg.hidden_size,), cfg.o_proj_bias, lora, dtype, device)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, cos, sin, attn: AttentionMetadata, k_cache, v_cache, lora_meta):
+        c = self.cfg
+        qkv = self.qkv_proj(x, lora_meta)  # [T, q + 2 * kv]
+        q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
+        q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)  # [T, H, D]
+        k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)  # [T, KVH, D]
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        o = paged_attention(q, k, v, k_cache, v_cache, attn, self.scale, c.sliding_window)  # [T, H, D]
+        return self.o_proj(o.reshape(-1, c.q_size), lora_meta)  # [T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = LinearWithLoRA(cfg.hidden_size, (i, i), cfg.mlp_bias, lora, dtype, device)
+        self.down_proj = LinearWithLoRA(i, (cfg.hidden_size,), cfg.mlp_bias, lora, dtype, device)
+
+    def forward(self, x, lora_meta):
+        gate, up = self.gate_up_proj(x, lora_meta).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up, lora_meta)  # [T, hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, lora, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, lora, dtype, device)
+
+    def forward(self, h, cos, sin, attn, k_cache, v_cache, lora_meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, k_cache, v_cache, lora_meta)
+        return h + self.mlp(self.post_attention_layernorm(h), lora_meta)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device):
+        super().__init__()
+        emb_lora = lora if lora is not None and lora.targets_embeddings else None
+        self.embed_tokens = VocabEmbeddingWithLoRA(cfg.vocab_size, cfg.hidden_size, emb_lora, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, lora, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding(cfg, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The base model with LoRA slot buffers. Weights start uninitialised: the loader fills them."""
+
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None = None, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.cfg, self.lora_spec, self.dtype = cfg, lora, dtype
+        self.model = LlamaModel(cfg, lora, dtype, device)
+        head_lora = lora if lora is not None and lora.targets_embeddings else None
+        self.lm_head = LinearWithLoRA(cfg.hidden_size, (cfg.vocab_size,), False, head_lora, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # LoRA slots stay separate
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] long
+        positions: torch.Tensor,  # [T] long
+        attn: AttentionMetadata,
+        kv: KVCache,
+        lora_meta: LoraMeta | None,
+    ) -> torch.Tensor:
+        """-> [T, hidden]: final-normed hidden states of every token of the step."""
+        h = self.model.embed_tokens(input_ids, lora_meta)  # [T, hidden]
+        cos, sin = self.model.rotary_emb(positions, h.dtype)  # [T, D]
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, attn, kv.k_cache[i], kv.v_cache[i], lora_meta)
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
+        """hidden [B, hidden] (rows picked from forward's output) -> [B, vocab] float32.
+
+        lora_meta describes the B rows (for lm_head LoRA); it is ignored when lm_head has no slots.
+        """
+        return self.lm_head(hidden, lora_meta).float()

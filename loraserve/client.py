@@ -1,0 +1,168 @@
+"""Small Python clients for both services (blocking), used by the CLI and by users' scripts.
+
+    store = StoreClient("127.0.0.1:50061", token=None)
+    store.register("pirate", "s3://bucket/adapters/pirate")
+    header, blob = store.fetch_shard("pirate", layout, tp_rank=1)
+
+    ex = ExecutorClient("127.0.0.1:50051")
+    print(ex.generate("Hello", adapter="pirate").text)
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import grpc
+
+from loraserve.errors import StatusError
+from loraserve.v1 import adapter_store_pb2 as spb
+from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
+from loraserve.v1 import common_pb2 as pb
+from loraserve.v1 import executor_pb2 as epb
+from loraserve.v1 import executor_pb2_grpc as epb_grpc
+
+
+class ShardAssembler:
+    """Puts a FetchShard stream back together: header, data chunks, then a checksum trailer."""
+
+    def __init__(self) -> None:
+        self.header: spb.ShardHeader | None = None
+        self._parts: list[bytes] = []
+        self._sha = hashlib.sha256()
+        self._size = 0
+        self.blob: bytes | None = None
+
+    def add(self, chunk: spb.ShardChunk) -> None:
+        part = chunk.WhichOneof("part")
+        if part == "header":
+            self.header = chunk.header
+        elif part == "data":
+            if self.header is None:
+                raise StatusError(grpc.StatusCode.DATA_LOSS, "shard stream sent data before its header")
+            self._parts.append(chunk.data)
+            self._sha.update(chunk.data)
+            self._size += len(chunk.data)
+        elif part == "trailer":
+            self._finish(chunk.trailer.sha256)
+
+    def _finish(self, sha256: str) -> None:
+        if self.header is None or self._size != self.header.total_bytes:
+            raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard stream ended after {self._size} bytes, header said {self.header and self.header.total_bytes}")
+        if self._sha.hexdigest() != sha256:
+            raise StatusError(grpc.StatusCode.DATA_LOSS, "shard checksum mismatch: the stream was corrupted")
+        self.blob = b"".join(self._parts)
+
+    def result(self) -> tuple[spb.ShardHeader, bytes]:
+        if self.blob is None:
+            raise StatusError(grpc.StatusCode.DATA_LOSS, "shard stream ended without its checksum trailer")
+        return self.header, self.blob
+
+
+def _metadata(token: str | None):
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def _raise(e: grpc.RpcError):
+    raise StatusError(e.code(), e.details()) from None
+
+
+class StoreClient:
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 300.0):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = spb_grpc.AdapterStoreStub(self.channel)
+        self.md = _metadata(token)
+        self.timeout_s = timeout_s
+
+    def _call(self, method, request, admin: bool = False):
+        try:
+            return method(request, metadata=self.md if admin else None, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            _raise(e)
+
+    def register(self, name: str, uri: str, revision: str = "") -> pb.AdapterManifest:
+        return self._call(self.stub.RegisterAdapter, spb.RegisterAdapterRequest(name=name, uri=uri, revision=revision), admin=True)
+
+    def get(self, name: str) -> pb.AdapterManifest:
+        return self._call(self.stub.GetAdapter, spb.GetAdapterRequest(name=name))
+
+    def list(self, page_size: int = 100) -> list[pb.AdapterManifest]:
+        out, token = [], ""
+        while True:
+            resp = self._call(self.stub.ListAdapters, spb.ListAdaptersRequest(page_size=page_size, page_token=token))
+            out.extend(resp.adapters)
+            token = resp.next_page_token
+            if not token:
+                return out
+
+    def delete(self, name: str) -> bool:
+        return self._call(self.stub.DeleteAdapter, spb.DeleteAdapterRequest(name=name), admin=True).deleted
+
+    def prefetch(self, items: list[spb.PrefetchItem]) -> list[spb.PrefetchResult]:
+        return list(self._call(self.stub.Prefetch, spb.PrefetchRequest(items=items), admin=True).results)
+
+    def fetch_shard(self, name: str, layout: pb.Layout, tp_rank: int = 0, ep_rank: int = 0, digest: str = "") -> tuple[spb.ShardHeader, bytes]:
+        req = spb.FetchShardRequest(name=name, layout=layout, rank=pb.ShardRank(tp_rank=tp_rank, ep_rank=ep_rank), digest=digest)
+        asm = ShardAssembler()
+        try:
+            for chunk in self.stub.FetchShard(req, timeout=self.timeout_s):
+                asm.add(chunk)
+        except grpc.RpcError as e:
+            _raise(e)
+        return asm.result()
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class ExecutorClient:
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 600.0):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = epb_grpc.ExecutorStub(self.channel)
+        self.md = _metadata(token)
+        self.timeout_s = timeout_s
+
+    def _call(self, method, request, admin: bool = False):
+        try:
+            return method(request, metadata=self.md if admin else None, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            _raise(e)
+
+    def generate(self, prompt: str = "", adapter: str = "", chat: bool = True, **sampling) -> epb.GenerateResponse:
+        return self._call(self.stub.Generate, make_request(prompt, adapter, chat, **sampling))
+
+    def generate_stream(self, prompt: str = "", adapter: str = "", chat: bool = True, **sampling):
+        try:
+            yield from self.stub.GenerateStream(make_request(prompt, adapter, chat, **sampling), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            _raise(e)
+
+    def load(self, name: str, into_slot: bool = True, pin: bool = False) -> epb.AdapterState:
+        return self._call(self.stub.LoadAdapter, epb.LoadAdapterRequest(name=name, into_slot=into_slot, pin=pin), admin=True)
+
+    def pin(self, name: str) -> epb.AdapterState:
+        return self._call(self.stub.PinAdapter, epb.AdapterRef(name=name), admin=True)
+
+    def unpin(self, name: str) -> epb.AdapterState:
+        return self._call(self.stub.UnpinAdapter, epb.AdapterRef(name=name), admin=True)
+
+    def evict(self, name: str) -> epb.AdapterState:
+        return self._call(self.stub.EvictAdapter, epb.AdapterRef(name=name), admin=True)
+
+    def list(self) -> list[epb.AdapterState]:
+        return list(self._call(self.stub.ListAdapters, epb.ListLoadedRequest()).adapters)
+
+    def info(self) -> epb.ServerInfo:
+        return self._call(self.stub.GetServerInfo, epb.ServerInfoRequest())
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def make_request(prompt: str, adapter: str = "", chat: bool = True, **sampling) -> epb.GenerateRequest:
+    """A GenerateRequest for one prompt: as a one-turn chat (default) or as raw text."""
+    req = epb.GenerateRequest(adapter=adapter, sampling=epb.SamplingParams(**sampling))
+    if chat:
+        req.chat.messages.add(role="user", content=prompt)
+    else:
+        req.prompt = prompt
+    return req

@@ -1,0 +1,235 @@
+"""Cache tiers against real parts: a disk directory and the Redis server at 127.0.0.1:6379."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+
+import grpc
+import pytest
+
+from loraserve.adapter_store.cache import CacheUnavailable, DiskCache, RedisCache, TieredCache
+from loraserve.errors import StatusError
+
+KIB = 1024
+
+
+def shard_key(n: int, rank: int = 0) -> str:
+    """A well-formed key: <adapter sha256>/<layout hash>/tp<rank>-ep0."""
+    digest = hashlib.sha256(f"adapter-{n}".encode()).hexdigest()
+    return f"{digest}/{'ab' * 8}/tp{rank}-ep0"
+
+
+def blob_of(n_bytes: int, seed: int = 0) -> bytes:
+    return hashlib.sha256(str(seed).encode()).digest() * (n_bytes // 32) + b"x" * (n_bytes % 32)
+
+
+# ---------------------------------------------------------------------------------------
+# Disk
+# ---------------------------------------------------------------------------------------
+
+
+def test_disk_put_get_roundtrip_leaves_no_temp_files(tmp_path):
+    cache = DiskCache(tmp_path, budget_bytes=1 << 20)
+    assert cache.get(shard_key(1)) is None
+    cache.put(shard_key(1), blob_of(10 * KIB))
+    assert cache.get(shard_key(1)) == blob_of(10 * KIB)
+    assert cache.total_bytes() == 10 * KIB
+    assert not list((tmp_path / ".tmp").iterdir())
+
+
+def test_disk_evicts_least_recently_used_over_budget(tmp_path):
+    cache = DiskCache(tmp_path, budget_bytes=30 * KIB)
+    for n in range(3):
+        cache.put(shard_key(n), blob_of(10 * KIB, n))
+    cache.get(shard_key(0))  # 0 is now newer than 1
+    cache.put(shard_key(3), blob_of(10 * KIB, 3))
+    assert cache.get(shard_key(1)) is None
+    assert all(cache.get(shard_key(n)) == blob_of(10 * KIB, n) for n in (0, 2, 3))
+    assert cache.total_bytes() == 30 * KIB
+
+
+def test_disk_blob_over_budget_is_resource_exhausted(tmp_path):
+    cache = DiskCache(tmp_path, budget_bytes=KIB)
+    with pytest.raises(StatusError) as excinfo:
+        cache.put(shard_key(1), blob_of(2 * KIB))
+    assert excinfo.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert shard_key(1) in excinfo.value.message and "budget of 1024 bytes" in excinfo.value.message
+
+
+def test_disk_index_and_lru_order_survive_restart(tmp_path):
+    cache = DiskCache(tmp_path, budget_bytes=30 * KIB)
+    for n in range(3):
+        cache.put(shard_key(n), blob_of(10 * KIB, n))
+        time.sleep(0.01)  # distinct mtimes
+    cache.get(shard_key(0))
+    (tmp_path / ".tmp" / "dead.tmp").write_bytes(b"half a write")
+
+    reopened = DiskCache(tmp_path, budget_bytes=30 * KIB)
+    assert reopened.total_bytes() == 30 * KIB
+    assert not list((tmp_path / ".tmp").iterdir())
+    reopened.put(shard_key(3), blob_of(10 * KIB, 3))
+    assert reopened.get(shard_key(1)) is None  # the oldest before the restart went first
+    assert reopened.get(shard_key(0)) == blob_of(10 * KIB, 0)
+
+
+def test_disk_corrupted_file_is_dropped(tmp_path, caplog):
+    cache = DiskCache(tmp_path, budget_bytes=1 << 20)
+    cache.put(shard_key(1), blob_of(4 * KIB))
+    path = tmp_path / f"{shard_key(1)}.shard"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="loraserve.adapter_store.cache"):
+        assert cache.get(shard_key(1)) is None
+    assert f"shard {shard_key(1)} in {path} failed its sha256 check" in caplog.text
+    assert not path.exists() and cache.total_bytes() == 0
+
+
+@pytest.mark.parametrize("key", ["../../etc/passwd", f"{'a' * 64}/../{'b' * 16}/tp0-ep0", "/abs/tp0-ep0",
+                                 shard_key(1) + "\n", shard_key(1).upper()])
+def test_disk_rejects_keys_that_could_escape_the_root(tmp_path, key):
+    cache = DiskCache(tmp_path, budget_bytes=1 << 20)
+    with pytest.raises(StatusError) as excinfo:
+        cache.put(key, b"x")
+    assert excinfo.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "is not of the form" in excinfo.value.message
+    assert sorted(os.listdir(tmp_path)) == [".tmp"]
+
+
+def test_disk_delete_prefix_removes_every_shard_of_a_digest(tmp_path):
+    cache = DiskCache(tmp_path, budget_bytes=1 << 20)
+    for rank in range(2):
+        cache.put(shard_key(1, rank), b"a" * 100)
+    cache.put(shard_key(2), b"b" * 100)
+    assert cache.delete_prefix(shard_key(1).split("/")[0]) == 2
+    assert cache.total_bytes() == 100 and cache.get(shard_key(2)) == b"b" * 100
+    assert sorted(os.listdir(tmp_path)) == sorted([".tmp", shard_key(2).split("/")[0]])
+
+
+# ---------------------------------------------------------------------------------------
+# Redis
+# ---------------------------------------------------------------------------------------
+
+
+def redis_cache(target, budget_bytes: int = 1 << 20, chunk_bytes: int = 4 * KIB) -> RedisCache:
+    return RedisCache(target.url, target.prefix, budget_bytes=budget_bytes, chunk_bytes=chunk_bytes)
+
+
+def test_redis_roundtrip_in_chunks(redis_url):
+    import redis
+
+    cache = redis_cache(redis_url)
+    blob = blob_of(10 * KIB + 5)  # 3 chunks of 4 KiB
+    cache.put(shard_key(1), blob)
+    assert cache.get(shard_key(1)) == blob
+    assert cache.total_bytes() == len(blob)
+    chunk_keys = list(redis.Redis.from_url(redis_url.url).scan_iter(match=f"{redis_url.prefix}:shard:*:c*"))
+    assert len(chunk_keys) == 3
+    cache.put(shard_key(1), b"short")  # fewer chunks: the extra ones go
+    assert cache.get(shard_key(1)) == b"short" and cache.total_bytes() == 5
+    assert len(list(redis.Redis.from_url(redis_url.url).scan_iter(match=f"{redis_url.prefix}:shard:*:c*"))) == 1
+
+
+def test_redis_get_reads_all_chunks_in_one_pipeline(redis_url):
+    import redis
+
+    cache = redis_cache(redis_url)
+    cache.put(shard_key(1), blob_of(40 * KIB))  # 10 chunks
+    server = redis.Redis.from_url(redis_url.url)
+    calls_before = server.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+    assert cache.get(shard_key(1)) == blob_of(40 * KIB)
+    calls = server.info("commandstats")["cmdstat_get"]["calls"] - calls_before
+    assert calls >= 10  # every chunk fetched (one pipelined round trip; other tests may add GETs)
+
+
+def test_redis_evicts_least_recently_used_over_budget(redis_url):
+    cache = redis_cache(redis_url, budget_bytes=30 * KIB)
+    for n in range(3):
+        cache.put(shard_key(n), blob_of(10 * KIB, n))
+        time.sleep(0.002)  # distinct access times in ms
+    cache.get(shard_key(0))
+    cache.put(shard_key(3), blob_of(10 * KIB, 3))
+    assert cache.get(shard_key(1)) is None
+    assert all(cache.get(shard_key(n)) == blob_of(10 * KIB, n) for n in (0, 2, 3))
+    assert cache.total_bytes() == 30 * KIB
+    with pytest.raises(StatusError) as excinfo:
+        cache.put(shard_key(4), blob_of(31 * KIB))
+    assert excinfo.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "redis" in excinfo.value.message
+
+
+def test_redis_corrupted_chunk_is_dropped(redis_url, caplog):
+    import redis
+
+    cache = redis_cache(redis_url)
+    cache.put(shard_key(1), blob_of(10 * KIB))
+    redis.Redis.from_url(redis_url.url).set(f"{redis_url.prefix}:shard:{shard_key(1)}:c1", b"\0" * 4 * KIB)
+    with caplog.at_level(logging.WARNING, logger="loraserve.adapter_store.cache"):
+        assert cache.get(shard_key(1)) is None
+    assert f"shard {shard_key(1)}" in caplog.text and "failed its sha256 check" in caplog.text
+    assert cache.total_bytes() == 0
+    assert not list(redis.Redis.from_url(redis_url.url).scan_iter(match=f"{redis_url.prefix}:shard:*"))
+
+
+def test_redis_delete_prefix(redis_url):
+    cache = redis_cache(redis_url)
+    for rank in range(3):
+        cache.put(shard_key(1, rank), b"a" * 100)
+    cache.put(shard_key(2), b"b" * 100)
+    assert cache.delete_prefix(shard_key(1).split("/")[0]) == 3
+    assert cache.total_bytes() == 100 and cache.get(shard_key(2)) == b"b" * 100
+
+
+def test_redis_down_raises_cache_unavailable(closed_port):
+    cache = RedisCache(f"redis://:secret@127.0.0.1:{closed_port}/0", "p", budget_bytes=1 << 20)
+    with pytest.raises(CacheUnavailable, match=f"redis at redis://:\\*\\*\\*@127.0.0.1:{closed_port}/0 unavailable"):
+        cache.get(shard_key(1))
+
+
+# ---------------------------------------------------------------------------------------
+# Tiered
+# ---------------------------------------------------------------------------------------
+
+
+def test_tiered_hit_in_lower_tier_backfills_upper(redis_url, tmp_path):
+    redis_tier, disk_tier = redis_cache(redis_url), DiskCache(tmp_path, 1 << 20)
+    disk_tier.put(shard_key(1), b"shard bytes")
+    cache = TieredCache([redis_tier, disk_tier])
+    assert cache.get(shard_key(1)) == (b"shard bytes", "disk")
+    assert redis_tier.get(shard_key(1)) == b"shard bytes"
+    assert cache.get(shard_key(1)) == (b"shard bytes", "redis")
+    assert cache.get(shard_key(2)) is None
+
+
+def test_tiered_put_and_delete_reach_every_tier(redis_url, tmp_path):
+    redis_tier, disk_tier = redis_cache(redis_url), DiskCache(tmp_path, 1 << 20)
+    cache = TieredCache([redis_tier, disk_tier])
+    cache.put(shard_key(1), b"abc")
+    assert redis_tier.get(shard_key(1)) == disk_tier.get(shard_key(1)) == b"abc"
+    assert cache.delete_prefix(shard_key(1)[:64]) == 2
+    assert cache.get(shard_key(1)) is None
+
+
+def test_tiered_redis_down_serves_from_disk_and_warns_once(tmp_path, closed_port, caplog):
+    disk_tier = DiskCache(tmp_path, 1 << 20)
+    cache = TieredCache([RedisCache(f"redis://127.0.0.1:{closed_port}/0", "p", 1 << 20), disk_tier], retry_after_s=0)
+    with caplog.at_level(logging.INFO, logger="loraserve.adapter_store.cache"):
+        cache.put(shard_key(1), b"abc")
+        for _ in range(3):
+            assert cache.get(shard_key(1)) == (b"abc", "disk")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "redis unavailable (redis at" in warnings[0].getMessage()
+    assert warnings[0].getMessage().endswith("; serving from disk")
+    assert "available again" not in caplog.text
+
+
+def test_tiered_put_too_big_for_every_tier_is_exhausted(tmp_path):
+    cache = TieredCache([DiskCache(tmp_path / "a", 100), DiskCache(tmp_path / "b", 1000)])
+    cache.put(shard_key(1), b"x" * 500)  # fits the second tier only
+    assert cache.get(shard_key(1)) == (b"x" * 500, "disk")
+    with pytest.raises(StatusError) as excinfo:
+        cache.put(shard_key(2), b"x" * 5000)
+    assert excinfo.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

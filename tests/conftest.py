@@ -1,0 +1,149 @@
+"""Shared fixtures. One section per kind of real part a test needs; heavy imports stay lazy."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+# ---------------------------------------------------------------------------------------
+# Network
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A loopback port nothing listens on: an endpoint that refuses connections."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------
+# Redis: the real server CI starts at 127.0.0.1:6379
+# ---------------------------------------------------------------------------------------
+
+REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    url: str
+    prefix: str  # unique per test; every key under it is deleted afterwards
+
+
+@pytest.fixture
+def redis_url():
+    try:
+        socket.create_connection((REDIS_HOST, REDIS_PORT), timeout=0.5).close()
+    except OSError as exc:
+        pytest.skip(f"no Redis server at {REDIS_HOST}:{REDIS_PORT} ({exc}); CI starts one")
+    import redis
+
+    target = RedisTarget(f"redis://{REDIS_HOST}:{REDIS_PORT}/0", f"loraserve-test:{uuid.uuid4().hex}")
+    yield target
+    client = redis.Redis.from_url(target.url)
+    keys = list(client.scan_iter(match=f"{target.prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+# ---------------------------------------------------------------------------------------
+# S3: moto's real HTTP server on loopback
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """The endpoint URL of a moto S3 server; dummy AWS credentials set for boto3 meanwhile."""
+    from moto.server import ThreadedMotoServer
+
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        mp.delenv("AWS_PROFILE", raising=False)
+        mp.setenv("AWS_CONFIG_FILE", os.devnull)  # no profile on this machine can interfere
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+        server.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# Models: a tiny random Llama and real PEFT LoRA adapters for it
+# ---------------------------------------------------------------------------------------
+
+TINY_LLAMA = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_model():
+    """A random LlamaForCausalLM (hidden 64, 2 layers, 4 heads, 2 kv heads, vocab 128), fp32."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_llama_model, tmp_path_factory) -> Path:
+    """The base model saved as config.json + model.safetensors."""
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama_model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture
+def peft_adapter(tiny_llama_model, tmp_path_factory):
+    """Factory: make_adapter(r=8, lora_alpha=16, ...) -> directory of a saved PEFT LoRA adapter.
+
+    lora_B is re-initialised to non-zero values (PEFT starts it at zero, which would make
+    every adapter a no-op and hide bugs).
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    def make_adapter(
+        r: int = 8,
+        lora_alpha: int = 16,
+        target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+        use_rslora: bool = False,
+        seed: int = 0,
+        safe_serialization: bool = True,  # False writes a pickled adapter_model.bin
+    ) -> Path:
+        torch.manual_seed(seed)
+        config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules),
+                            use_rslora=use_rslora, lora_dropout=0.0)
+        with warnings.catch_warnings():  # transformers' deprecation notes about its own internals
+            warnings.simplefilter("ignore", FutureWarning)
+            model = get_peft_model(copy.deepcopy(tiny_llama_model), config)
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        directory = tmp_path_factory.mktemp(f"adapter-r{r}-seed{seed}")
+        model.save_pretrained(directory, safe_serialization=safe_serialization)
+        return directory
+
+    return make_adapter

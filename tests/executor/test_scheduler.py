@@ -1,0 +1,164 @@
+"""Continuous batching decisions, with the real BlockAllocator and no model."""
+
+from __future__ import annotations
+
+import itertools
+
+from loraserve.executor.engine.kv_cache import BlockAllocator
+from loraserve.executor.engine.scheduler import Scheduler, Sequence
+
+BLOCK = 4
+_ids = itertools.count()
+
+
+def _seq(prompt_len: int, ready: bool = True) -> Sequence:
+    return Sequence(next(_ids), list(range(1, prompt_len + 1)), prompt_len, is_ready=lambda: ready)
+
+
+def _scheduler(num_blocks=64, max_num_seqs=8, max_tokens=32) -> Scheduler:
+    return Scheduler(BlockAllocator(num_blocks), BLOCK, max_num_seqs, max_tokens)
+
+
+def _step(sched: Scheduler, next_token: int = 7):
+    """One schedule + the engine's part: append a sampled token to every sequence that needs one."""
+    plan = sched.schedule()
+    for s in plan.seqs:
+        if s.needs_sample:
+            sched.append_token(s.seq, next_token)
+    return plan
+
+
+def test_prefill_then_decode_mixes_in_one_step():
+    sched = _scheduler()
+    a = _seq(5)
+    sched.add(a)
+    plan = _step(sched)
+    assert [(s.seq, s.context_len, s.num_tokens, s.needs_sample) for s in plan.seqs] == [(a, 0, 5, True)]
+    b = _seq(6)
+    sched.add(b)
+    plan = _step(sched)
+    # a decodes its sampled token at position 5 while b prefills.
+    assert [(s.seq, s.context_len, s.num_tokens) for s in plan.seqs] == [(a, 5, 1), (b, 0, 6)]
+    assert plan.seqs[0].query_token_ids == [7]
+    assert len(a.block_table) == 2 and len(b.block_table) == 2
+
+
+def test_token_budget_chunks_a_long_prefill():
+    sched = _scheduler(max_tokens=8)
+    a = _seq(20)
+    sched.add(a)
+    chunks = []
+    while not (plan := _step(sched)).seqs[0].needs_sample:
+        chunks.append((plan.seqs[0].context_len, plan.seqs[0].num_tokens))
+    chunks.append((plan.seqs[0].context_len, plan.seqs[0].num_tokens))
+    assert chunks == [(0, 8), (8, 8), (16, 4)]
+    # A decode token and a new prefill share the next 8-token budget.
+    b = _seq(10)
+    sched.add(b)
+    plan = _step(sched)
+    assert [(s.seq, s.num_tokens, s.needs_sample) for s in plan.seqs] == [(a, 1, True), (b, 7, False)]
+    assert plan.num_tokens == 8
+
+
+def test_sequence_budget_defers_admission():
+    sched = _scheduler(max_num_seqs=2)
+    seqs = [_seq(3) for _ in range(3)]
+    for s in seqs:
+        sched.add(s)
+    plan = _step(sched)
+    assert [s.seq for s in plan.seqs] == seqs[:2]
+    assert list(sched.waiting) == seqs[2:]
+    sched.finish(seqs[0])
+    plan = _step(sched)
+    assert [s.seq for s in plan.seqs] == [seqs[1], seqs[2]]
+
+
+def test_not_ready_adapter_does_not_block_others():
+    sched = _scheduler()
+    loading, ready = _seq(3, ready=False), _seq(3)
+    sched.add(loading)
+    sched.add(ready)
+    plan = _step(sched)
+    assert [s.seq for s in plan.seqs] == [ready]
+    assert list(sched.waiting) == [loading]
+
+
+def test_finish_frees_blocks_and_is_idempotent():
+    sched = _scheduler(num_blocks=10)
+    a, b = _seq(9), _seq(3)
+    sched.add(a)
+    sched.add(b)
+    _step(sched)
+    assert sched.allocator.num_free == 10 - 3 - 1
+    sched.finish(a)
+    sched.finish(a)
+    assert sched.allocator.num_free == 10 - 1 and a.block_table == [] and a.finished
+    sched.finish(b)  # cancelled
+    assert sched.allocator.num_free == 10 and not sched.has_work()
+    # A waiting sequence that never ran can be cancelled too.
+    c = _seq(3)
+    sched.add(c)
+    sched.finish(c)
+    assert not sched.has_work()
+
+
+def test_short_blocks_defer_admission_until_blocks_free():
+    sched = _scheduler(num_blocks=3)
+    a, b = _seq(8), _seq(8)  # two blocks each
+    sched.add(a)
+    sched.add(b)
+    plan = _step(sched)
+    assert [s.seq for s in plan.seqs] == [a]
+    assert list(sched.waiting) == [b]
+    sched.finish(a)
+    plan = _step(sched)
+    assert [s.seq for s in plan.seqs] == [b]
+
+
+def test_no_deadlock_when_blocks_run_out_during_decode():
+    """Every sequence finishes although together they need far more blocks than exist."""
+    num_blocks, output_len = 6, 12
+    sched = _scheduler(num_blocks=num_blocks, max_num_seqs=4)
+    seqs = [_seq(6) for _ in range(4)]  # 18 tokens each at the end = 5 blocks each
+    for s in seqs:
+        sched.add(s)
+    preempted, steps = 0, 0
+    while sched.has_work():
+        steps += 1
+        assert steps < 500, "scheduler made no progress"
+        plan = _step(sched)
+        assert plan.failed == []
+        preempted += len(plan.preempted)
+        used = sum(len(s.block_table) for s in seqs)
+        assert used + sched.allocator.num_free == num_blocks
+        for s in plan.seqs:
+            if s.needs_sample and s.seq.num_output_tokens >= output_len:
+                sched.finish(s.seq)
+    assert preempted > 0
+    assert all(s.num_output_tokens == output_len for s in seqs)
+    assert sched.allocator.num_free == num_blocks
+
+
+def test_preempted_sequence_recomputes_prompt_and_output():
+    sched = _scheduler(num_blocks=2, max_num_seqs=2)
+    a, b = _seq(4), _seq(4)  # one block each; each decode needs a second block
+    sched.add(a)
+    sched.add(b)
+    _step(sched)
+    plan = _step(sched)  # a grows into the last free block... b cannot: b is preempted
+    assert [s.seq for s in plan.seqs] == [a] and plan.preempted == [b]
+    assert b.num_computed == 0 and b.block_table == [] and sched.waiting[0] is b
+    sched.finish(a)
+    plan = _step(sched)
+    # b recomputes its prompt and its one generated token, then samples its next token.
+    assert [(s.seq, s.context_len, s.num_tokens, s.needs_sample) for s in plan.seqs] == [(b, 0, 5, True)]
+
+
+def test_sequence_that_cannot_fit_alone_fails_instead_of_waiting():
+    sched = _scheduler(num_blocks=1)
+    a = _seq(4)
+    sched.add(a)
+    _step(sched)
+    plan = _step(sched)  # its 5th token needs a second block that does not exist
+    assert plan.failed == [a] and plan.seqs == []
+    assert sched.allocator.num_free == 1 and not sched.has_work()

@@ -1,0 +1,285 @@
+"""The slot manager's state machine: a real fetch over in-memory shards, slot copies into a dict."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from loraserve.errors import StatusError, not_found, unavailable
+from loraserve.executor.slots import SlotManager
+
+NAMES = [f"adapter-{i}" for i in range(5)]
+
+
+class Store:
+    """An adapter store in memory: counts fetches, can be taken down, can be slowed."""
+
+    def __init__(self, names=NAMES):
+        self.shards = {n: {"layer.lora_a": torch.full((1, 2, 4), float(i + 1))} for i, n in enumerate(names)}
+        self.fetches: dict[str, int] = {}
+        self.down = False
+        self.gate: asyncio.Event | None = None  # when set: fetches wait for it
+
+    async def fetch(self, name: str):
+        self.fetches[name] = self.fetches.get(name, 0) + 1
+        if self.gate is not None:
+            await self.gate.wait()
+        await asyncio.sleep(0)
+        if self.down:
+            raise unavailable("adapter store at localhost:1 is unreachable")
+        if name not in self.shards:
+            raise not_found(f"adapter {name!r} is not registered")
+        tensors = self.shards[name]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return f"sha256:{name}", 8, tensors, nbytes
+
+
+class Slots:
+    """The model's slot buffers, reduced to a dict: slot -> name of the adapter whose tensors it holds."""
+
+    def __init__(self, store: Store):
+        self.by_value = {float(t["layer.lora_a"][0, 0, 0]): n for n, t in store.shards.items()}
+        self.content: dict[int, str | None] = {}
+        self.writes: list[tuple[int, str]] = []
+
+    def copy(self, slot, tensors):
+        name = self.by_value[float(tensors["layer.lora_a"][0, 0, 0])]
+        self.content[slot] = name
+        self.writes.append((slot, name))
+
+    def clear(self, slot):
+        self.content[slot] = None
+
+
+def _manager(store, slots, max_loras=2, max_cpu_adapters=8, timeout_s=5.0) -> SlotManager:
+    return SlotManager(
+        store.fetch,
+        slots.copy,
+        slots.clear,
+        max_loras=max_loras,
+        max_cpu_adapters=max_cpu_adapters,
+        device=torch.device("cpu"),
+        slot_wait_timeout_s=timeout_s,
+    )
+
+
+@pytest.fixture
+def store():
+    return Store()
+
+
+@pytest.fixture
+def slots(store):
+    return Slots(store)
+
+
+def _status(info, code: grpc.StatusCode, message: str):
+    assert info.value.code == code
+    assert info.value.message == message
+
+
+async def test_five_adapters_in_turn_through_two_slots(store, slots):
+    mgr = _manager(store, slots)
+    for round_ in range(2):
+        for name in NAMES:
+            lease = await mgr.acquire(name)
+            assert slots.content[lease.slot] == name and lease.digest == f"sha256:{name}" and lease.is_ready()
+            mgr.release(lease)
+    # Each adapter was fetched once (the CPU cache holds all five) but copied into a slot each time.
+    assert store.fetches == {n: 1 for n in NAMES}
+    assert len(slots.writes) == 10
+    in_slots = [s for s in mgr.states() if s.slot >= 0]
+    assert sorted(s.name for s in in_slots) == NAMES[3:]  # the two most recently used
+    assert all(s.in_cpu_cache and s.in_use == 0 and not s.loading for s in mgr.states())
+
+
+async def test_five_adapters_concurrently_wait_for_slots_and_never_overwrite_in_use(store, slots):
+    mgr = _manager(store, slots)
+
+    async def request(name):
+        lease = await mgr.acquire(name)
+        for _ in range(3):  # a few "forward steps": the slot must still hold this adapter
+            assert slots.content[lease.slot] == name
+            await asyncio.sleep(0.001)
+        mgr.release(lease)
+        return name
+
+    done = await asyncio.gather(*(request(n) for n in NAMES * 3))
+    assert sorted(done) == sorted(NAMES * 3)
+    assert sum(s.in_use for s in mgr.states()) == 0
+
+
+async def test_lru_slot_is_evicted_first(store, slots):
+    mgr = _manager(store, slots)
+    for name in ["adapter-0", "adapter-1", "adapter-0"]:  # adapter-1 is now least recently used
+        mgr.release(await mgr.acquire(name))
+    lease = await mgr.acquire("adapter-2")
+    assert {s.name: s.slot for s in mgr.states()}["adapter-1"] == -1
+    assert slots.content[lease.slot] == "adapter-2"
+
+
+async def test_pinned_adapter_is_never_evicted(store, slots):
+    mgr = _manager(store, slots)
+    state = await mgr.pin("adapter-0")
+    assert state.pinned and state.slot >= 0
+    for name in NAMES[1:]:
+        mgr.release(await mgr.acquire(name))
+    assert mgr.state("adapter-0").slot == state.slot
+    assert slots.content[state.slot] == "adapter-0"
+    assert slots.writes.count((state.slot, "adapter-0")) == 1
+    with pytest.raises(StatusError) as info:
+        await mgr.evict("adapter-0")
+    _status(info, grpc.StatusCode.FAILED_PRECONDITION, "adapter 'adapter-0' is pinned; unpin it first")
+    mgr.unpin("adapter-0")
+    assert (await mgr.evict("adapter-0")).slot == -1
+    assert slots.content[state.slot] is None
+    assert "adapter-0" not in [s.name for s in mgr.states()]
+
+
+async def test_all_slots_pinned_is_resource_exhausted(store, slots):
+    mgr = _manager(store, slots)
+    await mgr.pin("adapter-0")
+    await mgr.pin("adapter-1")
+    with pytest.raises(StatusError) as info:
+        await mgr.acquire("adapter-2")
+    _status(info, grpc.StatusCode.RESOURCE_EXHAUSTED, "all 2 slots are pinned; unpin an adapter to load 'adapter-2'")
+    # Nothing of adapter-2 is in a slot, nobody uses it; it stays fetched in the CPU cache.
+    state = mgr.state("adapter-2")
+    assert state.slot == -1 and state.in_use == 0 and not state.loading and state.in_cpu_cache
+
+
+async def test_all_slots_in_use_waits_then_times_out(store, slots):
+    mgr = _manager(store, slots, timeout_s=0.2)
+    held = [await mgr.acquire("adapter-0"), await mgr.acquire("adapter-1")]
+    with pytest.raises(StatusError) as info:
+        await mgr.acquire("adapter-2")
+    _status(
+        info,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "no free slot for adapter 'adapter-2': all 2 slots are pinned or in use by running requests (waited 0.2s)",
+    )
+    # A waiter gets the slot as soon as a running request releases it.
+    mgr.slot_wait_timeout_s = 5.0
+    waiter = asyncio.create_task(mgr.acquire("adapter-2"))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    mgr.release(held[0])
+    lease = await asyncio.wait_for(waiter, 1.0)
+    assert lease.slot == held[0].slot and slots.content[lease.slot] == "adapter-2"
+    assert slots.content[held[1].slot] == "adapter-1"
+
+
+async def test_evict_in_use_is_failed_precondition(store, slots):
+    mgr = _manager(store, slots)
+    a, b = await mgr.acquire("adapter-0"), await mgr.acquire("adapter-0")
+    with pytest.raises(StatusError) as info:
+        await mgr.evict("adapter-0")
+    _status(info, grpc.StatusCode.FAILED_PRECONDITION, "adapter 'adapter-0' is in use by 2 running requests")
+    mgr.release(a)
+    mgr.release(b)
+    mgr.release(b)  # a second release of one lease is a no-op
+    assert (await mgr.evict("adapter-0")).in_cpu_cache is False
+    assert mgr.states() == []
+
+
+async def test_unknown_adapter_is_not_found(store, slots):
+    mgr = _manager(store, slots)
+    with pytest.raises(StatusError) as info:
+        await mgr.evict("nope")
+    _status(info, grpc.StatusCode.NOT_FOUND, "adapter 'nope' is not loaded on this executor")
+    with pytest.raises(StatusError) as info:
+        mgr.unpin("nope")
+    _status(info, grpc.StatusCode.NOT_FOUND, "adapter 'nope' is not loaded on this executor")
+    with pytest.raises(StatusError) as info:
+        await mgr.acquire("nope")
+    _status(info, grpc.StatusCode.NOT_FOUND, "adapter 'nope' is not registered")  # the store's error
+    assert mgr.states() == []
+
+
+async def test_concurrent_acquires_share_one_fetch_and_one_copy(store, slots):
+    mgr = _manager(store, slots)
+    store.gate = asyncio.Event()
+    tasks = [asyncio.create_task(mgr.acquire("adapter-0")) for _ in range(10)]
+    await asyncio.sleep(0.01)
+    (state,) = mgr.states()
+    assert state.loading and state.slot == -1
+    store.gate.set()
+    leases = await asyncio.gather(*tasks)
+    assert store.fetches == {"adapter-0": 1}
+    assert slots.writes == [(leases[0].slot, "adapter-0")]
+    assert {lease.slot for lease in leases} == {leases[0].slot}
+    assert mgr.state("adapter-0").in_use == 10
+
+
+async def test_failed_fetch_leaves_nothing_and_every_waiter_gets_the_error(store, slots):
+    mgr = _manager(store, slots)
+    store.down = True
+    store.gate = asyncio.Event()
+    tasks = [asyncio.create_task(mgr.acquire("adapter-0")) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    store.gate.set()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for exc in results:
+        assert isinstance(exc, StatusError) and exc.code == grpc.StatusCode.UNAVAILABLE
+        assert exc.message == "adapter store at localhost:1 is unreachable"
+    assert store.fetches == {"adapter-0": 1}
+    assert mgr.states() == [] and slots.writes == []
+    # The store comes back: the next acquire retries and succeeds.
+    store.down, store.gate = False, None
+    lease = await mgr.acquire("adapter-0")
+    assert slots.content[lease.slot] == "adapter-0" and store.fetches == {"adapter-0": 2}
+
+
+async def test_store_down_still_serves_adapters_in_slots_and_cpu_cache(store, slots):
+    mgr = _manager(store, slots)
+    for name in NAMES[:3]:  # adapter-0 ends up in the CPU cache only, 1 and 2 in slots
+        mgr.release(await mgr.acquire(name))
+    assert mgr.state("adapter-0").slot == -1
+    store.down = True
+    for name in NAMES[:3]:
+        lease = await mgr.acquire(name)
+        assert slots.content[lease.slot] == name
+        mgr.release(lease)
+    with pytest.raises(StatusError) as info:
+        await mgr.acquire("adapter-3")
+    _status(info, grpc.StatusCode.UNAVAILABLE, "adapter store at localhost:1 is unreachable")
+    assert store.fetches == {n: 1 for n in NAMES[:3]} | {"adapter-3": 1}
+
+
+async def test_cpu_cache_is_lru_bounded_and_keeps_slotted_adapters(store, slots):
+    mgr = _manager(store, slots, max_cpu_adapters=2)
+    for name in NAMES:
+        mgr.release(await mgr.acquire(name))
+    states = {s.name: s for s in mgr.states()}
+    # adapter-0..2 are in no tier any more: forgotten. 3 and 4 are in slots and in the CPU cache.
+    assert sorted(states) == NAMES[3:]
+    assert all(s.in_cpu_cache and s.slot >= 0 for s in states.values())
+    mgr.release(await mgr.acquire("adapter-0"))  # refetched
+    assert store.fetches["adapter-0"] == 2
+
+
+async def test_load_into_cpu_only_then_into_slot(store, slots):
+    mgr = _manager(store, slots)
+    state = await mgr.load("adapter-0", into_slot=False)
+    assert state.in_cpu_cache and state.slot == -1 and state.digest == "sha256:adapter-0" and state.rank == 8
+    assert slots.writes == []
+    state = await mgr.load("adapter-0", into_slot=True)
+    assert state.slot >= 0 and slots.writes == [(state.slot, "adapter-0")]
+    assert store.fetches == {"adapter-0": 1}
+    assert state.bytes == 1 * 2 * 4 * 4
+
+
+async def test_cancelled_waiter_does_not_cancel_the_shared_load(store, slots):
+    mgr = _manager(store, slots)
+    store.gate = asyncio.Event()
+    first = asyncio.create_task(mgr.acquire("adapter-0"))
+    second = asyncio.create_task(mgr.acquire("adapter-0"))
+    await asyncio.sleep(0.01)
+    first.cancel()
+    store.gate.set()
+    lease = await second
+    assert first.cancelled()
+    assert mgr.state("adapter-0").in_use == 1 and slots.content[lease.slot] == "adapter-0"
