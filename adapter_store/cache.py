@@ -149,7 +149,8 @@ class DiskCache:
             oldest = next(iter(self._index))
             if oldest == keep:
                 return
-            log.info("disk cache: evicting %s (%d bytes) to stay under %d bytes", oldest, self._index[oldest], self.budget_bytes)
+            log.info("disk cache: evicting %s (%d bytes) to stay under %d bytes",
+                     oldest, self._index[oldest], self.budget_bytes)
             self._remove(oldest)
 
     def _remove(self, key: str) -> None:
@@ -238,7 +239,8 @@ class RedisCache:
                 return None
             blob = b"".join(chunks)
             if len(blob) != int(meta[b"size"]) or hashlib.sha256(blob).hexdigest() != meta[b"sha256"].decode():
-                log.warning("redis cache: shard %s (%s at %s) failed its sha256 check; deleting it", key, meta_key, self.url)
+                log.warning("redis cache: shard %s (%s at %s) failed its sha256 check; deleting it",
+                            key, meta_key, self.url)
                 self._remove(key)
                 return None
             return blob

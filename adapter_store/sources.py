@@ -133,7 +133,8 @@ def _parse_hf(uri: str, rest: str, revision: str | None) -> ParsedUri:
 
 
 def fetch(uri: str, revision: str | None, cfg: SourceConfig, staging: Path) -> FetchedAdapter:
-    """Copies the adapter's files into `staging` (created and deleted by the caller)."""
+    """Copies the adapter's files into `staging`, which the caller creates and deletes
+    (on error it may hold part of the files). Raises StatusError naming the URI and file."""
     parsed = parse_uri(uri, revision)
     start_s = time.perf_counter()
     fetcher = {"file": _fetch_file, "s3": _fetch_s3, "hf": _fetch_hf}[parsed.scheme]
@@ -181,7 +182,10 @@ def _check_size(uri: str, name: str, size_bytes: int | None, cfg: SourceConfig) 
 def _fetch_file(parsed: ParsedUri, cfg: SourceConfig, staging: Path) -> FetchedAdapter:
     directory = _resolve_local_dir(parsed.path, cfg.local_roots)
     uri = f"file://{directory}"
-    has_file = lambda name: (directory / name).exists()  # noqa: E731
+
+    def has_file(name: str) -> bool:
+        return (directory / name).exists()
+
     _check_config(uri, has_file)
     weights = _pick_weights(uri, has_file, cfg)
     for name in (CONFIG_FILE, weights):
@@ -196,7 +200,9 @@ def _fetch_file(parsed: ParsedUri, cfg: SourceConfig, staging: Path) -> FetchedA
 def _resolve_local_dir(path_str: str, roots: tuple[Path, ...]) -> Path:
     """Absolute paths as given; relative ones under the first local root that holds them."""
     if not roots:
-        raise StatusError(grpc.StatusCode.PERMISSION_DENIED, f"local adapter '{path_str}' refused: the store has no local roots")
+        raise StatusError(
+            grpc.StatusCode.PERMISSION_DENIED, f"local adapter '{path_str}' refused: the store has no local roots"
+        )
     path = Path(path_str)
     if not path.is_absolute():
         candidates = [root / path for root in roots]
@@ -389,7 +395,8 @@ def _hf_errors(uri: str, cfg: SourceConfig):
         raise not_found(f"file of {uri} not found on {hub}: {exc}") from exc
     except LocalEntryNotFoundError as exc:
         if cfg.hf_offline:
-            raise not_found(f"{uri} is not in the offline Hugging Face cache ({cfg.hf_cache_dir or 'default'})") from exc
+            cache = cfg.hf_cache_dir or "default"
+            raise not_found(f"{uri} is not in the offline Hugging Face cache ({cache})") from exc
         raise unavailable(f"{hub} unreachable and {uri} is not in the local cache: {exc}") from exc
     except HfHubHTTPError as exc:
         if exc.response is not None and exc.response.status_code in (401, 403):

@@ -71,8 +71,8 @@ class LinearWithLoRA(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(n_out, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
-        self.lora_a: torch.Tensor | None = None
-        self.lora_b: torch.Tensor | None = None
+        self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
+        self.register_buffer("lora_b", None, persistent=False)
         if lora is not None:
             self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
 
@@ -114,8 +114,8 @@ class VocabEmbeddingWithLoRA(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, embed_dim, dtype=dtype, device=device), requires_grad=False)
         self.slice_offsets = (0, embed_dim)
-        self.lora_a: torch.Tensor | None = None
-        self.lora_b: torch.Tensor | None = None
+        self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
+        self.register_buffer("lora_b", None, persistent=False)
         if lora is not None:
             self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
 

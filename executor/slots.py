@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraserve.errors import exhausted, not_found, precondition
+from loraserve.errors import exhausted, invalid, not_found, precondition
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +224,11 @@ class SlotManager:
             slot = await self._claim_slot(a)
             try:
                 a.event = await asyncio.to_thread(self._copy, slot, tensors)
-            except BaseException:
+            except BaseException as exc:
                 self._slots[slot], a.slot = None, -1
+                if isinstance(exc, ValueError):  # the model refused the shard's shapes or dtypes
+                    self._drop_tensors(a)  # a shard that cannot be used is not worth caching
+                    raise invalid(f"adapter {a.name!r} does not fit this executor's LoRA slots: {exc}") from exc
                 raise
             log.info("adapter %s (digest %s, rank %d) -> slot %d", a.name, a.digest[:12], a.rank, slot)
         finally:

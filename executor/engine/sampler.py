@@ -23,7 +23,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 0 or 1: off
-    max_tokens: int = 64
+    max_tokens: int | None = None  # None: the executor's default (the engine resolves it)
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
 
@@ -41,7 +41,7 @@ def validate_request(
     max_stop_strings: int,
     max_stop_string_chars: int,
 ) -> None:
-    """Raises INVALID_ARGUMENT naming the first parameter at fault."""
+    """Raises INVALID_ARGUMENT naming the first parameter at fault. max_tokens must be resolved."""
     t = params.temperature
     if math.isnan(t) or math.isinf(t) or t < 0:
         raise invalid(f"temperature must be a finite number >= 0, got {t}")

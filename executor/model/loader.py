@@ -162,7 +162,8 @@ def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = N
         if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
             w = _unpermute_rope(w, heads)
-        sink.put(hf_name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)))
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        sink.put(hf_name, torch.from_numpy(w if w.flags.writeable else w.copy()))  # F32 data is a read-only memmap
     sink.check_complete()
     return model.eval()
 

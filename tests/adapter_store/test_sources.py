@@ -252,7 +252,8 @@ def build_hf_cache(cache_dir: Path, repo_id: str, adapter: Path, commit_sha: str
         data = (adapter / name).read_bytes()
         blob = repo_dir / "blobs" / hashlib.sha256(data).hexdigest()
         blob.write_bytes(data)
-        (repo_dir / "snapshots" / commit_sha / name).symlink_to(os.path.relpath(blob, repo_dir / "snapshots" / commit_sha))
+        snapshot_file = repo_dir / "snapshots" / commit_sha / name
+        snapshot_file.symlink_to(os.path.relpath(blob, snapshot_file.parent))
     (repo_dir / "refs" / "main").write_text(commit_sha)
 
 
@@ -293,6 +294,7 @@ def test_hf_offline_missing_weights_are_not_found(hf_cache, staging):
 
 
 def test_hf_unreachable_hub_is_unavailable(tmp_path, staging, closed_port):
+    # Slow (~23 s): huggingface_hub retries a refused connection with backoff before giving up.
     cfg = SourceConfig((), hf_endpoint=f"http://127.0.0.1:{closed_port}", hf_cache_dir=tmp_path / "empty-cache")
     with pytest.raises(StatusError) as excinfo:
         fetch("hf://org/name", None, cfg, staging)

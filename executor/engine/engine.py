@@ -1,0 +1,417 @@
+"""The async engine: requests in, a background step loop, token streams out.
+
+    generate(req) --tokenize, validate, acquire adapter slot--> Scheduler.waiting
+    step loop:  schedule -> flatten (input_ids, positions, AttentionMetadata, token slots)
+                -> model.forward + compute_logits + sample, in a worker thread
+                -> append tokens, detokenize, stop/eos/length checks -> each request's queue
+
+The forward runs in `asyncio.to_thread`, so the event loop keeps serving gRPC and adapter loads
+while the model computes. A sequence's lease is released only when no step in flight uses it,
+so its slot is never overwritten under a running forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from loraserve.errors import StatusError, exhausted, invalid
+from loraserve.kernels import make_lora_meta
+
+from ..config import ExecutorConfig
+from ..slots import SlotLease, SlotManager
+from .kv_cache import AttentionMetadata, BlockAllocator, KVCache
+from .sampler import SamplingParams, find_stop, make_generator, sample, validate_request
+from .scheduler import SchedulePlan, Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("length", "stop", "eos", "cancelled")
+
+
+@dataclass
+class GenerationRequest:
+    """Exactly one of prompt (raw text), messages (chat) or prompt_token_ids."""
+
+    request_id: str = ""
+    adapter: str = ""  # "": the base model alone
+    prompt: str | None = None
+    messages: list[dict] | None = None  # [{"role": ..., "content": ...}]
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # max_tokens None: the default
+    return_logprobs: bool = False
+    deadline: float | None = None  # time.monotonic() seconds; None: no deadline
+
+
+@dataclass
+class GenerationOutput:
+    """What one step produced for one request; the last one carries finish_reason."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str  # new text since the previous output
+    logprobs: list[float]  # one per token id when return_logprobs, else empty
+    finish_reason: str | None  # one of FINISH_REASONS, on the last output only
+    prompt_tokens: int
+    adapter_digest: str
+
+
+@dataclass(eq=False)
+class _Run:
+    """Engine-side state of one request while its sequence lives."""
+
+    request_id: str
+    seq: Sequence
+    params: SamplingParams
+    return_logprobs: bool
+    lease: SlotLease | None
+    generator: torch.Generator | None
+    decoder: object  # the tokenizer's IncrementalDecoder
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    text: str = ""  # output text decoded so far
+    emitted: int = 0  # chars of text delivered
+    searched: int = 0  # chars of text already searched for stop strings
+    done: bool = False
+
+
+@dataclass
+class _Batch:
+    """One step's host-side inputs, copied out of the scheduler's state for the worker thread."""
+
+    input_ids: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    token_slots: list[int]
+    sample_rows: list[int]  # index of the last token of each sequence that samples
+    sample_slots: list[int]
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    generators: list[torch.Generator | None]
+    leases: list[SlotLease]
+
+
+class Engine:
+    def __init__(self, model, tokenizer, kv_cache: KVCache, slot_manager: SlotManager, config: ExecutorConfig):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kv_cache = kv_cache
+        self.slots = slot_manager
+        self.config = config
+        self.device = config.torch_device
+        self.vocab_size = model.cfg.vocab_size
+        spec = getattr(model, "lora_spec", None)
+        self.max_loras = spec.max_loras if spec is not None else 0  # slot buffers' leading dim
+        self.allocator = BlockAllocator(kv_cache.num_blocks)
+        self.scheduler = Scheduler(
+            self.allocator, kv_cache.block_size, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self._runs: dict[int, _Run] = {}  # seq_id -> run
+        self._seq_ids = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stepping: set[Sequence] = set()  # sequences of the step in flight
+        self._deferred_releases: list[SlotLease] = []
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-step-loop")
+            self._task.add_done_callback(self._on_loop_exit)
+
+    def _on_loop_exit(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.error("engine step loop died", exc_info=exc)
+        error = StatusError(grpc.StatusCode.INTERNAL, f"engine stopped: {type(exc).__name__}: {exc}")
+        for run in list(self._runs.values()):
+            self._fail(run.seq, error)
+
+    async def stop(self) -> None:
+        """Stops the step loop; every live request ends with finish_reason "cancelled"."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._release_deferred()
+        for run in list(self._runs.values()):
+            self._finish(run, "cancelled")
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Streams the outputs of one request. Raises StatusError (before or during the stream)."""
+        request_id = req.request_id or uuid.uuid4().hex
+        params = self._resolve(req.sampling)
+        prompt_ids = self._prompt_ids(req)
+        validate_request(
+            params,
+            len(prompt_ids),
+            vocab_size=self.vocab_size,
+            max_model_len=self.config.max_model_len,
+            max_stop_strings=self.config.max_stop_strings,
+            max_stop_string_chars=self.config.max_stop_string_chars,
+        )
+        started = time.monotonic()
+        log.info(
+            "request %s: start, adapter=%r, %d prompt tokens, max_tokens=%d, temperature=%g",
+            request_id, req.adapter, len(prompt_ids), params.max_tokens, params.temperature,
+        )  # fmt: skip
+        run: _Run | None = None
+        lease: SlotLease | None = None
+        reason = "error"
+        try:
+            if req.adapter:
+                lease = await self._within(self.slots.acquire(req.adapter), req.deadline, request_id)
+            seq = Sequence(next(self._seq_ids), list(prompt_ids), len(prompt_ids))
+            if lease is not None:
+                seq.slot, seq.is_ready = lease.slot, lease.is_ready
+            run = _Run(
+                request_id=request_id,
+                seq=seq,
+                params=params,
+                return_logprobs=req.return_logprobs,
+                lease=lease,
+                generator=make_generator(params.seed, self.device),
+                decoder=self.tokenizer.incremental_decoder(),
+            )
+            self._runs[seq.seq_id] = run
+            self.scheduler.add(seq)
+            self._wakeup.set()
+            while True:
+                item = await self._within(run.queue.get(), req.deadline, request_id)
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    reason = item.finish_reason
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            reason = "cancelled"
+            raise
+        except StatusError as exc:
+            reason = exc.code.name
+            raise
+        finally:
+            self._close(run, lease)
+            log.info(
+                "request %s: finished (%s), %d output tokens in %.3fs",
+                request_id, reason, run.seq.num_output_tokens if run else 0, time.monotonic() - started,
+            )  # fmt: skip
+
+    def _resolve(self, p: SamplingParams) -> SamplingParams:
+        max_tokens = self.config.default_max_tokens if p.max_tokens is None else p.max_tokens
+        return SamplingParams(p.temperature, p.top_k, p.top_p, max_tokens, tuple(p.stop), p.seed)
+
+    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+        given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
+        if sum(given) != 1:
+            raise invalid("exactly one of prompt, chat messages or token_ids is required")
+        if req.prompt is not None:
+            if not req.prompt:
+                raise invalid("prompt is empty")
+            return self.tokenizer.encode(req.prompt)
+        if req.messages is not None:
+            if not req.messages:
+                raise invalid("chat has no messages")
+            try:
+                return self.tokenizer.apply_chat_template(req.messages)
+            except ValueError as exc:  # no template in the model, or a message it rejects
+                raise invalid(f"chat: {exc}") from exc
+        ids = list(req.prompt_token_ids)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise invalid(f"token_ids: {bad[0]} is outside the vocabulary of {self.vocab_size} tokens")
+        return ids
+
+    @staticmethod
+    async def _within(awaitable, deadline: float | None, request_id: str):
+        if deadline is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {request_id}: deadline exceeded") from None
+
+    def _close(self, run: _Run | None, lease: SlotLease | None) -> None:
+        """Frees what a request holds, however it ended. The lease waits for the step in flight."""
+        if run is not None:
+            run.done = True
+            self._runs.pop(run.seq.seq_id, None)
+            self.scheduler.finish(run.seq)  # its blocks are reused only by a later schedule()
+        if lease is not None:
+            if run is not None and run.seq in self._stepping:
+                self._deferred_releases.append(lease)
+            else:
+                self.slots.release(lease)
+
+    # ---- the step loop --------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.scheduler.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            plan = self.scheduler.schedule()
+            for seq in plan.failed:
+                self._fail(seq, exhausted(f"sequence of {len(seq.token_ids)} tokens does not fit in the KV cache"))
+            if not plan.seqs:
+                # Only sequences whose adapter copy is still in flight: look again shortly.
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), 0.002)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            batch = self._flatten(plan)
+            self._stepping = {s.seq for s in plan.seqs}
+            try:
+                token_ids, logprobs = await asyncio.to_thread(self._execute, batch)
+            except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+                log.exception("step of %d sequences failed", len(plan.seqs))
+                error = StatusError(grpc.StatusCode.INTERNAL, f"forward step failed: {type(exc).__name__}: {exc}")
+                for s in plan.seqs:
+                    self._fail(s.seq, error)
+                continue
+            finally:
+                self._stepping = set()
+                self._release_deferred()
+            self._deliver(plan, token_ids, logprobs)
+
+    def _flatten(self, plan: SchedulePlan) -> _Batch:
+        b = _Batch([], [], [], [], [], [], [], [], [], [], [], [])
+        for s in plan.seqs:
+            seq = s.seq
+            b.input_ids += s.query_token_ids
+            b.query_lens.append(s.num_tokens)
+            b.context_lens.append(s.context_len)
+            b.block_tables.append(list(seq.block_table))
+            b.token_slots += [seq.slot] * s.num_tokens
+            run = self._runs[seq.seq_id]
+            if run.lease is not None and run.lease.ready is not None:
+                b.leases.append(run.lease)
+            if s.needs_sample:
+                b.sample_rows.append(len(b.input_ids) - 1)
+                b.sample_slots.append(seq.slot)
+                b.temperature.append(run.params.temperature)
+                b.top_k.append(run.params.top_k)
+                b.top_p.append(run.params.top_p)
+                b.generators.append(run.generator)
+        log.debug(
+            "step: %d seqs, %d tokens, slots %s, %d waiting, %d free KV blocks",
+            len(plan.seqs), len(b.input_ids), sorted({s.seq.slot for s in plan.seqs}),
+            len(self.scheduler.waiting), self.allocator.num_free,
+        )  # fmt: skip
+        return b
+
+    @torch.inference_mode()
+    def _execute(self, b: _Batch) -> tuple[list[int], list[float]]:
+        """Runs in a worker thread: forward, logits of the sampled rows, sampling."""
+        dev = self.device
+        for lease in b.leases:
+            lease.wait()  # the forward's stream waits for the slot copy (CUDA only)
+        input_ids = torch.tensor(b.input_ids, dtype=torch.long, device=dev)
+        attn = AttentionMetadata.build(b.query_lens, b.context_lens, b.block_tables, self.kv_cache.block_size, dev)
+        hidden = self.model.forward(input_ids, attn.positions, attn, self.kv_cache, self._lora_meta(b.token_slots))
+        if not b.sample_rows:
+            return [], []
+        rows = torch.tensor(b.sample_rows, dtype=torch.long, device=dev)
+        logits = self.model.compute_logits(hidden.index_select(0, rows), self._lora_meta(b.sample_slots))
+        token_ids, logprobs = sample(
+            logits,
+            torch.tensor(b.temperature, dtype=torch.float32, device=dev),
+            torch.tensor(b.top_k, dtype=torch.long, device=dev),
+            torch.tensor(b.top_p, dtype=torch.float32, device=dev),
+            b.generators,
+        )
+        return token_ids.tolist(), logprobs.tolist()
+
+    def _lora_meta(self, slots: list[int]):
+        """Token grouping by slot, once per step; None when no token uses an adapter."""
+        if self.max_loras == 0 or max(slots, default=-1) < 0:
+            return None
+        return make_lora_meta(torch.tensor(slots, dtype=torch.int32, device=self.device), self.max_loras)
+
+    def _deliver(self, plan: SchedulePlan, token_ids: list[int], logprobs: list[float]) -> None:
+        sampled = iter(zip(token_ids, logprobs))
+        for s in plan.seqs:
+            if not s.needs_sample:
+                continue
+            token_id, logprob = next(sampled)
+            run = self._runs.get(s.seq.seq_id)
+            if run is None or run.done:  # cancelled while the step ran
+                continue
+            self.scheduler.append_token(run.seq, token_id)
+            self._emit(run, token_id, logprob)
+
+    def _emit(self, run: _Run, token_id: int, logprob: float) -> None:
+        """Detokenizes one new token, applies eos / stop strings / length, queues the output."""
+        seq, params = run.seq, run.params
+        finish = None
+        if token_id in self.tokenizer.eos_token_ids:
+            finish = "eos"
+        else:
+            run.text += run.decoder.push(token_id)
+            cut, safe = find_stop(run.text, params.stop, run.searched)
+            run.searched = safe
+            if cut is not None:
+                finish, run.text = "stop", run.text[:cut]
+        if finish is None and (
+            seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len
+        ):
+            finish = "length"
+        end = len(run.text) if finish is not None else run.searched  # at the end, flush held-back text
+        out = GenerationOutput(
+            request_id=run.request_id,
+            token_ids=[token_id],
+            text=run.text[run.emitted : end],
+            logprobs=[logprob] if run.return_logprobs else [],
+            finish_reason=finish,
+            prompt_tokens=seq.num_prompt_tokens,
+            adapter_digest=run.lease.digest if run.lease else "",
+        )
+        run.emitted = end
+        run.queue.put_nowait(out)
+        if finish is not None:
+            run.done = True
+            self.scheduler.finish(seq)
+
+    def _finish(self, run: _Run, reason: str) -> None:
+        """Ends a live request with a last, empty output (e.g. on shutdown)."""
+        if run.done:
+            return
+        run.done = True
+        self.scheduler.finish(run.seq)
+        run.queue.put_nowait(
+            GenerationOutput(
+                run.request_id, [], run.text[run.emitted :], [], reason, run.seq.num_prompt_tokens,
+                run.lease.digest if run.lease else "",
+            )  # fmt: skip
+        )
+
+    def _fail(self, seq: Sequence, error: StatusError) -> None:
+        self.scheduler.finish(seq)
+        run = self._runs.get(seq.seq_id)
+        if run is not None and not run.done:
+            run.done = True
+            run.queue.put_nowait(error)
+
+    def _release_deferred(self) -> None:
+        for lease in self._deferred_releases:
+            self.slots.release(lease)
+        self._deferred_releases.clear()

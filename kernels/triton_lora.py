@@ -1,0 +1,341 @@
+"""Triton shrink/expand: the CUDA path, same signatures and math as kernels/reference.py.
+
+Both kernels walk a work list of (slot, token rows) blocks built once per step
+(`LoraMeta.block_list`): each block holds block_m tokens of one slot, so each adapter's
+weights are read once per block of its own tokens, never once per token, and tokens with no
+adapter cost nothing in expand. The grid is persistent (a fixed number of programs that loop
+over the tiles the device-side list holds), so its size depends only on T, max_loras and the
+shapes: no host synchronisation, no allocation, one launch shape per captured batch size.
+
+Decode (a few tokens per slot) and prefill (thousands) run the same kernels with different
+tiles: small token blocks and K split over programs for decode, large tensor-core tiles for
+prefill. Block sizes come from kernels/tuning.py by GPU and shape.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from .meta import LoraMeta
+from .tuning import expand_config, num_sms, shrink_config
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_MAX_SLICES_PER_LAUNCH = 4
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, out_ptr, sorted_ids_ptr, blocks_ptr, num_blocks_ptr,
+    num_tokens, num_slots, in_features, k_per_split, max_blocks,
+    stride_xt, stride_al, stride_aj,
+    RANK: tl.constexpr, SR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """out[s, t, r] = sum_k x[t, k] * a[slot(t), s * RANK + r, k], over the flattened j = s * RANK + r.
+
+    One tile = (block of one slot's tokens, BLOCK_N of the S * RANK columns, one K split).
+    Blocks of the no-adapter group (slot == num_slots) write zeros.
+    """
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    tiles_per_block: tl.constexpr = N_BLOCKS * SPLIT_K
+    num_tiles = tl.load(num_blocks_ptr + 1) * tiles_per_block
+    for tile in range(pid, num_tiles, num_programs):
+        block = tile // tiles_per_block
+        rest = tile - block * tiles_per_block
+        split = rest // N_BLOCKS
+        col_block = rest - split * N_BLOCKS
+        slot = tl.load(blocks_ptr + block)
+        row0 = tl.load(blocks_ptr + max_blocks + block)
+        row_end = tl.load(blocks_ptr + 2 * max_blocks + block)
+
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < row_end
+        tok = tl.load(sorted_ids_ptr + offs_m, mask=m_mask, other=0)
+        offs_j = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        j_mask = offs_j < SR
+        k_lo = split * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, in_features)
+        k_hi = tl.where(slot < num_slots, k_hi, k_lo)  # no adapter: no products, zeros out
+
+        x_rows = x_ptr + tok[:, None].to(tl.int64) * stride_xt
+        a_cols = a_ptr + slot.to(tl.int64) * stride_al + offs_j[None, :] * stride_aj
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                xa = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+                a = tl.load(a_cols + offs_k[:, None], mask=j_mask[None, :], other=0.0)
+            else:
+                k_mask = offs_k < k_hi
+                xa = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                a = tl.load(a_cols + offs_k[:, None], mask=j_mask[None, :] & k_mask[:, None], other=0.0)
+            acc = tl.dot(xa, a, acc)
+
+        # buf is [S, T, RANK]: column j lands in slice j // RANK, rank position j % RANK.
+        out_ptrs = out_ptr + ((offs_j[None, :] // RANK) * num_tokens + tok[:, None]) * RANK + offs_j[None, :] % RANK
+        mask = m_mask[:, None] & j_mask[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptrs, acc, mask=mask)
+        else:
+            tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES: tl.constexpr, CHUNK: tl.constexpr):
+    """Flat column-chunk index -> (slice, first column, end column, chunk index inside the slice)."""
+    s = chunk * 0
+    lo = s + off0
+    hi = s + off1
+    first = s
+    if NUM_SLICES > 1:
+        c = tl.cdiv(off1 - off0, CHUNK)
+        at = chunk >= c
+        s = tl.where(at, 1, s)
+        lo = tl.where(at, off1, lo)
+        hi = tl.where(at, off2, hi)
+        first = tl.where(at, c, first)
+        if NUM_SLICES > 2:
+            c = c + tl.cdiv(off2 - off1, CHUNK)
+            at = chunk >= c
+            s = tl.where(at, 2, s)
+            lo = tl.where(at, off2, lo)
+            hi = tl.where(at, off3, hi)
+            first = tl.where(at, c, first)
+            if NUM_SLICES > 3:
+                c = c + tl.cdiv(off3 - off2, CHUNK)
+                at = chunk >= c
+                s = tl.where(at, 3, s)
+                lo = tl.where(at, off3, lo)
+                hi = tl.where(at, off4, hi)
+                first = tl.where(at, c, first)
+    return s, lo, hi, chunk - first
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr, buf_ptr, b_ptr, sorted_ids_ptr, blocks_ptr, num_blocks_ptr,
+    num_tokens, max_blocks, chunks, stride_yt, stride_bl, stride_bn,
+    off0, off1, off2, off3, off4,
+    NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """y[t, n] += sum_r buf[s(n), t, r] * b[slot(t), n, r] for the columns n of slice s(n).
+
+    One tile = (block of one slot's tokens, BLOCK_N * N_ITERS columns of one slice). Only
+    blocks of real slots are walked (num_blocks[0]): no-adapter tokens are never touched.
+    """
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_tiles = tl.load(num_blocks_ptr) * chunks
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < RANK
+    for tile in range(pid, num_tiles, num_programs):
+        block = tile // chunks
+        chunk = tile - block * chunks
+        slot = tl.load(blocks_ptr + block)
+        row0 = tl.load(blocks_ptr + max_blocks + block)
+        row_end = tl.load(blocks_ptr + 2 * max_blocks + block)
+        s, lo, hi, local = _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES, BLOCK_N * N_ITERS)
+
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < row_end
+        tok = tl.load(sorted_ids_ptr + offs_m, mask=m_mask, other=0)
+        lhs = tl.load(
+            buf_ptr + (s * num_tokens + tok[:, None]) * RANK + offs_r[None, :],
+            mask=m_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        ).to(b_ptr.dtype.element_ty)
+        b_rows = b_ptr + slot.to(tl.int64) * stride_bl
+        y_rows = y_ptr + tok[:, None].to(tl.int64) * stride_yt
+        n_start = lo + local * (BLOCK_N * N_ITERS)
+        for i in range(N_ITERS):
+            offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            if EVEN_N:
+                b = tl.load(b_rows + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_mask[:, None], other=0.0)
+                mask = m_mask[:, None]
+            else:
+                n_mask = offs_n < hi
+                b = tl.load(
+                    b_rows + offs_n[None, :] * stride_bn + offs_r[:, None],
+                    mask=r_mask[:, None] & n_mask[None, :],
+                    other=0.0,
+                )
+                mask = m_mask[:, None] & n_mask[None, :]
+            y_tile = y_rows + offs_n[None, :]
+            old = tl.load(y_tile, mask=mask, other=0.0)
+            delta = tl.dot(lhs, b)
+            tl.store(y_tile, (old.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _embedding_shrink_kernel(
+    ids_ptr, slots_ptr, a_ptr, out_ptr, num_tokens, stride_al, stride_av,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """out[0, t, :] = a[slot(t), ids[t], :] (zeros for no-adapter tokens): a per-token gather."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+    slot = tl.load(slots_ptr + offs_t, mask=t_mask, other=-1)
+    has = slot >= 0
+    ids = tl.load(ids_ptr + offs_t, mask=t_mask & has, other=0)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < RANK
+    rows = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_al + ids.to(tl.int64) * stride_av
+    vals = tl.load(rows[:, None] + offs_r[None, :], mask=has[:, None] & r_mask[None, :], other=0.0)
+    tl.store(out_ptr + offs_t[:, None] * RANK + offs_r[None, :], vals.to(tl.float32), mask=t_mask[:, None] & r_mask[None, :])
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _block_r(rank: int) -> int:
+    return max(16, triton.next_power_of_2(rank))
+
+
+def lora_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """buf[s, t, :] = x[t] @ lora_a[slot(t), s].T for every slice s; rows of no-adapter tokens are 0.
+
+    x:      [T, in] fp16 / bf16
+    lora_a: [max_loras, S, R, in], same dtype
+    out:    [S, T, R] float32 (allocated if None)
+    """
+    num_tokens, in_features = x.shape
+    num_slots, num_slices, rank, _ = lora_a.shape
+    if out is None:
+        out = torch.empty(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
+    if not _shrink_supported(x, lora_a, out):
+        return reference.lora_shrink(x, lora_a, meta, out)
+    if num_tokens == 0:
+        return out
+    sr = num_slices * rank
+    cfg = shrink_config(x.device, num_tokens, in_features, sr)
+    blocks = meta.block_list(cfg.block_m)
+    col_blocks = _cdiv(sr, cfg.block_n)
+    k_per_split = _cdiv(_cdiv(in_features, cfg.block_k), cfg.split_k) * cfg.block_k
+    if cfg.split_k > 1:
+        out.zero_()  # the K splits add into it
+    tiles = blocks.max_blocks * col_blocks * cfg.split_k
+    grid = (min(tiles, num_sms(x.device.index) * cfg.ctas_per_sm),)
+    _shrink_kernel[grid](
+        x, lora_a, out, meta.sorted_token_ids, blocks.blocks, blocks.num_blocks,
+        num_tokens, num_slots, in_features, k_per_split, blocks.max_blocks,
+        x.stride(0), lora_a.stride(0), lora_a.stride(2),
+        RANK=rank, SR=sr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        N_BLOCKS=col_blocks, SPLIT_K=cfg.split_k, EVEN_K=in_features % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def lora_expand(
+    y: torch.Tensor,
+    buf: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_offsets: tuple[int, ...],
+    meta: LoraMeta,
+) -> torch.Tensor:
+    """y[t, off_s:off_s+n_s] += buf[s, t] @ lora_b[slot(t), off_s:off_s+n_s].T, in place.
+
+    y:             [T, N] fp16 / bf16, N = slice_offsets[-1]
+    buf:           [S, T, R] float32
+    lora_b:        [max_loras, N, R], dtype of y
+    slice_offsets: S + 1 output offsets, e.g. (0, q, q + k, q + k + v)
+    """
+    if not _expand_supported(y, buf, lora_b):
+        return reference.lora_expand(y, buf, lora_b, slice_offsets, meta)
+    num_tokens = y.shape[0]
+    rank = buf.shape[2]
+    if num_tokens == 0:
+        return y
+    cfg = expand_config(y.device, num_tokens, slice_offsets[-1], rank)
+    blocks = meta.block_list(cfg.block_m)
+    sms = num_sms(y.device.index)
+    for first_slice, num_slices, offsets, chunks, even_n in _expand_launches(
+        tuple(slice_offsets), cfg.block_n * cfg.n_iters
+    ):
+        grid = (min(blocks.max_blocks * chunks, sms * cfg.ctas_per_sm),)
+        _expand_kernel[grid](
+            y, buf[first_slice:], lora_b, meta.sorted_token_ids, blocks.blocks, blocks.num_blocks,
+            num_tokens, blocks.max_blocks, chunks, y.stride(0), lora_b.stride(0), lora_b.stride(1),
+            *offsets,
+            NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return y
+
+
+@lru_cache(maxsize=1024)
+def _expand_launches(slice_offsets: tuple[int, ...], chunk: int):
+    """One launch per group of up to 4 slices.
+
+    Each: (first slice, slices in it, 5 column offsets, column chunks, every width divides chunk).
+    """
+    launches = []
+    num_slices = len(slice_offsets) - 1
+    for first in range(0, num_slices, _MAX_SLICES_PER_LAUNCH):
+        offs = slice_offsets[first : first + _MAX_SLICES_PER_LAUNCH + 1]
+        widths = [b - a for a, b in zip(offs, offs[1:])]
+        padded = tuple(offs) + (offs[-1],) * (_MAX_SLICES_PER_LAUNCH + 1 - len(offs))
+        chunks = sum(_cdiv(w, chunk) for w in widths)
+        launches.append((first, len(widths), padded, chunks, all(w % chunk == 0 for w in widths)))
+    return tuple(launches)
+
+
+def lora_embedding_shrink(
+    token_ids: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """buf[0, t, :] = lora_a[slot(t), token_ids[t], :]; embedding LoRA needs only expand's matmul.
+
+    token_ids: [T]
+    lora_a:    [max_loras, vocab, R]
+    out:       [1, T, R] float32
+    """
+    num_tokens = token_ids.shape[0]
+    rank = lora_a.shape[2]
+    if out is None:
+        out = torch.empty(1, num_tokens, rank, dtype=torch.float32, device=lora_a.device)
+    if lora_a.stride(2) != 1 or not out.is_contiguous() or out.dtype != torch.float32:
+        return reference.lora_embedding_shrink(token_ids, lora_a, meta, out)
+    if num_tokens == 0:
+        return out
+    block_t = 16
+    _embedding_shrink_kernel[(_cdiv(num_tokens, block_t),)](
+        token_ids, meta.token_slots, lora_a, out, num_tokens, lora_a.stride(0), lora_a.stride(1),
+        RANK=rank, BLOCK_R=triton.next_power_of_2(rank), BLOCK_T=block_t,
+    )
+    return out
+
+
+def _shrink_supported(x, lora_a, out) -> bool:
+    rank = lora_a.shape[2]
+    return (
+        x.dtype in _DTYPES
+        and lora_a.dtype == x.dtype
+        and x.stride(1) == 1
+        and lora_a.stride(3) == 1
+        and lora_a.stride(1) == rank * lora_a.stride(2)
+        and out.dtype == torch.float32
+        and out.is_contiguous()
+    )
+
+
+def _expand_supported(y, buf, lora_b) -> bool:
+    return (
+        y.dtype in _DTYPES
+        and lora_b.dtype == y.dtype
+        and y.stride(1) == 1
+        and lora_b.stride(2) == 1
+        and buf.dtype == torch.float32
+        and buf.is_contiguous()
+    )

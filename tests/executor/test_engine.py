@@ -1,0 +1,317 @@
+"""The async engine end to end on CPU: a tiny random Llama (transformers, saved, loaded by our
+loader), a real paged KV cache, scheduler, sampler and slot manager; transformers is the oracle."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+
+from loraserve.errors import StatusError, not_found
+from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.engine.engine import Engine, GenerationRequest
+from loraserve.executor.engine.kv_cache import KVCache
+from loraserve.executor.engine.sampler import SamplingParams
+from loraserve.executor.lora import LoraSpec, load_shard_into_slot, lora_modules
+from loraserve.executor.model.loader import load_model
+from loraserve.executor.model.tokenizer import Tokenizer
+from loraserve.executor.slots import SlotManager
+
+CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,!?'-:;()"
+
+
+def _char_tokenizer(vocab_size: int, eos: set[int] = frozenset()) -> Tokenizer:
+    """A real fast tokenizer, one token per character, covering every id the model can produce."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for c in CHARS:
+        vocab[c] = len(vocab)
+    while len(vocab) < vocab_size:
+        vocab[f"<t{len(vocab)}>"] = len(vocab)
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    raw.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return Tokenizer(hf, set(eos))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_greedy(ref_model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    out = ref_model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+        output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    ids = out.sequences[0, len(prompt) :].tolist()
+    logprobs = torch.log_softmax(torch.stack(out.logits, 1)[0].float(), -1)
+    return ids, logprobs.gather(1, torch.tensor(ids)[:, None]).squeeze(1).tolist()
+
+
+class Store:
+    """Adapter shards in memory, shaped for the model's slot buffers (fetch_shard's contract)."""
+
+    def __init__(self, model, names: list[str], rank: int = 4):
+        self.shards = {}
+        for i, name in enumerate(names):
+            g = torch.Generator().manual_seed(100 + i)
+            tensors = {}
+            for mod_name, mod in lora_modules(model).items():
+                if mod.lora_a is None or mod_name.endswith("embed_tokens"):
+                    continue
+                _, slices, _, in_features = mod.lora_a.shape
+                tensors[f"{mod_name}.lora_a"] = torch.randn(slices, rank, in_features, generator=g) * 0.2
+                tensors[f"{mod_name}.lora_b"] = torch.randn(mod.lora_b.shape[1], rank, generator=g) * 0.2
+            self.shards[name] = tensors
+
+    async def fetch(self, name):
+        if name not in self.shards:
+            raise not_found(f"adapter {name!r} is not registered")
+        tensors = self.shards[name]
+        return f"sha256:{name}", 4, tensors, sum(t.numel() * 4 for t in tensors.values())
+
+
+def _engine(model, *, eos=frozenset(), store=None, **overrides) -> Engine:
+    cfg = ExecutorConfig(
+        **{
+            "max_loras": 2, "max_rank": 8, "num_blocks": 64, "block_size": 4, "max_num_seqs": 8,
+            "max_num_batched_tokens": 32, "max_model_len": 96, **overrides,
+        }
+    )  # fmt: skip
+    mc = model.cfg
+    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, torch.float32, "cpu")
+    store = store or Store(model, [])
+    slots = SlotManager(
+        store.fetch,
+        lambda slot, tensors: load_shard_into_slot(model, slot, tensors),
+        lambda slot: load_shard_into_slot(model, slot, {}),
+        max_loras=cfg.max_loras,
+        max_cpu_adapters=cfg.max_cpu_adapters,
+        device=cfg.torch_device,
+        slot_wait_timeout_s=cfg.slot_wait_timeout_s,
+    )
+    return Engine(model, _char_tokenizer(mc.vocab_size, eos), kv, slots, cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_model):
+    """(transformers model, our model loaded from its save_pretrained dir with 2 LoRA slots)."""
+    ref_model, path = hf_model("llama")
+    return ref_model, load_model(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
+
+
+@pytest.fixture
+async def make_engine(tiny):
+    engines = []
+
+    def make(**kwargs) -> Engine:
+        engine = _engine(tiny[1], **kwargs)
+        engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        await engine.stop()
+
+
+async def _collect(engine: Engine, req: GenerationRequest):
+    outs = [o async for o in engine.generate(req)]
+    ids = [t for o in outs for t in o.token_ids]
+    return ids, "".join(o.text for o in outs), outs
+
+
+def _greedy(prompt, max_tokens, **kwargs) -> GenerationRequest:
+    return GenerationRequest(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens), **kwargs)
+
+
+def _assert_idle(engine: Engine):
+    assert engine.allocator.num_free == engine.kv_cache.num_blocks
+    assert not engine.scheduler.has_work() and engine._runs == {}
+    assert all(s.in_use == 0 for s in engine.slots.states())
+
+
+async def test_concurrent_greedy_requests_match_transformers_generate(tiny, make_engine):
+    ref_model, _ = tiny
+    engine = make_engine()  # 32-token budget: the 40-token prompt is prefilled in two chunks
+    prompts = [_prompt(n, seed) for seed, n in enumerate([3, 17, 40, 9, 25])]
+    results = await asyncio.gather(
+        *(_collect(engine, _greedy(p, 12, return_logprobs=True)) for p in prompts)
+    )
+    for prompt, (ids, text, outs) in zip(prompts, results):
+        ref_ids, ref_logprobs = _hf_greedy(ref_model, prompt, 12)
+        assert ids == ref_ids
+        torch.testing.assert_close(
+            torch.tensor([lp for o in outs for lp in o.logprobs]), torch.tensor(ref_logprobs), atol=1e-4, rtol=1e-4
+        )
+        assert text == engine.tokenizer.decode(ids)
+        assert outs[-1].finish_reason == "length" and all(o.finish_reason is None for o in outs[:-1])
+        assert outs[-1].prompt_tokens == len(prompt)
+    _assert_idle(engine)
+
+
+async def test_short_kv_cache_preempts_and_recomputes_without_changing_outputs(tiny, make_engine):
+    ref_model, _ = tiny
+    # 4 sequences of 10 + 14 tokens need 24 blocks of 4; there are 16: some get preempted.
+    engine = make_engine(num_blocks=16, max_model_len=64)
+    prompts = [_prompt(10, 10 + i) for i in range(4)]
+    results = await asyncio.gather(*(_collect(engine, _greedy(p, 14)) for p in prompts))
+    for prompt, (ids, _, _) in zip(prompts, results):
+        assert ids == _hf_greedy(ref_model, prompt, 14)[0]
+    _assert_idle(engine)
+
+
+async def test_consumer_stopping_early_frees_blocks_and_lease(tiny, make_engine):
+    engine = make_engine(store=Store(tiny[1], ["a1"]))
+    stream = engine.generate(_greedy(_prompt(30, 0), 50, adapter="a1"))
+    first = await stream.__anext__()
+    await stream.__anext__()
+    assert first.adapter_digest == "sha256:a1"
+    assert engine.allocator.num_free < engine.kv_cache.num_blocks
+    assert engine.slots.state("a1").in_use == 1
+    await stream.aclose()
+    await asyncio.sleep(0.05)  # a step in flight finishes, then the deferred lease is released
+    _assert_idle(engine)
+
+
+async def test_cancelled_task_frees_blocks_and_lease(tiny, make_engine):
+    engine = make_engine(store=Store(tiny[1], ["a1"]))
+    got = asyncio.Event()
+
+    async def consume():
+        async for _ in engine.generate(_greedy(_prompt(30, 1), 80, adapter="a1")):
+            got.set()
+
+    task = asyncio.create_task(consume())
+    await got.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.05)
+    _assert_idle(engine)
+    # The engine goes on serving.
+    ids, _, _ = await _collect(engine, _greedy(_prompt(5, 2), 3))
+    assert len(ids) == 3
+
+
+async def test_eos_ends_the_request_without_text(tiny, make_engine):
+    ref_model, _ = tiny
+    prompt = _prompt(8, 3)
+    ref = _hf_greedy(ref_model, prompt, 12)[0]
+    k = next(i for i in range(2, 12) if ref[i] not in ref[:i])  # first fresh token after two
+    engine = make_engine(eos={ref[k]})
+    ids, text, outs = await _collect(engine, _greedy(prompt, 12))
+    assert ids == ref[: k + 1] and outs[-1].finish_reason == "eos"
+    assert text == engine.tokenizer.decode(ref[:k])
+
+
+async def test_stop_string_is_cut_from_the_output(tiny, make_engine):
+    ref_model, _ = tiny
+    engine = make_engine()
+    # A prompt whose greedy text has a two-character piece that first appears after a few chars.
+    for seed in range(20):
+        prompt = _prompt(6, 100 + seed)
+        full = engine.tokenizer.decode(_hf_greedy(ref_model, prompt, 16)[0])
+        cut = next((i for i in range(3, len(full) - 2) if full[i : i + 2] not in full[: i + 1]), None)
+        if cut is not None:
+            break
+    stop = full[cut : cut + 2]
+    req = GenerationRequest(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=16, stop=("zzzz", stop)))
+    ids, text, outs = await _collect(engine, req)
+    assert text == full[:cut] and outs[-1].finish_reason == "stop"
+    assert engine.tokenizer.decode(ids).startswith(full[:cut] + stop)
+
+
+async def test_max_tokens_default_and_max_model_len(tiny, make_engine):
+    engine = make_engine(default_max_tokens=4, max_model_len=20)
+    ids, _, outs = await _collect(engine, GenerationRequest(prompt="hello"))
+    assert len(ids) == 4 and outs[-1].finish_reason == "length"
+    # 17 prompt tokens in a 20-token sequence leave room for 3, whatever max_tokens says.
+    ids, _, outs = await _collect(engine, _greedy(_prompt(17, 4), 10))
+    assert len(ids) == 3 and outs[-1].finish_reason == "length"
+
+
+async def test_seeded_sampling_is_reproducible_across_batches(make_engine):
+    engine = make_engine()
+    req = dict(prompt_token_ids=_prompt(7, 5), sampling=SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=42))
+    alone, _, _ = await _collect(engine, GenerationRequest(**req))
+    crowd = await asyncio.gather(
+        _collect(engine, GenerationRequest(**req)),
+        *(_collect(engine, _greedy(_prompt(20, s), 6)) for s in range(3)),
+    )
+    assert crowd[0][0] == alone
+
+
+async def test_adapter_output_does_not_depend_on_its_batch(tiny, make_engine):
+    engine = make_engine(store=Store(tiny[1], ["a1", "a2"]))
+    prompts = [_prompt(9, 20), _prompt(14, 21)]
+    cases = [(p, a) for p in prompts for a in ("", "a1", "a2")]
+    alone = [(await _collect(engine, _greedy(p, 8, adapter=a)))[0] for p, a in cases]
+    together = await asyncio.gather(*(_collect(engine, _greedy(p, 8, adapter=a)) for p, a in cases))
+    assert [r[0] for r in together] == alone
+    # The adapters change the output (they are not no-ops).
+    assert alone[0] != alone[1] and alone[0] != alone[2]
+    _assert_idle(engine)
+
+
+async def test_request_with_missing_adapter_fails_alone(tiny, make_engine):
+    ref_model, _ = tiny
+    engine = make_engine()
+    prompt = _prompt(6, 7)
+    good = asyncio.create_task(_collect(engine, _greedy(prompt, 8)))
+    with pytest.raises(StatusError) as info:
+        await _collect(engine, _greedy(prompt, 8, adapter="missing"))
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    assert info.value.message == "adapter 'missing' is not registered"
+    assert (await good)[0] == _hf_greedy(ref_model, prompt, 8)[0]
+    _assert_idle(engine)
+
+
+@pytest.mark.parametrize(
+    "req, message",
+    [
+        (GenerationRequest(prompt_token_ids=[5], sampling=SamplingParams(temperature=-1)), "temperature"),
+        (GenerationRequest(prompt_token_ids=[5], sampling=SamplingParams(top_k=100_000)), "top_k"),
+        (GenerationRequest(prompt_token_ids=[], sampling=SamplingParams()), "prompt is empty"),
+        (GenerationRequest(prompt="", sampling=SamplingParams()), "prompt is empty"),
+        (GenerationRequest(prompt_token_ids=[5] * 96), "prompt of 96 tokens exceeds max_model_len 96"),
+        (GenerationRequest(prompt_token_ids=[5, 999]), "token_ids: 999 is outside the vocabulary of 256 tokens"),
+        (GenerationRequest(), "exactly one of prompt, chat messages or token_ids is required"),
+        (GenerationRequest(messages=[{"role": "user", "content": "hi"}]), "chat: "),
+    ],
+)
+async def test_bad_requests_are_invalid_argument(make_engine, req, message):
+    engine = make_engine()
+    with pytest.raises(StatusError) as info:
+        await _collect(engine, req)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.message
+    _assert_idle(engine)
+
+
+async def test_deadline_exceeded_frees_the_sequence(make_engine):
+    engine = make_engine()
+    req = _greedy(_prompt(10, 8), 90, deadline=time.monotonic() + 0.05)
+    with pytest.raises(StatusError) as info:
+        await _collect(engine, req)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert info.value.message == "request r1: deadline exceeded" or "deadline exceeded" in info.value.message
+    await asyncio.sleep(0.05)
+    _assert_idle(engine)
+
+
+async def test_stop_cancels_live_requests(make_engine):
+    engine = make_engine()
+    stream = engine.generate(_greedy(_prompt(10, 9), 90))
+    await stream.__anext__()
+    await engine.stop()
+    rest = [o async for o in stream]
+    assert rest[-1].finish_reason == "cancelled"
+    _assert_idle(engine)

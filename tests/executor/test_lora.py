@@ -1,0 +1,204 @@
+"""LoRA slots against transformers + PEFT: every row of a mixed batch matches its own adapter."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from loraserve.executor.lora import LoraSpec, declare_layout, load_shard_into_slot, lora_modules
+from loraserve.executor.model.loader import load_hf_checkpoint
+from loraserve.v1 import common_pb2
+
+peft = pytest.importorskip("peft")
+
+ATOL = 1e-4
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {
+    "r4": dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
+    # k_proj, o_proj, up_proj untargeted: their slices are zeros in the shard
+    "r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], use_rslora=True),
+    "emb": dict(r=6, lora_alpha=6, target_modules=["embed_tokens", "lm_head", "q_proj"]),
+}
+
+
+def pack_shard(peft_model, name: str, layout, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Stand-in for the store's packer, following docs/SHARD_FORMAT.md: A per slice, B scaled by
+    alpha/r (alpha/sqrt(r) with rsLoRA) and concatenated over slices; untargeted slices are zeros."""
+    cfg = peft_model.peft_config[name]
+    scale = cfg.lora_alpha / (math.sqrt(cfg.r) if cfg.use_rslora else cfg.r)
+    state = peft.get_peft_model_state_dict(peft_model, adapter_name=name)
+    state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
+    shard = {}
+    for m in layout.modules:
+        if m.kind == common_pb2.EMBEDDING:
+            pm = m.peft_modules[0]
+            if f"{pm}.lora_embedding_A" in state:
+                shard[f"{m.name}.lora_a"] = state[f"{pm}.lora_embedding_A"].T.to(dtype).contiguous()  # [vocab, r]
+                shard[f"{m.name}.lora_b"] = (state[f"{pm}.lora_embedding_B"] * scale).to(dtype)  # [dim, r]
+            continue
+        a_parts, b_parts, targeted = [], [], False
+        for pm, n_out in zip(m.peft_modules, m.output_sizes):
+            a = state.get(f"{pm}.lora_A.weight")
+            if a is None:
+                a_parts.append(torch.zeros(cfg.r, m.input_size))
+                b_parts.append(torch.zeros(n_out, cfg.r))
+            else:
+                targeted = True
+                a_parts.append(a)
+                b_parts.append(state[f"{pm}.lora_B.weight"] * scale)
+        if targeted:
+            shard[f"{m.name}.lora_a"] = torch.stack(a_parts).to(dtype).contiguous()  # [S, r, in]
+            shard[f"{m.name}.lora_b"] = torch.cat(b_parts).to(dtype).contiguous()  # [N, r]
+    return shard
+
+
+@pytest.fixture(scope="module")
+def setup(hf_model):
+    """(reference PeftModel with adapters r4, r8, emb; base checkpoint dir)."""
+    base, path = hf_model("llama")
+    ref = None
+    for name, kwargs in ADAPTERS.items():
+        cfg = peft.LoraConfig(**kwargs)
+        if ref is None:
+            ref = peft.get_peft_model(copy.deepcopy(base), cfg, adapter_name=name)
+        else:
+            ref.add_adapter(name, cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for pname, p in ref.named_parameters():
+            if "lora_" in pname:  # PEFT inits B (and embedding A) to zero: make every adapter matter
+                p.normal_(0, 0.2)
+    return ref.eval(), path
+
+
+def _reference(ref, adapter, ids):
+    with torch.no_grad():
+        if adapter is None:
+            with ref.disable_adapter():
+                return ref(torch.tensor([ids])).logits[0]
+        ref.set_adapter(adapter)
+        return ref(torch.tensor([ids])).logits[0]
+
+
+def _model(path, targets_embeddings=False, max_loras=3, max_rank=8):
+    spec = LoraSpec(max_loras=max_loras, max_rank=max_rank, dtype=torch.float32, targets_embeddings=targets_embeddings)
+    return load_hf_checkpoint(path, lora=spec), spec
+
+
+def _prompt(n, seed):
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_mixed_batch_rows_match_their_own_adapter(setup, paged_runner):
+    ref, path = setup
+    model, spec = _model(path)
+    layout = declare_layout(model.cfg, spec, "tiny-llama")
+    load_shard_into_slot(model, 0, pack_shard(ref, "r4", layout))
+    load_shard_into_slot(model, 2, pack_shard(ref, "r8", layout))
+
+    pa, pb, pbase, pa2 = _prompt(9, 10), _prompt(6, 11), _prompt(7, 12), _prompt(5, 13)
+    run = paged_runner(model, block_size=4)
+    # one step: adapter r4, adapter r8, the base model, and a second sequence of adapter r4
+    outs = run.step([("a", pa), ("b", pb), ("base", pbase), ("a2", pa2)], slots=[0, 2, -1, 0])
+    for out, adapter, ids in zip(outs, ["r4", "r8", None, "r4"], [pa, pb, pbase, pa2]):
+        torch.testing.assert_close(out, _reference(ref, adapter, ids), atol=ATOL, rtol=1e-4)
+
+    # then decode: one new token each, in a different order
+    nxt = {k: int(o[-1].argmax()) for k, o in zip(["a", "b", "base", "a2"], outs)}
+    outs = run.step([("base", [nxt["base"]]), ("b", [nxt["b"]]), ("a", [nxt["a"]])], slots=[-1, 2, 0])
+    for out, adapter, ids in zip(outs, [None, "r8", "r4"], [pbase + [nxt["base"]], pb + [nxt["b"]], pa + [nxt["a"]]]):
+        torch.testing.assert_close(out, _reference(ref, adapter, ids)[-1:], atol=ATOL, rtol=1e-4)
+
+
+def test_base_rows_equal_the_model_without_lora(setup, paged_runner):
+    ref, path = setup
+    model, spec = _model(path)
+    load_shard_into_slot(model, 1, pack_shard(ref, "r4", declare_layout(model.cfg, spec, "tiny")))
+    ids = _prompt(8, 14)
+    with_slots, _ = paged_runner(model).step([("x", ids), ("y", ids)], slots=[-1, 1])
+    without_lora, = paged_runner(model).step([("x", ids)])
+    torch.testing.assert_close(with_slots, without_lora, atol=0, rtol=0)
+
+
+def test_embedding_and_lm_head_lora_match_peft(setup, paged_runner):
+    ref, path = setup
+    model, spec = _model(path, targets_embeddings=True)
+    layout = declare_layout(model.cfg, spec, "tiny")
+    shard = pack_shard(ref, "emb", layout)
+    assert {"model.embed_tokens.lora_a", "lm_head.lora_b"} <= set(shard)
+    load_shard_into_slot(model, 1, shard)
+    load_shard_into_slot(model, 0, pack_shard(ref, "r4", layout))
+    pe, pa = _prompt(7, 15), _prompt(4, 16)
+    out_e, out_a = paged_runner(model).step([("e", pe), ("a", pa)], slots=[1, 0])
+    torch.testing.assert_close(out_e, _reference(ref, "emb", pe), atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(out_a, _reference(ref, "r4", pa), atol=ATOL, rtol=1e-4)
+
+
+def test_reloading_a_slot_with_a_lower_rank_adapter_clears_the_old_tail(setup, paged_runner):
+    ref, path = setup
+    model, spec = _model(path, max_loras=1)
+    layout = declare_layout(model.cfg, spec, "tiny")
+    load_shard_into_slot(model, 0, pack_shard(ref, "r8", layout))  # rank 8 fills the slot
+    load_shard_into_slot(model, 0, pack_shard(ref, "r4", layout))  # rank 4 must zero ranks 4..7
+    ids = _prompt(6, 17)
+    out, = paged_runner(model).step([("s", ids)], slots=[0])
+    torch.testing.assert_close(out, _reference(ref, "r4", ids), atol=ATOL, rtol=1e-4)
+
+    for module in lora_modules(model).values():
+        module.reset_lora(0)
+    out, = paged_runner(model).step([("s", ids)], slots=[0])
+    torch.testing.assert_close(out, _reference(ref, None, ids), atol=ATOL, rtol=1e-4)
+
+
+def test_bad_shards_are_refused_before_any_slot_changes(setup):
+    ref, path = setup
+    model, spec = _model(path)
+    shard = pack_shard(ref, "r4", declare_layout(model.cfg, spec, "tiny"))
+    qkv = model.model.layers[0].self_attn.qkv_proj
+
+    with pytest.raises(ValueError, match="model.layers.9.mlp.up_proj.lora_a"):
+        load_shard_into_slot(model, 0, {**shard, "model.layers.9.mlp.up_proj.lora_a": torch.zeros(1)})
+    too_big = {**shard, "model.layers.1.mlp.down_proj.lora_b": torch.zeros(64, 16)}  # rank 16 > max_rank 8
+    with pytest.raises(ValueError, match="down_proj.lora_b"):
+        load_shard_into_slot(model, 0, too_big)
+    wrong_dtype = {**shard, "model.layers.1.mlp.down_proj.lora_a": shard["model.layers.1.mlp.down_proj.lora_a"].half()}
+    with pytest.raises(ValueError, match="float16"):
+        load_shard_into_slot(model, 0, wrong_dtype)
+    only_a = {k: v for k, v in shard.items() if k != "model.layers.0.mlp.down_proj.lora_b"}
+    with pytest.raises(ValueError, match="only one of"):
+        load_shard_into_slot(model, 0, only_a)
+    assert not qkv.lora_a.any() and not qkv.lora_b.any()  # nothing was written
+
+
+def test_layout_declares_every_lora_module_with_its_peft_names(hf_model):
+    _, path = hf_model("llama")
+    model, spec = _model(path, targets_embeddings=True)
+    layout = declare_layout(model.cfg, spec, "tiny-llama")
+    assert set(m.name for m in layout.modules) == set(lora_modules(model))
+    by_name = {m.name: m for m in layout.modules}
+    c = model.cfg
+    qkv = by_name["model.layers.1.self_attn.qkv_proj"]
+    assert qkv.kind == common_pb2.QKV and qkv.head_size == c.head_dim
+    assert list(qkv.output_sizes) == [c.q_size, c.kv_size, c.kv_size]
+    assert list(qkv.peft_modules) == [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    gate_up = by_name["model.layers.0.mlp.gate_up_proj"]
+    assert gate_up.kind == common_pb2.MERGED_COLUMN
+    assert list(gate_up.peft_modules) == ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    assert by_name["model.layers.0.self_attn.o_proj"].kind == common_pb2.ROW
+    assert by_name["model.layers.0.mlp.down_proj"].input_size == c.intermediate_size
+    assert by_name["model.embed_tokens"].kind == common_pb2.EMBEDDING
+    assert list(by_name["lm_head"].peft_modules) == ["lm_head"] and by_name["lm_head"].kind == common_pb2.LM_HEAD
+    assert (layout.dtype, layout.max_rank, layout.tp_size, layout.ep_size) == ("float32", 8, 1, 1)
+    # every module's slot buffers have the layout's sizes
+    for m in layout.modules:
+        mod = lora_modules(model)[m.name]
+        if m.kind != common_pb2.EMBEDDING:
+            assert mod.lora_a.shape == (spec.max_loras, len(m.output_sizes), spec.max_rank, m.input_size)
+            assert mod.lora_b.shape == (spec.max_loras, sum(m.output_sizes), spec.max_rank)
+
+    no_emb, no_emb_spec = _model(path)
+    assert "lm_head" not in lora_modules(no_emb)
+    assert len(declare_layout(no_emb.cfg, no_emb_spec, "x").modules) == 4 * c.num_layers
