@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from loraserve.errors import StatusError, exhausted, invalid
+from loraserve.errors import StatusError, exhausted, invalid, unavailable
 from loraserve.kernels import make_lora_meta
 
 from ..config import ExecutorConfig
@@ -156,6 +156,8 @@ class Engine:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         """Streams the outputs of one request. Raises StatusError (before or during the stream)."""
         request_id = req.request_id or uuid.uuid4().hex
+        if self._task is None or self._task.done():
+            raise unavailable("the engine is not running")
         params = self._resolve(req.sampling)
         prompt_ids = self._prompt_ids(req)
         validate_request(

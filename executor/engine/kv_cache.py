@@ -146,10 +146,11 @@ def paged_attention(
             ks = ks.repeat_interleave(group, dim=0)  # [H, L, D]
             vs = vs.repeat_interleave(group, dim=0)
         mask, causal = _mask(q_len, ctx, sliding_window, q.device)
+        # 4-D inputs: on CPU, 3-D ones fall to a far slower path.
         o = torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale
-        )  # [H, q_len, D]
-        out[start : start + q_len] = o.transpose(0, 1)
+            qs[None], ks[None], vs[None], attn_mask=mask, is_causal=causal, scale=scale
+        )  # [1, H, q_len, D]
+        out[start : start + q_len] = o[0].transpose(0, 1)
     return out
 
 

@@ -1,0 +1,428 @@
+"""One LoRA layer (shrink + expand) on the kernels grid: time against the floor, eager and in a CUDA graph.
+
+    python benchmarks/bench_kernels.py [--out DIR] [--quick] [--tune-out FILE]
+
+Floor, measured in the same run: max(bytes / copy bandwidth, FLOPs / bf16 matmul rate)
++ 2 x (an empty Triton kernel replayed in a graph). Bytes: x rows of adapter tokens, each
+active adapter's A and B once, buf written (all rows) and read (adapter rows) in float32,
+y rows of adapter tokens read and written. Every timing reads cold weights: do_bench empties
+L2 before each call, and a graph replays K layers over K disjoint sets of slots and inputs.
+Prints one table (and writes it as markdown + JSON under --out); asserts nothing on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+from loraserve.kernels import lora_expand, lora_shrink, make_lora_meta, triton_lora, tuning
+
+DEV = "cuda"
+DTYPE = torch.bfloat16
+HIDDEN = (4096, 8192)
+RANKS = (8, 16, 64)
+SLICES = (1, 3)
+TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)
+ADAPTERS = (1, 8, 32, 128)
+NONE = (0.0, 0.2)
+POOL_BYTES = 2e9  # slot buffers per layer shape: enough slots that graph replays never reuse weights
+BENCH_MS = dict(warmup=5, rep=20)
+
+
+@triton.jit
+def _empty_kernel(ptr):
+    pass
+
+
+def widths_of(hidden: int, num_slices: int) -> tuple[int, ...]:
+    return (hidden,) if num_slices == 1 else (hidden, 1024, 1024)  # QKV with GQA: q, k, v
+
+
+def offsets_of(widths):
+    offs = [0]
+    for w in widths:
+        offs.append(offs[-1] + w)
+    return tuple(offs)
+
+
+def measure_ceilings() -> dict:
+    """Copy bandwidth (bytes read + written), bf16 matmul rate, one graph-replayed empty launch."""
+    n = 1 << 31
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+    del src, dst
+    m = 8192
+    p, q = (torch.randn(m, m, device=DEV, dtype=DTYPE) for _ in range(2))
+    r = torch.empty_like(p)
+    mm_ms = do_bench(lambda: torch.mm(p, q, out=r), warmup=20, rep=200, return_mode="median")
+    del p, q, r
+    dummy = torch.empty(1, device=DEV)
+    _empty_kernel[(1,)](dummy)
+    launches = 200
+    graph = capture(lambda: [_empty_kernel[(1,)](dummy) for _ in range(launches)])
+    empty_ms = do_bench(graph.replay, warmup=10, rep=100, return_mode="median") / launches
+    return dict(
+        copy_bytes_per_s=2 * n / (copy_ms * 1e-3),
+        bf16_flops_per_s=2 * m**3 / (mm_ms * 1e-3),
+        empty_launch_us=empty_ms * 1e3,
+    )
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm: compiles and per-step work lists stay out of the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+@dataclass
+class Pool:
+    """Slot buffers of one layer shape, with more slots than any case uses at once."""
+
+    hidden: int
+    widths: tuple[int, ...]
+    rank: int
+    lora_a: torch.Tensor  # [P, S, R, hidden]
+    lora_b: torch.Tensor  # [P, N, R]
+
+    @property
+    def slots(self) -> int:
+        return self.lora_a.shape[0]
+
+    @staticmethod
+    def make(hidden, widths, rank):
+        per_slot = (len(widths) * rank * hidden + sum(widths) * rank) * 2
+        slots = int(max(128, min(1024, POOL_BYTES // per_slot)))
+        a = torch.randn(slots, len(widths), rank, hidden, device=DEV, dtype=DTYPE) * hidden**-0.5
+        b = torch.randn(slots, sum(widths), rank, device=DEV, dtype=DTYPE) * rank**-0.5
+        return Pool(hidden, widths, rank, a, b)
+
+
+def token_slots(tokens, lora_tokens, adapters, first_slot, gen):
+    ids = first_slot + torch.arange(lora_tokens, device=DEV) % adapters
+    slots = torch.cat([ids, torch.full((tokens - lora_tokens,), -1, device=DEV, dtype=ids.dtype)])
+    return slots[torch.randperm(tokens, device=DEV, generator=gen)].to(torch.int32)
+
+
+def floor_us(pool: Pool, tokens, lora_tokens, adapters, ceil) -> tuple[float, float]:
+    """(floor, bytes term alone) in microseconds."""
+    s, r, hidden, n = len(pool.widths), pool.rank, pool.hidden, sum(pool.widths)
+    moved = (
+        lora_tokens * hidden * 2
+        + adapters * (s * r * hidden + n * r) * 2
+        + s * tokens * r * 4
+        + s * lora_tokens * r * 4
+        + 2 * lora_tokens * n * 2
+    )
+    flops = 2 * lora_tokens * hidden * s * r + 2 * lora_tokens * n * r
+    work_us = max(moved / ceil["copy_bytes_per_s"], flops / ceil["bf16_flops_per_s"]) * 1e6
+    return work_us + 2 * ceil["empty_launch_us"], moved / ceil["copy_bytes_per_s"] * 1e6
+
+
+def gathered_bmm(x, y, pool: Pool, slots, offsets):
+    """The plain-PyTorch baseline: gather each token's A and B, then batched matmuls (chunked)."""
+    s, r = len(pool.widths), pool.rank
+    a_flat = pool.lora_a.view(pool.slots, s * r, pool.hidden)
+    per_token = (s * r * pool.hidden + offsets[-1] * r) * 2
+    chunk = max(1, int(2e9 // per_token))
+    for c0 in range(0, x.shape[0], chunk):
+        sl = slots[c0 : c0 + chunk]
+        idx = sl.clamp(min=0).long()
+        keep = (sl >= 0).to(x.dtype)[:, None]
+        buf = torch.bmm(a_flat[idx], x[c0 : c0 + chunk, :, None])[..., 0] * keep  # [c, S*R]
+        b = pool.lora_b[idx]  # [c, N, R]
+        delta = torch.cat(
+            [torch.bmm(b[:, offsets[i] : offsets[i + 1]], buf[:, i * r : (i + 1) * r, None])[..., 0] for i in range(s)],
+            dim=1,
+        )
+        y[c0 : c0 + chunk] += delta
+
+
+def time_events(fn, runs=3) -> float:
+    """Median ms of a few runs, for the slow baseline (do_bench would take seconds on it)."""
+    fn()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_sets(tokens):
+    return 8 if tokens <= 256 else 4 if tokens <= 1024 else 2
+
+
+def run_case(pool: Pool, tokens, adapters, none, ceil, gen, baseline=True, ops=("layer",)):
+    lora_tokens = tokens - int(round(none * tokens))
+    distinct = max(1, min(adapters, lora_tokens))
+    offsets = offsets_of(pool.widths)
+    sets = []
+    for i in range(max(1, min(graph_sets(tokens), pool.slots // distinct))):
+        slots = token_slots(tokens, lora_tokens, distinct, i * distinct, gen)
+        x = torch.randn(tokens, pool.hidden, device=DEV, dtype=DTYPE, generator=gen)
+        y = torch.randn(tokens, offsets[-1], device=DEV, dtype=DTYPE, generator=gen)
+        buf = torch.empty(len(pool.widths), tokens, pool.rank, device=DEV)
+        sets.append((x, y, buf, make_lora_meta(slots, pool.slots), slots))
+
+    def layer(i, op="layer"):
+        x, y, buf, meta, _ = sets[i]
+        if op != "expand":
+            lora_shrink(x, pool.lora_a, meta, out=buf)
+        if op != "shrink":
+            lora_expand(y, buf, pool.lora_b, offsets, meta)
+
+    result = dict(distinct=distinct, lora_tokens=lora_tokens, sets=len(sets))
+    result["floor_us"], result["bytes_us"] = floor_us(pool, tokens, lora_tokens, distinct, ceil)
+    for op in ops:
+        graph = capture(lambda: [layer(i, op) for i in range(len(sets))])
+        result[f"{op}_graph_us"] = do_bench(graph.replay, return_mode="median", **BENCH_MS) * 1e3 / len(sets)
+        del graph
+    if "layer" in ops:
+        result["eager_us"] = do_bench(lambda: layer(0), return_mode="median", **BENCH_MS) * 1e3
+    if baseline:
+        x, y, _, _, slots = sets[0]
+        result["torch_us"] = time_events(lambda: gathered_bmm(x, y, pool, slots, offsets)) * 1e3
+    return result
+
+
+def grid_cases(tokens_list=TOKENS):
+    """(tokens, adapters, none) without duplicates: a case whose distinct adapters equal an earlier one's is skipped."""
+    seen = set()
+    for tokens, adapters, none in itertools.product(tokens_list, ADAPTERS, NONE):
+        lora_tokens = tokens - int(round(none * tokens))
+        key = (tokens, lora_tokens, max(1, min(adapters, lora_tokens)))
+        if key not in seen:
+            seen.add(key)
+            yield tokens, adapters, none
+
+
+def env_info(ceil) -> dict:
+    props = torch.cuda.get_device_properties(0)
+    return dict(
+        device=torch.cuda.get_device_name(0),
+        sms=props.multi_processor_count,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        triton=triton.__version__,
+        python=sys.version.split()[0],
+        command=" ".join(["python"] + sys.argv),
+        config_table=tuning.gpu_key(torch.device(DEV)),
+        **{k: round(v, 3) for k, v in ceil.items()},
+    )
+
+
+def summarize(rows) -> list[str]:
+    def stats(name, values):
+        if not values:
+            return f"{name}: no cases"
+        return f"{name}: median {statistics.median(values):.2f}x, max {max(values):.2f}x over {len(values)} cases"
+
+    decode = [r for r in rows if r["tokens"] <= 256]
+    prefill = [r for r in rows if r["tokens"] >= 4096]
+    lines = [
+        stats("decode (<= 256 tokens), graph time / floor", [r["graph_us"] / r["floor_us"] for r in decode]),
+        stats("decode (<= 256 tokens), eager time / floor", [r["eager_us"] / r["floor_us"] for r in decode]),
+        stats("prefill (>= 4096 tokens), eager time / floor", [r["eager_us"] / r["floor_us"] for r in prefill]),
+        stats("prefill (>= 4096 tokens), graph time / floor", [r["graph_us"] / r["floor_us"] for r in prefill]),
+        stats("1024 tokens, eager time / floor", [r["eager_us"] / r["floor_us"] for r in rows if r["tokens"] == 1024]),
+        stats("all cases, torch gathered bmm / floor", [r["torch_us"] / r["floor_us"] for r in rows if "torch_us" in r]),
+    ]
+    misses = [r for r in decode if r["graph_us"] / r["floor_us"] > 4] + [
+        r for r in prefill if r["eager_us"] / r["floor_us"] > 1.5
+    ]
+    lines.append(f"cases over target (decode graph > 4x, prefill eager > 1.5x): {len(misses)}")
+    for r in misses:
+        lines.append("  miss: " + row_text(r))
+    return lines
+
+
+HEADER = "| hidden | slices | rank | tokens | adapters | no-adapter | floor us | eager us | eager/floor | graph us | graph/floor | torch bmm us |"
+
+
+SEPARATOR = "|" + "---|" * (HEADER.count("|") - 1)
+
+
+def row_text(r) -> str:
+    torch_us = f"{r['torch_us']:.1f}" if "torch_us" in r else "-"
+    adapters = f"{r['adapters']}" if r["distinct"] == r["adapters"] else f"{r['adapters']} ({r['distinct']})"
+    return (
+        f"| {r['hidden']} | {r['slices']} | {r['rank']} | {r['tokens']} | {adapters} | {int(r['none'] * 100)}% "
+        f"| {r['floor_us']:.1f} | {r['eager_us']:.1f} | {r['eager_us'] / r['floor_us']:.2f} "
+        f"| {r['graph_us']:.1f} | {r['graph_us'] / r['floor_us']:.2f} | {torch_us} |"
+    )
+
+
+def benchmark(args, ceil):
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    rows = []
+    shapes = list(itertools.product(HIDDEN, SLICES, RANKS))
+    tokens = (1, 64, 256, 8192) if args.quick else TOKENS
+    print(HEADER)
+    print(SEPARATOR)
+    for hidden, num_slices, rank in shapes:
+        pool = Pool.make(hidden, widths_of(hidden, num_slices), rank)
+        for t, adapters, none in grid_cases(tokens):
+            res = run_case(pool, t, adapters, none, ceil, gen, baseline=not args.no_baseline)
+            res["graph_us"] = res.pop("layer_graph_us")
+            row = dict(hidden=hidden, slices=num_slices, rank=rank, tokens=t, adapters=adapters, none=none, **res)
+            rows.append(row)
+            print(row_text(row), flush=True)
+        del pool
+        torch.cuda.empty_cache()
+    return rows
+
+
+def shrink_candidates(tokens, sr):
+    full = max(16, triton.next_power_of_2(sr))
+    if tokens <= 64:
+        return [
+            tuning.ShrinkConfig(16, bn, bk, sk, 4, st, cta)
+            for bn, bk, sk, st, cta in [
+                (min(full, 64), 256, 1, 3, 4),
+                (32, 256, 4, 3, 4),
+                (min(full, 64), 256, 8, 3, 4),
+                (16, 512, 4, 3, 4),
+                (min(full, 64), 128, 16, 4, 8),
+            ]
+        ]
+    if tokens <= 256:
+        return [
+            tuning.ShrinkConfig(bm, bn, bk, sk, 4, 3, cta)
+            for bm, bn, bk, sk, cta in [
+                (16, min(full, 64), 256, 4, 4),
+                (64, min(full, 64), 128, 2, 2),
+                (64, min(full, 64), 128, 4, 2),
+                (64, min(full, 128), 64, 1, 2),
+            ]
+        ]
+    return [
+        tuning.ShrinkConfig(bm, bn, bk, sk, w, st, cta)
+        for bm, bn, bk, sk, w, st, cta in [
+            (64, min(full, 128), 64, 1, 4, 4, 2),
+            (128, min(full, 128), 64, 1, 8, 3, 1),
+            (128, min(full, 256), 64, 1, 8, 3, 1),
+            (64, min(full, 64), 128, 1, 4, 3, 2),
+            (128, min(full, 64), 128, 1, 4, 3, 2),
+        ]
+    ]
+
+
+def expand_candidates(tokens):
+    if tokens <= 64:
+        return [tuning.ExpandConfig(16, bn, 1, w, 1, cta) for bn, w, cta in [(32, 4, 8), (64, 4, 8), (128, 4, 4), (64, 2, 8)]]
+    if tokens <= 256:
+        return [
+            tuning.ExpandConfig(bm, bn, it, 4, st, cta)
+            for bm, bn, it, st, cta in [(16, 64, 1, 1, 8), (32, 64, 1, 1, 8), (64, 64, 1, 2, 4), (64, 128, 1, 2, 4)]
+        ]
+    return [
+        tuning.ExpandConfig(bm, bn, it, w, st, cta)
+        for bm, bn, it, w, st, cta in [
+            (64, 128, 2, 4, 2, 2),
+            (64, 128, 1, 4, 1, 4),
+            (128, 128, 2, 8, 2, 2),
+            (64, 256, 1, 8, 1, 2),
+            (128, 64, 4, 4, 2, 2),
+        ]
+    ]
+
+
+def tune(args, ceil):
+    """Each op alone, in graphs, for each candidate; keeps the one with the best worst ratio to the
+    fastest over two adapter mixes (1 adapter, and min(tokens, 128) adapters)."""
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    key = tuning.gpu_key(torch.device(DEV))
+    table = {"shrink": {}, "expand": {}}
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.tune_shapes]
+    tokens_list = [int(t) for t in args.tune_tokens]
+    for hidden, num_slices, rank in shapes:
+        pool = Pool.make(hidden, widths_of(hidden, num_slices), rank)
+        sr, n = num_slices * rank, sum(widths_of(hidden, num_slices))
+        for tokens in tokens_list:
+            for op, cands in (("shrink", shrink_candidates(tokens, sr)), ("expand", expand_candidates(tokens))):
+                shape_key = f"{hidden}x{sr}" if op == "shrink" else f"{n}x{rank}"
+                times = []
+                for cand in cands:
+                    entry = {op: {shape_key: {str(tokens): tuning.as_dict(cand)}}}
+                    tuning.set_table(key, entry)
+                    per_mix = [
+                        run_case(pool, tokens, adapters, 0.0, ceil, gen, baseline=False, ops=(op,))[f"{op}_graph_us"]
+                        for adapters in (1, 128)
+                    ]
+                    times.append(per_mix)
+                best = [min(t[i] for t in times) for i in range(2)]
+                scores = [max(t[i] / best[i] for i in range(2)) for t in times]
+                pick = min(range(len(cands)), key=scores.__getitem__)
+                table[op].setdefault(shape_key, {})[str(tokens)] = tuning.as_dict(cands[pick])
+                for cand, t, sc in zip(cands, times, scores):
+                    mark = "*" if cand == cands[pick] else " "
+                    print(f"tune {op} {shape_key} T={tokens} {mark} {cand} 1 adapter {t[0]:.1f} us, "
+                          f"many {t[1]:.1f} us, score {sc:.2f}", flush=True)
+        del pool
+        torch.cuda.empty_cache()
+    tuning.set_table(key, table)
+    return table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="folder for bench.md / bench.json")
+    parser.add_argument("--quick", action="store_true", help="tokens 1, 64, 256, 8192 only")
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--tune-out", default=None, help="tune first, write the table here, then benchmark with it")
+    parser.add_argument("--tune-shapes", nargs="*", default=[f"{h},{s},{r}" for h in HIDDEN for s in SLICES for r in RANKS])
+    parser.add_argument("--tune-tokens", nargs="*", default=[str(t) for t in TOKENS])
+    parser.add_argument("--skip-bench", action="store_true")
+    args = parser.parse_args()
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    started = time.time()
+    ceil = measure_ceilings()
+    info = env_info(ceil)
+    print(json.dumps(info, indent=1))
+    if args.tune_out:
+        table = tune(args, ceil)
+        with open(args.tune_out, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        print(f"tuned in {time.time() - started:.0f} s -> {args.tune_out}")
+    if args.skip_bench:
+        return
+    rows = benchmark(args, ceil)
+    lines = summarize(rows)
+    print("\n".join(lines))
+    print(f"total {time.time() - started:.0f} s")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump(dict(env=info, rows=rows, summary=lines), f, indent=1)
+        with open(os.path.join(args.out, "bench.md"), "w") as f:
+            f.write("\n".join([HEADER, SEPARATOR] + [row_text(r) for r in rows]))
+            f.write("\n\n" + "\n".join(f"- {line}" for line in lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

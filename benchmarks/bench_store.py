@@ -1,0 +1,180 @@
+"""Adapter store benchmark: prints one table; asserts nothing about time.
+
+1. RegisterAdapter (fetch from disk + validate) and Prefetch (pack + slice + cache every rank)
+   for a Llama-3-8B-shaped, rank-16, all-linear PEFT adapter with random weights, tp 1, 2, 8.
+2. FetchShard stream throughput over loopback from the disk tier and from the Redis tier,
+   beside the raw read of the same bytes from the same tier (no gRPC): the ratio is the figure.
+
+The store runs as a separate `loraserve store` process, as in production.
+Usage: python benchmarks/bench_store.py [--redis-url redis://127.0.0.1:6379/0] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from loraserve.adapter_store.cache import DiskCache, RedisCache
+from loraserve.adapter_store.pack import shard_key
+from loraserve.client import StoreClient
+from loraserve.v1 import adapter_store_pb2 as spb
+from loraserve.v1 import common_pb2 as pb
+
+LLAMA3_8B = dict(
+    model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_adapter(directory: Path, rank: int) -> int:
+    """A PEFT-format rank-r all-linear adapter for Llama-3-8B shapes, bf16 random weights."""
+    c = LLAMA3_8B
+    h, i, hd = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * hd
+    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(c["num_hidden_layers"]):
+        for name, (fin, fout) in shapes.items():
+            part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fin, generator=g) * 0.01).bfloat16()
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(fout, rank, generator=g) * 0.01).bfloat16()
+    directory.mkdir(parents=True)
+    save_file(tensors, directory / "adapter_model.safetensors")
+    (directory / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
+        "base_model_name_or_path": "meta-llama/Meta-Llama-3-8B", "bias": "none", "task_type": "CAUSAL_LM",
+    }))
+    return (directory / "adapter_model.safetensors").stat().st_size
+
+
+def llama_layout(tp: int, max_rank: int = 64) -> pb.Layout:
+    c = LLAMA3_8B
+    h, i = c["hidden_size"], c["intermediate_size"]
+    hd = h // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * hd
+    lay = pb.Layout(tp_size=tp, dtype="bfloat16", max_rank=max_rank, base_model="meta-llama/Meta-Llama-3-8B")
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        lay.modules.add(name=f"{p}.self_attn.qkv_proj", kind=pb.QKV, input_size=h, output_sizes=[h, kv, kv], head_size=hd,
+                        peft_modules=[f"{p}.self_attn.{x}_proj" for x in "qkv"])
+        lay.modules.add(name=f"{p}.self_attn.o_proj", kind=pb.ROW, input_size=h, output_sizes=[h], peft_modules=[f"{p}.self_attn.o_proj"])
+        lay.modules.add(name=f"{p}.mlp.gate_up_proj", kind=pb.MERGED_COLUMN, input_size=h, output_sizes=[i, i],
+                        peft_modules=[f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"])
+        lay.modules.add(name=f"{p}.mlp.down_proj", kind=pb.ROW, input_size=i, output_sizes=[h], peft_modules=[f"{p}.mlp.down_proj"])
+    return lay
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_store(work: Path, port: int, redis_url: str | None, prefix: str) -> subprocess.Popen:
+    base = work / "base"
+    base.mkdir(exist_ok=True)
+    (base / "config.json").write_text(json.dumps(LLAMA3_8B))
+    cmd = [sys.executable, "-m", "loraserve.cli", "--log-level", "WARNING", "store", "--listen", f"127.0.0.1:{port}",
+           "--data-dir", str(work / "store"), "--base-model", "meta-llama/Meta-Llama-3-8B", "--base-model-path", str(base),
+           "--allow-local-root", str(work)]
+    if redis_url:
+        cmd += ["--redis-url", redis_url, "--redis-prefix", prefix]
+    proc = subprocess.Popen(cmd)
+    client = StoreClient(f"127.0.0.1:{port}")
+    for _ in range(300):
+        try:
+            client.list()
+            return proc
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("store did not start")
+
+
+def timed(fn, repeat: int) -> tuple[float, object]:
+    times, result = [], None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def fetch_row(client, layout, tier, backend, key, repeat):
+    """Median FetchShard stream rate beside the median raw read of the same tier."""
+    t_raw, raw = timed(lambda: backend.get(key), repeat)
+    t_stream, (header, streamed) = timed(lambda: client.fetch_shard("llama3-r16", layout), repeat)
+    assert header.cache_tier == tier and len(streamed) == len(raw), (header.cache_tier, tier)
+    mb = len(raw) / 2**20
+    return (f"FetchShard from {tier}", f"{mb:.1f} MiB", f"{mb / t_stream:9.0f} MiB/s",
+            f"raw {tier} read {mb / t_raw:.0f} MiB/s; stream/raw {t_raw / t_stream:.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--rank", type=int, default=16)
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    work = Path(tempfile.mkdtemp(prefix="bench-store-"))
+    prefix = f"loraserve-bench:{os.getpid()}:"
+    port = free_port()
+    proc = start_store(work, port, None, prefix)  # disk tier only, first
+    client = StoreClient(f"127.0.0.1:{port}")
+    rows = []
+    try:
+        size = make_adapter(work / "adapter", args.rank)
+        t_reg, _ = timed(lambda: client.register("llama3-r16", str(work / "adapter")), 1)
+        rows.append(("register (fetch+validate)", "-", f"{t_reg * 1e3:9.0f} ms", f"{size / 2**20:.1f} MiB adapter"))
+        for tp in (1, 2, 8):
+            layout = llama_layout(tp)
+            t, res = timed(lambda: client.prefetch([spb.PrefetchItem(name="llama3-r16", layout=layout)]), 1)
+            assert all(r.ok for r in res), [r.error for r in res]
+            total = sum(r.bytes for r in res)
+            rows.append((f"pack+slice+cache tp={tp}", f"{tp} ranks", f"{t * 1e3:9.0f} ms", f"{total / 2**20:.1f} MiB shards"))
+        digest = client.get("llama3-r16").digest
+        layout = llama_layout(1)
+        key = shard_key(digest, layout, pb.ShardRank())
+        disk = DiskCache(work / "store" / "cache", 1 << 40)
+        rows.append(fetch_row(client, layout, "disk", disk, key, args.repeat))
+        if args.redis_url:
+            proc.terminate()
+            proc.wait(10)
+            proc = start_store(work, port, args.redis_url, prefix)
+            redis = RedisCache(args.redis_url, prefix, 1 << 40)
+            redis.put(key, disk.get(key))
+            rows.append(fetch_row(client, layout, "redis", redis, key, args.repeat))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        if args.redis_url:
+            RedisCache(args.redis_url, prefix, 1 << 40).delete_prefix("")
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\nadapter store benchmark - {platform.node()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; Llama-3-8B shapes, rank {args.rank}, all linear, bf16")
+    print(f"| {'step':28s} | {'size':12s} | {'time / rate':14s} | note |")
+    print(f"|{'-' * 30}|{'-' * 14}|{'-' * 16}|------|")
+    for step, sz, t, note in rows:
+        print(f"| {step:28s} | {sz:12s} | {t:14s} | {note} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The plain-PyTorch reference (the oracle and CPU path) against float64 einsum, the per-step
+grouping it and the Triton kernels share, and the tuned-config tables. CPU only: runs in CI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from loraserve.kernels import (
+    lora_embedding_shrink,
+    lora_expand,
+    lora_shrink,
+    make_lora_meta,
+    reference,
+    tuning,
+)
+
+
+def offsets_of(widths):
+    offs = [0]
+    for w in widths:
+        offs.append(offs[-1] + w)
+    return tuple(offs)
+
+
+def random_layer(gen, num_slots, in_features, widths, rank, ranks=None, dtype=torch.float32):
+    lora_a = torch.randn(num_slots, len(widths), rank, in_features, generator=gen)
+    lora_b = torch.randn(num_slots, sum(widths), rank, generator=gen)
+    for slot, r in enumerate(ranks or []):
+        lora_a[slot, :, r:] = 0
+        lora_b[slot, :, r:] = 0
+    return lora_a.to(dtype), lora_b.to(dtype)
+
+
+def einsum_shrink(x, lora_a, slots):
+    """float64, per token: buf[s, t] = A[slot(t), s] @ x[t], 0 for slot -1."""
+    a = lora_a.double()[slots.clamp(min=0).long()]  # [T, S, R, in]
+    out = torch.einsum("ti,tsri->str", x.double(), a)
+    return out * (slots >= 0).double()[None, :, None]
+
+
+def einsum_expand(y, buf, lora_b, offsets, slots):
+    b = lora_b.double()[slots.clamp(min=0).long()]  # [T, N, R]
+    delta = torch.cat(
+        [
+            torch.einsum("tr,tnr->tn", buf[s].double(), b[:, offsets[s] : offsets[s + 1]])
+            for s in range(len(offsets) - 1)
+        ],
+        dim=1,
+    )
+    return y.double() + delta * (slots >= 0).double()[:, None]
+
+
+SHAPES = [
+    # tokens, slots, in, widths, rank, no-adapter fraction, per-slot ranks
+    (1, 1, 16, (24,), 4, 0.0, None),
+    (9, 3, 32, (32, 8, 8), 8, 0.3, None),
+    (40, 5, 48, (20, 36), 16, 0.2, [16, 4, 8, 16, 2]),
+    (64, 4, 24, (8, 8, 8, 8, 8, 8), 8, 0.5, [8, 1, 3, 8]),
+    (17, 2, 16, (16,), 8, 1.0, None),
+]
+
+
+@pytest.mark.parametrize("tokens,slots,in_features,widths,rank,none,ranks", SHAPES)
+def test_reference_shrink_and_expand_match_float64_einsum(tokens, slots, in_features, widths, rank, none, ranks):
+    gen = torch.Generator().manual_seed(tokens)
+    lora_a, lora_b = random_layer(gen, slots, in_features, widths, rank, ranks)
+    token_slots = torch.randint(0, slots, (tokens,), generator=gen)
+    token_slots[torch.rand(tokens, generator=gen) < none] = -1
+    meta = make_lora_meta(token_slots, slots)
+    x = torch.randn(tokens, in_features, generator=gen)
+    offsets = offsets_of(widths)
+
+    buf = lora_shrink(x, lora_a, meta, out=torch.full((len(widths), tokens, rank), float("nan")))
+    want_buf = einsum_shrink(x, lora_a, token_slots)
+    torch.testing.assert_close(buf.double(), want_buf, rtol=1e-5, atol=1e-4)
+
+    y0 = torch.randn(tokens, offsets[-1], generator=gen)
+    y = lora_expand(y0.clone(), buf, lora_b, offsets, meta)
+    torch.testing.assert_close(y.double(), einsum_expand(y0, buf, lora_b, offsets, token_slots), rtol=1e-5, atol=1e-4)
+    assert torch.equal(y[token_slots < 0], y0[token_slots < 0])
+
+
+def test_mixed_ranks_are_exact_at_full_slot_rank():
+    """A rank-4 adapter in a rank-16 slot gives what its own rank-4 matrices give."""
+    gen = torch.Generator().manual_seed(0)
+    lora_a, lora_b = random_layer(gen, 2, 32, (16, 16), 16, ranks=[4, 16])
+    slots = torch.tensor([0, 1, 0, -1, 0])
+    meta = make_lora_meta(slots, 2)
+    x = torch.randn(5, 32, generator=gen)
+    buf = lora_shrink(x, lora_a, meta)
+    y = lora_expand(torch.zeros(5, 32), buf, lora_b, (0, 16, 32), meta)
+    a4, b4 = lora_a[0, :, :4], lora_b[0, :, :4]  # [S, 4, in], [N, 4]
+    for t in (0, 2, 4):
+        want = torch.cat([b4[s * 16 : (s + 1) * 16] @ (a4[s] @ x[t]) for s in range(2)])
+        torch.testing.assert_close(y[t], want, rtol=1e-5, atol=1e-4)
+
+
+def test_reference_embedding_gathers_rows_of_each_tokens_adapter():
+    gen = torch.Generator().manual_seed(1)
+    lora_a = torch.randn(3, 50, 8, generator=gen).half()
+    ids = torch.randint(0, 50, (13,), generator=gen)
+    slots = torch.tensor([0, 1, 2, -1, 2, 2, 1, 0, -1, 0, 1, 1, 2])
+    buf = lora_embedding_shrink(ids, lora_a, make_lora_meta(slots, 3))
+    assert buf.shape == (1, 13, 8) and buf.dtype == torch.float32
+    for t in range(13):
+        want = lora_a[slots[t], ids[t]].float() if slots[t] >= 0 else torch.zeros(8)
+        assert torch.equal(buf[0, t], want)
+
+
+def test_make_lora_meta_groups_tokens_by_slot_no_adapter_last():
+    gen = torch.Generator().manual_seed(2)
+    slots = torch.randint(-1, 6, (200,), generator=gen)
+    meta = make_lora_meta(slots, 8)
+    ids = meta.sorted_token_ids.long()
+    assert sorted(ids.tolist()) == list(range(200))  # a permutation
+    keys = torch.where(slots < 0, 8, slots)[ids]
+    assert (keys[1:] >= keys[:-1]).all()  # grouped, ascending, no-adapter last
+    for slot in range(8):
+        n, start = int(meta.tokens_per_slot[slot]), int(meta.slot_start[slot])
+        assert n == int((slots == slot).sum())
+        group = ids[start : start + n]
+        assert (slots[group] == slot).all()
+        assert (group[1:] > group[:-1]).all()  # stable: token order kept inside a group
+    assert meta.tokens_per_slot.dtype == meta.slot_start.dtype == torch.int32
+    assert meta.active_slots.tolist()[: int(meta.num_active)] == sorted(set(slots[slots >= 0].tolist()))
+    assert (meta.active_slots[int(meta.num_active) :] == -1).all()
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16, 64])
+@pytest.mark.parametrize("num_slots,none", [(1, 0.0), (5, 0.3), (64, 0.2), (3, 1.0)])
+def test_block_list_covers_each_group_once_in_blocks_of_one_slot(block_m, num_slots, none):
+    gen = torch.Generator().manual_seed(block_m + num_slots)
+    for tokens in (1, 7, 100, 333):
+        slots = torch.randint(0, num_slots, (tokens,), generator=gen)
+        slots[torch.rand(tokens, generator=gen) < none] = -1
+        meta = make_lora_meta(slots, num_slots)
+        work = meta.block_list(block_m)
+        assert meta.block_list(block_m) is work  # built once per step
+        blocks, (lora_blocks, all_blocks) = work.blocks, work.num_blocks.tolist()
+        assert blocks.shape == (3, work.max_blocks) and all_blocks <= work.max_blocks
+        covered = torch.zeros(tokens, dtype=torch.int64)
+        for b in range(all_blocks):
+            slot, first, end = blocks[:, b].tolist()
+            assert first < end  # end: where the block's group ends
+            assert (slot < num_slots) == (b < lora_blocks)  # real slots first, no-adapter group after
+            rows = meta.sorted_token_ids[first : min(end, first + block_m)].long()
+            want = slot if slot < num_slots else -1
+            assert (slots[rows] == want).all()
+            covered[rows] += 1
+        assert (covered == 1).all()
+        assert (blocks[0, all_blocks:] == -1).all()
+
+
+def test_block_list_bound_depends_only_on_tokens_and_slots():
+    a = make_lora_meta(torch.zeros(50, dtype=torch.int32), 8).block_list(16)
+    b = make_lora_meta(torch.arange(50) % 8, 8).block_list(16)
+    assert a.max_blocks == b.max_blocks == 4 + 9
+
+
+def emulate_kernels(x, lora_a, lora_b, offsets, meta, block_m):
+    """What the Triton kernels compute, walked tile by tile over the block list, in float64."""
+    work = meta.block_list(block_m)
+    num_slices, rank = lora_a.shape[1], lora_a.shape[2]
+    buf = torch.full((num_slices, x.shape[0], rank), float("nan"), dtype=torch.float64)
+    y = torch.zeros(x.shape[0], offsets[-1], dtype=torch.float64)
+    lora_blocks, all_blocks = work.num_blocks.tolist()
+    for b in range(all_blocks):
+        slot, first, end = work.blocks[:, b].tolist()
+        tok = meta.sorted_token_ids[first : min(end, first + block_m)].long()
+        if slot == meta.max_loras:
+            buf[:, tok] = 0
+            continue
+        buf[:, tok] = torch.einsum("ti,sri->str", x[tok].double(), lora_a[slot].double())
+    for b in range(lora_blocks):
+        slot, first, end = work.blocks[:, b].tolist()
+        tok = meta.sorted_token_ids[first : min(end, first + block_m)].long()
+        for s in range(num_slices):
+            y[tok, offsets[s] : offsets[s + 1]] += buf[s, tok] @ lora_b[slot, offsets[s] : offsets[s + 1]].double().T
+    return buf, y
+
+
+@pytest.mark.parametrize("block_m", [1, 16, 64])
+def test_block_list_walk_reproduces_the_reference(block_m):
+    gen = torch.Generator().manual_seed(3)
+    lora_a, lora_b = random_layer(gen, 7, 32, (32, 8, 8), 8)
+    slots = torch.randint(-1, 7, (150,), generator=gen)
+    meta = make_lora_meta(slots, 7)
+    x = torch.randn(150, 32, generator=gen)
+    buf, y = emulate_kernels(x, lora_a, lora_b, (0, 32, 40, 48), meta, block_m)
+    want_buf = reference.lora_shrink(x, lora_a, meta)
+    torch.testing.assert_close(buf, want_buf.double(), rtol=1e-5, atol=1e-4)
+    want_y = reference.lora_expand(torch.zeros(150, 48), want_buf, lora_b, (0, 32, 40, 48), meta)
+    torch.testing.assert_close(y, want_y.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_cpu_tensors_use_the_reference_and_never_import_triton():
+    code = (
+        "import sys, torch\n"
+        "from loraserve import kernels\n"
+        "m = kernels.make_lora_meta(torch.tensor([0, -1]), 1)\n"
+        "kernels.lora_shrink(torch.randn(2, 8), torch.randn(1, 1, 4, 8), m)\n"
+        "assert kernels._impl(torch.zeros(1)) is kernels.reference\n"
+        "assert 'triton' not in sys.modules and 'loraserve.kernels.triton_lora' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tuned_table_lookup_takes_largest_tuned_token_count_at_or_below():
+    table = {"shrink": {"4096x192": {"1": dict(block_m=16, block_n=64, block_k=256, split_k=4, num_warps=4,
+                                                   num_stages=3, ctas_per_sm=4),
+                                       "1024": dict(block_m=128, block_n=64, block_k=64, split_k=1,
+                                                    num_warps=8, num_stages=4, ctas_per_sm=1)}}}
+    tuning.set_table("test_gpu", table)
+    try:
+        assert tuning._shrink_config("test_gpu", 1, 4096, 192).block_m == 16
+        assert tuning._shrink_config("test_gpu", 1023, 4096, 192).block_m == 16
+        assert tuning._shrink_config("test_gpu", 5000, 4096, 192).block_m == 128
+        assert tuning._shrink_config("test_gpu", 64, 8192, 192) == tuning._default_shrink(64, 8192, 192)
+    finally:
+        tuning.set_table("test_gpu", {})
+
+
+def test_shipped_config_tables_are_well_formed():
+    for path in tuning.CONFIG_DIR.glob("*.json"):
+        table = json.loads(path.read_text())
+        for op, cls in (("shrink", tuning.ShrinkConfig), ("expand", tuning.ExpandConfig)):
+            for shape, by_tokens in table.get(op, {}).items():
+                assert all(int(d) > 0 for d in shape.split("x")), (path.name, shape)
+                for tokens, entry in by_tokens.items():
+                    cfg = cls(**entry)
+                    assert int(tokens) >= 1
+                    for size in (cfg.block_m, cfg.block_n):
+                        assert size >= 16 and size & (size - 1) == 0, (path.name, op, shape, tokens)
