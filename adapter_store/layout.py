@@ -79,9 +79,11 @@ def _check_divisible(m: pb.ModuleLayout, tp: int, where: str) -> None:
         if not m.head_size:
             raise invalid(f"{where}: QKV needs head_size")
         q, k, v = m.output_sizes
-        kv_heads = k // m.head_size
-        if q % tp or q % m.head_size or k != v or k % m.head_size:
-            raise invalid(f"{where}: q/k/v sizes {q}/{k}/{v} do not split over tp_size {tp}")
+        if q % m.head_size or k % m.head_size or k != v:
+            raise invalid(f"{where}: q/k/v sizes {q}/{k}/{v} are not whole heads of head_size {m.head_size}")
+        q_heads, kv_heads = q // m.head_size, k // m.head_size
+        if q_heads % tp:
+            raise invalid(f"{where}: {q_heads} attention heads do not split over tp_size {tp}")
         if kv_heads >= tp and kv_heads % tp or kv_heads < tp and tp % kv_heads:
             raise invalid(f"{where}: {kv_heads} kv heads do not split over tp_size {tp}")
     elif m.kind in COLUMN_LIKE and any(n % tp for n in m.output_sizes):

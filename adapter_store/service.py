@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from loraserve.auth import require_admin
 from loraserve.errors import StatusError, grpc_errors, invalid, precondition
 from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
@@ -60,16 +61,8 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         self.spec = load_spec(cfg)
         self._inflight: dict[str, asyncio.Future] = {}
 
-    # -- auth ------------------------------------------------------------------------
     def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
-        token = self.cfg.admin_token
-        if not token:
-            return
-        auth = dict(context.invocation_metadata() or ()).get("authorization", "")
-        if not auth:
-            raise StatusError(grpc.StatusCode.UNAUTHENTICATED, "this RPC needs an admin token: send 'authorization: Bearer <token>'")
-        if auth != f"Bearer {token}":
-            raise StatusError(grpc.StatusCode.PERMISSION_DENIED, "the admin token is not valid")
+        require_admin(context, self.cfg.admin_token)
 
     # -- registration ----------------------------------------------------------------
     @grpc_errors

@@ -295,7 +295,7 @@ def test_fetch_errors(make_store, peft_adapter):
         (("nope", qkv_layout(1)), {}, "NOT_FOUND", "'nope' is not registered"),
         (("a", qkv_layout(1, base_model="other-model")), {}, "FAILED_PRECONDITION", "executor serves base model 'other-model'"),
         (("a", qkv_layout(1, max_rank=4)), {}, "FAILED_PRECONDITION", "above the executor's max_rank 4"),
-        (("a", qkv_layout(3)), {}, "INVALID_ARGUMENT", "do not split over tp_size 3"),
+        (("a", qkv_layout(3)), {}, "INVALID_ARGUMENT", "4 attention heads do not split over tp_size 3"),
         (("a", qkv_layout(2)), {"tp_rank": 2}, "INVALID_ARGUMENT", "outside tp_size 2"),
         (("a", qkv_layout(1)), {"digest": "f" * 64}, "FAILED_PRECONDITION", f"now has digest {m.digest[:12]}"),
         (("a", pb.Layout(tp_size=1, dtype="int8", max_rank=8)), {}, "INVALID_ARGUMENT", "layout.dtype 'int8'"),

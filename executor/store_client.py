@@ -1,0 +1,52 @@
+"""The executor's side of the store contract: declare the layout, stream shards into host tensors."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+import torch
+from safetensors.torch import load as st_load
+
+from loraserve.client import ShardAssembler
+from loraserve.errors import StatusError, unavailable
+from loraserve.v1 import adapter_store_pb2 as spb
+from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
+from loraserve.v1 import common_pb2 as pb
+
+log = logging.getLogger(__name__)
+DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class StoreClient:
+    """Fetches this rank's shard of an adapter for the executor's layout (grpc.aio)."""
+
+    def __init__(self, address: str, layout: pb.Layout, rank: pb.ShardRank | None = None, timeout_s: float = 120.0):
+        self.address = address
+        self.layout = layout
+        self.rank = rank or pb.ShardRank()
+        self.timeout_s = timeout_s
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = spb_grpc.AdapterStoreStub(self.channel)
+
+    async def fetch_shard(self, name: str) -> tuple[str, int, dict[str, torch.Tensor], int]:
+        """(digest, rank, tensors, bytes) of one adapter; the SlotManager's fetch function."""
+        t0 = time.perf_counter()
+        req = spb.FetchShardRequest(name=name, layout=self.layout, rank=self.rank)
+        asm = ShardAssembler()
+        try:
+            async for chunk in self.stub.FetchShard(req, timeout=self.timeout_s):
+                asm.add(chunk)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in DOWN:
+                raise unavailable(f"adapter store at {self.address} is unavailable ({e.details()}); adapter {name!r} cannot be loaded now") from None
+            raise StatusError(e.code(), e.details()) from None
+        header, blob = asm.result()
+        tensors = st_load(blob)
+        log.info("fetched %s (%s) from store %s: %d bytes (%s) in %.3fs", name, header.manifest.digest[:12],
+                 self.address, len(blob), header.cache_tier, time.perf_counter() - t0)
+        return header.manifest.digest, header.manifest.rank, tensors, len(blob)
+
+    async def close(self) -> None:
+        await self.channel.close()
