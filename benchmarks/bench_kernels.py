@@ -397,10 +397,14 @@ def main():
     parser.add_argument("--tune-shapes", nargs="*", default=[f"{h},{s},{r}" for h in HIDDEN for s in SLICES for r in RANKS])
     parser.add_argument("--tune-tokens", nargs="*", default=[str(t) for t in TOKENS])
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--table", default=None, help="a tuned table (JSON) to use instead of kernels/configs/")
     args = parser.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False
     started = time.time()
+    if args.table:
+        with open(args.table) as f:
+            tuning.set_table(tuning.gpu_key(torch.device(DEV)), json.load(f))
     ceil = measure_ceilings()
     info = env_info(ceil)
     print(json.dumps(info, indent=1))

@@ -44,7 +44,7 @@ def _shrink_kernel(
     """
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    tiles_per_block: tl.constexpr = N_BLOCKS * SPLIT_K
+    tiles_per_block = N_BLOCKS * SPLIT_K
     num_tiles = tl.load(num_blocks_ptr + 1) * tiles_per_block
     for tile in range(pid, num_tiles, num_programs):
         block = tile // tiles_per_block

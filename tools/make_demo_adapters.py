@@ -219,14 +219,30 @@ def generate(model, tok, questions: list[str], max_new_tokens: int, batch_size: 
     return outs
 
 
-def encode_examples(tok, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, labels) with the loss only on the answer tokens (+ the closing <|im_end|>)."""
-    out = []
+def common_prefix(seqs: list[list[int]]) -> list[int]:
+    n = min(len(x) for x in seqs)
+    i = 0
+    while i < n and all(x[i] == seqs[0][i] for x in seqs):
+        i += 1
+    return seqs[0][:i]
+
+
+def encode_examples(tok, pairs: list[tuple[str, str]]):
+    """Tokenize chat-templated (question, answer) pairs.
+
+    Returns (prefix, examples): `prefix` is the token prefix every prompt shares (the chat
+    template's system turn and "<|im_start|>user\n"); each example is (ids, labels) for the rest,
+    with labels -100 on the prompt, so that the loss is only on the answer tokens (and the
+    closing <|im_end|>, so that the adapter also learns where to stop).
+    """
+    full = []
     for q, a in pairs:
         p = tok(prompt_text(tok, q), add_special_tokens=False)["input_ids"]
         t = tok(a + tok.eos_token, add_special_tokens=False)["input_ids"]
-        out.append((p + t, [-100] * len(p) + t))
-    return out
+        full.append((p, t))
+    prefix = common_prefix([p for p, _ in full])
+    n = len(prefix)
+    return prefix, [(p[n:] + t, [-100] * (len(p) - n) + t) for p, t in full]
 
 
 def collate(batch, pad_id: int):
@@ -241,6 +257,30 @@ def collate(batch, pad_id: int):
     return ids, labels, mask
 
 
+def batch_loss(model, prefix: list[int], batch, pad_id: int) -> torch.Tensor:
+    """Mean cross-entropy over the answer tokens of `batch`, on 2 CPU cores as cheaply as we can.
+
+    Two savings over `model(input_ids, labels=...)`, same loss and gradients: the shared prompt
+    prefix (~28 tokens) runs once, batch size 1, and its KV cache is repeated over the batch
+    (gradients flow back through it into the LoRA weights); and the 49k-way LM head runs only on
+    the positions that predict answer tokens.
+    """
+    lm = model.get_base_model()  # LlamaForCausalLM with the LoRA layers injected
+    b = len(batch)
+    pre = lm.model(input_ids=torch.tensor([prefix]), use_cache=True)
+    cache = pre.past_key_values
+    cache.batch_repeat_interleave(b)
+    ids, labels, mask = collate(batch, pad_id)
+    p, s = len(prefix), ids.shape[1]
+    attn = torch.cat([torch.ones((b, p), dtype=torch.long), mask], dim=1)
+    pos = torch.arange(p, p + s).unsqueeze(0).expand(b, s)
+    h = lm.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                 use_cache=True).last_hidden_state
+    sel = labels[:, 1:] != -100
+    logits = lm.lm_head(h[:, :-1][sel])
+    return torch.nn.functional.cross_entropy(logits, labels[:, 1:][sel])
+
+
 def train_adapter(base, tok, spec: AdapterSpec, pairs, out_dir: Path, batch_size: int, steps: int | None):
     from peft import LoraConfig, get_peft_model
 
@@ -250,7 +290,7 @@ def train_adapter(base, tok, spec: AdapterSpec, pairs, out_dir: Path, batch_size
     model = get_peft_model(copy.deepcopy(base), cfg)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     steps = steps or spec.steps
-    data = encode_examples(tok, pairs)
+    prefix, data = encode_examples(tok, pairs)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - s / steps))
@@ -262,8 +302,7 @@ def train_adapter(base, tok, spec: AdapterSpec, pairs, out_dir: Path, batch_size
         if len(order) < batch_size:
             order += torch.randperm(len(data), generator=g).tolist()
         idx, order = order[:batch_size], order[batch_size:]
-        ids, labels, mask = collate([data[i] for i in idx], tok.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss = batch_loss(model, prefix, [data[i] for i in idx], tok.pad_token_id)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

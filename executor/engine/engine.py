@@ -232,7 +232,7 @@ class Engine:
                 raise invalid("chat has no messages")
             try:
                 return self.tokenizer.apply_chat_template(req.messages)
-            except ValueError as exc:  # no template in the model, or a message it rejects
+            except Exception as exc:  # no template in the model, or messages its template rejects
                 raise invalid(f"chat: {exc}") from exc
         ids = list(req.prompt_token_ids)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -314,10 +314,11 @@ class Engine:
                 b.top_k.append(run.params.top_k)
                 b.top_p.append(run.params.top_p)
                 b.generators.append(run.generator)
+        num_decode = sum(s.num_tokens == 1 for s in plan.seqs)
         log.debug(
-            "step: %d seqs, %d tokens, slots %s, %d waiting, %d free KV blocks",
-            len(plan.seqs), len(b.input_ids), sorted({s.seq.slot for s in plan.seqs}),
-            len(self.scheduler.waiting), self.allocator.num_free,
+            "step: %d seqs (%d prefill, %d decode), %d tokens, slots %s, %d waiting, %d free KV blocks",
+            len(plan.seqs), len(plan.seqs) - num_decode, num_decode, len(b.input_ids),
+            sorted({s.seq.slot for s in plan.seqs}), len(self.scheduler.waiting), self.allocator.num_free,
         )  # fmt: skip
         return b
 

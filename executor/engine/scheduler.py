@@ -136,17 +136,6 @@ class Scheduler:
             self.running.append(seq)
             plan.seqs.append(self._plan_one(seq, n))
             budget -= n
-        if plan.seqs:
-            num_decode = sum(s.num_tokens == 1 for s in plan.seqs)
-            log.debug(
-                "step: %d seqs (%d prefill, %d decode), %d tokens, %d waiting, %d free blocks",
-                len(plan.seqs),
-                len(plan.seqs) - num_decode,
-                num_decode,
-                plan.num_tokens,
-                len(self.waiting),
-                self.allocator.num_free,
-            )
         return plan
 
     def _plan_one(self, seq: Sequence, n: int) -> ScheduledSeq:

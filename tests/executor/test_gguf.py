@@ -83,6 +83,17 @@ def test_chat_template_renders_the_generation_prompt_and_round_trips(tokenizer):
 
 
 @needs_smollm2
+def test_tokenizer_from_an_hf_dir_matches_the_gguf_one(tokenizer, tmp_path):
+    """tokenizer.json + tokenizer_config.json (chat template), eos ids merged from generation_config.json."""
+    tokenizer.hf.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 0]}')
+    from_dir = Tokenizer.from_pretrained(tmp_path)
+    assert from_dir.apply_chat_template(MESSAGES) == tokenizer.apply_chat_template(MESSAGES)
+    assert from_dir.encode("Hello world") == tokenizer.encode("Hello world")
+    assert from_dir.eos_token_ids == {0, 2}
+
+
+@needs_smollm2
 def test_incremental_decoding_streams_the_same_text(tokenizer):
     text = "Bonjour, ça va? Très bien 🙂 — 東京 café."
     ids = tokenizer.encode(text, add_special_tokens=False)

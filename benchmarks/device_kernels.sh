@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The one script a device call runs: GPU tests, then (optionally) tuning and the benchmark.
+#   bash benchmarks/device_kernels.sh STAGES [bench_kernels.py args...]
+# STAGES: comma list of smoke,test,tune,quick,bench (default: test,bench).
+# Writes under $OUT: run.log (everything), and tuned.json, bench.json, bench.md when made.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kernels-out}
+mkdir -p "$OUT"
+LOG="$OUT/run.log"
+export PYTHONUNBUFFERED=1
+stages=${1:-test,bench}
+shift || true
+has() { [[ ",$stages," == *",$1,"* ]]; }
+stage() { echo "=== $1 $(date -u +%H:%M:%S)" | tee -a "$LOG"; }
+
+stage env
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv
+  python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} 2>&1 | tee -a "$LOG"
+
+# loraserve.kernels without its dependencies: an editable install of this checkout.
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || { tee -a "$LOG" </tmp/install.log; exit 1; }
+python3 -c "import loraserve.kernels as k; print('loraserve.kernels from', k.__file__)" 2>&1 | tee -a "$LOG"
+
+pytest_gpu() {
+  python3 -m pytest tests/kernels/test_triton_gpu.py -m gpu -q -s -p no:cacheprovider \
+    -o addopts="--import-mode=importlib -ra" "$@"
+}
+TABLE=()
+if has smoke; then
+  stage smoke
+  timeout 200 bash -c "$(declare -f pytest_gpu); pytest_gpu -x -k 'odd_shapes or graph or sync or embedding or dispatch'" 2>&1 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+fi
+if has test; then
+  stage test
+  timeout "${TEST_TIMEOUT:-300}" bash -c "$(declare -f pytest_gpu); pytest_gpu" 2>&1 | tee -a "$LOG"
+fi
+if has tune; then
+  stage tune
+  timeout "${TUNE_TIMEOUT:-240}" python3 benchmarks/bench_kernels.py --skip-bench --tune-out "$OUT/tuned.json" "$@" 2>&1 | tee -a "$LOG"
+  [ -f "$OUT/tuned.json" ] && TABLE=(--table "$OUT/tuned.json")
+fi
+if has quick; then
+  stage quick
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_kernels.py --quick --no-baseline --out "$OUT" "${TABLE[@]}" "$@" 2>&1 | tee -a "$LOG"
+fi
+if has bench; then
+  stage bench
+  timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_kernels.py --out "$OUT" "${TABLE[@]}" "$@" 2>&1 | tee -a "$LOG"
+fi
+stage done

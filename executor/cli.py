@@ -1,0 +1,220 @@
+"""The executor's commands of `loraserve`: executor, up, generate and the admin calls.
+
+Flags become one ExecutorConfig here; nothing below reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+
+from loraserve.cli import EXECUTOR_ADDR, STORE_ADDR, _run_forever, add_store_flags, env, store_config
+from loraserve.defaults import DEFAULT_BASE_MODEL, DEMO_ADAPTERS, smollm2_gguf_path
+
+DEMO_PROMPTS = ("What is the capital of France?", "Give me one tip for staying healthy.")
+
+
+def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True) -> None:
+    p.add_argument("--model", default=env("model"), help="HF model dir or .gguf (default: the embedded SmolLM2 GGUF)")
+    if with_base_model:  # `up` shares the store's --base-model
+        p.add_argument("--base-model", default=env("base_model"), help="base model name declared in the layout")
+    p.add_argument("--device", default=env("device"), help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--dtype", default=env("dtype"), choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--max-loras", type=int, default=int(env("max_loras", 8)), help="GPU slots")
+    p.add_argument("--max-lora-rank", type=int, default=int(env("max_lora_rank", 64)))
+    p.add_argument("--max-cpu-adapters", type=int, default=int(env("max_cpu_adapters", 32)))
+    p.add_argument("--num-blocks", type=int, default=int(env("num_blocks", 512)), help="KV cache blocks")
+    p.add_argument("--block-size", type=int, default=int(env("block_size", 16)))
+    p.add_argument("--max-num-seqs", type=int, default=int(env("max_num_seqs", 32)))
+    p.add_argument("--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", 2048)))
+    p.add_argument("--max-model-len", type=int, default=int(env("max_model_len", 2048)))
+    p.add_argument("--store", default=env("store", STORE_ADDR), help="adapter store address")
+    p.add_argument("--executor-listen", default=env("executor_listen", EXECUTOR_ADDR))
+    p.add_argument("--executor-admin-token", default=env("executor_admin_token"))
+
+
+def executor_config(a: argparse.Namespace):
+    import torch
+
+    from loraserve.executor.config import ExecutorConfig
+
+    model, base = a.model, a.base_model
+    if model is None:
+        model, base = str(smollm2_gguf_path()), base or DEFAULT_BASE_MODEL
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    return ExecutorConfig(
+        model=model, base_model=base or "", device=device, dtype=dtype, max_loras=a.max_loras,
+        max_rank=a.max_lora_rank, max_cpu_adapters=a.max_cpu_adapters, num_blocks=a.num_blocks,
+        block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len, store_address=a.store, listen_address=a.executor_listen,
+        admin_token=a.executor_admin_token,
+    )
+
+
+def cmd_executor(a) -> int:
+    from loraserve.executor.service import build_executor, serve, shutdown
+
+    cfg = executor_config(a)
+
+    async def main():
+        parts = build_executor(cfg)
+        server, port = await serve(parts, cfg.listen_address)
+        print(f"executor serving on port {port} (store {cfg.store_address}; Ctrl-C to stop)", flush=True)
+        try:
+            await _run_forever(server)
+        finally:
+            await shutdown(server, parts)
+
+    asyncio.run(main())
+    return 0
+
+
+# -- up: store + executor + demo ------------------------------------------------------------
+def cmd_up(a) -> int:
+    from loraserve.adapter_store.service import serve as serve_store
+    from loraserve.client import make_request
+    from loraserve.executor.service import build_executor, serve, shutdown
+
+    demo_dir = a.demo_adapters.resolve()
+    a.allow_local_root = [demo_dir, *(a.allow_local_root or [])]
+    scfg = store_config(a)
+    ecfg = executor_config(a)
+
+    async def main():
+        store_server, store_port = await serve_store(scfg)
+        ecfg.store_address = f"127.0.0.1:{store_port}"
+        names = await asyncio.to_thread(register_demo_adapters, ecfg.store_address, demo_dir, scfg.admin_token)
+        parts = build_executor(ecfg)
+        server, port = await serve(parts, ecfg.listen_address)
+        try:
+            await run_demo_batch(parts, names, make_request)
+            print(f"\nloraserve is up: store on port {store_port}, executor on port {port}.")
+            print(f"Try: loraserve generate --executor 127.0.0.1:{port} --adapter {names[0] if names else ''} \"Hello!\"")
+            if not a.demo_only:
+                await _run_forever(server, store_server)
+        finally:
+            await shutdown(server, parts)
+            await store_server.stop(5)
+
+    asyncio.run(main())
+    return 0
+
+
+def register_demo_adapters(store_address: str, demo_dir: Path, token: str | None) -> list[str]:
+    from loraserve.client import StoreClient
+
+    client = StoreClient(store_address, token=token)
+    names = []
+    for d in sorted(p for p in demo_dir.iterdir() if (p / "adapter_config.json").is_file()):
+        m = client.register(d.name, str(d))
+        print(f"registered demo adapter {m.name:10s} rank {m.rank:3d}  {m.weight_bytes / 2**20:6.2f} MiB  {m.digest[:12]}")
+        names.append(m.name)
+    client.close()
+    return names
+
+
+async def run_demo_batch(parts, names: list[str], make_request) -> None:
+    """One mixed batch: every prompt with the base model and with every demo adapter, concurrently."""
+    from loraserve.executor.service import to_generation_request
+
+    class _NoDeadline:
+        def time_remaining(self):
+            return None
+
+    jobs = [(adapter, prompt) for prompt in DEMO_PROMPTS for adapter in ["", *names]]
+
+    async def one(adapter, prompt):
+        req = to_generation_request(make_request(prompt, adapter, max_tokens=40), _NoDeadline())
+        return "".join([out.text async for out in parts.engine.generate(req)])
+
+    t0 = time.perf_counter()
+    answers = await asyncio.gather(*(one(ad, p) for ad, p in jobs))
+    print(f"\none mixed batch: {len(jobs)} requests over {len(names) + 1} adapters (incl. base) in {time.perf_counter() - t0:.1f}s\n")
+    for (adapter, prompt), text in zip(jobs, answers):
+        print(f"[{adapter or 'base model':10s}] {prompt}\n  -> {' '.join(text.split())}\n")
+
+
+# -- client commands -----------------------------------------------------------------------
+def _executor(a):
+    from loraserve.client import ExecutorClient
+
+    return ExecutorClient(a.executor, token=a.token)
+
+
+def cmd_generate(a) -> int:
+    client = _executor(a)
+    sampling = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, stop=a.stop or [])
+    if a.seed is not None:
+        sampling["seed"] = a.seed
+    if a.stream:
+        for part in client.generate_stream(a.prompt, a.adapter or "", chat=not a.raw, **sampling):
+            print(part.text, end="", flush=True)
+        print()
+    else:
+        print(client.generate(a.prompt, a.adapter or "", chat=not a.raw, **sampling).text)
+    return 0
+
+
+def _print_state(s) -> None:
+    slot = f"slot {s.slot}" if s.slot >= 0 else "no slot"
+    flags = " ".join(f for f, on in (("pinned", s.pinned), ("cpu-cached", s.in_cpu_cache), ("loading", s.loading)) if on)
+    print(f"{s.name:24s} {slot:8s} in_use {s.in_use:3d} rank {s.rank:4d} {s.bytes / 2**20:8.2f} MiB {flags}")
+
+
+def cmd_admin(a) -> int:
+    client = _executor(a)
+    if a.command == "load":
+        _print_state(client.load(a.name, into_slot=not a.cpu_only, pin=a.pin))
+    elif a.command in ("pin", "unpin", "evict"):
+        _print_state(getattr(client, a.command)(a.name))
+    elif a.command == "loaded":
+        for s in client.list():
+            _print_state(s)
+    elif a.command == "info":
+        print(client.info())
+    return 0
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("up", help="store + executor on the embedded default, with the demo adapters; prints one mixed batch")
+    add_store_flags(p)
+    add_executor_flags(p, with_base_model=False)
+    p.add_argument("--demo-adapters", type=Path, default=DEMO_ADAPTERS, help="folder of PEFT adapters to register")
+    p.add_argument("--demo-only", action="store_true", help="exit after printing the demo batch")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("executor", help="run the executor service")
+    add_executor_flags(p)
+    p.set_defaults(func=cmd_executor)
+
+    def client_parser(name, help):
+        q = sub.add_parser(name, help=help)
+        q.add_argument("--executor", default=env("executor", EXECUTOR_ADDR), help="executor address")
+        q.add_argument("--token", default=env("executor_admin_token"), help="admin token")
+        return q
+
+    q = client_parser("generate", "generate text with an adapter (or the base model)")
+    q.add_argument("prompt")
+    q.add_argument("--adapter", default="")
+    q.add_argument("--max-tokens", type=int, default=64)
+    q.add_argument("--temperature", type=float, default=0.0)
+    q.add_argument("--top-p", type=float, default=1.0)
+    q.add_argument("--top-k", type=int, default=0)
+    q.add_argument("--seed", type=int)
+    q.add_argument("--stop", action="append")
+    q.add_argument("--stream", action="store_true")
+    q.add_argument("--raw", action="store_true", help="send the prompt as raw text, not as a chat turn")
+    q.set_defaults(func=cmd_generate)
+    for name, help in (("load", "fetch an adapter into the CPU cache and a slot"), ("pin", "pin an adapter in a slot"),
+                       ("unpin", "unpin an adapter"), ("evict", "evict an adapter from its slot and the CPU cache")):
+        q = client_parser(name, help)
+        q.add_argument("name")
+        if name == "load":
+            q.add_argument("--pin", action="store_true")
+            q.add_argument("--cpu-only", action="store_true")
+        q.set_defaults(func=cmd_admin)
+    client_parser("loaded", "list adapters on the executor").set_defaults(func=cmd_admin)
+    client_parser("info", "server info").set_defaults(func=cmd_admin)

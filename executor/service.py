@@ -1,0 +1,184 @@
+"""The Executor gRPC servicer (thin), and `build_executor`, which assembles the parts from one config.
+
+model (executor/model) + LoRA slot buffers (executor/lora.py) + slot manager (executor/slots.py)
+fed by the store client (executor/store_client.py) + engine (executor/engine) -> this servicer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from loraserve import __version__
+from loraserve.auth import require_admin
+from loraserve.errors import grpc_errors, invalid
+from loraserve.v1 import executor_pb2 as epb
+from loraserve.v1 import executor_pb2_grpc as epb_grpc
+
+from .config import ExecutorConfig
+from .engine.engine import Engine, GenerationOutput, GenerationRequest
+from .engine.kv_cache import KVCache
+from .engine.sampler import SamplingParams
+from .lora import LoraSpec, declare_layout, load_shard_into_slot, lora_modules
+from .model.loader import load_model
+from .model.tokenizer import Tokenizer
+from .slots import AdapterState, SlotManager
+from .store_client import StoreClient
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "loraserve.v1.Executor"
+FINISH = {"length": epb.LENGTH, "stop": epb.STOP, "eos": epb.EOS, "cancelled": epb.CANCELLED}
+
+
+@dataclass
+class ExecutorParts:
+    engine: Engine
+    slots: SlotManager
+    store: StoreClient
+    config: ExecutorConfig
+
+
+def load_tokenizer(model_path: str) -> Tokenizer:
+    return Tokenizer.from_gguf(model_path) if str(model_path).endswith(".gguf") else Tokenizer.from_pretrained(model_path)
+
+
+def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
+    """Loads the model with slot buffers, and wires slot manager, store client and engine."""
+    t0 = time.perf_counter()
+    spec = LoraSpec(cfg.max_loras, cfg.max_rank, cfg.torch_dtype)
+    model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=spec)
+    tokenizer = load_tokenizer(cfg.model)
+    mc = model.cfg
+    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
+    store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size))
+    modules = lora_modules(model)
+
+    def clear_slot(slot: int) -> None:
+        for m in modules.values():
+            m.reset_lora(slot)
+
+    slots = SlotManager(
+        store.fetch_shard, lambda slot, tensors: load_shard_into_slot(model, slot, tensors), clear_slot,
+        max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters, device=cfg.torch_device,
+        slot_wait_timeout_s=cfg.slot_wait_timeout_s,
+    )
+    engine = Engine(model, tokenizer, kv, slots, cfg)
+    log.info("executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d, %d KV blocks of %d",
+             time.perf_counter() - t0, cfg.model, cfg.device, cfg.dtype, mc.num_layers, cfg.max_loras,
+             cfg.max_rank, cfg.num_blocks, cfg.block_size)
+    return ExecutorParts(engine, slots, store, cfg)
+
+
+def to_generation_request(req: epb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:
+    which = req.WhichOneof("input")
+    if which is None:
+        raise invalid("one of prompt, chat or token_ids is required")
+    s = req.sampling
+    sampling = SamplingParams(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.top_p else 1.0,
+        max_tokens=s.max_tokens or None, stop=tuple(s.stop), seed=s.seed if s.HasField("seed") else None,
+    )
+    remaining = context.time_remaining()
+    return GenerationRequest(
+        request_id=req.request_id, adapter=req.adapter, sampling=sampling, return_logprobs=req.return_logprobs,
+        prompt=req.prompt if which == "prompt" else None,
+        messages=[{"role": m.role, "content": m.content} for m in req.chat.messages] if which == "chat" else None,
+        prompt_token_ids=list(req.token_ids.ids) if which == "token_ids" else None,
+        deadline=time.monotonic() + remaining if remaining is not None else None,
+    )
+
+
+def state_pb(s: AdapterState) -> epb.AdapterState:
+    return epb.AdapterState(
+        name=s.name, digest=s.digest, rank=s.rank, slot=s.slot, pinned=s.pinned, in_use=s.in_use,
+        in_cpu_cache=s.in_cpu_cache, last_used_unix_ms=s.last_used_unix_ms, bytes=s.bytes, loading=s.loading,
+    )
+
+
+class ExecutorService(epb_grpc.ExecutorServicer):
+    def __init__(self, parts: ExecutorParts):
+        self.parts = parts
+        self.engine, self.slots, self.cfg = parts.engine, parts.slots, parts.config
+
+    @grpc_errors
+    async def Generate(self, request, context):
+        ids, logprobs, text = [], [], []
+        last: GenerationOutput | None = None
+        async for out in self.engine.generate(to_generation_request(request, context)):
+            ids += out.token_ids
+            logprobs += out.logprobs
+            text.append(out.text)
+            last = out
+        return epb.GenerateResponse(
+            request_id=last.request_id, text="".join(text), token_ids=ids, logprobs=logprobs,
+            finish_reason=FINISH[last.finish_reason], prompt_tokens=last.prompt_tokens, adapter_digest=last.adapter_digest,
+        )
+
+    @grpc_errors
+    async def GenerateStream(self, request, context):
+        async for out in self.engine.generate(to_generation_request(request, context)):
+            yield epb.GenerateStreamResponse(
+                request_id=out.request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
+                finish_reason=FINISH.get(out.finish_reason, epb.FINISH_REASON_UNSPECIFIED),
+            )
+
+    @grpc_errors
+    async def LoadAdapter(self, request, context):
+        require_admin(context, self.cfg.admin_token)
+        return state_pb(await self.slots.load(request.name, into_slot=request.into_slot, pin=request.pin))
+
+    @grpc_errors
+    async def PinAdapter(self, request, context):
+        require_admin(context, self.cfg.admin_token)
+        return state_pb(await self.slots.pin(request.name))
+
+    @grpc_errors
+    async def UnpinAdapter(self, request, context):
+        require_admin(context, self.cfg.admin_token)
+        return state_pb(self.slots.unpin(request.name))
+
+    @grpc_errors
+    async def EvictAdapter(self, request, context):
+        require_admin(context, self.cfg.admin_token)
+        return state_pb(await self.slots.evict(request.name))
+
+    @grpc_errors
+    async def ListAdapters(self, request, context):
+        return epb.ListLoadedResponse(adapters=[state_pb(s) for s in self.slots.states()])
+
+    @grpc_errors
+    async def GetServerInfo(self, request, context):
+        c = self.cfg
+        return epb.ServerInfo(
+            base_model=c.base_model or c.model, max_loras=c.max_loras, max_rank=c.max_rank, dtype=c.dtype,
+            device=str(c.torch_device) if c.device != "cuda" else torch.cuda.get_device_name(), tp_size=c.tp_size,
+            max_cpu_adapters=c.max_cpu_adapters, version=__version__,
+        )
+
+
+async def serve(parts: ExecutorParts, listen: str) -> tuple[grpc.aio.Server, int]:
+    """Starts the engine and the gRPC server (with health); returns (server, port)."""
+    parts.engine.start()
+    server = grpc.aio.server()
+    epb_grpc.add_ExecutorServicer_to_server(ExecutorService(parts), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise RuntimeError(f"could not listen on {listen}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("executor listening on %s (store %s)", listen, parts.config.store_address)
+    return server, port
+
+
+async def shutdown(server: grpc.aio.Server, parts: ExecutorParts) -> None:
+    await server.stop(5)
+    await parts.engine.stop()
+    await parts.store.close()
