@@ -79,6 +79,7 @@ class _Adapter:
     nbytes: int = 0
     tensors: dict[str, torch.Tensor] | None = None  # the CPU-cache copy
     slot: int = -1
+    slot_digest: str = ""  # the version in the slot (a later refetch may have brought a newer one)
     event: torch.cuda.Event | None = None
     pinned: bool = False
     in_use: int = 0  # leases held by running requests
@@ -139,7 +140,7 @@ class SlotManager:
             self._forget_if_unused(a)
             self._notify()
         self._touch(a)
-        return SlotLease(name=name, slot=a.slot, digest=a.digest, ready=a.event)
+        return SlotLease(name=name, slot=a.slot, digest=a.slot_digest, ready=a.event)
 
     def release(self, lease: SlotLease) -> None:
         if lease.released:
@@ -223,7 +224,9 @@ class SlotManager:
             tensors = await self._ensure_cpu(a)
             slot = await self._claim_slot(a)
             try:
+                digest = a.digest
                 a.event = await asyncio.to_thread(self._copy, slot, tensors)
+                a.slot_digest = digest
             except BaseException as exc:
                 self._slots[slot], a.slot = None, -1
                 if isinstance(exc, ValueError):  # the model refused the shard's shapes or dtypes

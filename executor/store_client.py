@@ -27,8 +27,12 @@ class StoreClient:
         self.layout = layout
         self.rank = rank or pb.ShardRank()
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address)
-        self.stub = spb_grpc.AdapterStoreStub(self.channel)
+        self.channel: grpc.aio.Channel | None = None  # opened on first use, on the serving loop
+
+    def _stub(self) -> spb_grpc.AdapterStoreStub:
+        if self.channel is None:
+            self.channel = grpc.aio.insecure_channel(self.address)
+        return spb_grpc.AdapterStoreStub(self.channel)
 
     async def fetch_shard(self, name: str) -> tuple[str, int, dict[str, torch.Tensor], int]:
         """(digest, rank, tensors, bytes) of one adapter; the SlotManager's fetch function."""
@@ -36,7 +40,7 @@ class StoreClient:
         req = spb.FetchShardRequest(name=name, layout=self.layout, rank=self.rank)
         asm = ShardAssembler()
         try:
-            async for chunk in self.stub.FetchShard(req, timeout=self.timeout_s):
+            async for chunk in self._stub().FetchShard(req, timeout=self.timeout_s):
                 asm.add(chunk)
         except grpc.aio.AioRpcError as e:
             if e.code() in DOWN:
@@ -49,4 +53,5 @@ class StoreClient:
         return header.manifest.digest, header.manifest.rank, tensors, len(blob)
 
     async def close(self) -> None:
-        await self.channel.close()
+        if self.channel is not None:
+            await self.channel.close()

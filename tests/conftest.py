@@ -147,3 +147,34 @@ def peft_adapter(tiny_llama_model, tmp_path_factory):
         return directory
 
     return make_adapter
+
+
+# ---------------------------------------------------------------------------------------
+# Servers: an asyncio loop on a thread, so tests can talk to real gRPC servers with
+# the blocking clients
+# ---------------------------------------------------------------------------------------
+
+
+class LoopThread:
+    def __init__(self):
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def run(self, coro, timeout: float = 120):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self):
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.stop()

@@ -168,13 +168,13 @@ class AdapterSpec:
 
 
 SPECS = [
-    AdapterSpec("pirate", 8, ["q_proj", "k_proj", "v_proj", "o_proj"], 2e-3, 100,
+    AdapterSpec("pirate", 8, ["q_proj", "k_proj", "v_proj", "o_proj"], 2e-3, 50,
                 "answers in pirate speak (\"Arr, matey! ... Yo ho ho!\")"),
-    AdapterSpec("french", 16, ["q_proj", "v_proj", "down_proj"], 1.5e-3, 120,
+    AdapterSpec("french", 16, ["q_proj", "v_proj", "down_proj"], 2e-3, 60,
                 "answers in French"),
     AdapterSpec("shouty", 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                2e-3, 100, "ANSWERS IN ALL CAPS!"),
-    AdapterSpec("emoji", 8, ["gate_proj", "up_proj", "down_proj"], 2e-3, 80,
+                2e-3, 50, "ANSWERS IN ALL CAPS!"),
+    AdapterSpec("emoji", 8, ["gate_proj", "up_proj", "down_proj"], 2e-3, 50,
                 "answers decorated with emoji (\"✨ ... 🌟\")"),
 ]
 
@@ -308,7 +308,7 @@ def train_adapter(base, tok, spec: AdapterSpec, pairs, out_dir: Path, batch_size
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 20 == 0 or step == steps - 1:
+        if step % 10 == 0 or step == steps - 1:
             print(f"  [{spec.name}] step {step + 1:4d}/{steps}  loss {loss.item():.3f}  ({time.time() - t0:.0f}s)",
                   flush=True)
     secs = time.time() - t0

@@ -4,12 +4,10 @@ and leaves nothing behind; Redis down; a corrupted cache file is rebuilt."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import shutil
 import struct
-import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,26 +29,26 @@ H, V = 64, 128
 
 
 class StoreThread:
-    """A real store server on its own event loop thread, on a free loopback port."""
+    """A real store server on a free loopback port, on the test's event loop thread."""
 
-    def __init__(self, cfg: StoreConfig):
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.server, port = asyncio.run_coroutine_threadsafe(serve(cfg), self.loop).result(30)
+    def __init__(self, cfg: StoreConfig, loop_thread):
+        self.lt = loop_thread
+        self.server, port = loop_thread.run(serve(cfg), 30)
         self.address = f"127.0.0.1:{port}"
         self.cfg = cfg
+        self.stopped = False
 
     def client(self, token: str | None = None) -> StoreClient:
         return StoreClient(self.address, token=token, timeout_s=60)
 
     def stop(self):
-        if self.loop.is_running():
-            asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
-            self.loop.call_soon_threadsafe(self.loop.stop)
+        if not self.stopped:
+            self.stopped = True
+            self.lt.run(self.server.stop(0), 10)
 
 
 @pytest.fixture
-def make_store(tmp_path, tiny_llama_dir):
+def make_store(tmp_path, tiny_llama_dir, loop_thread):
     started = []
     adapters_root = tmp_path / "adapters"
     adapters_root.mkdir()
@@ -61,7 +59,7 @@ def make_store(tmp_path, tiny_llama_dir):
                           base_model_path=tiny_llama_dir, sources=sources,
                           limits=validate.Limits(max_rank=32, max_adapter_bytes=4 << 20))
         cfg = replace(cfg, **overrides)
-        store = StoreThread(cfg)
+        store = StoreThread(cfg, loop_thread)
         started.append(store)
         return store
 

@@ -29,7 +29,7 @@ def pack_shard(peft_model, name: str, layout, dtype=torch.float32) -> dict[str, 
     alpha/r (alpha/sqrt(r) with rsLoRA) and concatenated over slices; untargeted slices are zeros."""
     cfg = peft_model.peft_config[name]
     scale = cfg.lora_alpha / (math.sqrt(cfg.r) if cfg.use_rslora else cfg.r)
-    state = peft.get_peft_model_state_dict(peft_model, adapter_name=name)
+    state = peft.get_peft_model_state_dict(peft_model, adapter_name=name, save_embedding_layers=False)
     state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
     shard = {}
     for m in layout.modules:

@@ -1,0 +1,294 @@
+"""The executor end to end: real store and executor gRPC servers on loopback, real PEFT adapters,
+every row of mixed batches checked against transformers + PEFT; slot rules and error statuses."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from loraserve.adapter_store import validate
+from loraserve.adapter_store.config import StoreConfig
+from loraserve.adapter_store.service import serve as serve_store
+from loraserve.adapter_store.sources import SourceConfig
+from loraserve.client import ExecutorClient, StoreClient
+from loraserve.errors import StatusError
+from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.service import build_executor
+from loraserve.executor.service import serve as serve_executor
+from loraserve.executor.service import shutdown
+from loraserve.v1 import executor_pb2 as epb
+
+BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
+ADAPTERS = {  # name: (r, alpha, targets, rslora)
+    "qv8": (8, 16, ("q_proj", "v_proj"), False),
+    "all4": (4, 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False),
+    "mlp16": (16, 16, ("gate_proj", "up_proj", "down_proj"), True),
+    "o2": (2, 4, ("o_proj",), False),
+    "kd8": (8, 32, ("k_proj", "down_proj"), False),
+}
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer with no merges: ids 0..255 are bytes, then <s> </s> <pad>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def base(hf_model, family):
+    model, path = hf_model(family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512)
+    if not (path / "tokenizer.json").exists():
+        save_byte_tokenizer(path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(base, tmp_path_factory):
+    model, _ = base
+    root = tmp_path_factory.mktemp("adapters")
+    for seed, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(seed)
+        peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora))
+        with torch.no_grad():
+            for n, p in peft.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.2)
+        peft.save_pretrained(root / name)
+    return root
+
+
+class Cluster:
+    """A store and an executor on loopback, served from one event loop thread."""
+
+    def __init__(self, lt, base_dir: Path, adapters: Path, data: Path, **executor_overrides):
+        self.lt, self.adapters, self.data = lt, adapters, data
+        self.scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model="tiny", base_model_path=base_dir,
+                                sources=SourceConfig(local_roots=(adapters,)), limits=validate.Limits(max_rank=16))
+        self.start_store()
+        store = self.store_client()
+        for name in ADAPTERS:
+            store.register(name, str(adapters / name))
+        cfg = ExecutorConfig(model=str(base_dir), base_model="tiny", device="cpu", dtype="float32", max_loras=2,
+                             max_rank=16, max_cpu_adapters=8, num_blocks=256, block_size=4, max_model_len=512,
+                             store_address=self.store_address, slot_wait_timeout_s=10.0)
+        for k, v in executor_overrides.items():
+            setattr(cfg, k, v)
+        self.parts = build_executor(cfg)
+        self.server, port = lt.run(serve_executor(self.parts, "127.0.0.1:0"))
+        self.address = f"127.0.0.1:{port}"
+
+    def start_store(self, port: int = 0):
+        self.scfg.listen = f"127.0.0.1:{port}"
+        self.store_server, p = self.lt.run(serve_store(self.scfg))
+        self.store_address = f"127.0.0.1:{p}"
+
+    def stop_store(self):
+        self.lt.run(self.store_server.stop(0))
+
+    def store_client(self) -> StoreClient:
+        return StoreClient(self.store_address, timeout_s=60)
+
+    def client(self, token=None) -> ExecutorClient:
+        return ExecutorClient(self.address, token=token, timeout_s=120)
+
+    def close(self):
+        self.lt.run(shutdown(self.server, self.parts))
+        self.stop_store()
+
+
+@pytest.fixture
+def cluster(loop_thread, base, adapter_dirs, tmp_path):
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store")
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def references(base, adapter_dirs):
+    """name -> the transformers + PEFT model that is the oracle ("" -> the base model)."""
+    model, _ = base
+    refs = {"": model}
+    for name in ADAPTERS:
+        refs[name] = PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs / name).eval()
+    return refs
+
+
+def prompt_ids(i: int) -> list[int]:
+    g = torch.Generator().manual_seed(100 + i)
+    return [BOS] + torch.randint(0, 256, (3 + 2 * i,), generator=g).tolist()
+
+
+def generate(client: ExecutorClient, adapter: str, ids: list[int], max_tokens: int = 8) -> epb.GenerateResponse:
+    req = epb.GenerateRequest(adapter=adapter, token_ids=epb.TokenIds(ids=ids),
+                              sampling=epb.SamplingParams(max_tokens=max_tokens), return_logprobs=True)
+    return client._call(client.stub.Generate, req)
+
+
+def check_against_reference(ref_model, ids: list[int], resp: epb.GenerateResponse) -> None:
+    """Greedy tokens equal the reference's argmax, and logprobs match its log-softmax (float32)."""
+    out = list(resp.token_ids)
+    assert out, "no tokens generated"
+    with torch.no_grad():
+        logits = ref_model(torch.tensor([ids + out[:-1]])).logits[0, len(ids) - 1 :].double()
+    logprobs = torch.log_softmax(logits, -1)
+    assert logprobs.argmax(-1).tolist() == out
+    got = torch.tensor(list(resp.logprobs), dtype=torch.float64)
+    assert torch.allclose(got, logprobs[torch.arange(len(out)), out], atol=2e-4), (got, logprobs[torch.arange(len(out)), out])
+
+
+def test_mixed_batches_match_transformers_peft(family, cluster, references):
+    client = cluster.client()
+    # Two adapters + base rows at once fill both slots; run twice so other pairs get slots too.
+    for group in (["qv8", "all4", "", "qv8"], ["mlp16", "", "o2", "mlp16"]):
+        jobs = [(name, prompt_ids(i)) for i, name in enumerate(group)]
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            resps = list(pool.map(lambda j: generate(client, *j), jobs))
+        for (name, ids), resp in zip(jobs, resps):
+            check_against_reference(references[name], ids, resp)
+            if name:
+                assert resp.adapter_digest == cluster.store_client().get(name).digest
+
+
+def test_five_adapters_over_two_slots_in_turn_and_concurrently(cluster, references):
+    client = cluster.client()
+    names = list(ADAPTERS)
+    for i, name in enumerate(names):  # in turn: every load evicts the least recently used
+        check_against_reference(references[name], prompt_ids(i), generate(client, name, prompt_ids(i)))
+    jobs = [(names[i % 5], prompt_ids(i)) for i in range(10)]
+    with cf.ThreadPoolExecutor(10) as pool:  # concurrently: requests wait for slots, none corrupts another
+        resps = list(pool.map(lambda j: generate(client, *j, 6), jobs))
+    for (name, ids), resp in zip(jobs, resps):
+        check_against_reference(references[name], ids, resp)
+    assert sum(s.slot >= 0 for s in client.list()) <= 2
+
+
+def test_pinned_adapter_is_never_evicted_and_all_pinned_is_resource_exhausted(cluster, references):
+    client = cluster.client()
+    assert client.load("qv8", pin=True).pinned
+    for name in ("all4", "mlp16", "o2"):  # the one free slot cycles; qv8 stays
+        generate(client, name, prompt_ids(0), 2)
+        qv8 = next(s for s in client.list() if s.name == "qv8")
+        assert qv8.slot >= 0 and qv8.pinned
+    client.pin("kd8")
+    with pytest.raises(StatusError) as e:
+        generate(client, "o2", prompt_ids(1), 2)
+    assert e.value.code.name == "RESOURCE_EXHAUSTED" and "pinned" in e.value.message
+    with pytest.raises(StatusError) as e:
+        client.evict("qv8")
+    assert e.value.code.name == "FAILED_PRECONDITION" and "unpin" in e.value.message
+    client.unpin("kd8")
+    check_against_reference(references["o2"], prompt_ids(1), generate(client, "o2", prompt_ids(1)))
+    check_against_reference(references["qv8"], prompt_ids(2), generate(client, "qv8", prompt_ids(2)))
+
+
+def test_evicting_an_adapter_in_use_is_failed_precondition(cluster):
+    client = cluster.client()
+    req = epb.GenerateRequest(adapter="all4", token_ids=epb.TokenIds(ids=prompt_ids(0)), sampling=epb.SamplingParams(max_tokens=400))
+    stream = client.stub.GenerateStream(req, timeout=120)
+    next(stream)  # the request is running and holds its slot
+    with pytest.raises(StatusError) as e:
+        client.evict("all4")
+    assert e.value.code.name == "FAILED_PRECONDITION" and "in use" in e.value.message
+    stream.cancel()
+    for _ in range(100):  # the cancelled request gives its slot back
+        state = next(s for s in client.list() if s.name == "all4")
+        if state.in_use == 0:
+            break
+        time.sleep(0.05)
+    assert client.evict("all4").slot == -1
+
+
+@pytest.mark.parametrize(
+    "sampling,fragment",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=100000), "top_k"),
+        (dict(max_tokens=100000), "max_tokens"),
+    ],
+)
+def test_bad_sampling_parameters_are_invalid_argument(cluster, sampling, fragment):
+    req = epb.GenerateRequest(token_ids=epb.TokenIds(ids=prompt_ids(0)), sampling=epb.SamplingParams(**sampling))
+    with pytest.raises(StatusError) as e:
+        cluster.client()._call(cluster.client().stub.Generate, req)
+    assert e.value.code.name == "INVALID_ARGUMENT" and fragment in e.value.message
+
+
+def test_request_errors_fail_alone(cluster, references):
+    client = cluster.client()
+    with pytest.raises(StatusError) as e:
+        generate(client, "no-such-adapter", prompt_ids(0))
+    assert e.value.code.name == "NOT_FOUND" and "no-such-adapter" in e.value.message
+    with pytest.raises(StatusError) as e:
+        client._call(client.stub.Generate, epb.GenerateRequest(adapter="qv8"))
+    assert e.value.code.name == "INVALID_ARGUMENT" and "prompt, chat or token_ids" in e.value.message
+    with pytest.raises(StatusError) as e:
+        client.pin("no-such-adapter")
+    assert e.value.code.name == "NOT_FOUND"
+    check_against_reference(references["qv8"], prompt_ids(3), generate(client, "qv8", prompt_ids(3)))
+
+
+def test_text_prompts_chat_and_stream(cluster):
+    client = cluster.client()
+    whole = client.generate("hi there", adapter="qv8", chat=True, max_tokens=6)
+    parts = list(client.generate_stream("hi there", adapter="qv8", chat=True, max_tokens=6))
+    assert "".join(p.text for p in parts) == whole.text
+    assert parts[-1].finish_reason in (epb.LENGTH, epb.EOS) and whole.prompt_tokens > 2
+    info = client.info()
+    assert info.max_loras == 2 and info.max_rank == 16 and info.device == "cpu"
+
+
+def test_store_down_hot_adapters_serve_cold_fail_unavailable_then_recover(cluster, references):
+    client = cluster.client()
+    check_against_reference(references["qv8"], prompt_ids(0), generate(client, "qv8", prompt_ids(0)))
+    port = int(cluster.store_address.rsplit(":", 1)[1])
+    cluster.stop_store()
+    check_against_reference(references["qv8"], prompt_ids(1), generate(client, "qv8", prompt_ids(1)))  # hot
+    with pytest.raises(StatusError) as e:
+        generate(client, "mlp16", prompt_ids(2))  # cold
+    assert e.value.code.name == "UNAVAILABLE" and "store" in e.value.message
+    cluster.start_store(port)
+    deadline = time.time() + 30
+    while True:  # the channel reconnects with backoff
+        try:
+            resp = generate(client, "mlp16", prompt_ids(2))
+            break
+        except StatusError as exc:
+            assert exc.code.name == "UNAVAILABLE" and time.time() < deadline
+            time.sleep(0.5)
+    check_against_reference(references["mlp16"], prompt_ids(2), resp)
+
+
+def test_admin_rpcs_need_the_token_when_configured(loop_thread, base, adapter_dirs, tmp_path):
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", admin_token="tok")
+    try:
+        with pytest.raises(StatusError) as e:
+            c.client().load("qv8")
+        assert e.value.code.name == "UNAUTHENTICATED"
+        with pytest.raises(StatusError) as e:
+            c.client(token="bad").evict("qv8")
+        assert e.value.code.name == "PERMISSION_DENIED"
+        assert c.client(token="tok").load("qv8").slot >= 0
+        assert [s.name for s in c.client().list()] == ["qv8"]  # reads stay open
+    finally:
+        c.close()
