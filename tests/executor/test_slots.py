@@ -283,3 +283,19 @@ async def test_cancelled_waiter_does_not_cancel_the_shared_load(store, slots):
     lease = await second
     assert first.cancelled()
     assert mgr.state("adapter-0").in_use == 1 and slots.content[lease.slot] == "adapter-0"
+
+
+async def test_shard_the_model_refuses_is_invalid_argument_and_not_cached(store, slots):
+    def copy(slot, tensors):
+        raise ValueError("layer.lora_a: shard tensor (1, 2, 4) does not fit slot (1, 8, 5)")
+
+    mgr = SlotManager(store.fetch, copy, slots.clear, max_loras=2, max_cpu_adapters=8, device=torch.device("cpu"))
+    with pytest.raises(StatusError) as info:
+        await mgr.acquire("adapter-0")
+    _status(
+        info,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "adapter 'adapter-0' does not fit this executor's LoRA slots: "
+        "layer.lora_a: shard tensor (1, 2, 4) does not fit slot (1, 8, 5)",
+    )
+    assert mgr.states() == []
