@@ -67,6 +67,8 @@ def make_adapters(base, root: Path) -> list[str]:
                     p.normal_(0, 0.01)
         name = f"bench{i}-r{r}"
         peft.save_pretrained(root / name)
+        cfg_path = root / name / "adapter_config.json"
+        cfg_path.write_text(cfg_path.read_text().replace(str(smollm2_gguf_path().parent), DEFAULT_BASE_MODEL))
         names.append(name)
     return names
 

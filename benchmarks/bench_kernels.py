@@ -6,7 +6,8 @@ Floor, measured in the same run: max(bytes / copy bandwidth, FLOPs / bf16 matmul
 + 2 x (an empty Triton kernel replayed in a graph). Bytes: x rows of adapter tokens, each
 active adapter's A and B once, buf written (all rows) and read (adapter rows) in float32,
 y rows of adapter tokens read and written. Every timing reads cold weights: do_bench empties
-L2 before each call, and a graph replays K layers over K disjoint sets of slots and inputs.
+L2 before each call, and a graph replays K layers, each with its own weights and activations
+and one shared per-step grouping (LoraMeta), as the layers of a forward pass do.
 Prints one table (and writes it as markdown + JSON under --out); asserts nothing on time.
 """
 
@@ -37,7 +38,6 @@ SLICES = (1, 3)
 TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)
 ADAPTERS = (1, 8, 32, 128)
 NONE = (0.0, 0.2)
-POOL_BYTES = 2e9  # slot buffers per layer shape: enough slots that graph replays never reuse weights
 BENCH_MS = dict(warmup=5, rep=20)
 
 
@@ -96,29 +96,29 @@ def capture(fn) -> torch.cuda.CUDAGraph:
 
 @dataclass
 class Pool:
-    """Slot buffers of one layer shape, with more slots than any case uses at once."""
+    """Slot buffers of one layer shape, in `copies` separate sets (one per layer of a graph replay)."""
 
     hidden: int
     widths: tuple[int, ...]
     rank: int
-    lora_a: torch.Tensor  # [P, S, R, hidden]
-    lora_b: torch.Tensor  # [P, N, R]
+    weights: list[tuple[torch.Tensor, torch.Tensor]]  # per copy: A [L, S, R, hidden], B [L, N, R]
 
     @property
     def slots(self) -> int:
-        return self.lora_a.shape[0]
+        return self.weights[0][0].shape[0]
 
     @staticmethod
-    def make(hidden, widths, rank):
-        per_slot = (len(widths) * rank * hidden + sum(widths) * rank) * 2
-        slots = int(max(128, min(1024, POOL_BYTES // per_slot)))
-        a = torch.randn(slots, len(widths), rank, hidden, device=DEV, dtype=DTYPE) * hidden**-0.5
-        b = torch.randn(slots, sum(widths), rank, device=DEV, dtype=DTYPE) * rank**-0.5
-        return Pool(hidden, widths, rank, a, b)
+    def make(hidden, widths, rank, copies=8, slots=max(ADAPTERS)):
+        def one():
+            a = torch.randn(slots, len(widths), rank, hidden, device=DEV, dtype=DTYPE) * hidden**-0.5
+            b = torch.randn(slots, sum(widths), rank, device=DEV, dtype=DTYPE) * rank**-0.5
+            return a, b
+
+        return Pool(hidden, widths, rank, [one() for _ in range(copies)])
 
 
-def token_slots(tokens, lora_tokens, adapters, first_slot, gen):
-    ids = first_slot + torch.arange(lora_tokens, device=DEV) % adapters
+def token_slots(tokens, lora_tokens, adapters, gen):
+    ids = torch.arange(lora_tokens, device=DEV) % adapters
     slots = torch.cat([ids, torch.full((tokens - lora_tokens,), -1, device=DEV, dtype=ids.dtype)])
     return slots[torch.randperm(tokens, device=DEV, generator=gen)].to(torch.int32)
 
@@ -141,7 +141,8 @@ def floor_us(pool: Pool, tokens, lora_tokens, adapters, ceil) -> tuple[float, fl
 def gathered_bmm(x, y, pool: Pool, slots, offsets):
     """The plain-PyTorch baseline: gather each token's A and B, then batched matmuls (chunked)."""
     s, r = len(pool.widths), pool.rank
-    a_flat = pool.lora_a.view(pool.slots, s * r, pool.hidden)
+    lora_a, lora_b = pool.weights[0]
+    a_flat = lora_a.view(pool.slots, s * r, pool.hidden)
     per_token = (s * r * pool.hidden + offsets[-1] * r) * 2
     chunk = max(1, int(2e9 // per_token))
     for c0 in range(0, x.shape[0], chunk):
@@ -149,7 +150,7 @@ def gathered_bmm(x, y, pool: Pool, slots, offsets):
         idx = sl.clamp(min=0).long()
         keep = (sl >= 0).to(x.dtype)[:, None]
         buf = torch.bmm(a_flat[idx], x[c0 : c0 + chunk, :, None])[..., 0] * keep  # [c, S*R]
-        b = pool.lora_b[idx]  # [c, N, R]
+        b = lora_b[idx]  # [c, N, R]
         delta = torch.cat(
             [torch.bmm(b[:, offsets[i] : offsets[i + 1]], buf[:, i * r : (i + 1) * r, None])[..., 0] for i in range(s)],
             dim=1,
@@ -179,20 +180,23 @@ def run_case(pool: Pool, tokens, adapters, none, ceil, gen, baseline=True, ops=(
     lora_tokens = tokens - int(round(none * tokens))
     distinct = max(1, min(adapters, lora_tokens))
     offsets = offsets_of(pool.widths)
+    # One step's grouping, shared by every layer as in a forward pass; each layer its own weights
+    # and activations, so nothing but the per-step metadata can be served from L2.
+    slots = token_slots(tokens, lora_tokens, distinct, gen)
+    meta = make_lora_meta(slots, pool.slots)
     sets = []
-    for i in range(max(1, min(graph_sets(tokens), pool.slots // distinct))):
-        slots = token_slots(tokens, lora_tokens, distinct, i * distinct, gen)
+    for i in range(min(graph_sets(tokens), len(pool.weights))):
         x = torch.randn(tokens, pool.hidden, device=DEV, dtype=DTYPE, generator=gen)
         y = torch.randn(tokens, offsets[-1], device=DEV, dtype=DTYPE, generator=gen)
         buf = torch.empty(len(pool.widths), tokens, pool.rank, device=DEV)
-        sets.append((x, y, buf, make_lora_meta(slots, pool.slots), slots))
+        sets.append((x, y, buf, *pool.weights[i]))
 
     def layer(i, op="layer"):
-        x, y, buf, meta, _ = sets[i]
+        x, y, buf, lora_a, lora_b = sets[i]
         if op != "expand":
-            lora_shrink(x, pool.lora_a, meta, out=buf)
+            lora_shrink(x, lora_a, meta, out=buf)
         if op != "shrink":
-            lora_expand(y, buf, pool.lora_b, offsets, meta)
+            lora_expand(y, buf, lora_b, offsets, meta)
 
     result = dict(distinct=distinct, lora_tokens=lora_tokens, sets=len(sets))
     result["floor_us"], result["bytes_us"] = floor_us(pool, tokens, lora_tokens, distinct, ceil)
@@ -203,7 +207,7 @@ def run_case(pool: Pool, tokens, adapters, none, ceil, gen, baseline=True, ops=(
     if "layer" in ops:
         result["eager_us"] = do_bench(lambda: layer(0), return_mode="median", **BENCH_MS) * 1e3
     if baseline:
-        x, y, _, _, slots = sets[0]
+        x, y = sets[0][:2]
         result["torch_us"] = time_events(lambda: gathered_bmm(x, y, pool, slots, offsets)) * 1e3
     return result
 
@@ -297,58 +301,39 @@ def benchmark(args, ceil):
 
 
 def shrink_candidates(tokens, sr):
+    """(block_m, block_n, block_k, split_k, num_warps, num_stages, ctas_per_sm) to try, by regime."""
     full = max(16, triton.next_power_of_2(sr))
+    n64, n128, n256 = min(full, 64), min(full, 128), min(full, 256)
     if tokens <= 64:
-        return [
-            tuning.ShrinkConfig(16, bn, bk, sk, 4, st, cta)
-            for bn, bk, sk, st, cta in [
-                (min(full, 64), 256, 1, 3, 4),
-                (32, 256, 4, 3, 4),
-                (min(full, 64), 256, 8, 3, 4),
-                (16, 512, 4, 3, 4),
-                (min(full, 64), 128, 16, 4, 8),
-            ]
-        ]
-    if tokens <= 256:
-        return [
-            tuning.ShrinkConfig(bm, bn, bk, sk, 4, 3, cta)
-            for bm, bn, bk, sk, cta in [
-                (16, min(full, 64), 256, 4, 4),
-                (64, min(full, 64), 128, 2, 2),
-                (64, min(full, 64), 128, 4, 2),
-                (64, min(full, 128), 64, 1, 2),
-            ]
-        ]
-    return [
-        tuning.ShrinkConfig(bm, bn, bk, sk, w, st, cta)
-        for bm, bn, bk, sk, w, st, cta in [
-            (64, min(full, 128), 64, 1, 4, 4, 2),
-            (128, min(full, 128), 64, 1, 8, 3, 1),
-            (128, min(full, 256), 64, 1, 8, 3, 1),
-            (64, min(full, 64), 128, 1, 4, 3, 2),
-            (128, min(full, 64), 128, 1, 4, 3, 2),
-        ]
-    ]
+        rows = [(16, n64, 128, 16, 4, 4, 8), (16, n64, 64, 32, 4, 4, 8), (16, min(full, 32), 128, 16, 4, 4, 8),
+                (16, n64, 256, 8, 4, 3, 8), (16, n64, 128, 8, 4, 4, 8)]
+    elif tokens <= 256:
+        rows = [(16, n64, 128, 8, 4, 4, 8), (16, n64, 256, 4, 4, 3, 4), (64, n64, 128, 4, 4, 3, 2),
+                (32, n64, 128, 8, 4, 4, 4)]
+    elif tokens <= 2048:
+        rows = [(64, n64, 128, 1, 4, 3, 2), (64, n64, 128, 2, 4, 3, 2), (32, n64, 128, 2, 4, 4, 4),
+                (64, n128, 128, 1, 4, 3, 2), (64, n64, 256, 1, 4, 3, 2)]
+    else:
+        rows = [(64, n128, 64, 1, 4, 4, 2), (64, n64, 128, 1, 4, 4, 2), (64, n64, 256, 1, 4, 3, 2),
+                (128, n64, 128, 1, 8, 4, 1), (64, n256, 64, 1, 4, 3, 1), (64, n64, 128, 2, 4, 4, 2),
+                (32, n64, 128, 1, 4, 4, 4)]
+    return [tuning.ShrinkConfig(*row) for row in dict.fromkeys(rows)]
 
 
 def expand_candidates(tokens):
+    """(block_m, block_n, n_iters, num_warps, num_stages, ctas_per_sm) to try, by regime."""
     if tokens <= 64:
-        return [tuning.ExpandConfig(16, bn, 1, w, 1, cta) for bn, w, cta in [(32, 4, 8), (64, 4, 8), (128, 4, 4), (64, 2, 8)]]
-    if tokens <= 256:
-        return [
-            tuning.ExpandConfig(bm, bn, it, 4, st, cta)
-            for bm, bn, it, st, cta in [(16, 64, 1, 1, 8), (32, 64, 1, 1, 8), (64, 64, 1, 2, 4), (64, 128, 1, 2, 4)]
-        ]
-    return [
-        tuning.ExpandConfig(bm, bn, it, w, st, cta)
-        for bm, bn, it, w, st, cta in [
-            (64, 128, 2, 4, 2, 2),
-            (64, 128, 1, 4, 1, 4),
-            (128, 128, 2, 8, 2, 2),
-            (64, 256, 1, 8, 1, 2),
-            (128, 64, 4, 4, 2, 2),
-        ]
-    ]
+        rows = [(16, 64, 1, 4, 1, 8), (16, 128, 1, 4, 1, 4), (16, 64, 1, 2, 1, 8), (16, 32, 1, 4, 1, 8),
+                (16, 64, 2, 4, 2, 8)]
+    elif tokens <= 256:
+        rows = [(16, 64, 1, 4, 1, 8), (16, 128, 1, 4, 1, 8), (32, 64, 1, 4, 1, 8), (16, 64, 2, 4, 2, 8)]
+    elif tokens <= 2048:
+        rows = [(64, 128, 1, 4, 1, 4), (64, 128, 2, 4, 2, 2), (32, 128, 2, 4, 2, 4), (64, 64, 2, 4, 2, 4),
+                (64, 128, 4, 4, 3, 2), (32, 64, 4, 4, 2, 4)]
+    else:
+        rows = [(64, 128, 2, 4, 2, 2), (64, 128, 4, 4, 3, 2), (64, 128, 2, 4, 3, 3), (64, 64, 4, 4, 3, 4),
+                (32, 128, 4, 4, 3, 4), (64, 256, 2, 8, 2, 2)]
+    return [tuning.ExpandConfig(*row) for row in rows]
 
 
 def tune(args, ceil):
@@ -384,6 +369,8 @@ def tune(args, ceil):
                           f"many {t[1]:.1f} us, score {sc:.2f}", flush=True)
         del pool
         torch.cuda.empty_cache()
+        with open(args.tune_out, "w") as f:  # after each shape: a cut-off run keeps what it tuned
+            json.dump(table, f, indent=1, sort_keys=True)
     tuning.set_table(key, table)
     return table
 
@@ -409,9 +396,7 @@ def main():
     info = env_info(ceil)
     print(json.dumps(info, indent=1))
     if args.tune_out:
-        table = tune(args, ceil)
-        with open(args.tune_out, "w") as f:
-            json.dump(table, f, indent=1, sort_keys=True)
+        tune(args, ceil)
         print(f"tuned in {time.time() - started:.0f} s -> {args.tune_out}")
     if args.skip_bench:
         return

@@ -1,13 +1,15 @@
 """Block sizes for the Triton kernels, looked up by GPU and shape: nothing is autotuned at serve time.
 
 Tables live in kernels/configs/<gpu>.json (written by `benchmarks/bench_kernels.py --tune`).
-A lookup takes the entry for the same feature sizes and the largest tuned token count <= T;
-a shape with no entry falls back to the rule in `_default_shrink` / `_default_expand`.
+A lookup takes the entry for the same feature sizes and the tuned token count nearest to T
+(on a log scale); a shape with no entry falls back to the rule in `_default_shrink` /
+`_default_expand`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -91,9 +93,8 @@ def _lookup(key: str, op: str, shape: str, num_tokens: int):
     entries = _table(key).get(op, {}).get(shape)
     if not entries:
         return None
-    tuned = sorted(int(t) for t in entries)
-    below = [t for t in tuned if t <= num_tokens]
-    return entries[str(below[-1] if below else tuned[0])]
+    nearest = min((int(t) for t in entries), key=lambda t: (abs(math.log(t / max(num_tokens, 1))), t))
+    return entries[str(nearest)]
 
 
 def _device_key(device: torch.device) -> str:

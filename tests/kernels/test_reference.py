@@ -149,11 +149,13 @@ def test_block_list_covers_each_group_once_in_blocks_of_one_slot(block_m, num_sl
             assert first < end  # end: where the block's group ends
             assert (slot < num_slots) == (b < lora_blocks)  # real slots first, no-adapter group after
             rows = meta.sorted_token_ids[first : min(end, first + block_m)].long()
+            assert work.tokens[b, : len(rows)].tolist() == rows.tolist()
+            assert (work.tokens[b, len(rows) :] == -1).all()
             want = slot if slot < num_slots else -1
             assert (slots[rows] == want).all()
             covered[rows] += 1
         assert (covered == 1).all()
-        assert (blocks[0, all_blocks:] == -1).all()
+        assert (blocks[0, all_blocks:] == -1).all() and (work.tokens[all_blocks:] == -1).all()
 
 
 def test_block_list_bound_depends_only_on_tokens_and_slots():
@@ -210,7 +212,7 @@ def test_cpu_tensors_use_the_reference_and_never_import_triton():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_tuned_table_lookup_takes_largest_tuned_token_count_at_or_below():
+def test_tuned_table_lookup_takes_the_nearest_tuned_token_count():
     table = {"shrink": {"4096x192": {"1": dict(block_m=16, block_n=64, block_k=256, split_k=4, num_warps=4,
                                                    num_stages=3, ctas_per_sm=4),
                                        "1024": dict(block_m=128, block_n=64, block_k=64, split_k=1,
@@ -218,7 +220,8 @@ def test_tuned_table_lookup_takes_largest_tuned_token_count_at_or_below():
     tuning.set_table("test_gpu", table)
     try:
         assert tuning._shrink_config("test_gpu", 1, 4096, 192).block_m == 16
-        assert tuning._shrink_config("test_gpu", 1023, 4096, 192).block_m == 16
+        assert tuning._shrink_config("test_gpu", 31, 4096, 192).block_m == 16
+        assert tuning._shrink_config("test_gpu", 33, 4096, 192).block_m == 128
         assert tuning._shrink_config("test_gpu", 5000, 4096, 192).block_m == 128
         assert tuning._shrink_config("test_gpu", 64, 8192, 192) == tuning._default_shrink(64, 8192, 192)
     finally:
