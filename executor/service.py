@@ -50,6 +50,8 @@ def load_tokenizer(model_path: str) -> Tokenizer:
 def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     """Loads the model with slot buffers, and wires slot manager, store client and engine."""
     t0 = time.perf_counter()
+    if cfg.cpu_threads > 0:
+        torch.set_num_threads(cfg.cpu_threads)
     spec = LoraSpec(cfg.max_loras, cfg.max_rank, cfg.torch_dtype)
     model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=spec)
     tokenizer = load_tokenizer(cfg.model)
