@@ -54,6 +54,14 @@ def family(request):
     return request.param
 
 
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """The same tests on the GPU path (slot copies on a side stream, pinned host memory)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA: no CUDA device here (run on the device machine: benchmarks/device_executor.sh)")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def base(hf_model, family):
     model, path = hf_model(family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512)
@@ -80,7 +88,7 @@ def adapter_dirs(base, tmp_path_factory):
 class Cluster:
     """A store and an executor on loopback, served from one event loop thread."""
 
-    def __init__(self, lt, base_dir: Path, adapters: Path, data: Path, **executor_overrides):
+    def __init__(self, lt, base_dir: Path, adapters: Path, data: Path, device: str = "cpu", **executor_overrides):
         self.lt, self.adapters, self.data = lt, adapters, data
         self.scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model="tiny", base_model_path=base_dir,
                                 sources=SourceConfig(local_roots=(adapters,)), limits=validate.Limits(max_rank=16))
@@ -88,7 +96,7 @@ class Cluster:
         store = self.store_client()
         for name in ADAPTERS:
             store.register(name, str(adapters / name))
-        cfg = ExecutorConfig(model=str(base_dir), base_model="tiny", device="cpu", dtype="float32", max_loras=2,
+        cfg = ExecutorConfig(model=str(base_dir), base_model="tiny", device=device, dtype="float32", max_loras=2,
                              max_rank=16, max_cpu_adapters=8, num_blocks=256, block_size=4, max_model_len=512,
                              store_address=self.store_address, slot_wait_timeout_s=10.0)
         for k, v in executor_overrides.items():
@@ -117,8 +125,8 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(loop_thread, base, adapter_dirs, tmp_path):
-    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store")
+def cluster(loop_thread, base, adapter_dirs, tmp_path, device):
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", device)
     yield c
     c.close()
 
@@ -255,7 +263,7 @@ def test_text_prompts_chat_and_stream(cluster):
     assert "".join(p.text for p in parts) == whole.text
     assert parts[-1].finish_reason in (epb.LENGTH, epb.EOS) and whole.prompt_tokens > 2
     info = client.info()
-    assert info.max_loras == 2 and info.max_rank == 16 and info.device == "cpu"
+    assert info.max_loras == 2 and info.max_rank == 16 and info.device
 
 
 def test_store_down_hot_adapters_serve_cold_fail_unavailable_then_recover(cluster, references):
@@ -290,5 +298,34 @@ def test_admin_rpcs_need_the_token_when_configured(loop_thread, base, adapter_di
         assert e.value.code.name == "PERMISSION_DENIED"
         assert c.client(token="tok").load("qv8").slot >= 0
         assert [s.name for s in c.client().list()] == ["qv8"]  # reads stay open
+    finally:
+        c.close()
+
+
+@pytest.mark.gpu
+def test_bf16_on_cuda_applies_each_rows_adapter(loop_thread, base, adapter_dirs, tmp_path, references):
+    """bf16 on the GPU runs the Triton kernels: each row's tokens must be scored like its own
+    adapter's reference (float32 PEFT), and clearly unlike the base model's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/device_executor.sh on the device machine)")
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", "cuda", dtype="bfloat16")
+    try:
+        client = c.client()
+        jobs = [(name, prompt_ids(i)) for i, name in enumerate(["qv8", "all4", "", "mlp16", "qv8", ""])]
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            resps = list(pool.map(lambda j: generate(client, *j, 12), jobs))
+        for (name, ids), resp in zip(jobs, resps):
+            out = list(resp.token_ids)
+            got = torch.tensor(list(resp.logprobs), dtype=torch.float64)
+            with torch.no_grad():
+                seq = torch.tensor([ids + out[:-1]])
+                own = torch.log_softmax(references[name](seq).logits[0, len(ids) - 1 :].double(), -1)
+                plain = torch.log_softmax(references[""](seq).logits[0, len(ids) - 1 :].double(), -1)
+            idx = torch.arange(len(out))
+            err_own = (got - own[idx, out]).abs().max().item()
+            assert err_own < 0.1, (name, err_own)
+            if name:
+                err_base = (got - plain[idx, out]).abs().max().item()
+                assert err_base > 3 * err_own, (name, err_own, err_base)
     finally:
         c.close()
