@@ -69,8 +69,8 @@ def _module_names(m: pb.ModuleLayout, e: int | None) -> list[str]:
 
 def _pack_linear(m, names, adapter, r_pack, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """a: [S, r_pack, in], b: [N, r_pack], zeros where a slice is not targeted."""
-    a = torch.zeros(len(names), r_pack, m.input_size, dtype=torch.float32)
-    b = torch.zeros(sum(m.output_sizes), r_pack, dtype=torch.float32)
+    a = torch.zeros(len(names), r_pack, m.input_size, dtype=dtype)  # A is only cast: no float32 detour
+    b = torch.zeros(sum(m.output_sizes), r_pack, dtype=torch.float32)  # B is scaled in float32
     offset = 0
     for s, (name, n) in enumerate(zip(names, m.output_sizes)):
         if name in adapter.modules:
@@ -81,10 +81,10 @@ def _pack_linear(m, names, adapter, r_pack, dtype) -> tuple[torch.Tensor, torch.
                     f"module {name!r}: adapter maps {la.shape[1]} -> {lb.shape[0]} features, "
                     f"the executor's layout module {m.name!r} expects {m.input_size} -> {n}"
                 )
-            a[s, :r] = la.float()
+            a[s, :r] = la
             b[offset : offset + n, :r] = lb.float() * adapter.settings.module_scale(name)
         offset += n
-    return a.to(dtype), b.to(dtype)
+    return a, b.to(dtype)
 
 
 def _pack_embedding(m, adapter, r_pack, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -11,7 +11,9 @@ import hashlib
 import logging
 import shutil
 import tempfile
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import grpc
@@ -34,6 +36,7 @@ SERVICE_NAME = "loraserve.v1.AdapterStore"
 DEFAULT_CHUNK = 1 << 20
 MAX_CHUNK = 3 << 20  # stays under gRPC's default 4 MiB message limit
 MAX_PAGE = 1000
+LOADED_ADAPTERS = 2  # validated adapters kept in memory between packs
 
 
 def load_spec(cfg: StoreConfig) -> base_model.BaseModelSpec | None:
@@ -60,6 +63,8 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         self.cache = build_cache(cfg)
         self.spec = load_spec(cfg)
         self._inflight: dict[str, asyncio.Future] = {}
+        self._adapters: OrderedDict[str, pack.PeftAdapter] = OrderedDict()  # digest -> validated adapter
+        self._adapters_lock = threading.Lock()
 
     def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
         require_admin(context, self.cfg.admin_token)
@@ -118,6 +123,8 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         self._require_admin(context)
         manifest = self.registry.delete(request.name)
         if not self.registry.is_referenced(manifest.digest):
+            with self._adapters_lock:
+                self._adapters.pop(manifest.digest, None)
             dropped = await asyncio.to_thread(self.cache.delete_prefix, f"{manifest.digest}/")
             log.info("deleted %s (digest %s, %d cached shards dropped)", request.name, manifest.digest[:12], dropped)
         return spb.DeleteAdapterResponse(deleted=True)
@@ -173,7 +180,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
     def _pack_ranks(self, manifest: pb.AdapterManifest, layout: pb.Layout, ranks: list[pb.ShardRank]) -> list[bytes]:
         """Packs once, slices for each rank, caches each shard. Runs in a thread."""
         t0 = time.perf_counter()
-        adapter = pack.load_adapter(self.registry.adapter_dir(manifest.digest), self.spec, self.cfg.limits)
+        adapter = self._loaded(manifest)
         if adapter.digest != manifest.digest:
             raise StatusError(grpc.StatusCode.DATA_LOSS, f"stored files of adapter {manifest.name!r} no longer match digest {manifest.digest[:12]}: register it again")
         full = pack.pack_full(adapter, layout)
@@ -188,6 +195,18 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         log.info("packed %s for layout %s, %d rank(s), %d bytes in %.2fs", manifest.name,
                  layout_hash(layout)[:12], len(ranks), sum(map(len, blobs)), time.perf_counter() - t0)
         return blobs
+
+    def _loaded(self, manifest: pb.AdapterManifest) -> pack.PeftAdapter:
+        """The validated adapter, kept for a few packs: one adapter is often packed for several layouts."""
+        with self._adapters_lock:
+            adapter = self._adapters.pop(manifest.digest, None)
+        if adapter is None:
+            adapter = pack.load_adapter(self.registry.adapter_dir(manifest.digest), self.spec, self.cfg.limits)
+        with self._adapters_lock:
+            self._adapters[manifest.digest] = adapter
+            while len(self._adapters) > LOADED_ADAPTERS:
+                self._adapters.popitem(last=False)
+        return adapter
 
     @grpc_errors
     async def Prefetch(self, request, context):
