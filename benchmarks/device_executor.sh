@@ -15,6 +15,6 @@ ln -s "$PWD/protos/loraserve/v1" "$farm/v1"
 export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "${OUT:-/tmp}/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "${OUT:-/tmp}/gpu.txt"
-python3 -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs \
+python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs \
   tests/executor/test_service.py -k "cuda or bf16" \
   2>&1 | tee "${OUT:-/tmp}/executor_gpu_tests.log" | tail -30

@@ -1,0 +1,66 @@
+{{- define "loraserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-scoped base name; components append -store, -executor, -redis (kept under 63). */}}
+{{- define "loraserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "loraserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+
+{{/* Selector labels of one component: include "loraserve.selectorLabels" (list . "store") */}}
+{{- define "loraserve.selectorLabels" -}}
+{{- $ctx := index . 0 -}}
+app.kubernetes.io/name: {{ include "loraserve.name" $ctx }}
+app.kubernetes.io/instance: {{ $ctx.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "loraserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "loraserve.secretName" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-auth" (include "loraserve.fullname" .)) }}
+{{- end }}
+
+{{- define "loraserve.hasStoreToken" -}}
+{{- if or .Values.auth.storeAdminToken .Values.auth.existingSecret }}true{{ end }}
+{{- end }}
+
+{{- define "loraserve.hasExecutorToken" -}}
+{{- if or .Values.auth.executorAdminToken .Values.auth.existingSecret }}true{{ end }}
+{{- end }}
+
+{{/* The model volume (model.volume), mounted read-only in the store and every executor. */}}
+{{- define "loraserve.modelVolume" -}}
+- name: model
+  {{- toYaml .Values.model.volume | nindent 2 }}
+{{- end }}
+
+{{- define "loraserve.modelMount" -}}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+
+{{/* Settings that only make sense together; checked at install time. */}}
+{{- define "loraserve.validate" -}}
+{{- if and (or .Values.model.name .Values.model.path) (not (and .Values.model.name .Values.model.path)) }}
+{{- fail "model.name and model.path go together: set both (and model.volume), or neither for the embedded SmolLM2" }}
+{{- end }}
+{{- end }}
