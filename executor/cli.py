@@ -25,6 +25,8 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     p.add_argument("--cpu-threads", type=int, default=int(env("cpu_threads", 0)), help="torch threads on CPU (0: torch default)")
     p.add_argument("--max-loras", type=int, default=int(env("max_loras", 8)), help="GPU slots")
     p.add_argument("--max-lora-rank", type=int, default=int(env("max_lora_rank", 64)))
+    p.add_argument("--lora-embeddings", action="store_true", default=env("lora_embeddings", "") in ("1", "true"),
+                   help="serve adapters that target embed_tokens / lm_head (vocab-sized slots)")
     p.add_argument("--max-cpu-adapters", type=int, default=int(env("max_cpu_adapters", 32)))
     p.add_argument("--num-blocks", type=int, default=int(env("num_blocks", 512)), help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=int(env("block_size", 16)))
@@ -50,6 +52,7 @@ def executor_config(a: argparse.Namespace):
     dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     return ExecutorConfig(
         model=model, base_model=base or "", device=device, dtype=dtype, cpu_threads=a.cpu_threads, max_loras=a.max_loras,
+        lora_embeddings=a.lora_embeddings,
         max_rank=a.max_lora_rank, max_cpu_adapters=a.max_cpu_adapters, num_blocks=a.num_blocks,
         block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, store_address=a.store, listen_address=a.executor_listen,

@@ -26,6 +26,7 @@ class ExecutorConfig:
     # LoRA slots and the CPU tier in front of them.
     max_loras: int = 8  # GPU slots: adapters usable in one batch
     max_rank: int = 64  # slot rank; larger adapters are refused by the store
+    lora_embeddings: bool = False  # also give embed_tokens and lm_head slots (vocab-sized: costly)
     max_cpu_adapters: int = 32  # packed shards kept in (pinned) host memory
     slot_wait_timeout_s: float = 30.0  # how long a request waits for a slot when all are in use
 

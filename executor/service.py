@@ -52,7 +52,7 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     t0 = time.perf_counter()
     if cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
-    spec = LoraSpec(cfg.max_loras, cfg.max_rank, cfg.torch_dtype)
+    spec = LoraSpec(cfg.max_loras, cfg.max_rank, cfg.torch_dtype, targets_embeddings=cfg.lora_embeddings)
     model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=spec)
     tokenizer = load_tokenizer(cfg.model)
     mc = model.cfg

@@ -329,3 +329,36 @@ def test_bf16_on_cuda_applies_each_rows_adapter(loop_thread, base, adapter_dirs,
                 assert err_base > 3 * err_own, (name, err_own, err_base)
     finally:
         c.close()
+
+
+def test_embedding_and_lm_head_adapters_when_enabled(loop_thread, base, adapter_dirs, tmp_path, device):
+    """An adapter on embed_tokens + lm_head + q_proj: refused by a default executor's layout,
+    served exactly (vs PEFT) when lora_embeddings is on."""
+    model, base_dir = base
+    torch.manual_seed(7)
+    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "q_proj"]))
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n or "lora_embedding_B" in n:
+                p.normal_(0, 0.2)
+    peft.save_pretrained(adapter_dirs / "emb4")
+    ref = PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs / "emb4").eval()
+    plain = Cluster(loop_thread, base_dir, adapter_dirs, tmp_path / "s1", device)
+    try:
+        plain.store_client().register("emb4", str(adapter_dirs / "emb4"))
+        with pytest.raises(StatusError) as e:
+            generate(plain.client(), "emb4", prompt_ids(0))
+        assert e.value.code.name == "FAILED_PRECONDITION" and "does not serve" in e.value.message
+    finally:
+        plain.close()
+    c = Cluster(loop_thread, base_dir, adapter_dirs, tmp_path / "s2", device, lora_embeddings=True)
+    try:
+        c.store_client().register("emb4", str(adapter_dirs / "emb4"))
+        jobs = [("emb4", prompt_ids(0)), ("qv8", prompt_ids(1)), ("", prompt_ids(2))]
+        with cf.ThreadPoolExecutor(3) as pool:
+            resps = list(pool.map(lambda j: generate(c.client(), *j), jobs))
+        check_against_reference(ref, *jobs[0][1:], resps[0])
+        for (name, ids), resp in zip(jobs[1:], resps[1:]):
+            check_against_reference(PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs / name).eval() if name else model, ids, resp)
+    finally:
+        c.close()
