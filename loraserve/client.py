@@ -66,10 +66,12 @@ def _raise(e: grpc.RpcError):
     raise StatusError(e.code(), e.details()) from None
 
 
-class StoreClient:
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = 300.0):
+class _Client:
+    """A blocking channel, a stub, and the admin token sent on mutating calls."""
+
+    def __init__(self, address: str, stub_class, token: str | None, timeout_s: float):
         self.channel = grpc.insecure_channel(address)
-        self.stub = spb_grpc.AdapterStoreStub(self.channel)
+        self.stub = stub_class(self.channel)
         self.md = _metadata(token)
         self.timeout_s = timeout_s
 
@@ -78,6 +80,14 @@ class StoreClient:
             return method(request, metadata=self.md if admin else None, timeout=self.timeout_s)
         except grpc.RpcError as e:
             _raise(e)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class StoreClient(_Client):
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 300.0):
+        super().__init__(address, spb_grpc.AdapterStoreStub, token, timeout_s)
 
     def register(self, name: str, uri: str, revision: str = "") -> pb.AdapterManifest:
         return self._call(self.stub.RegisterAdapter, spb.RegisterAdapterRequest(name=name, uri=uri, revision=revision), admin=True)
@@ -110,22 +120,10 @@ class StoreClient:
             _raise(e)
         return asm.result()
 
-    def close(self) -> None:
-        self.channel.close()
 
-
-class ExecutorClient:
+class ExecutorClient(_Client):
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 600.0):
-        self.channel = grpc.insecure_channel(address)
-        self.stub = epb_grpc.ExecutorStub(self.channel)
-        self.md = _metadata(token)
-        self.timeout_s = timeout_s
-
-    def _call(self, method, request, admin: bool = False):
-        try:
-            return method(request, metadata=self.md if admin else None, timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            _raise(e)
+        super().__init__(address, epb_grpc.ExecutorStub, token, timeout_s)
 
     def generate(self, prompt: str = "", adapter: str = "", chat: bool = True, **sampling) -> epb.GenerateResponse:
         return self._call(self.stub.Generate, make_request(prompt, adapter, chat, **sampling))
@@ -153,9 +151,6 @@ class ExecutorClient:
 
     def info(self) -> epb.ServerInfo:
         return self._call(self.stub.GetServerInfo, epb.ServerInfoRequest())
-
-    def close(self) -> None:
-        self.channel.close()
 
 
 def make_request(prompt: str, adapter: str = "", chat: bool = True, **sampling) -> epb.GenerateRequest:
