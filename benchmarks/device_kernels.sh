@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script a device call runs: GPU tests, then (optionally) tuning and the benchmark.
 #   bash benchmarks/device_kernels.sh STAGES [bench_kernels.py args...]
-# STAGES: comma list of smoke,test,tune,quick,bench (default: test,bench).
+# STAGES: comma list of smoke,tune,test,quick,bench (default: test,bench), run in that order.
 # Writes under $OUT: run.log (everything), and tuned.json, bench.json, bench.md when made.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,14 +35,20 @@ if has smoke; then
   timeout 200 bash -c "$(declare -f pytest_gpu); pytest_gpu -x -k 'odd_shapes or graph or sync or embedding or dispatch'" 2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 fi
-if has test; then
-  stage test
-  timeout "${TEST_TIMEOUT:-300}" bash -c "$(declare -f pytest_gpu); pytest_gpu" 2>&1 | tee -a "$LOG"
-fi
 if has tune; then
   stage tune
   timeout "${TUNE_TIMEOUT:-240}" python3 benchmarks/bench_kernels.py --skip-bench --tune-out "$OUT/tuned.json" "$@" 2>&1 | tee -a "$LOG"
-  [ -f "$OUT/tuned.json" ] && TABLE=(--table "$OUT/tuned.json")
+  if [ -f "$OUT/tuned.json" ]; then
+    # The tuned table replaces this checkout's shipped one, so the tests and the benchmark after
+    # this stage run on it (copy it into kernels/configs/ of the repository to keep it).
+    key=$(python3 -c "import torch; from loraserve.kernels.tuning import gpu_key; print(gpu_key(torch.device('cuda')))")
+    cp "$OUT/tuned.json" "kernels/configs/$key.json"
+    TABLE=(--table "$OUT/tuned.json")
+  fi
+fi
+if has test; then
+  stage test
+  timeout "${TEST_TIMEOUT:-300}" bash -c "$(declare -f pytest_gpu); pytest_gpu" 2>&1 | tee -a "$LOG"
 fi
 if has quick; then
   stage quick

@@ -81,29 +81,32 @@ def _shrink_kernel(
     num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
     RANK: tl.constexpr, SR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """out[s, t, r] = sum_k x[t, k] * a[slot(t), s * RANK + r, k], over the flattened j = s * RANK + r.
 
-    Persistent: program p takes tiles p, p + P, ... of the device-side block list. Its first
-    tile is read without waiting for the tile count (unused list entries say slot -1), which
-    takes one dependent memory round trip off a decode step. Blocks of the no-adapter group
-    (slot == num_slots) write zeros.
+    Persistent: program p takes tiles p, p + P, ... of the device-side block list, up to the
+    tile count the list holds. ONE_TILE (the grid covers the list's upper bound, as in decode):
+    each program takes tile p without reading the count (unused entries say slot -1), one
+    dependent memory round trip less. Blocks of the no-adapter group (slot == num_slots)
+    write zeros.
     """
     pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    num_tiles = tl.load(num_blocks_ptr + 1) * (N_BLOCKS * SPLIT_K)
-    _shrink_tile(
-        pid, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_tokens_ptr,
-        num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
-        RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K,
-    )
-    for tile in range(pid + num_programs, num_tiles, num_programs):
+    if ONE_TILE:
         _shrink_tile(
-            tile, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_tokens_ptr,
+            pid, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_tokens_ptr,
             num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
             RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K,
         )
+    else:
+        num_programs = tl.num_programs(0)
+        num_tiles = tl.load(num_blocks_ptr + 1) * (N_BLOCKS * SPLIT_K)
+        for tile in range(pid, num_tiles, num_programs):
+            _shrink_tile(
+                tile, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_tokens_ptr,
+                num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
+                RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K,
+            )
 
 
 @triton.jit
@@ -189,6 +192,7 @@ def _expand_kernel(
     off0, off1, off2, off3, off4,
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
+    ONE_TILE: tl.constexpr,
 ):
     """y[t, n] += sum_r buf[s(n), t, r] * b[slot(t), n, r] for the columns n of slice s(n).
 
@@ -196,19 +200,21 @@ def _expand_kernel(
     no-adapter tokens are never touched.
     """
     pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    num_tiles = tl.load(num_blocks_ptr) * chunks
-    _expand_tile(
-        pid, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_tokens_ptr,
-        num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
-        off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-    )
-    for tile in range(pid + num_programs, num_tiles, num_programs):
+    if ONE_TILE:
         _expand_tile(
-            tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_tokens_ptr,
+            pid, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_tokens_ptr,
             num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
             off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
         )
+    else:
+        num_programs = tl.num_programs(0)
+        num_tiles = tl.load(num_blocks_ptr) * chunks
+        for tile in range(pid, num_tiles, num_programs):
+            _expand_tile(
+                tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_tokens_ptr,
+                num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
+                off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
+            )
 
 
 @triton.jit
@@ -261,13 +267,14 @@ def lora_shrink(
     k_per_split = _cdiv(_cdiv(in_features, cfg.block_k), cfg.split_k) * cfg.block_k
     if cfg.split_k > 1:
         out.zero_()  # the K splits add into it
-    tiles = blocks.max_blocks * col_blocks * cfg.split_k
-    grid = (min(tiles, num_sms(x.device.index) * cfg.ctas_per_sm),)
-    _shrink_kernel[grid](
+    tiles = blocks.max_blocks * col_blocks * cfg.split_k  # upper bound: the list's length
+    programs = num_sms(x.device.index) * cfg.ctas_per_sm
+    _shrink_kernel[(min(tiles, programs),)](
         x, lora_a, out, blocks.blocks, blocks.tokens, blocks.num_blocks,
         num_tokens, num_slots, in_features, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(2),
         RANK=rank, SR=sr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         N_BLOCKS=col_blocks, SPLIT_K=cfg.split_k, EVEN_K=in_features % cfg.block_k == 0,
+        ONE_TILE=tiles <= programs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -295,17 +302,18 @@ def lora_expand(
         return y
     cfg = expand_config(y.device, num_tokens, slice_offsets[-1], rank)
     blocks = meta.block_list(cfg.block_m)
-    sms = num_sms(y.device.index)
+    programs = num_sms(y.device.index) * cfg.ctas_per_sm
     for first_slice, num_slices, offsets, chunks, even_n in _expand_launches(
         tuple(slice_offsets), cfg.block_n * cfg.n_iters
     ):
-        grid = (min(blocks.max_blocks * chunks, sms * cfg.ctas_per_sm),)
-        _expand_kernel[grid](
+        tiles = blocks.max_blocks * chunks
+        _expand_kernel[(min(tiles, programs),)](
             y, buf[first_slice:], lora_b, blocks.blocks, blocks.tokens, blocks.num_blocks,
             num_tokens, lora_b.shape[0], chunks, y.stride(0), lora_b.stride(0), lora_b.stride(1),
             *offsets,
             NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
+            ONE_TILE=tiles <= programs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return y
