@@ -50,8 +50,12 @@ class Registry:
             raise not_found(f"adapter {name!r} is not registered")
         return manifest
 
-    def put(self, manifest: pb.AdapterManifest, files: list[Path]) -> None:
-        """Keeps the adapter's files under its digest, then (atomically) points the name at it."""
+    def put(self, manifest: pb.AdapterManifest, files: list[Path]) -> str | None:
+        """Keeps the adapter's files under its digest, then (atomically) points the name at it.
+
+        Returns the digest the name pointed at before when no name uses it any more (its files
+        are gone; the caller drops its cached shards), else None.
+        """
         check_name(manifest.name)
         target = self.adapter_dir(manifest.digest)
         if not target.exists():
@@ -64,7 +68,12 @@ class Registry:
                 shutil.rmtree(tmp, ignore_errors=True)
         _atomic_write(self.manifest_dir / f"{manifest.name}.json", json_format.MessageToJson(manifest))
         with self._lock:
+            old = self._manifests.get(manifest.name)
             self._manifests[manifest.name] = manifest
+        if old is None or old.digest == manifest.digest or self.is_referenced(old.digest):
+            return None
+        shutil.rmtree(self.adapter_dir(old.digest), ignore_errors=True)
+        return old.digest
 
     def delete(self, name: str) -> pb.AdapterManifest:
         """Forgets a name; its files go when no other name shares the digest."""

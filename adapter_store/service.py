@@ -86,7 +86,9 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             t_fetch = time.perf_counter() - t0
             adapter = pack.load_adapter(fetched.directory, self.spec, self.cfg.limits)
             manifest = self._manifest(name, fetched, adapter)
-            self.registry.put(manifest, sorted(p for p in fetched.directory.iterdir() if p.is_file()))
+            replaced = self.registry.put(manifest, sorted(p for p in fetched.directory.iterdir() if p.is_file()))
+            if replaced:
+                self._forget(replaced)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         log.info(
@@ -123,11 +125,16 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         self._require_admin(context)
         manifest = self.registry.delete(request.name)
         if not self.registry.is_referenced(manifest.digest):
-            with self._adapters_lock:
-                self._adapters.pop(manifest.digest, None)
-            dropped = await asyncio.to_thread(self.cache.delete_prefix, f"{manifest.digest}/")
-            log.info("deleted %s (digest %s, %d cached shards dropped)", request.name, manifest.digest[:12], dropped)
+            await asyncio.to_thread(self._forget, manifest.digest)
+        log.info("deleted %s (digest %s)", request.name, manifest.digest[:12])
         return spb.DeleteAdapterResponse(deleted=True)
+
+    def _forget(self, digest: str) -> None:
+        """Drops what the store keeps for a digest no name uses any more."""
+        with self._adapters_lock:
+            self._adapters.pop(digest, None)
+        dropped = self.cache.delete_prefix(f"{digest}/")
+        log.info("digest %s is no longer used: %d cached shards dropped", digest[:12], dropped)
 
     # -- shards ----------------------------------------------------------------------
     def _check_fetch(self, name: str, digest: str, layout: pb.Layout) -> pb.AdapterManifest:

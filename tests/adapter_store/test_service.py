@@ -368,3 +368,21 @@ def test_registry_survives_restart(make_store, peft_adapter):
     again = make_store()
     assert again.client().get("p").digest == m.digest
     assert again.client().fetch_shard("p", qkv_layout(1))[0].cache_tier == "disk"
+
+
+def test_reregistering_new_weights_gives_a_new_digest_and_drops_the_old(make_store, peft_adapter):
+    store = make_store()
+    client = store.client()
+    v1 = place(peft_adapter(r=4, seed=1), make_store.adapters_root, "v1")
+    v2 = place(peft_adapter(r=4, seed=2), make_store.adapters_root, "v2")
+    old = client.register("same", str(v1))
+    client.fetch_shard("same", qkv_layout(1))
+    new = client.register("same", str(v2))
+    assert new.digest != old.digest and client.get("same").digest == new.digest
+    with pytest.raises(StatusError) as e:  # an executor still asking for the old version
+        client.fetch_shard("same", qkv_layout(1), digest=old.digest)
+    assert e.value.code.name == "FAILED_PRECONDITION"
+    assert not (store.cfg.data_dir / "adapters" / old.digest).exists()
+    assert not list((store.cfg.data_dir / "cache").glob(f"{old.digest}/**/*.shard"))
+    header, _ = client.fetch_shard("same", qkv_layout(1), digest=new.digest)
+    assert header.manifest.digest == new.digest
