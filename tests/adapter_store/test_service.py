@@ -386,3 +386,31 @@ def test_reregistering_new_weights_gives_a_new_digest_and_drops_the_old(make_sto
     assert not list((store.cfg.data_dir / "cache").glob(f"{old.digest}/**/*.shard"))
     header, _ = client.fetch_shard("same", qkv_layout(1), digest=new.digest)
     assert header.manifest.digest == new.digest
+
+
+def test_prefetch_packs_every_rank_ahead_and_reports_failures(make_store, peft_adapter):
+    from loraserve.v1 import adapter_store_pb2 as spb
+
+    store = make_store()
+    client = store.client()
+    client.register("pf", str(place(peft_adapter(r=4), make_store.adapters_root, "pf")))
+    results = client.prefetch([spb.PrefetchItem(name="pf", layout=qkv_layout(2)), spb.PrefetchItem(name="ghost", layout=qkv_layout(2))])
+    ok = [r for r in results if r.name == "pf"]
+    assert [(r.rank.tp_rank, r.ok, r.cache_tier) for r in ok] == [(0, True, "packed"), (1, True, "packed")]
+    assert all(r.bytes > 0 for r in ok)
+    ghost = [r for r in results if r.name == "ghost"]
+    assert len(ghost) == 2 and not any(r.ok for r in ghost) and all("NOT_FOUND" in r.error for r in ghost)
+    assert all(client.fetch_shard("pf", qkv_layout(2), tp_rank=t)[0].cache_tier == "disk" for t in range(2))
+    again = client.prefetch([spb.PrefetchItem(name="pf", layout=qkv_layout(2))])
+    assert [r.cache_tier for r in again] == ["cached", "cached"]
+
+
+def test_health_service_reports_serving(make_store):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    store = make_store()
+    with grpc.insecure_channel(store.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "loraserve.v1.AdapterStore"):
+            assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
