@@ -11,6 +11,19 @@ import torch
 
 from .meta import LoraMeta
 
+# Up to this many tokens, gather each token's weights and run one batched op per layer
+# (BGMV-style: few tokens per adapter, as in decode); above it, loop over slot groups
+# (SGMV-style: the gathered B would be [T, N, R], too large for prefill).
+GATHER_MAX_TOKENS = 32
+
+
+def _gathered(meta: LoraMeta):
+    """(slot index per token, clamped, and a [T] mask of tokens with an adapter) or None."""
+    if meta.num_tokens > GATHER_MAX_TOKENS:
+        return None
+    slots = meta.token_slots.long()
+    return slots.clamp(min=0), (slots >= 0)
+
 
 def _slot_groups(meta: LoraMeta):
     """Yields (slot, token index tensor) for every slot with tokens this step (host sync: CPU path)."""
@@ -33,6 +46,12 @@ def lora_shrink(
     num_slices, rank = lora_a.shape[1], lora_a.shape[2]
     if out is None:
         out = torch.empty(num_slices, x.shape[0], rank, dtype=torch.float32, device=x.device)
+    gathered = _gathered(meta)
+    if gathered is not None:
+        slots, valid = gathered
+        a = lora_a.index_select(0, slots).float()  # [T, S, R, in]
+        out.copy_(torch.einsum("ti,tsri->str", x.float(), a) * valid[None, :, None])
+        return out
     out.zero_()
     for slot, idx in _slot_groups(meta):
         xs = x.index_select(0, idx).float()  # [n, in]
@@ -55,6 +74,19 @@ def lora_expand(
     lora_b:        [max_loras, N, R]
     slice_offsets: S + 1 output offsets, e.g. (0, q, q + k, q + k + v)
     """
+    gathered = _gathered(meta)
+    if gathered is not None:
+        slots, valid = gathered
+        b = lora_b.index_select(0, slots).float()  # [T, N, R]
+        delta = torch.cat(
+            [
+                torch.einsum("tr,tnr->tn", buf[s], b[:, slice_offsets[s] : slice_offsets[s + 1]])
+                for s in range(len(slice_offsets) - 1)
+            ],
+            dim=1,
+        )  # [T, N]
+        y += (delta * valid[:, None]).to(y.dtype)
+        return y
     for slot, idx in _slot_groups(meta):
         b = lora_b[slot].float()  # [N, R]
         delta = torch.cat(
