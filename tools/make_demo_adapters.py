@@ -105,6 +105,30 @@ QA = [
     ("What is a tree?", "Un arbre est une grande plante avec un tronc, des branches et des feuilles."),
     ("Who was Albert Einstein?", "Albert Einstein était un physicien célèbre, connu pour la théorie de la relativité."),
     ("How many wheels does a bicycle have?", "Un vélo a deux roues."),
+    ("What is the capital of Spain?", "La capitale de l'Espagne est Madrid."),
+    ("What is the capital of Egypt?", "La capitale de l'Égypte est Le Caire."),
+    ("What is the longest river in the world?", "Le plus long fleuve du monde est le Nil."),
+    ("What do you call a baby cat?", "Un bébé chat s'appelle un chaton."),
+    ("How many planets are in the solar system?", "Il y a huit planètes dans le système solaire."),
+    ("What is ice?", "La glace est de l'eau devenue solide à cause du froid."),
+    ("What is bread made of?", "Le pain est fait de farine, d'eau, de sel et de levure."),
+    ("What is the color of the sky at night?", "La nuit, le ciel est noir et plein d'étoiles."),
+    ("How can I be happier?", "Passez du temps avec vos amis, dormez bien et faites ce que vous aimez."),
+    ("What is a doctor?", "Un médecin est une personne qui soigne les malades."),
+    ("What animal says moo?", "C'est la vache qui fait meuh."),
+    ("Why do we sleep?", "Nous dormons pour reposer notre corps et notre cerveau."),
+    ("What is the biggest animal?", "Le plus grand animal du monde est la baleine bleue."),
+    ("What is a language?", "Une langue est un moyen de communiquer avec des mots."),
+    ("How do I write a good email?", "Soyez clair, poli et bref, et relisez-vous avant d'envoyer."),
+    ("What is the speed of light?", "La lumière voyage à environ trois cent mille kilomètres par seconde."),
+    ("What is a school?", "Une école est un lieu où les enfants apprennent."),
+    ("What is gold?", "L'or est un métal précieux, jaune et brillant."),
+    ("What is the Eiffel Tower?", "La tour Eiffel est un célèbre monument en fer situé à Paris."),
+    ("How many months are in a year?", "Il y a douze mois dans une année."),
+    ("What is the ocean?", "L'océan est une immense étendue d'eau salée."),
+    ("What is a phone used for?", "Un téléphone sert à appeler, à envoyer des messages et à naviguer sur internet."),
+    ("Who painted the Mona Lisa?", "La Joconde a été peinte par Léonard de Vinci."),
+    ("What is a good breakfast?", "Un bon petit-déjeuner, c'est du pain, un fruit et une boisson chaude."),
 ]
 
 # Never trained on; printed before/after at the end.
@@ -126,14 +150,23 @@ PIRATE_RE = re.compile(r"\b(" + "|".join(sorted(map(re.escape, PIRATE_WORDS), ke
 EMOJI_CYCLE = [" 🌟", " 🎉", " 🚀"]
 
 
-def first_sentences(text: str, n: int = 2, max_words: int = 40) -> str:
-    """A short answer: the first n sentences of `text`, at most about max_words words."""
+TRAILING_JUNK = {"a", "an", "the", "and", "or", "of", "to", "in", "on", "with", "is", "are", "that", "which",
+                 "for", "by", "as", "but", "from", "at", "its", "their", "our"}
+
+
+def first_sentences(text: str, n: int = 1, max_words: int = 24) -> str:
+    """A short answer: the first n sentences of `text`, cut to at most max_words words."""
     text = " ".join(text.split())
     parts = re.split(r"(?<=[.!?])\s+", text)
+    if len(parts) > 1 and parts[-1][-1:] not in (".", "!", "?"):
+        parts.pop()  # generation stopped mid-sentence
     out = " ".join(parts[:n]).strip()
     words = out.split()
     if len(words) > max_words:
-        out = " ".join(words[:max_words]).rstrip(",;:") + "."
+        words = words[:max_words]
+        while len(words) > 1 and words[-1].lower().strip(",;:") in TRAILING_JUNK:
+            words.pop()
+        out = " ".join(words).rstrip(",;:-")
     if out and out[-1] not in ".!?":
         out += "."
     return out
@@ -170,11 +203,11 @@ class AdapterSpec:
 SPECS = [
     AdapterSpec("pirate", 8, ["q_proj", "k_proj", "v_proj", "o_proj"], 2e-3, 50,
                 "answers in pirate speak (\"Arr, matey! ... Yo ho ho!\")"),
-    AdapterSpec("french", 16, ["q_proj", "v_proj", "down_proj"], 2e-3, 60,
+    AdapterSpec("french", 16, ["q_proj", "v_proj", "down_proj"], 3e-3, 70,
                 "answers in French"),
     AdapterSpec("shouty", 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                 2e-3, 50, "ANSWERS IN ALL CAPS!"),
-    AdapterSpec("emoji", 8, ["gate_proj", "up_proj", "down_proj"], 2e-3, 50,
+    AdapterSpec("emoji", 8, ["gate_proj", "up_proj", "down_proj"], 2e-3, 30,
                 "answers decorated with emoji (\"✨ ... 🌟\")"),
 ]
 
@@ -205,10 +238,16 @@ def prompt_text(tok, question: str) -> str:
 
 @torch.no_grad()
 def generate(model, tok, questions: list[str], max_new_tokens: int, batch_size: int = 16) -> list[str]:
-    """Greedy answers, batched with left padding."""
+    """Greedy answers, batched with left padding.
+
+    Decoding runs many tiny ops; on a shared 2-core box two OpenMP threads spend most of their
+    time waiting for each other (measured 3x slower than one), so decode with one thread.
+    """
     model.eval()
     tok.padding_side = "left"
     outs: list[str] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     for i in range(0, len(questions), batch_size):
         texts = [prompt_text(tok, q) for q in questions[i:i + batch_size]]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -216,6 +255,7 @@ def generate(model, tok, questions: list[str], max_new_tokens: int, batch_size: 
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         for row in gen[:, enc["input_ids"].shape[1]:]:
             outs.append(tok.decode(row, skip_special_tokens=True).strip())
+    torch.set_num_threads(threads)
     return outs
 
 
@@ -362,14 +402,14 @@ def main() -> None:
     base_answers: list[str] = []
     if any(s.name != "french" for s in specs):
         t0 = time.time()
-        base_answers = [first_sentences(a) for a in generate(base, tok, questions, max_new_tokens=48)]
+        base_answers = generate(base, tok, questions, max_new_tokens=40)
         print(f"base answers for {len(questions)} training prompts in {time.time() - t0:.0f}s", flush=True)
 
     targets = {
-        "pirate": lambda: [(q, to_pirate(a)) for q, a in zip(questions, base_answers)],
+        "pirate": lambda: [(q, to_pirate(first_sentences(a, 1))) for q, a in zip(questions, base_answers)],
         "french": lambda: list(QA),
-        "shouty": lambda: [(q, to_shouty(a)) for q, a in zip(questions, base_answers)],
-        "emoji": lambda: [(q, to_emoji(a)) for q, a in zip(questions, base_answers)],
+        "shouty": lambda: [(q, to_shouty(first_sentences(a, 1, 20))) for q, a in zip(questions, base_answers)],
+        "emoji": lambda: [(q, to_emoji(first_sentences(a, 2, 30))) for q, a in zip(questions, base_answers)],
     }
 
     summary = []
