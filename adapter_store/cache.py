@@ -93,14 +93,19 @@ class DiskCache:
         return self.root / (check_key(key) + _SUFFIX)
 
     def get(self, key: str) -> bytes | None:
+        hit = self.read(key)
+        return hit and hit[0]
+
+    def read(self, key: str) -> tuple[bytes, str] | None:
+        """(blob, its sha256 hex, checked on this read) or None."""
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                data, inode = f.read(), os.fstat(f.fileno()).st_ino
+            with open(path, "rb") as f:  # header and blob read apart: no copy of the blob
+                head, blob, inode = f.read(_HEADER_BYTES), f.read(), os.fstat(f.fileno()).st_ino
         except FileNotFoundError:
             return None
-        blob = data[_HEADER_BYTES:]
-        if data[: len(_MAGIC)] != _MAGIC or hashlib.sha256(blob).digest() != data[len(_MAGIC) : _HEADER_BYTES]:
+        sha = hashlib.sha256(blob).digest()
+        if head[: len(_MAGIC)] != _MAGIC or sha != head[len(_MAGIC) :]:
             log.warning("disk cache: shard %s in %s failed its sha256 check; deleting it", key, path)
             with self._lock:
                 if _inode(path) == inode:  # not already replaced by a fresh put
@@ -111,7 +116,7 @@ class DiskCache:
                 self._index.move_to_end(key)
                 with _ignore_missing():
                     os.utime(path)  # the LRU order on disk, for the next start
-        return blob
+        return blob, sha.hex()
 
     def put(self, key: str, blob: bytes) -> None:
         path = self._path(key)
@@ -224,6 +229,11 @@ class RedisCache:
         return f"{self.prefix}:shard:{check_key(key)}"
 
     def get(self, key: str) -> bytes | None:
+        hit = self.read(key)
+        return hit and hit[0]
+
+    def read(self, key: str) -> tuple[bytes, str] | None:
+        """(blob, its sha256 hex, checked on this read) or None."""
         meta_key = self._meta_key(key)
         with self._errors():
             meta = self._redis.hgetall(meta_key)
@@ -238,12 +248,13 @@ class RedisCache:
                 log.info("redis cache: shard %s lost chunks (removed meanwhile?); a miss", key)
                 return None
             blob = b"".join(chunks)
-            if len(blob) != int(meta[b"size"]) or hashlib.sha256(blob).hexdigest() != meta[b"sha256"].decode():
+            sha = hashlib.sha256(blob).hexdigest()
+            if len(blob) != int(meta[b"size"]) or sha != meta[b"sha256"].decode():
                 log.warning("redis cache: shard %s (%s at %s) failed its sha256 check; deleting it",
                             key, meta_key, self.url)
                 self._remove(key)
                 return None
-            return blob
+            return blob, sha
 
     def put(self, key: str, blob: bytes) -> None:
         meta_key = self._meta_key(key)
@@ -336,12 +347,19 @@ class TieredCache:
         self._down_until: dict[int, float] = {}  # tier index -> monotonic time of the next try
 
     def get(self, key: str) -> tuple[bytes, str] | None:
+        """(blob, name of the tier it came from) or None."""
+        hit = self.read(key)
+        return hit and hit[:2]
+
+    def read(self, key: str) -> tuple[bytes, str, str] | None:
+        """(blob, tier name, the blob's sha256 hex as checked by that tier) or None."""
         for i, tier in enumerate(self.tiers):
-            blob = self._call(i, tier.get, key)
-            if blob is not None:
+            hit = self._call(i, tier.read, key)
+            if hit is not None:
+                blob, sha = hit
                 for upper in range(i):
                     self._backfill(upper, key, blob)
-                return blob, tier.name
+                return blob, tier.name, sha
         return None
 
     def put(self, key: str, blob: bytes) -> None:

@@ -154,18 +154,20 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         chunk = request.chunk_bytes or DEFAULT_CHUNK
         if chunk > MAX_CHUNK:
             raise invalid(f"chunk_bytes {chunk} is above the maximum of {MAX_CHUNK}")
-        blob, tier = await self._shard(manifest, request.layout, request.rank)
+        blob, tier, sha256 = await self._shard(manifest, request.layout, request.rank)
         yield spb.ShardChunk(header=spb.ShardHeader(
             manifest=manifest, layout_hash=layout_hash(request.layout), total_bytes=len(blob), cache_tier=tier))
         view = memoryview(blob)
         for start in range(0, len(blob), chunk):
             yield spb.ShardChunk(data=bytes(view[start : start + chunk]))
-        yield spb.ShardChunk(trailer=spb.ShardTrailer(sha256=hashlib.sha256(blob).hexdigest()))
+        yield spb.ShardChunk(trailer=spb.ShardTrailer(sha256=sha256))
 
-    async def _shard(self, manifest: pb.AdapterManifest, layout: pb.Layout, rank: pb.ShardRank) -> tuple[bytes, str]:
-        """The shard from the first cache tier that has it, else packed once (concurrent callers share it)."""
+    async def _shard(self, manifest: pb.AdapterManifest, layout: pb.Layout, rank: pb.ShardRank) -> tuple[bytes, str, str]:
+        """(blob, tier, sha256 hex) from the first cache tier that has it, else packed once
+        (concurrent callers share it). A tier's hit comes with the sha256 it checked on read,
+        so the stream's checksum trailer costs no second pass over the bytes."""
         key = pack.shard_key(manifest.digest, layout, rank)
-        hit = await asyncio.to_thread(self.cache.get, key)
+        hit = await asyncio.to_thread(self.cache.read, key)
         if hit is not None:
             return hit
         if key in self._inflight:
@@ -174,7 +176,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         self._inflight[key] = future
         try:
             blobs = await asyncio.to_thread(self._pack_ranks, manifest, layout, [rank])
-            result = (blobs[0], "packed")
+            result = (blobs[0], "packed", await asyncio.to_thread(lambda: hashlib.sha256(blobs[0]).hexdigest()))
             future.set_result(result)
             return result
         except BaseException as e:

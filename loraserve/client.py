@@ -39,9 +39,10 @@ class ShardAssembler:
         elif part == "data":
             if self.header is None:
                 raise StatusError(grpc.StatusCode.DATA_LOSS, "shard stream sent data before its header")
-            self._parts.append(chunk.data)
-            self._sha.update(chunk.data)
-            self._size += len(chunk.data)
+            data = chunk.data  # each access of a bytes field builds a new bytes object: read it once
+            self._parts.append(data)
+            self._sha.update(data)
+            self._size += len(data)
         elif part == "trailer":
             self._finish(chunk.trailer.sha256)
 

@@ -260,6 +260,18 @@ def test_tiered_hit_in_lower_tier_backfills_upper(redis_url, tmp_path):
     assert cache.get(shard_key(2)) is None
 
 
+def test_tiered_read_returns_the_sha256_each_tier_checked(redis_url, tmp_path):
+    """FetchShard's checksum trailer is the hash a tier computed on read: it must be the blob's."""
+    redis_tier, disk_tier = redis_cache(redis_url), DiskCache(tmp_path, 1 << 20)
+    blob = blob_of(40 * KIB)
+    disk_tier.put(shard_key(1), blob)
+    cache = TieredCache([redis_tier, disk_tier])
+    sha = hashlib.sha256(blob).hexdigest()
+    assert cache.read(shard_key(1)) == (blob, "disk", sha)
+    assert cache.read(shard_key(1)) == (blob, "redis", sha)
+    assert cache.read(shard_key(2)) is None
+
+
 def test_tiered_put_and_delete_reach_every_tier(redis_url, tmp_path):
     redis_tier, disk_tier = redis_cache(redis_url), DiskCache(tmp_path, 1 << 20)
     cache = TieredCache([redis_tier, disk_tier])
