@@ -3,7 +3,9 @@
 Every LoRA-capable module has the same surface: `create_lora_weights`, `set_lora`, `reset_lora`,
 `forward(x, lora_meta)`. Slot buffers hold up to `max_loras` adapters at once; each token picks its
 own slot through the step's LoraMeta (slot -1 = base model only). Slot buffers are zero beyond
-each adapter's rank, so the kernels compute over the full `max_rank` and stay exact.
+each adapter's rank, so the kernels may compute over the full `max_rank` and stay exact; each
+module also keeps its slots' ranks on the host (`slot_ranks`) to skip modules no active
+adapter targets and, on the reference path, to cut the rank to the step's largest.
 """
 
 from __future__ import annotations
@@ -39,6 +41,28 @@ def _fit_error(slot_buf: torch.Tensor, src: torch.Tensor) -> str | None:
     if src.shape[1] > slot_buf.shape[1] or tuple(src.shape) != want:
         return f"shard tensor {tuple(src.shape)} does not fit slot {tuple(slot_buf.shape)} (rank is dim 1)"
     return None
+
+
+def _step_weights(m: nn.Module, meta: LoraMeta | None, device: torch.device):
+    """(lora_a, lora_b) of module m to compute this step with, or None if no token needs it.
+
+    Slot buffers are zero past each adapter's rank and wholly zero for modules an adapter does
+    not target, so both cuts below are exact: a module that no active slot's adapter targets
+    is skipped (every device; the executor runs eagerly, a captured graph would bake the skip
+    in), and on the reference path the rank dim (dim 2 of every slot buffer) is cut to the
+    largest rank among the active slots. The Triton kernels keep the full slot rank: their
+    tuned block sizes are per slot shape.
+    """
+    if meta is None or m.lora_a is None:
+        return None
+    if meta.host_slots is None:
+        return m.lora_a, m.lora_b
+    r = max((m.slot_ranks[s] for s in meta.host_slots), default=0)
+    if r == 0:
+        return None
+    if device.type == "cuda" or r == m.lora_a.shape[2]:
+        return m.lora_a, m.lora_b
+    return m.lora_a.narrow(2, 0, r), m.lora_b.narrow(2, 0, r)
 
 
 def _copy_into_slot(slot_buf: torch.Tensor, src: torch.Tensor) -> None:
@@ -84,22 +108,27 @@ class LinearWithLoRA(nn.Module):
         b = torch.zeros(max_loras, n_out, max_rank, dtype=dtype, device=dev)
         self.register_buffer("lora_a", a, persistent=False)
         self.register_buffer("lora_b", b, persistent=False)
+        self.slot_ranks = [0] * max_loras  # host copy: each slot's rank in this module, 0 = not targeted
 
     def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         """lora_a: [S, r, in], lora_b: [N, r] (a shard's tensors, already in the slot dtype)."""
         _copy_into_slot(self.lora_a[slot], lora_a)
         _copy_into_slot(self.lora_b[slot], lora_b)
+        self.slot_ranks[slot] = lora_a.shape[1]
 
     def reset_lora(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.slot_ranks[slot] = 0
 
     def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None = None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # [T, N]
-        if lora_meta is None or self.lora_a is None:
+        weights = _step_weights(self, lora_meta, x.device)
+        if weights is None:
             return y
-        buf = kernels.lora_shrink(x, self.lora_a, lora_meta)  # [S, T, max_rank] float32
-        return kernels.lora_expand(y, buf, self.lora_b, self.slice_offsets, lora_meta)
+        lora_a, lora_b = weights
+        buf = kernels.lora_shrink(x, lora_a, lora_meta)  # [S, T, rank] float32
+        return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
 
 
 class VocabEmbeddingWithLoRA(nn.Module):
@@ -126,22 +155,27 @@ class VocabEmbeddingWithLoRA(nn.Module):
         b = torch.zeros(max_loras, dim, max_rank, dtype=dtype, device=self.weight.device)
         self.register_buffer("lora_a", a, persistent=False)
         self.register_buffer("lora_b", b, persistent=False)
+        self.slot_ranks = [0] * max_loras  # as in LinearWithLoRA
 
     def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         """lora_a: [vocab, r], lora_b: [dim, r]."""
         _copy_into_slot(self.lora_a[slot], lora_a)
         _copy_into_slot(self.lora_b[slot], lora_b)
+        self.slot_ranks[slot] = lora_a.shape[1]
 
     def reset_lora(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.slot_ranks[slot] = 0
 
     def forward(self, ids: torch.Tensor, lora_meta: LoraMeta | None = None) -> torch.Tensor:
         y = F.embedding(ids, self.weight)  # [T, dim]
-        if lora_meta is None or self.lora_a is None:
+        weights = _step_weights(self, lora_meta, ids.device)
+        if weights is None:
             return y
-        buf = kernels.lora_embedding_shrink(ids, self.lora_a, lora_meta)  # [1, T, max_rank]
-        return kernels.lora_expand(y, buf, self.lora_b, self.slice_offsets, lora_meta)
+        lora_a, lora_b = weights
+        buf = kernels.lora_embedding_shrink(ids, lora_a, lora_meta)  # [1, T, rank]
+        return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
 
 
 LORA_MODULE_TYPES = (LinearWithLoRA, VocabEmbeddingWithLoRA)

@@ -44,6 +44,9 @@ class LoraMeta:
     max_loras:         number of slots (host int)
     active_slots:      [max_loras] int32, slots with tokens this step first (ascending), then -1
     num_active:        [1] int32, how many slots have tokens
+    host_slots:        the slots with tokens this step as a host frozenset, when the caller knows
+                       them without a sync (the engine does); None otherwise. LoRA layers use it
+                       to skip work no active adapter needs (see executor/lora.py)
     """
 
     token_slots: torch.Tensor
@@ -54,6 +57,7 @@ class LoraMeta:
     max_loras: int
     active_slots: torch.Tensor | None = None
     num_active: torch.Tensor | None = None
+    host_slots: frozenset[int] | None = None
     _block_lists: dict[int, BlockList] = field(default_factory=dict, repr=False)
 
     def block_list(self, block_m: int) -> BlockList:
@@ -64,8 +68,9 @@ class LoraMeta:
         return blocks
 
 
-def make_lora_meta(token_slots: torch.Tensor, max_loras: int) -> LoraMeta:
-    """Groups tokens by slot. token_slots: [T] integer tensor, -1 = no adapter."""
+def make_lora_meta(token_slots: torch.Tensor, max_loras: int, host_slots: frozenset[int] | None = None) -> LoraMeta:
+    """Groups tokens by slot. token_slots: [T] integer tensor, -1 = no adapter.
+    host_slots: the set of slots >= 0 in token_slots, if the caller has it on the host."""
     slots = token_slots.to(torch.int32)
     # No-adapter tokens sort after every real slot.
     keys = torch.where(slots < 0, torch.full_like(slots, max_loras), slots)
@@ -88,6 +93,7 @@ def make_lora_meta(token_slots: torch.Tensor, max_loras: int) -> LoraMeta:
         max_loras=max_loras,
         active_slots=active_slots,
         num_active=active.sum(dtype=torch.int32).reshape(1),
+        host_slots=host_slots,
     )
 
 

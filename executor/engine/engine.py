@@ -348,7 +348,8 @@ class Engine:
         """Token grouping by slot, once per step; None when no token uses an adapter."""
         if self.max_loras == 0 or max(slots, default=-1) < 0:
             return None
-        return make_lora_meta(torch.tensor(slots, dtype=torch.int32, device=self.device), self.max_loras)
+        active = frozenset(s for s in slots if s >= 0)
+        return make_lora_meta(torch.tensor(slots, dtype=torch.int32, device=self.device), self.max_loras, active)
 
     def _deliver(self, plan: SchedulePlan, token_ids: list[int], logprobs: list[float]) -> None:
         sampled = iter(zip(token_ids, logprobs))

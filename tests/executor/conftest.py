@@ -97,7 +97,9 @@ class PagedRunner:
         attn = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, "cpu")
         meta = None
         if slots is not None:
-            meta = make_lora_meta(torch.tensor(token_slots), self.model.lora_spec.max_loras)
+            # As the engine builds it: with the active slots on the host, so layers cut rank and skip.
+            active = frozenset(s for s in token_slots if s >= 0)
+            meta = make_lora_meta(torch.tensor(token_slots), self.model.lora_spec.max_loras, active)
         hidden = self.model(torch.tensor(ids), attn.positions, attn, self.kv, meta)
         logits = self.model.compute_logits(hidden, meta)
         return list(logits.split(query_lens))

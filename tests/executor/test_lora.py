@@ -153,6 +153,34 @@ def test_reloading_a_slot_with_a_lower_rank_adapter_clears_the_old_tail(setup, p
     torch.testing.assert_close(out, _reference(ref, None, ids), atol=ATOL, rtol=1e-4)
 
 
+def test_rank_cut_and_module_skip_equal_the_full_slot_rank(setup):
+    """Layers cut the rank to the step's largest and skip modules no active adapter targets:
+    the result must be what the full max_rank computes (buffers are zero past each rank)."""
+    from loraserve.kernels import make_lora_meta
+
+    ref, path = setup
+    model, spec = _model(path, max_loras=3, max_rank=16)
+    layout = declare_layout(model.cfg, spec, "tiny")
+    load_shard_into_slot(model, 0, pack_shard(ref, "r4", layout))
+    load_shard_into_slot(model, 1, pack_shard(ref, "r8", layout))  # targets no o_proj, no up_proj
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.qkv_proj.slot_ranks == [4, 8, 0] and attn.o_proj.slot_ranks == [4, 0, 0]
+    assert mlp.gate_up_proj.slot_ranks == [4, 8, 0] and mlp.down_proj.slot_ranks == [4, 8, 0]
+    x = torch.randn(40, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    # 5 tokens: the gathered (decode) path; 40: the slot-group (prefill) path
+    for slots in ([0, 1, -1, 1, 0], [1, 1, -1, 1, 1], [-1, 1, 0, 0, 0], [1, 0, -1, 1] * 10):
+        full = make_lora_meta(torch.tensor(slots), 3)  # no host_slots: the full slot rank
+        cut = make_lora_meta(torch.tensor(slots), 3, frozenset(s for s in slots if s >= 0))
+        for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj):
+            xs = x[: len(slots)]
+            torch.testing.assert_close(m(xs, cut), m(xs, full), atol=1e-6, rtol=1e-6)
+    only_r8 = make_lora_meta(torch.tensor([1, 1]), 3, frozenset({1}))
+    torch.testing.assert_close(attn.o_proj(x[:2], only_r8), attn.o_proj(x[:2]), atol=0, rtol=0)  # skipped
+    assert not torch.equal(attn.qkv_proj(x[:2], only_r8), attn.qkv_proj(x[:2]))  # r8 targets q and v
+    attn.qkv_proj.reset_lora(1)
+    assert attn.qkv_proj.slot_ranks == [4, 0, 0]
+
+
 def test_bad_shards_are_refused_before_any_slot_changes(setup):
     ref, path = setup
     model, spec = _model(path)
