@@ -35,6 +35,8 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     p.add_argument("--max-model-len", type=int, default=int(env("max_model_len", 2048)))
     p.add_argument("--slot-wait-timeout-s", type=float, default=float(env("slot_wait_timeout_s", 30)),
                    help="how long a request waits for a GPU slot while all are busy")
+    p.add_argument("--adapter-refresh-s", type=float, default=float(env("adapter_refresh_s", 30)),
+                   help="how often held adapters are checked for a new version in the store (0: only on LoadAdapter)")
     p.add_argument("--store", default=env("store", STORE_ADDR), help="adapter store address")
     p.add_argument("--executor-listen", default=env("executor_listen", EXECUTOR_ADDR))
     p.add_argument("--executor-admin-token", default=env("executor_admin_token"))
@@ -57,6 +59,7 @@ def executor_config(a: argparse.Namespace):
         block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, store_address=a.store, listen_address=a.executor_listen,
         admin_token=a.executor_admin_token, slot_wait_timeout_s=a.slot_wait_timeout_s,
+        adapter_refresh_s=a.adapter_refresh_s,
     )
 
 

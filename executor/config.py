@@ -29,6 +29,8 @@ class ExecutorConfig:
     lora_embeddings: bool = False  # also give embed_tokens and lm_head slots (vocab-sized: costly)
     max_cpu_adapters: int = 32  # packed shards kept in (pinned) host memory
     slot_wait_timeout_s: float = 30.0  # how long a request waits for a slot when all are in use
+    adapter_refresh_s: float = 30.0  # how often held adapters are checked against the store's
+    # current version (re-registered or deleted there); 0: only LoadAdapter checks
 
     # KV cache and batching.
     num_blocks: int = 1024  # KV blocks of block_size tokens each

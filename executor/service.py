@@ -6,6 +6,7 @@ fed by the store client (executor/store_client.py) + engine (executor/engine) ->
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from loraserve import __version__
 from loraserve.auth import require_admin
-from loraserve.errors import grpc_errors, invalid
+from loraserve.errors import StatusError, grpc_errors, invalid
 from loraserve.v1 import executor_pb2 as epb
 from loraserve.v1 import executor_pb2_grpc as epb_grpc
 
@@ -27,6 +28,7 @@ from .engine.sampler import SamplingParams
 from .lora import LoraSpec, declare_layout, load_shard_into_slot, lora_modules
 from .model.loader import load_model
 from .model.tokenizer import Tokenizer
+from .refresh import refresh_loop, refresh_one
 from .slots import AdapterState, SlotManager
 from .store_client import StoreClient
 
@@ -41,6 +43,7 @@ class ExecutorParts:
     slots: SlotManager
     store: StoreClient
     config: ExecutorConfig
+    refresher: asyncio.Task | None = None  # executor/refresh.py's loop, started by serve()
 
 
 def load_tokenizer(model_path: str) -> Tokenizer:
@@ -132,6 +135,10 @@ class ExecutorService(epb_grpc.ExecutorServicer):
     @grpc_errors
     async def LoadAdapter(self, request, context):
         require_admin(context, self.cfg.admin_token)
+        try:  # an explicit load brings the store's current version if it changed
+            await refresh_one(self.slots, self.parts.store, request.name)
+        except StatusError as exc:  # store down: load what this executor holds
+            log.info("LoadAdapter %s: could not check the store's version: %s", request.name, exc.message)
         return state_pb(await self.slots.load(request.name, into_slot=request.into_slot, pin=request.pin))
 
     @grpc_errors
@@ -166,6 +173,9 @@ class ExecutorService(epb_grpc.ExecutorServicer):
 async def serve(parts: ExecutorParts, listen: str) -> tuple[grpc.aio.Server, int]:
     """Starts the engine and the gRPC server (with health); returns (server, port)."""
     parts.engine.start()
+    if parts.config.adapter_refresh_s > 0:
+        parts.refresher = asyncio.get_running_loop().create_task(
+            refresh_loop(parts.slots, parts.store, parts.config.adapter_refresh_s))
     server = grpc.aio.server()
     epb_grpc.add_ExecutorServicer_to_server(ExecutorService(parts), server)
     health_servicer = health.aio.HealthServicer()
@@ -182,5 +192,8 @@ async def serve(parts: ExecutorParts, listen: str) -> tuple[grpc.aio.Server, int
 
 async def shutdown(server: grpc.aio.Server, parts: ExecutorParts) -> None:
     await server.stop(5)
+    if parts.refresher is not None:
+        parts.refresher.cancel()
+        await asyncio.gather(parts.refresher, return_exceptions=True)
     await parts.engine.stop()
     await parts.store.close()

@@ -15,6 +15,10 @@ Rules this module guarantees:
 - Adapters already in a slot or in the CPU cache keep serving when the store is down.
 - Loading never blocks the forward passes of other adapters: host work runs in a thread, and
   on CUDA the copy runs on a side stream; the lease carries an event recorded after the copy.
+- A new version in the store (`refresh`: the adapter was registered again, or deleted) drops
+  the cached one as soon as no running request uses it; requests that arrive meanwhile wait
+  for that (up to `slot_wait_timeout_s`, then they are served the old version) and get the
+  new one. A pinned adapter is reloaded at once and stays pinned.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class _Adapter:
     last_used_unix_ms: int = 0
     fetch_task: asyncio.Task | None = None
     slot_task: asyncio.Task | None = None
+    stale: bool = False  # the store has another version: drop this one once nobody uses it
 
     @property
     def loading(self) -> bool:
@@ -133,6 +138,8 @@ class SlotManager:
         a = self._record(name)
         a.holds += 1
         try:
+            if a.stale:
+                await self._switch_version(a)
             await self._ensure_slot(a)
             a.in_use += 1
         finally:
@@ -151,6 +158,8 @@ class SlotManager:
         self._touch(a)
         if a.in_use == 0:
             self._notify()
+            if a.stale and a.holds == 0:
+                self._spawn(self._drop_version(a))
 
     # ---- admin ----------------------------------------------------------------------------
 
@@ -158,6 +167,8 @@ class SlotManager:
         a = self._record(name)
         a.holds += 1
         try:
+            if a.stale:
+                await self._switch_version(a)
             if into_slot or pin:
                 await self._ensure_slot(a)
             else:
@@ -191,6 +202,76 @@ class SlotManager:
             raise precondition(f"adapter {name!r} is loading; evict it once it is loaded")
         del self._adapters[name]
         self._drop_tensors(a)
+        slot = await self._free_slot(a)
+        log.info("evicted adapter %s (slot %d)", name, slot)
+        return self._state(a)
+
+    async def refresh(self, name: str, digest: str) -> bool:
+        """The store now holds `digest` for `name` ("": the store no longer has it). A cached
+        older version is dropped now if unused, else once its running requests finish (see
+        the module's rules). Returns True when this executor held another version."""
+        a = self._adapters.get(name)
+        if a is None or not a.digest or a.digest == digest:
+            return False
+        if not a.stale:
+            log.info("adapter %s: the store has %s, this executor holds %s; switching once it is idle",
+                     name, digest[:12] or "no version (deleted)", a.digest[:12])
+        a.stale = True
+        if a.in_use == 0 and a.holds == 0 and not a.loading:
+            await self._drop_version(a)
+        return True
+
+    def known_digests(self) -> dict[str, str]:
+        """name -> digest of every adapter this executor holds in a slot or in the CPU cache."""
+        return {n: a.digest for n, a in self._adapters.items() if a.digest and (a.slot >= 0 or a.tensors is not None)}
+
+    def states(self) -> list[AdapterState]:
+        return [self._state(a) for _, a in sorted(self._adapters.items())]
+
+    def state(self, name: str) -> AdapterState:
+        return self._state(self._known(name))
+
+    # ---- versions ---------------------------------------------------------------------------
+
+    async def _switch_version(self, a: _Adapter) -> None:
+        """Called by an acquire/load of a stale adapter (holding it): waits for the running
+        requests on the old version to finish, then drops it so the caller loads the new one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.slot_wait_timeout_s
+        while a.stale and (a.in_use or a.loading):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                log.warning("adapter %s: still in use by %d requests after %gs; serving its old version %s meanwhile",
+                            a.name, a.in_use, self.slot_wait_timeout_s, a.digest[:12])
+                return
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        if a.stale:
+            await self._drop_version(a)
+
+    async def _drop_version(self, a: _Adapter) -> None:
+        """Forgets the adapter's cached version (host tensors and slot); keeps the record and its pin."""
+        if not a.stale or a.in_use or a.loading:
+            return  # a concurrent switch did it already, or a request took it meanwhile
+        old = a.digest
+        a.stale, a.digest, a.rank, a.nbytes, a.slot_digest = False, "", 0, 0, ""
+        self._drop_tensors(a)
+        slot = await self._free_slot(a)
+        log.info("adapter %s: dropped version %s (slot %d) for the store's new one", a.name, old[:12], slot)
+        if a.pinned:  # a pinned adapter is expected in a slot: bring the new version now
+            self._spawn(self._reload_pinned(a.name))
+        self._forget_if_unused(a)
+
+    async def _reload_pinned(self, name: str) -> None:
+        try:
+            await self.load(name, into_slot=True, pin=True)
+        except Exception as exc:  # noqa: BLE001 - logged; the next request retries the load
+            log.warning("adapter %s: reloading the pinned adapter's new version failed: %s", name, exc)
+
+    async def _free_slot(self, a: _Adapter) -> int:
+        """Takes the adapter out of its slot and zeroes the slot; returns the slot (-1: had none)."""
         slot, a.slot, a.event = a.slot, -1, None
         if slot >= 0:
             # Keep the slot out of reach until it is zeroed, so a new load cannot race the clear.
@@ -201,14 +282,7 @@ class SlotManager:
             finally:
                 self._clearing.discard(slot)
                 self._notify()
-        log.info("evicted adapter %s (slot %d)", name, slot)
-        return self._state(a)
-
-    def states(self) -> list[AdapterState]:
-        return [self._state(a) for _, a in sorted(self._adapters.items())]
-
-    def state(self, name: str) -> AdapterState:
-        return self._state(self._known(name))
+        return slot
 
     # ---- tiers ----------------------------------------------------------------------------
 

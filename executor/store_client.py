@@ -52,6 +52,18 @@ class StoreClient:
                  self.address, len(blob), header.cache_tier, time.perf_counter() - t0)
         return header.manifest.digest, header.manifest.rank, tensors, len(blob)
 
+    async def current_digest(self, name: str) -> str:
+        """The digest the store now has for `name`; "" if it has none. UNAVAILABLE when it is down."""
+        try:
+            manifest = await self._stub().GetAdapter(spb.GetAdapterRequest(name=name), timeout=min(self.timeout_s, 10.0))
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return ""
+            if e.code() in DOWN:
+                raise unavailable(f"adapter store at {self.address} is unavailable ({e.details()})") from None
+            raise StatusError(e.code(), e.details()) from None
+        return manifest.digest
+
     async def close(self) -> None:
         if self.channel is not None:
             await self.channel.close()

@@ -272,6 +272,7 @@ def test_store_down_hot_adapters_serve_cold_fail_unavailable_then_recover(cluste
     port = int(cluster.store_address.rsplit(":", 1)[1])
     cluster.stop_store()
     check_against_reference(references["qv8"], prompt_ids(1), generate(client, "qv8", prompt_ids(1)))  # hot
+    assert client.load("qv8").slot >= 0  # LoadAdapter cannot check the version: it keeps what it holds
     with pytest.raises(StatusError) as e:
         generate(client, "mlp16", prompt_ids(2))  # cold
     assert e.value.code.name == "UNAVAILABLE" and "store" in e.value.message
@@ -298,6 +299,48 @@ def test_admin_rpcs_need_the_token_when_configured(loop_thread, base, adapter_di
         assert e.value.code.name == "PERMISSION_DENIED"
         assert c.client(token="tok").load("qv8").slot >= 0
         assert [s.name for s in c.client().list()] == ["qv8"]  # reads stay open
+    finally:
+        c.close()
+
+
+def test_load_adapter_brings_the_new_version_of_a_re_registered_adapter(loop_thread, base, adapter_dirs, tmp_path, references):
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", adapter_refresh_s=0)  # no refresh loop
+    try:
+        client, store = c.client(), c.store_client()
+        old = generate(client, "qv8", prompt_ids(0))
+        check_against_reference(references["qv8"], prompt_ids(0), old)
+        new = store.register("qv8", str(adapter_dirs / "mlp16"))  # other weights under the same name
+        assert new.digest != old.adapter_digest
+        assert client.load("qv8").digest == new.digest  # LoadAdapter asks the store for the version
+        resp = generate(client, "qv8", prompt_ids(1))
+        assert resp.adapter_digest == new.digest
+        check_against_reference(references["mlp16"], prompt_ids(1), resp)
+    finally:
+        c.close()
+
+
+def test_refresh_loop_follows_re_registration_and_deletion_in_the_store(loop_thread, base, adapter_dirs, tmp_path, references):
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", adapter_refresh_s=0.2)
+    try:
+        client, store = c.client(), c.store_client()
+        check_against_reference(references["o2"], prompt_ids(0), generate(client, "o2", prompt_ids(0)))
+
+        def wait_until_dropped():  # an idle superseded version leaves the executor
+            deadline = time.time() + 20
+            while "o2" in [s.name for s in client.list()]:
+                assert time.time() < deadline, client.list()
+                time.sleep(0.1)
+
+        new = store.register("o2", str(adapter_dirs / "all4"))
+        wait_until_dropped()
+        resp = generate(client, "o2", prompt_ids(1))
+        assert resp.adapter_digest == new.digest
+        check_against_reference(references["all4"], prompt_ids(1), resp)
+        store.delete("o2")
+        wait_until_dropped()
+        with pytest.raises(StatusError) as e:
+            generate(client, "o2", prompt_ids(2))
+        assert e.value.code.name == "NOT_FOUND" and "o2" in e.value.message
     finally:
         c.close()
 

@@ -19,6 +19,8 @@ class Store:
 
     def __init__(self, names=NAMES):
         self.shards = {n: {"layer.lora_a": torch.full((1, 2, 4), float(i + 1))} for i, n in enumerate(names)}
+        self.labels = {float(i + 1): n for i, n in enumerate(names)}  # shard value -> what a slot holds
+        self.versions = {n: 1 for n in names}
         self.fetches: dict[str, int] = {}
         self.down = False
         self.gate: asyncio.Event | None = None  # when set: fetches wait for it
@@ -34,14 +36,28 @@ class Store:
             raise not_found(f"adapter {name!r} is not registered")
         tensors = self.shards[name]
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return f"sha256:{name}", 8, tensors, nbytes
+        return self.digest(name), 8, tensors, nbytes
+
+    def digest(self, name: str) -> str:
+        if name not in self.shards:
+            return ""
+        v = self.versions[name]
+        return f"sha256:{name}" if v == 1 else f"sha256:{name}:v{v}"
+
+    def register_again(self, name: str) -> str:
+        """New weights under the same name (a new digest); returns the new digest."""
+        self.versions[name] = self.versions.get(name, 0) + 1
+        value = 100.0 * self.versions[name] + len(self.labels)
+        self.shards[name] = {"layer.lora_a": torch.full((1, 2, 4), value)}
+        self.labels[value] = f"{name}@v{self.versions[name]}"
+        return self.digest(name)
 
 
 class Slots:
     """The model's slot buffers, reduced to a dict: slot -> name of the adapter whose tensors it holds."""
 
     def __init__(self, store: Store):
-        self.by_value = {float(t["layer.lora_a"][0, 0, 0]): n for n, t in store.shards.items()}
+        self.by_value = store.labels
         self.content: dict[int, str | None] = {}
         self.writes: list[tuple[int, str]] = []
 
@@ -299,3 +315,68 @@ async def test_shard_the_model_refuses_is_invalid_argument_and_not_cached(store,
         "layer.lora_a: shard tensor (1, 2, 4) does not fit slot (1, 8, 5)",
     )
     assert mgr.states() == []
+
+
+# ---- new versions in the store ----------------------------------------------------------------
+
+
+async def test_refresh_drops_an_idle_old_version_and_the_next_acquire_loads_the_new(store, slots):
+    mgr = _manager(store, slots)
+    mgr.release(await mgr.acquire("adapter-0"))
+    assert mgr.known_digests() == {"adapter-0": "sha256:adapter-0"}
+    assert not await mgr.refresh("adapter-0", "sha256:adapter-0")  # same version: nothing to do
+    new = store.register_again("adapter-0")
+    assert await mgr.refresh("adapter-0", new)
+    assert mgr.states() == [] and set(slots.content.values()) == {None}  # slot zeroed, record gone
+    lease = await mgr.acquire("adapter-0")
+    assert lease.digest == new and slots.content[lease.slot] == "adapter-0@v2"
+    assert store.fetches["adapter-0"] == 2
+
+
+async def test_refresh_of_an_adapter_in_use_waits_for_its_requests(store, slots):
+    mgr = _manager(store, slots)
+    running = await mgr.acquire("adapter-0")
+    new = store.register_again("adapter-0")
+    assert await mgr.refresh("adapter-0", new)
+    assert slots.content[running.slot] == "adapter-0" and mgr.state("adapter-0").digest == "sha256:adapter-0"
+    waiter = asyncio.create_task(mgr.acquire("adapter-0"))  # arrives while the old version runs
+    await asyncio.sleep(0.05)
+    assert not waiter.done() and slots.content[running.slot] == "adapter-0"  # never swapped under it
+    mgr.release(running)
+    lease = await asyncio.wait_for(waiter, 1.0)
+    assert lease.digest == new and slots.content[lease.slot] == "adapter-0@v2"
+
+
+async def test_refresh_waiter_is_served_the_old_version_after_the_slot_wait(store, slots):
+    mgr = _manager(store, slots, timeout_s=0.1)
+    running = await mgr.acquire("adapter-0")
+    await mgr.refresh("adapter-0", store.register_again("adapter-0"))
+    lease = await asyncio.wait_for(mgr.acquire("adapter-0"), 1.0)  # still in use after 0.1 s
+    assert lease.digest == "sha256:adapter-0" and lease.slot == running.slot
+    mgr.release(running)
+    mgr.release(lease)
+    await asyncio.sleep(0.05)  # the last release dropped the old version
+    assert mgr.states() == []
+
+
+async def test_refresh_reloads_a_pinned_adapter_and_keeps_the_pin(store, slots):
+    mgr = _manager(store, slots)
+    await mgr.pin("adapter-0")
+    new = store.register_again("adapter-0")
+    assert await mgr.refresh("adapter-0", new)
+    for _ in range(100):
+        state = mgr.state("adapter-0")
+        if state.slot >= 0 and state.digest == new:
+            break
+        await asyncio.sleep(0.01)
+    assert state.pinned and state.digest == new and slots.content[state.slot] == "adapter-0@v2"
+
+
+async def test_refresh_of_an_adapter_deleted_in_the_store_makes_it_not_found(store, slots):
+    mgr = _manager(store, slots)
+    mgr.release(await mgr.acquire("adapter-1"))
+    del store.shards["adapter-1"]
+    assert await mgr.refresh("adapter-1", store.digest("adapter-1"))
+    with pytest.raises(StatusError) as info:
+        await mgr.acquire("adapter-1")
+    _status(info, grpc.StatusCode.NOT_FOUND, "adapter 'adapter-1' is not registered")
