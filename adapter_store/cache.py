@@ -138,6 +138,11 @@ class DiskCache:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def size(self, key: str) -> int | None:
+        """Bytes of the blob under key, or None; reads nothing (a corrupt file shows on get)."""
+        with self._lock:
+            return self._index.get(check_key(key))
+
     def delete_prefix(self, prefix: str) -> int:
         with self._lock:
             keys = [k for k in self._index if k.startswith(prefix)]
@@ -277,6 +282,12 @@ class RedisCache:
             self._redis.transaction(write, meta_key)
             self._evict_over_budget(keep=key)
 
+    def size(self, key: str) -> int | None:
+        """Bytes of the blob under key, or None; one HGET, no chunk read."""
+        with self._errors():
+            value = self._redis.hget(self._meta_key(key), "size")
+        return None if value is None else int(value)
+
     def delete_prefix(self, prefix: str) -> int:
         with self._errors():
             keys = [k.decode() for k in self._redis.zrange(self._lru_key, 0, -1)]
@@ -372,6 +383,14 @@ class TieredCache:
                 too_big.append(exc)
         if len(too_big) == len(self.tiers):
             raise too_big[0]
+
+    def size(self, key: str) -> tuple[int, str] | None:
+        """(bytes, tier name) from the first tier holding key, or None; reads no blob."""
+        for i, tier in enumerate(self.tiers):
+            n = self._call(i, tier.size, key)
+            if n is not None:
+                return n, tier.name
+        return None
 
     def delete_prefix(self, prefix: str) -> int:
         return sum(self._call(i, tier.delete_prefix, prefix) or 0 for i, tier in enumerate(self.tiers))

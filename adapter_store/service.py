@@ -232,14 +232,18 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         ]
         try:
             manifest = self._check_fetch(item.name, "", item.layout)
-            todo = [r for r in ranks if not await asyncio.to_thread(self.cache.get, pack.shard_key(manifest.digest, item.layout, r))]
+            # (bytes, tier) of the ranks already cached: a size lookup, no blob is read
+            found = {(r.tp_rank, r.ep_rank): await asyncio.to_thread(self.cache.size, pack.shard_key(manifest.digest, item.layout, r))
+                     for r in ranks}
+            todo = [r for r in ranks if found[(r.tp_rank, r.ep_rank)] is None]
             blobs = await asyncio.to_thread(self._pack_ranks, manifest, item.layout, todo) if todo else []
         except StatusError as e:
             return [spb.PrefetchResult(name=item.name, rank=r, ok=False, error=f"{e.code.name}: {e.message}") for r in ranks]
-        sizes = {(r.tp_rank, r.ep_rank): len(b) for r, b in zip(todo, blobs)}
+        for r, b in zip(todo, blobs):
+            found[(r.tp_rank, r.ep_rank)] = (len(b), "packed")
         return [
-            spb.PrefetchResult(name=item.name, rank=r, ok=True, bytes=sizes.get((r.tp_rank, r.ep_rank), 0),
-                               cache_tier="packed" if (r.tp_rank, r.ep_rank) in sizes else "cached")
+            spb.PrefetchResult(name=item.name, rank=r, ok=True, bytes=found[(r.tp_rank, r.ep_rank)][0],
+                               cache_tier=found[(r.tp_rank, r.ep_rank)][1])
             for r in ranks
         ]
 

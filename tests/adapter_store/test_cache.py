@@ -317,3 +317,15 @@ def test_tiered_logs_once_when_redis_comes_back(redis_url, redis_proxy, tmp_path
         assert cache.get(shard_key(2)) == (b"def", "redis")
     assert [r.levelname for r in caplog.records if "redis" in r.getMessage() and "avail" in r.getMessage()] == [
         "WARNING", "INFO"]
+
+
+def test_size_looks_up_without_reading_and_follows_the_tiers(redis_url, tmp_path):
+    redis_tier, disk_tier = redis_cache(redis_url), DiskCache(tmp_path, 1 << 20)
+    cache = TieredCache([redis_tier, disk_tier])
+    assert cache.size(shard_key(1)) is None and disk_tier.size(shard_key(1)) is None and redis_tier.size(shard_key(1)) is None
+    disk_tier.put(shard_key(1), b"x" * 300)
+    assert cache.size(shard_key(1)) == (300, "disk")
+    redis_tier.put(shard_key(1), b"x" * 300)
+    assert cache.size(shard_key(1)) == (300, "redis") and redis_tier.size(shard_key(1)) == 300
+    redis_tier.delete_prefix("")
+    assert cache.size(shard_key(1)) == (300, "disk")

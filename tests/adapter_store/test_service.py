@@ -402,7 +402,7 @@ def test_prefetch_packs_every_rank_ahead_and_reports_failures(make_store, peft_a
     assert len(ghost) == 2 and not any(r.ok for r in ghost) and all("NOT_FOUND" in r.error for r in ghost)
     assert all(client.fetch_shard("pf", qkv_layout(2), tp_rank=t)[0].cache_tier == "disk" for t in range(2))
     again = client.prefetch([spb.PrefetchItem(name="pf", layout=qkv_layout(2))])
-    assert [r.cache_tier for r in again] == ["cached", "cached"]
+    assert [(r.cache_tier, r.bytes) for r in again] == [("disk", r.bytes) for r in ok]  # found, not packed again
 
 
 def test_health_service_reports_serving(make_store):
