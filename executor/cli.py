@@ -22,6 +22,8 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
         p.add_argument("--base-model", default=env("base_model"), help="base model name declared in the layout")
     p.add_argument("--device", default=env("device"), help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument("--dtype", default=env("dtype"), choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--cache-dir", default=env("cache_dir", "var/cache"),
+                   help="files derived from the model and kept across starts (the GGUF's tokenizer); '' for none")
     p.add_argument("--cpu-threads", type=int, default=int(env("cpu_threads", 0)), help="torch threads on CPU (0: torch default)")
     p.add_argument("--max-loras", type=int, default=int(env("max_loras", 8)), help="GPU slots")
     p.add_argument("--max-lora-rank", type=int, default=int(env("max_lora_rank", 64)))
@@ -53,7 +55,7 @@ def executor_config(a: argparse.Namespace):
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     return ExecutorConfig(
-        model=model, base_model=base or "", device=device, dtype=dtype, cpu_threads=a.cpu_threads, max_loras=a.max_loras,
+        model=model, base_model=base or "", device=device, dtype=dtype, cache_dir=a.cache_dir, cpu_threads=a.cpu_threads, max_loras=a.max_loras,
         lora_embeddings=a.lora_embeddings,
         max_rank=a.max_lora_rank, max_cpu_adapters=a.max_cpu_adapters, num_blocks=a.num_blocks,
         block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,

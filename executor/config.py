@@ -20,6 +20,7 @@ class ExecutorConfig:
     device: str = "cpu"  # "cpu", "cuda", "cuda:1"
     dtype: str = "float32"  # "float32" | "float16" | "bfloat16"
     tp_size: int = 1
+    cache_dir: str = ""  # derived files kept across starts (the GGUF's converted tokenizer); "": none
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0: torch's default. Fewer than the cores
     # helps when other processes share them (OpenMP threads spin-wait and oversubscribe).
 

@@ -46,8 +46,10 @@ class ExecutorParts:
     refresher: asyncio.Task | None = None  # executor/refresh.py's loop, started by serve()
 
 
-def load_tokenizer(model_path: str) -> Tokenizer:
-    return Tokenizer.from_gguf(model_path) if str(model_path).endswith(".gguf") else Tokenizer.from_pretrained(model_path)
+def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer:
+    if str(model_path).endswith(".gguf"):
+        return Tokenizer.from_gguf(model_path, cache_dir or None)
+    return Tokenizer.from_pretrained(model_path)
 
 
 def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
@@ -57,7 +59,7 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
         torch.set_num_threads(cfg.cpu_threads)
     spec = LoraSpec(cfg.max_loras, cfg.max_rank, cfg.torch_dtype, targets_embeddings=cfg.lora_embeddings)
     model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=spec)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, cfg.cache_dir)
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
     store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size))

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import shutil
+import uuid
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -27,12 +34,28 @@ class Tokenizer:
         return cls(tok, eos)
 
     @classmethod
-    def from_gguf(cls, gguf_path) -> "Tokenizer":
-        """Vocab, merges and chat template from the GGUF metadata (tokenizer.ggml.*, tokenizer.chat_template)."""
+    def from_gguf(cls, gguf_path, cache_dir=None) -> "Tokenizer":
+        """Vocab, merges and chat template from the GGUF metadata (tokenizer.ggml.*, tokenizer.chat_template).
+
+        Converting them takes seconds (transformers parses every GGUF field in Python), so with
+        a cache_dir the converted tokenizer is saved there once, keyed by the GGUF file, and
+        loaded from there on later starts. A cache that cannot be read or written is skipped.
+        """
         from transformers import AutoTokenizer
 
         p = Path(gguf_path)
-        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        cached = _cache_path(p, Path(cache_dir)) if cache_dir else None
+        tok = None
+        if cached is not None and (cached / "tokenizer.json").is_file():
+            try:
+                tok = AutoTokenizer.from_pretrained(str(cached))
+            except Exception as exc:  # noqa: BLE001 - a broken cache entry: convert again
+                log.warning("tokenizer cache %s unreadable (%s); converting the GGUF's tokenizer again", cached, exc)
+                shutil.rmtree(cached, ignore_errors=True)  # so the fresh conversion can take its place
+        if tok is None:
+            tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+            if cached is not None:
+                _save(tok, cached)
         eos = _ids(tok.eos_token_id)
         eot = tok.convert_tokens_to_ids("<|eot_id|>") if "<|eot_id|>" in tok.get_vocab() else None
         return cls(tok, eos | _ids(eot))
@@ -82,6 +105,28 @@ class IncrementalDecoder:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return text[len(prefix) :]
         return ""
+
+
+def _cache_path(gguf: Path, cache_dir: Path) -> Path:
+    """<cache_dir>/tokenizers/<key>: the key changes with the file (path, size, mtime) and transformers' version."""
+    import transformers
+
+    st = gguf.stat()
+    key = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return cache_dir / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _save(tok, dest: Path) -> None:
+    """Writes the tokenizer to a temporary folder, then renames it into place (atomic)."""
+    tmp = dest.parent / f".tmp-{uuid.uuid4().hex}"
+    try:
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, dest)
+        log.info("tokenizer cached in %s", dest)
+    except OSError as exc:  # read-only or full disk, or another process won the rename: no cache
+        log.info("tokenizer not cached in %s: %s", dest, exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _ids(value) -> set[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -91,6 +92,32 @@ def test_tokenizer_from_an_hf_dir_matches_the_gguf_one(tokenizer, tmp_path):
     assert from_dir.apply_chat_template(MESSAGES) == tokenizer.apply_chat_template(MESSAGES)
     assert from_dir.encode("Hello world") == tokenizer.encode("Hello world")
     assert from_dir.eos_token_ids == {0, 2}
+
+
+@needs_smollm2
+def test_tokenizer_cache_holds_the_same_tokenizer_and_spares_the_conversion(tokenizer, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    text = "Bonjour, ça va? 東京 café 🙂"
+    first = Tokenizer.from_gguf(smollm2_gguf_path(), tmp_path)
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    assert (entry / "tokenizer.json").is_file()
+    real = AutoTokenizer.from_pretrained
+
+    def no_conversion(*args, **kwargs):
+        assert "gguf_file" not in kwargs, "converted the GGUF's tokenizer again instead of loading the cache"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_conversion)
+    second = Tokenizer.from_gguf(smollm2_gguf_path(), tmp_path)
+    monkeypatch.undo()
+    (entry / "tokenizer.json").write_text("{not json")  # a broken entry: converted again, with a warning
+    third = Tokenizer.from_gguf(smollm2_gguf_path(), tmp_path)
+    json.loads((entry / "tokenizer.json").read_text())  # and the entry was written again
+    for tok in (first, second, third):
+        assert tok.apply_chat_template(MESSAGES) == tokenizer.apply_chat_template(MESSAGES)
+        assert tok.encode(text) == tokenizer.encode(text) and tok.decode(tok.encode(text)) == text
+        assert (tok.eos_token_ids, tok.bos_token_id, tok.vocab_size) == (tokenizer.eos_token_ids, tokenizer.bos_token_id, tokenizer.vocab_size)
 
 
 @needs_smollm2
