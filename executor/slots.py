@@ -211,19 +211,35 @@ class SlotManager:
         older version is dropped now if unused, else once its running requests finish (see
         the module's rules). Returns True when this executor held another version."""
         a = self._adapters.get(name)
-        if a is None or not a.digest or a.digest == digest:
+        held = self._held_versions(a) if a is not None else set()
+        if not held or held == {digest}:
             return False
         if not a.stale:
             log.info("adapter %s: the store has %s, this executor holds %s; switching once it is idle",
-                     name, digest[:12] or "no version (deleted)", a.digest[:12])
+                     name, digest[:12] or "no version (deleted)", ", ".join(sorted(d[:12] for d in held)))
         a.stale = True
         if a.in_use == 0 and a.holds == 0 and not a.loading:
             await self._drop_version(a)
         return True
 
     def known_digests(self) -> dict[str, str]:
-        """name -> digest of every adapter this executor holds in a slot or in the CPU cache."""
-        return {n: a.digest for n, a in self._adapters.items() if a.digest and (a.slot >= 0 or a.tensors is not None)}
+        """name -> digest of every adapter this executor holds in a slot (that version) or in the CPU cache."""
+        out = {}
+        for n, a in self._adapters.items():
+            held = self._held_versions(a)
+            if held:
+                out[n] = a.slot_digest if a.slot >= 0 and a.slot_digest else a.digest
+        return out
+
+    @staticmethod
+    def _held_versions(a: _Adapter) -> set[str]:
+        """The digests the adapter's slot and host copy hold (a refetch may have left them apart)."""
+        held = set()
+        if a.tensors is not None and a.digest:
+            held.add(a.digest)
+        if a.slot >= 0 and a.slot_digest:
+            held.add(a.slot_digest)
+        return held
 
     def states(self) -> list[AdapterState]:
         return [self._state(a) for _, a in sorted(self._adapters.items())]
@@ -252,37 +268,60 @@ class SlotManager:
             await self._drop_version(a)
 
     async def _drop_version(self, a: _Adapter) -> None:
-        """Forgets the adapter's cached version (host tensors and slot); keeps the record and its pin."""
+        """Forgets the adapter's cached version (host tensors and slot); keeps the record and its pin.
+
+        A pinned adapter keeps its slot: the new version is fetched and copied over the old one
+        in place, as the adapter's slot task, so its requests wait for that (the slot is never
+        given to another adapter meanwhile) and a failed fetch leaves the old version serving.
+        """
         if not a.stale or a.in_use or a.loading:
             return  # a concurrent switch did it already, or a request took it meanwhile
-        old = a.digest
-        a.stale, a.digest, a.rank, a.nbytes, a.slot_digest = False, "", 0, 0, ""
+        old = a.slot_digest if a.slot >= 0 else a.digest
+        a.stale, a.digest, a.rank, a.nbytes = False, "", 0, 0
         self._drop_tensors(a)
+        if a.pinned and a.slot >= 0:
+            a.slot_task = self._spawn(self._reload_in_place(a, old))
+            return
+        a.slot_digest = ""
         slot = await self._free_slot(a)
         log.info("adapter %s: dropped version %s (slot %d) for the store's new one", a.name, old[:12], slot)
-        if a.pinned:  # a pinned adapter is expected in a slot: bring the new version now
-            self._spawn(self._reload_pinned(a.name))
         self._forget_if_unused(a)
 
-    async def _reload_pinned(self, name: str) -> None:
+    async def _reload_in_place(self, a: _Adapter, old: str) -> None:
+        """The slot task of a pinned adapter whose version changed in the store."""
         try:
-            await self.load(name, into_slot=True, pin=True)
-        except Exception as exc:  # noqa: BLE001 - logged; the next request retries the load
-            log.warning("adapter %s: reloading the pinned adapter's new version failed: %s", name, exc)
+            digest, tensors = await self._ensure_cpu(a)
+            a.event = await asyncio.to_thread(self._copy, a.slot, tensors)
+            a.slot_digest = digest
+            log.info("adapter %s (pinned): version %s replaced %s in slot %d", a.name, digest[:12], old[:12], a.slot)
+        except Exception as exc:  # noqa: BLE001 - the slot still holds the old version, which serves on
+            self._drop_tensors(a)
+            a.digest = old  # the next refresh round sees the difference and tries again
+            log.warning("adapter %s (pinned): loading its new version failed (%s); version %s keeps serving",
+                        a.name, exc, old[:12])
+        finally:
+            a.slot_task = None
+            self._notify()
 
     async def _free_slot(self, a: _Adapter) -> int:
-        """Takes the adapter out of its slot and zeroes the slot; returns the slot (-1: had none)."""
+        """Takes the adapter out of its slot and zeroes the slot; returns the slot (-1: had none).
+
+        The slot stays out of reach (`_clearing`) until the zeroing has finished, even if the
+        caller is cancelled meanwhile (a request's deadline): otherwise another adapter could be
+        copied into it and then zeroed by the clear still running."""
         slot, a.slot, a.event = a.slot, -1, None
         if slot >= 0:
-            # Keep the slot out of reach until it is zeroed, so a new load cannot race the clear.
             self._slots[slot] = None
             self._clearing.add(slot)
-            try:
-                await asyncio.to_thread(self._clear, slot)
-            finally:
-                self._clearing.discard(slot)
-                self._notify()
+            await asyncio.shield(self._spawn(self._clear_slot_task(slot)))
         return slot
+
+    async def _clear_slot_task(self, slot: int) -> None:
+        try:
+            await asyncio.to_thread(self._clear, slot)
+        finally:
+            self._clearing.discard(slot)
+            self._notify()
 
     # ---- tiers ----------------------------------------------------------------------------
 
@@ -337,6 +376,7 @@ class SlotManager:
         finally:
             a.fetch_task = None
             self._forget_if_unused(a)
+            self._notify()  # a version switch may be waiting for this load to end
 
     async def _claim_slot(self, a: _Adapter) -> int:
         """Takes a free slot or evicts the least recently used idle one; waits if all are busy."""

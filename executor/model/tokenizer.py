@@ -123,7 +123,7 @@ def _save(tok, dest: Path) -> None:
         tok.save_pretrained(str(tmp))
         os.replace(tmp, dest)
         log.info("tokenizer cached in %s", dest)
-    except OSError as exc:  # read-only or full disk, or another process won the rename: no cache
+    except Exception as exc:  # noqa: BLE001 - read-only or full disk, another process won the rename...: no cache
         log.info("tokenizer not cached in %s: %s", dest, exc)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

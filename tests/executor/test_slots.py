@@ -380,3 +380,92 @@ async def test_refresh_of_an_adapter_deleted_in_the_store_makes_it_not_found(sto
     with pytest.raises(StatusError) as info:
         await mgr.acquire("adapter-1")
     _status(info, grpc.StatusCode.NOT_FOUND, "adapter 'adapter-1' is not registered")
+
+
+async def test_refresh_sees_an_old_version_left_in_a_slot_after_a_newer_host_copy(store, slots):
+    mgr = _manager(store, slots, max_loras=2, max_cpu_adapters=1)
+    mgr.release(await mgr.acquire("adapter-0"))
+    mgr.release(await mgr.acquire("adapter-1"))  # pushes adapter-0's host copy out of the CPU cache
+    new = store.register_again("adapter-0")
+    await mgr.load("adapter-0", into_slot=False)  # host copy: the new version; slot: still the old one
+    assert mgr.known_digests()["adapter-0"] == "sha256:adapter-0"  # what the slot serves
+    assert await mgr.refresh("adapter-0", new)
+    lease = await mgr.acquire("adapter-0")
+    assert lease.digest == new and slots.content[lease.slot] == "adapter-0@v2"
+
+
+async def test_refresh_of_a_pinned_adapter_keeps_its_slot_under_slot_pressure(store, slots):
+    mgr = _manager(store, slots, max_loras=2, timeout_s=0.3)
+    pinned_slot = (await mgr.pin("adapter-0")).slot
+    busy = await mgr.acquire("adapter-1")
+    waiter = asyncio.create_task(mgr.acquire("adapter-2"))  # wants a slot; none may be taken
+    await asyncio.sleep(0.05)
+    new = store.register_again("adapter-0")
+    assert await mgr.refresh("adapter-0", new)
+    with pytest.raises(StatusError) as info:
+        await waiter
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    state = mgr.state("adapter-0")
+    assert (state.slot, state.pinned, state.digest) == (pinned_slot, True, new)
+    assert slots.content[pinned_slot] == "adapter-0@v2" and slots.content[busy.slot] == "adapter-1"
+
+
+async def test_refresh_of_a_pinned_adapter_with_the_store_down_keeps_the_old_version(store, slots):
+    mgr = _manager(store, slots)
+    slot = (await mgr.pin("adapter-0")).slot
+    mgr._drop_tensors(mgr._adapters["adapter-0"])  # only the slot holds it now
+    new = store.register_again("adapter-0")
+    store.down = True
+    assert await mgr.refresh("adapter-0", new)
+    lease = await mgr.acquire("adapter-0")  # waits for the failed reload, then serves the old version
+    assert lease.slot == slot and lease.digest == "sha256:adapter-0" and slots.content[slot] == "adapter-0"
+    mgr.release(lease)
+    store.down = False
+    assert await mgr.refresh("adapter-0", new)  # the next round tries again
+    lease = await mgr.acquire("adapter-0")
+    assert lease.digest == new and slots.content[slot] == "adapter-0@v2"
+
+
+async def test_a_request_cancelled_mid_switch_never_lets_the_clear_hit_another_adapter(store, slots):
+    import time
+
+    def slow_clear(slot):
+        time.sleep(0.2)
+        slots.clear(slot)
+
+    mgr = SlotManager(store.fetch, slots.copy, slow_clear, max_loras=1, max_cpu_adapters=8,
+                      device=torch.device("cpu"), slot_wait_timeout_s=2.0)
+    running = await mgr.acquire("adapter-0")
+    await mgr.refresh("adapter-0", store.register_again("adapter-0"))
+    other = asyncio.create_task(mgr.acquire("adapter-1"))  # waits for the only slot
+    switching = asyncio.create_task(asyncio.wait_for(mgr.acquire("adapter-0"), 0.05))  # a short deadline
+    await asyncio.sleep(0.01)
+    mgr.release(running)  # the switch starts zeroing the slot; the deadline cancels its request
+    with pytest.raises(asyncio.TimeoutError):
+        await switching
+    lease = await asyncio.wait_for(other, 2.0)
+    await asyncio.sleep(0.3)  # any clear still running has finished by now
+    assert slots.content[lease.slot] == "adapter-1"
+
+
+async def test_refresh_loop_survives_an_unexpected_error(store, slots, caplog):
+    from loraserve.executor.refresh import refresh_loop
+
+    def broken_clear(slot):
+        raise RuntimeError("CUDA error: device-side assert")
+
+    mgr = SlotManager(store.fetch, slots.copy, broken_clear, max_loras=2, max_cpu_adapters=8,
+                      device=torch.device("cpu"), slot_wait_timeout_s=1.0)
+    mgr.release(await mgr.acquire("adapter-0"))
+
+    class StoreAnswers:
+        address = "127.0.0.1:1"
+
+        async def current_digest(self, name):
+            return "sha256:a-new-version"
+
+    loop = asyncio.create_task(refresh_loop(mgr, StoreAnswers(), 0.01))
+    await asyncio.sleep(0.1)
+    assert not loop.done()
+    assert "adapter refresh round failed" in caplog.text and "device-side assert" in caplog.text
+    loop.cancel()
