@@ -18,7 +18,8 @@ Rules this module guarantees:
 - A new version in the store (`refresh`: the adapter was registered again, or deleted) drops
   the cached one as soon as no running request uses it; requests that arrive meanwhile wait
   for that (up to `slot_wait_timeout_s`, then they are served the old version) and get the
-  new one. A pinned adapter is reloaded at once and stays pinned.
+  new one. A pinned adapter is reloaded at once, in place: it keeps its slot and its pin, and
+  its old version serves on if the new one cannot be fetched.
 """
 
 from __future__ import annotations
