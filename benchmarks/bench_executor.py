@@ -7,7 +7,10 @@
   into a slot (cold: the store packs it; warm: from the store's cache), then the first token.
 
 A store and an executor run in this process on loopback gRPC, as `loraserve up` runs them.
-Usage: python benchmarks/bench_executor.py [--max-tokens 32] [--device cpu]
+Usage: python benchmarks/bench_executor.py [--max-tokens 32] [--device cpu] [--model-dir DIR]
+--model-dir: a Hugging Face model directory (config.json, safetensors, tokenizer files) instead
+of the embedded GGUF, e.g. one made by benchmarks/make_random_model.py (on the GPU machine,
+which has neither the GGUF nor the `gguf` package).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import json
 import os
 import platform
 import statistics
@@ -45,16 +49,33 @@ ADAPTERS = [  # (rank, targets)
 ]
 
 
-def hf_model():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class BaseModel:
+    """The model under test: the embedded GGUF, or a Hugging Face directory."""
 
-    path = smollm2_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return model, tok
+    def __init__(self, model_dir: str | None):
+        if model_dir:
+            self.path, self.name = str(Path(model_dir).resolve()), "bench-model"
+            self.label = f"{Path(model_dir).name} (HF safetensors)"
+        else:
+            self.path, self.name = str(smollm2_gguf_path()), DEFAULT_BASE_MODEL
+            self.label = "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)"
+
+    def load_hf(self, dtype: torch.dtype, device: str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        p = Path(self.path)
+        kw = dict(gguf_file=p.name) if p.suffix == ".gguf" else {}
+        where = p.parent if p.suffix == ".gguf" else p
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).to(device).eval()
+        return model, AutoTokenizer.from_pretrained(where, **kw)
+
+    def saved_name(self) -> str:
+        """How PEFT records this base model in adapter_config.json (rewritten to self.name)."""
+        p = Path(self.path)
+        return str(p.parent if p.suffix == ".gguf" else p)
 
 
-def make_adapters(base, root: Path) -> list[str]:
+def make_adapters(base, model: BaseModel, root: Path) -> list[str]:
     from peft import LoraConfig, get_peft_model
 
     names = []
@@ -68,13 +89,16 @@ def make_adapters(base, root: Path) -> list[str]:
         name = f"bench{i}-r{r}"
         peft.save_pretrained(root / name)
         cfg_path = root / name / "adapter_config.json"
-        cfg_path.write_text(cfg_path.read_text().replace(str(smollm2_gguf_path().parent), DEFAULT_BASE_MODEL))
+        cfg = json.loads(cfg_path.read_text())
+        cfg["base_model_name_or_path"] = model.name
+        cfg_path.write_text(json.dumps(cfg))
         names.append(name)
     return names
 
 
-def hf_mixed_generate(base, tok, root: Path, names: list[str], max_tokens: int) -> tuple[float, int]:
-    """transformers + PEFT, one padded batch, each row with its own adapter (PEFT's mixed batch)."""
+def hf_mixed_generate(base, tok, prompts: list[str], root: Path, names: list[str], max_tokens: int, repeat: int) -> list[tuple[float, int]]:
+    """transformers + PEFT, one padded batch, each row with its own adapter (PEFT's mixed batch);
+    (seconds, generated tokens) of each of `repeat` runs."""
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(copy.deepcopy(base), root / names[0], adapter_name=names[0])
@@ -82,29 +106,39 @@ def hf_mixed_generate(base, tok, root: Path, names: list[str], max_tokens: int) 
         model.load_adapter(root / name, adapter_name=name)
     model.eval()
     tok.padding_side = "left"
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in PROMPTS]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    rows = [names[i % len(names)] for i in range(len(PROMPTS))]
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        out = model.generate(**enc, adapter_names=rows, max_new_tokens=max_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id or tok.eos_token_id)
-        dt = time.perf_counter() - t0
-    new = out[:, enc["input_ids"].shape[1]:]
-    eos = tok.eos_token_id
-    tokens = sum(int((row != eos).cumprod(0).sum()) + (1 if (row == eos).any() else 0) for row in new)
-    return dt, tokens
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(base.device)
+    rows = [names[i % len(names)] for i in range(len(prompts))]
+    runs = []
+    for _ in range(repeat):
+        with torch.no_grad():
+            _sync()
+            t0 = time.perf_counter()
+            out = model.generate(**enc, adapter_names=rows, max_new_tokens=max_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id or tok.eos_token_id)
+            _sync()
+            dt = time.perf_counter() - t0
+        new = out[:, enc["input_ids"].shape[1]:]
+        eos = tok.eos_token_id
+        runs.append((dt, sum(int((row != eos).cumprod(0).sum()) + (1 if (row == eos).any() else 0) for row in new)))
+    del model
+    return runs
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class Servers:
-    def __init__(self, adapters_root: Path, data: Path, device: str):
+    def __init__(self, model: BaseModel, adapters_root: Path, data: Path, device: str):
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model=DEFAULT_BASE_MODEL,
-                           base_model_path=smollm2_gguf_path(), sources=SourceConfig(local_roots=(adapters_root,)))
+        scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model=model.name,
+                           base_model_path=Path(model.path), sources=SourceConfig(local_roots=(adapters_root,)))
         self.store_server, sport = self.run(serve_store(scfg))
         self.store = StoreClient(f"127.0.0.1:{sport}")
-        ecfg = ExecutorConfig(model=str(smollm2_gguf_path()), base_model=DEFAULT_BASE_MODEL, device=device,
+        ecfg = ExecutorConfig(model=model.path, base_model=model.name, device=device,
                               dtype="float32" if device == "cpu" else "bfloat16", max_loras=8, max_rank=32,
                               num_blocks=512, store_address=f"127.0.0.1:{sport}")
         self.parts = build_executor(ecfg)
@@ -114,7 +148,7 @@ class Servers:
     def run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(600)
 
-    def batch(self, adapters: list[str], max_tokens: int) -> tuple[float, int]:
+    def batch(self, prompts: list[str], adapters: list[str], max_tokens: int) -> tuple[float, int]:
         """One concurrent batch through the engine (all requests submitted at once)."""
         from loraserve.executor.service import to_generation_request
 
@@ -128,7 +162,7 @@ class Servers:
 
         async def all_():
             t0 = time.perf_counter()
-            counts = await asyncio.gather(*(one(p, a) for p, a in zip(PROMPTS, adapters)))
+            counts = await asyncio.gather(*(one(p, a) for p, a in zip(prompts, adapters)))
             return time.perf_counter() - t0, sum(counts)
 
         return self.run(all_())
@@ -143,12 +177,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model-dir", help="a Hugging Face model dir instead of the embedded GGUF")
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="batch size (prompts and adapters cycle)")
     args = ap.parse_args()
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)]
     torch.set_num_threads(os.cpu_count() or 1)
     work = Path(tempfile.mkdtemp(prefix="bench-executor-"))
-    base, tok = hf_model()
-    names = make_adapters(base, work / "adapters")
-    srv = Servers(work / "adapters", work / "store", args.device)
+    model = BaseModel(args.model_dir)
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    base, tok = model.load_hf(dtype, args.device)
+    names = make_adapters(base, model, work / "adapters")
+    srv = Servers(model, work / "adapters", work / "store", args.device)
     rows = []
     try:
         for n in names:
@@ -164,22 +203,23 @@ def main() -> None:
             t_first = time.perf_counter() - t1
             rows.append((f"LoadAdapter -> slot ({label})", f"{t_load * 1e3:8.1f} ms", f"first token after it {t_first * 1e3:.1f} ms", ""))
             srv.executor.evict(name)
-        srv.batch(names, 4)  # warm-up: every adapter in a slot, threads started
-        srv.batch([""] * len(PROMPTS), 4)
+        mixed_rows = [names[i % len(names)] for i in range(len(prompts))]
+        srv.batch(prompts, mixed_rows, 4)  # warm-up: every adapter in a slot, threads started
+        srv.batch(prompts, [""] * len(prompts), 4)
         results = {}
-        for label, adapters in (("loraserve, 8 adapters mixed", names), ("loraserve, base model only", [""] * len(PROMPTS))):
-            runs = [srv.batch(adapters, args.max_tokens) for _ in range(args.repeat)]
+        for label, adapters in (("loraserve, 8 adapters mixed", mixed_rows), ("loraserve, base model only", [""] * len(prompts))):
+            runs = [srv.batch(prompts, adapters, args.max_tokens) for _ in range(args.repeat)]
             dt = statistics.median(r[0] for r in runs)
             results[label] = runs[0][1] / dt
-        hf_runs = [hf_mixed_generate(base, tok, work / "adapters", names, args.max_tokens) for _ in range(args.repeat)]
+        hf_runs = hf_mixed_generate(base, tok, prompts, work / "adapters", names, args.max_tokens, args.repeat)
         hf_dt = statistics.median(r[0] for r in hf_runs)
         results["transformers+PEFT mixed generate"] = hf_runs[0][1] / hf_dt
     finally:
         srv.close()
     mixed = results["loraserve, 8 adapters mixed"]
-    print(f"\nexecutor benchmark - SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, {'float32' if args.device == 'cpu' else 'bfloat16'}), "
-          f"device {args.device}, {os.cpu_count()} CPUs, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
-          f"{len(PROMPTS)} prompts, greedy, max {args.max_tokens} new tokens, median of {args.repeat}")
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu, {os.cpu_count()} CPUs"
+    print(f"\nexecutor benchmark - {model.label}, {str(dtype).removeprefix('torch.')}, {where}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}; {len(prompts)} prompts, greedy, max {args.max_tokens} new tokens, median of {args.repeat}")
     print(f"| {'case':34s} | {'value':12s} | note |")
     print(f"|{'-' * 36}|{'-' * 14}|------|")
     for label, tps in results.items():
