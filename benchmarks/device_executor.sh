@@ -6,6 +6,7 @@
 #   test:  the executor's CUDA integration tests
 #   bench: bench_executor.py on random-weight models of SmolLM2-135M and Llama-3-8B shapes
 #          (SHAPES="smollm2" to run one)
+#   profile: profile_executor.py (8 and 32 prompts) on the random SmolLM2-shaped model
 # Logs and tables go to $OUT.
 set -uo pipefail
 stages=${1:-test}
@@ -40,5 +41,13 @@ if has bench; then
         --prompts "$n" 2>>"$OUT/bench.err" | tee -a "$OUT/bench.log" | tail -8
     done
     rm -rf "/tmp/rnd-$shape"
+  done
+fi
+if has profile; then
+  tok=$(ls -d var/cache/tokenizers/*/ | head -1)
+  python3 -P benchmarks/make_random_model.py --shape smollm2 --tokenizer "$tok" --out /tmp/rnd-profile 2>&1 | tail -1
+  for n in ${PROFILE_PROMPTS:-8 32}; do
+    python3 benchmarks/profile_executor.py --model-dir /tmp/rnd-profile --device cuda --prompts "$n" --max-tokens 32 --cprofile \
+      2>>"$OUT/profile.err" | tee -a "$OUT/profile.log" | head -80
   done
 fi

@@ -77,6 +77,24 @@ class AttentionMetadata:
     query_starts: list[int] = field(default_factory=list)  # offset of each sequence in the T tokens
     # [ctx_i + q_i] long per sequence: cache slots of all its tokens (context then new), for the gather
     seq_slots: list[torch.Tensor] = field(default_factory=list)
+    # Decode-only steps (every query_len 1): [B, Lmax] cache slots of each sequence's tokens, padded
+    # with slot 0, and [B] their counts; the attention of all B sequences is then one batched call.
+    decode_slots: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
+    _decode_masks: dict = field(default_factory=dict, repr=False)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, Lmax] bool: which padded key positions each decode query sees (built once per window)."""
+        mask = self._decode_masks.get(window)
+        if mask is None:
+            lmax = self.decode_slots.shape[1]
+            k_pos = torch.arange(lmax, device=self.decode_slots.device)[None, :]
+            lens = self.decode_lens[:, None]
+            mask = k_pos < lens  # the query is the last token, at position len - 1
+            if window is not None:
+                mask &= k_pos > lens - 1 - window
+            mask = self._decode_masks[window] = mask[:, None, None, :]
+        return mask
 
     @staticmethod
     def build(query_lens, context_lens, block_tables, block_size, device) -> "AttentionMetadata":
@@ -99,6 +117,13 @@ class AttentionMetadata:
             start += q_len
         # One host->device copy for all per-sequence slot lists, then views of it.
         views = list(torch.split(_cat(seq_slots, device), [len(s) for s in seq_slots]))
+        decode_slots = decode_lens = None
+        if seq_slots and all(q == 1 for q in query_lens):
+            lens = [len(s) for s in seq_slots]
+            padded = torch.zeros(len(seq_slots), max(lens), dtype=torch.long)
+            for i, slots in enumerate(seq_slots):
+                padded[i, : len(slots)] = slots
+            decode_slots, decode_lens = padded.to(device), torch.tensor(lens, dtype=torch.long).to(device)
         return AttentionMetadata(
             query_lens=list(query_lens),
             context_lens=list(context_lens),
@@ -107,6 +132,8 @@ class AttentionMetadata:
             positions=_cat(positions, device),
             query_starts=query_starts,
             seq_slots=views,
+            decode_slots=decode_slots,
+            decode_lens=decode_lens,
         )
 
 
@@ -134,8 +161,10 @@ def paged_attention(
     k_flat.index_copy_(0, attn.slot_mapping, k)
     v_flat.index_copy_(0, attn.slot_mapping, v)
 
-    out = torch.empty_like(q)
     group = num_heads // num_kv_heads
+    if attn.decode_slots is not None:
+        return _batched_decode(q, k_flat, v_flat, attn, group, scale, sliding_window)
+    out = torch.empty_like(q)
     for start, q_len, ctx, slots in zip(attn.query_starts, attn.query_lens, attn.context_lens, attn.seq_slots):
         if q_len == 0:
             continue
@@ -152,6 +181,24 @@ def paged_attention(
         )  # [1, H, q_len, D]
         out[start : start + q_len] = o[0].transpose(0, 1)
     return out
+
+
+def _batched_decode(q, k_flat, v_flat, attn: AttentionMetadata, group: int, scale: float, window: int | None):
+    """A decode-only step: each of the B sequences has one query; one SDPA call over padded keys.
+
+    Same result as the per-sequence loop (padding is masked out), with a handful of launches per
+    layer instead of several per sequence: the per-sequence loop is host-bound on a GPU.
+    """
+    idx = attn.decode_slots  # [B, Lmax]
+    ks = k_flat[idx].transpose(1, 2)  # [B, KVH, Lmax, D]
+    vs = v_flat[idx].transpose(1, 2)
+    if group > 1:
+        ks = ks.repeat_interleave(group, dim=1)  # [B, H, Lmax, D]
+        vs = vs.repeat_interleave(group, dim=1)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None, :], ks, vs, attn_mask=attn.decode_mask(window), scale=scale
+    )  # [B, H, 1, D]
+    return o[:, :, 0, :]
 
 
 def _mask(q_len: int, ctx: int, window: int | None, device) -> tuple[torch.Tensor | None, bool]:

@@ -167,3 +167,17 @@ def test_attention_metadata_maps_new_tokens_to_their_cache_slots():
     assert attn.seq_slots[1].tolist() == [16, 17, 18, 19, 36, 37]
     with pytest.raises(ValueError):
         AttentionMetadata.build([9], [0], [[0, 1]], block_size=4, device="cpu")
+
+
+@pytest.mark.parametrize("family, extra", [("llama", {}), ("mistral", {"sliding_window": 5})])
+def test_batched_decode_of_ragged_sequences_matches_transformers(family, extra, hf_model, hf_logits, paged_runner):
+    """A decode-only step attends all sequences in one padded call: every row must equal its own sequence."""
+    ref_model, path = hf_model(family, **extra)
+    model = load_hf_checkpoint(path)
+    prompts = {"a": _prompt(7, 21), "b": _prompt(12, 22), "c": _prompt(3, 23)}
+    run = paged_runner(model, block_size=4)
+    run.step(list(prompts.items()))  # prefill all three
+    nxt = {"a": [5], "b": [9], "c": [11]}
+    rows = run.step(list(nxt.items()))  # decode only: the batched path
+    for (name, ids), row in zip(prompts.items(), rows):
+        _assert_close(row, hf_logits(ref_model, ids + nxt[name])[-1:])
