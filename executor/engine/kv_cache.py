@@ -189,16 +189,30 @@ def _batched_decode(q, k_flat, v_flat, attn: AttentionMetadata, group: int, scal
     Same result as the per-sequence loop (padding is masked out), with a handful of launches per
     layer instead of several per sequence: the per-sequence loop is host-bound on a GPU.
     """
-    idx = attn.decode_slots  # [B, Lmax]
-    ks = k_flat[idx].transpose(1, 2)  # [B, KVH, Lmax, D]
-    vs = v_flat[idx].transpose(1, 2)
-    if group > 1:
-        ks = ks.repeat_interleave(group, dim=1)  # [B, H, Lmax, D]
-        vs = vs.repeat_interleave(group, dim=1)
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None, :], ks, vs, attn_mask=attn.decode_mask(window), scale=scale
-    )  # [B, H, 1, D]
-    return o[:, :, 0, :]
+    idx, mask = attn.decode_slots, attn.decode_mask(window)  # [B, Lmax], [B, 1, 1, Lmax]
+    num_seqs, lmax = idx.shape
+    # The gathered keys and values (after the GQA repeat) of a chunk of sequences stay under
+    # _DECODE_CHUNK_BYTES, so long contexts do not allocate B x Lmax x H x D at once.
+    per_seq = 2 * lmax * q.shape[1] * q.shape[2] * q.element_size()
+    chunk = max(1, _DECODE_CHUNK_BYTES // per_seq)
+    out = torch.empty_like(q) if chunk < num_seqs else None
+    for first in range(0, num_seqs, chunk):
+        rows = slice(first, first + chunk)
+        ks = k_flat[idx[rows]].transpose(1, 2)  # [b, KVH, Lmax, D]
+        vs = v_flat[idx[rows]].transpose(1, 2)
+        if group > 1:
+            ks = ks.repeat_interleave(group, dim=1)  # [b, H, Lmax, D]
+            vs = vs.repeat_interleave(group, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[rows, :, None, :], ks, vs, attn_mask=mask[rows], scale=scale
+        )[:, :, 0, :]  # [b, H, D]
+        if out is None:
+            return o
+        out[rows] = o
+    return out
+
+
+_DECODE_CHUNK_BYTES = 256 << 20
 
 
 def _mask(q_len: int, ctx: int, window: int | None, device) -> tuple[torch.Tensor | None, bool]:

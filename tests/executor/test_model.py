@@ -181,3 +181,19 @@ def test_batched_decode_of_ragged_sequences_matches_transformers(family, extra, 
     rows = run.step(list(nxt.items()))  # decode only: the batched path
     for (name, ids), row in zip(prompts.items(), rows):
         _assert_close(row, hf_logits(ref_model, ids + nxt[name])[-1:])
+
+
+def test_batched_decode_in_chunks_equals_one_call(hf_model, paged_runner, monkeypatch):
+    """Long contexts split the batched decode into chunks of sequences: same logits either way."""
+    from loraserve.executor.engine import kv_cache
+
+    _, path = hf_model("llama")
+    model = load_hf_checkpoint(path)
+    prompts = {"a": _prompt(7, 31), "b": _prompt(12, 32), "c": _prompt(3, 33)}
+    results = []
+    for chunk_bytes in (256 << 20, 1):  # one call; one sequence per call
+        monkeypatch.setattr(kv_cache, "_DECODE_CHUNK_BYTES", chunk_bytes)
+        run = paged_runner(model, block_size=4)
+        run.step(list(prompts.items()))
+        results.append(torch.cat(run.step([("a", [5]), ("b", [9]), ("c", [11])])))
+    torch.testing.assert_close(results[1], results[0], atol=1e-6, rtol=1e-6)
