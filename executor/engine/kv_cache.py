@@ -78,7 +78,7 @@ class AttentionMetadata:
     # [ctx_i + q_i] long per sequence: cache slots of all its tokens (context then new), for the gather
     seq_slots: list[torch.Tensor] = field(default_factory=list)
     # Decode-only steps (every query_len 1): [B, Lmax] cache slots of each sequence's tokens, padded
-    # with slot 0, and [B] their counts; the attention of all B sequences is then one batched call.
+    # with its own last slot, and [B] their counts; the attention of all B sequences is then one batched call.
     decode_slots: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
     _decode_masks: dict = field(default_factory=dict, repr=False)
@@ -120,8 +120,11 @@ class AttentionMetadata:
         decode_slots = decode_lens = None
         if seq_slots and all(q == 1 for q in query_lens):
             lens = [len(s) for s in seq_slots]
-            padded = torch.zeros(len(seq_slots), max(lens), dtype=torch.long)
+            padded = torch.empty(len(seq_slots), max(lens), dtype=torch.long)
             for i, slots in enumerate(seq_slots):
+                # Padding repeats the row's own last slot: masked, yet never another sequence's
+                # memory (a NaN there would still reach this row through 0 * NaN).
+                padded[i] = slots[-1]
                 padded[i, : len(slots)] = slots
             decode_slots, decode_lens = padded.to(device), torch.tensor(lens, dtype=torch.long).to(device)
         return AttentionMetadata(
@@ -193,7 +196,8 @@ def _batched_decode(q, k_flat, v_flat, attn: AttentionMetadata, group: int, scal
     num_seqs, lmax = idx.shape
     # The gathered keys and values (after the GQA repeat) of a chunk of sequences stay under
     # _DECODE_CHUNK_BYTES, so long contexts do not allocate B x Lmax x H x D at once.
-    per_seq = 2 * lmax * q.shape[1] * q.shape[2] * q.element_size()
+    heads = q.shape[1] + (k_flat.shape[1] if group > 1 else 0)  # the gather, then its GQA repeat
+    per_seq = 2 * lmax * heads * q.shape[2] * q.element_size()
     chunk = max(1, _DECODE_CHUNK_BYTES // per_seq)
     out = torch.empty_like(q) if chunk < num_seqs else None
     for first in range(0, num_seqs, chunk):

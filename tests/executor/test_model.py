@@ -197,3 +197,23 @@ def test_batched_decode_in_chunks_equals_one_call(hf_model, paged_runner, monkey
         run.step(list(prompts.items()))
         results.append(torch.cat(run.step([("a", [5]), ("b", [9]), ("c", [11])])))
     torch.testing.assert_close(results[1], results[0], atol=1e-6, rtol=1e-6)
+
+
+def test_batched_decode_never_reads_another_sequences_cache():
+    """Padding must not pull other sequences' cache rows into a row: a NaN there would leak through."""
+    from loraserve.executor.engine.kv_cache import paged_attention
+
+    torch.manual_seed(0)
+    block_size, kvh, heads, dim = 4, 2, 4, 8
+    k_cache = torch.randn(6, block_size, kvh, dim)
+    v_cache = torch.randn(6, block_size, kvh, dim)
+    k_cache[0], v_cache[0] = float("nan"), float("nan")  # block 0: nobody's in this step
+    tables, ctx = [[1, 2], [3]], [6, 1]
+    attn = AttentionMetadata.build([1, 1], ctx, tables, block_size, "cpu")
+    assert attn.decode_slots is not None
+    q, k, v = torch.randn(2, heads, dim), torch.randn(2, kvh, dim), torch.randn(2, kvh, dim)
+    out = paged_attention(q, k, v, k_cache, v_cache, attn, dim**-0.5)
+    assert torch.isfinite(out).all()
+    looped = AttentionMetadata.build([1, 1], ctx, tables, block_size, "cpu")
+    looped.decode_slots = None  # the per-sequence path
+    torch.testing.assert_close(out, paged_attention(q, k, v, k_cache, v_cache, looped, dim**-0.5))
