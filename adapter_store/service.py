@@ -175,8 +175,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         future = asyncio.get_running_loop().create_future()
         self._inflight[key] = future
         try:
-            blobs = await asyncio.to_thread(self._pack_ranks, manifest, layout, [rank])
-            result = (blobs[0], "packed", await asyncio.to_thread(lambda: hashlib.sha256(blobs[0]).hexdigest()))
+            result = await asyncio.to_thread(self._pack_one, manifest, layout, rank)
             future.set_result(result)
             return result
         except BaseException as e:
@@ -185,6 +184,11 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             raise
         finally:
             del self._inflight[key]
+
+    def _pack_one(self, manifest: pb.AdapterManifest, layout: pb.Layout, rank: pb.ShardRank) -> tuple[bytes, str, str]:
+        """(blob, "packed", sha256 hex) of one rank's shard, packed and cached. Runs in a thread."""
+        (blob,) = self._pack_ranks(manifest, layout, [rank])
+        return blob, "packed", hashlib.sha256(blob).hexdigest()
 
     def _pack_ranks(self, manifest: pb.AdapterManifest, layout: pb.Layout, ranks: list[pb.ShardRank]) -> list[bytes]:
         """Packs once, slices for each rank, caches each shard. Runs in a thread."""
@@ -232,20 +236,18 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         ]
         try:
             manifest = self._check_fetch(item.name, "", item.layout)
-            # (bytes, tier) of the ranks already cached: a size lookup, no blob is read
-            found = {(r.tp_rank, r.ep_rank): await asyncio.to_thread(self.cache.size, pack.shard_key(manifest.digest, item.layout, r))
-                     for r in ranks}
-            todo = [r for r in ranks if found[(r.tp_rank, r.ep_rank)] is None]
-            blobs = await asyncio.to_thread(self._pack_ranks, manifest, item.layout, todo) if todo else []
+            keys = [pack.shard_key(manifest.digest, item.layout, r) for r in ranks]
+            # (bytes, tier) of each rank already cached: a size lookup, no blob is read
+            found = await asyncio.to_thread(lambda: [self.cache.size(k) for k in keys])
+            todo = [r for r, f in zip(ranks, found) if f is None]
+            packed = iter(await asyncio.to_thread(self._pack_ranks, manifest, item.layout, todo) if todo else [])
         except StatusError as e:
             return [spb.PrefetchResult(name=item.name, rank=r, ok=False, error=f"{e.code.name}: {e.message}") for r in ranks]
-        for r, b in zip(todo, blobs):
-            found[(r.tp_rank, r.ep_rank)] = (len(b), "packed")
-        return [
-            spb.PrefetchResult(name=item.name, rank=r, ok=True, bytes=found[(r.tp_rank, r.ep_rank)][0],
-                               cache_tier=found[(r.tp_rank, r.ep_rank)][1])
-            for r in ranks
-        ]
+        results = []
+        for r, f in zip(ranks, found):
+            size, tier = f if f is not None else (len(next(packed)), "packed")
+            results.append(spb.PrefetchResult(name=item.name, rank=r, ok=True, bytes=size, cache_tier=tier))
+        return results
 
 
 async def serve(cfg: StoreConfig) -> tuple[grpc.aio.Server, int]:

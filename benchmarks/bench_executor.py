@@ -20,7 +20,6 @@ import asyncio
 import copy
 import json
 import os
-import platform
 import statistics
 import tempfile
 import threading
@@ -68,11 +67,6 @@ class BaseModel:
         where = p.parent if p.suffix == ".gguf" else p
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).to(device).eval()
         return model, AutoTokenizer.from_pretrained(where, **kw)
-
-    def saved_name(self) -> str:
-        """How PEFT records this base model in adapter_config.json (rewritten to self.name)."""
-        p = Path(self.path)
-        return str(p.parent if p.suffix == ".gguf" else p)
 
 
 def make_adapters(base, model: BaseModel, root: Path) -> list[str]:

@@ -21,9 +21,8 @@ log = logging.getLogger(__name__)
 
 async def refresh_one(slots: SlotManager, store: StoreClient, name: str) -> bool:
     """Checks one held adapter against the store; True if a newer (or no) version replaced it there."""
-    held = slots.known_digests().get(name)
-    if held is None:
-        return False
+    if name not in slots.known_digests():
+        return False  # nothing held: whatever a load fetches is the store's current version
     return await slots.refresh(name, await store.current_digest(name))
 
 
@@ -31,7 +30,7 @@ async def refresh_all(slots: SlotManager, store: StoreClient) -> list[str]:
     """One round over every held adapter; returns the names whose version changed in the store."""
     changed = []
     for name in slots.known_digests():
-        if await refresh_one(slots, store, name):
+        if await slots.refresh(name, await store.current_digest(name)):
             changed.append(name)
     return changed
 

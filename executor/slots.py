@@ -253,18 +253,12 @@ class SlotManager:
     async def _switch_version(self, a: _Adapter) -> None:
         """Called by an acquire/load of a stale adapter (holding it): waits for the running
         requests on the old version to finish, then drops it so the caller loads the new one."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.slot_wait_timeout_s
+        deadline = asyncio.get_running_loop().time() + self.slot_wait_timeout_s
         while a.stale and (a.in_use or a.loading):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
+            if not await self._wait_for_change(deadline):
                 log.warning("adapter %s: still in use by %d requests after %gs; serving its old version %s meanwhile",
                             a.name, a.in_use, self.slot_wait_timeout_s, a.digest[:12])
                 return
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
         if a.stale:
             await self._drop_version(a)
 
@@ -381,24 +375,18 @@ class SlotManager:
 
     async def _claim_slot(self, a: _Adapter) -> int:
         """Takes a free slot or evicts the least recently used idle one; waits if all are busy."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.slot_wait_timeout_s
+        deadline = asyncio.get_running_loop().time() + self.slot_wait_timeout_s
         while (slot := self._pick_slot()) is None:
             n = self.max_loras
             if n == 0:
                 raise precondition("this executor has no LoRA slots (max_loras = 0)")
             if all(s is not None and s.pinned for s in self._slots):
                 raise exhausted(f"all {n} slots are pinned; unpin an adapter to load {a.name!r}")
-            remaining = deadline - loop.time()
-            if remaining <= 0:
+            if not await self._wait_for_change(deadline):
                 raise exhausted(
                     f"no free slot for adapter {a.name!r}: all {n} slots are pinned or in use by "
                     f"running requests (waited {self.slot_wait_timeout_s:g}s)"
                 )
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
         old = self._slots[slot]
         if old is not None:
             log.info("slot %d: evicting adapter %s (least recently used) for %s", slot, old.name, a.name)
@@ -406,6 +394,18 @@ class SlotManager:
             self._forget_if_unused(old)
         self._slots[slot], a.slot = a, slot
         return slot
+
+    async def _wait_for_change(self, deadline: float) -> bool:
+        """Waits until slots or loads may have changed (`_notify`), or until the loop time
+        `deadline`; False, without waiting, once the deadline has passed."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self._changed.wait(), remaining)
+        except asyncio.TimeoutError:
+            pass
+        return True
 
     def _pick_slot(self) -> int | None:
         idle = []

@@ -43,9 +43,7 @@ class StoreClient:
             async for chunk in self._stub().FetchShard(req, timeout=self.timeout_s):
                 asm.add(chunk)
         except grpc.aio.AioRpcError as e:
-            if e.code() in DOWN:
-                raise unavailable(f"adapter store at {self.address} is unavailable ({e.details()}); adapter {name!r} cannot be loaded now") from None
-            raise StatusError(e.code(), e.details()) from None
+            raise self._error(e, f"; adapter {name!r} cannot be loaded now") from None
         header, blob = asm.result()
         tensors = st_load(blob)
         log.info("fetched %s (%s) from store %s: %d bytes (%s) in %.3fs", name, header.manifest.digest[:12],
@@ -59,10 +57,14 @@ class StoreClient:
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 return ""
-            if e.code() in DOWN:
-                raise unavailable(f"adapter store at {self.address} is unavailable ({e.details()})") from None
-            raise StatusError(e.code(), e.details()) from None
+            raise self._error(e) from None
         return manifest.digest
+
+    def _error(self, e: grpc.aio.AioRpcError, unavailable_detail: str = "") -> StatusError:
+        """The store's error as ours: UNAVAILABLE (naming the store) when it is down or too slow."""
+        if e.code() in DOWN:
+            return unavailable(f"adapter store at {self.address} is unavailable ({e.details()}){unavailable_detail}")
+        return StatusError(e.code(), e.details())
 
     async def close(self) -> None:
         if self.channel is not None:

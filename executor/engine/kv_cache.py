@@ -116,10 +116,9 @@ class AttentionMetadata:
             query_starts.append(start)
             start += q_len
         # One host->device copy for all per-sequence slot lists, then views of it.
-        views = list(torch.split(_cat(seq_slots, device), [len(s) for s in seq_slots]))
+        lens = [len(s) for s in seq_slots]
         decode_slots = decode_lens = None
         if seq_slots and all(q == 1 for q in query_lens):
-            lens = [len(s) for s in seq_slots]
             padded = torch.empty(len(seq_slots), max(lens), dtype=torch.long)
             for i, slots in enumerate(seq_slots):
                 # Padding repeats the row's own last slot: masked, yet never another sequence's
@@ -127,6 +126,9 @@ class AttentionMetadata:
                 padded[i] = slots[-1]
                 padded[i, : len(slots)] = slots
             decode_slots, decode_lens = padded.to(device), torch.tensor(lens, dtype=torch.long).to(device)
+            views = [row[:n] for row, n in zip(decode_slots, lens)]  # the padded copy serves both paths
+        else:
+            views = list(torch.split(_cat(seq_slots, device), lens))
         return AttentionMetadata(
             query_lens=list(query_lens),
             context_lens=list(context_lens),
