@@ -35,6 +35,8 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     p.add_argument("--max-num-seqs", type=int, default=int(env("max_num_seqs", 32)))
     p.add_argument("--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", 2048)))
     p.add_argument("--max-model-len", type=int, default=int(env("max_model_len", 2048)))
+    p.add_argument("--enforce-eager", action="store_true", default=env("enforce_eager", "") in ("1", "true"),
+                   help="CUDA: no CUDA graphs (decode steps run eagerly); for debugging")
     p.add_argument("--slot-wait-timeout-s", type=float, default=float(env("slot_wait_timeout_s", 30)),
                    help="how long a request waits for a GPU slot while all are busy")
     p.add_argument("--adapter-refresh-s", type=float, default=float(env("adapter_refresh_s", 30)),
@@ -61,7 +63,7 @@ def executor_config(a: argparse.Namespace):
         block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, store_address=a.store, listen_address=a.executor_listen,
         admin_token=a.executor_admin_token, slot_wait_timeout_s=a.slot_wait_timeout_s,
-        adapter_refresh_s=a.adapter_refresh_s,
+        adapter_refresh_s=a.adapter_refresh_s, enforce_eager=a.enforce_eager,
     )
 
 

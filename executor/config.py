@@ -39,6 +39,7 @@ class ExecutorConfig:
     max_num_seqs: int = 32  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens (prefill + decode) in one step
     max_model_len: int = 2048  # prompt + output tokens of one sequence
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
 
     # Request limits and defaults.
     default_max_tokens: int = 64

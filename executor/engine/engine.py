@@ -1,8 +1,10 @@
 """The async engine: requests in, a background step loop, token streams out.
 
     generate(req) --tokenize, validate, acquire adapter slot--> Scheduler.waiting
-    step loop:  schedule -> flatten (input_ids, positions, AttentionMetadata, token slots)
-                -> model.forward + compute_logits + sample, in a worker thread
+    step loop:  schedule -> flatten (input_ids, positions, block tables, token slots)
+                -> in a worker thread: decode-only steps replay a CUDA graph (executor/engine/graphs.py),
+                   other steps run model.forward + compute_logits eagerly; then sampling on the device
+                   and one device->host copy of the sampled tokens and logprobs
                 -> append tokens, detokenize, stop/eos/length checks -> each request's queue
 
 The forward runs in `asyncio.to_thread`, so the event loop keeps serving gRPC and adapter loads
@@ -28,8 +30,9 @@ from loraserve.kernels import make_lora_meta
 
 from ..config import ExecutorConfig
 from ..slots import SlotLease, SlotManager
+from .graphs import DecodeBatch, DecodeGraphs
 from .kv_cache import AttentionMetadata, BlockAllocator, KVCache
-from .sampler import SamplingParams, find_stop, make_generator, sample, validate_request
+from .sampler import SamplingParams, find_stop, greedy, make_generator, sample, validate_request
 from .scheduler import SchedulePlan, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
@@ -99,6 +102,10 @@ class _Batch:
     generators: list[torch.Generator | None]
     leases: list[SlotLease]
 
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
 
 class Engine:
     def __init__(self, model, tokenizer, kv_cache: KVCache, slot_manager: SlotManager, config: ExecutorConfig):
@@ -121,6 +128,22 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._stepping: set[Sequence] = set()  # sequences of the step in flight
         self._deferred_releases: list[SlotLease] = []
+        self.graphs = self._capture_graphs()
+        self.step_times: list[tuple[str, int, int, float]] = []  # (kind, seqs, tokens, seconds), last 1,000 steps
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """Decode-step CUDA graphs, on CUDA unless config.enforce_eager (or the model cannot be captured)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.model.cfg.rope_type == "dynamic":
+            log.warning("CUDA graphs off: dynamic RoPE scaling depends on each step's longest sequence")
+            return None
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache, self.config.max_num_seqs,
+            self.config.max_model_len, self.max_loras, self.device,
+        )  # fmt: skip
+        graphs.capture()
+        return graphs
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -325,24 +348,52 @@ class Engine:
     @torch.inference_mode()
     def _execute(self, b: _Batch) -> tuple[list[int], list[float]]:
         """Runs in a worker thread: forward, logits of the sampled rows, sampling."""
+        t0 = time.perf_counter()
         dev = self.device
         for lease in b.leases:
             lease.wait()  # the forward's stream waits for the slot copy (CUDA only)
-        input_ids = torch.tensor(b.input_ids, dtype=torch.long, device=dev)
-        attn = AttentionMetadata.build(b.query_lens, b.context_lens, b.block_tables, self.kv_cache.block_size, dev)
-        hidden = self.model.forward(input_ids, attn.positions, attn, self.kv_cache, self._lora_meta(b.token_slots))
-        if not b.sample_rows:
+        num_seqs = len(b.query_lens)
+        if self.graphs is not None and b.is_decode and num_seqs <= self.graphs.max_batch:
+            kind = "decode-graph"
+            logits = self.graphs.run(DecodeBatch(b.input_ids, b.context_lens, b.block_tables, b.token_slots))
+            if len(b.sample_rows) != num_seqs:  # a 1-token chunk in the middle of a prefill samples nothing
+                logits = logits[torch.tensor(b.sample_rows, dtype=torch.long, device=dev)]
+        else:
+            kind = "decode" if b.is_decode else "mixed"
+            input_ids = torch.tensor(b.input_ids, dtype=torch.long, device=dev)
+            attn = AttentionMetadata.build(b.query_lens, b.context_lens, b.block_tables, self.kv_cache.block_size, dev)
+            hidden = self.model.forward(input_ids, attn.positions, attn, self.kv_cache, self._lora_meta(b.token_slots))
+            logits = None
+            if b.sample_rows:
+                rows = torch.tensor(b.sample_rows, dtype=torch.long, device=dev)
+                logits = self.model.compute_logits(hidden.index_select(0, rows), self._lora_meta(b.sample_slots))
+        token_ids, logprobs = self._sample(b, logits)
+        self._record_step(kind, num_seqs, len(b.input_ids), time.perf_counter() - t0)
+        return token_ids, logprobs
+
+    def _sample(self, b: _Batch, logits: torch.Tensor | None) -> tuple[list[int], list[float]]:
+        """Samples every row on the device; the step's one device->host copy brings ids and logprobs."""
+        if logits is None:  # prefill chunks only: nothing to wait for
             return [], []
-        rows = torch.tensor(b.sample_rows, dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden.index_select(0, rows), self._lora_meta(b.sample_slots))
-        token_ids, logprobs = sample(
-            logits,
-            torch.tensor(b.temperature, dtype=torch.float32, device=dev),
-            torch.tensor(b.top_k, dtype=torch.long, device=dev),
-            torch.tensor(b.top_p, dtype=torch.float32, device=dev),
-            b.generators,
-        )
-        return token_ids.tolist(), logprobs.tolist()
+        if any(t > 0 for t in b.temperature):
+            dev = self.device
+            token_ids, logprobs = sample(
+                logits,
+                torch.tensor(b.temperature, dtype=torch.float32, device=dev),
+                torch.tensor(b.top_k, dtype=torch.long, device=dev),
+                torch.tensor(b.top_p, dtype=torch.float32, device=dev),
+                b.generators,
+                any_sample=True,
+            )
+        else:
+            token_ids, logprobs = greedy(logits)
+        ids, lps = torch.stack((token_ids.double(), logprobs.double())).tolist()
+        return [int(t) for t in ids], lps
+
+    def _record_step(self, kind: str, num_seqs: int, num_tokens: int, seconds: float) -> None:
+        self.step_times.append((kind, num_seqs, num_tokens, seconds))
+        if len(self.step_times) > 2000:
+            del self.step_times[:1000]
 
     def _lora_meta(self, slots: list[int]):
         """Token grouping by slot, once per step; None when no token uses an adapter."""

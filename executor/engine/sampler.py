@@ -70,12 +70,20 @@ def validate_request(
         )
 
 
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32 -> the argmax of each row [B] int64 and its logprob [B] float32."""
+    token_ids = logits.argmax(dim=-1)
+    logprobs = logits.gather(1, token_ids[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    return token_ids, logprobs
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     generators: Sequence[torch.Generator | None],
+    any_sample: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Picks one token per row.
 
@@ -84,13 +92,17 @@ def sample(
     top_k:       [B] int64, 0 = off
     top_p:       [B] float32, <= 0 or >= 1 = off
     generators:  B entries, a seeded generator on logits' device or None (the global RNG)
+    any_sample:  whether some temperature is > 0, when the caller knows it on the host (saves a
+                 device->host sync); None: read it from `temperature`
     Returns token ids [B] int64 and their logprobs [B] float32 under the model's own
     distribution (log_softmax of the raw logits, before temperature and truncation).
     """
     logprobs_all = torch.log_softmax(logits, dim=-1)
     token_ids = logits.argmax(dim=-1)
     do_sample = temperature > 0
-    if bool(do_sample.any()):
+    if any_sample is None:
+        any_sample = bool(do_sample.any())
+    if any_sample:
         sampled = _sample_rows(logits, temperature, top_k, top_p, generators)
         token_ids = torch.where(do_sample, sampled, token_ids)
     logprobs = logprobs_all.gather(1, token_ids.unsqueeze(1)).squeeze(1)
@@ -115,8 +127,11 @@ def _sample_rows(logits, temperature, top_k, top_p, generators) -> torch.Tensor:
     # Exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p; each row's noise
     # comes from its own generator, so seeded rows do not depend on their batch.
     noise = torch.empty_like(probs)
-    for row, gen in enumerate(generators):
-        noise[row].exponential_(generator=gen)
+    seeded = [row for row, gen in enumerate(generators) if gen is not None]
+    if len(seeded) < num_rows:
+        noise.exponential_()  # one draw for every unseeded row; seeded rows are overwritten below
+    for row in seeded:
+        noise[row].exponential_(generator=generators[row])
     choice = (probs / noise).argmax(dim=-1, keepdim=True)  # index into the sorted order
     return sorted_idx.gather(1, choice).squeeze(1)
 

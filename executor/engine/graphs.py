@@ -1,0 +1,162 @@
+"""CUDA graphs of the decode step: the whole forward and the logits, one graph per batch bucket.
+
+A decode step of an 8B model launches ~1,500 kernels; eagerly, the host's launch time per
+kernel exceeds the GPU's time at small batches, so the step is host-bound (docs/BENCHMARKS.md).
+Replaying a captured graph launches them all at once.
+
+Every per-step input lives in one static int32 device buffer that the graphs read, filled from
+one pinned host buffer by one host->device copy per step:
+
+    [ids | positions | slot mapping | seq_lens | LoRA slots]  each max_batch long, then
+    [block tables]                                            max_batch x width
+
+A batch of B sequences replays the graph of the smallest bucket >= B; rows B.. of the bucket are
+padding: they read and write only the KV cache's scratch block and use no adapter. Each bucket
+has two graphs: the base model alone (no LoRA kernels at all) and with LoRA (LoraMeta and the
+shrink/expand kernels of every layer; all slots' full-rank buffers, nothing skipped on the host).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loraserve.kernels import make_lora_meta
+
+from .kv_cache import AttentionMetadata, KVCache
+
+log = logging.getLogger(__name__)
+
+_FIELDS = 5  # ids, positions, slot mapping, seq_lens, LoRA slots
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_batch (which is always the last bucket)."""
+    buckets = [b for b in (1, 2, 4) if b < max_batch]
+    buckets += list(range(8, max_batch, 8))
+    return buckets + [max_batch]
+
+
+@dataclass
+class DecodeBatch:
+    """The host-side inputs of a decode step of B sequences (one query token each)."""
+
+    input_ids: list[int]  # [B] the token each sequence feeds in
+    positions: list[int]  # [B] its position (= tokens already cached)
+    block_tables: list[list[int]]
+    lora_slots: list[int]  # [B] -1 = base model
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv: KVCache, max_batch: int, max_model_len: int, max_loras: int, device):
+        self.model, self.kv, self.max_loras = model, kv, max_loras
+        self.device = torch.device(device)
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = max_batch
+        self.width = -(-max_model_len // kv.block_size)  # block-table columns
+        size = _FIELDS * max_batch + max_batch * self.width
+        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    # ---- capture --------------------------------------------------------------------------
+
+    def capture(self) -> None:
+        """Captures every (bucket, LoRA or not) graph, largest first so they share one memory pool."""
+        t0 = time.perf_counter()
+        self._fill_padding(self.max_batch, 0)
+        self._dev.copy_(self._host)
+        variants = (False, True) if self.max_loras else (False,)
+        for bucket in reversed(self.buckets):
+            for lora in variants:
+                self._graphs[(bucket, lora)] = self._capture_one(bucket, lora)
+        torch.cuda.synchronize(self.device)
+        log.info(
+            "captured %d CUDA graphs of the decode step (batch buckets %s%s) in %.1fs",
+            len(self._graphs), self.buckets, ", base and LoRA" if self.max_loras else "", time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def _capture_one(self, bucket: int, lora: bool):
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles the Triton kernels, creates cuBLAS handles and workspaces
+                self._forward(bucket, lora)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(bucket, lora)
+        self._pool = graph.pool()
+        return graph, logits
+
+    @torch.inference_mode()
+    def _forward(self, bucket: int, lora: bool) -> torch.Tensor:
+        """The captured step, reading only views of the static buffer: -> logits [bucket, vocab] float32."""
+        n, dev = self.max_batch, self._dev
+        ids, positions, slot_mapping, seq_lens, lora_slots = (dev[i * n : i * n + bucket] for i in range(_FIELDS))
+        tables = dev[_FIELDS * n :].view(n, self.width)[:bucket]
+        positions = positions.long()
+        attn = AttentionMetadata(
+            slot_mapping=slot_mapping.long(), positions=positions, block_tables=tables, seq_lens=seq_lens,
+            cu_query_lens=None, max_query_len=1, is_decode=True,
+        )  # fmt: skip
+        meta = make_lora_meta(lora_slots, self.max_loras) if lora else None
+        hidden = self.model.forward(ids, positions, attn, self.kv, meta)
+        return self.model.compute_logits(hidden, meta)
+
+    # ---- replay ---------------------------------------------------------------------------
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        for b in self.buckets:
+            if b >= num_seqs:
+                return b
+        return None
+
+    def run(self, batch: DecodeBatch) -> torch.Tensor:
+        """Fills the static inputs, replays the bucket's graph -> logits [B, vocab] float32 (a view).
+
+        The view is valid until the next run; the caller reads it (sampling) before then.
+        """
+        num_seqs = len(batch.input_ids)
+        bucket = self.bucket_for(num_seqs)
+        if bucket is None:
+            raise ValueError(f"{num_seqs} sequences exceed the largest captured batch {self.max_batch}")
+        lora = self.max_loras > 0 and max(batch.lora_slots) >= 0
+        self._fill(batch, bucket)
+        self._dev.copy_(self._host, non_blocking=True)
+        graph, logits = self._graphs[(bucket, lora)]
+        graph.replay()
+        return logits[:num_seqs]
+
+    def _fill(self, batch: DecodeBatch, bucket: int) -> None:
+        n, bs, h = self.max_batch, self.kv.block_size, self._host_np
+        b = len(batch.input_ids)
+        pos = np.asarray(batch.positions, dtype=np.int64)
+        tables = h[_FIELDS * n :].reshape(n, self.width)
+        for i, table in enumerate(batch.block_tables):
+            tables[i, : len(table)] = table
+        h[0:b] = batch.input_ids
+        h[n : n + b] = pos
+        h[2 * n : 2 * n + b] = tables[np.arange(b), pos // bs] * bs + pos % bs
+        h[3 * n : 3 * n + b] = pos + 1
+        h[4 * n : 4 * n + b] = batch.lora_slots
+        self._fill_padding(bucket, b)
+
+    def _fill_padding(self, bucket: int, first: int) -> None:
+        """Rows first..bucket-1: token 0 at position 0 in the scratch block, no adapter."""
+        if first >= bucket:
+            return
+        n, h, scratch = self.max_batch, self._host_np, self.kv.scratch_block
+        rows = slice(first, bucket)
+        h[rows] = 0
+        h[n + first : n + bucket] = 0
+        h[2 * n + first : 2 * n + bucket] = scratch * self.kv.block_size
+        h[3 * n + first : 3 * n + bucket] = 1
+        h[4 * n + first : 4 * n + bucket] = -1
+        h[_FIELDS * n :].reshape(n, self.width)[rows] = scratch
