@@ -9,8 +9,8 @@
 A store and an executor run in this process on loopback gRPC, as `loraserve up` runs them.
 Usage: python benchmarks/bench_executor.py [--max-tokens 32] [--device cpu] [--model-dir DIR]
 --model-dir: a Hugging Face model directory (config.json, safetensors, tokenizer files) instead
-of the embedded GGUF, e.g. one made by benchmarks/make_random_model.py (on the GPU machine,
-which has neither the GGUF nor the `gguf` package).
+of the embedded GGUF, e.g. one made by benchmarks/make_random_model.py (on a CUDA host
+that has neither the GGUF nor the `gguf` package).
 """
 
 from __future__ import annotations

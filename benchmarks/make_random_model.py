@@ -1,7 +1,7 @@
 """Writes a Llama-family Hugging Face model directory with random weights, for benchmarks.
 
 Speed does not depend on the weights' values, so a benchmark can run a model of a real
-model's shapes without its checkpoint: the GPU machine has no hub and cannot carry the
+model's shapes without its checkpoint: a CUDA host without a model hub cannot use the
 embedded GGUF. Tokenizer files are copied from --tokenizer (e.g. the executor's cached
 conversion of the SmolLM2 GGUF's tokenizer, var/cache/tokenizers/<key>/).
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attention_reference, reference
+from . import attention_reference, ops_reference, reference
 from .meta import LoraMeta, make_lora_meta
 
 __all__ = [
@@ -19,6 +19,9 @@ __all__ = [
     "lora_embedding_shrink",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "rms_norm",
+    "rope_and_cache",
+    "silu_and_mul",
 ]
 
 _triton = None
@@ -79,3 +82,36 @@ def paged_prefill_attention(
     return _attention_impl(q).paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window, out
     )
+
+
+# ---- the decoder's small fused ops (kernels/ops_reference.py, kernels/triton_ops.py) ----------
+
+_triton_ops = None
+
+
+def _ops_impl(t: torch.Tensor):
+    global _triton_ops
+    if t.device.type != "cuda":
+        return ops_reference
+    if _triton_ops is None:
+        try:
+            from . import triton_ops
+        except ImportError:  # no Triton: stay correct on the reference
+            triton_ops = ops_reference
+        _triton_ops = triton_ops
+    return _triton_ops
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """(norm(x + residual) * weight, x + residual): see kernels/ops_reference.py."""
+    return _ops_impl(x).rms_norm(x, weight, eps, residual)
+
+
+def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+    """RoPE on q and k; k and v written to the paged cache; returns the rotated q."""
+    return _ops_impl(q).rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def silu_and_mul(gate_up):
+    """[T, 2I] gate | up -> silu(gate) * up [T, I]."""
+    return _ops_impl(gate_up).silu_and_mul(gate_up)

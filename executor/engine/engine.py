@@ -27,6 +27,7 @@ import torch
 
 from loraserve.errors import StatusError, exhausted, invalid, unavailable
 from loraserve.kernels import make_lora_meta
+from loraserve.kernels.reference import GATHER_MAX_TOKENS
 
 from ..config import ExecutorConfig
 from ..slots import SlotLease, SlotManager
@@ -138,10 +139,14 @@ class Engine:
         if self.model.cfg.rope_type == "dynamic":
             log.warning("CUDA graphs off: dynamic RoPE scaling depends on each step's longest sequence")
             return None
+        max_batch = self.config.max_num_seqs
+        if self.max_loras and self.model.dtype == torch.float32:
+            # The Triton LoRA kernels take fp16/bf16; the float32 reference path is free of host
+            # syncs (capturable) only up to GATHER_MAX_TOKENS tokens. Larger batches run eagerly.
+            max_batch = min(max_batch, GATHER_MAX_TOKENS)
         graphs = DecodeGraphs(
-            self.model, self.kv_cache, self.config.max_num_seqs,
-            self.config.max_model_len, self.max_loras, self.device,
-        )  # fmt: skip
+            self.model, self.kv_cache, max_batch, self.config.max_model_len, self.max_loras, self.device
+        )
         graphs.capture()
         return graphs
 

@@ -126,24 +126,20 @@ class AttentionMetadata:
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     attn: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Writes the step's k/v into the cache, then attends each sequence's queries to its whole context.
+    """Attends each sequence's queries to its whole context in the cache (the step's keys included:
+    `kernels.rope_and_cache` wrote them).
 
-    q: [T, H, D]; k, v: [T, KVH, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] -> [T, H, D]
+    q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] -> [T, H, D]
     A decode-only step is one paged decode call per layer; any other step (prefill chunks, mixed
     with decode tokens or not) one variable-length prefill call. Triton on CUDA, the plain-PyTorch
     reference elsewhere (kernels/attention_reference.py).
     """
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, attn.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, attn.slot_mapping, v)
     if attn.is_decode:
         return kernels.paged_decode_attention(
             q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale, sliding_window

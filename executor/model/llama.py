@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from loraserve import kernels
 from loraserve.kernels import LoraMeta
 
 from ..engine.kv_cache import AttentionMetadata, KVCache, paged_attention
@@ -25,11 +25,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In float32 like transformers, cast back before the weight.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h) * weight, h) with h = x + residual: the residual add is fused into the norm."""
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None, device=None) -> torch.Tensor:
@@ -82,13 +80,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos, sin [T, D]. Rotates the two halves of each head (transformers' layout)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device):
         super().__init__()
@@ -103,10 +94,12 @@ class Attention(nn.Module):
         c = self.cfg
         qkv = self.qkv_proj(x, lora_meta)  # [T, q + 2 * kv]
         q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
-        q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)  # [T, H, D]
-        k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)  # [T, KVH, D]
-        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-        o = paged_attention(q, k, v, k_cache, v_cache, attn, self.scale, c.sliding_window)  # [T, H, D]
+        # RoPE on q and k, k and v into the cache, in one kernel on CUDA.
+        q = kernels.rope_and_cache(
+            q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim),
+            v.view(-1, c.num_kv_heads, c.head_dim), cos, sin, k_cache, v_cache, attn.slot_mapping,
+        )  # [T, H, D]  # fmt: skip
+        o = paged_attention(q, k_cache, v_cache, attn, self.scale, c.sliding_window)  # [T, H, D]
         return self.o_proj(o.reshape(-1, c.q_size), lora_meta)  # [T, hidden]
 
 
@@ -118,8 +111,8 @@ class MLP(nn.Module):
         self.down_proj = LinearWithLoRA(i, (cfg.hidden_size,), cfg.mlp_bias, lora, dtype, device)
 
     def forward(self, x, lora_meta):
-        gate, up = self.gate_up_proj(x, lora_meta).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up, lora_meta)  # [T, hidden]
+        act = kernels.silu_and_mul(self.gate_up_proj(x, lora_meta))  # [T, 2I] -> [T, I]
+        return self.down_proj(act, lora_meta)  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -130,9 +123,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, lora, dtype, device)
 
-    def forward(self, h, cos, sin, attn, k_cache, v_cache, lora_meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, k_cache, v_cache, lora_meta)
-        return h + self.mlp(self.post_attention_layernorm(h), lora_meta)
+    def forward(self, x, residual, cos, sin, attn, k_cache, v_cache, lora_meta):
+        """x: the previous layer's output, residual: the stream before it (None at layer 0).
+        Returns this layer's (output, residual); their sum is the residual stream after it."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, attn, k_cache, v_cache, lora_meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x, lora_meta), residual
 
 
 class LlamaModel(nn.Module):
@@ -169,9 +166,10 @@ class LlamaForCausalLM(nn.Module):
         """-> [T, hidden]: final-normed hidden states of every token of the step."""
         h = self.model.embed_tokens(input_ids, lora_meta)  # [T, hidden]
         cos, sin = self.model.rotary_emb(positions, h.dtype)  # [T, D]
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, attn, kv.k_cache[i], kv.v_cache[i], lora_meta)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, cos, sin, attn, kv.k_cache[i], kv.v_cache[i], lora_meta)
+        return self.model.norm(h, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:

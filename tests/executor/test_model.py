@@ -222,8 +222,8 @@ def test_batched_decode_never_reads_another_sequences_cache():
     tables, ctx = [[1, 2], [3]], [6, 1]
     attn = AttentionMetadata.build([1, 1], ctx, tables, block_size, "cpu")
     assert attn.is_decode
-    q, k, v = torch.randn(2, heads, dim), torch.randn(2, kvh, dim), torch.randn(2, kvh, dim)
-    out = paged_attention(q, k, v, k_cache, v_cache, attn, dim**-0.5)
+    q = torch.randn(2, heads, dim)
+    out = paged_attention(q, k_cache, v_cache, attn, dim**-0.5)
     assert torch.isfinite(out).all()
     varlen = dataclasses.replace(attn, is_decode=False)  # the prefill kernel's path
-    torch.testing.assert_close(out, paged_attention(q, k, v, k_cache, v_cache, varlen, dim**-0.5))
+    torch.testing.assert_close(out, paged_attention(q, k_cache, v_cache, varlen, dim**-0.5))

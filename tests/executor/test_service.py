@@ -58,7 +58,7 @@ def family(request):
 def device(request):
     """The same tests on the GPU path (slot copies on a side stream, pinned host memory)."""
     if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA: no CUDA device here (run on the device machine: benchmarks/device_executor.sh)")
+        pytest.skip("needs CUDA: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
     return request.param
 
 
@@ -350,7 +350,7 @@ def test_bf16_on_cuda_applies_each_rows_adapter(loop_thread, base, adapter_dirs,
     """bf16 on the GPU runs the Triton kernels: each row's tokens must be scored like its own
     adapter's reference (float32 PEFT), and clearly unlike the base model's."""
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/device_executor.sh on the device machine)")
+        pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
     c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", "cuda", dtype="bfloat16")
     try:
         client = c.client()

@@ -3,7 +3,7 @@
 Every check draws fresh random inputs, poisons the shrink output with NaN first, and asks
 for: no NaN, every element written, no-adapter tokens untouched in y, relative error
 ||out - ref|| / ||ref|| below 1e-2 (bf16) or 1e-3 (fp16).
-Run: pytest -m gpu tests/kernels/test_triton_gpu.py -s  (benchmarks/device_kernels.sh does).
+Run: pytest -m gpu tests/kernels/test_triton_gpu.py -s  (benchmarks/gpu_kernels.sh does).
 """
 
 from __future__ import annotations

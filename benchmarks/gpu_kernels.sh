@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The one script a device call runs: GPU tests, then (optionally) tuning and the benchmark.
-#   bash benchmarks/device_kernels.sh STAGES [bench_kernels.py args...]
+# The LoRA kernels on a CUDA host: GPU tests, then (optionally) tuning and the benchmark.
+#   bash benchmarks/gpu_kernels.sh OUT_DIR STAGES [bench_kernels.py args...]
 # STAGES: comma list of smoke,tune,test,quick,bench (default: test,bench), run in that order.
-# Writes under $OUT: run.log (everything), and tuned.json, bench.json, bench.md when made.
+# Writes under OUT_DIR: run.log (everything), and tuned.json, bench.json, bench.md when made.
 set -uo pipefail
+OUT=$(realpath -m "${1:?usage: gpu_kernels.sh OUT_DIR [STAGES] [bench_kernels.py args...]}")
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/kernels-out}
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
 export PYTHONUNBUFFERED=1
-stages=${1:-test,bench}
-shift || true
+stages=${2:-test,bench}
+shift 2 || shift || true
 has() { [[ ",$stages," == *",$1,"* ]]; }
 stage() { echo "=== $1 $(date -u +%H:%M:%S)" | tee -a "$LOG"; }
 

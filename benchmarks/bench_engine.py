@@ -1,0 +1,326 @@
+"""The engine on a CUDA host: decode steps against the bandwidth floor, prefill against the matmul
+peak, and the gRPC service against the engine alone. Prints one table.
+
+Usage (on a CUDA host, from the repo root, with `loraserve` importable):
+    python benchmarks/bench_engine.py --tokenizer DIR [--shape llama3-8b] [--batches 1,8,32,64]
+
+- The model is built on the GPU with random bf16 weights (speed does not depend on the values):
+  Llama-3-8B's layers with the tokenizer's vocabulary (--tokenizer: a folder with tokenizer.json,
+  e.g. the executor's converted SmolLM2 tokenizer under var/cache/tokenizers/).
+- Ceilings measured in the same run: device-to-device copy bandwidth (bytes read + written) and
+  the bf16 matmul rate (8192^3).
+- Decode: B requests with `--context` random prompt tokens each, run through `Engine.generate`;
+  the table gives the median time of the steps that decoded all B sequences (CUDA-graph replay,
+  sampling and the host work of the step included) beside the floor: (weight bytes + K/V bytes the
+  step reads) / copy bandwidth. With adapters: a distinct rank-`--rank` adapter on every linear
+  layer per sequence (up to `--adapters`, then they repeat), their bytes added to the floor.
+  The adapters come from an in-process fetch function (random tensors, the same values for
+  each name; each still occupies its own GPU slot) instead of the adapter store.
+- Prefill: one step of 1 x 4096 and of 16 x 256 prompt tokens; FLOP/s against the matmul rate.
+- gRPC: `--streams` concurrent GenerateStream calls from a client in another process, against
+  the same requests through `Engine.generate` in-process.
+EOS is ignored (random weights would end rows at random).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.engine.engine import Engine, GenerationRequest
+from loraserve.executor.engine.kv_cache import KVCache
+from loraserve.executor.engine.sampler import SamplingParams
+from loraserve.executor.lora import LoraSpec, load_shard_into_slot, lora_modules
+from loraserve.executor.model.config import ModelConfig
+from loraserve.executor.model.llama import LlamaForCausalLM
+from loraserve.executor.model.tokenizer import Tokenizer
+from loraserve.executor.slots import SlotManager
+
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                      head_dim=128, rope_theta=500000.0),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                    head_dim=64, rope_theta=100000.0),
+}
+
+
+# ---- ceilings ---------------------------------------------------------------------------------
+
+
+def _time_cuda(fn, repeat: int = 20) -> float:
+    """Median seconds of fn() by CUDA events, after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(1 << 29, device="cuda")  # 2 GiB of float32
+    dst = torch.empty_like(src)
+    seconds = _time_cuda(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def matmul_peak() -> float:
+    """FLOP/s of an 8192^3 bf16 matmul on random data."""
+    n = 8192
+    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / _time_cuda(lambda: a @ b)
+
+
+# ---- the model and the engine -----------------------------------------------------------------
+
+
+def build_model(shape: str, vocab: int, spec: LoraSpec) -> LlamaForCausalLM:
+    cfg = ModelConfig(model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5, rope_scaling=None,
+                      max_position_embeddings=8192, tie_word_embeddings=False, **SHAPES[shape])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, spec, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+    return model
+
+
+def random_shard_fetcher(model, rank: int):
+    """An in-process stand-in for the store's FetchShard: a rank-`rank` adapter on every linear layer."""
+    shapes = {name: (m.lora_a.shape[1:], m.lora_b.shape[1:]) for name, m in lora_modules(model).items()}
+    gen = torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, (a_shape, b_shape) in shapes.items():
+        a = (a_shape[0], rank, *a_shape[2:])
+        tensors[f"{name}.lora_a"] = (torch.randn(a, generator=gen) * 0.02).to(torch.bfloat16)
+        tensors[f"{name}.lora_b"] = (torch.randn(b_shape[0], rank, generator=gen) * 0.02).to(torch.bfloat16)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    async def fetch(name: str):
+        return f"random-{name}", rank, dict(tensors), nbytes
+
+    return fetch, nbytes
+
+
+def build_engine(args, tokenizer: Tokenizer) -> tuple[Engine, int]:
+    max_tokens_per_seq = args.context + args.new_tokens + 16
+    max_model_len = max(4096 + 16, max_tokens_per_seq)
+    cfg = ExecutorConfig(
+        model="random", base_model="random", device="cuda", dtype="bfloat16", max_loras=args.adapters,
+        max_rank=args.rank, max_cpu_adapters=args.adapters, block_size=16,
+        num_blocks=max(args.batches) * -(-max_tokens_per_seq // 16) + 4096 // 16 + 64,
+        max_num_seqs=max(max(args.batches), args.streams), max_num_batched_tokens=4096,
+        max_model_len=max_model_len, enforce_eager=args.enforce_eager,
+    )  # fmt: skip
+    spec = LoraSpec(cfg.max_loras, cfg.max_rank, torch.bfloat16)
+    model = build_model(args.shape, args.vocab, spec)
+    mc = model.cfg
+    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, torch.bfloat16, "cuda")
+    fetch, adapter_bytes = random_shard_fetcher(model, args.rank)
+    modules = lora_modules(model)
+    slots = SlotManager(
+        fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
+        lambda slot: [m.reset_lora(slot) for m in modules.values()],
+        max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters, device=torch.device("cuda"),
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    engine = Engine(model, tokenizer, kv, slots, cfg)
+    print(f"engine ready (graph capture included) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return engine, adapter_bytes
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step must read: every weight except the embedding table (B rows of it)."""
+    skip = {id(model.model.embed_tokens.weight)} if not model.cfg.tie_word_embeddings else set()
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
+async def run_requests(engine: Engine, prompts: list[list[int]], adapters: list[str], max_tokens: int) -> int:
+    async def one(ids, adapter):
+        req = GenerationRequest(adapter=adapter, prompt_token_ids=ids, sampling=SamplingParams(max_tokens=max_tokens))
+        return sum([len(o.token_ids) async for o in engine.generate(req)])
+
+    return sum(await asyncio.gather(*(one(p, a) for p, a in zip(prompts, adapters))))
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+# ---- the cases --------------------------------------------------------------------------------
+
+
+async def decode_case(engine, args, batch: int, with_lora: bool) -> float:
+    """Median seconds of the steps that decoded exactly `batch` sequences."""
+    engine.step_times.clear()
+    adapters = [f"a{i % args.adapters}" if with_lora else "" for i in range(batch)]
+    await run_requests(engine, random_prompts(batch, args.context, args.vocab, batch), adapters, args.new_tokens)
+    steps = [s for kind, n, t, s in engine.step_times if kind.startswith("decode") and n == batch]
+    return statistics.median(steps[2:] or steps)
+
+
+async def prefill_case(engine, args, num_seqs: int, length: int) -> float:
+    """Median seconds of a step that prefilled num_seqs x length tokens (max_tokens 1), of 3 runs."""
+    times = []
+    for rep in range(3):
+        engine.step_times.clear()
+        await run_requests(engine, random_prompts(num_seqs, length, args.vocab, 100 + rep), [""] * num_seqs, 1)
+        times += [s for kind, n, t, s in engine.step_times if t == num_seqs * length]
+    return statistics.median(times)
+
+
+def prefill_flops(cfg: ModelConfig, num_seqs: int, length: int) -> float:
+    """Matmul FLOPs: 2 x linear weights x tokens, plus causal attention (QK^T and PV, half the square)."""
+    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    linear = layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i)
+    attention = layers * 2 * 2 * cfg.q_size * num_seqs * length * length / 2
+    return 2 * linear * num_seqs * length + attention + 2 * h * cfg.vocab_size * num_seqs  # lm_head: last rows
+
+
+def grpc_client(address: str, streams: int, prompt_len: int, max_tokens: int, vocab: int) -> None:
+    """Runs in a child process: `streams` concurrent GenerateStream calls; prints {"tokens", "seconds"}."""
+    import grpc
+
+    from loraserve.v1 import executor_pb2 as epb
+    from loraserve.v1 import executor_pb2_grpc as epb_grpc
+
+    async def main():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = epb_grpc.ExecutorStub(channel)
+
+            async def one(ids):
+                req = epb.GenerateRequest(token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(max_tokens=max_tokens))
+                return sum([len(r.token_ids) async for r in stub.GenerateStream(req)])
+
+            prompts = random_prompts(streams, prompt_len, vocab, 7)
+            await one(prompts[0][:8])  # connect
+            t0 = time.perf_counter()
+            tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
+            print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - t0}))
+
+    asyncio.run(main())
+
+
+async def grpc_case(engine, slots, args) -> tuple[float, float]:
+    """(engine-only tok/s, gRPC tok/s) for the same `streams` requests of the base model."""
+    from loraserve.executor.service import ExecutorParts, serve, shutdown
+    from loraserve.executor.store_client import StoreClient
+    from loraserve.v1.common_pb2 import Layout
+
+    prompts = random_prompts(args.streams, args.grpc_prompt, args.vocab, 7)
+    t0 = time.perf_counter()
+    tokens = await run_requests(engine, prompts, [""] * args.streams, args.new_tokens)
+    engine_tps = tokens / (time.perf_counter() - t0)
+    cfg = engine.config
+    cfg.adapter_refresh_s = 0
+    parts = ExecutorParts(engine, slots, StoreClient("127.0.0.1:9", Layout()), cfg)  # no adapters: the store is never asked
+    server, port = await serve(parts, "127.0.0.1:0")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--grpc-client", f"127.0.0.1:{port}", "--streams", str(args.streams),
+            "--grpc-prompt", str(args.grpc_prompt), "--new-tokens", str(args.new_tokens), "--vocab", str(args.vocab),
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, _ = await proc.communicate()
+        result = json.loads(out.decode().strip().splitlines()[-1])
+    finally:
+        await server.stop(0)
+    return engine_tps, result["tokens"] / result["seconds"]
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+async def run(args) -> list[tuple[str, str, str, str]]:
+    bandwidth, peak = copy_bandwidth(), matmul_peak()
+    tokenizer = Tokenizer.from_pretrained(args.tokenizer)
+    tokenizer.eos_token_ids = set()  # random weights: run every row to max_tokens
+    engine, adapter_bytes = build_engine(args, tokenizer)
+    engine.start()
+    cfg = engine.model.cfg
+    wbytes = weight_bytes(engine.model)
+    kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # k and v, bf16
+    rows = [
+        ("copy bandwidth (read + write)", f"{bandwidth / 1e9:.0f} GB/s", "", ""),
+        ("bf16 matmul 8192^3", f"{peak / 1e12:.0f} TFLOP/s", "", ""),
+        ("weights read per decode step", f"{wbytes / 2**30:.2f} GiB", "", f"adapter: {adapter_bytes / 2**20:.1f} MiB"),
+    ]
+    await run_requests(engine, random_prompts(2, 16, args.vocab, 0), ["", "a0"], 4)  # warm-up
+    for batch in args.batches:
+        ctx = args.context + args.new_tokens / 2  # the mean context over the measured steps
+        base_floor = (wbytes + batch * ctx * kv_token_bytes) / bandwidth
+        base = await decode_case(engine, args, batch, with_lora=False)
+        rows.append((f"decode B={batch}, base", f"{base * 1e3:.2f} ms", f"{batch / base:.0f} tok/s",
+                     f"{base / base_floor:.2f}x floor {base_floor * 1e3:.2f} ms"))
+        if args.adapters:
+            lora_floor = base_floor + min(batch, args.adapters) * adapter_bytes / bandwidth
+            mixed = await decode_case(engine, args, batch, with_lora=True)
+            rows.append((f"decode B={batch}, {min(batch, args.adapters)} adapters", f"{mixed * 1e3:.2f} ms",
+                         f"{batch / mixed:.0f} tok/s",
+                         f"{mixed / lora_floor:.2f}x LoRA floor {lora_floor * 1e3:.2f} ms; {mixed / base:.2f}x base"))
+    for num_seqs, length in ((1, 4096), (16, 256)):
+        seconds = await prefill_case(engine, args, num_seqs, length)
+        flops = prefill_flops(cfg, num_seqs, length)
+        rows.append((f"prefill {num_seqs} x {length}", f"{seconds * 1e3:.1f} ms", f"{num_seqs * length / seconds:.0f} tok/s",
+                     f"{flops / seconds / 1e12:.0f} TFLOP/s = {flops / seconds / peak:.0%} of matmul"))
+    if args.streams:
+        engine_tps, grpc_tps = await grpc_case(engine, engine.slots, args)
+        rows.append((f"{args.streams} streams, engine alone", f"{engine_tps:.0f} tok/s", "", ""))
+        rows.append((f"{args.streams} streams through gRPC", f"{grpc_tps:.0f} tok/s", "", f"{grpc_tps / engine_tps:.0%} of the engine"))
+    await engine.stop()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokenizer", type=Path, help="folder with tokenizer.json")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--vocab", type=int, default=49152, help="the tokenizer's vocabulary size")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--adapters", type=int, default=32, help="distinct adapters (GPU slots); 0: base only")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--streams", type=int, default=64, help="concurrent gRPC streams; 0: skip")
+    ap.add_argument("--grpc-prompt", type=int, default=128)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.grpc_client:
+        grpc_client(args.grpc_client, args.streams, args.grpc_prompt, args.new_tokens, args.vocab)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_engine.py needs a CUDA host")
+    if args.tokenizer is None:
+        raise SystemExit("--tokenizer DIR is required")
+    rows = asyncio.run(run(args))
+    import triton
+
+    print(f"\nengine benchmark - {args.shape} shape, random bf16 weights, vocab {args.vocab}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
+          f"{'eager' if args.enforce_eager else 'CUDA graphs'}")
+    print("| case | time | rate | against the floor |")
+    print("|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()

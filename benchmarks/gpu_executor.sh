@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The executor's GPU tests and benchmarks, on a CUDA host with torch, triton, transformers, peft
+# and pytest installed. Python packages the host lacks can sit as wheels in .whl/ (installed into
+# /tmp/site; the executor tests need grpcio-health-checking and pytest-asyncio).
+# Usage (from the repo root): bash benchmarks/gpu_executor.sh OUT_DIR [STAGES]
+#   STAGES, comma-separated, run in this order (default: test):
+#   test:    the executor's and the attention kernels' CUDA tests (graphs, paged attention, service)
+#   attn:    benchmarks/bench_attention.py (paged attention kernels against their floors)
+#   engine:  benchmarks/bench_engine.py (decode / prefill / gRPC against the floors; needs
+#            var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF)
+#   eager:   bench_engine.py --enforce-eager --streams 0 (the same decode steps without graphs)
+#   bench:   bench_executor.py on random-weight SmolLM2 and Llama-3-8B shapes (SHAPES="smollm2")
+#   profile: profile_executor.py on the random SmolLM2-shaped model
+# Logs and tables go to OUT_DIR.
+set -uo pipefail
+OUT=${1:?usage: gpu_executor.sh OUT_DIR [STAGES]}
+stages=${2:-test}
+has() { [[ ",$stages," == *",$1,"* ]]; }
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+# The installed package maps repo folders under `loraserve`; build that tree from symlinks.
+farm=/tmp/farm/loraserve
+rm -rf /tmp/farm && mkdir -p "$farm"
+for f in loraserve/*.py; do ln -s "$PWD/$f" "$farm/"; done
+ln -s "$PWD/adapter_store" "$farm/adapter_store"
+ln -s "$PWD/executor" "$farm/executor"
+ln -s "$PWD/kernels" "$farm/kernels"
+ln -s "$PWD/protos/loraserve/v1" "$farm/v1"
+export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1
+{
+  date -u; git log -1 --format='commit %H' 2>/dev/null
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+} 2>&1 | tee "$OUT/gpu.txt"
+tok=$(ls -d var/cache/tokenizers/*/ 2>/dev/null | head -1)
+if has test; then
+  python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -x \
+    tests/kernels/test_attention_gpu.py tests/executor/test_graphs.py tests/executor/test_model.py \
+    "tests/executor/test_service.py" -k "cuda or bf16 or gpu or graph or attention or Attention" \
+    2>&1 | tee "$OUT/executor_gpu_tests.log" | tail -30
+fi
+if has attn; then
+  python3 -P benchmarks/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | tail -40
+fi
+if has engine; then
+  [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
+  python3 -P benchmarks/bench_engine.py --tokenizer "$tok" 2>"$OUT/bench_engine.err" | tee "$OUT/bench_engine.log" | tail -30
+fi
+if has eager; then
+  python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --enforce-eager --streams 0 2>"$OUT/bench_eager.err" | tee "$OUT/bench_eager.log" | tail -30
+fi
+if has bench; then
+  [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
+  for shape in ${SHAPES:-smollm2 llama3-8b}; do
+    python3 -P benchmarks/make_random_model.py --shape "$shape" --tokenizer "$tok" --out "/tmp/rnd-$shape" 2>&1 | tail -1 | tee -a "$OUT/bench.log"
+    for n in 8 32; do
+      echo "=== $shape, $n prompts $(date -u +%H:%M:%S)" | tee -a "$OUT/bench.log"
+      python3 -P benchmarks/bench_executor.py --model-dir "/tmp/rnd-$shape" --device cuda --max-tokens 64 --repeat 3 \
+        --prompts "$n" 2>>"$OUT/bench.err" | tee -a "$OUT/bench.log" | tail -8
+    done
+    rm -rf "/tmp/rnd-$shape"
+  done
+fi
+if has profile; then
+  python3 -P benchmarks/make_random_model.py --shape smollm2 --tokenizer "$tok" --out /tmp/rnd-profile 2>&1 | tail -1
+  for n in ${PROFILE_PROMPTS:-8 32}; do
+    python3 benchmarks/profile_executor.py --model-dir /tmp/rnd-profile --device cuda --prompts "$n" --max-tokens 32 --cprofile \
+      2>>"$OUT/profile.err" | tee -a "$OUT/profile.log" | head -80
+  done
+fi

@@ -1,0 +1,48 @@
+"""The small per-layer ops of the decoder in plain PyTorch: the CPU path and the test oracle.
+
+kernels/triton_ops.py fuses each into one kernel with the same signature (a decode step of an
+8B model is ~40 launches per layer eagerly; fused, ~10). The arithmetic here is transformers'
+(RMSNorm in float32, cast back before the weight; RoPE on the two halves of each head).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """(norm(h) * weight, h) with h = x + residual (or x alone when residual is None).
+
+    x, residual: [T, hidden]; weight: [hidden]. The returned h is the next residual stream.
+    """
+    h = x if residual is None else x + residual
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hf.to(h.dtype), h
+
+
+def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """Rotates q and k (RoPE) and writes k, v to the paged cache. Returns the rotated q [T, H, D].
+
+    q: [T, H, D]; k, v: [T, KVH, D] (views of the fused qkv output are fine); cos, sin: [T, D];
+    k_cache, v_cache: [num_blocks, block_size, KVH, D]; slot_mapping: [T] long cache slots.
+    """
+    q = _rotate(q, cos, sin)
+    k = _rotate(k, cos, sin)
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    return q
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * I] (gate | up) -> silu(gate) * up, [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,148 @@
+"""The decoder's small per-layer ops fused into one Triton kernel each: same signatures as
+kernels/ops_reference.py.
+
+Eagerly each of these is 5-10 launches of tiny kernels (RMSNorm alone: cast, square, mean,
+rsqrt, two products, cast); inside a CUDA graph each launch still costs a few microseconds of
+GPU time, ~1,200 per decode step of an 8B model. One program per token row; intermediates stay
+in registers in float32, results are rounded once to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import ops_reference
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, stride_x, stride_res, stride_out, stride_h, n, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)  # h, rounded like `x + residual`
+        tl.store(h_ptr + row * stride_h + offs, x, mask=mask)
+    hf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / n + eps)
+    normed = (hf * rstd).to(x.dtype)  # cast back before the weight, as transformers does
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """(norm(h) * weight, h), h = x + residual: see ops_reference.rms_norm."""
+    if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1) or x.dim() != 2:
+        return ops_reference.rms_norm(x, weight, eps, residual)
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else x
+    if rows:
+        res = residual if residual is not None else x
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](
+            x, res, weight, out, h, x.stride(0), res.stride(0), out.stride(0), h.stride(0), n, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        )  # fmt: skip
+    return out, h
+
+
+@triton.jit
+def _rotate_rows(src, dst, stride_src_h, stride_dst_h, cos1, sin1, cos2, sin2, heads,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """dst[h] = RoPE(src[h]) for the heads of one token: [heads, 2 * HALF] through two halves."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h < heads)[:, None] & (offs_d < HALF)[None, :]
+    src_rows = src + offs_h[:, None] * stride_src_h + offs_d[None, :]
+    x1 = tl.load(src_rows, mask=mask, other=0.0)
+    x2 = tl.load(src_rows + HALF, mask=mask, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    dst_rows = dst + offs_h[:, None] * stride_dst_h + offs_d[None, :]
+    tl.store(dst_rows, (f1 * cos1[None, :] - f2 * sin1[None, :]).to(x1.dtype), mask=mask)
+    tl.store(dst_rows + HALF, (f2 * cos2[None, :] + f1 * sin2[None, :]).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rope_cache_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, q_out_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_ct,
+    num_heads, num_kv_heads,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    cs = cos_ptr + t * stride_ct + offs_d
+    sn = sin_ptr + t * stride_ct + offs_d
+    cos1 = tl.load(cs, mask=d_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cs + HALF, mask=d_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sn, mask=d_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sn + HALF, mask=d_mask, other=0.0).to(tl.float32)
+    _rotate_rows(q_ptr + t * stride_qt, q_out_ptr + t * stride_ot, stride_qh, stride_oh,
+                 cos1, sin1, cos2, sin2, num_heads, HALF, BLOCK_H, BLOCK_HALF)
+    # The cache row of this token: [KVH, D] contiguous at slot * KVH * D.
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    head_dim = 2 * HALF
+    row = slot * num_kv_heads * head_dim
+    _rotate_rows(k_ptr + t * stride_kt, kc_ptr + row, stride_kh, head_dim,
+                 cos1, sin1, cos2, sin2, num_kv_heads, HALF, BLOCK_KVH, BLOCK_HALF)
+    offs_h = tl.arange(0, BLOCK_KVH)
+    offs_full = tl.arange(0, 2 * BLOCK_HALF)
+    v_mask = (offs_h < num_kv_heads)[:, None] & (offs_full < head_dim)[None, :]
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_full[None, :], mask=v_mask, other=0.0)
+    tl.store(vc_ptr + row + offs_h[:, None] * head_dim + offs_full[None, :], v, mask=v_mask)
+
+
+def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """RoPE on q and k, k and v into the paged cache: see ops_reference.rope_and_cache."""
+    num_tokens, num_heads, head_dim = q.shape
+    if (
+        head_dim % 2
+        or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
+        or k_cache.dtype != k.dtype
+    ):  # fmt: skip
+        return ops_reference.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens:
+        num_kv_heads = k.shape[1]
+        half = head_dim // 2
+        _rope_cache_kernel[(num_tokens,)](
+            q, k, v, cos, sin, k_cache, v_cache, slot_mapping, out,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), cos.stride(0), num_heads, num_kv_heads,
+            HALF=half, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
+            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: see ops_reference.silu_and_mul."""
+    if gate_up.dim() != 2 or gate_up.stride(1) != 1:
+        return ops_reference.silu_and_mul(gate_up)
+    rows, n2 = gate_up.shape
+    n = n2 // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = 1024
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
+    return out
