@@ -36,7 +36,7 @@ export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1
 } 2>&1 | tee "$OUT/gpu.txt"
 tok=$(ls -d var/cache/tokenizers/*/ 2>/dev/null | head -1)
 if has test; then
-  python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -x \
+  python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs \
     tests/kernels/test_attention_gpu.py tests/executor/test_graphs.py tests/executor/test_model.py \
     "tests/executor/test_service.py" -k "cuda or bf16 or gpu or graph or attention or Attention" \
     2>&1 | tee "$OUT/executor_gpu_tests.log" | tail -30
@@ -46,10 +46,12 @@ if has attn; then
 fi
 if has engine; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
-  python3 -P benchmarks/bench_engine.py --tokenizer "$tok" 2>"$OUT/bench_engine.err" | tee "$OUT/bench_engine.log" | tail -30
+  python3 -P benchmarks/bench_engine.py --tokenizer "$tok" 2>"$OUT/bench_engine.err" | tee "$OUT/bench_engine.log" | tail -30 \
+    || tail -30 "$OUT/bench_engine.err"
 fi
 if has eager; then
-  python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --enforce-eager --streams 0 2>"$OUT/bench_eager.err" | tee "$OUT/bench_eager.log" | tail -30
+  python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --enforce-eager --streams 0 2>"$OUT/bench_eager.err" | tee "$OUT/bench_eager.log" | tail -30 \
+    || tail -30 "$OUT/bench_eager.err"
 fi
 if has bench; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
