@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import statistics
 import subprocess
 import sys
@@ -45,9 +46,12 @@ from loraserve.executor.model.llama import LlamaForCausalLM
 from loraserve.executor.model.tokenizer import Tokenizer
 from loraserve.executor.slots import SlotManager
 
+DEVICE, DTYPE = "cuda", torch.bfloat16  # set by main()
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
                       head_dim=128, rope_theta=500000.0),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, rope_theta=10000.0),  # for a smoke run on the CPU
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
                     head_dim=64, rope_theta=100000.0),
 }
@@ -57,10 +61,16 @@ SHAPES = {
 
 
 def _time_cuda(fn, repeat: int = 20) -> float:
-    """Median seconds of fn() by CUDA events, after two warm-up calls."""
+    """Median seconds of fn() by CUDA events (host clock on the CPU), after two warm-up calls."""
     for _ in range(2):
         fn()
     times = []
+    if DEVICE == "cpu":
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -73,7 +83,7 @@ def _time_cuda(fn, repeat: int = 20) -> float:
 
 def copy_bandwidth() -> float:
     """Bytes/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.randn(1 << 29, device="cuda")  # 2 GiB of float32
+    src = torch.randn(1 << 29 if DEVICE == "cuda" else 1 << 24, device=DEVICE)  # 2 GiB of float32 on CUDA
     dst = torch.empty_like(src)
     seconds = _time_cuda(lambda: dst.copy_(src))
     return 2 * src.numel() * src.element_size() / seconds
@@ -81,8 +91,8 @@ def copy_bandwidth() -> float:
 
 def matmul_peak() -> float:
     """FLOP/s of an 8192^3 bf16 matmul on random data."""
-    n = 8192
-    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    n = 8192 if DEVICE == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=DEVICE, dtype=DTYPE) for _ in range(2))
     return 2 * n**3 / _time_cuda(lambda: a @ b)
 
 
@@ -93,7 +103,7 @@ def build_model(shape: str, vocab: int, spec: LoraSpec) -> LlamaForCausalLM:
     cfg = ModelConfig(model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5, rope_scaling=None,
                       max_position_embeddings=8192, tie_word_embeddings=False, **SHAPES[shape])
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg, spec, dtype=torch.bfloat16, device="cuda")
+    model = LlamaForCausalLM(cfg, spec, dtype=DTYPE, device=DEVICE)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
@@ -107,8 +117,8 @@ def random_shard_fetcher(model, rank: int):
     tensors = {}
     for name, (a_shape, b_shape) in shapes.items():
         a = (a_shape[0], rank, *a_shape[2:])
-        tensors[f"{name}.lora_a"] = (torch.randn(a, generator=gen) * 0.02).to(torch.bfloat16)
-        tensors[f"{name}.lora_b"] = (torch.randn(b_shape[0], rank, generator=gen) * 0.02).to(torch.bfloat16)
+        tensors[f"{name}.lora_a"] = (torch.randn(a, generator=gen) * 0.02).to(DTYPE)
+        tensors[f"{name}.lora_b"] = (torch.randn(b_shape[0], rank, generator=gen) * 0.02).to(DTYPE)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     async def fetch(name: str):
@@ -121,22 +131,23 @@ def build_engine(args, tokenizer: Tokenizer) -> tuple[Engine, int]:
     max_tokens_per_seq = args.context + args.new_tokens + 16
     max_model_len = max(4096 + 16, max_tokens_per_seq)
     cfg = ExecutorConfig(
-        model="random", base_model="random", device="cuda", dtype="bfloat16", max_loras=args.adapters,
+        model="random", base_model="random", device=DEVICE, dtype=str(DTYPE).removeprefix("torch."),
+        max_loras=args.adapters,
         max_rank=args.rank, max_cpu_adapters=args.adapters, block_size=16,
         num_blocks=max(args.batches) * -(-max_tokens_per_seq // 16) + 4096 // 16 + 64,
-        max_num_seqs=max(max(args.batches), args.streams), max_num_batched_tokens=4096,
+        max_num_seqs=max(*args.batches, args.streams, 16), max_num_batched_tokens=4096,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager,
     )  # fmt: skip
-    spec = LoraSpec(cfg.max_loras, cfg.max_rank, torch.bfloat16)
+    spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE)
     model = build_model(args.shape, args.vocab, spec)
     mc = model.cfg
-    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, torch.bfloat16, "cuda")
+    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, DTYPE, DEVICE)
     fetch, adapter_bytes = random_shard_fetcher(model, args.rank)
     modules = lora_modules(model)
     slots = SlotManager(
         fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
         lambda slot: [m.reset_lora(slot) for m in modules.values()],
-        max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters, device=torch.device("cuda"),
+        max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters, device=torch.device(DEVICE),
     )  # fmt: skip
     t0 = time.perf_counter()
     engine = Engine(model, tokenizer, kv, slots, cfg)
@@ -172,6 +183,9 @@ async def decode_case(engine, args, batch: int, with_lora: bool) -> float:
     adapters = [f"a{i % args.adapters}" if with_lora else "" for i in range(batch)]
     await run_requests(engine, random_prompts(batch, args.context, args.vocab, batch), adapters, args.new_tokens)
     steps = [s for kind, n, t, s in engine.step_times if kind.startswith("decode") and n == batch]
+    if not steps:
+        seen = sorted({(kind, n, t) for kind, n, t, _ in engine.step_times})
+        raise RuntimeError(f"no decode step of {batch} sequences{' with LoRA' if with_lora else ''}; steps seen: {seen[:20]}")
     return statistics.median(steps[2:] or steps)
 
 
@@ -247,6 +261,23 @@ async def grpc_case(engine, slots, args) -> tuple[float, float]:
 # ---- main -------------------------------------------------------------------------------------
 
 
+async def decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes, bandwidth) -> list[tuple]:
+    """The table rows of one batch size: base, then (with --adapters) one adapter per sequence."""
+    rows = []
+    ctx = args.context + args.new_tokens / 2  # the mean context over the measured steps
+    base_floor = (wbytes + batch * ctx * kv_token_bytes) / bandwidth
+    base = await decode_case(engine, args, batch, with_lora=False)
+    rows.append((f"decode B={batch}, base", f"{base * 1e3:.2f} ms", f"{batch / base:.0f} tok/s",
+                 f"{base / base_floor:.2f}x floor {base_floor * 1e3:.2f} ms"))
+    if args.adapters:
+        lora_floor = base_floor + min(batch, args.adapters) * adapter_bytes / bandwidth
+        mixed = await decode_case(engine, args, batch, with_lora=True)
+        rows.append((f"decode B={batch}, {min(batch, args.adapters)} adapters", f"{mixed * 1e3:.2f} ms",
+                     f"{batch / mixed:.0f} tok/s",
+                     f"{mixed / lora_floor:.2f}x LoRA floor {lora_floor * 1e3:.2f} ms; {mixed / base:.2f}x base"))
+    return rows
+
+
 async def run(args) -> list[tuple[str, str, str, str]]:
     bandwidth, peak = copy_bandwidth(), matmul_peak()
     tokenizer = Tokenizer.from_pretrained(args.tokenizer)
@@ -255,30 +286,24 @@ async def run(args) -> list[tuple[str, str, str, str]]:
     engine.start()
     cfg = engine.model.cfg
     wbytes = weight_bytes(engine.model)
-    kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # k and v, bf16
+    kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * DTYPE.itemsize  # k and v
     rows = [
         ("copy bandwidth (read + write)", f"{bandwidth / 1e9:.0f} GB/s", "", ""),
-        ("bf16 matmul 8192^3", f"{peak / 1e12:.0f} TFLOP/s", "", ""),
+        ("matmul peak (8192^3 bf16 on CUDA)", f"{peak / 1e12:.1f} TFLOP/s", "", ""),
         ("weights read per decode step", f"{wbytes / 2**30:.2f} GiB", "", f"adapter: {adapter_bytes / 2**20:.1f} MiB"),
     ]
     await run_requests(engine, random_prompts(2, 16, args.vocab, 0), ["", "a0"], 4)  # warm-up
     for batch in args.batches:
-        ctx = args.context + args.new_tokens / 2  # the mean context over the measured steps
-        base_floor = (wbytes + batch * ctx * kv_token_bytes) / bandwidth
-        base = await decode_case(engine, args, batch, with_lora=False)
-        rows.append((f"decode B={batch}, base", f"{base * 1e3:.2f} ms", f"{batch / base:.0f} tok/s",
-                     f"{base / base_floor:.2f}x floor {base_floor * 1e3:.2f} ms"))
-        if args.adapters:
-            lora_floor = base_floor + min(batch, args.adapters) * adapter_bytes / bandwidth
-            mixed = await decode_case(engine, args, batch, with_lora=True)
-            rows.append((f"decode B={batch}, {min(batch, args.adapters)} adapters", f"{mixed * 1e3:.2f} ms",
-                         f"{batch / mixed:.0f} tok/s",
-                         f"{mixed / lora_floor:.2f}x LoRA floor {lora_floor * 1e3:.2f} ms; {mixed / base:.2f}x base"))
+        try:
+            rows += await decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes, bandwidth)
+        except Exception as exc:  # noqa: BLE001 - one failed case must not hide the others
+            rows.append((f"decode B={batch}", "failed", "", f"{type(exc).__name__}: {exc}"))
+            logging.exception("decode case B=%d failed", batch)
     for num_seqs, length in ((1, 4096), (16, 256)):
         seconds = await prefill_case(engine, args, num_seqs, length)
         flops = prefill_flops(cfg, num_seqs, length)
         rows.append((f"prefill {num_seqs} x {length}", f"{seconds * 1e3:.1f} ms", f"{num_seqs * length / seconds:.0f} tok/s",
-                     f"{flops / seconds / 1e12:.0f} TFLOP/s = {flops / seconds / peak:.0%} of matmul"))
+                     f"{flops / seconds / 1e12:.1f} TFLOP/s = {flops / seconds / peak:.0%} of matmul"))
     if args.streams:
         engine_tps, grpc_tps = await grpc_case(engine, engine.slots, args)
         rows.append((f"{args.streams} streams, engine alone", f"{engine_tps:.0f} tok/s", "", ""))
@@ -300,20 +325,23 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64, help="concurrent gRPC streams; 0: skip")
     ap.add_argument("--grpc-prompt", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (float32)")
     ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.grpc_client:
         grpc_client(args.grpc_client, args.streams, args.grpc_prompt, args.new_tokens, args.vocab)
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_engine.py needs a CUDA host")
+    global DEVICE, DTYPE
+    DEVICE, DTYPE = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_engine.py needs a CUDA host (--device cpu: a smoke run of the script)")
     if args.tokenizer is None:
         raise SystemExit("--tokenizer DIR is required")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rows = asyncio.run(run(args))
-    import triton
-
-    print(f"\nengine benchmark - {args.shape} shape, random bf16 weights, vocab {args.vocab}, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+    where = f"{torch.cuda.get_device_name()}, triton {__import__('triton').__version__}" if DEVICE == "cuda" else "cpu"
+    print(f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights, vocab {args.vocab}, "
+          f"{where}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
           f"{'eager' if args.enforce_eager else 'CUDA graphs'}")
     print("| case | time | rate | against the floor |")
