@@ -24,7 +24,8 @@ def paged_decode_attention(
     q:               [B, H, D] (fp32 / fp16 / bf16)
     k_cache/v_cache: [num_blocks, block_size, KVH, D], H % KVH == 0
     block_tables:    [B, max_blocks] int32
-    seq_lens:        [B] int32, keys of each sequence including the current token's (already cached)
+    seq_lens:        [B] int32, keys of each sequence including the current token's (already cached);
+                     0 marks a padding row (e.g. of a captured batch size), whose output is zeros
     sliding_window:  None or W: the query at p = seq_len - 1 sees keys at positions (p - W, p]
     out:             optional [B, H, D]
     -> out [B, H, D], dtype of q
@@ -32,6 +33,9 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty_like(q)
     for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            out[b] = 0
+            continue
         first = 0 if sliding_window is None else max(0, seq_len - sliding_window)
         k, v = _gather(k_cache, v_cache, block_tables[b], first, seq_len)  # [KVH, L, D]
         out[b] = _attend(q[b][None], k, v, None, scale)[0]

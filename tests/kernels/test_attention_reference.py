@@ -181,3 +181,13 @@ def test_dispatch_runs_the_reference_for_cpu_tensors():
         case["cu_query_lens"], case["max_query_len"], 0.25,
     )
     assert_close(got, dense_attention(case, 0.25))
+
+
+def test_decode_padding_rows_of_length_zero_give_zeros():
+    gen = torch.Generator().manual_seed(12)
+    case = build_case(gen, [10, 1, 20], [1, 1, 1], 4, 2, 16, 16)
+    case["seq_lens"][1] = 0
+    out = run_decode(case, 0.25)
+    assert (out[1] == 0).all()
+    want = dense_attention(case, 0.25)
+    assert_close(out[[0, 2]], want[[0, 2]])
