@@ -7,9 +7,11 @@ fed by the store client (executor/store_client.py) + engine (executor/engine) ->
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import torch
@@ -47,9 +49,46 @@ class ExecutorParts:
     store_watch: asyncio.Task | None = None  # StoreClient.watch, started by serve()
 
 
-def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
+class TokenIdsOnly:
+    """The tokenizer of a model folder that has no tokenizer files: the executor serves token-id
+    requests (output text is empty) and refuses text and chat with FAILED_PRECONDITION. Its EOS
+    ids come from the model's config.json / generation_config.json only: a tokenizer that
+    transformers would make up has an arbitrary eos (token 0 for an empty Qwen2 one)."""
+
+    can_encode = False
+    bos_token_id = None
+
+    def __init__(self, eos_token_ids: set[int]):
+        self.eos_token_ids = set(eos_token_ids)
+
+    def incremental_decoder(self) -> "TokenIdsOnly":
+        return self
+
+    def push(self, token_id: int) -> str:  # the IncrementalDecoder's one method
+        return ""
+
+
+def config_eos_ids(model_dir: Path) -> set[int]:
+    eos: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        if (model_dir / name).is_file():
+            value = json.loads((model_dir / name).read_text()).get("eos_token_id")
+            eos |= set(value) if isinstance(value, list) else {int(value)} if value is not None else set()
+    return eos
+
+
+def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer | TokenIdsOnly:
     if str(model_path).endswith(".gguf"):
         return Tokenizer.from_gguf(model_path, cache_dir or None)
+    model_dir = Path(model_path)
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        eos = config_eos_ids(model_dir)
+        log.warning("%s has no tokenizer files (%s): serving token_ids requests only, eos ids %s",
+                    model_dir, ", ".join(TOKENIZER_FILES), sorted(eos))
+        return TokenIdsOnly(eos)
     return Tokenizer.from_pretrained(model_path)
 
 
