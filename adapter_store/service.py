@@ -107,9 +107,9 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         log.info(
-            "registered %s from %s: digest %s, rank %d, %d modules, %d bytes (fetch %.2fs, total %.2fs)",
-            name, fetched.uri, adapter.digest[:12], adapter.rank, len(adapter.modules),
-            adapter.weight_bytes, t_fetch, time.perf_counter() - t0,
+            "registered %s from %s: digest %s, rank %d, %d modules, %d bytes%s (fetch %.2fs, total %.2fs)",
+            name, fetched.uri, adapter.digest[:12], adapter.rank, len(adapter.modules), adapter.weight_bytes,
+            f", weights cast {adapter.weights_cast}" if adapter.weights_cast else "", t_fetch, time.perf_counter() - t0,
         )
         return manifest
 
@@ -120,7 +120,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             rank=adapter.rank, lora_alpha=s.alpha, use_rslora=s.use_rslora,
             target_modules=sorted(adapter.modules), weight_bytes=adapter.weight_bytes,
             num_parameters=adapter.num_parameters, base_model=s.base_model,
-            created_unix_ms=int(time.time() * 1000),
+            created_unix_ms=int(time.time() * 1000), weights_cast=adapter.weights_cast,
         )
 
     @grpc_errors
