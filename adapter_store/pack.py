@@ -33,6 +33,7 @@ class PeftAdapter:
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
     digest: str
     weight_bytes: int
+    weights_cast: str = ""  # e.g. "float64 -> float32" (validate.cast_float64)
 
     @property
     def rank(self) -> int:
@@ -59,8 +60,9 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     tensors = validate.load_tensors(path, limits)
     modules = validate.group_modules(tensors, settings, spec)
     validate.check_finite(modules)
+    modules, cast = validate.cast_float64(modules)
     weights = path.read_bytes()
-    return PeftAdapter(settings, modules, content_digest(config, weights), len(weights))
+    return PeftAdapter(settings, modules, content_digest(config, weights), len(weights), cast)
 
 
 def _module_names(m: pb.ModuleLayout, e: int | None) -> list[str]:

@@ -33,6 +33,8 @@ class Registry:
         self.adapter_root = data_dir / "adapters"
         self.manifest_dir.mkdir(parents=True, exist_ok=True)
         self.adapter_root.mkdir(parents=True, exist_ok=True)
+        for tmp in [*self.adapter_root.glob(".tmp-*"), *self.manifest_dir.glob(".tmp-*")]:  # a crash mid-put
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
         self._lock = threading.Lock()
         self._manifests: dict[str, pb.AdapterManifest] = {}
         for path in self.manifest_dir.glob("*.json"):
@@ -51,7 +53,7 @@ class Registry:
         return manifest
 
     def put(self, manifest: pb.AdapterManifest, files: list[Path]) -> str | None:
-        """Keeps the adapter's files under its digest, then (atomically) points the name at it.
+        """Keeps (moves) the adapter's files under its digest, then (atomically) points the name at it.
 
         Returns the digest the name pointed at before when no name uses it any more (its files
         are gone; the caller drops its cached shards), else None.
@@ -60,8 +62,8 @@ class Registry:
         target = self.adapter_dir(manifest.digest)
         if not target.exists():
             tmp = Path(tempfile.mkdtemp(dir=self.adapter_root, prefix=".tmp-"))
-            for f in files:
-                shutil.copyfile(f, tmp / f.name)
+            for f in files:  # moved: staging is under the same data dir, so this is a rename
+                shutil.move(f, tmp / f.name)
             try:
                 os.rename(tmp, target)
             except OSError:  # another register of the same content won the race

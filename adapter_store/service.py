@@ -17,10 +17,10 @@ from collections import OrderedDict
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from loraserve.auth import require_admin
-from loraserve.errors import StatusError, grpc_errors, invalid, precondition
+from loraserve.errors import StatusError, grpc_errors, invalid, precondition, unavailable
+from loraserve.serving import RunningServer, start_server
 from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
@@ -37,6 +37,7 @@ DEFAULT_CHUNK = 1 << 20
 MAX_CHUNK = 3 << 20  # stays under gRPC's default 4 MiB message limit
 MAX_PAGE = 1000
 LOADED_ADAPTERS = 2  # validated adapters kept in memory between packs
+COMMIT_MARGIN_S = 2.0  # a drain stops registrations from committing this long before its grace ends
 
 
 def load_spec(cfg: StoreConfig) -> base_model.BaseModelSpec | None:
@@ -58,13 +59,24 @@ def build_cache(cfg: StoreConfig) -> TieredCache:
 class AdapterStoreService(spb_grpc.AdapterStoreServicer):
     def __init__(self, cfg: StoreConfig):
         self.cfg = cfg
-        cfg.staging_dir.mkdir(parents=True, exist_ok=True)
+        clean_staging(cfg.staging_dir)
         self.registry = Registry(cfg.data_dir)
         self.cache = build_cache(cfg)
         self.spec = load_spec(cfg)
         self._inflight: dict[str, asyncio.Future] = {}
         self._adapters: OrderedDict[str, pack.PeftAdapter] = OrderedDict()  # digest -> validated adapter
         self._adapters_lock = threading.Lock()
+        # Registrations commit (registry.put) under this lock, and only before the drain's
+        # commit deadline: one that would finish after the server cancels its RPC does not
+        # commit, so no client is told "failed" about an adapter that was in fact registered.
+        self._commit_lock = threading.Lock()
+        self._commit_deadline: float | None = None  # time.monotonic(); set by drain()
+
+    def drain(self, grace_s: float) -> None:
+        """Called when the server starts draining: registrations in flight may commit only
+        during the first grace_s - COMMIT_MARGIN_S seconds (the rest is for their replies)."""
+        with self._commit_lock:
+            self._commit_deadline = time.monotonic() + max(0.0, grace_s - COMMIT_MARGIN_S)
 
     def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
         require_admin(context, self.cfg.admin_token)
@@ -86,15 +98,18 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             t_fetch = time.perf_counter() - t0
             adapter = pack.load_adapter(fetched.directory, self.spec, self.cfg.limits)
             manifest = self._manifest(name, fetched, adapter)
-            replaced = self.registry.put(manifest, sorted(p for p in fetched.directory.iterdir() if p.is_file()))
+            with self._commit_lock:
+                if self._commit_deadline is not None and time.monotonic() > self._commit_deadline:
+                    raise unavailable(f"the store is shutting down: adapter {name!r} was not registered; register it again")
+                replaced = self.registry.put(manifest, sorted(p for p in fetched.directory.iterdir() if p.is_file()))
             if replaced:
                 self._forget(replaced)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         log.info(
-            "registered %s from %s: digest %s, rank %d, %d modules, %d bytes (fetch %.2fs, total %.2fs)",
-            name, fetched.uri, adapter.digest[:12], adapter.rank, len(adapter.modules),
-            adapter.weight_bytes, t_fetch, time.perf_counter() - t0,
+            "registered %s from %s: digest %s, rank %d, %d modules, %d bytes%s (fetch %.2fs, total %.2fs)",
+            name, fetched.uri, adapter.digest[:12], adapter.rank, len(adapter.modules), adapter.weight_bytes,
+            f", weights cast {adapter.weights_cast}" if adapter.weights_cast else "", t_fetch, time.perf_counter() - t0,
         )
         return manifest
 
@@ -105,7 +120,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             rank=adapter.rank, lora_alpha=s.alpha, use_rslora=s.use_rslora,
             target_modules=sorted(adapter.modules), weight_bytes=adapter.weight_bytes,
             num_parameters=adapter.num_parameters, base_model=s.base_model,
-            created_unix_ms=int(time.time() * 1000),
+            created_unix_ms=int(time.time() * 1000), weights_cast=adapter.weights_cast,
         )
 
     @grpc_errors
@@ -250,17 +265,29 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         return results
 
 
-async def serve(cfg: StoreConfig) -> tuple[grpc.aio.Server, int]:
-    """Starts the store on cfg.listen (with the standard health service); returns (server, port)."""
-    server = grpc.aio.server()
-    spb_grpc.add_AdapterStoreServicer_to_server(AdapterStoreService(cfg), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(cfg.listen)
-    if port == 0:
-        raise RuntimeError(f"could not listen on {cfg.listen}")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+def clean_staging(staging: Path) -> None:
+    """Removes what registrations of an earlier process left in staging (a crash, kill -9)."""
+    staging.mkdir(parents=True, exist_ok=True)
+    left = [p for p in staging.iterdir()]
+    for p in left:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if left:
+        log.info("staging: removed %d folder(s) left by an earlier run in %s", len(left), staging)
+
+
+async def serve(cfg: StoreConfig) -> tuple[RunningServer, int]:
+    """Starts the store on cfg.listen (with the standard health service); returns (server, port).
+    `server.drain(grace_s)` stops it: see loraserve/serving.py."""
+    services = []
+
+    def add(server: grpc.aio.Server) -> None:  # once the port is ours: the data dir is ours too
+        services.append(AdapterStoreService(cfg))
+        spb_grpc.add_AdapterStoreServicer_to_server(services[0], server)
+
+    server = await start_server(cfg.listen, add, (SERVICE_NAME,))
+    server.on_drain.append(services[0].drain)
     log.info("adapter store listening on %s (data %s, redis %s)", cfg.listen, cfg.data_dir, cfg.redis_url or "off")
-    return server, port
+    return server, server.port

@@ -164,8 +164,14 @@ def _pick_weights(uri: str, has_file: Callable[[str], bool], cfg: SourceConfig) 
 
 
 def _check_config(uri: str, has_file: Callable[[str], bool]) -> None:
-    if not has_file(CONFIG_FILE):
-        raise not_found(f"adapter {uri} has no {CONFIG_FILE}")
+    """A folder with weights but no config exists and is not a valid adapter (INVALID_ARGUMENT);
+    one with neither is not there (NOT_FOUND)."""
+    if has_file(CONFIG_FILE):
+        return
+    weights = next((f for f in (SAFETENSORS_FILE, PICKLE_FILE) if has_file(f)), None)
+    if weights is not None:
+        raise invalid(f"adapter {uri} has {weights} but no {CONFIG_FILE}: not a valid PEFT adapter without it")
+    raise not_found(f"adapter {uri} has no {CONFIG_FILE}")
 
 
 def _check_size(uri: str, name: str, size_bytes: int | None, cfg: SourceConfig) -> None:
@@ -332,6 +338,9 @@ def _fetch_hf(parsed: ParsedUri, cfg: SourceConfig, staging: Path) -> FetchedAda
     uri = str(parsed)
     config_info = _hf_probe(parsed, parsed.revision, CONFIG_FILE, cfg)
     if config_info is None:
+        if _hf_probe(parsed, parsed.revision, SAFETENSORS_FILE, cfg) is not None:
+            raise invalid(f"adapter {uri}@{parsed.revision or 'main'} has {SAFETENSORS_FILE} but no {CONFIG_FILE}: "
+                          "not a valid PEFT adapter without it")
         where = f"in the offline Hugging Face cache ({cfg.hf_cache_dir or 'default'})" if cfg.hf_offline else ""
         raise not_found(f"adapter {uri}@{parsed.revision or 'main'} has no {CONFIG_FILE} {where}".rstrip())
     commit_sha = config_info.commit_hash  # every file comes from this one commit

@@ -25,7 +25,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-ALLOWED_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+ALLOWED_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}  # F64 is cast to float32 (cast_float64)
 PREFIX = "base_model.model."
 TENSOR_RE = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$")
 MAX_CONFIG_BYTES = 1 << 20
@@ -262,3 +262,22 @@ def check_finite(modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         for part, t in (("lora_A", a), ("lora_B", b)):
             if not torch.isfinite(t).all():
                 raise invalid(f"module {module!r}: {part} holds NaN or Inf values")
+
+
+def cast_float64(modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], str]:
+    """float64 weights (PEFT saves them; other servers accept them) cast to float32, after
+    check_finite; returns (modules, "float64 -> float32") or (modules, "") when none was float64.
+    A value beyond float32's range is refused: it would be served as Inf."""
+    if not any(t.dtype == torch.float64 for pair in modules.values() for t in pair):
+        return modules, ""
+    out = {}
+    for module, pair in modules.items():
+        cast = []
+        for part, t in zip(("lora_A", "lora_B"), pair):
+            if t.dtype == torch.float64:
+                t = t.to(torch.float32)
+                if not torch.isfinite(t).all():
+                    raise invalid(f"module {module!r}: {part} holds float64 values beyond float32's range")
+            cast.append(t)
+        out[module] = (cast[0], cast[1])
+    return out, "float64 -> float32"

@@ -10,7 +10,8 @@ import asyncio
 import time
 from pathlib import Path
 
-from loraserve.cli import EXECUTOR_ADDR, STORE_ADDR, _run_forever, add_store_flags, env, store_config
+from loraserve.cli import EXECUTOR_ADDR, STORE_ADDR, add_drain_flag, add_store_flags, env, serve_until_signal, store_config
+from loraserve.serving import check_listen
 from loraserve.defaults import DEFAULT_BASE_MODEL, DEMO_ADAPTERS, smollm2_gguf_path
 
 DEMO_PROMPTS = ("What is the capital of France?", "Give me one tip for staying healthy.")
@@ -43,7 +44,12 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
                    help="how often held adapters are checked for a new version in the store (0: only on LoadAdapter)")
     p.add_argument("--store", default=env("store", STORE_ADDR), help="adapter store address")
     p.add_argument("--executor-listen", default=env("executor_listen", EXECUTOR_ADDR))
-    p.add_argument("--executor-admin-token", default=env("executor_admin_token"))
+    p.add_argument("--executor-admin-token", default=env("executor_admin_token"),
+                   help="require this bearer token for load/pin/unpin/evict (with `up`: defaults to --admin-token)")
+    p.add_argument("--store-timeout-s", type=float, default=float(env("store_timeout_s", 5)),
+                   help="how long a store call may go unanswered before it fails UNAVAILABLE")
+    p.add_argument("--max-prompt-bytes", type=int, default=int(env("max_prompt_bytes", 0)),
+                   help="text/chat prompts above this many UTF-8 bytes are refused before tokenizing (0: 32 x max-model-len)")
 
 
 def executor_config(a: argparse.Namespace):
@@ -63,7 +69,8 @@ def executor_config(a: argparse.Namespace):
         block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, store_address=a.store, listen_address=a.executor_listen,
         admin_token=a.executor_admin_token, slot_wait_timeout_s=a.slot_wait_timeout_s,
-        adapter_refresh_s=a.adapter_refresh_s, enforce_eager=a.enforce_eager,
+        adapter_refresh_s=a.adapter_refresh_s, store_timeout_s=a.store_timeout_s, max_prompt_bytes=a.max_prompt_bytes,
+        enforce_eager=a.enforce_eager,
     )
 
 
@@ -71,13 +78,14 @@ def cmd_executor(a) -> int:
     from loraserve.executor.service import build_executor, serve, shutdown
 
     cfg = executor_config(a)
+    check_listen(cfg.listen_address)  # before the model is loaded
 
     async def main():
         parts = build_executor(cfg)
         server, port = await serve(parts, cfg.listen_address)
-        print(f"executor serving on port {port} (store {cfg.store_address}; Ctrl-C to stop)", flush=True)
+        print(f"executor serving on port {port} (store {cfg.store_address}; Ctrl-C or SIGTERM to stop)", flush=True)
         try:
-            await _run_forever(server)
+            await serve_until_signal(a.drain_grace_s, server)
         finally:
             await shutdown(server, parts)
 
@@ -95,6 +103,10 @@ def cmd_up(a) -> int:
     a.allow_local_root = [demo_dir, *(a.allow_local_root or [])]
     scfg = store_config(a)
     ecfg = executor_config(a)
+    if ecfg.admin_token is None:  # one --admin-token guards both services' admin RPCs
+        ecfg.admin_token = scfg.admin_token
+    check_listen(scfg.listen)
+    check_listen(ecfg.listen_address)
 
     async def main():
         store_server, store_port = await serve_store(scfg)
@@ -107,10 +119,10 @@ def cmd_up(a) -> int:
             print(f"\nloraserve is up: store on port {store_port}, executor on port {port}.")
             print(f"Try: loraserve generate --executor 127.0.0.1:{port} --adapter {names[0] if names else ''} \"Hello!\"")
             if not a.demo_only:
-                await _run_forever(server, store_server)
+                await serve_until_signal(a.drain_grace_s, server, store_server)  # executor first: it may still fetch
         finally:
             await shutdown(server, parts)
-            await store_server.stop(5)
+            await store_server.drain(0)
 
     asyncio.run(main())
     return 0
@@ -195,12 +207,14 @@ def add_commands(sub) -> None:
     p = sub.add_parser("up", help="store + executor on the embedded default, with the demo adapters; prints one mixed batch")
     add_store_flags(p)
     add_executor_flags(p, with_base_model=False)
+    add_drain_flag(p)
     p.add_argument("--demo-adapters", type=Path, default=DEMO_ADAPTERS, help="folder of PEFT adapters to register")
     p.add_argument("--demo-only", action="store_true", help="exit after printing the demo batch")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("executor", help="run the executor service")
     add_executor_flags(p)
+    add_drain_flag(p)
     p.set_defaults(func=cmd_executor)
 
     def client_parser(name, help):

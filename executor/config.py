@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Tokens of real vocabularies rarely exceed 16 bytes; twice that leaves room for chat markup
+# and whitespace runs, so a prompt that fits max_model_len tokens is never refused by bytes.
+PROMPT_BYTES_PER_TOKEN = 32
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -42,12 +45,15 @@ class ExecutorConfig:
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
 
     # Request limits and defaults.
+    max_prompt_bytes: int = 0  # text/chat prompts above this many UTF-8 bytes are refused before
+    # tokenizing (a huge prompt would hold a CPU core for seconds); 0: PROMPT_BYTES_PER_TOKEN x max_model_len
     default_max_tokens: int = 64
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
 
     # Services.
     store_address: str = "localhost:50051"
+    store_timeout_s: float = 5.0  # a store call unanswered this long fails UNAVAILABLE (naming the store)
     listen_address: str = "0.0.0.0:50052"
     admin_token: str | None = None  # None: admin RPCs are open
 
@@ -62,6 +68,10 @@ class ExecutorConfig:
                 f"num_blocks * block_size = {self.num_blocks * self.block_size} tokens is less "
                 f"than max_model_len = {self.max_model_len}"
             )
+
+    @property
+    def prompt_byte_limit(self) -> int:
+        return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_model_len
 
     @property
     def torch_device(self) -> torch.device:

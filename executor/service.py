@@ -7,17 +7,19 @@ fed by the store client (executor/store_client.py) + engine (executor/engine) ->
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from loraserve import __version__
 from loraserve.auth import require_admin
 from loraserve.errors import StatusError, grpc_errors, invalid
+from loraserve.serving import RunningServer, start_server
 from loraserve.v1 import executor_pb2 as epb
 from loraserve.v1 import executor_pb2_grpc as epb_grpc
 
@@ -44,11 +46,49 @@ class ExecutorParts:
     store: StoreClient
     config: ExecutorConfig
     refresher: asyncio.Task | None = None  # executor/refresh.py's loop, started by serve()
+    store_watch: asyncio.Task | None = None  # StoreClient.watch, started by serve()
 
 
-def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
+class TokenIdsOnly:
+    """The tokenizer of a model folder that has no tokenizer files: the executor serves token-id
+    requests (output text is empty) and refuses text and chat with FAILED_PRECONDITION. Its EOS
+    ids come from the model's config.json / generation_config.json only: a tokenizer that
+    transformers would make up has an arbitrary eos (token 0 for an empty Qwen2 one)."""
+
+    can_encode = False
+    bos_token_id = None
+
+    def __init__(self, eos_token_ids: set[int]):
+        self.eos_token_ids = set(eos_token_ids)
+
+    def incremental_decoder(self) -> "TokenIdsOnly":
+        return self
+
+    def push(self, token_id: int) -> str:  # the IncrementalDecoder's one method
+        return ""
+
+
+def config_eos_ids(model_dir: Path) -> set[int]:
+    eos: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        if (model_dir / name).is_file():
+            value = json.loads((model_dir / name).read_text()).get("eos_token_id")
+            eos |= set(value) if isinstance(value, list) else {int(value)} if value is not None else set()
+    return eos
+
+
+def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer | TokenIdsOnly:
     if str(model_path).endswith(".gguf"):
         return Tokenizer.from_gguf(model_path, cache_dir or None)
+    model_dir = Path(model_path)
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        eos = config_eos_ids(model_dir)
+        log.warning("%s has no tokenizer files (%s): serving token_ids requests only, eos ids %s",
+                    model_dir, ", ".join(TOKENIZER_FILES), sorted(eos))
+        return TokenIdsOnly(eos)
     return Tokenizer.from_pretrained(model_path)
 
 
@@ -62,7 +102,7 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     tokenizer = load_tokenizer(cfg.model, cfg.cache_dir)
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
-    store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size))
+    store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size), timeout_s=cfg.store_timeout_s)
     modules = lora_modules(model)
 
     def clear_slot(slot: int) -> None:
@@ -137,10 +177,14 @@ class ExecutorService(epb_grpc.ExecutorServicer):
     @grpc_errors
     async def LoadAdapter(self, request, context):
         require_admin(context, self.cfg.admin_token)
-        try:  # an explicit load brings the store's current version if it changed
-            await refresh_one(self.slots, self.parts.store, request.name)
-        except StatusError as exc:  # store down: load what this executor holds
-            log.info("LoadAdapter %s: could not check the store's version: %s", request.name, exc.message)
+        store = self.parts.store
+        if not store.answering:  # a held adapter never waits on a store that does not answer
+            log.info("LoadAdapter %s: the store at %s does not answer; its version is not checked", request.name, store.address)
+        else:
+            try:  # an explicit load brings the store's current version if it changed
+                await refresh_one(self.slots, store, request.name)
+            except StatusError as exc:  # store down: load what this executor holds
+                log.info("LoadAdapter %s: could not check the store's version: %s", request.name, exc.message)
         return state_pb(await self.slots.load(request.name, into_slot=request.into_slot, pin=request.pin))
 
     @grpc_errors
@@ -172,30 +216,30 @@ class ExecutorService(epb_grpc.ExecutorServicer):
         )
 
 
-async def serve(parts: ExecutorParts, listen: str) -> tuple[grpc.aio.Server, int]:
-    """Starts the engine and the gRPC server (with health); returns (server, port)."""
+async def serve(parts: ExecutorParts, listen: str) -> tuple[RunningServer, int]:
+    """Starts the engine and the gRPC server (with health); returns (server, port).
+    `shutdown(server, parts, grace_s)` stops both."""
     parts.engine.start()
+    try:
+        server = await start_server(
+            listen, lambda s: epb_grpc.add_ExecutorServicer_to_server(ExecutorService(parts), s), (SERVICE_NAME,))
+    except BaseException:
+        await parts.engine.stop()
+        raise
+    loop = asyncio.get_running_loop()
+    parts.store_watch = loop.create_task(parts.store.watch())
     if parts.config.adapter_refresh_s > 0:
-        parts.refresher = asyncio.get_running_loop().create_task(
-            refresh_loop(parts.slots, parts.store, parts.config.adapter_refresh_s))
-    server = grpc.aio.server()
-    epb_grpc.add_ExecutorServicer_to_server(ExecutorService(parts), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(listen)
-    if port == 0:
-        raise RuntimeError(f"could not listen on {listen}")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        parts.refresher = loop.create_task(refresh_loop(parts.slots, parts.store, parts.config.adapter_refresh_s))
     log.info("executor listening on %s (store %s)", listen, parts.config.store_address)
-    return server, port
+    return server, server.port
 
 
-async def shutdown(server: grpc.aio.Server, parts: ExecutorParts) -> None:
-    await server.stop(5)
-    if parts.refresher is not None:
-        parts.refresher.cancel()
-        await asyncio.gather(parts.refresher, return_exceptions=True)
+async def shutdown(server: RunningServer, parts: ExecutorParts, grace_s: float = 5.0) -> None:
+    """Drains the server (in-flight requests get grace_s to finish), then stops the engine."""
+    await server.drain(grace_s)
+    for task in (parts.refresher, parts.store_watch):
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
     await parts.engine.stop()
     await parts.store.close()

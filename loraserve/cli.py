@@ -21,6 +21,7 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from loraserve.errors import StatusError
+from loraserve.serving import DEFAULT_DRAIN_GRACE_S, ListenError, check_listen, wait_for_stop_signal
 
 STORE_ADDR = "127.0.0.1:50061"
 EXECUTOR_ADDR = "127.0.0.1:50051"
@@ -35,6 +36,11 @@ def _bool_env(flag: str) -> bool:
 
 
 # -- store ---------------------------------------------------------------------------------
+def add_drain_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drain-grace-s", type=float, default=float(env("drain_grace_s", DEFAULT_DRAIN_GRACE_S)),
+                   help="on SIGTERM or Ctrl-C: seconds in-flight requests get to finish before they are cancelled")
+
+
 def add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default=env("listen", STORE_ADDR), help="host:port to serve on")
     p.add_argument("--data-dir", type=Path, default=Path(env("data_dir", "var/store")), help="registry, adapter files, disk cache")
@@ -57,7 +63,8 @@ def add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-endpoint", default=env("hf_endpoint") or os.environ.get("HF_ENDPOINT"))
     p.add_argument("--hf-cache-dir", type=Path, default=env("hf_cache_dir") or os.environ.get("HF_HUB_CACHE"))
     p.add_argument("--hf-offline", action="store_true", default=_bool_env("hf_offline") or os.environ.get("HF_HUB_OFFLINE") == "1")
-    p.add_argument("--admin-token", default=env("admin_token"), help="require this bearer token for register/delete/prefetch")
+    p.add_argument("--admin-token", default=env("admin_token"),
+                   help="require this bearer token for register/delete/prefetch (with `up`: also for the executor's load/pin/unpin/evict)")
 
 
 def store_config(a: argparse.Namespace):
@@ -85,22 +92,24 @@ def store_config(a: argparse.Namespace):
     )
 
 
-async def _run_forever(*servers) -> None:
-    try:
-        await asyncio.gather(*(s.wait_for_termination() for s in servers))
-    finally:
-        await asyncio.gather(*(s.stop(5) for s in servers))
+async def serve_until_signal(grace_s: float, *servers) -> None:
+    """Serves until SIGTERM or Ctrl-C, then drains each server in turn (loraserve/serving.py)."""
+    sig = await wait_for_stop_signal()
+    print(f"{sig}: draining (in-flight requests get up to {grace_s:g}s)", flush=True)
+    for server in servers:
+        await server.drain(grace_s)
 
 
 def cmd_store(a) -> int:
     from loraserve.adapter_store.service import serve
 
     cfg = store_config(a)
+    check_listen(cfg.listen)
 
     async def main():
         server, port = await serve(cfg)
-        print(f"adapter store serving on {cfg.listen.rsplit(':', 1)[0]}:{port} (Ctrl-C to stop)", flush=True)
-        await _run_forever(server)
+        print(f"adapter store serving on {cfg.listen.rsplit(':', 1)[0]}:{port} (Ctrl-C or SIGTERM to stop)", flush=True)
+        await serve_until_signal(a.drain_grace_s, server)
 
     asyncio.run(main())
     return 0
@@ -170,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("store", help="run the adapter store service")
     add_store_flags(p)
+    add_drain_flag(p)
     p.set_defaults(func=cmd_store)
 
     p = sub.add_parser("adapters", help="register, list, show, delete, prefetch or fetch adapters in a store")
@@ -205,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except StatusError as e:
         print(f"error: {e.code.name}: {e.message}", file=sys.stderr)
+        return 1
+    except ListenError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

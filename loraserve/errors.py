@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -43,6 +44,18 @@ def unavailable(message: str) -> StatusError:
     return StatusError(grpc.StatusCode.UNAVAILABLE, message)
 
 
+DEADLINE_SLACK_S = 0.1  # an engine deadline and gRPC's, set from one time_remaining(), differ by this much at most
+
+
+def _client_gone(context, exc: BaseException) -> bool:
+    if context.cancelled():
+        return True
+    if isinstance(exc, StatusError) and exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        remaining = context.time_remaining()
+        return remaining is not None and remaining <= DEADLINE_SLACK_S
+    return False
+
+
 def grpc_errors(method):
     """Maps StatusError (and unexpected exceptions) of an async servicer method to gRPC aborts.
 
@@ -50,6 +63,12 @@ def grpc_errors(method):
     """
 
     async def _abort(context, exc: BaseException):
+        if _client_gone(context, exc):
+            # The client's deadline has passed (or it cancelled): gRPC has ended the call and
+            # the client has its status. Aborting now would fail in gRPC's core and be logged
+            # there as an ERROR ("ExecuteBatchError raised in core"); end as a cancelled RPC.
+            log.info("%s -> %s after the client left: %s", method.__name__, getattr(exc, "code", exc), exc)
+            raise asyncio.CancelledError()
         if isinstance(exc, StatusError):
             log.info("%s -> %s: %s", method.__name__, exc.code.name, exc.message)
             await context.abort(exc.code, exc.message)

@@ -178,3 +178,64 @@ def loop_thread():
     lt = LoopThread()
     yield lt
     lt.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# A tiny chat model: random Llama + a byte-level tokenizer with a chat template, so text and
+# chat requests work (ids 0..255 are bytes, then <s> </s> <pad>), and PEFT adapters for it
+# ---------------------------------------------------------------------------------------
+
+CHAT_BOS, CHAT_EOS, CHAT_VOCAB = 256, 257, 260
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_llama(tmp_path_factory):
+    """(transformers model, its folder with config, safetensors weights and a byte tokenizer)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**TINY_LLAMA, "vocab_size": CHAT_VOCAB, "max_position_embeddings": 512},
+                         bos_token_id=CHAT_BOS, eos_token_id=CHAT_EOS, pad_token_id=258)
+    model = LlamaForCausalLM(config).eval()
+    directory = tmp_path_factory.mktemp("tiny-chat-llama")
+    model.save_pretrained(directory)
+    save_byte_tokenizer(directory)
+    return model, directory
+
+
+@pytest.fixture(scope="session")
+def chat_adapters(tiny_chat_llama, tmp_path_factory):
+    """A folder of PEFT adapters for tiny_chat_llama: name -> its directory (non-zero lora_B)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = tiny_chat_llama
+    root = tmp_path_factory.mktemp("chat-adapters")
+    specs = {"qv8": (8, ("q_proj", "v_proj")), "mlp4": (4, ("gate_proj", "up_proj", "down_proj")),
+             "o2": (2, ("o_proj",)), "all4": (4, ("q_proj", "k_proj", "v_proj", "o_proj"))}
+    for seed, (name, (r, targets)) in enumerate(specs.items()):
+        torch.manual_seed(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets)))
+        with torch.no_grad():
+            for n, p in peft.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.2)
+        peft.save_pretrained(root / name)
+    return root

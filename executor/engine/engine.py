@@ -1,14 +1,16 @@
 """The async engine: requests in, a background step loop, token streams out.
 
-    generate(req) --tokenize, validate, acquire adapter slot--> Scheduler.waiting
+    generate(req) --size check, tokenize (thread), validate, acquire adapter slot--> Scheduler.waiting
     step loop:  schedule -> flatten (input_ids, positions, block tables, token slots)
                 -> in a worker thread: decode-only steps replay a CUDA graph (executor/engine/graphs.py),
                    other steps run model.forward + compute_logits eagerly; then sampling on the device
                    and one device->host copy of the sampled tokens and logprobs
-                -> append tokens, detokenize, stop/eos/length checks -> each request's queue
+                -> append tokens, detokenize (thread), stop/eos/length checks -> each request's queue
 
 The forward runs in `asyncio.to_thread`, so the event loop keeps serving gRPC and adapter loads
-while the model computes. A sequence's lease is released only when no step in flight uses it,
+while the model computes; tokenizing and detokenizing run in their own threads too (a long
+prompt never stalls other streams), and text prompts above `max_prompt_bytes` are refused
+before they are tokenized. A sequence's lease is released only when no step in flight uses it,
 so its slot is never overwritten under a running forward.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 import uuid
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from loraserve.errors import StatusError, exhausted, invalid, unavailable
+from loraserve.errors import StatusError, exhausted, invalid, precondition, unavailable
 from loraserve.kernels import make_lora_meta
 from loraserve.kernels.reference import GATHER_MAX_TOKENS
 
@@ -129,6 +132,9 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._stepping: set[Sequence] = set()  # sequences of the step in flight
         self._deferred_releases: list[SlotLease] = []
+        # One thread each: a prompt being tokenized never holds up the streams' detokenizing.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenize")
         self.graphs = self._capture_graphs()
         self.step_times: list[tuple[str, int, int, float]] = []  # (kind, seqs, tokens, seconds), last 1,000 steps
 
@@ -187,7 +193,11 @@ class Engine:
         if self._task is None or self._task.done():
             raise unavailable("the engine is not running")
         params = self._resolve(req.sampling)
-        prompt_ids = self._prompt_ids(req)
+        self._check_prompt_size(req)
+        if req.prompt_token_ids is not None:
+            prompt_ids = self._prompt_ids(req)
+        else:
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._prompt_ids, req)
         validate_request(
             params,
             len(prompt_ids),
@@ -247,7 +257,22 @@ class Engine:
         max_tokens = self.config.default_max_tokens if p.max_tokens is None else p.max_tokens
         return SamplingParams(p.temperature, p.top_k, p.top_p, max_tokens, tuple(p.stop), p.seed)
 
+    def _check_prompt_size(self, req: GenerationRequest) -> None:
+        """Refuses what would cost too much to tokenize (or to copy), before any of it is done."""
+        cfg = self.config
+        if req.prompt_token_ids is not None and len(req.prompt_token_ids) > cfg.max_model_len:
+            raise invalid(f"token_ids: {len(req.prompt_token_ids)} tokens, above max_model_len {cfg.max_model_len}")
+        texts = [req.prompt] if req.prompt is not None else [m["content"] for m in req.messages or ()]
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if size > cfg.prompt_byte_limit:
+            what = "prompt" if req.prompt is not None else "chat messages"
+            raise invalid(f"{what}: {size} bytes, above this executor's limit of {cfg.prompt_byte_limit} bytes "
+                          f"(max_prompt_bytes; max_model_len is {cfg.max_model_len} tokens)")
+        if (req.prompt or req.messages) and not getattr(self.tokenizer, "can_encode", True):
+            raise precondition("this executor's model has no tokenizer: send token_ids, not text or chat")
+
     def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+        """Runs in the tokenizer thread for text and chat."""
         given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
         if sum(given) != 1:
             raise invalid("exactly one of prompt, chat messages or token_ids is required")
@@ -321,7 +346,7 @@ class Engine:
             finally:
                 self._stepping = set()
                 self._release_deferred()
-            self._deliver(plan, token_ids, logprobs)
+            await self._deliver(plan, token_ids, logprobs)
 
     def _flatten(self, plan: SchedulePlan) -> _Batch:
         b = _Batch([], [], [], [], [], [], [], [], [], [], [], [])
@@ -407,8 +432,9 @@ class Engine:
         active = frozenset(s for s in slots if s >= 0)
         return make_lora_meta(torch.tensor(slots, dtype=torch.int32, device=self.device), self.max_loras, active)
 
-    def _deliver(self, plan: SchedulePlan, token_ids: list[int], logprobs: list[float]) -> None:
+    async def _deliver(self, plan: SchedulePlan, token_ids: list[int], logprobs: list[float]) -> None:
         sampled = iter(zip(token_ids, logprobs))
+        new = []
         for s in plan.seqs:
             if not s.needs_sample:
                 continue
@@ -417,16 +443,22 @@ class Engine:
             if run is None or run.done:  # cancelled while the step ran
                 continue
             self.scheduler.append_token(run.seq, token_id)
-            self._emit(run, token_id, logprob)
+            new.append((run, token_id, logprob))
+        eos = self.tokenizer.eos_token_ids
+        pieces = await asyncio.get_running_loop().run_in_executor(  # off the loop that serves the streams
+            self._detokenizer_thread, lambda: ["" if t in eos else r.decoder.push(t) for r, t, _ in new])
+        for (run, token_id, logprob), piece in zip(new, pieces):
+            if not run.done:  # not cancelled meanwhile
+                self._emit(run, token_id, logprob, piece)
 
-    def _emit(self, run: _Run, token_id: int, logprob: float) -> None:
-        """Detokenizes one new token, applies eos / stop strings / length, queues the output."""
+    def _emit(self, run: _Run, token_id: int, logprob: float, piece: str) -> None:
+        """Applies eos / stop strings / length to one new token and its text `piece`, queues the output."""
         seq, params = run.seq, run.params
         finish = None
         if token_id in self.tokenizer.eos_token_ids:
             finish = "eos"
         else:
-            run.text += run.decoder.push(token_id)
+            run.text += piece
             cut, safe = find_stop(run.text, params.stop, run.searched)
             run.searched = safe
             if cut is not None:

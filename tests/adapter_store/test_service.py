@@ -214,6 +214,8 @@ CASES = {
     "rank_too_big": (lambda d: _edit_config(d, rank_pattern={"q_proj": 64}), "FAILED_PRECONDITION", "maximum rank 32"),
     "config_not_json": (lambda d: (d / "adapter_config.json").write_text("{nope"), "INVALID_ARGUMENT", "not valid JSON"),
     "no_weights": (lambda d: (d / "adapter_model.safetensors").unlink(), "NOT_FOUND", "adapter_model.safetensors"),
+    "no_config": (lambda d: (d / "adapter_config.json").unlink(), "INVALID_ARGUMENT", "has adapter_model.safetensors but no adapter_config.json: not a valid PEFT adapter without it"),
+    "fp64_beyond_fp32": (lambda d: _set_tensor(d, lambda t: t.update({k: v.double() * (1e300 if k == _first(t) else 1) for k, v in t.items()})), "INVALID_ARGUMENT", "holds float64 values beyond float32's range"),
     "pickled": (lambda d: ((d / "adapter_model.safetensors").rename(d / "adapter_model.bin")), "INVALID_ARGUMENT", "pickled"),
     "header_garbage": (lambda d: (d / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 10) + b"not json!!"), "INVALID_ARGUMENT", "header is not valid JSON"),
     "header_too_long": (lambda d: (d / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}"), "INVALID_ARGUMENT", "header length"),
@@ -226,6 +228,20 @@ CASES = {
     "missing_b": (lambda d: _set_tensor(d, lambda t: t.pop(_first(t, "lora_B"))), "INVALID_ARGUMENT", "exactly one lora_A and one lora_B"),
     "nan": (lambda d: _set_tensor(d, lambda t: t[_first(t)].__setitem__((0, 0), float("nan"))), "INVALID_ARGUMENT", "NaN or Inf"),
 }
+
+
+def test_float64_adapter_is_cast_to_float32_and_says_so(make_store, peft_adapter):
+    store = make_store()
+    src = place(peft_adapter(r=8, target_modules=("q_proj", "v_proj")), make_store.adapters_root, "fp32")
+    fp64 = place(src, make_store.adapters_root, "fp64")
+    _set_tensor(fp64, lambda t: t.update({k: v.double() for k, v in t.items()}))
+    client = store.client()
+    assert client.register("fp32", str(src)).weights_cast == ""
+    manifest = client.register("fp64", str(fp64))
+    assert manifest.weights_cast == "float64 -> float32" and client.get("fp64").weights_cast == "float64 -> float32"
+    _, blob32 = client.fetch_shard("fp32", qkv_layout(1))
+    _, blob64 = client.fetch_shard("fp64", qkv_layout(1))
+    assert same_shard(blob32, blob64)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

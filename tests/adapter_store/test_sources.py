@@ -143,6 +143,14 @@ def test_missing_path_and_missing_files_are_not_found(local_root, staging):
     assert_status(excinfo, grpc.StatusCode.NOT_FOUND, "has no adapter_config.json")
 
 
+def test_weights_without_config_are_invalid_argument(local_root, staging):
+    (local_root / "my-adapter" / "adapter_config.json").unlink()
+    with pytest.raises(StatusError) as excinfo:
+        fetch("my-adapter", None, SourceConfig((local_root,)), staging)
+    assert_status(excinfo, grpc.StatusCode.INVALID_ARGUMENT,
+                  "has adapter_model.safetensors but no adapter_config.json: not a valid PEFT adapter without it")
+
+
 def test_pickled_weights_refused_unless_allowed(tmp_path, staging, peft_adapter):
     pickled = peft_adapter(safe_serialization=False)
     root = pickled.parent

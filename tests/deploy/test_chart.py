@@ -382,3 +382,15 @@ def test_dockerignore_lets_every_source_folder_in():
     assert patterns[0] == "*", "an allowlist: ignore everything, then let in what the build needs"
     allowed = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
     assert needed <= allowed, f"not let into the build context: {sorted(needed - allowed)}"
+
+
+@pytest.mark.parametrize("component", SUBCOMMANDS)
+def test_termination_grace_period_covers_the_drain(component):
+    """SIGTERM drains for --drain-grace-s; the kubelet must not SIGKILL before that is over."""
+    text = (TEMPLATES / f"{component}-deployment.yaml").read_text()
+    assert f'"--drain-grace-s={{{{ .Values.{component}.drainGraceSeconds }}}}"' in text
+    m = re.search(r"terminationGracePeriodSeconds: \{\{ add \.Values\.(\w+)\.drainGraceSeconds (\d+) \}\}", text)
+    assert m and m.group(1) == component, "terminationGracePeriodSeconds must be drainGraceSeconds + a margin"
+    assert int(m.group(2)) >= 5, "leave the process time to exit after the drain"
+    assert float(values()[component]["drainGraceSeconds"]) > 0
+

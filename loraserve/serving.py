@@ -1,0 +1,105 @@
+"""What both services share about running a gRPC server: listening, health, and a clean stop.
+
+- `start_server` binds without SO_REUSEPORT (gRPC's default turns it on, which lets a second
+  server share a busy port and split its connections) and fails with "could not listen on
+  HOST:PORT: address in use" instead.
+- `RunningServer.drain(grace_s)` is the one way to stop: health goes NOT_SERVING, new RPCs are
+  refused, in-flight ones get `grace_s` to finish, then are cancelled.
+- `wait_for_stop_signal` turns SIGTERM (Kubernetes) and SIGINT (Ctrl-C) into that same drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+DEFAULT_DRAIN_GRACE_S = 20.0  # deploy/helm's terminationGracePeriodSeconds leaves room beyond it
+
+
+class ListenError(RuntimeError):
+    """The service could not bind its address (in use, not an address of this host, ...)."""
+
+
+def check_listen(listen: str) -> None:
+    """Fails early (before loading a model) when `listen` cannot be bound; the real bind follows."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "in use"
+            s.bind((host, int(port)))
+    except OSError as e:
+        reason = "address in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+        raise ListenError(f"could not listen on {listen}: {reason}") from None
+    except ValueError:
+        raise ListenError(f"could not listen on {listen}: not a host:port address") from None
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    on_drain: list[Callable[[float], None]] = field(default_factory=list)  # told the grace first
+
+    async def drain(self, grace_s: float) -> None:
+        """Stops accepting RPCs and gives the in-flight ones `grace_s` seconds before cancelling them."""
+        await self.health.enter_graceful_shutdown()
+        for hook in self.on_drain:
+            hook(grace_s)
+        await self.server.stop(grace_s)
+
+    # The grpc.aio.Server calls tests and callers use.
+    async def stop(self, grace_s: float | None) -> None:
+        await self.drain(grace_s or 0.0)
+
+    async def wait_for_termination(self) -> bool:
+        return await self.server.wait_for_termination()
+
+
+async def start_server(listen: str, add_servicers: Callable[[grpc.aio.Server], None], services: tuple[str, ...]) -> RunningServer:
+    """A started gRPC server on `listen` with the standard health service SERVING for `services`.
+    `add_servicers` runs once the address is bound, so a service that fails to listen has not
+    touched its data yet (the store cleans its staging folder when it is built)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        check_listen(listen)  # says why, if the OS does
+        raise ListenError(f"could not listen on {listen}")
+    add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await server.start()
+    for name in ("", *services):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, port, health_servicer)
+
+
+async def wait_for_stop_signal() -> str:
+    """Waits for SIGTERM or SIGINT and returns its name. While it waits, neither kills the
+    process; after it returns, a second Ctrl-C does (the default handlers are back)."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[str] = loop.create_future()
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    for sig in sigs:
+        loop.add_signal_handler(sig, lambda s=sig: got.done() or got.set_result(s.name))
+    try:
+        return await got
+    finally:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
