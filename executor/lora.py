@@ -65,6 +65,20 @@ def _step_weights(m: nn.Module, meta: LoraMeta | None, device: torch.device):
     return m.lora_a.narrow(2, 0, r), m.lora_b.narrow(2, 0, r)
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream LoRA shrink runs on beside the base GEMM (one per GPU), or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return stream
+
+
 def _copy_into_slot(slot_buf: torch.Tensor, src: torch.Tensor) -> None:
     """slot_buf[:, :r] = src, slot_buf[:, r:] = 0. No reshape or cast. src must outlive the async copy."""
     if (err := _fit_error(slot_buf, src)) is not None:
@@ -122,12 +136,25 @@ class LinearWithLoRA(nn.Module):
         self.slot_ranks[slot] = 0
 
     def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [T, N]
         weights = _step_weights(self, lora_meta, x.device)
         if weights is None:
-            return y
+            return F.linear(x, self.weight, self.bias)  # [T, N]
         lora_a, lora_b = weights
-        buf = kernels.lora_shrink(x, lora_a, lora_meta)  # [S, T, rank] float32
+        side = _side_stream(x.device)
+        if side is None:
+            y = F.linear(x, self.weight, self.bias)
+            buf = kernels.lora_shrink(x, lora_a, lora_meta)  # [S, T, rank] float32
+            return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
+        # CUDA: shrink (and its zeroing) runs on a side stream beside the base GEMM, which is
+        # bandwidth-bound at decode and hides it; only expand waits for both. Captured graphs
+        # keep the fork and join. Memory is safe: the side stream waits for the main one before
+        # each use, so nothing it frees is reused while the main stream still reads it.
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            buf = kernels.lora_shrink(x, lora_a, lora_meta)
+        y = F.linear(x, self.weight, self.bias)
+        main.wait_stream(side)
         return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
 
 
