@@ -177,6 +177,13 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 # ---- the cases --------------------------------------------------------------------------------
 
 
+def replay_seconds(engine, batch: int, with_lora: bool) -> float | None:
+    """GPU time of the decode graph alone (the step minus its host work); None when eager."""
+    if engine.graphs is None:
+        return None
+    return _time_cuda(engine.graphs.graph(batch, with_lora).replay)
+
+
 async def decode_case(engine, args, batch: int, with_lora: bool) -> float:
     """Median seconds of the steps that decoded exactly `batch` sequences."""
     engine.step_times.clear()
@@ -268,14 +275,20 @@ async def decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes
     base_floor = (wbytes + batch * ctx * kv_token_bytes) / bandwidth
     base = await decode_case(engine, args, batch, with_lora=False)
     rows.append((f"decode B={batch}, base", f"{base * 1e3:.2f} ms", f"{batch / base:.0f} tok/s",
-                 f"{base / base_floor:.2f}x floor {base_floor * 1e3:.2f} ms"))
+                 f"{base / base_floor:.2f}x floor {base_floor * 1e3:.2f} ms{_replay(engine, batch, False, base_floor)}"))
     if args.adapters:
         lora_floor = base_floor + min(batch, args.adapters) * adapter_bytes / bandwidth
         mixed = await decode_case(engine, args, batch, with_lora=True)
         rows.append((f"decode B={batch}, {min(batch, args.adapters)} adapters", f"{mixed * 1e3:.2f} ms",
                      f"{batch / mixed:.0f} tok/s",
-                     f"{mixed / lora_floor:.2f}x LoRA floor {lora_floor * 1e3:.2f} ms; {mixed / base:.2f}x base"))
+                     f"{mixed / lora_floor:.2f}x LoRA floor {lora_floor * 1e3:.2f} ms; {mixed / base:.2f}x base"
+                     f"{_replay(engine, batch, True, lora_floor)}"))
     return rows
+
+
+def _replay(engine, batch: int, with_lora: bool, floor: float) -> str:
+    seconds = replay_seconds(engine, batch, with_lora)
+    return "" if seconds is None else f"; graph alone {seconds * 1e3:.2f} ms = {seconds / floor:.2f}x"
 
 
 async def run(args) -> list[tuple[str, str, str, str]]:

@@ -118,6 +118,10 @@ class DecodeGraphs:
                 return b
         return None
 
+    def graph(self, num_seqs: int, lora: bool) -> torch.cuda.CUDAGraph:
+        """The graph a batch of num_seqs replays (benchmarks time its replay alone)."""
+        return self._graphs[(self.bucket_for(num_seqs), lora and self.max_loras > 0)][0]
+
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """Fills the static inputs, replays the bucket's graph -> logits [B, vocab] float32 (a view).
 
