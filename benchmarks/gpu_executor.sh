@@ -37,9 +37,11 @@ export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1
 tok=$(ls -d var/cache/tokenizers/*/ 2>/dev/null | head -1)
 if has test; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs \
-    tests/kernels/test_attention_gpu.py tests/executor/test_graphs.py tests/executor/test_model.py \
-    "tests/executor/test_service.py" -k "cuda or bf16 or gpu or graph or attention or Attention" \
-    2>&1 | tee "$OUT/executor_gpu_tests.log" | tail -30
+    tests/kernels/test_attention_gpu.py tests/kernels/test_ops_gpu.py tests/executor/test_graphs.py \
+    2>&1 | tee "$OUT/kernel_gpu_tests.log" | tail -8
+  python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs \
+    tests/executor/test_service.py -k "cuda or bf16" \
+    2>&1 | tee "$OUT/executor_gpu_tests.log" | tail -8
 fi
 if has attn; then
   python3 -P benchmarks/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | tail -40
