@@ -52,8 +52,12 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    lo = split * partition
-    hi = tl.minimum(lo + partition, seq_len)
+    # The splits share this sequence's own keys: the grid is fixed by the shapes (a CUDA graph
+    # serves every context length), so the partition is cut here, from seq_len, never shorter
+    # than `partition` (the minimum, a multiple of BLOCK_N); splits past the end stay empty.
+    part = tl.maximum(tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N, partition)
+    lo = split * part
+    hi = tl.minimum(lo + part, seq_len)
     if HAS_WINDOW:
         lo = tl.maximum(lo, seq_len - window)
 
@@ -284,13 +288,14 @@ def paged_decode_attention(
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_len: int, sms: int, block_n: int) -> tuple[int, int]:
-    """(splits, partition tokens) from shapes only: split the keys until B * KVH * splits reaches
-    _PROGRAMS_PER_SM programs per SM (two waves), with partitions of at least _MIN_PARTITION tokens
-    (a multiple of block_n) and at most _MAX_SPLITS of them."""
+    """(splits, minimum partition tokens) from shapes only: split the keys until B * KVH * splits
+    reaches _PROGRAMS_PER_SM programs per SM (two waves), at most _MAX_SPLITS and no more than
+    max_len holds partitions of _MIN_PARTITION tokens. The kernel cuts each sequence's own keys
+    into the splits (at least the minimum partition each), so a graph captured for max_len still
+    spreads a short context over programs."""
     max_len = max(max_len, 1)
     splits = min(_cdiv(_PROGRAMS_PER_SM * sms, num_seqs * num_kv_heads), _cdiv(max_len, _MIN_PARTITION), _MAX_SPLITS)
-    partition = _cdiv(_cdiv(max_len, max(splits, 1)), block_n) * block_n
-    return _cdiv(max_len, partition), partition
+    return max(splits, 1), _cdiv(_MIN_PARTITION, block_n) * block_n
 
 
 def decode_config(d_pad: int) -> tuple[int, int, int]:
@@ -298,7 +303,7 @@ def decode_config(d_pad: int) -> tuple[int, int, int]:
     return (64, 4, 3) if d_pad <= 128 else (32, 4, 2)
 
 
-def prefill_config(rows: int, group: int, d_pad: int) -> tuple[int, int, int, int]:
+def prefill_config(rows: int, group: int, d_pad: int, fp32: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the longest chunk's rows (queries x group).
 
     BLOCK_M shrinks to the rows there are, so a step of short chunks (decode tokens) wastes no
@@ -306,6 +311,8 @@ def prefill_config(rows: int, group: int, d_pad: int) -> tuple[int, int, int, in
     """
     block_m = min(max(16, triton.next_power_of_2(rows)), 128 if d_pad <= 128 else 64)
     block_m = max(block_m, triton.next_power_of_2(group))
+    if fp32:  # exact fp32 dots (tests, not serving): large tiles spill and take ptxas minutes to build
+        return max(min(block_m, 32), triton.next_power_of_2(group)), 32, 4, 2
     if d_pad > 128:
         return block_m, 32, 4, 2
     # H100 sweep at D 128 (BLOCK_M 128): BLOCK_N 64 with 4 warps and 3 stages was best on chunks after
@@ -336,7 +343,7 @@ def paged_prefill_attention(
         return out
     group = num_heads // num_kv_heads
     d_pad = _d_pad(head_dim)
-    block_m, block_n, num_warps, num_stages = prefill_config(max_query_len * group, group, d_pad)
+    block_m, block_n, num_warps, num_stages = prefill_config(max_query_len * group, group, d_pad, q.dtype == torch.float32)
     queries = block_m // group  # rows are (query, head of the group) pairs
     grid = (_cdiv(max_query_len, queries), num_kv_heads, num_seqs)
     _prefill_kernel[grid](
