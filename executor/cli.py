@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from loraserve.cli import EXECUTOR_ADDR, STORE_ADDR, _run_forever, add_store_fla
 from loraserve.defaults import DEFAULT_BASE_MODEL, DEMO_ADAPTERS, smollm2_gguf_path
 
 DEMO_PROMPTS = ("What is the capital of France?", "Give me one tip for staying healthy.")
+HTTP_PORT = 8000
 
 
 def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True) -> None:
@@ -42,6 +44,8 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     p.add_argument("--store", default=env("store", STORE_ADDR), help="adapter store address")
     p.add_argument("--executor-listen", default=env("executor_listen", EXECUTOR_ADDR))
     p.add_argument("--executor-admin-token", default=env("executor_admin_token"))
+    p.add_argument("--http-port", type=int, default=int(env("http_port", HTTP_PORT)),
+                   help="port of the OpenAI-compatible HTTP API, on --executor-listen's host (0: off)")
 
 
 def executor_config(a: argparse.Namespace):
@@ -62,6 +66,7 @@ def executor_config(a: argparse.Namespace):
         max_model_len=a.max_model_len, store_address=a.store, listen_address=a.executor_listen,
         admin_token=a.executor_admin_token, slot_wait_timeout_s=a.slot_wait_timeout_s,
         adapter_refresh_s=a.adapter_refresh_s,
+        http_listen=f"{a.executor_listen.rsplit(':', 1)[0]}:{a.http_port}" if a.http_port else "",
     )
 
 
@@ -73,7 +78,8 @@ def cmd_executor(a) -> int:
     async def main():
         parts = build_executor(cfg)
         server, port = await serve(parts, cfg.listen_address)
-        print(f"executor serving on port {port} (store {cfg.store_address}; Ctrl-C to stop)", flush=True)
+        http = f", OpenAI-compatible HTTP on port {parts.http.port}" if parts.http else ""
+        print(f"executor serving gRPC on port {port}{http} (store {cfg.store_address}; Ctrl-C to stop)", flush=True)
         try:
             await _run_forever(server)
         finally:
@@ -103,7 +109,10 @@ def cmd_up(a) -> int:
         try:
             await run_demo_batch(parts, names, make_request)
             print(f"\nloraserve is up: store on port {store_port}, executor on port {port}.")
-            print(f"Try: loraserve generate --executor 127.0.0.1:{port} --adapter {names[0] if names else ''} \"Hello!\"")
+            adapter = names[0] if names else ""
+            print(f"Try: loraserve generate --executor 127.0.0.1:{port} --adapter {adapter} \"Hello!\"")
+            if parts.http:
+                print(curl_example(parts.http.port, adapter, parts.config.base_model))
             if not a.demo_only:
                 await _run_forever(server, store_server)
         finally:
@@ -112,6 +121,13 @@ def cmd_up(a) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def curl_example(port: int, adapter: str, base_model: str) -> str:
+    body = {"model": adapter or base_model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
+    return (f"Or through the OpenAI API (model: an adapter's name, or {base_model!r} for none):\n"
+            f"  curl -s http://127.0.0.1:{port}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"       -d '{json.dumps(body)}'")
 
 
 def register_demo_adapters(store_address: str, demo_dir: Path, token: str | None) -> list[str]:

@@ -49,6 +49,7 @@ class ExecutorConfig:
     store_address: str = "localhost:50051"
     listen_address: str = "0.0.0.0:50052"
     admin_token: str | None = None  # None: admin RPCs are open
+    http_listen: str = ""  # host:port of the OpenAI-compatible HTTP front (executor/http.py); "": off
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -25,6 +25,7 @@ from .config import ExecutorConfig
 from .engine.engine import Engine, GenerationOutput, GenerationRequest
 from .engine.kv_cache import KVCache
 from .engine.sampler import SamplingParams
+from .http import HttpFront, serve_http
 from .lora import LoraSpec, declare_layout, load_shard_into_slot, lora_modules
 from .model.loader import load_model
 from .model.tokenizer import Tokenizer
@@ -44,6 +45,7 @@ class ExecutorParts:
     store: StoreClient
     config: ExecutorConfig
     refresher: asyncio.Task | None = None  # executor/refresh.py's loop, started by serve()
+    http: HttpFront | None = None  # the OpenAI-compatible front, started by serve() when config.http_listen
 
 
 def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer:
@@ -173,7 +175,8 @@ class ExecutorService(epb_grpc.ExecutorServicer):
 
 
 async def serve(parts: ExecutorParts, listen: str) -> tuple[grpc.aio.Server, int]:
-    """Starts the engine and the gRPC server (with health); returns (server, port)."""
+    """Starts the engine, the gRPC server (with health) and, if configured, the HTTP front;
+    returns gRPC's (server, port); the HTTP front's port is parts.http.port."""
     parts.engine.start()
     if parts.config.adapter_refresh_s > 0:
         parts.refresher = asyncio.get_running_loop().create_task(
@@ -189,11 +192,15 @@ async def serve(parts: ExecutorParts, listen: str) -> tuple[grpc.aio.Server, int
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("executor listening on %s (store %s)", listen, parts.config.store_address)
+    if parts.config.http_listen:
+        parts.http = await serve_http(parts, parts.config.http_listen)
     return server, port
 
 
 async def shutdown(server: grpc.aio.Server, parts: ExecutorParts) -> None:
     await server.stop(5)
+    if parts.http is not None:
+        await parts.http.stop()
     if parts.refresher is not None:
         parts.refresher.cancel()
         await asyncio.gather(parts.refresher, return_exceptions=True)

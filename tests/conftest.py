@@ -178,3 +178,11 @@ def loop_thread():
     lt = LoopThread()
     yield lt
     lt.stop()
+
+
+@pytest.fixture(scope="module")
+def module_loop_thread():
+    """One loop thread for a module's shared servers (e.g. one executor for many tests)."""
+    lt = LoopThread()
+    yield lt
+    lt.stop()
