@@ -29,12 +29,17 @@ FRONTS = ("engine, in-process", "gRPC Generate", "gRPC GenerateStream", "HTTP /v
           "HTTP /v1/chat/completions stream")
 
 
+_clients: dict = {}  # in the client process: one client (and its connections) per target, kept
+
+
 def client_batch(front: str, target: str, base: str, prompts: list[str], adapters: list[str], max_tokens: int):
     """In the client process: one batch through one front; (seconds, generated tokens, texts)."""
     from loraserve.client import ExecutorClient, make_request
 
     if front.startswith("gRPC"):
-        client = ExecutorClient(target)
+        if target not in _clients:
+            _clients[target] = ExecutorClient(target)
+        client = _clients[target]
         stream = front.endswith("Stream")
 
         def one(prompt, adapter):
@@ -47,7 +52,9 @@ def client_batch(front: str, target: str, base: str, prompts: list[str], adapter
     else:
         import openai
 
-        client = openai.OpenAI(base_url=target, api_key="unused", max_retries=0, timeout=600)
+        if target not in _clients:
+            _clients[target] = openai.OpenAI(base_url=target, api_key="unused", max_retries=0, timeout=600)
+        client = _clients[target]
         stream = front.endswith("stream")
 
         def one(prompt, adapter):
@@ -157,13 +164,14 @@ def main() -> None:
         srv.close()
     texts = {front: r[0][2] for front, r in runs.items()}
     same = all(t == texts[FRONTS[0]] for t in texts.values())
-    tps = {front: statistics.median(n / dt for dt, n, _ in r) for front, r in runs.items()}
+    rates = {front: [n / dt for dt, n, _ in r] for front, r in runs.items()}
+    tps = {front: statistics.median(r) for front, r in rates.items()}
     grpc_by_kind = {"": tps["gRPC Generate"], "stream": tps["gRPC GenerateStream"]}
     print(f"\nHTTP front vs gRPC - {model.label}, float32, cpu, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; {len(prompts)} chat prompts over {len(names)} adapters at once, greedy, "
           f"max {args.max_tokens} new tokens, median of {args.repeat}; same output text on every front: {same}")
-    print(f"| {'front':34s} | {'tok/s':>8s} | note |")
-    print(f"|{'-' * 36}|{'-' * 10}|------|")
+    print(f"| {'front':34s} | {'tok/s':>8s} | {'runs (min-max)':14s} | note |")
+    print(f"|{'-' * 36}|{'-' * 10}|{'-' * 16}|------|")
     for front in FRONTS:
         note = ""
         if front.startswith("HTTP"):
@@ -171,7 +179,8 @@ def main() -> None:
             note = f"HTTP / gRPC ({'streaming' if front.endswith('stream') else 'unary'}) = {tps[front] / ref:.3f}"
         elif front.startswith("gRPC"):
             note = f"/ engine = {tps[front] / tps[FRONTS[0]]:.3f}"
-        print(f"| {front:34s} | {tps[front]:8.1f} | {note} |")
+        spread = f"{min(rates[front]):5.1f} - {max(rates[front]):5.1f}"
+        print(f"| {front:34s} | {tps[front]:8.1f} | {spread:14s} | {note} |")
 
 
 if __name__ == "__main__":

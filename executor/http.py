@@ -200,6 +200,19 @@ class Front:
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                             for t, lp in zip(self.token_strings(ids), logprobs)]}
 
+    def choice(self, chat: bool, text: str, ids: list[int], logprobs: list[float] | None, finish: str | None,
+               delta: bool = False, first: bool = False, offset: int = 0) -> dict:
+        """One choice: of a response, or (delta) of a stream's event. logprobs None: not asked for."""
+        c = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if chat:
+            message = {"role": "assistant", "content": text} if first or not delta else {"content": text}
+            c["delta" if delta else "message"] = message
+        else:
+            c["text"] = text
+        if logprobs is not None:
+            c["logprobs"] = self.chat_logprobs(ids, logprobs) if chat else self.completion_logprobs(ids, logprobs, offset)
+        return c
+
     async def run(self, req: GenerationRequest, chat: bool, stream: bool, include_usage: bool, model: str, request: Request):
         """The response of one request; errors before its first output get their HTTP status."""
         outputs = self.engine.generate(req)
@@ -218,16 +231,8 @@ class Front:
         result.add(first)
         if first.finish_reason is None:
             await _unless_disconnected(self._collect(outputs, result), request)
-        text = "".join(result.text)
-        choice = {"index": 0, "logprobs": None, "finish_reason": result.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-            if req.return_logprobs:
-                choice["logprobs"] = self.chat_logprobs(result.token_ids, result.logprobs)
-        else:
-            choice["text"] = text
-            if req.return_logprobs:
-                choice["logprobs"] = self.completion_logprobs(result.token_ids, result.logprobs)
+        choice = self.choice(chat, "".join(result.text), result.token_ids,
+                             result.logprobs if req.return_logprobs else None, result.finish_reason)
         return JSONResponse({**head, "choices": [choice], "usage": result.usage()}, headers=headers)
 
     @staticmethod
@@ -242,15 +247,8 @@ class Front:
         try:
             while True:
                 result.add(out)
-                choice = {"index": 0, "logprobs": None, "finish_reason": result.finish_reason}
-                if chat:
-                    choice["delta"] = {"role": "assistant", "content": out.text} if out is first else {"content": out.text}
-                    if with_logprobs:
-                        choice["logprobs"] = self.chat_logprobs(out.token_ids, out.logprobs)
-                else:
-                    choice["text"] = out.text
-                    if with_logprobs:
-                        choice["logprobs"] = self.completion_logprobs(out.token_ids, out.logprobs, offset)
+                choice = self.choice(chat, out.text, out.token_ids, out.logprobs if with_logprobs else None,
+                                     result.finish_reason, delta=True, first=out is first, offset=offset)
                 offset += len(out.text)
                 yield _sse({**head, "choices": [choice]})
                 if out.finish_reason is not None:
