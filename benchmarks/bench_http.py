@@ -4,7 +4,8 @@ through gRPC (unary and streaming each), beside the engine called in-process; pr
 A store and an executor (gRPC + HTTP on one event loop) run in this process, as `loraserve up`
 runs them; the clients run in a second process (spawned once), as users' clients would: 8
 prompts, each with its own adapter (bench_executor.py's 8 random PEFT adapters), submitted at
-once from 8 threads, greedy, chat-templated. Runs of the fronts alternate, median of --repeat.
+once from 8 threads, greedy, chat-templated. Each round runs every front once, in turn; rates
+are medians over rounds, ratios medians of the same round's ratios (the VM's drift cancels).
 Usage: python benchmarks/bench_http.py [--max-tokens 32] [--repeat 3] [--prompts 8]
 """
 
@@ -166,7 +167,10 @@ def main() -> None:
     same = all(t == texts[FRONTS[0]] for t in texts.values())
     rates = {front: [n / dt for dt, n, _ in r] for front, r in runs.items()}
     tps = {front: statistics.median(r) for front, r in rates.items()}
-    grpc_by_kind = {"": tps["gRPC Generate"], "stream": tps["gRPC GenerateStream"]}
+
+    def paired(front: str, ref: str) -> float:
+        """Median over rounds of this front's rate / ref's rate in the same round (drift cancels)."""
+        return statistics.median(a / b for a, b in zip(rates[front], rates[ref]))
     print(f"\nHTTP front vs gRPC - {model.label}, float32, cpu, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; {len(prompts)} chat prompts over {len(names)} adapters at once, greedy, "
           f"max {args.max_tokens} new tokens, median of {args.repeat}; same output text on every front: {same}")
@@ -175,10 +179,10 @@ def main() -> None:
     for front in FRONTS:
         note = ""
         if front.startswith("HTTP"):
-            ref = grpc_by_kind["stream" if front.endswith("stream") else ""]
-            note = f"HTTP / gRPC ({'streaming' if front.endswith('stream') else 'unary'}) = {tps[front] / ref:.3f}"
+            ref = "gRPC GenerateStream" if front.endswith("stream") else "gRPC Generate"
+            note = f"HTTP / {ref}, paired = {paired(front, ref):.3f}"
         elif front.startswith("gRPC"):
-            note = f"/ engine = {tps[front] / tps[FRONTS[0]]:.3f}"
+            note = f"/ engine, paired = {paired(front, FRONTS[0]):.3f}"
         spread = f"{min(rates[front]):5.1f} - {max(rates[front]):5.1f}"
         print(f"| {front:34s} | {tps[front]:8.1f} | {spread:14s} | {note} |")
 
