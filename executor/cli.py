@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from loraserve.serving import check_listen
 from loraserve.defaults import DEFAULT_BASE_MODEL, DEMO_ADAPTERS, smollm2_gguf_path
 
 DEMO_PROMPTS = ("What is the capital of France?", "Give me one tip for staying healthy.")
+HTTP_PORT = 8000
 
 
 def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True) -> None:
@@ -50,6 +52,8 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
                    help="how long a store call may go unanswered before it fails UNAVAILABLE")
     p.add_argument("--max-prompt-bytes", type=int, default=int(env("max_prompt_bytes", 0)),
                    help="text/chat prompts above this many UTF-8 bytes are refused before tokenizing (0: 32 x max-model-len)")
+    p.add_argument("--http-port", type=int, default=int(env("http_port", HTTP_PORT)),
+                   help="port of the OpenAI-compatible HTTP API, on --executor-listen's host (0: off)")
 
 
 def executor_config(a: argparse.Namespace):
@@ -71,6 +75,7 @@ def executor_config(a: argparse.Namespace):
         admin_token=a.executor_admin_token, slot_wait_timeout_s=a.slot_wait_timeout_s,
         adapter_refresh_s=a.adapter_refresh_s, store_timeout_s=a.store_timeout_s, max_prompt_bytes=a.max_prompt_bytes,
         enforce_eager=a.enforce_eager,
+        http_listen=f"{a.executor_listen.rsplit(':', 1)[0]}:{a.http_port}" if a.http_port else "",
     )
 
 
@@ -83,7 +88,8 @@ def cmd_executor(a) -> int:
     async def main():
         parts = build_executor(cfg)
         server, port = await serve(parts, cfg.listen_address)
-        print(f"executor serving on port {port} (store {cfg.store_address}; Ctrl-C or SIGTERM to stop)", flush=True)
+        http = f", OpenAI-compatible HTTP on port {parts.http.port}" if parts.http else ""
+        print(f"executor serving gRPC on port {port}{http} (store {cfg.store_address}; Ctrl-C or SIGTERM to stop)", flush=True)
         try:
             await serve_until_signal(a.drain_grace_s, server)
         finally:
@@ -117,7 +123,10 @@ def cmd_up(a) -> int:
         try:
             await run_demo_batch(parts, names, make_request)
             print(f"\nloraserve is up: store on port {store_port}, executor on port {port}.")
-            print(f"Try: loraserve generate --executor 127.0.0.1:{port} --adapter {names[0] if names else ''} \"Hello!\"")
+            adapter = names[0] if names else ""
+            print(f"Try: loraserve generate --executor 127.0.0.1:{port} --adapter {adapter} \"Hello!\"")
+            if parts.http:
+                print(curl_example(parts.http.port, adapter, parts.config.base_model))
             if not a.demo_only:
                 await serve_until_signal(a.drain_grace_s, server, store_server)  # executor first: it may still fetch
         finally:
@@ -126,6 +135,13 @@ def cmd_up(a) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def curl_example(port: int, adapter: str, base_model: str) -> str:
+    body = {"model": adapter or base_model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
+    return (f"Or through the OpenAI API (model: an adapter's name, or {base_model!r} for none):\n"
+            f"  curl -s http://127.0.0.1:{port}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"       -d '{json.dumps(body)}'")
 
 
 def register_demo_adapters(store_address: str, demo_dir: Path, token: str | None) -> list[str]:

@@ -56,6 +56,7 @@ class ExecutorConfig:
     store_timeout_s: float = 5.0  # a store call unanswered this long fails UNAVAILABLE (naming the store)
     listen_address: str = "0.0.0.0:50052"
     admin_token: str | None = None  # None: admin RPCs are open
+    http_listen: str = ""  # host:port of the OpenAI-compatible HTTP front (executor/http.py); "": off
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -27,6 +27,7 @@ from .config import ExecutorConfig
 from .engine.engine import Engine, GenerationOutput, GenerationRequest
 from .engine.kv_cache import KVCache
 from .engine.sampler import SamplingParams
+from .http import HttpFront, serve_http
 from .lora import LoraSpec, declare_layout, load_shard_into_slot, lora_modules
 from .model.loader import load_model
 from .model.tokenizer import Tokenizer
@@ -47,6 +48,7 @@ class ExecutorParts:
     config: ExecutorConfig
     refresher: asyncio.Task | None = None  # executor/refresh.py's loop, started by serve()
     store_watch: asyncio.Task | None = None  # StoreClient.watch, started by serve()
+    http: HttpFront | None = None  # the OpenAI-compatible front, started by serve() when config.http_listen
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
@@ -217,8 +219,9 @@ class ExecutorService(epb_grpc.ExecutorServicer):
 
 
 async def serve(parts: ExecutorParts, listen: str) -> tuple[RunningServer, int]:
-    """Starts the engine and the gRPC server (with health); returns (server, port).
-    `shutdown(server, parts, grace_s)` stops both."""
+    """Starts the engine, the gRPC server (with health) and, if configured, the HTTP front;
+    returns gRPC's (server, port); the HTTP front's port is parts.http.port.
+    `shutdown(server, parts, grace_s)` stops them all."""
     parts.engine.start()
     try:
         server = await start_server(
@@ -231,12 +234,15 @@ async def serve(parts: ExecutorParts, listen: str) -> tuple[RunningServer, int]:
     if parts.config.adapter_refresh_s > 0:
         parts.refresher = loop.create_task(refresh_loop(parts.slots, parts.store, parts.config.adapter_refresh_s))
     log.info("executor listening on %s (store %s)", listen, parts.config.store_address)
+    if parts.config.http_listen:
+        parts.http = await serve_http(parts, parts.config.http_listen)
     return server, server.port
 
 
 async def shutdown(server: RunningServer, parts: ExecutorParts, grace_s: float = 5.0) -> None:
-    """Drains the server (in-flight requests get grace_s to finish), then stops the engine."""
-    await server.drain(grace_s)
+    """Drains both fronts (in-flight requests get grace_s to finish), then stops the engine."""
+    http_stop = parts.http.stop() if parts.http is not None else asyncio.sleep(0)
+    await asyncio.gather(server.drain(grace_s), http_stop)
     for task in (parts.refresher, parts.store_watch):
         if task is not None:
             task.cancel()

@@ -92,6 +92,20 @@ class StoreClient:
             raise self._error(e) from None
         return manifest.digest
 
+    async def list_adapters(self) -> list[pb.AdapterManifest]:
+        """Every adapter the store has, page by page (for the HTTP front's GET /v1/models)."""
+        manifests, token = [], ""
+        while True:
+            try:
+                page = await self._stub().ListAdapters(spb.ListAdaptersRequest(page_size=1000, page_token=token),
+                                                       timeout=min(self.timeout_s, 10.0))
+            except grpc.aio.AioRpcError as e:
+                raise self._error(e) from None
+            manifests += page.adapters
+            token = page.next_page_token
+            if not token:
+                return manifests
+
     def _error(self, e: grpc.aio.AioRpcError, unavailable_detail: str = "") -> StatusError:
         """The store's error as ours: UNAVAILABLE (naming the store) when it is down or too slow."""
         if e.code() in DOWN:

@@ -239,3 +239,9 @@ def chat_adapters(tiny_chat_llama, tmp_path_factory):
                     p.normal_(0, 0.2)
         peft.save_pretrained(root / name)
     return root
+@pytest.fixture(scope="module")
+def module_loop_thread():
+    """One loop thread for a module's shared servers (e.g. one executor for many tests)."""
+    lt = LoopThread()
+    yield lt
+    lt.stop()

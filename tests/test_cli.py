@@ -88,10 +88,12 @@ def test_up_prints_one_mixed_batch_on_the_embedded_default(tmp_path):
     names = sorted(p.name for p in demo.iterdir() if (p / "adapter_config.json").is_file()) if demo.is_dir() else []
     if not names:
         pytest.skip("deploy/demo-adapters holds no adapters yet")
+    http_port = free_port()
     out = cli("up", "--demo-only", "--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache"),
               "--listen", f"127.0.0.1:{free_port()}",
-              "--executor-listen", f"127.0.0.1:{free_port()}", "--max-num-seqs", "32").stdout
+              "--executor-listen", f"127.0.0.1:{free_port()}", "--http-port", str(http_port), "--max-num-seqs", "32").stdout
     assert f"over {len(names) + 1} adapters" in out
     for name in names:
         assert f"registered demo adapter {name}" in out and f"[{name}" in out
     assert "[base model" in out and "loraserve is up" in out
+    assert f"curl -s http://127.0.0.1:{http_port}/v1/chat/completions" in out and f'"model": "{names[0]}"' in out

@@ -34,21 +34,6 @@ ADAPTERS = {  # name: (r, alpha, targets, rslora)
 }
 
 
-def save_byte_tokenizer(path: Path) -> None:
-    """A byte-level BPE tokenizer with no merges: ids 0..255 are bytes, then <s> </s> <pad>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
-    fast.save_pretrained(path)
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def family(request):
     return request.param
@@ -63,7 +48,7 @@ def device(request):
 
 
 @pytest.fixture(scope="module")
-def base(hf_model, family):
+def base(hf_model, family, save_byte_tokenizer):
     model, path = hf_model(family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512)
     if not (path / "tokenizer.json").exists():
         save_byte_tokenizer(path)
