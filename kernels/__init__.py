@@ -6,6 +6,8 @@ only when a CUDA tensor first asks for it.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from . import attention_reference, ops_reference, reference
@@ -24,22 +26,26 @@ __all__ = [
     "silu_and_mul",
 ]
 
-_triton = None
-_triton_attention = None
+_CUDA_MODULES: dict[str, object] = {}  # fast-path module name -> the module (or its reference)
+
+
+def _on_device(t: torch.Tensor, name: str, reference_module):
+    """The module that implements `name`'s ops for tensors on t's device: the Triton module
+    `name` on CUDA (imported on first use; the reference if Triton is missing), else the reference."""
+    if t.device.type != "cuda":
+        return reference_module
+    module = _CUDA_MODULES.get(name)
+    if module is None:
+        try:
+            module = importlib.import_module(f".{name}", __name__)
+        except ImportError:  # no Triton: stay correct on the reference
+            module = reference_module
+        _CUDA_MODULES[name] = module
+    return module
 
 
 def _impl(t: torch.Tensor):
-    """The module that implements the ops for tensors on t's device."""
-    global _triton
-    if t.device.type != "cuda":
-        return reference
-    if _triton is None:
-        try:
-            from . import triton_lora
-        except ImportError:  # no Triton: stay correct on the reference
-            triton_lora = reference
-        _triton = triton_lora
-    return _triton
+    return _on_device(t, "triton_lora", reference)
 
 
 def lora_shrink(x, lora_a, meta: LoraMeta, out=None):
@@ -55,17 +61,7 @@ def lora_embedding_shrink(token_ids, lora_a, meta: LoraMeta, out=None):
 
 
 def _attention_impl(t: torch.Tensor):
-    """The module that implements paged attention for tensors on t's device."""
-    global _triton_attention
-    if t.device.type != "cuda":
-        return attention_reference
-    if _triton_attention is None:
-        try:
-            from . import triton_attention
-        except ImportError:  # no Triton: stay correct on the reference
-            triton_attention = attention_reference
-        _triton_attention = triton_attention
-    return _triton_attention
+    return _on_device(t, "triton_attention", attention_reference)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None):
@@ -86,20 +82,8 @@ def paged_prefill_attention(
 
 # ---- the decoder's small fused ops (kernels/ops_reference.py, kernels/triton_ops.py) ----------
 
-_triton_ops = None
-
-
 def _ops_impl(t: torch.Tensor):
-    global _triton_ops
-    if t.device.type != "cuda":
-        return ops_reference
-    if _triton_ops is None:
-        try:
-            from . import triton_ops
-        except ImportError:  # no Triton: stay correct on the reference
-            triton_ops = ops_reference
-        _triton_ops = triton_ops
-    return _triton_ops
+    return _on_device(t, "triton_ops", ops_reference)
 
 
 def rms_norm(x, weight, eps: float, residual=None):

@@ -188,7 +188,8 @@ def loop_thread():
 CHAT_BOS, CHAT_EOS, CHAT_VOCAB = 256, 257, 260
 
 
-def save_byte_tokenizer(path: Path) -> None:
+def write_byte_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer with no merges: ids 0..255 are bytes, then <s> </s> <pad>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -214,8 +215,14 @@ def tiny_chat_llama(tmp_path_factory):
     model = LlamaForCausalLM(config).eval()
     directory = tmp_path_factory.mktemp("tiny-chat-llama")
     model.save_pretrained(directory)
-    save_byte_tokenizer(directory)
+    write_byte_tokenizer(directory)
     return model, directory
+
+
+@pytest.fixture(scope="session")
+def save_byte_tokenizer():
+    """save_byte_tokenizer(model_dir): writes the byte-level tokenizer (with a chat template) there."""
+    return write_byte_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -63,27 +63,6 @@ def hf_model(tmp_path_factory):
     return make
 
 
-def _save_byte_tokenizer(path) -> None:
-    """A byte-level BPE tokenizer with no merges: ids 0..255 are bytes, then <s> </s> <pad>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
-    fast.save_pretrained(path)
-
-
-@pytest.fixture(scope="session")
-def save_byte_tokenizer():
-    """save_byte_tokenizer(model_dir): writes the byte-level tokenizer (with a chat template) there."""
-    return _save_byte_tokenizer
-
-
 class PagedRunner:
     """Drives our model the way the engine does: flattened steps over a paged KV cache.
 
