@@ -48,8 +48,8 @@ def _step_weights(m: nn.Module, meta: LoraMeta | None, device: torch.device):
 
     Slot buffers are zero past each adapter's rank and wholly zero for modules an adapter does
     not target, so both cuts below are exact: a module that no active slot's adapter targets
-    is skipped (every device; the executor runs eagerly, a captured graph would bake the skip
-    in), and on the reference path the rank dim (dim 2 of every slot buffer) is cut to the
+    is skipped (every device, in eager steps; the decode CUDA graphs pass a LoraMeta without
+    host_slots, so a captured graph never bakes a skip in), and on the reference path the rank dim (dim 2 of every slot buffer) is cut to the
     largest rank among the active slots. The Triton kernels keep the full slot rank: their
     tuned block sizes are per slot shape.
     """

@@ -139,7 +139,8 @@ class Engine:
         self.step_times: list[tuple[str, int, int, float]] = []  # (kind, seqs, tokens, seconds), last 1,000 steps
 
     def _capture_graphs(self) -> DecodeGraphs | None:
-        """Decode-step CUDA graphs, on CUDA unless config.enforce_eager (or the model cannot be captured)."""
+        """Decode-step CUDA graphs, on CUDA unless config.enforce_eager or the RoPE is dynamic.
+        A failed capture (e.g. out of memory) stops the start, with its error."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None
         if self.model.cfg.rope_type == "dynamic":
@@ -375,9 +376,15 @@ class Engine:
         )  # fmt: skip
         return b
 
-    @torch.inference_mode()
     def _execute(self, b: _Batch) -> tuple[list[int], list[float]]:
         """Runs in a worker thread: forward, logits of the sampled rows, sampling."""
+        if self.device.type != "cuda":
+            return self._execute_on_device(b)
+        with torch.cuda.device(self.device):  # a worker thread starts on GPU 0; Triton launches on the current GPU
+            return self._execute_on_device(b)
+
+    @torch.inference_mode()
+    def _execute_on_device(self, b: _Batch) -> tuple[list[int], list[float]]:
         t0 = time.perf_counter()
         dev = self.device
         for lease in b.leases:

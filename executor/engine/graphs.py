@@ -59,10 +59,13 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.width = -(-max_model_len // kv.block_size)  # block-table columns
         size = _FIELDS * max_batch + max_batch * self.width
-        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # One logits buffer that every graph writes: a graph's own output would stay allocated
+        # for its lifetime, and max_batch^2 / 16 rows of vocab floats add up (17 GB at 512).
+        self._logits = torch.empty(max_batch, model.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
     # ---- capture --------------------------------------------------------------------------
@@ -73,10 +76,11 @@ class DecodeGraphs:
         self._fill_padding(self.max_batch, 0)
         self._dev.copy_(self._host)
         variants = (False, True) if self.max_loras else (False,)
-        for bucket in reversed(self.buckets):
-            for lora in variants:
-                self._graphs[(bucket, lora)] = self._capture_one(bucket, lora)
-        torch.cuda.synchronize(self.device)
+        with torch.cuda.device(self.device):  # Triton launches and the capture stream follow it
+            for bucket in reversed(self.buckets):
+                for lora in variants:
+                    self._graphs[(bucket, lora)] = self._capture_one(bucket, lora)
+            torch.cuda.synchronize(self.device)
         log.info(
             "captured %d CUDA graphs of the decode step (batch buckets %s%s) in %.1fs",
             len(self._graphs), self.buckets, ", base and LoRA" if self.max_loras else "", time.perf_counter() - t0,
@@ -91,13 +95,14 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(bucket, lora)
+            self._forward(bucket, lora)
         self._pool = graph.pool()
-        return graph, logits
+        return graph
 
     @torch.inference_mode()
-    def _forward(self, bucket: int, lora: bool) -> torch.Tensor:
-        """The captured step, reading only views of the static buffer: -> logits [bucket, vocab] float32."""
+    def _forward(self, bucket: int, lora: bool) -> None:
+        """The captured step, reading only views of the static buffer: logits [bucket, vocab]
+        float32 into the shared logits buffer."""
         n, dev = self.max_batch, self._dev
         ids, positions, slot_mapping, seq_lens, lora_slots = (dev[i * n : i * n + bucket] for i in range(_FIELDS))
         tables = dev[_FIELDS * n :].view(n, self.width)[:bucket]
@@ -108,7 +113,7 @@ class DecodeGraphs:
         )  # fmt: skip
         meta = make_lora_meta(lora_slots, self.max_loras) if lora else None
         hidden = self.model.forward(ids, positions, attn, self.kv, meta)
-        return self.model.compute_logits(hidden, meta)
+        self._logits[:bucket].copy_(self.model.compute_logits(hidden, meta))
 
     # ---- replay ---------------------------------------------------------------------------
 
@@ -120,23 +125,32 @@ class DecodeGraphs:
 
     def graph(self, num_seqs: int, lora: bool) -> torch.cuda.CUDAGraph:
         """The graph a batch of num_seqs replays (benchmarks time its replay alone)."""
-        return self._graphs[(self.bucket_for(num_seqs), lora and self.max_loras > 0)][0]
+        return self._graphs[(self.bucket_for(num_seqs), lora and self.max_loras > 0)]
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:
-        """Fills the static inputs, replays the bucket's graph -> logits [B, vocab] float32 (a view).
+        """Fills the static inputs, replays the bucket's graph -> logits [B, vocab] float32 (a view
+        of the shared logits buffer).
 
-        The view is valid until the next run; the caller reads it (sampling) before then.
+        The view is valid until the next run; the caller reads it (sampling) before then. Rows of
+        the block tables past a sequence's blocks keep ids of earlier steps: the attention kernels
+        never read a table entry at or past seq_len.
         """
+        bucket, lora = self._stage(batch)
+        with torch.cuda.device(self.device):
+            self._graphs[(bucket, lora)].replay()
+        return self._logits[: len(batch.input_ids)]
+
+    def _stage(self, batch: DecodeBatch) -> tuple[int, bool]:
+        """Fills the static inputs for batch: -> (its bucket, whether it needs the LoRA graph)."""
         num_seqs = len(batch.input_ids)
         bucket = self.bucket_for(num_seqs)
         if bucket is None:
             raise ValueError(f"{num_seqs} sequences exceed the largest captured batch {self.max_batch}")
         lora = self.max_loras > 0 and max(batch.lora_slots) >= 0
         self._fill(batch, bucket)
-        self._dev.copy_(self._host, non_blocking=True)
-        graph, logits = self._graphs[(bucket, lora)]
-        graph.replay()
-        return logits[:num_seqs]
+        used = _FIELDS * self.max_batch + bucket * self.width  # the block tables come last
+        self._dev[:used].copy_(self._host[:used], non_blocking=True)
+        return bucket, lora
 
     def _fill(self, batch: DecodeBatch, bucket: int) -> None:
         n, bs, h = self.max_batch, self.kv.block_size, self._host_np

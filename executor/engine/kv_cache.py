@@ -79,7 +79,8 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
     positions: torch.Tensor  # [T] long: position of each new token in its sequence
-    block_tables: torch.Tensor  # [B, W] int32: each sequence's blocks; entries past its last block are 0
+    block_tables: torch.Tensor  # [B, W] int32: each sequence's blocks; entries past its last block hold
+    # any valid block id (0 from build(), earlier steps' ids in the graphs): never read past seq_len
     seq_lens: torch.Tensor  # [B] int32: tokens of each sequence after this step (cached + new)
     cu_query_lens: torch.Tensor | None  # [B + 1] int32; None for decode-only steps
     max_query_len: int  # host: the longest query chunk (launch shape of the prefill kernel)

@@ -25,6 +25,36 @@ def test_batch_buckets_cover_every_batch_up_to_the_maximum():
         assert buckets == sorted(set(buckets)) and buckets[-1] == n
 
 
+def test_static_buffer_step_equals_the_eager_step_on_cpu(hf_model):
+    """What the graphs capture, run without capture: inputs staged in the static buffer (ragged
+    tables, padding to the bucket, mixed slots) give the eager step's logits. Runs everywhere."""
+    _, path = hf_model("llama")
+    model = load_hf_checkpoint(path, lora=LoraSpec(MAX_LORAS, RANK, torch.float32))
+    torch.manual_seed(1)
+    for m in lora_modules(model).values():
+        m.lora_a.normal_(0, 0.2)
+        m.lora_b.normal_(0, 0.2)
+        m.slot_ranks = [RANK] * MAX_LORAS
+    cfg = model.cfg
+    kv = KVCache(cfg.num_layers, 32, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    graphs = DecodeGraphs(model, kv, max_batch=8, max_model_len=32, max_loras=MAX_LORAS, device="cpu")
+    alloc, gen = BlockAllocator(32), torch.Generator().manual_seed(0)
+    lens, tables = [3, 4, 9], []
+    for n in lens:
+        tables.append(alloc.allocate(-(-(n + 1) // BLOCK)))
+        attn = AttentionMetadata.build([n], [0], [tables[-1]], BLOCK, "cpu")
+        model.forward(torch.randint(0, cfg.vocab_size, (n,), generator=gen), attn.positions, attn, kv, None)
+    for slots in ([-1, -1, -1], [2, -1, 0]):
+        ids = torch.randint(0, cfg.vocab_size, (3,), generator=gen).tolist()
+        attn = AttentionMetadata.build([1] * 3, lens, tables, BLOCK, "cpu")
+        meta = make_lora_meta(torch.tensor(slots), MAX_LORAS, frozenset(s for s in slots if s >= 0))
+        want = model.compute_logits(model.forward(torch.tensor(ids), attn.positions, attn, kv, meta), meta)
+        bucket, lora = graphs._stage(DecodeBatch(ids, lens, tables, slots))
+        assert (bucket, lora) == (4, max(slots) >= 0)
+        graphs._forward(bucket, lora)
+        torch.testing.assert_close(graphs._logits[:3], want, atol=1e-5, rtol=1e-5)
+
+
 def _cuda_or_skip():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
@@ -79,16 +109,26 @@ def test_graph_replay_equals_the_eager_step(hf_model, dtype, tol):
         ([0, 1, 2, 3, 4], [-1, -1, -1, -1, -1]),
         ([0, 1, 2, 3, 4, 5, 6], [1, -1, 0, 2, 2, -1, 3]),
     ]
+    caches = kv.k_cache + kv.v_cache
     for seqs, slots in cases:
         ids = [int(torch.randint(0, cfg.vocab_size, (1,), generator=gen)) for _ in seqs]
         positions = [lens[s] for s in seqs]
         seq_tables = [tables[s] for s in seqs]
-        want = _eager_decode(model, kv, ids, positions, seq_tables, slots).clone()
+        before = [c.clone() for c in caches]
+        # The graph first, on the cache as the prefill left it: its own K/V write must land.
         got = graphs.run(DecodeBatch(ids, positions, seq_tables, slots)).clone()
+        after_graph = [c[: kv.num_blocks].clone() for c in caches]
+        for c, old in zip(caches, before):
+            c.copy_(old)
+        want = _eager_decode(model, kv, ids, positions, seq_tables, slots).clone()
         assert torch.isfinite(got).all()
         err = ((got - want).norm() / want.norm()).item()
         assert err < tol, f"batch {len(seqs)}, slots {slots}: relative error {err:.2e}"
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist() or dtype == torch.bfloat16
+        for c, g in zip(caches, after_graph):  # the same keys and values written where the eager step wrote
+            torch.testing.assert_close(g, c[: kv.num_blocks], atol=tol, rtol=tol)
+        for c, old in zip(caches, before):
+            assert not torch.equal(c[: kv.num_blocks], old[: kv.num_blocks])  # something was written
 
 
 @pytest.mark.gpu
@@ -108,3 +148,23 @@ def test_padding_rows_write_only_the_scratch_block(hf_model):
     for old, new in zip(before, kv.k_cache + kv.v_cache):
         torch.testing.assert_close(new[3 : kv.num_blocks], old[3:])  # untouched blocks
         torch.testing.assert_close(new[:3, 1:], old[:3, 1:])  # only slot 0 of blocks 0-2 written
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_lora_shrink_on_the_side_stream_equals_one_stream(hf_model, monkeypatch, tokens):
+    """LinearWithLoRA forks shrink onto a side stream on CUDA; the result must be the one-stream one."""
+    _cuda_or_skip()
+    from loraserve.executor import lora as lora_mod
+
+    model = _model(hf_model, torch.bfloat16)
+    layer = model.model.layers[0].mlp.gate_up_proj
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(tokens, layer.in_features, device="cuda", dtype=torch.bfloat16, generator=gen)
+    slots = torch.randint(-1, MAX_LORAS, (tokens,), device="cuda", generator=gen)
+    meta = make_lora_meta(slots, MAX_LORAS, frozenset(range(MAX_LORAS)))
+    forked = layer(x, meta)
+    torch.cuda.synchronize()
+    monkeypatch.setattr(lora_mod, "_side_stream", lambda device: None)
+    one_stream = layer(x, make_lora_meta(slots, MAX_LORAS, frozenset(range(MAX_LORAS))))
+    torch.testing.assert_close(forked, one_stream, atol=0, rtol=0)
