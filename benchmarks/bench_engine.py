@@ -305,7 +305,7 @@ async def run(args) -> list[tuple[str, str, str, str]]:
         ("matmul peak (8192^3 bf16 on CUDA)", f"{peak / 1e12:.1f} TFLOP/s", "", ""),
         ("weights read per decode step", f"{wbytes / 2**30:.2f} GiB", "", f"adapter: {adapter_bytes / 2**20:.1f} MiB"),
     ]
-    await run_requests(engine, random_prompts(2, 16, args.vocab, 0), ["", "a0"], 4)  # warm-up
+    await run_requests(engine, random_prompts(2, 16, args.vocab, 0), ["", "a0" if args.adapters else ""], 4)  # warm-up
     for batch in args.batches:
         try:
             rows += await decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes, bandwidth)
