@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraserve.tls import ServerTls
+
 from .sources import SourceConfig
 from .validate import Limits
 
@@ -20,6 +22,8 @@ class StoreConfig:
     redis_prefix: str = "loraserve:"
     redis_cache_bytes: int = 4 << 30
     admin_token: str | None = None        # when set, mutating RPCs need "authorization: Bearer <token>"
+    tls: ServerTls | None = None          # certificate and key (and client CA: mutual TLS); None: plaintext
+    metrics_listen: str = ""              # host:port of Prometheus' /metrics; "": off
     limits: Limits = field(default_factory=Limits)
     sources: SourceConfig = field(default_factory=lambda: SourceConfig(local_roots=(Path.cwd(),)))
 

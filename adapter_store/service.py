@@ -20,6 +20,7 @@ import grpc
 
 from loraserve.auth import require_admin
 from loraserve.errors import StatusError, grpc_errors, invalid, precondition, unavailable
+from loraserve.metrics import StoreMetrics, serve_metrics
 from loraserve.serving import RunningServer, start_server
 from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
@@ -63,6 +64,8 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         self.registry = Registry(cfg.data_dir)
         self.cache = build_cache(cfg)
         self.spec = load_spec(cfg)
+        self.metrics = StoreMetrics()
+        self.metrics.attach(self.cache)
         self._inflight: dict[str, asyncio.Future] = {}
         self._adapters: OrderedDict[str, pack.PeftAdapter] = OrderedDict()  # digest -> validated adapter
         self._adapters_lock = threading.Lock()
@@ -85,10 +88,16 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
     @grpc_errors
     async def RegisterAdapter(self, request, context):
         self._require_admin(context)
-        pack.validate.check_name(request.name)
-        if not request.uri:
-            raise invalid("uri is required (file:///path, s3://bucket/prefix or hf://org/name[@revision])")
-        return await asyncio.to_thread(self._register, request.name, request.uri, request.revision or None)
+        try:
+            pack.validate.check_name(request.name)
+            if not request.uri:
+                raise invalid("uri is required (file:///path, s3://bucket/prefix or hf://org/name[@revision])")
+            manifest = await asyncio.to_thread(self._register, request.name, request.uri, request.revision or None)
+        except StatusError as exc:
+            self.metrics.rejections.labels(exc.code.name).inc()
+            raise
+        self.metrics.registrations.inc()
+        return manifest
 
     def _register(self, name: str, uri: str, revision: str | None) -> pb.AdapterManifest:
         t0 = time.perf_counter()
@@ -169,6 +178,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         chunk = request.chunk_bytes or DEFAULT_CHUNK
         if chunk > MAX_CHUNK:
             raise invalid(f"chunk_bytes {chunk} is above the maximum of {MAX_CHUNK}")
+        t0 = time.perf_counter()
         blob, tier, sha256 = await self._shard(manifest, request.layout, request.rank)
         yield spb.ShardChunk(header=spb.ShardHeader(
             manifest=manifest, layout_hash=layout_hash(request.layout), total_bytes=len(blob), cache_tier=tier))
@@ -176,6 +186,8 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         for start in range(0, len(blob), chunk):
             yield spb.ShardChunk(data=bytes(view[start : start + chunk]))
         yield spb.ShardChunk(trailer=spb.ShardTrailer(sha256=sha256))
+        self.metrics.fetch_bytes.labels(tier).inc(len(blob))
+        self.metrics.fetch.labels(tier).observe(time.perf_counter() - t0)
 
     async def _shard(self, manifest: pb.AdapterManifest, layout: pb.Layout, rank: pb.ShardRank) -> tuple[bytes, str, str]:
         """(blob, tier, sha256 hex) from the first cache tier that has it, else packed once
@@ -184,7 +196,9 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         key = pack.shard_key(manifest.digest, layout, rank)
         hit = await asyncio.to_thread(self.cache.read, key)
         if hit is not None:
+            self.metrics.cache_hits.labels(hit[1]).inc()
             return hit
+        self.metrics.cache_misses.inc()
         if key in self._inflight:
             return await asyncio.shield(self._inflight[key])
         future = asyncio.get_running_loop().create_future()
@@ -220,8 +234,10 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             except StatusError as e:  # too large for the cache budget: still served, not kept
                 log.warning("shard of %s not cached: %s", manifest.name, e.message)
             blobs.append(blob)
+        seconds = time.perf_counter() - t0
+        self.metrics.pack.observe(seconds)
         log.info("packed %s for layout %s, %d rank(s), %d bytes in %.2fs", manifest.name,
-                 layout_hash(layout)[:12], len(ranks), sum(map(len, blobs)), time.perf_counter() - t0)
+                 layout_hash(layout)[:12], len(ranks), sum(map(len, blobs)), seconds)
         return blobs
 
     def _loaded(self, manifest: pb.AdapterManifest) -> pack.PeftAdapter:
@@ -279,7 +295,8 @@ def clean_staging(staging: Path) -> None:
 
 
 async def serve(cfg: StoreConfig) -> tuple[RunningServer, int]:
-    """Starts the store on cfg.listen (with the standard health service); returns (server, port).
+    """Starts the store on cfg.listen (with the standard health service and reflection; TLS when
+    cfg.tls; /metrics when cfg.metrics_listen); returns (server, port).
     `server.drain(grace_s)` stops it: see loraserve/serving.py."""
     services = []
 
@@ -287,7 +304,11 @@ async def serve(cfg: StoreConfig) -> tuple[RunningServer, int]:
         services.append(AdapterStoreService(cfg))
         spb_grpc.add_AdapterStoreServicer_to_server(services[0], server)
 
-    server = await start_server(cfg.listen, add, (SERVICE_NAME,))
+    server = await start_server(cfg.listen, add, (SERVICE_NAME,), tls=cfg.tls)
     server.on_drain.append(services[0].drain)
+    metrics_server = serve_metrics(services[0].metrics.registry, cfg.metrics_listen)
+    if metrics_server is not None:
+        server.on_drain.append(lambda grace_s: metrics_server.stop())
+        server.metrics_port = metrics_server.port
     log.info("adapter store listening on %s (data %s, redis %s)", cfg.listen, cfg.data_dir, cfg.redis_url or "off")
     return server, server.port

@@ -11,7 +11,8 @@ import json
 import time
 from pathlib import Path
 
-from loraserve.cli import EXECUTOR_ADDR, STORE_ADDR, add_drain_flag, add_store_flags, env, serve_until_signal, store_config
+from loraserve.cli import (EXECUTOR_ADDR, STORE_ADDR, add_client_tls_flags, add_drain_flag, add_store_flags, client_tls, env,
+                           metrics_listen, serve_until_signal, store_config)
 from loraserve.serving import check_listen
 from loraserve.defaults import DEFAULT_BASE_MODEL, DEMO_ADAPTERS, smollm2_gguf_path
 
@@ -54,12 +55,25 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
                    help="text/chat prompts above this many UTF-8 bytes are refused before tokenizing (0: 32 x max-model-len)")
     p.add_argument("--http-port", type=int, default=int(env("http_port", HTTP_PORT)),
                    help="port of the OpenAI-compatible HTTP API, on --executor-listen's host (0: off)")
+    p.add_argument("--executor-tls-cert", default=env("executor_tls_cert"), help="PEM certificate: gRPC serves TLS only (with --executor-tls-key)")
+    p.add_argument("--executor-tls-key", default=env("executor_tls_key"), help="PEM private key of --executor-tls-cert")
+    p.add_argument("--executor-tls-client-ca", default=env("executor_tls_client_ca"),
+                   help="PEM CA: mutual TLS, gRPC clients must present a certificate it signed")
+    p.add_argument("--store-tls-ca", default=env("store_tls_ca"), help="PEM CA to check the store's TLS certificate with (turns TLS on)")
+    p.add_argument("--store-tls-cert", default=env("store_tls_cert"), help="PEM client certificate for a store that requires one (mTLS)")
+    p.add_argument("--store-tls-key", default=env("store_tls_key"), help="PEM private key of --store-tls-cert")
+    p.add_argument("--executor-metrics-port", type=int, default=int(env("executor_metrics_port", 0)),
+                   help="port of Prometheus' /metrics, on --executor-listen's host (0: off)")
+    p.add_argument("--metrics-max-adapters", type=int, default=int(env("metrics_max_adapters", 32)),
+                   help="adapters named in metric labels (the first seen); the rest count as _other")
 
 
 def executor_config(a: argparse.Namespace):
     import torch
 
     from loraserve.executor.config import ExecutorConfig
+    from loraserve.tls import client_tls as make_client_tls
+    from loraserve.tls import server_tls
 
     model, base = a.model, a.base_model
     if model is None:
@@ -76,18 +90,27 @@ def executor_config(a: argparse.Namespace):
         adapter_refresh_s=a.adapter_refresh_s, store_timeout_s=a.store_timeout_s, max_prompt_bytes=a.max_prompt_bytes,
         enforce_eager=a.enforce_eager,
         http_listen=f"{a.executor_listen.rsplit(':', 1)[0]}:{a.http_port}" if a.http_port else "",
+        tls=server_tls(a.executor_tls_cert, a.executor_tls_key, a.executor_tls_client_ca),
+        store_tls=make_client_tls(a.store_tls_ca, a.store_tls_cert, a.store_tls_key),
+        metrics_listen=metrics_listen(a.executor_listen, a.executor_metrics_port), metrics_max_adapters=a.metrics_max_adapters,
     )
 
 
 def cmd_executor(a) -> int:
-    from loraserve.executor.service import build_executor, serve, shutdown
+    from loraserve.executor.service import build_executor, open_server, serve, shutdown
 
     cfg = executor_config(a)
     check_listen(cfg.listen_address)  # before the model is loaded
 
     async def main():
-        parts = build_executor(cfg)
-        server, port = await serve(parts, cfg.listen_address)
+        # The port answers at once (health NOT_SERVING, RPCs UNAVAILABLE) while the model loads.
+        opened = await open_server(cfg, cfg.listen_address)
+        try:
+            parts = await asyncio.to_thread(build_executor, cfg)
+        except BaseException:
+            await opened[0].drain(0)
+            raise
+        server, port = await serve(parts, cfg.listen_address, opened)
         http = f", OpenAI-compatible HTTP on port {parts.http.port}" if parts.http else ""
         print(f"executor serving gRPC on port {port}{http} (store {cfg.store_address}; Ctrl-C or SIGTERM to stop)", flush=True)
         try:
@@ -117,7 +140,7 @@ def cmd_up(a) -> int:
     async def main():
         store_server, store_port = await serve_store(scfg)
         ecfg.store_address = f"127.0.0.1:{store_port}"
-        names = await asyncio.to_thread(register_demo_adapters, ecfg.store_address, demo_dir, scfg.admin_token)
+        names = await asyncio.to_thread(register_demo_adapters, ecfg.store_address, demo_dir, scfg.admin_token, ecfg.store_tls)
         parts = build_executor(ecfg)
         server, port = await serve(parts, ecfg.listen_address)
         try:
@@ -144,10 +167,10 @@ def curl_example(port: int, adapter: str, base_model: str) -> str:
             f"       -d '{json.dumps(body)}'")
 
 
-def register_demo_adapters(store_address: str, demo_dir: Path, token: str | None) -> list[str]:
+def register_demo_adapters(store_address: str, demo_dir: Path, token: str | None, tls=None) -> list[str]:
     from loraserve.client import StoreClient
 
-    client = StoreClient(store_address, token=token)
+    client = StoreClient(store_address, token=token, tls=tls)
     names = []
     for d in sorted(p for p in demo_dir.iterdir() if (p / "adapter_config.json").is_file()):
         m = client.register(d.name, str(d))
@@ -169,7 +192,7 @@ async def run_demo_batch(parts, names: list[str], make_request) -> None:
 
     async def one(adapter, prompt):
         req = to_generation_request(make_request(prompt, adapter, max_tokens=40), _NoDeadline())
-        return "".join([out.text async for out in parts.engine.generate(req)])
+        return "".join([out.text async for out in parts.generate(req)])
 
     t0 = time.perf_counter()
     answers = await asyncio.gather(*(one(ad, p) for ad, p in jobs))
@@ -182,7 +205,7 @@ async def run_demo_batch(parts, names: list[str], make_request) -> None:
 def _executor(a):
     from loraserve.client import ExecutorClient
 
-    return ExecutorClient(a.executor, token=a.token)
+    return ExecutorClient(a.executor, token=a.token, tls=client_tls(a))
 
 
 def cmd_generate(a) -> int:
@@ -237,6 +260,7 @@ def add_commands(sub) -> None:
         q = sub.add_parser(name, help=help)
         q.add_argument("--executor", default=env("executor", EXECUTOR_ADDR), help="executor address")
         q.add_argument("--token", default=env("executor_admin_token"), help="admin token")
+        add_client_tls_flags(q)
         return q
 
     q = client_parser("generate", "generate text with an adapter (or the base model)")

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from loraserve.metrics import DEFAULT_MAX_ADAPTER_LABELS
+from loraserve.tls import ClientTls, ServerTls
+
 # Tokens of real vocabularies rarely exceed 16 bytes; twice that leaves room for chat markup
 # and whitespace runs, so a prompt that fits max_model_len tokens is never refused by bytes.
 PROMPT_BYTES_PER_TOKEN = 32
@@ -57,6 +60,10 @@ class ExecutorConfig:
     listen_address: str = "0.0.0.0:50052"
     admin_token: str | None = None  # None: admin RPCs are open
     http_listen: str = ""  # host:port of the OpenAI-compatible HTTP front (executor/http.py); "": off
+    tls: ServerTls | None = None  # the gRPC server's certificate (and client CA: mutual TLS); None: plaintext
+    store_tls: ClientTls | None = None  # how to reach a store that serves TLS; None: plaintext
+    metrics_listen: str = ""  # host:port of Prometheus' /metrics (loraserve/metrics.py); "": off
+    metrics_max_adapters: int = DEFAULT_MAX_ADAPTER_LABELS  # adapters named in metric labels; the rest: "_other"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

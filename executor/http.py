@@ -215,7 +215,7 @@ class Front:
 
     async def run(self, req: GenerationRequest, chat: bool, stream: bool, include_usage: bool, model: str, request: Request):
         """The response of one request; errors before its first output get their HTTP status."""
-        outputs = self.engine.generate(req)
+        outputs = self.parts.generate(req)
         try:
             first = await outputs.__anext__()
         except BaseException:

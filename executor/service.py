@@ -18,7 +18,8 @@ import torch
 
 from loraserve import __version__
 from loraserve.auth import require_admin
-from loraserve.errors import StatusError, grpc_errors, invalid
+from loraserve.errors import StatusError, grpc_errors, invalid, unavailable
+from loraserve.metrics import ExecutorMetrics, MetricsServer, serve_metrics
 from loraserve.serving import RunningServer, start_server
 from loraserve.v1 import executor_pb2 as epb
 from loraserve.v1 import executor_pb2_grpc as epb_grpc
@@ -49,6 +50,13 @@ class ExecutorParts:
     refresher: asyncio.Task | None = None  # executor/refresh.py's loop, started by serve()
     store_watch: asyncio.Task | None = None  # StoreClient.watch, started by serve()
     http: HttpFront | None = None  # the OpenAI-compatible front, started by serve() when config.http_listen
+    metrics: ExecutorMetrics | None = None
+    metrics_server: MetricsServer | None = None  # /metrics, started by serve() when config.metrics_listen
+
+    def generate(self, req: GenerationRequest):
+        """Engine.generate, counted in the metrics (off the step loop: in the caller's task)."""
+        outputs = self.engine.generate(req)
+        return self.metrics.track(outputs, req.adapter) if self.metrics is not None else outputs
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
@@ -104,8 +112,10 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     tokenizer = load_tokenizer(cfg.model, cfg.cache_dir)
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
-    store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size), timeout_s=cfg.store_timeout_s)
+    store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size), timeout_s=cfg.store_timeout_s,
+                        tls=cfg.store_tls)
     modules = lora_modules(model)
+    metrics = ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters)
 
     def clear_slot(slot: int) -> None:
         for m in modules.values():
@@ -114,13 +124,14 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     slots = SlotManager(
         store.fetch_shard, lambda slot, tensors: load_shard_into_slot(model, slot, tensors), clear_slot,
         max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters, device=cfg.torch_device,
-        slot_wait_timeout_s=cfg.slot_wait_timeout_s,
+        slot_wait_timeout_s=cfg.slot_wait_timeout_s, observer=metrics,
     )
     engine = Engine(model, tokenizer, kv, slots, cfg)
+    metrics.attach(engine, slots, cfg.max_loras)
     log.info("executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d, %d KV blocks of %d",
              time.perf_counter() - t0, cfg.model, cfg.device, cfg.dtype, mc.num_layers, cfg.max_loras,
              cfg.max_rank, cfg.num_blocks, cfg.block_size)
-    return ExecutorParts(engine, slots, store, cfg)
+    return ExecutorParts(engine, slots, store, cfg, metrics=metrics)
 
 
 def to_generation_request(req: epb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:
@@ -150,15 +161,30 @@ def state_pb(s: AdapterState) -> epb.AdapterState:
 
 
 class ExecutorService(epb_grpc.ExecutorServicer):
-    def __init__(self, parts: ExecutorParts):
-        self.parts = parts
-        self.engine, self.slots, self.cfg = parts.engine, parts.slots, parts.config
+    """Serves once `parts` is set; before that (the model still loading) every RPC is UNAVAILABLE."""
+
+    def __init__(self, parts: ExecutorParts | None = None):
+        self._parts = parts
+
+    @property
+    def parts(self) -> ExecutorParts:
+        if self._parts is None:
+            raise unavailable("the executor is loading its model; try again shortly")
+        return self._parts
+
+    @property
+    def slots(self) -> SlotManager:
+        return self.parts.slots
+
+    @property
+    def cfg(self) -> ExecutorConfig:
+        return self.parts.config
 
     @grpc_errors
     async def Generate(self, request, context):
         ids, logprobs, text = [], [], []
         last: GenerationOutput | None = None
-        async for out in self.engine.generate(to_generation_request(request, context)):
+        async for out in self.parts.generate(to_generation_request(request, context)):
             ids += out.token_ids
             logprobs += out.logprobs
             text.append(out.text)
@@ -170,7 +196,7 @@ class ExecutorService(epb_grpc.ExecutorServicer):
 
     @grpc_errors
     async def GenerateStream(self, request, context):
-        async for out in self.engine.generate(to_generation_request(request, context)):
+        async for out in self.parts.generate(to_generation_request(request, context)):
             yield epb.GenerateStreamResponse(
                 request_id=out.request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
                 finish_reason=FINISH.get(out.finish_reason, epb.FINISH_REASON_UNSPECIFIED),
@@ -218,17 +244,28 @@ class ExecutorService(epb_grpc.ExecutorServicer):
         )
 
 
-async def serve(parts: ExecutorParts, listen: str) -> tuple[RunningServer, int]:
-    """Starts the engine, the gRPC server (with health) and, if configured, the HTTP front;
-    returns gRPC's (server, port); the HTTP front's port is parts.http.port.
+async def open_server(cfg: ExecutorConfig, listen: str) -> tuple[RunningServer, ExecutorService]:
+    """The gRPC server, bound and answering before the model is loaded: health NOT_SERVING, every
+    Executor RPC UNAVAILABLE, until serve(parts, listen, opened=(server, service)) completes."""
+    service = ExecutorService()
+    server = await start_server(listen, lambda s: epb_grpc.add_ExecutorServicer_to_server(service, s),
+                                (SERVICE_NAME,), tls=cfg.tls, serving=False)
+    return server, service
+
+
+async def serve(parts: ExecutorParts, listen: str,
+                opened: tuple[RunningServer, ExecutorService] | None = None) -> tuple[RunningServer, int]:
+    """Starts the engine, the gRPC server (with health and reflection; or takes the one `open_server`
+    opened), the HTTP front and /metrics as configured; health turns SERVING last. Returns gRPC's
+    (server, port); the HTTP front's port is parts.http.port, /metrics' parts.metrics_server.port.
     `shutdown(server, parts, grace_s)` stops them all."""
     parts.engine.start()
     try:
-        server = await start_server(
-            listen, lambda s: epb_grpc.add_ExecutorServicer_to_server(ExecutorService(parts), s), (SERVICE_NAME,))
+        server, service = opened or await open_server(parts.config, listen)
     except BaseException:
         await parts.engine.stop()
         raise
+    service._parts = parts
     loop = asyncio.get_running_loop()
     parts.store_watch = loop.create_task(parts.store.watch())
     if parts.config.adapter_refresh_s > 0:
@@ -236,6 +273,9 @@ async def serve(parts: ExecutorParts, listen: str) -> tuple[RunningServer, int]:
     log.info("executor listening on %s (store %s)", listen, parts.config.store_address)
     if parts.config.http_listen:
         parts.http = await serve_http(parts, parts.config.http_listen)
+    if parts.config.metrics_listen and parts.metrics is not None:
+        parts.metrics_server = serve_metrics(parts.metrics.registry, parts.config.metrics_listen)
+    await server.set_serving()
     return server, server.port
 
 
@@ -249,3 +289,5 @@ async def shutdown(server: RunningServer, parts: ExecutorParts, grace_s: float =
             await asyncio.gather(task, return_exceptions=True)
     await parts.engine.stop()
     await parts.store.close()
+    if parts.metrics_server is not None:
+        parts.metrics_server.stop()

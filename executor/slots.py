@@ -42,6 +42,16 @@ log = logging.getLogger(__name__)
 FetchShard = Callable[[str], Awaitable[tuple[str, int, dict[str, torch.Tensor], int]]]
 
 
+class SlotObserver:
+    """Told of slot hits, misses, evictions and load times (loraserve/metrics.py's ExecutorMetrics
+    is one); on the event loop, so each call must be cheap. This one ignores them."""
+
+    def slot_hit(self) -> None: ...
+    def slot_miss(self) -> None: ...
+    def slot_eviction(self) -> None: ...
+    def adapter_loaded(self, tier: str, seconds: float) -> None: ...
+
+
 @dataclass(eq=False)
 class SlotLease:
     """A running request's hold on an adapter's slot; give it back with SlotManager.release."""
@@ -115,6 +125,7 @@ class SlotManager:
         max_cpu_adapters: int,
         device: torch.device,
         slot_wait_timeout_s: float = 30.0,
+        observer: SlotObserver | None = None,
     ):
         self._fetch_shard = fetch_shard
         self._copy_into_slot = copy_into_slot
@@ -123,6 +134,7 @@ class SlotManager:
         self.max_cpu_adapters = max_cpu_adapters
         self.device = torch.device(device)
         self.slot_wait_timeout_s = slot_wait_timeout_s
+        self.observer = observer or SlotObserver()
         self._adapters: dict[str, _Adapter] = {}
         self._slots: list[_Adapter | None] = [None] * max_loras
         self._clearing: set[int] = set()  # slots being zeroed after an evict
@@ -141,6 +153,10 @@ class SlotManager:
         try:
             if a.stale:
                 await self._switch_version(a)
+            if a.slot >= 0 and a.slot_task is None:
+                self.observer.slot_hit()
+            else:
+                self.observer.slot_miss()
             await self._ensure_slot(a)
             a.in_use += 1
         finally:
@@ -328,6 +344,7 @@ class SlotManager:
             await asyncio.shield(a.slot_task)
 
     async def _load_slot(self, a: _Adapter) -> None:
+        t0, tier = time.perf_counter(), "cpu" if a.tensors is not None else "store"
         try:
             digest, tensors = await self._ensure_cpu(a)
             slot = await self._claim_slot(a)
@@ -341,6 +358,7 @@ class SlotManager:
                     raise invalid(f"adapter {a.name!r} does not fit this executor's LoRA slots: {exc}") from exc
                 raise
             log.info("adapter %s (digest %s, rank %d) -> slot %d", a.name, a.digest[:12], a.rank, slot)
+            self.observer.adapter_loaded(tier, time.perf_counter() - t0)
         finally:
             a.slot_task = None
             self._forget_if_unused(a)
@@ -390,6 +408,7 @@ class SlotManager:
         old = self._slots[slot]
         if old is not None:
             log.info("slot %d: evicting adapter %s (least recently used) for %s", slot, old.name, a.name)
+            self.observer.slot_eviction()
             old.slot, old.event = -1, None
             self._forget_if_unused(old)
         self._slots[slot], a.slot = a, slot

@@ -20,6 +20,7 @@ from safetensors.torch import load as st_load
 
 from loraserve.client import ShardAssembler
 from loraserve.errors import StatusError, unavailable
+from loraserve.tls import ClientTls, secure_or_insecure_channel
 from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
@@ -39,8 +40,10 @@ HEALTH_INTERVAL_S = 1.0
 class StoreClient:
     """Fetches this rank's shard of an adapter for the executor's layout (grpc.aio)."""
 
-    def __init__(self, address: str, layout: pb.Layout, rank: pb.ShardRank | None = None, timeout_s: float = 5.0):
+    def __init__(self, address: str, layout: pb.Layout, rank: pb.ShardRank | None = None, timeout_s: float = 5.0,
+                 tls: ClientTls | None = None):
         self.address = address
+        self.tls = tls
         self.layout = layout
         self.rank = rank or pb.ShardRank()
         self.timeout_s = timeout_s
@@ -52,7 +55,7 @@ class StoreClient:
 
     def _channel(self) -> grpc.aio.Channel:
         if self.channel is None:
-            self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self.channel = secure_or_insecure_channel(self.address, self.tls, CHANNEL_OPTIONS, aio=True)
         return self.channel
 
     async def fetch_shard(self, name: str) -> tuple[str, int, dict[str, torch.Tensor], int]:

@@ -65,6 +65,30 @@ def add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-offline", action="store_true", default=_bool_env("hf_offline") or os.environ.get("HF_HUB_OFFLINE") == "1")
     p.add_argument("--admin-token", default=env("admin_token"),
                    help="require this bearer token for register/delete/prefetch (with `up`: also for the executor's load/pin/unpin/evict)")
+    p.add_argument("--tls-cert", default=env("tls_cert"), help="PEM certificate: the store serves TLS only (with --tls-key)")
+    p.add_argument("--tls-key", default=env("tls_key"), help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=env("tls_client_ca"),
+                   help="PEM CA: mutual TLS, clients must present a certificate it signed")
+    p.add_argument("--metrics-port", type=int, default=int(env("metrics_port", 0)),
+                   help="port of Prometheus' /metrics, on --listen's host (0: off)")
+
+
+def add_client_tls_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=env("client_tls_ca"), help="PEM CA to check a TLS server with (turns TLS on)")
+    p.add_argument("--tls-cert", default=env("client_tls_cert"), help="PEM client certificate, for mutual TLS (turns TLS on)")
+    p.add_argument("--tls-key", default=env("client_tls_key"), help="PEM private key of --tls-cert")
+    p.add_argument("--tls", action="store_true", default=_bool_env("client_tls"), help="TLS with the system's root CAs")
+
+
+def client_tls(a: argparse.Namespace):
+    from loraserve.tls import client_tls as make
+
+    return make(a.tls_ca, a.tls_cert, a.tls_key, enabled=a.tls)
+
+
+def metrics_listen(listen: str, port: int) -> str:
+    """host:port of /metrics: the service's host, the given port; "" when port is 0 (off)."""
+    return f"{listen.rsplit(':', 1)[0]}:{port}" if port else ""
 
 
 def store_config(a: argparse.Namespace):
@@ -72,6 +96,7 @@ def store_config(a: argparse.Namespace):
     from loraserve.adapter_store.sources import SourceConfig
     from loraserve.adapter_store.validate import Limits
     from loraserve.defaults import DEFAULT_BASE_MODEL, smollm2_gguf_path
+    from loraserve.tls import server_tls
 
     base_name, base_path = a.base_model, a.base_model_path
     if not a.any_base_model and base_path is None and not base_name:
@@ -83,6 +108,7 @@ def store_config(a: argparse.Namespace):
         base_model_path=None if a.any_base_model else base_path,
         disk_cache_bytes=int(a.disk_cache_gb * 2**30), redis_url=a.redis_url, redis_prefix=a.redis_prefix,
         redis_cache_bytes=int(a.redis_cache_gb * 2**30), admin_token=a.admin_token,
+        tls=server_tls(a.tls_cert, a.tls_key, a.tls_client_ca), metrics_listen=metrics_listen(a.listen, a.metrics_port),
         limits=Limits(max_rank=a.max_rank, max_adapter_bytes=max_bytes, allow_pickle=a.allow_pickle),
         sources=SourceConfig(
             local_roots=roots, s3_endpoint_url=a.s3_endpoint_url, s3_region=a.s3_region,
@@ -119,7 +145,7 @@ def cmd_store(a) -> int:
 def _store(a):
     from loraserve.client import StoreClient
 
-    return StoreClient(a.store, token=a.token)
+    return StoreClient(a.store, token=a.token, tls=client_tls(a))
 
 
 def _print_manifest(m) -> None:
@@ -185,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("adapters", help="register, list, show, delete, prefetch or fetch adapters in a store")
     p.add_argument("--store", default=env("store", STORE_ADDR), help="store address")
     p.add_argument("--token", default=env("admin_token"), help="admin token")
+    add_client_tls_flags(p)
     acts = p.add_subparsers(dest="action", required=True)
     r = acts.add_parser("register", help="fetch, validate and keep an adapter")
     r.add_argument("name")
@@ -216,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     except StatusError as e:
         print(f"error: {e.code.name}: {e.message}", file=sys.stderr)
         return 1
-    except ListenError as e:
+    except (ListenError, ValueError) as e:  # ValueError: a bad TLS file or flag combination
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -6,6 +6,9 @@
 
     ex = ExecutorClient("127.0.0.1:50051")
     print(ex.generate("Hello", adapter="pirate").text)
+
+    # TLS: check the server against a CA; with a client certificate for mutual TLS
+    store = StoreClient("store.example:50061", tls=ClientTls("ca.pem", "client.pem", "client-key.pem"))
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import hashlib
 import grpc
 
 from loraserve.errors import StatusError
+from loraserve.tls import ClientTls, secure_or_insecure_channel
 from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
@@ -70,8 +74,8 @@ def _raise(e: grpc.RpcError):
 class _Client:
     """A blocking channel, a stub, and the admin token sent on mutating calls."""
 
-    def __init__(self, address: str, stub_class, token: str | None, timeout_s: float):
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, stub_class, token: str | None, timeout_s: float, tls: ClientTls | None = None):
+        self.channel = secure_or_insecure_channel(address, tls)
         self.stub = stub_class(self.channel)
         self.md = _metadata(token)
         self.timeout_s = timeout_s
@@ -87,8 +91,8 @@ class _Client:
 
 
 class StoreClient(_Client):
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = 300.0):
-        super().__init__(address, spb_grpc.AdapterStoreStub, token, timeout_s)
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 300.0, tls: ClientTls | None = None):
+        super().__init__(address, spb_grpc.AdapterStoreStub, token, timeout_s, tls)
 
     def register(self, name: str, uri: str, revision: str = "") -> pb.AdapterManifest:
         return self._call(self.stub.RegisterAdapter, spb.RegisterAdapterRequest(name=name, uri=uri, revision=revision), admin=True)
@@ -123,8 +127,8 @@ class StoreClient(_Client):
 
 
 class ExecutorClient(_Client):
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = 600.0):
-        super().__init__(address, epb_grpc.ExecutorStub, token, timeout_s)
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 600.0, tls: ClientTls | None = None):
+        super().__init__(address, epb_grpc.ExecutorStub, token, timeout_s, tls)
 
     def generate(self, prompt: str = "", adapter: str = "", chat: bool = True, **sampling) -> epb.GenerateResponse:
         return self._call(self.stub.Generate, make_request(prompt, adapter, chat, **sampling))

@@ -1,8 +1,13 @@
-"""What both services share about running a gRPC server: listening, health, and a clean stop.
+"""What both services share about running a gRPC server: listening, TLS, health, reflection, a clean stop.
 
 - `start_server` binds without SO_REUSEPORT (gRPC's default turns it on, which lets a second
   server share a busy port and split its connections) and fails with "could not listen on
   HOST:PORT: address in use" instead.
+- `start_server(..., tls=ServerTls(...))` serves TLS (mutual TLS with a client CA) instead of
+  plaintext; every server also serves gRPC server reflection (so `grpcurl` works) for its
+  services and the health service.
+- Health reports NOT_SERVING until `RunningServer.set_serving()` when the server is started
+  with `serving=False` (the executor, while its model loads), and again from the drain on.
 - `RunningServer.drain(grace_s)` is the one way to stop: health goes NOT_SERVING, new RPCs are
   refused, in-flight ones get `grace_s` to finish, then are cancelled.
 - `wait_for_stop_signal` turns SIGTERM (Kubernetes) and SIGINT (Ctrl-C) into that same drain.
@@ -20,6 +25,9 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from loraserve.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +60,13 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    services: tuple[str, ...] = ()
+    metrics_port: int = 0  # the /metrics port, when the service serves one
     on_drain: list[Callable[[float], None]] = field(default_factory=list)  # told the grace first
+
+    async def set_serving(self) -> None:
+        for name in ("", *self.services):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     async def drain(self, grace_s: float) -> None:
         """Stops accepting RPCs and gives the in-flight ones `grace_s` seconds before cancelling them."""
@@ -69,13 +83,16 @@ class RunningServer:
         return await self.server.wait_for_termination()
 
 
-async def start_server(listen: str, add_servicers: Callable[[grpc.aio.Server], None], services: tuple[str, ...]) -> RunningServer:
-    """A started gRPC server on `listen` with the standard health service SERVING for `services`.
+async def start_server(listen: str, add_servicers: Callable[[grpc.aio.Server], None], services: tuple[str, ...],
+                       tls: ServerTls | None = None, serving: bool = True) -> RunningServer:
+    """A started gRPC server on `listen` with the standard health service SERVING for `services`
+    (NOT_SERVING until `set_serving()` when `serving` is False) and server reflection.
     `add_servicers` runs once the address is bound, so a service that fails to listen has not
     touched its data yet (the store cleans its staging folder when it is built)."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
+    credentials = tls.credentials() if tls is not None else None  # a bad file fails before the bind
     try:
-        port = server.add_insecure_port(listen)
+        port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
     except RuntimeError:
         port = 0
     if port == 0:
@@ -84,10 +101,15 @@ async def start_server(listen: str, add_servicers: Callable[[grpc.aio.Server], N
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     await server.start()
-    for name in ("", *services):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, port, health_servicer)
+    running = RunningServer(server, port, health_servicer, tuple(services))
+    if serving:
+        await running.set_serving()
+    else:
+        for name in ("", *services):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return running
 
 
 async def wait_for_stop_signal() -> str:

@@ -1,7 +1,8 @@
 """The Helm chart and the container file, checked without helm, docker or a network.
 
-CI has no `helm` binary, so the chart is never rendered here. What is checked instead, against
-the real code wherever there is code to check against:
+CI has no `helm` binary; tests/deploy/test_helm.py renders the chart with Helm's own engine (the
+helm-python-sdk package). What is checked here, against the real code wherever there is code to
+check against:
 
 - Chart.yaml and values.yaml parse and carry the keys the chart and its README rely on;
 - every `.Values.x.y` a template reads exists in values.yaml, and every value is read somewhere;

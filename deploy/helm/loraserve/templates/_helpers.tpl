@@ -58,9 +58,25 @@ app.kubernetes.io/component: {{ index . 1 }}
   readOnly: true
 {{- end }}
 
+{{/* The TLS Secret (tls.existingSecret), mounted read-only in the store and every executor. */}}
+{{- define "loraserve.tlsVolume" -}}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.existingSecret }}
+{{- end }}
+
+{{- define "loraserve.tlsMount" -}}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
+
 {{/* Settings that only make sense together; checked at install time. */}}
 {{- define "loraserve.validate" -}}
 {{- if and (or .Values.model.name .Values.model.path) (not (and .Values.model.name .Values.model.path)) }}
 {{- fail "model.name and model.path go together: set both (and model.volume), or neither for the embedded SmolLM2" }}
+{{- end }}
+{{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
+{{- fail "tls.enabled needs tls.existingSecret: a Secret with tls.crt, tls.key and ca.crt" }}
 {{- end }}
 {{- end }}

@@ -1,0 +1,116 @@
+"""The chart rendered by Helm itself (helm-python-sdk bundles Helm v4's engine: no binary), linted,
+checked against values.schema.json, and every manifest validated by kubernetes-validate against
+two Kubernetes versions, with default and non-default values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from loraserve.cli import build_parser
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "loraserve"
+KUBE_VERSIONS = ("1.27.0", "1.33.0")  # the chart needs >= 1.24 (gRPC probes)
+CRDS = {"monitoring.coreos.com/v1"}  # the Prometheus Operator's: no schema in kubernetes-validate
+
+NON_DEFAULT = {
+    "tls": {"enabled": True, "existingSecret": "loraserve-tls", "mutual": True},
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}, "executorPort": 9400},
+    "redis": {"enabled": False, "url": "redis://redis.example:6379/1"},
+    "executor": {"replicaCount": 4, "gpu": {"count": 0}, "dtype": "bfloat16", "service": {"headless": True}},
+    "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "path": "/models/llama", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
+    "auth": {"storeAdminToken": "s", "executorAdminToken": "e"},
+    "s3": {"existingSecret": "aws", "endpointUrl": "http://minio:9000"},
+    "store": {"persistence": {"enabled": False}},
+}
+
+
+def render(values: dict) -> list[dict]:
+    out = helm.Chart.load(CHART).render(values, name="lora", namespace="ml", is_install=True)
+    docs = []
+    for path, text in out.items():
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+@pytest.fixture(scope="module", params=["default", "non-default"])
+def manifests(request):
+    return request.param, render({} if request.param == "default" else NON_DEFAULT)
+
+
+def test_lint_finds_no_error_or_warning():
+    for values in ({}, NON_DEFAULT):
+        report = helm.lint(CHART, values, strict=True)
+        assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_every_manifest_validates_against_kubernetes(manifests, version):
+    _, docs = manifests
+    for doc in docs:
+        if doc["apiVersion"] in CRDS:
+            continue
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def kinds(docs) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for d in docs:
+        out.setdefault(d["kind"], []).append(d)
+    return out
+
+
+def container(docs, component: str) -> dict:
+    dep = next(d for d in kinds(docs)["Deployment"] if d["metadata"]["name"] == f"lora-loraserve-{component}")
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_rendered_args_parse_with_the_real_cli(manifests):
+    _, docs = manifests
+    parser = build_parser()
+    for component in ("store", "executor"):
+        args = container(docs, component)["args"]
+        parsed = parser.parse_args(args)
+        assert parsed.command == component
+
+
+def test_metrics_ports_tls_pdb_and_service_monitor(manifests):
+    which, docs = manifests
+    k = kinds(docs)
+    store, executor = container(docs, "store"), container(docs, "executor")
+    ports = {c["name"]: {p["name"]: p["containerPort"] for p in c["ports"]} for c in (store, executor)}
+    assert ports["store"]["metrics"] == 9091
+    assert ports["executor"]["metrics"] == (9090 if which == "default" else 9400)
+    assert f"--executor-metrics-port={ports['executor']['metrics']}" in executor["args"]
+    for svc in k["Service"]:
+        if svc["metadata"]["name"].endswith(("-store", "-executor")):
+            assert "metrics" in {p["name"] for p in svc["spec"]["ports"]}
+    pdb = k["PodDisruptionBudget"][0]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "executor"
+    if which == "default":
+        assert "ServiceMonitor" not in k and not any(a.startswith("--tls") or "tls" in a for a in store["args"])
+        assert "grpc" in executor["readinessProbe"]
+        return
+    monitors = {m["metadata"]["name"]: m for m in k["ServiceMonitor"]}
+    assert set(monitors) == {"lora-loraserve-store", "lora-loraserve-executor"}
+    for m in monitors.values():
+        assert m["metadata"]["labels"]["release"] == "prometheus" and m["spec"]["endpoints"][0]["port"] == "metrics"
+    assert {"--tls-cert=/etc/loraserve/tls/tls.crt", "--tls-client-ca=/etc/loraserve/tls/ca.crt"} <= set(store["args"])
+    assert {"--executor-tls-client-ca=/etc/loraserve/tls/ca.crt", "--store-tls-ca=/etc/loraserve/tls/ca.crt",
+            "--store-tls-cert=/etc/loraserve/tls/tls.crt"} <= set(executor["args"])
+    assert "tcpSocket" in executor["readinessProbe"]  # the kubelet's gRPC probe speaks no TLS
+
+
+def test_schema_refuses_wrong_values():
+    with pytest.raises(helm.HelmValuesError, match="at '/executor/port': got string, want integer"):
+        render({"executor": {"port": "fifty"}})
+    with pytest.raises(helm.HelmValuesError, match="additional properties 'replicas' not allowed"):
+        render({"executor": {"replicas": 3}})
+    with pytest.raises(helm.HelmRenderError, match="tls.enabled needs tls.existingSecret"):
+        render({"tls": {"enabled": True}})
