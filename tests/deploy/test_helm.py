@@ -21,7 +21,8 @@ NON_DEFAULT = {
     "tls": {"enabled": True, "existingSecret": "loraserve-tls", "mutual": True},
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}, "executorPort": 9400},
     "redis": {"enabled": False, "url": "redis://redis.example:6379/1"},
-    "executor": {"replicaCount": 4, "gpu": {"count": 0}, "dtype": "bfloat16", "service": {"headless": True}},
+    "executor": {"replicaCount": 4, "gpu": {"count": 0}, "dtype": "bfloat16", "service": {"headless": True},
+                 "httpPort": 0, "enforceEager": True},
     "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "path": "/models/llama", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
     "auth": {"storeAdminToken": "s", "executorAdminToken": "e"},
     "s3": {"existingSecret": "aws", "endpointUrl": "http://minio:9000"},
@@ -114,3 +115,18 @@ def test_schema_refuses_wrong_values():
         render({"executor": {"replicas": 3}})
     with pytest.raises(helm.HelmRenderError, match="tls.enabled needs tls.existingSecret"):
         render({"tls": {"enabled": True}})
+
+
+def test_executor_http_port_and_eager_flag(manifests):
+    """The OpenAI-compatible HTTP port is on the pod and the Service by default; 0 removes it."""
+    which, docs = manifests
+    executor = container(docs, "executor")
+    service = next(s for s in kinds(docs)["Service"] if s["metadata"]["name"].endswith("-executor"))
+    pod_ports = {p["name"]: p["containerPort"] for p in executor["ports"]}
+    svc_ports = {p["name"] for p in service["spec"]["ports"]}
+    if which == "default":
+        assert pod_ports["http"] == 8000 and "http" in svc_ports
+        assert "--http-port=8000" in executor["args"] and "--enforce-eager" not in executor["args"]
+    else:
+        assert "http" not in pod_ports and "http" not in svc_ports
+        assert "--http-port=0" in executor["args"] and "--enforce-eager" in executor["args"]
