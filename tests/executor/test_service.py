@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import logging
+import re
 import time
 from pathlib import Path
 
@@ -149,17 +151,24 @@ def check_against_reference(ref_model, ids: list[int], resp: epb.GenerateRespons
     assert torch.allclose(got, logprobs[torch.arange(len(out)), out], atol=2e-4), (got, logprobs[torch.arange(len(out)), out])
 
 
-def test_mixed_batches_match_transformers_peft(family, cluster, references):
+def test_mixed_batches_match_transformers_peft(family, cluster, references, caplog):
     client = cluster.client()
     # Two adapters + base rows at once fill both slots; run twice so other pairs get slots too.
     for group in (["qv8", "all4", "", "qv8"], ["mlp16", "", "o2", "mlp16"]):
+        slots = {name: client.load(name).slot for name in set(group) - {""}} | {"": -1}  # in slots before the burst
         jobs = [(name, prompt_ids(i)) for i, name in enumerate(group)]
-        with cf.ThreadPoolExecutor(len(jobs)) as pool:
-            resps = list(pool.map(lambda j: generate(client, *j), jobs))
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="loraserve.executor.engine.engine"):
+            with cf.ThreadPoolExecutor(len(jobs)) as pool:
+                resps = list(pool.map(lambda j: generate(client, *j), jobs))
         for (name, ids), resp in zip(jobs, resps):
             check_against_reference(references[name], ids, resp)
             if name:
                 assert resp.adapter_digest == cluster.store_client().get(name).digest
+        # They shared forward passes: some step ran the base model and both adapters together.
+        steps = [set(map(int, re.findall(r"-?\d+", m.group(1)))) for r in caplog.records
+                 if (m := re.search(r"^step: .* slots \[([^]]*)\]", r.getMessage()))]
+        assert steps and any(step >= set(slots.values()) for step in steps), (slots, steps)
 
 
 def test_five_adapters_over_two_slots_in_turn_and_concurrently(cluster, references):
