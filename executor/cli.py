@@ -236,7 +236,7 @@ def add_commands(sub) -> None:
     def client_parser(name, help):
         q = sub.add_parser(name, help=help)
         q.add_argument("--executor", default=env("executor", EXECUTOR_ADDR), help="executor address")
-        q.add_argument("--token", default=env("executor_admin_token"), help="admin token")
+        q.add_argument("--token", default=env("executor_admin_token"), help="the executor's admin token").env_var = "LORASERVE_EXECUTOR_ADMIN_TOKEN"
         return q
 
     q = client_parser("generate", "generate text with an adapter (or the base model)")

@@ -31,6 +31,74 @@ def cli(*args, check=True, env=None) -> subprocess.CompletedProcess:
     return proc
 
 
+# -- every flag reads its environment variable, and --help names it ---------------------------
+def _leaf_commands(parser, path=(), parents=()):
+    """(command words, the parsers along them) of every runnable command."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, (*parents, parser)
+        return
+    for name, sub in subs[0].choices.items():
+        yield from _leaf_commands(sub, (*path, name), (*parents, parser))
+
+
+def _sample_value(action) -> tuple[str, object]:
+    """A value for the flag's variable and what the flag must parse it to."""
+    import argparse
+
+    convert = action.type or str
+    if action.const is True:
+        return "true", True
+    if isinstance(action, argparse._AppendAction):
+        return f"a{os.pathsep}b", [convert("a"), convert("b")]
+    if action.choices:
+        choice = list(action.choices)[-1]
+        return str(choice), choice
+    text = {int: "7", float: "2.5"}.get(convert, "/some/where")
+    return text, convert(text)
+
+
+def test_every_flag_reads_its_environment_variable_and_help_names_it(monkeypatch):
+    import argparse
+
+    from loraserve.cli import build_parser, env_var
+
+    for name in [n for n in os.environ if n.startswith("LORASERVE_")]:
+        monkeypatch.delenv(name)
+    commands = list(_leaf_commands(build_parser()))
+    assert {" ".join(path) for path, _ in commands} >= {"up", "store", "executor", "adapters fetch", "generate", "load"}
+    checked = 0
+    for path, parsers in commands:
+        flags = [a for p in parsers for a in p._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+        values = {env_var(a): _sample_value(a) for a in flags}
+        for name, (text, _) in values.items():
+            monkeypatch.setenv(name, text)
+        parser = build_parser()  # reads the environment
+        fresh = dict(_leaf_commands(parser))[path]
+        args = parser.parse_args([*path, *["x"] * sum(not a.option_strings for a in fresh[-1]._actions)])
+        helps = " ".join("".join(p.format_help() for p in fresh).split())
+        for a in flags:
+            assert getattr(args, a.dest) == values[env_var(a)][1], (path, a.option_strings, env_var(a))
+            assert f"[env {env_var(a)}]" in helps, (path, a.option_strings)
+            checked += 1
+        for name in values:
+            monkeypatch.delenv(name)
+    assert checked > 100
+    # The two --token flags read the admin tokens' variables, and a flag given on the command line wins.
+    monkeypatch.setenv("LORASERVE_ADMIN_TOKEN", "store-secret")
+    monkeypatch.setenv("LORASERVE_EXECUTOR_ADMIN_TOKEN", "executor-secret")
+    monkeypatch.setenv("LORASERVE_TP_SIZE", "3")
+    assert build_parser().parse_args(["adapters", "list"]).token == "store-secret"
+    assert build_parser().parse_args(["loaded"]).token == "executor-secret"
+    assert build_parser().parse_args(["adapters", "fetch", "a", "--tp-size", "2"]).tp_size == 2
+    monkeypatch.setenv("LORASERVE_TP_SIZE", "two")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["adapters", "fetch", "a"])
+    assert build_parser().parse_args(["adapters", "list"]).token == "store-secret"  # other commands unaffected
+
+
 @pytest.fixture
 def store_process(tmp_path, tiny_llama_dir, s3_server):
     root = tmp_path / "adapters"
