@@ -106,7 +106,7 @@ def cmd_up(a) -> int:
     from loraserve.executor.service import build_executor, serve, shutdown
 
     demo_dir = a.demo_adapters.resolve()
-    a.allow_local_root = [demo_dir, *(a.allow_local_root or [])]
+    a.allow_local_root = [demo_dir, *(a.allow_local_root or [Path.cwd()])]  # as `store`: the current directory by default
     scfg = store_config(a)
     ecfg = executor_config(a)
     if ecfg.admin_token is None:  # one --admin-token guards both services' admin RPCs

@@ -97,7 +97,7 @@ def add_store_flags(p: argparse.ArgumentParser) -> None:
     roots = env("allow_local_root")
     p.add_argument("--allow-local-root", type=Path, action="append",
                    default=[Path(r) for r in roots.split(os.pathsep) if r] if roots else None,
-                   help="directory file:// adapters may come from (repeatable; env: ':'-separated; default: the current directory)")
+                   help="directory file:// adapters may come from (repeatable; default: the current directory, with `up` also the demo adapters')")
     p.add_argument("--allow-pickle", action="store_true", default=_bool_env("allow_pickle"), help="accept pickled adapter_model.bin (unsafe)")
     p.add_argument("--max-rank", type=int, default=int(env("max_rank", 256)))
     p.add_argument("--max-adapter-mb", type=int, default=int(env("max_adapter_mb", 2048)))

@@ -4,6 +4,8 @@ S3 with the CLI, tp=2 shards fetched; and `loraserve up` on the embedded default
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -16,6 +18,7 @@ import pytest
 from safetensors import safe_open
 
 LORASERVE = str(Path(sys.executable).parent / "loraserve")
+REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -151,17 +154,54 @@ def test_register_from_disk_and_s3_then_fetch_tp2_shards(store_process, peft_ada
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
 
 
-def test_up_prints_one_mixed_batch_on_the_embedded_default(tmp_path):
-    demo = Path(__file__).resolve().parent.parent / "deploy" / "demo-adapters"
+def _readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+
+
+def test_up_prints_one_mixed_batch_and_the_readme_examples_run_against_it(tmp_path):
+    """`loraserve up` as `make up` starts it (from the repository root, default allowed roots),
+    then the README's store examples as written: only the addresses (to free ports, through
+    LORASERVE_STORE / LORASERVE_EXECUTOR) and the placeholder adapter path differ."""
+    demo = REPO / "deploy" / "demo-adapters"
     names = sorted(p.name for p in demo.iterdir() if (p / "adapter_config.json").is_file()) if demo.is_dir() else []
     if not names:
         pytest.skip("deploy/demo-adapters holds no adapters yet")
-    http_port = free_port()
-    out = cli("up", "--demo-only", "--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache"),
-              "--listen", f"127.0.0.1:{free_port()}",
-              "--executor-listen", f"127.0.0.1:{free_port()}", "--http-port", str(http_port), "--max-num-seqs", "32").stdout
-    assert f"over {len(names) + 1} adapters" in out
-    for name in names:
-        assert f"registered demo adapter {name}" in out and f"[{name}" in out
-    assert "[base model" in out and "loraserve is up" in out
-    assert f"curl -s http://127.0.0.1:{http_port}/v1/chat/completions" in out and f'"model": "{names[0]}"' in out
+    store, executor, http_port = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", free_port()
+    proc = subprocess.Popen(
+        [LORASERVE, "--log-level", "WARNING", "up", "--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache"),
+         "--listen", store, "--executor-listen", executor, "--http-port", str(http_port), "--max-num-seqs", "32"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "-d '{" in line:  # the last line of the banner: the curl example
+                break
+        out = "".join(lines)
+        assert f"over {len(names) + 1} adapters" in out, out
+        for name in names:
+            assert f"registered demo adapter {name}" in out and f"[{name}" in out
+        assert "[base model" in out and "loraserve is up" in out
+        assert f"curl -s http://127.0.0.1:{http_port}/v1/chat/completions" in out and f'"model": "{names[0]}"' in out
+
+        # README "From Python": registers ./deploy/demo-adapters/pirate (a path under the current directory).
+        (python_example,) = [b for b in _readme_blocks("python") if "StoreClient(" in b]
+        python_example = python_example.replace("127.0.0.1:50061", store).replace("127.0.0.1:50051", executor)
+        run = subprocess.run([sys.executable, "-c", python_example], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and run.stdout.strip(), run.stderr
+
+        # README "Adapters in the store": the commands on local folders, in order.
+        (block,) = [b for b in _readme_blocks("bash") if "loraserve adapters register my-lora ./" in b]
+        commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.startswith("loraserve adapters")]
+        commands = [c.replace("./path/to/peft-adapter", "./deploy/demo-adapters/french").replace("shards/", str(tmp_path / "shards"))
+                    for c in commands if "s3://" not in c and "hf://" not in c]
+        assert [c.split()[2] for c in commands] == ["register", "list", "show", "delete", "prefetch", "fetch"]
+        commands.append(commands.pop(3))  # delete last, so that prefetch and fetch find my-lora
+        env = {**os.environ, "LORASERVE_STORE": store, "LORASERVE_EXECUTOR": executor}
+        for command in commands:
+            run = subprocess.run([LORASERVE, *shlex.split(command)[1:]], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+            assert run.returncode == 0, (command, run.stderr)
+        assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [f"my-lora.tp{r}-of-3.safetensors" for r in range(3)]
+    finally:
+        proc.terminate()
+        proc.wait(60)
