@@ -60,7 +60,10 @@ class Registry:
         """
         check_name(manifest.name)
         target = self.adapter_dir(manifest.digest)
-        if not target.exists():
+        if target.exists():  # same content kept before: the fresh, just validated copies replace
+            for f in files:  # it, so registering again repairs files damaged on disk (DATA_LOSS)
+                os.replace(f, target / f.name)
+        else:
             tmp = Path(tempfile.mkdtemp(dir=self.adapter_root, prefix=".tmp-"))
             for f in files:  # moved: staging is under the same data dir, so this is a rename
                 shutil.move(f, tmp / f.name)

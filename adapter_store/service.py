@@ -224,6 +224,8 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         t0 = time.perf_counter()
         adapter = self._loaded(manifest)
         if adapter.digest != manifest.digest:
+            with self._adapters_lock:  # not kept: registering again must find the repaired files
+                self._adapters.pop(manifest.digest, None)
             raise StatusError(grpc.StatusCode.DATA_LOSS, f"stored files of adapter {manifest.name!r} no longer match digest {manifest.digest[:12]}: register it again")
         full = pack.pack_full(adapter, layout)
         blobs = []

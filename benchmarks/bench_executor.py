@@ -6,7 +6,9 @@
 - LoadAdapter -> first use: the admin RPC that fetches a shard from the store and copies it
   into a slot (cold: the store packs it; warm: from the store's cache), then the first token.
 
-A store and an executor run in this process on loopback gRPC, as `loraserve up` runs them.
+A store and an executor run in this process, as `loraserve up` runs them: the batches call the
+engine in-process (Engine.generate), LoadAdapter goes through the executor's gRPC admin RPC, and
+shards come from the store over loopback gRPC.
 Usage: python benchmarks/bench_executor.py [--max-tokens 32] [--device cpu] [--model-dir DIR]
 --model-dir: a Hugging Face model directory (config.json, safetensors, tokenizer files) instead
 of the embedded GGUF, e.g. one made by benchmarks/make_random_model.py (on a CUDA host

@@ -129,7 +129,7 @@ def cmd_up(a) -> int:
     from loraserve.executor.service import build_executor, serve, shutdown
 
     demo_dir = a.demo_adapters.resolve()
-    a.allow_local_root = [demo_dir, *(a.allow_local_root or [])]
+    a.allow_local_root = [demo_dir, *(a.allow_local_root or [Path.cwd()])]  # as `store`: the current directory by default
     scfg = store_config(a)
     ecfg = executor_config(a)
     if ecfg.admin_token is None:  # one --admin-token guards both services' admin RPCs
@@ -259,7 +259,7 @@ def add_commands(sub) -> None:
     def client_parser(name, help):
         q = sub.add_parser(name, help=help)
         q.add_argument("--executor", default=env("executor", EXECUTOR_ADDR), help="executor address")
-        q.add_argument("--token", default=env("executor_admin_token"), help="admin token")
+        q.add_argument("--token", default=env("executor_admin_token"), help="the executor's admin token").env_var = "LORASERVE_EXECUTOR_ADMIN_TOKEN"
         add_client_tls_flags(q)
         return q
 

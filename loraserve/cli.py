@@ -6,7 +6,7 @@
   loraserve adapters register|list|show|delete|prefetch|fetch ...   talk to a store
   loraserve generate|load|pin|unpin|evict|loaded|info ...          talk to an executor
 
-Every flag has a LORASERVE_<FLAG> environment variable as its default.
+Every flag has a LORASERVE_<FLAG> environment variable as its default (apply_env; --help names it).
 """
 
 from __future__ import annotations
@@ -35,6 +35,49 @@ def _bool_env(flag: str) -> bool:
     return str(env(flag, "")).lower() in ("1", "true", "yes")
 
 
+def env_var(action: argparse.Action) -> str:
+    """The variable a flag reads: LORASERVE_<FLAG>, unless the flag names its own (`action.env_var`)."""
+    return getattr(action, "env_var", None) or "LORASERVE_" + action.option_strings[-1].lstrip("-").upper().replace("-", "_")
+
+
+def apply_env(parser: argparse.ArgumentParser) -> None:
+    """Every flag of every command takes its default from its environment variable (a flag on
+    the command line wins), and its --help line names the variable. Switches read 1/true/yes or
+    0/false/no; repeatable flags a ':'-separated list."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                apply_env(sub)
+            continue
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        name = env_var(action)
+        action.help = f"{action.help + ' ' if action.help else ''}[env {name}]"
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        convert = action.type or str
+        if action.const is True:  # store_true
+            if value.lower() not in ("1", "true", "yes", "0", "false", "no", ""):
+                parser.error(f"{name}={value!r}: expected 1/true/yes or 0/false/no")
+            action.default = value.lower() in ("1", "true", "yes")
+        elif isinstance(action, argparse._AppendAction):
+            action.default = [convert(v) for v in value.split(os.pathsep) if v]
+        else:  # a string default: argparse converts it, and says what is wrong, only if the command runs
+            action.default = value
+            if action.choices is not None:
+                action.type = _one_of(convert, action.choices, name)
+
+
+def _one_of(convert, choices, name: str):
+    def check(value: str):
+        if convert(value) not in choices:
+            raise argparse.ArgumentTypeError(f"{value!r} (from {name}?) is not one of {', '.join(map(str, choices))}")
+        return convert(value)
+
+    return check
+
+
 # -- store ---------------------------------------------------------------------------------
 def add_drain_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-grace-s", type=float, default=float(env("drain_grace_s", DEFAULT_DRAIN_GRACE_S)),
@@ -54,7 +97,7 @@ def add_store_flags(p: argparse.ArgumentParser) -> None:
     roots = env("allow_local_root")
     p.add_argument("--allow-local-root", type=Path, action="append",
                    default=[Path(r) for r in roots.split(os.pathsep) if r] if roots else None,
-                   help="directory file:// adapters may come from (repeatable; env: ':'-separated; default: the current directory)")
+                   help="directory file:// adapters may come from (repeatable; default: the current directory, with `up` also the demo adapters')")
     p.add_argument("--allow-pickle", action="store_true", default=_bool_env("allow_pickle"), help="accept pickled adapter_model.bin (unsafe)")
     p.add_argument("--max-rank", type=int, default=int(env("max_rank", 256)))
     p.add_argument("--max-adapter-mb", type=int, default=int(env("max_adapter_mb", 2048)))
@@ -210,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("adapters", help="register, list, show, delete, prefetch or fetch adapters in a store")
     p.add_argument("--store", default=env("store", STORE_ADDR), help="store address")
-    p.add_argument("--token", default=env("admin_token"), help="admin token")
+    p.add_argument("--token", default=env("admin_token"), help="the store's admin token").env_var = "LORASERVE_ADMIN_TOKEN"
     add_client_tls_flags(p)
     acts = p.add_subparsers(dest="action", required=True)
     r = acts.add_parser("register", help="fetch, validate and keep an adapter")
@@ -232,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         executor_cli = None
     if executor_cli is not None:
         executor_cli.add_commands(sub)
+    apply_env(parser)
     return parser
 
 

@@ -4,6 +4,8 @@ S3 with the CLI, tp=2 shards fetched; and `loraserve up` on the embedded default
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -16,6 +18,7 @@ import pytest
 from safetensors import safe_open
 
 LORASERVE = str(Path(sys.executable).parent / "loraserve")
+REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -29,6 +32,74 @@ def cli(*args, check=True, env=None) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise AssertionError(f"loraserve {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+# -- every flag reads its environment variable, and --help names it ---------------------------
+def _leaf_commands(parser, path=(), parents=()):
+    """(command words, the parsers along them) of every runnable command."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, (*parents, parser)
+        return
+    for name, sub in subs[0].choices.items():
+        yield from _leaf_commands(sub, (*path, name), (*parents, parser))
+
+
+def _sample_value(action) -> tuple[str, object]:
+    """A value for the flag's variable and what the flag must parse it to."""
+    import argparse
+
+    convert = action.type or str
+    if action.const is True:
+        return "true", True
+    if isinstance(action, argparse._AppendAction):
+        return f"a{os.pathsep}b", [convert("a"), convert("b")]
+    if action.choices:
+        choice = list(action.choices)[-1]
+        return str(choice), choice
+    text = {int: "7", float: "2.5"}.get(convert, "/some/where")
+    return text, convert(text)
+
+
+def test_every_flag_reads_its_environment_variable_and_help_names_it(monkeypatch):
+    import argparse
+
+    from loraserve.cli import build_parser, env_var
+
+    for name in [n for n in os.environ if n.startswith("LORASERVE_")]:
+        monkeypatch.delenv(name)
+    commands = list(_leaf_commands(build_parser()))
+    assert {" ".join(path) for path, _ in commands} >= {"up", "store", "executor", "adapters fetch", "generate", "load"}
+    checked = 0
+    for path, parsers in commands:
+        flags = [a for p in parsers for a in p._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+        values = {env_var(a): _sample_value(a) for a in flags}
+        for name, (text, _) in values.items():
+            monkeypatch.setenv(name, text)
+        parser = build_parser()  # reads the environment
+        fresh = dict(_leaf_commands(parser))[path]
+        args = parser.parse_args([*path, *["x"] * sum(not a.option_strings for a in fresh[-1]._actions)])
+        helps = " ".join("".join(p.format_help() for p in fresh).split())
+        for a in flags:
+            assert getattr(args, a.dest) == values[env_var(a)][1], (path, a.option_strings, env_var(a))
+            assert f"[env {env_var(a)}]" in helps, (path, a.option_strings)
+            checked += 1
+        for name in values:
+            monkeypatch.delenv(name)
+    assert checked > 100
+    # The two --token flags read the admin tokens' variables, and a flag given on the command line wins.
+    monkeypatch.setenv("LORASERVE_ADMIN_TOKEN", "store-secret")
+    monkeypatch.setenv("LORASERVE_EXECUTOR_ADMIN_TOKEN", "executor-secret")
+    monkeypatch.setenv("LORASERVE_TP_SIZE", "3")
+    assert build_parser().parse_args(["adapters", "list"]).token == "store-secret"
+    assert build_parser().parse_args(["loaded"]).token == "executor-secret"
+    assert build_parser().parse_args(["adapters", "fetch", "a", "--tp-size", "2"]).tp_size == 2
+    monkeypatch.setenv("LORASERVE_TP_SIZE", "two")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["adapters", "fetch", "a"])
+    assert build_parser().parse_args(["adapters", "list"]).token == "store-secret"  # other commands unaffected
 
 
 @pytest.fixture
@@ -83,17 +154,54 @@ def test_register_from_disk_and_s3_then_fetch_tp2_shards(store_process, peft_ada
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
 
 
-def test_up_prints_one_mixed_batch_on_the_embedded_default(tmp_path):
-    demo = Path(__file__).resolve().parent.parent / "deploy" / "demo-adapters"
+def _readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+
+
+def test_up_prints_one_mixed_batch_and_the_readme_examples_run_against_it(tmp_path):
+    """`loraserve up` as `make up` starts it (from the repository root, default allowed roots),
+    then the README's store examples as written: only the addresses (to free ports, through
+    LORASERVE_STORE / LORASERVE_EXECUTOR) and the placeholder adapter path differ."""
+    demo = REPO / "deploy" / "demo-adapters"
     names = sorted(p.name for p in demo.iterdir() if (p / "adapter_config.json").is_file()) if demo.is_dir() else []
     if not names:
         pytest.skip("deploy/demo-adapters holds no adapters yet")
-    http_port = free_port()
-    out = cli("up", "--demo-only", "--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache"),
-              "--listen", f"127.0.0.1:{free_port()}",
-              "--executor-listen", f"127.0.0.1:{free_port()}", "--http-port", str(http_port), "--max-num-seqs", "32").stdout
-    assert f"over {len(names) + 1} adapters" in out
-    for name in names:
-        assert f"registered demo adapter {name}" in out and f"[{name}" in out
-    assert "[base model" in out and "loraserve is up" in out
-    assert f"curl -s http://127.0.0.1:{http_port}/v1/chat/completions" in out and f'"model": "{names[0]}"' in out
+    store, executor, http_port = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", free_port()
+    proc = subprocess.Popen(
+        [LORASERVE, "--log-level", "WARNING", "up", "--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache"),
+         "--listen", store, "--executor-listen", executor, "--http-port", str(http_port), "--max-num-seqs", "32"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "-d '{" in line:  # the last line of the banner: the curl example
+                break
+        out = "".join(lines)
+        assert f"over {len(names) + 1} adapters" in out, out
+        for name in names:
+            assert f"registered demo adapter {name}" in out and f"[{name}" in out
+        assert "[base model" in out and "loraserve is up" in out
+        assert f"curl -s http://127.0.0.1:{http_port}/v1/chat/completions" in out and f'"model": "{names[0]}"' in out
+
+        # README "From Python": registers ./deploy/demo-adapters/pirate (a path under the current directory).
+        (python_example,) = [b for b in _readme_blocks("python") if "StoreClient(" in b]
+        python_example = python_example.replace("127.0.0.1:50061", store).replace("127.0.0.1:50051", executor)
+        run = subprocess.run([sys.executable, "-c", python_example], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and run.stdout.strip(), run.stderr
+
+        # README "Adapters in the store": the commands on local folders, in order.
+        (block,) = [b for b in _readme_blocks("bash") if "loraserve adapters register my-lora ./" in b]
+        commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.startswith("loraserve adapters")]
+        commands = [c.replace("./path/to/peft-adapter", "./deploy/demo-adapters/french").replace("shards/", str(tmp_path / "shards"))
+                    for c in commands if "s3://" not in c and "hf://" not in c]
+        assert [c.split()[2] for c in commands] == ["register", "list", "show", "delete", "prefetch", "fetch"]
+        commands.append(commands.pop(3))  # delete last, so that prefetch and fetch find my-lora
+        env = {**os.environ, "LORASERVE_STORE": store, "LORASERVE_EXECUTOR": executor}
+        for command in commands:
+            run = subprocess.run([LORASERVE, *shlex.split(command)[1:]], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+            assert run.returncode == 0, (command, run.stderr)
+        assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [f"my-lora.tp{r}-of-3.safetensors" for r in range(3)]
+    finally:
+        proc.terminate()
+        proc.wait(60)

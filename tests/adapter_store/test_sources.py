@@ -217,13 +217,30 @@ def test_s3_large_file_uses_parallel_ranged_gets(s3_server, s3_bucket, tmp_path,
     assert n_ranges > 4 and f"with {n_ranges} ranged GETs" in caplog.text
 
 
-def test_s3_revision_pins_the_weights_etag(s3_server, s3_bucket, peft_adapter, staging):
+def test_s3_revision_pins_the_weights_etag(s3_server, s3_bucket, peft_adapter, staging, tmp_path):
     client, bucket = s3_bucket
-    upload_dir(client, bucket, "a", peft_adapter())
+    adapter = peft_adapter()
+    upload_dir(client, bucket, "a", adapter)
+    etag = client.head_object(Bucket=bucket, Key="a/adapter_model.safetensors")["ETag"].strip('"')
     cfg = SourceConfig((), s3_endpoint_url=s3_server)
+    # The weights' current ETag is a pin that holds: the files come, the revision is that ETag.
+    fetched = fetch(f"s3://{bucket}/a", etag, cfg, staging)
+    assert fetched.revision == etag
+    assert_same_files(staging, adapter)
     with pytest.raises(StatusError) as excinfo:
-        fetch(f"s3://{bucket}/a", "0123abcd", cfg, staging)
-    assert_status(excinfo, grpc.StatusCode.NOT_FOUND, "revision '0123abcd'")
+        fetch(f"s3://{bucket}/a", "0123abcd", cfg, tmp_path / "other-staging")
+    assert_status(excinfo, grpc.StatusCode.NOT_FOUND, f"revision '0123abcd' of s3://{bucket}/a not found: adapter_model.safetensors has ETag '{etag}'")
+    # New weights under the same key: the old pin no longer holds, the new ETag does.
+    other = peft_adapter(seed=3)
+    client.upload_file(str(other / "adapter_model.safetensors"), bucket, "a/adapter_model.safetensors")
+    new_etag = client.head_object(Bucket=bucket, Key="a/adapter_model.safetensors")["ETag"].strip('"')
+    assert new_etag != etag
+    with pytest.raises(StatusError) as excinfo:
+        fetch(f"s3://{bucket}/a", etag, cfg, tmp_path / "stale-staging")
+    assert_status(excinfo, grpc.StatusCode.NOT_FOUND, f"revision '{etag}' of s3://{bucket}/a not found")
+    (tmp_path / "new-staging").mkdir()
+    assert fetch(f"s3://{bucket}/a", new_etag, cfg, tmp_path / "new-staging").revision == new_etag
+    assert_same_files(tmp_path / "new-staging", other)
 
 
 def test_s3_missing_prefix_and_bucket_are_not_found(s3_server, s3_bucket, staging):

@@ -14,7 +14,7 @@ from loraserve.errors import StatusError, not_found
 from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.engine.engine import Engine, GenerationRequest
 from loraserve.executor.engine.kv_cache import KVCache
-from loraserve.executor.engine.sampler import SamplingParams
+from loraserve.executor.engine.sampler import SamplingParams, make_generator, sample
 from loraserve.executor.lora import LoraSpec, load_shard_into_slot, lora_modules
 from loraserve.executor.model.loader import load_model
 from loraserve.executor.model.tokenizer import Tokenizer
@@ -250,6 +250,84 @@ async def test_seeded_sampling_is_reproducible_across_batches(make_engine):
         *(_collect(engine, _greedy(_prompt(20, s), 6)) for s in range(3)),
     )
     assert crowd[0][0] == alone
+
+
+def _sampler_draws(ref_model, prompt: list[int], p: SamplingParams, n_tokens: int) -> list[int]:
+    """What the sampler itself draws for one seeded request: one generator, one row per step, on
+    transformers' logits of the sequence so far."""
+    gen, ids = make_generator(p.seed, torch.device("cpu")), []
+    for _ in range(n_tokens):
+        with torch.no_grad():
+            logits = ref_model(torch.tensor([prompt + ids])).logits[0, -1:].float()
+        token, _ = sample(logits, torch.tensor([p.temperature]), torch.tensor([p.top_k]), torch.tensor([p.top_p]), [gen])
+        ids.append(int(token))
+    return ids
+
+
+async def _seeded_runs(engine: Engine, prompt: list[int], n_tokens: int, seeds, **sampling) -> list[list[int]]:
+    """One request per seed, all at once (the engine batches them); the tokens of each."""
+    reqs = [GenerationRequest(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=n_tokens, seed=s, **sampling))
+            for s in seeds]
+    return [ids for ids, _, _ in await asyncio.gather(*(_collect(engine, r) for r in reqs))]
+
+
+# Statistics below use fixed seeds, so they are deterministic; the false-failure rates given are
+# those of the same checks over random seeds (the code under test being right).
+async def test_temperature_samples_through_the_engine_as_the_sampler_draws(tiny, make_engine):
+    ref_model, _ = tiny
+    engine = make_engine()
+    prompt = _prompt(7, 5)
+    # 1. The first token over 200 seeds: each the very token the sampler draws for that seed on the
+    #    model's logits (a forced-greedy or unseeded engine fails this at once) ...
+    seeds = range(200)
+    firsts = [ids[0] for ids in await _seeded_runs(engine, prompt, 1, seeds, temperature=1.0)]
+    assert firsts == [_sampler_draws(ref_model, prompt, SamplingParams(temperature=1.0, seed=s), 1)[0] for s in seeds]
+    # ... and the draws follow softmax(logits), not argmax: the argmax's count is Binomial(200, p_max)
+    # (p_max is 0.04 here; within 5 sigma: false failure < 1e-6), and 200 draws over this flat
+    # distribution hit about 115 +- 7 distinct tokens (at least 80: false failure < 1e-6).
+    with torch.no_grad():
+        probs = torch.softmax(ref_model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    p_max, top = probs.max().item(), int(probs.argmax())
+    n_top, sigma = firsts.count(top), (200 * p_max * (1 - p_max)) ** 0.5
+    assert abs(n_top - 200 * p_max) < 5 * sigma, (n_top, p_max)
+    assert len(set(firsts)) >= 80, sorted(set(firsts))
+    # 2. Longer seeded outputs, sampled step after step from each request's own generator, while
+    #    their neighbours in the batch are other seeded requests.
+    runs = await _seeded_runs(engine, prompt, 6, range(12), temperature=0.8)
+    assert runs == [_sampler_draws(ref_model, prompt, SamplingParams(temperature=0.8, seed=s), 6) for s in range(12)]
+    assert len({tuple(r) for r in runs}) > 6
+    _assert_idle(engine)
+
+
+def _kept_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> set[int]:
+    """The tokens top-k / top-p leave (computed here, not by the sampler): the k best, and the
+    smallest best-first prefix whose probability at this temperature reaches top_p."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    order = probs.argsort(descending=True)
+    keep = order[:top_k] if top_k else order
+    if top_p < 1:
+        kept_probs = probs[keep] / probs[keep].sum()
+        n = int((kept_probs.cumsum(0) < top_p).sum()) + 1
+        keep = keep[:n]
+    return set(keep.tolist())
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.2), (12, 0.3)])
+async def test_top_k_and_top_p_cut_through_the_engine(tiny, make_engine, top_k, top_p):
+    ref_model, _ = tiny
+    engine = make_engine()
+    prompt, temperature, seeds = _prompt(9, 8), 1.5, range(64)
+    with torch.no_grad():
+        logits = ref_model(torch.tensor([prompt])).logits[0, -1]
+    kept = _kept_tokens(logits, temperature, top_k, top_p)
+    firsts = [ids[0] for ids in await _seeded_runs(engine, prompt, 1, seeds, temperature=temperature, top_k=top_k, top_p=top_p)]
+    assert set(firsts) <= kept, (sorted(set(firsts) - kept), len(kept))
+    # The cut keeps 3, 21 and 4 tokens here, each with probability >= 0.038 after it: 64 draws all
+    # of one token (a greedy engine) would happen by chance with probability < 1e-29.
+    assert 1 < len(kept) < 40 and len(set(firsts)) > 1
+    expected = [_sampler_draws(ref_model, prompt, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s), 1)[0]
+                for s in seeds]
+    assert firsts == expected
 
 
 async def test_adapter_output_does_not_depend_on_its_batch(tiny, make_engine):

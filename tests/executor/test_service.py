@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import logging
+import re
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from loraserve.adapter_store.sources import SourceConfig
 from loraserve.client import ExecutorClient, StoreClient
 from loraserve.errors import StatusError
 from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.engine.sampler import make_generator, sample
 from loraserve.executor.service import build_executor
 from loraserve.executor.service import serve as serve_executor
 from loraserve.executor.service import shutdown
@@ -149,17 +152,46 @@ def check_against_reference(ref_model, ids: list[int], resp: epb.GenerateRespons
     assert torch.allclose(got, logprobs[torch.arange(len(out)), out], atol=2e-4), (got, logprobs[torch.arange(len(out)), out])
 
 
-def test_mixed_batches_match_transformers_peft(family, cluster, references):
+def test_mixed_batches_match_transformers_peft(family, cluster, references, caplog):
     client = cluster.client()
     # Two adapters + base rows at once fill both slots; run twice so other pairs get slots too.
     for group in (["qv8", "all4", "", "qv8"], ["mlp16", "", "o2", "mlp16"]):
+        slots = {name: client.load(name).slot for name in set(group) - {""}} | {"": -1}  # in slots before the burst
         jobs = [(name, prompt_ids(i)) for i, name in enumerate(group)]
-        with cf.ThreadPoolExecutor(len(jobs)) as pool:
-            resps = list(pool.map(lambda j: generate(client, *j), jobs))
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="loraserve.executor.engine.engine"):
+            with cf.ThreadPoolExecutor(len(jobs)) as pool:
+                resps = list(pool.map(lambda j: generate(client, *j), jobs))
         for (name, ids), resp in zip(jobs, resps):
             check_against_reference(references[name], ids, resp)
             if name:
                 assert resp.adapter_digest == cluster.store_client().get(name).digest
+        # They shared forward passes: some step ran the base model and both adapters together.
+        steps = [set(map(int, re.findall(r"-?\d+", m.group(1)))) for r in caplog.records
+                 if (m := re.search(r"^step: .* slots \[([^]]*)\]", r.getMessage()))]
+        assert steps and any(step >= set(slots.values()) for step in steps), (slots, steps)
+
+
+def test_sampling_over_grpc_draws_what_the_sampler_draws_on_the_adapters_logits(cluster, references):
+    """temperature / top_k / top_p / seed reach the engine: each seeded request's tokens are the
+    sampler's own draws on transformers + PEFT's logits, and top-k keeps only the k best."""
+    client, name, ids, k = cluster.client(), "qv8", prompt_ids(2), 5
+    reqs = [epb.GenerateRequest(adapter=name, token_ids=epb.TokenIds(ids=ids),
+                                sampling=epb.SamplingParams(max_tokens=3, temperature=1.2, top_k=k, top_p=0.95, seed=seed))
+            for seed in range(16)]
+    with cf.ThreadPoolExecutor(8) as pool:
+        outs = [list(r.token_ids) for r in pool.map(lambda r: client._call(client.stub.Generate, r), reqs)]
+    for seed, out in enumerate(outs):
+        gen, drawn = make_generator(seed, torch.device("cpu")), []
+        for _ in range(3):
+            with torch.no_grad():
+                logits = references[name](torch.tensor([ids + drawn])).logits[0, -1:].float()
+            if not drawn:
+                assert out[0] in logits[0].topk(k).indices.tolist()
+            token, _ = sample(logits, torch.tensor([1.2]), torch.tensor([k]), torch.tensor([0.95]), [gen])
+            drawn.append(int(token))
+        assert out == drawn, seed
+    assert len({o[0] for o in outs}) > 1  # 16 draws from 5 tokens all alike: a greedy executor
 
 
 def test_five_adapters_over_two_slots_in_turn_and_concurrently(cluster, references):

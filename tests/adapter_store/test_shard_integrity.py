@@ -1,0 +1,201 @@
+"""What the store promises about the shards it streams, through real gRPC on loopback: a
+shard crosses several chunks intact, concurrent FetchShards share one pack, a cached copy
+that fails its sha256 (on disk or in Redis) is dropped and rebuilt, and stored adapter files
+that no longer match their digest are DATA_LOSS (never packed) until registered again."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from loraserve.adapter_store import pack, validate
+from loraserve.adapter_store.config import StoreConfig
+from loraserve.adapter_store.service import MAX_CHUNK, serve
+from loraserve.adapter_store.sources import SourceConfig
+from loraserve.client import ShardAssembler, StoreClient
+from loraserve.errors import StatusError
+from loraserve.v1 import adapter_store_pb2 as spb
+from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
+from loraserve.v1 import common_pb2 as pb
+
+H = 64
+
+
+def layout(tp: int = 1) -> pb.Layout:
+    lay = pb.Layout(tp_size=tp, dtype="float32", max_rank=32, base_model="tiny-llama")
+    for i in range(2):
+        p = f"model.layers.{i}.self_attn"
+        lay.modules.add(name=f"{p}.qkv_proj", kind=pb.QKV, input_size=H, output_sizes=[64, 32, 32], head_size=16,
+                        peft_modules=[f"{p}.{x}_proj" for x in "qkv"])
+        lay.modules.add(name=f"{p}.o_proj", kind=pb.ROW, input_size=64, output_sizes=[H], peft_modules=[f"{p}.o_proj"])
+    return lay
+
+
+class Store:
+    """A real store on a free loopback port, with one adapter registered from a PEFT folder."""
+
+    def __init__(self, loop_thread, tmp_path: Path, tiny_llama_dir: Path, adapter_dir: Path, **overrides):
+        self.root = tmp_path / "adapters"
+        shutil.copytree(adapter_dir, self.root / "a")
+        self.cfg = StoreConfig(listen="127.0.0.1:0", data_dir=tmp_path / "store", base_model="tiny-llama",
+                               base_model_path=tiny_llama_dir, sources=SourceConfig(local_roots=(self.root,)),
+                               limits=validate.Limits(max_rank=32), **overrides)
+        self.lt = loop_thread
+        self.server, port = loop_thread.run(serve(self.cfg), 30)
+        self.address = f"127.0.0.1:{port}"
+        self.client = StoreClient(self.address, timeout_s=60)
+        self.manifest = self.client.register("a", str(self.root / "a"))
+
+    def stop(self):
+        self.client.close()
+        self.lt.run(self.server.stop(0), 10)
+
+
+@pytest.fixture
+def store(loop_thread, tmp_path, tiny_llama_dir, peft_adapter):
+    s = Store(loop_thread, tmp_path, tiny_llama_dir, peft_adapter(r=8))
+    yield s
+    s.stop()
+
+
+def raw_chunks(address: str, chunk_bytes: int, lay: pb.Layout | None = None) -> list[spb.ShardChunk]:
+    with grpc.insecure_channel(address) as channel:
+        req = spb.FetchShardRequest(name="a", layout=lay or layout(), chunk_bytes=chunk_bytes)
+        return list(spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60))
+
+
+# -- multi-chunk streams ----------------------------------------------------------------------
+def test_a_shard_streams_over_many_chunks_and_reassembles_exactly(store):
+    header, whole = store.client.fetch_shard("a", layout())  # default chunk (1 MiB): one data message
+    assert len(whole) > 3000
+    for chunk_bytes in (1000, len(whole) - 1, len(whole)):
+        chunks = raw_chunks(store.address, chunk_bytes)
+        kinds = [c.WhichOneof("part") for c in chunks]
+        n_data = math.ceil(len(whole) / chunk_bytes)
+        assert kinds == ["header"] + ["data"] * n_data + ["trailer"], (chunk_bytes, kinds)
+        assert [len(c.data) for c in chunks[1:-1]] == [chunk_bytes] * (n_data - 1) + [len(whole) - chunk_bytes * (n_data - 1)]
+        asm = ShardAssembler()
+        for c in chunks:
+            asm.add(c)
+        got_header, blob = asm.result()
+        assert blob == whole and got_header.total_bytes == len(whole) and got_header.cache_tier == "disk"
+        assert chunks[-1].trailer.sha256 == hashlib.sha256(whole).hexdigest()
+    with pytest.raises(grpc.RpcError) as e:
+        raw_chunks(store.address, MAX_CHUNK + 1)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == f"chunk_bytes {MAX_CHUNK + 1} is above the maximum of {MAX_CHUNK}"
+
+
+# -- single-flight packing --------------------------------------------------------------------
+def test_concurrent_fetches_of_an_uncached_shard_share_one_pack(store, monkeypatch):
+    packs = []
+    real_pack_full = pack.pack_full
+
+    def slow_pack_full(*args, **kwargs):  # the real pack, slowed so every request arrives during it
+        packs.append(threading.get_ident())
+        time.sleep(0.5)
+        return real_pack_full(*args, **kwargs)
+
+    monkeypatch.setattr(pack, "pack_full", slow_pack_full)
+    n = 6
+    barrier = threading.Barrier(n)
+    results: list = [None] * n
+
+    def fetch(i):
+        client = StoreClient(store.address, timeout_s=60)
+        barrier.wait()
+        results[i] = client.fetch_shard("a", layout(2), tp_rank=1)
+        client.close()
+
+    threads = [threading.Thread(target=fetch, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(packs) == 1, f"{len(packs)} packs for {n} concurrent requests"
+    assert [h.cache_tier for h, _ in results] == ["packed"] * n  # every one was served by that pack
+    assert len({blob for _, blob in results}) == 1
+    assert store.client.fetch_shard("a", layout(2), tp_rank=1)[0].cache_tier == "disk" and len(packs) == 1
+
+
+# -- cached copies that fail their checksum -----------------------------------------------------
+@pytest.fixture
+def redis_store(loop_thread, tmp_path, tiny_llama_dir, peft_adapter, redis_url):
+    s = Store(loop_thread, tmp_path, tiny_llama_dir, peft_adapter(r=8), redis_url=redis_url.url, redis_prefix=redis_url.prefix)
+    s.redis = redis.Redis.from_url(redis_url.url)
+    s.prefix = redis_url.prefix
+    yield s
+    s.redis.close()
+    s.stop()
+
+
+def test_a_corrupted_redis_copy_is_dropped_and_served_from_disk_then_repacked(redis_store, caplog):
+    s = redis_store
+    header, good = s.client.fetch_shard("a", layout())
+    assert header.cache_tier == "packed"
+    key = pack.shard_key(s.manifest.digest, layout(), pb.ShardRank())
+    meta_key = f"{s.prefix}:shard:{key}"
+    chunk0 = bytearray(s.redis.get(f"{meta_key}:c0"))
+    chunk0[-5] ^= 0x01  # one bit of the last tensor's data: still a loadable safetensors blob
+    s.redis.set(f"{meta_key}:c0", bytes(chunk0))
+
+    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
+    header, blob = s.client.fetch_shard("a", layout())
+    assert (header.cache_tier, blob) == ("disk", good)  # the bad Redis copy was not served
+    assert f"redis cache: shard {key}" in caplog.text and "failed its sha256 check; deleting it" in caplog.text
+    assert s.redis.get(f"{meta_key}:c0") == good  # back-filled from disk with the good bytes
+    assert s.client.fetch_shard("a", layout())[0].cache_tier == "redis"
+
+    # Both copies bad: neither is served; the shard is packed again and both tiers hold it again.
+    s.redis.set(f"{meta_key}:c0", bytes(chunk0))
+    (shard_file,) = (s.cfg.data_dir / "cache").rglob("*.shard")
+    data = bytearray(shard_file.read_bytes())
+    data[-5] ^= 0x01
+    shard_file.write_bytes(bytes(data))
+    header, blob = s.client.fetch_shard("a", layout())
+    assert header.cache_tier == "packed" and pack_equal(blob, good)
+    assert s.client.fetch_shard("a", layout())[0].cache_tier == "redis"
+    assert pack_equal(shard_file.read_bytes()[40:], good)
+
+
+def pack_equal(blob1: bytes, blob2: bytes) -> bool:
+    """Equal tensors (safetensors writes its metadata map in no fixed order, so bytes may differ)."""
+    import torch
+    from safetensors.torch import load as st_load
+
+    t1, t2 = st_load(blob1), st_load(blob2)
+    return t1.keys() == t2.keys() and all(torch.equal(t1[k], t2[k]) for k in t1)
+
+
+def test_stored_files_not_matching_their_digest_are_data_loss_until_registered_again(store):
+    stored = store.cfg.data_dir / "adapters" / store.manifest.digest / "adapter_model.safetensors"
+    data = bytearray(stored.read_bytes())
+    data[-3] ^= 0x01  # a low mantissa bit of the last weight: valid, finite, but not what was registered
+    stored.write_bytes(bytes(data))
+    for _ in range(2):  # and again: the damaged adapter is not kept in memory either
+        with pytest.raises(StatusError) as e:
+            store.client.fetch_shard("a", layout())
+        assert e.value.code == grpc.StatusCode.DATA_LOSS
+        assert e.value.message == (f"stored files of adapter 'a' no longer match digest {store.manifest.digest[:12]}: "
+                                   "register it again")
+    assert list((store.cfg.data_dir / "cache").rglob("*.shard")) == []  # nothing packed from it
+    # What the message says works: the same source registered again repairs the stored copy.
+    assert store.client.register("a", str(store.root / "a")).digest == store.manifest.digest
+    header, blob = store.client.fetch_shard("a", layout())
+    expected = pack.shard_blob(*_expected_shard(store.root / "a"))
+    assert header.cache_tier == "packed" and pack_equal(blob, expected)
+
+
+def _expected_shard(adapter_dir: Path):
+    adapter = pack.load_adapter(adapter_dir, None, validate.Limits())
+    lay, rank = layout(), pb.ShardRank()
+    return adapter, pack.shard(pack.pack_full(adapter, lay), lay, rank), lay, rank

@@ -1,0 +1,167 @@
+"""A shard stream that arrives damaged never reaches a slot. A real store on loopback whose
+FetchShard stream is altered on its way out (cut short, a byte flipped, a wrong or missing
+checksum trailer, no header) feeds a real executor, the Python client and the CLI: each says
+DATA_LOSS with its reason, nothing is cached or put in a slot, and once the store streams
+honestly again the adapter serves exactly what transformers + PEFT compute."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from peft import PeftModel
+
+from loraserve.adapter_store import validate
+from loraserve.adapter_store.config import StoreConfig
+from loraserve.adapter_store.service import SERVICE_NAME, AdapterStoreService
+from loraserve.adapter_store.sources import SourceConfig
+from loraserve.client import ExecutorClient, StoreClient
+from loraserve.errors import StatusError
+from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.service import build_executor, shutdown
+from loraserve.executor.service import serve as serve_executor
+from loraserve.serving import start_server
+from loraserve.v1 import adapter_store_pb2 as spb
+from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
+from loraserve.v1 import executor_pb2 as epb
+
+BOS = 256
+ADAPTER = "qv8"
+
+
+def _flip(data: bytes) -> bytes:
+    b = bytearray(data)
+    b[-5] ^= 0x01  # in the last tensor's data: the blob still parses, only the checksum knows
+    return bytes(b)
+
+
+# mode -> (how the honest stream [header, data..., trailer] is altered, the DATA_LOSS message)
+TAMPER = {
+    "truncated": (lambda h, d, t: [h, *d[:-1], spb.ShardChunk(data=d[-1].data[:-100]), t],
+                  "shard stream ended after {short} bytes, header said {total}"),
+    "flipped_byte": (lambda h, d, t: [h, *d[:-1], spb.ShardChunk(data=_flip(d[-1].data)), t],
+                     "shard checksum mismatch: the stream was corrupted"),
+    "wrong_trailer": (lambda h, d, t: [h, *d, spb.ShardChunk(trailer=spb.ShardTrailer(sha256=hashlib.sha256(b"other").hexdigest()))],
+                      "shard checksum mismatch: the stream was corrupted"),
+    "no_trailer": (lambda h, d, t: [h, *d], "shard stream ended without its checksum trailer"),
+    "no_header": (lambda h, d, t: [*d, t], "shard stream sent data before its header"),
+}
+
+
+class TamperingStore(AdapterStoreService):
+    """The real store, except that FetchShard streams are altered as `mode` says (None: honest)."""
+
+    mode: str | None = None
+
+    async def FetchShard(self, request, context):
+        chunks = [c async for c in super().FetchShard(request, context)]
+        if self.mode is not None:
+            chunks = TAMPER[self.mode][0](chunks[0], chunks[1:-1], chunks[-1])
+        for c in chunks:
+            yield c
+
+
+class Setup:
+    def __init__(self, lt, base_dir: Path, adapters: Path, data: Path):
+        self.lt = lt
+        scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model="tiny", base_model_path=base_dir,
+                           sources=SourceConfig(local_roots=(adapters,)), limits=validate.Limits(max_rank=16))
+        services = []
+
+        def add(server):
+            services.append(TamperingStore(scfg))
+            spb_grpc.add_AdapterStoreServicer_to_server(services[0], server)
+
+        self.store_server = lt.run(start_server(scfg.listen, add, (SERVICE_NAME,)))
+        self.store = services[0]
+        self.store_address = f"127.0.0.1:{self.store_server.port}"
+        StoreClient(self.store_address).register(ADAPTER, str(adapters / ADAPTER))
+        cfg = ExecutorConfig(model=str(base_dir), base_model="tiny", dtype="float32", max_loras=2, max_rank=16,
+                             num_blocks=64, block_size=4, max_model_len=128, store_address=self.store_address,
+                             adapter_refresh_s=0)
+        self.parts = build_executor(cfg)
+        self.server, port = lt.run(serve_executor(self.parts, "127.0.0.1:0"))
+        self.executor = ExecutorClient(f"127.0.0.1:{port}", timeout_s=60)
+
+    def close(self):
+        self.lt.run(shutdown(self.server, self.parts))
+        self.lt.run(self.store_server.server.stop(0))
+
+
+@pytest.fixture(scope="module")
+def setup(module_loop_thread, tiny_chat_llama, chat_adapters, tmp_path_factory):
+    s = Setup(module_loop_thread, tiny_chat_llama[1], chat_adapters, tmp_path_factory.mktemp("store"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def honest_after(setup):
+    yield setup
+    setup.store.mode = None
+
+
+def expected_message(mode: str, shard_bytes: int) -> str:
+    return TAMPER[mode][1].format(short=shard_bytes - 100, total=shard_bytes)
+
+
+def shard_bytes(setup) -> int:
+    return len(StoreClient(setup.store_address).fetch_shard(ADAPTER, setup.parts.store.layout)[1])
+
+
+@pytest.mark.parametrize("mode", sorted(TAMPER))
+def test_python_client_refuses_a_damaged_stream_with_data_loss(honest_after, mode):
+    setup = honest_after
+    total = shard_bytes(setup)
+    setup.store.mode = mode
+    with pytest.raises(StatusError) as e:
+        StoreClient(setup.store_address).fetch_shard(ADAPTER, setup.parts.store.layout)
+    assert e.value.code == grpc.StatusCode.DATA_LOSS and e.value.message == expected_message(mode, total)
+
+
+def test_executor_never_puts_a_damaged_shard_in_a_slot(honest_after, tiny_chat_llama, chat_adapters):
+    setup = honest_after
+    total = shard_bytes(setup)
+    prompt = [BOS, 72, 105, 33, 10]
+    request = epb.GenerateRequest(adapter=ADAPTER, token_ids=epb.TokenIds(ids=prompt),
+                                  sampling=epb.SamplingParams(max_tokens=6), return_logprobs=True)
+    for mode in sorted(TAMPER):
+        setup.store.mode = mode
+        for call in (lambda: setup.executor.load(ADAPTER),
+                     lambda: setup.executor._call(setup.executor.stub.Generate, request)):
+            with pytest.raises(StatusError) as e:
+                call()
+            assert e.value.code == grpc.StatusCode.DATA_LOSS, (mode, e.value)
+            assert e.value.message == expected_message(mode, total), mode
+        assert [s.name for s in setup.executor.list()] == [], mode  # not in a slot, not in the CPU cache
+    setup.store.mode = None
+    resp = setup.executor._call(setup.executor.stub.Generate, request)
+    with warnings.catch_warnings():  # transformers' deprecation notes about its own internals
+        warnings.simplefilter("ignore", FutureWarning)
+        reference = PeftModel.from_pretrained(copy.deepcopy(tiny_chat_llama[0]), chat_adapters / ADAPTER).eval()
+    out = list(resp.token_ids)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1 :].double()
+    logprobs = torch.log_softmax(logits, -1)
+    assert logprobs.argmax(-1).tolist() == out
+    torch.testing.assert_close(torch.tensor(list(resp.logprobs), dtype=torch.float64),
+                               logprobs[torch.arange(len(out)), out], atol=2e-4, rtol=0)
+
+
+def test_cli_fetch_of_a_damaged_stream_fails_and_writes_nothing(honest_after, tiny_chat_llama, tmp_path):
+    setup = honest_after
+    setup.store.mode = "flipped_byte"
+    loraserve = str(Path(sys.executable).parent / "loraserve")
+    out = tmp_path / "shards"
+    args = [loraserve, "--log-level", "WARNING", "adapters", "--store", setup.store_address, "fetch", ADAPTER,
+            "--model", str(tiny_chat_llama[1]), "--dtype", "float32", "--max-rank", "16", "--out", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "error: DATA_LOSS: shard checksum mismatch: the stream was corrupted" in proc.stderr
+    assert "checksum ok" not in proc.stdout and list(out.iterdir()) == []  # (test_cli.py fetches honest shards)
