@@ -318,36 +318,61 @@ class Engine:
     # ---- the step loop --------------------------------------------------------------------
 
     async def _loop(self) -> None:
-        while True:
-            if not self.scheduler.has_work():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            plan = self.scheduler.schedule()
-            for seq in plan.failed:
-                self._fail(seq, exhausted(f"sequence of {len(seq.token_ids)} tokens does not fit in the KV cache"))
-            if not plan.seqs:
-                # Only sequences whose adapter copy is still in flight: look again shortly.
-                self._wakeup.clear()
+        """Schedules and launches step N+1 before delivering step N's outputs, so that the
+        delivery (detokenizing, stop strings, the streams' queues and their consumers' work on
+        this loop) overlaps the forward pass instead of holding the device idle. A step's
+        inputs only need the sampled ids, which `_append` adds at once (with the eos and length
+        ends, so a finished sequence is never scheduled again); a stop string is found during the
+        delivery, so such a sequence may compute one step more, whose token is dropped."""
+        pending: asyncio.Task | None = None  # the delivery of the previous step's outputs
+        try:
+            while True:
+                if not self.scheduler.has_work():
+                    if pending is not None:
+                        await pending
+                        pending = None
+                        continue
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                plan = self.scheduler.schedule()
+                for seq in plan.failed:
+                    self._fail(seq, exhausted(f"sequence of {len(seq.token_ids)} tokens does not fit in the KV cache"))
+                if not plan.seqs:
+                    if pending is not None:
+                        await pending
+                        pending = None
+                        continue
+                    # Only sequences whose adapter copy is still in flight: look again shortly.
+                    self._wakeup.clear()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), 0.002)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                batch = self._flatten(plan)
+                self._stepping = {s.seq for s in plan.seqs}
+                step = asyncio.ensure_future(asyncio.to_thread(self._execute, batch))
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), 0.002)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            batch = self._flatten(plan)
-            self._stepping = {s.seq for s in plan.seqs}
-            try:
-                token_ids, logprobs = await asyncio.to_thread(self._execute, batch)
-            except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
-                log.exception("step of %d sequences failed", len(plan.seqs))
-                error = StatusError(grpc.StatusCode.INTERNAL, f"forward step failed: {type(exc).__name__}: {exc}")
-                for s in plan.seqs:
-                    self._fail(s.seq, error)
-                continue
-            finally:
-                self._stepping = set()
-                self._release_deferred()
-            await self._deliver(plan, token_ids, logprobs)
+                    if pending is not None:  # the previous step's outputs go out while this one computes
+                        await pending
+                        pending = None
+                    token_ids, logprobs = await step
+                except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+                    log.exception("step of %d sequences failed", len(plan.seqs))
+                    error = StatusError(grpc.StatusCode.INTERNAL, f"forward step failed: {type(exc).__name__}: {exc}")
+                    for s in plan.seqs:
+                        self._fail(s.seq, error)
+                    continue
+                finally:
+                    if not step.done():  # cancelled while the step runs: let it end before the slots move
+                        await asyncio.shield(asyncio.wait([step]))
+                    self._stepping = set()
+                    self._release_deferred()
+                pending = asyncio.ensure_future(self._deliver(self._append(plan, token_ids, logprobs)))
+        finally:
+            if pending is not None:
+                pending.cancel()
 
     def _flatten(self, plan: SchedulePlan) -> _Batch:
         b = _Batch([], [], [], [], [], [], [], [], [], [], [], [])
@@ -439,41 +464,52 @@ class Engine:
         active = frozenset(s for s in slots if s >= 0)
         return make_lora_meta(torch.tensor(slots, dtype=torch.int32, device=self.device), self.max_loras, active)
 
-    async def _deliver(self, plan: SchedulePlan, token_ids: list[int], logprobs: list[float]) -> None:
+    def _append(self, plan: SchedulePlan, token_ids: list[int], logprobs: list[float]) -> list[tuple]:
+        """Adds each sampled token to its sequence (the next step's input) and ends the sequences
+        that reached eos or their length, so no later step schedules them. Returns, per new
+        token, (run, token id, logprob, "eos" / "length" / None) for `_deliver`."""
         sampled = iter(zip(token_ids, logprobs))
+        eos = self.tokenizer.eos_token_ids
         new = []
         for s in plan.seqs:
             if not s.needs_sample:
                 continue
             token_id, logprob = next(sampled)
             run = self._runs.get(s.seq.seq_id)
-            if run is None or run.done:  # cancelled while the step ran
+            if run is None or run.done:  # cancelled while the step ran, or ended by a stop string
                 continue
-            self.scheduler.append_token(run.seq, token_id)
-            new.append((run, token_id, logprob))
-        eos = self.tokenizer.eos_token_ids
-        pieces = await asyncio.get_running_loop().run_in_executor(  # off the loop that serves the streams
-            self._detokenizer_thread, lambda: ["" if t in eos else r.decoder.push(t) for r, t, _ in new])
-        for (run, token_id, logprob), piece in zip(new, pieces):
-            if not run.done:  # not cancelled meanwhile
-                self._emit(run, token_id, logprob, piece)
+            seq = run.seq
+            self.scheduler.append_token(seq, token_id)
+            finish = None
+            if token_id in eos:
+                finish = "eos"
+            elif seq.num_output_tokens >= run.params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+                finish = "length"
+            if finish is not None:
+                self.scheduler.finish(seq)
+            new.append((run, token_id, logprob, finish))
+        return new
 
-    def _emit(self, run: _Run, token_id: int, logprob: float, piece: str) -> None:
-        """Applies eos / stop strings / length to one new token and its text `piece`, queues the output."""
+    async def _deliver(self, new: list[tuple]) -> None:
+        """Detokenizes the new tokens off the loop that serves the streams, then emits them."""
+        if not new:
+            return
+        pieces = await asyncio.get_running_loop().run_in_executor(  # off the loop that serves the streams
+            self._detokenizer_thread, lambda: ["" if f == "eos" else r.decoder.push(t) for r, t, _, f in new])
+        for (run, token_id, logprob, finish), piece in zip(new, pieces):
+            if not run.done:  # not cancelled meanwhile
+                self._emit(run, token_id, logprob, piece, finish)
+
+    def _emit(self, run: _Run, token_id: int, logprob: float, piece: str, finish: str | None) -> None:
+        """Applies stop strings to one new token's text `piece` (eos and length were decided by
+        `_append`: `finish`), queues the output."""
         seq, params = run.seq, run.params
-        finish = None
-        if token_id in self.tokenizer.eos_token_ids:
-            finish = "eos"
-        else:
+        if finish != "eos":
             run.text += piece
             cut, safe = find_stop(run.text, params.stop, run.searched)
             run.searched = safe
             if cut is not None:
                 finish, run.text = "stop", run.text[:cut]
-        if finish is None and (
-            seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len
-        ):
-            finish = "length"
         end = len(run.text) if finish is not None else run.searched  # at the end, flush held-back text
         out = GenerationOutput(
             request_id=run.request_id,
