@@ -1,4 +1,6 @@
-"""Adapter names -> manifests, and the validated adapter files, content-addressed on disk.
+"""Adapter names -> manifests, and the validated adapter files, content-addressed on disk:
+the registry of one store (the default). Several replicas share redis_registry.RedisRegistry,
+which has the same methods.
 
   <data_dir>/registry/<name>.json      the manifest (protobuf JSON), written atomically
   <data_dir>/adapters/<digest>/        adapter_config.json + weights: the "source" cache tier,
@@ -10,6 +12,7 @@ client sends leads outside data_dir.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -27,7 +30,7 @@ from .validate import check_name
 log = logging.getLogger(__name__)
 
 
-class Registry:
+class FileRegistry:
     def __init__(self, data_dir: Path):
         self.manifest_dir = data_dir / "registry"
         self.adapter_root = data_dir / "adapters"
@@ -43,6 +46,11 @@ class Registry:
 
     def adapter_dir(self, digest: str) -> Path:
         return self.adapter_root / digest
+
+    @contextlib.contextmanager
+    def files(self, digest: str):
+        """The local folder holding the digest's files (kept: this registry is their record)."""
+        yield self.adapter_dir(digest)
 
     def get(self, name: str) -> pb.AdapterManifest:
         check_name(name)
