@@ -143,3 +143,12 @@ def test_registry_redis_needs_a_redis_url(capsys):
 
     assert main(["store", "--registry", "redis", "--listen", "127.0.0.1:0"]) == 1
     assert capsys.readouterr().err.strip() == "error: --registry redis needs --redis-url"
+
+
+def test_registry_redis_down_fails_unavailable_naming_it(tmp_path, loop_thread, closed_port):
+    url = f"redis://127.0.0.1:{closed_port}/0"
+    cfg = StoreConfig(listen="127.0.0.1:0", data_dir=tmp_path / "store", redis_url=url, registry="redis")
+    with pytest.raises(StatusError) as e:
+        loop_thread.run(serve(cfg), 30)
+    assert e.value.code.name == "UNAVAILABLE"
+    assert e.value.message.startswith(f"the registry's redis at {url} is unavailable: Error 111 connecting to 127.0.0.1:{closed_port}")
