@@ -111,30 +111,36 @@ class RedisRegistry:
             shutil.rmtree(folder, ignore_errors=True)
 
     # -- writes --------------------------------------------------------------------------
-    def put(self, manifest: pb.AdapterManifest, files: list[Path]) -> str | None:
-        """Uploads the files (unless the digest has them), then points the name at the manifest.
-
-        Returns the digest the name pointed at before when no name uses it any more (its files
-        are gone; the caller drops its cached shards), else None.
-        """
-        mkey, fkey = self._mkey(manifest.name), self._files_key(manifest.digest)
-        upload: dict | None = None
+    def stage(self, digest: str, files: list[Path]) -> tuple[list[Path], dict | None]:
+        """Uploads the files unless the digest has them; run before the commit lock (it can be long)."""
         with self._errors():
-            try:
-                while True:
-                    if upload is None and not self._redis.exists(fkey):
-                        upload = self._upload(manifest.digest, files)
-                    try:
-                        freed, used = self._redis.transaction(
-                            lambda pipe: self._commit_put(pipe, manifest, upload), self._refs, mkey, fkey,
-                            value_from_callable=True)
-                        break
-                    except _NeedUpload:
-                        continue
-            except BaseException:
-                if upload is not None:
-                    self._delete_blobs(manifest.digest, upload)
-                raise
+            return files, None if self._redis.exists(self._files_key(digest)) else self._upload(digest, files)
+
+    def discard(self, staged: tuple[list[Path], dict | None], digest: str) -> None:
+        """Drops an upload whose put never ran (a registration refused at the drain's deadline)."""
+        if staged[1] is not None:
+            with self._errors():
+                self._delete_blobs(digest, staged[1])
+
+    def put(self, manifest: pb.AdapterManifest, staged: tuple[list[Path], dict | None]) -> str | None:
+        """Points the name at the manifest (uploading the files again if another store removed
+        the digest's meanwhile). Returns the digest the name pointed at before when no name uses
+        it any more (its files are gone; the caller drops its cached shards), else None.
+
+        An error here may leave the upload behind unreferenced (EXEC's answer lost: it may have
+        committed, so its chunks are never deleted on a guess).
+        """
+        files, upload = staged
+        mkey, fkey = self._mkey(manifest.name), self._files_key(manifest.digest)
+        with self._errors():
+            while True:
+                try:
+                    freed, used = self._redis.transaction(
+                        lambda pipe: self._commit_put(pipe, manifest, upload), self._refs, mkey, fkey,
+                        value_from_callable=True)
+                    break
+                except _NeedUpload:
+                    upload = self._upload(manifest.digest, files)
             if upload is not None and not used:  # another store uploaded the same digest first
                 self._delete_blobs(manifest.digest, upload)
         return freed

@@ -60,6 +60,13 @@ class FileRegistry:
             raise not_found(f"adapter {name!r} is not registered")
         return manifest
 
+    def stage(self, digest: str, files: list[Path]) -> list[Path]:
+        """Nothing to do before the commit: put moves the files (a rename, under the same data dir)."""
+        return files
+
+    def discard(self, staged: list[Path], digest: str) -> None:
+        """The staged files are the registration's own staging folder: its caller removes it."""
+
     def put(self, manifest: pb.AdapterManifest, files: list[Path]) -> str | None:
         """Keeps (moves) the adapter's files under its digest, then (atomically) points the name at it.
 

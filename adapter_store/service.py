@@ -116,10 +116,13 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             t_fetch = time.perf_counter() - t0
             adapter = pack.load_adapter(fetched.directory, self.spec, self.cfg.limits)
             manifest = self._manifest(name, fetched, adapter)
+            # Redis registry: the files are uploaded here, outside the lock, so the commit stays short.
+            staged = self.registry.stage(manifest.digest, sorted(p for p in fetched.directory.iterdir() if p.is_file()))
             with self._commit_lock:
                 if self._commit_deadline is not None and time.monotonic() > self._commit_deadline:
+                    self.registry.discard(staged, manifest.digest)
                     raise unavailable(f"the store is shutting down: adapter {name!r} was not registered; register it again")
-                replaced = self.registry.put(manifest, sorted(p for p in fetched.directory.iterdir() if p.is_file()))
+                replaced = self.registry.put(manifest, staged)
             if replaced:
                 self._forget(replaced)
         finally:
