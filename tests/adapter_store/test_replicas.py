@@ -152,3 +152,22 @@ def test_registry_redis_down_fails_unavailable_naming_it(tmp_path, loop_thread, 
         loop_thread.run(serve(cfg), 30)
     assert e.value.code.name == "UNAVAILABLE"
     assert e.value.message.startswith(f"the registry's redis at {url} is unavailable: Error 111 connecting to 127.0.0.1:{closed_port}")
+
+
+def test_an_upload_refused_at_the_drain_deadline_leaves_nothing(redis_url, tmp_path, peft_adapter):
+    from loraserve.adapter_store.redis_registry import RedisRegistry
+
+    reg = RedisRegistry(redis_url.url, redis_url.prefix, tmp_path / "staging")
+    files = sorted(peft_adapter(r=4, target_modules=QKV).iterdir())
+    digest = "ab" * 32
+    staged = reg.stage(digest, files)
+    keys = lambda: {k.decode() for k in reg._redis.scan_iter(match=f"{redis_url.prefix}:registry:*")}  # noqa: E731
+    assert staged[1] is not None and len(keys()) == len(files)  # one chunk each, no manifest, no files key
+    reg.discard(staged, digest)
+    assert keys() == set()
+    reg.put(pb.AdapterManifest(name="kept", digest=digest), reg.stage(digest, files))
+    again = reg.stage(digest, files)  # the digest's files are there: nothing uploaded twice
+    assert again[1] is None and reg.put(pb.AdapterManifest(name="kept2", digest=digest), again) is None
+    with reg.files(digest) as folder:
+        assert sorted(p.read_bytes() for p in folder.iterdir()) == sorted(p.read_bytes() for p in files)
+    assert not folder.exists()
