@@ -45,7 +45,8 @@ class _NeedUpload(Exception):
 
 
 class RedisRegistry:
-    def __init__(self, url: str, prefix: str, staging_dir: Path, socket_timeout_s: float = 5.0):
+    def __init__(self, url: str, prefix: str, staging_dir: Path, socket_timeout_s: float = 5.0,
+                 chunk_bytes: int = CHUNK_BYTES):
         import redis
 
         self.url = _redact(url)
@@ -53,6 +54,7 @@ class RedisRegistry:
         self._p = f"{prefix}:registry"
         self._names, self._refs = f"{self._p}:names", f"{self._p}:refs"
         self.staging_dir = staging_dir
+        self.chunk_bytes = chunk_bytes
         with self._errors():
             log.info("registry: %d adapters in redis at %s (%s)", self._redis.zcard(self._names), self.url, self._p)
 
@@ -202,13 +204,14 @@ class RedisRegistry:
         """Writes the files' chunks under a fresh upload id (invisible until a commit names it)."""
         upload = {"upload": uuid.uuid4().hex, "files": {}}
         for f in files:
-            data = f.read_bytes()
-            chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
-            pipe = self._redis.pipeline(transaction=False)
-            for i, chunk in enumerate(chunks):
-                pipe.set(self._blob_key(digest, upload["upload"], f.name, i), chunk)
-            pipe.execute()
-            upload["files"][f.name] = [len(data), len(chunks)]
+            size, n = 0, 0
+            with open(f, "rb") as src:  # a chunk at a time: a 2 GiB adapter is never whole in memory
+                while (chunk := src.read(self.chunk_bytes)) or n == 0:
+                    self._redis.set(self._blob_key(digest, upload["upload"], f.name, n), chunk)
+                    size, n = size + len(chunk), n + 1
+                    if not chunk:
+                        break
+            upload["files"][f.name] = [size, n]
         return upload
 
     def _blob_keys(self, digest: str, upload: dict) -> list[str]:

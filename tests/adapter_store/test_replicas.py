@@ -157,12 +157,13 @@ def test_registry_redis_down_fails_unavailable_naming_it(tmp_path, loop_thread, 
 def test_an_upload_refused_at_the_drain_deadline_leaves_nothing(redis_url, tmp_path, peft_adapter):
     from loraserve.adapter_store.redis_registry import RedisRegistry
 
-    reg = RedisRegistry(redis_url.url, redis_url.prefix, tmp_path / "staging")
+    reg = RedisRegistry(redis_url.url, redis_url.prefix, tmp_path / "staging", chunk_bytes=4096)
     files = sorted(peft_adapter(r=4, target_modules=QKV).iterdir())
     digest = "ab" * 32
     staged = reg.stage(digest, files)
     keys = lambda: {k.decode() for k in reg._redis.scan_iter(match=f"{redis_url.prefix}:registry:*")}  # noqa: E731
-    assert staged[1] is not None and len(keys()) == len(files)  # one chunk each, no manifest, no files key
+    chunks = sum(-(-p.stat().st_size // 4096) for p in files)
+    assert chunks > len(files) and staged[1] is not None and len(keys()) == chunks  # no manifest, no files key
     reg.discard(staged, digest)
     assert keys() == set()
     reg.put(pb.AdapterManifest(name="kept", digest=digest), reg.stage(digest, files))
