@@ -20,6 +20,8 @@ class StoreConfig:
     disk_cache_bytes: int = 8 << 30
     redis_url: str | None = None          # e.g. redis://127.0.0.1:6379/0; None = disk tier only
     redis_prefix: str = "loraserve:"
+    registry: str = "file"                # "file": manifests + adapter files under data_dir (one store);
+                                          # "redis": in redis_url, shared by several store replicas
     redis_cache_bytes: int = 4 << 30
     admin_token: str | None = None        # when set, mutating RPCs need "authorization: Bearer <token>"
     tls: ServerTls | None = None          # certificate and key (and client CA: mutual TLS); None: plaintext

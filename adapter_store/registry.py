@@ -1,4 +1,6 @@
-"""Adapter names -> manifests, and the validated adapter files, content-addressed on disk.
+"""Adapter names -> manifests, and the validated adapter files, content-addressed on disk:
+the registry of one store (the default). Several replicas share redis_registry.RedisRegistry,
+which has the same methods.
 
   <data_dir>/registry/<name>.json      the manifest (protobuf JSON), written atomically
   <data_dir>/adapters/<digest>/        adapter_config.json + weights: the "source" cache tier,
@@ -10,6 +12,7 @@ client sends leads outside data_dir.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -27,7 +30,7 @@ from .validate import check_name
 log = logging.getLogger(__name__)
 
 
-class Registry:
+class FileRegistry:
     def __init__(self, data_dir: Path):
         self.manifest_dir = data_dir / "registry"
         self.adapter_root = data_dir / "adapters"
@@ -44,6 +47,11 @@ class Registry:
     def adapter_dir(self, digest: str) -> Path:
         return self.adapter_root / digest
 
+    @contextlib.contextmanager
+    def files(self, digest: str):
+        """The local folder holding the digest's files (kept: this registry is their record)."""
+        yield self.adapter_dir(digest)
+
     def get(self, name: str) -> pb.AdapterManifest:
         check_name(name)
         with self._lock:
@@ -51,6 +59,13 @@ class Registry:
         if manifest is None:
             raise not_found(f"adapter {name!r} is not registered")
         return manifest
+
+    def stage(self, digest: str, files: list[Path]) -> list[Path]:
+        """Nothing to do before the commit: put moves the files (a rename, under the same data dir)."""
+        return files
+
+    def discard(self, staged: list[Path], digest: str) -> None:
+        """The staged files are the registration's own staging folder: its caller removes it."""
 
     def put(self, manifest: pb.AdapterManifest, files: list[Path]) -> str | None:
         """Keeps (moves) the adapter's files under its digest, then (atomically) points the name at it.

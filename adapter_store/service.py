@@ -30,7 +30,8 @@ from . import base_model, pack, sources
 from .cache import DiskCache, RedisCache, TieredCache
 from .config import StoreConfig
 from .layout import check_layout, layout_hash
-from .registry import Registry
+from .redis_registry import RedisRegistry
+from .registry import FileRegistry
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "loraserve.v1.AdapterStore"
@@ -57,11 +58,19 @@ def build_cache(cfg: StoreConfig) -> TieredCache:
     return TieredCache(tiers)
 
 
+def build_registry(cfg: StoreConfig) -> FileRegistry | RedisRegistry:
+    if cfg.registry == "redis":
+        if not cfg.redis_url:
+            raise ValueError("--registry redis needs --redis-url")
+        return RedisRegistry(cfg.redis_url, cfg.redis_prefix, cfg.staging_dir)
+    return FileRegistry(cfg.data_dir)
+
+
 class AdapterStoreService(spb_grpc.AdapterStoreServicer):
     def __init__(self, cfg: StoreConfig):
         self.cfg = cfg
         clean_staging(cfg.staging_dir)
-        self.registry = Registry(cfg.data_dir)
+        self.registry = build_registry(cfg)
         self.cache = build_cache(cfg)
         self.spec = load_spec(cfg)
         self.metrics = StoreMetrics()
@@ -107,10 +116,13 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             t_fetch = time.perf_counter() - t0
             adapter = pack.load_adapter(fetched.directory, self.spec, self.cfg.limits)
             manifest = self._manifest(name, fetched, adapter)
+            # Redis registry: the files are uploaded here, outside the lock, so the commit stays short.
+            staged = self.registry.stage(manifest.digest, sorted(p for p in fetched.directory.iterdir() if p.is_file()))
             with self._commit_lock:
                 if self._commit_deadline is not None and time.monotonic() > self._commit_deadline:
+                    self.registry.discard(staged, manifest.digest)
                     raise unavailable(f"the store is shutting down: adapter {name!r} was not registered; register it again")
-                replaced = self.registry.put(manifest, sorted(p for p in fetched.directory.iterdir() if p.is_file()))
+                replaced = self.registry.put(manifest, staged)
             if replaced:
                 self._forget(replaced)
         finally:
@@ -247,7 +259,8 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         with self._adapters_lock:
             adapter = self._adapters.pop(manifest.digest, None)
         if adapter is None:
-            adapter = pack.load_adapter(self.registry.adapter_dir(manifest.digest), self.spec, self.cfg.limits)
+            with self.registry.files(manifest.digest) as folder:
+                adapter = pack.load_adapter(folder, self.spec, self.cfg.limits)
         with self._adapters_lock:
             self._adapters[manifest.digest] = adapter
             while len(self._adapters) > LOADED_ADAPTERS:

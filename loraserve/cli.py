@@ -93,6 +93,9 @@ def add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=env("redis_url"), help="e.g. redis://127.0.0.1:6379/0 (default: disk cache only)")
     p.add_argument("--redis-prefix", default=env("redis_prefix", "loraserve:"))
     p.add_argument("--redis-cache-gb", type=float, default=float(env("redis_cache_gb", 4)))
+    p.add_argument("--registry", choices=("file", "redis"), default=env("registry", "file"),
+                   help="where manifests and adapter files live: file (under --data-dir, one store) or redis "
+                        "(in --redis-url under --redis-prefix, shared by several store replicas)")
     p.add_argument("--disk-cache-gb", type=float, default=float(env("disk_cache_gb", 8)))
     roots = env("allow_local_root")
     p.add_argument("--allow-local-root", type=Path, action="append",
@@ -146,10 +149,12 @@ def store_config(a: argparse.Namespace):
         base_name, base_path = DEFAULT_BASE_MODEL, smollm2_gguf_path()
     roots = tuple(p.resolve() for p in (a.allow_local_root or [Path.cwd()]))
     max_bytes = a.max_adapter_mb << 20
+    if a.registry == "redis" and not a.redis_url:
+        raise ValueError("--registry redis needs --redis-url")
     return StoreConfig(
         listen=a.listen, data_dir=a.data_dir, base_model=base_name or "",
         base_model_path=None if a.any_base_model else base_path,
-        disk_cache_bytes=int(a.disk_cache_gb * 2**30), redis_url=a.redis_url, redis_prefix=a.redis_prefix,
+        disk_cache_bytes=int(a.disk_cache_gb * 2**30), redis_url=a.redis_url, redis_prefix=a.redis_prefix, registry=a.registry,
         redis_cache_bytes=int(a.redis_cache_gb * 2**30), admin_token=a.admin_token,
         tls=server_tls(a.tls_cert, a.tls_key, a.tls_client_ca), metrics_listen=metrics_listen(a.listen, a.metrics_port),
         limits=Limits(max_rank=a.max_rank, max_adapter_bytes=max_bytes, allow_pickle=a.allow_pickle),

@@ -102,6 +102,8 @@ def test_values_yaml_has_required_key(path):
 def test_values_defaults_make_sense():
     v = values()
     assert v["redis"]["enabled"] is True and v["redis"]["url"] == ""
+    # Two stores share the registry in the chart's Redis, which therefore persists.
+    assert v["store"]["replicaCount"] == 2 and v["redis"]["persistence"]["enabled"] is True
     assert int(v["executor"]["gpu"]["count"]) >= 1 and v["executor"]["gpu"]["resourceName"] == "nvidia.com/gpu"
     # Secrets are never in values by default.
     assert not v["auth"]["storeAdminToken"] and not v["auth"]["executorAdminToken"]

@@ -91,9 +91,8 @@ def test_metrics_ports_tls_pdb_and_service_monitor(manifests):
     for svc in k["Service"]:
         if svc["metadata"]["name"].endswith(("-store", "-executor")):
             assert "metrics" in {p["name"] for p in svc["spec"]["ports"]}
-    pdb = k["PodDisruptionBudget"][0]
-    assert pdb["spec"]["maxUnavailable"] == 1
-    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "executor"
+    pdbs = {p["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]: p for p in k["PodDisruptionBudget"]}
+    assert set(pdbs) == {"executor", "store"} and all(p["spec"]["maxUnavailable"] == 1 for p in pdbs.values())
     if which == "default":
         assert "ServiceMonitor" not in k and not any(a.startswith("--tls") or "tls" in a for a in store["args"])
         assert "grpc" in executor["readinessProbe"]
@@ -108,11 +107,49 @@ def test_metrics_ports_tls_pdb_and_service_monitor(manifests):
     assert "tcpSocket" in executor["readinessProbe"]  # the kubelet's gRPC probe speaks no TLS
 
 
+def deployment(docs, component: str) -> dict:
+    return next(d for d in kinds(docs)["Deployment"] if d["metadata"]["name"] == f"lora-loraserve-{component}")
+
+
+def test_store_replicas_share_the_redis_registry(manifests):
+    """With a Redis (the chart's own or an external one): 2 stores, --registry redis, scratch data dirs."""
+    which, docs = manifests
+    store = deployment(docs, "store")
+    assert store["spec"]["replicas"] == 2 and store["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert "--registry=redis" in container(docs, "store")["args"]
+    data = next(v for v in store["spec"]["template"]["spec"]["volumes"] if v["name"] == "data")
+    assert data == {"name": "data", "emptyDir": {}}
+    claims = {c["metadata"]["name"] for c in kinds(docs).get("PersistentVolumeClaim", [])}
+    if which == "default":  # the chart's Redis holds the registry: it persists (AOF on a PVC)
+        assert claims == {"lora-loraserve-redis"}
+        args = container(docs, "redis")["args"]
+        assert args[args.index("--appendonly") + 1] == "yes"
+    else:
+        assert claims == set()
+
+
+def test_without_redis_one_store_keeps_the_file_registry():
+    docs = render({"redis": {"enabled": False}, "store": {"replicaCount": 1}})
+    k = kinds(docs)
+    store = deployment(docs, "store")
+    assert store["spec"]["replicas"] == 1 and store["spec"]["strategy"] == {"type": "Recreate"}
+    assert not any(a.startswith(("--registry", "--redis")) for a in container(docs, "store")["args"])
+    assert [c["metadata"]["name"] for c in k["PersistentVolumeClaim"]] == ["lora-loraserve-store"]
+    assert [p["metadata"]["name"] for p in k["PodDisruptionBudget"]] == ["lora-loraserve-executor"]
+    for version in KUBE_VERSIONS:
+        for doc in docs:
+            kubernetes_validate.validate(doc, version, strict=True)
+    with pytest.raises(helm.HelmRenderError, match=r"store.replicaCount > 1 needs a Redis \(redis.enabled, redis.url or redis.existingSecret\)"):
+        render({"redis": {"enabled": False}})
+
+
 def test_schema_refuses_wrong_values():
     with pytest.raises(helm.HelmValuesError, match="at '/executor/port': got string, want integer"):
         render({"executor": {"port": "fifty"}})
     with pytest.raises(helm.HelmValuesError, match="additional properties 'replicas' not allowed"):
         render({"executor": {"replicas": 3}})
+    with pytest.raises(helm.HelmValuesError, match="at '/store/replicaCount': minimum: got 0, want 1"):
+        render({"store": {"replicaCount": 0}})
     with pytest.raises(helm.HelmRenderError, match="tls.enabled needs tls.existingSecret"):
         render({"tls": {"enabled": True}})
 

@@ -42,6 +42,11 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if or .Values.auth.storeAdminToken .Values.auth.existingSecret }}true{{ end }}
 {{- end }}
 
+{{- /* "true" when the store has a Redis: then the registry lives there and stores can be replicas */ -}}
+{{- define "loraserve.storeRedis" -}}
+{{- if or .Values.redis.enabled .Values.redis.url .Values.redis.existingSecret }}true{{ end }}
+{{- end }}
+
 {{- define "loraserve.hasExecutorToken" -}}
 {{- if or .Values.auth.executorAdminToken .Values.auth.existingSecret }}true{{ end }}
 {{- end }}
@@ -78,5 +83,8 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
 {{- fail "tls.enabled needs tls.existingSecret: a Secret with tls.crt, tls.key and ca.crt" }}
+{{- end }}
+{{- if and (gt (int .Values.store.replicaCount) 1) (not (include "loraserve.storeRedis" .)) }}
+{{- fail "store.replicaCount > 1 needs a Redis (redis.enabled, redis.url or redis.existingSecret): the stores share their registry there" }}
 {{- end }}
 {{- end }}
