@@ -1,7 +1,7 @@
 """The small per-layer ops of the decoder in plain PyTorch: the CPU path and the test oracle.
 
-kernels/triton_ops.py fuses each into one kernel with the same signature (a decode step of an
-8B model is ~40 launches per layer eagerly; fused, ~10). The arithmetic here is transformers'
+kernels/triton_ops.py fuses each into one kernel with the same signature (eagerly, these ops
+are most of a decode step's launches per layer). The arithmetic here is transformers'
 (RMSNorm in float32, cast back before the weight; RoPE on the two halves of each head).
 """
 

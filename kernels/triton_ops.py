@@ -1,9 +1,9 @@
 """The decoder's small per-layer ops fused into one Triton kernel each: same signatures as
 kernels/ops_reference.py.
 
-Eagerly each of these is 5-10 launches of tiny kernels (RMSNorm alone: cast, square, mean,
-rsqrt, two products, cast); inside a CUDA graph each launch still costs a few microseconds of
-GPU time, ~1,200 per decode step of an 8B model. One program per token row; intermediates stay
+Eagerly each of these is several launches of tiny kernels (RMSNorm alone: cast, square, mean,
+rsqrt, two products, cast); inside a CUDA graph each launch still costs GPU time, and there are
+a few of these per layer. One program per token row; intermediates stay
 in registers in float32, results are rounded once to the activation dtype.
 """
 

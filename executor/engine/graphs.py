@@ -1,6 +1,6 @@
 """CUDA graphs of the decode step: the whole forward and the logits, one graph per batch bucket.
 
-A decode step of an 8B model launches ~1,500 kernels; eagerly, the host's launch time per
+A decode step launches dozens of kernels per layer; eagerly, the host's launch time per
 kernel exceeds the GPU's time at small batches, so the step is host-bound (docs/BENCHMARKS.md).
 Replaying a captured graph launches them all at once.
 
@@ -63,7 +63,7 @@ class DecodeGraphs:
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
         # One logits buffer that every graph writes: a graph's own output would stay allocated
-        # for its lifetime, and max_batch^2 / 16 rows of vocab floats add up (17 GB at 512).
+        # for its lifetime, and the buckets' rows of vocab floats grow with max_batch squared.
         self._logits = torch.empty(max_batch, model.cfg.vocab_size, dtype=torch.float32, device=self.device)
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
