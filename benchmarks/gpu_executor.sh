@@ -5,6 +5,7 @@
 # Usage (from the repo root): bash benchmarks/gpu_executor.sh OUT_DIR [STAGES]
 #   STAGES, comma-separated, run in this order (default: test):
 #   test:    the executor's and the attention kernels' CUDA tests (graphs, paged attention, service)
+#   svc:     the engine's part of them only: graphs and service tests (after an engine-only change)
 #   attn:    benchmarks/bench_attention.py (paged attention kernels against their floors)
 #   engine:  benchmarks/bench_engine.py (decode / prefill / gRPC against the floors; needs
 #            var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF)
@@ -39,6 +40,12 @@ if has test; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs \
     tests/kernels/test_attention_gpu.py tests/kernels/test_ops_gpu.py tests/executor/test_graphs.py \
     2>&1 | tee "$OUT/kernel_gpu_tests.log" | tail -8
+fi
+if has svc; then
+  python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs tests/executor/test_graphs.py \
+    2>&1 | tee "$OUT/graph_gpu_tests.log" | tail -4
+fi
+if has test || has svc; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs \
     tests/executor/test_service.py -k "cuda or bf16" \
     2>&1 | tee "$OUT/executor_gpu_tests.log" | tail -8

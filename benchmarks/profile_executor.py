@@ -1,6 +1,6 @@
 """Where a decode step's time goes: one batch through the executor under torch.profiler.
 
-Prints wall time per engine step, and the GPU kernels (or CPU ops) that took the most time.
+Prints the host time of each engine step's launch, and the GPU kernels (or CPU ops) that took the most time.
 Usage: python benchmarks/profile_executor.py --model-dir DIR [--prompts 8] [--device cuda]
 """
 
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--torch-profile", action="store_true", help="also a torch.profiler table of a second run")
-    ap.add_argument("--cprofile", action="store_true", help="cProfile the step worker thread (host time by function)")
+    ap.add_argument("--cprofile", action="store_true", help="cProfile the steps' launches (host time by function)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="profile-executor-"))
     model = be.BaseModel(args.model_dir)
@@ -37,13 +37,13 @@ def main() -> None:
     del base
     srv = be.Servers(model, work / "adapters", work / "store", args.device)
     steps = collections.defaultdict(list)
-    real = engine_mod.Engine._execute
+    real = engine_mod.Engine._launch  # the host side of a step: forward launch, sampling, the copy out
 
     profiler = cProfile.Profile() if args.cprofile else None
 
     def timed(self, b):
         t0 = time.perf_counter()
-        if profiler is not None:  # cProfile sees only the thread that enables it: the step's worker
+        if profiler is not None:  # cProfile sees only the thread that enables it: the launching one
             profiler.enable()
         try:
             return real(self, b)
@@ -52,7 +52,7 @@ def main() -> None:
                 profiler.disable()
             steps[len(b.input_ids)].append(time.perf_counter() - t0)
 
-    engine_mod.Engine._execute = timed
+    engine_mod.Engine._launch = timed
     host = collections.Counter()  # host seconds inside each wrapped function (any thread)
     calls = collections.Counter()
 

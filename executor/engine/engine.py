@@ -2,13 +2,16 @@
 
     generate(req) --size check, tokenize (thread), validate, acquire adapter slot--> Scheduler.waiting
     step loop:  schedule -> flatten (input_ids, positions, block tables, token slots)
-                -> in a worker thread: decode-only steps replay a CUDA graph (executor/engine/graphs.py),
-                   other steps run model.forward + compute_logits eagerly; then sampling on the device
-                   and one device->host copy of the sampled tokens and logprobs
-                -> append tokens, detokenize (thread), stop/eos/length checks -> each request's queue
+                -> launch: decode-only steps replay a CUDA graph (executor/engine/graphs.py) from the
+                   loop, other steps run model.forward + compute_logits eagerly in a worker thread;
+                   then sampling on the device and one copy of the sampled tokens and logprobs
+                   into pinned host memory
+                -> while the device computes: the previous step's outputs are delivered
+                -> wait (in a thread) for the copy; append tokens, then deliver: detokenize (thread),
+                   stop strings -> each request's queue
 
-The forward runs in `asyncio.to_thread`, so the event loop keeps serving gRPC and adapter loads
-while the model computes; tokenizing and detokenizing run in their own threads too (a long
+The device wait and the eager forward run in threads, so the event loop keeps serving gRPC and
+adapter loads while the model computes; tokenizing and detokenizing run in their own threads too (a long
 prompt never stalls other streams), and text prompts above `max_prompt_bytes` are refused
 before they are tokenized. A sequence's lease is released only when no step in flight uses it,
 so its slot is never overwritten under a running forward.
@@ -111,6 +114,19 @@ class _Batch:
         return all(n == 1 for n in self.query_lens)
 
 
+@dataclass
+class _Launched:
+    """A step queued on the device: `out` ([2, rows] float64, token ids and logprobs; pinned host
+    memory on CUDA) is readable once `event` (None off CUDA) has completed."""
+
+    kind: str
+    num_seqs: int
+    num_tokens: int
+    t0: float  # perf_counter at launch
+    out: torch.Tensor | None
+    event: torch.cuda.Event | None = None
+
+
 class Engine:
     def __init__(self, model, tokenizer, kv_cache: KVCache, slot_manager: SlotManager, config: ExecutorConfig):
         self.model = model
@@ -136,7 +152,8 @@ class Engine:
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenize")
         self.graphs = self._capture_graphs()
-        self.step_times: list[tuple[str, int, int, float]] = []  # (kind, seqs, tokens, seconds), last 1,000 steps
+        # (kind, seqs, tokens, seconds from launch to result, perf_counter at the result), recent steps
+        self.step_times: list[tuple[str, int, int, float, float]] = []
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Decode-step CUDA graphs, on CUDA unless config.enforce_eager or the RoPE is dynamic.
@@ -352,11 +369,9 @@ class Engine:
                     continue
                 batch = self._flatten(plan)
                 self._stepping = {s.seq for s in plan.seqs}
-                step = asyncio.ensure_future(asyncio.to_thread(self._execute, batch))
+                step = asyncio.ensure_future(self._step(batch, pending))
+                pending = None  # the step awaits it between its launch and its result
                 try:
-                    if pending is not None:  # the previous step's outputs go out while this one computes
-                        await pending
-                        pending = None
                     token_ids, logprobs = await step
                 except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
                     log.exception("step of %d sequences failed", len(plan.seqs))
@@ -401,21 +416,45 @@ class Engine:
         )  # fmt: skip
         return b
 
-    def _execute(self, b: _Batch) -> tuple[list[int], list[float]]:
-        """Runs in a worker thread: forward, logits of the sampled rows, sampling."""
+    async def _step(self, b: _Batch, deliveries: asyncio.Future | None) -> tuple[list[int], list[float]]:
+        """Launches the step, delivers the previous step's outputs while the device computes, then
+        waits for this step's sampled tokens.
+
+        A graph replay is launched from the event loop itself (staging and replay take well under
+        a millisecond): launched from a worker thread, it would wait for the GIL while the loop
+        delivers outputs, and the device would idle meanwhile. Eager steps launch hundreds of
+        kernels from Python, so they run in a worker thread and the loop stays responsive."""
+        launched = None
+        try:
+            launched = self._launch(b) if self._graph_step(b) else await asyncio.to_thread(self._launch, b)
+        finally:
+            try:
+                if deliveries is not None:  # delivered even when the launch failed
+                    await deliveries
+            finally:
+                if launched is not None and launched.event is not None:  # wait off the loop
+                    await asyncio.to_thread(launched.event.synchronize)
+        return self._collect(launched)
+
+    def _graph_step(self, b: _Batch) -> bool:
+        return self.graphs is not None and b.is_decode and len(b.query_lens) <= self.graphs.max_batch
+
+    def _launch(self, b: _Batch) -> "_Launched":
+        """Queues the step's work on the device: forward, logits of the sampled rows, sampling,
+        and a copy of the sampled tokens and logprobs into pinned host memory."""
         if self.device.type != "cuda":
-            return self._execute_on_device(b)
+            return self._launch_on_device(b)
         with torch.cuda.device(self.device):  # a worker thread starts on GPU 0; Triton launches on the current GPU
-            return self._execute_on_device(b)
+            return self._launch_on_device(b)
 
     @torch.inference_mode()
-    def _execute_on_device(self, b: _Batch) -> tuple[list[int], list[float]]:
+    def _launch_on_device(self, b: _Batch) -> "_Launched":
         t0 = time.perf_counter()
         dev = self.device
         for lease in b.leases:
             lease.wait()  # the forward's stream waits for the slot copy (CUDA only)
         num_seqs = len(b.query_lens)
-        if self.graphs is not None and b.is_decode and num_seqs <= self.graphs.max_batch:
+        if self._graph_step(b):
             kind = "decode-graph"
             logits = self.graphs.run(DecodeBatch(b.input_ids, b.context_lens, b.block_tables, b.token_slots))
             if len(b.sample_rows) != num_seqs:  # a 1-token chunk in the middle of a prefill samples nothing
@@ -429,14 +468,31 @@ class Engine:
             if b.sample_rows:
                 rows = torch.tensor(b.sample_rows, dtype=torch.long, device=dev)
                 logits = self.model.compute_logits(hidden.index_select(0, rows), self._lora_meta(b.sample_slots))
-        token_ids, logprobs = self._sample(b, logits)
-        self._record_step(kind, num_seqs, len(b.input_ids), time.perf_counter() - t0)
+        launched = _Launched(kind, num_seqs, len(b.input_ids), t0, self._sample(b, logits))
+        if launched.out is not None and dev.type == "cuda":
+            host = torch.empty(launched.out.shape, dtype=launched.out.dtype, pin_memory=True)
+            launched.out = host.copy_(launched.out, non_blocking=True)
+            launched.event = torch.cuda.Event()
+            launched.event.record()
+        return launched
+
+    def _collect(self, launched: "_Launched") -> tuple[list[int], list[float]]:
+        """The step's sampled tokens and logprobs (its device work is done); records its time."""
+        token_ids, logprobs = [], []
+        if launched.out is not None:
+            ids, logprobs = launched.out.tolist()
+            token_ids = [int(t) for t in ids]
+        end = time.perf_counter()
+        self.step_times.append((launched.kind, launched.num_seqs, launched.num_tokens, end - launched.t0, end))
+        if len(self.step_times) > 2000:
+            del self.step_times[:1000]
         return token_ids, logprobs
 
-    def _sample(self, b: _Batch, logits: torch.Tensor | None) -> tuple[list[int], list[float]]:
-        """Samples every row on the device; the step's one device->host copy brings ids and logprobs."""
-        if logits is None:  # prefill chunks only: nothing to wait for
-            return [], []
+    def _sample(self, b: _Batch, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """Samples every row on the device -> [2, rows] float64 (token ids, logprobs), still on
+        the device; None for a step of prefill chunks only."""
+        if logits is None:
+            return None
         if any(t > 0 for t in b.temperature):
             dev = self.device
             token_ids, logprobs = sample(
@@ -449,13 +505,7 @@ class Engine:
             )
         else:
             token_ids, logprobs = greedy(logits)
-        ids, lps = torch.stack((token_ids.double(), logprobs.double())).tolist()
-        return [int(t) for t in ids], lps
-
-    def _record_step(self, kind: str, num_seqs: int, num_tokens: int, seconds: float) -> None:
-        self.step_times.append((kind, num_seqs, num_tokens, seconds))
-        if len(self.step_times) > 2000:
-            del self.step_times[:1000]
+        return torch.stack((token_ids.double(), logprobs.double()))
 
     def _lora_meta(self, slots: list[int]):
         """Token grouping by slot, once per step; None when no token uses an adapter."""
