@@ -108,6 +108,7 @@ class _Batch:
     top_p: list[float]
     generators: list[torch.Generator | None]
     leases: list[SlotLease]
+    sources: list[int]  # per token: -1, or the previous step's sample row its id comes from (PENDING)
 
     @property
     def is_decode(self) -> bool:
@@ -125,6 +126,16 @@ class _Launched:
     t0: float  # perf_counter at launch
     out: torch.Tensor | None
     event: torch.cuda.Event | None = None
+    kept: bool = False  # its sampled tokens are in the graphs' buffer (a next step may read them)
+
+
+@dataclass
+class _InFlight:
+    plan: SchedulePlan
+    launched: _Launched | None
+
+
+PENDING = -1  # a token id the previous step is still sampling (on the device)
 
 
 class Engine:
@@ -146,14 +157,16 @@ class Engine:
         self._seq_ids = itertools.count()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._stepping: set[Sequence] = set()  # sequences of the step in flight
-        self._deferred_releases: list[SlotLease] = []
+        self._stepping: dict[Sequence, int] = {}  # sequences of the steps in flight -> how many
+        self._deferred_releases: list[tuple[Sequence, SlotLease]] = []  # held until their steps end
+        self._prev_rows: dict[Sequence, int] = {}  # the last launched step's sample row of each sequence
         # One thread each: a prompt being tokenized never holds up the streams' detokenizing.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenize")
         self.graphs = self._capture_graphs()
         # (kind, seqs, tokens, seconds from launch to result, perf_counter at the result), recent steps
         self.step_times: list[tuple[str, int, int, float, float]] = []
+        self.steps_ahead = 0  # steps planned before the previous step's tokens reached the host
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Decode-step CUDA graphs, on CUDA unless config.enforce_eager or the RoPE is dynamic.
@@ -328,72 +341,165 @@ class Engine:
             self.scheduler.finish(run.seq)  # its blocks are reused only by a later schedule()
         if lease is not None:
             if run is not None and run.seq in self._stepping:
-                self._deferred_releases.append(lease)
+                self._deferred_releases.append((run.seq, lease))
             else:
                 self.slots.release(lease)
 
     # ---- the step loop --------------------------------------------------------------------
 
     async def _loop(self) -> None:
-        """Schedules and launches step N+1 before delivering step N's outputs, so that the
-        delivery (detokenizing, stop strings, the streams' queues and their consumers' work on
-        this loop) overlaps the forward pass instead of holding the device idle. A step's
-        inputs only need the sampled ids, which `_append` adds at once (with the eos and length
-        ends, so a finished sequence is never scheduled again); a stop string is found during the
-        delivery, so such a sequence may compute one step more, whose token is dropped."""
-        pending: asyncio.Task | None = None  # the delivery of the previous step's outputs
+        """Keeps the device busy: while step N computes, step N+1 is planned and launched (when it
+        can be: see `_speculate`) and step N-1's outputs are delivered (detokenizing, stop
+        strings, the streams' queues and their consumers' work on this loop); then step N's
+        sampled tokens are collected.
+
+        Step N+1 launched before step N's tokens are known feeds them from the device: the
+        scheduler sees a placeholder token (PENDING) per sequence, the graph reads the real ids
+        that step N's sampling left in the graphs' buffer, and `_append` puts them in place. A
+        sequence that step N ends (eos, or a stop string found while delivering) computes one
+        step more, whose token is dropped; length ends are known beforehand and planned for."""
+        pending: asyncio.Future | None = None  # the delivery of collected outputs
+        inflight: _InFlight | None = None  # launched, not yet collected
+        following: _InFlight | None = None  # launched behind it
         try:
             while True:
-                if not self.scheduler.has_work():
-                    if pending is not None:
-                        await pending
-                        pending = None
+                if inflight is None:
+                    if not self.scheduler.has_work() or not (plan := self._plan()).seqs:
+                        if pending is not None:
+                            await pending
+                            pending = None
+                            continue
+                        self._wakeup.clear()
+                        if self.scheduler.has_work():  # only sequences whose adapter copy is in flight
+                            try:
+                                await asyncio.wait_for(self._wakeup.wait(), 0.002)
+                            except asyncio.TimeoutError:
+                                pass
+                        else:
+                            await self._wakeup.wait()
                         continue
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                plan = self.scheduler.schedule()
-                for seq in plan.failed:
-                    self._fail(seq, exhausted(f"sequence of {len(seq.token_ids)} tokens does not fit in the KV cache"))
-                if not plan.seqs:
-                    if pending is not None:
-                        await pending
-                        pending = None
+                    inflight = await self._start(plan)
+                    if inflight is None:
                         continue
-                    # Only sequences whose adapter copy is still in flight: look again shortly.
-                    self._wakeup.clear()
-                    try:
-                        await asyncio.wait_for(self._wakeup.wait(), 0.002)
-                    except asyncio.TimeoutError:
-                        pass
-                    continue
-                batch = self._flatten(plan)
-                self._stepping = {s.seq for s in plan.seqs}
-                step = asyncio.ensure_future(self._step(batch, pending))
-                pending = None  # the step awaits it between its launch and its result
-                try:
-                    token_ids, logprobs = await step
-                except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
-                    log.exception("step of %d sequences failed", len(plan.seqs))
-                    error = StatusError(grpc.StatusCode.INTERNAL, f"forward step failed: {type(exc).__name__}: {exc}")
-                    for s in plan.seqs:
-                        self._fail(s.seq, error)
-                    continue
-                finally:
-                    if not step.done():  # cancelled while the step runs: let it end before the slots move
-                        await asyncio.shield(asyncio.wait([step]))
-                    self._stepping = set()
-                    self._release_deferred()
-                pending = asyncio.ensure_future(self._deliver(self._append(plan, token_ids, logprobs)))
+                if self._speculate(inflight):
+                    plan = self._plan()
+                    if plan.seqs:
+                        following = await self._start(plan)
+                if pending is not None:  # earlier outputs go out while the device computes
+                    await pending
+                    pending = None
+                new = await self._finish_step(inflight)
+                inflight, following = following, None
+                if new is not None:
+                    pending = asyncio.ensure_future(self._deliver(new))
         finally:
             if pending is not None:
                 pending.cancel()
+            for step in (inflight, following):  # stopped mid-step: the device ends it before slots move
+                if step is not None and step.launched.event is not None:
+                    step.launched.event.synchronize()
+
+    def _plan(self) -> SchedulePlan:
+        plan = self.scheduler.schedule()
+        for seq in plan.failed:
+            self._fail(seq, exhausted(f"sequence of {len(seq.token_ids)} tokens does not fit in the KV cache"))
+        return plan
+
+    async def _start(self, plan: SchedulePlan) -> _InFlight | None:
+        """Flattens and launches a planned step: a graph step from the loop itself (staging and
+        replay take well under a millisecond; from a worker thread it would wait for the GIL while
+        the loop delivers outputs, and the device would idle), an eager one, which launches
+        hundreds of kernels from Python, in a worker thread. None if the launch failed (its
+        requests have failed)."""
+        for s in plan.seqs:
+            self._stepping[s.seq] = self._stepping.get(s.seq, 0) + 1
+        step = _InFlight(plan, None)
+        try:
+            batch = self._flatten(plan)
+            if self._graph_step(batch):
+                step.launched = self._launch(batch)
+            else:
+                task = asyncio.ensure_future(asyncio.to_thread(self._launch, batch))
+                try:
+                    step.launched = await task
+                finally:
+                    if not task.done():  # cancelled: let the launch end before the slots move
+                        await asyncio.shield(asyncio.wait([task]))
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            self._step_failed(step, exc)
+            return None
+        self._prev_rows = {s.seq: i for i, s in enumerate(x for x in plan.seqs if x.needs_sample)}
+        return step
+
+    async def _finish_step(self, step: _InFlight) -> list[tuple] | None:
+        """Waits (off the loop) for a launched step, appends its tokens -> the outputs to deliver."""
+        try:
+            if step.launched.event is not None:
+                await asyncio.to_thread(step.launched.event.synchronize)
+            token_ids, logprobs = self._collect(step.launched)
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            self._step_failed(step, exc)
+            return None
+        self._done_stepping(step.plan)
+        return self._append(step.plan, token_ids, logprobs)
+
+    def _step_failed(self, step: _InFlight, exc: Exception) -> None:
+        log.error("step of %d sequences failed", len(step.plan.seqs), exc_info=exc)
+        error = StatusError(grpc.StatusCode.INTERNAL, f"forward step failed: {type(exc).__name__}: {exc}")
+        for s in step.plan.seqs:
+            self._fail(s.seq, error)
+        self._done_stepping(step.plan)
+
+    def _done_stepping(self, plan: SchedulePlan) -> None:
+        """The step's device work is over: leases of requests closed meanwhile go back, unless a
+        step still in flight uses them."""
+        for s in plan.seqs:
+            left = self._stepping.pop(s.seq, 1) - 1
+            if left > 0:
+                self._stepping[s.seq] = left
+        keep = []
+        for seq, lease in self._deferred_releases:
+            if seq in self._stepping:
+                keep.append((seq, lease))
+            else:
+                self.slots.release(lease)
+        self._deferred_releases = keep
+
+    def _speculate(self, step: _InFlight) -> bool:
+        """Whether the next step can be planned before `plan`'s tokens are known, and if so gives
+        each of its sampled sequences that goes on a placeholder token. Only when that step
+        is sure to be a graph step fed from the device: nothing waits for admission, every
+        running sequence decodes (at most one token to compute, its last one sampled by `plan`
+        unless its id is on the host), and they fit the largest graph."""
+        graphs, running = self.graphs, self.scheduler.running
+        if graphs is None or not step.launched.kept or self.scheduler.waiting or not 0 < len(running) <= graphs.max_batch:
+            return False
+        sampled = {s.seq: s for s in step.plan.seqs if s.needs_sample}
+        goes_on = []
+        for seq in running:
+            s = sampled.get(seq)
+            if s is None:
+                if seq.num_uncomputed > 1 or (seq.num_uncomputed == 1 and seq.token_ids[-1] == PENDING):
+                    return False
+                continue
+            run = self._runs.get(seq.seq_id)
+            if run is None or run.done or len(seq.token_ids) != s.context_len + s.num_tokens:
+                continue
+            if seq.num_output_tokens + 1 < run.params.max_tokens and len(seq.token_ids) + 1 < self.config.max_model_len:
+                goes_on.append(seq)
+        for seq in goes_on:
+            self.scheduler.append_token(seq, PENDING)
+        self.steps_ahead += bool(goes_on)
+        return bool(goes_on)
 
     def _flatten(self, plan: SchedulePlan) -> _Batch:
-        b = _Batch([], [], [], [], [], [], [], [], [], [], [], [])
+        b = _Batch([], [], [], [], [], [], [], [], [], [], [], [], [])
         for s in plan.seqs:
             seq = s.seq
-            b.input_ids += s.query_token_ids
+            ids = s.query_token_ids
+            b.input_ids += ids
+            # A placeholder's id is what the previous step sampled in row `_prev_rows[seq]`.
+            b.sources += [self._prev_rows[seq] if t == PENDING else -1 for t in ids]
             b.query_lens.append(s.num_tokens)
             b.context_lens.append(s.context_len)
             b.block_tables.append(list(seq.block_table))
@@ -416,26 +522,6 @@ class Engine:
         )  # fmt: skip
         return b
 
-    async def _step(self, b: _Batch, deliveries: asyncio.Future | None) -> tuple[list[int], list[float]]:
-        """Launches the step, delivers the previous step's outputs while the device computes, then
-        waits for this step's sampled tokens.
-
-        A graph replay is launched from the event loop itself (staging and replay take well under
-        a millisecond): launched from a worker thread, it would wait for the GIL while the loop
-        delivers outputs, and the device would idle meanwhile. Eager steps launch hundreds of
-        kernels from Python, so they run in a worker thread and the loop stays responsive."""
-        launched = None
-        try:
-            launched = self._launch(b) if self._graph_step(b) else await asyncio.to_thread(self._launch, b)
-        finally:
-            try:
-                if deliveries is not None:  # delivered even when the launch failed
-                    await deliveries
-            finally:
-                if launched is not None and launched.event is not None:  # wait off the loop
-                    await asyncio.to_thread(launched.event.synchronize)
-        return self._collect(launched)
-
     def _graph_step(self, b: _Batch) -> bool:
         return self.graphs is not None and b.is_decode and len(b.query_lens) <= self.graphs.max_batch
 
@@ -456,11 +542,13 @@ class Engine:
         num_seqs = len(b.query_lens)
         if self._graph_step(b):
             kind = "decode-graph"
-            logits = self.graphs.run(DecodeBatch(b.input_ids, b.context_lens, b.block_tables, b.token_slots))
+            logits = self.graphs.run(DecodeBatch(b.input_ids, b.context_lens, b.block_tables, b.token_slots, b.sources))
             if len(b.sample_rows) != num_seqs:  # a 1-token chunk in the middle of a prefill samples nothing
                 logits = logits[torch.tensor(b.sample_rows, dtype=torch.long, device=dev)]
         else:
             kind = "decode" if b.is_decode else "mixed"
+            if max(b.sources, default=-1) >= 0:
+                raise RuntimeError("an eager step got placeholder tokens: only graph steps read ids from the device")
             input_ids = torch.tensor(b.input_ids, dtype=torch.long, device=dev)
             attn = AttentionMetadata.build(b.query_lens, b.context_lens, b.block_tables, self.kv_cache.block_size, dev)
             hidden = self.model.forward(input_ids, attn.positions, attn, self.kv_cache, self._lora_meta(b.token_slots))
@@ -468,7 +556,14 @@ class Engine:
             if b.sample_rows:
                 rows = torch.tensor(b.sample_rows, dtype=torch.long, device=dev)
                 logits = self.model.compute_logits(hidden.index_select(0, rows), self._lora_meta(b.sample_slots))
-        launched = _Launched(kind, num_seqs, len(b.input_ids), t0, self._sample(b, logits))
+        launched = _Launched(kind, num_seqs, len(b.input_ids), t0, None)
+        sampled = self._sample(b, logits)
+        if sampled is not None:
+            token_ids, logprobs = sampled
+            if self.graphs is not None and len(token_ids) <= self.graphs.max_batch:
+                self.graphs.keep_sampled(token_ids)  # the next step may be planned on them (PENDING)
+                launched.kept = True
+            launched.out = torch.stack((token_ids.double(), logprobs.double()))
         if launched.out is not None and dev.type == "cuda":
             host = torch.empty(launched.out.shape, dtype=launched.out.dtype, pin_memory=True)
             launched.out = host.copy_(launched.out, non_blocking=True)
@@ -488,9 +583,9 @@ class Engine:
             del self.step_times[:1000]
         return token_ids, logprobs
 
-    def _sample(self, b: _Batch, logits: torch.Tensor | None) -> torch.Tensor | None:
-        """Samples every row on the device -> [2, rows] float64 (token ids, logprobs), still on
-        the device; None for a step of prefill chunks only."""
+    def _sample(self, b: _Batch, logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Samples every row on the device -> (token ids [rows] int64, logprobs [rows] float32),
+        still on the device; None for a step of prefill chunks only."""
         if logits is None:
             return None
         if any(t > 0 for t in b.temperature):
@@ -505,7 +600,7 @@ class Engine:
             )
         else:
             token_ids, logprobs = greedy(logits)
-        return torch.stack((token_ids.double(), logprobs.double()))
+        return token_ids, logprobs
 
     def _lora_meta(self, slots: list[int]):
         """Token grouping by slot, once per step; None when no token uses an adapter."""
@@ -529,11 +624,15 @@ class Engine:
             if run is None or run.done:  # cancelled while the step ran, or ended by a stop string
                 continue
             seq = run.seq
-            self.scheduler.append_token(seq, token_id)
+            at = s.context_len + s.num_tokens  # the new token's index in the sequence
+            if at < len(seq.token_ids):  # the placeholder the next step was planned with
+                seq.token_ids[at] = token_id
+            else:
+                self.scheduler.append_token(seq, token_id)
             finish = None
             if token_id in eos:
                 finish = "eos"
-            elif seq.num_output_tokens >= run.params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+            elif at + 1 - seq.num_prompt_tokens >= run.params.max_tokens or at + 1 >= self.config.max_model_len:
                 finish = "length"
             if finish is not None:
                 self.scheduler.finish(seq)
@@ -597,6 +696,8 @@ class Engine:
             run.queue.put_nowait(error)
 
     def _release_deferred(self) -> None:
-        for lease in self._deferred_releases:
+        """After the loop stopped (and its steps ended): every lease held for a step goes back."""
+        for _, lease in self._deferred_releases:
             self.slots.release(lease)
         self._deferred_releases.clear()
+        self._stepping.clear()

@@ -7,8 +7,12 @@ Replaying a captured graph launches them all at once.
 Every per-step input lives in one static int32 device buffer that the graphs read, filled from
 one pinned host buffer by one host->device copy per step:
 
-    [ids | positions | slot mapping | seq_lens | LoRA slots]  each max_batch long, then
-    [block tables]                                            max_batch x width
+    [ids | positions | slot mapping | seq_lens | LoRA slots | sources]  each max_batch long, then
+    [block tables]                                                      max_batch x width
+
+A row whose source is >= 0 takes its input id not from `ids` but from the token the previous
+step sampled in that row (`keep_sampled` leaves them in a device buffer): so the engine can launch
+a step before the previous one's tokens reach the host.
 
 A batch of B sequences replays the graph of the smallest bucket >= B; rows B.. of the bucket are
 padding: they read and write only the KV cache's scratch block and use no adapter. Each bucket
@@ -31,7 +35,7 @@ from .kv_cache import AttentionMetadata, KVCache
 
 log = logging.getLogger(__name__)
 
-_FIELDS = 5  # ids, positions, slot mapping, seq_lens, LoRA slots
+_FIELDS = 6  # ids, positions, slot mapping, seq_lens, LoRA slots, sources
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -49,6 +53,7 @@ class DecodeBatch:
     positions: list[int]  # [B] its position (= tokens already cached)
     block_tables: list[list[int]]
     lora_slots: list[int]  # [B] -1 = base model
+    sources: list[int] | None = None  # [B] -1: input_ids[i]; r >= 0: the previous step's sampled row r
 
 
 class DecodeGraphs:
@@ -65,6 +70,7 @@ class DecodeGraphs:
         # One logits buffer that every graph writes: a graph's own output would stay allocated
         # for its lifetime, and the buckets' rows of vocab floats grow with max_batch squared.
         self._logits = torch.empty(max_batch, model.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        self._sampled = torch.zeros(max_batch, dtype=torch.int32, device=self.device)  # the last step's tokens
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
@@ -104,8 +110,9 @@ class DecodeGraphs:
         """The captured step, reading only views of the static buffer: logits [bucket, vocab]
         float32 into the shared logits buffer."""
         n, dev = self.max_batch, self._dev
-        ids, positions, slot_mapping, seq_lens, lora_slots = (dev[i * n : i * n + bucket] for i in range(_FIELDS))
+        ids, positions, slot_mapping, seq_lens, lora_slots, sources = (dev[i * n : i * n + bucket] for i in range(_FIELDS))
         tables = dev[_FIELDS * n :].view(n, self.width)[:bucket]
+        ids = torch.where(sources >= 0, self._sampled[sources.clamp(min=0).long()], ids)
         positions = positions.long()
         attn = AttentionMetadata(
             slot_mapping=slot_mapping.long(), positions=positions, block_tables=tables, seq_lens=seq_lens,
@@ -136,9 +143,16 @@ class DecodeGraphs:
         never read a table entry at or past seq_len.
         """
         bucket, lora = self._stage(batch)
-        with torch.cuda.device(self.device):
-            self._graphs[(bucket, lora)].replay()
+        if self.device.type != "cuda":  # nothing captured: the same step, run directly (tests use it)
+            self._forward(bucket, lora)
+        else:
+            with torch.cuda.device(self.device):
+                self._graphs[(bucket, lora)].replay()
         return self._logits[: len(batch.input_ids)]
+
+    def keep_sampled(self, token_ids: torch.Tensor) -> None:
+        """Keeps a step's sampled tokens [rows] on the device for the next step's sources."""
+        self._sampled[: len(token_ids)].copy_(token_ids)
 
     def _stage(self, batch: DecodeBatch) -> tuple[int, bool]:
         """Fills the static inputs for batch: -> (its bucket, whether it needs the LoRA graph)."""
@@ -164,6 +178,7 @@ class DecodeGraphs:
         h[2 * n : 2 * n + b] = tables[np.arange(b), pos // bs] * bs + pos % bs
         h[3 * n : 3 * n + b] = pos + 1
         h[4 * n : 4 * n + b] = batch.lora_slots
+        h[5 * n : 5 * n + b] = -1 if batch.sources is None else batch.sources
         self._fill_padding(bucket, b)
 
     def _fill_padding(self, bucket: int, first: int) -> None:
@@ -177,4 +192,5 @@ class DecodeGraphs:
         h[2 * n + first : 2 * n + bucket] = scratch * self.kv.block_size
         h[3 * n + first : 3 * n + bucket] = 1
         h[4 * n + first : 4 * n + bucket] = -1
+        h[5 * n + first : 5 * n + bucket] = -1
         h[_FIELDS * n :].reshape(n, self.width)[rows] = scratch

@@ -13,6 +13,7 @@ import torch
 from loraserve.errors import StatusError, not_found
 from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.engine.engine import Engine, GenerationRequest
+from loraserve.executor.engine.graphs import DecodeGraphs
 from loraserve.executor.engine.kv_cache import KVCache
 from loraserve.executor.engine.sampler import SamplingParams, make_generator, sample
 from loraserve.executor.lora import LoraSpec, load_shard_into_slot, lora_modules
@@ -109,12 +110,19 @@ def tiny(hf_model):
     return ref_model, load_model(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
 
 
-@pytest.fixture
-async def make_engine(tiny):
+@pytest.fixture(params=["eager", "graph-steps"])
+async def make_engine(tiny, request):
+    """Engines that run every step eagerly, or decode steps through the graphs' static buffers
+    (on CPU uncaptured, the same step a CUDA graph replays): then the engine launches each
+    decode step before the previous one's tokens reach the host (placeholders fed on the device)."""
     engines = []
 
     def make(**kwargs) -> Engine:
         engine = _engine(tiny[1], **kwargs)
+        if request.param == "graph-steps":
+            cfg = engine.config
+            engine.graphs = DecodeGraphs(engine.model, engine.kv_cache, cfg.max_num_seqs, cfg.max_model_len,
+                                         engine.max_loras, cfg.torch_device)
         engine.start()
         engines.append(engine)
         return engine
@@ -157,6 +165,7 @@ async def test_concurrent_greedy_requests_match_transformers_generate(tiny, make
         assert outs[-1].finish_reason == "length" and all(o.finish_reason is None for o in outs[:-1])
         assert outs[-1].prompt_tokens == len(prompt)
     _assert_idle(engine)
+    assert (engine.steps_ahead > 0) == (engine.graphs is not None)
 
 
 async def test_short_kv_cache_preempts_and_recomputes_without_changing_outputs(tiny, make_engine, caplog):
@@ -213,6 +222,9 @@ async def test_eos_ends_the_request_without_text(tiny, make_engine):
     ids, text, outs = await _collect(engine, _greedy(prompt, 12))
     assert ids == ref[: k + 1] and outs[-1].finish_reason == "eos"
     assert text == engine.tokenizer.decode(ref[:k])
+    await asyncio.sleep(0.05)  # the step planned past the eos ends; its row is dropped
+    _assert_idle(engine)
+    assert (engine.steps_ahead > 0) == (engine.graphs is not None)
 
 
 async def test_stop_string_is_cut_from_the_output(tiny, make_engine):
@@ -230,6 +242,9 @@ async def test_stop_string_is_cut_from_the_output(tiny, make_engine):
     ids, text, outs = await _collect(engine, req)
     assert text == full[:cut] and outs[-1].finish_reason == "stop"
     assert engine.tokenizer.decode(ids).startswith(full[:cut] + stop)
+    await asyncio.sleep(0.05)
+    _assert_idle(engine)
+    assert (engine.steps_ahead > 0) == (engine.graphs is not None)
 
 
 async def test_max_tokens_default_and_max_model_len(tiny, make_engine):

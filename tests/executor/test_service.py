@@ -172,7 +172,7 @@ def test_mixed_batches_match_transformers_peft(family, cluster, references, capl
         assert steps and any(step >= set(slots.values()) for step in steps), (slots, steps)
 
 
-def test_sampling_over_grpc_draws_what_the_sampler_draws_on_the_adapters_logits(cluster, references):
+def test_sampling_over_grpc_draws_what_the_sampler_draws_on_the_adapters_logits(cluster, references, device):
     """temperature / top_k / top_p / seed reach the engine: each seeded request's tokens are the
     sampler's own draws on transformers + PEFT's logits, and top-k keeps only the k best."""
     client, name, ids, k = cluster.client(), "qv8", prompt_ids(2), 5
@@ -182,13 +182,15 @@ def test_sampling_over_grpc_draws_what_the_sampler_draws_on_the_adapters_logits(
     with cf.ThreadPoolExecutor(8) as pool:
         outs = [list(r.token_ids) for r in pool.map(lambda r: client._call(client.stub.Generate, r), reqs)]
     for seed, out in enumerate(outs):
-        gen, drawn = make_generator(seed, torch.device("cpu")), []
+        dev = torch.device(device)  # the executor draws from a generator on its own device
+        gen, drawn = make_generator(seed, dev), []
         for _ in range(3):
             with torch.no_grad():
-                logits = references[name](torch.tensor([ids + drawn])).logits[0, -1:].float()
+                logits = references[name](torch.tensor([ids + drawn])).logits[0, -1:].float().to(dev)
             if not drawn:
                 assert out[0] in logits[0].topk(k).indices.tolist()
-            token, _ = sample(logits, torch.tensor([1.2]), torch.tensor([k]), torch.tensor([0.95]), [gen])
+            token, _ = sample(logits, torch.tensor([1.2], device=dev), torch.tensor([k], device=dev),
+                              torch.tensor([0.95], device=dev), [gen])
             drawn.append(int(token))
         assert out == drawn, seed
     assert len({o[0] for o in outs}) > 1  # 16 draws from 5 tokens all alike: a greedy executor
