@@ -64,8 +64,10 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.width = -(-max_model_len // kv.block_size)  # block-table columns
         size = _FIELDS * max_batch + max_batch * self.width
-        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        self._host_np = self._host.numpy()
+        # Two pinned host buffers, used in turn: the engine stages step N+1 while step N's copy may
+        # still be queued; step N+2 reuses N's buffer only after N's tokens were collected.
+        self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=self.device.type == "cuda") for _ in range(2)]
+        self._host, self._host_np = self._hosts[0], self._hosts[0].numpy()
         self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
         # One logits buffer that every graph writes: a graph's own output would stay allocated
         # for its lifetime, and the buckets' rows of vocab floats grow with max_batch squared.
@@ -161,6 +163,8 @@ class DecodeGraphs:
         if bucket is None:
             raise ValueError(f"{num_seqs} sequences exceed the largest captured batch {self.max_batch}")
         lora = self.max_loras > 0 and max(batch.lora_slots) >= 0
+        self._host = self._hosts[1] if self._host is self._hosts[0] else self._hosts[0]
+        self._host_np = self._host.numpy()
         self._fill(batch, bucket)
         used = _FIELDS * self.max_batch + bucket * self.width  # the block tables come last
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
