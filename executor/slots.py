@@ -63,8 +63,11 @@ class SlotLease:
     released: bool = field(default=False, repr=False)
 
     def is_ready(self) -> bool:
-        """True once the slot's weights are in place (never blocks)."""
-        return self.ready is None or self.ready.query()
+        """True once the slot's weights are in place (never blocks). Once the copy is seen done,
+        the event is dropped: steps need not wait for it any more (`wait` becomes free)."""
+        if self.ready is not None and self.ready.query():
+            self.ready = None
+        return self.ready is None
 
     def wait(self) -> None:
         """Makes the current CUDA stream wait for the copy (a GPU-side wait, the host goes on)."""
