@@ -13,8 +13,8 @@ A lookup for T tokens and a shape (the nearest-entry rule):
 2. else the entry nearest in log space over every key at once: |ln T/T'| + |ln in/in'| +
    |ln SR/SR'| for the shrink (SR = slices * rank), |ln T/T'| + |ln N/N'| + |ln R/R'| + 0.5 per
    slice-count mismatch for the expand, and the shrink's K split rescaled so each program
-   reduces as many input columns as in the tuned entry (a 4x longer reduction gets 4x the
-   splits, not 4x longer programs), its block_n cut to the output width;
+   reduces about as many input columns as in the tuned entry (a 4x longer reduction gets 4x
+   the splits, not 4x longer programs; rounded to a power of two), block_n cut to the output;
 3. an empty table: the rule in `_default_shrink` / `_default_expand`.
 """
 
@@ -65,9 +65,9 @@ def _cdiv(a: int, b: int) -> int:
 def _default_shrink(num_tokens: int, in_features: int, sr: int) -> ShrinkConfig:
     """No table: split K so each program reduces ~256 (decode) or ~1024 (mid) input columns."""
     if num_tokens <= 64:  # decode: few rows per slot; split K so one adapter still fills the GPU
-        return ShrinkConfig(16, min(_pow2(sr), 64), 64, max(1, min(in_features // 256, 128)), 4, 4, 8)
+        return ShrinkConfig(16, min(_pow2(sr), 64), 64, pow2_split(in_features, 64, 256), 4, 4, 8)
     if num_tokens <= 512:
-        return ShrinkConfig(64, min(_pow2(sr), 64), 128, max(1, min(in_features // 1024, 32)), 4, 3, 2)
+        return ShrinkConfig(64, min(_pow2(sr), 64), 128, pow2_split(in_features, 128, 1024), 4, 3, 2)
     return ShrinkConfig(64, min(_pow2(sr), 128), 64, 1, 4, 4, 2)
 
 
@@ -180,13 +180,26 @@ def _shrink_config(key: str, num_tokens: int, in_features: int, num_slices: int,
     return adapt_shrink(ShrinkConfig(**entry), parse_shrink_key(shape)[0], in_features, sr)
 
 
+def pow2_split(in_features: int, block_k: int, per_split: float) -> int:
+    """The power of two nearest (in log space) to in_features / per_split, at most the K blocks.
+
+    Powers of two only: SPLIT_K is a compile-time constant, so every distinct value is one
+    more compiled kernel; rounding in log space keeps the columns per split within 1.42x."""
+    blocks = _cdiv(in_features, block_k)
+    want = max(1.0, in_features / per_split)
+    split = 1 << round(math.log2(want))
+    while split > 1 and split > blocks:
+        split //= 2
+    return split
+
+
 def adapt_shrink(cfg: ShrinkConfig, tuned_in: int, in_features: int, sr: int) -> ShrinkConfig:
-    """A config tuned for input size tuned_in, moved to in_features: same input columns per K split."""
+    """A config tuned for input size tuned_in, moved to in_features: the same input columns per K split."""
     block_n = min(cfg.block_n, _pow2(sr))
     split_k = cfg.split_k
     if split_k > 1 and tuned_in != in_features:
         per_split = _cdiv(_cdiv(tuned_in, cfg.block_k), split_k) * cfg.block_k
-        split_k = max(1, min(_cdiv(in_features, cfg.block_k), round(in_features / per_split)))
+        split_k = pow2_split(in_features, cfg.block_k, per_split)
     return replace(cfg, block_n=block_n, split_k=split_k)
 
 

@@ -181,7 +181,7 @@ def test_real_row_layers_match_the_oracle_with_the_shipped_table(shape):
 def test_split_k_shrink_replays_in_a_cuda_graph():
     """The zeroing and the atomic adds are captured: every replay starts from a zeroed buf."""
     gen = torch.Generator().manual_seed(14)
-    in_features, widths, rank, num_slots = 18944, (3584,), 8, 4
+    in_features, rank, num_slots = 18944, 8, 4
     lora_a = (torch.randn(num_slots, 1, rank, in_features, generator=gen) / in_features**0.5).bfloat16().to(DEV)
     slots_in = torch.zeros(3, dtype=torch.int32, device=DEV)
     x = torch.zeros(3, in_features, dtype=torch.bfloat16, device=DEV)

@@ -42,12 +42,23 @@ def test_empty_table_falls_back_to_the_default_rule():
 
 
 def test_longer_reduction_gets_proportionally_more_k_splits():
-    """A decode entry tuned at in 4096 (split 32 of 128 columns) moved to 18944 keeps ~128 columns per split."""
+    """A decode entry tuned at in 4096 (split 32 of 128 columns) moved to 18944 keeps ~128 columns
+    per split (148 wanted; the nearest power of two, 128, gives 148 columns)."""
     table = {"shrink": {"4096x1x8": {"1": dict(DECODE, block_n=16)}}}
     cfg = with_table(table, lambda: tuning._shrink_config("test_gpu", 1, 18944, 1, 8))
-    assert cfg.split_k == 148 and cfg.block_k == 64 and cfg.block_m == 16
+    assert cfg.split_k == 128 and cfg.block_k == 64 and cfg.block_m == 16
     short = with_table(table, lambda: tuning._shrink_config("test_gpu", 1, 1024, 1, 8))
     assert short.split_k == 8
+    tiny = with_table(table, lambda: tuning._shrink_config("test_gpu", 1, 100, 1, 8))
+    assert tiny.split_k == 1  # 2 K blocks: 1 split (power of two <= 2, nearest to 100 / 128)
+
+
+def test_pow2_split_stays_within_the_k_blocks():
+    assert tuning.pow2_split(18944, 64, 128) == 128
+    assert tuning.pow2_split(29568, 128, 256) == 128
+    assert tuning.pow2_split(1000, 64, 10) == 16  # 100 wanted, 16 K blocks: at most 16
+    assert all(tuning.pow2_split(k, 64, p) & (tuning.pow2_split(k, 64, p) - 1) == 0
+               for k in (100, 896, 3696, 18944) for p in (64, 200, 1000))
 
 
 def test_unsplit_entries_stay_unsplit_and_block_n_fits_the_output():
