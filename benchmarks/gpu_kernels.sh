@@ -57,7 +57,7 @@ if has tune-real; then
 fi
 if has test; then
   stage test
-  timeout "${TEST_TIMEOUT:-300}" bash -c "$(declare -f pytest_gpu); pytest_gpu" 2>&1 | tee -a "$LOG"
+  timeout "${TEST_TIMEOUT:-480}" bash -c "$(declare -f pytest_gpu); pytest_gpu" 2>&1 | tee -a "$LOG"
 fi
 if has quick; then
   stage quick
