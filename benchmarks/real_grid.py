@@ -244,7 +244,11 @@ def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=
             slots = max(a for _, a in todo)
             pool = RealPool.make(cls == "embedding", in_features, widths, rank, slots, copies=1 if part else 8)
             for tokens, adapters in todo:
-                res = measure(pool, tokens, adapters, ceil, gen, warm=part is not None)
+                try:
+                    res = measure(pool, tokens, adapters, ceil, gen, warm=part is not None)
+                except Exception as exc:  # one failing case (memory, a config over a limit) ends no run
+                    on_row(f"failed: in {in_features} widths {widths} rank {rank} T={tokens}: {str(exc)[:160]}")
+                    continue
                 if part is not None:
                     continue
                 t, floor = res["layer_us"], res["floor_us"]
