@@ -111,6 +111,9 @@ def tune_one(key, table, op, shape, tokens, ceil, gen, pool, log, warm=False) ->
             times.append([float("inf")] * len(mixes))
     if warm:
         return
+    if not any(all(v < float("inf") for v in t) for t in times):
+        log(f"tune {op} {shape_key} T={tokens}: every candidate failed, no entry written")
+        return
     best = [min(t[i] for t in times) for i in range(len(mixes))]
     scores = [max(t[i] / best[i] for i in range(len(mixes))) for t in times]
     pick = min(range(len(cands)), key=scores.__getitem__)
