@@ -1,6 +1,11 @@
 """One LoRA layer (shrink + expand) on the kernels grid: time against the floor, eager and in a CUDA graph.
 
     python benchmarks/bench_kernels.py [--out DIR] [--quick] [--tune-out FILE]
+    python benchmarks/bench_kernels.py --real [--out DIR] [--budget-s 170]   (real layer shapes)
+
+--real: every LoRA layer of the served model families at tp 1/2/4/8 (kernels/model_shapes.py),
+in CUDA graphs only, printing time, floor, ratio and the launches-adjusted ratio per case and a
+summary by layer kind and model (benchmarks/real_grid.py); writes real.md / real.json.
 
 Floor, measured in the same run: max(bytes / copy bandwidth, FLOPs / bf16 matmul rate)
 + 2 x (an empty Triton kernel replayed in a graph). Bytes: x rows of adapter tokens, each
@@ -393,12 +398,16 @@ def tune(args, ceil):
     tokens_list = [int(t) for t in args.tune_tokens]
     for hidden, num_slices, rank in shapes:
         pool = Pool.make(hidden, widths_of(hidden, num_slices), rank)
-        sr, n = num_slices * rank, sum(widths_of(hidden, num_slices))
+        sr = num_slices * rank
         for tokens in tokens_list:
             measured = {}
             floors = {}
             for op, cands in (("shrink", shrink_candidates(tokens, sr)), ("expand", expand_candidates(tokens))):
-                shape_key = f"{hidden}x{sr}" if op == "shrink" else f"{n}x{rank}"
+                shape_key = (
+                    tuning.shrink_key(hidden, num_slices, rank)
+                    if op == "shrink"
+                    else tuning.expand_key(widths_of(hidden, num_slices), rank)
+                )
                 times = []
                 for cand in cands:
                     entry = {op: {shape_key: {str(tokens): tuning.as_dict(cand)}}}
@@ -434,6 +443,43 @@ def tune(args, ceil):
     return table
 
 
+def real_benchmark(args, ceil, info):
+    import real_grid  # imports this module: loaded only here
+
+    part = tuple(int(v) for v in args.warm_part.split("/")) if args.warm_part else None
+    if part is None and args.warm_s > 0:
+        real_grid.warm_in_workers(__file__, sys.argv[1:], args.warm_s)
+    started = time.time()
+    print(real_grid.HEADER)
+    print(real_grid.SEPARATOR)
+    rows, left = real_grid.bench(
+        ceil,
+        tps=tuple(int(v) for v in args.real_tp.split(",")),
+        ranks=tuple(int(v) for v in args.real_ranks.split(",")),
+        tokens_list=tuple(int(v) for v in args.real_tokens.split(",")),
+        adapters_list=tuple(int(v) for v in args.real_adapters.split(",")),
+        kinds=set(args.real_kinds.split(",")),
+        budget_s=float("inf") if part else args.budget_s,
+        on_row=lambda line: print(line, flush=True),
+        part=part,
+    )
+    if part:
+        return
+    lines = real_grid.summarize(rows, ceil["empty_launch_us"])
+    if left:
+        lines.append(f"not measured (time budget {args.budget_s:.0f} s spent): {len(left)} kernel shapes, e.g. "
+                     + "; ".join(f"{k[1]} -> {'+'.join(map(str, k[2]))}" for k in left[:5]))
+    lines.append(f"real-shape benchmark: {len(rows)} cases in {time.time() - started:.0f} s")
+    print("\n".join(lines))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "real.json"), "w") as f:
+            json.dump(dict(env=info, rows=rows, summary=lines, not_measured=left), f, indent=1)
+        with open(os.path.join(args.out, "real.md"), "w") as f:
+            f.write("\n".join(lines) + "\n\n")
+            f.write("\n".join([real_grid.HEADER, real_grid.SEPARATOR] + [real_grid.row_text(r) for r in rows]) + "\n")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="folder for bench.md / bench.json")
@@ -446,6 +492,15 @@ def main():
     parser.add_argument("--tokens", nargs="*", default=None, help="benchmark only these token counts")
     parser.add_argument("--graph-sets", type=int, default=None, help="diagnostic: layers per graph for every T")
     parser.add_argument("--table", default=None, help="a tuned table (JSON) to use instead of kernels/configs/")
+    parser.add_argument("--real", action="store_true", help="the real layer shapes instead of the hidden-size grid")
+    parser.add_argument("--real-tp", default="1,2,4,8")
+    parser.add_argument("--real-ranks", default="8,128")
+    parser.add_argument("--real-tokens", default="1,3,17,255,1024,4096")
+    parser.add_argument("--real-adapters", default="1,64")
+    parser.add_argument("--real-kinds", default="qkv,o,gate_up,down,embedding,lm_head")
+    parser.add_argument("--budget-s", type=float, default=110.0, help="--real: stop starting new shapes after this")
+    parser.add_argument("--warm-s", type=float, default=60.0, help="--real: compile in parallel first, at most this long")
+    parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
     args = parser.parse_args()
 
     global GRAPH_SETS
@@ -455,6 +510,9 @@ def main():
     if args.table:
         with open(args.table) as f:
             tuning.set_table(tuning.gpu_key(torch.device(DEV)), json.load(f))
+    if args.warm_part:  # a compile worker: no ceilings, no timing
+        real_benchmark(args, None, None)
+        return
     ceil = measure_ceilings()
     info = env_info(ceil)
     print(json.dumps(info, indent=1))
@@ -462,6 +520,10 @@ def main():
         tune(args, ceil)
         print(f"tuned in {time.time() - started:.0f} s -> {args.tune_out}")
     if args.skip_bench:
+        return
+    if args.real:
+        real_benchmark(args, ceil, info)
+        print(f"total {time.time() - started:.0f} s")
         return
     rows = benchmark(args, ceil, info)
     lines = summarize(rows)

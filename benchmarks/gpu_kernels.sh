@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The LoRA kernels on a CUDA host: GPU tests, then (optionally) tuning and the benchmark.
+# The LoRA kernels on a CUDA host: GPU tests, then (optionally) tuning and the benchmarks.
 #   bash benchmarks/gpu_kernels.sh OUT_DIR STAGES [bench_kernels.py args...]
-# STAGES: comma list of smoke,tune,test,quick,bench (default: test,bench), run in that order.
-# Writes under OUT_DIR: run.log (everything), and tuned.json, bench.json, bench.md when made.
+# STAGES: comma list of smoke,tune,tune-real,test,quick,bench,real (default: test,bench), run in
+# that order. tune: the hidden-size grid (bench_kernels.py --tune-out); tune-real: representative
+# real layer shapes (tune_kernels.py, ~6 min); real: the real-shape benchmark (bench_kernels.py
+# --real, ~3 min). Writes under OUT_DIR: run.log (everything), and tuned.json, bench.json,
+# bench.md, real.json, real.md when made.
 set -uo pipefail
 OUT=$(realpath -m "${1:?usage: gpu_kernels.sh OUT_DIR [STAGES] [bench_kernels.py args...]}")
 cd "$(dirname "$0")/.."
@@ -26,8 +29,13 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 
 python3 -c "import loraserve.kernels as k; print('loraserve.kernels from', k.__file__)" 2>&1 | tee -a "$LOG"
 
 pytest_gpu() {
-  python3 -m pytest tests/kernels/test_triton_gpu.py -m gpu -q -s -p no:cacheprovider \
-    -o addopts="--import-mode=importlib -ra" "$@"
+  python3 -m pytest tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py -m gpu -q -s \
+    -p no:cacheprovider -o addopts="--import-mode=importlib -ra" "$@"
+}
+use_table() {  # a tuned table replaces this checkout's shipped one, so later stages run on it
+  key=$(python3 -c "import torch; from loraserve.kernels.tuning import gpu_key; print(gpu_key(torch.device('cuda')))")
+  cp "$1" "kernels/configs/$key.json"
+  TABLE=(--table "$1")
 }
 TABLE=()
 if has smoke; then
@@ -38,17 +46,18 @@ fi
 if has tune; then
   stage tune
   timeout "${TUNE_TIMEOUT:-240}" python3 benchmarks/bench_kernels.py --skip-bench --tune-out "$OUT/tuned.json" "$@" 2>&1 | tee -a "$LOG"
-  if [ -f "$OUT/tuned.json" ]; then
-    # The tuned table replaces this checkout's shipped one, so the tests and the benchmark after
-    # this stage run on it (copy it into kernels/configs/ of the repository to keep it).
-    key=$(python3 -c "import torch; from loraserve.kernels.tuning import gpu_key; print(gpu_key(torch.device('cuda')))")
-    cp "$OUT/tuned.json" "kernels/configs/$key.json"
-    TABLE=(--table "$OUT/tuned.json")
-  fi
+  # (copy tuned.json into kernels/configs/ of the repository to keep it)
+  [ -f "$OUT/tuned.json" ] && use_table "$OUT/tuned.json"
+fi
+if has tune-real; then
+  stage tune-real
+  timeout "${TUNE_REAL_TIMEOUT:-480}" python3 benchmarks/tune_kernels.py --out "$OUT/tuned_real.json" \
+    "${TABLE[@]}" 2>&1 | tee -a "$LOG"
+  [ -f "$OUT/tuned_real.json" ] && cp "$OUT/tuned_real.json" "$OUT/tuned.json" && use_table "$OUT/tuned.json"
 fi
 if has test; then
   stage test
-  timeout "${TEST_TIMEOUT:-300}" bash -c "$(declare -f pytest_gpu); pytest_gpu" 2>&1 | tee -a "$LOG"
+  timeout "${TEST_TIMEOUT:-480}" bash -c "$(declare -f pytest_gpu); pytest_gpu" 2>&1 | tee -a "$LOG"
 fi
 if has quick; then
   stage quick
@@ -57,5 +66,9 @@ fi
 if has bench; then
   stage bench
   timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_kernels.py --out "$OUT" "${TABLE[@]}" "$@" 2>&1 | tee -a "$LOG"
+fi
+if has real; then
+  stage real
+  timeout "${REAL_TIMEOUT:-360}" python3 benchmarks/bench_kernels.py --real --out "$OUT" "${TABLE[@]}" "$@" 2>&1 | tee -a "$LOG"
 fi
 stage done

@@ -261,7 +261,7 @@ def lora_shrink(
     if num_tokens == 0:
         return out
     sr = num_slices * rank
-    cfg = shrink_config(x.device, num_tokens, in_features, sr)
+    cfg = shrink_config(x.device, num_tokens, in_features, num_slices, rank)
     blocks = meta.block_list(cfg.block_m)
     col_blocks = _cdiv(sr, cfg.block_n)
     k_per_split = _cdiv(_cdiv(in_features, cfg.block_k), cfg.split_k) * cfg.block_k
@@ -300,7 +300,7 @@ def lora_expand(
     rank = buf.shape[2]
     if num_tokens == 0:
         return y
-    cfg = expand_config(y.device, num_tokens, slice_offsets[-1], rank)
+    cfg = expand_config(y.device, num_tokens, _widths(tuple(slice_offsets)), rank)
     blocks = meta.block_list(cfg.block_m)
     programs = num_sms(y.device.index) * cfg.ctas_per_sm
     for first_slice, num_slices, offsets, chunks, even_n in _expand_launches(
@@ -317,6 +317,11 @@ def lora_expand(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return y
+
+
+@lru_cache(maxsize=1024)
+def _widths(slice_offsets: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(b - a for a, b in zip(slice_offsets, slice_offsets[1:]))
 
 
 @lru_cache(maxsize=1024)

@@ -1,9 +1,21 @@
 """Block sizes for the Triton kernels, looked up by GPU and shape: nothing is autotuned at serve time.
 
-Tables live in kernels/configs/<gpu>.json (written by `benchmarks/bench_kernels.py --tune`).
-A lookup takes the entry for the same feature sizes and the tuned token count nearest to T
-(on a log scale); a shape with no entry falls back to the rule in `_default_shrink` /
-`_default_expand`.
+Tables live in kernels/configs/<gpu>.json, written by the tuners (`benchmarks/bench_kernels.py
+--tune-out` on the hidden-size grid, `benchmarks/tune_kernels.py` on the real layer shapes of
+kernels/model_shapes.py). They are keyed by what each kernel sees:
+
+  shrink  "<in>x<slices>x<rank>"          -> tokens -> ShrinkConfig
+  expand  "<w0>+<w1>+...x<rank>"          -> tokens -> ExpandConfig   (the output slice widths)
+
+A lookup for T tokens and a shape (the nearest-entry rule):
+1. the same shape, tuned at the token count nearest to T on a log scale, if that one is within
+   4x of T (so the tuned grid's own shapes get exactly the entries they were tuned with);
+2. else the entry nearest in log space over every key at once: |ln T/T'| + |ln in/in'| +
+   |ln SR/SR'| for the shrink (SR = slices * rank), |ln T/T'| + |ln N/N'| + |ln R/R'| + 0.5 per
+   slice-count mismatch for the expand, and the shrink's K split rescaled so each program
+   reduces about as many input columns as in the tuned entry (a 4x longer reduction gets 4x
+   the splits, not 4x longer programs; rounded to a power of two), block_n cut to the output;
+3. an empty table: the rule in `_default_shrink` / `_default_expand`.
 """
 
 from __future__ import annotations
@@ -11,13 +23,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+SAME_SHAPE_TOKENS_RATIO = 4.0  # rule 1 takes the same shape's entry if tuned within this factor of T
 
 
 @dataclass(frozen=True)
@@ -45,11 +58,16 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, (n - 1).bit_length()))
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _default_shrink(num_tokens: int, in_features: int, sr: int) -> ShrinkConfig:
+    """No table: split K so each program reduces ~256 (decode) or ~1024 (mid) input columns."""
     if num_tokens <= 64:  # decode: few rows per slot; split K so one adapter still fills the GPU
-        return ShrinkConfig(16, min(_pow2(sr), 64), 256, 4, 4, 3, 4)
+        return ShrinkConfig(16, min(_pow2(sr), 64), 64, pow2_split(in_features, 64, 256), 4, 4, 8)
     if num_tokens <= 512:
-        return ShrinkConfig(64, min(_pow2(sr), 64), 128, 2, 4, 3, 2)
+        return ShrinkConfig(64, min(_pow2(sr), 64), 128, pow2_split(in_features, 128, 1024), 4, 3, 2)
     return ShrinkConfig(64, min(_pow2(sr), 128), 64, 1, 4, 4, 2)
 
 
@@ -59,6 +77,24 @@ def _default_expand(num_tokens: int, n: int, rank: int) -> ExpandConfig:
     if num_tokens <= 512:
         return ExpandConfig(64, 64, 1, 4, 2, 4)
     return ExpandConfig(64, 128, 2, 4, 2, 2)
+
+
+def shrink_key(in_features: int, num_slices: int, rank: int) -> str:
+    return f"{in_features}x{num_slices}x{rank}"
+
+
+def expand_key(widths: tuple[int, ...], rank: int) -> str:
+    return "+".join(str(w) for w in widths) + f"x{rank}"
+
+
+def parse_shrink_key(key: str) -> tuple[int, int, int]:
+    in_features, num_slices, rank = (int(v) for v in key.split("x"))
+    return in_features, num_slices, rank
+
+
+def parse_expand_key(key: str) -> tuple[tuple[int, ...], int]:
+    widths, rank = key.split("x")
+    return tuple(int(w) for w in widths.split("+")), int(rank)
 
 
 def gpu_key(device: torch.device) -> str:
@@ -82,19 +118,35 @@ def _table(key: str) -> dict:
 
 
 def set_table(key: str, table: dict) -> None:
-    """Replaces a GPU's table in memory (the tuner uses this to benchmark what it just tuned)."""
+    """Replaces a GPU's table in memory (the tuners use this to benchmark what they just tuned)."""
     _tables[key] = table
-    for cached in (_lookup, _shrink_config, _expand_config):
+    for cached in (_entries, _shrink_config, _expand_config):
         cached.cache_clear()
 
 
-@lru_cache(maxsize=4096)
-def _lookup(key: str, op: str, shape: str, num_tokens: int):
-    entries = _table(key).get(op, {}).get(shape)
+@lru_cache(maxsize=64)
+def _entries(key: str, op: str) -> tuple[tuple[str, int, dict], ...]:
+    """Every (shape key, tokens, config dict) of one op's table, sorted for deterministic ties."""
+    return tuple(
+        sorted((shape, int(t), entry) for shape, by_tokens in _table(key).get(op, {}).items()
+               for t, entry in by_tokens.items())
+    )
+
+
+def _log_gap(a: float, b: float) -> float:
+    return abs(math.log(max(a, 1) / max(b, 1)))
+
+
+def _nearest(entries, shape: str, num_tokens: int, distance):
+    """(shape key, tokens, config) by rules 1 and 2 of the module docstring, or None if empty."""
     if not entries:
         return None
-    nearest = min((int(t) for t in entries), key=lambda t: (abs(math.log(t / max(num_tokens, 1))), t))
-    return entries[str(nearest)]
+    same = [e for e in entries if e[0] == shape]
+    if same:
+        best = min(same, key=lambda e: (_log_gap(e[1], num_tokens), e[1]))
+        if _log_gap(best[1], num_tokens) <= math.log(SAME_SHAPE_TOKENS_RATIO) + 1e-9:
+            return best
+    return min(entries, key=lambda e: (_log_gap(e[1], num_tokens) + distance(e[0]), e[0], e[1]))
 
 
 def _device_key(device: torch.device) -> str:
@@ -104,26 +156,63 @@ def _device_key(device: torch.device) -> str:
 _gpu_keys: dict[int | None, str] = {}
 
 
-def shrink_config(device: torch.device, num_tokens: int, in_features: int, sr: int) -> ShrinkConfig:
-    """sr: the flattened output width, slices * rank."""
-    return _shrink_config(_device_key(device), num_tokens, in_features, sr)
+def shrink_config(device: torch.device, num_tokens: int, in_features: int, num_slices: int, rank: int) -> ShrinkConfig:
+    return _shrink_config(_device_key(device), num_tokens, in_features, num_slices, rank)
 
 
-def expand_config(device: torch.device, num_tokens: int, n: int, rank: int) -> ExpandConfig:
-    """n: the total output width over all slices."""
-    return _expand_config(_device_key(device), num_tokens, n, rank)
-
-
-@lru_cache(maxsize=4096)
-def _shrink_config(key: str, num_tokens: int, in_features: int, sr: int) -> ShrinkConfig:
-    found = _lookup(key, "shrink", f"{in_features}x{sr}", num_tokens)
-    return ShrinkConfig(**found) if found else _default_shrink(num_tokens, in_features, sr)
+def expand_config(device: torch.device, num_tokens: int, widths: tuple[int, ...], rank: int) -> ExpandConfig:
+    """widths: the output slice widths (sum = the output row)."""
+    return _expand_config(_device_key(device), num_tokens, tuple(widths), rank)
 
 
 @lru_cache(maxsize=4096)
-def _expand_config(key: str, num_tokens: int, n: int, rank: int) -> ExpandConfig:
-    found = _lookup(key, "expand", f"{n}x{rank}", num_tokens)
-    return ExpandConfig(**found) if found else _default_expand(num_tokens, n, rank)
+def _shrink_config(key: str, num_tokens: int, in_features: int, num_slices: int, rank: int) -> ShrinkConfig:
+    sr = num_slices * rank
+
+    def distance(shape: str) -> float:
+        k, s, r = parse_shrink_key(shape)
+        return _log_gap(k, in_features) + _log_gap(s * r, sr)
+
+    found = _nearest(_entries(key, "shrink"), shrink_key(in_features, num_slices, rank), num_tokens, distance)
+    if found is None:
+        return _default_shrink(num_tokens, in_features, sr)
+    shape, _, entry = found
+    return adapt_shrink(ShrinkConfig(**entry), parse_shrink_key(shape)[0], in_features, sr)
+
+
+def pow2_split(in_features: int, block_k: int, per_split: float) -> int:
+    """The power of two nearest (in log space) to in_features / per_split, at most the K blocks.
+
+    Powers of two only: SPLIT_K is a compile-time constant, so every distinct value is one
+    more compiled kernel; rounding in log space keeps the columns per split within 1.42x."""
+    blocks = _cdiv(in_features, block_k)
+    want = max(1.0, in_features / per_split)
+    split = 1 << round(math.log2(want))
+    while split > 1 and split > blocks:
+        split //= 2
+    return split
+
+
+def adapt_shrink(cfg: ShrinkConfig, tuned_in: int, in_features: int, sr: int) -> ShrinkConfig:
+    """A config tuned for input size tuned_in, moved to in_features: the same input columns per K split."""
+    block_n = min(cfg.block_n, _pow2(sr))
+    split_k = cfg.split_k
+    if split_k > 1 and tuned_in != in_features:
+        per_split = _cdiv(_cdiv(tuned_in, cfg.block_k), split_k) * cfg.block_k
+        split_k = pow2_split(in_features, cfg.block_k, per_split)
+    return replace(cfg, block_n=block_n, split_k=split_k)
+
+
+@lru_cache(maxsize=4096)
+def _expand_config(key: str, num_tokens: int, widths: tuple[int, ...], rank: int) -> ExpandConfig:
+    n = sum(widths)
+
+    def distance(shape: str) -> float:
+        w, r = parse_expand_key(shape)
+        return _log_gap(sum(w), n) + _log_gap(r, rank) + 0.5 * (len(w) != len(widths))
+
+    found = _nearest(_entries(key, "expand"), expand_key(widths, rank), num_tokens, distance)
+    return ExpandConfig(**found[2]) if found else _default_expand(num_tokens, n, rank)
 
 
 def as_dict(config) -> dict:

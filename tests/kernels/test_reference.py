@@ -1,9 +1,8 @@
 """The plain-PyTorch reference (the oracle and CPU path) against float64 einsum, the per-step
-grouping it and the Triton kernels share, and the tuned-config tables. CPU only: runs in CI."""
+grouping it and the Triton kernels share. CPU only: runs in CI."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -16,7 +15,6 @@ from loraserve.kernels import (
     lora_shrink,
     make_lora_meta,
     reference,
-    tuning,
 )
 
 
@@ -210,32 +208,3 @@ def test_cpu_tensors_use_the_reference_and_never_import_triton():
         "assert 'triton' not in sys.modules and 'loraserve.kernels.triton_lora' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_tuned_table_lookup_takes_the_nearest_tuned_token_count():
-    table = {"shrink": {"4096x192": {"1": dict(block_m=16, block_n=64, block_k=256, split_k=4, num_warps=4,
-                                                   num_stages=3, ctas_per_sm=4),
-                                       "1024": dict(block_m=128, block_n=64, block_k=64, split_k=1,
-                                                    num_warps=8, num_stages=4, ctas_per_sm=1)}}}
-    tuning.set_table("test_gpu", table)
-    try:
-        assert tuning._shrink_config("test_gpu", 1, 4096, 192).block_m == 16
-        assert tuning._shrink_config("test_gpu", 31, 4096, 192).block_m == 16
-        assert tuning._shrink_config("test_gpu", 33, 4096, 192).block_m == 128
-        assert tuning._shrink_config("test_gpu", 5000, 4096, 192).block_m == 128
-        assert tuning._shrink_config("test_gpu", 64, 8192, 192) == tuning._default_shrink(64, 8192, 192)
-    finally:
-        tuning.set_table("test_gpu", {})
-
-
-def test_shipped_config_tables_are_well_formed():
-    for path in tuning.CONFIG_DIR.glob("*.json"):
-        table = json.loads(path.read_text())
-        for op, cls in (("shrink", tuning.ShrinkConfig), ("expand", tuning.ExpandConfig)):
-            for shape, by_tokens in table.get(op, {}).items():
-                assert all(int(d) > 0 for d in shape.split("x")), (path.name, shape)
-                for tokens, entry in by_tokens.items():
-                    cfg = cls(**entry)
-                    assert int(tokens) >= 1
-                    for size in (cfg.block_m, cfg.block_n):
-                        assert size >= 16 and size & (size - 1) == 0, (path.name, op, shape, tokens)

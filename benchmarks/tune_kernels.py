@@ -1,0 +1,184 @@
+"""Tunes the LoRA kernels on representative real layer shapes and writes the GPU's table.
+
+    python benchmarks/tune_kernels.py --out FILE [--budget-s 330] [--table BASE.json]
+
+The real layers (kernels/model_shapes.py) have ~170 distinct kernel shapes per rank; tuning
+each at every token count would take hours. The tables' nearest-entry rule (kernels/tuning.py)
+moves an entry to a nearby shape in log space and rescales its K split to the reduction
+length, so this tunes representatives only, in priority order, and stops starting new ones
+when the budget is spent (what it did not reach keeps the nearest existing entry):
+
+1. decode shrink of the long reductions (down projections: in 14336 and 28672; rank 8 and 128)
+2. decode shrink of short reductions (small models, row layers at tp 4/8: in 1024, 2048) and
+   of the output widths the hidden-size grid lacks (rank 128, fused slices)
+3. decode expand of the output widths the hidden-size grid lacks (896 to 128256 columns)
+4. prefill (1024 and 4096 tokens) shrink and expand of the long and short shapes
+
+Token buckets: 1, 17, 255 at decode (every decode T is within 4x of one), 1024 and 4096 at
+prefill. Each candidate is timed alone in CUDA graphs for two mixes (1 adapter, and
+min(T, 64) adapters); the pick has the smallest worst ratio to the fastest candidate of each
+mix. The hidden-size grid's own entries (in 4096 / 8192, slices 1 / 3, rank 8 / 16 / 64) are
+not retuned: the result is the base table with entries added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+
+import real_grid
+from bench_kernels import DEV, expand_candidates, measure_ceilings
+from bench_kernels import shrink_candidates as grid_shrink_candidates
+from loraserve.kernels import tuning
+
+DECODE_TOKENS = (1, 17, 255)
+PREFILL_TOKENS = (1024, 4096)
+MANY_ADAPTERS = 64
+
+# (phase, op, shape, token counts); shape: (in, slices, rank) for the shrink, (widths, rank) for the expand
+PLAN = (
+    [(1, "shrink", (k, 1, r), DECODE_TOKENS) for k in (14336, 28672) for r in (8, 128)]
+    + [(2, "shrink", s, DECODE_TOKENS) for s in ((2048, 1, 8), (2048, 1, 128), (2048, 3, 8), (2048, 3, 128),
+                                                 (1024, 1, 16), (4096, 1, 128), (4096, 3, 128), (4096, 2, 16))]
+    + [(3, "expand", (w, r), (1, 255)) for w in ((896,), (2048,), (2048, 512, 512), (14336, 14336), (128256,))
+       for r in (8, 128)]
+    + [(3, "expand", ((4096,), 128), (1, 255)), (3, "expand", ((4096, 1024, 1024), 128), (1, 255))]
+    + [(4, "shrink", (k, 1, r), PREFILL_TOKENS) for k in (14336, 2048) for r in (8, 128)]
+    + [(4, "expand", (w, r), PREFILL_TOKENS) for w in ((14336, 14336), (2048,)) for r in (8, 128)]
+)  # fmt: skip
+
+
+def _split(in_features: int, block_k: int, per_split: int) -> int:
+    return tuning.pow2_split(in_features, block_k, per_split)
+
+
+def shrink_candidates(tokens: int, in_features: int, sr: int) -> list[tuning.ShrinkConfig]:
+    """Decode: K splits of 128 to 1024 input columns per program; prefill: the grid tuner's
+    candidates with their splits rescaled from in 4096 to this reduction (as the lookup rule does)."""
+    n = min(max(16, triton.next_power_of_2(sr)), 64)
+    if tokens <= 64:
+        rows = [(16, n, 64, _split(in_features, 64, 128), 4, 4, 8), (16, n, 128, _split(in_features, 128, 256), 4, 4, 16),
+                (16, n, 64, _split(in_features, 64, 256), 4, 4, 8), (16, n, 128, _split(in_features, 128, 512), 4, 4, 8),
+                (16, n, 128, _split(in_features, 128, 128), 4, 4, 16)]
+    elif tokens <= 256:
+        rows = [(16, n, 128, _split(in_features, 128, 512), 4, 4, 16), (16, n, 128, _split(in_features, 128, 1024), 4, 4, 8),
+                (16, n, 256, _split(in_features, 256, 1024), 4, 3, 4), (32, n, 128, _split(in_features, 128, 512), 4, 4, 4),
+                (16, n, 64, _split(in_features, 64, 256), 4, 4, 8)]
+    else:
+        rows = []
+        for c in grid_shrink_candidates(tokens, sr):
+            split = c.split_k if c.split_k == 1 else _split(in_features, c.block_k, 4096 // c.split_k)
+            rows.append((c.block_m, c.block_n, c.block_k, split, c.num_warps, c.num_stages, c.ctas_per_sm))
+    return [tuning.ShrinkConfig(*row) for row in dict.fromkeys(rows)]  # fmt: skip
+
+
+def pools_for(op, shape, mixes, copies):
+    if op == "shrink":
+        in_features, slices, rank = shape
+        widths = (16,) * slices  # the shrink never reads B: narrow outputs keep the pool small
+    else:
+        widths, rank = shape
+        in_features = 16  # the expand never reads A
+    return real_grid.RealPool.make(False, in_features, widths, rank, max(mixes), copies)
+
+
+def tune_one(key, table, op, shape, tokens, ceil, gen, pool, log, warm=False) -> None:
+    """Times each candidate for the two mixes and writes the pick into table[op][shape key][tokens].
+    warm: launch each candidate once per mix and time nothing (a compile worker)."""
+    if op == "shrink":
+        shape_key = tuning.shrink_key(*shape)
+        cands = shrink_candidates(tokens, shape[0], shape[1] * shape[2])
+    else:
+        shape_key = tuning.expand_key(*shape)
+        cands = expand_candidates(tokens)
+    mixes = (1, min(tokens, MANY_ADAPTERS))
+    times = []
+    for cand in cands:
+        tuning.set_table(key, {op: {shape_key: {str(tokens): tuning.as_dict(cand)}}})
+        try:
+            if warm:
+                for a in mixes:
+                    real_grid.measure(pool, tokens, a, ceil, gen, ops=(op,), warm=True)
+                continue
+            times.append([real_grid.measure(pool, tokens, a, ceil, gen, ops=(op,))[f"{op}_us"] for a in mixes])
+        except Exception as exc:  # a candidate that does not fit (shared memory) is skipped
+            log(f"tune {op} {shape_key} T={tokens} {cand} failed: {str(exc)[:120]}")
+            times.append([float("inf")] * len(mixes))
+    if warm:
+        return
+    if not any(all(v < float("inf") for v in t) for t in times):
+        log(f"tune {op} {shape_key} T={tokens}: every candidate failed, no entry written")
+        return
+    best = [min(t[i] for t in times) for i in range(len(mixes))]
+    scores = [max(t[i] / best[i] for i in range(len(mixes))) for t in times]
+    pick = min(range(len(cands)), key=scores.__getitem__)
+    table[op].setdefault(shape_key, {})[str(tokens)] = tuning.as_dict(cands[pick])
+    for cand, t, score in zip(cands, times, scores):
+        mark = "*" if cand == cands[pick] else " "
+        log(f"tune {op} {shape_key} T={tokens} {mark} {cand} 1 adapter {t[0]:.1f} us, "
+            f"{mixes[1]} adapters {t[1]:.1f} us, score {score:.2f}")  # fmt: skip
+
+
+def tune(base: dict, budget_s: float, out: str, ceil, log=print, part=None) -> dict:
+    """Tunes PLAN in order until budget_s; part (i, n): compile worker i of n (every n-th shape, untimed)."""
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    key = tuning.gpu_key(torch.device(DEV))
+    table = json.loads(json.dumps(base))
+    for op in ("shrink", "expand"):
+        table.setdefault(op, {})
+    started = time.time()
+    done, left = 0, []
+    for index, (phase, op, shape, tokens_list) in enumerate(sorted(PLAN, key=lambda p: p[0])):
+        if part is not None and index % part[1] != part[0]:
+            continue
+        if part is None and time.time() - started > budget_s:
+            left.append((op, shape))
+            continue
+        pool = pools_for(op, shape, (1, MANY_ADAPTERS), copies=1 if part else 8)
+        for tokens in tokens_list:
+            tune_one(key, table, op, shape, tokens, ceil, gen, pool, log, warm=part is not None)
+            done += 1
+        del pool
+        torch.cuda.empty_cache()
+        if part is not None:
+            continue
+        with open(out, "w") as f:  # after each shape: a cut-off run keeps what it tuned
+            json.dump(table, f, indent=1, sort_keys=True)
+            f.write("\n")
+        log(f"tune phase {phase} {op} {shape} done at {time.time() - started:.0f} s")
+    tuning.set_table(key, table)
+    log(f"tuned {done} (shape, tokens) pairs in {time.time() - started:.0f} s; "
+        f"not reached (budget {budget_s:.0f} s): {len(left)} shapes {left[:6]}")  # fmt: skip
+    return table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="the table to write (the base table plus the tuned entries)")
+    parser.add_argument("--table", default=None, help="base table (default: this GPU's shipped kernels/configs/ one)")
+    parser.add_argument("--budget-s", type=float, default=250.0, help="stop starting new shapes after this")
+    parser.add_argument("--warm-s", type=float, default=70.0, help="compile in parallel first, at most this long")
+    parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    key = tuning.gpu_key(torch.device(DEV))
+    base = json.load(open(args.table)) if args.table else tuning._table(key)
+    if args.warm_part:
+        part = tuple(int(v) for v in args.warm_part.split("/"))
+        tune(base, float("inf"), args.out, None, log=lambda line: None, part=part)
+        return
+    if args.warm_s > 0:
+        real_grid.warm_in_workers(__file__, sys.argv[1:], args.warm_s)
+    ceil = measure_ceilings()
+    print(json.dumps({k: round(v, 3) for k, v in ceil.items()}))
+    tune(base, args.budget_s, args.out, ceil, log=lambda line: print(line, flush=True))
+    print(f"-> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The LoRA layer shapes of the model families the executor serves, per tensor-parallel rank.
+
+A pure table + function, used by the kernel tuner and benchmark (benchmarks/bench_kernels.py
+--real) so the tuned tables cover the shapes the kernels really see, and by tests.
+
+Per rank, as the adapter store slices them (adapter_store/layout.py) and the layers compute:
+  qkv      column (fused q|k|v): in hidden,             out (q/tp, kv/tp, kv/tp); kv heads
+           are replicated when tp > kv heads (each rank keeps one head)
+  o        row:                  in q_size/tp,          out hidden
+  gate_up  column (fused):       in hidden,             out (intermediate/tp, intermediate/tp)
+  down     row:                  in intermediate/tp,    out hidden
+  embedding (not cut):           in vocab (a gather),   out hidden
+  lm_head  column:               in hidden,             out vocab/tp
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("qkv", "o", "gate_up", "down", "embedding", "lm_head")
+TP_SIZES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+
+# From each model's config.json (Qwen2 and Qwen2.5 share these sizes at 0.5B/7B/72B).
+FAMILIES = (
+    Family("llama-3-8b", 4096, 14336, 32, 8, 128, 128256),
+    Family("llama-3-70b", 8192, 28672, 64, 8, 128, 128256),
+    Family("llama-3.2-1b", 2048, 8192, 32, 8, 64, 128256),
+    Family("llama-3.2-3b", 3072, 8192, 24, 8, 128, 128256),
+    Family("mistral-7b", 4096, 14336, 32, 8, 128, 32768),
+    Family("qwen2.5-0.5b", 896, 4864, 14, 2, 64, 151936),
+    Family("qwen2.5-7b", 3584, 18944, 28, 4, 128, 152064),
+    Family("qwen2.5-14b", 5120, 13824, 40, 8, 128, 152064),
+    Family("qwen2.5-72b", 8192, 29568, 64, 8, 128, 152064),
+    Family("smollm2-135m", 576, 1536, 9, 3, 64, 49152),
+    Family("smollm2-360m", 960, 2560, 15, 5, 64, 49152),
+    Family("smollm2-1.7b", 2048, 8192, 32, 32, 64, 49152),
+)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One LoRA layer as one TP rank's kernels see it: shrink [T, in] -> [S, T, R], expand -> [T, sum(widths)]."""
+
+    model: str
+    kind: str
+    tp: int
+    in_features: int  # the shrink's reduction; for embedding, the vocab the gather indexes
+    widths: tuple[int, ...]  # output slices of this rank, in slice order
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.widths)
+
+
+def splits(family: Family, tp: int) -> bool:
+    """Whether the family's layers divide over tp ranks (heads, kv heads, intermediate, vocab)."""
+    kv_ok = family.kv_heads % tp == 0 if family.kv_heads >= tp else tp % family.kv_heads == 0
+    return (
+        family.heads % tp == 0
+        and kv_ok
+        and family.intermediate % tp == 0
+        and family.vocab % tp == 0
+    )
+
+
+def layer_shapes(family: Family, tp: int = 1) -> list[LayerShape]:
+    """The six LoRA layers of one rank of `family` at tensor-parallel size tp."""
+    if not splits(family, tp):
+        raise ValueError(f"{family.name} does not split over tp {tp}")
+    f, d = family, family.head_dim
+    q = f.heads // tp * d
+    kv = max(1, f.kv_heads // tp) * d
+    inter = f.intermediate // tp
+
+    def shape(kind, in_features, widths):
+        return LayerShape(f.name, kind, tp, in_features, tuple(widths))
+
+    return [
+        shape("qkv", f.hidden, (q, kv, kv)),
+        shape("o", f.heads * d // tp, (f.hidden,)),
+        shape("gate_up", f.hidden, (inter, inter)),
+        shape("down", inter, (f.hidden,)),
+        shape("embedding", f.vocab, (f.hidden,)),
+        shape("lm_head", f.hidden, (f.vocab // tp,)),
+    ]
+
+
+def real_shapes(families=FAMILIES, tp_sizes=TP_SIZES) -> list[LayerShape]:
+    """Every (model, tp, layer) of the families, skipping tp sizes a model does not split over."""
+    return [s for f in families for tp in tp_sizes if splits(f, tp) for s in layer_shapes(f, tp)]
+
+
+def kernel_shapes(shapes) -> dict[tuple[str, int, tuple[int, ...]], list[LayerShape]]:
+    """Layers grouped by what the kernels see: (kind class, in, widths) -> the layers of that shape.
+
+    kind class is "embedding" for embedding layers (a gather, not a shrink) and "linear" otherwise.
+    """
+    groups: dict[tuple[str, int, tuple[int, ...]], list[LayerShape]] = {}
+    for s in shapes:
+        cls = "embedding" if s.kind == "embedding" else "linear"
+        groups.setdefault((cls, s.in_features, s.widths), []).append(s)
+    return groups

@@ -1,0 +1,170 @@
+"""The tuned-config tables and their nearest-entry rule (kernels/tuning.py). CPU only: runs in CI."""
+
+from __future__ import annotations
+
+import json
+
+from loraserve.kernels import model_shapes, tuning
+
+DECODE = dict(block_m=16, block_n=64, block_k=64, split_k=32, num_warps=4, num_stages=4, ctas_per_sm=8)
+PREFILL = dict(block_m=128, block_n=64, block_k=64, split_k=1, num_warps=8, num_stages=4, ctas_per_sm=1)
+EXPAND = dict(block_m=16, block_n=64, n_iters=1, num_warps=4, num_stages=1, ctas_per_sm=8)
+
+
+def with_table(table, fn):
+    tuning.set_table("test_gpu", table)
+    try:
+        return fn()
+    finally:
+        tuning.set_table("test_gpu", {})
+
+
+def test_same_shape_takes_the_nearest_tuned_token_count():
+    table = {"shrink": {"4096x3x64": {"1": DECODE, "1024": PREFILL}}}
+
+    def check():
+        assert tuning._shrink_config("test_gpu", 1, 4096, 3, 64).block_m == 16
+        assert tuning._shrink_config("test_gpu", 31, 4096, 3, 64).block_m == 16
+        assert tuning._shrink_config("test_gpu", 33, 4096, 3, 64).block_m == 128
+        assert tuning._shrink_config("test_gpu", 5000, 4096, 3, 64).block_m == 128
+        assert tuning._shrink_config("test_gpu", 1, 4096, 3, 64) == tuning.ShrinkConfig(**DECODE)
+
+    with_table(table, check)
+
+
+def test_empty_table_falls_back_to_the_default_rule():
+    assert with_table({}, lambda: tuning._shrink_config("test_gpu", 64, 8192, 3, 64)) == tuning._default_shrink(
+        64, 8192, 192
+    )
+    assert with_table({}, lambda: tuning._expand_config("test_gpu", 3, (896,), 8)) == tuning._default_expand(
+        3, 896, 8
+    )
+
+
+def test_longer_reduction_gets_proportionally_more_k_splits():
+    """A decode entry tuned at in 4096 (split 32 of 128 columns) moved to 18944 keeps ~128 columns
+    per split (148 wanted; the nearest power of two, 128, gives 148 columns)."""
+    table = {"shrink": {"4096x1x8": {"1": dict(DECODE, block_n=16)}}}
+    cfg = with_table(table, lambda: tuning._shrink_config("test_gpu", 1, 18944, 1, 8))
+    assert cfg.split_k == 128 and cfg.block_k == 64 and cfg.block_m == 16
+    short = with_table(table, lambda: tuning._shrink_config("test_gpu", 1, 1024, 1, 8))
+    assert short.split_k == 8
+    tiny = with_table(table, lambda: tuning._shrink_config("test_gpu", 1, 100, 1, 8))
+    assert tiny.split_k == 1  # 2 K blocks: 1 split (power of two <= 2, nearest to 100 / 128)
+
+
+def test_pow2_split_stays_within_the_k_blocks():
+    assert tuning.pow2_split(18944, 64, 128) == 128
+    assert tuning.pow2_split(29568, 128, 256) == 128
+    assert tuning.pow2_split(1000, 64, 10) == 16  # 100 wanted, 16 K blocks: at most 16
+    assert all(tuning.pow2_split(k, 64, p) & (tuning.pow2_split(k, 64, p) - 1) == 0
+               for k in (100, 896, 3696, 18944) for p in (64, 200, 1000))
+
+
+def test_unsplit_entries_stay_unsplit_and_block_n_fits_the_output():
+    table = {"shrink": {"4096x3x64": {"8192": PREFILL}}}
+    cfg = with_table(table, lambda: tuning._shrink_config("test_gpu", 8192, 14336, 1, 8))
+    assert cfg.split_k == 1 and cfg.block_n == 16
+
+
+def test_other_shapes_take_the_entry_nearest_in_log_space():
+    table = {
+        "shrink": {
+            "4096x1x8": {"1": dict(DECODE, block_n=16), "4096": dict(PREFILL, block_n=16)},
+            "16384x1x8": {"1": dict(DECODE, block_n=16, num_warps=8)},
+            "4096x1x128": {"1": dict(DECODE, num_stages=2)},
+        }
+    }
+
+    def pick(tokens, in_features, slices, rank):
+        return tuning._shrink_config("test_gpu", tokens, in_features, slices, rank)
+
+    def check():
+        assert pick(3, 14336, 1, 8).num_warps == 8  # nearer 16384 than 4096
+        assert pick(3, 5000, 1, 8).num_warps == 4
+        assert pick(2, 4096, 1, 64).num_stages == 2  # rank 64 is nearer 128 than 8
+        assert pick(4000, 14336, 1, 8).block_m == 128  # a prefill T never takes a decode entry
+        # a shape tuned only far from T: the same-shape rule yields to the nearest T elsewhere
+        assert pick(3000, 16384, 1, 8).block_m == 128
+
+    with_table(table, check)
+
+
+def test_expand_is_keyed_by_its_slice_widths():
+    table = {
+        "expand": {
+            "4096+1024+1024x64": {"1": dict(EXPAND, ctas_per_sm=16)},
+            "6144x64": {"1": dict(EXPAND, ctas_per_sm=4)},
+            "14336+14336x16": {"1": dict(EXPAND, n_iters=2)},
+        }
+    }
+
+    def pick(tokens, widths, rank):
+        return tuning._expand_config("test_gpu", tokens, widths, rank)
+
+    def check():
+        assert pick(1, (4096, 1024, 1024), 64).ctas_per_sm == 16
+        assert pick(1, (6144,), 64).ctas_per_sm == 4  # same total, one slice
+        assert pick(1, (3584, 512, 512), 64).ctas_per_sm == 16
+        assert pick(2, (18944, 18944), 8).n_iters == 2
+
+    with_table(table, check)
+
+
+def test_every_real_shape_lands_near_a_shipped_entry():
+    """On the shipped table, every real layer shape at decode gets a K split whose per-program
+    reduction is within 2x of a tuned entry's, and never a prefill tile at decode."""
+    for path in tuning.CONFIG_DIR.glob("*.json"):
+        key = path.stem
+        tuning.set_table(key, json.loads(path.read_text()))
+        for shape in model_shapes.real_shapes():
+            if shape.kind == "embedding":
+                continue
+            for rank in (8, 128):
+                for tokens in (1, 3, 17, 255):
+                    cfg = tuning._shrink_config(key, tokens, shape.in_features, len(shape.widths), rank)
+                    assert cfg.block_m <= 32, (shape, rank, tokens, cfg)
+                    per_split = -(-shape.in_features // cfg.split_k)
+                    assert per_split <= 2048 or cfg.split_k > 1, (shape, rank, tokens, cfg)
+                    exp = tuning._expand_config(key, tokens, shape.widths, rank)
+                    assert exp.block_m <= 32, (shape, rank, tokens, exp)
+        tuning._tables.pop(key, None)
+
+
+def test_shipped_config_tables_are_well_formed():
+    for path in tuning.CONFIG_DIR.glob("*.json"):
+        table = json.loads(path.read_text())
+        assert set(table) <= {"shrink", "expand"}, path.name
+        for op, cls in (("shrink", tuning.ShrinkConfig), ("expand", tuning.ExpandConfig)):
+            for shape, by_tokens in table.get(op, {}).items():
+                if op == "shrink":
+                    assert min(tuning.parse_shrink_key(shape)) > 0, (path.name, shape)
+                else:
+                    widths, rank = tuning.parse_expand_key(shape)
+                    assert min(widths) > 0 and rank > 0, (path.name, shape)
+                for tokens, entry in by_tokens.items():
+                    cfg = cls(**entry)
+                    assert int(tokens) >= 1
+                    for size in (cfg.block_m, cfg.block_n):
+                        assert size >= 16 and size & (size - 1) == 0, (path.name, op, shape, tokens)
+
+
+def test_the_tuned_grid_keeps_its_entries():
+    """The hidden 4096 / 8192 grid's shapes map to their own entries (the tables' first keys)."""
+    table = json.loads((tuning.CONFIG_DIR / "nvidia_h100_80gb_hbm3.json").read_text())
+    tuning.set_table("test_gpu", table)
+    try:
+        for hidden in (4096, 8192):
+            for widths in ((hidden,), (hidden, 1024, 1024)):
+                for rank in (8, 16, 64):
+                    s_key = tuning.shrink_key(hidden, len(widths), rank)
+                    e_key = tuning.expand_key(widths, rank)
+                    for tokens, entry in table["shrink"][s_key].items():
+                        cfg = tuning._shrink_config("test_gpu", int(tokens), hidden, len(widths), rank)
+                        assert cfg == tuning.ShrinkConfig(**entry)
+                    for tokens, entry in table["expand"][e_key].items():
+                        assert tuning._expand_config("test_gpu", int(tokens), widths, rank) == tuning.ExpandConfig(
+                            **entry
+                        )
+    finally:
+        tuning.set_table("test_gpu", {})
