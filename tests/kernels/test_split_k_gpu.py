@@ -68,8 +68,9 @@ def rel_err(got, want) -> float:
     return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
-def layer_case(tokens, in_features, widths, rank, adapters, none_frac, dtype, gen, num_slots=8):
+def layer_case(tokens, in_features, widths, rank, adapters, none_frac, dtype, gen, num_slots=None):
     """Shrink then expand through the Triton path; returns (buf error, y error) against float64."""
+    num_slots = num_slots or max(8, adapters)  # every adapter its own slot (a slot id >= the count is out of bounds)
     lora_a = (torch.randn(num_slots, len(widths), rank, in_features, generator=gen) / in_features**0.5).to(dtype)
     lora_b = (torch.randn(num_slots, sum(widths), rank, generator=gen) / rank**0.5).to(dtype)
     lora_a, lora_b = lora_a.to(DEV), lora_b.to(DEV)
