@@ -52,14 +52,18 @@ class LoraSettings:
     base_model: str
     rank_pattern: dict = field(default_factory=dict)
     alpha_pattern: dict = field(default_factory=dict)
+    target_parameters: tuple[str, ...] = ()
+    # canonical per-expert module -> the name the adapter file gave it (a fused expert parameter,
+    # or Mixtral's old per-expert name): rank_pattern / alpha_pattern keys match the latter.
+    module_sources: dict = field(default_factory=dict)
 
     def module_rank(self, module: str) -> int:
-        return int(_pattern_value(self.rank_pattern, module, self.r))
+        return int(_pattern_value(self.rank_pattern, self.module_sources.get(module, module), self.r))
 
     def module_scale(self, module: str) -> float:
         """LoRA scaling: alpha / r, or alpha / sqrt(r) with rsLoRA (per-module patterns honoured)."""
         r = self.module_rank(module)
-        alpha = float(_pattern_value(self.alpha_pattern, module, self.alpha))
+        alpha = float(_pattern_value(self.alpha_pattern, self.module_sources.get(module, module), self.alpha))
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
 
@@ -118,7 +122,13 @@ def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraS
     base = cfg.get("base_model_name_or_path") or ""
     if spec is not None and base and not spec.matches(base):
         raise precondition(f"adapter was made for base model {base!r}, this store serves {spec.name!r}")
-    return LoraSettings(r, float(alpha), bool(cfg.get("use_rslora")), targets, base, rank_pattern, alpha_pattern)
+    params = cfg.get("target_parameters") or ()
+    params = (params,) if isinstance(params, str) else tuple(params)
+    if not all(isinstance(p, str) for p in params):
+        raise invalid(f"{CONFIG_FILE}: target_parameters must be a list of parameter names")
+    return LoraSettings(
+        r, float(alpha), bool(cfg.get("use_rslora")), targets, base, rank_pattern, alpha_pattern, params
+    )
 
 
 def _refuse_features(cfg: dict) -> None:
