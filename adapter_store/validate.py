@@ -245,12 +245,15 @@ def group_modules(
         b = p.get("lora_B.weight", p.get("lora_embedding_B"))
         if a is None or b is None or len(p) != 2:
             raise invalid(f"module {module!r} needs exactly one lora_A and one lora_B tensor, has {sorted(p)}")
-        _check_shapes(module, a, b, settings.module_rank(module), spec)
+        _check_shapes(module, a, b, settings.module_rank(module), spec, settings.module_sources.get(module))
         modules[module] = (a, b)
     return modules
 
 
-def _check_shapes(module: str, a: torch.Tensor, b: torch.Tensor, r: int, spec: BaseModelSpec | None) -> None:
+def _check_shapes(
+    module: str, a: torch.Tensor, b: torch.Tensor, r: int, spec: BaseModelSpec | None, source: str | None = None
+) -> None:
+    """source: the adapter file's name for an expert module the store renamed (adapter_store/experts.py)."""
     if a.dim() != 2 or b.dim() != 2:
         raise invalid(f"module {module!r}: lora_A and lora_B must be 2-D, got {list(a.shape)} and {list(b.shape)}")
     if a.shape[0] != r or b.shape[1] != r:
@@ -261,8 +264,9 @@ def _check_shapes(module: str, a: torch.Tensor, b: torch.Tensor, r: int, spec: B
     if shape is None:
         raise invalid(f"module {module!r} does not exist in base model {spec.name!r}")
     if (a.shape[1], b.shape[0]) != shape:
+        named = f"module {module!r}" + (f" (the file's {source!r})" if source and source != module else "")
         raise invalid(
-            f"module {module!r}: adapter maps {a.shape[1]} -> {b.shape[0]} features, "
+            f"{named}: adapter maps {a.shape[1]} -> {b.shape[0]} features, "
             f"base model {spec.name!r} has {shape[0]} -> {shape[1]}"
         )
 
