@@ -92,12 +92,13 @@ def _grouped_gemm(a, w, sorted_pairs, block_experts, num_pairs, rows_per_a, bloc
     """[num_pairs, N] = per-pair a-row @ w[expert].T (w: [E, N, K])."""
     n, k = w.shape[1], w.shape[2]
     c = torch.empty(num_pairs, n, dtype=out_dtype, device=a.device)
-    block_n, block_k = 64, 32
+    # Few pairs per expert (decode): thin row blocks, long K steps; many: tensor-core tiles. Untuned.
+    block_n, block_k, warps = (64, 128, 4) if block_m <= 16 else (128, 64, 8)
     grid = (block_experts.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, w, c, sorted_pairs, block_experts, num_pairs, n, k, rows_per_a,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP32=a.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP32=a.dtype == torch.float32, num_warps=warps,
     )  # fmt: skip
     return c
 

@@ -52,6 +52,7 @@ def rel_err(got, want) -> float:
     (1, 2, 8, 64, 48, 4, 16),  # one decode token
     (7, 2, 4, 64, 40, 3, 8),  # ragged sizes: I and H not multiples of the tiles
     (33, 4, 8, 128, 96, 4, 16),  # a prefill chunk, top-4
+    (70, 2, 2, 64, 40, 2, 8),  # many pairs per expert: the large-tile path
 ])  # fmt: skip
 def test_triton_fused_moe_matches_the_oracle(dtype, T, K, E, H, I, L, R):
     x, w, ids, w13, w2, l13, l2, slots = random_moe(T, K, E, H, I, L, R, dtype, DEV, seed=T)
