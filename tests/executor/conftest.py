@@ -89,8 +89,9 @@ class PagedRunner:
     def __init__(self, model, block_size: int = 4, num_blocks: int = 64):
         cfg = model.cfg
         self.model, self.block_size = model, block_size
+        self.device = model.model.norm.weight.device  # the model's device: cpu, or cuda in GPU tests
         self.kv = KVCache(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, "cpu"
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device
         )
         self.alloc = BlockAllocator(num_blocks)
         self.tables: dict = {}
@@ -109,13 +110,13 @@ class PagedRunner:
             ids += list(new_ids)
             token_slots += [slots[i] if slots else -1] * len(new_ids)
             self.lens[key] = ctx + len(new_ids)
-        attn = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, "cpu")
+        attn = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device)
         meta = None
         if slots is not None:
             # As the engine builds it: with the active slots on the host, so layers cut rank and skip.
             active = frozenset(s for s in token_slots if s >= 0)
-            meta = make_lora_meta(torch.tensor(token_slots), self.model.lora_spec.max_loras, active)
-        hidden = self.model(torch.tensor(ids), attn.positions, attn, self.kv, meta)
+            meta = make_lora_meta(torch.tensor(token_slots, device=self.device), self.model.lora_spec.max_loras, active)
+        hidden = self.model(torch.tensor(ids, device=self.device), attn.positions, attn, self.kv, meta)
         logits = self.model.compute_logits(hidden, meta)
         return list(logits.split(query_lens))
 
