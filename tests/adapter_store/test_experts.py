@@ -10,6 +10,7 @@ from peft import LoraConfig, get_peft_model
 
 from loraserve.adapter_store import pack, validate
 from loraserve.adapter_store.base_model import from_hf_dir
+from loraserve.errors import StatusError
 
 CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
@@ -78,3 +79,13 @@ def test_only_down_proj_targeted_is_the_single_wrapper(mixtral, tmp_path):
 def _store_delta_down(adapter, e):
     a, b = adapter.modules[f"model.layers.0.mlp.experts.{e}.down_proj"]
     return b @ a * adapter.settings.module_scale(f"model.layers.0.mlp.experts.{e}.down_proj")
+
+
+def test_router_lora_is_refused_naming_the_router(mixtral, tmp_path):
+    """Routers carry no LoRA in the executor: an adapter on `mlp.gate.weight` is refused at registration."""
+    model, path = mixtral
+    _adapter(model, tmp_path / "a", r=2, lora_alpha=2, target_parameters=["mlp.gate.weight", "mlp.experts.down_proj"])
+    with pytest.raises(StatusError) as e:
+        pack.load_adapter(tmp_path / "a", from_hf_dir(path, "tiny"), validate.Limits())
+    assert e.value.code.name == "INVALID_ARGUMENT"
+    assert "'model.layers.0.mlp.gate'" in e.value.message and "does not exist" in e.value.message
