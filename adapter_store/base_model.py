@@ -56,23 +56,34 @@ def from_hf_config(name: str, cfg: dict, aliases: tuple[str, ...] = ()) -> BaseM
         mods[f"{p}.self_attn.k_proj"] = (hidden, kv_heads * head_dim)
         mods[f"{p}.self_attn.v_proj"] = (hidden, kv_heads * head_dim)
         mods[f"{p}.self_attn.o_proj"] = (heads * head_dim, hidden)
-        if experts:
+        if experts and _is_sparse_layer(cfg, i):
             mods.update(_moe_modules(p, cfg, hidden))
         else:
-            inter = cfg["intermediate_size"]
-            mods[f"{p}.mlp.gate_proj"] = (hidden, inter)
-            mods[f"{p}.mlp.up_proj"] = (hidden, inter)
-            mods[f"{p}.mlp.down_proj"] = (inter, hidden)
+            mods.update(_mlp_modules(f"{p}.mlp", hidden, cfg["intermediate_size"]))
     return BaseModelSpec(name, frozenset(aliases), mods, experts, vocab, hidden)
 
 
-def _moe_modules(p: str, cfg: dict, hidden: int) -> dict[str, tuple[int, int]]:
-    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+def _mlp_modules(mlp: str, hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+    return {f"{mlp}.gate_proj": (hidden, inter), f"{mlp}.up_proj": (hidden, inter), f"{mlp}.down_proj": (inter, hidden)}
+
+
+def _is_sparse_layer(cfg: dict, i: int) -> bool:
+    """Qwen-MoE keeps a dense MLP in mlp_only_layers and off the decoder_sparse_step; Mixtral has none."""
     if cfg.get("model_type") == "mixtral":
-        e = f"{p}.block_sparse_moe.experts.{{e}}"
-        return {f"{e}.w1": (hidden, inter), f"{e}.w3": (hidden, inter), f"{e}.w2": (inter, hidden)}
-    e = f"{p}.mlp.experts.{{e}}"
-    return {f"{e}.gate_proj": (hidden, inter), f"{e}.up_proj": (hidden, inter), f"{e}.down_proj": (inter, hidden)}
+        return True
+    step = cfg.get("decoder_sparse_step") or 1
+    return i not in (cfg.get("mlp_only_layers") or ()) and (i + 1) % step == 0
+
+
+def _moe_modules(p: str, cfg: dict, hidden: int) -> dict[str, tuple[int, int]]:
+    """Experts under their canonical per-expert names, whatever format an adapter comes in
+    (validate.py maps Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2` and fused expert
+    parameters onto them), and Qwen2-MoE's shared expert."""
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    mods = _mlp_modules(f"{p}.mlp.experts.{{e}}", hidden, inter)
+    if cfg.get("model_type") == "qwen2_moe" and cfg.get("shared_expert_intermediate_size"):
+        mods.update(_mlp_modules(f"{p}.mlp.shared_expert", hidden, cfg["shared_expert_intermediate_size"]))
+    return mods
 
 
 def from_hf_dir(path: Path, name: str | None = None) -> BaseModelSpec:

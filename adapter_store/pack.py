@@ -18,7 +18,7 @@ from safetensors.torch import save as st_save
 from loraserve.errors import invalid, precondition
 from loraserve.v1 import common_pb2 as pb
 
-from . import validate
+from . import experts, validate
 from .base_model import BaseModelSpec
 from .layout import DTYPES, K, MOE, check_layout, layout_hash, slice_module
 
@@ -58,7 +58,9 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     settings = validate.check_config(config, spec, limits)
     path = validate.check_weights_file(directory, limits)
     tensors = validate.load_tensors(path, limits)
+    tensors, settings = experts.canonical_tensors(tensors, settings, spec)
     modules = validate.group_modules(tensors, settings, spec)
+    experts.check_complete(modules, spec)
     validate.check_finite(modules)
     modules, cast = validate.cast_float64(modules)
     weights = path.read_bytes()
@@ -129,13 +131,13 @@ def pack_full(adapter: PeftAdapter, layout: pb.Layout) -> dict[str, tuple[torch.
     dtype = DTYPES[layout.dtype]
     packed = {}
     for m in layout.modules:
-        experts = range(m.num_experts) if m.kind in MOE else [None]
-        if not any(n in adapter.modules for e in experts for n in _module_names(m, e)):
+        expert_ids = range(m.num_experts) if m.kind in MOE else [None]
+        if not any(n in adapter.modules for e in expert_ids for n in _module_names(m, e)):
             continue
         if m.kind == K.EMBEDDING:
             packed[m.name] = _pack_embedding(m, adapter, r_pack, dtype)
         elif m.kind in MOE:
-            per_expert = [_pack_linear(m, _module_names(m, e), adapter, r_pack, dtype) for e in experts]
+            per_expert = [_pack_linear(m, _module_names(m, e), adapter, r_pack, dtype) for e in expert_ids]
             packed[m.name] = (torch.stack([a for a, _ in per_expert]), torch.stack([b for _, b in per_expert]))
         else:
             packed[m.name] = _pack_linear(m, _module_names(m, None), adapter, r_pack, dtype)

@@ -52,14 +52,18 @@ class LoraSettings:
     base_model: str
     rank_pattern: dict = field(default_factory=dict)
     alpha_pattern: dict = field(default_factory=dict)
+    target_parameters: tuple[str, ...] = ()
+    # canonical per-expert module -> the name the adapter file gave it (a fused expert parameter,
+    # or Mixtral's old per-expert name): rank_pattern / alpha_pattern keys match the latter.
+    module_sources: dict = field(default_factory=dict)
 
     def module_rank(self, module: str) -> int:
-        return int(_pattern_value(self.rank_pattern, module, self.r))
+        return int(_pattern_value(self.rank_pattern, self.module_sources.get(module, module), self.r))
 
     def module_scale(self, module: str) -> float:
         """LoRA scaling: alpha / r, or alpha / sqrt(r) with rsLoRA (per-module patterns honoured)."""
         r = self.module_rank(module)
-        alpha = float(_pattern_value(self.alpha_pattern, module, self.alpha))
+        alpha = float(_pattern_value(self.alpha_pattern, self.module_sources.get(module, module), self.alpha))
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
 
@@ -118,7 +122,13 @@ def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraS
     base = cfg.get("base_model_name_or_path") or ""
     if spec is not None and base and not spec.matches(base):
         raise precondition(f"adapter was made for base model {base!r}, this store serves {spec.name!r}")
-    return LoraSettings(r, float(alpha), bool(cfg.get("use_rslora")), targets, base, rank_pattern, alpha_pattern)
+    params = cfg.get("target_parameters") or ()
+    params = (params,) if isinstance(params, str) else tuple(params)
+    if not all(isinstance(p, str) for p in params):
+        raise invalid(f"{CONFIG_FILE}: target_parameters must be a list of parameter names")
+    return LoraSettings(
+        r, float(alpha), bool(cfg.get("use_rslora")), targets, base, rank_pattern, alpha_pattern, params
+    )
 
 
 def _refuse_features(cfg: dict) -> None:
@@ -235,12 +245,15 @@ def group_modules(
         b = p.get("lora_B.weight", p.get("lora_embedding_B"))
         if a is None or b is None or len(p) != 2:
             raise invalid(f"module {module!r} needs exactly one lora_A and one lora_B tensor, has {sorted(p)}")
-        _check_shapes(module, a, b, settings.module_rank(module), spec)
+        _check_shapes(module, a, b, settings.module_rank(module), spec, settings.module_sources.get(module))
         modules[module] = (a, b)
     return modules
 
 
-def _check_shapes(module: str, a: torch.Tensor, b: torch.Tensor, r: int, spec: BaseModelSpec | None) -> None:
+def _check_shapes(
+    module: str, a: torch.Tensor, b: torch.Tensor, r: int, spec: BaseModelSpec | None, source: str | None = None
+) -> None:
+    """source: the adapter file's name for an expert module the store renamed (adapter_store/experts.py)."""
     if a.dim() != 2 or b.dim() != 2:
         raise invalid(f"module {module!r}: lora_A and lora_B must be 2-D, got {list(a.shape)} and {list(b.shape)}")
     if a.shape[0] != r or b.shape[1] != r:
@@ -251,8 +264,9 @@ def _check_shapes(module: str, a: torch.Tensor, b: torch.Tensor, r: int, spec: B
     if shape is None:
         raise invalid(f"module {module!r} does not exist in base model {spec.name!r}")
     if (a.shape[1], b.shape[0]) != shape:
+        named = f"module {module!r}" + (f" (the file's {source!r})" if source and source != module else "")
         raise invalid(
-            f"module {module!r}: adapter maps {a.shape[1]} -> {b.shape[0]} features, "
+            f"{named}: adapter maps {a.shape[1]} -> {b.shape[0]} features, "
             f"base model {spec.name!r} has {shape[0]} -> {shape[1]}"
         )
 

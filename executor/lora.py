@@ -33,13 +33,15 @@ class LoraSpec:
     targets_embeddings: bool = False  # also allocate slots for embed_tokens and lm_head (vocab-sized: costly)
 
 
-def _fit_error(slot_buf: torch.Tensor, src: torch.Tensor) -> str | None:
-    """Why src cannot be copied into slot_buf[:, :r, ...] (rank is dim 1 of every per-slot buffer)."""
+def _fit_error(slot_buf: torch.Tensor, src: torch.Tensor, rank_dim: int = 1) -> str | None:
+    """Why src cannot be copied into slot_buf's first r entries of rank_dim (1 for dense modules'
+    per-slot buffers, 2 for experts': their leading dim is the expert)."""
     if src.dim() != slot_buf.dim() or src.dtype != slot_buf.dtype:
         return f"shard tensor {tuple(src.shape)} {src.dtype} vs slot {tuple(slot_buf.shape)} {slot_buf.dtype}"
-    want = (*slot_buf.shape[:1], src.shape[1], *slot_buf.shape[2:])
-    if src.shape[1] > slot_buf.shape[1] or tuple(src.shape) != want:
-        return f"shard tensor {tuple(src.shape)} does not fit slot {tuple(slot_buf.shape)} (rank is dim 1)"
+    r = src.shape[rank_dim]
+    want = (*slot_buf.shape[:rank_dim], r, *slot_buf.shape[rank_dim + 1 :])
+    if r > slot_buf.shape[rank_dim] or tuple(src.shape) != want:
+        return f"shard tensor {tuple(src.shape)} does not fit slot {tuple(slot_buf.shape)} (rank is dim {rank_dim})"
     return None
 
 
@@ -60,9 +62,10 @@ def _step_weights(m: nn.Module, meta: LoraMeta | None, device: torch.device):
     r = max((m.slot_ranks[s] for s in meta.host_slots), default=0)
     if r == 0:
         return None
-    if device.type == "cuda" or r == m.lora_a.shape[2]:
+    rank_dim = m.slot_rank_dim + 1  # of the [max_loras, ...] buffers
+    if device.type == "cuda" or r == m.lora_a.shape[rank_dim]:
         return m.lora_a, m.lora_b
-    return m.lora_a.narrow(2, 0, r), m.lora_b.narrow(2, 0, r)
+    return m.lora_a.narrow(rank_dim, 0, r), m.lora_b.narrow(rank_dim, 0, r)
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -79,13 +82,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     return stream
 
 
-def _copy_into_slot(slot_buf: torch.Tensor, src: torch.Tensor) -> None:
-    """slot_buf[:, :r] = src, slot_buf[:, r:] = 0. No reshape or cast. src must outlive the async copy."""
-    if (err := _fit_error(slot_buf, src)) is not None:
+def _copy_into_slot(slot_buf: torch.Tensor, src: torch.Tensor, rank_dim: int = 1) -> None:
+    """slot_buf[.., :r] = src, slot_buf[.., r:] = 0 on rank_dim. No reshape or cast. src must outlive the async copy."""
+    if (err := _fit_error(slot_buf, src, rank_dim)) is not None:
         raise ValueError(err)
-    r = src.shape[1]
-    slot_buf[:, :r].copy_(src, non_blocking=True)
-    slot_buf[:, r:].zero_()
+    r = src.shape[rank_dim]
+    slot_buf.narrow(rank_dim, 0, r).copy_(src, non_blocking=True)
+    slot_buf.narrow(rank_dim, r, slot_buf.shape[rank_dim] - r).zero_()
 
 
 class LinearWithLoRA(nn.Module):
@@ -95,6 +98,8 @@ class LinearWithLoRA(nn.Module):
     lora_a:  [max_loras, S, max_rank, in]
     lora_b:  [max_loras, N, max_rank]  (scaling already folded in by the adapter store)
     """
+
+    slot_rank_dim = 1  # rank's dim in one slot's lora_a [S, r, in] and lora_b [N, r]
 
     def __init__(self, in_features, output_sizes, bias, lora: LoraSpec | None, dtype, device):
         super().__init__()
@@ -166,6 +171,8 @@ class VocabEmbeddingWithLoRA(nn.Module):
     lora_b:  [max_loras, dim, max_rank]
     """
 
+    slot_rank_dim = 1  # one slot's lora_a [vocab, r], lora_b [dim, r]
+
     def __init__(self, vocab_size, embed_dim, lora: LoraSpec | None, dtype, device):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, embed_dim, dtype=dtype, device=device), requires_grad=False)
@@ -205,7 +212,57 @@ class VocabEmbeddingWithLoRA(nn.Module):
         return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
 
 
-LORA_MODULE_TYPES = (LinearWithLoRA, VocabEmbeddingWithLoRA)
+class ExpertsWithLoRA(nn.Module):
+    """One projection of every expert (w13 = gate|up, or w2 = down), with per-slot expert LoRA.
+
+    The fused MoE kernel (kernels.fused_moe) reads both projections of a layer at once, so this
+    module only holds weights and slots; executor/model/moe.py's block calls the kernel.
+
+    weight:  [E, N, in], N = sum(output_sizes) (I|I for w13, H for w2)
+    lora_a:  [max_loras, E, S, max_rank, in]
+    lora_b:  [max_loras, E, N, max_rank]  (scaling already folded in by the adapter store)
+    """
+
+    slot_rank_dim = 2  # one slot's lora_a [E, S, r, in], lora_b [E, N, r]
+
+    def __init__(self, num_experts, in_features, output_sizes, lora: LoraSpec | None, dtype, device):
+        super().__init__()
+        self.num_experts, self.in_features, self.output_sizes = num_experts, in_features, tuple(output_sizes)
+        n_out = sum(self.output_sizes)
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, n_out, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
+        self.register_buffer("lora_b", None, persistent=False)
+        if lora is not None:
+            self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
+
+    def create_lora_weights(self, max_loras: int, max_rank: int, dtype: torch.dtype | None = None) -> None:
+        dtype = dtype or self.weight.dtype
+        e, n_out, dev = self.num_experts, self.weight.shape[1], self.weight.device
+        a = torch.zeros(max_loras, e, len(self.output_sizes), max_rank, self.in_features, dtype=dtype, device=dev)
+        b = torch.zeros(max_loras, e, n_out, max_rank, dtype=dtype, device=dev)
+        self.register_buffer("lora_a", a, persistent=False)
+        self.register_buffer("lora_b", b, persistent=False)
+        self.slot_ranks = [0] * max_loras  # as in LinearWithLoRA
+
+    def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        """lora_a: [E, S, r, in], lora_b: [E, N, r]."""
+        _copy_into_slot(self.lora_a[slot], lora_a, self.slot_rank_dim)
+        _copy_into_slot(self.lora_b[slot], lora_b, self.slot_rank_dim)
+        self.slot_ranks[slot] = lora_a.shape[self.slot_rank_dim]
+
+    def reset_lora(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.slot_ranks[slot] = 0
+
+    def step_lora(self, lora_meta: LoraMeta | None, device: torch.device):
+        """(lora_a, lora_b) for this step, or None when no token's adapter targets these experts."""
+        return _step_weights(self, lora_meta, device)
+
+
+LORA_MODULE_TYPES = (LinearWithLoRA, VocabEmbeddingWithLoRA, ExpertsWithLoRA)
 
 
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -242,16 +299,11 @@ def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str,
                 name=f"{attn}.o_proj", kind=K.ROW, input_size=c.q_size,
                 output_sizes=[c.hidden_size], peft_modules=[f"{attn}.o_proj"],
             ),
-            common_pb2.ModuleLayout(
-                name=f"{mlp}.gate_up_proj", kind=K.MERGED_COLUMN, input_size=c.hidden_size,
-                output_sizes=[c.intermediate_size, c.intermediate_size],
-                peft_modules=[f"{mlp}.gate_proj", f"{mlp}.up_proj"],
-            ),
-            common_pb2.ModuleLayout(
-                name=f"{mlp}.down_proj", kind=K.ROW, input_size=c.intermediate_size,
-                output_sizes=[c.hidden_size], peft_modules=[f"{mlp}.down_proj"],
-            ),
         ]  # fmt: skip
+        if c.is_moe_layer(i):
+            modules += _moe_layout(c, mlp)
+        else:
+            modules += _mlp_layout(mlp, c.hidden_size, c.intermediate_size)
     if spec.targets_embeddings:
         modules.append(
             common_pb2.ModuleLayout(
@@ -263,6 +315,40 @@ def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str,
         modules=modules, tp_size=tp_size, fully_sharded=False, ep_size=1,
         dtype=DTYPE_NAMES[spec.dtype], max_rank=spec.max_rank, base_model=base_model_name,
     )  # fmt: skip
+
+
+def _mlp_layout(mlp: str, hidden: int, inter: int) -> list:
+    K = common_pb2.ModuleKind
+    return [
+        common_pb2.ModuleLayout(
+            name=f"{mlp}.gate_up_proj", kind=K.MERGED_COLUMN, input_size=hidden, output_sizes=[inter, inter],
+            peft_modules=[f"{mlp}.gate_proj", f"{mlp}.up_proj"],
+        ),
+        common_pb2.ModuleLayout(
+            name=f"{mlp}.down_proj", kind=K.ROW, input_size=inter, output_sizes=[hidden],
+            peft_modules=[f"{mlp}.down_proj"],
+        ),
+    ]  # fmt: skip
+
+
+def _moe_layout(c: ModelConfig, mlp: str) -> list:
+    """A sparse layer's experts (per-expert PEFT names, the store's canonical form whatever file
+    format the adapter came in; see adapter_store/validate.py) and its shared expert, if any."""
+    K = common_pb2.ModuleKind
+    e, inter = f"{mlp}.experts.{{e}}", c.moe_intermediate_size
+    modules = [
+        common_pb2.ModuleLayout(
+            name=f"{mlp}.experts.gate_up_proj", kind=K.MOE_W13, input_size=c.hidden_size, output_sizes=[inter, inter],
+            peft_modules=[f"{e}.gate_proj", f"{e}.up_proj"], num_experts=c.num_experts,
+        ),
+        common_pb2.ModuleLayout(
+            name=f"{mlp}.experts.down_proj", kind=K.MOE_W2, input_size=inter, output_sizes=[c.hidden_size],
+            peft_modules=[f"{e}.down_proj"], num_experts=c.num_experts,
+        ),
+    ]  # fmt: skip
+    if c.shared_expert_intermediate_size:
+        modules += _mlp_layout(f"{mlp}.shared_expert", c.hidden_size, c.shared_expert_intermediate_size)
+    return modules
 
 
 def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -282,11 +368,12 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
             raise ValueError(f"shard has only one of {name}.lora_a / {name}.lora_b")
         if a is None:
             continue
+        rank_dim = module.slot_rank_dim
         for part, src, buf in (("lora_a", a, module.lora_a[slot]), ("lora_b", b, module.lora_b[slot])):
-            if (err := _fit_error(buf, src)) is not None:
+            if (err := _fit_error(buf, src, rank_dim)) is not None:
                 raise ValueError(f"{name}.{part}: {err}")
-        if a.shape[1] != b.shape[1]:
-            raise ValueError(f"{name}: lora_a rank {a.shape[1]} != lora_b rank {b.shape[1]}")
+        if a.shape[rank_dim] != b.shape[rank_dim]:
+            raise ValueError(f"{name}: lora_a rank {a.shape[rank_dim]} != lora_b rank {b.shape[rank_dim]}")
     for name, module in modules.items():
         if f"{name}.lora_a" in tensors:
             module.set_lora(slot, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"])

@@ -10,7 +10,7 @@ import importlib
 
 import torch
 
-from . import attention_reference, ops_reference, reference
+from . import attention_reference, moe_reference, ops_reference, reference
 from .meta import LoraMeta, make_lora_meta
 
 __all__ = [
@@ -19,6 +19,8 @@ __all__ = [
     "lora_shrink",
     "lora_expand",
     "lora_embedding_shrink",
+    "moe_route",
+    "fused_moe",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
@@ -58,6 +60,16 @@ def lora_expand(y, buf, lora_b, slice_offsets, meta: LoraMeta):
 
 def lora_embedding_shrink(token_ids, lora_a, meta: LoraMeta, out=None):
     return _impl(lora_a).lora_embedding_shrink(token_ids, lora_a, meta, out)
+
+
+def moe_route(router_logits, top_k: int, renormalize: bool):
+    """router_logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K]): plain tensor ops everywhere."""
+    return moe_reference.moe_route(router_logits, top_k, renormalize)
+
+
+def fused_moe(x, topk_weights, topk_ids, w13, w2, lora13, lora2, meta: LoraMeta | None):
+    """Routed experts with each token's expert LoRA: see kernels/moe_reference.py for the math and shapes."""
+    return _on_device(x, "triton_moe", moe_reference).fused_moe(x, topk_weights, topk_ids, w13, w2, lora13, lora2, meta)
 
 
 def _attention_impl(t: torch.Tensor):

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Families that share the Llama block (RMSNorm, RoPE, GQA, SiLU-gated MLP). SmolLM2 ships as "llama".
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# The MoE families swap the MLP of their sparse layers for routed experts (executor/model/moe.py).
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", *MOE_MODEL_TYPES)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -32,6 +34,15 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral v0.1: each query sees its last `sliding_window` keys
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    # Mixture of experts (0 experts: a dense model). Layers in moe_layers route each token to its
+    # top-k of num_experts SiLU-gated experts of moe_intermediate_size; the others keep the dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a sigmoid-gated dense expert every token sees
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -40,6 +51,9 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
 
     @property
     def rope_type(self) -> str:
@@ -58,13 +72,17 @@ class ModelConfig:
         max_pos = cfg.get("max_position_embeddings", 2048)
         rope_theta, rope_scaling = _rope_from_hf(cfg, max_pos)
 
-        if model_type == "qwen2":
+        if model_type in ("qwen2", "qwen2_moe", "qwen3_moe"):
             if cfg.get("use_sliding_window"):
-                raise ValueError("Qwen2 sliding-window layers (use_sliding_window=true) are not supported")
-            qkv_bias, o_bias, window = True, False, None
+                raise ValueError(f"{model_type} sliding-window layers (use_sliding_window=true) are not supported")
+            window = None
+            if model_type == "qwen3_moe":
+                qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+            else:
+                qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
-            window = cfg.get("sliding_window") if model_type == "mistral" else None
+            window = cfg.get("sliding_window") if model_type in ("mistral", "mixtral") else None
 
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -88,7 +106,29 @@ class ModelConfig:
             sliding_window=window,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=model_type == "qwen3_moe",
+            **_moe_from_hf(model_type, cfg),
         )
+
+
+def _moe_from_hf(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of ModelConfig from an HF config (empty for dense families)."""
+    if model_type not in MOE_MODEL_TYPES:
+        return {}
+    layers = range(cfg["num_hidden_layers"])
+    if model_type == "mixtral":  # every layer sparse, top-k always renormalised, no shared expert
+        return dict(
+            num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True, moe_layers=tuple(layers),
+        )  # fmt: skip
+    step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # transformers 5.23 writes the latter
+    return dict(
+        num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+        moe_intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0,
+        moe_layers=tuple(i for i in layers if experts > 0 and i not in dense and (i + 1) % step == 0),
+    )  # fmt: skip
 
 
 def _rope_from_hf(cfg: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:

@@ -88,25 +88,31 @@ class Attention(nn.Module):
             cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.attention_bias, lora, dtype, device
         )
         self.o_proj = LinearWithLoRA(cfg.q_size, (cfg.hidden_size,), cfg.o_proj_bias, lora, dtype, device)
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, cos, sin, attn: AttentionMetadata, k_cache, v_cache, lora_meta):
         c = self.cfg
         qkv = self.qkv_proj(x, lora_meta)  # [T, q + 2 * kv]
         q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
+        q, k = q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:  # the norm kernels take rows: one per head
+            q = self.q_norm(q.reshape(-1, c.head_dim))[0].view(-1, c.num_heads, c.head_dim)
+            k = self.k_norm(k.reshape(-1, c.head_dim))[0].view(-1, c.num_kv_heads, c.head_dim)
         # RoPE on q and k, k and v into the cache, in one kernel on CUDA.
         q = kernels.rope_and_cache(
-            q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim),
-            v.view(-1, c.num_kv_heads, c.head_dim), cos, sin, k_cache, v_cache, attn.slot_mapping,
+            q, k, v.view(-1, c.num_kv_heads, c.head_dim), cos, sin, k_cache, v_cache, attn.slot_mapping,
         )  # [T, H, D]  # fmt: skip
         o = paged_attention(q, k_cache, v_cache, attn, self.scale, c.sliding_window)  # [T, H, D]
         return self.o_proj(o.reshape(-1, c.q_size), lora_meta)  # [T, hidden]
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, intermediate_size: int | None = None):
         super().__init__()
-        i = cfg.intermediate_size
+        i = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = LinearWithLoRA(cfg.hidden_size, (i, i), cfg.mlp_bias, lora, dtype, device)
         self.down_proj = LinearWithLoRA(i, (cfg.hidden_size,), cfg.mlp_bias, lora, dtype, device)
 
@@ -116,12 +122,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, mlp: nn.Module | None = None):
+        """mlp: the feed-forward block (MoE families pass their expert block); the dense MLP if None."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(cfg, lora, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, lora, dtype, device)
+        self.mlp = mlp if mlp is not None else MLP(cfg, lora, dtype, device)
 
     def forward(self, x, residual, cos, sin, attn, k_cache, v_cache, lora_meta):
         """x: the previous layer's output, residual: the stream before it (None at layer 0).
@@ -133,11 +140,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, mlp_for_layer=None):
         super().__init__()
         emb_lora = lora if lora is not None and lora.targets_embeddings else None
         self.embed_tokens = VocabEmbeddingWithLoRA(cfg.vocab_size, cfg.hidden_size, emb_lora, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, lora, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, lora, dtype, device, mlp_for_layer(i) if mlp_for_layer else None)
+            for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(cfg, device)
 
@@ -145,10 +155,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The base model with LoRA slot buffers. Weights start uninitialised: the loader fills them."""
 
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None = None, dtype=torch.float32, device="cpu"):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None = None, dtype=torch.float32, device="cpu", mlp_for_layer=None):
+        """mlp_for_layer(i) -> layer i's feed-forward block, or None for the dense MLP (executor/model/moe.py)."""
         super().__init__()
         self.cfg, self.lora_spec, self.dtype = cfg, lora, dtype
-        self.model = LlamaModel(cfg, lora, dtype, device)
+        self.model = LlamaModel(cfg, lora, dtype, device, mlp_for_layer)
         head_lora = lora if lora is not None and lora.targets_embeddings else None
         self.lm_head = LinearWithLoRA(cfg.hidden_size, (cfg.vocab_size,), False, head_lora, dtype, device)
         if cfg.tie_word_embeddings:

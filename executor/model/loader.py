@@ -19,6 +19,7 @@ from loraserve.defaults import smollm2_gguf_path  # noqa: F401 - re-exported: th
 from ..lora import LoraSpec
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
+from .moe import build_causal_lm
 
 
 def load_model(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None) -> LlamaForCausalLM:
@@ -39,7 +40,8 @@ class _WeightSink:
 
     def __init__(self, model: LlamaForCausalLM):
         self.cfg = model.cfg
-        self.params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+        # tied lm_head appears once, as embed_tokens; experts' [E, N, in] weights are filled as [E * N, in] rows
+        self.params = {n: p.data.flatten(0, -2) if p.dim() == 3 else p.data for n, p in model.named_parameters()}
         self.rows_filled = {name: 0 for name in self.params}
 
     def _target(self, hf_name: str) -> tuple[str, int] | None:
@@ -49,19 +51,43 @@ class _WeightSink:
             return None  # some checkpoints store the tied copy too
         if hf_name.endswith("rotary_emb.inv_freq"):
             return None  # recomputed from the config
-        m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn|mlp)\.(\w+)_proj\.(weight|bias)", hf_name)
+        hf_name = re.sub(r"^(model\.layers\.\d+\.)block_sparse_moe\.", r"\1mlp.", hf_name)  # Mixtral's old block name
+        if (expert := self._expert_target(hf_name)) is not None:
+            return expert
+        m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn|mlp|mlp\.shared_expert)\.(\w+)_proj\.(weight|bias)", hf_name)
         if m:
             prefix, block, proj, kind = m.groups()
+            inter = c.shared_expert_intermediate_size if block.endswith("shared_expert") else c.intermediate_size
             fused = {
                 "q": ("self_attn.qkv_proj", 0),
                 "k": ("self_attn.qkv_proj", c.q_size),
                 "v": ("self_attn.qkv_proj", c.q_size + c.kv_size),
-                "gate": ("mlp.gate_up_proj", 0),
-                "up": ("mlp.gate_up_proj", c.intermediate_size),
+                "gate": (f"{block}.gate_up_proj", 0),
+                "up": (f"{block}.gate_up_proj", inter),
             }.get(proj)
             if fused:
                 return f"{prefix}{fused[0]}.{kind}", fused[1]
         return hf_name, 0
+
+    def _expert_target(self, hf_name: str) -> tuple[str, int] | None:
+        """Experts, per expert (`experts.3.gate_proj.weight`, Mixtral's `experts.3.w1.weight`) or
+        already fused as transformers 5 holds them (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`)."""
+        c = self.cfg
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts\.)(?:(\d+)\.(\w+)\.weight|(gate_up_proj|down_proj))", hf_name)
+        if m is None:
+            return None
+        prefix, expert, proj, fused = m.groups()
+        if fused:
+            return f"{prefix}{fused}.weight", 0
+        e, i = int(expert), c.moe_intermediate_size
+        targets = {
+            "gate_proj": ("gate_up_proj", 2 * i * e), "w1": ("gate_up_proj", 2 * i * e),
+            "up_proj": ("gate_up_proj", 2 * i * e + i), "w3": ("gate_up_proj", 2 * i * e + i),
+            "down_proj": ("down_proj", c.hidden_size * e), "w2": ("down_proj", c.hidden_size * e),
+        }  # fmt: skip
+        if proj not in targets or e >= c.num_experts:
+            return hf_name, 0  # no such parameter: put() names it
+        return f"{prefix}{targets[proj][0]}.weight", targets[proj][1]
 
     def put(self, hf_name: str, tensor: torch.Tensor) -> None:
         target = self._target(hf_name)
@@ -71,7 +97,9 @@ class _WeightSink:
         param = self.params.get(name)
         if param is None:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model (as {name!r})")
-        dst = param.data[row : row + tensor.shape[0]]
+        if tensor.dim() == 3 and param.dim() == 2:  # fused experts [E, N, in] into our flattened rows
+            tensor = tensor.flatten(0, 1)
+        dst = param[row : row + tensor.shape[0]]
         if dst.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor {hf_name!r} is {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(tensor)
@@ -89,7 +117,7 @@ class _WeightSink:
 def load_hf_checkpoint(model_dir, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None):
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    model = LlamaForCausalLM(cfg, lora, dtype, device)
+    model = build_causal_lm(cfg, lora, dtype, device)
     sink = _WeightSink(model)
     for file in _safetensors_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:

@@ -31,7 +31,22 @@ def _hf_classes(family: str):
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
     }[family]
+
+
+# Tiny MoE variants of TINY: 4 experts, top-2; Qwen2-MoE with its shared expert, a dense layer
+# (mlp_only_layers) and no top-k renormalisation; Qwen3-MoE with renormalisation and qk-norm.
+TINY_MOE = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, shared_expert_intermediate_size=56,
+        mlp_only_layers=[1], norm_topk_prob=False,
+    ),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True, head_dim=16),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -74,8 +89,9 @@ class PagedRunner:
     def __init__(self, model, block_size: int = 4, num_blocks: int = 64):
         cfg = model.cfg
         self.model, self.block_size = model, block_size
+        self.device = model.model.norm.weight.device  # the model's device: cpu, or cuda in GPU tests
         self.kv = KVCache(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, "cpu"
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device
         )
         self.alloc = BlockAllocator(num_blocks)
         self.tables: dict = {}
@@ -94,13 +110,13 @@ class PagedRunner:
             ids += list(new_ids)
             token_slots += [slots[i] if slots else -1] * len(new_ids)
             self.lens[key] = ctx + len(new_ids)
-        attn = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, "cpu")
+        attn = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device)
         meta = None
         if slots is not None:
             # As the engine builds it: with the active slots on the host, so layers cut rank and skip.
             active = frozenset(s for s in token_slots if s >= 0)
-            meta = make_lora_meta(torch.tensor(token_slots), self.model.lora_spec.max_loras, active)
-        hidden = self.model(torch.tensor(ids), attn.positions, attn, self.kv, meta)
+            meta = make_lora_meta(torch.tensor(token_slots, device=self.device), self.model.lora_spec.max_loras, active)
+        hidden = self.model(torch.tensor(ids, device=self.device), attn.positions, attn, self.kv, meta)
         logits = self.model.compute_logits(hidden, meta)
         return list(logits.split(query_lens))
 
@@ -123,3 +139,95 @@ def hf_logits():
             return model(torch.tensor([ids]), **kwargs).logits[0].float()
 
     return run
+
+
+# Expert adapters of every form the store takes (adapter_store/experts.py), for the TINY_MOE models.
+# name: (r, lora_alpha, target_modules, target_parameters); "{dense}" stands for the family's
+# router-free dense modules (Qwen2-MoE's shared expert and its mlp_only layer).
+MOE_ADAPTERS = {
+    "experts8": (8, 16, None, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),  # experts only
+    "attn4": (4, 8, ["q_proj", "v_proj", "o_proj"], None),  # attention only
+    "down2": (2, 4, "{dense}", ["mlp.experts.down_proj"]),  # one expert projection + k_proj + dense modules
+}
+DENSE_TARGETS = {
+    "qwen2_moe": r".*\.(k_proj|shared_expert\.(gate|up|down)_proj|layers\.1\.mlp\.(gate|up|down)_proj)",
+    "mixtral": ["k_proj"],
+    "qwen3_moe": ["k_proj"],
+}
+
+
+@pytest.fixture(scope="session")
+def moe_adapter():
+    """moe_adapter(family, model, directory, name) saves MOE_ADAPTERS[name] made by peft on model;
+    name "per_expert6" writes the transformers-4 per-expert form instead (Mixtral: w1/w3/w2)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    def make(family: str, model, directory, name: str):
+        if name == "per_expert6":
+            return _per_expert_adapter(family, model, directory, r=6, alpha=12)
+        r, alpha, modules, params = MOE_ADAPTERS[name]
+        if modules == "{dense}":
+            modules = DENSE_TARGETS[family]
+        torch.manual_seed(len(name))
+        cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=modules, target_parameters=params)
+        peft = get_peft_model(copy.deepcopy(model), cfg)
+        with torch.no_grad():
+            for n, p in peft.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.2)
+        peft.save_pretrained(directory)
+        return directory
+
+    return make
+
+
+def _per_expert_adapter(family, model, directory, r: int, alpha: float):
+    """The form PEFT wrote while experts were nn.Linear: one A/B per expert, gate and up apart."""
+    from safetensors.torch import save_file
+
+    c = model.config
+    experts = getattr(c, "num_local_experts", None) or c.num_experts
+    inter = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    block = "block_sparse_moe" if family == "mixtral" else "mlp"
+    g = torch.Generator().manual_seed(7)
+    tensors = {}
+    sparse = [i for i in range(c.num_hidden_layers) if i not in (getattr(c, "mlp_only_layers", None) or [])]
+    for layer in sparse:
+        for e in range(experts):
+            for proj, (n_in, n_out) in zip(names, ((c.hidden_size, inter), (c.hidden_size, inter), (inter, c.hidden_size))):
+                key = f"base_model.model.model.layers.{layer}.{block}.experts.{e}.{proj}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(r, n_in, generator=g) / n_in**0.5
+                tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, r, generator=g) * 0.2
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = dict(peft_type="LORA", r=r, lora_alpha=alpha, target_modules=list(names), bias="none",
+                  base_model_name_or_path=None, task_type="CAUSAL_LM", lora_dropout=0.0)  # fmt: skip
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def merge_per_expert_adapter(model, directory, scale: float):
+    """model with a per-expert adapter merged into its fused experts: W_e += scale * B_e @ A_e.
+
+    The oracle for that form where PEFT cannot load it on transformers 5 (it converts only
+    Mixtral's per-expert adapters; on Qwen-MoE it matches the names to the shared expert and
+    drops the experts)."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(directory / "adapter_model.safetensors"))
+    merged = copy.deepcopy(model)
+    with torch.no_grad():
+        for i, layer in enumerate(merged.model.layers):
+            experts = layer.mlp.experts if hasattr(layer.mlp, "experts") else None
+            for e in range(getattr(experts, "num_experts", 0)):
+                key = f"base_model.model.model.layers.{i}.mlp.experts.{e}"
+                delta = {p: tensors[f"{key}.{p}.lora_B.weight"] @ tensors[f"{key}.{p}.lora_A.weight"] * scale
+                         for p in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+                experts.gate_up_proj[e] += torch.cat([delta["gate_proj"], delta["up_proj"]])
+                experts.down_proj[e] += delta["down_proj"]
+    return merged.eval()

@@ -1,0 +1,86 @@
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE): the Llama decoder with routed experts.
+
+Attention, norms, RoPE, embeddings and lm_head are llama.py's; only the feed-forward block of
+each sparse layer (cfg.moe_layers) changes. T = tokens of the step, E = experts, K = experts
+per token, H = hidden, I = expert intermediate size. Module paths are part of the LoRA layout
+(executor/lora.py's declare_layout): experts.gate_up_proj (MOE_W13), experts.down_proj (MOE_W2),
+and shared_expert.* (Qwen2-MoE) as dense LoRA layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraserve import kernels
+from loraserve.kernels import LoraMeta
+
+from ..lora import ExpertsWithLoRA, LoraSpec
+from .config import ModelConfig
+from .llama import MLP, LlamaForCausalLM
+
+
+class Router(nn.Module):
+    """Top-k softmax router; weight [E, H] (HF's `mlp.gate.weight`). Routers carry no LoRA."""
+
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.weight = nn.Parameter(
+            torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_weights [T, K] float32, topk_ids [T, K])."""
+        return kernels.moe_route(F.linear(x, self.weight), self.top_k, self.renormalize)
+
+
+class Experts(nn.Module):
+    """Every expert's gate|up (w13) and down (w2) projections, each with its expert-LoRA slots."""
+
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = ExpertsWithLoRA(e, h, (i, i), lora, dtype, device)  # weight [E, 2I, H]
+        self.down_proj = ExpertsWithLoRA(e, i, (h,), lora, dtype, device)  # weight [E, H, I]
+
+    def forward(self, x, topk_weights, topk_ids, lora_meta: LoraMeta | None) -> torch.Tensor:
+        lora13 = self.gate_up_proj.step_lora(lora_meta, x.device)
+        lora2 = self.down_proj.step_lora(lora_meta, x.device)
+        meta = lora_meta if lora13 is not None or lora2 is not None else None
+        return kernels.fused_moe(
+            x, topk_weights, topk_ids, self.gate_up_proj.weight, self.down_proj.weight, lora13, lora2, meta
+        )  # [T, H]
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed experts, plus Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device):
+        super().__init__()
+        self.gate = Router(cfg, dtype, device)
+        self.experts = Experts(cfg, lora, dtype, device)
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, lora, dtype, device, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=dtype, device=device)
+            self.shared_expert_gate.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)  # [T, K]
+        out = self.experts(x, topk_weights, topk_ids, lora_meta)  # [T, H]
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora_meta)
+        return out
+
+
+def build_causal_lm(cfg: ModelConfig, lora: LoraSpec | None = None, dtype=torch.float32, device="cpu"):
+    """LlamaForCausalLM for any supported family: sparse layers get a SparseMoeBlock as their MLP."""
+    if not cfg.num_experts:
+        return LlamaForCausalLM(cfg, lora, dtype, device)
+
+    def mlp_for_layer(i: int) -> nn.Module | None:
+        return SparseMoeBlock(cfg, lora, dtype, device) if cfg.is_moe_layer(i) else None
+
+    return LlamaForCausalLM(cfg, lora, dtype, device, mlp_for_layer)
