@@ -5,7 +5,8 @@
 # Usage (from the repo root): bash benchmarks/gpu_executor.sh OUT_DIR [STAGES]
 #   STAGES, comma-separated, run in this order (default: test):
 #   test:    the executor's and the attention kernels' CUDA tests (graphs, paged attention, service)
-#   svc:     the engine's part of them only: graphs and service tests (after an engine-only change)
+#   svc:     the engine's part of them only: graphs, service and MoE tests (after an engine-only change)
+#   moe:     benchmarks/bench_moe.py (fused MoE + expert LoRA against its floor)
 #   attn:    benchmarks/bench_attention.py (paged attention kernels against their floors)
 #   engine:  benchmarks/bench_engine.py (decode / prefill / gRPC against the floors; needs
 #            var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF)
@@ -47,8 +48,14 @@ if has svc; then
 fi
 if has test || has svc; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs \
-    tests/executor/test_service.py -k "cuda or bf16" \
+    tests/executor/test_service.py tests/executor/test_moe_service.py -k "cuda or bf16" \
     2>&1 | tee "$OUT/executor_gpu_tests.log" | tail -8
+  python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu \
+    tests/executor/test_moe.py tests/kernels/test_moe_gpu.py \
+    2>&1 | tee "$OUT/moe_gpu_tests.log" | tail -4
+fi
+if has moe; then
+  python3 -P benchmarks/bench_moe.py --out "$OUT/bench-moe" 2>&1 | tee "$OUT/bench_moe.log" | tail -40
 fi
 if has attn; then
   python3 -P benchmarks/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | tail -40

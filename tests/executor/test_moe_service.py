@@ -35,12 +35,20 @@ def family(request):
     return request.param
 
 
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """The executor's device; on CUDA the engine captures its decode graphs with the MoE layers."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def served(family, hf_model, moe_adapter, tmp_path_factory, module_loop_thread):
+def served(family, device, hf_model, moe_adapter, tmp_path_factory, module_loop_thread):
     """(store client, executor client, {name: oracle}) over one store + executor for the module's family."""
     model, path = hf_model(family, **TINY_MOE[family], vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS,
                            max_position_embeddings=256)  # fmt: skip
-    root = tmp_path_factory.mktemp(f"moe-served-{family}")
+    root = tmp_path_factory.mktemp(f"moe-served-{family}-{device}")
     refs = {"": model}
     for name in NAMES:
         d = moe_adapter(family, model, root / "adapters" / name, name)
@@ -53,7 +61,7 @@ def served(family, hf_model, moe_adapter, tmp_path_factory, module_loop_thread):
     store = StoreClient(f"127.0.0.1:{store_port}", timeout_s=60)
     for name in NAMES:
         store.register(name, str(root / "adapters" / name))
-    cfg = ExecutorConfig(model=str(path), base_model="tiny", device="cpu", dtype="float32", max_loras=3, max_rank=8,
+    cfg = ExecutorConfig(model=str(path), base_model="tiny", device=device, dtype="float32", max_loras=3, max_rank=8,
                          max_cpu_adapters=8, num_blocks=128, block_size=4, max_model_len=256,
                          store_address=f"127.0.0.1:{store_port}", slot_wait_timeout_s=10.0)  # fmt: skip
     parts = build_executor(cfg)
