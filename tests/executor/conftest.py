@@ -231,3 +231,12 @@ def merge_per_expert_adapter(model, directory, scale: float):
                 experts.gate_up_proj[e] += torch.cat([delta["gate_proj"], delta["up_proj"]])
                 experts.down_proj[e] += delta["down_proj"]
     return merged.eval()
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Each test that takes it runs on the CPU and, on a CUDA host, on the GPU path (Triton
+    kernels, decode graphs, slot copies on a side stream, pinned host memory)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
+    return request.param

@@ -28,14 +28,6 @@ def family(request):
     return request.param
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    """float32 on both: on CUDA the Triton fused MoE (kernels/triton_moe.py) runs the experts."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA: no CUDA device here")
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def moe_base(hf_model, family):
     return hf_model(family, **TINY_MOE[family])

@@ -35,14 +35,6 @@ def family(request):
     return request.param
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    """The executor's device; on CUDA the engine captures its decode graphs with the MoE layers."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def served(family, device, hf_model, moe_adapter, tmp_path_factory, module_loop_thread):
     """(store client, executor client, {name: oracle}) over one store + executor for the module's family."""

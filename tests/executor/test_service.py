@@ -42,14 +42,6 @@ def family(request):
     return request.param
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    """The same tests on the GPU path (slot copies on a side stream, pinned host memory)."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def base(hf_model, family, save_byte_tokenizer):
     model, path = hf_model(family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512)
