@@ -2,6 +2,8 @@
 
 Both paths name each tensor the HF way, then `_WeightSink` maps q/k/v and gate/up into the fused
 parameters and checks that every parameter was filled exactly once. Pickled .bin files are never read.
+Under tensor parallelism each rank reads only its rows or columns of each tensor (safetensors
+slices lazily; a GGUF tensor is dequantized one at a time, then cut), never the whole model.
 """
 
 from __future__ import annotations
@@ -17,20 +19,25 @@ from safetensors import safe_open
 from loraserve.defaults import smollm2_gguf_path  # noqa: F401 - re-exported: the default model's GGUF
 
 from ..lora import LoraSpec
+from ..parallel import TPGroup
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
+# (dim, slice) of a checkpoint tensor that one TP rank keeps; None: all of it
+Cut = tuple[int, slice] | None
 
-def load_model(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None) -> LlamaForCausalLM:
+
+def load_model(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None,
+               tp: TPGroup | None = None) -> LlamaForCausalLM:
     """A .gguf file, or a directory with config.json + safetensors (or with exactly one .gguf)."""
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        return load_gguf(p, dtype, device, lora)
+        return load_gguf(p, dtype, device, lora, tp)
     if (p / "config.json").is_file():
-        return load_hf_checkpoint(p, dtype, device, lora)
+        return load_hf_checkpoint(p, dtype, device, lora, tp)
     ggufs = sorted(p.glob("*.gguf")) if p.is_dir() else []
     if len(ggufs) == 1:
-        return load_gguf(ggufs[0], dtype, device, lora)
+        return load_gguf(ggufs[0], dtype, device, lora, tp)
     raise FileNotFoundError(f"{p}: neither a .gguf file nor a directory with config.json or one .gguf")
 
 
@@ -38,13 +45,28 @@ class _WeightSink:
     """Copies HF-named tensors into the model's (fused) parameters and tracks which rows were filled."""
 
     def __init__(self, model: LlamaForCausalLM):
-        self.cfg = model.cfg
+        self.cfg, self.tp = model.cfg, model.tp
         self.params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
         self.rows_filled = {name: 0 for name in self.params}
+        c, tp = self.cfg, self.tp
+        q_rows, kv_rows, _ = tp.qkv_rows(c)
+        i_rows, vocab_rows = tp.part(c.intermediate_size), tp.part(c.vocab_size)
+        q_local, kv_local, i_local = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start, i_rows.stop - i_rows.start
+        # proj -> (fused parameter, first row in it, rows this rank keeps)
+        self.fused = {
+            "q": ("self_attn.qkv_proj", 0, q_rows),
+            "k": ("self_attn.qkv_proj", q_local, kv_rows),
+            "v": ("self_attn.qkv_proj", q_local + kv_local, kv_rows),
+            "gate": ("mlp.gate_up_proj", 0, i_rows),
+            "up": ("mlp.gate_up_proj", i_local, i_rows),
+        }
+        self.row_parallel = {"o": tp.part(c.q_size), "down": i_rows}  # input columns this rank keeps
+        self.vocab_rows = vocab_rows
 
-    def _target(self, hf_name: str) -> tuple[str, int] | None:
-        """(our parameter, first row) for an HF tensor name; None for tensors we drop."""
-        c = self.cfg
+    def target(self, hf_name: str) -> tuple[str, int, Cut] | None:
+        """(our parameter, first row, the part of the tensor this rank keeps) for an HF tensor name;
+        None for tensors we drop."""
+        c, whole = self.cfg, self.tp.size == 1
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             return None  # some checkpoints store the tied copy too
         if hf_name.endswith("rotary_emb.inv_freq"):
@@ -52,22 +74,21 @@ class _WeightSink:
         m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn|mlp)\.(\w+)_proj\.(weight|bias)", hf_name)
         if m:
             prefix, block, proj, kind = m.groups()
-            fused = {
-                "q": ("self_attn.qkv_proj", 0),
-                "k": ("self_attn.qkv_proj", c.q_size),
-                "v": ("self_attn.qkv_proj", c.q_size + c.kv_size),
-                "gate": ("mlp.gate_up_proj", 0),
-                "up": ("mlp.gate_up_proj", c.intermediate_size),
-            }.get(proj)
-            if fused:
-                return f"{prefix}{fused[0]}.{kind}", fused[1]
-        return hf_name, 0
+            if proj in self.fused:
+                param, row, rows = self.fused[proj]
+                return f"{prefix}{param}.{kind}", row, None if whole else (0, rows)
+            if proj in self.row_parallel and kind == "weight" and not whole:
+                return hf_name, 0, (1, self.row_parallel[proj])  # the bias is whole: added after the reduce
+        if hf_name in ("model.embed_tokens.weight", "lm_head.weight") and not whole:
+            return hf_name, 0, (0, self.vocab_rows)
+        return hf_name, 0, None
 
     def put(self, hf_name: str, tensor: torch.Tensor) -> None:
-        target = self._target(hf_name)
+        """tensor: the checkpoint's tensor, already cut to this rank's part (`target`)."""
+        target = self.target(hf_name)
         if target is None:
             return
-        name, row = target
+        name, row, _ = target
         param = self.params.get(name)
         if param is None:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model (as {name!r})")
@@ -86,15 +107,24 @@ class _WeightSink:
 # ---------------------------------------------------------------- HF checkpoint (safetensors)
 
 
-def load_hf_checkpoint(model_dir, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None):
+def load_hf_checkpoint(model_dir, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None,
+                       tp: TPGroup | None = None):
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    model = LlamaForCausalLM(cfg, lora, dtype, device)
+    model = LlamaForCausalLM(cfg, lora, dtype, device, tp)
     sink = _WeightSink(model)
     for file in _safetensors_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                sink.put(name, f.get_tensor(name))
+                target = sink.target(name)
+                if target is None:
+                    continue
+                cut = target[2]
+                if cut is None:
+                    sink.put(name, f.get_tensor(name))
+                else:  # reads only this rank's rows or columns from the file
+                    part = f.get_slice(name)
+                    sink.put(name, part[cut[1]] if cut[0] == 0 else part[:, cut[1]])
     sink.check_complete()
     return model.eval()
 
@@ -135,13 +165,14 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None) -> LlamaForCausalLM:
+def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None,
+              tp: TPGroup | None = None) -> LlamaForCausalLM:
     """Dequantizes every tensor (Q4_0/1, Q8_0, K-quants, F16, F32, ... as gguf.quants supports) to dtype."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     cfg = gguf_config(reader)
-    model = LlamaForCausalLM(cfg, lora, dtype, device)
+    model = LlamaForCausalLM(cfg, lora, dtype, device, tp)
     sink = _WeightSink(model)
     permute = _gguf_field(reader, "general.architecture") == "llama"
     for t in reader.tensors:
@@ -150,6 +181,12 @@ def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = N
         if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
             w = _unpermute_rope(w, heads)
+        target = sink.target(hf_name)
+        if target is None:
+            continue
+        cut = target[2]
+        if cut is not None:  # this rank's rows or columns (after the unpermute, which needs every head)
+            w = w[cut[1]] if cut[0] == 0 else w[:, cut[1]]
         w = np.ascontiguousarray(w, dtype=np.float32)
         sink.put(hf_name, torch.from_numpy(w if w.flags.writeable else w.copy()))  # F32 data is a read-only memmap
     sink.check_complete()
