@@ -68,8 +68,17 @@ def tp_size_error(cfg: ModelConfig, tp: int, max_rank: int = 0, fully_sharded: b
     """Why `cfg` cannot be split over `tp` ranks (None: it can), naming the sizes that do not divide."""
     if tp < 1:
         return f"tp_size must be at least 1, got {tp}"
-    if tp == 1:
+    reasons = _split_problems(cfg, tp, max_rank, fully_sharded)
+    if not reasons:
         return None
+    ok = [n for n in range(1, MAX_TP + 1) if not _split_problems(cfg, n, max_rank, fully_sharded)]
+    return (f"tp_size {tp} does not split this model: {'; '.join(reasons)} "
+            f"(tp sizes that do: {', '.join(map(str, ok))})")
+
+
+def _split_problems(cfg: ModelConfig, tp: int, max_rank: int, fully_sharded: bool) -> list[str]:
+    if tp == 1:
+        return []
     reasons = []
     if tp > MAX_TP:
         reasons.append(f"the adapter store slices for at most {MAX_TP} ranks")
@@ -84,11 +93,7 @@ def tp_size_error(cfg: ModelConfig, tp: int, max_rank: int = 0, fully_sharded: b
         reasons.append(f"vocabulary of {cfg.vocab_size}")
     if fully_sharded and max_rank % tp:
         reasons.append(f"max LoRA rank {max_rank} (fully sharded LoRA cuts the rank)")
-    if not reasons:
-        return None
-    ok = [n for n in range(1, MAX_TP + 1) if tp_size_error(cfg, n, max_rank, fully_sharded) is None]
-    return (f"tp_size {tp} does not split this model: {'; '.join(reasons)} "
-            f"(tp sizes that do: {', '.join(map(str, ok))})")
+    return reasons
 
 
 def open_store(host: str, port: int, size: int, is_master: bool, timeout_s: float):
