@@ -41,6 +41,7 @@ import grpc
 import torch
 
 from loraserve.errors import StatusError
+from loraserve.v1 import common_pb2 as pb
 
 from .config import ExecutorConfig
 from .engine.kv_cache import KVCache
@@ -48,6 +49,7 @@ from .engine.step import StepInputs, forward_step
 from .lora import LoraSpec, declare_layout, load_shard_into_slot, lora_modules
 from .model.loader import load_model
 from .parallel import TPGroup, make_group, open_store
+from .store_client import StoreClient
 
 log = logging.getLogger(__name__)
 STORE_HOST = "127.0.0.1"  # the ranks of one executor share a host
@@ -93,6 +95,7 @@ class TPRanks:
         self._ids = itertools.count()
         self._closing = False
         self._failed = threading.Lock()  # the first failure reports; the others wait for the exit
+        self._join_lock = threading.Lock()  # one thread reaps a process at a time (a second waitpid fails)
         self._store = None
 
     # ---- start and stop --------------------------------------------------------------------
@@ -135,20 +138,30 @@ class TPRanks:
             except OSError:
                 pass
         for proc in self._procs:
-            proc.join(STOP_GRACE_S)
-            if proc.is_alive():
+            multiprocessing.connection.wait([proc.sentinel], STOP_GRACE_S)
+            with self._join_lock:
+                proc.join(0.5)
+            if proc.exitcode is None:
                 log.warning("tensor-parallel rank %s (pid %d) did not stop within %gs; killing it",
                             proc.name, proc.pid, STOP_GRACE_S)
                 proc.kill()
-                proc.join()
+                with self._join_lock:
+                    proc.join()
         log.info("tensor-parallel ranks 1..%d stopped", self.size - 1)
 
     # ---- failure ---------------------------------------------------------------------------
 
     def fail(self, message: str) -> None:
-        """Ends the executor: logs why, kills ranks 1..N-1, exits with status 1. Never returns."""
-        self._failed.acquire()  # a second failure (e.g. rank 0's collective erroring) waits for the exit
-        log.critical("%s; stopping the tensor-parallel executor (all %d ranks)", message, self.size)
+        """Ends the executor: logs why, kills ranks 1..N-1, exits with status 1. Never returns.
+        When a rank has died, that is the cause reported (rank 0's step then fails too, by
+        the broken connection, often before the watchdog wakes)."""
+        self._failed.acquire()  # a second failure waits here for the exit
+        dead = multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout=1.0)
+        for rank, proc in enumerate(self._procs, start=1):
+            if proc.sentinel in dead and not message.startswith("tensor-parallel rank"):
+                message = f"{self._death(rank, proc)} ({message})"
+                break
+        log.critical("%s; stopping the tensor-parallel executor", message)
         self._closing = True
         for proc in self._procs:
             if proc.is_alive():
@@ -163,12 +176,15 @@ class TPRanks:
         while sentinels:
             for s in multiprocessing.connection.wait(list(sentinels)):
                 rank, proc = sentinels.pop(s)
-                proc.join()
-                if self._closing:
-                    continue
-                code = proc.exitcode
-                how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
-                self.fail(f"tensor-parallel rank {rank} (pid {proc.pid}) {how}")
+                if not self._closing:
+                    self.fail(self._death(rank, proc))
+
+    def _death(self, rank: int, proc: multiprocessing.Process) -> str:
+        with self._join_lock:
+            proc.join()
+        code = proc.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
+        return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
 
     # ---- messages --------------------------------------------------------------------------
 
@@ -248,10 +264,6 @@ def worker_main(cfg: ExecutorConfig, rank: int, store_port: int, conn, log_level
 
 class _Rank:
     def __init__(self, cfg: ExecutorConfig, rank: int, store_port: int, conn):
-        from loraserve.v1 import common_pb2 as pb
-
-        from .store_client import StoreClient
-
         if cfg.cpu_threads > 0:
             torch.set_num_threads(cfg.cpu_threads)
         self.cfg, self.rank, self.conn = cfg, rank, conn
