@@ -29,11 +29,12 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     p.add_argument("--cache-dir", default=env("cache_dir", "var/cache"),
                    help="files derived from the model and kept across starts (the GGUF's tokenizer); '' for none")
     p.add_argument("--cpu-threads", type=int, default=int(env("cpu_threads", 0)), help="torch threads on CPU (0: torch default)")
-    p.add_argument("--tp-size", type=int, default=int(env("tp_size", 1)),
+    # apply_env gives these their LORASERVE_* defaults (converted, and refused if bad, only when the command runs).
+    p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks: processes on this host (one GPU each on CUDA, gloo on CPU)")
-    p.add_argument("--fully-sharded-loras", action="store_true", default=env("fully_sharded_loras", "") in ("1", "true"),
+    p.add_argument("--fully-sharded-loras", action="store_true",
                    help="with --tp-size > 1, also shard LoRA's rank dim (an all-gather / all-reduce more per layer)")
-    p.add_argument("--tp-timeout-s", type=float, default=float(env("tp_timeout_s", 120)),
+    p.add_argument("--tp-timeout-s", type=float, default=120.0,
                    help="a collective that waits this long on another tensor-parallel rank fails")
     p.add_argument("--max-loras", type=int, default=int(env("max_loras", 8)), help="GPU slots")
     p.add_argument("--max-lora-rank", type=int, default=int(env("max_lora_rank", 64)))

@@ -3,7 +3,8 @@
 Both paths name each tensor the HF way, then `_WeightSink` maps q/k/v and gate/up into the fused
 parameters and checks that every parameter was filled exactly once. Pickled .bin files are never read.
 Under tensor parallelism each rank reads only its rows or columns of each tensor (safetensors
-slices lazily; a GGUF tensor is dequantized one at a time, then cut), never the whole model.
+slices lazily; a GGUF rank dequantizes only its rows, or, for a column cut, one tensor at a time
+before cutting it), never the whole model.
 """
 
 from __future__ import annotations
@@ -177,16 +178,20 @@ def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = N
     permute = _gguf_field(reader, "general.architecture") == "llama"
     for t in reader.tensors:
         hf_name = _hf_name(t.name)
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
-            w = _unpermute_rope(w, heads)
         target = sink.target(hf_name)
         if target is None:
             continue
-        cut = target[2]
-        if cut is not None:  # this rank's rows or columns (after the unpermute, which needs every head)
-            w = w[cut[1]] if cut[0] == 0 else w[:, cut[1]]
+        cut, data = target[2], t.data  # data: [rows, bytes of a row] when quantized, a row = whole blocks
+        shape = tuple(reversed(t.shape.tolist()))
+        if cut is not None and cut[0] == 0:  # this rank's rows, cut before dequantizing (most of the work)
+            data = data[cut[1]]
+            shape = (data.shape[0], *shape[1:])
+        w = gguf.quants.dequantize(data, t.tensor_type).reshape(shape)
+        if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            # Per head: a rank's rows are whole heads, so unpermuting them alone is the same.
+            w = _unpermute_rope(w, w.shape[0] // cfg.head_dim)
+        if cut is not None and cut[0] == 1:  # this rank's columns
+            w = w[:, cut[1]]
         w = np.ascontiguousarray(w, dtype=np.float32)
         sink.put(hf_name, torch.from_numpy(w if w.flags.writeable else w.copy()))  # F32 data is a read-only memmap
     sink.check_complete()

@@ -23,7 +23,8 @@ from safetensors.torch import load as st_load
 from loraserve.errors import StatusError
 from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.layout import model_config
-from loraserve.executor.parallel import tp_size_error
+from loraserve.executor.model.loader import load_model
+from loraserve.executor.parallel import TPGroup, tp_size_error
 from loraserve.executor.ranks import shard_checksum
 from loraserve.executor.service import build_executor
 from loraserve.defaults import smollm2_gguf_path
@@ -241,6 +242,42 @@ def test_admin_rpcs_pins_evictions_and_refresh_under_tp(cluster, references, ada
     states = cluster.lt.run(cluster.parts.ranks.states())
     assert all(("o2", state.digest) in s["shards"] for s in states)
     store.register("o2", str(adapter_dirs / "o2"))  # back, for the other tests
+
+
+# ---- per-rank weights ---------------------------------------------------------------------------
+
+
+def expected_part(name: str, whole: torch.Tensor, tp: TPGroup, cfg) -> torch.Tensor:
+    """What rank tp.rank holds of parameter `name`, cut from the one-rank model's by hand."""
+    if "qkv_proj" in name:
+        q, k, v = whole.split((cfg.q_size, cfg.kv_size, cfg.kv_size))
+        return torch.cat([t[r] for t, r in zip((q, k, v), tp.qkv_rows(cfg))])
+    if "gate_up_proj" in name:
+        return torch.cat([t[tp.part(cfg.intermediate_size)] for t in whole.chunk(2)])
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return whole[:, tp.part(whole.shape[1])]
+    if "embed_tokens" in name or "lm_head" in name:
+        return whole[tp.part(cfg.vocab_size)]
+    return whole
+
+
+@pytest.mark.parametrize("source", ["gguf-smollm2-tp3", "safetensors-llama-tp4"])
+def test_each_rank_loads_only_its_part_of_the_weights(source, hf_model):
+    """SmolLM2's Q4_1 GGUF (q/k rows unpermuted before the cut) and a safetensors Llama with
+    biases (its 2 kv heads replicated over 4 ranks): each rank's parameters are its cut of the
+    one-rank model's, and nothing else."""
+    if source.startswith("gguf"):
+        path, tp_size = smollm2_gguf_path(), 3
+    else:
+        path, tp_size = hf_model("llama", attention_bias=True, mlp_bias=True)[1], 4
+    whole = load_model(path)
+    params = dict(whole.named_parameters())
+    for rank in range(tp_size):
+        tp = TPGroup(tp_size, rank)  # no process group: loading makes no collective
+        part = dict(load_model(path, tp=tp).named_parameters())
+        assert part.keys() == params.keys()
+        for name, p in part.items():
+            torch.testing.assert_close(p, expected_part(name, params[name], tp, whole.cfg), rtol=0, atol=0, msg=name)
 
 
 # ---- errors -------------------------------------------------------------------------------------
