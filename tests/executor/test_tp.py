@@ -55,9 +55,10 @@ ADAPTERS = {  # name: (r, alpha, targets, rslora)
     "mlp16": (16, 16, ("gate_proj", "up_proj", "down_proj"), True),
     "o2": (2, 4, ("o_proj",), False),
     "kd8": (6, 12, ("k_proj", "down_proj"), False),  # rank 6: padded to a multiple of 4 when fully sharded
+    "emb6": (6, 6, ("embed_tokens", "lm_head", "q_proj"), False),  # vocab-parallel layers' LoRA
 }
 # Several ranks and targets in one batch: attention only, all linear layers, MLP only (rsLoRA), o only.
-GROUPS = (["qv8", "all4", "", "mlp16"], ["o2", "kd8", "all4", ""])
+GROUPS = (["qv8", "all4", "", "mlp16"], ["o2", "kd8", "emb6", ""])
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -89,7 +90,7 @@ def adapter_dirs(base, tmp_path_factory):
                                                                use_rslora=rslora))
         with torch.no_grad():
             for n, p in peft.named_parameters():
-                if "lora_B" in n:
+                if "lora_B" in n or "lora_embedding_B" in n:
                     p.normal_(0, 0.2)
         peft.save_pretrained(root / name)
     return root
@@ -112,7 +113,7 @@ def references(base, adapter_dirs):
 def cluster(module_loop_thread, base, adapter_dirs, case, tmp_path_factory):
     _, tp, sharded, _ = case
     c = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path_factory.mktemp("store"), tp_size=tp,
-                fully_sharded_loras=sharded, cpu_threads=1, tp_timeout_s=60.0)
+                fully_sharded_loras=sharded, lora_embeddings=True, cpu_threads=1, tp_timeout_s=60.0)
     yield c
     c.close()
     # A clean stop: every rank exits 0 on its own (none had to be killed).
@@ -188,7 +189,7 @@ def test_mixed_batches_match_transformers_peft_and_tp1(cluster, references, base
             check_against_reference(references[name], ids, resp)
             outputs[(name, tuple(ids))] = list(resp.token_ids)
     # tp 1 on the same store gives the same greedy tokens.
-    one = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store1", cpu_threads=1)
+    one = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store1", lora_embeddings=True, cpu_threads=1)
     try:
         for group in GROUPS:
             jobs, resps = run_group(one.client(), group)
