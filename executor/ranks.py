@@ -33,6 +33,7 @@ import multiprocessing.connection
 import os
 import pickle
 import queue
+import signal
 import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -252,6 +253,8 @@ class TPRanks:
 def worker_main(cfg: ExecutorConfig, rank: int, store_port: int, conn, log_level: int) -> None:
     """The process of TP rank `rank` (>= 1): loads its shard of the model, then runs steps until told to stop."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [tp rank {rank}]: %(message)s")
+    # Ctrl-C in a terminal reaches the whole process group: rank 0 alone drains, then stops this rank.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _Rank(cfg, rank, store_port, conn).run()
     except BaseException:  # noqa: BLE001 - any error here leaves the ranks out of step: end, rank 0 sees it

@@ -305,41 +305,77 @@ def test_cli_refuses_a_tp_size_that_does_not_split_the_model(tmp_path):
     assert "error: " in out.stderr and "tp_size 2 does not split this model: 9 attention heads" in out.stderr
 
 
-def test_a_rank_killed_mid_serving_ends_the_executor_with_a_clear_error(hf_model, save_byte_tokenizer, closed_port):
+class TPExecutorProcess:
+    """`loraserve executor --tp-size 2` on a tiny Llama, as an operator starts it (no store needed
+    for the base model); its output is collected by a thread."""
+
+    def __init__(self, model_dir: Path, store_port: int):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [LORASERVE, "--log-level", "INFO", "executor", "--model", str(model_dir), "--tp-size", "2",
+             "--cpu-threads", "1", "--executor-listen", f"127.0.0.1:{self.port}", "--http-port", "0",
+             "--store", f"127.0.0.1:{store_port}", "--max-model-len", "512", "--num-blocks", "256",
+             "--block-size", "4", "--tp-timeout-s", "60"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.time() + 120
+        while "executor serving gRPC" not in self.log:
+            assert self.proc.poll() is None and time.time() < deadline, self.log
+            time.sleep(0.1)
+        self.rank1_pid = int(re.search(r"tensor-parallel rank 1 of 2: pid (\d+)", self.log).group(1))
+        self.client = ExecutorClient(f"127.0.0.1:{self.port}", timeout_s=60)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def tp_executor_process(hf_model, save_byte_tokenizer, closed_port):
     _, path = hf_model("llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
                        max_position_embeddings=512)
     if not (path / "tokenizer.json").exists():
         save_byte_tokenizer(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [LORASERVE, "--log-level", "INFO", "executor", "--model", str(path), "--tp-size", "2", "--cpu-threads", "1",
-         "--executor-listen", f"127.0.0.1:{port}", "--http-port", "0", "--store", f"127.0.0.1:{closed_port}",
-         "--max-model-len", "512", "--num-blocks", "256", "--block-size", "4", "--tp-timeout-s", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    try:
-        deadline = time.time() + 120
-        while "executor serving gRPC" not in "".join(lines):
-            assert proc.poll() is None and time.time() < deadline, "".join(lines)
-            time.sleep(0.1)
-        pid = int(re.search(r"tensor-parallel rank 1 of 2: pid (\d+)", "".join(lines)).group(1))
-        client = ExecutorClient(f"127.0.0.1:{port}", timeout_s=60)
-        assert len(generate(client, "", prompt_ids(0), 2).token_ids) == 2  # serving on both ranks
-        stream = client.stub.GenerateStream(epb.GenerateRequest(
-            token_ids=epb.TokenIds(ids=prompt_ids(1)), sampling=epb.SamplingParams(max_tokens=400)), timeout=60)
-        next(iter(stream))  # mid-serving: a request is streaming
-        os.kill(pid, signal.SIGKILL)
-        assert proc.wait(30) == 1
-        with pytest.raises(Exception):
-            for _ in stream:
-                pass
-        log = "".join(lines)
-        assert re.search(rf"CRITICAL .*tensor-parallel rank 1 \(pid {pid}\) was killed by signal 9.*; stopping the "
-                         r"tensor-parallel executor", log), log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+    started = []
+
+    def start() -> TPExecutorProcess:
+        started.append(TPExecutorProcess(path, closed_port))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.kill()
+
+
+def test_a_rank_killed_mid_serving_ends_the_executor_with_a_clear_error(tp_executor_process):
+    ex = tp_executor_process()
+    assert len(generate(ex.client, "", prompt_ids(0), 2).token_ids) == 2  # serving on both ranks
+    stream = ex.client.stub.GenerateStream(epb.GenerateRequest(
+        token_ids=epb.TokenIds(ids=prompt_ids(1)), sampling=epb.SamplingParams(max_tokens=400)), timeout=60)
+    next(iter(stream))  # mid-serving: a request is streaming
+    os.kill(ex.rank1_pid, signal.SIGKILL)
+    assert ex.proc.wait(30) == 1
+    with pytest.raises(Exception):
+        for _ in stream:
+            pass
+    assert re.search(rf"CRITICAL .*tensor-parallel rank 1 \(pid {ex.rank1_pid}\) was killed by signal 9.*; stopping the "
+                     r"tensor-parallel executor", ex.log), ex.log
+
+
+def test_sigterm_stops_every_rank_cleanly(tp_executor_process):
+    ex = tp_executor_process()
+    assert len(generate(ex.client, "", prompt_ids(0), 2).token_ids) == 2
+    ex.proc.send_signal(signal.SIGTERM)
+    assert ex.proc.wait(60) == 0, ex.log
+    assert "tensor-parallel rank 1 stopping" in ex.log and "tensor-parallel ranks 1..1 stopped" in ex.log
+    assert "CRITICAL" not in ex.log and "killing it" not in ex.log
+    with pytest.raises(ProcessLookupError):
+        os.kill(ex.rank1_pid, 0)  # rank 1 has exited too
