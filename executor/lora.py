@@ -351,7 +351,8 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
             if (err := _fit_error(buf, src)) is not None:
                 raise ValueError(f"{name}.{part}: {err}")
         if a.shape[1] * module.rank_parts != b.shape[1]:
-            raise ValueError(f"{name}: lora_a rank {a.shape[1]} x {module.rank_parts} rank parts != lora_b rank {b.shape[1]}")
+            raise ValueError(f"{name}: lora_a rank {a.shape[1]} x {module.rank_parts} rank parts "
+                             f"!= lora_b rank {b.shape[1]}")
     for name, module in modules.items():
         if f"{name}.lora_a" in tensors:
             module.set_lora(slot, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"])

@@ -243,7 +243,8 @@ class TPRanks:
         return fetch_on_every_rank
 
     async def states(self) -> list[dict]:
-        """What ranks 1..N-1 hold: {"tp_rank", "slots": {slot: (name, digest)}, "shards": {(name, digest): checksum}}."""
+        """What ranks 1..N-1 hold, for tests and diagnostics:
+        {"tp_rank", "slots": {slot: (name, digest)}, "shards": {(name, digest): checksum}}."""
         return await self._ask(("state",))
 
 
@@ -349,11 +350,12 @@ class _Rank:
                 return tensors
         got, _, tensors, _ = await self.store.fetch_shard(name, digest)
         if got != digest:
-            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"adapter {name!r}: the store sent {got[:12]}, not {digest[:12]}")
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"adapter {name!r}: the store sent {got[:12]}, not {digest[:12]}")
         with self.shards_lock:
             self.shards[(name, digest)] = tensors
-            keep = self.cfg.max_cpu_adapters
-            for key in [k for k in self.shards if k not in self.slots][: max(0, len(self.shards) - keep - self.cfg.max_loras)]:
+            excess = len(self.shards) - self.cfg.max_cpu_adapters - self.cfg.max_loras
+            for key in [k for k in self.shards if k not in self.slots][: max(0, excess)]:  # oldest first
                 del self.shards[key]
         return tensors
 

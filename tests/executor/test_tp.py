@@ -169,7 +169,8 @@ def check_against_reference(ref_model, ids: list[int], resp: epb.GenerateRespons
     logprobs = torch.log_softmax(logits, -1)
     assert logprobs.argmax(-1).tolist() == out
     got = torch.tensor(list(resp.logprobs), dtype=torch.float64)
-    assert torch.allclose(got, logprobs[torch.arange(len(out)), out], atol=2e-4), (got, logprobs[torch.arange(len(out)), out])
+    want = logprobs[torch.arange(len(out)), out]
+    assert torch.allclose(got, want, atol=2e-4), (got, want)
 
 
 def run_group(client, group, max_tokens=6):
