@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install up test protos bench-store
+.PHONY: install up up-tp2 test protos bench-store
 
 install: $(VENV)/.installed
 
@@ -21,6 +21,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 up: install
 	$(VENV)/bin/loraserve up
+
+# A tensor-parallel executor over 2 CPU processes (gloo), on a tiny random Llama that splits over
+# 2 ranks (the default model's 9 heads split over 1, 3 or 9: `loraserve up --tp-size 3` runs it).
+TINY := var/tiny-llama
+up-tp2: install
+	$(PY) tools/make_tiny_llama.py $(TINY)
+	$(VENV)/bin/loraserve up --tp-size 2 --model $(TINY)/model --base-model tiny-llama \
+		--base-model-path $(TINY)/model --demo-adapters $(TINY)/adapters --data-dir $(TINY)/store
 
 test: install
 	$(PY) -m pytest

@@ -71,11 +71,12 @@ def main() -> None:
 
     from loraserve import kernels
     from loraserve.kernels import meta as meta_mod
+    from loraserve.executor.engine import step as step_mod
     from loraserve.executor.model import llama
 
     for n in ("lora_shrink", "lora_expand"):
         wrap(kernels, n, n)
-    wrap(engine_mod, "make_lora_meta", "make_lora_meta")
+    wrap(step_mod, "make_lora_meta", "make_lora_meta")
     wrap(meta_mod.LoraMeta, "block_list", "block_list")
     wrap(llama.LlamaForCausalLM, "forward", "model.forward")
     wrap(llama.LlamaForCausalLM, "compute_logits", "compute_logits")

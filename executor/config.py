@@ -25,7 +25,9 @@ class ExecutorConfig:
     base_model: str = ""  # the name adapters must have been trained on; part of the layout
     device: str = "cpu"  # "cpu", "cuda", "cuda:1"
     dtype: str = "float32"  # "float32" | "float16" | "bfloat16"
-    tp_size: int = 1
+    tp_size: int = 1  # tensor-parallel ranks (processes; one GPU each on CUDA): executor/ranks.py
+    tp_timeout_s: float = 120.0  # a collective waiting this long on another rank fails (a hung rank)
+    fully_sharded_loras: bool = False  # under TP, also shard LoRA's rank (vLLM's --fully-sharded-loras)
     cache_dir: str = ""  # derived files kept across starts (the GGUF's converted tokenizer); "": none
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0: torch's default. Fewer than the cores
     # helps when other processes share them (OpenMP threads spin-wait and oversubscribe).
@@ -68,6 +70,8 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be at least 1, got {self.tp_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
         if self.num_blocks * self.block_size < self.max_model_len:

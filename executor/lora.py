@@ -21,6 +21,7 @@ from loraserve.kernels import LoraMeta
 from loraserve.v1 import common_pb2
 
 from .model.config import ModelConfig
+from .parallel import TPGroup
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -31,6 +32,7 @@ class LoraSpec:
     max_rank: int  # slot rank; adapters of lower rank are zero-padded
     dtype: torch.dtype
     targets_embeddings: bool = False  # also allocate slots for embed_tokens and lm_head (vocab-sized: costly)
+    fully_sharded: bool = False  # under TP, also cut the adapter rank (column layers) / B's outputs (row layers)
 
 
 def _fit_error(slot_buf: torch.Tensor, src: torch.Tensor, rank_dim: int = 1) -> str | None:
@@ -63,8 +65,8 @@ def _step_weights(m: nn.Module, meta: LoraMeta | None, device: torch.device):
     if r == 0:
         return None
     rank_dim = m.slot_rank_dim + 1  # of the [max_loras, ...] buffers
-    if device.type == "cuda" or r == m.lora_a.shape[rank_dim]:
-        return m.lora_a, m.lora_b
+    if device.type == "cuda" or r == m.lora_a.shape[rank_dim] or m.rank_parts > 1:
+        return m.lora_a, m.lora_b  # rank_parts > 1: B's columns are laid out per rank part of the full slot rank
     return m.lora_a.narrow(rank_dim, 0, r), m.lora_b.narrow(rank_dim, 0, r)
 
 
@@ -97,12 +99,25 @@ class LinearWithLoRA(nn.Module):
     weight:  [N, in], N = sum(output_sizes) (q|k|v for QKV, gate|up for gate_up, one slice otherwise)
     lora_a:  [max_loras, S, max_rank, in]
     lora_b:  [max_loras, N, max_rank]  (scaling already folded in by the adapter store)
+
+    Under TP (executor/parallel.py) in_features and output_sizes are this rank's. A column-parallel
+    layer holds its slices' output rows; a `row_parallel` one its input columns, and all-reduces
+    the partial sums (bias added once, after). Fully sharded LoRA also cuts, on a column layer,
+    A's rank (lora_a: [max_loras, S, max_rank / tp, in]; the shrink output is all-gathered, and
+    B's columns sit in tp parts of max_rank / tp, rank part p's rows of A at part p) and, on a
+    row layer, B's outputs (lora_b: [max_loras, N / tp, max_rank]; the shrink output is
+    all-reduced, the expand adds into this rank's 1/tp of the output columns).
     """
 
     slot_rank_dim = 1  # rank's dim in one slot's lora_a [S, r, in] and lora_b [N, r]
 
-    def __init__(self, in_features, output_sizes, bias, lora: LoraSpec | None, dtype, device):
+    def __init__(self, in_features, output_sizes, bias, lora: LoraSpec | None, dtype, device,
+                 tp: TPGroup | None = None, row_parallel: bool = False):
         super().__init__()
+        self.tp = tp or TPGroup()
+        self.row_parallel = row_parallel and self.tp.size > 1
+        sharded = lora is not None and lora.fully_sharded and self.tp.size > 1
+        self.rank_parts = self.tp.size if sharded and not self.row_parallel else 1  # parts of A's rank over ranks
         self.in_features = in_features
         self.output_sizes = tuple(output_sizes)
         offsets = [0]
@@ -110,6 +125,10 @@ class LinearWithLoRA(nn.Module):
             offsets.append(offsets[-1] + n)
         self.slice_offsets = tuple(offsets)  # (0, n0, n0 + n1, ...)
         n_out = offsets[-1]
+        # LoRA's output columns: all of them, or a fully sharded row layer's 1/tp starting at lora_out_start
+        self.lora_offsets, self.lora_out_start = self.slice_offsets, 0
+        if sharded and self.row_parallel:
+            self.lora_offsets, self.lora_out_start = (0, n_out // self.tp.size), self.tp.rank * (n_out // self.tp.size)
         self.weight = nn.Parameter(torch.empty(n_out, in_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(n_out, dtype=dtype, device=device), requires_grad=False) if bias else None
@@ -122,17 +141,27 @@ class LinearWithLoRA(nn.Module):
     def create_lora_weights(self, max_loras: int, max_rank: int, dtype: torch.dtype | None = None) -> None:
         dtype = dtype or self.weight.dtype
         dev = self.weight.device
-        n_slices, n_out = len(self.output_sizes), self.slice_offsets[-1]
-        a = torch.zeros(max_loras, n_slices, max_rank, self.in_features, dtype=dtype, device=dev)
+        n_slices, n_out = len(self.output_sizes), self.lora_offsets[-1]
+        if max_rank % self.rank_parts:
+            raise ValueError(f"max LoRA rank {max_rank} does not split over {self.rank_parts} fully sharded ranks")
+        a = torch.zeros(max_loras, n_slices, max_rank // self.rank_parts, self.in_features, dtype=dtype, device=dev)
         b = torch.zeros(max_loras, n_out, max_rank, dtype=dtype, device=dev)
         self.register_buffer("lora_a", a, persistent=False)
         self.register_buffer("lora_b", b, persistent=False)
         self.slot_ranks = [0] * max_loras  # host copy: each slot's rank in this module, 0 = not targeted
 
     def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
-        """lora_a: [S, r, in], lora_b: [N, r] (a shard's tensors, already in the slot dtype)."""
+        """lora_a: [S, r, in], lora_b: [N, r] (a shard's tensors, already in the slot dtype).
+        Fully sharded column layers: lora_a [S, r / tp, in], lora_b [N, r], r a multiple of tp."""
         _copy_into_slot(self.lora_a[slot], lora_a)
-        _copy_into_slot(self.lora_b[slot], lora_b)
+        if self.rank_parts == 1:
+            _copy_into_slot(self.lora_b[slot], lora_b)
+        else:  # rank part p of B (columns p*r/tp ...) goes to columns p*R/tp ... of the slot
+            n, parts = lora_b.shape[0], self.rank_parts
+            dst = self.lora_b[slot].view(n, parts, -1)
+            src = lora_b.view(n, parts, lora_b.shape[1] // parts)
+            dst[:, :, : src.shape[2]].copy_(src, non_blocking=True)
+            dst[:, :, src.shape[2] :].zero_()
         self.slot_ranks[slot] = lora_a.shape[1]
 
     def reset_lora(self, slot: int) -> None:
@@ -141,6 +170,8 @@ class LinearWithLoRA(nn.Module):
         self.slot_ranks[slot] = 0
 
     def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None = None) -> torch.Tensor:
+        if self.row_parallel:
+            return self._forward_row_parallel(x, lora_meta)
         weights = _step_weights(self, lora_meta, x.device)
         if weights is None:
             return F.linear(x, self.weight, self.bias)  # [T, N]
@@ -149,6 +180,8 @@ class LinearWithLoRA(nn.Module):
         if side is None:
             y = F.linear(x, self.weight, self.bias)
             buf = kernels.lora_shrink(x, lora_a, lora_meta)  # [S, T, rank] float32
+            if self.rank_parts > 1:
+                buf = self.tp.all_gather(buf)  # [S, T, max_rank]: every rank part of x @ A.T
             return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
         # CUDA: shrink (and its zeroing) runs on a side stream beside the base GEMM, which is
         # bandwidth-bound at decode and hides it; only expand waits for both. Captured graphs
@@ -160,22 +193,47 @@ class LinearWithLoRA(nn.Module):
             buf = kernels.lora_shrink(x, lora_a, lora_meta)
         y = F.linear(x, self.weight, self.bias)
         main.wait_stream(side)
+        if self.rank_parts > 1:
+            buf = self.tp.all_gather(buf)
         return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
+
+    def _forward_row_parallel(self, x: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
+        """x: [T, in / tp], this rank's input columns. Every term before the all-reduce is a
+        partial sum over them, LoRA's included (expand is linear in the shrink output)."""
+        y = F.linear(x, self.weight)  # [T, N], partial
+        weights = _step_weights(self, lora_meta, x.device)
+        if weights is not None:
+            lora_a, lora_b = weights
+            buf = kernels.lora_shrink(x, lora_a, lora_meta)  # [1, T, rank], partial
+            if self.lora_offsets is self.slice_offsets:
+                kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
+            else:  # fully sharded: the whole x @ A.T, times this rank's rows of B, into its columns
+                buf = self.tp.all_reduce(buf)
+                out = y.narrow(1, self.lora_out_start, self.lora_offsets[-1])
+                kernels.lora_expand(out, buf, lora_b, self.lora_offsets, lora_meta)
+        y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabEmbeddingWithLoRA(nn.Module):
     """Token embedding with per-token LoRA: y = W[ids] + lora_a[slot, ids] @ lora_b[slot].T
 
-    weight:  [vocab, dim]
-    lora_a:  [max_loras, vocab, max_rank]   (PEFT's lora_embedding_A, transposed)
+    weight:  [vocab, dim]  (under TP: this rank's vocab / tp rows, partial lookups all-reduced)
+    lora_a:  [max_loras, vocab, max_rank]   (PEFT's lora_embedding_A, transposed; never sharded)
     lora_b:  [max_loras, dim, max_rank]
     """
 
     slot_rank_dim = 1  # one slot's lora_a [vocab, r], lora_b [dim, r]
+    rank_parts = 1
 
-    def __init__(self, vocab_size, embed_dim, lora: LoraSpec | None, dtype, device):
+    def __init__(self, vocab_size, embed_dim, lora: LoraSpec | None, dtype, device, tp: TPGroup | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, embed_dim, dtype=dtype, device=device), requires_grad=False)
+        self.tp = tp or TPGroup()
+        self.vocab_size = vocab_size
+        rows = self.tp.part(vocab_size)
+        self.vocab_start = rows.start
+        self.weight = nn.Parameter(torch.empty(rows.stop - rows.start, embed_dim, dtype=dtype, device=device),
+                                   requires_grad=False)
         self.slice_offsets = (0, embed_dim)
         self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
         self.register_buffer("lora_b", None, persistent=False)
@@ -184,7 +242,7 @@ class VocabEmbeddingWithLoRA(nn.Module):
 
     def create_lora_weights(self, max_loras: int, max_rank: int, dtype: torch.dtype | None = None) -> None:
         dtype = dtype or self.weight.dtype
-        vocab, dim = self.weight.shape
+        vocab, dim = self.vocab_size, self.weight.shape[1]
         a = torch.zeros(max_loras, vocab, max_rank, dtype=dtype, device=self.weight.device)
         b = torch.zeros(max_loras, dim, max_rank, dtype=dtype, device=self.weight.device)
         self.register_buffer("lora_a", a, persistent=False)
@@ -203,7 +261,13 @@ class VocabEmbeddingWithLoRA(nn.Module):
         self.slot_ranks[slot] = 0
 
     def forward(self, ids: torch.Tensor, lora_meta: LoraMeta | None = None) -> torch.Tensor:
-        y = F.embedding(ids, self.weight)  # [T, dim]
+        if self.tp.size == 1:
+            y = F.embedding(ids, self.weight)  # [T, dim]
+        else:  # rows of other ranks' tokens are 0 here; the all-reduce fills them in
+            local = ids - self.vocab_start
+            inside = (local >= 0) & (local < self.weight.shape[0])
+            y = F.embedding(local.masked_fill(~inside, 0), self.weight) * inside.unsqueeze(1).to(self.weight.dtype)
+            y = self.tp.all_reduce(y)
         weights = _step_weights(self, lora_meta, ids.device)
         if weights is None:
             return y
@@ -224,6 +288,7 @@ class ExpertsWithLoRA(nn.Module):
     """
 
     slot_rank_dim = 2  # one slot's lora_a [E, S, r, in], lora_b [E, N, r]
+    rank_parts = 1  # MoE models run on one rank
 
     def __init__(self, num_experts, in_features, output_sizes, lora: LoraSpec | None, dtype, device):
         super().__init__()
@@ -312,7 +377,7 @@ def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str,
             )
         )
     return common_pb2.Layout(
-        modules=modules, tp_size=tp_size, fully_sharded=False, ep_size=1,
+        modules=modules, tp_size=tp_size, fully_sharded=spec.fully_sharded and tp_size > 1, ep_size=1,
         dtype=DTYPE_NAMES[spec.dtype], max_rank=spec.max_rank, base_model=base_model_name,
     )  # fmt: skip
 
@@ -372,8 +437,9 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
         for part, src, buf in (("lora_a", a, module.lora_a[slot]), ("lora_b", b, module.lora_b[slot])):
             if (err := _fit_error(buf, src, rank_dim)) is not None:
                 raise ValueError(f"{name}.{part}: {err}")
-        if a.shape[rank_dim] != b.shape[rank_dim]:
-            raise ValueError(f"{name}: lora_a rank {a.shape[rank_dim]} != lora_b rank {b.shape[rank_dim]}")
+        if a.shape[rank_dim] * module.rank_parts != b.shape[rank_dim]:
+            parts = f" x {module.rank_parts} rank parts" if module.rank_parts > 1 else ""
+            raise ValueError(f"{name}: lora_a rank {a.shape[rank_dim]}{parts} != lora_b rank {b.shape[rank_dim]}")
     for name, module in modules.items():
         if f"{name}.lora_a" in tensors:
             module.set_lora(slot, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"])

@@ -29,9 +29,12 @@ from .engine.engine import Engine, GenerationOutput, GenerationRequest
 from .engine.kv_cache import KVCache
 from .engine.sampler import SamplingParams
 from .http import HttpFront, serve_http
-from .lora import LoraSpec, declare_layout, load_shard_into_slot, lora_modules
+from .layout import model_config
+from .lora import declare_layout, load_shard_into_slot, lora_modules
 from .model.loader import load_model
 from .model.tokenizer import Tokenizer
+from .parallel import tp_size_error
+from .ranks import TPRanks, lora_spec
 from .refresh import refresh_loop, refresh_one
 from .slots import AdapterState, SlotManager
 from .store_client import StoreClient
@@ -52,6 +55,7 @@ class ExecutorParts:
     http: HttpFront | None = None  # the OpenAI-compatible front, started by serve() when config.http_listen
     metrics: ExecutorMetrics | None = None
     metrics_server: MetricsServer | None = None  # /metrics, started by serve() when config.metrics_listen
+    ranks: TPRanks | None = None  # tensor-parallel ranks 1..N-1 (config.tp_size > 1)
 
     def generate(self, req: GenerationRequest):
         """Engine.generate, counted in the metrics (off the step loop: in the caller's task)."""
@@ -103,15 +107,32 @@ def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer | TokenIds
 
 
 def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
-    """Loads the model with slot buffers, and wires slot manager, store client and engine."""
+    """Loads the model with slot buffers, and wires slot manager, store client and engine.
+    With cfg.tp_size > 1 this process is rank 0 and spawns ranks 1..N-1 (executor/ranks.py)."""
     t0 = time.perf_counter()
     if cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
-    spec = LoraSpec(cfg.max_loras, cfg.max_rank, cfg.torch_dtype, targets_embeddings=cfg.lora_embeddings)
-    model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=spec)
+    ranks = None
+    if cfg.tp_size > 1:
+        error = tp_size_error(model_config(cfg.model), cfg.tp_size, cfg.max_rank, cfg.fully_sharded_loras)
+        if error is not None:
+            raise ValueError(f"{cfg.model}: {error}")
+        ranks = TPRanks(cfg)
+    try:
+        return _build(cfg, ranks, t0)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+
+
+def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorParts:
+    spec = lora_spec(cfg)
+    tp = ranks.start() if ranks is not None else None
+    model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=spec, tp=tp)
     tokenizer = load_tokenizer(cfg.model, cfg.cache_dir)
     mc = model.cfg
-    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
+    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
     store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size), timeout_s=cfg.store_timeout_s,
                         tls=cfg.store_tls)
     modules = lora_modules(model)
@@ -121,17 +142,22 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
         for m in modules.values():
             m.reset_lora(slot)
 
+    fetch = store.fetch_shard if ranks is None else ranks.fetching(store.fetch_shard)
     slots = SlotManager(
-        store.fetch_shard, lambda slot, tensors: load_shard_into_slot(model, slot, tensors), clear_slot,
+        fetch, lambda slot, tensors: load_shard_into_slot(model, slot, tensors), clear_slot,
         max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters, device=cfg.torch_device,
         slot_wait_timeout_s=cfg.slot_wait_timeout_s, observer=metrics,
     )
-    engine = Engine(model, tokenizer, kv, slots, cfg)
+    engine = Engine(model, tokenizer, kv, slots, cfg, ranks)
     metrics.attach(engine, slots, cfg.max_loras)
-    log.info("executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d, %d KV blocks of %d",
+    if ranks is not None:
+        ranks.wait_ready()
+    log.info("executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d, %d KV blocks of %d%s",
              time.perf_counter() - t0, cfg.model, cfg.device, cfg.dtype, mc.num_layers, cfg.max_loras,
-             cfg.max_rank, cfg.num_blocks, cfg.block_size)
-    return ExecutorParts(engine, slots, store, cfg, metrics=metrics)
+             cfg.max_rank, cfg.num_blocks, cfg.block_size,
+             f", tensor-parallel over {cfg.tp_size} ranks{' (fully sharded LoRA)' if cfg.fully_sharded_loras else ''}"
+             if ranks is not None else "")
+    return ExecutorParts(engine, slots, store, cfg, metrics=metrics, ranks=ranks)
 
 
 def to_generation_request(req: epb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:
@@ -288,6 +314,8 @@ async def shutdown(server: RunningServer, parts: ExecutorParts, grace_s: float =
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     await parts.engine.stop()
+    if parts.ranks is not None:
+        await asyncio.to_thread(parts.ranks.close)
     await parts.store.close()
     if parts.metrics_server is not None:
         parts.metrics_server.stop()

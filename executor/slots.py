@@ -261,6 +261,12 @@ class SlotManager:
             held.add(a.slot_digest)
         return held
 
+    def slot_version(self, slot: int) -> tuple[str, str]:
+        """(adapter name, digest) of the version in `slot`, ("", "") if none: what the other
+        tensor-parallel ranks load into their own slot (executor/ranks.py)."""
+        a = self._slots[slot]
+        return (a.name, a.slot_digest) if a is not None else ("", "")
+
     def states(self) -> list[AdapterState]:
         return [self._state(a) for _, a in sorted(self._adapters.items())]
 

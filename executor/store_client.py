@@ -58,10 +58,11 @@ class StoreClient:
             self.channel = secure_or_insecure_channel(self.address, self.tls, CHANNEL_OPTIONS, aio=True)
         return self.channel
 
-    async def fetch_shard(self, name: str) -> tuple[str, int, dict[str, torch.Tensor], int]:
-        """(digest, rank, tensors, bytes) of one adapter; the SlotManager's fetch function."""
+    async def fetch_shard(self, name: str, digest: str = "") -> tuple[str, int, dict[str, torch.Tensor], int]:
+        """(digest, rank, tensors, bytes) of one adapter; the SlotManager's fetch function.
+        digest: that version only (FAILED_PRECONDITION if the store now has another)."""
         t0 = time.perf_counter()
-        req = spb.FetchShardRequest(name=name, layout=self.layout, rank=self.rank)
+        req = spb.FetchShardRequest(name=name, layout=self.layout, rank=self.rank, digest=digest)
         asm = ShardAssembler()
         call = self._stub().FetchShard(req)
         try:
@@ -73,8 +74,9 @@ class StoreClient:
             call.cancel()  # a no-op once the stream has ended
         header, blob = asm.result()
         tensors = st_load(blob)
-        log.info("fetched %s (%s) from store %s: %d bytes (%s) in %.3fs", name, header.manifest.digest[:12],
-                 self.address, len(blob), header.cache_tier, time.perf_counter() - t0)
+        log.info("fetched %s (%s%s) from store %s: %d bytes (%s) in %.3fs", name, header.manifest.digest[:12],
+                 f", tp rank {self.rank.tp_rank}" if self.layout.tp_size > 1 else "", self.address, len(blob),
+                 header.cache_tier, time.perf_counter() - t0)
         return header.manifest.digest, header.manifest.rank, tensors, len(blob)
 
     async def _next(self, call, name: str):

@@ -10,6 +10,10 @@
                 -> wait (in a thread) for the copy; append tokens, then deliver: detokenize (thread),
                    stop strings -> each request's queue
 
+With tensor parallelism (`ranks`: executor/ranks.py) this is rank 0: each eager step's inputs go
+to ranks 1..N-1 first, then every rank runs the same `forward_step` on its shard of the model
+(no decode graphs, so no step is launched ahead).
+
 The device wait and the eager forward run in threads, so the event loop keeps serving gRPC and
 adapter loads while the model computes; tokenizing and detokenizing run in their own threads too (a long
 prompt never stalls other streams), and text prompts above `max_prompt_bytes` are refused
@@ -32,15 +36,15 @@ import grpc
 import torch
 
 from loraserve.errors import StatusError, exhausted, invalid, precondition, unavailable
-from loraserve.kernels import make_lora_meta
 from loraserve.kernels.reference import GATHER_MAX_TOKENS
 
 from ..config import ExecutorConfig
 from ..slots import SlotLease, SlotManager
 from .graphs import DecodeBatch, DecodeGraphs
-from .kv_cache import AttentionMetadata, BlockAllocator, KVCache
+from .kv_cache import BlockAllocator, KVCache
 from .sampler import SamplingParams, find_stop, greedy, make_generator, sample, validate_request
 from .scheduler import SchedulePlan, Scheduler, Sequence
+from .step import StepInputs, forward_step
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +113,7 @@ class _Batch:
     generators: list[torch.Generator | None]
     leases: list[SlotLease]
     sources: list[int]  # per token: -1, or the previous step's sample row its id comes from (PENDING)
+    slot_adapters: dict[int, tuple[str, str]] = field(default_factory=dict)  # TP only: slot -> (adapter, digest)
 
     @property
     def is_decode(self) -> bool:
@@ -139,8 +144,10 @@ PENDING = -1  # a token id the previous step is still sampling (on the device)
 
 
 class Engine:
-    def __init__(self, model, tokenizer, kv_cache: KVCache, slot_manager: SlotManager, config: ExecutorConfig):
+    def __init__(self, model, tokenizer, kv_cache: KVCache, slot_manager: SlotManager, config: ExecutorConfig,
+                 ranks=None):
         self.model = model
+        self.ranks = ranks  # executor/ranks.py's TPRanks under tensor parallelism, else None
         self.tokenizer = tokenizer
         self.kv_cache = kv_cache
         self.slots = slot_manager
@@ -172,6 +179,9 @@ class Engine:
         """Decode-step CUDA graphs, on CUDA unless config.enforce_eager or the RoPE is dynamic.
         A failed capture (e.g. out of memory) stops the start, with its error."""
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.ranks is not None:
+            log.warning("CUDA graphs off: tensor-parallel steps run eagerly")
             return None
         if self.model.cfg.rope_type == "dynamic":
             log.warning("CUDA graphs off: dynamic RoPE scaling depends on each step's longest sequence")
@@ -514,6 +524,8 @@ class Engine:
                 b.top_k.append(run.params.top_k)
                 b.top_p.append(run.params.top_p)
                 b.generators.append(run.generator)
+        if self.ranks is not None:  # the other ranks load what rank 0 has in each slot of the step
+            b.slot_adapters = {slot: self.slots.slot_version(slot) for slot in set(b.token_slots) if slot >= 0}
         num_decode = sum(s.num_tokens == 1 for s in plan.seqs)
         log.debug(
             "step: %d seqs (%d prefill, %d decode), %d tokens, slots %s, %d waiting, %d free KV blocks",
@@ -528,6 +540,12 @@ class Engine:
     def _launch(self, b: _Batch) -> "_Launched":
         """Queues the step's work on the device: forward, logits of the sampled rows, sampling,
         and a copy of the sampled tokens and logprobs into pinned host memory."""
+        if self.ranks is not None:
+            try:
+                return self._launch_on_device(b)
+            except Exception as exc:  # the other ranks are in this step's collectives: no way to go on
+                self.ranks.fail(f"rank 0's forward step failed: {type(exc).__name__}: {exc}")
+                raise
         if self.device.type != "cuda":
             return self._launch_on_device(b)
         with torch.cuda.device(self.device):  # a worker thread starts on GPU 0; Triton launches on the current GPU
@@ -549,13 +567,9 @@ class Engine:
             kind = "decode" if b.is_decode else "mixed"
             if max(b.sources, default=-1) >= 0:
                 raise RuntimeError("an eager step got placeholder tokens: only graph steps read ids from the device")
-            input_ids = torch.tensor(b.input_ids, dtype=torch.long, device=dev)
-            attn = AttentionMetadata.build(b.query_lens, b.context_lens, b.block_tables, self.kv_cache.block_size, dev)
-            hidden = self.model.forward(input_ids, attn.positions, attn, self.kv_cache, self._lora_meta(b.token_slots))
-            logits = None
-            if b.sample_rows:
-                rows = torch.tensor(b.sample_rows, dtype=torch.long, device=dev)
-                logits = self.model.compute_logits(hidden.index_select(0, rows), self._lora_meta(b.sample_slots))
+            if self.ranks is not None:  # ranks 1..N-1 run the same step on their shards
+                self.ranks.step(StepInputs.of(b))
+            logits = forward_step(self.model, self.kv_cache, b, self.max_loras, dev)
         launched = _Launched(kind, num_seqs, len(b.input_ids), t0, None)
         sampled = self._sample(b, logits)
         if sampled is not None:
@@ -601,13 +615,6 @@ class Engine:
         else:
             token_ids, logprobs = greedy(logits)
         return token_ids, logprobs
-
-    def _lora_meta(self, slots: list[int]):
-        """Token grouping by slot, once per step; None when no token uses an adapter."""
-        if self.max_loras == 0 or max(slots, default=-1) < 0:
-            return None
-        active = frozenset(s for s in slots if s >= 0)
-        return make_lora_meta(torch.tensor(slots, dtype=torch.int32, device=self.device), self.max_loras, active)
 
     def _append(self, plan: SchedulePlan, token_ids: list[int], logprobs: list[float]) -> list[tuple]:
         """Adds each sampled token to its sequence (the next step's input) and ends the sequences

@@ -2,6 +2,8 @@
 
 T = tokens of all sequences in the step (prefill chunks and decode tokens mixed), H = query heads,
 KVH = kv heads, D = head_dim. q/k/v and gate/up are fused; module paths are part of the LoRA layout.
+Under tensor parallelism (executor/parallel.py) every rank builds this same model with its share
+of heads, MLP columns and vocabulary: H / tp heads, KVH / tp kv heads (or one replicated), I / tp.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from loraserve.kernels import LoraMeta
 
 from ..engine.kv_cache import AttentionMetadata, KVCache, paged_attention
 from ..lora import LinearWithLoRA, LoraSpec, VocabEmbeddingWithLoRA
+from ..parallel import TPGroup
 from .config import ModelConfig
 
 
@@ -81,13 +84,17 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, tp: TPGroup):
         super().__init__()
         self.cfg = cfg
+        # This rank's heads (all of them at tp 1).
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, tp.kv_heads(cfg.num_kv_heads)
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = LinearWithLoRA(
-            cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.attention_bias, lora, dtype, device
+            cfg.hidden_size, (self.q_size, self.kv_size, self.kv_size), cfg.attention_bias, lora, dtype, device, tp
         )
-        self.o_proj = LinearWithLoRA(cfg.q_size, (cfg.hidden_size,), cfg.o_proj_bias, lora, dtype, device)
+        self.o_proj = LinearWithLoRA(self.q_size, (cfg.hidden_size,), cfg.o_proj_bias, lora, dtype, device, tp,
+                                     row_parallel=True)
         if cfg.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -96,25 +103,26 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attn: AttentionMetadata, k_cache, v_cache, lora_meta):
         c = self.cfg
         qkv = self.qkv_proj(x, lora_meta)  # [T, q + 2 * kv]
-        q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
-        q, k = q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q, k = q.view(-1, self.num_heads, c.head_dim), k.view(-1, self.num_kv_heads, c.head_dim)
         if c.qk_norm:  # the norm kernels take rows: one per head
-            q = self.q_norm(q.reshape(-1, c.head_dim))[0].view(-1, c.num_heads, c.head_dim)
-            k = self.k_norm(k.reshape(-1, c.head_dim))[0].view(-1, c.num_kv_heads, c.head_dim)
+            q = self.q_norm(q.reshape(-1, c.head_dim))[0].view(-1, self.num_heads, c.head_dim)
+            k = self.k_norm(k.reshape(-1, c.head_dim))[0].view(-1, self.num_kv_heads, c.head_dim)
         # RoPE on q and k, k and v into the cache, in one kernel on CUDA.
         q = kernels.rope_and_cache(
-            q, k, v.view(-1, c.num_kv_heads, c.head_dim), cos, sin, k_cache, v_cache, attn.slot_mapping,
+            q, k, v.view(-1, self.num_kv_heads, c.head_dim), cos, sin, k_cache, v_cache, attn.slot_mapping,
         )  # [T, H, D]  # fmt: skip
         o = paged_attention(q, k_cache, v_cache, attn, self.scale, c.sliding_window)  # [T, H, D]
-        return self.o_proj(o.reshape(-1, c.q_size), lora_meta)  # [T, hidden]
+        return self.o_proj(o.reshape(-1, self.q_size), lora_meta)  # [T, hidden]
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, intermediate_size: int | None = None):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, tp: TPGroup,
+                 intermediate_size: int | None = None):
         super().__init__()
-        i = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = LinearWithLoRA(cfg.hidden_size, (i, i), cfg.mlp_bias, lora, dtype, device)
-        self.down_proj = LinearWithLoRA(i, (cfg.hidden_size,), cfg.mlp_bias, lora, dtype, device)
+        i = (intermediate_size or cfg.intermediate_size) // tp.size
+        self.gate_up_proj = LinearWithLoRA(cfg.hidden_size, (i, i), cfg.mlp_bias, lora, dtype, device, tp)
+        self.down_proj = LinearWithLoRA(i, (cfg.hidden_size,), cfg.mlp_bias, lora, dtype, device, tp, row_parallel=True)
 
     def forward(self, x, lora_meta):
         act = kernels.silu_and_mul(self.gate_up_proj(x, lora_meta))  # [T, 2I] -> [T, I]
@@ -122,13 +130,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, mlp: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, tp: TPGroup, mlp: nn.Module | None = None):
         """mlp: the feed-forward block (MoE families pass their expert block); the dense MLP if None."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, lora, dtype, device)
+        self.self_attn = Attention(cfg, lora, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = mlp if mlp is not None else MLP(cfg, lora, dtype, device)
+        self.mlp = mlp if mlp is not None else MLP(cfg, lora, dtype, device, tp)
 
     def forward(self, x, residual, cos, sin, attn, k_cache, v_cache, lora_meta):
         """x: the previous layer's output, residual: the stream before it (None at layer 0).
@@ -140,12 +148,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, mlp_for_layer=None):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, tp: TPGroup, mlp_for_layer=None):
         super().__init__()
         emb_lora = lora if lora is not None and lora.targets_embeddings else None
-        self.embed_tokens = VocabEmbeddingWithLoRA(cfg.vocab_size, cfg.hidden_size, emb_lora, dtype, device)
+        self.embed_tokens = VocabEmbeddingWithLoRA(cfg.vocab_size, cfg.hidden_size, emb_lora, dtype, device, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, lora, dtype, device, mlp_for_layer(i) if mlp_for_layer else None)
+            DecoderLayer(cfg, lora, dtype, device, tp, mlp_for_layer(i) if mlp_for_layer else None)
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -153,15 +161,20 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The base model with LoRA slot buffers. Weights start uninitialised: the loader fills them."""
+    """The base model with LoRA slot buffers. Weights start uninitialised: the loader fills them.
 
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None = None, dtype=torch.float32, device="cpu", mlp_for_layer=None):
-        """mlp_for_layer(i) -> layer i's feed-forward block, or None for the dense MLP (executor/model/moe.py)."""
+    tp: this rank's TPGroup (None: one rank); the loader fills each rank's share of the weights.
+    mlp_for_layer(i) -> layer i's feed-forward block, or None for the dense MLP (executor/model/moe.py)."""
+
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None = None, dtype=torch.float32, device="cpu",
+                 tp: TPGroup | None = None, mlp_for_layer=None):
         super().__init__()
+        self.tp = tp = tp or TPGroup()
         self.cfg, self.lora_spec, self.dtype = cfg, lora, dtype
-        self.model = LlamaModel(cfg, lora, dtype, device, mlp_for_layer)
+        self.num_kv_heads = tp.kv_heads(cfg.num_kv_heads)  # this rank's: its KV cache's heads
+        self.model = LlamaModel(cfg, lora, dtype, device, tp, mlp_for_layer)
         head_lora = lora if lora is not None and lora.targets_embeddings else None
-        self.lm_head = LinearWithLoRA(cfg.hidden_size, (cfg.vocab_size,), False, head_lora, dtype, device)
+        self.lm_head = LinearWithLoRA(cfg.hidden_size, (cfg.vocab_size // tp.size,), False, head_lora, dtype, device, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # LoRA slots stay separate
 
@@ -187,5 +200,6 @@ class LlamaForCausalLM(nn.Module):
         """hidden [B, hidden] (rows picked from forward's output) -> [B, vocab] float32.
 
         lora_meta describes the B rows (for lm_head LoRA); it is ignored when lm_head has no slots.
+        Under TP each rank computes its vocab slice and every rank gets all of them.
         """
-        return self.lm_head(hidden, lora_meta).float()
+        return self.tp.all_gather(self.lm_head(hidden, lora_meta).float())

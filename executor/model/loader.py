@@ -2,6 +2,9 @@
 
 Both paths name each tensor the HF way, then `_WeightSink` maps q/k/v and gate/up into the fused
 parameters and checks that every parameter was filled exactly once. Pickled .bin files are never read.
+Under tensor parallelism each rank reads only its rows or columns of each tensor (safetensors
+slices lazily; a GGUF rank dequantizes only its rows, or, for a column cut, one tensor at a time
+before cutting it), never the whole model.
 """
 
 from __future__ import annotations
@@ -17,21 +20,26 @@ from safetensors import safe_open
 from loraserve.defaults import smollm2_gguf_path  # noqa: F401 - re-exported: the default model's GGUF
 
 from ..lora import LoraSpec
+from ..parallel import TPGroup
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .moe import build_causal_lm
 
+# (dim, slice) of a checkpoint tensor that one TP rank keeps; None: all of it
+Cut = tuple[int, slice] | None
 
-def load_model(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None) -> LlamaForCausalLM:
+
+def load_model(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None,
+               tp: TPGroup | None = None) -> LlamaForCausalLM:
     """A .gguf file, or a directory with config.json + safetensors (or with exactly one .gguf)."""
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        return load_gguf(p, dtype, device, lora)
+        return load_gguf(p, dtype, device, lora, tp)
     if (p / "config.json").is_file():
-        return load_hf_checkpoint(p, dtype, device, lora)
+        return load_hf_checkpoint(p, dtype, device, lora, tp)
     ggufs = sorted(p.glob("*.gguf")) if p.is_dir() else []
     if len(ggufs) == 1:
-        return load_gguf(ggufs[0], dtype, device, lora)
+        return load_gguf(ggufs[0], dtype, device, lora, tp)
     raise FileNotFoundError(f"{p}: neither a .gguf file nor a directory with config.json or one .gguf")
 
 
@@ -39,14 +47,29 @@ class _WeightSink:
     """Copies HF-named tensors into the model's (fused) parameters and tracks which rows were filled."""
 
     def __init__(self, model: LlamaForCausalLM):
-        self.cfg = model.cfg
+        self.cfg, self.tp = model.cfg, model.tp
         # tied lm_head appears once, as embed_tokens; experts' [E, N, in] weights are filled as [E * N, in] rows
         self.params = {n: p.data.flatten(0, -2) if p.dim() == 3 else p.data for n, p in model.named_parameters()}
         self.rows_filled = {name: 0 for name in self.params}
+        c, tp = self.cfg, self.tp
+        q_rows, kv_rows, _ = tp.qkv_rows(c)
+        i_rows, vocab_rows = tp.part(c.intermediate_size), tp.part(c.vocab_size)
+        q_local, kv_local, i_local = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start, i_rows.stop - i_rows.start
+        # proj -> (fused parameter, first row in it, rows this rank keeps)
+        self.fused = {
+            "q": ("self_attn.qkv_proj", 0, q_rows),
+            "k": ("self_attn.qkv_proj", q_local, kv_rows),
+            "v": ("self_attn.qkv_proj", q_local + kv_local, kv_rows),
+            "gate": ("mlp.gate_up_proj", 0, i_rows),
+            "up": ("mlp.gate_up_proj", i_local, i_rows),
+        }
+        self.row_parallel = {"o": tp.part(c.q_size), "down": i_rows}  # input columns this rank keeps
+        self.vocab_rows = vocab_rows
 
-    def _target(self, hf_name: str) -> tuple[str, int] | None:
-        """(our parameter, first row) for an HF tensor name; None for tensors we drop."""
-        c = self.cfg
+    def target(self, hf_name: str) -> tuple[str, int, Cut] | None:
+        """(our parameter, first row, the part of the tensor this rank keeps) for an HF tensor name;
+        None for tensors we drop."""
+        c, whole = self.cfg, self.tp.size == 1
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             return None  # some checkpoints store the tied copy too
         if hf_name.endswith("rotary_emb.inv_freq"):
@@ -57,19 +80,21 @@ class _WeightSink:
         m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn|mlp|mlp\.shared_expert)\.(\w+)_proj\.(weight|bias)", hf_name)
         if m:
             prefix, block, proj, kind = m.groups()
-            inter = c.shared_expert_intermediate_size if block.endswith("shared_expert") else c.intermediate_size
-            fused = {
-                "q": ("self_attn.qkv_proj", 0),
-                "k": ("self_attn.qkv_proj", c.q_size),
-                "v": ("self_attn.qkv_proj", c.q_size + c.kv_size),
-                "gate": (f"{block}.gate_up_proj", 0),
-                "up": (f"{block}.gate_up_proj", inter),
-            }.get(proj)
-            if fused:
-                return f"{prefix}{fused[0]}.{kind}", fused[1]
-        return hf_name, 0
+            if block.endswith("shared_expert"):  # MoE families run on one rank: nothing is cut
+                up = {"gate": 0, "up": c.shared_expert_intermediate_size}.get(proj)
+                if up is not None:
+                    return f"{prefix}{block}.gate_up_proj.{kind}", up, None
+                return hf_name, 0, None
+            if proj in self.fused:
+                param, row, rows = self.fused[proj]
+                return f"{prefix}{param}.{kind}", row, None if whole else (0, rows)
+            if proj in self.row_parallel and kind == "weight" and not whole:
+                return hf_name, 0, (1, self.row_parallel[proj])  # the bias is whole: added after the reduce
+        if hf_name in ("model.embed_tokens.weight", "lm_head.weight") and not whole:
+            return hf_name, 0, (0, self.vocab_rows)
+        return hf_name, 0, None
 
-    def _expert_target(self, hf_name: str) -> tuple[str, int] | None:
+    def _expert_target(self, hf_name: str) -> tuple[str, int, Cut] | None:
         """Experts, per expert (`experts.3.gate_proj.weight`, Mixtral's `experts.3.w1.weight`) or
         already fused as transformers 5 holds them (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`)."""
         c = self.cfg
@@ -78,7 +103,7 @@ class _WeightSink:
             return None
         prefix, expert, proj, fused = m.groups()
         if fused:
-            return f"{prefix}{fused}.weight", 0
+            return f"{prefix}{fused}.weight", 0, None
         e, i = int(expert), c.moe_intermediate_size
         targets = {
             "gate_proj": ("gate_up_proj", 2 * i * e), "w1": ("gate_up_proj", 2 * i * e),
@@ -86,14 +111,15 @@ class _WeightSink:
             "down_proj": ("down_proj", c.hidden_size * e), "w2": ("down_proj", c.hidden_size * e),
         }  # fmt: skip
         if proj not in targets or e >= c.num_experts:
-            return hf_name, 0  # no such parameter: put() names it
-        return f"{prefix}{targets[proj][0]}.weight", targets[proj][1]
+            return hf_name, 0, None  # no such parameter: put() names it
+        return f"{prefix}{targets[proj][0]}.weight", targets[proj][1], None
 
     def put(self, hf_name: str, tensor: torch.Tensor) -> None:
-        target = self._target(hf_name)
+        """tensor: the checkpoint's tensor, already cut to this rank's part (`target`)."""
+        target = self.target(hf_name)
         if target is None:
             return
-        name, row = target
+        name, row, _ = target
         param = self.params.get(name)
         if param is None:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model (as {name!r})")
@@ -114,15 +140,24 @@ class _WeightSink:
 # ---------------------------------------------------------------- HF checkpoint (safetensors)
 
 
-def load_hf_checkpoint(model_dir, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None):
+def load_hf_checkpoint(model_dir, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None,
+                       tp: TPGroup | None = None):
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    model = build_causal_lm(cfg, lora, dtype, device)
+    model = build_causal_lm(cfg, lora, dtype, device, tp)
     sink = _WeightSink(model)
     for file in _safetensors_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                sink.put(name, f.get_tensor(name))
+                target = sink.target(name)
+                if target is None:
+                    continue
+                cut = target[2]
+                if cut is None:
+                    sink.put(name, f.get_tensor(name))
+                else:  # reads only this rank's rows or columns from the file
+                    part = f.get_slice(name)
+                    sink.put(name, part[cut[1]] if cut[0] == 0 else part[:, cut[1]])
     sink.check_complete()
     return model.eval()
 
@@ -163,21 +198,32 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None) -> LlamaForCausalLM:
+def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None,
+              tp: TPGroup | None = None) -> LlamaForCausalLM:
     """Dequantizes every tensor (Q4_0/1, Q8_0, K-quants, F16, F32, ... as gguf.quants supports) to dtype."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     cfg = gguf_config(reader)
-    model = LlamaForCausalLM(cfg, lora, dtype, device)
+    model = LlamaForCausalLM(cfg, lora, dtype, device, tp)
     sink = _WeightSink(model)
     permute = _gguf_field(reader, "general.architecture") == "llama"
     for t in reader.tensors:
         hf_name = _hf_name(t.name)
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        target = sink.target(hf_name)
+        if target is None:
+            continue
+        cut, data = target[2], t.data  # data: [rows, bytes of a row] when quantized, a row = whole blocks
+        shape = tuple(reversed(t.shape.tolist()))
+        if cut is not None and cut[0] == 0:  # this rank's rows, cut before dequantizing (most of the work)
+            data = data[cut[1]]
+            shape = (data.shape[0], *shape[1:])
+        w = gguf.quants.dequantize(data, t.tensor_type).reshape(shape)
         if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
-            w = _unpermute_rope(w, heads)
+            # Per head: a rank's rows are whole heads, so unpermuting them alone is the same.
+            w = _unpermute_rope(w, w.shape[0] // cfg.head_dim)
+        if cut is not None and cut[0] == 1:  # this rank's columns
+            w = w[:, cut[1]]
         w = np.ascontiguousarray(w, dtype=np.float32)
         sink.put(hf_name, torch.from_numpy(w if w.flags.writeable else w.copy()))  # F32 data is a read-only memmap
     sink.check_complete()

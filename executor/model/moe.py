@@ -17,6 +17,7 @@ from loraserve import kernels
 from loraserve.kernels import LoraMeta
 
 from ..lora import ExpertsWithLoRA, LoraSpec
+from ..parallel import TPGroup
 from .config import ModelConfig
 from .llama import MLP, LlamaForCausalLM
 
@@ -63,7 +64,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(cfg, lora, dtype, device)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg, lora, dtype, device, cfg.shared_expert_intermediate_size)
+            self.shared_expert = MLP(cfg, lora, dtype, device, TPGroup(), cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=dtype, device=device)
             self.shared_expert_gate.weight.requires_grad_(False)
 
@@ -75,12 +76,17 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-def build_causal_lm(cfg: ModelConfig, lora: LoraSpec | None = None, dtype=torch.float32, device="cpu"):
-    """LlamaForCausalLM for any supported family: sparse layers get a SparseMoeBlock as their MLP."""
+def build_causal_lm(cfg: ModelConfig, lora: LoraSpec | None = None, dtype=torch.float32, device="cpu",
+                    tp: TPGroup | None = None):
+    """LlamaForCausalLM for any supported family: sparse layers get a SparseMoeBlock as their MLP.
+    MoE models run on one rank (expert parallelism is not built yet)."""
     if not cfg.num_experts:
-        return LlamaForCausalLM(cfg, lora, dtype, device)
+        return LlamaForCausalLM(cfg, lora, dtype, device, tp)
+    if tp is not None and tp.size > 1:
+        raise ValueError(f"{cfg.model_type}: mixture-of-experts models run with --tp-size 1 "
+                         f"(tensor and expert parallelism for them is not built yet)")
 
     def mlp_for_layer(i: int) -> nn.Module | None:
         return SparseMoeBlock(cfg, lora, dtype, device) if cfg.is_moe_layer(i) else None
 
-    return LlamaForCausalLM(cfg, lora, dtype, device, mlp_for_layer)
+    return LlamaForCausalLM(cfg, lora, dtype, device, mlp_for_layer=mlp_for_layer)

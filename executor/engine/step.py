@@ -1,0 +1,55 @@
+"""One eager step's forward on one rank: the code every tensor-parallel rank runs with the same inputs.
+
+Rank 0 builds StepInputs from the scheduler's plan (the engine's _Batch has the same fields) and
+sends them to ranks 1..N-1 (executor/ranks.py) before it runs this same function itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from loraserve.kernels import make_lora_meta
+
+from .kv_cache import AttentionMetadata, KVCache
+
+
+@dataclass
+class StepInputs:
+    """A step's host-side inputs, as every rank needs them (small lists: pickled to the other ranks)."""
+
+    input_ids: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    token_slots: list[int]  # LoRA slot of each token, -1: none
+    sample_rows: list[int]  # index of the last token of each sequence that samples
+    sample_slots: list[int]
+    slot_adapters: dict[int, tuple[str, str]] = field(default_factory=dict)  # slot -> (adapter, digest) in it
+
+    @classmethod
+    def of(cls, b) -> "StepInputs":
+        return cls(b.input_ids, b.query_lens, b.context_lens, b.block_tables, b.token_slots, b.sample_rows,
+                   b.sample_slots, b.slot_adapters)
+
+
+def lora_meta(slots: list[int], max_loras: int, device: torch.device):
+    """Token grouping by slot, once per step; None when no token uses an adapter."""
+    if max_loras == 0 or max(slots, default=-1) < 0:
+        return None
+    active = frozenset(s for s in slots if s >= 0)
+    return make_lora_meta(torch.tensor(slots, dtype=torch.int32, device=device), max_loras, active)
+
+
+@torch.inference_mode()
+def forward_step(model, kv_cache: KVCache, step, max_loras: int, device: torch.device) -> torch.Tensor | None:
+    """model.forward over the step's tokens, then the logits [len(sample_rows), vocab] float32 of
+    the rows that sample (None when none does). `step`: StepInputs or anything with its fields."""
+    input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=device)
+    attn = AttentionMetadata.build(step.query_lens, step.context_lens, step.block_tables, kv_cache.block_size, device)
+    hidden = model.forward(input_ids, attn.positions, attn, kv_cache, lora_meta(step.token_slots, max_loras, device))
+    if not step.sample_rows:
+        return None
+    rows = torch.tensor(step.sample_rows, dtype=torch.long, device=device)
+    return model.compute_logits(hidden.index_select(0, rows), lora_meta(step.sample_slots, max_loras, device))

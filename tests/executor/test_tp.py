@@ -1,0 +1,382 @@
+"""Tensor-parallel executors on CPU (gloo): real store and executor on loopback, ranks 1..N-1 as
+spawned processes, every row of mixed batches checked against transformers + PEFT and tp 1, each
+rank's shard checked against what the store slices for that rank; bad tp sizes and a rank
+killed mid-serving end with a clear error."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+from loraserve.errors import StatusError
+from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.layout import model_config
+from loraserve.executor.model.loader import load_model
+from loraserve.executor.parallel import TPGroup, tp_size_error
+from loraserve.executor.ranks import shard_checksum
+from loraserve.executor.service import build_executor
+from loraserve.defaults import smollm2_gguf_path
+
+from loraserve.adapter_store import validate
+from loraserve.adapter_store.config import StoreConfig
+from loraserve.adapter_store.service import serve as serve_store
+from loraserve.adapter_store.sources import SourceConfig
+from loraserve.client import ExecutorClient, StoreClient
+from loraserve.executor.service import serve as serve_executor
+from loraserve.executor.service import shutdown
+from loraserve.v1 import executor_pb2 as epb
+
+LORASERVE = str(Path(sys.executable).parent / "loraserve")
+# (family, tp_size, fully sharded LoRA, config overrides): Llama with biases on o_proj and down_proj
+# (added once, after the reduce), Qwen2 with q/k/v biases and tied embeddings (vocab-parallel both
+# ways); tp 4 replicates the 2 kv heads.
+CASES = {
+    "llama-tp2": ("llama", 2, False, dict(attention_bias=True, mlp_bias=True)),
+    "llama-tp2-fully-sharded": ("llama", 2, True, dict(attention_bias=True, mlp_bias=True)),
+    "qwen2-tp2": ("qwen2", 2, False, dict(tie_word_embeddings=True)),
+    "qwen2-tp4-fully-sharded": ("qwen2", 4, True, dict(tie_word_embeddings=True)),
+}
+BOS, EOS, PAD, VOCAB = 256, 257, 258, 260  # a byte tokenizer's ids; 260 splits over 2 and 4 ranks
+ADAPTERS = {  # name: (r, alpha, targets, rslora)
+    "qv8": (8, 16, ("q_proj", "v_proj"), False),
+    "all4": (4, 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False),
+    "mlp16": (16, 16, ("gate_proj", "up_proj", "down_proj"), True),
+    "o2": (2, 4, ("o_proj",), False),
+    "kd8": (6, 12, ("k_proj", "down_proj"), False),  # rank 6: padded to a multiple of 4 when fully sharded
+    "emb6": (6, 6, ("embed_tokens", "lm_head", "q_proj"), False),  # vocab-parallel layers' LoRA
+}
+# Several ranks and targets in one batch: attention only, all linear layers, MLP only (rsLoRA), o only.
+GROUPS = (["qv8", "all4", "", "mlp16"], ["o2", "kd8", "emb6", ""])
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    return CASES[request.param]
+
+
+@pytest.fixture(scope="module")
+def base(hf_model, case, save_byte_tokenizer):
+    family, _, _, overrides = case
+    model, path = hf_model(family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+                           max_position_embeddings=512, **overrides)
+    if not (path / "tokenizer.json").exists():
+        save_byte_tokenizer(path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(base, tmp_path_factory):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = base
+    root = tmp_path_factory.mktemp("adapters")
+    for seed, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(seed)
+        peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                                               use_rslora=rslora))
+        with torch.no_grad():
+            for n, p in peft.named_parameters():
+                if "lora_B" in n or "lora_embedding_B" in n:
+                    p.normal_(0, 0.2)
+        peft.save_pretrained(root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def references(base, adapter_dirs):
+    import copy
+
+    from peft import PeftModel
+
+    model, _ = base
+    refs = {"": model}
+    for name in ADAPTERS:
+        refs[name] = PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs / name).eval()
+    return refs
+
+
+@pytest.fixture(scope="module")
+def cluster(module_loop_thread, base, adapter_dirs, case, tmp_path_factory):
+    _, tp, sharded, _ = case
+    c = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path_factory.mktemp("store"), tp_size=tp,
+                fully_sharded_loras=sharded, lora_embeddings=True, cpu_threads=1, tp_timeout_s=60.0)
+    yield c
+    c.close()
+    # A clean stop: every rank exits 0 on its own (none had to be killed).
+    assert [p.exitcode for p in c.parts.ranks._procs] == [0] * (tp - 1)
+
+
+class Cluster:
+    """A store and an executor (tp_size ranks) on loopback, served from one event loop thread."""
+
+    def __init__(self, lt, base_dir: Path, adapters: Path, data: Path, **executor_overrides):
+        self.lt = lt
+        scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model="tiny", base_model_path=base_dir,
+                           sources=SourceConfig(local_roots=(adapters,)), limits=validate.Limits(max_rank=16))
+        self.store_server, port = lt.run(serve_store(scfg))
+        self.store_address = f"127.0.0.1:{port}"
+        for name in ADAPTERS:
+            self.store_client().register(name, str(adapters / name))
+        cfg = ExecutorConfig(model=str(base_dir), base_model="tiny", dtype="float32", max_loras=2, max_rank=16,
+                             max_cpu_adapters=8, num_blocks=256, block_size=4, max_model_len=512,
+                             store_address=self.store_address, slot_wait_timeout_s=30.0, **executor_overrides)
+        self.parts = build_executor(cfg)
+        self.server, port = lt.run(serve_executor(self.parts, "127.0.0.1:0"))
+        self.address = f"127.0.0.1:{port}"
+
+    def store_client(self) -> StoreClient:
+        return StoreClient(self.store_address, timeout_s=60)
+
+    def client(self) -> ExecutorClient:
+        return ExecutorClient(self.address, timeout_s=120)
+
+    def close(self):
+        self.lt.run(shutdown(self.server, self.parts))
+        self.lt.run(self.store_server.stop(0))
+
+
+def prompt_ids(i: int) -> list[int]:
+    g = torch.Generator().manual_seed(100 + i)
+    return [BOS] + torch.randint(0, 256, (3 + 2 * i,), generator=g).tolist()
+
+
+def generate(client: ExecutorClient, adapter: str, ids: list[int], max_tokens: int = 8) -> epb.GenerateResponse:
+    req = epb.GenerateRequest(adapter=adapter, token_ids=epb.TokenIds(ids=ids),
+                              sampling=epb.SamplingParams(max_tokens=max_tokens), return_logprobs=True)
+    return client._call(client.stub.Generate, req)
+
+
+def check_against_reference(ref_model, ids: list[int], resp: epb.GenerateResponse) -> None:
+    """Greedy tokens equal the reference's argmax, and logprobs match its log-softmax (float32)."""
+    out = list(resp.token_ids)
+    assert out, "no tokens generated"
+    with torch.no_grad():
+        logits = ref_model(torch.tensor([ids + out[:-1]])).logits[0, len(ids) - 1 :].double()
+    logprobs = torch.log_softmax(logits, -1)
+    assert logprobs.argmax(-1).tolist() == out
+    got = torch.tensor(list(resp.logprobs), dtype=torch.float64)
+    want = logprobs[torch.arange(len(out)), out]
+    assert torch.allclose(got, want, atol=2e-4), (got, want)
+
+
+def run_group(client, group, max_tokens=6):
+    jobs = [(name, prompt_ids(i)) for i, name in enumerate(group)]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        return jobs, list(pool.map(lambda j: generate(client, *j, max_tokens), jobs))
+
+
+def test_mixed_batches_match_transformers_peft_and_tp1(cluster, references, base, adapter_dirs, case,
+                                                       module_loop_thread, tmp_path):
+    client = cluster.client()
+    assert client.info().tp_size == case[1]
+    outputs = {}
+    for group in GROUPS:  # two slots, four adapters: loads and evictions on every rank between groups
+        jobs, resps = run_group(client, group)
+        for (name, ids), resp in zip(jobs, resps):
+            check_against_reference(references[name], ids, resp)
+            outputs[(name, tuple(ids))] = list(resp.token_ids)
+    # tp 1 on the same store gives the same greedy tokens.
+    one = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store1", lora_embeddings=True, cpu_threads=1)
+    try:
+        for group in GROUPS:
+            jobs, resps = run_group(one.client(), group)
+            for (name, ids), resp in zip(jobs, resps):
+                assert list(resp.token_ids) == outputs[(name, tuple(ids))], name
+    finally:
+        one.close()
+
+
+def test_each_rank_loads_the_store_shard_of_its_own_tp_rank(cluster, case):
+    client, store = cluster.client(), cluster.store_client()
+    run_group(client, ["qv8", "mlp16"], max_tokens=2)  # both in slots on rank 0, hence in every rank's
+    parts, tp = cluster.parts, case[1]
+    states = cluster.lt.run(parts.ranks.states())
+    assert [s["tp_rank"] for s in states] == list(range(1, tp))
+    layout = parts.store.layout
+    assert layout.tp_size == tp and layout.fully_sharded == case[2]
+    in_slots = {(s.name, s.digest) for s in client.list() if s.slot >= 0}
+    assert {"qv8", "mlp16"} <= {name for name, _ in in_slots}
+    for state in states:
+        slot_versions = {v for v in state["slots"].values() if v != ("", "")}
+        assert in_slots <= slot_versions  # every adapter in a slot on rank 0 is in one on this rank
+        for name, digest in in_slots:
+            assert digest == store.get(name).digest
+            header, blob = store.fetch_shard(name, layout, tp_rank=state["tp_rank"], digest=digest)
+            assert header.manifest.digest == digest
+            assert state["shards"][(name, digest)] == shard_checksum(st_load(blob))
+            if state["tp_rank"] != 0:  # and not rank 0's: the ranks' shards differ
+                _, blob0 = store.fetch_shard(name, layout, tp_rank=0, digest=digest)
+                assert shard_checksum(st_load(blob0)) != state["shards"][(name, digest)]
+
+
+def test_admin_rpcs_pins_evictions_and_refresh_under_tp(cluster, references, adapter_dirs, tmp_path):
+    client, store = cluster.client(), cluster.store_client()
+    assert client.pin("kd8").pinned
+    jobs, resps = run_group(client, ["kd8", "o2", "all4"], max_tokens=4)  # o2 and all4 share the free slot
+    for (name, ids), resp in zip(jobs, resps):
+        check_against_reference(references[name], ids, resp)
+    with pytest.raises(StatusError) as e:
+        client.evict("kd8")
+    assert e.value.code.name == "FAILED_PRECONDITION"
+    client.unpin("kd8")
+    assert client.evict("kd8").slot == -1
+    # A new version in the store: LoadAdapter brings it to every rank; outputs follow it.
+    old = store.get("o2").digest
+    store.register("o2", str(adapter_dirs / "qv8"))
+    state = client.load("o2")
+    assert state.digest != old and state.digest == store.get("o2").digest
+    ids = prompt_ids(3)
+    check_against_reference(references["qv8"], ids, generate(client, "o2", ids, 4))
+    states = cluster.lt.run(cluster.parts.ranks.states())
+    assert all(("o2", state.digest) in s["shards"] for s in states)
+    store.register("o2", str(adapter_dirs / "o2"))  # back, for the other tests
+
+
+# ---- per-rank weights ---------------------------------------------------------------------------
+
+
+def expected_part(name: str, whole: torch.Tensor, tp: TPGroup, cfg) -> torch.Tensor:
+    """What rank tp.rank holds of parameter `name`, cut from the one-rank model's by hand."""
+    if "qkv_proj" in name:
+        q, k, v = whole.split((cfg.q_size, cfg.kv_size, cfg.kv_size))
+        return torch.cat([t[r] for t, r in zip((q, k, v), tp.qkv_rows(cfg))])
+    if "gate_up_proj" in name:
+        return torch.cat([t[tp.part(cfg.intermediate_size)] for t in whole.chunk(2)])
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return whole[:, tp.part(whole.shape[1])]
+    if "embed_tokens" in name or "lm_head" in name:
+        return whole[tp.part(cfg.vocab_size)]
+    return whole
+
+
+@pytest.mark.parametrize("source", ["gguf-smollm2-tp3", "safetensors-llama-tp4"])
+def test_each_rank_loads_only_its_part_of_the_weights(source, hf_model):
+    """SmolLM2's Q4_1 GGUF (q/k rows unpermuted before the cut) and a safetensors Llama with
+    biases (its 2 kv heads replicated over 4 ranks): each rank's parameters are its cut of the
+    one-rank model's, and nothing else."""
+    if source.startswith("gguf"):  # ranks 1 and 2 only: reading SmolLM2's GGUF metadata takes seconds
+        path, tp_size, ranks = smollm2_gguf_path(), 3, (1, 2)
+    else:
+        path, tp_size, ranks = hf_model("llama", attention_bias=True, mlp_bias=True)[1], 4, range(4)
+    whole = load_model(path)
+    params = dict(whole.named_parameters())
+    for rank in ranks:
+        tp = TPGroup(tp_size, rank)  # no process group: loading makes no collective
+        part = dict(load_model(path, tp=tp).named_parameters())
+        assert part.keys() == params.keys()
+        for name, p in part.items():
+            torch.testing.assert_close(p, expected_part(name, params[name], tp, whole.cfg), rtol=0, atol=0, msg=name)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def test_tp_size_that_does_not_split_the_model_names_the_sizes():
+    smollm2 = model_config(smollm2_gguf_path())  # 9 heads, 3 kv heads
+    error = tp_size_error(smollm2, 2)
+    assert "tp_size 2 does not split this model" in error and "9 attention heads" in error
+    assert "3 kv heads" in error and "tp sizes that do: 1, 3" in error
+    assert tp_size_error(smollm2, 3) is None
+    assert "max LoRA rank 10" in tp_size_error(smollm2, 3, max_rank=10, fully_sharded=True)
+    with pytest.raises(ValueError, match="tp_size must be at least 1"):
+        ExecutorConfig(tp_size=0)
+    with pytest.raises(ValueError, match=r"tp_size 2 does not split this model: 9 attention heads"):
+        build_executor(ExecutorConfig(model=str(smollm2_gguf_path()), tp_size=2))
+
+
+def test_cli_refuses_a_tp_size_that_does_not_split_the_model(tmp_path):
+    out = subprocess.run([LORASERVE, "executor", "--tp-size", "2", "--executor-listen", "127.0.0.1:0",
+                          "--http-port", "0", "--cache-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "error: " in out.stderr and "tp_size 2 does not split this model: 9 attention heads" in out.stderr
+
+
+class TPExecutorProcess:
+    """`loraserve executor --tp-size 2` on a tiny Llama, as an operator starts it (no store needed
+    for the base model); its output is collected by a thread."""
+
+    def __init__(self, model_dir: Path, store_port: int):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [LORASERVE, "--log-level", "INFO", "executor", "--model", str(model_dir), "--tp-size", "2",
+             "--cpu-threads", "1", "--executor-listen", f"127.0.0.1:{self.port}", "--http-port", "0",
+             "--store", f"127.0.0.1:{store_port}", "--max-model-len", "512", "--num-blocks", "256",
+             "--block-size", "4", "--tp-timeout-s", "60"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.time() + 120
+        while "executor serving gRPC" not in self.log:
+            assert self.proc.poll() is None and time.time() < deadline, self.log
+            time.sleep(0.1)
+        self.rank1_pid = int(re.search(r"tensor-parallel rank 1 of 2: pid (\d+)", self.log).group(1))
+        self.client = ExecutorClient(f"127.0.0.1:{self.port}", timeout_s=60)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def tp_executor_process(hf_model, save_byte_tokenizer, closed_port):
+    _, path = hf_model("llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+                       max_position_embeddings=512)
+    if not (path / "tokenizer.json").exists():
+        save_byte_tokenizer(path)
+    started = []
+
+    def start() -> TPExecutorProcess:
+        started.append(TPExecutorProcess(path, closed_port))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.kill()
+
+
+def test_a_rank_killed_mid_serving_ends_the_executor_with_a_clear_error(tp_executor_process):
+    ex = tp_executor_process()
+    assert len(generate(ex.client, "", prompt_ids(0), 2).token_ids) == 2  # serving on both ranks
+    stream = ex.client.stub.GenerateStream(epb.GenerateRequest(
+        token_ids=epb.TokenIds(ids=prompt_ids(1)), sampling=epb.SamplingParams(max_tokens=400)), timeout=60)
+    next(iter(stream))  # mid-serving: a request is streaming
+    os.kill(ex.rank1_pid, signal.SIGKILL)
+    assert ex.proc.wait(30) == 1
+    with pytest.raises(Exception):
+        for _ in stream:
+            pass
+    assert re.search(rf"CRITICAL .*tensor-parallel rank 1 \(pid {ex.rank1_pid}\) was killed by signal 9.*; stopping the "
+                     r"tensor-parallel executor", ex.log), ex.log
+
+
+def test_sigterm_stops_every_rank_cleanly(tp_executor_process):
+    ex = tp_executor_process()
+    assert len(generate(ex.client, "", prompt_ids(0), 2).token_ids) == 2
+    ex.proc.send_signal(signal.SIGTERM)
+    assert ex.proc.wait(60) == 0, ex.log
+    assert "tensor-parallel rank 1 stopping" in ex.log and "tensor-parallel ranks 1..1 stopped" in ex.log
+    assert "CRITICAL" not in ex.log and "killing it" not in ex.log
+    with pytest.raises(ProcessLookupError):
+        os.kill(ex.rank1_pid, 0)  # rank 1 has exited too
