@@ -68,6 +68,9 @@ def tp_size_error(cfg: ModelConfig, tp: int, max_rank: int = 0, fully_sharded: b
     """Why `cfg` cannot be split over `tp` ranks (None: it can), naming the sizes that do not divide."""
     if tp < 1:
         return f"tp_size must be at least 1, got {tp}"
+    if tp > 1 and cfg.num_experts:
+        return (f"tp_size {tp}: {cfg.model_type} is a mixture-of-experts model, and those run on one rank "
+                f"(tensor and expert parallelism for them is not built yet): use --tp-size 1")
     reasons = _split_problems(cfg, tp, max_rank, fully_sharded)
     if not reasons:
         return None

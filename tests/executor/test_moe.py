@@ -128,3 +128,13 @@ def test_bf16_mixed_batch_on_cuda_is_peft_within_bf16_tolerance(family, moe_base
             top2 = want[pos].topk(2).values
             if top2[0] - top2[1] > margin:
                 assert seqs[i][pos + 1] == int(want[pos].argmax()), (i, name, pos)
+
+
+def test_moe_models_refuse_tensor_parallelism_before_anything_starts(family, moe_base):
+    """MoE families run on one rank: --tp-size 2 is refused with the reason, not half-started."""
+    from loraserve.executor.config import ExecutorConfig
+    from loraserve.executor.service import build_executor
+
+    _, path = moe_base
+    with pytest.raises(ValueError, match=rf"tp_size 2: {family} is a mixture-of-experts model.*use --tp-size 1"):
+        build_executor(ExecutorConfig(model=str(path), tp_size=2, device="cpu"))
