@@ -113,7 +113,7 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
     store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size), timeout_s=cfg.store_timeout_s,
-                        tls=cfg.store_tls)
+                        tls=cfg.store_tls, pin_memory=cfg.torch_device.type == "cuda")
     modules = lora_modules(model)
     metrics = ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters)
 

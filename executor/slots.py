@@ -376,8 +376,9 @@ class SlotManager:
     async def _fetch(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]]:
         try:
             digest, rank, tensors, nbytes = await self._fetch_shard(a.name)
-            if self.device.type == "cuda":
-                # Pinned host memory makes the slot copy a true async DMA.
+            if self.device.type == "cuda" and not all(t.is_pinned() for t in tensors.values()):
+                # Pinned host memory makes the slot copy a true async DMA (the store client's
+                # shards arrive pinned already).
                 tensors = await asyncio.to_thread(lambda: {k: t.pin_memory() for k, t in tensors.items()})
             a.digest, a.rank, a.nbytes, a.tensors = digest, rank, nbytes, tensors
             self._cpu_lru[a.name] = None
