@@ -44,6 +44,14 @@ log = logging.getLogger(__name__)
 FINISH_REASONS = ("length", "stop", "eos", "cancelled")
 
 
+def _nothing() -> None:
+    pass
+
+
+def _not_landed() -> bool:
+    return False  # a queued sequence's readiness until its adapter's slot lease exists
+
+
 @dataclass
 class GenerationRequest:
     """Exactly one of prompt (raw text), messages (chat) or prompt_token_ids."""
@@ -132,6 +140,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._stepping: set[Sequence] = set()  # sequences of the step in flight
         self._deferred_releases: list[SlotLease] = []
+        self._acquiring = 0  # queued requests whose adapter has no slot lease yet
         # One thread each: a prompt being tokenized never holds up the streams' detokenizing.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenize")
@@ -195,18 +204,24 @@ class Engine:
             raise unavailable("the engine is not running")
         params = self._resolve(req.sampling)
         self._check_prompt_size(req)
-        if req.prompt_token_ids is not None:
-            prompt_ids = self._prompt_ids(req)
-        else:
-            prompt_ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._prompt_ids, req)
-        validate_request(
-            params,
-            len(prompt_ids),
-            vocab_size=self.vocab_size,
-            max_model_len=self.config.max_model_len,
-            max_stop_strings=self.config.max_stop_strings,
-            max_stop_string_chars=self.config.max_stop_string_chars,
-        )
+        # From arrival on: the adapter's CPU copy is fetched (while tokenizing) and its slot kept.
+        unwant = self.slots.want(req.adapter) if req.adapter else _nothing
+        try:
+            if req.prompt_token_ids is not None:
+                prompt_ids = self._prompt_ids(req)
+            else:
+                prompt_ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._prompt_ids, req)
+            validate_request(
+                params,
+                len(prompt_ids),
+                vocab_size=self.vocab_size,
+                max_model_len=self.config.max_model_len,
+                max_stop_strings=self.config.max_stop_strings,
+                max_stop_string_chars=self.config.max_stop_string_chars,
+            )
+        except BaseException:
+            unwant()
+            raise
         started = time.monotonic()
         log.info(
             "request %s: start, adapter=%r, %d prompt tokens, max_tokens=%d, temperature=%g",
@@ -216,11 +231,11 @@ class Engine:
         lease: SlotLease | None = None
         reason = "error"
         try:
-            if req.adapter:
-                lease = await self._within(self.slots.acquire(req.adapter), req.deadline, request_id)
+            # Queued at arrival, admitted once its adapter has landed in a slot: the queue keeps
+            # arrival order, so a cold adapter's request goes before later ones once it lands.
             seq = Sequence(next(self._seq_ids), list(prompt_ids), len(prompt_ids))
-            if lease is not None:
-                seq.slot, seq.is_ready = lease.slot, lease.is_ready
+            if req.adapter:
+                seq.is_ready = _not_landed
             run = _Run(
                 request_id=request_id,
                 seq=seq,
@@ -232,6 +247,14 @@ class Engine:
             )
             self._runs[seq.seq_id] = run
             self.scheduler.add(seq)
+            if req.adapter:
+                self._acquiring += 1
+                try:
+                    lease = await self._within(self.slots.acquire(req.adapter), req.deadline, request_id)
+                finally:
+                    self._acquiring -= 1
+                    unwant()
+                run.lease, seq.slot, seq.is_ready = lease, lease.slot, lease.is_ready
             self._wakeup.set()
             while True:
                 item = await self._within(run.queue.get(), req.deadline, request_id)
@@ -248,6 +271,7 @@ class Engine:
             reason = exc.code.name
             raise
         finally:
+            unwant()
             self._close(run, lease)
             log.info(
                 "request %s: finished (%s), %d output tokens in %.3fs",
@@ -343,10 +367,12 @@ class Engine:
                         await pending
                         pending = None
                         continue
-                    # Only sequences whose adapter copy is still in flight: look again shortly.
+                    # Only sequences whose adapter is not in a slot yet: their acquire wakes the loop;
+                    # a slot copy still in flight (a CUDA event) is looked at again shortly.
                     self._wakeup.clear()
+                    copying = len(self.scheduler.waiting) > self._acquiring
                     try:
-                        await asyncio.wait_for(self._wakeup.wait(), 0.002)
+                        await asyncio.wait_for(self._wakeup.wait(), 0.002 if copying else None)
                     except asyncio.TimeoutError:
                         pass
                     continue
