@@ -24,6 +24,7 @@ from loraserve.serving import RunningServer, start_server
 from loraserve.v1 import executor_pb2 as epb
 from loraserve.v1 import executor_pb2_grpc as epb_grpc
 
+from . import memory
 from .config import ExecutorConfig
 from .engine.engine import Engine, GenerationOutput, GenerationRequest
 from .engine.kv_cache import KVCache
@@ -102,12 +103,29 @@ def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer | TokenIds
     return Tokenizer.from_pretrained(model_path)
 
 
+def resolve_adapter_memory(cfg: ExecutorConfig, model, modules) -> None:
+    """Fills in max_loras and cpu_cache_bytes left at 0 (automatic), from the memory free now: the
+    model is loaded with one slot per module and, on CUDA, re-created with as many as fit."""
+    if cfg.cpu_cache_bytes == 0:
+        cfg.cpu_cache_bytes = memory.default_cpu_cache_bytes(memory.available_host_bytes())
+    if cfg.max_loras == 0:
+        if cfg.torch_device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(cfg.torch_device)
+            cfg.max_loras = memory.default_max_loras(free, memory.lora_bytes_per_slot(modules))
+        else:
+            cfg.max_loras = memory.CPU_MAX_LORAS
+        memory.resize_slots(model, modules, cfg.max_loras)
+    log.info("adapters: %d GPU slots, CPU cache of %.1f GiB%s", cfg.max_loras, cfg.cpu_cache_bytes / 2**30,
+             f" or {cfg.max_cpu_adapters} adapters" if cfg.max_cpu_adapters else "")
+
+
 def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     """Loads the model with slot buffers, and wires slot manager, store client and engine."""
     t0 = time.perf_counter()
     if cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
-    spec = LoraSpec(cfg.max_loras, cfg.max_rank, cfg.torch_dtype, targets_embeddings=cfg.lora_embeddings)
+    # max_loras 0 (automatic): one slot until the KV cache is in place, then as many as fit
+    spec = LoraSpec(cfg.max_loras or 1, cfg.max_rank, cfg.torch_dtype, targets_embeddings=cfg.lora_embeddings)
     model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=spec)
     tokenizer = load_tokenizer(cfg.model, cfg.cache_dir)
     mc = model.cfg
@@ -115,6 +133,7 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size), timeout_s=cfg.store_timeout_s,
                         tls=cfg.store_tls, pin_memory=cfg.torch_device.type == "cuda")
     modules = lora_modules(model)
+    resolve_adapter_memory(cfg, model, modules)
     metrics = ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters)
 
     def clear_slot(slot: int) -> None:
@@ -123,7 +142,8 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
 
     slots = SlotManager(
         store.fetch_shard, lambda slot, tensors: load_shard_into_slot(model, slot, tensors), clear_slot,
-        max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters, device=cfg.torch_device,
+        max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters or None, cpu_cache_bytes=cfg.cpu_cache_bytes,
+        device=cfg.torch_device,
         slot_wait_timeout_s=cfg.slot_wait_timeout_s, observer=metrics,
     )
     engine = Engine(model, tokenizer, kv, slots, cfg)
