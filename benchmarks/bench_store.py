@@ -43,9 +43,9 @@ LLAMA3_8B = dict(
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def make_adapter(directory: Path, rank: int) -> int:
-    """A PEFT-format rank-r all-linear adapter for Llama-3-8B shapes, bf16 random weights."""
-    c = LLAMA3_8B
+def make_adapter(directory: Path, rank: int, config: dict = LLAMA3_8B) -> int:
+    """A PEFT-format rank-r all-linear adapter for Llama shapes (Llama-3-8B's by default), bf16 random weights."""
+    c = config
     h, i, hd = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * hd
     shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
@@ -90,10 +90,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_store(work: Path, port: int, redis_url: str | None, prefix: str) -> subprocess.Popen:
+def start_store(work: Path, port: int, redis_url: str | None, prefix: str, config: dict = LLAMA3_8B) -> subprocess.Popen:
     base = work / "base"
     base.mkdir(exist_ok=True)
-    (base / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (base / "config.json").write_text(json.dumps(config))
     cmd = [sys.executable, "-m", "loraserve.cli", "--log-level", "WARNING", "store", "--listen", f"127.0.0.1:{port}",
            "--data-dir", str(work / "store"), "--base-model", "meta-llama/Meta-Llama-3-8B", "--base-model-path", str(base),
            "--allow-local-root", str(work)]
