@@ -30,15 +30,26 @@ def default_max_loras(free_device_bytes: int, bytes_per_slot: int) -> int:
 
 
 def available_host_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else physical pages x page size."""
+    """MemAvailable from /proc/meminfo (Linux; else physical memory), and no more than the cgroup
+    (a container's memory limit) has left: a pod sees its node's /proc/meminfo."""
+    available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
         pass
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    left = cgroup_bytes_left()
+    return min(available, left) if left is not None else available
+
+
+def cgroup_bytes_left(root: str = "/sys/fs/cgroup") -> int | None:
+    """memory.max - memory.current of this process's cgroup (v2), or None without a limit."""
+    try:
+        limit = open(f"{root}/memory.max").read().strip()
+        used = int(open(f"{root}/memory.current").read())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(0, int(limit) - used)
 
 
 def lora_bytes_per_slot(modules) -> int:

@@ -50,3 +50,12 @@ def test_negative_adapter_memory_settings_are_refused():
 
     with pytest.raises(ValueError, match=r"^max_loras, cpu_cache_bytes and max_cpu_adapters must be 0 \(automatic / no limit\) or more$"):
         ExecutorConfig(cpu_cache_bytes=-1)
+
+
+def test_a_cgroup_limit_bounds_the_available_host_memory(tmp_path):
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    (tmp_path / "memory.current").write_text("268435456\n")
+    assert memory.cgroup_bytes_left(str(tmp_path)) == 768 * 2**20
+    (tmp_path / "memory.max").write_text("max\n")
+    assert memory.cgroup_bytes_left(str(tmp_path)) is None
+    assert memory.cgroup_bytes_left(str(tmp_path / "absent")) is None
