@@ -411,6 +411,13 @@ class GatedStore(Store):
         return await super().fetch(name)
 
 
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
 async def _first_token_time(engine: Engine, req: GenerationRequest, times: dict, key: str):
     async for out in engine.generate(req):
         times.setdefault(key, time.monotonic())
@@ -423,14 +430,15 @@ async def test_a_cold_adapters_request_is_admitted_in_arrival_order_once_its_ada
     store = GatedStore(tiny[1], ["cold"], cold="cold")
     engine = make_engine(store=store, max_num_seqs=1)
     times: dict[str, float] = {}
-    first = asyncio.create_task(_first_token_time(engine, _greedy(_prompt(5, 1), 24), times, "first"))
-    await asyncio.sleep(0.05)  # running
+    first = asyncio.create_task(_first_token_time(engine, _greedy(_prompt(5, 1), 80), times, "first"))
+    await _until(lambda: "first" in times)  # running
     cold = asyncio.create_task(_first_token_time(engine, _greedy(_prompt(5, 2), 4, adapter="cold"), times, "cold"))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # `cold` arrives first (its fetch waits at the gate) ...
     later = asyncio.create_task(_first_token_time(engine, _greedy(_prompt(5, 3), 4), times, "later"))
-    await asyncio.sleep(0.01)
-    assert "first done" not in times  # the cold adapter lands while `first` still runs
+    await _until(lambda: len(engine._runs) == 3)  # ... then `later` is queued (`cold` is, since it arrived)
     store.gate.set()
+    await _until(lambda: engine.slots.state("cold").slot >= 0)  # the cold adapter lands
+    assert "first done" not in times  # ... while `first` still runs (80 tokens)
     await asyncio.wait_for(asyncio.gather(first, cold, later), 30)
     assert times["first done"] <= times["cold"] < times["later"]
     _assert_idle(engine)
