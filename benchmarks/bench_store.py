@@ -215,7 +215,9 @@ def main() -> None:
         proc.terminate()
         proc.wait(10)
         if args.redis_url:
-            RedisCache(args.redis_url, prefix, 1 << 40).delete_prefix("")
+            leftover = RedisCache(args.redis_url, prefix, 1 << 40)
+            leftover.delete_prefix("")
+            leftover._redis.delete(f"{prefix}:total", f"{prefix}:lru")  # the tier's counters, now 0 / empty
         shutil.rmtree(work, ignore_errors=True)
     print(f"\nadapter store benchmark - {platform.node()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; Llama-3-8B shapes, rank {args.rank}, all linear, bf16")
