@@ -20,8 +20,9 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
   prompt and output lengths uniform in [--prompt-len] and [--output-len]; arrivals are a closed
   loop of `--concurrency` clients, or Poisson at `--rate` requests/s. EOS is ignored.
 - The ceiling: base model alone on the same workload x base bytes / (base bytes + the bytes of
-  the distinct adapters the mean decode step reads); printed with the distinct adapters per
-  step and loraserve's ratio to it.
+  the distinct adapters the mean decode step reads, at their own ranks); printed with the distinct
+  adapters per step and loraserve's ratio to it, and beside it the ceiling if every active slot is
+  read at the slot rank (64), which is what the Triton kernels walk (docs/ARCHITECTURE.md, Kernels).
 - transformers + PEFT: one request at a time; for each, `PeftModel.load_adapter` of the
   request's adapter (a PEFT folder of its rank saved once to local disk, read again per request),
   `set_adapter`, `generate`, `delete_adapter`. HF keeps one active adapter per forward, so a
@@ -55,6 +56,7 @@ from loraserve.executor.engine.engine import Engine, GenerationRequest  # noqa: 
 from loraserve.executor.engine.kv_cache import KVCache  # noqa: E402
 from loraserve.executor.engine.sampler import SamplingParams  # noqa: E402
 from loraserve.executor.lora import LoraSpec, load_shard_into_slot, lora_modules  # noqa: E402
+from loraserve.executor.memory import lora_bytes_per_slot  # noqa: E402
 from loraserve.executor.slots import SlotManager, SlotObserver  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
@@ -394,6 +396,8 @@ async def run(args, tokenizer) -> list[tuple]:
     distinct = statistics.mean(n for n, _ in watch.steps) if watch.steps else 0.0
     step_adapter_bytes = statistics.mean(b for _, b in watch.steps) if watch.steps else 0.0
     ceiling = (base.tokens / base.seconds) * wbytes / (wbytes + step_adapter_bytes)
+    # what the kernels read if they walk each active slot at the slot rank, not the adapter's own
+    slot_bytes = lora_bytes_per_slot(lora_modules(engine.model)) * distinct
     tps = mixed.tokens / mixed.seconds
     loads = [s for _, s in counter.loads]
     rows = [
@@ -401,7 +405,8 @@ async def run(args, tokenizer) -> list[tuple]:
         row(f"loraserve, {args.adapters} adapters", mixed, f"{tps / ceiling:.2f} of the ceiling; {tps / (base.tokens / base.seconds):.2f} of base"),
         ("ceiling the bytes allow", f"{ceiling:.1f}", "", "",
          f"{distinct:.1f} distinct adapters per decode step, {step_adapter_bytes / 2**20:.0f} MiB of them vs "
-         f"{wbytes / 2**30:.2f} GiB of weights"),
+         f"{wbytes / 2**30:.2f} GiB of weights (at the slot rank {max(RANKS)}: {slot_bytes / 2**20:.0f} MiB, "
+         f"ceiling {(base.tokens / base.seconds) * wbytes / (wbytes + slot_bytes):.1f} tok/s)"),
         ("slots", f"hit rate {counter.hits / max(1, counter.hits + counter.misses):.2f}", "", "",
          f"{len(loads) / mixed.seconds:.1f} loads/s, load p50 / p99 {pct(loads, 50) * 1e3:.1f} / {pct(loads, 99) * 1e3:.1f} ms, "
          f"{counter.evictions} evictions; loads from the CPU cache {sum(t == 'cpu' for t, _ in counter.loads)}, fetched first "
