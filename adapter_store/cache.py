@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -68,6 +69,7 @@ class DiskCache:
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> blob bytes, oldest first
         self._total_bytes = 0
+        self._checked: dict[str, tuple[int, int, int]] = {}  # key -> _file_id of the file when last checked
         self._tmp_dir.mkdir(parents=True, exist_ok=True)
         self._rebuild_index()
 
@@ -116,7 +118,58 @@ class DiskCache:
                 self._index.move_to_end(key)
                 with _ignore_missing():
                     os.utime(path)  # the LRU order on disk, for the next start
+                    if _inode(path) == inode:
+                        self._checked[key] = _file_id(os.stat(path))
         return blob, sha.hex()
+
+    def open(self, key: str) -> ShardReader | None:
+        """The shard as a stream of chunks, or None: the first bytes can go out before the last are
+        read. A file this cache has checked since it last changed (same inode, size and mtime as
+        at that check: written by `put`, or read whole and checked) is read as is, the reader's
+        client checking the stream's sha256 (`read` checks it here); any other file is hashed as
+        it is read and `ShardReader.finish` deletes it when it no longer matches its stored sha256."""
+        path = self._path(key)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            return None
+        try:
+            head = f.read(_HEADER_BYTES)
+            st = os.fstat(f.fileno())
+        except BaseException:
+            f.close()
+            raise
+        size = st.st_size - _HEADER_BYTES
+        if head[: len(_MAGIC)] != _MAGIC or size < 0:
+            f.close()
+            self._drop_corrupt(key, path, st.st_ino)
+            return None
+        with self._lock:
+            trusted = self._checked.get(key) == _file_id(st)
+            if key in self._index:
+                self._index.move_to_end(key)
+                with _ignore_missing():
+                    os.utime(path)  # the LRU order on disk, for the next start
+                    st = os.stat(path)
+                    if trusted:
+                        self._checked[key] = _file_id(st)
+        checked = _file_id(st)
+        return ShardReader(f, size, head[len(_MAGIC) :].hex(), self.name, verify=not trusted,
+                           on_checked=lambda ok: self._after_check(key, path, checked, ok))
+
+    def _after_check(self, key: str, path: Path, checked: tuple[int, int, int], ok: bool) -> None:
+        if ok:
+            with self._lock:
+                self._checked[key] = checked
+        else:
+            self._drop_corrupt(key, path, checked[0])
+
+    def _drop_corrupt(self, key: str, path: Path, inode: int) -> None:
+        self._checked.pop(key, None)
+        log.warning("disk cache: shard %s in %s failed its sha256 check; deleting it", key, path)
+        with self._lock:
+            if _inode(path) == inode:  # not already replaced by a fresh put
+                self._remove(key)
 
     def put(self, key: str, blob: bytes) -> None:
         path = self._path(key)
@@ -131,6 +184,7 @@ class DiskCache:
             with self._lock:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(tmp, path)
+                self._checked[key] = _file_id(os.stat(path))
                 self._total_bytes += len(blob) - self._index.pop(key, 0)
                 self._index[key] = len(blob)
                 self._evict_over_budget(keep=key)
@@ -165,12 +219,49 @@ class DiskCache:
 
     def _remove(self, key: str) -> None:
         """Deletes a shard and its empty folders; the lock is held."""
+        self._checked.pop(key, None)
         path = self.root / (key + _SUFFIX)
         path.unlink(missing_ok=True)
         self._total_bytes -= self._index.pop(key, 0)
         for folder in (path.parent, path.parent.parent):
             with _ignore_missing(OSError):  # not empty: another shard lives there
                 folder.rmdir()
+
+
+class ShardReader:
+    """One cached shard read chunk by chunk (DiskCache.open). `readinto` runs in a worker thread
+    (file reads and sha256 release the GIL), `finish` once the last chunk is read."""
+
+    def __init__(self, f, size: int, sha256: str, tier: str, verify: bool, on_checked: Callable[[bool], None]):
+        self.size, self.sha256, self.tier = size, sha256, tier  # sha256: hex, as stored with the blob
+        self.verify = verify  # hash the bytes as they are read and compare at `finish`
+        self._f, self._left, self._on_checked = f, size, on_checked
+        self._hash = hashlib.sha256() if verify else None
+
+    def readinto(self, view: memoryview) -> int:
+        """Fills view with the next bytes (fewer at the end); returns how many (0: done)."""
+        n = self._f.readinto(view[: min(len(view), self._left)])
+        self._left -= n
+        if self._hash is not None:
+            self._hash.update(view[:n])
+        return n
+
+    def finish(self) -> bool:
+        """False when verifying and the bytes no longer match the stored sha256 (the file is then
+        dropped from the cache); True otherwise."""
+        self.close()
+        if self._hash is None:
+            return True
+        ok = self._left == 0 and self._hash.hexdigest() == self.sha256
+        self._on_checked(ok)
+        return ok
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _file_id(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _inode(path: Path) -> int | None:
@@ -371,6 +462,17 @@ class TieredCache:
                 for upper in range(i):
                     self._backfill(upper, key, blob)
                 return blob, tier.name, sha
+        return None
+
+    def open(self, key: str) -> ShardReader | None:
+        """A chunked reader of the shard when the first tier holding it can stream (disk) and no
+        tier above it needs a back-fill (that takes the whole blob: `read`); else None."""
+        for i, tier in enumerate(self.tiers):
+            if not hasattr(tier, "open"):
+                return None
+            reader = self._call(i, tier.open, key)
+            if reader is not None:
+                return reader
         return None
 
     def put(self, key: str, blob: bytes) -> None:

@@ -21,7 +21,7 @@ import grpc
 from loraserve.auth import require_admin
 from loraserve.errors import StatusError, grpc_errors, invalid, precondition, unavailable
 from loraserve.metrics import StoreMetrics, serve_metrics
-from loraserve.serving import RunningServer, start_server
+from loraserve.serving import BULK_OPTIONS, RunningServer, start_server
 from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
@@ -186,19 +186,28 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
 
     @grpc_errors
     async def FetchShard(self, request, context):
+        """Header, data chunks, sha256 trailer. A cached shard streams as it is read from disk; a
+        packed one (or Redis', or any with `verify`: read whole and checked first) from memory.
+        Data chunks go out already framed (`_frame_head`): no message object is built per chunk."""
         manifest = self._check_fetch(request.name, request.digest, request.layout)
         chunk = request.chunk_bytes or DEFAULT_CHUNK
         if chunk > MAX_CHUNK:
             raise invalid(f"chunk_bytes {chunk} is above the maximum of {MAX_CHUNK}")
         t0 = time.perf_counter()
-        blob, tier, sha256 = await self._shard(manifest, request.layout, request.rank)
+        key = pack.shard_key(manifest.digest, request.layout, request.rank)
+        reader = None if request.verify else await asyncio.to_thread(self.cache.open, key)
+        if reader is not None:
+            self.metrics.cache_hits.labels(reader.tier).inc()
+            chunks, size, tier, sha256 = _streamed(reader, chunk, request.name), reader.size, reader.tier, reader.sha256
+        else:
+            blob, tier, sha256 = await self._shard(manifest, request.layout, request.rank)
+            chunks, size = _sliced(blob, chunk), len(blob)
         yield spb.ShardChunk(header=spb.ShardHeader(
-            manifest=manifest, layout_hash=layout_hash(request.layout), total_bytes=len(blob), cache_tier=tier))
-        view = memoryview(blob)
-        for start in range(0, len(blob), chunk):
-            yield spb.ShardChunk(data=bytes(view[start : start + chunk]))
+            manifest=manifest, layout_hash=layout_hash(request.layout), total_bytes=size, cache_tier=tier))
+        async for message in chunks:
+            yield message
         yield spb.ShardChunk(trailer=spb.ShardTrailer(sha256=sha256))
-        self.metrics.fetch_bytes.labels(tier).inc(len(blob))
+        self.metrics.fetch_bytes.labels(tier).inc(size)
         self.metrics.fetch.labels(tier).observe(time.perf_counter() - t0)
 
     async def _shard(self, manifest: pb.AdapterManifest, layout: pb.Layout, rank: pb.ShardRank) -> tuple[bytes, str, str]:
@@ -296,6 +305,81 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         return results
 
 
+_DATA_TAG = b"\x12"  # ShardChunk.data: field 2, length-delimited
+_FRAME_ROOM = 11  # the tag and the longest varint
+
+
+def _frame_head(n: int) -> bytes:
+    """The wire prefix of a ShardChunk whose data is n bytes."""
+    out = bytearray(_DATA_TAG)
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+async def _sliced(blob: bytes, chunk: int):
+    """A blob in memory as framed data chunks (one copy each)."""
+    view = memoryview(blob)
+    for start in range(0, len(blob), chunk):
+        part = view[start : start + chunk]
+        yield b"".join((_frame_head(len(part)), part))
+
+
+async def _streamed(reader, chunk: int, name: str):
+    """A cached shard as framed data chunks, as it is read: chunk k+1 is read (and, for a copy not
+    checked since it changed, hashed) in a thread while chunk k is sent. A copy that fails its
+    sha256 is deleted from the cache and the stream fails DATA_LOSS before its trailer; the
+    client asks again (with `verify`) and gets it packed anew."""
+    buffer = bytearray(_FRAME_ROOM + chunk)  # read into, framed in place, copied once into the message
+
+    def read() -> bytes:
+        n = reader.readinto(memoryview(buffer)[_FRAME_ROOM:])
+        if n == 0:
+            return b""
+        head = _frame_head(n)
+        start = _FRAME_ROOM - len(head)
+        buffer[start:_FRAME_ROOM] = head
+        return bytes(memoryview(buffer)[start : _FRAME_ROOM + n])
+
+    ahead = None
+    try:
+        ahead = asyncio.ensure_future(asyncio.to_thread(read))
+        while message := await ahead:
+            ahead = asyncio.ensure_future(asyncio.to_thread(read))
+            yield message
+        if not await asyncio.to_thread(reader.finish):
+            raise StatusError(grpc.StatusCode.DATA_LOSS, f"the cached shard of adapter {name!r} failed its sha256 "
+                              f"check in the store's {reader.tier} cache and was dropped: fetch it again")
+    finally:
+        if ahead is not None and not ahead.done():
+            await asyncio.wait([ahead])
+        reader.close()
+
+
+def _pass_bytes(message) -> bytes:
+    """FetchShard's serializer: a data chunk is yielded already framed (`_frame_head`), the rest as messages."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_servicer(servicer: AdapterStoreService, server: grpc.aio.Server) -> None:
+    """The generated registration, with FetchShard's serializer swapped for `_pass_bytes`."""
+
+    class Capture:
+        def add_generic_rpc_handlers(self, handlers):
+            self.handlers = handlers
+
+        def add_registered_method_handlers(self, service, handlers):
+            handlers["FetchShard"] = grpc.unary_stream_rpc_method_handler(
+                servicer.FetchShard, request_deserializer=spb.FetchShardRequest.FromString,
+                response_serializer=_pass_bytes)
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+            server.add_registered_method_handlers(service, handlers)
+
+    spb_grpc.add_AdapterStoreServicer_to_server(servicer, Capture())
+
+
 def clean_staging(staging: Path) -> None:
     """Removes what registrations of an earlier process left in staging (a crash, kill -9)."""
     staging.mkdir(parents=True, exist_ok=True)
@@ -317,9 +401,9 @@ async def serve(cfg: StoreConfig) -> tuple[RunningServer, int]:
 
     def add(server: grpc.aio.Server) -> None:  # once the port is ours: the data dir is ours too
         services.append(AdapterStoreService(cfg))
-        spb_grpc.add_AdapterStoreServicer_to_server(services[0], server)
+        add_servicer(services[0], server)
 
-    server = await start_server(cfg.listen, add, (SERVICE_NAME,), tls=cfg.tls)
+    server = await start_server(cfg.listen, add, (SERVICE_NAME,), tls=cfg.tls, options=BULK_OPTIONS)
     server.on_drain.append(services[0].drain)
     metrics_server = serve_metrics(services[0].metrics.registry, cfg.metrics_listen)
     if metrics_server is not None:

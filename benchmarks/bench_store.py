@@ -4,6 +4,9 @@
    for a Llama-3-8B-shaped, rank-16, all-linear PEFT adapter with random weights, tp 1, 2, 8.
 2. FetchShard stream throughput over loopback from the disk tier and from the Redis tier,
    beside the raw read of the same bytes from the same tier (no gRPC): the ratio is the figure.
+   Two clients: the blocking one (`loraserve.client`, the blob as bytes) and the executor's
+   (`executor/store_client.py`, grpc.aio: the stream lands in one host buffer and the tensors are
+   views of it), the latter also with `--in-flight` shards streamed at once.
 
 The store runs as a separate `loraserve store` process, as in production.
 Usage: python benchmarks/bench_store.py [--redis-url redis://127.0.0.1:6379/0] [--repeat 5]
@@ -40,9 +43,9 @@ LLAMA3_8B = dict(
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def make_adapter(directory: Path, rank: int) -> int:
-    """A PEFT-format rank-r all-linear adapter for Llama-3-8B shapes, bf16 random weights."""
-    c = LLAMA3_8B
+def make_adapter(directory: Path, rank: int, config: dict = LLAMA3_8B) -> int:
+    """A PEFT-format rank-r all-linear adapter for Llama shapes (Llama-3-8B's by default), bf16 random weights."""
+    c = config
     h, i, hd = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * hd
     shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
@@ -87,10 +90,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_store(work: Path, port: int, redis_url: str | None, prefix: str) -> subprocess.Popen:
+def start_store(work: Path, port: int, redis_url: str | None, prefix: str, config: dict = LLAMA3_8B) -> subprocess.Popen:
     base = work / "base"
     base.mkdir(exist_ok=True)
-    (base / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (base / "config.json").write_text(json.dumps(config))
     cmd = [sys.executable, "-m", "loraserve.cli", "--log-level", "WARNING", "store", "--listen", f"127.0.0.1:{port}",
            "--data-dir", str(work / "store"), "--base-model", "meta-llama/Meta-Llama-3-8B", "--base-model-path", str(base),
            "--allow-local-root", str(work)]
@@ -127,11 +130,50 @@ def fetch_row(client, layout, tier, backend, key, repeat):
             f"raw {tier} read {mb / t_raw:.0f} MiB/s; stream/raw {t_raw / t_stream:.2f}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_flight, store_pid):
+    """The executor's store client: request to tensors in host memory, checksum checked; with
+    in_flight > 1, that many streams of the shard at once (the rate counts all their bytes).
+    Also the CPU seconds each side spent per GB moved (store process; client process), which
+    other processes' load on the cores does not change as much as the rate."""
+    import asyncio
+
+    from loraserve.executor.store_client import StoreClient as ExecutorStoreClient
+
+    async def run():
+        client = ExecutorStoreClient(address, layout, timeout_s=60.0)
+        await client.fetch_shard("llama3-r16")  # connect
+        times = []
+        cpu0 = cpu_seconds(store_pid), cpu_seconds(os.getpid())
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(client.fetch_shard("llama3-r16") for _ in range(in_flight)))
+            times.append(time.perf_counter() - t0)
+            assert all(r[3] == nbytes for r in results)
+        cpu = [cpu_seconds(store_pid) - cpu0[0], cpu_seconds(os.getpid()) - cpu0[1]]
+        await client.close()
+        return statistics.median(times), [c / (repeat * in_flight * nbytes / 1e9) for c in cpu]
+
+    seconds, (store_cpu, client_cpu) = asyncio.run(run())
+    mb = nbytes / 2**20
+    what = "executor client" if in_flight == 1 else f"executor client x{in_flight}"
+    return (f"{what}, {tier}", f"{in_flight} x {mb:.1f} MiB", f"{in_flight * mb / seconds:9.0f} MiB/s",
+            f"{in_flight * nbytes / seconds / 1e9:.2f} GB/s; stream/raw {raw_seconds * in_flight / seconds:.2f}; "
+            f"CPU s/GB: store {store_cpu:.2f}, client {client_cpu:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--fetch-only", action="store_true", help="skip the tp=2 and tp=8 pack rows")
+    ap.add_argument("--in-flight", type=int, default=4, help="shards streamed at once by the executor client")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     work = Path(tempfile.mkdtemp(prefix="bench-store-"))
@@ -144,7 +186,7 @@ def main() -> None:
         size = make_adapter(work / "adapter", args.rank)
         t_reg, _ = timed(lambda: client.register("llama3-r16", str(work / "adapter")), 1)
         rows.append(("register (fetch+validate)", "-", f"{t_reg * 1e3:9.0f} ms", f"{size / 2**20:.1f} MiB adapter"))
-        for tp in (1, 2, 8):
+        for tp in (1,) if args.fetch_only else (1, 2, 8):
             layout = llama_layout(tp)
             t, res = timed(lambda: client.prefetch([spb.PrefetchItem(name="llama3-r16", layout=layout)]), 1)
             assert all(r.ok for r in res), [r.error for r in res]
@@ -155,6 +197,10 @@ def main() -> None:
         key = shard_key(digest, layout, pb.ShardRank())
         disk = DiskCache(work / "store" / "cache", 1 << 40)
         rows.append(fetch_row(client, layout, "disk", disk, key, args.repeat))
+        raw_s, _ = timed(lambda: disk.get(key), args.repeat)
+        for n in sorted({1, args.in_flight}):
+            rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "disk", raw_s, disk.size(key), args.repeat, n,
+                                           proc.pid))
         if args.redis_url:
             proc.terminate()
             proc.wait(10)
@@ -162,18 +208,23 @@ def main() -> None:
             redis = RedisCache(args.redis_url, prefix, 1 << 40)
             redis.put(key, disk.get(key))
             rows.append(fetch_row(client, layout, "redis", redis, key, args.repeat))
+            raw_s, _ = timed(lambda: redis.get(key), args.repeat)
+            rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "redis", raw_s, disk.size(key), args.repeat, 1,
+                                           proc.pid))
     finally:
         proc.terminate()
         proc.wait(10)
         if args.redis_url:
-            RedisCache(args.redis_url, prefix, 1 << 40).delete_prefix("")
+            leftover = RedisCache(args.redis_url, prefix, 1 << 40)
+            leftover.delete_prefix("")
+            leftover._redis.delete(f"{prefix}:total", f"{prefix}:lru")  # the tier's counters, now 0 / empty
         shutil.rmtree(work, ignore_errors=True)
     print(f"\nadapter store benchmark - {platform.node()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; Llama-3-8B shapes, rank {args.rank}, all linear, bf16")
-    print(f"| {'step':28s} | {'size':12s} | {'time / rate':14s} | note |")
-    print(f"|{'-' * 30}|{'-' * 14}|{'-' * 16}|------|")
+    print(f"| {'step':28s} | {'size':16s} | {'time / rate':14s} | note |")
+    print(f"|{'-' * 30}|{'-' * 18}|{'-' * 16}|------|")
     for step, sz, t, note in rows:
-        print(f"| {step:28s} | {sz:12s} | {t:14s} | {note} |")
+        print(f"| {step:28s} | {sz:16s} | {t:14s} | {note} |")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@
 #   eager:   bench_engine.py --enforce-eager --streams 0 (the same decode steps without graphs)
 #   bench:   bench_executor.py on random-weight SmolLM2 and Llama-3-8B shapes (SHAPES="smollm2")
 #   profile: profile_executor.py on the random SmolLM2-shaped model
+#   serve:   benchmarks/serve.py: 1,000 adapters, Zipf 1.0, max_loras 64, 64 clients, Llama-3-8B shape,
+#            against base alone, the bytes ceiling and transformers + PEFT, in-process and via gRPC
+#   probe:   benchmarks/serve.py --probe: bytes per adapter, pinned H2D bandwidth, cold loads vs the floor
 # Logs and tables go to OUT_DIR.
 set -uo pipefail
 OUT=${1:?usage: gpu_executor.sh OUT_DIR [STAGES]}
@@ -80,6 +83,16 @@ if has bench; then
     done
     rm -rf "/tmp/rnd-$shape"
   done
+fi
+tok_flag=${tok:+--tokenizer $tok}  # none: serve.py makes a word-level tokenizer of --vocab ids
+if has serve; then
+  python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --adapters 1000 --alpha 1.0 --max-loras 64 --concurrency 64 \
+    --requests 500 --prompt-len 64,256 --output-len 64,128 --peft-requests 8 --grpc \
+    2>"$OUT/serve.err" | tee "$OUT/serve.log" | tail -14 || tail -30 "$OUT/serve.err"
+fi
+if has probe; then
+  python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe \
+    2>"$OUT/probe.err" | tee "$OUT/probe.log" | tail -12 || tail -30 "$OUT/probe.err"
 fi
 if has profile; then
   python3 -P benchmarks/make_random_model.py --shape smollm2 --tokenizer "$tok" --out /tmp/rnd-profile 2>&1 | tail -1

@@ -36,11 +36,16 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
                    help="with --tp-size > 1, also shard LoRA's rank dim (an all-gather / all-reduce more per layer)")
     p.add_argument("--tp-timeout-s", type=float, default=120.0,
                    help="a collective that waits this long on another tensor-parallel rank fails")
-    p.add_argument("--max-loras", type=int, default=int(env("max_loras", 8)), help="GPU slots")
+    p.add_argument("--max-loras", type=int, default=int(env("max_loras", 0)),
+                   help="GPU slots (0: from the GPU memory free after the model and KV cache, up to 64; 8 on CPU "
+                        "and under --tp-size > 1)")
     p.add_argument("--max-lora-rank", type=int, default=int(env("max_lora_rank", 64)))
     p.add_argument("--lora-embeddings", action="store_true", default=env("lora_embeddings", "") in ("1", "true"),
                    help="serve adapters that target embed_tokens / lm_head (vocab-sized slots)")
-    p.add_argument("--max-cpu-adapters", type=int, default=int(env("max_cpu_adapters", 32)))
+    p.add_argument("--cpu-cache-bytes", type=int, default=int(env("cpu_cache_bytes", 0)),
+                   help="bytes of packed adapters kept in (pinned) host memory (0: half the available host memory)")
+    p.add_argument("--max-cpu-adapters", type=int, default=int(env("max_cpu_adapters", 0)),
+                   help="also cap the CPU cache at this many adapters (0: the bytes alone decide)")
     p.add_argument("--num-blocks", type=int, default=int(env("num_blocks", 512)), help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=int(env("block_size", 16)))
     p.add_argument("--max-num-seqs", type=int, default=int(env("max_num_seqs", 32)))
@@ -91,7 +96,8 @@ def executor_config(a: argparse.Namespace):
         model=model, base_model=base or "", device=device, dtype=dtype, cache_dir=a.cache_dir, cpu_threads=a.cpu_threads, max_loras=a.max_loras,
         tp_size=a.tp_size, tp_timeout_s=a.tp_timeout_s, fully_sharded_loras=a.fully_sharded_loras,
         lora_embeddings=a.lora_embeddings,
-        max_rank=a.max_lora_rank, max_cpu_adapters=a.max_cpu_adapters, num_blocks=a.num_blocks,
+        max_rank=a.max_lora_rank, max_cpu_adapters=a.max_cpu_adapters, cpu_cache_bytes=a.cpu_cache_bytes,
+        num_blocks=a.num_blocks,
         block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, store_address=a.store, listen_address=a.executor_listen,
         admin_token=a.executor_admin_token, slot_wait_timeout_s=a.slot_wait_timeout_s,

@@ -33,10 +33,13 @@ class ExecutorConfig:
     # helps when other processes share them (OpenMP threads spin-wait and oversubscribe).
 
     # LoRA slots and the CPU tier in front of them.
-    max_loras: int = 8  # GPU slots: adapters usable in one batch
+    max_loras: int = 0  # GPU slots: adapters usable in one batch; 0: from the GPU memory free once the
+    # model and KV cache are in place (executor/memory.py), 8 on CPU. Set to the resolved count at start.
     max_rank: int = 64  # slot rank; larger adapters are refused by the store
     lora_embeddings: bool = False  # also give embed_tokens and lm_head slots (vocab-sized: costly)
-    max_cpu_adapters: int = 32  # packed shards kept in (pinned) host memory
+    cpu_cache_bytes: int = 0  # packed shards kept in (pinned) host memory, in bytes; 0: half the host
+    # memory available at start (executor/memory.py). Set to the resolved budget at start.
+    max_cpu_adapters: int = 0  # also at most this many shards in the CPU cache; 0: the bytes alone decide
     slot_wait_timeout_s: float = 30.0  # how long a request waits for a slot when all are in use
     adapter_refresh_s: float = 30.0  # how often held adapters are checked against the store's
     # current version (re-registered or deleted there); 0: only LoadAdapter checks
@@ -72,6 +75,8 @@ class ExecutorConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be at least 1, got {self.tp_size}")
+        if min(self.max_loras, self.cpu_cache_bytes, self.max_cpu_adapters) < 0:
+            raise ValueError("max_loras, cpu_cache_bytes and max_cpu_adapters must be 0 (automatic / no limit) or more")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
         if self.num_blocks * self.block_size < self.max_model_len:

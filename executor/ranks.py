@@ -58,7 +58,8 @@ STOP_GRACE_S = 10.0
 
 
 def lora_spec(cfg: ExecutorConfig) -> LoraSpec:
-    return LoraSpec(cfg.max_loras, cfg.max_rank, cfg.torch_dtype, targets_embeddings=cfg.lora_embeddings,
+    """max_loras 0 (automatic, one rank only): one slot until the KV cache is in place (resolve_adapter_memory)."""
+    return LoraSpec(cfg.max_loras or 1, cfg.max_rank, cfg.torch_dtype, targets_embeddings=cfg.lora_embeddings,
                     fully_sharded=cfg.fully_sharded_loras)
 
 

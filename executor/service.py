@@ -24,6 +24,7 @@ from loraserve.serving import RunningServer, start_server
 from loraserve.v1 import executor_pb2 as epb
 from loraserve.v1 import executor_pb2_grpc as epb_grpc
 
+from . import memory
 from .config import ExecutorConfig
 from .engine.engine import Engine, GenerationOutput, GenerationRequest
 from .engine.kv_cache import KVCache
@@ -106,6 +107,22 @@ def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer | TokenIds
     return Tokenizer.from_pretrained(model_path)
 
 
+def resolve_adapter_memory(cfg: ExecutorConfig, model, modules) -> None:
+    """Fills in max_loras and cpu_cache_bytes left at 0 (automatic), from the memory free now: the
+    model is loaded with one slot per module and, on CUDA, re-created with as many as fit."""
+    if cfg.cpu_cache_bytes == 0:
+        cfg.cpu_cache_bytes = memory.default_cpu_cache_bytes(memory.available_host_bytes())
+    if cfg.max_loras == 0:
+        if cfg.torch_device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(cfg.torch_device)
+            cfg.max_loras = memory.default_max_loras(free, memory.lora_bytes_per_slot(modules))
+        else:
+            cfg.max_loras = memory.CPU_MAX_LORAS
+        memory.resize_slots(model, modules, cfg.max_loras)
+    log.info("adapters: %d GPU slots, CPU cache of %.1f GiB%s", cfg.max_loras, cfg.cpu_cache_bytes / 2**30,
+             f" or {cfg.max_cpu_adapters} adapters" if cfg.max_cpu_adapters else "")
+
+
 def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     """Loads the model with slot buffers, and wires slot manager, store client and engine.
     With cfg.tp_size > 1 this process is rank 0 and spawns ranks 1..N-1 (executor/ranks.py)."""
@@ -117,6 +134,9 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
         error = tp_size_error(model_config(cfg.model), cfg.tp_size, cfg.max_rank, cfg.fully_sharded_loras)
         if error is not None:
             raise ValueError(f"{cfg.model}: {error}")
+        if cfg.max_loras == 0:  # every rank must build the same slots before rank 0 could measure
+            cfg.max_loras = memory.CPU_MAX_LORAS
+            log.info("--max-loras 0 under tensor parallelism: %d slots (set --max-loras to choose)", cfg.max_loras)
         ranks = TPRanks(cfg)
     try:
         return _build(cfg, ranks, t0)
@@ -127,6 +147,7 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
 
 
 def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorParts:
+    # max_loras 0 (automatic): one slot until the KV cache is in place, then as many as fit
     spec = lora_spec(cfg)
     tp = ranks.start() if ranks is not None else None
     model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=spec, tp=tp)
@@ -134,8 +155,9 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
     store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size), timeout_s=cfg.store_timeout_s,
-                        tls=cfg.store_tls)
+                        tls=cfg.store_tls, pin_memory=cfg.torch_device.type == "cuda")
     modules = lora_modules(model)
+    resolve_adapter_memory(cfg, model, modules)
     metrics = ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters)
 
     def clear_slot(slot: int) -> None:
@@ -145,7 +167,8 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
     fetch = store.fetch_shard if ranks is None else ranks.fetching(store.fetch_shard)
     slots = SlotManager(
         fetch, lambda slot, tensors: load_shard_into_slot(model, slot, tensors), clear_slot,
-        max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters, device=cfg.torch_device,
+        max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters or None, cpu_cache_bytes=cfg.cpu_cache_bytes,
+        device=cfg.torch_device,
         slot_wait_timeout_s=cfg.slot_wait_timeout_s, observer=metrics,
     )
     engine = Engine(model, tokenizer, kv, slots, cfg, ranks)

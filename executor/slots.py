@@ -10,7 +10,12 @@ Rules this module guarantees:
   acquire or load of its adapter is still in flight (`holds`), or while it is pinned.
 - Concurrent acquires of one adapter share one fetch and one copy.
 - When no slot can be freed, a request waits up to `slot_wait_timeout_s` for one; if every
-  slot is pinned it fails at once. Both fail with RESOURCE_EXHAUSTED.
+  slot is pinned it fails at once. Both fail with RESOURCE_EXHAUSTED. Waiters get slots in the
+  order they started waiting: an adapter never waits behind one that asked after it.
+- A request announces its adapter as soon as it arrives (`want`): the adapter's CPU copy is
+  fetched from then on (prefetch), and slot eviction picks an idle adapter that no queued
+  request wants before one that some request does (then the least recently used). The CPU cache
+  is bounded in bytes (and optionally in adapters) and drops the copies nobody waits on first.
 - A failed fetch leaves nothing behind; every waiter gets the error; the next acquire retries.
 - Adapters already in a slot or in the CPU cache keep serving when the store is down.
 - Loading never blocks the forward passes of other adapters: host work runs in a thread, and
@@ -100,6 +105,7 @@ class _Adapter:
     slot_digest: str = ""  # the version in the slot (a later refetch may have brought a newer one)
     event: torch.cuda.Event | None = None
     pinned: bool = False
+    wanted: int = 0  # requests queued for it that hold no lease yet (`want`)
     in_use: int = 0  # leases held by running requests
     holds: int = 0  # acquire/load calls in flight: keep the adapter in place meanwhile
     lru_tick: int = 0
@@ -125,8 +131,9 @@ class SlotManager:
         clear_slot: Callable[[int], None],
         *,
         max_loras: int,
-        max_cpu_adapters: int,
+        max_cpu_adapters: int | None = None,
         device: torch.device,
+        cpu_cache_bytes: int | None = None,
         slot_wait_timeout_s: float = 30.0,
         observer: SlotObserver | None = None,
     ):
@@ -134,7 +141,10 @@ class SlotManager:
         self._copy_into_slot = copy_into_slot
         self._clear_slot = clear_slot
         self.max_loras = max_loras
-        self.max_cpu_adapters = max_cpu_adapters
+        self.max_cpu_adapters = max_cpu_adapters  # None: no count limit
+        self.cpu_cache_bytes = cpu_cache_bytes  # None: no byte limit
+        self._cpu_bytes = 0  # shard bytes of the host copies held
+        self._slot_queue: list[_Adapter] = []  # adapters waiting for a slot, first come first served
         self.device = torch.device(device)
         self.slot_wait_timeout_s = slot_wait_timeout_s
         self.observer = observer or SlotObserver()
@@ -148,6 +158,32 @@ class SlotManager:
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ---- requests -------------------------------------------------------------------------
+
+    def want(self, name: str) -> Callable[[], None]:
+        """A request for `name` has arrived and will acquire it: fetch its CPU copy now, in the
+        background (a failure here is not reported; the acquire fetches again and reports it),
+        and keep it off slot eviction while other idle slots exist. Call the returned function
+        once the request holds its lease or has ended."""
+        a = self._record(name)
+        a.wanted += 1
+        if a.tensors is None and a.fetch_task is None and not a.stale:
+            self._spawn(self._prefetch(a))
+        done = False
+
+        def unwant() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                a.wanted -= 1
+                self._forget_if_unused(a)
+
+        return unwant
+
+    async def _prefetch(self, a: _Adapter) -> None:
+        try:
+            await self._ensure_cpu(a)
+        except Exception:  # noqa: BLE001 - logged by _fetch; the request's acquire fetches again
+            pass
 
     async def acquire(self, name: str) -> SlotLease:
         """Puts the adapter in a slot (if it is not there) and counts one more running request on it."""
@@ -297,8 +333,8 @@ class SlotManager:
         if not a.stale or a.in_use or a.loading:
             return  # a concurrent switch did it already, or a request took it meanwhile
         old = a.slot_digest if a.slot >= 0 else a.digest
-        a.stale, a.digest, a.rank, a.nbytes = False, "", 0, 0
         self._drop_tensors(a)
+        a.stale, a.digest, a.rank, a.nbytes = False, "", 0, 0
         if a.pinned and a.slot >= 0:
             a.slot_task = self._spawn(self._reload_in_place(a, old))
             return
@@ -385,12 +421,14 @@ class SlotManager:
     async def _fetch(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]]:
         try:
             digest, rank, tensors, nbytes = await self._fetch_shard(a.name)
-            if self.device.type == "cuda":
-                # Pinned host memory makes the slot copy a true async DMA.
+            if self.device.type == "cuda" and not all(t.is_pinned() for t in tensors.values()):
+                # Pinned host memory makes the slot copy a true async DMA (the store client's
+                # shards arrive pinned already).
                 tensors = await asyncio.to_thread(lambda: {k: t.pin_memory() for k, t in tensors.items()})
             a.digest, a.rank, a.nbytes, a.tensors = digest, rank, nbytes, tensors
             self._cpu_lru[a.name] = None
-            self._shrink_cpu_cache()
+            self._cpu_bytes += nbytes
+            self._shrink_cpu_cache(keep=a.name)
             return digest, tensors
         except Exception as exc:
             log.info("fetching adapter %s failed: %s", a.name, exc)
@@ -401,22 +439,28 @@ class SlotManager:
             self._notify()  # a version switch may be waiting for this load to end
 
     async def _claim_slot(self, a: _Adapter) -> int:
-        """Takes a free slot or evicts the least recently used idle one; waits if all are busy."""
+        """Takes a free slot or evicts an idle one (`_pick_slot`); waits, in turn, if all are busy."""
         deadline = asyncio.get_running_loop().time() + self.slot_wait_timeout_s
-        while (slot := self._pick_slot()) is None:
-            n = self.max_loras
-            if n == 0:
-                raise precondition("this executor has no LoRA slots (max_loras = 0)")
-            if all(s is not None and s.pinned for s in self._slots):
-                raise exhausted(f"all {n} slots are pinned; unpin an adapter to load {a.name!r}")
-            if not await self._wait_for_change(deadline):
-                raise exhausted(
-                    f"no free slot for adapter {a.name!r}: all {n} slots are pinned or in use by "
-                    f"running requests (waited {self.slot_wait_timeout_s:g}s)"
-                )
+        self._slot_queue.append(a)
+        try:
+            while (slot := self._pick_slot(a)) is None:
+                n = self.max_loras
+                if n == 0:
+                    raise precondition("this executor has no LoRA slots (max_loras = 0)")
+                if all(s is not None and s.pinned for s in self._slots):
+                    raise exhausted(f"all {n} slots are pinned; unpin an adapter to load {a.name!r}")
+                if not await self._wait_for_change(deadline):
+                    raise exhausted(
+                        f"no free slot for adapter {a.name!r}: all {n} slots are pinned or in use by "
+                        f"running requests (waited {self.slot_wait_timeout_s:g}s)"
+                    )
+        finally:
+            self._slot_queue.remove(a)
+            self._notify()  # the next waiter's turn
         old = self._slots[slot]
         if old is not None:
-            log.info("slot %d: evicting adapter %s (least recently used) for %s", slot, old.name, a.name)
+            log.info("slot %d: evicting adapter %s (idle%s) for %s", slot, old.name,
+                     ", wanted by a queued request" if old.wanted else "", a.name)
             self.observer.slot_eviction()
             old.slot, old.event = -1, None
             self._forget_if_unused(old)
@@ -435,7 +479,11 @@ class SlotManager:
             pass
         return True
 
-    def _pick_slot(self) -> int | None:
+    def _pick_slot(self, a: _Adapter) -> int | None:
+        """For the first adapter waiting (FIFO: later ones wait their turn): a free slot, else an
+        idle one, preferring adapters no queued request wants, then the least recently used."""
+        if self._slot_queue and self._slot_queue[0] is not a:
+            return None
         idle = []
         for i, s in enumerate(self._slots):
             if i in self._clearing:
@@ -443,8 +491,8 @@ class SlotManager:
             if s is None:
                 return i
             if s.evictable_from_slot:
-                idle.append((s.lru_tick, i))
-        return min(idle)[1] if idle else None
+                idle.append((s.wanted > 0, s.lru_tick, i))
+        return min(idle)[2] if idle else None
 
     def _copy(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
         if self._copy_stream is None:
@@ -463,17 +511,37 @@ class SlotManager:
         with torch.cuda.stream(self._copy_stream):
             self._clear_slot(slot)
 
-    def _shrink_cpu_cache(self) -> None:
-        for name in list(self._cpu_lru):
-            if len(self._cpu_lru) <= self.max_cpu_adapters:
+    def _shrink_cpu_cache(self, keep: str) -> None:
+        """Drops host copies while over the byte (or adapter) budget: first those no request
+        waits on, least recently used first, then the others; never `keep`, just fetched."""
+        def over() -> bool:
+            return ((self.cpu_cache_bytes is not None and self._cpu_bytes > self.cpu_cache_bytes)
+                    or (self.max_cpu_adapters is not None and len(self._cpu_lru) > self.max_cpu_adapters))
+
+        if not over():
+            return
+        for name in sorted(self._cpu_lru, key=lambda n: self._waited_on(self._adapters[n])):  # stable: LRU within
+            if not over():
                 break
+            if name == keep:
+                continue
             a = self._adapters[name]
             self._drop_tensors(a)
             self._forget_if_unused(a)
 
+    @staticmethod
+    def _waited_on(a: _Adapter) -> bool:
+        return a.wanted > 0 or a.holds > 0 or a.slot_task is not None
+
     def _drop_tensors(self, a: _Adapter) -> None:
+        if a.tensors is not None:
+            self._cpu_bytes -= a.nbytes
         a.tensors = None
         self._cpu_lru.pop(a.name, None)
+
+    def cpu_cache_state(self) -> tuple[int, int]:
+        """(adapters, bytes) held in the CPU cache."""
+        return len(self._cpu_lru), self._cpu_bytes
 
     # ---- bookkeeping ----------------------------------------------------------------------
 
@@ -490,7 +558,8 @@ class SlotManager:
 
     def _forget_if_unused(self, a: _Adapter) -> None:
         """Drops the record of an adapter that is in no tier and that nobody waits on."""
-        idle = a.slot < 0 and a.tensors is None and not a.loading and a.holds == 0 and a.in_use == 0
+        idle = (a.slot < 0 and a.tensors is None and not a.loading and a.holds == 0 and a.in_use == 0
+                and a.wanted == 0)
         if idle and not a.pinned and self._adapters.get(a.name) is a:
             del self._adapters[a.name]
 

@@ -10,16 +10,19 @@ that work on adapters this executor already holds never waits on a store that do
 from __future__ import annotations
 
 import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
 import logging
+import mmap
 import time
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from safetensors.torch import load as st_load
 
 from loraserve.client import ShardAssembler
 from loraserve.errors import StatusError, unavailable
+from loraserve.serving import BULK_OPTIONS
 from loraserve.tls import ClientTls, secure_or_insecure_channel
 from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
@@ -35,18 +38,68 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
 ]
 HEALTH_INTERVAL_S = 1.0
+FETCH_SHARD = "/loraserve.v1.AdapterStore/FetchShard"
+CHUNK_BYTES = 1 << 20  # FetchShard's chunk size asked for
+HUGE_PAGE_MIN = 4 << 20
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
+
+
+def host_buffer(nbytes: int, pin_memory: bool) -> torch.Tensor:
+    """A uint8 host tensor for one shard. Pinned: torch's caching host allocator (reused once freed).
+    Otherwise, past HUGE_PAGE_MIN bytes, anonymous memory marked for transparent huge pages: the
+    stream writes every byte of it once, and faulting it in 4 KiB pages cost about as much as
+    the stream itself (docs/BENCHMARKS.md, Adapter store)."""
+    if pin_memory:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    if nbytes < HUGE_PAGE_MIN or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=torch.uint8)  # the tensor keeps the mapping alive
+
+
+def shard_tensors(blob: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors blob held in a uint8 tensor, as views of it (no copy).
+
+    Layout: 8-byte little-endian header length, the JSON header, then the data; each tensor's
+    `data_offsets` are relative to the data's start (docs/SHARD_FORMAT.md)."""
+    raw = blob.numpy()
+    if len(raw) < 8:
+        raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard of {len(raw)} bytes has no safetensors header")
+    n = int.from_bytes(raw[:8].tobytes(), "little")
+    try:
+        header = json.loads(raw[8 : 8 + n].tobytes())
+    except ValueError as e:
+        raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard header is not JSON: {e}") from None
+    base, out = 8 + n, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(info.get("dtype"))
+        begin, end = (base + o for o in info["data_offsets"])
+        if dtype is None or not base <= begin <= end <= len(raw):
+            raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard tensor {name!r}: dtype {info.get('dtype')} or offsets out of range")
+        part = blob[begin:end]
+        if begin % dtype.itemsize:
+            part = part.clone()  # unaligned for its dtype: the view would be refused
+        out[name] = part.view(dtype).view(info["shape"])
+    return out
 
 
 class StoreClient:
     """Fetches this rank's shard of an adapter for the executor's layout (grpc.aio)."""
 
     def __init__(self, address: str, layout: pb.Layout, rank: pb.ShardRank | None = None, timeout_s: float = 5.0,
-                 tls: ClientTls | None = None):
+                 tls: ClientTls | None = None, pin_memory: bool = False, chunk_bytes: int = CHUNK_BYTES):
         self.address = address
         self.tls = tls
         self.layout = layout
         self.rank = rank or pb.ShardRank()
         self.timeout_s = timeout_s
+        self.pin_memory = pin_memory  # shards land in pinned host memory (CUDA: the slot copy is a true async DMA)
+        self.chunk_bytes = chunk_bytes
+        self._hash_thread = ThreadPoolExecutor(1, thread_name_prefix="shard-sha256")
         self.channel: grpc.aio.Channel | None = None  # opened on first use, on the serving loop
         self.answering = True  # the last health check's answer (watch); True until one fails
 
@@ -55,29 +108,60 @@ class StoreClient:
 
     def _channel(self) -> grpc.aio.Channel:
         if self.channel is None:
-            self.channel = secure_or_insecure_channel(self.address, self.tls, CHANNEL_OPTIONS, aio=True)
+            self.channel = secure_or_insecure_channel(self.address, self.tls, CHANNEL_OPTIONS + BULK_OPTIONS, aio=True)
         return self.channel
 
     async def fetch_shard(self, name: str, digest: str = "") -> tuple[str, int, dict[str, torch.Tensor], int]:
         """(digest, rank, tensors, bytes) of one adapter; the SlotManager's fetch function.
-        digest: that version only (FAILED_PRECONDITION if the store now has another)."""
+        digest: that version only (FAILED_PRECONDITION if the store now has another).
+
+        The stream is written as it arrives into one host buffer (pinned when `pin_memory`) and
+        the tensors are views of it: no copy after the stream's. A stream that breaks after its
+        header with DATA_LOSS (a cached copy the store found corrupt and dropped) is asked again once."""
         t0 = time.perf_counter()
-        req = spb.FetchShardRequest(name=name, layout=self.layout, rank=self.rank, digest=digest)
-        asm = ShardAssembler()
-        call = self._stub().FetchShard(req)
         try:
-            while (chunk := await self._next(call, name)) is not grpc.aio.EOF:
-                asm.add(chunk)
+            header, buffer = await self._stream(name, digest, verify=False)
+        except StatusError as e:
+            if e.code != grpc.StatusCode.DATA_LOSS or not getattr(e, "after_header", False):
+                raise
+            log.warning("fetching %s from store %s: %s; asking again, with the store checking its copy",
+                        name, self.address, e.message)
+            header, buffer = await self._stream(name, digest, verify=True)
+        tensors = shard_tensors(buffer)
+        log.info("fetched %s (%s%s) from store %s: %d bytes (%s) in %.3fs", name, header.manifest.digest[:12],
+                 f", tp rank {self.rank.tp_rank}" if self.layout.tp_size > 1 else "", self.address,
+                 header.total_bytes, header.cache_tier, time.perf_counter() - t0)
+        return header.manifest.digest, header.manifest.rank, tensors, header.total_bytes
+
+    async def _stream(self, name: str, digest: str, verify: bool) -> tuple[spb.ShardHeader, torch.Tensor]:
+        req = spb.FetchShardRequest(name=name, layout=self.layout, rank=self.rank, digest=digest,
+                                    chunk_bytes=self.chunk_bytes, verify=verify)
+        buffers: list[torch.Tensor] = []
+
+        def allocate(n: int):
+            buffers.append(host_buffer(n, self.pin_memory))
+            return buffers[-1].numpy()
+
+        asm = ShardAssembler(allocate, self._hash_thread)
+        call = self._fetch_method()(req)  # raw messages: data chunks are read in place
+        try:
+            while (message := await self._next(call, name)) is not grpc.aio.EOF:
+                asm.add_raw(message)
+            header, _ = asm.result()
         except grpc.aio.AioRpcError as e:
-            raise self._error(e, f"; adapter {name!r} cannot be loaded now") from None
+            error = self._error(e, f"; adapter {name!r} cannot be loaded now")
+            error.after_header = asm.header is not None
+            raise error from None
+        except StatusError as e:  # the stream itself was wrong (checksum, sizes)
+            e.after_header = asm.header is not None
+            raise
         finally:
             call.cancel()  # a no-op once the stream has ended
-        header, blob = asm.result()
-        tensors = st_load(blob)
-        log.info("fetched %s (%s%s) from store %s: %d bytes (%s) in %.3fs", name, header.manifest.digest[:12],
-                 f", tp rank {self.rank.tp_rank}" if self.layout.tp_size > 1 else "", self.address, len(blob),
-                 header.cache_tier, time.perf_counter() - t0)
-        return header.manifest.digest, header.manifest.rank, tensors, len(blob)
+        return header, buffers[-1]
+
+    def _fetch_method(self):
+        return self._channel().unary_stream(FETCH_SHARD, request_serializer=spb.FetchShardRequest.SerializeToString,
+                                            response_deserializer=None)
 
     async def _next(self, call, name: str):
         """The stream's next message (or EOF), waiting at most timeout_s for it."""
@@ -138,5 +222,6 @@ class StoreClient:
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
+        self._hash_thread.shutdown(wait=False)
         if self.channel is not None:
             await self.channel.close()

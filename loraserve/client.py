@@ -14,10 +14,13 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 
 import grpc
 
 from loraserve.errors import StatusError
+from loraserve.serving import BULK_OPTIONS
 from loraserve.tls import ClientTls, secure_or_insecure_channel
 from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
@@ -26,41 +29,93 @@ from loraserve.v1 import executor_pb2 as epb
 from loraserve.v1 import executor_pb2_grpc as epb_grpc
 
 
-class ShardAssembler:
-    """Puts a FetchShard stream back together: header, data chunks, then a checksum trailer."""
+_DATA_TAG = 0x12  # ShardChunk.data: field 2, length-delimited
 
-    def __init__(self) -> None:
+
+class ShardAssembler:
+    """Puts a FetchShard stream back together: header, data chunks, then a checksum trailer.
+
+    `allocate(total_bytes)`, when given, returns the writable buffer (anything memoryview takes)
+    that the data is copied into as it arrives, e.g. pinned host memory; otherwise the chunks are
+    joined into one bytes object at the end. `add_raw` takes a message's wire bytes (a stub whose
+    response_deserializer is None), so a data chunk is read in place, never parsed into a message.
+    """
+
+    def __init__(self, allocate: Callable[[int], object] | None = None, hash_thread: Executor | None = None) -> None:
         self.header: spb.ShardHeader | None = None
+        self._allocate = allocate
+        self._hash_thread = hash_thread  # one worker: hashes each chunk of the buffer as it lands, in order
+        self._hashed: Future | None = None
+        self._buffer: memoryview | None = None
         self._parts: list[bytes] = []
         self._sha = hashlib.sha256()
         self._size = 0
-        self.blob: bytes | None = None
+        self.blob: object | None = None
 
     def add(self, chunk: spb.ShardChunk) -> None:
         part = chunk.WhichOneof("part")
         if part == "header":
-            self.header = chunk.header
+            self._header(chunk.header)
         elif part == "data":
-            if self.header is None:
-                raise StatusError(grpc.StatusCode.DATA_LOSS, "shard stream sent data before its header")
-            data = chunk.data  # each access of a bytes field builds a new bytes object: read it once
-            self._parts.append(data)
-            self._sha.update(data)
-            self._size += len(data)
+            self._data(chunk.data)  # each access of a bytes field builds a new bytes object: read it once
         elif part == "trailer":
             self._finish(chunk.trailer.sha256)
+
+    def add_raw(self, message: bytes) -> None:
+        if message[:1] == bytes((_DATA_TAG,)):
+            n, start = _varint(message, 1)
+            self._data(memoryview(message)[start : start + n])
+        else:
+            self.add(spb.ShardChunk.FromString(message))
+
+    def _header(self, header: spb.ShardHeader) -> None:
+        self.header = header
+        if self._allocate is not None:
+            self._buffer = memoryview(self._allocate(header.total_bytes)).cast("B")
+
+    def _data(self, data) -> None:
+        if self.header is None:
+            raise StatusError(grpc.StatusCode.DATA_LOSS, "shard stream sent data before its header")
+        n = len(data)
+        if self._buffer is not None:
+            if self._size + n > len(self._buffer):
+                raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard stream sent more than the {len(self._buffer)} bytes its header said")
+            self._buffer[self._size : self._size + n] = data
+            if self._hash_thread is not None:  # sha256 releases the GIL: it overlaps the next receive
+                self._hashed = self._hash_thread.submit(self._sha.update, self._buffer[self._size : self._size + n])
+        else:
+            self._parts.append(data)
+        if self._hashed is None:
+            self._sha.update(data)
+        self._size += n
 
     def _finish(self, sha256: str) -> None:
         if self.header is None or self._size != self.header.total_bytes:
             raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard stream ended after {self._size} bytes, header said {self.header and self.header.total_bytes}")
+        if self._hashed is not None:
+            self._hashed.result()  # the worker runs in order: the last chunk's hash ends it
         if self._sha.hexdigest() != sha256:
             raise StatusError(grpc.StatusCode.DATA_LOSS, "shard checksum mismatch: the stream was corrupted")
-        self.blob = b"".join(self._parts)
+        self.blob = self._buffer.obj if self._buffer is not None else b"".join(self._parts)
 
-    def result(self) -> tuple[spb.ShardHeader, bytes]:
+    def result(self) -> tuple[spb.ShardHeader, object]:
+        """(header, blob): bytes, or the buffer `allocate` returned."""
         if self.blob is None:
             raise StatusError(grpc.StatusCode.DATA_LOSS, "shard stream ended without its checksum trailer")
         return self.header, self.blob
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """(value, position after it) of the protobuf varint at data[pos]."""
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise StatusError(grpc.StatusCode.DATA_LOSS, "shard stream sent a malformed message")
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not byte & 0x80:
+            return value, pos
 
 
 def _metadata(token: str | None):
@@ -74,8 +129,9 @@ def _raise(e: grpc.RpcError):
 class _Client:
     """A blocking channel, a stub, and the admin token sent on mutating calls."""
 
-    def __init__(self, address: str, stub_class, token: str | None, timeout_s: float, tls: ClientTls | None = None):
-        self.channel = secure_or_insecure_channel(address, tls)
+    def __init__(self, address: str, stub_class, token: str | None, timeout_s: float, tls: ClientTls | None = None,
+                 options=None):
+        self.channel = secure_or_insecure_channel(address, tls, options)
         self.stub = stub_class(self.channel)
         self.md = _metadata(token)
         self.timeout_s = timeout_s
@@ -92,7 +148,7 @@ class _Client:
 
 class StoreClient(_Client):
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 300.0, tls: ClientTls | None = None):
-        super().__init__(address, spb_grpc.AdapterStoreStub, token, timeout_s, tls)
+        super().__init__(address, spb_grpc.AdapterStoreStub, token, timeout_s, tls, options=BULK_OPTIONS)
 
     def register(self, name: str, uri: str, revision: str = "") -> pb.AdapterManifest:
         return self._call(self.stub.RegisterAdapter, spb.RegisterAdapterRequest(name=name, uri=uri, revision=revision), admin=True)
@@ -116,14 +172,36 @@ class StoreClient(_Client):
         return list(self._call(self.stub.Prefetch, spb.PrefetchRequest(items=items), admin=True).results)
 
     def fetch_shard(self, name: str, layout: pb.Layout, tp_rank: int = 0, ep_rank: int = 0, digest: str = "") -> tuple[spb.ShardHeader, bytes]:
-        req = spb.FetchShardRequest(name=name, layout=layout, rank=pb.ShardRank(tp_rank=tp_rank, ep_rank=ep_rank), digest=digest)
-        asm = ShardAssembler()
+        """(header, blob), the stream's checksum checked. A stream that breaks after its header
+        with DATA_LOSS (a copy that failed its checksum, here or in the store) is asked again once,
+        with the store checking its copy before it sends it."""
         try:
-            for chunk in self.stub.FetchShard(req, timeout=self.timeout_s):
-                asm.add(chunk)
+            return self._fetch_shard(name, layout, tp_rank, ep_rank, digest, verify=False)
+        except _BrokenStream:
+            return self._fetch_shard(name, layout, tp_rank, ep_rank, digest, verify=True)
+
+    def _fetch_shard(self, name, layout, tp_rank, ep_rank, digest, verify) -> tuple[spb.ShardHeader, bytes]:
+        req = spb.FetchShardRequest(name=name, layout=layout, rank=pb.ShardRank(tp_rank=tp_rank, ep_rank=ep_rank),
+                                    digest=digest, verify=verify)
+        asm = ShardAssembler()
+        method = self.channel.unary_stream("/loraserve.v1.AdapterStore/FetchShard",
+                                           request_serializer=spb.FetchShardRequest.SerializeToString)
+        try:
+            for message in method(req, timeout=self.timeout_s):
+                asm.add_raw(message)
+            return asm.result()
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DATA_LOSS and asm.header is not None and not verify:
+                raise _BrokenStream() from None
             _raise(e)
-        return asm.result()
+        except StatusError as e:
+            if e.code == grpc.StatusCode.DATA_LOSS and asm.header is not None and not verify:
+                raise _BrokenStream() from None
+            raise
+
+
+class _BrokenStream(Exception):
+    """A shard stream that failed after its header with DATA_LOSS: worth one more try."""
 
 
 class ExecutorClient(_Client):

@@ -51,6 +51,14 @@ log = logging.getLogger(__name__)
 FINISH_REASONS = ("length", "stop", "eos", "cancelled")
 
 
+def _nothing() -> None:
+    pass
+
+
+def _not_landed() -> bool:
+    return False  # a queued sequence's readiness until its adapter's slot lease exists
+
+
 @dataclass
 class GenerationRequest:
     """Exactly one of prompt (raw text), messages (chat) or prompt_token_ids."""
@@ -167,6 +175,7 @@ class Engine:
         self._stepping: dict[Sequence, int] = {}  # sequences of the steps in flight -> how many
         self._deferred_releases: list[tuple[Sequence, SlotLease]] = []  # held until their steps end
         self._prev_rows: dict[Sequence, int] = {}  # the last launched step's sample row of each sequence
+        self._acquiring = 0  # queued requests whose adapter has no slot lease yet
         # One thread each: a prompt being tokenized never holds up the streams' detokenizing.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenize")
@@ -235,18 +244,24 @@ class Engine:
             raise unavailable("the engine is not running")
         params = self._resolve(req.sampling)
         self._check_prompt_size(req)
-        if req.prompt_token_ids is not None:
-            prompt_ids = self._prompt_ids(req)
-        else:
-            prompt_ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._prompt_ids, req)
-        validate_request(
-            params,
-            len(prompt_ids),
-            vocab_size=self.vocab_size,
-            max_model_len=self.config.max_model_len,
-            max_stop_strings=self.config.max_stop_strings,
-            max_stop_string_chars=self.config.max_stop_string_chars,
-        )
+        # From arrival on: the adapter's CPU copy is fetched (while tokenizing) and its slot kept.
+        unwant = self.slots.want(req.adapter) if req.adapter else _nothing
+        try:
+            if req.prompt_token_ids is not None:
+                prompt_ids = self._prompt_ids(req)
+            else:
+                prompt_ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._prompt_ids, req)
+            validate_request(
+                params,
+                len(prompt_ids),
+                vocab_size=self.vocab_size,
+                max_model_len=self.config.max_model_len,
+                max_stop_strings=self.config.max_stop_strings,
+                max_stop_string_chars=self.config.max_stop_string_chars,
+            )
+        except BaseException:
+            unwant()
+            raise
         started = time.monotonic()
         log.info(
             "request %s: start, adapter=%r, %d prompt tokens, max_tokens=%d, temperature=%g",
@@ -256,11 +271,11 @@ class Engine:
         lease: SlotLease | None = None
         reason = "error"
         try:
-            if req.adapter:
-                lease = await self._within(self.slots.acquire(req.adapter), req.deadline, request_id)
+            # Queued at arrival, admitted once its adapter has landed in a slot: the queue keeps
+            # arrival order, so a cold adapter's request goes before later ones once it lands.
             seq = Sequence(next(self._seq_ids), list(prompt_ids), len(prompt_ids))
-            if lease is not None:
-                seq.slot, seq.is_ready = lease.slot, lease.is_ready
+            if req.adapter:
+                seq.is_ready = _not_landed
             run = _Run(
                 request_id=request_id,
                 seq=seq,
@@ -272,6 +287,14 @@ class Engine:
             )
             self._runs[seq.seq_id] = run
             self.scheduler.add(seq)
+            if req.adapter:
+                self._acquiring += 1
+                try:
+                    lease = await self._within(self.slots.acquire(req.adapter), req.deadline, request_id)
+                finally:
+                    self._acquiring -= 1
+                    unwant()
+                run.lease, seq.slot, seq.is_ready = lease, lease.slot, lease.is_ready
             self._wakeup.set()
             while True:
                 item = await self._within(run.queue.get(), req.deadline, request_id)
@@ -288,6 +311,7 @@ class Engine:
             reason = exc.code.name
             raise
         finally:
+            unwant()
             self._close(run, lease)
             log.info(
                 "request %s: finished (%s), %d output tokens in %.3fs",
@@ -379,20 +403,21 @@ class Engine:
                             await pending
                             pending = None
                             continue
+                        # Nothing to run now: wait for a request, or for an adapter to land (its
+                        # acquire wakes the loop); a slot copy in flight (a CUDA event) is looked at
+                        # again shortly.
                         self._wakeup.clear()
-                        if self.scheduler.has_work():  # only sequences whose adapter copy is in flight
-                            try:
-                                await asyncio.wait_for(self._wakeup.wait(), 0.002)
-                            except asyncio.TimeoutError:
-                                pass
-                        else:
-                            await self._wakeup.wait()
+                        copying = len(self.scheduler.waiting) > self._acquiring
+                        try:
+                            await asyncio.wait_for(self._wakeup.wait(), 0.002 if copying else None)
+                        except asyncio.TimeoutError:
+                            pass
                         continue
                     inflight = await self._start(plan)
                     if inflight is None:
                         continue
                 if self._speculate(inflight):
-                    plan = self._plan()
+                    plan = self._plan(admit=False)
                     if plan.seqs:
                         following = await self._start(plan)
                 if pending is not None:  # earlier outputs go out while the device computes
@@ -409,8 +434,8 @@ class Engine:
                 if step is not None and step.launched.event is not None:
                     step.launched.event.synchronize()
 
-    def _plan(self) -> SchedulePlan:
-        plan = self.scheduler.schedule()
+    def _plan(self, admit: bool = True) -> SchedulePlan:
+        plan = self.scheduler.schedule(admit)
         for seq in plan.failed:
             self._fail(seq, exhausted(f"sequence of {len(seq.token_ids)} tokens does not fit in the KV cache"))
         return plan
@@ -478,12 +503,15 @@ class Engine:
     def _speculate(self, step: _InFlight) -> bool:
         """Whether the next step can be planned before `plan`'s tokens are known, and if so gives
         each of its sampled sequences that goes on a placeholder token. Only when that step
-        is sure to be a graph step fed from the device: nothing waits for admission, every
+        is sure to be a graph step fed from the device: no waiting request could be admitted, every
         running sequence decodes (at most one token to compute, its last one sampled by `plan`
-        unless its id is on the host), and they fit the largest graph."""
+        unless its id is on the host), and they fit the largest graph. That step admits nobody
+        (`schedule(admit=False)`): a request whose adapter lands meanwhile waits one step."""
         graphs, running = self.graphs, self.scheduler.running
-        if graphs is None or not step.launched.kept or self.scheduler.waiting or not 0 < len(running) <= graphs.max_batch:
+        if graphs is None or not step.launched.kept or not 0 < len(running) <= graphs.max_batch:
             return False
+        if len(running) < self.scheduler.max_num_seqs and any(seq.is_ready() for seq in self.scheduler.waiting):
+            return False  # one could be admitted: the next step is planned with it, on real ids
         sampled = {s.seq: s for s in step.plan.seqs if s.needs_sample}
         goes_on = []
         for seq in running:

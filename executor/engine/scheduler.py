@@ -97,7 +97,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self._free(seq)
 
-    def schedule(self) -> SchedulePlan:
+    def schedule(self, admit: bool = True) -> SchedulePlan:
+        """The next step: running sequences first, then (if admit) waiting ones."""
         plan = SchedulePlan(seqs=[], failed=[], preempted=[])
         budget = self.max_num_batched_tokens
         # 1. Running sequences, oldest first.
@@ -124,7 +125,7 @@ class Scheduler:
                 budget -= n
                 i += 1
         # 2. Admit waiting sequences (FCFS; an adapter still loading does not block others).
-        for seq in list(self.waiting):
+        for seq in list(self.waiting) if admit else ():
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             if seq in plan.preempted or not seq.is_ready():

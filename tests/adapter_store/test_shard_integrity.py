@@ -199,3 +199,64 @@ def _expected_shard(adapter_dir: Path):
     adapter = pack.load_adapter(adapter_dir, None, validate.Limits())
     lay, rank = layout(), pb.ShardRank()
     return adapter, pack.shard(pack.pack_full(adapter, lay), lay, rank), lay, rank
+
+
+# -- disk copies streamed as they are read ------------------------------------------------------
+def _disk_file(s) -> Path:
+    (path,) = (s.cfg.data_dir / "cache").rglob("*.shard")
+    return path
+
+
+def test_a_disk_copy_changed_since_its_check_is_hashed_while_streamed_and_dropped_if_bad(store, caplog):
+    header, good = store.client.fetch_shard("a", layout())  # packed and cached: the store checked it
+    path = _disk_file(store)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # still a loadable blob: only the sha256 knows
+    time.sleep(0.02)  # a later mtime than the check's, even on coarse file clocks
+    path.write_bytes(bytes(data))
+    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
+    with grpc.insecure_channel(store.address) as channel:
+        stream = spb_grpc.AdapterStoreStub(channel).FetchShard(spb.FetchShardRequest(name="a", layout=layout()), timeout=60)
+        with pytest.raises(grpc.RpcError) as e:
+            for chunk in stream:
+                assert chunk.WhichOneof("part") != "trailer"  # the bad copy never gets its trailer
+    assert e.value.code() == grpc.StatusCode.DATA_LOSS
+    assert e.value.details() == ("the cached shard of adapter 'a' failed its sha256 check in the store's disk cache "
+                                 "and was dropped: fetch it again")
+    assert "failed its sha256 check; deleting it" in caplog.text and not path.exists()
+    header, blob = store.client.fetch_shard("a", layout())
+    assert header.cache_tier == "packed" and pack_equal(blob, good)
+
+
+def test_the_python_client_asks_again_with_verify_when_a_stream_fails_after_its_header(store):
+    _, good = store.client.fetch_shard("a", layout())
+    path = _disk_file(store)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    time.sleep(0.02)
+    path.write_bytes(bytes(data))
+    header, blob = store.client.fetch_shard("a", layout())  # one call: DATA_LOSS, then verify=True
+    assert header.cache_tier == "packed" and pack_equal(blob, good)
+
+
+def test_a_checked_disk_copy_streams_with_the_sha256_stored_beside_it(store):
+    _, good = store.client.fetch_shard("a", layout())
+    chunks = raw_chunks(store.address, 1 << 12)
+    assert chunks[0].header.cache_tier == "disk"
+    assert b"".join(c.data for c in chunks[1:-1]) == good
+    assert chunks[-1].trailer.sha256 == hashlib.sha256(good).hexdigest()
+    # verify=True: read whole and checked before the first byte goes out, same bytes
+    with grpc.insecure_channel(store.address) as channel:
+        req = spb.FetchShardRequest(name="a", layout=layout(), verify=True)
+        verified = list(spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60))
+    assert verified[0].header.cache_tier == "disk" and b"".join(c.data for c in verified[1:-1]) == good
+
+
+def test_assembler_refuses_more_bytes_than_the_header_said():
+    asm = ShardAssembler(allocate=bytearray)
+    asm.add(spb.ShardChunk(header=spb.ShardHeader(total_bytes=4)))
+    asm.add_raw(spb.ShardChunk(data=b"abc").SerializeToString())
+    with pytest.raises(StatusError) as e:
+        asm.add_raw(spb.ShardChunk(data=b"de").SerializeToString())
+    assert e.value.code == grpc.StatusCode.DATA_LOSS
+    assert e.value.message == "shard stream sent more than the 4 bytes its header said"

@@ -411,3 +411,63 @@ async def test_stop_cancels_live_requests(make_engine):
     rest = [o async for o in stream]
     assert rest[-1].finish_reason == "cancelled"
     _assert_idle(engine)
+
+
+class GatedStore(Store):
+    """Store whose fetches of `cold` wait for `gate` (a slow store, a cold cache)."""
+
+    def __init__(self, model, names, cold: str):
+        super().__init__(model, names)
+        self.cold, self.gate = cold, asyncio.Event()
+
+    async def fetch(self, name):
+        if name == self.cold:
+            await self.gate.wait()
+        return await super().fetch(name)
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
+async def _first_token_time(engine: Engine, req: GenerationRequest, times: dict, key: str):
+    async for out in engine.generate(req):
+        times.setdefault(key, time.monotonic())
+    times[key + " done"] = time.monotonic()
+
+
+async def test_a_cold_adapters_request_is_admitted_in_arrival_order_once_its_adapter_lands(tiny, make_engine):
+    """One running seat: the cold adapter's request arrived before `later`; its adapter lands while
+    another request runs, and it runs next, before `later` (queued at arrival, admitted on landing)."""
+    store = GatedStore(tiny[1], ["cold"], cold="cold")
+    engine = make_engine(store=store, max_num_seqs=1)
+    times: dict[str, float] = {}
+    first = asyncio.create_task(_first_token_time(engine, _greedy(_prompt(5, 1), 80), times, "first"))
+    await _until(lambda: "first" in times)  # running
+    cold = asyncio.create_task(_first_token_time(engine, _greedy(_prompt(5, 2), 4, adapter="cold"), times, "cold"))
+    await asyncio.sleep(0.01)  # `cold` arrives first (its fetch waits at the gate) ...
+    later = asyncio.create_task(_first_token_time(engine, _greedy(_prompt(5, 3), 4), times, "later"))
+    await _until(lambda: len(engine._runs) == 3)  # ... then `later` is queued (`cold` is, since it arrived)
+    store.gate.set()
+    await _until(lambda: engine.slots.state("cold").slot >= 0)  # the cold adapter lands
+    assert "first done" not in times  # ... while `first` still runs (80 tokens)
+    await asyncio.wait_for(asyncio.gather(first, cold, later), 30)
+    assert times["first done"] <= times["cold"] < times["later"]
+    _assert_idle(engine)
+
+
+async def test_a_cold_adapter_does_not_hold_up_other_requests(tiny, make_engine):
+    store = GatedStore(tiny[1], ["cold", "hot"], cold="cold")
+    engine = make_engine(store=store)
+    cold = asyncio.create_task(_collect(engine, _greedy(_prompt(5, 2), 4, adapter="cold")))
+    await asyncio.sleep(0.01)
+    for adapter in ("", "hot"):  # served while the cold adapter's fetch is still waiting
+        ids, _, _ = await asyncio.wait_for(_collect(engine, _greedy(_prompt(5, 3), 4, adapter=adapter)), 30)
+        assert len(ids) == 4
+    assert not cold.done() and len(engine.scheduler.waiting) == 1  # queued, not admitted
+    store.gate.set()
+    assert len((await asyncio.wait_for(cold, 30))[0]) == 4
+    _assert_idle(engine)

@@ -61,7 +61,9 @@ class TamperingStore(AdapterStoreService):
     mode: str | None = None
 
     async def FetchShard(self, request, context):
-        chunks = [c async for c in super().FetchShard(request, context)]
+        # The real FetchShard yields data chunks already framed (bytes): back to messages here.
+        chunks = [spb.ShardChunk.FromString(c) if isinstance(c, bytes) else c
+                  async for c in super().FetchShard(request, context)]
         if self.mode is not None:
             chunks = TAMPER[self.mode][0](chunks[0], chunks[1:-1], chunks[-1])
         for c in chunks:

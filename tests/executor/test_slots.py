@@ -469,3 +469,88 @@ async def test_refresh_loop_survives_an_unexpected_error(store, slots, caplog):
     assert not loop.done()
     assert "adapter refresh round failed" in caplog.text and "device-side assert" in caplog.text
     loop.cancel()
+
+
+# ---- scheduling for many adapters --------------------------------------------------------------
+
+
+async def test_slot_waiters_are_served_in_arrival_order(store, slots):
+    """No adapter starves: a slot freed while adapters wait goes to the one that waited longest,
+    even when another asks for it in the same instant and could otherwise take it first."""
+    mgr = _manager(store, slots, max_loras=1)
+    for name in NAMES[:3]:
+        await mgr.load(name, into_slot=False)  # every copy already in the CPU cache
+    running = await mgr.acquire("adapter-0")
+    first = asyncio.create_task(mgr.acquire("adapter-1"))
+    await asyncio.sleep(0.01)  # adapter-1 is waiting for the slot
+    mgr.release(running)
+    late = asyncio.create_task(mgr.acquire("adapter-2"))  # asks in the same instant
+    lease = await asyncio.wait_for(first, 1.0)
+    assert slots.content[lease.slot] == "adapter-1" and not late.done()
+    mgr.release(lease)
+    mgr.release(await asyncio.wait_for(late, 1.0))
+
+
+async def test_slot_eviction_prefers_adapters_no_queued_request_wants(store, slots):
+    mgr = _manager(store, slots, max_loras=2)
+    for name in ["adapter-0", "adapter-1"]:  # adapter-0 is now the least recently used
+        mgr.release(await mgr.acquire(name))
+    unwant = mgr.want("adapter-0")  # a request for adapter-0 has arrived (tokenizing, queued)
+    lease = await mgr.acquire("adapter-2")
+    assert {s.name: s.slot >= 0 for s in mgr.states()} == {"adapter-0": True, "adapter-1": False, "adapter-2": True}
+    unwant()
+    mgr.release(lease)
+    mgr.release(await mgr.acquire("adapter-3"))  # nobody wants adapter-0 now: LRU again
+    assert {s.name for s in mgr.states() if s.slot >= 0} == {"adapter-2", "adapter-3"}
+
+
+async def test_a_wanted_adapter_is_prefetched_into_the_cpu_cache_before_its_acquire(store, slots):
+    mgr = _manager(store, slots)
+    unwant = mgr.want("adapter-3")
+    await asyncio.sleep(0.01)
+    assert store.fetches == {"adapter-3": 1} and mgr.state("adapter-3").in_cpu_cache
+    lease = await mgr.acquire("adapter-3")
+    unwant()
+    mgr.release(lease)
+    assert store.fetches == {"adapter-3": 1}
+    mgr.want("adapter-9")()  # a failed prefetch leaves nothing behind; the acquire reports the error
+    await asyncio.sleep(0.01)
+    assert "adapter-9" not in {s.name for s in mgr.states()}
+    with pytest.raises(StatusError) as e:
+        await mgr.acquire("adapter-9")
+    _status(e, grpc.StatusCode.NOT_FOUND, "adapter 'adapter-9' is not registered")
+
+
+async def test_an_adapter_waiting_for_a_slot_is_fetched_meanwhile(store, slots):
+    mgr = _manager(store, slots, max_loras=1)
+    running = await mgr.acquire("adapter-0")
+    waiting = asyncio.create_task(mgr.acquire("adapter-1"))
+    await asyncio.sleep(0.01)
+    assert store.fetches.get("adapter-1") == 1 and mgr.state("adapter-1").in_cpu_cache and not waiting.done()
+    mgr.release(running)
+    mgr.release(await asyncio.wait_for(waiting, 1.0))
+
+
+async def test_cpu_cache_is_bounded_in_bytes(store, slots):
+    shard_bytes = 1 * 2 * 4 * 4  # Store's shards: one float32 tensor of [1, 2, 4]
+    mgr = _manager(store, slots, max_cpu_adapters=None)
+    mgr.cpu_cache_bytes = 2 * shard_bytes
+    for name in NAMES:
+        mgr.release(await mgr.acquire(name))
+    assert mgr.cpu_cache_state() == (2, 2 * shard_bytes)
+    assert sorted(s.name for s in mgr.states() if s.in_cpu_cache) == NAMES[3:]
+
+
+async def test_cpu_cache_drops_copies_no_request_waits_on_first(store, slots):
+    shard_bytes = 1 * 2 * 4 * 4
+    mgr = _manager(store, slots, max_loras=1, max_cpu_adapters=None)
+    mgr.cpu_cache_bytes = 2 * shard_bytes
+    running = await mgr.acquire("adapter-0")
+    waiting = asyncio.create_task(mgr.acquire("adapter-1"))  # fetched, then waits for the slot
+    await asyncio.sleep(0.01)
+    for name in ["adapter-2", "adapter-3"]:  # newer copies: LRU alone would drop adapter-1's
+        await mgr.load(name, into_slot=False)
+    assert mgr.state("adapter-1").in_cpu_cache
+    mgr.release(running)
+    mgr.release(await asyncio.wait_for(waiting, 1.0))
+    assert store.fetches["adapter-1"] == 1

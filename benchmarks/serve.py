@@ -1,0 +1,509 @@
+"""Many adapters, one GPU: a Zipf workload through the engine (in-process, and through the gRPC
+service), beside the same workload on the base model alone and on transformers + PEFT. Prints
+one table; asserts nothing about time.
+
+Usage (on a CUDA host, from the repo root, with `loraserve` importable):
+    python benchmarks/serve.py --tokenizer DIR --shape llama3-8b --adapters 1000 --alpha 1.0 \
+        --max-loras 64 --concurrency 64 --requests 1000
+    python benchmarks/serve.py --probe --tokenizer DIR --shape llama3-8b    # the load path alone
+    python benchmarks/serve.py --device cpu --shape tiny --adapters 16 --requests 48   # smoke run
+
+- The model: bench_engine.py's random-weight model of `--shape` on `--device` (bf16 on CUDA,
+  float32 on CPU); the tokenizer from `--tokenizer` (a folder with tokenizer.json), or a
+  generated word-level one of the model's vocabulary when none is given (prompts are token ids).
+- Adapters: `--adapters` names; adapter i has rank RANKS[i % 4] (8, 16, 32, 64) on every linear
+  layer. Their shards come from an in-process fetch (random tensors, one set per rank, returned
+  unpinned so that a CPU-cache miss costs the host copy into pinned memory that a store fetch
+  also ends with) instead of the adapter store: registering a thousand 40-320 MiB adapters
+  would take longer than the run. `--probe` measures the store path on its own.
+- Workload: request j asks for adapter k with probability proportional to 1 / (k + 1)^alpha,
+  prompt and output lengths uniform in [--prompt-len] and [--output-len]; arrivals are a closed
+  loop of `--concurrency` clients, or Poisson at `--rate` requests/s. EOS is ignored.
+- The ceiling: base model alone on the same workload x base bytes / (base bytes + the bytes of
+  the distinct adapters the mean decode step reads, at their own ranks); printed with the distinct
+  adapters per step and loraserve's ratio to it, and beside it the ceiling if every active slot is
+  read at the slot rank (64), which is what the Triton kernels walk (docs/ARCHITECTURE.md, Kernels).
+- transformers + PEFT: one request at a time; for each, `PeftModel.load_adapter` of the
+  request's adapter (a PEFT folder of its rank saved once to local disk, read again per request),
+  `set_adapter`, `generate`, `delete_adapter`. HF keeps one active adapter per forward, so a
+  server on it must load per request or batch by adapter; `--peft-requests` of them are run.
+- `--probe`: bytes per adapter of each rank, pinned host -> device bandwidth measured in the same
+  run, and cold load times as ratios of the copy floor (bytes / that bandwidth): CPU cache ->
+  slot (the adapter in pinned host memory, not in a slot), and store -> slot through a real
+  `loraserve store` process on loopback (one rank-16 PEFT adapter registered, disk tier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_engine  # noqa: E402 - the random-weight model of a shape, the weight bytes of a step
+
+from loraserve.executor.config import ExecutorConfig  # noqa: E402
+from loraserve.executor.engine.engine import Engine, GenerationRequest  # noqa: E402
+from loraserve.executor.engine.kv_cache import KVCache  # noqa: E402
+from loraserve.executor.engine.sampler import SamplingParams  # noqa: E402
+from loraserve.executor.lora import LoraSpec, load_shard_into_slot, lora_modules  # noqa: E402
+from loraserve.executor.memory import lora_bytes_per_slot  # noqa: E402
+from loraserve.executor.slots import SlotManager, SlotObserver  # noqa: E402
+
+RANKS = (8, 16, 32, 64)
+
+
+# ---- adapters -----------------------------------------------------------------------------------
+
+
+class RandomAdapters:
+    """fetch_shard for N names: adapter i has rank RANKS[i % 4]; one random tensor set per rank."""
+
+    def __init__(self, model, dtype):
+        self.shapes = {n: (m.lora_a.shape[1:], m.lora_b.shape[1:]) for n, m in lora_modules(model).items()
+                       if m.lora_a is not None and not n.endswith(("embed_tokens", "lm_head"))}
+        self.dtype, self.sets = dtype, {}
+
+    def rank(self, name: str) -> int:
+        return RANKS[int(name.rsplit("-", 1)[1]) % len(RANKS)]
+
+    def tensors(self, rank: int) -> dict[str, torch.Tensor]:
+        if rank not in self.sets:
+            g, out = torch.Generator().manual_seed(rank), {}
+            for n, (a, b) in self.shapes.items():
+                out[f"{n}.lora_a"] = (torch.randn(a[0], rank, *a[2:], generator=g) * 0.02).to(self.dtype)
+                out[f"{n}.lora_b"] = (torch.randn(b[0], rank, generator=g) * 0.02).to(self.dtype)
+            self.sets[rank] = out
+        return self.sets[rank]
+
+    def nbytes(self, rank: int) -> int:
+        return sum(t.nbytes for t in self.tensors(rank).values())
+
+    async def fetch(self, name: str):
+        rank = self.rank(name)
+        src = self.tensors(rank)
+        # a fresh host copy per fetch (as a stream would land), pinned by the slot manager on CUDA
+        tensors = await asyncio.to_thread(lambda: {k: t.clone() for k, t in src.items()})
+        return f"random-r{rank}-{name}", rank, tensors, self.nbytes(rank)
+
+
+class Counter(SlotObserver):
+    def __init__(self):
+        self.hits = self.misses = self.evictions = 0
+        self.loads: list[tuple[str, float]] = []
+
+    def slot_hit(self): self.hits += 1  # noqa: E704
+    def slot_miss(self): self.misses += 1  # noqa: E704
+    def slot_eviction(self): self.evictions += 1  # noqa: E704
+    def adapter_loaded(self, tier, seconds): self.loads.append((tier, seconds))  # noqa: E704
+
+
+# ---- workload -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Item:
+    prompt: list[int]
+    output_len: int
+    adapter: str
+    arrival_s: float = 0.0  # Poisson: offset from the start
+
+
+@dataclass
+class Result:
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+
+
+def workload(args, vocab: int) -> list[Item]:
+    rng = random.Random(args.seed)
+    weights = [1.0 / (k + 1) ** args.alpha for k in range(args.adapters)]
+    names = rng.choices([f"adapter-{k}" for k in range(args.adapters)], weights, k=args.requests)
+    t, items = 0.0, []
+    for name in names:
+        plen, olen = rng.randint(*args.prompt_len), rng.randint(*args.output_len)
+        if args.rate:
+            t += rng.expovariate(args.rate)
+        items.append(Item([rng.randrange(3, vocab) for _ in range(plen)], olen, name, t))
+    return items
+
+
+async def drive(items: list[Item], one, args) -> Result:
+    """Runs every item through `one(item) -> (tokens, ttft_s, tpot_s)`: closed loop or Poisson."""
+    res, queue = Result(), list(items)
+
+    async def record(item):
+        tokens, ttft, tpot = await one(item)
+        res.tokens += tokens
+        res.ttft.append(ttft)
+        if tpot is not None:
+            res.tpot.append(tpot)
+
+    t0 = time.perf_counter()
+    if args.rate:
+        async def at(item):
+            await asyncio.sleep(max(0.0, item.arrival_s - (time.perf_counter() - t0)))
+            await record(item)
+        await asyncio.gather(*(at(i) for i in queue))
+    else:
+        async def client():
+            while queue:
+                await record(queue.pop(0))
+        await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def engine_one(engine: Engine, use_adapters: bool):
+    async def one(item: Item):
+        req = GenerationRequest(adapter=item.adapter if use_adapters else "", prompt_token_ids=item.prompt,
+                                sampling=SamplingParams(max_tokens=item.output_len))
+        t0 = time.perf_counter()
+        times = [time.perf_counter() async for out in engine.generate(req) for _ in out.token_ids]
+        return len(times), times[0] - t0, (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+    return one
+
+
+def grpc_one(stub, use_adapters: bool):
+    from loraserve.v1 import executor_pb2 as epb
+
+    async def one(item: Item):
+        req = epb.GenerateRequest(adapter=item.adapter if use_adapters else "", token_ids=epb.TokenIds(ids=item.prompt),
+                                  sampling=epb.SamplingParams(max_tokens=item.output_len))
+        t0 = time.perf_counter()
+        times = [time.perf_counter() async for r in stub.GenerateStream(req) for _ in r.token_ids]
+        return len(times), times[0] - t0, (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+    return one
+
+
+# ---- the engine and what each step reads --------------------------------------------------------
+
+
+def build(args, tokenizer):
+    spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE)
+    model = bench_engine.build_model(args.shape, args.vocab, spec)
+    longest = args.prompt_len[1] + args.output_len[1] + 16
+    cfg = ExecutorConfig(
+        model="random", base_model="random", device=bench_engine.DEVICE, dtype=str(bench_engine.DTYPE).removeprefix("torch."),
+        max_loras=args.max_loras, max_rank=max(RANKS), cpu_cache_bytes=args.cpu_cache_bytes or 0, block_size=16,
+        num_blocks=args.concurrency * -(-longest // 16) + 64, max_num_seqs=args.concurrency,
+        max_num_batched_tokens=max(2048, longest), max_model_len=longest, adapter_refresh_s=0,
+    )  # fmt: skip
+    if not cfg.cpu_cache_bytes:
+        from loraserve.executor.memory import available_host_bytes, default_cpu_cache_bytes
+        cfg.cpu_cache_bytes = default_cpu_cache_bytes(available_host_bytes())
+    mc = model.cfg
+    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, bench_engine.DTYPE, bench_engine.DEVICE)
+    adapters, counter, modules = RandomAdapters(model, bench_engine.DTYPE), Counter(), lora_modules(model)
+    slots = SlotManager(adapters.fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
+                        lambda slot: [m.reset_lora(slot) for m in modules.values()], max_loras=cfg.max_loras,
+                        cpu_cache_bytes=cfg.cpu_cache_bytes, device=torch.device(bench_engine.DEVICE), observer=counter)
+    engine = Engine(model, tokenizer, kv, slots, cfg)
+    return engine, adapters, counter
+
+
+class StepWatch:
+    """Distinct adapters (and their bytes) of each decode step, read from the plans the engine runs."""
+
+    def __init__(self, engine: Engine, adapters: RandomAdapters):
+        self.steps: list[tuple[int, int]] = []  # (distinct adapters, their bytes)
+        flatten = engine._flatten
+
+        def watched(plan):
+            if all(s.num_tokens == 1 for s in plan.seqs):
+                names = {engine._runs[s.seq.seq_id].lease.name for s in plan.seqs
+                         if engine._runs[s.seq.seq_id].lease is not None}
+                self.steps.append((len(names), sum(adapters.nbytes(adapters.rank(n)) for n in names)))
+            return flatten(plan)
+
+        engine._flatten = watched
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (values or [0])[0]
+
+
+def row(name: str, r: Result, note: str = "") -> tuple:
+    return (name, f"{r.tokens / r.seconds:.1f}", f"{pct(r.ttft, 50) * 1e3:.0f} / {pct(r.ttft, 99) * 1e3:.0f}",
+            f"{pct(r.tpot, 50) * 1e3:.1f} / {pct(r.tpot, 99) * 1e3:.1f}" if r.tpot else "-", note)
+
+
+# ---- transformers + PEFT ------------------------------------------------------------------------
+
+
+def peft_result(args, items: list[Item]) -> Result:
+    """One request at a time, its adapter loaded from disk for it and deleted after."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = bench_engine.SHAPES[args.shape]
+    hf_cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+                         num_hidden_layers=s["num_layers"], num_attention_heads=s["num_heads"],
+                         num_key_value_heads=s["num_kv_heads"], head_dim=s["head_dim"], rope_theta=s["rope_theta"],
+                         max_position_embeddings=8192)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(bench_engine.DTYPE)  # built in its dtype: no float32 copy of the weights
+    try:
+        with torch.device(bench_engine.DEVICE):
+            base = LlamaForCausalLM(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    work = Path(tempfile.mkdtemp(prefix="serve-peft-"))
+    for rank in RANKS:  # one PEFT folder per rank, written once
+        m = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False))
+        m.save_pretrained(work / f"r{rank}")
+        base = m.unload()
+    model = PeftModel.from_pretrained(base, work / f"r{RANKS[0]}", adapter_name="warm").eval()
+    res = Result()
+    t_all = time.perf_counter()
+    for item in items[: args.peft_requests]:
+        rank = RANKS[int(item.adapter.rsplit("-", 1)[1]) % len(RANKS)]
+        t0 = time.perf_counter()
+        model.load_adapter(work / f"r{rank}", adapter_name="req")
+        model.set_adapter("req")
+        ids = torch.tensor([item.prompt], device=bench_engine.DEVICE)
+        with torch.inference_mode():
+            first = model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+            t1 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=item.output_len, min_new_tokens=item.output_len, do_sample=False,
+                                 pad_token_id=0)
+        t2 = time.perf_counter()
+        model.set_adapter("warm")
+        model.delete_adapter("req")
+        n = out.shape[1] - ids.shape[1]
+        del first
+        res.tokens += n
+        res.ttft.append(t1 - t0)  # adapter load + prefill + one token
+        res.tpot.append((t2 - t1) / max(1, n))
+    res.seconds = time.perf_counter() - t_all
+    return res
+
+
+# ---- the probe ----------------------------------------------------------------------------------
+
+
+def h2d_bandwidth() -> float:
+    """Bytes/s of a 256 MiB pinned host -> device copy (host -> host on CPU)."""
+    n = 256 << 20
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=bench_engine.DEVICE == "cuda")
+    dst = torch.empty(n, dtype=torch.uint8, device=bench_engine.DEVICE)
+    return n / bench_engine._time_cuda(lambda: dst.copy_(src, non_blocking=True), repeat=10)
+
+
+async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
+    bw = h2d_bandwidth()
+    where = "pinned H2D" if bench_engine.DEVICE == "cuda" else "host memcpy"
+    rows = [(f"{where} bandwidth", f"{bw / 1e9:.1f} GB/s", "", "256 MiB, median of 10")]
+    slots = engine.slots
+    for rank in RANKS:
+        name = f"adapter-{RANKS.index(rank)}"
+        nbytes, floor = adapters.nbytes(rank), adapters.nbytes(rank) / bw
+        await slots.load(name, into_slot=False)  # in the CPU cache (pinned on CUDA), in no slot
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            lease = await slots.acquire(name)
+            if lease.ready is not None:
+                lease.ready.synchronize()
+            times.append(time.perf_counter() - t0)
+            slots.release(lease)
+            await slots.evict(name)
+            await slots.load(name, into_slot=False)
+        t = statistics.median(times)
+        rows.append((f"rank {rank}: CPU cache -> slot", f"{t * 1e3:.2f} ms", f"{nbytes / 2**20:.1f} MiB",
+                     f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms"))
+        await slots.evict(name)
+    rows += await store_probe(args, engine, bw)
+    return rows
+
+
+async def store_probe(args, engine: Engine, bw: float) -> list[tuple]:
+    """store -> slot: a real `loraserve store` process, one rank-16 PEFT adapter of the model's shape."""
+    import bench_store
+
+    from loraserve.client import StoreClient as BlockingStoreClient
+    from loraserve.executor.lora import declare_layout
+    from loraserve.executor.store_client import StoreClient
+
+    s = bench_engine.SHAPES[args.shape]
+    shape = dict(model_type="llama", hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+                 num_hidden_layers=s["num_layers"], num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"],
+                 head_dim=s["head_dim"], vocab_size=args.vocab)
+    work = Path(tempfile.mkdtemp(prefix="serve-probe-"))
+    port = bench_store.free_port()
+    proc = bench_store.start_store(work, port, None, "", config=shape)
+    try:
+        bench_store.make_adapter(work / "adapter", 16, config=shape)
+        BlockingStoreClient(f"127.0.0.1:{port}").register("probe-r16", str(work / "adapter"))
+        model = engine.model
+        layout = declare_layout(model.cfg, model.lora_spec, "meta-llama/Meta-Llama-3-8B")
+        store = StoreClient(f"127.0.0.1:{port}", layout, timeout_s=60, pin_memory=bench_engine.DEVICE == "cuda")
+        modules = lora_modules(model)
+        mgr = SlotManager(store.fetch_shard, lambda slot, t: load_shard_into_slot(model, slot, t),
+                          lambda slot: [m.reset_lora(slot) for m in modules.values()], max_loras=engine.slots.max_loras,
+                          max_cpu_adapters=0, device=torch.device(bench_engine.DEVICE))
+        times, nbytes = [], 0
+        for i in range(4):  # the first packs the shard in the store; the others read its disk cache
+            t0 = time.perf_counter()
+            lease = await mgr.acquire("probe-r16")
+            if lease.ready is not None:
+                lease.ready.synchronize()
+            if i:
+                times.append(time.perf_counter() - t0)
+            nbytes = mgr.state("probe-r16").bytes
+            mgr.release(lease)
+            await mgr.evict("probe-r16")  # and from the CPU cache (max_cpu_adapters 0 keeps none anyway)
+        await store.close()
+        t, floor = statistics.median(times), nbytes / bw
+        return [("rank 16: store -> slot", f"{t * 1e3:.1f} ms", f"{nbytes / 2**20:.1f} MiB",
+                 f"{t / floor:.1f}x the copy floor; stream {nbytes / t / 1e9:.2f} GB/s end to end (disk tier, loopback)")]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+async def run(args, tokenizer) -> list[tuple]:
+    engine, adapters, counter = build(args, tokenizer)
+    engine.start()
+    if args.probe:
+        rows = await probe(args, engine, adapters)
+        await engine.stop()
+        return rows, [], 0.0
+    items = workload(args, args.vocab)
+    watch = StepWatch(engine, adapters)
+    wbytes = bench_engine.weight_bytes(engine.model)
+    warm = [Item(items[0].prompt[:8], 4, items[0].adapter)]
+    await drive(warm, engine_one(engine, True), args)
+    base = await drive(items, engine_one(engine, False), args)
+    watch.steps.clear()
+    counter.__init__()
+    mixed = await drive(items, engine_one(engine, True), args)
+    distinct = statistics.mean(n for n, _ in watch.steps) if watch.steps else 0.0
+    step_adapter_bytes = statistics.mean(b for _, b in watch.steps) if watch.steps else 0.0
+    ceiling = (base.tokens / base.seconds) * wbytes / (wbytes + step_adapter_bytes)
+    # what the kernels read if they walk each active slot at the slot rank, not the adapter's own
+    slot_bytes = lora_bytes_per_slot(lora_modules(engine.model)) * distinct
+    tps = mixed.tokens / mixed.seconds
+    loads = [s for _, s in counter.loads]
+    rows = [
+        row("base model alone", base),
+        row(f"loraserve, {args.adapters} adapters", mixed, f"{tps / ceiling:.2f} of the ceiling; {tps / (base.tokens / base.seconds):.2f} of base"),
+        ("ceiling the bytes allow", f"{ceiling:.1f}", "", "",
+         f"{distinct:.1f} distinct adapters per decode step, {step_adapter_bytes / 2**20:.0f} MiB of them vs "
+         f"{wbytes / 2**30:.2f} GiB of weights (at the slot rank {max(RANKS)}: {slot_bytes / 2**20:.0f} MiB, "
+         f"ceiling {(base.tokens / base.seconds) * wbytes / (wbytes + slot_bytes):.1f} tok/s)"),
+        ("slots", f"hit rate {counter.hits / max(1, counter.hits + counter.misses):.2f}", "", "",
+         f"{len(loads) / mixed.seconds:.1f} loads/s, load p50 / p99 {pct(loads, 50) * 1e3:.1f} / {pct(loads, 99) * 1e3:.1f} ms, "
+         f"{counter.evictions} evictions; loads from the CPU cache {sum(t == 'cpu' for t, _ in counter.loads)}, fetched first "
+         f"{sum(t == 'store' for t, _ in counter.loads)}"),
+    ]
+    if args.grpc:
+        rows.append(await grpc_row(args, engine, items))
+    await engine.stop()
+    return rows, items, tps
+
+
+async def grpc_row(args, engine: Engine, items: list[Item]) -> tuple:
+    import grpc
+
+    from loraserve.executor.service import ExecutorParts, serve
+    from loraserve.executor.store_client import StoreClient
+    from loraserve.v1 import executor_pb2_grpc as epb_grpc
+    from loraserve.v1.common_pb2 import Layout
+
+    parts = ExecutorParts(engine, engine.slots, StoreClient("127.0.0.1:9", Layout()), engine.config)  # no store
+    server, port = await serve(parts, "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            result = await drive(items, grpc_one(epb_grpc.ExecutorStub(channel), True), args)
+    finally:
+        await server.stop(0)
+        parts.store_watch.cancel()
+    return row(f"loraserve through gRPC (client in-process)", result)
+
+
+def word_tokenizer(vocab: int):
+    """A word-level tokenizer of `vocab` ids (random weights: the text does not matter)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from loraserve.executor.model.tokenizer import Tokenizer
+
+    raw = RawTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="t0"), set())
+
+
+def main() -> None:
+    span = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731 - "lo,hi"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokenizer", type=Path, help="folder with tokenizer.json (default: a generated word-level one)")
+    ap.add_argument("--shape", choices=sorted(bench_engine.SHAPES), default="llama3-8b")
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run (float32)")
+    ap.add_argument("--adapters", type=int, default=1000, help="registered adapter names (ranks 8/16/32/64 in turn)")
+    ap.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity")
+    ap.add_argument("--max-loras", type=int, default=64)
+    ap.add_argument("--cpu-cache-bytes", type=int, default=0, help="0: half the available host memory")
+    ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients (and max_num_seqs)")
+    ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second instead of the closed loop")
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--prompt-len", type=span, default=(64, 512), help="lo,hi (uniform)")
+    ap.add_argument("--output-len", type=span, default=(64, 256), help="lo,hi (uniform)")
+    ap.add_argument("--peft-requests", type=int, default=16, help="requests run on transformers + PEFT (0: skip)")
+    ap.add_argument("--grpc", action="store_true", help="also run the workload through the executor's gRPC service")
+    ap.add_argument("--probe", action="store_true", help="measure the adapter load path instead of a workload")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    bench_engine.DEVICE = args.device
+    bench_engine.DTYPE = torch.bfloat16 if args.device == "cuda" else torch.float32
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("serve.py runs on a CUDA host (--device cpu: a smoke run)")
+    tokenizer = None
+    if args.tokenizer:
+        from loraserve.executor.model.tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_pretrained(args.tokenizer)
+        tokenizer.eos_token_ids = set()
+    rows, items, tps = asyncio.run(run(args, tokenizer or word_tokenizer(args.vocab)))
+    if args.peft_requests and items:  # after the engine is gone: its model and slots free their memory
+        import gc
+
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        peft = peft_result(args, items)
+        rows.append(row(f"transformers + PEFT ({min(args.peft_requests, len(items))} requests)", peft,
+                        f"loraserve / this = {tps / (peft.tokens / peft.seconds):.1f}x"))
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"\nserve benchmark - {args.shape} shape, random {str(bench_engine.DTYPE).removeprefix('torch.')} weights, {where}, "
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    if args.probe:
+        print("| case | time | size | note |\n|---|---|---|---|")
+    else:
+        print(f"{args.adapters} adapters (ranks {'/'.join(map(str, RANKS))}, all linear), Zipf alpha {args.alpha}, "
+              f"max_loras {args.max_loras}, {f'Poisson {args.rate}/s' if args.rate else f'closed loop of {args.concurrency}'}, "
+              f"{args.requests} requests, prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output "
+              f"{args.output_len[0]}-{args.output_len[1]} tokens")
+        print("| case | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | note |\n|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""What the executor gives adapters when it is not told: the CPU cache's bytes and the GPU slot
+count, from the memory free at start-up. Pure functions of their inputs, and two probes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CPU_CACHE_SHARE = 0.5  # of the host memory available at start-up
+SLOT_SHARE = 0.5  # of the GPU memory free once the model and the KV cache are in place
+MAX_AUTO_LORAS = 64  # an automatic max_loras never goes above this (a batch rarely has more adapters)
+CPU_MAX_LORAS = 8  # max_loras on CPU when not given
+
+
+def default_cpu_cache_bytes(available_host_bytes: int) -> int:
+    """CPU cache budget: a share of the host memory available now (pinned on CUDA, so not all)."""
+    return int(available_host_bytes * CPU_CACHE_SHARE)
+
+
+def default_max_loras(free_device_bytes: int, bytes_per_slot: int) -> int:
+    """GPU slots: as many as a share of the free device memory holds, at least 1, at most MAX_AUTO_LORAS."""
+    if bytes_per_slot <= 0:
+        return 1
+    return max(1, min(MAX_AUTO_LORAS, int(free_device_bytes * SLOT_SHARE) // bytes_per_slot))
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux; else physical memory), and no more than the cgroup
+    (a container's memory limit) has left: a pod sees its node's /proc/meminfo."""
+    available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        pass
+    left = cgroup_bytes_left()
+    return min(available, left) if left is not None else available
+
+
+def cgroup_bytes_left(root: str = "/sys/fs/cgroup") -> int | None:
+    """memory.max - memory.current of this process's cgroup (v2), or None without a limit."""
+    try:
+        limit = open(f"{root}/memory.max").read().strip()
+        used = int(open(f"{root}/memory.current").read())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(0, int(limit) - used)
+
+
+def lora_bytes_per_slot(modules) -> int:
+    """Bytes one slot takes across every LoRA module (their buffers' [max_loras, ...] leading dim)."""
+    return sum(m.lora_a[0].nbytes + m.lora_b[0].nbytes for m in modules.values() if m.lora_a is not None)
+
+
+def resize_slots(model, modules, max_loras: int) -> None:
+    """Re-creates every module's slot buffers with `max_loras` slots (they are empty at start-up)."""
+    spec = model.lora_spec
+    for m in modules.values():
+        if m.lora_a is not None:
+            m.lora_a = m.lora_b = None  # free the old buffers before the new ones are allocated
+            m.create_lora_weights(max_loras, spec.max_rank, spec.dtype)
+    model.lora_spec = dataclasses.replace(spec, max_loras=max_loras)
