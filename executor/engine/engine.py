@@ -131,7 +131,8 @@ class _Batch:
 @dataclass
 class _Launched:
     """A step queued on the device: `out` ([2, rows] float64, token ids and logprobs; pinned host
-    memory on CUDA) is readable once `event` (None off CUDA) has completed."""
+    memory on CUDA) is readable once `event` (recorded after the step's work on CUDA, None elsewhere)
+    has completed."""
 
     kind: str
     num_seqs: int
@@ -234,6 +235,8 @@ class Engine:
             try:
                 await self._task
             except asyncio.CancelledError:
+                pass
+            except Exception:  # noqa: BLE001 - the loop had died already: logged, its requests failed
                 pass
             self._task = None
         self._release_deferred()
@@ -438,6 +441,7 @@ class Engine:
             for step in (inflight, following):  # stopped mid-step: the device ends it before slots move
                 if step is not None and step.launched.event is not None:
                     step.launched.event.synchronize()
+            self._release_deferred()  # no step runs any more: held-back leases go back (also after a crash)
 
     def _plan(self, admit: bool = True) -> SchedulePlan:
         plan = self.scheduler.schedule(admit)
@@ -461,10 +465,12 @@ class Engine:
             else:
                 task = asyncio.ensure_future(asyncio.to_thread(self._launch, batch))
                 try:
-                    step.launched = await task
-                finally:
-                    if not task.done():  # cancelled: let the launch end before the slots move
-                        await asyncio.shield(asyncio.wait([task]))
+                    step.launched = await asyncio.shield(task)  # a cancel must not orphan the thread's launch
+                except asyncio.CancelledError:  # stopping: the launch and its device work end before the slots move
+                    await asyncio.wait([task])
+                    if task.exception() is None and task.result().event is not None:
+                        task.result().event.synchronize()
+                    raise
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
             self._step_failed(step, exc)
             return None
@@ -611,9 +617,10 @@ class Engine:
                 self.graphs.keep_sampled(token_ids)  # the next step may be planned on them (PENDING)
                 launched.kept = True
             launched.out = torch.stack((token_ids.double(), logprobs.double()))
-        if launched.out is not None and dev.type == "cuda":
-            host = torch.empty(launched.out.shape, dtype=launched.out.dtype, pin_memory=True)
-            launched.out = host.copy_(launched.out, non_blocking=True)
+        if dev.type == "cuda":  # every step, prefill chunks only too: its end is what frees leases
+            if launched.out is not None:
+                host = torch.empty(launched.out.shape, dtype=launched.out.dtype, pin_memory=True)
+                launched.out = host.copy_(launched.out, non_blocking=True)
             launched.event = torch.cuda.Event()
             launched.event.record()
         return launched

@@ -413,6 +413,25 @@ async def test_stop_cancels_live_requests(make_engine):
     _assert_idle(engine)
 
 
+async def test_a_crashed_step_loop_fails_its_requests_and_gives_their_slots_back(tiny, make_engine, monkeypatch):
+    """The loop dies (a bug in planning, here injected): every live request gets INTERNAL, and the
+    leases held back for steps in flight go back, so the adapter can be evicted."""
+    engine = make_engine(store=Store(tiny[1], ["a1"]))
+    stream = engine.generate(_greedy(_prompt(12, 5), 60, adapter="a1"))
+    await stream.__anext__()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planning bug")
+
+    monkeypatch.setattr(engine.scheduler, "schedule", broken)
+    with pytest.raises(StatusError) as err:
+        async for _ in stream:
+            pass
+    assert err.value.code == grpc.StatusCode.INTERNAL and "engine stopped: RuntimeError: planning bug" in err.value.message
+    await asyncio.sleep(0.05)
+    assert engine.slots.state("a1").in_use == 0 and engine._deferred_releases == []
+
+
 class GatedStore(Store):
     """Store whose fetches of `cold` wait for `gate` (a slow store, a cold cache)."""
 
