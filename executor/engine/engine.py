@@ -101,6 +101,7 @@ class _Run:
     text: str = ""  # output text decoded so far
     emitted: int = 0  # chars of text delivered
     searched: int = 0  # chars of text already searched for stop strings
+    emitted_tokens: int = 0  # tokens delivered to the stream (a step launched ahead may have added more)
     done: bool = False
 
 
@@ -323,7 +324,7 @@ class Engine:
             self._close(run, lease)
             log.info(
                 "request %s: finished (%s), %d output tokens in %.3fs",
-                request_id, reason, run.seq.num_output_tokens if run else 0, time.monotonic() - started,
+                request_id, reason, run.emitted_tokens if run else 0, time.monotonic() - started,
             )  # fmt: skip
 
     def _resolve(self, p: SamplingParams) -> SamplingParams:
@@ -398,8 +399,8 @@ class Engine:
         Step N+1 launched before step N's tokens are known feeds them from the device: the
         scheduler sees a placeholder token (PENDING) per sequence, the graph reads the real ids
         that step N's sampling left in the graphs' buffer, and `_append` puts them in place. A
-        sequence that step N ends (eos, or a stop string found while delivering) computes one
-        step more, whose token is dropped; length ends are known beforehand and planned for."""
+        sequence that step N ends computes one step more (eos) or up to two (a stop string, found
+        while delivering), whose tokens are dropped; length ends are known beforehand and planned for."""
         pending: asyncio.Future | None = None  # the delivery of collected outputs
         inflight: _InFlight | None = None  # launched, not yet collected
         following: _InFlight | None = None  # launched behind it
@@ -717,6 +718,7 @@ class Engine:
             adapter_digest=run.lease.digest if run.lease else "",
         )
         run.emitted = end
+        run.emitted_tokens += 1
         run.queue.put_nowait(out)
         if finish is not None:
             run.done = True
