@@ -473,10 +473,14 @@ class SlotManager:
         remaining = deadline - asyncio.get_running_loop().time()
         if remaining <= 0:
             return False
+        # asyncio.wait, not wait_for: before Python 3.12 a wait_for whose inner wait completes as
+        # the caller is cancelled (a request's deadline) can swallow that cancellation, and the
+        # cancelled request would go on waiting for a slot.
+        waiter = asyncio.ensure_future(self._changed.wait())
         try:
-            await asyncio.wait_for(self._changed.wait(), remaining)
-        except asyncio.TimeoutError:
-            pass
+            await asyncio.wait({waiter}, timeout=remaining)
+        finally:
+            waiter.cancel()
         return True
 
     def _pick_slot(self, a: _Adapter) -> int | None:
