@@ -189,18 +189,14 @@ CHAT_BOS, CHAT_EOS, CHAT_VOCAB = 256, 257, 260
 
 
 def write_byte_tokenizer(path: Path) -> None:
-    """A byte-level BPE tokenizer with no merges: ids 0..255 are bytes, then <s> </s> <pad>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A byte-level BPE tokenizer with no merges: ids 0..255 are bytes, then <s> </s> <pad>
+    (the one tools/make_tiny_llama.py writes for `make up-tp2`)."""
+    import importlib.util
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
-    fast.save_pretrained(path)
+    spec = importlib.util.spec_from_file_location("make_tiny_llama", Path(__file__).parents[1] / "tools/make_tiny_llama.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.write_byte_tokenizer(path)
 
 
 @pytest.fixture(scope="session")

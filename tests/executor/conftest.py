@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 
+from loraserve.client import ExecutorClient
 from loraserve.executor.engine.kv_cache import AttentionMetadata, BlockAllocator, KVCache
 from loraserve.kernels import make_lora_meta
+from loraserve.v1 import executor_pb2 as epb
 
 # Small enough for milliseconds per forward on 2 CPU cores; GQA (4 q heads over 2 kv heads).
 TINY = dict(
@@ -240,3 +242,32 @@ def device(request):
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
     return request.param
+
+
+# ---- a served byte-tokenizer model over gRPC, checked against its transformers (+ PEFT) oracle ----
+
+BYTE_BOS = 256  # the byte tokenizer's <s> (ids 0..255 are bytes)
+
+
+def prompt_ids(i: int) -> list[int]:
+    g = torch.Generator().manual_seed(100 + i)
+    return [BYTE_BOS] + torch.randint(0, 256, (3 + 2 * i,), generator=g).tolist()
+
+
+def generate(client: ExecutorClient, adapter: str, ids: list[int], max_tokens: int = 8) -> epb.GenerateResponse:
+    req = epb.GenerateRequest(adapter=adapter, token_ids=epb.TokenIds(ids=ids),
+                              sampling=epb.SamplingParams(max_tokens=max_tokens), return_logprobs=True)
+    return client._call(client.stub.Generate, req)
+
+
+def check_against_reference(ref_model, ids: list[int], resp: epb.GenerateResponse) -> None:
+    """Greedy tokens equal the reference's argmax, and logprobs match its log-softmax (float32)."""
+    out = list(resp.token_ids)
+    assert out, "no tokens generated"
+    with torch.no_grad():
+        logits = ref_model(torch.tensor([ids + out[:-1]])).logits[0, len(ids) - 1 :].double()
+    logprobs = torch.log_softmax(logits, -1)
+    assert logprobs.argmax(-1).tolist() == out
+    got = torch.tensor(list(resp.logprobs), dtype=torch.float64)
+    want = logprobs[torch.arange(len(out)), out]
+    assert torch.allclose(got, want, atol=2e-4), (got, want)

@@ -27,6 +27,8 @@ from loraserve.executor.service import serve as serve_executor
 from loraserve.executor.service import shutdown
 from loraserve.v1 import executor_pb2 as epb
 
+from .conftest import check_against_reference, generate, prompt_ids
+
 BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
 ADAPTERS = {  # name: (r, alpha, targets, rslora)
     "qv8": (8, 16, ("q_proj", "v_proj"), False),
@@ -119,29 +121,6 @@ def references(base, adapter_dirs):
     for name in ADAPTERS:
         refs[name] = PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs / name).eval()
     return refs
-
-
-def prompt_ids(i: int) -> list[int]:
-    g = torch.Generator().manual_seed(100 + i)
-    return [BOS] + torch.randint(0, 256, (3 + 2 * i,), generator=g).tolist()
-
-
-def generate(client: ExecutorClient, adapter: str, ids: list[int], max_tokens: int = 8) -> epb.GenerateResponse:
-    req = epb.GenerateRequest(adapter=adapter, token_ids=epb.TokenIds(ids=ids),
-                              sampling=epb.SamplingParams(max_tokens=max_tokens), return_logprobs=True)
-    return client._call(client.stub.Generate, req)
-
-
-def check_against_reference(ref_model, ids: list[int], resp: epb.GenerateResponse) -> None:
-    """Greedy tokens equal the reference's argmax, and logprobs match its log-softmax (float32)."""
-    out = list(resp.token_ids)
-    assert out, "no tokens generated"
-    with torch.no_grad():
-        logits = ref_model(torch.tensor([ids + out[:-1]])).logits[0, len(ids) - 1 :].double()
-    logprobs = torch.log_softmax(logits, -1)
-    assert logprobs.argmax(-1).tolist() == out
-    got = torch.tensor(list(resp.logprobs), dtype=torch.float64)
-    assert torch.allclose(got, logprobs[torch.arange(len(out)), out], atol=2e-4), (got, logprobs[torch.arange(len(out)), out])
 
 
 def test_mixed_batches_match_transformers_peft(family, cluster, references, caplog):

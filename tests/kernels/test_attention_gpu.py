@@ -13,19 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from .gpu_skip import skip_unless_cuda_and_triton  # noqa: E402
 
-def _missing() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs CUDA + Triton: no CUDA device here"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "needs CUDA + Triton: triton is not installed"
-    return None
-
-
-if _missing():
-    pytest.skip(_missing(), allow_module_level=True)
+skip_unless_cuda_and_triton()
 
 from loraserve import kernels  # noqa: E402
 from loraserve.kernels import attention_reference, triton_attention  # noqa: E402

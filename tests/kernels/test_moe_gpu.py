@@ -16,19 +16,9 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 
+from .gpu_skip import skip_unless_cuda_and_triton  # noqa: E402
 
-def _missing() -> str | None:
-    if not INTERPRET and not torch.cuda.is_available():
-        return "needs CUDA + Triton: no CUDA device here"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "needs CUDA + Triton: triton is not installed"
-    return None
-
-
-if _missing():
-    pytest.skip(_missing(), allow_module_level=True)
+skip_unless_cuda_and_triton(interpreter=INTERPRET)
 
 from loraserve.kernels import make_lora_meta, moe_reference, triton_moe  # noqa: E402
 
