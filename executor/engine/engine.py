@@ -548,8 +548,9 @@ class Engine:
             seq = s.seq
             ids = s.query_token_ids
             b.input_ids += ids
-            # A placeholder's id is what the previous step sampled in row `_prev_rows[seq]`.
-            b.sources += [self._prev_rows[seq] if t == PENDING else -1 for t in ids]
+            # A placeholder (only ever a sequence's last token) is what the previous step sampled
+            # in row `_prev_rows[seq]`.
+            b.sources += [-1] * (len(ids) - 1) + [self._prev_rows[seq] if ids[-1] == PENDING else -1]
             b.query_lens.append(s.num_tokens)
             b.context_lens.append(s.context_len)
             b.block_tables.append(list(seq.block_table))
