@@ -79,7 +79,7 @@ if has real; then
   timeout "${REAL_TIMEOUT:-360}" python3 benchmarks/bench_kernels.py --real --out "$OUT" "${TABLE[@]}" "$@" 2>&1 | tee -a "$LOG"
 fi
 if has decode; then
-  for variant in fused split; do
+  for variant in ${DECODE_VARIANTS:-fused split}; do
     stage "decode $variant"
     flag=(); [ "$variant" = split ] && flag=(--no-fused)
     timeout "${DECODE_TIMEOUT:-200}" python3 benchmarks/bench_kernels.py --real --out "$OUT/$variant" "${flag[@]}" \

@@ -221,29 +221,31 @@ def _expand_kernel(
 @triton.jit
 def _fused_kernel(
     x_ptr, a_ptr, y_ptr, b_ptr, part_ptr, sync_ptr, err_ptr, block_slots_ptr, block_tokens_ptr,
-    num_slots, in_features, k_per_split, chunks, stride_xt, stride_al, stride_aj, stride_yt, stride_bl, stride_bn,
+    num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj, stride_yt, stride_bl, stride_bn,
     off0, off1, off2, off3, off4,
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr, SR: tl.constexpr, SR_PAD: tl.constexpr,
-    P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr,
+    P: tl.constexpr, Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     SHRINK: tl.constexpr, EXPAND: tl.constexpr, MAX_SPIN: tl.constexpr,
 ):
     """Decode LoRA in one launch: y[t] += (x[t] @ A[slot].T) @ B[slot].T for every token of a slot.
 
-    Program (block, p) of a grid of max_blocks x P: block = a block of one slot's tokens
-    (LoraMeta.block_list), p = one of its P programs. Shrink: program p reduces the p-th K split
-    of x @ A.T and stores the partial [BLOCK_M, S * R] (fp32, no atomics, no zeroed buffer);
-    then the block's P programs meet at a counter (release add, acquire spin: all P are
-    resident, since a block's programs are consecutive and a grid's earlier programs start first)
-    and each expands column chunks p, p + P, ... of the output from the sum of the P partials.
-    The last program of a block to finish puts the block's two counters back to 0, so the
-    next launch (stream-ordered after this one) starts from zero. A spin is bounded: past
-    MAX_SPIN polls the program counts an error in err_ptr and goes on (wrong result, no hang);
-    tests assert the count stays 0. SHRINK / EXPAND alone: the two halves as separate launches
-    (Triton's interpreter runs programs one after another, so it cannot spin).
+    Program (block, q) of a grid of max_blocks x Q: block = a block of one slot's tokens
+    (LoraMeta.block_list), q = one of its Q output column chunks of BLOCK_N (over the slices).
+    Programs q < P first reduce the q-th of P K splits of x @ A.T and store the partial
+    [BLOCK_M, S * R] (fp32, no atomics, no zeroed buffer), then count themselves in at the
+    block's counter (release). Every program loads its B tile and y tile, waits until the
+    counter reaches P (volatile polls, then one acquire), sums the P partials of its slice in
+    one load and adds its chunk. No deadlock: a block's shrinking programs come before its
+    waiting ones in the grid, and the GPU starts a grid's programs in order, so every program
+    a waiting one needs is already running or done. The last program of a block to finish puts
+    its two counters back to 0 for the next launch (stream-ordered after this one). A wait is
+    bounded: past MAX_SPIN polls the program counts an error in err_ptr and goes on (a wrong
+    result, no hang); tests assert the count stays 0. SHRINK / EXPAND alone: the two halves as
+    separate launches (Triton's interpreter runs programs one at a time, so it cannot wait).
     """
     pid = tl.program_id(0)
-    block = pid // P
-    p = pid - block * P
+    block = pid // Q
+    q = pid - block * Q
     slot = tl.load(block_slots_ptr + block)
     if (slot >= 0) & (slot < num_slots):  # unused entries and the no-adapter group do nothing
         offs_m = tl.arange(0, BLOCK_M)
@@ -251,61 +253,62 @@ def _fused_kernel(
         m_mask = tok >= 0
         part_block = part_ptr + (block * P).to(tl.int64) * (BLOCK_M * SR_PAD)
         if SHRINK:
-            offs_j = tl.arange(0, SR_PAD)
-            j_mask = offs_j < SR
-            k_lo = p * k_per_split
-            k_hi = tl.minimum(k_lo + k_per_split, in_features)
-            x_rows = x_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_xt
-            a_cols = a_ptr + slot.to(tl.int64) * stride_al + offs_j[None, :] * stride_aj
-            acc = tl.zeros((BLOCK_M, SR_PAD), dtype=tl.float32)
-            for k in range(k_lo, k_hi, BLOCK_K):
-                offs_k = k + tl.arange(0, BLOCK_K)
-                k_mask = offs_k < k_hi
-                xa = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                a = tl.load(a_cols + offs_k[:, None], mask=j_mask[None, :] & k_mask[:, None], other=0.0)
-                acc = tl.dot(xa, a, acc)
-            tl.store(part_block + p * (BLOCK_M * SR_PAD) + offs_m[:, None] * SR_PAD + offs_j[None, :], acc)
-        if SHRINK and EXPAND:
-            tl.debug_barrier()  # every thread's partial stored before the release below
-            tl.atomic_add(sync_ptr + 2 * block, 1, sem="release", scope="gpu")
-            seen = tl.atomic_add(sync_ptr + 2 * block, 0, sem="acquire", scope="gpu")
-            spins = 0
-            while (seen < P) & (spins < MAX_SPIN):
-                seen = tl.atomic_add(sync_ptr + 2 * block, 0, sem="acquire", scope="gpu")
-                spins += 1
-            if seen < P:
-                tl.atomic_add(err_ptr, 1)
-            tl.debug_barrier()
+            if q < P:
+                offs_j = tl.arange(0, SR_PAD)
+                j_mask = offs_j < SR
+                k_lo = q * k_per_split
+                k_hi = tl.minimum(k_lo + k_per_split, in_features)
+                x_rows = x_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_xt
+                a_cols = a_ptr + slot.to(tl.int64) * stride_al + offs_j[None, :] * stride_aj
+                acc = tl.zeros((BLOCK_M, SR_PAD), dtype=tl.float32)
+                for k in range(k_lo, k_hi, BLOCK_K):
+                    offs_k = k + tl.arange(0, BLOCK_K)
+                    k_mask = offs_k < k_hi
+                    xa = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                    a = tl.load(a_cols + offs_k[:, None], mask=j_mask[None, :] & k_mask[:, None], other=0.0)
+                    acc = tl.dot(xa, a, acc)
+                tl.store(part_block + q * (BLOCK_M * SR_PAD) + offs_m[:, None] * SR_PAD + offs_j[None, :], acc)
+                if EXPAND:
+                    tl.debug_barrier()  # every thread's partial stored before the release below
+                    tl.atomic_add(sync_ptr + 2 * block, 1, sem="release", scope="gpu")
         if EXPAND:
+            s, lo, hi, local = _locate_slice(q, off0, off1, off2, off3, off4, NUM_SLICES, BLOCK_N)
             offs_r = tl.arange(0, BLOCK_R)
             r_mask = offs_r < RANK
-            b_rows = b_ptr + slot.to(tl.int64) * stride_bl
-            y_rows = y_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_yt
-            for chunk in range(p, chunks, P):
-                s, lo, hi, local = _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES, BLOCK_N * N_ITERS)
-                lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                cols = part_block + offs_m[:, None] * SR_PAD + s * RANK + offs_r[None, :]
-                for q in range(P):
-                    lhs += tl.load(cols + q * (BLOCK_M * SR_PAD), mask=r_mask[None, :], other=0.0, cache_modifier=".cg")
-                lhs = lhs.to(b_ptr.dtype.element_ty)
-                n_start = lo + local * (BLOCK_N * N_ITERS)
-                for i in range(N_ITERS):
-                    offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-                    n_mask = offs_n < hi
-                    b = tl.load(
-                        b_rows + offs_n[None, :] * stride_bn + offs_r[:, None],
-                        mask=r_mask[:, None] & n_mask[None, :], other=0.0,
-                    )
-                    mask = m_mask[:, None] & n_mask[None, :]
-                    y_tile = y_rows + offs_n[None, :]
-                    old = tl.load(y_tile, mask=mask, other=0.0)
-                    tl.store(y_tile, (old.to(tl.float32) + tl.dot(lhs, b)).to(y_ptr.dtype.element_ty), mask=mask)
-        if SHRINK and EXPAND:
-            tl.debug_barrier()
-            done = tl.atomic_add(sync_ptr + 2 * block + 1, 1, sem="acq_rel", scope="gpu")
-            if done == P - 1:  # every program of the block is past its spin: reset for the next launch
-                tl.atomic_xchg(sync_ptr + 2 * block, 0)
-                tl.atomic_xchg(sync_ptr + 2 * block + 1, 0)
+            offs_n = lo + local * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < hi
+            # B and y do not depend on the shrink: loaded before the wait.
+            b = tl.load(
+                b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
+                mask=r_mask[:, None] & n_mask[None, :], other=0.0,
+            )
+            mask = m_mask[:, None] & n_mask[None, :]
+            y_tile = y_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+            old = tl.load(y_tile, mask=mask, other=0.0)
+            if SHRINK:
+                seen = tl.load(sync_ptr + 2 * block, volatile=True)
+                spins = 0
+                while (seen < P) & (spins < MAX_SPIN):
+                    seen = tl.load(sync_ptr + 2 * block, volatile=True)
+                    spins += 1
+                seen = tl.atomic_add(sync_ptr + 2 * block, 0, sem="acquire", scope="gpu")
+                if seen < P:
+                    tl.atomic_add(err_ptr, 1)
+                tl.debug_barrier()
+            offs_p = tl.arange(0, P)
+            parts = tl.load(
+                part_block + (offs_p[:, None, None] * BLOCK_M + offs_m[None, :, None]) * SR_PAD
+                + s * RANK + offs_r[None, None, :],
+                mask=r_mask[None, None, :], other=0.0, cache_modifier=".cg",
+            )
+            lhs = tl.sum(parts, axis=0).to(b_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_R]
+            tl.store(y_tile, (old.to(tl.float32) + tl.dot(lhs, b)).to(y_ptr.dtype.element_ty), mask=mask)
+            if SHRINK:
+                tl.debug_barrier()
+                done = tl.atomic_add(sync_ptr + 2 * block + 1, 1, sem="acq_rel", scope="gpu")
+                if done == Q - 1:  # every program of the block is past its wait: reset for the next launch
+                    tl.atomic_xchg(sync_ptr + 2 * block, 0)
+                    tl.atomic_xchg(sync_ptr + 2 * block + 1, 0)
 
 
 @triton.jit
@@ -448,24 +451,25 @@ def _sync(device: torch.device) -> torch.Tensor:
 
 @lru_cache(maxsize=1024)
 def fused_config(num_tokens: int, num_slots: int, in_features: int, widths: tuple[int, ...], rank: int, sms: int):
-    """(P, BLOCK_K, BLOCK_N, N_ITERS, chunks, k_per_split, num_warps) of the one-launch decode kernel.
+    """(P, Q, BLOCK_K, BLOCK_N, k_per_split, num_warps) of the one-launch decode kernel.
 
-    P programs per token block: enough that the blocks a step can have (at most min(T, slots)
-    distinct adapters) fill two programs per SM, at most 64, and no more than the K blocks
-    (each program reduces at least BLOCK_K inputs). The output is cut in chunks of BLOCK_N *
-    N_ITERS columns per slice, about two per program.
+    Q = the output column chunks of BLOCK_N over the slices (one program each per token block,
+    as the expand kernel spreads them). P = the K splits of the shrink: enough that the blocks a
+    step can have (at most min(T, slots) distinct adapters) fill two programs per SM, a power of
+    two, at most Q, 64, the K blocks, and 1024 / BLOCK_R (the partials are summed in registers).
     """
+    block_r = _block_r(rank)
     sr_pad = max(16, triton.next_power_of_2(len(widths) * rank))
     block_k = 128 if sr_pad <= 64 else 64 if sr_pad <= 128 else 32
+    block_n = 128 if rank <= 32 else 64
+    q = sum(_cdiv(w, block_n) for w in widths)
     blocks = max(1, min(num_tokens, num_slots))
     p = 1
-    while p * 2 * blocks <= 2 * sms and p < 64 and p * 2 * block_k <= in_features:
+    while (p * 2 * blocks <= 2 * sms and p * 2 <= min(q, 64, 1024 // block_r)
+           and p * 2 * block_k <= in_features):
         p *= 2
     k_per_split = _cdiv(_cdiv(in_features, block_k), p) * block_k
-    per_chunk = max(32, min(256, triton.next_power_of_2(max(1, sum(widths) // (2 * p)))))
-    block_n = min(per_chunk, 128 if rank <= 32 else 64)
-    chunks = sum(_cdiv(w, per_chunk) for w in widths)
-    return p, block_k, block_n, per_chunk // block_n, chunks, k_per_split, 4
+    return p, q, block_k, block_n, k_per_split, 4
 
 
 def lora_shrink_expand(
@@ -494,9 +498,7 @@ def _fused_launch(y, x, lora_a, lora_b, slice_offsets, meta, together: bool) -> 
     num_slots, num_slices, rank, _ = lora_a.shape
     widths = _widths(slice_offsets)
     sms = num_sms(x.device.index) if x.is_cuda else 4
-    p, block_k, block_n, n_iters, chunks, k_per_split, warps = fused_config(
-        num_tokens, num_slots, in_features, widths, rank, sms
-    )
+    p, q, block_k, block_n, k_per_split, warps = fused_config(num_tokens, num_slots, in_features, widths, rank, sms)
     blocks = meta.block_list(_FUSED_BLOCK_M)
     sr_pad = max(16, triton.next_power_of_2(num_slices * rank))
     part = torch.empty(blocks.max_blocks * p * _FUSED_BLOCK_M * sr_pad, dtype=torch.float32, device=x.device)
@@ -504,13 +506,13 @@ def _fused_launch(y, x, lora_a, lora_b, slice_offsets, meta, together: bool) -> 
     offsets = slice_offsets + (slice_offsets[-1],) * (_MAX_SLICES_PER_LAUNCH + 1 - len(slice_offsets))
     phases = [(True, True)] if together else [(True, False), (False, True)]
     for shrink, expand in phases:
-        _fused_kernel[(blocks.max_blocks * p,)](
+        _fused_kernel[(blocks.max_blocks * q,)](
             x, lora_a, y, lora_b, part, sync, sync[-1:], blocks.blocks, blocks.tokens,
-            num_slots, in_features, k_per_split, chunks,
+            num_slots, in_features, k_per_split,
             x.stride(0), lora_a.stride(0), lora_a.stride(2), y.stride(0), lora_b.stride(0), lora_b.stride(1),
             *offsets,
             NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank), SR=num_slices * rank, SR_PAD=sr_pad,
-            P=p, BLOCK_M=_FUSED_BLOCK_M, BLOCK_K=block_k, BLOCK_N=block_n, N_ITERS=n_iters,
+            P=p, Q=q, BLOCK_M=_FUSED_BLOCK_M, BLOCK_K=block_k, BLOCK_N=block_n,
             SHRINK=shrink, EXPAND=expand, MAX_SPIN=_FUSED_MAX_SPIN,
             num_warps=warps, num_stages=2,
         )
