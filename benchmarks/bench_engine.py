@@ -17,8 +17,6 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
   layer per sequence (up to `--adapters`, then they repeat), against two floors: the base step
   of the same run plus the distinct adapters' bytes at the copy bandwidth (the floor of the
   mixed-decode target), and the bytes floor above plus the adapters' bytes.
-  `--lora-decode split` runs each decode LoRA layer as shrink + expand (two launches, shrink on
-  a side stream) instead of the one-launch kernel, for an A/B.
   The adapters come from an in-process fetch function (random tensors, the same values for
   each name; each still occupies its own GPU slot) instead of the adapter store.
 - Prefill: one step of 1 x 4096 and of 16 x 256 prompt tokens; FLOP/s against the matmul rate.
@@ -366,18 +364,12 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64, help="concurrent gRPC streams; 0: skip")
     ap.add_argument("--grpc-prompt", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--lora-decode", choices=("fused", "split"), default="fused",
-                    help="decode LoRA layers as one launch (the default) or shrink + expand")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (float32)")
     ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.grpc_client:
         grpc_client(args.grpc_client, args.streams, args.grpc_prompt, args.new_tokens, args.vocab)
         return
-    if args.lora_decode == "split" and args.device == "cuda":
-        from loraserve.kernels import triton_lora
-
-        triton_lora.FUSED_MAX_TOKENS = 0
     global DEVICE, DTYPE
     DEVICE, DTYPE = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -390,7 +382,7 @@ def main() -> None:
     print(f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights, vocab {args.vocab}, "
           f"{where}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
-          f"{'eager' if args.enforce_eager else 'CUDA graphs'}, LoRA decode {args.lora_decode}")
+          f"{'eager' if args.enforce_eager else 'CUDA graphs'}")
     print("| case | time | rate | against the floor |")
     print("|---|---|---|---|")
     for row in rows:

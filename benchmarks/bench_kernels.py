@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from loraserve.kernels import lora_expand, lora_shrink, lora_shrink_expand, make_lora_meta, triton_lora, tuning
+from loraserve.kernels import lora_expand, lora_shrink, make_lora_meta, triton_lora, tuning
 
 DEV = "cuda"
 DTYPE = torch.bfloat16
@@ -210,9 +210,6 @@ def run_case(pool: Pool, tokens, adapters, none, ceil, gen, baseline=True, ops=(
 
     def layer(i, op="layer"):
         x, y, buf, lora_a, lora_b = sets[i]
-        if op == "layer":  # one launch at decode sizes, as the executor runs it
-            lora_shrink_expand(y, x, lora_a, lora_b, offsets, meta)
-            return
         if op != "expand":
             lora_shrink(x, lora_a, meta, out=buf)
         if op != "shrink":
@@ -504,10 +501,7 @@ def main():
     parser.add_argument("--budget-s", type=float, default=110.0, help="--real: stop starting new shapes after this")
     parser.add_argument("--warm-s", type=float, default=60.0, help="--real: compile in parallel first, at most this long")
     parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
-    parser.add_argument("--no-fused", action="store_true", help="decode layers as shrink + expand (two launches), not one")
     args = parser.parse_args()
-    if args.no_fused:
-        triton_lora.FUSED_MAX_TOKENS = 0
 
     global GRAPH_SETS
     GRAPH_SETS = args.graph_sets

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The LoRA kernels on a CUDA host: GPU tests, then (optionally) tuning and the benchmarks.
 #   bash benchmarks/gpu_kernels.sh OUT_DIR STAGES [bench_kernels.py args...]
-# STAGES: comma list of smoke,tune,tune-real,fused,test,quick,bench,real,decode,attn-sweep (default:
-# test,bench), run in that order. fused: the one-launch decode kernel's tests alone; decode: the
-# real shapes at decode token counts, one launch per layer and then shrink + expand (--no-fused),
-# into OUT/fused and OUT/split; attn-sweep: decode attention launch settings at small batches. tune: the hidden-size grid (bench_kernels.py --tune-out); tune-real: representative
+# STAGES: comma list of smoke,tune,tune-real,test,quick,bench,real,decode,attn-sweep (default:
+# test,bench), run in that order. decode: the real shapes at decode token counts only (into
+# OUT/decode); attn-sweep: decode attention launch settings at small batches. tune: the hidden-size grid (bench_kernels.py --tune-out); tune-real: representative
 # real layer shapes (tune_kernels.py, ~6 min); real: the real-shape benchmark (bench_kernels.py
 # --real, ~3 min; TUNE_REAL_BUDGET_S shortens the tuning). Writes under OUT_DIR: run.log (everything), and tuned.json, bench.json,
 # bench.md, real.json, real.md when made.
@@ -31,7 +30,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 
 python3 -c "import loraserve.kernels as k; print('loraserve.kernels from', k.__file__)" 2>&1 | tee -a "$LOG"
 
 pytest_gpu() {
-  python3 -m pytest tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py tests/kernels/test_fused_gpu.py -m gpu -q -s \
+  python3 -m pytest tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py -m gpu -q -s \
     -p no:cacheprovider -o addopts="--import-mode=importlib -ra" "$@"
 }
 use_table() {  # a tuned table replaces this checkout's shipped one, so later stages run on it
@@ -57,11 +56,6 @@ if has tune-real; then
     --budget-s "${TUNE_REAL_BUDGET_S:-250}" "${TABLE[@]}" 2>&1 | tee -a "$LOG"
   [ -f "$OUT/tuned_real.json" ] && cp "$OUT/tuned_real.json" "$OUT/tuned.json" && use_table "$OUT/tuned.json"
 fi
-if has fused; then
-  stage fused
-  timeout "${FUSED_TIMEOUT:-240}" python3 -m pytest tests/kernels/test_fused_gpu.py -m gpu -q -x \
-    -p no:cacheprovider -o addopts="--import-mode=importlib -ra" 2>&1 | tee -a "$LOG" | tail -15
-fi
 if has test; then
   stage test
   timeout "${TEST_TIMEOUT:-480}" bash -c "$(declare -f pytest_gpu); pytest_gpu" 2>&1 | tee -a "$LOG"
@@ -79,13 +73,10 @@ if has real; then
   timeout "${REAL_TIMEOUT:-360}" python3 benchmarks/bench_kernels.py --real --out "$OUT" "${TABLE[@]}" "$@" 2>&1 | tee -a "$LOG"
 fi
 if has decode; then
-  for variant in ${DECODE_VARIANTS:-fused split}; do
-    stage "decode $variant"
-    flag=(); [ "$variant" = split ] && flag=(--no-fused)
-    timeout "${DECODE_TIMEOUT:-200}" python3 benchmarks/bench_kernels.py --real --out "$OUT/$variant" "${flag[@]}" \
-      --real-tokens "${DECODE_TOKENS:-1,3,17,64,255}" --real-tp "${DECODE_TP:-1,2}" --real-kinds qkv,o,gate_up,down \
-      --warm-s "${DECODE_WARM_S:-45}" --budget-s "${DECODE_BUDGET_S:-70}" "${TABLE[@]}" "$@" 2>&1 | tee -a "$LOG" | tail -30
-  done
+  stage decode
+  timeout "${DECODE_TIMEOUT:-200}" python3 benchmarks/bench_kernels.py --real --out "$OUT/decode" \
+    --real-tokens "${DECODE_TOKENS:-1,3,17,64,255}" --real-tp "${DECODE_TP:-1,2}" --real-kinds qkv,o,gate_up,down \
+    --warm-s "${DECODE_WARM_S:-45}" --budget-s "${DECODE_BUDGET_S:-70}" "${TABLE[@]}" "$@" 2>&1 | tee -a "$LOG" | tail -30
 fi
 if has attn-sweep; then
   stage attn-sweep

@@ -23,9 +23,7 @@ import torch
 from triton.testing import do_bench
 
 from bench_kernels import DEV, DTYPE, capture, offsets_of, token_slots
-from loraserve.kernels import (
-    lora_embedding_shrink, lora_expand, lora_shrink, lora_shrink_expand, make_lora_meta, model_shapes,
-)
+from loraserve.kernels import lora_embedding_shrink, lora_expand, lora_shrink, make_lora_meta, model_shapes
 
 DECODE_MAX_TOKENS = 256
 PREFILL_MIN_TOKENS = 1024
@@ -104,9 +102,6 @@ def measure(pool: RealPool, tokens, adapters, ceil, gen, ops=("layer",), warm=Fa
 
     def layer(i, op):
         x, y, buf, lora_a, lora_b = sets[i]
-        if op == "layer" and not pool.embedding:  # one launch at decode sizes, as the executor runs it
-            lora_shrink_expand(y, x, lora_a, lora_b, offsets, meta)
-            return
         if op != "expand":
             if pool.embedding:
                 lora_embedding_shrink(x, lora_a, meta, out=buf)

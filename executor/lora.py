@@ -176,11 +176,6 @@ class LinearWithLoRA(nn.Module):
         if weights is None:
             return F.linear(x, self.weight, self.bias)  # [T, N]
         lora_a, lora_b = weights
-        if self.rank_parts == 1 and kernels.lora_fuses(x.shape[0], lora_a, self.slice_offsets):
-            # CUDA at decode sizes: shrink and expand as one launch after the base GEMM
-            # (kernels/triton_lora.py _fused_kernel); fewer graph nodes than the side-stream fork below.
-            y = F.linear(x, self.weight, self.bias)
-            return kernels.lora_shrink_expand(y, x, lora_a, lora_b, self.slice_offsets, lora_meta)
         side = _side_stream(x.device)
         if side is None:
             y = F.linear(x, self.weight, self.bias)
@@ -209,11 +204,11 @@ class LinearWithLoRA(nn.Module):
         weights = _step_weights(self, lora_meta, x.device)
         if weights is not None:
             lora_a, lora_b = weights
+            buf = kernels.lora_shrink(x, lora_a, lora_meta)  # [1, T, rank], partial
             if self.lora_offsets is self.slice_offsets:
-                kernels.lora_shrink_expand(y, x, lora_a, lora_b, self.slice_offsets, lora_meta)
-            else:
-                # fully sharded: the whole x @ A.T (all-reduced partials), times this rank's rows of B, into its columns
-                buf = self.tp.all_reduce(kernels.lora_shrink(x, lora_a, lora_meta))
+                kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
+            else:  # fully sharded: the whole x @ A.T, times this rank's rows of B, into its columns
+                buf = self.tp.all_reduce(buf)
                 out = y.narrow(1, self.lora_out_start, self.lora_offsets[-1])
                 kernels.lora_expand(out, buf, lora_b, self.lora_offsets, lora_meta)
         y = self.tp.all_reduce(y)

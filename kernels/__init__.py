@@ -19,8 +19,6 @@ __all__ = [
     "lora_shrink",
     "lora_expand",
     "lora_embedding_shrink",
-    "lora_shrink_expand",
-    "lora_fuses",
     "moe_route",
     "fused_moe",
     "paged_decode_attention",
@@ -58,20 +56,6 @@ def lora_shrink(x, lora_a, meta: LoraMeta, out=None):
 
 def lora_expand(y, buf, lora_b, slice_offsets, meta: LoraMeta):
     return _impl(y).lora_expand(y, buf, lora_b, slice_offsets, meta)
-
-
-def lora_shrink_expand(y, x, lora_a, lora_b, slice_offsets, meta: LoraMeta):
-    """y += expand(shrink(x)) in place: on CUDA at decode sizes one launch (kernels/triton_lora.py)."""
-    impl = _impl(x)
-    if impl is reference:
-        return reference.lora_expand(y, reference.lora_shrink(x, lora_a, meta), lora_b, slice_offsets, meta)
-    return impl.lora_shrink_expand(y, x, lora_a, lora_b, slice_offsets, meta)
-
-
-def lora_fuses(num_tokens: int, lora_a, slice_offsets) -> bool:
-    """Whether lora_shrink_expand runs shrink and expand as one launch for these shapes."""
-    impl = _impl(lora_a)
-    return impl is not reference and impl.fuses(num_tokens, lora_a, tuple(slice_offsets))
 
 
 def lora_embedding_shrink(token_ids, lora_a, meta: LoraMeta, out=None):

@@ -14,7 +14,6 @@ prefill. Block sizes come from kernels/tuning.py by GPU and shape.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
@@ -219,99 +218,6 @@ def _expand_kernel(
 
 
 @triton.jit
-def _fused_kernel(
-    x_ptr, a_ptr, y_ptr, b_ptr, part_ptr, sync_ptr, err_ptr, block_slots_ptr, block_tokens_ptr,
-    num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj, stride_yt, stride_bl, stride_bn,
-    off0, off1, off2, off3, off4,
-    NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr, SR: tl.constexpr, SR_PAD: tl.constexpr,
-    P: tl.constexpr, Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    SHRINK: tl.constexpr, EXPAND: tl.constexpr, MAX_SPIN: tl.constexpr,
-):
-    """Decode LoRA in one launch: y[t] += (x[t] @ A[slot].T) @ B[slot].T for every token of a slot.
-
-    Program (block, q) of a grid of max_blocks x Q: block = a block of one slot's tokens
-    (LoraMeta.block_list), q = one of its Q output column chunks of BLOCK_N (over the slices).
-    Programs q < P first reduce the q-th of P K splits of x @ A.T and store the partial
-    [BLOCK_M, S * R] (fp32, no atomics, no zeroed buffer), then count themselves in at the
-    block's counter (release). Every program loads its B tile and y tile, waits until the
-    counter reaches P (volatile polls, then one acquire), sums the P partials of its slice in
-    one load and adds its chunk. No deadlock: a block's shrinking programs come before its
-    waiting ones in the grid, and the GPU starts a grid's programs in order, so every program
-    a waiting one needs is already running or done. The last program of a block to finish puts
-    its two counters back to 0 for the next launch (stream-ordered after this one). A wait is
-    bounded: past MAX_SPIN polls the program counts an error in err_ptr and goes on (a wrong
-    result, no hang); tests assert the count stays 0. SHRINK / EXPAND alone: the two halves as
-    separate launches (Triton's interpreter runs programs one at a time, so it cannot wait).
-    """
-    pid = tl.program_id(0)
-    block = pid // Q
-    q = pid - block * Q
-    slot = tl.load(block_slots_ptr + block)
-    if (slot >= 0) & (slot < num_slots):  # unused entries and the no-adapter group do nothing
-        offs_m = tl.arange(0, BLOCK_M)
-        tok = tl.load(block_tokens_ptr + block * BLOCK_M + offs_m)
-        m_mask = tok >= 0
-        part_block = part_ptr + (block * P).to(tl.int64) * (BLOCK_M * SR_PAD)
-        if SHRINK:
-            if q < P:
-                offs_j = tl.arange(0, SR_PAD)
-                j_mask = offs_j < SR
-                k_lo = q * k_per_split
-                k_hi = tl.minimum(k_lo + k_per_split, in_features)
-                x_rows = x_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_xt
-                a_cols = a_ptr + slot.to(tl.int64) * stride_al + offs_j[None, :] * stride_aj
-                acc = tl.zeros((BLOCK_M, SR_PAD), dtype=tl.float32)
-                for k in range(k_lo, k_hi, BLOCK_K):
-                    offs_k = k + tl.arange(0, BLOCK_K)
-                    k_mask = offs_k < k_hi
-                    xa = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                    a = tl.load(a_cols + offs_k[:, None], mask=j_mask[None, :] & k_mask[:, None], other=0.0)
-                    acc = tl.dot(xa, a, acc)
-                tl.store(part_block + q * (BLOCK_M * SR_PAD) + offs_m[:, None] * SR_PAD + offs_j[None, :], acc)
-                if EXPAND:
-                    tl.debug_barrier()  # every thread's partial stored before the release below
-                    tl.atomic_add(sync_ptr + 2 * block, 1, sem="release", scope="gpu")
-        if EXPAND:
-            s, lo, hi, local = _locate_slice(q, off0, off1, off2, off3, off4, NUM_SLICES, BLOCK_N)
-            offs_r = tl.arange(0, BLOCK_R)
-            r_mask = offs_r < RANK
-            offs_n = lo + local * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < hi
-            # B and y do not depend on the shrink: loaded before the wait.
-            b = tl.load(
-                b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
-                mask=r_mask[:, None] & n_mask[None, :], other=0.0,
-            )
-            mask = m_mask[:, None] & n_mask[None, :]
-            y_tile = y_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
-            old = tl.load(y_tile, mask=mask, other=0.0)
-            if SHRINK:
-                seen = tl.load(sync_ptr + 2 * block, volatile=True)
-                spins = 0
-                while (seen < P) & (spins < MAX_SPIN):
-                    seen = tl.load(sync_ptr + 2 * block, volatile=True)
-                    spins += 1
-                seen = tl.atomic_add(sync_ptr + 2 * block, 0, sem="acquire", scope="gpu")
-                if seen < P:
-                    tl.atomic_add(err_ptr, 1)
-                tl.debug_barrier()
-            offs_p = tl.arange(0, P)
-            parts = tl.load(
-                part_block + (offs_p[:, None, None] * BLOCK_M + offs_m[None, :, None]) * SR_PAD
-                + s * RANK + offs_r[None, None, :],
-                mask=r_mask[None, None, :], other=0.0, cache_modifier=".cg",
-            )
-            lhs = tl.sum(parts, axis=0).to(b_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_R]
-            tl.store(y_tile, (old.to(tl.float32) + tl.dot(lhs, b)).to(y_ptr.dtype.element_ty), mask=mask)
-            if SHRINK:
-                tl.debug_barrier()
-                done = tl.atomic_add(sync_ptr + 2 * block + 1, 1, sem="acq_rel", scope="gpu")
-                if done == Q - 1:  # every program of the block is past its wait: reset for the next launch
-                    tl.atomic_xchg(sync_ptr + 2 * block, 0)
-                    tl.atomic_xchg(sync_ptr + 2 * block + 1, 0)
-
-
-@triton.jit
 def _embedding_shrink_kernel(
     ids_ptr, slots_ptr, a_ptr, out_ptr, num_tokens, stride_al, stride_av,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -413,111 +319,6 @@ def lora_expand(
     return y
 
 
-FUSED_MAX_TOKENS = 256  # decode: at most this many tokens take the one-launch kernel (0: never)
-_FUSED_BLOCK_M = 16
-_FUSED_MAX_SPIN = 1 << 22  # polls before a waiting program gives up (seconds; a hang otherwise)
-_SYNC_ENTRIES = 4096  # blocks per launch the sync scratch serves: max_blocks <= T / 16 + max_loras + 1
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tensors through Triton's interpreter (tests)
-_SYNC: dict[int | None, torch.Tensor] = {}  # device index -> [2 * _SYNC_ENTRIES + 1] int32, zeros between launches
-
-
-def fuses(num_tokens: int, lora_a: torch.Tensor, slice_offsets: tuple[int, ...]) -> bool:
-    """Whether lora_shrink_expand runs as one launch for these shapes (else shrink, then expand)."""
-    return (
-        (lora_a.is_cuda or _INTERPRET)
-        and 0 < num_tokens <= FUSED_MAX_TOKENS
-        and len(slice_offsets) - 1 <= _MAX_SLICES_PER_LAUNCH
-        and len(slice_offsets) - 1 == lora_a.shape[1]
-        and _fused_blocks(num_tokens, lora_a.shape[0]) <= _SYNC_ENTRIES
-    )
-
-
-def _fused_blocks(num_tokens: int, num_slots: int) -> int:
-    return _cdiv(num_tokens, _FUSED_BLOCK_M) + min(num_tokens, num_slots + 1)  # = BlockList.max_blocks
-
-
-def sync_errors(device: torch.device) -> int:
-    """How many fused-kernel programs gave up waiting for their block on this device (0 when healthy)."""
-    sync = _SYNC.get(device.index)
-    return 0 if sync is None else int(sync[-1].item())
-
-
-def _sync(device: torch.device) -> torch.Tensor:
-    sync = _SYNC.get(device.index)
-    if sync is None:  # allocated outside any graph capture: the first (warm-up) call makes it
-        sync = _SYNC[device.index] = torch.zeros(2 * _SYNC_ENTRIES + 1, dtype=torch.int32, device=device)
-    return sync
-
-
-@lru_cache(maxsize=1024)
-def fused_config(num_tokens: int, num_slots: int, in_features: int, widths: tuple[int, ...], rank: int, sms: int):
-    """(P, Q, BLOCK_K, BLOCK_N, k_per_split, num_warps) of the one-launch decode kernel.
-
-    Q = the output column chunks of BLOCK_N over the slices (one program each per token block,
-    as the expand kernel spreads them). P = the K splits of the shrink: enough that the blocks a
-    step can have (at most min(T, slots) distinct adapters) fill two programs per SM, a power of
-    two, at most Q, 64, the K blocks, and 1024 / BLOCK_R (the partials are summed in registers).
-    """
-    block_r = _block_r(rank)
-    sr_pad = max(16, triton.next_power_of_2(len(widths) * rank))
-    block_k = 128 if sr_pad <= 64 else 64 if sr_pad <= 128 else 32
-    block_n = 128 if rank <= 32 else 64
-    q = sum(_cdiv(w, block_n) for w in widths)
-    blocks = max(1, min(num_tokens, num_slots))
-    p = 1
-    while (p * 2 * blocks <= 2 * sms and p * 2 <= min(q, 64, 1024 // block_r)
-           and p * 2 * block_k <= in_features):
-        p *= 2
-    k_per_split = _cdiv(_cdiv(in_features, block_k), p) * block_k
-    return p, q, block_k, block_n, k_per_split, 4
-
-
-def lora_shrink_expand(
-    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-    slice_offsets: tuple[int, ...], meta: LoraMeta,
-) -> torch.Tensor:
-    """y += expand(shrink(x)) in place: one launch at decode sizes (see _fused_kernel), else the two ops.
-
-    Shapes as lora_shrink and lora_expand. The one-launch kernel keeps per-block counters in one
-    scratch per GPU: launches on one device must not run concurrently (the engine's are
-    stream-ordered; a CUDA graph replays them in order).
-    """
-    num_tokens = x.shape[0]
-    slice_offsets = tuple(slice_offsets)
-    if not (fuses(num_tokens, lora_a, slice_offsets) and _fused_supported(y, x, lora_a, lora_b)):
-        if num_tokens == 0:
-            return y
-        return lora_expand(y, lora_shrink(x, lora_a, meta), lora_b, slice_offsets, meta)
-    _fused_launch(y, x, lora_a, lora_b, slice_offsets, meta, together=not _INTERPRET)
-    return y
-
-
-def _fused_launch(y, x, lora_a, lora_b, slice_offsets, meta, together: bool) -> None:
-    """together: one launch that meets at the counters; else (the interpreter) shrink, then expand."""
-    num_tokens, in_features = x.shape
-    num_slots, num_slices, rank, _ = lora_a.shape
-    widths = _widths(slice_offsets)
-    sms = num_sms(x.device.index) if x.is_cuda else 4
-    p, q, block_k, block_n, k_per_split, warps = fused_config(num_tokens, num_slots, in_features, widths, rank, sms)
-    blocks = meta.block_list(_FUSED_BLOCK_M)
-    sr_pad = max(16, triton.next_power_of_2(num_slices * rank))
-    part = torch.empty(blocks.max_blocks * p * _FUSED_BLOCK_M * sr_pad, dtype=torch.float32, device=x.device)
-    sync = _sync(x.device)
-    offsets = slice_offsets + (slice_offsets[-1],) * (_MAX_SLICES_PER_LAUNCH + 1 - len(slice_offsets))
-    phases = [(True, True)] if together else [(True, False), (False, True)]
-    for shrink, expand in phases:
-        _fused_kernel[(blocks.max_blocks * q,)](
-            x, lora_a, y, lora_b, part, sync, sync[-1:], blocks.blocks, blocks.tokens,
-            num_slots, in_features, k_per_split,
-            x.stride(0), lora_a.stride(0), lora_a.stride(2), y.stride(0), lora_b.stride(0), lora_b.stride(1),
-            *offsets,
-            NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank), SR=num_slices * rank, SR_PAD=sr_pad,
-            P=p, Q=q, BLOCK_M=_FUSED_BLOCK_M, BLOCK_K=block_k, BLOCK_N=block_n,
-            SHRINK=shrink, EXPAND=expand, MAX_SPIN=_FUSED_MAX_SPIN,
-            num_warps=warps, num_stages=2,
-        )
-
-
 @lru_cache(maxsize=1024)
 def _widths(slice_offsets: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(b - a for a, b in zip(slice_offsets, slice_offsets[1:]))
@@ -575,22 +376,6 @@ def _shrink_supported(x, lora_a, out) -> bool:
         and lora_a.stride(1) == rank * lora_a.stride(2)
         and out.dtype == torch.float32
         and out.is_contiguous()
-    )
-
-
-def _fused_supported(y, x, lora_a, lora_b) -> bool:
-    rank = lora_a.shape[2]
-    return (
-        x.dtype in _DTYPES
-        and lora_a.dtype == x.dtype
-        and y.dtype == x.dtype
-        and lora_b.dtype == x.dtype
-        and x.stride(1) == 1
-        and y.stride(1) == 1
-        and lora_a.stride(3) == 1
-        and lora_a.stride(1) == rank * lora_a.stride(2)
-        and lora_b.stride(2) == 1
-        and lora_b.shape[2] == rank
     )
 
 
