@@ -204,7 +204,17 @@ async def decode_case(engine, args, batch: int, with_lora: bool) -> tuple[float,
     if not steps or not intervals:
         seen = sorted({e[:3] for e in entries})
         raise RuntimeError(f"no decode step of {batch} sequences{' with LoRA' if with_lora else ''}; steps seen: {seen[:20]}")
+    # Where the host stands: steps launched ahead (before the previous step's tokens were on the
+    # host), and how long the host took from a step's result to the launch of the step after next
+    # (launch-ahead keeps the device busy while that stays under a step).
+    full_entries = [e for e in entries if full(e)]
+    lags = [c[5] - a[4] for a, c in zip(full_entries, full_entries[2:]) if c[6]]
+    ahead = sum(e[6] for e in full_entries) / len(full_entries)
+    HOST[(batch, with_lora)] = f"ahead {ahead:.0%}, result -> launch after next {statistics.median(lags) * 1e3:.2f} ms" if lags else f"ahead {ahead:.0%}"
     return statistics.median(steps[2:] or steps), statistics.median(intervals[2:] or intervals)
+
+
+HOST: dict[tuple[int, bool], str] = {}  # per decode case: the host's lead (printed in the table)
 
 
 async def prefill_case(engine, args, num_seqs: int, length: int) -> float:
@@ -287,7 +297,7 @@ async def decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes
     base, base_every = await decode_case(engine, args, batch, with_lora=False)
     rows.append((f"decode B={batch}, base", _times(base, base_every), f"{batch / base_every:.0f} tok/s",
                  f"{base_every / base_floor:.2f}x floor {base_floor * 1e3:.2f} ms (step alone {base / base_floor:.2f}x)"
-                 f"{_replay(engine, batch, False, base_floor)}"))
+                 f"{_replay(engine, batch, False, base_floor)}; {HOST.get((batch, False), '')}"))
     if args.adapters:
         adapters_s = min(batch, args.adapters) * adapter_bytes / bandwidth
         lora_floor = base_floor + adapters_s
@@ -299,7 +309,7 @@ async def decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes
                      f"**{mixed_every / step_floor:.3f}x base step + adapter bytes** ({step_floor * 1e3:.2f} ms); "
                      f"{mixed_every / lora_floor:.2f}x bytes floor {lora_floor * 1e3:.2f} ms (step alone "
                      f"{mixed / lora_floor:.2f}x); {mixed_every / base_every:.2f}x base"
-                     f"{_replay(engine, batch, True, lora_floor)}"))
+                     f"{_replay(engine, batch, True, lora_floor)}; {HOST.get((batch, True), '')}"))
     return rows
 
 
