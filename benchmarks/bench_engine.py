@@ -193,7 +193,12 @@ async def decode_case(engine, args, batch: int, with_lora: bool) -> tuple[float,
     decode rate is made of, host work between steps included)."""
     engine.step_times.clear()
     adapters = [f"a{i % args.adapters}" if with_lora else "" for i in range(batch)]
-    await run_requests(engine, random_prompts(batch, args.context, args.vocab, batch), adapters, args.new_tokens)
+    replays = _ReplayMarks(engine) if engine.graphs is not None else None
+    try:
+        await run_requests(engine, random_prompts(batch, args.context, args.vocab, batch), adapters, args.new_tokens)
+    finally:
+        if replays is not None:
+            replays.stop()
     entries = engine.step_times
 
     def full(entry) -> bool:
@@ -211,10 +216,43 @@ async def decode_case(engine, args, batch: int, with_lora: bool) -> tuple[float,
     lags = [c[5] - a[4] for a, c in zip(full_entries, full_entries[2:]) if c[6]]
     ahead = sum(e[6] for e in full_entries) / len(full_entries)
     HOST[(batch, with_lora)] = f"ahead {ahead:.0%}, result -> launch after next {statistics.median(lags) * 1e3:.2f} ms" if lags else f"ahead {ahead:.0%}"
+    if replays is not None:
+        HOST[(batch, with_lora)] += "; " + replays.summary(batch)
     return statistics.median(steps[2:] or steps), statistics.median(intervals[2:] or intervals)
 
 
 HOST: dict[tuple[int, bool], str] = {}  # per decode case: the host's lead (printed in the table)
+
+
+class _ReplayMarks:
+    """CUDA events around every decode-graph run of the engine (staging copy + replay): the device
+    time of the replays inside real steps, and the device time between one replay's end and the
+    next one's start (sampling, the token copies, and any idle)."""
+
+    def __init__(self, engine):
+        self.graphs, self.run, self.marks = engine.graphs, engine.graphs.run, []
+
+        def run(batch):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            logits = self.run(batch)
+            end.record()
+            self.marks.append((len(batch.input_ids), start, end))
+            return logits
+
+        self.graphs.run = run
+
+    def stop(self) -> None:
+        self.graphs.run = self.run
+
+    def summary(self, batch: int) -> str:
+        torch.cuda.synchronize()
+        full = [(s, e) for n, s, e in self.marks if n == batch]
+        if len(full) < 3:
+            return ""
+        inside = statistics.median(s.elapsed_time(e) for s, e in full[2:])
+        between = statistics.median(e0.elapsed_time(s1) for (_, e0), (s1, _) in zip(full[2:], full[3:]))
+        return f"device: replay in the step {inside:.2f} ms, end to next replay {between:.2f} ms"
 
 
 async def prefill_case(engine, args, num_seqs: int, length: int) -> float:
@@ -337,6 +375,9 @@ async def run(args) -> list[tuple[str, str, str, str]]:
         ("weights read per decode step", f"{wbytes / 2**30:.2f} GiB", "", f"adapter: {adapter_bytes / 2**20:.1f} MiB"),
     ]
     await run_requests(engine, random_prompts(2, 16, args.vocab, 0), ["", "a0" if args.adapters else ""], 4)  # warm-up
+    if args.adapters:  # every adapter in its slot first: cold loads must not stagger the measured batches
+        names = [f"a{i}" for i in range(args.adapters)]
+        await run_requests(engine, random_prompts(len(names), 16, args.vocab, 1), names, 2)
     for batch in args.batches:
         try:
             rows += await decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes, bandwidth)
