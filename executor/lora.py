@@ -84,65 +84,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     return stream
 
 
-class SlotWrites:
-    """The copies and zero-fills of one adapter load, issued together by `flush`: a multi-tensor
-    copy and a multi-tensor zero instead of two ops per tensor (an 8B model's adapter has ~450
-    tensors: one op each from Python cost more host time than the copy takes on the GPU)."""
-
-    def __init__(self):
-        self.dst: list[torch.Tensor] = []
-        self.src: list[torch.Tensor] = []
-        self.zeros: list[torch.Tensor] = []
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.dst.append(dst)
-        self.src.append(src)
-
-    def zero(self, dst: torch.Tensor) -> None:
-        if dst.numel():
-            self.zeros.append(dst)
-
-    def flush(self) -> None:
-        if self.dst:
-            torch._foreach_copy_(self.dst, self.src, non_blocking=True)
-        if self.zeros:
-            torch._foreach_zero_(self.zeros)
-        self.dst, self.src, self.zeros = [], [], []
-
-
-def _copy_into_slot(slot_buf: torch.Tensor, src: torch.Tensor, rank_dim: int = 1, writes: SlotWrites | None = None) -> None:
-    """slot_buf[.., :r] = src, slot_buf[.., r:] = 0 on rank_dim. No reshape or cast. src must outlive the async copy.
-    writes: record the copy and the zero-fill there (issued by its flush) instead of now."""
+def _copy_into_slot(slot_buf: torch.Tensor, src: torch.Tensor, rank_dim: int = 1) -> None:
+    """slot_buf[.., :r] = src, slot_buf[.., r:] = 0 on rank_dim. No reshape or cast. src must outlive the async copy."""
     if (err := _fit_error(slot_buf, src, rank_dim)) is not None:
         raise ValueError(err)
     r = src.shape[rank_dim]
-    own = writes is None
-    writes = writes or SlotWrites()
-    writes.copy(slot_buf.narrow(rank_dim, 0, r), src)
-    writes.zero(slot_buf.narrow(rank_dim, r, slot_buf.shape[rank_dim] - r))
-    if own:
-        writes.flush()
-
-
-def _set_slot(m: nn.Module, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, writes: SlotWrites | None) -> None:
-    """set_lora of a module whose A and B both go whole into the slot (rank on m.slot_rank_dim)."""
-    own = writes is None
-    writes = writes or SlotWrites()
-    _copy_into_slot(m.lora_a[slot], lora_a, m.slot_rank_dim, writes)
-    _copy_into_slot(m.lora_b[slot], lora_b, m.slot_rank_dim, writes)
-    if own:
-        writes.flush()
-    m.slot_ranks[slot] = lora_a.shape[m.slot_rank_dim]
-
-
-def _reset_slot(m: nn.Module, slot: int, writes: SlotWrites | None) -> None:
-    own = writes is None
-    writes = writes or SlotWrites()
-    writes.zero(m.lora_a[slot])
-    writes.zero(m.lora_b[slot])
-    if own:
-        writes.flush()
-    m.slot_ranks[slot] = 0
+    slot_buf.narrow(rank_dim, 0, r).copy_(src, non_blocking=True)
+    slot_buf.narrow(rank_dim, r, slot_buf.shape[rank_dim] - r).zero_()
 
 
 class LinearWithLoRA(nn.Module):
@@ -202,27 +150,24 @@ class LinearWithLoRA(nn.Module):
         self.register_buffer("lora_b", b, persistent=False)
         self.slot_ranks = [0] * max_loras  # host copy: each slot's rank in this module, 0 = not targeted
 
-    def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, writes: SlotWrites | None = None) -> None:
+    def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         """lora_a: [S, r, in], lora_b: [N, r] (a shard's tensors, already in the slot dtype).
-        Fully sharded column layers: lora_a [S, r / tp, in], lora_b [N, r], r a multiple of tp.
-        writes: record the copies there (see SlotWrites) instead of issuing them now."""
-        own = writes is None
-        writes = writes or SlotWrites()
-        _copy_into_slot(self.lora_a[slot], lora_a, writes=writes)
+        Fully sharded column layers: lora_a [S, r / tp, in], lora_b [N, r], r a multiple of tp."""
+        _copy_into_slot(self.lora_a[slot], lora_a)
         if self.rank_parts == 1:
-            _copy_into_slot(self.lora_b[slot], lora_b, writes=writes)
+            _copy_into_slot(self.lora_b[slot], lora_b)
         else:  # rank part p of B (columns p*r/tp ...) goes to columns p*R/tp ... of the slot
             n, parts = lora_b.shape[0], self.rank_parts
             dst = self.lora_b[slot].view(n, parts, -1)
             src = lora_b.view(n, parts, lora_b.shape[1] // parts)
-            writes.copy(dst[:, :, : src.shape[2]], src)
-            writes.zero(dst[:, :, src.shape[2] :])
-        if own:
-            writes.flush()
+            dst[:, :, : src.shape[2]].copy_(src, non_blocking=True)
+            dst[:, :, src.shape[2] :].zero_()
         self.slot_ranks[slot] = lora_a.shape[1]
 
-    def reset_lora(self, slot: int, writes: SlotWrites | None = None) -> None:
-        _reset_slot(self, slot, writes)
+    def reset_lora(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.slot_ranks[slot] = 0
 
     def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None = None) -> torch.Tensor:
         if self.row_parallel:
@@ -304,12 +249,16 @@ class VocabEmbeddingWithLoRA(nn.Module):
         self.register_buffer("lora_b", b, persistent=False)
         self.slot_ranks = [0] * max_loras  # as in LinearWithLoRA
 
-    def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, writes: SlotWrites | None = None) -> None:
+    def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         """lora_a: [vocab, r], lora_b: [dim, r]."""
-        _set_slot(self, slot, lora_a, lora_b, writes)
+        _copy_into_slot(self.lora_a[slot], lora_a)
+        _copy_into_slot(self.lora_b[slot], lora_b)
+        self.slot_ranks[slot] = lora_a.shape[1]
 
-    def reset_lora(self, slot: int, writes: SlotWrites | None = None) -> None:
-        _reset_slot(self, slot, writes)
+    def reset_lora(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.slot_ranks[slot] = 0
 
     def forward(self, ids: torch.Tensor, lora_meta: LoraMeta | None = None) -> torch.Tensor:
         if self.tp.size == 1:
@@ -362,12 +311,16 @@ class ExpertsWithLoRA(nn.Module):
         self.register_buffer("lora_b", b, persistent=False)
         self.slot_ranks = [0] * max_loras  # as in LinearWithLoRA
 
-    def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, writes: SlotWrites | None = None) -> None:
+    def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         """lora_a: [E, S, r, in], lora_b: [E, N, r]."""
-        _set_slot(self, slot, lora_a, lora_b, writes)
+        _copy_into_slot(self.lora_a[slot], lora_a, self.slot_rank_dim)
+        _copy_into_slot(self.lora_b[slot], lora_b, self.slot_rank_dim)
+        self.slot_ranks[slot] = lora_a.shape[self.slot_rank_dim]
 
-    def reset_lora(self, slot: int, writes: SlotWrites | None = None) -> None:
-        _reset_slot(self, slot, writes)
+    def reset_lora(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.slot_ranks[slot] = 0
 
     def step_lora(self, lora_meta: LoraMeta | None, device: torch.device):
         """(lora_a, lora_b) for this step, or None when no token's adapter targets these experts."""
@@ -463,14 +416,6 @@ def _moe_layout(c: ModelConfig, mlp: str) -> list:
     return modules
 
 
-def clear_slot(modules, slot: int) -> None:
-    """Zeroes `slot` of every module (an iterable of LoRA modules, e.g. lora_modules(model).values()) in one go."""
-    writes = SlotWrites()
-    for m in modules:
-        m.reset_lora(slot, writes)
-    writes.flush()
-
-
 def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -> None:
     """Copies one shard's tensors into `slot` of every LoRA module; modules absent from it are zeroed.
 
@@ -495,10 +440,8 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
         if a.shape[rank_dim] * module.rank_parts != b.shape[rank_dim]:
             parts = f" x {module.rank_parts} rank parts" if module.rank_parts > 1 else ""
             raise ValueError(f"{name}: lora_a rank {a.shape[rank_dim]}{parts} != lora_b rank {b.shape[rank_dim]}")
-    writes = SlotWrites()  # every module's copies and zero-fills issued together
     for name, module in modules.items():
         if f"{name}.lora_a" in tensors:
-            module.set_lora(slot, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"], writes)
+            module.set_lora(slot, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"])
         else:
-            module.reset_lora(slot, writes)
-    writes.flush()
+            module.reset_lora(slot)
