@@ -47,7 +47,7 @@ from loraserve.v1 import common_pb2 as pb
 from .config import ExecutorConfig
 from .engine.kv_cache import KVCache
 from .engine.step import StepInputs, forward_step
-from .lora import LoraSpec, clear_slot, declare_layout, load_shard_into_slot, lora_modules
+from .lora import LoraSpec, declare_layout, load_shard_into_slot, lora_modules
 from .model.loader import load_model
 from .parallel import TPGroup, make_group, open_store
 from .store_client import StoreClient
@@ -363,7 +363,8 @@ class _Rank:
     def _load_slot(self, slot: int, version: tuple[str, str]) -> None:
         """Copies this rank's shard of `version` into `slot` (("", ""): empties it)."""
         if version == ("", ""):
-            clear_slot(self.modules.values(), slot)
+            for m in self.modules.values():
+                m.reset_lora(slot)
         else:  # fetched already when rank 0 loaded it, unless dropped since: then fetched now
             future = asyncio.run_coroutine_threadsafe(self._fetch(*version), self.loop)
             tensors = future.result()

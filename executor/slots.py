@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 import torch
 
 from loraserve.errors import exhausted, invalid, not_found, precondition
-from .store_client import pinned_blob
 
 log = logging.getLogger(__name__)
 
@@ -425,7 +424,7 @@ class SlotManager:
             if self.device.type == "cuda" and not all(t.is_pinned() for t in tensors.values()):
                 # Pinned host memory makes the slot copy a true async DMA (the store client's
                 # shards arrive pinned already).
-                tensors = await asyncio.to_thread(pinned_blob, tensors)  # one buffer: one copy per load
+                tensors = await asyncio.to_thread(lambda: {k: t.pin_memory() for k, t in tensors.items()})
             a.digest, a.rank, a.nbytes, a.tensors = digest, rank, nbytes, tensors
             self._cpu_lru[a.name] = None
             self._cpu_bytes += nbytes
