@@ -5,7 +5,6 @@ killed mid-serving end with a clear error."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import re
 import signal
@@ -29,16 +28,10 @@ from loraserve.executor.ranks import shard_checksum
 from loraserve.executor.service import build_executor
 from loraserve.defaults import smollm2_gguf_path
 
-from loraserve.adapter_store import validate
-from loraserve.adapter_store.config import StoreConfig
-from loraserve.adapter_store.service import serve as serve_store
-from loraserve.adapter_store.sources import SourceConfig
-from loraserve.client import ExecutorClient, StoreClient
-from loraserve.executor.service import serve as serve_executor
-from loraserve.executor.service import shutdown
+from loraserve.client import ExecutorClient
 from loraserve.v1 import executor_pb2 as epb
 
-from .conftest import check_against_reference, generate, prompt_ids
+from .conftest import Cluster, check_against_reference, generate, prompt_ids, run_group
 
 LORASERVE = str(Path(sys.executable).parent / "loraserve")
 # (family, tp_size, fully sharded LoRA, config overrides): Llama with biases on o_proj and down_proj
@@ -114,47 +107,12 @@ def references(base, adapter_dirs):
 @pytest.fixture(scope="module")
 def cluster(module_loop_thread, base, adapter_dirs, case, tmp_path_factory):
     _, tp, sharded, _ = case
-    c = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path_factory.mktemp("store"), tp_size=tp,
+    c = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path_factory.mktemp("store"), ADAPTERS, tp_size=tp,
                 fully_sharded_loras=sharded, lora_embeddings=True, cpu_threads=1, tp_timeout_s=60.0)
     yield c
     c.close()
     # A clean stop: every rank exits 0 on its own (none had to be killed).
     assert [p.exitcode for p in c.parts.ranks._procs] == [0] * (tp - 1)
-
-
-class Cluster:
-    """A store and an executor (tp_size ranks) on loopback, served from one event loop thread."""
-
-    def __init__(self, lt, base_dir: Path, adapters: Path, data: Path, **executor_overrides):
-        self.lt = lt
-        scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model="tiny", base_model_path=base_dir,
-                           sources=SourceConfig(local_roots=(adapters,)), limits=validate.Limits(max_rank=16))
-        self.store_server, port = lt.run(serve_store(scfg))
-        self.store_address = f"127.0.0.1:{port}"
-        for name in ADAPTERS:
-            self.store_client().register(name, str(adapters / name))
-        cfg = ExecutorConfig(model=str(base_dir), base_model="tiny", dtype="float32", max_loras=2, max_rank=16,
-                             max_cpu_adapters=8, num_blocks=256, block_size=4, max_model_len=512,
-                             store_address=self.store_address, slot_wait_timeout_s=30.0, **executor_overrides)
-        self.parts = build_executor(cfg)
-        self.server, port = lt.run(serve_executor(self.parts, "127.0.0.1:0"))
-        self.address = f"127.0.0.1:{port}"
-
-    def store_client(self) -> StoreClient:
-        return StoreClient(self.store_address, timeout_s=60)
-
-    def client(self) -> ExecutorClient:
-        return ExecutorClient(self.address, timeout_s=120)
-
-    def close(self):
-        self.lt.run(shutdown(self.server, self.parts))
-        self.lt.run(self.store_server.stop(0))
-
-
-def run_group(client, group, max_tokens=6):
-    jobs = [(name, prompt_ids(i)) for i, name in enumerate(group)]
-    with cf.ThreadPoolExecutor(len(jobs)) as pool:
-        return jobs, list(pool.map(lambda j: generate(client, *j, max_tokens), jobs))
 
 
 def test_mixed_batches_match_transformers_peft_and_tp1(cluster, references, base, adapter_dirs, case,
@@ -168,7 +126,8 @@ def test_mixed_batches_match_transformers_peft_and_tp1(cluster, references, base
             check_against_reference(references[name], ids, resp)
             outputs[(name, tuple(ids))] = list(resp.token_ids)
     # tp 1 on the same store gives the same greedy tokens.
-    one = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store1", lora_embeddings=True, cpu_threads=1)
+    one = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store1", ADAPTERS, lora_embeddings=True,
+                  cpu_threads=1)
     try:
         for group in GROUPS:
             jobs, resps = run_group(one.client(), group)
