@@ -41,7 +41,7 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
                    help="a collective that waits this long on another tensor-parallel rank fails")
     p.add_argument("--max-loras", type=int, default=int(env("max_loras", 0)),
                    help="GPU slots (0: from the GPU memory free after the model and KV cache, up to 64; 8 on CPU "
-                        "and under --tp-size > 1)")
+                        "and under --tp-size or --ep-size > 1)")
     p.add_argument("--max-lora-rank", type=int, default=int(env("max_lora_rank", 64)))
     p.add_argument("--lora-embeddings", action="store_true", default=env("lora_embeddings", "") in ("1", "true"),
                    help="serve adapters that target embed_tokens / lm_head (vocab-sized slots)")
