@@ -49,7 +49,6 @@ class Experts(nn.Module):
 
     def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, ep: TPGroup):
         super().__init__()
-        self.ep = ep
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
         experts = ep.part(cfg.num_experts)
         self.first, e = experts.start, experts.stop - experts.start
@@ -61,7 +60,7 @@ class Experts(nn.Module):
         lora13 = self.gate_up_proj.step_lora(lora_meta, x.device)
         lora2 = self.down_proj.step_lora(lora_meta, x.device)
         meta = lora_meta if lora13 is not None or lora2 is not None else None
-        if self.ep.size > 1:  # local ids; other ranks' experts fall outside [0, E / ep): skipped
+        if self.first:  # ids local to this rank's block; other ranks' experts fall outside [0, E / ep): skipped
             topk_ids = topk_ids - self.first
         return kernels.fused_moe(
             x, topk_weights, topk_ids, self.gate_up_proj.weight, self.down_proj.weight, lora13, lora2, meta
@@ -95,14 +94,12 @@ def build_causal_lm(cfg: ModelConfig, lora: LoraSpec | None = None, dtype=torch.
     """LlamaForCausalLM for any supported family: sparse layers get a SparseMoeBlock as their MLP.
     MoE models split their experts over `ep` ranks, never their attention over `tp` ranks."""
     ep = ep or TPGroup()
+    if (error := ep_size_error(cfg, ep.size)) is not None:  # a dense model, or experts that do not split
+        raise ValueError(error)
     if not cfg.num_experts:
-        if ep.size > 1:
-            raise ValueError(ep_size_error(cfg, ep.size))
         return LlamaForCausalLM(cfg, lora, dtype, device, tp)
     if tp is not None and tp.size > 1:
         raise ValueError(tp_size_error(cfg, tp.size))
-    if (error := ep_size_error(cfg, ep.size)) is not None:
-        raise ValueError(error)
 
     def mlp_for_layer(i: int) -> nn.Module | None:
         return SparseMoeBlock(cfg, lora, dtype, device, ep) if cfg.is_moe_layer(i) else None

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -248,6 +254,7 @@ def device(request):
 
 # ---- a served byte-tokenizer model over gRPC, checked against its transformers (+ PEFT) oracle ----
 
+LORASERVE = str(Path(sys.executable).parent / "loraserve")
 BYTE_BOS = 256  # the byte tokenizer's <s> (ids 0..255 are bytes)
 
 
@@ -322,3 +329,36 @@ def run_group(client: ExecutorClient, group: list[str], max_tokens: int = 6):
     jobs = [(name, prompt_ids(i)) for i, name in enumerate(group)]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         return jobs, list(pool.map(lambda j: generate(client, *j, max_tokens), jobs))
+
+
+class ParallelExecutorProcess:
+    """`loraserve executor --tp-size 2` (or `--ep-size 2`: `parallel`) on a tiny model, as an operator
+    starts it (no store needed for the base model); its output is collected by a thread."""
+
+    def __init__(self, model_dir: Path, store_port: int, parallel: tuple[str, str]):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [LORASERVE, "--log-level", "INFO", "executor", "--model", str(model_dir), *parallel,
+             "--cpu-threads", "1", "--executor-listen", f"127.0.0.1:{self.port}", "--http-port", "0",
+             "--store", f"127.0.0.1:{store_port}", "--max-model-len", "512", "--num-blocks", "256",
+             "--block-size", "4", "--tp-timeout-s", "60"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.time() + 120
+        while "executor serving gRPC" not in self.log:
+            assert self.proc.poll() is None and time.time() < deadline, self.log
+            time.sleep(0.1)
+        self.rank1_pid = int(re.search(r"-parallel rank 1 of 2: pid (\d+)", self.log).group(1))
+        self.client = ExecutorClient(f"127.0.0.1:{self.port}", timeout_s=60)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

@@ -7,13 +7,16 @@ ep sizes are refused with the reason, in process and by the CLI."""
 from __future__ import annotations
 
 import copy
+import os
+import re
+import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel
+from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 
@@ -25,9 +28,9 @@ from loraserve.executor.parallel import TPGroup, ep_size_error
 from loraserve.executor.ranks import local_experts, shard_checksum
 from loraserve.executor.service import build_executor
 
-from .conftest import TINY_MOE, Cluster, check_against_reference, run_group
+from .conftest import (LORASERVE, TINY_MOE, Cluster, ParallelExecutorProcess, check_against_reference, generate,
+                       prompt_ids, run_group)
 
-LORASERVE = str(Path(sys.executable).parent / "loraserve")
 BOS, EOS, VOCAB = 256, 257, 260  # the byte ids of conftest.prompt_ids
 NAMES = ("experts8", "attn4", "down2")  # experts only, attention only, one expert projection + dense modules
 # Two slots, three adapters: loads and evictions on both ranks within and between the groups.
@@ -116,6 +119,19 @@ def test_each_rank_holds_its_experts_and_the_store_shard_of_its_ep_rank(cluster)
         assert experts and all(t.shape[0] == 2 for t in experts)  # 2 of the 4 experts
 
 
+def test_cli_fetches_the_shard_of_every_ep_rank(cluster, base, tmp_path):
+    """`loraserve adapters fetch --ep-size 2`: one file per ep rank, each the store's slice of its experts."""
+    out = subprocess.run([LORASERVE, "adapters", "--store", cluster.store_address, "fetch", "experts8", "--model",
+                          str(base[1]), "--ep-size", "2", "--dtype", "float32", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.count("checksum ok") == 2, out.stderr
+    key = "model.layers.0.mlp.experts.gate_up_proj.lora_a"
+    for rank in range(2):
+        with safe_open(tmp_path / f"experts8.ep{rank}-of-2.safetensors", "pt") as f:
+            assert f.metadata()["ep_rank"] == str(rank)
+            assert f.get_tensor(key).shape[0] == 2  # 2 of the 4 experts
+
+
 # ---- per-rank weights and slots ------------------------------------------------------------------
 
 
@@ -198,3 +214,17 @@ def test_cli_refuses_an_ep_size_that_does_not_split_the_experts(hf_model, tmp_pa
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr
     assert "ep_size 3 does not split this model: 4 experts do not make 3 equal blocks" in out.stderr
+
+
+def test_a_rank_killed_mid_serving_ends_the_ep_executor_with_a_clear_error(base, closed_port):
+    """`loraserve executor --ep-size 2`: serving on both ranks; rank 1 killed -> exit 1, the log names it."""
+    ex = ParallelExecutorProcess(base[1], closed_port, ("--ep-size", "2"))
+    try:
+        assert "expert-parallel over 2 ranks" in ex.log and ex.client.info().ep_size == 2
+        assert len(generate(ex.client, "", prompt_ids(0), 2).token_ids) == 2
+        os.kill(ex.rank1_pid, signal.SIGKILL)
+        assert ex.proc.wait(30) == 1
+        assert re.search(rf"CRITICAL .*expert-parallel rank 1 \(pid {ex.rank1_pid}\) was killed by signal 9.*; stopping "
+                         r"the expert-parallel executor", ex.log), ex.log
+    finally:
+        ex.kill()

@@ -8,12 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,12 +23,10 @@ from loraserve.executor.ranks import shard_checksum
 from loraserve.executor.service import build_executor
 from loraserve.defaults import smollm2_gguf_path
 
-from loraserve.client import ExecutorClient
 from loraserve.v1 import executor_pb2 as epb
 
-from .conftest import Cluster, check_against_reference, generate, prompt_ids, run_group
+from .conftest import LORASERVE, Cluster, ParallelExecutorProcess, check_against_reference, generate, prompt_ids, run_group
 
-LORASERVE = str(Path(sys.executable).parent / "loraserve")
 # (family, tp_size, fully sharded LoRA, config overrides): Llama with biases on o_proj and down_proj
 # (added once, after the reduce), Qwen2 with q/k/v biases and tied embeddings (vocab-parallel both
 # ways); tp 4 replicates the 2 kv heads.
@@ -243,39 +236,6 @@ def test_cli_refuses_a_tp_size_that_does_not_split_the_model(tmp_path):
     assert "error: " in out.stderr and "tp_size 2 does not split this model: 9 attention heads" in out.stderr
 
 
-class TPExecutorProcess:
-    """`loraserve executor --tp-size 2` on a tiny Llama, as an operator starts it (no store needed
-    for the base model); its output is collected by a thread."""
-
-    def __init__(self, model_dir: Path, store_port: int):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen(
-            [LORASERVE, "--log-level", "INFO", "executor", "--model", str(model_dir), "--tp-size", "2",
-             "--cpu-threads", "1", "--executor-listen", f"127.0.0.1:{self.port}", "--http-port", "0",
-             "--store", f"127.0.0.1:{store_port}", "--max-model-len", "512", "--num-blocks", "256",
-             "--block-size", "4", "--tp-timeout-s", "60"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
-        deadline = time.time() + 120
-        while "executor serving gRPC" not in self.log:
-            assert self.proc.poll() is None and time.time() < deadline, self.log
-            time.sleep(0.1)
-        self.rank1_pid = int(re.search(r"tensor-parallel rank 1 of 2: pid (\d+)", self.log).group(1))
-        self.client = ExecutorClient(f"127.0.0.1:{self.port}", timeout_s=60)
-
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 @pytest.fixture
 def tp_executor_process(hf_model, save_byte_tokenizer, closed_port):
     _, path = hf_model("llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
@@ -284,8 +244,8 @@ def tp_executor_process(hf_model, save_byte_tokenizer, closed_port):
         save_byte_tokenizer(path)
     started = []
 
-    def start() -> TPExecutorProcess:
-        started.append(TPExecutorProcess(path, closed_port))
+    def start() -> ParallelExecutorProcess:
+        started.append(ParallelExecutorProcess(path, closed_port, ("--tp-size", "2")))
         return started[-1]
 
     yield start
