@@ -56,7 +56,7 @@ class ExecutorParts:
     http: HttpFront | None = None  # the OpenAI-compatible front, started by serve() when config.http_listen
     metrics: ExecutorMetrics | None = None
     metrics_server: MetricsServer | None = None  # /metrics, started by serve() when config.metrics_listen
-    ranks: TPRanks | None = None  # tensor-parallel ranks 1..N-1 (config.tp_size > 1)
+    ranks: TPRanks | None = None  # tensor- or expert-parallel ranks 1..N-1 (config.world_size > 1)
 
     def generate(self, req: GenerationRequest):
         """Engine.generate, counted in the metrics (off the step loop: in the caller's task)."""

@@ -29,12 +29,14 @@ from loraserve.executor.ranks import local_experts, shard_checksum
 from loraserve.executor.service import build_executor
 
 from .conftest import (LORASERVE, TINY_MOE, Cluster, ParallelExecutorProcess, check_against_reference, generate,
-                       prompt_ids, run_group)
+                       merge_per_expert_adapter, prompt_ids, run_group)
 
 BOS, EOS, VOCAB = 256, 257, 260  # the byte ids of conftest.prompt_ids
-NAMES = ("experts8", "attn4", "down2")  # experts only, attention only, one expert projection + dense modules
-# Two slots, three adapters: loads and evictions on both ranks within and between the groups.
-GROUPS = (["experts8", "attn4", "", "down2"], ["down2", "", "experts8", "attn4"])
+# experts only (PEFT's target_parameters), attention only, one expert projection + dense modules,
+# and the per-expert form of transformers-4 adapters (conftest.MOE_ADAPTERS)
+NAMES = ("experts8", "attn4", "down2", "per_expert6")
+# Two slots, three adapters a group: loads and evictions on both ranks within and between the groups.
+GROUPS = (["experts8", "attn4", "", "down2"], ["per_expert6", "", "experts8", "attn4"])
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
@@ -57,9 +59,14 @@ def adapter_dirs(base, family, moe_adapter, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(base, adapter_dirs):
-    model = base[0]
-    return {"": model, **{n: PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs / n).eval() for n in NAMES}}
+def references(base, adapter_dirs, family):
+    model, refs = base[0], {"": base[0]}
+    for name in NAMES:
+        if name == "per_expert6" and family != "mixtral":  # PEFT converts only Mixtral's (see conftest)
+            refs[name] = merge_per_expert_adapter(model, adapter_dirs / name, 12 / 6)
+        else:
+            refs[name] = PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs / name).eval()
+    return refs
 
 
 @pytest.fixture(scope="module")
