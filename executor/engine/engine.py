@@ -195,7 +195,7 @@ class Engine:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None
         if self.ranks is not None:
-            log.warning("CUDA graphs off: tensor-parallel steps run eagerly")
+            log.warning("CUDA graphs off: %s steps run eagerly", self.ranks.role)
             return None
         if self.model.cfg.rope_type == "dynamic":
             log.warning("CUDA graphs off: dynamic RoPE scaling depends on each step's longest sequence")
