@@ -13,8 +13,11 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
   the table gives, over the steps that decoded all B sequences, the median time between
   consecutive steps' results ("every": what the decode rate is made of, all host work included)
   and from a step's launch to its result ("step"), beside the floor: (weight bytes + K/V bytes
-  the step reads) / copy bandwidth, and the graph's replay alone. With adapters: a distinct rank-`--rank` adapter on every linear
-  layer per sequence (up to `--adapters`, then they repeat), against two floors: the base step
+  the step reads) / copy bandwidth, and the graph's replay alone (on the case's last full
+  batch, staged again). Diagnostics per case: the share of steps launched ahead of the previous
+  step's tokens, the host's time from a step's result to the launch of the step after next, and
+  (CUDA events around each replay inside the real steps) the device time of a replay and between
+  replays. With adapters: a distinct rank-`--rank` adapter on every linear layer per sequence (up to `--adapters`, then they repeat), against two floors: the base step
   of the same run plus the distinct adapters' bytes at the copy bandwidth (the floor of the
   mixed-decode target), and the bytes floor above plus the adapters' bytes.
   The adapters come from an in-process fetch function (random tensors, the same values for
@@ -181,9 +184,14 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 def replay_seconds(engine, batch: int, with_lora: bool) -> float | None:
-    """GPU time of the decode graph alone (the step minus its host work); None when eager."""
+    """GPU time of the decode graph replayed alone, on the inputs of the case's last full step
+    (staged again first: the static buffer otherwise holds whatever step ran last, often one
+    with fewer sequences, whose padding rows attend to nothing); None when eager."""
     if engine.graphs is None:
         return None
+    last = LAST_FULL.get((batch, with_lora))
+    if last is not None:
+        engine.graphs.stage(last)
     return _time_cuda(engine.graphs.graph(batch, with_lora).replay)
 
 
@@ -218,10 +226,13 @@ async def decode_case(engine, args, batch: int, with_lora: bool) -> tuple[float,
     HOST[(batch, with_lora)] = f"ahead {ahead:.0%}, result -> launch after next {statistics.median(lags) * 1e3:.2f} ms" if lags else f"ahead {ahead:.0%}"
     if replays is not None:
         HOST[(batch, with_lora)] += "; " + replays.summary(batch)
+        if batch in replays.last:
+            LAST_FULL[(batch, with_lora)] = replays.last[batch]
     return statistics.median(steps[2:] or steps), statistics.median(intervals[2:] or intervals)
 
 
 HOST: dict[tuple[int, bool], str] = {}  # per decode case: the host's lead (printed in the table)
+LAST_FULL: dict[tuple[int, bool], object] = {}  # per decode case: its last DecodeBatch of all B sequences
 
 
 class _ReplayMarks:
@@ -230,7 +241,7 @@ class _ReplayMarks:
     next one's start (sampling, the token copies, and any idle)."""
 
     def __init__(self, engine):
-        self.graphs, self.run, self.marks = engine.graphs, engine.graphs.run, []
+        self.graphs, self.run, self.marks, self.last = engine.graphs, engine.graphs.run, [], {}
 
         def run(batch):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -238,6 +249,7 @@ class _ReplayMarks:
             logits = self.run(batch)
             end.record()
             self.marks.append((len(batch.input_ids), start, end))
+            self.last[len(batch.input_ids)] = batch
             return logits
 
         self.graphs.run = run
