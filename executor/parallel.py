@@ -55,6 +55,12 @@ class TPGroup:
         self.process_group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank src's x on every rank, in place (x contiguous)."""
+        if self.size > 1:
+            self.process_group.broadcast(x, src).wait()
+        return x
+
     def part(self, size: int) -> slice:
         """This rank's 1/size-th of range(size) (size must divide)."""
         n = size // self.size
