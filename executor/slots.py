@@ -16,6 +16,10 @@ Rules this module guarantees:
   fetched from then on (prefetch), and slot eviction picks an idle adapter that no queued
   request wants before one that some request does (then the least recently used). The CPU cache
   is bounded in bytes (and optionally in adapters) and drops the copies nobody waits on first.
+- At most `max_concurrent_loads` store fetches run at once, started in the order they were asked
+  for; a fetch nobody waits on any more by its turn (its request ended) is not started. Adapters
+  in a slot or in the CPU cache never wait for a fetch seat: a hot adapter's request is not queued
+  behind cold loads.
 - A failed fetch leaves nothing behind; every waiter gets the error; the next acquire retries.
 - Adapters already in a slot or in the CPU cache keep serving when the store is down.
 - Loading never blocks the forward passes of other adapters: host work runs in a thread, and
@@ -37,9 +41,10 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
-from loraserve.errors import exhausted, invalid, not_found, precondition
+from loraserve.errors import StatusError, exhausted, invalid, not_found, precondition
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +140,7 @@ class SlotManager:
         device: torch.device,
         cpu_cache_bytes: int | None = None,
         slot_wait_timeout_s: float = 30.0,
+        max_concurrent_loads: int | None = None,
         observer: SlotObserver | None = None,
     ):
         self._fetch_shard = fetch_shard
@@ -147,6 +153,9 @@ class SlotManager:
         self._slot_queue: list[_Adapter] = []  # adapters waiting for a slot, first come first served
         self.device = torch.device(device)
         self.slot_wait_timeout_s = slot_wait_timeout_s
+        # Store fetches in flight at once (None: no limit). Many cold loads at once share the host's
+        # cores and memory bandwidth, so each ends later; in turn, the first asked land first.
+        self._load_seats = asyncio.Semaphore(max_concurrent_loads) if max_concurrent_loads else None
         self.observer = observer or SlotObserver()
         self._adapters: dict[str, _Adapter] = {}
         self._slots: list[_Adapter | None] = [None] * max_loras
@@ -420,11 +429,19 @@ class SlotManager:
 
     async def _fetch(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]]:
         try:
-            digest, rank, tensors, nbytes = await self._fetch_shard(a.name)
+            if self._load_seats is None:
+                digest, rank, tensors, nbytes = await self._fetch_shard(a.name)
+            else:
+                async with self._load_seats:
+                    if not self._waited_on(a):  # its requests ended while it waited for a seat
+                        raise StatusError(grpc.StatusCode.CANCELLED,
+                                          f"adapter {a.name!r}: no request waits for it any more; not fetched")
+                    digest, rank, tensors, nbytes = await self._fetch_shard(a.name)
             if self.device.type == "cuda" and not all(t.is_pinned() for t in tensors.values()):
-                # Pinned host memory makes the slot copy a true async DMA (the store client's
-                # shards arrive pinned already).
-                tensors = await asyncio.to_thread(lambda: {k: t.pin_memory() for k, t in tensors.items()})
+                # Pinned host memory makes the slot copy a true async DMA. The store client's shards
+                # land pinned already (one copy per load: the stream's); only others are copied here.
+                tensors = await asyncio.to_thread(
+                    lambda: {k: t if t.is_pinned() else t.pin_memory() for k, t in tensors.items()})
             a.digest, a.rank, a.nbytes, a.tensors = digest, rank, nbytes, tensors
             self._cpu_lru[a.name] = None
             self._cpu_bytes += nbytes
