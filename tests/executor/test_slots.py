@@ -424,7 +424,7 @@ async def test_refresh_of_a_pinned_adapter_keeps_its_slot_under_slot_pressure(st
 async def test_refresh_of_a_pinned_adapter_with_the_store_down_keeps_the_old_version(store, slots):
     mgr = _manager(store, slots)
     slot = (await mgr.pin("adapter-0")).slot
-    mgr._drop_tensors(mgr._adapters["adapter-0"])  # only the slot holds it now
+    mgr.cpu.drop(mgr._adapters["adapter-0"])  # only the slot holds it now
     new = store.register_again("adapter-0")
     store.down = True
     assert await mgr.refresh("adapter-0", new)
