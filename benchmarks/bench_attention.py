@@ -1,6 +1,7 @@
 """Paged attention (Triton) on Llama-3-8B shapes against its floor and torch SDPA on contiguous K/V.
 
     python benchmarks/bench_attention.py
+    python benchmarks/bench_attention.py --decode-sweep   (decode launch settings at small batches)
 
 Shapes: H 32, KVH 8, D 128, block size 16, bf16, block tables of shuffled block ids.
 Floors, measured in the same run: decode = K and V bytes read / device-to-device copy
@@ -13,6 +14,8 @@ Prints one markdown table; asserts nothing on time.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -145,7 +148,31 @@ def bench_prefill(num_seqs: int, chunk: int, ctx: int, flops_rate: float, gen) -
                 floor_ms=flops / flops_rate * 1e3, floor="FLOPs", sdpa_ms=sdpa_ms)
 
 
+def decode_sweep(bandwidth: float, gen) -> None:
+    """Decode launch settings at small batches (latency-bound): min partition, programs per SM and
+    (BLOCK_N, warps, stages), each timed in a graph like the table; prints one line per setting."""
+    saved = triton_attention._MIN_PARTITION, triton_attention._PROGRAMS_PER_SM, triton_attention.decode_config
+    print("| B x ctx | BLOCK_N, warps, stages | min partition | programs / SM | splits | us |")
+    print("|---|---|---|---|---|---|")
+    try:
+        for batch, ctx in ((1, 1024), (8, 1024), (32, 1024), (1, 4096)):
+            for cfg in ((64, 4, 3), (32, 4, 3), (32, 2, 2), (16, 2, 2), (64, 8, 3)):
+                triton_attention.decode_config = lambda d_pad, cfg=cfg: cfg
+                for min_part in sorted({cfg[0], 2 * cfg[0], 128}):
+                    for per_sm in (2, 4, 8):
+                        triton_attention._MIN_PARTITION, triton_attention._PROGRAMS_PER_SM = min_part, per_sm
+                        row = bench_decode(batch, ctx, bandwidth, gen)
+                        print(f"| {batch} x {ctx} | {cfg} | {min_part} | {per_sm} | {row['splits']} | {row['ms'] * 1e3:.1f} |",
+                              flush=True)
+    finally:
+        triton_attention._MIN_PARTITION, triton_attention._PROGRAMS_PER_SM, triton_attention.decode_config = saved
+
+
 def main() -> None:
+    if "--decode-sweep" in sys.argv:
+        bandwidth, _ = measure_ceilings()
+        decode_sweep(bandwidth, torch.Generator(device=DEV).manual_seed(0))
+        return
     torch.manual_seed(0)
     gen = torch.Generator(device=DEV).manual_seed(0)
     bandwidth, flops_rate = measure_ceilings()

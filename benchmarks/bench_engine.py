@@ -13,8 +13,13 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
   the table gives, over the steps that decoded all B sequences, the median time between
   consecutive steps' results ("every": what the decode rate is made of, all host work included)
   and from a step's launch to its result ("step"), beside the floor: (weight bytes + K/V bytes
-  the step reads) / copy bandwidth, and the graph's replay alone. With adapters: a distinct rank-`--rank` adapter on every linear
-  layer per sequence (up to `--adapters`, then they repeat), their bytes added to the floor.
+  the step reads) / copy bandwidth, and the graph's replay alone (on the case's last full
+  batch, staged again). Diagnostics per case: the share of steps launched ahead of the previous
+  step's tokens, the host's time from a step's result to the launch of the step after next, and
+  (CUDA events around each replay inside the real steps) the device time of a replay and between
+  replays. With adapters: a distinct rank-`--rank` adapter on every linear layer per sequence (up to `--adapters`, then they repeat), against two floors: the base step
+  of the same run plus the distinct adapters' bytes at the copy bandwidth (the floor of the
+  mixed-decode target), and the bytes floor above plus the adapters' bytes.
   The adapters come from an in-process fetch function (random tensors, the same values for
   each name; each still occupies its own GPU slot) instead of the adapter store.
 - Prefill: one step of 1 x 4096 and of 16 x 256 prompt tokens; FLOP/s against the matmul rate.
@@ -179,9 +184,14 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 def replay_seconds(engine, batch: int, with_lora: bool) -> float | None:
-    """GPU time of the decode graph alone (the step minus its host work); None when eager."""
+    """GPU time of the decode graph replayed alone, on the inputs of the case's last full step
+    (staged again first: the static buffer otherwise holds whatever step ran last, often one
+    with fewer sequences, whose padding rows attend to nothing); None when eager."""
     if engine.graphs is None:
         return None
+    last = LAST_FULL.get((batch, with_lora))
+    if last is not None:
+        engine.graphs.stage(last)
     return _time_cuda(engine.graphs.graph(batch, with_lora).replay)
 
 
@@ -191,7 +201,12 @@ async def decode_case(engine, args, batch: int, with_lora: bool) -> tuple[float,
     decode rate is made of, host work between steps included)."""
     engine.step_times.clear()
     adapters = [f"a{i % args.adapters}" if with_lora else "" for i in range(batch)]
-    await run_requests(engine, random_prompts(batch, args.context, args.vocab, batch), adapters, args.new_tokens)
+    replays = _ReplayMarks(engine) if engine.graphs is not None else None
+    try:
+        await run_requests(engine, random_prompts(batch, args.context, args.vocab, batch), adapters, args.new_tokens)
+    finally:
+        if replays is not None:
+            replays.stop()
     entries = engine.step_times
 
     def full(entry) -> bool:
@@ -202,7 +217,54 @@ async def decode_case(engine, args, batch: int, with_lora: bool) -> tuple[float,
     if not steps or not intervals:
         seen = sorted({e[:3] for e in entries})
         raise RuntimeError(f"no decode step of {batch} sequences{' with LoRA' if with_lora else ''}; steps seen: {seen[:20]}")
+    # Where the host stands: steps launched ahead (before the previous step's tokens were on the
+    # host), and how long the host took from a step's result to the launch of the step after next
+    # (launch-ahead keeps the device busy while that stays under a step).
+    full_entries = [e for e in entries if full(e)]
+    lags = [c[5] - a[4] for a, c in zip(full_entries, full_entries[2:]) if c[6]]
+    ahead = sum(e[6] for e in full_entries) / len(full_entries)
+    HOST[(batch, with_lora)] = f"ahead {ahead:.0%}, result -> launch after next {statistics.median(lags) * 1e3:.2f} ms" if lags else f"ahead {ahead:.0%}"
+    if replays is not None:
+        HOST[(batch, with_lora)] += "; " + replays.summary(batch)
+        if batch in replays.last:
+            LAST_FULL[(batch, with_lora)] = replays.last[batch]
     return statistics.median(steps[2:] or steps), statistics.median(intervals[2:] or intervals)
+
+
+HOST: dict[tuple[int, bool], str] = {}  # per decode case: the host's lead (printed in the table)
+LAST_FULL: dict[tuple[int, bool], object] = {}  # per decode case: its last DecodeBatch of all B sequences
+
+
+class _ReplayMarks:
+    """CUDA events around every decode-graph run of the engine (staging copy + replay): the device
+    time of the replays inside real steps, and the device time between one replay's end and the
+    next one's start (sampling, the token copies, and any idle)."""
+
+    def __init__(self, engine):
+        self.graphs, self.run, self.marks, self.last = engine.graphs, engine.graphs.run, [], {}
+
+        def run(batch):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            logits = self.run(batch)
+            end.record()
+            self.marks.append((len(batch.input_ids), start, end))
+            self.last[len(batch.input_ids)] = batch
+            return logits
+
+        self.graphs.run = run
+
+    def stop(self) -> None:
+        self.graphs.run = self.run
+
+    def summary(self, batch: int) -> str:
+        torch.cuda.synchronize()
+        full = [(s, e) for n, s, e in self.marks if n == batch]
+        if len(full) < 3:
+            return ""
+        inside = statistics.median(s.elapsed_time(e) for s, e in full[2:])
+        between = statistics.median(e0.elapsed_time(s1) for (_, e0), (s1, _) in zip(full[2:], full[3:]))
+        return f"device: replay in the step {inside:.2f} ms, end to next replay {between:.2f} ms"
 
 
 async def prefill_case(engine, args, num_seqs: int, length: int) -> float:
@@ -285,15 +347,19 @@ async def decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes
     base, base_every = await decode_case(engine, args, batch, with_lora=False)
     rows.append((f"decode B={batch}, base", _times(base, base_every), f"{batch / base_every:.0f} tok/s",
                  f"{base_every / base_floor:.2f}x floor {base_floor * 1e3:.2f} ms (step alone {base / base_floor:.2f}x)"
-                 f"{_replay(engine, batch, False, base_floor)}"))
+                 f"{_replay(engine, batch, False, base_floor)}; {HOST.get((batch, False), '')}"))
     if args.adapters:
-        lora_floor = base_floor + min(batch, args.adapters) * adapter_bytes / bandwidth
+        adapters_s = min(batch, args.adapters) * adapter_bytes / bandwidth
+        lora_floor = base_floor + adapters_s
         mixed, mixed_every = await decode_case(engine, args, batch, with_lora=True)
+        # The target's floor: this run's base step plus the distinct adapters' bytes at the copy bandwidth.
+        step_floor = base_every + adapters_s
         rows.append((f"decode B={batch}, {min(batch, args.adapters)} adapters", _times(mixed, mixed_every),
                      f"{batch / mixed_every:.0f} tok/s",
-                     f"{mixed_every / lora_floor:.2f}x LoRA floor {lora_floor * 1e3:.2f} ms (step alone "
+                     f"**{mixed_every / step_floor:.3f}x base step + adapter bytes** ({step_floor * 1e3:.2f} ms); "
+                     f"{mixed_every / lora_floor:.2f}x bytes floor {lora_floor * 1e3:.2f} ms (step alone "
                      f"{mixed / lora_floor:.2f}x); {mixed_every / base_every:.2f}x base"
-                     f"{_replay(engine, batch, True, lora_floor)}"))
+                     f"{_replay(engine, batch, True, lora_floor)}; {HOST.get((batch, True), '')}"))
     return rows
 
 
@@ -321,6 +387,9 @@ async def run(args) -> list[tuple[str, str, str, str]]:
         ("weights read per decode step", f"{wbytes / 2**30:.2f} GiB", "", f"adapter: {adapter_bytes / 2**20:.1f} MiB"),
     ]
     await run_requests(engine, random_prompts(2, 16, args.vocab, 0), ["", "a0" if args.adapters else ""], 4)  # warm-up
+    if args.adapters:  # every adapter in its slot first: cold loads must not stagger the measured batches
+        names = [f"a{i}" for i in range(args.adapters)]
+        await run_requests(engine, random_prompts(len(names), 16, args.vocab, 1), names, 2)
     for batch in args.batches:
         try:
             rows += await decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes, bandwidth)

@@ -33,7 +33,9 @@ ln -s "$PWD/adapter_store" "$farm/adapter_store"
 ln -s "$PWD/executor" "$farm/executor"
 ln -s "$PWD/kernels" "$farm/kernels"
 ln -s "$PWD/protos/loraserve/v1" "$farm/v1"
-export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1
+# PYTHONSAFEPATH: child processes (`python -m loraserve.cli`, e.g. the store serve.py --probe starts)
+# must not import the repo root's own loraserve/ folder ahead of the farm.
+export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 {
   date -u; git log -1 --format='commit %H' 2>/dev/null
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -13,6 +13,7 @@ when the budget is spent (what it did not reach keeps the nearest existing entry
    of the output widths the hidden-size grid lacks (rank 128, fused slices)
 3. decode expand of the output widths the hidden-size grid lacks (896 to 128256 columns)
 4. prefill (1024 and 4096 tokens) shrink and expand of the long and short shapes
+5. prefill (4096 tokens) of every distinct tp-1 q/k/v, o, gate/up and down shape, ranks 8 and 128
 
 Token buckets: 1, 17, 255 at decode (every decode T is within 4x of one), 1024 and 4096 at
 prefill. Each candidate is timed alone in CUDA graphs for two mixes (1 adapter, and
@@ -51,6 +52,27 @@ PLAN = (
     + [(4, "shrink", (k, 1, r), PREFILL_TOKENS) for k in (14336, 2048) for r in (8, 128)]
     + [(4, "expand", (w, r), PREFILL_TOKENS) for w in ((14336, 14336), (2048,)) for r in (8, 128)]
 )  # fmt: skip
+
+
+def _prefill_plan() -> list:
+    """5. prefill (4096 tokens; 1024 takes it by rule 1) of every distinct tp-1 shrink and expand
+    shape of the served families' q/k/v, o, gate/up and down, ranks 8 and 128, the most served sizes first."""
+    from loraserve.kernels import model_shapes
+
+    shapes = [s for s in model_shapes.real_shapes(tp_sizes=(1,)) if s.kind in ("qkv", "o", "gate_up", "down")]
+    first = ("llama-3-8b", "qwen2.5-7b", "llama-3.2-3b", "llama-3.2-1b", "qwen2.5-14b", "qwen2.5-0.5b")
+    shapes.sort(key=lambda s: first.index(s.model) if s.model in first else len(first))
+    plan, seen = [], set()
+    for s in shapes:
+        for r in (8, 128):
+            for op, shape in (("shrink", (s.in_features, len(s.widths), r)), ("expand", (s.widths, r))):
+                if (op, shape) not in seen and (4, op, shape, PREFILL_TOKENS) not in PLAN:
+                    seen.add((op, shape))
+                    plan.append((5, op, shape, (4096,)))
+    return plan
+
+
+PLAN = PLAN + _prefill_plan()
 
 
 def _split(in_features: int, block_k: int, per_split: int) -> int:

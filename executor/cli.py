@@ -32,13 +32,16 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     # apply_env gives these their LORASERVE_* defaults (converted, and refused if bad, only when the command runs).
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks: processes on this host (one GPU each on CUDA, gloo on CPU)")
+    p.add_argument("--ep-size", type=int, default=1,
+                   help="expert-parallel ranks for a mixture-of-experts model: processes on this host, each with "
+                        "1/N of the experts, attention replicated (needs --tp-size 1)")
     p.add_argument("--fully-sharded-loras", action="store_true",
                    help="with --tp-size > 1, also shard LoRA's rank dim (an all-gather / all-reduce more per layer)")
     p.add_argument("--tp-timeout-s", type=float, default=120.0,
                    help="a collective that waits this long on another tensor-parallel rank fails")
     p.add_argument("--max-loras", type=int, default=int(env("max_loras", 0)),
                    help="GPU slots (0: from the GPU memory free after the model and KV cache, up to 64; 8 on CPU "
-                        "and under --tp-size > 1)")
+                        "and under --tp-size or --ep-size > 1)")
     p.add_argument("--max-lora-rank", type=int, default=int(env("max_lora_rank", 64)))
     p.add_argument("--lora-embeddings", action="store_true", default=env("lora_embeddings", "") in ("1", "true"),
                    help="serve adapters that target embed_tokens / lm_head (vocab-sized slots)")
@@ -97,7 +100,7 @@ def executor_config(a: argparse.Namespace):
     dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     return ExecutorConfig(
         model=model, base_model=base or "", device=device, dtype=dtype, cache_dir=a.cache_dir, cpu_threads=a.cpu_threads, max_loras=a.max_loras,
-        tp_size=a.tp_size, tp_timeout_s=a.tp_timeout_s, fully_sharded_loras=a.fully_sharded_loras,
+        tp_size=a.tp_size, ep_size=a.ep_size, tp_timeout_s=a.tp_timeout_s, fully_sharded_loras=a.fully_sharded_loras,
         lora_embeddings=a.lora_embeddings,
         max_rank=a.max_lora_rank, max_cpu_adapters=a.max_cpu_adapters, cpu_cache_bytes=a.cpu_cache_bytes,
         max_concurrent_loads=a.max_concurrent_loads, num_blocks=a.num_blocks,

@@ -27,6 +27,7 @@ class ExecutorConfig:
     dtype: str = "float32"  # "float32" | "float16" | "bfloat16"
     tp_size: int = 1  # tensor-parallel ranks (processes; one GPU each on CUDA): executor/ranks.py
     tp_timeout_s: float = 120.0  # a collective waiting this long on another rank fails (a hung rank)
+    ep_size: int = 1  # expert-parallel ranks (MoE models; tp_size 1): the same processes, experts split
     fully_sharded_loras: bool = False  # under TP, also shard LoRA's rank (vLLM's --fully-sharded-loras)
     cache_dir: str = ""  # derived files kept across starts (the GGUF's converted tokenizer); "": none
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0: torch's default. Fewer than the cores
@@ -76,6 +77,11 @@ class ExecutorConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be at least 1, got {self.tp_size}")
+        if self.ep_size < 1:
+            raise ValueError(f"ep_size must be at least 1, got {self.ep_size}")
+        if self.ep_size > 1 and self.tp_size > 1:
+            raise ValueError(f"ep_size {self.ep_size} with tp_size {self.tp_size}: expert parallelism runs with "
+                             f"tp_size 1 (attention replicated on every rank), use one of --ep-size / --tp-size")
         if min(self.max_loras, self.cpu_cache_bytes, self.max_cpu_adapters) < 0:
             raise ValueError("max_loras, cpu_cache_bytes and max_cpu_adapters must be 0 (automatic / no limit) or more")
         if self.max_concurrent_loads < 1:
@@ -88,6 +94,11 @@ class ExecutorConfig:
                 f"num_blocks * block_size = {self.num_blocks * self.block_size} tokens is less "
                 f"than max_model_len = {self.max_model_len}"
             )
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the executor: the tensor- or the expert-parallel ranks (never both)."""
+        return self.tp_size * self.ep_size
 
     @property
     def prompt_byte_limit(self) -> int:

@@ -285,10 +285,12 @@ class ExpertsWithLoRA(nn.Module):
     weight:  [E, N, in], N = sum(output_sizes) (I|I for w13, H for w2)
     lora_a:  [max_loras, E, S, max_rank, in]
     lora_b:  [max_loras, E, N, max_rank]  (scaling already folded in by the adapter store)
+
+    Under expert parallelism E is this rank's block of experts (the store's EP shard has the same).
     """
 
     slot_rank_dim = 2  # one slot's lora_a [E, S, r, in], lora_b [E, N, r]
-    rank_parts = 1  # MoE models run on one rank
+    rank_parts = 1  # experts are never tensor-parallel: LoRA's rank is whole
 
     def __init__(self, num_experts, in_features, output_sizes, lora: LoraSpec | None, dtype, device):
         super().__init__()
@@ -337,8 +339,11 @@ def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str, tp_size: int = 1):
+def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str, tp_size: int = 1, ep_size: int = 1):
     """The loraserve.v1.Layout of the slot buffers LlamaForCausalLM(cfg, spec) allocates.
+
+    Module sizes are the whole model's; the store cuts each rank's part (tp_size, ep_size), so every
+    rank declares the same layout and names its own ShardRank when it fetches.
 
     Module names are the executor's; peft_modules are the PEFT names packed into each, in slice order.
     """
@@ -377,7 +382,7 @@ def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str,
             )
         )
     return common_pb2.Layout(
-        modules=modules, tp_size=tp_size, fully_sharded=spec.fully_sharded and tp_size > 1, ep_size=1,
+        modules=modules, tp_size=tp_size, fully_sharded=spec.fully_sharded and tp_size > 1, ep_size=ep_size,
         dtype=DTYPE_NAMES[spec.dtype], max_rank=spec.max_rank, base_model=base_model_name,
     )  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism: the process group of the TP ranks, and how the model splits over them.
+"""Tensor and expert parallelism: the process group of the ranks, and how the model splits over them.
 
 `TPGroup` is what the layers see: its size, this process's rank, and the two collectives the
 model needs (all-reduce after a row-parallel layer and the vocab-parallel embedding, all-gather
@@ -13,6 +13,12 @@ How the model splits (the same cuts the adapter store applies to adapters, adapt
   o_proj, down_proj        row-parallel: each rank keeps 1/tp of the input columns, partial sums
                            are all-reduced (the bias is added once, after the reduce)
   embed_tokens, lm_head    vocab-parallel: each rank keeps 1/tp of the vocabulary rows
+
+Expert parallelism (ep_size > 1, MoE models, tp_size 1) uses the same processes and the same
+kind of group: every rank holds the whole attention and dense layers (replicated, their TPGroup
+is size 1) and a contiguous block of E / ep experts (executor/model/moe.py). The tokens are on
+every rank already, so a sparse layer needs no dispatch: each rank runs its experts' (token,
+expert) pairs and one all-reduce of [T, H] combines the ranks' partial sums.
 """
 
 from __future__ import annotations
@@ -69,14 +75,38 @@ def tp_size_error(cfg: ModelConfig, tp: int, max_rank: int = 0, fully_sharded: b
     if tp < 1:
         return f"tp_size must be at least 1, got {tp}"
     if tp > 1 and cfg.num_experts:
-        return (f"tp_size {tp}: {cfg.model_type} is a mixture-of-experts model, and those run on one rank "
-                f"(tensor and expert parallelism for them is not built yet): use --tp-size 1")
+        return (f"tp_size {tp}: {cfg.model_type} is a mixture-of-experts model, and those do not split their "
+                f"attention over ranks: use --tp-size 1 (and --ep-size to split the experts)")
     reasons = _split_problems(cfg, tp, max_rank, fully_sharded)
     if not reasons:
         return None
     ok = [n for n in range(1, MAX_TP + 1) if not _split_problems(cfg, n, max_rank, fully_sharded)]
     return (f"tp_size {tp} does not split this model: {'; '.join(reasons)} "
             f"(tp sizes that do: {', '.join(map(str, ok))})")
+
+
+def ep_size_error(cfg: ModelConfig, ep: int) -> str | None:
+    """Why `cfg`'s experts cannot be split over `ep` ranks (None: they can)."""
+    if ep < 1:
+        return f"ep_size must be at least 1, got {ep}"
+    if ep == 1:
+        return None
+    if not cfg.num_experts:
+        return (f"ep_size {ep}: {cfg.model_type} is a dense model (no experts to split): expert parallelism "
+                f"needs a mixture-of-experts model; use --ep-size 1 (or --tp-size to split a dense model)")
+    if cfg.num_experts % ep:
+        ok = [n for n in range(1, cfg.num_experts + 1) if cfg.num_experts % n == 0]
+        return (f"ep_size {ep} does not split this model: {cfg.num_experts} experts do not make {ep} equal "
+                f"blocks (ep sizes that do: {', '.join(map(str, ok))})")
+    return None
+
+
+def roles(group: TPGroup, ep_size: int) -> tuple[TPGroup, TPGroup]:
+    """(tp, ep) of this rank: the one process group serves as the TP group or as the EP group
+    (ep_size > 1 runs with tp_size 1); the other role is a size-1 group."""
+    if ep_size > 1:
+        return TPGroup(), group
+    return group, TPGroup()
 
 
 def _split_problems(cfg: ModelConfig, tp: int, max_rank: int, fully_sharded: bool) -> list[str]:

@@ -1,4 +1,4 @@
-"""Ranks 1..N-1 of a tensor-parallel executor, and rank 0's handle on them (`TPRanks`).
+"""Ranks 1..N-1 of a tensor- or expert-parallel executor, and rank 0's handle on them (`TPRanks`).
 
 Rank 0 is the executor process: it serves gRPC and runs the scheduler and the slot manager. For
 every step it sends the step's inputs (StepInputs: host lists) to the other ranks, then runs the
@@ -11,7 +11,7 @@ spawns, each with a duplex pipe to it:
 
 Slot state is decided on rank 0 alone: a step names, for every slot it uses, the adapter version
 in it (`StepInputs.slot_adapters`), and a rank whose slot holds another copies that version's shard
-(its own tp_rank's, fetched from the store by itself) into the slot before the forward. Rank 0's
+(its own tp_rank's or ep_rank's, fetched from the store by itself) into the slot before the forward. Rank 0's
 fetch of an adapter completes only once every rank holds its shard in host memory (`fetching`), so
 that copy does not wait on the store.
 
@@ -49,7 +49,8 @@ from .engine.kv_cache import KVCache
 from .engine.step import StepInputs, forward_step
 from .lora import LoraSpec, declare_layout, load_shard_into_slot, lora_modules
 from .model.loader import load_model
-from .parallel import TPGroup, make_group, open_store
+from .model.moe import Experts
+from .parallel import TPGroup, make_group, open_store, roles
 from .store_client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,17 @@ def lora_spec(cfg: ExecutorConfig) -> LoraSpec:
     """max_loras 0 (automatic, one rank only): one slot until the KV cache is in place (resolve_adapter_memory)."""
     return LoraSpec(cfg.max_loras or 1, cfg.max_rank, cfg.torch_dtype, targets_embeddings=cfg.lora_embeddings,
                     fully_sharded=cfg.fully_sharded_loras)
+
+
+def role(cfg: ExecutorConfig) -> str:
+    """What the ranks split, for logs and errors."""
+    return "expert-parallel" if cfg.ep_size > 1 else "tensor-parallel"
+
+
+def local_experts(model) -> tuple[int, int] | None:
+    """(first expert, experts) this rank holds in each sparse layer; None for a dense model."""
+    experts = next((m for m in model.modules() if isinstance(m, Experts)), None)
+    return None if experts is None else (experts.first, experts.gate_up_proj.num_experts)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -88,7 +100,8 @@ class TPRanks:
 
     def __init__(self, cfg: ExecutorConfig):
         self.cfg = cfg
-        self.size = cfg.tp_size
+        self.size = cfg.world_size
+        self.role = role(cfg)
         self._procs: list[multiprocessing.Process] = []
         self._conns: list = []  # pipe to rank i at index i - 1
         self._ready: list[threading.Event] = []
@@ -111,14 +124,14 @@ class TPRanks:
         for rank in range(1, self.size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(cfg, rank, self._store.port, child, level),
-                               name=f"loraserve-tp-rank-{rank}", daemon=True)
+                               name=f"loraserve-{self.role[:1]}p-rank-{rank}", daemon=True)
             proc.start()
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
             self._ready.append(threading.Event())
-            log.info("tensor-parallel rank %d of %d: pid %d", rank, self.size, proc.pid)
-            threading.Thread(target=self._read, args=(rank, parent), name=f"tp-rank-{rank}-reader", daemon=True).start()
+            log.info("%s rank %d of %d: pid %d", self.role, rank, self.size, proc.pid)
+            threading.Thread(target=self._read, args=(rank, parent), name=f"rank-{rank}-reader", daemon=True).start()
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
         return make_group(self._store, 0, self.size, backend(cfg.device), cfg.tp_timeout_s)
 
@@ -127,7 +140,7 @@ class TPRanks:
         ends the process through the watchdog)."""
         for event in self._ready:
             event.wait()
-        log.info("all %d tensor-parallel ranks are ready", self.size)
+        log.info("all %d %s ranks are ready", self.size, self.role)
 
     def close(self) -> None:
         """Stops ranks 1..N-1 (each exits 0 after its step in flight); kills any that do not within STOP_GRACE_S."""
@@ -144,12 +157,12 @@ class TPRanks:
             with self._join_lock:
                 proc.join(0.5)
             if proc.exitcode is None:
-                log.warning("tensor-parallel rank %s (pid %d) did not stop within %gs; killing it",
+                log.warning("%s rank %s (pid %d) did not stop within %gs; killing it", self.role,
                             proc.name, proc.pid, STOP_GRACE_S)
                 proc.kill()
                 with self._join_lock:
                     proc.join()
-        log.info("tensor-parallel ranks 1..%d stopped", self.size - 1)
+        log.info("%s ranks 1..%d stopped", self.role, self.size - 1)
 
     # ---- failure ---------------------------------------------------------------------------
 
@@ -160,10 +173,10 @@ class TPRanks:
         self._failed.acquire()  # a second failure waits here for the exit
         dead = multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout=1.0)
         for rank, proc in enumerate(self._procs, start=1):
-            if proc.sentinel in dead and not message.startswith("tensor-parallel rank"):
+            if proc.sentinel in dead and not message.startswith(f"{self.role} rank"):
                 message = f"{self._death(rank, proc)} ({message})"
                 break
-        log.critical("%s; stopping the tensor-parallel executor", message)
+        log.critical("%s; stopping the %s executor", message, self.role)
         self._closing = True
         for proc in self._procs:
             if proc.is_alive():
@@ -186,7 +199,7 @@ class TPRanks:
             proc.join()
         code = proc.exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
-        return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
+        return f"{self.role} rank {rank} (pid {proc.pid}) {how}"
 
     # ---- messages --------------------------------------------------------------------------
 
@@ -229,7 +242,7 @@ class TPRanks:
         for rank, (_, error) in enumerate(replies, start=1):
             if error is not None:
                 code, text = error
-                raise StatusError(grpc.StatusCode[code], f"tensor-parallel rank {rank}: {text}")
+                raise StatusError(grpc.StatusCode[code], f"{self.role} rank {rank}: {text}")
         return [result for result, _ in replies]
 
     def fetching(self, fetch_shard: Callable[[str], Awaitable[tuple]]) -> Callable[[str], Awaitable[tuple]]:
@@ -245,7 +258,8 @@ class TPRanks:
 
     async def states(self) -> list[dict]:
         """What ranks 1..N-1 hold, for tests and diagnostics:
-        {"tp_rank", "slots": {slot: (name, digest)}, "shards": {(name, digest): checksum}}."""
+        {"rank", "tp_rank", "ep_rank", "experts": (first, count) per sparse layer's block or None,
+        "slots": {slot: (name, digest)}, "shards": {(name, digest): checksum}}."""
         return await self._ask(("state",))
 
 
@@ -253,14 +267,14 @@ class TPRanks:
 
 
 def worker_main(cfg: ExecutorConfig, rank: int, store_port: int, conn, log_level: int) -> None:
-    """The process of TP rank `rank` (>= 1): loads its shard of the model, then runs steps until told to stop."""
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [tp rank {rank}]: %(message)s")
+    """The process of rank `rank` (>= 1): loads its shard of the model, then runs steps until told to stop."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [{role(cfg)[0]}p rank {rank}]: %(message)s")
     # Ctrl-C in a terminal reaches the whole process group: rank 0 alone drains, then stops this rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _Rank(cfg, rank, store_port, conn).run()
     except BaseException:  # noqa: BLE001 - any error here leaves the ranks out of step: end, rank 0 sees it
-        log.critical("tensor-parallel rank %d failed", rank, exc_info=True)
+        log.critical("%s rank %d failed", role(cfg), rank, exc_info=True)
         logging.shutdown()
         os._exit(1)
     logging.shutdown()
@@ -275,16 +289,19 @@ class _Rank:
         self.device = rank_device(cfg.device, rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        store = open_store(STORE_HOST, store_port, cfg.tp_size, False, cfg.tp_timeout_s)
-        self.tp = make_group(store, rank, cfg.tp_size, backend(cfg.device), cfg.tp_timeout_s)
+        self.role = role(cfg)
+        store = open_store(STORE_HOST, store_port, cfg.world_size, False, cfg.tp_timeout_s)
+        group = make_group(store, rank, cfg.world_size, backend(cfg.device), cfg.tp_timeout_s)
+        self.tp, self.ep = roles(group, cfg.ep_size)
         spec = lora_spec(cfg)
-        self.model = load_model(cfg.model, cfg.torch_dtype, self.device, lora=spec, tp=self.tp)
+        self.model = load_model(cfg.model, cfg.torch_dtype, self.device, lora=spec, tp=self.tp, ep=self.ep)
         mc = self.model.cfg
         self.kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, self.model.num_kv_heads, mc.head_dim,
                           cfg.torch_dtype, self.device)
         self.modules = lora_modules(self.model)
-        self.store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size),
-                                 rank=pb.ShardRank(tp_rank=rank), timeout_s=cfg.store_timeout_s, tls=cfg.store_tls,
+        layout = declare_layout(mc, spec, cfg.base_model, cfg.tp_size, cfg.ep_size)
+        self.store = StoreClient(cfg.store_address, layout, rank=pb.ShardRank(tp_rank=self.tp.rank, ep_rank=self.ep.rank),
+                                 timeout_s=cfg.store_timeout_s, tls=cfg.store_tls,
                                  pin_memory=self.device.type == "cuda")  # the slot copy reads the stream's own buffer
         self.slots: list[tuple[str, str]] = [("", "")] * cfg.max_loras  # (adapter, digest) in each slot
         self.shards: OrderedDict[tuple[str, str], dict[str, torch.Tensor]] = OrderedDict()  # host copies, LRU
@@ -295,7 +312,7 @@ class _Rank:
         threading.Thread(target=self.loop.run_forever, name="store-client", daemon=True).start()
         threading.Thread(target=self._read, name="rank-0-reader", daemon=True).start()
         self._send(("ready",))
-        log.info("tensor-parallel rank %d ready: %s, %d layers, %d kv heads here", rank, cfg.model, mc.num_layers,
+        log.info("%s rank %d ready: %s, %d layers, %d kv heads here", self.role, rank, cfg.model, mc.num_layers,
                  self.model.num_kv_heads)
 
     def run(self) -> None:
@@ -308,7 +325,7 @@ class _Rank:
                     forward_step(self.model, self.kv, inputs, self.cfg.max_loras, self.device)
             else:
                 forward_step(self.model, self.kv, inputs, self.cfg.max_loras, self.device)
-        log.info("tensor-parallel rank %d stopping", self.rank)
+        log.info("%s rank %d stopping", self.role, self.rank)
 
     def _send(self, message: tuple) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -321,7 +338,7 @@ class _Rank:
             try:
                 message = pickle.loads(self.conn.recv_bytes())
             except (EOFError, OSError):
-                log.critical("tensor-parallel rank %d: the pipe to rank 0 closed (rank 0 is gone); exiting", self.rank)
+                log.critical("%s rank %d: the pipe to rank 0 closed (rank 0 is gone); exiting", self.role, self.rank)
                 logging.shutdown()
                 os._exit(1)
             kind = message[0]
@@ -376,4 +393,5 @@ class _Rank:
     def _state(self) -> dict:
         with self.shards_lock:
             shards = {key: shard_checksum(t) for key, t in self.shards.items()}
-        return {"tp_rank": self.rank, "slots": dict(enumerate(self.slots)), "shards": shards}
+        return {"rank": self.rank, "tp_rank": self.tp.rank, "ep_rank": self.ep.rank, "experts": local_experts(self.model),
+                "slots": dict(enumerate(self.slots)), "shards": shards}

@@ -34,7 +34,7 @@ from .layout import model_config
 from .lora import declare_layout, load_shard_into_slot, lora_modules
 from .model.loader import load_model
 from .model.tokenizer import Tokenizer
-from .parallel import tp_size_error
+from .parallel import ep_size_error, roles, tp_size_error
 from .ranks import TPRanks, lora_spec
 from .refresh import refresh_loop, refresh_one
 from .slots import AdapterState, SlotManager
@@ -56,7 +56,7 @@ class ExecutorParts:
     http: HttpFront | None = None  # the OpenAI-compatible front, started by serve() when config.http_listen
     metrics: ExecutorMetrics | None = None
     metrics_server: MetricsServer | None = None  # /metrics, started by serve() when config.metrics_listen
-    ranks: TPRanks | None = None  # tensor-parallel ranks 1..N-1 (config.tp_size > 1)
+    ranks: TPRanks | None = None  # tensor- or expert-parallel ranks 1..N-1 (config.world_size > 1)
 
     def generate(self, req: GenerationRequest):
         """Engine.generate, counted in the metrics (off the step loop: in the caller's task)."""
@@ -125,18 +125,20 @@ def resolve_adapter_memory(cfg: ExecutorConfig, model, modules) -> None:
 
 def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     """Loads the model with slot buffers, and wires slot manager, store client and engine.
-    With cfg.tp_size > 1 this process is rank 0 and spawns ranks 1..N-1 (executor/ranks.py)."""
+    With cfg.tp_size or cfg.ep_size > 1 this process is rank 0 and spawns ranks 1..N-1 (executor/ranks.py)."""
     t0 = time.perf_counter()
     if cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
     ranks = None
-    if cfg.tp_size > 1:
-        error = tp_size_error(model_config(cfg.model), cfg.tp_size, cfg.max_rank, cfg.fully_sharded_loras)
+    if cfg.world_size > 1:
+        mc = model_config(cfg.model)
+        error = tp_size_error(mc, cfg.tp_size, cfg.max_rank, cfg.fully_sharded_loras) or ep_size_error(mc, cfg.ep_size)
         if error is not None:
             raise ValueError(f"{cfg.model}: {error}")
         if cfg.max_loras == 0:  # every rank must build the same slots before rank 0 could measure
             cfg.max_loras = memory.CPU_MAX_LORAS
-            log.info("--max-loras 0 under tensor parallelism: %d slots (set --max-loras to choose)", cfg.max_loras)
+            log.info("--max-loras 0 under tensor or expert parallelism: %d slots (set --max-loras to choose)",
+                     cfg.max_loras)
         ranks = TPRanks(cfg)
     try:
         return _build(cfg, ranks, t0)
@@ -149,12 +151,12 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
 def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorParts:
     # max_loras 0 (automatic): one slot until the KV cache is in place, then as many as fit
     spec = lora_spec(cfg)
-    tp = ranks.start() if ranks is not None else None
-    model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=spec, tp=tp)
+    tp, ep = roles(ranks.start(), cfg.ep_size) if ranks is not None else (None, None)
+    model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=spec, tp=tp, ep=ep)
     tokenizer = load_tokenizer(cfg.model, cfg.cache_dir)
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
-    store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size), timeout_s=cfg.store_timeout_s,
+    store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size, cfg.ep_size), timeout_s=cfg.store_timeout_s,
                         tls=cfg.store_tls, pin_memory=cfg.torch_device.type == "cuda")
     modules = lora_modules(model)
     resolve_adapter_memory(cfg, model, modules)
@@ -178,7 +180,7 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
     log.info("executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d, %d KV blocks of %d%s",
              time.perf_counter() - t0, cfg.model, cfg.device, cfg.dtype, mc.num_layers, cfg.max_loras,
              cfg.max_rank, cfg.num_blocks, cfg.block_size,
-             f", tensor-parallel over {cfg.tp_size} ranks{' (fully sharded LoRA)' if cfg.fully_sharded_loras else ''}"
+             f", {ranks.role} over {ranks.size} ranks{' (fully sharded LoRA)' if cfg.fully_sharded_loras else ''}"
              if ranks is not None else "")
     return ExecutorParts(engine, slots, store, cfg, metrics=metrics, ranks=ranks)
 
@@ -289,6 +291,7 @@ class ExecutorService(epb_grpc.ExecutorServicer):
         return epb.ServerInfo(
             base_model=c.base_model or c.model, max_loras=c.max_loras, max_rank=c.max_rank, dtype=c.dtype,
             device=str(c.torch_device) if c.device != "cuda" else torch.cuda.get_device_name(), tp_size=c.tp_size,
+            ep_size=c.ep_size,
             max_cpu_adapters=c.max_cpu_adapters, version=__version__,
         )
 

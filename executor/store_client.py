@@ -135,7 +135,8 @@ class StoreClient:
             header, buffer = await self._stream(name, digest, verify=True)
         tensors = await asyncio.to_thread(shard_tensors, buffer)  # parsing a large header: off the serving loop
         log.info("fetched %s (%s%s) from store %s: %d bytes (%s) in %.3fs", name, header.manifest.digest[:12],
-                 f", tp rank {self.rank.tp_rank}" if self.layout.tp_size > 1 else "", self.address,
+                 f", tp rank {self.rank.tp_rank}" if self.layout.tp_size > 1 else
+                 f", ep rank {self.rank.ep_rank}" if self.layout.ep_size > 1 else "", self.address,
                  header.total_bytes, header.cache_tier, time.perf_counter() - t0)
         return header.manifest.digest, header.manifest.rank, tensors, header.total_bytes
 

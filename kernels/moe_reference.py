@@ -11,6 +11,9 @@ slot on that expert's w13 (gate|up, two slices) and w2 (down):
     y   = act @ w2[e].T + (act @ A2[slot, e, 0].T) @ B2[slot, e].T                        [H]
     out[t] = sum_k topk_weights[t, k] * y(t, topk_ids[t, k])
 
+Expert parallelism: a rank passes its own experts' weights (E = its block) and ids made local to
+them; an id outside [0, E) is another rank's expert, and its pair adds nothing here.
+
 The LoRA scaling is folded into B by the adapter store; slot buffers are zero past each
 adapter's rank and for experts an adapter does not target, so computing over R is exact.
 """
@@ -43,7 +46,7 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
 def fused_moe(
     x: torch.Tensor,  # [T, H]
     topk_weights: torch.Tensor,  # [T, K] float32
-    topk_ids: torch.Tensor,  # [T, K] integer
+    topk_ids: torch.Tensor,  # [T, K] integer; outside [0, E): another expert-parallel rank's, skipped
     w13: torch.Tensor,  # [E, 2I, H]
     w2: torch.Tensor,  # [E, H, I]
     lora13: ExpertLora | None,  # a [L, E, 2, R, H], b [L, E, 2I, R]
@@ -54,9 +57,11 @@ def fused_moe(
     T, K = topk_ids.shape
     inter = w2.shape[2]
     out = torch.zeros(T, w2.shape[1], dtype=torch.float32, device=x.device)
+    E = w13.shape[0]
     flat = topk_ids.reshape(-1).long()  # [T*K] expert of each (token, k) pair
+    flat = torch.where((flat >= 0) & (flat < E), flat, E)  # other ranks' experts: one group E, after ours
     order = torch.argsort(flat, stable=True)  # pairs sorted by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # host sync: the CPU path
+    counts = torch.bincount(flat, minlength=E + 1)[:E].tolist()  # host sync: the CPU path
     pair_weights = topk_weights.reshape(-1).float()
     slots = meta.token_slots.long() if meta is not None else None
     start = 0

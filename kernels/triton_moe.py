@@ -8,7 +8,9 @@ expert e uses index slot(t) * E + e, and the slot buffers [L, E, S, R, in] / [L,
 read as [L*E, S, R, in] / [L*E, N, R] (free views). The dense shrink/expand kernels
 (kernels/triton_lora.py) then apply each (token, expert, slot)'s LoRA, reading each A and B
 once per block of its own pairs. Every shape depends only on T, K, E and the slot buffers, and
-nothing reads back to the host: safe inside a captured CUDA graph.
+nothing reads back to the host: safe inside a captured CUDA graph. Under expert parallelism ids
+outside [0, E) (other ranks' experts) are left out of the groups, their LoRA index is -1 and
+their rows count as zero in the sum.
 """
 
 from __future__ import annotations
@@ -66,22 +68,26 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
     -> sorted_pairs [max_padded] int32 (num_pairs marks padding), block_experts [max_padded // block_m]
     int32 (-1 past the last group). max_padded = T*K + E*(block_m - 1), rounded up to block_m:
-    fixed for a given T, so the launch shape is too. Tensor ops only, no host sync.
+    fixed for a given T, so the launch shape is too. Tensor ops only, no host sync. Pairs whose
+    id is outside [0, E) (other expert-parallel ranks' experts) are in no group.
     """
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
     max_padded = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # other ranks' experts: group E
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
+    padded_start = torch.cat([padded_end - padded, padded_end.new_full((1,), max_padded)])  # group E: one dummy row
     start = torch.cumsum(counts, 0) - counts
     order = torch.argsort(flat, stable=True)  # pair ids by expert
     expert_of = flat[order]
     position = padded_start[expert_of] + torch.arange(num_pairs, device=dev) - start[expert_of]
-    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev)
+    position = torch.where(expert_of < num_experts, position, max_padded)
+    sorted_pairs = torch.full((max_padded + 1,), num_pairs, dtype=torch.int32, device=dev)
     sorted_pairs.scatter_(0, position, order.to(torch.int32))
+    sorted_pairs = sorted_pairs[:max_padded]
     block_first_row = torch.arange(0, max_padded, block_m, device=dev)
     block_experts = torch.searchsorted(padded_end, block_first_row, right=True).to(torch.int32)
     block_experts = torch.where(block_experts < num_experts, block_experts, torch.full_like(block_experts, -1))
@@ -104,9 +110,12 @@ def _grouped_gemm(a, w, sorted_pairs, block_experts, num_pairs, rows_per_a, bloc
 
 
 def _pair_meta(meta: LoraMeta, topk_ids: torch.Tensor, num_experts: int) -> LoraMeta:
-    """The LoRA grouping of the pairs: index slot * E + expert, -1 for pairs of base tokens."""
+    """The LoRA grouping of the pairs: index slot * E + expert, -1 for pairs of base tokens and of
+    other ranks' experts."""
     slots = meta.token_slots.long()[:, None].expand_as(topk_ids)
-    index = torch.where(slots >= 0, slots * num_experts + topk_ids.long(), torch.full_like(slots, -1))
+    ids = topk_ids.long()
+    mine = (slots >= 0) & (ids >= 0) & (ids < num_experts)
+    index = torch.where(mine, slots * num_experts + ids, torch.full_like(slots, -1))
     return make_lora_meta(index.reshape(-1), meta.max_loras * num_experts)
 
 
@@ -139,7 +148,9 @@ def fused_moe(x, topk_weights, topk_ids, w13, w2, lora13, lora2, meta: LoraMeta 
         a, b = _flat(lora2)
         buf = lora_kernels.lora_shrink(act, a, pair_meta, None)
         lora_kernels.lora_expand(y, buf, b, (0, y.shape[1]), pair_meta)
-    out = (y.view(T, K, -1).float() * topk_weights.float()[:, :, None]).sum(1)
+    y = y.view(T, K, -1).float() * topk_weights.float()[:, :, None]
+    mine = (topk_ids >= 0) & (topk_ids < num_experts)  # other ranks' pairs: rows never written
+    out = torch.where(mine[:, :, None], y, 0.0).sum(1)
     return out.to(x.dtype)
 
 

@@ -204,7 +204,8 @@ def _layout(a):
     """The layout an executor of this model would declare (for prefetch/fetch from the CLI)."""
     from loraserve.executor.layout import layout_for_model
 
-    return layout_for_model(a.model, tp_size=a.tp_size, max_rank=a.max_rank, dtype=a.dtype, fully_sharded=a.fully_sharded)
+    return layout_for_model(a.model, tp_size=a.tp_size, max_rank=a.max_rank, dtype=a.dtype, fully_sharded=a.fully_sharded,
+                            ep_size=a.ep_size)
 
 
 def cmd_adapters(a) -> int:
@@ -228,9 +229,11 @@ def cmd_adapters(a) -> int:
     elif a.action == "fetch":
         layout = _layout(a)
         a.out.mkdir(parents=True, exist_ok=True)
-        for tp_rank in range(a.tp_size):
-            header, blob = store.fetch_shard(a.name, layout, tp_rank=tp_rank)
-            path = a.out / f"{a.name}.tp{tp_rank}-of-{a.tp_size}.safetensors"
+        ranks = [("ep", 0, e, a.ep_size) for e in range(a.ep_size)] if a.ep_size > 1 else \
+            [("tp", t, 0, a.tp_size) for t in range(a.tp_size)]
+        for kind, tp_rank, ep_rank, size in ranks:
+            header, blob = store.fetch_shard(a.name, layout, tp_rank=tp_rank, ep_rank=ep_rank)
+            path = a.out / f"{a.name}.{kind}{max(tp_rank, ep_rank)}-of-{size}.safetensors"
             path.write_bytes(blob)
             print(f"{path}: {len(blob)} bytes from {header.cache_tier}, checksum ok")
     return 0
@@ -239,6 +242,7 @@ def cmd_adapters(a) -> int:
 def add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="HF model dir or .gguf (default: the embedded SmolLM2 GGUF)")
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks of an MoE executor (with --tp-size 1)")
     p.add_argument("--max-rank", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--fully-sharded", action="store_true")

@@ -142,6 +142,7 @@ class _Launched:
     out: torch.Tensor | None
     event: torch.cuda.Event | None = None
     kept: bool = False  # its sampled tokens are in the graphs' buffer (a next step may read them)
+    ahead: bool = False  # launched before the previous step's tokens reached the host
 
 
 @dataclass
@@ -183,7 +184,9 @@ class Engine:
         self._detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenize")
         self.graphs = self._capture_graphs()
         # (kind, seqs, tokens, seconds from launch to result, perf_counter at the result), recent steps
-        self.step_times: list[tuple[str, int, int, float, float]] = []
+        # per collected step: (kind, sequences, tokens, launch -> result seconds, result time, launch time,
+        # launched ahead); times are perf_counter (benchmarks read them)
+        self.step_times: list[tuple[str, int, int, float, float, float, bool]] = []
         self.steps_ahead = 0  # steps planned before the previous step's tokens reached the host
 
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -192,7 +195,7 @@ class Engine:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None
         if self.ranks is not None:
-            log.warning("CUDA graphs off: tensor-parallel steps run eagerly")
+            log.warning("CUDA graphs off: %s steps run eagerly", self.ranks.role)
             return None
         if self.model.cfg.rope_type == "dynamic":
             log.warning("CUDA graphs off: dynamic RoPE scaling depends on each step's longest sequence")
@@ -429,6 +432,8 @@ class Engine:
                     plan = self._plan(admit=False)
                     if plan.seqs:
                         following = await self._start(plan)
+                        if following is not None:
+                            following.launched.ahead = True
                 if pending is not None:  # earlier outputs go out while the device computes
                     await pending
                     pending = None
@@ -634,7 +639,9 @@ class Engine:
             ids, logprobs = launched.out.tolist()
             token_ids = [int(t) for t in ids]
         end = time.perf_counter()
-        self.step_times.append((launched.kind, launched.num_seqs, launched.num_tokens, end - launched.t0, end))
+        self.step_times.append(
+            (launched.kind, launched.num_seqs, launched.num_tokens, end - launched.t0, end, launched.t0, launched.ahead)
+        )
         if len(self.step_times) > 2000:
             del self.step_times[:1000]
         return token_ids, logprobs

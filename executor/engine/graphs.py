@@ -144,7 +144,7 @@ class DecodeGraphs:
         the block tables past a sequence's blocks keep ids of earlier steps: the attention kernels
         never read a table entry at or past seq_len.
         """
-        bucket, lora = self._stage(batch)
+        bucket, lora = self.stage(batch)
         if self.device.type != "cuda":  # nothing captured: the same step, run directly (tests use it)
             self._forward(bucket, lora)
         else:
@@ -156,8 +156,9 @@ class DecodeGraphs:
         """Keeps a step's sampled tokens [rows] on the device for the next step's sources."""
         self._sampled[: len(token_ids)].copy_(token_ids)
 
-    def _stage(self, batch: DecodeBatch) -> tuple[int, bool]:
-        """Fills the static inputs for batch: -> (its bucket, whether it needs the LoRA graph)."""
+    def stage(self, batch: DecodeBatch) -> tuple[int, bool]:
+        """Fills the static inputs for batch: -> (its bucket, whether it needs the LoRA graph).
+        `run` does it before each replay; benchmarks call it to replay a given batch alone."""
         num_seqs = len(batch.input_ids)
         bucket = self.bucket_for(num_seqs)
         if bucket is None:

@@ -164,12 +164,14 @@ class LlamaForCausalLM(nn.Module):
     """The base model with LoRA slot buffers. Weights start uninitialised: the loader fills them.
 
     tp: this rank's TPGroup (None: one rank); the loader fills each rank's share of the weights.
-    mlp_for_layer(i) -> layer i's feed-forward block, or None for the dense MLP (executor/model/moe.py)."""
+    mlp_for_layer(i) -> layer i's feed-forward block, or None for the dense MLP (executor/model/moe.py).
+    ep: the group the experts of those blocks are split over (size 1: every rank has them all)."""
 
     def __init__(self, cfg: ModelConfig, lora: LoraSpec | None = None, dtype=torch.float32, device="cpu",
-                 tp: TPGroup | None = None, mlp_for_layer=None):
+                 tp: TPGroup | None = None, mlp_for_layer=None, ep: TPGroup | None = None):
         super().__init__()
         self.tp = tp = tp or TPGroup()
+        self.ep = ep or TPGroup()
         self.cfg, self.lora_spec, self.dtype = cfg, lora, dtype
         self.num_kv_heads = tp.kv_heads(cfg.num_kv_heads)  # this rank's: its KV cache's heads
         self.model = LlamaModel(cfg, lora, dtype, device, tp, mlp_for_layer)

@@ -4,7 +4,8 @@ Both paths name each tensor the HF way, then `_WeightSink` maps q/k/v and gate/u
 parameters and checks that every parameter was filled exactly once. Pickled .bin files are never read.
 Under tensor parallelism each rank reads only its rows or columns of each tensor (safetensors
 slices lazily; a GGUF rank dequantizes only its rows, or, for a column cut, one tensor at a time
-before cutting it), never the whole model.
+before cutting it), never the whole model. Under expert parallelism each rank reads only its
+block of experts (per-expert tensors of other experts are skipped, fused [E, ...] ones sliced).
 """
 
 from __future__ import annotations
@@ -30,17 +31,23 @@ Cut = tuple[int, slice] | None
 
 
 def load_model(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None,
-               tp: TPGroup | None = None) -> LlamaForCausalLM:
-    """A .gguf file, or a directory with config.json + safetensors (or with exactly one .gguf)."""
+               tp: TPGroup | None = None, ep: TPGroup | None = None) -> LlamaForCausalLM:
+    """A .gguf file, or a directory with config.json + safetensors (or with exactly one .gguf).
+    ep: the expert-parallel group of an MoE model (safetensors only; GGUF models are dense)."""
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        return load_gguf(p, dtype, device, lora, tp)
+        return load_gguf(p, dtype, device, lora, tp, ep)
     if (p / "config.json").is_file():
-        return load_hf_checkpoint(p, dtype, device, lora, tp)
+        return load_hf_checkpoint(p, dtype, device, lora, tp, ep)
     ggufs = sorted(p.glob("*.gguf")) if p.is_dir() else []
     if len(ggufs) == 1:
-        return load_gguf(ggufs[0], dtype, device, lora, tp)
+        return load_gguf(ggufs[0], dtype, device, lora, tp, ep)
     raise FileNotFoundError(f"{p}: neither a .gguf file nor a directory with config.json or one .gguf")
+
+
+# per-expert projection names (transformers' and Mixtral's w1/w3/w2) -> ours
+_EXPERT_PROJ = {"gate_proj": "gate_proj", "w1": "gate_proj", "up_proj": "up_proj", "w3": "up_proj",
+                "down_proj": "down_proj", "w2": "down_proj"}
 
 
 class _WeightSink:
@@ -48,6 +55,7 @@ class _WeightSink:
 
     def __init__(self, model: LlamaForCausalLM):
         self.cfg, self.tp = model.cfg, model.tp
+        self.experts = model.ep.part(self.cfg.num_experts)  # the block of experts this rank keeps
         # tied lm_head appears once, as embed_tokens; experts' [E, N, in] weights are filled as [E * N, in] rows
         self.params = {n: p.data.flatten(0, -2) if p.dim() == 3 else p.data for n, p in model.named_parameters()}
         self.rows_filled = {name: 0 for name in self.params}
@@ -76,7 +84,7 @@ class _WeightSink:
             return None  # recomputed from the config
         hf_name = re.sub(r"^(model\.layers\.\d+\.)block_sparse_moe\.", r"\1mlp.", hf_name)  # Mixtral's old block name
         if (expert := self._expert_target(hf_name)) is not None:
-            return expert
+            return expert or None  # (): another expert-parallel rank's expert, dropped
         m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn|mlp|mlp\.shared_expert)\.(\w+)_proj\.(weight|bias)", hf_name)
         if m:
             prefix, block, proj, kind = m.groups()
@@ -94,25 +102,27 @@ class _WeightSink:
             return hf_name, 0, (0, self.vocab_rows)
         return hf_name, 0, None
 
-    def _expert_target(self, hf_name: str) -> tuple[str, int, Cut] | None:
+    def _expert_target(self, hf_name: str) -> tuple[str, int, Cut] | tuple[()] | None:
         """Experts, per expert (`experts.3.gate_proj.weight`, Mixtral's `experts.3.w1.weight`) or
-        already fused as transformers 5 holds them (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`)."""
+        already fused as transformers 5 holds them (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`).
+        None: not an expert tensor; (): an expert this rank does not hold."""
         c = self.cfg
         m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts\.)(?:(\d+)\.(\w+)\.weight|(gate_up_proj|down_proj))", hf_name)
         if m is None:
             return None
         prefix, expert, proj, fused = m.groups()
-        if fused:
-            return f"{prefix}{fused}.weight", 0, None
+        mine = self.experts
+        if fused:  # [E, N, in]: this rank's experts are rows of dim 0
+            return f"{prefix}{fused}.weight", 0, None if mine.stop - mine.start == c.num_experts else (0, mine)
         e, i = int(expert), c.moe_intermediate_size
-        targets = {
-            "gate_proj": ("gate_up_proj", 2 * i * e), "w1": ("gate_up_proj", 2 * i * e),
-            "up_proj": ("gate_up_proj", 2 * i * e + i), "w3": ("gate_up_proj", 2 * i * e + i),
-            "down_proj": ("down_proj", c.hidden_size * e), "w2": ("down_proj", c.hidden_size * e),
-        }  # fmt: skip
-        if proj not in targets or e >= c.num_experts:
+        if proj not in _EXPERT_PROJ or e >= c.num_experts:
             return hf_name, 0, None  # no such parameter: put() names it
-        return f"{prefix}{targets[proj][0]}.weight", targets[proj][1], None
+        if not mine.start <= e < mine.stop:
+            return ()  # another expert-parallel rank's
+        e -= mine.start  # rows of this rank's [E / ep, N, in] experts
+        param, row = {"gate_proj": ("gate_up_proj", 2 * i * e), "up_proj": ("gate_up_proj", 2 * i * e + i),
+                      "down_proj": ("down_proj", c.hidden_size * e)}[_EXPERT_PROJ[proj]]
+        return f"{prefix}{param}.weight", row, None
 
     def put(self, hf_name: str, tensor: torch.Tensor) -> None:
         """tensor: the checkpoint's tensor, already cut to this rank's part (`target`)."""
@@ -141,10 +151,10 @@ class _WeightSink:
 
 
 def load_hf_checkpoint(model_dir, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None,
-                       tp: TPGroup | None = None):
+                       tp: TPGroup | None = None, ep: TPGroup | None = None):
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    model = build_causal_lm(cfg, lora, dtype, device, tp)
+    model = build_causal_lm(cfg, lora, dtype, device, tp, ep)
     sink = _WeightSink(model)
     for file in _safetensors_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -199,13 +209,13 @@ _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.
 
 
 def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None,
-              tp: TPGroup | None = None) -> LlamaForCausalLM:
+              tp: TPGroup | None = None, ep: TPGroup | None = None) -> LlamaForCausalLM:
     """Dequantizes every tensor (Q4_0/1, Q8_0, K-quants, F16, F32, ... as gguf.quants supports) to dtype."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     cfg = gguf_config(reader)
-    model = LlamaForCausalLM(cfg, lora, dtype, device, tp)
+    model = build_causal_lm(cfg, lora, dtype, device, tp, ep)  # GGUF models are dense: ep > 1 is refused
     sink = _WeightSink(model)
     permute = _gguf_field(reader, "general.architecture") == "llama"
     for t in reader.tensors:

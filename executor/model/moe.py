@@ -5,6 +5,12 @@ each sparse layer (cfg.moe_layers) changes. T = tokens of the step, E = experts,
 per token, H = hidden, I = expert intermediate size. Module paths are part of the LoRA layout
 (executor/lora.py's declare_layout): experts.gate_up_proj (MOE_W13), experts.down_proj (MOE_W2),
 and shared_expert.* (Qwen2-MoE) as dense LoRA layers.
+
+Under expert parallelism (`ep`, executor/parallel.py) a rank holds experts [first, first + E / ep)
+only, weights and LoRA slots; the router, the shared expert and everything outside the sparse
+blocks are whole on every rank. Every rank sees every token: it runs the pairs routed to its own
+experts (the others' ids fall outside [0, E / ep) and the kernel skips them), and one all-reduce
+sums the ranks' partial outputs.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from loraserve import kernels
 from loraserve.kernels import LoraMeta
 
 from ..lora import ExpertsWithLoRA, LoraSpec
-from ..parallel import TPGroup
+from ..parallel import TPGroup, ep_size_error, tp_size_error
 from .config import ModelConfig
 from .llama import MLP, LlamaForCausalLM
 
@@ -38,18 +44,24 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Every expert's gate|up (w13) and down (w2) projections, each with its expert-LoRA slots."""
+    """This rank's experts' gate|up (w13) and down (w2) projections, each with its expert-LoRA slots
+    (all E experts at ep 1; E / ep of them, from `first`, under expert parallelism)."""
 
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, ep: TPGroup):
         super().__init__()
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = ExpertsWithLoRA(e, h, (i, i), lora, dtype, device)  # weight [E, 2I, H]
-        self.down_proj = ExpertsWithLoRA(e, i, (h,), lora, dtype, device)  # weight [E, H, I]
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        experts = ep.part(cfg.num_experts)
+        self.first, e = experts.start, experts.stop - experts.start
+        self.gate_up_proj = ExpertsWithLoRA(e, h, (i, i), lora, dtype, device)  # weight [E / ep, 2I, H]
+        self.down_proj = ExpertsWithLoRA(e, i, (h,), lora, dtype, device)  # weight [E / ep, H, I]
 
     def forward(self, x, topk_weights, topk_ids, lora_meta: LoraMeta | None) -> torch.Tensor:
+        """-> [T, H]: the pairs on this rank's experts; under EP a partial sum the caller all-reduces."""
         lora13 = self.gate_up_proj.step_lora(lora_meta, x.device)
         lora2 = self.down_proj.step_lora(lora_meta, x.device)
         meta = lora_meta if lora13 is not None or lora2 is not None else None
+        if self.first:  # ids local to this rank's block; other ranks' experts fall outside [0, E / ep): skipped
+            topk_ids = topk_ids - self.first
         return kernels.fused_moe(
             x, topk_weights, topk_ids, self.gate_up_proj.weight, self.down_proj.weight, lora13, lora2, meta
         )  # [T, H]
@@ -58,10 +70,11 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Routed experts, plus Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate(x))."""
 
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, ep: TPGroup):
         super().__init__()
+        self.ep = ep
         self.gate = Router(cfg, dtype, device)
-        self.experts = Experts(cfg, lora, dtype, device)
+        self.experts = Experts(cfg, lora, dtype, device, ep)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, lora, dtype, device, TPGroup(), cfg.shared_expert_intermediate_size)
@@ -70,23 +83,25 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)  # [T, K]
-        out = self.experts(x, topk_weights, topk_ids, lora_meta)  # [T, H]
+        out = self.ep.all_reduce(self.experts(x, topk_weights, topk_ids, lora_meta))  # [T, H]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora_meta)
         return out
 
 
 def build_causal_lm(cfg: ModelConfig, lora: LoraSpec | None = None, dtype=torch.float32, device="cpu",
-                    tp: TPGroup | None = None):
+                    tp: TPGroup | None = None, ep: TPGroup | None = None):
     """LlamaForCausalLM for any supported family: sparse layers get a SparseMoeBlock as their MLP.
-    MoE models run on one rank (expert parallelism is not built yet)."""
+    MoE models split their experts over `ep` ranks, never their attention over `tp` ranks."""
+    ep = ep or TPGroup()
+    if (error := ep_size_error(cfg, ep.size)) is not None:  # a dense model, or experts that do not split
+        raise ValueError(error)
     if not cfg.num_experts:
         return LlamaForCausalLM(cfg, lora, dtype, device, tp)
     if tp is not None and tp.size > 1:
-        raise ValueError(f"{cfg.model_type}: mixture-of-experts models run with --tp-size 1 "
-                         f"(tensor and expert parallelism for them is not built yet)")
+        raise ValueError(tp_size_error(cfg, tp.size))
 
     def mlp_for_layer(i: int) -> nn.Module | None:
-        return SparseMoeBlock(cfg, lora, dtype, device) if cfg.is_moe_layer(i) else None
+        return SparseMoeBlock(cfg, lora, dtype, device, ep) if cfg.is_moe_layer(i) else None
 
-    return LlamaForCausalLM(cfg, lora, dtype, device, mlp_for_layer=mlp_for_layer)
+    return LlamaForCausalLM(cfg, lora, dtype, device, mlp_for_layer=mlp_for_layer, ep=ep)

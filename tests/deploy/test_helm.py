@@ -152,6 +152,12 @@ def test_schema_refuses_wrong_values():
         render({"store": {"replicaCount": 0}})
     with pytest.raises(helm.HelmRenderError, match="tls.enabled needs tls.existingSecret"):
         render({"tls": {"enabled": True}})
+    with pytest.raises(helm.HelmValuesError, match="at '/executor/epSize': minimum: got 0, want 1"):
+        render({"executor": {"epSize": 0}})
+    with pytest.raises(helm.HelmRenderError, match=r"executor.epSize > 1 needs executor.tpSize 1"):
+        render({"executor": {"epSize": 2, "tpSize": 2}})
+    ep = container(render({"executor": {"epSize": 2, "gpu": {"count": 2}}}), "executor")["args"]
+    assert "--ep-size=2" in ep and "--tp-size=1" in ep
 
 
 def test_executor_http_port_and_eager_flag(manifests):
@@ -165,6 +171,7 @@ def test_executor_http_port_and_eager_flag(manifests):
         assert pod_ports["http"] == 8000 and "http" in svc_ports
         assert "--http-port=8000" in executor["args"] and "--enforce-eager" not in executor["args"]
         assert "--tp-size=1" in executor["args"] and "--fully-sharded-loras" not in executor["args"]
+        assert "--ep-size=1" in executor["args"]
     else:
         assert "http" not in pod_ports and "http" not in svc_ports
         assert "--http-port=0" in executor["args"] and "--enforce-eager" in executor["args"]

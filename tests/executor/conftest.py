@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,6 +254,7 @@ def device(request):
 
 # ---- a served byte-tokenizer model over gRPC, checked against its transformers (+ PEFT) oracle ----
 
+LORASERVE = str(Path(sys.executable).parent / "loraserve")
 BYTE_BOS = 256  # the byte tokenizer's <s> (ids 0..255 are bytes)
 
 
@@ -271,3 +280,85 @@ def check_against_reference(ref_model, ids: list[int], resp: epb.GenerateRespons
     got = torch.tensor(list(resp.logprobs), dtype=torch.float64)
     want = logprobs[torch.arange(len(out)), out]
     assert torch.allclose(got, want, atol=2e-4), (got, want)
+
+
+class Cluster:
+    """A store and an executor (any tp / ep size) on loopback, served from one event loop thread:
+    `names` are registered from the folder `adapters`; executor_overrides are ExecutorConfig fields."""
+
+    def __init__(self, lt, base_dir: Path, adapters: Path, data: Path, names, **executor_overrides):
+        from loraserve.adapter_store import validate
+        from loraserve.adapter_store.config import StoreConfig
+        from loraserve.adapter_store.service import serve as serve_store
+        from loraserve.adapter_store.sources import SourceConfig
+        from loraserve.executor.config import ExecutorConfig
+        from loraserve.executor.service import build_executor
+        from loraserve.executor.service import serve as serve_executor
+
+        self.lt = lt
+        scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model="tiny", base_model_path=base_dir,
+                           sources=SourceConfig(local_roots=(adapters,)), limits=validate.Limits(max_rank=16))
+        self.store_server, port = lt.run(serve_store(scfg))
+        self.store_address = f"127.0.0.1:{port}"
+        for name in names:
+            self.store_client().register(name, str(adapters / name))
+        fields = dict(model=str(base_dir), base_model="tiny", dtype="float32", max_loras=2, max_rank=16,
+                      max_cpu_adapters=8, num_blocks=256, block_size=4, max_model_len=512,
+                      store_address=self.store_address, slot_wait_timeout_s=30.0)
+        self.parts = build_executor(ExecutorConfig(**{**fields, **executor_overrides}))
+        self.server, port = lt.run(serve_executor(self.parts, "127.0.0.1:0"))
+        self.address = f"127.0.0.1:{port}"
+
+    def store_client(self):
+        from loraserve.client import StoreClient
+
+        return StoreClient(self.store_address, timeout_s=60)
+
+    def client(self) -> ExecutorClient:
+        return ExecutorClient(self.address, timeout_s=120)
+
+    def close(self):
+        from loraserve.executor.service import shutdown
+
+        self.lt.run(shutdown(self.server, self.parts))
+        self.lt.run(self.store_server.stop(0))
+
+
+def run_group(client: ExecutorClient, group: list[str], max_tokens: int = 6):
+    """Every adapter of `group` (\"\": the base model) on its own prompt, concurrently: (jobs, responses)."""
+    jobs = [(name, prompt_ids(i)) for i, name in enumerate(group)]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        return jobs, list(pool.map(lambda j: generate(client, *j, max_tokens), jobs))
+
+
+class ParallelExecutorProcess:
+    """`loraserve executor --tp-size 2` (or `--ep-size 2`: `parallel`) on a tiny model, as an operator
+    starts it (no store needed for the base model); its output is collected by a thread."""
+
+    def __init__(self, model_dir: Path, store_port: int, parallel: tuple[str, str]):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [LORASERVE, "--log-level", "INFO", "executor", "--model", str(model_dir), *parallel,
+             "--cpu-threads", "1", "--executor-listen", f"127.0.0.1:{self.port}", "--http-port", "0",
+             "--store", f"127.0.0.1:{store_port}", "--max-model-len", "512", "--num-blocks", "256",
+             "--block-size", "4", "--tp-timeout-s", "60"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.time() + 120
+        while "executor serving gRPC" not in self.log:
+            assert self.proc.poll() is None and time.time() < deadline, self.log
+            time.sleep(0.1)
+        self.rank1_pid = int(re.search(r"-parallel rank 1 of 2: pid (\d+)", self.log).group(1))
+        self.client = ExecutorClient(f"127.0.0.1:{self.port}", timeout_s=60)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

@@ -49,7 +49,7 @@ def test_static_buffer_step_equals_the_eager_step_on_cpu(hf_model):
         attn = AttentionMetadata.build([1] * 3, lens, tables, BLOCK, "cpu")
         meta = make_lora_meta(torch.tensor(slots), MAX_LORAS, frozenset(s for s in slots if s >= 0))
         want = model.compute_logits(model.forward(torch.tensor(ids), attn.positions, attn, kv, meta), meta)
-        bucket, lora = graphs._stage(DecodeBatch(ids, lens, tables, slots))
+        bucket, lora = graphs.stage(DecodeBatch(ids, lens, tables, slots))
         assert (bucket, lora) == (4, max(slots) >= 0)
         graphs._forward(bucket, lora)
         torch.testing.assert_close(graphs._logits[:3], want, atol=1e-5, rtol=1e-5)

@@ -131,10 +131,12 @@ def test_bf16_mixed_batch_on_cuda_is_peft_within_bf16_tolerance(family, moe_base
 
 
 def test_moe_models_refuse_tensor_parallelism_before_anything_starts(family, moe_base):
-    """MoE families run on one rank: --tp-size 2 is refused with the reason, not half-started."""
+    """MoE families split their experts (--ep-size), never their attention: --tp-size 2 is refused
+    with the reason and the way out, not half-started."""
     from loraserve.executor.config import ExecutorConfig
     from loraserve.executor.service import build_executor
 
     _, path = moe_base
-    with pytest.raises(ValueError, match=rf"tp_size 2: {family} is a mixture-of-experts model.*use --tp-size 1"):
+    with pytest.raises(ValueError, match=rf"tp_size 2: {family} is a mixture-of-experts model.*use --tp-size 1 "
+                                         r"\(and --ep-size to split the experts\)"):
         build_executor(ExecutorConfig(model=str(path), tp_size=2, device="cpu"))

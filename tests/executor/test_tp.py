@@ -5,16 +5,10 @@ killed mid-serving end with a clear error."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,18 +23,10 @@ from loraserve.executor.ranks import shard_checksum
 from loraserve.executor.service import build_executor
 from loraserve.defaults import smollm2_gguf_path
 
-from loraserve.adapter_store import validate
-from loraserve.adapter_store.config import StoreConfig
-from loraserve.adapter_store.service import serve as serve_store
-from loraserve.adapter_store.sources import SourceConfig
-from loraserve.client import ExecutorClient, StoreClient
-from loraserve.executor.service import serve as serve_executor
-from loraserve.executor.service import shutdown
 from loraserve.v1 import executor_pb2 as epb
 
-from .conftest import check_against_reference, generate, prompt_ids
+from .conftest import LORASERVE, Cluster, ParallelExecutorProcess, check_against_reference, generate, prompt_ids, run_group
 
-LORASERVE = str(Path(sys.executable).parent / "loraserve")
 # (family, tp_size, fully sharded LoRA, config overrides): Llama with biases on o_proj and down_proj
 # (added once, after the reduce), Qwen2 with q/k/v biases and tied embeddings (vocab-parallel both
 # ways); tp 4 replicates the 2 kv heads.
@@ -114,47 +100,12 @@ def references(base, adapter_dirs):
 @pytest.fixture(scope="module")
 def cluster(module_loop_thread, base, adapter_dirs, case, tmp_path_factory):
     _, tp, sharded, _ = case
-    c = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path_factory.mktemp("store"), tp_size=tp,
+    c = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path_factory.mktemp("store"), ADAPTERS, tp_size=tp,
                 fully_sharded_loras=sharded, lora_embeddings=True, cpu_threads=1, tp_timeout_s=60.0)
     yield c
     c.close()
     # A clean stop: every rank exits 0 on its own (none had to be killed).
     assert [p.exitcode for p in c.parts.ranks._procs] == [0] * (tp - 1)
-
-
-class Cluster:
-    """A store and an executor (tp_size ranks) on loopback, served from one event loop thread."""
-
-    def __init__(self, lt, base_dir: Path, adapters: Path, data: Path, **executor_overrides):
-        self.lt = lt
-        scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model="tiny", base_model_path=base_dir,
-                           sources=SourceConfig(local_roots=(adapters,)), limits=validate.Limits(max_rank=16))
-        self.store_server, port = lt.run(serve_store(scfg))
-        self.store_address = f"127.0.0.1:{port}"
-        for name in ADAPTERS:
-            self.store_client().register(name, str(adapters / name))
-        cfg = ExecutorConfig(model=str(base_dir), base_model="tiny", dtype="float32", max_loras=2, max_rank=16,
-                             max_cpu_adapters=8, num_blocks=256, block_size=4, max_model_len=512,
-                             store_address=self.store_address, slot_wait_timeout_s=30.0, **executor_overrides)
-        self.parts = build_executor(cfg)
-        self.server, port = lt.run(serve_executor(self.parts, "127.0.0.1:0"))
-        self.address = f"127.0.0.1:{port}"
-
-    def store_client(self) -> StoreClient:
-        return StoreClient(self.store_address, timeout_s=60)
-
-    def client(self) -> ExecutorClient:
-        return ExecutorClient(self.address, timeout_s=120)
-
-    def close(self):
-        self.lt.run(shutdown(self.server, self.parts))
-        self.lt.run(self.store_server.stop(0))
-
-
-def run_group(client, group, max_tokens=6):
-    jobs = [(name, prompt_ids(i)) for i, name in enumerate(group)]
-    with cf.ThreadPoolExecutor(len(jobs)) as pool:
-        return jobs, list(pool.map(lambda j: generate(client, *j, max_tokens), jobs))
 
 
 def test_mixed_batches_match_transformers_peft_and_tp1(cluster, references, base, adapter_dirs, case,
@@ -168,7 +119,8 @@ def test_mixed_batches_match_transformers_peft_and_tp1(cluster, references, base
             check_against_reference(references[name], ids, resp)
             outputs[(name, tuple(ids))] = list(resp.token_ids)
     # tp 1 on the same store gives the same greedy tokens.
-    one = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store1", lora_embeddings=True, cpu_threads=1)
+    one = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store1", ADAPTERS, lora_embeddings=True,
+                  cpu_threads=1)
     try:
         for group in GROUPS:
             jobs, resps = run_group(one.client(), group)
@@ -284,39 +236,6 @@ def test_cli_refuses_a_tp_size_that_does_not_split_the_model(tmp_path):
     assert "error: " in out.stderr and "tp_size 2 does not split this model: 9 attention heads" in out.stderr
 
 
-class TPExecutorProcess:
-    """`loraserve executor --tp-size 2` on a tiny Llama, as an operator starts it (no store needed
-    for the base model); its output is collected by a thread."""
-
-    def __init__(self, model_dir: Path, store_port: int):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen(
-            [LORASERVE, "--log-level", "INFO", "executor", "--model", str(model_dir), "--tp-size", "2",
-             "--cpu-threads", "1", "--executor-listen", f"127.0.0.1:{self.port}", "--http-port", "0",
-             "--store", f"127.0.0.1:{store_port}", "--max-model-len", "512", "--num-blocks", "256",
-             "--block-size", "4", "--tp-timeout-s", "60"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
-        deadline = time.time() + 120
-        while "executor serving gRPC" not in self.log:
-            assert self.proc.poll() is None and time.time() < deadline, self.log
-            time.sleep(0.1)
-        self.rank1_pid = int(re.search(r"tensor-parallel rank 1 of 2: pid (\d+)", self.log).group(1))
-        self.client = ExecutorClient(f"127.0.0.1:{self.port}", timeout_s=60)
-
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 @pytest.fixture
 def tp_executor_process(hf_model, save_byte_tokenizer, closed_port):
     _, path = hf_model("llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
@@ -325,8 +244,8 @@ def tp_executor_process(hf_model, save_byte_tokenizer, closed_port):
         save_byte_tokenizer(path)
     started = []
 
-    def start() -> TPExecutorProcess:
-        started.append(TPExecutorProcess(path, closed_port))
+    def start() -> ParallelExecutorProcess:
+        started.append(ParallelExecutorProcess(path, closed_port, ("--tp-size", "2")))
         return started[-1]
 
     yield start

@@ -54,3 +54,14 @@ def oracle(x, weights, ids, w13, w2, lora13, lora2, slots):
                 y += lora2[1][s, e].to(d) @ (lora2[0][s, e, 0].to(d) @ act)
             out[t] += float(weights[t, k]) * y
     return out
+
+
+def ep_rank_inputs(ids, w13, w2, lora13, lora2, first: int, n: int):
+    """What the expert-parallel rank holding experts [first, first + n) passes kernels.fused_moe:
+    ids made local (others' fall outside [0, n)), its experts' weights and LoRA slots."""
+    block = slice(first, first + n)
+
+    def cut(lora):
+        return None if lora is None else (lora[0][:, block], lora[1][:, block])
+
+    return ids - first, w13[block], w2[block], cut(lora13), cut(lora2)

@@ -22,7 +22,7 @@ skip_unless_cuda_and_triton(interpreter=INTERPRET)
 
 from loraserve.kernels import make_lora_meta, moe_reference, triton_moe  # noqa: E402
 
-from .moe_oracle import oracle, random_moe  # noqa: E402
+from .moe_oracle import ep_rank_inputs, oracle, random_moe  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -69,6 +69,22 @@ def test_align_pairs_groups_every_pair_once_by_expert(T, K, E, block_m):
             assert members.numel() == 0
         else:
             assert (flat[members] == expert).all()
+
+
+@pytest.mark.parametrize("T", [5, 70])  # small- and large-tile paths
+def test_an_expert_parallel_rank_computes_only_the_pairs_of_its_experts(T):
+    """Rank 1 of 2 (experts 2, 3 of 4): ids of experts 0, 1 become negative, 4.. are out of range
+    too; those pairs are in no group, have no LoRA index, and add nothing."""
+    E, L, dtype = 4, 3, torch.float32
+    x, w, ids, w13, w2, l13, l2, slots = random_moe(T, 2, E, 64, 40, L, 8, dtype, DEV, seed=T)
+    local = ep_rank_inputs(ids, w13, w2, l13, l2, 2, 2)
+    sorted_pairs, block_experts = triton_moe.align_pairs(local[0], 2, 16)
+    real = sorted_pairs[sorted_pairs < ids.numel()].cpu()
+    mine = (ids >= 2).reshape(-1).cpu()
+    assert sorted(real.tolist()) == torch.nonzero(mine).flatten().tolist()  # this rank's pairs, each once
+    got = triton_moe.fused_moe(x, w, local[0], *local[1:], make_lora_meta(slots, L))
+    assert not got.isnan().any()
+    assert rel_err(got, oracle(x, w * (ids >= 2), ids, w13, w2, l13, l2, slots)) < TOL[dtype]
 
 
 def test_triton_and_reference_agree_on_a_bf16_mixed_batch():

@@ -7,7 +7,7 @@ import torch
 
 from loraserve.kernels import fused_moe, make_lora_meta, moe_route
 
-from .moe_oracle import oracle, random_moe
+from .moe_oracle import ep_rank_inputs, oracle, random_moe
 
 
 @pytest.mark.parametrize("T", [1, 5, 40])  # decode-sized (gathered LoRA) and prefill-sized (grouped) steps
@@ -21,6 +21,22 @@ def test_fused_moe_without_lora_is_the_base_experts():
     x, w, ids, w13, w2, l13, l2, slots = random_moe(7, 2, 4, 32, 24, 2, 4, torch.float32, "cpu")
     got = fused_moe(x, w, ids, w13, w2, None, None, None)
     torch.testing.assert_close(got.double(), oracle(x, w, ids, w13, w2, None, None, slots), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_an_expert_parallel_rank_computes_only_the_pairs_of_its_experts(ep):
+    """Each rank's output is the oracle's over the pairs routed to its block of experts (ids of
+    other ranks' experts are skipped), and the ranks' outputs sum to the whole MoE."""
+    E, L = 4, 3
+    x, w, ids, w13, w2, l13, l2, slots = random_moe(9, 2, E, 32, 24, L, 8, torch.float32, "cpu", seed=1)
+    meta, n, total = make_lora_meta(slots, L), E // ep, 0
+    for rank in range(ep):
+        local = ep_rank_inputs(ids, w13, w2, l13, l2, rank * n, n)
+        part = fused_moe(x, w, local[0], *local[1:], meta).double()
+        mine = (ids >= rank * n) & (ids < (rank + 1) * n)
+        torch.testing.assert_close(part, oracle(x, w * mine, ids, w13, w2, l13, l2, slots), atol=1e-4, rtol=1e-4)
+        total = total + part
+    torch.testing.assert_close(total, oracle(x, w, ids, w13, w2, l13, l2, slots), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

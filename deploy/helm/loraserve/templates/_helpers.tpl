@@ -81,6 +81,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if and (or .Values.model.name .Values.model.path) (not (and .Values.model.name .Values.model.path)) }}
 {{- fail "model.name and model.path go together: set both (and model.volume), or neither for the embedded SmolLM2" }}
 {{- end }}
+{{- if and (gt (int .Values.executor.tpSize) 1) (gt (int .Values.executor.epSize) 1) }}
+{{- fail "executor.epSize > 1 needs executor.tpSize 1: expert parallelism replicates attention on every rank" }}
+{{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
 {{- fail "tls.enabled needs tls.existingSecret: a Secret with tls.crt, tls.key and ca.crt" }}
 {{- end }}
