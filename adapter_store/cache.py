@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+import grpc
+
 from loraserve.errors import StatusError, exhausted, invalid
 
 log = logging.getLogger(__name__)
@@ -229,8 +231,9 @@ class DiskCache:
 
 
 class ShardReader:
-    """One cached shard read chunk by chunk (DiskCache.open). `readinto` runs in a worker thread
-    (file reads and sha256 release the GIL), `finish` once the last chunk is read."""
+    """One cached shard read chunk by chunk (DiskCache.open, RedisCache.open) from `f` (a file, or
+    anything with readinto and close). `readinto` runs in a worker thread (file reads, Redis replies
+    and sha256 release the GIL), `finish` once the last chunk is read."""
 
     def __init__(self, f, size: int, sha256: str, tier: str, verify: bool, on_checked: Callable[[bool], None]):
         self.size, self.sha256, self.tier = size, sha256, tier  # sha256: hex, as stored with the blob
@@ -328,6 +331,34 @@ class RedisCache:
         hit = self.read(key)
         return hit and hit[0]
 
+    def open(self, key: str) -> ShardReader | None:
+        """The shard as a stream of chunks, or None: one GET per stored chunk as the reader gets to
+        it, so the first bytes go out before the last are read and no whole copy is joined. Always
+        hashed on the way (another store may have written the copy; this one cannot tell whether it
+        changed): `ShardReader.finish` deletes a copy that no longer matches its stored sha256. A
+        chunk gone meanwhile (evicted or replaced by another store) or Redis failing mid-stream
+        fails the read with DATA_LOSS, which a client answers by asking again with `verify`."""
+        meta_key = self._meta_key(key)
+        with self._errors():
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hgetall(meta_key)
+            pipe.zadd(self._lru_key, {key: _now_ms()}, xx=True)
+            meta, _ = pipe.execute()
+        if not meta:
+            return None
+        chunks = _RedisChunks(self, key, int(meta[b"n_chunks"]))
+        return ShardReader(chunks, int(meta[b"size"]), meta[b"sha256"].decode(), self.name, verify=True,
+                           on_checked=lambda ok: ok or self._drop_corrupt(key))
+
+    def _drop_corrupt(self, key: str) -> None:
+        log.warning("redis cache: shard %s (%s at %s) failed its sha256 check; deleting it",
+                    key, self._meta_key(key), self.url)
+        try:
+            with self._errors():
+                self._remove(key)
+        except CacheUnavailable as exc:  # it stays; the next whole read checks it again
+            log.warning("redis cache: could not delete shard %s: %s", key, exc)
+
     def read(self, key: str) -> tuple[bytes, str] | None:
         """(blob, its sha256 hex, checked on this read) or None."""
         meta_key = self._meta_key(key)
@@ -421,6 +452,45 @@ class RedisCache:
             raise CacheUnavailable(f"redis at {self.url} unavailable: {exc}") from exc
 
 
+class _RedisChunks:
+    """A Redis-held shard's chunks as a file for ShardReader: the next chunk is fetched (one GET)
+    when the previous one is used up."""
+
+    def __init__(self, cache: RedisCache, key: str, n_chunks: int):
+        self._cache, self._key, self._n = cache, key, n_chunks
+        self._next = 0
+        self._chunk = memoryview(b"")
+
+    def readinto(self, view: memoryview) -> int:
+        filled = 0
+        while filled < len(view):
+            if not self._chunk:
+                if self._next == self._n:
+                    break
+                self._chunk = memoryview(self._get(self._next))
+                self._next += 1
+            n = min(len(view) - filled, len(self._chunk))
+            view[filled : filled + n] = self._chunk[:n]
+            self._chunk, filled = self._chunk[n:], filled + n
+        return filled
+
+    def _get(self, i: int) -> bytes:
+        where = f"shard {self._key} in the store's redis cache at {self._cache.url}"
+        try:
+            with self._cache._errors():
+                chunk = self._cache._redis.get(f"{self._cache._meta_key(self._key)}:c{i}")
+        except CacheUnavailable as exc:
+            raise StatusError(grpc.StatusCode.DATA_LOSS, f"{where}: redis failed mid-stream ({exc.__cause__}): "
+                              f"fetch it again") from None
+        if chunk is None:
+            raise StatusError(grpc.StatusCode.DATA_LOSS, f"{where}: chunk {i} is gone (evicted or replaced "
+                              f"meanwhile): fetch it again")
+        return chunk
+
+    def close(self) -> None:
+        self._chunk = memoryview(b"")
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -465,13 +535,14 @@ class TieredCache:
         return None
 
     def open(self, key: str) -> ShardReader | None:
-        """A chunked reader of the shard when the first tier holding it can stream (disk) and no
-        tier above it needs a back-fill (that takes the whole blob: `read`); else None."""
+        """A chunked reader of the shard from the first tier that is up, when that tier holds it;
+        else None (a miss there: the caller's `read` back-fills it with the whole blob). A tier
+        that is down is passed over: there is nothing to back-fill into it."""
         for i, tier in enumerate(self.tiers):
-            if not hasattr(tier, "open"):
-                return None
+            if self._is_down(i):
+                continue
             reader = self._call(i, tier.open, key)
-            if reader is not None:
+            if reader is not None or not self._is_down(i):
                 return reader
         return None
 
@@ -506,6 +577,10 @@ class TieredCache:
             self._call(i, self.tiers[i].put, key, blob)
         except StatusError as exc:  # too big for that tier: it stays in the lower one
             log.debug("not back-filling %s into %s: %s", key, self.tiers[i].name, exc.message)
+
+    def _is_down(self, i: int) -> bool:
+        with self._lock:
+            return time.monotonic() < self._down_until.get(i, 0.0)
 
     def _call(self, i: int, method, *args):
         """method(*args), or None while tier i is down."""

@@ -186,8 +186,9 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
 
     @grpc_errors
     async def FetchShard(self, request, context):
-        """Header, data chunks, sha256 trailer. A cached shard streams as it is read from disk; a
-        packed one (or Redis', or any with `verify`: read whole and checked first) from memory.
+        """Header, data chunks, sha256 trailer. A cached shard streams as it is read from the first
+        cache tier (disk, or Redis chunk by chunk); a packed one, a back-filled one or any with
+        `verify` (read whole and checked first) from memory.
         Data chunks go out already framed (`_frame_head`): no message object is built per chunk."""
         manifest = self._check_fetch(request.name, request.digest, request.layout)
         chunk = request.chunk_bytes or DEFAULT_CHUNK

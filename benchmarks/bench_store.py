@@ -7,9 +7,12 @@
    Two clients: the blocking one (`loraserve.client`, the blob as bytes) and the executor's
    (`executor/store_client.py`, grpc.aio: the stream lands in one host buffer and the tensors are
    views of it), the latter also with `--in-flight` shards streamed at once.
+3. The ceiling of that stream on this machine: a bare gRPC stream of the same number of bytes in
+   messages of the same size (pre-made bytes, the same HTTP/2 options, a separate server process,
+   grpc.aio client, raw messages received and dropped: no header, copy or checksum), in the same run.
 
 The store runs as a separate `loraserve store` process, as in production.
-Usage: python benchmarks/bench_store.py [--redis-url redis://127.0.0.1:6379/0] [--repeat 5]
+Usage: python benchmarks/bench_store.py [--redis-url redis://127.0.0.1:6379/0] [--repeat 5] [--chunk-bytes N]
 """
 
 from __future__ import annotations
@@ -136,7 +139,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_flight, store_pid):
+def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_flight, store_pid, chunk_bytes=0):
     """The executor's store client: request to tensors in host memory, checksum checked; with
     in_flight > 1, that many streams of the shard at once (the rate counts all their bytes).
     Also the CPU seconds each side spent per GB moved (store process; client process), which
@@ -146,7 +149,7 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
     from loraserve.executor.store_client import StoreClient as ExecutorStoreClient
 
     async def run():
-        client = ExecutorStoreClient(address, layout, timeout_s=60.0)
+        client = ExecutorStoreClient(address, layout, timeout_s=60.0, **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
         await client.fetch_shard("llama3-r16")  # connect
         times = []
         cpu0 = cpu_seconds(store_pid), cpu_seconds(os.getpid())
@@ -167,6 +170,81 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
             f"CPU s/GB: store {store_cpu:.2f}, client {client_cpu:.2f}")
 
 
+BARE_METHOD = "/bench.Bare/Stream"
+
+
+def bare_server(port: int) -> None:
+    """The bare stream's server (its own process): `nbytes` as pre-made messages of `chunk` bytes."""
+    import asyncio
+
+    import grpc
+
+    from loraserve.serving import BULK_OPTIONS
+
+    async def stream(request: bytes, context):
+        chunk, nbytes = (int(x) for x in request.decode().split(","))
+        message = os.urandom(chunk)
+        for _ in range(nbytes // chunk):
+            yield message
+        if nbytes % chunk:
+            yield message[: nbytes % chunk]
+
+    async def serve():
+        server = grpc.aio.server(options=BULK_OPTIONS)
+        handler = grpc.unary_stream_rpc_method_handler(stream, request_deserializer=None, response_serializer=None)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Bare", {"Stream": handler}),))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def bare_row(nbytes: int, chunk: int, repeat: int, in_flight: int = 1) -> tuple:
+    """The bare gRPC stream of nbytes (the ceiling of the executor client's stream here)."""
+    import asyncio
+
+    import grpc
+
+    from loraserve.executor.store_client import CHANNEL_OPTIONS
+    from loraserve.serving import BULK_OPTIONS
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--bare-server", str(port)])
+
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS + BULK_OPTIONS + [
+                ("grpc.max_receive_message_length", -1)]) as channel:
+            await asyncio.wait_for(channel.channel_ready(), 30)
+            method = channel.unary_stream(BARE_METHOD, request_serializer=None, response_deserializer=None)
+
+            async def one():
+                got = 0
+                async for message in method(f"{chunk},{nbytes}".encode()):
+                    got += len(message)
+                assert got == nbytes
+
+            await one()  # connect, warm up
+            times, cpu0 = [], (cpu_seconds(proc.pid), cpu_seconds(os.getpid()))
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one() for _ in range(in_flight)))
+                times.append(time.perf_counter() - t0)
+            cpu = [cpu_seconds(proc.pid) - cpu0[0], cpu_seconds(os.getpid()) - cpu0[1]]
+            return statistics.median(times), [c / (repeat * in_flight * nbytes / 1e9) for c in cpu]
+
+    try:
+        seconds, (server_cpu, client_cpu) = asyncio.run(run())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    mb = nbytes / 2**20
+    what = "bare gRPC stream" if in_flight == 1 else f"bare gRPC stream x{in_flight}"
+    return (what, f"{in_flight} x {mb:.1f} MiB", f"{in_flight * mb / seconds:9.0f} MiB/s",
+            f"{in_flight * nbytes / seconds / 1e9:.2f} GB/s; {chunk >> 10} KiB messages; "
+            f"CPU s/GB: server {server_cpu:.2f}, client {client_cpu:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
@@ -174,7 +252,11 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--fetch-only", action="store_true", help="skip the tp=2 and tp=8 pack rows")
     ap.add_argument("--in-flight", type=int, default=4, help="shards streamed at once by the executor client")
+    ap.add_argument("--chunk-bytes", type=int, default=0, help="FetchShard chunk size asked for (0: the client's default)")
+    ap.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)  # the bare stream's server process
     args = ap.parse_args()
+    if args.bare_server:
+        return bare_server(args.bare_server)
     torch.set_num_threads(os.cpu_count() or 1)
     work = Path(tempfile.mkdtemp(prefix="bench-store-"))
     prefix = f"loraserve-bench:{os.getpid()}:"
@@ -200,7 +282,10 @@ def main() -> None:
         raw_s, _ = timed(lambda: disk.get(key), args.repeat)
         for n in sorted({1, args.in_flight}):
             rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "disk", raw_s, disk.size(key), args.repeat, n,
-                                           proc.pid))
+                                           proc.pid, args.chunk_bytes))
+        from loraserve.executor.store_client import CHUNK_BYTES
+        for n in sorted({1, args.in_flight}):
+            rows.append(bare_row(disk.size(key), args.chunk_bytes or CHUNK_BYTES, args.repeat, n))
         if args.redis_url:
             proc.terminate()
             proc.wait(10)
@@ -210,7 +295,7 @@ def main() -> None:
             rows.append(fetch_row(client, layout, "redis", redis, key, args.repeat))
             raw_s, _ = timed(lambda: redis.get(key), args.repeat)
             rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "redis", raw_s, disk.size(key), args.repeat, 1,
-                                           proc.pid))
+                                           proc.pid, args.chunk_bytes))
     finally:
         proc.terminate()
         proc.wait(10)

@@ -12,10 +12,11 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
   float32 on CPU); the tokenizer from `--tokenizer` (a folder with tokenizer.json), or a
   generated word-level one of the model's vocabulary when none is given (prompts are token ids).
 - Adapters: `--adapters` names; adapter i has rank RANKS[i % 4] (8, 16, 32, 64) on every linear
-  layer. Their shards come from an in-process fetch (random tensors, one set per rank, returned
-  unpinned so that a CPU-cache miss costs the host copy into pinned memory that a store fetch
-  also ends with) instead of the adapter store: registering a thousand 40-320 MiB adapters
-  would take longer than the run. `--probe` measures the store path on its own.
+  layer. Their shards come from an in-process fetch (random tensors, one set per rank, copied per
+  fetch into one fresh host buffer, pinned on CUDA, whose views are the tensors: the one copy a
+  store stream makes) instead of the adapter store: registering a thousand 40-320 MiB adapters
+  would take longer than the run. `--probe` measures the store path on its own. At most
+  `--max-concurrent-loads` fetches run at once, as in the executor.
 - Workload: request j asks for adapter k with probability proportional to 1 / (k + 1)^alpha,
   prompt and output lengths uniform in [--prompt-len] and [--output-len]; arrivals are a closed
   loop of `--concurrency` clients, or Poisson at `--rate` requests/s. EOS is ignored.
@@ -58,6 +59,7 @@ from loraserve.executor.engine.sampler import SamplingParams  # noqa: E402
 from loraserve.executor.lora import LoraSpec, load_shard_into_slot, lora_modules  # noqa: E402
 from loraserve.executor.memory import lora_bytes_per_slot  # noqa: E402
 from loraserve.executor.slots import SlotManager, SlotObserver  # noqa: E402
+from loraserve.executor.store_client import host_buffer  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
 
@@ -91,8 +93,16 @@ class RandomAdapters:
     async def fetch(self, name: str):
         rank = self.rank(name)
         src = self.tensors(rank)
-        # a fresh host copy per fetch (as a stream would land), pinned by the slot manager on CUDA
-        tensors = await asyncio.to_thread(lambda: {k: t.clone() for k, t in src.items()})
+
+        def land() -> dict[str, torch.Tensor]:  # as the store client's stream lands: one buffer, views of it
+            buffer, out, at = host_buffer(self.nbytes(rank), pin_memory=bench_engine.DEVICE == "cuda"), {}, 0
+            for k, t in src.items():
+                out[k] = buffer[at : at + t.nbytes].view(t.dtype).view(t.shape)
+                out[k].copy_(t)
+                at += t.nbytes
+            return out
+
+        tensors = await asyncio.to_thread(land)
         return f"random-r{rank}-{name}", rank, tensors, self.nbytes(rank)
 
 
@@ -208,7 +218,8 @@ def build(args, tokenizer):
     adapters, counter, modules = RandomAdapters(model, bench_engine.DTYPE), Counter(), lora_modules(model)
     slots = SlotManager(adapters.fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
                         lambda slot: [m.reset_lora(slot) for m in modules.values()], max_loras=cfg.max_loras,
-                        cpu_cache_bytes=cfg.cpu_cache_bytes, device=torch.device(bench_engine.DEVICE), observer=counter)
+                        cpu_cache_bytes=cfg.cpu_cache_bytes, device=torch.device(bench_engine.DEVICE),
+                        max_concurrent_loads=args.max_concurrent_loads or None, observer=counter)
     engine = Engine(model, tokenizer, kv, slots, cfg)
     return engine, adapters, counter
 
@@ -461,6 +472,7 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     ap.add_argument("--max-loras", type=int, default=64)
     ap.add_argument("--cpu-cache-bytes", type=int, default=0, help="0: half the available host memory")
+    ap.add_argument("--max-concurrent-loads", type=int, default=4, help="store fetches at once (0: no limit)")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients (and max_num_seqs)")
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second instead of the closed loop")
     ap.add_argument("--requests", type=int, default=1000)

@@ -42,6 +42,7 @@ class ExecutorConfig:
     # memory available at start (executor/memory.py). Set to the resolved budget at start.
     max_cpu_adapters: int = 0  # also at most this many shards in the CPU cache; 0: the bytes alone decide
     slot_wait_timeout_s: float = 30.0  # how long a request waits for a slot when all are in use
+    max_concurrent_loads: int = 4  # store fetches of adapters in flight at once (the rest wait their turn)
     adapter_refresh_s: float = 30.0  # how often held adapters are checked against the store's
     # current version (re-registered or deleted there); 0: only LoadAdapter checks
 
@@ -83,6 +84,8 @@ class ExecutorConfig:
                              f"tp_size 1 (attention replicated on every rank), use one of --ep-size / --tp-size")
         if min(self.max_loras, self.cpu_cache_bytes, self.max_cpu_adapters) < 0:
             raise ValueError("max_loras, cpu_cache_bytes and max_cpu_adapters must be 0 (automatic / no limit) or more")
+        if self.max_concurrent_loads < 1:
+            raise ValueError(f"max_concurrent_loads must be at least 1, got {self.max_concurrent_loads}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
         if self.num_blocks * self.block_size < self.max_model_len:

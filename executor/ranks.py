@@ -301,7 +301,8 @@ class _Rank:
         self.modules = lora_modules(self.model)
         layout = declare_layout(mc, spec, cfg.base_model, cfg.tp_size, cfg.ep_size)
         self.store = StoreClient(cfg.store_address, layout, rank=pb.ShardRank(tp_rank=self.tp.rank, ep_rank=self.ep.rank),
-                                 timeout_s=cfg.store_timeout_s, tls=cfg.store_tls)
+                                 timeout_s=cfg.store_timeout_s, tls=cfg.store_tls,
+                                 pin_memory=self.device.type == "cuda")  # the slot copy reads the stream's own buffer
         self.slots: list[tuple[str, str]] = [("", "")] * cfg.max_loras  # (adapter, digest) in each slot
         self.shards: OrderedDict[tuple[str, str], dict[str, torch.Tensor]] = OrderedDict()  # host copies, LRU
         self.shards_lock = threading.Lock()

@@ -171,7 +171,7 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
         fetch, lambda slot, tensors: load_shard_into_slot(model, slot, tensors), clear_slot,
         max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters or None, cpu_cache_bytes=cfg.cpu_cache_bytes,
         device=cfg.torch_device,
-        slot_wait_timeout_s=cfg.slot_wait_timeout_s, observer=metrics,
+        slot_wait_timeout_s=cfg.slot_wait_timeout_s, max_concurrent_loads=cfg.max_concurrent_loads, observer=metrics,
     )
     engine = Engine(model, tokenizer, kv, slots, cfg, ranks)
     metrics.attach(engine, slots, cfg.max_loras)

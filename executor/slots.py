@@ -2,20 +2,22 @@
 
 Adapters live in three tiers:
 
-    store (gRPC) --fetch--> CPU cache (LRU of packed shards, pinned host memory on CUDA)
-                 --copy---> GPU slot (LRU over `max_loras` slots, pins, in-use counts)
+    store (gRPC) --fetch--> CPU cache (executor/cpu_cache.py: packed shards in host memory, pinned
+                            on CUDA, bounded in bytes; at most `max_concurrent_loads` fetches at once)
+                 --copy---> GPU slot (this module: LRU over `max_loras` slots, pins, in-use counts)
 
 Rules this module guarantees:
 - A slot is never overwritten while a running request uses it (`in_use`), while an
   acquire or load of its adapter is still in flight (`holds`), or while it is pinned.
-- Concurrent acquires of one adapter share one fetch and one copy.
+- Concurrent acquires of one adapter share one fetch (cpu_cache.py) and one copy.
 - When no slot can be freed, a request waits up to `slot_wait_timeout_s` for one; if every
   slot is pinned it fails at once. Both fail with RESOURCE_EXHAUSTED. Waiters get slots in the
   order they started waiting: an adapter never waits behind one that asked after it.
 - A request announces its adapter as soon as it arrives (`want`): the adapter's CPU copy is
   fetched from then on (prefetch), and slot eviction picks an idle adapter that no queued
-  request wants before one that some request does (then the least recently used). The CPU cache
-  is bounded in bytes (and optionally in adapters) and drops the copies nobody waits on first.
+  request wants before one that some request does (then the least recently used). The CPU
+  cache's own rules (bounded bytes, fetch seats in turn) are in cpu_cache.py; an adapter in a
+  slot or in the CPU cache never waits for a fetch seat.
 - A failed fetch leaves nothing behind; every waiter gets the error; the next acquire retries.
 - Adapters already in a slot or in the CPU cache keep serving when the store is down.
 - Loading never blocks the forward passes of other adapters: host work runs in a thread, and
@@ -33,18 +35,16 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from loraserve.errors import exhausted, invalid, not_found, precondition
 
-log = logging.getLogger(__name__)
+from .cpu_cache import CpuCache, FetchShard
 
-# fetch_shard(name) -> (digest, rank, tensors, nbytes); raises StatusError.
-FetchShard = Callable[[str], Awaitable[tuple[str, int, dict[str, torch.Tensor], int]]]
+log = logging.getLogger(__name__)
 
 
 class SlotObserver:
@@ -100,7 +100,7 @@ class _Adapter:
     digest: str = ""
     rank: int = 0
     nbytes: int = 0
-    tensors: dict[str, torch.Tensor] | None = None  # the CPU-cache copy
+    tensors: dict[str, torch.Tensor] | None = None  # the CPU-cache copy (cpu_cache.py fills and drops it)
     slot: int = -1
     slot_digest: str = ""  # the version in the slot (a later refetch may have brought a newer one)
     event: torch.cuda.Event | None = None
@@ -135,15 +135,12 @@ class SlotManager:
         device: torch.device,
         cpu_cache_bytes: int | None = None,
         slot_wait_timeout_s: float = 30.0,
+        max_concurrent_loads: int | None = None,
         observer: SlotObserver | None = None,
     ):
-        self._fetch_shard = fetch_shard
         self._copy_into_slot = copy_into_slot
         self._clear_slot = clear_slot
         self.max_loras = max_loras
-        self.max_cpu_adapters = max_cpu_adapters  # None: no count limit
-        self.cpu_cache_bytes = cpu_cache_bytes  # None: no byte limit
-        self._cpu_bytes = 0  # shard bytes of the host copies held
         self._slot_queue: list[_Adapter] = []  # adapters waiting for a slot, first come first served
         self.device = torch.device(device)
         self.slot_wait_timeout_s = slot_wait_timeout_s
@@ -151,10 +148,12 @@ class SlotManager:
         self._adapters: dict[str, _Adapter] = {}
         self._slots: list[_Adapter | None] = [None] * max_loras
         self._clearing: set[int] = set()  # slots being zeroed after an evict
-        self._cpu_lru: OrderedDict[str, None] = OrderedDict()  # names with host tensors, oldest first
         self._ticks = itertools.count(1)
         self._changed = asyncio.Event()  # set (and replaced) whenever a slot may have become free
         self._tasks: set[asyncio.Task] = set()
+        self.cpu = CpuCache(fetch_shard, self.device, budget_bytes=cpu_cache_bytes, max_adapters=max_cpu_adapters,
+                            max_concurrent_loads=max_concurrent_loads, spawn=self._spawn,
+                            forget=self._forget_if_unused, notify=self._notify)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ---- requests -------------------------------------------------------------------------
@@ -166,8 +165,8 @@ class SlotManager:
         once the request holds its lease or has ended."""
         a = self._record(name)
         a.wanted += 1
-        if a.tensors is None and a.fetch_task is None and not a.stale:
-            self._spawn(self._prefetch(a))
+        if not a.stale:
+            self.cpu.prefetch(a)
         done = False
 
         def unwant() -> None:
@@ -178,12 +177,6 @@ class SlotManager:
                 self._forget_if_unused(a)
 
         return unwant
-
-    async def _prefetch(self, a: _Adapter) -> None:
-        try:
-            await self._ensure_cpu(a)
-        except Exception:  # noqa: BLE001 - logged by _fetch; the request's acquire fetches again
-            pass
 
     async def acquire(self, name: str) -> SlotLease:
         """Puts the adapter in a slot (if it is not there) and counts one more running request on it."""
@@ -228,7 +221,7 @@ class SlotManager:
             if into_slot or pin:
                 await self._ensure_slot(a)
             else:
-                await self._ensure_cpu(a)
+                await self.cpu.ensure(a)
             if pin:
                 a.pinned = True
         finally:
@@ -257,7 +250,7 @@ class SlotManager:
         if a.loading or a.holds:
             raise precondition(f"adapter {name!r} is loading; evict it once it is loaded")
         del self._adapters[name]
-        self._drop_tensors(a)
+        self.cpu.drop(a)
         slot = await self._free_slot(a)
         log.info("evicted adapter %s (slot %d)", name, slot)
         return self._state(a)
@@ -333,7 +326,7 @@ class SlotManager:
         if not a.stale or a.in_use or a.loading:
             return  # a concurrent switch did it already, or a request took it meanwhile
         old = a.slot_digest if a.slot >= 0 else a.digest
-        self._drop_tensors(a)
+        self.cpu.drop(a)
         a.stale, a.digest, a.rank, a.nbytes = False, "", 0, 0
         if a.pinned and a.slot >= 0:
             a.slot_task = self._spawn(self._reload_in_place(a, old))
@@ -346,12 +339,12 @@ class SlotManager:
     async def _reload_in_place(self, a: _Adapter, old: str) -> None:
         """The slot task of a pinned adapter whose version changed in the store."""
         try:
-            digest, tensors = await self._ensure_cpu(a)
+            digest, tensors = await self.cpu.ensure(a)
             a.event = await asyncio.to_thread(self._copy, a.slot, tensors)
             a.slot_digest = digest
             log.info("adapter %s (pinned): version %s replaced %s in slot %d", a.name, digest[:12], old[:12], a.slot)
         except Exception as exc:  # noqa: BLE001 - the slot still holds the old version, which serves on
-            self._drop_tensors(a)
+            self.cpu.drop(a)
             a.digest = old  # the next refresh round sees the difference and tries again
             log.warning("adapter %s (pinned): loading its new version failed (%s); version %s keeps serving",
                         a.name, exc, old[:12])
@@ -391,7 +384,7 @@ class SlotManager:
     async def _load_slot(self, a: _Adapter) -> None:
         t0, tier = time.perf_counter(), "cpu" if a.tensors is not None else "store"
         try:
-            digest, tensors = await self._ensure_cpu(a)
+            digest, tensors = await self.cpu.ensure(a)
             slot = await self._claim_slot(a)
             try:
                 a.event = await asyncio.to_thread(self._copy, slot, tensors)
@@ -399,7 +392,7 @@ class SlotManager:
             except BaseException as exc:
                 self._slots[slot], a.slot = None, -1
                 if isinstance(exc, ValueError):  # the model refused the shard's shapes or dtypes
-                    self._drop_tensors(a)  # a shard that cannot be used is not worth caching
+                    self.cpu.drop(a)  # a shard that cannot be used is not worth caching
                     raise invalid(f"adapter {a.name!r} does not fit this executor's LoRA slots: {exc}") from exc
                 raise
             log.info("adapter %s (digest %s, rank %d) -> slot %d", a.name, a.digest[:12], a.rank, slot)
@@ -408,35 +401,6 @@ class SlotManager:
             a.slot_task = None
             self._forget_if_unused(a)
             self._notify()
-
-    async def _ensure_cpu(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]]:
-        """(digest, tensors) of the adapter's host copy, fetching it if needed."""
-        if a.tensors is not None:
-            self._cpu_lru.move_to_end(a.name)
-            return a.digest, a.tensors
-        if a.fetch_task is None:
-            a.fetch_task = self._spawn(self._fetch(a))
-        return await asyncio.shield(a.fetch_task)
-
-    async def _fetch(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]]:
-        try:
-            digest, rank, tensors, nbytes = await self._fetch_shard(a.name)
-            if self.device.type == "cuda" and not all(t.is_pinned() for t in tensors.values()):
-                # Pinned host memory makes the slot copy a true async DMA (the store client's
-                # shards arrive pinned already).
-                tensors = await asyncio.to_thread(lambda: {k: t.pin_memory() for k, t in tensors.items()})
-            a.digest, a.rank, a.nbytes, a.tensors = digest, rank, nbytes, tensors
-            self._cpu_lru[a.name] = None
-            self._cpu_bytes += nbytes
-            self._shrink_cpu_cache(keep=a.name)
-            return digest, tensors
-        except Exception as exc:
-            log.info("fetching adapter %s failed: %s", a.name, exc)
-            raise
-        finally:
-            a.fetch_task = None
-            self._forget_if_unused(a)
-            self._notify()  # a version switch may be waiting for this load to end
 
     async def _claim_slot(self, a: _Adapter) -> int:
         """Takes a free slot or evicts an idle one (`_pick_slot`); waits, in turn, if all are busy."""
@@ -515,37 +479,17 @@ class SlotManager:
         with torch.cuda.stream(self._copy_stream):
             self._clear_slot(slot)
 
-    def _shrink_cpu_cache(self, keep: str) -> None:
-        """Drops host copies while over the byte (or adapter) budget: first those no request
-        waits on, least recently used first, then the others; never `keep`, just fetched."""
-        def over() -> bool:
-            return ((self.cpu_cache_bytes is not None and self._cpu_bytes > self.cpu_cache_bytes)
-                    or (self.max_cpu_adapters is not None and len(self._cpu_lru) > self.max_cpu_adapters))
-
-        if not over():
-            return
-        for name in sorted(self._cpu_lru, key=lambda n: self._waited_on(self._adapters[n])):  # stable: LRU within
-            if not over():
-                break
-            if name == keep:
-                continue
-            a = self._adapters[name]
-            self._drop_tensors(a)
-            self._forget_if_unused(a)
-
-    @staticmethod
-    def _waited_on(a: _Adapter) -> bool:
-        return a.wanted > 0 or a.holds > 0 or a.slot_task is not None
-
-    def _drop_tensors(self, a: _Adapter) -> None:
-        if a.tensors is not None:
-            self._cpu_bytes -= a.nbytes
-        a.tensors = None
-        self._cpu_lru.pop(a.name, None)
-
     def cpu_cache_state(self) -> tuple[int, int]:
         """(adapters, bytes) held in the CPU cache."""
-        return len(self._cpu_lru), self._cpu_bytes
+        return self.cpu.state()
+
+    @property
+    def cpu_cache_bytes(self) -> int | None:
+        return self.cpu.budget_bytes
+
+    @cpu_cache_bytes.setter
+    def cpu_cache_bytes(self, value: int | None) -> None:
+        self.cpu.budget_bytes = value
 
     # ---- bookkeeping ----------------------------------------------------------------------
 

@@ -87,6 +87,12 @@ def shard_tensors(blob: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
+def _header_bytes(message: bytes) -> int | None:
+    """total_bytes of a raw FetchShard message that is the stream's header; None for any other."""
+    chunk = spb.ShardChunk.FromString(message) if message[:1] != b"\x12" else None  # \x12: a data chunk
+    return chunk.header.total_bytes if chunk is not None and chunk.HasField("header") else None
+
+
 class StoreClient:
     """Fetches this rank's shard of an adapter for the executor's layout (grpc.aio)."""
 
@@ -127,7 +133,7 @@ class StoreClient:
             log.warning("fetching %s from store %s: %s; asking again, with the store checking its copy",
                         name, self.address, e.message)
             header, buffer = await self._stream(name, digest, verify=True)
-        tensors = shard_tensors(buffer)
+        tensors = await asyncio.to_thread(shard_tensors, buffer)  # parsing a large header: off the serving loop
         log.info("fetched %s (%s%s) from store %s: %d bytes (%s) in %.3fs", name, header.manifest.digest[:12],
                  f", tp rank {self.rank.tp_rank}" if self.layout.tp_size > 1 else
                  f", ep rank {self.rank.ep_rank}" if self.layout.ep_size > 1 else "", self.address,
@@ -138,15 +144,14 @@ class StoreClient:
         req = spb.FetchShardRequest(name=name, layout=self.layout, rank=self.rank, digest=digest,
                                     chunk_bytes=self.chunk_bytes, verify=verify)
         buffers: list[torch.Tensor] = []
-
-        def allocate(n: int):
-            buffers.append(host_buffer(n, self.pin_memory))
-            return buffers[-1].numpy()
-
-        asm = ShardAssembler(allocate, self._hash_thread)
+        asm = ShardAssembler(lambda n: buffers[-1].numpy(), self._hash_thread)
         call = self._fetch_method()(req)  # raw messages: data chunks are read in place
         try:
             while (message := await self._next(call, name)) is not grpc.aio.EOF:
+                if asm.header is None and not buffers and (n := _header_bytes(message)) is not None:
+                    # Allocated in a thread: a cold pinned allocation of a large shard takes
+                    # milliseconds, which the serving loop (and the engine's steps) must not wait for.
+                    buffers.append(await asyncio.to_thread(host_buffer, n, self.pin_memory))
                 asm.add_raw(message)
             header, _ = asm.result()
         except grpc.aio.AioRpcError as e:

@@ -230,6 +230,83 @@ def test_redis_corrupted_chunk_is_dropped(redis_url, caplog):
     assert not list(redis.Redis.from_url(redis_url.url).scan_iter(match=f"{redis_url.prefix}:shard:*"))
 
 
+def _read_all(reader, piece: int) -> bytes:
+    out = bytearray()
+    buf = bytearray(piece)
+    while n := reader.readinto(memoryview(buf)):
+        out += buf[:n]
+    return bytes(out)
+
+
+def test_redis_open_streams_the_chunks_one_get_each_and_checks_them(redis_url, redis_proxy):
+    cache = RedisCache(f"redis://127.0.0.1:{redis_proxy.port}/0", redis_url.prefix, 1 << 20, chunk_bytes=4 * KIB)
+    blob = bytes(range(256)) * 40  # 10 KiB: three chunks
+    cache.put(shard_key(1), blob)
+    reader = cache.open(shard_key(1))
+    assert (reader.size, reader.sha256, reader.tier) == (len(blob), hashlib.sha256(blob).hexdigest(), "redis")
+    requests_before = redis_proxy.requests
+    assert _read_all(reader, 3 * KIB) == blob and reader.finish()
+    assert redis_proxy.requests - requests_before == 3  # one GET per chunk, as the reader reaches it
+    assert cache.open(shard_key(2)) is None
+
+
+def test_redis_open_drops_a_corrupted_copy_when_it_finishes(redis_url, caplog):
+    import redis
+
+    cache = redis_cache(redis_url)
+    cache.put(shard_key(1), b"a" * 10 * KIB)
+    redis.Redis.from_url(redis_url.url).set(f"{redis_url.prefix}:shard:{shard_key(1)}:c1", b"\0" * 4 * KIB)
+    reader = cache.open(shard_key(1))
+    with caplog.at_level(logging.WARNING, logger="loraserve.adapter_store.cache"):
+        assert len(_read_all(reader, 4 * KIB)) == 10 * KIB and not reader.finish()
+    assert "failed its sha256 check; deleting it" in caplog.text and cache.size(shard_key(1)) is None
+
+
+def test_redis_chunk_gone_mid_stream_is_data_loss(redis_url):
+    import redis
+
+    cache = redis_cache(redis_url)
+    cache.put(shard_key(1), b"a" * 10 * KIB)
+    reader = cache.open(shard_key(1))
+    assert reader.readinto(memoryview(bytearray(4 * KIB))) == 4 * KIB
+    redis.Redis.from_url(redis_url.url).delete(f"{redis_url.prefix}:shard:{shard_key(1)}:c1")  # another store evicts it
+    with pytest.raises(StatusError) as excinfo:
+        reader.readinto(memoryview(bytearray(4 * KIB)))
+    assert excinfo.value.code == grpc.StatusCode.DATA_LOSS
+    assert excinfo.value.message == (f"shard {shard_key(1)} in the store's redis cache at {redis_url.url}: chunk 1 is "
+                                     "gone (evicted or replaced meanwhile): fetch it again")
+
+
+def test_redis_down_mid_stream_is_data_loss(redis_url, redis_proxy):
+    url = f"redis://127.0.0.1:{redis_proxy.port}/0"
+    cache = RedisCache(url, redis_url.prefix, 1 << 20, chunk_bytes=4 * KIB, socket_timeout_s=0.5)
+    cache.put(shard_key(1), b"a" * 10 * KIB)
+    reader = cache.open(shard_key(1))
+    assert reader.readinto(memoryview(bytearray(4 * KIB))) == 4 * KIB
+    redis_proxy.down()
+    with pytest.raises(StatusError) as excinfo:
+        reader.readinto(memoryview(bytearray(4 * KIB)))
+    assert excinfo.value.code == grpc.StatusCode.DATA_LOSS
+    assert excinfo.value.message.startswith(f"shard {shard_key(1)} in the store's redis cache at {url}: redis failed "
+                                            "mid-stream (")
+    assert excinfo.value.message.endswith("): fetch it again")
+
+
+def test_tiered_open_streams_from_the_first_tier_up_and_leaves_back_fills_to_read(redis_url, tmp_path, closed_port):
+    redis_tier, disk_tier = redis_cache(redis_url), DiskCache(tmp_path, 1 << 20)
+    cache = TieredCache([redis_tier, disk_tier])
+    disk_tier.put(shard_key(1), b"x" * 300)
+    assert cache.open(shard_key(1)) is None  # redis misses it: read() back-fills it whole
+    assert cache.read(shard_key(1))[1] == "disk" and redis_tier.size(shard_key(1)) == 300
+    reader = cache.open(shard_key(1))
+    assert reader.tier == "redis" and _read_all(reader, 128) == b"x" * 300 and reader.finish()
+    down = TieredCache([RedisCache(f"redis://127.0.0.1:{closed_port}/0", "p", 1 << 20), disk_tier], retry_after_s=60)
+    for _ in range(2):  # found down, then passed over: nothing to back-fill into it, disk streams
+        reader = down.open(shard_key(1))
+        assert reader.tier == "disk" and _read_all(reader, 128) == b"x" * 300
+        reader.finish()
+
+
 def test_redis_delete_prefix(redis_url):
     cache = redis_cache(redis_url)
     for rank in range(3):

@@ -167,6 +167,52 @@ def test_a_corrupted_redis_copy_is_dropped_and_served_from_disk_then_repacked(re
     assert pack_equal(shard_file.read_bytes()[40:], good)
 
 
+def _raw_stream_error(address: str) -> grpc.RpcError:
+    """The error of a FetchShard stream read with the bare stub (no retry), which must come before a trailer."""
+    with grpc.insecure_channel(address) as channel:
+        stream = spb_grpc.AdapterStoreStub(channel).FetchShard(spb.FetchShardRequest(name="a", layout=layout()), timeout=60)
+        with pytest.raises(grpc.RpcError) as e:
+            for chunk in stream:
+                assert chunk.WhichOneof("part") != "trailer"
+    return e.value
+
+
+def test_a_redis_copy_streams_as_it_is_read_and_a_bad_one_fails_before_its_trailer(redis_store, caplog):
+    s = redis_store
+    _, good = s.client.fetch_shard("a", layout())  # packed, then put in both tiers
+    chunks = raw_chunks(s.address, 1 << 12)
+    assert chunks[0].header.cache_tier == "redis" and b"".join(c.data for c in chunks[1:-1]) == good
+    assert chunks[-1].trailer.sha256 == hashlib.sha256(good).hexdigest()
+    key = pack.shard_key(s.manifest.digest, layout(), pb.ShardRank())
+    meta_key = f"{s.prefix}:shard:{key}"
+    chunk0 = bytearray(s.redis.get(f"{meta_key}:c0"))
+    chunk0[-5] ^= 0x01
+    s.redis.set(f"{meta_key}:c0", bytes(chunk0))
+    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
+    error = _raw_stream_error(s.address)
+    assert error.code() == grpc.StatusCode.DATA_LOSS
+    assert error.details() == ("the cached shard of adapter 'a' failed its sha256 check in the store's redis cache "
+                               "and was dropped: fetch it again")
+    assert "failed its sha256 check; deleting it" in caplog.text and not s.redis.exists(meta_key)
+    header, blob = s.client.fetch_shard("a", layout())
+    assert header.cache_tier == "disk" and blob == good  # Redis missed it: read whole from disk, back-filled
+    header, blob = s.client.fetch_shard("a", layout())
+    assert header.cache_tier == "redis" and blob == good
+
+
+def test_a_redis_chunk_gone_mid_stream_is_data_loss_and_the_client_asks_again(redis_store):
+    s = redis_store
+    _, good = s.client.fetch_shard("a", layout())
+    key = pack.shard_key(s.manifest.digest, layout(), pb.ShardRank())
+    s.redis.delete(f"{s.prefix}:shard:{key}:c0")  # evicted by another store after the header went out
+    error = _raw_stream_error(s.address)
+    assert error.code() == grpc.StatusCode.DATA_LOSS
+    assert error.details() == (f"shard {key} in the store's redis cache at {s.cfg.redis_url}: chunk 0 is gone "
+                               "(evicted or replaced meanwhile): fetch it again")
+    header, blob = s.client.fetch_shard("a", layout())  # DATA_LOSS, then verify=True: a whole read, from disk
+    assert header.cache_tier == "disk" and blob == good
+
+
 def pack_equal(blob1: bytes, blob2: bytes) -> bool:
     """Equal tensors (safetensors writes its metadata map in no fixed order, so bytes may differ)."""
     import torch

@@ -99,6 +99,7 @@ def _engine(model, *, eos=frozenset(), store=None, **overrides) -> Engine:
         max_cpu_adapters=cfg.max_cpu_adapters,
         device=cfg.torch_device,
         slot_wait_timeout_s=cfg.slot_wait_timeout_s,
+        max_concurrent_loads=cfg.max_concurrent_loads,
     )
     return Engine(model, _char_tokenizer(mc.vocab_size, eos), kv, slots, cfg)
 
@@ -435,12 +436,14 @@ async def test_a_crashed_step_loop_fails_its_requests_and_gives_their_slots_back
 class GatedStore(Store):
     """Store whose fetches of `cold` wait for `gate` (a slow store, a cold cache)."""
 
-    def __init__(self, model, names, cold: str):
+    def __init__(self, model, names, cold: str | tuple[str, ...]):
         super().__init__(model, names)
-        self.cold, self.gate = cold, asyncio.Event()
+        self.cold, self.gate = {cold} if isinstance(cold, str) else set(cold), asyncio.Event()
+        self.fetching: list[str] = []  # fetches started, in order
 
     async def fetch(self, name):
-        if name == self.cold:
+        self.fetching.append(name)
+        if name in self.cold:
             await self.gate.wait()
         return await super().fetch(name)
 
@@ -489,4 +492,32 @@ async def test_a_cold_adapter_does_not_hold_up_other_requests(tiny, make_engine)
     assert not cold.done() and len(engine.scheduler.waiting) == 1  # queued, not admitted
     store.gate.set()
     assert len((await asyncio.wait_for(cold, 30))[0]) == 4
+    _assert_idle(engine)
+
+
+async def test_a_resident_adapters_request_runs_within_steps_while_cold_loads_hold_every_load_seat(tiny, make_engine):
+    """One load seat, held by a stalled store fetch, a second cold load queued for it: a request for
+    an adapter in a slot arrives behind both and gets its first token within a few steps (the step
+    in flight, one launched ahead, its own, and one launched ahead of it before its token is
+    delivered); one for an adapter in the CPU cache is served too, both while the cold loads wait."""
+    store = GatedStore(tiny[1], ["cold-1", "cold-2", "hot", "warm"], cold=("cold-1", "cold-2"))
+    engine = make_engine(store=store, max_concurrent_loads=1)
+    await engine.slots.load("hot")  # in a slot
+    await engine.slots.load("warm", into_slot=False)  # in the CPU cache only
+    times: dict[str, float] = {}
+    running = asyncio.create_task(_first_token_time(engine, _greedy(_prompt(5, 1), 80), times, "running"))
+    await _until(lambda: "running" in times)  # steps go on from here
+    cold = [asyncio.create_task(_collect(engine, _greedy(_prompt(5, 2), 4, adapter=n))) for n in ("cold-1", "cold-2")]
+    await _until(lambda: store.fetching[-1:] == ["cold-1"] and len(engine.scheduler.waiting) == 2)
+    sent = time.perf_counter()
+    ids, _, _ = await asyncio.wait_for(_collect(engine, _greedy(_prompt(5, 3), 1, adapter="hot")), 30)
+    steps = [end for *_, end in engine.step_times if end > sent]
+    assert len(ids) == 1 and len(steps) <= 4, len(steps)
+    ids, _, _ = await asyncio.wait_for(_collect(engine, _greedy(_prompt(5, 3), 1, adapter="warm")), 30)
+    assert len(ids) == 1  # its copy into a slot takes no seat (steps go on meanwhile: not counted)
+    assert "running done" not in times and not any(t.done() for t in cold)
+    assert store.fetching[-1] == "cold-1"  # cold-2 still waits for the seat
+    store.gate.set()
+    assert [len((await asyncio.wait_for(t, 30))[0]) for t in cold] == [4, 4]
+    await asyncio.wait_for(running, 30)
     _assert_idle(engine)

@@ -167,3 +167,22 @@ def test_cli_fetch_of_a_damaged_stream_fails_and_writes_nothing(honest_after, ti
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "error: DATA_LOSS: shard checksum mismatch: the stream was corrupted" in proc.stderr
     assert "checksum ok" not in proc.stdout and list(out.iterdir()) == []  # (test_cli.py fetches honest shards)
+
+
+def test_a_cold_load_reaches_the_slot_copy_as_views_of_the_one_buffer_the_stream_wrote(honest_after):
+    """One host copy per cold load: the stream's bytes land once in a buffer (pinned on CUDA) and the
+    slot copy reads views of it, with no safetensors parse copy and no second copy into pinned memory."""
+    from loraserve.executor.slots import SlotManager
+
+    setup, seen = honest_after, []
+
+    async def load():
+        mgr = SlotManager(setup.parts.store.fetch_shard, lambda slot, tensors: seen.append(tensors), lambda slot: None,
+                          max_loras=1, device=torch.device("cpu"))
+        mgr.release(await mgr.acquire(ADAPTER))
+        return mgr.state(ADAPTER).bytes
+
+    nbytes = setup.lt.run(load())
+    (tensors,) = seen
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors.values()}
+    assert len(tensors) > 1 and list(storages.values()) == [nbytes]  # one storage: the shard's own bytes

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from loraserve.errors import StatusError, not_found, unavailable
+from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.slots import SlotManager
 
 NAMES = [f"adapter-{i}" for i in range(5)]
@@ -24,12 +25,21 @@ class Store:
         self.fetches: dict[str, int] = {}
         self.down = False
         self.gate: asyncio.Event | None = None  # when set: fetches wait for it
+        self.gates: dict[str, asyncio.Event] = {}  # fetches of one adapter wait for its own
+        self.in_flight = self.most_in_flight = 0
 
     async def fetch(self, name: str):
         self.fetches[name] = self.fetches.get(name, 0) + 1
-        if self.gate is not None:
-            await self.gate.wait()
-        await asyncio.sleep(0)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            if name in self.gates:
+                await self.gates[name].wait()
+            await asyncio.sleep(0)
+        finally:
+            self.in_flight -= 1
         if self.down:
             raise unavailable("adapter store at localhost:1 is unreachable")
         if name not in self.shards:
@@ -70,7 +80,7 @@ class Slots:
         self.content[slot] = None
 
 
-def _manager(store, slots, max_loras=2, max_cpu_adapters=8, timeout_s=5.0) -> SlotManager:
+def _manager(store, slots, max_loras=2, max_cpu_adapters=8, timeout_s=5.0, max_concurrent_loads=None) -> SlotManager:
     return SlotManager(
         store.fetch,
         slots.copy,
@@ -79,6 +89,7 @@ def _manager(store, slots, max_loras=2, max_cpu_adapters=8, timeout_s=5.0) -> Sl
         max_cpu_adapters=max_cpu_adapters,
         device=torch.device("cpu"),
         slot_wait_timeout_s=timeout_s,
+        max_concurrent_loads=max_concurrent_loads,
     )
 
 
@@ -413,7 +424,7 @@ async def test_refresh_of_a_pinned_adapter_keeps_its_slot_under_slot_pressure(st
 async def test_refresh_of_a_pinned_adapter_with_the_store_down_keeps_the_old_version(store, slots):
     mgr = _manager(store, slots)
     slot = (await mgr.pin("adapter-0")).slot
-    mgr._drop_tensors(mgr._adapters["adapter-0"])  # only the slot holds it now
+    mgr.cpu.drop(mgr._adapters["adapter-0"])  # only the slot holds it now
     new = store.register_again("adapter-0")
     store.down = True
     assert await mgr.refresh("adapter-0", new)
@@ -554,3 +565,32 @@ async def test_cpu_cache_drops_copies_no_request_waits_on_first(store, slots):
     mgr.release(running)
     mgr.release(await asyncio.wait_for(waiting, 1.0))
     assert store.fetches["adapter-1"] == 1
+
+
+async def test_store_fetches_run_at_most_max_concurrent_loads_at_once_in_the_order_asked():
+    """Cold loads take seats in turn; an adapter already in the CPU cache or in a slot never waits
+    for a seat, and a fetch whose request has ended before its turn is not started."""
+    store = Store([*NAMES, "adapter-5"])
+    slots = Slots(store)
+    mgr = _manager(store, slots, max_loras=3, max_concurrent_loads=2)
+    mgr.release(await mgr.acquire("adapter-0"))  # in a slot
+    await mgr.load("adapter-5", into_slot=False)  # in the CPU cache only
+    store.gates = {n: asyncio.Event() for n in NAMES[1:5]}
+    unwants = {n: mgr.want(n) for n in NAMES[1:5]}  # four requests for cold adapters arrive in turn
+    await asyncio.sleep(0.01)
+    assert store.fetches.keys() == {"adapter-0", "adapter-5", "adapter-1", "adapter-2"} and store.in_flight == 2
+    for name in ("adapter-0", "adapter-5"):  # served while every seat is taken by a cold load
+        mgr.release(await asyncio.wait_for(mgr.acquire(name), 1.0))
+    unwants["adapter-4"]()  # its request ends while its fetch waits for a seat
+    store.gates["adapter-2"].set()
+    await asyncio.sleep(0.01)
+    assert "adapter-3" in store.fetches and store.in_flight == 2  # the next in turn took the seat
+    for gate in store.gates.values():
+        gate.set()
+    await asyncio.sleep(0.01)
+    assert "adapter-4" not in store.fetches and "adapter-4" not in {s.name for s in mgr.states()}
+    assert store.most_in_flight == 2 and all(mgr.state(n).in_cpu_cache for n in NAMES[1:4])
+    for name in NAMES[1:4]:
+        unwants[name]()
+    with pytest.raises(ValueError, match="max_concurrent_loads must be at least 1, got 0"):
+        ExecutorConfig(max_concurrent_loads=0)
