@@ -104,7 +104,7 @@ def sdpa(q, k, v, **kw):
         return lambda: F.scaled_dot_product_attention(q, k, v, **kw)
 
 
-def bench_decode(batch: int, ctx: int, bandwidth: float, gen) -> dict:
+def bench_decode(batch: int, ctx: int, bandwidth: float, gen, with_sdpa: bool = True) -> dict:
     k_cache, v_cache, tables, dense = paged([ctx] * batch, gen)
     q = torch.randn(batch, H, D, device=DEV, generator=gen, dtype=DTYPE)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
@@ -112,7 +112,7 @@ def bench_decode(batch: int, ctx: int, bandwidth: float, gen) -> dict:
     ms = graph_ms(lambda: triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D**-0.5, out=out))
     k = torch.stack([kd for kd, _ in dense]).contiguous()
     v = torch.stack([vd for _, vd in dense]).contiguous()
-    sdpa_ms = graph_ms(sdpa(q[:, :, None], k, v, scale=D**-0.5))
+    sdpa_ms = graph_ms(sdpa(q[:, :, None], k, v, scale=D**-0.5)) if with_sdpa else float("nan")
     kv_bytes = 2 * batch * ctx * KVH * D * k_cache.element_size()
     block_n = triton_attention.decode_config(D)[0]
     splits, _ = triton_attention.decode_splits(batch, KVH, tables.shape[1] * BLOCK, num_sms(0), block_n)
@@ -161,7 +161,7 @@ def decode_sweep(bandwidth: float, gen) -> None:
                 for min_part in sorted({cfg[0], 2 * cfg[0], 128}):
                     for per_sm in (2, 4, 8):
                         triton_attention._MIN_PARTITION, triton_attention._PROGRAMS_PER_SM = min_part, per_sm
-                        row = bench_decode(batch, ctx, bandwidth, gen)
+                        row = bench_decode(batch, ctx, bandwidth, gen, with_sdpa=False)
                         print(f"| {batch} x {ctx} | {cfg} | {min_part} | {per_sm} | {row['splits']} | {row['ms'] * 1e3:.1f} |",
                               flush=True)
     finally:

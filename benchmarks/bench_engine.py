@@ -210,10 +210,10 @@ async def decode_case(engine, args, batch: int, with_lora: bool) -> tuple[float,
     entries = engine.step_times
 
     def full(entry) -> bool:
-        return entry[0].startswith("decode") and entry[1] == batch
+        return entry.kind.startswith("decode") and entry.num_seqs == batch
 
-    steps = [e[3] for e in entries if full(e)]
-    intervals = [b[4] - a[4] for a, b in zip(entries, entries[1:]) if full(a) and full(b)]
+    steps = [e.seconds for e in entries if full(e)]
+    intervals = [b.end - a.end for a, b in zip(entries, entries[1:]) if full(a) and full(b)]
     if not steps or not intervals:
         seen = sorted({e[:3] for e in entries})
         raise RuntimeError(f"no decode step of {batch} sequences{' with LoRA' if with_lora else ''}; steps seen: {seen[:20]}")
@@ -221,8 +221,8 @@ async def decode_case(engine, args, batch: int, with_lora: bool) -> tuple[float,
     # host), and how long the host took from a step's result to the launch of the step after next
     # (launch-ahead keeps the device busy while that stays under a step).
     full_entries = [e for e in entries if full(e)]
-    lags = [c[5] - a[4] for a, c in zip(full_entries, full_entries[2:]) if c[6]]
-    ahead = sum(e[6] for e in full_entries) / len(full_entries)
+    lags = [c.launched - a.end for a, c in zip(full_entries, full_entries[2:]) if c.ahead]
+    ahead = sum(e.ahead for e in full_entries) / len(full_entries)
     HOST[(batch, with_lora)] = f"ahead {ahead:.0%}, result -> launch after next {statistics.median(lags) * 1e3:.2f} ms" if lags else f"ahead {ahead:.0%}"
     if replays is not None:
         HOST[(batch, with_lora)] += "; " + replays.summary(batch)
@@ -273,7 +273,7 @@ async def prefill_case(engine, args, num_seqs: int, length: int) -> float:
     for rep in range(3):
         engine.step_times.clear()
         await run_requests(engine, random_prompts(num_seqs, length, args.vocab, 100 + rep), [""] * num_seqs, 1)
-        times += [e[3] for e in engine.step_times if e[2] == num_seqs * length]
+        times += [e.seconds for e in engine.step_times if e.num_tokens == num_seqs * length]
     return statistics.median(times)
 
 
@@ -347,7 +347,7 @@ async def decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes
     base, base_every = await decode_case(engine, args, batch, with_lora=False)
     rows.append((f"decode B={batch}, base", _times(base, base_every), f"{batch / base_every:.0f} tok/s",
                  f"{base_every / base_floor:.2f}x floor {base_floor * 1e3:.2f} ms (step alone {base / base_floor:.2f}x)"
-                 f"{_replay(engine, batch, False, base_floor)}; {HOST.get((batch, False), '')}"))
+                 f"{_replay(engine, batch, False, base_floor)}{_host(batch, False)}"))
     if args.adapters:
         adapters_s = min(batch, args.adapters) * adapter_bytes / bandwidth
         lora_floor = base_floor + adapters_s
@@ -359,8 +359,12 @@ async def decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes
                      f"**{mixed_every / step_floor:.3f}x base step + adapter bytes** ({step_floor * 1e3:.2f} ms); "
                      f"{mixed_every / lora_floor:.2f}x bytes floor {lora_floor * 1e3:.2f} ms (step alone "
                      f"{mixed / lora_floor:.2f}x); {mixed_every / base_every:.2f}x base"
-                     f"{_replay(engine, batch, True, lora_floor)}; {HOST.get((batch, True), '')}"))
+                     f"{_replay(engine, batch, True, lora_floor)}{_host(batch, True)}"))
     return rows
+
+
+def _host(batch: int, with_lora: bool) -> str:
+    return f"; {HOST[(batch, with_lora)]}" if HOST.get((batch, with_lora)) else ""
 
 
 def _times(step: float, every: float) -> str:

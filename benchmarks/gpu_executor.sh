@@ -33,9 +33,7 @@ ln -s "$PWD/adapter_store" "$farm/adapter_store"
 ln -s "$PWD/executor" "$farm/executor"
 ln -s "$PWD/kernels" "$farm/kernels"
 ln -s "$PWD/protos/loraserve/v1" "$farm/v1"
-# PYTHONSAFEPATH: child processes (`python -m loraserve.cli`, e.g. the store serve.py --probe starts)
-# must not import the repo root's own loraserve/ folder ahead of the farm.
-export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
+export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1
 {
   date -u; git log -1 --format='commit %H' 2>/dev/null
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -87,13 +85,15 @@ if has bench; then
   done
 fi
 tok_flag=${tok:+--tokenizer $tok}  # none: serve.py makes a word-level tokenizer of --vocab ids
+# serve / probe: PYTHONSAFEPATH=1 so that their child processes (`python -m loraserve.cli`: the store
+# the probe starts) import the symlinked package above, not the repo root's own loraserve/ folder.
 if has serve; then
-  python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --adapters 1000 --alpha 1.0 --max-loras 64 --concurrency 64 \
+  PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --adapters 1000 --alpha 1.0 --max-loras 64 --concurrency 64 \
     --requests 500 --prompt-len 64,256 --output-len 64,128 --peft-requests 8 --grpc \
     2>"$OUT/serve.err" | tee "$OUT/serve.log" | tail -14 || tail -30 "$OUT/serve.err"
 fi
 if has probe; then
-  python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe \
+  PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe \
     2>"$OUT/probe.err" | tee "$OUT/probe.log" | tail -12 || tail -30 "$OUT/probe.err"
 fi
 if has profile; then

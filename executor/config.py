@@ -12,6 +12,8 @@ import torch
 from loraserve.metrics import DEFAULT_MAX_ADAPTER_LABELS
 from loraserve.tls import ClientTls, ServerTls
 
+from .parallel import ep_with_tp_error
+
 # Tokens of real vocabularies rarely exceed 16 bytes; twice that leaves room for chat markup
 # and whitespace runs, so a prompt that fits max_model_len tokens is never refused by bytes.
 PROMPT_BYTES_PER_TOKEN = 32
@@ -79,9 +81,8 @@ class ExecutorConfig:
             raise ValueError(f"tp_size must be at least 1, got {self.tp_size}")
         if self.ep_size < 1:
             raise ValueError(f"ep_size must be at least 1, got {self.ep_size}")
-        if self.ep_size > 1 and self.tp_size > 1:
-            raise ValueError(f"ep_size {self.ep_size} with tp_size {self.tp_size}: expert parallelism runs with "
-                             f"tp_size 1 (attention replicated on every rank), use one of --ep-size / --tp-size")
+        if (error := ep_with_tp_error(self.tp_size, self.ep_size)) is not None:
+            raise ValueError(error)
         if min(self.max_loras, self.cpu_cache_bytes, self.max_cpu_adapters) < 0:
             raise ValueError("max_loras, cpu_cache_bytes and max_cpu_adapters must be 0 (automatic / no limit) or more")
         if self.max_concurrent_loads < 1:

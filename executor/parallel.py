@@ -91,6 +91,14 @@ def tp_size_error(cfg: ModelConfig, tp: int, max_rank: int = 0, fully_sharded: b
             f"(tp sizes that do: {', '.join(map(str, ok))})")
 
 
+def ep_with_tp_error(tp: int, ep: int) -> str | None:
+    """Why tp and ep ranks cannot be combined (None: they can; one of them must be 1)."""
+    if ep > 1 and tp > 1:
+        return (f"ep_size {ep} with tp_size {tp}: expert parallelism runs with tp_size 1 (attention "
+                f"replicated on every rank), use one of --ep-size / --tp-size")
+    return None
+
+
 def ep_size_error(cfg: ModelConfig, ep: int) -> str | None:
     """Why `cfg`'s experts cannot be split over `ep` ranks (None: they can)."""
     if ep < 1:

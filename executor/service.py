@@ -180,7 +180,7 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
     log.info("executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d, %d KV blocks of %d%s",
              time.perf_counter() - t0, cfg.model, cfg.device, cfg.dtype, mc.num_layers, cfg.max_loras,
              cfg.max_rank, cfg.num_blocks, cfg.block_size,
-             f", {ranks.role} over {ranks.size} ranks{' (fully sharded LoRA)' if cfg.fully_sharded_loras else ''}"
+             f", {ranks.role} over {ranks.size} ranks{' (fully sharded LoRA)' if cfg.fully_sharded_loras and cfg.tp_size > 1 else ''}"
              if ranks is not None else "")
     return ExecutorParts(engine, slots, store, cfg, metrics=metrics, ranks=ranks)
 

@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -145,6 +146,18 @@ class _Launched:
     ahead: bool = False  # launched before the previous step's tokens reached the host
 
 
+class StepTime(NamedTuple):
+    """One collected step, as the engine records it (times are time.perf_counter())."""
+
+    kind: str  # "decode-graph", "decode" (eager) or "mixed"
+    num_seqs: int
+    num_tokens: int
+    seconds: float  # from its launch to its sampled tokens on the host
+    end: float  # when its tokens were on the host
+    launched: float  # when it was launched
+    ahead: bool  # launched before the previous step's tokens reached the host
+
+
 @dataclass
 class _InFlight:
     plan: SchedulePlan
@@ -184,9 +197,7 @@ class Engine:
         self._detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenize")
         self.graphs = self._capture_graphs()
         # (kind, seqs, tokens, seconds from launch to result, perf_counter at the result), recent steps
-        # per collected step: (kind, sequences, tokens, launch -> result seconds, result time, launch time,
-        # launched ahead); times are perf_counter (benchmarks read them)
-        self.step_times: list[tuple[str, int, int, float, float, float, bool]] = []
+        self.step_times: list[StepTime] = []  # the collected steps, latest last (benchmarks and tests read them)
         self.steps_ahead = 0  # steps planned before the previous step's tokens reached the host
 
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -639,9 +650,8 @@ class Engine:
             ids, logprobs = launched.out.tolist()
             token_ids = [int(t) for t in ids]
         end = time.perf_counter()
-        self.step_times.append(
-            (launched.kind, launched.num_seqs, launched.num_tokens, end - launched.t0, end, launched.t0, launched.ahead)
-        )
+        self.step_times.append(StepTime(launched.kind, launched.num_seqs, launched.num_tokens, end - launched.t0, end,
+                                        launched.t0, launched.ahead))
         if len(self.step_times) > 2000:
             del self.step_times[:1000]
         return token_ids, logprobs

@@ -158,6 +158,12 @@ def test_schema_refuses_wrong_values():
         render({"executor": {"epSize": 2, "tpSize": 2}})
     ep = container(render({"executor": {"epSize": 2, "gpu": {"count": 2}}}), "executor")["args"]
     assert "--ep-size=2" in ep and "--tp-size=1" in ep
+    # One GPU per rank: fewer GPUs than ranks would crash-loop the pod on its second rank.
+    with pytest.raises(helm.HelmRenderError, match=r"executor.gpu.count 1 is fewer than the executor's 2 ranks"):
+        render({"executor": {"epSize": 2}})
+    with pytest.raises(helm.HelmRenderError, match=r"executor.gpu.count 2 is fewer than the executor's 4 ranks"):
+        render({"executor": {"tpSize": 4, "gpu": {"count": 2}}})
+    assert "--tp-size=2" in container(render({"executor": {"tpSize": 2, "gpu": {"count": 0}}}), "executor")["args"]  # CPU ranks
 
 
 def test_executor_http_port_and_eager_flag(manifests):

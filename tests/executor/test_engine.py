@@ -511,8 +511,8 @@ async def test_a_resident_adapters_request_runs_within_steps_while_cold_loads_ho
     await _until(lambda: store.fetching[-1:] == ["cold-1"] and len(engine.scheduler.waiting) == 2)
     sent = time.perf_counter()
     ids, _, _ = await asyncio.wait_for(_collect(engine, _greedy(_prompt(5, 3), 1, adapter="hot")), 30)
-    steps = [end for *_, end in engine.step_times if end > sent]
-    assert len(ids) == 1 and len(steps) <= 4, len(steps)
+    steps = [t for t in engine.step_times if t.end > sent]
+    assert len(ids) == 1 and 1 <= len(steps) <= 4, len(steps)
     ids, _, _ = await asyncio.wait_for(_collect(engine, _greedy(_prompt(5, 3), 1, adapter="warm")), 30)
     assert len(ids) == 1  # its copy into a slot takes no seat (steps go on meanwhile: not counted)
     assert "running done" not in times and not any(t.done() for t in cold)

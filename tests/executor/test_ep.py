@@ -199,6 +199,11 @@ def test_bad_ep_sizes_are_refused_with_the_reason(hf_model):
         load_model(dense, ep=TPGroup(2, 0))
     with pytest.raises(ValueError, match=r"ep_size 3 does not split this model"):
         layout_for_model(moe, ep_size=3)  # `loraserve adapters prefetch/fetch --ep-size 3`
+    # The CLI's layout refuses what the executor refuses, so it never warms shards nobody fetches.
+    with pytest.raises(ValueError, match=r"ep_size 2 with tp_size 2: expert parallelism runs with tp_size 1"):
+        layout_for_model(moe, ep_size=2, tp_size=2)
+    # Fully sharded LoRA means nothing on one tensor-parallel rank: the layout says so, as the executor's does.
+    assert not layout_for_model(moe, ep_size=2, fully_sharded=True).fully_sharded
 
 
 @pytest.mark.parametrize("args,message", [

@@ -84,6 +84,10 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if and (gt (int .Values.executor.tpSize) 1) (gt (int .Values.executor.epSize) 1) }}
 {{- fail "executor.epSize > 1 needs executor.tpSize 1: expert parallelism replicates attention on every rank" }}
 {{- end }}
+{{- $ranks := mul (int .Values.executor.tpSize) (int .Values.executor.epSize) }}
+{{- if and (gt (int .Values.executor.gpu.count) 0) (lt (int .Values.executor.gpu.count) (int $ranks)) }}
+{{- fail (printf "executor.gpu.count %d is fewer than the executor's %d ranks (tpSize x epSize): each rank needs its own GPU" (int .Values.executor.gpu.count) (int $ranks)) }}
+{{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
 {{- fail "tls.enabled needs tls.existingSecret: a Secret with tls.crt, tls.key and ca.crt" }}
 {{- end }}
