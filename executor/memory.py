@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import os
 
-import torch
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from loraserve.defaults import smollm2_gguf_path  # noqa: F401 - re-exported: the default model's GGUF
 
 from ..lora import LoraSpec
 from ..parallel import TPGroup

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from loraserve.executor.model.loader import load_gguf, load_model, smollm2_gguf_path
+from loraserve.defaults import smollm2_gguf_path
+from loraserve.executor.model.loader import load_gguf, load_model
 from loraserve.executor.model.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
