@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import os
 
-
 log = logging.getLogger(__name__)
 
 CPU_CACHE_SHARE = 0.5  # of the host memory available at start-up
