@@ -347,17 +347,24 @@ class RedisCache:
         if not meta:
             return None
         chunks = _RedisChunks(self, key, int(meta[b"n_chunks"]))
-        return ShardReader(chunks, int(meta[b"size"]), meta[b"sha256"].decode(), self.name, verify=True,
-                           on_checked=lambda ok: ok or self._drop_corrupt(key))
+        sha = meta[b"sha256"].decode()
+        return ShardReader(chunks, int(meta[b"size"]), sha, self.name, verify=True,
+                           on_checked=lambda ok: ok or self._drop_corrupt(key, sha))
 
-    def _drop_corrupt(self, key: str) -> None:
-        log.warning("redis cache: shard %s (%s at %s) failed its sha256 check; deleting it",
-                    key, self._meta_key(key), self.url)
+    def _drop_corrupt(self, key: str, sha: str) -> None:
+        """Deletes the copy that failed its check, unless another store replaced it meanwhile (its
+        stored sha256 is no longer `sha`: the read mixed two copies, and the new one is good)."""
         try:
             with self._errors():
-                self._remove(key)
+                removed = self._remove(key, only_sha=sha)
         except CacheUnavailable as exc:  # it stays; the next whole read checks it again
             log.warning("redis cache: could not delete shard %s: %s", key, exc)
+            return
+        if removed:
+            log.warning("redis cache: shard %s (%s at %s) failed its sha256 check; deleting it",
+                        key, self._meta_key(key), self.url)
+        else:
+            log.info("redis cache: shard %s was replaced while it was read; the new copy stays", key)
 
     def read(self, key: str) -> tuple[bytes, str] | None:
         """(blob, its sha256 hex, checked on this read) or None."""
@@ -377,9 +384,7 @@ class RedisCache:
             blob = b"".join(chunks)
             sha = hashlib.sha256(blob).hexdigest()
             if len(blob) != int(meta[b"size"]) or sha != meta[b"sha256"].decode():
-                log.warning("redis cache: shard %s (%s at %s) failed its sha256 check; deleting it",
-                            key, meta_key, self.url)
-                self._remove(key)
+                self._drop_corrupt(key, meta[b"sha256"].decode())
                 return None
             return blob, sha
 
@@ -428,12 +433,15 @@ class RedisCache:
             log.info("redis cache: evicting %s to stay under %d bytes", victim, self.budget_bytes)
             self._remove(victim)
 
-    def _remove(self, key: str) -> bool:
-        """Deletes a shard, its chunks and its LRU entry in one transaction; True if it existed."""
+    def _remove(self, key: str, only_sha: str | None = None) -> bool:
+        """Deletes a shard, its chunks and its LRU entry in one transaction; True if it existed.
+        only_sha: only the copy whose stored sha256 is this one (another store may have replaced it)."""
         meta_key = self._meta_key(key)
 
         def remove(pipe) -> bool:
             meta = pipe.hgetall(meta_key)
+            if only_sha is not None and meta.get(b"sha256", b"").decode() != only_sha:
+                return False
             pipe.multi()
             pipe.delete(meta_key, *(f"{meta_key}:c{i}" for i in range(int(meta.get(b"n_chunks", 0)))))
             pipe.zrem(self._lru_key, key)

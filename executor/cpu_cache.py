@@ -134,5 +134,7 @@ class CpuCache:
 
 
 def waited_on(a: _Adapter) -> bool:
-    """A request (queued, acquiring, or loading into a slot) waits for this adapter's copy."""
-    return a.wanted > 0 or a.holds > 0 or a.slot_task is not None
+    """Someone waits for this adapter's copy: a queued request (`wanted`), an acquire or admin load
+    in flight (`holds`), or its pin (a pinned adapter's slot is reloaded when its version changes).
+    A slot load alone is not a reason: it goes on after every request that started it has ended."""
+    return a.wanted > 0 or a.holds > 0 or a.pinned

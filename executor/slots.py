@@ -42,7 +42,7 @@ import torch
 
 from loraserve.errors import exhausted, invalid, not_found, precondition
 
-from .cpu_cache import CpuCache, FetchShard
+from .cpu_cache import CpuCache, FetchShard, waited_on
 
 log = logging.getLogger(__name__)
 
@@ -385,6 +385,9 @@ class SlotManager:
         t0, tier = time.perf_counter(), "cpu" if a.tensors is not None else "store"
         try:
             digest, tensors = await self.cpu.ensure(a)
+            if not waited_on(a):  # every request for it ended during the fetch: keep the copy, take no slot
+                log.info("adapter %s: fetched for requests that have ended; kept in the CPU cache, no slot taken", a.name)
+                return
             slot = await self._claim_slot(a)
             try:
                 a.event = await asyncio.to_thread(self._copy, slot, tensors)

@@ -406,3 +406,19 @@ def test_size_looks_up_without_reading_and_follows_the_tiers(redis_url, tmp_path
     assert cache.size(shard_key(1)) == (300, "redis") and redis_tier.size(shard_key(1)) == 300
     redis_tier.delete_prefix("")
     assert cache.size(shard_key(1)) == (300, "disk")
+
+
+def test_redis_copy_replaced_mid_stream_fails_the_stream_and_keeps_the_new_copy(redis_url, caplog):
+    """Another store re-puts the shard (other bytes: packing is not byte-for-byte deterministic)
+    while this one streams it: the read mixes two copies and fails its check, but the new copy,
+    which is good, must stay."""
+    cache, other = redis_cache(redis_url), redis_cache(redis_url)
+    cache.put(shard_key(1), b"a" * 10 * KIB)
+    reader = cache.open(shard_key(1))
+    assert reader.readinto(memoryview(bytearray(4 * KIB))) == 4 * KIB
+    other.put(shard_key(1), b"b" * 10 * KIB)
+    with caplog.at_level(logging.INFO, logger="loraserve.adapter_store.cache"):
+        assert len(_read_all(reader, 4 * KIB)) == 6 * KIB and not reader.finish()
+    assert "was replaced while it was read; the new copy stays" in caplog.text
+    assert "deleting it" not in caplog.text
+    assert cache.get(shard_key(1)) == b"b" * 10 * KIB

@@ -594,3 +594,31 @@ async def test_store_fetches_run_at_most_max_concurrent_loads_at_once_in_the_ord
         unwants[name]()
     with pytest.raises(ValueError, match="max_concurrent_loads must be at least 1, got 0"):
         ExecutorConfig(max_concurrent_loads=0)
+
+
+async def test_an_acquire_cancelled_while_its_fetch_waits_for_a_seat_fetches_nothing_and_takes_no_slot():
+    """The slot load an acquire starts outlives the acquire (it is shared and shielded); once every
+    request for the adapter has ended it must not take a load seat, nor a slot after a fetch."""
+    store = Store([*NAMES])
+    slots = Slots(store)
+    mgr = _manager(store, slots, max_loras=2, max_concurrent_loads=1)
+    store.gates = {"adapter-1": asyncio.Event(), "adapter-3": asyncio.Event()}
+    first = asyncio.create_task(mgr.acquire("adapter-1"))  # takes the one seat, held at its gate
+    await asyncio.sleep(0.01)
+    waiting = asyncio.create_task(mgr.acquire("adapter-2"))  # queued for the seat
+    await asyncio.sleep(0.01)
+    waiting.cancel()  # its request ends (client gone, deadline) while it waits
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    fetching = asyncio.create_task(mgr.acquire("adapter-3"))  # gets the seat after adapter-1 ...
+    store.gates["adapter-1"].set()
+    mgr.release(await asyncio.wait_for(first, 1.0))
+    await asyncio.sleep(0.01)
+    fetching.cancel()  # ... and ends while its fetch runs: the copy is kept, no slot taken for it
+    with pytest.raises(asyncio.CancelledError):
+        await fetching
+    store.gates["adapter-3"].set()
+    await asyncio.sleep(0.01)
+    assert "adapter-2" not in store.fetches, "a fetch started for a request that had ended"
+    assert store.fetches.get("adapter-3") == 1 and mgr.state("adapter-3").in_cpu_cache
+    assert "adapter-3" not in slots.content.values() and mgr.state("adapter-3").slot < 0
