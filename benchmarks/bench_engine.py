@@ -212,7 +212,8 @@ async def decode_case(engine, args, batch: int, with_lora: bool) -> tuple[float,
     def full(entry) -> bool:
         return entry.kind.startswith("decode") and entry.num_seqs == batch
 
-    steps = [e.seconds for e in entries if full(e)]
+    full_entries = [e for e in entries if full(e)]
+    steps = [e.seconds for e in full_entries]
     intervals = [b.end - a.end for a, b in zip(entries, entries[1:]) if full(a) and full(b)]
     if not steps or not intervals:
         seen = sorted({e[:3] for e in entries})
@@ -220,7 +221,6 @@ async def decode_case(engine, args, batch: int, with_lora: bool) -> tuple[float,
     # Where the host stands: steps launched ahead (before the previous step's tokens were on the
     # host), and how long the host took from a step's result to the launch of the step after next
     # (launch-ahead keeps the device busy while that stays under a step).
-    full_entries = [e for e in entries if full(e)]
     lags = [c.launched - a.end for a, c in zip(full_entries, full_entries[2:]) if c.ahead]
     ahead = sum(e.ahead for e in full_entries) / len(full_entries)
     HOST[(batch, with_lora)] = f"ahead {ahead:.0%}, result -> launch after next {statistics.median(lags) * 1e3:.2f} ms" if lags else f"ahead {ahead:.0%}"

@@ -196,7 +196,6 @@ class Engine:
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenize")
         self.graphs = self._capture_graphs()
-        # (kind, seqs, tokens, seconds from launch to result, perf_counter at the result), recent steps
         self.step_times: list[StepTime] = []  # the collected steps, latest last (benchmarks and tests read them)
         self.steps_ahead = 0  # steps planned before the previous step's tokens reached the host
 

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-
 from ..lora import LoraSpec
 from ..parallel import TPGroup
 from .config import ModelConfig

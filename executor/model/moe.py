@@ -86,9 +86,11 @@ class SparseMoeBlock(nn.Module):
         if self.ep.size > 1:
             # Rank 0's routing on every rank: the ranks' copies of x agree only up to the order of
             # floating-point adds (on CUDA the split-K LoRA shrink adds atomically), and a near tie
-            # routed two ways would compute a (token, expert) pair twice or not at all.
-            topk_ids = self.ep.broadcast(topk_ids.contiguous(), 0)
-            topk_weights = self.ep.broadcast(topk_weights.contiguous(), 0)
+            # routed two ways would compute a (token, expert) pair twice or not at all. One
+            # collective for both: float64 holds the ids and the float32 weights exactly.
+            k = topk_ids.shape[1]
+            routing = self.ep.broadcast(torch.cat([topk_ids.double(), topk_weights.double()], dim=1), 0)
+            topk_ids, topk_weights = routing[:, :k].to(topk_ids.dtype), routing[:, k:].to(topk_weights.dtype)
         out = self.ep.all_reduce(self.experts(x, topk_weights, topk_ids, lora_meta))  # [T, H]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora_meta)
