@@ -6,6 +6,8 @@
 #   STAGES, comma-separated, run in this order (default: test):
 #   test:    the executor's and the attention kernels' CUDA tests (graphs, paged attention, service)
 #   svc:     the engine's part of them only: graphs, service and MoE tests (after an engine-only change)
+#   parallel: the tensor- and expert-parallel GPU tests (NCCL, one GPU per rank; tp 4 needs 4 GPUs)
+#   load:    the slot-load GPU tests (tests/executor/test_lora.py)
 #   moe:     benchmarks/bench_moe.py (fused MoE + expert LoRA against its floor)
 #   attn:    benchmarks/bench_attention.py (paged attention kernels against their floors)
 #   engine:  benchmarks/bench_engine.py (decode / prefill / gRPC against the floors; needs
@@ -56,6 +58,17 @@ if has test || has svc; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu \
     tests/executor/test_moe.py tests/kernels/test_moe_gpu.py \
     2>&1 | tee "$OUT/moe_gpu_tests.log" | tail -4
+fi
+if has parallel; then
+  # NVLink multicast stays off (NCCL_NVLS_ENABLE=0). Output to a file as it comes: rank 0 ends its
+  # process when a rank dies (executor/ranks.py), which would take pytest's summary with it.
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -P -m pytest -p no:cacheprovider -o addopts="" \
+    --import-mode=importlib -q -rs -m gpu tests/executor/test_tp.py tests/executor/test_ep.py \
+    > "$OUT/parallel_gpu_tests.log" 2>&1; tail -12 "$OUT/parallel_gpu_tests.log"
+fi
+if has load; then
+  python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu tests/executor/test_lora.py \
+    2>&1 | tee "$OUT/load_gpu_tests.log" | tail -4
 fi
 if has moe; then
   python3 -P benchmarks/bench_moe.py --out "$OUT/bench-moe" 2>&1 | tee "$OUT/bench_moe.log" | tail -40

@@ -56,7 +56,7 @@ from loraserve.executor.config import ExecutorConfig  # noqa: E402
 from loraserve.executor.engine.engine import Engine, GenerationRequest  # noqa: E402
 from loraserve.executor.engine.kv_cache import KVCache  # noqa: E402
 from loraserve.executor.engine.sampler import SamplingParams  # noqa: E402
-from loraserve.executor.lora import LoraSpec, load_shard_into_slot, lora_modules  # noqa: E402
+from loraserve.executor.lora import LoraSpec, clear_slot, load_shard_into_slot, lora_modules  # noqa: E402
 from loraserve.executor.memory import lora_bytes_per_slot  # noqa: E402
 from loraserve.executor.slots import SlotManager, SlotObserver  # noqa: E402
 from loraserve.executor.store_client import host_buffer  # noqa: E402
@@ -217,7 +217,7 @@ def build(args, tokenizer):
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, bench_engine.DTYPE, bench_engine.DEVICE)
     adapters, counter, modules = RandomAdapters(model, bench_engine.DTYPE), Counter(), lora_modules(model)
     slots = SlotManager(adapters.fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
-                        lambda slot: [m.reset_lora(slot) for m in modules.values()], max_loras=cfg.max_loras,
+                        lambda slot: clear_slot(modules.values(), slot), max_loras=cfg.max_loras,
                         cpu_cache_bytes=cfg.cpu_cache_bytes, device=torch.device(bench_engine.DEVICE),
                         max_concurrent_loads=args.max_concurrent_loads or None, observer=counter)
     engine = Engine(model, tokenizer, kv, slots, cfg)
@@ -363,7 +363,7 @@ async def store_probe(args, engine: Engine, bw: float) -> list[tuple]:
         store = StoreClient(f"127.0.0.1:{port}", layout, timeout_s=60, pin_memory=bench_engine.DEVICE == "cuda")
         modules = lora_modules(model)
         mgr = SlotManager(store.fetch_shard, lambda slot, t: load_shard_into_slot(model, slot, t),
-                          lambda slot: [m.reset_lora(slot) for m in modules.values()], max_loras=engine.slots.max_loras,
+                          lambda slot: clear_slot(modules.values(), slot), max_loras=engine.slots.max_loras,
                           max_cpu_adapters=0, device=torch.device(bench_engine.DEVICE))
         times, nbytes = [], 0
         for i in range(4):  # the first packs the shard in the store; the others read its disk cache

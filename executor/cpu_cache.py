@@ -27,6 +27,8 @@ import torch
 
 from loraserve.errors import StatusError
 
+from .store_client import pinned_blob
+
 if TYPE_CHECKING:
     from .slots import _Adapter
 
@@ -92,9 +94,9 @@ class CpuCache:
                     digest, rank, tensors, nbytes = await self._fetch_shard(a.name)
             if self.device.type == "cuda" and not all(t.is_pinned() for t in tensors.values()):
                 # Pinned host memory makes the slot copy a true async DMA. The store client's shards
-                # land pinned already (one copy per load: the stream's); only others are copied here.
-                tensors = await asyncio.to_thread(
-                    lambda: {k: t if t.is_pinned() else t.pin_memory() for k, t in tensors.items()})
+                # land pinned already (one copy per load: the stream's); others are copied here into
+                # one pinned buffer, so a slot load moves them with one host->device copy too.
+                tensors = await asyncio.to_thread(pinned_blob, tensors)
             a.digest, a.rank, a.nbytes, a.tensors = digest, rank, nbytes, tensors
             self._lru[a.name] = a
             self.nbytes += nbytes

@@ -47,7 +47,7 @@ from loraserve.v1 import common_pb2 as pb
 from .config import ExecutorConfig
 from .engine.kv_cache import KVCache
 from .engine.step import StepInputs, forward_step
-from .lora import LoraSpec, declare_layout, load_shard_into_slot, lora_modules
+from .lora import LoraSpec, clear_slot, declare_layout, load_shard_into_slot, lora_modules
 from .model.loader import load_model
 from .model.moe import Experts
 from .parallel import TPGroup, make_group, open_store, roles
@@ -258,7 +258,7 @@ class TPRanks:
 
     async def states(self) -> list[dict]:
         """What ranks 1..N-1 hold, for tests and diagnostics:
-        {"rank", "tp_rank", "ep_rank", "experts": (first, count) per sparse layer's block or None,
+        {"rank", "device", "tp_rank", "ep_rank", "experts": (first, count) per sparse layer's block or None,
         "slots": {slot: (name, digest)}, "shards": {(name, digest): checksum}}."""
         return await self._ask(("state",))
 
@@ -381,8 +381,7 @@ class _Rank:
     def _load_slot(self, slot: int, version: tuple[str, str]) -> None:
         """Copies this rank's shard of `version` into `slot` (("", ""): empties it)."""
         if version == ("", ""):
-            for m in self.modules.values():
-                m.reset_lora(slot)
+            clear_slot(self.modules.values(), slot)
         else:  # fetched already when rank 0 loaded it, unless dropped since: then fetched now
             future = asyncio.run_coroutine_threadsafe(self._fetch(*version), self.loop)
             tensors = future.result()
@@ -393,5 +392,5 @@ class _Rank:
     def _state(self) -> dict:
         with self.shards_lock:
             shards = {key: shard_checksum(t) for key, t in self.shards.items()}
-        return {"rank": self.rank, "tp_rank": self.tp.rank, "ep_rank": self.ep.rank, "experts": local_experts(self.model),
-                "slots": dict(enumerate(self.slots)), "shards": shards}
+        return {"rank": self.rank, "device": str(self.device), "tp_rank": self.tp.rank, "ep_rank": self.ep.rank,
+                "experts": local_experts(self.model), "slots": dict(enumerate(self.slots)), "shards": shards}

@@ -31,7 +31,7 @@ from .engine.kv_cache import KVCache
 from .engine.sampler import SamplingParams
 from .http import HttpFront, serve_http
 from .layout import model_config
-from .lora import declare_layout, load_shard_into_slot, lora_modules
+from .lora import clear_slot as clear_lora_slot, declare_layout, load_shard_into_slot, lora_modules
 from .model.loader import load_model
 from .model.tokenizer import Tokenizer
 from .parallel import ep_size_error, roles, tp_size_error
@@ -163,8 +163,7 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
     metrics = ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters)
 
     def clear_slot(slot: int) -> None:
-        for m in modules.values():
-            m.reset_lora(slot)
+        clear_lora_slot(modules.values(), slot)
 
     fetch = store.fetch_shard if ranks is None else ranks.fetching(store.fetch_shard)
     slots = SlotManager(

@@ -59,6 +59,23 @@ def host_buffer(nbytes: int, pin_memory: bool) -> torch.Tensor:
     return torch.frombuffer(memory, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
+def pinned_blob(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors copied into one pinned host buffer, as contiguous views of it (as a fetched
+    shard lands): a slot load then moves it with one host->device copy (executor/lora.py)."""
+    offsets, total = {}, 0
+    for name, t in tensors.items():
+        total = -(-total // 16) * 16  # every view aligned for its dtype
+        offsets[name] = total
+        total += t.numel() * t.element_size()
+    blob = host_buffer(total, pin_memory=True)
+    out = {}
+    for name, t in tensors.items():
+        view = blob[offsets[name] : offsets[name] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out[name] = view
+    return out
+
+
 def shard_tensors(blob: torch.Tensor) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors blob held in a uint8 tensor, as views of it (no copy).
 

@@ -282,6 +282,34 @@ def check_against_reference(ref_model, ids: list[int], resp: epb.GenerateRespons
     assert torch.allclose(got, want, atol=2e-4), (got, want)
 
 
+def check_bf16_rows(references: dict, jobs, resps, tol: float = 0.1) -> None:
+    """bf16 serving on CUDA (run_group's jobs and responses): every row's logprobs lie within tol of
+    its own adapter's float32 reference, and an adapter row's lie 3x farther from the base model's
+    (the row was served with its own adapter, not another or none)."""
+    for (name, ids), resp in zip(jobs, resps):
+        out = list(resp.token_ids)
+        assert out, f"{name or 'base'}: no tokens generated"
+        got = torch.tensor(list(resp.logprobs), dtype=torch.float64)
+        idx = torch.arange(len(out))
+        with torch.no_grad():
+            seq = torch.tensor([ids + out[:-1]])
+            own = torch.log_softmax(references[name](seq).logits[0, len(ids) - 1 :].double(), -1)
+            plain = torch.log_softmax(references[""](seq).logits[0, len(ids) - 1 :].double(), -1)
+        err_own = (got - own[idx, out]).abs().max().item()
+        assert err_own < tol, (name, err_own)
+        if name:
+            err_base = (got - plain[idx, out]).abs().max().item()
+            assert err_base > 3 * err_own, (name, err_own, err_base)
+
+
+def need_cuda_devices(n: int) -> None:
+    """Skips (with the reason) unless this host has n CUDA devices."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < n:
+        pytest.skip(f"needs {n} CUDA devices, {have} here: run benchmarks/gpu_executor.sh OUT parallel on a "
+                    f"CUDA host with {n} GPUs")
+
+
 class Cluster:
     """A store and an executor (any tp / ep size) on loopback, served from one event loop thread:
     `names` are registered from the folder `adapters`; executor_overrides are ExecutorConfig fields."""

@@ -28,8 +28,8 @@ from loraserve.executor.parallel import TPGroup, ep_size_error
 from loraserve.executor.ranks import local_experts, shard_checksum
 from loraserve.executor.service import build_executor
 
-from .conftest import (LORASERVE, TINY_MOE, Cluster, ParallelExecutorProcess, check_against_reference, generate,
-                       merge_per_expert_adapter, prompt_ids, run_group)
+from .conftest import (LORASERVE, TINY_MOE, Cluster, ParallelExecutorProcess, check_against_reference, check_bf16_rows,
+                       generate, merge_per_expert_adapter, need_cuda_devices, prompt_ids, run_group)
 
 BOS, EOS, VOCAB = 256, 257, 260  # the byte ids of conftest.prompt_ids
 # experts only (PEFT's target_parameters), attention only, one expert projection + dense modules,
@@ -101,6 +101,26 @@ def test_ep2_mixed_batches_match_transformers_peft_and_ep1(cluster, references, 
                                            atol=1e-5, rtol=0)
     finally:
         one.close()
+
+
+@pytest.mark.gpu
+def test_ep2_over_nccl_on_two_cuda_gpus_serves_mixed_batches_like_peft_in_bf16(loop_thread, base, adapter_dirs,
+                                                                               references, tmp_path):
+    """EP 2 with each rank on its own GPU (NCCL, bf16, the Triton fused MoE kernels): every row
+    within bf16 tolerance of its adapter's float32 PEFT reference."""
+    need_cuda_devices(2)
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", NAMES, ep_size=2, device="cuda",
+                dtype="bfloat16", tp_timeout_s=120.0)
+    try:
+        client = c.client()
+        assert client.info().ep_size == 2
+        for group in GROUPS:
+            check_bf16_rows(references, *run_group(client, group, max_tokens=12))
+        (state,) = c.lt.run(c.parts.ranks.states())
+        assert state["device"] == "cuda:1" and state["experts"] == (2, 2)
+    finally:
+        c.close()
+    assert [p.exitcode for p in c.parts.ranks._procs] == [0]
 
 
 def test_each_rank_holds_its_experts_and_the_store_shard_of_its_ep_rank(cluster):

@@ -230,3 +230,23 @@ def test_layout_declares_every_lora_module_with_its_peft_names(hf_model):
     no_emb, no_emb_spec = _model(path)
     assert "lm_head" not in lora_modules(no_emb)
     assert len(declare_layout(no_emb.cfg, no_emb_spec, "x").modules) == 4 * c.num_layers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned memory and a GPU slot")
+def test_a_shard_in_one_pinned_buffer_loads_with_one_copy_and_equals_per_tensor_copies(setup):
+    """The slot load's staged path (one host->device copy of the pinned blob, then a device scatter)
+    writes exactly what per-tensor copies write, tails zeroed, on a slot that held a higher rank."""
+    from loraserve.executor.store_client import pinned_blob
+
+    ref, path = setup
+    staged, spec = _model(path, max_loras=1)
+    plain, _ = _model(path, max_loras=1)
+    staged, plain = staged.cuda(), plain.cuda()
+    layout = declare_layout(staged.cfg, spec, "tiny")
+    high, low = pack_shard(ref, "r8", layout), pack_shard(ref, "r4", layout)
+    load_shard_into_slot(staged, 0, pinned_blob(high))
+    load_shard_into_slot(staged, 0, pinned_blob(low))  # one storage: the staged path
+    load_shard_into_slot(plain, 0, {k: v.clone() for k, v in low.items()})  # separate tensors: per-tensor copies
+    torch.cuda.synchronize()
+    for (name, a), b in zip(lora_modules(staged).items(), lora_modules(plain).values()):
+        assert torch.equal(a.lora_a, b.lora_a) and torch.equal(a.lora_b, b.lora_b), name

@@ -27,7 +27,7 @@ from loraserve.executor.service import serve as serve_executor
 from loraserve.executor.service import shutdown
 from loraserve.v1 import executor_pb2 as epb
 
-from .conftest import check_against_reference, generate, prompt_ids
+from .conftest import check_against_reference, check_bf16_rows, generate, prompt_ids
 
 BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
 ADAPTERS = {  # name: (r, alpha, targets, rslora)
@@ -347,19 +347,7 @@ def test_bf16_on_cuda_applies_each_rows_adapter(loop_thread, base, adapter_dirs,
         jobs = [(name, prompt_ids(i)) for i, name in enumerate(["qv8", "all4", "", "mlp16", "qv8", ""])]
         with cf.ThreadPoolExecutor(len(jobs)) as pool:
             resps = list(pool.map(lambda j: generate(client, *j, 12), jobs))
-        for (name, ids), resp in zip(jobs, resps):
-            out = list(resp.token_ids)
-            got = torch.tensor(list(resp.logprobs), dtype=torch.float64)
-            with torch.no_grad():
-                seq = torch.tensor([ids + out[:-1]])
-                own = torch.log_softmax(references[name](seq).logits[0, len(ids) - 1 :].double(), -1)
-                plain = torch.log_softmax(references[""](seq).logits[0, len(ids) - 1 :].double(), -1)
-            idx = torch.arange(len(out))
-            err_own = (got - own[idx, out]).abs().max().item()
-            assert err_own < 0.1, (name, err_own)
-            if name:
-                err_base = (got - plain[idx, out]).abs().max().item()
-                assert err_base > 3 * err_own, (name, err_own, err_base)
+        check_bf16_rows(references, jobs, resps)
     finally:
         c.close()
 

@@ -25,7 +25,8 @@ from loraserve.defaults import smollm2_gguf_path
 
 from loraserve.v1 import executor_pb2 as epb
 
-from .conftest import LORASERVE, Cluster, ParallelExecutorProcess, check_against_reference, generate, prompt_ids, run_group
+from .conftest import (LORASERVE, Cluster, ParallelExecutorProcess, check_against_reference, check_bf16_rows, generate,
+                       need_cuda_devices, prompt_ids, run_group)
 
 # (family, tp_size, fully sharded LoRA, config overrides): Llama with biases on o_proj and down_proj
 # (added once, after the reduce), Qwen2 with q/k/v biases and tied embeddings (vocab-parallel both
@@ -128,6 +129,26 @@ def test_mixed_batches_match_transformers_peft_and_tp1(cluster, references, base
                 assert list(resp.token_ids) == outputs[(name, tuple(ids))], name
     finally:
         one.close()
+
+
+@pytest.mark.gpu
+def test_tp_over_nccl_on_cuda_serves_mixed_batches_like_peft_in_bf16(case, loop_thread, base, adapter_dirs,
+                                                                     references, tmp_path):
+    """The same cluster on tp CUDA devices (NCCL, bf16, the Triton kernels, each rank on its own GPU):
+    every row within bf16 tolerance of its own adapter's float32 PEFT reference."""
+    _, tp, sharded, _ = case
+    need_cuda_devices(tp)
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", ADAPTERS, tp_size=tp, device="cuda",
+                dtype="bfloat16", fully_sharded_loras=sharded, lora_embeddings=True, tp_timeout_s=120.0)
+    try:
+        client = c.client()
+        assert client.info().tp_size == tp
+        for group in GROUPS:
+            check_bf16_rows(references, *run_group(client, group, max_tokens=12))
+        assert [s["device"] for s in c.lt.run(c.parts.ranks.states())] == [f"cuda:{r}" for r in range(1, tp)]
+    finally:
+        c.close()
+    assert [p.exitcode for p in c.parts.ranks._procs] == [0] * (tp - 1)
 
 
 def test_each_rank_loads_the_store_shard_of_its_own_tp_rank(cluster, case):
