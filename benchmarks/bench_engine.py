@@ -309,6 +309,11 @@ def grpc_client(address: str, streams: int, prompt_len: int, max_tokens: int, vo
     asyncio.run(main())
 
 
+def _longest_step(engine, since: float) -> float:
+    """The longest step launched after `since` (a Triton build in a step shows as seconds)."""
+    return max((s.seconds for s in engine.step_times if s.launched >= since), default=0.0)
+
+
 async def grpc_case(engine, slots, args) -> tuple[float, float]:
     """(engine-only tok/s, gRPC tok/s) for the same `streams` requests of the base model."""
     from loraserve.executor.service import ExecutorParts, serve, shutdown
@@ -319,6 +324,7 @@ async def grpc_case(engine, slots, args) -> tuple[float, float]:
     t0 = time.perf_counter()
     tokens = await run_requests(engine, prompts, [""] * args.streams, args.new_tokens)
     engine_tps = tokens / (time.perf_counter() - t0)
+    engine_longest, t1 = _longest_step(engine, t0), time.perf_counter()
     cfg = engine.config
     cfg.adapter_refresh_s = 0
     parts = ExecutorParts(engine, slots, StoreClient("127.0.0.1:9", Layout()), cfg)  # no adapters: the store is never asked
@@ -333,7 +339,8 @@ async def grpc_case(engine, slots, args) -> tuple[float, float]:
         result = json.loads(out.decode().strip().splitlines()[-1])
     finally:
         await server.stop(0)
-    return engine_tps, result["tokens"] / result["seconds"]
+    grpc_longest = _longest_step(engine, t1)
+    return engine_tps, result["tokens"] / result["seconds"], engine_longest, grpc_longest
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -390,6 +397,9 @@ async def run(args) -> list[tuple[str, str, str, str]]:
         ("matmul peak (8192^3 bf16 on CUDA)", f"{peak / 1e12:.1f} TFLOP/s", "", ""),
         ("weights read per decode step", f"{wbytes / 2**30:.2f} GiB", "", f"adapter: {adapter_bytes / 2**20:.1f} MiB"),
     ]
+    if engine.warm_up_seconds is not None:
+        rows.append(("kernel warm-up at start", f"{engine.warm_up_seconds:.1f} s", "",
+                     "eager steps of 1..max_num_batched_tokens tokens (Triton's disk cache as this host left it)"))
     await run_requests(engine, random_prompts(2, 16, args.vocab, 0), ["", "a0" if args.adapters else ""], 4)  # warm-up
     if args.adapters:  # every adapter in its slot first: cold loads must not stagger the measured batches
         names = [f"a{i}" for i in range(args.adapters)]
@@ -407,10 +417,11 @@ async def run(args) -> list[tuple[str, str, str, str]]:
                      f"{flops / seconds / 1e12:.1f} TFLOP/s = {flops / seconds / peak:.0%} of matmul"))
     if args.streams:
         try:
-            engine_tps, grpc_tps = await grpc_case(engine, engine.slots, args)
-            rows.append((f"{args.streams} streams, engine alone", f"{engine_tps:.0f} tok/s", "", ""))
+            engine_tps, grpc_tps, engine_longest, grpc_longest = await grpc_case(engine, engine.slots, args)
+            rows.append((f"{args.streams} streams, engine alone", f"{engine_tps:.0f} tok/s", "",
+                         f"longest step {engine_longest * 1e3:.1f} ms"))
             rows.append((f"{args.streams} streams through gRPC", f"{grpc_tps:.0f} tok/s", "",
-                         f"{grpc_tps / engine_tps:.0%} of the engine"))
+                         f"{grpc_tps / engine_tps:.0%} of the engine; longest step {grpc_longest * 1e3:.1f} ms"))
         except Exception as exc:  # noqa: BLE001 - the decode and prefill rows still print
             rows.append((f"{args.streams} streams through gRPC", "failed", "", f"{type(exc).__name__}: {exc}"))
             logging.exception("gRPC case failed")

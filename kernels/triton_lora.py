@@ -10,6 +10,10 @@ shapes: no host synchronisation, no allocation, one launch shape per captured ba
 Decode (a few tokens per slot) and prefill (thousands) run the same kernels with different
 tiles: small token blocks and K split over programs for decode, large tensor-core tiles for
 prefill. Block sizes come from kernels/tuning.py by GPU and shape.
+
+`num_tokens` is not specialised (`do_not_specialize`): Triton would otherwise build a kernel
+apart for T == 1 and for T a multiple of 16, on top of the tables' configs, and a serving process
+would meet those builds on its first steps of each kind (executor/engine/warmup.py warms the rest).
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ def _shrink_tile(
             tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _shrink_kernel(
     x_ptr, a_ptr, out_ptr, block_slots_ptr, block_tokens_ptr, num_blocks_ptr,
     num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
@@ -185,7 +189,7 @@ def _expand_tile(
             tl.store(y_tile, (old.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _expand_kernel(
     y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_tokens_ptr, num_blocks_ptr,
     num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
@@ -217,7 +221,7 @@ def _expand_kernel(
             )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _embedding_shrink_kernel(
     ids_ptr, slots_ptr, a_ptr, out_ptr, num_tokens, stride_al, stride_av,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,

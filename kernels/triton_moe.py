@@ -26,7 +26,7 @@ from .meta import LoraMeta, make_lora_meta
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # one build for every pair count
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, sorted_pairs_ptr, block_experts_ptr,
     num_pairs, n, k, rows_per_a,

@@ -156,6 +156,14 @@ def _device_key(device: torch.device) -> str:
 _gpu_keys: dict[int | None, str] = {}
 
 
+def tuned_token_counts(device: torch.device) -> tuple[int, ...]:
+    """Every token count this GPU's tables hold an entry for (the warm-up builds each one's kernels)."""
+    if device.type != "cuda":
+        return ()
+    key = _device_key(device)
+    return tuple(sorted({t for op in ("shrink", "expand") for _, t, _ in _entries(key, op)}))
+
+
 def shrink_config(device: torch.device, num_tokens: int, in_features: int, num_slices: int, rank: int) -> ShrinkConfig:
     return _shrink_config(_device_key(device), num_tokens, in_features, num_slices, rank)
 

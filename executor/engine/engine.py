@@ -38,6 +38,7 @@ import torch
 
 from loraserve.errors import StatusError, exhausted, invalid, precondition, unavailable
 from loraserve.kernels.reference import GATHER_MAX_TOKENS
+from loraserve.kernels.tuning import tuned_token_counts
 
 from ..config import ExecutorConfig
 from ..slots import SlotLease, SlotManager
@@ -46,6 +47,7 @@ from .kv_cache import BlockAllocator, KVCache
 from .sampler import SamplingParams, find_stop, greedy, make_generator, sample, validate_request
 from .scheduler import SchedulePlan, Scheduler, Sequence
 from .step import StepInputs, forward_step
+from .warmup import warm_up, warm_up_steps
 
 log = logging.getLogger(__name__)
 
@@ -195,9 +197,27 @@ class Engine:
         # One thread each: a prompt being tokenized never holds up the streams' detokenizing.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenize")
+        self.warm_up_seconds = self._warm_up()
         self.graphs = self._capture_graphs()
         self.step_times: list[StepTime] = []  # the collected steps, latest last (benchmarks and tests read them)
         self.steps_ahead = 0  # steps planned before the previous step's tokens reached the host
+
+    def _warm_up(self) -> float | None:
+        """Builds the eager steps' Triton kernels before the first request (executor/engine/warmup.py):
+        on CUDA, on every rank; the seconds it took, None off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        cfg, kv = self.config, self.kv_cache
+        steps = warm_up_steps(cfg.max_num_batched_tokens, cfg.max_model_len, kv.block_size, kv.num_blocks,
+                              self.max_loras, self.model.cfg.vocab_size, tuned_token_counts(self.device))
+
+        def run(step: StepInputs) -> None:
+            if self.ranks is not None:
+                self.ranks.step(step)
+            with torch.cuda.device(self.device):
+                forward_step(self.model, kv, step, self.max_loras, self.device)
+
+        return warm_up(run, steps, self.device)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Decode-step CUDA graphs, on CUDA unless config.enforce_eager or the RoPE is dynamic.

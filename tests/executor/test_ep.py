@@ -28,8 +28,8 @@ from loraserve.executor.parallel import TPGroup, ep_size_error
 from loraserve.executor.ranks import local_experts, shard_checksum
 from loraserve.executor.service import build_executor
 
-from .conftest import (LORASERVE, TINY_MOE, Cluster, ParallelExecutorProcess, check_against_reference, check_bf16_rows,
-                       generate, merge_per_expert_adapter, need_cuda_devices, prompt_ids, run_group)
+from .conftest import (LORASERVE, TINY_MOE, Cluster, ParallelExecutorProcess, check_against_reference, generate,
+                       merge_per_expert_adapter, need_cuda_devices, prompt_ids, run_group)
 
 BOS, EOS, VOCAB = 256, 257, 260  # the byte ids of conftest.prompt_ids
 # experts only (PEFT's target_parameters), attention only, one expert projection + dense modules,
@@ -104,23 +104,35 @@ def test_ep2_mixed_batches_match_transformers_peft_and_ep1(cluster, references, 
 
 
 @pytest.mark.gpu
-def test_ep2_over_nccl_on_two_cuda_gpus_serves_mixed_batches_like_peft_in_bf16(loop_thread, base, adapter_dirs,
-                                                                               references, tmp_path):
-    """EP 2 with each rank on its own GPU (NCCL, bf16, the Triton fused MoE kernels): every row
-    within bf16 tolerance of its adapter's float32 PEFT reference."""
+def test_ep2_over_nccl_on_two_cuda_gpus_serves_mixed_batches_like_ep1_in_bf16(loop_thread, base, adapter_dirs,
+                                                                              tmp_path):
+    """EP 2 with each rank on its own GPU (NCCL, bf16, the Triton fused MoE kernels) against EP 1 on
+    one GPU, same requests: the same greedy tokens and logprobs within bf16 tolerance. (EP 1 on CUDA
+    is checked against PEFT in test_moe.py, by logits: in bf16 a router near-tie may pick another
+    expert than float32 PEFT does, which a gRPC response's chosen-token logprobs cannot tell apart.)"""
     need_cuda_devices(2)
-    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", NAMES, ep_size=2, device="cuda",
-                dtype="bfloat16", tp_timeout_s=120.0)
-    try:
-        client = c.client()
-        assert client.info().ep_size == 2
-        for group in GROUPS:
-            check_bf16_rows(references, *run_group(client, group, max_tokens=12))
-        (state,) = c.lt.run(c.parts.ranks.states())
-        assert state["device"] == "cuda:1" and state["experts"] == (2, 2)
-    finally:
-        c.close()
+    served = {}
+    for ep in (1, 2):
+        c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / f"store{ep}", NAMES, ep_size=ep, device="cuda",
+                    dtype="bfloat16", tp_timeout_s=120.0)
+        try:
+            client = c.client()
+            assert client.info().ep_size == ep
+            for group in GROUPS:
+                for job, resp in zip(*run_group(client, group, max_tokens=12)):
+                    served.setdefault((job[0], tuple(job[1])), {})[ep] = resp
+            if ep == 2:
+                (state,) = c.lt.run(c.parts.ranks.states())
+                assert state["device"] == "cuda:1" and state["experts"] == (2, 2)
+        finally:
+            c.close()
     assert [p.exitcode for p in c.parts.ranks._procs] == [0]
+    for (name, _), by_ep in served.items():
+        one, two = list(by_ep[1].token_ids), list(by_ep[2].token_ids)
+        same = next((i for i, (a, b) in enumerate(zip(one, two)) if a != b), min(len(one), len(two)))
+        assert same >= len(one) // 2, (name, one, two)  # a later near-tie may part them, not an early one
+        torch.testing.assert_close(torch.tensor(list(by_ep[2].logprobs)[:same]),
+                                   torch.tensor(list(by_ep[1].logprobs)[:same]), atol=0.05, rtol=0, msg=name)
 
 
 def test_each_rank_holds_its_experts_and_the_store_shard_of_its_ep_rank(cluster):

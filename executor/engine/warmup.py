@@ -1,0 +1,96 @@
+"""Kernel warm-up at start: eager steps over a ladder of token counts, before the first request.
+
+Why: Triton compiles a kernel the first time it meets a new set of compile-time values, and the
+LoRA kernels' values follow the step's token count (the block sizes and split-K that the tuning
+tables pick for it, kernels/tuning.py; whether a launch fits in one wave). Decode steps replay
+CUDA graphs captured at start, but prefill and mixed steps run eagerly with whatever token count
+the arrivals make, so a fresh process compiled kernels while its first streams waited: on a CUDA
+host, 64 gRPC streams ran at 13-88% of the engine-alone rate in four runs (a compile takes
+~0.1-1 s and holds the whole step). Warming up moves that to start, where it is logged and timed,
+and Triton's disk cache makes it short on the next start.
+
+The steps: one sequence's prefill first (its KV is then written, so later steps' decode row reads
+only what was written), then, for every token count T of `token_ladder`, one step of T tokens:
+that sequence's decode row plus a T - 1 token prefill chunk cut into sequences of at most
+max_model_len. Every other token uses LoRA slot 0 (all zeros at start), so the LoRA kernels run
+beside the base path. What the steps leave in the KV cache is what any freed block holds: never
+read (a sequence reads only the positions it wrote).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from .step import StepInputs
+
+log = logging.getLogger(__name__)
+
+FIRST_LEN = 32  # tokens of the sequence whose decode row every ladder step carries
+
+
+def token_ladder(max_tokens: int, tuned: tuple[int, ...] = ()) -> list[int]:
+    """Token counts to warm: 1, 2, 3, 4, 6, 8, 12, 16, ... (two per octave) up to max_tokens, each
+    tuned count of the tables (`tuned`) in range, and max_tokens itself."""
+    counts, p = {max_tokens}, 1
+    while p <= max_tokens:
+        counts.add(p)
+        if p * 3 // 2 <= max_tokens and p > 1:
+            counts.add(p * 3 // 2)
+        p *= 2
+    counts.update(t for t in tuned if 1 <= t <= max_tokens)
+    return sorted(counts)
+
+
+def warm_up_steps(max_tokens: int, max_model_len: int, block_size: int, num_blocks: int, max_loras: int,
+                  vocab_size: int, tuned: tuple[int, ...] = ()) -> list[StepInputs]:
+    """The warm-up's steps (see the module docstring); token counts that do not fit the KV cache
+    (num_blocks) or max_model_len are left out."""
+    slot = 0 if max_loras else -1
+    first_len = min(FIRST_LEN, max_model_len - 1)
+    first_blocks = list(range(-(-(first_len + 1) // block_size)))  # room for the decode row's token
+    free = num_blocks - len(first_blocks)
+    steps = [_step([(first_len, 0, first_blocks)], [0] * first_len, slot)]
+    for t in token_ladder(max_tokens, tuned):
+        seqs, next_block, left = [(1, first_len, first_blocks)], len(first_blocks), t - 1
+        while left > 0:
+            n = min(left, max_model_len)
+            blocks = list(range(next_block, next_block + -(-n // block_size)))
+            next_block += len(blocks)
+            seqs.append((n, 0, blocks))
+            left -= n
+        if next_block - len(first_blocks) > free:
+            continue
+        steps.append(_step(seqs, [(7 * i) % vocab_size for i in range(t)], slot))
+    return steps
+
+
+def _step(seqs: list[tuple[int, int, list[int]]], input_ids: list[int], slot: int) -> StepInputs:
+    """seqs: (query_len, context_len: tokens already cached before it, block table) of each sequence."""
+    query_lens = [q for q, _, _ in seqs]
+    sample_rows = [sum(query_lens[: i + 1]) - 1 for i in range(len(seqs))]
+    token_slots = [slot if i % 2 == 0 else -1 for i in range(len(input_ids))]
+    return StepInputs(
+        input_ids=input_ids, query_lens=query_lens, context_lens=[c for _, c, _ in seqs],
+        block_tables=[b for _, _, b in seqs], token_slots=token_slots, sample_rows=sample_rows,
+        sample_slots=[token_slots[r] for r in sample_rows],
+    )
+
+
+def warm_up(run_step: Callable[[StepInputs], object], steps: list[StepInputs], device: torch.device) -> float:
+    """Runs the steps (`run_step`: the engine's eager forward, on every rank); the seconds it took."""
+    t0 = time.perf_counter()
+    for i, step in enumerate(steps):
+        run_step(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if time.perf_counter() - t0 > 10 and i % 4 == 0:
+            log.info("warming up kernels: step %d of %d (%d tokens), %.0fs", i + 1, len(steps),
+                     len(step.input_ids), time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    log.info("warmed up the kernels: %d eager steps of 1-%d tokens in %.1fs", len(steps),
+             max(len(s.input_ids) for s in steps), seconds)
+    return seconds
