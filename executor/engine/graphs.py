@@ -102,7 +102,10 @@ class DecodeGraphs:
                 self._forward(bucket, lora)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: only this thread's calls are checked during the capture. Another thread's
+        # device work (a slot load of an executor being shut down, in tests; an allocation) would
+        # otherwise invalidate the capture ("operation failed due to a previous error during capture").
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._forward(bucket, lora)
         self._pool = graph.pool()
         return graph
