@@ -597,11 +597,12 @@ def _signature(tensors: dict[str, torch.Tensor]):
         if first.data_ptr() <= lo and max(ptrs) < first.data_ptr() + first.nbytes():
             storage = first
     offsets = [p - lo for p in ptrs] if storage is not None else [None] * len(ts)
-    key = (tuple(tensors), tuple(zip([t.shape for t in ts], [t.dtype for t in ts], [t.is_contiguous() for t in ts], offsets)))
+    shapes, dtypes, contiguous = [t.shape for t in ts], [t.dtype for t in ts], [t.is_contiguous() for t in ts]
+    key = (tuple(tensors), tuple(zip(shapes, dtypes, contiguous, offsets)))
     return key, offsets, storage, lo
 
 
-def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device, dtype: torch.dtype):
     """The `nbytes` of host `storage` from address lo, copied to `device` in one copy (async from
     pinned memory). The caching allocator reuses the buffer only for work queued after the scatter
     on the current stream, so it is freed when the caller drops it."""

@@ -1,4 +1,5 @@
-"""LoRA shrink/expand and paged attention kernels: Triton on CUDA, the plain-PyTorch reference elsewhere.
+"""LoRA shrink/expand, paged attention, fused MoE and slot-load kernels: Triton on CUDA, the
+plain-PyTorch reference elsewhere.
 
 `import loraserve.kernels` works with no GPU and no Triton installed: Triton is imported
 only when a CUDA tensor first asks for it.

@@ -32,8 +32,9 @@ class SlotCopy:
 
 @dataclass(eq=False)
 class ScatterPlan:
-    """The copies of one load layout, into slot buffers of one dtype. `device_tables`: kernels/triton_copy.py's descriptor tables of
-    these copies, built on first use, then reused by every load of this layout."""
+    """The copies of one load layout, into slot buffers of one dtype. `device_tables`:
+    kernels/triton_copy.py's descriptor tables of these copies, built on first use, then reused
+    by every load of this layout."""
 
     copies: tuple[SlotCopy, ...]
     device_tables: dict = field(default_factory=dict)
