@@ -10,7 +10,12 @@ adapter targets and, on the reference path, to cut the rank to the step's larges
 
 from __future__ import annotations
 
+import operator
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
+from math import prod
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +23,7 @@ from torch import nn
 
 from loraserve import kernels
 from loraserve.kernels import LoraMeta
+from loraserve.kernels.copy_reference import ScatterPlan, SlotCopy
 from loraserve.v1 import common_pb2
 
 from .model.config import ModelConfig
@@ -85,13 +91,14 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 class SlotWrites:
-    """The copies and zero-fills of one adapter load, issued together by `flush`.
+    """The copies and zero-fills of one adapter load, issued together by `flush` (one multi-tensor
+    copy and one multi-tensor zero).
 
-    An 8B model's adapter has ~450 tensors; a host->device copy per tensor costs more than the
-    bytes take (measured on an H100: 16-17 ms for 40-160 MiB, the pinned floor being 0.8-3 ms).
-    So, when the sources are host tensors of one storage (the store client's one pinned buffer
-    per shard), `flush` moves that storage's span in one host->device copy and scatters it into
-    the slot views on the device; zero-fills go as one multi-tensor zero.
+    The path of the CPU, and of CUDA loads the one-launch scatter does not take (see
+    load_shard_into_slot): there every tensor is a copy and a zero-fill of its own, and an 8B
+    model's 256 (32 layers x qkv, o, gate_up, down, A and B) cost more host time than their bytes
+    take (15-19 ms on an H100 for 40-160 MiB, the pinned floor being 0.8-6 ms), even when one
+    host->device copy stages them all first.
     """
 
     def __init__(self):
@@ -109,30 +116,10 @@ class SlotWrites:
 
     def flush(self) -> None:
         if self.dst:
-            staged = _staged_on_device(self.src, self.dst[0].device)
-            torch._foreach_copy_(self.dst, staged or self.src, non_blocking=True)
+            torch._foreach_copy_(self.dst, self.src, non_blocking=True)
         if self.zeros:
             torch._foreach_zero_(self.zeros)
         self.dst, self.src, self.zeros = [], [], []
-
-
-def _staged_on_device(srcs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor] | None:
-    """Device copies of host tensors that are contiguous views of one storage, made by one
-    host->device copy of the span they cover; None when that does not apply (then each tensor is
-    copied on its own). The staging buffer is freed on return: the caching allocator reuses it only
-    for work queued after these copies on the current stream."""
-    if device.type != "cuda" or not srcs or any(t.device.type != "cpu" or not t.is_contiguous() for t in srcs):
-        return None
-    storage = srcs[0].untyped_storage()
-    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in srcs):
-        return None
-    starts = [t.storage_offset() * t.element_size() for t in srcs]
-    lo = min(starts)
-    hi = max(b + t.numel() * t.element_size() for b, t in zip(starts, srcs))
-    host = torch.empty(0, dtype=torch.uint8).set_(storage, lo, (hi - lo,), (1,))
-    dev = torch.empty(hi - lo, dtype=torch.uint8, device=device)
-    dev.copy_(host, non_blocking=True)
-    return [dev[b - lo : b - lo + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for b, t in zip(starts, srcs)]
 
 
 def _copy_into_slot(slot_buf: torch.Tensor, src: torch.Tensor, rank_dim: int = 1, writes: SlotWrites | None = None) -> None:
@@ -493,22 +480,140 @@ def _moe_layout(c: ModelConfig, mlp: str) -> list:
     return modules
 
 
-def clear_slot(modules, slot: int) -> None:
-    """Zeroes `slot` of every module (an iterable of LoRA modules, e.g. lora_modules(model).values()) in one go."""
-    writes = SlotWrites()
-    for m in modules:
-        m.reset_lora(slot, writes)
-    writes.flush()
+# ---- loading a slot ---------------------------------------------------------------------------
+#
+# On CUDA a load is one host->device copy of the shard's pinned buffer and one scatter launch
+# (kernels.slot_scatter) that writes every module's A and B and zeroes every rank tail and every
+# module the shard does not target. The copies and the checks depend only on the shard's layout
+# (its tensors' names, shapes, dtypes and offsets in the buffer), which repeats across adapters,
+# so both are worked out once per layout and cached with the model's LoRA modules: a repeat load
+# costs a signature of the shard, the copy and the launch, whatever its tensor count. Elsewhere
+# (the CPU, or a shard not in one host storage) the modules' set_lora copies go through SlotWrites.
+
+_MAX_LAYOUTS = 64  # cached shard layouts per model (adapters of one rank and targets share one)
 
 
-def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -> None:
-    """Copies one shard's tensors into `slot` of every LoRA module; modules absent from it are zeroed.
+@dataclass(frozen=True)
+class _ShardLayout:
+    """What a shard of one layout does to a slot, its checks passed: each module's rank there
+    (module.slot_ranks, rank; 0 where it has no tensors) and, when its tensors lie in one host
+    storage, the plan that scatters the `span` bytes from the first tensor's start."""
 
-    tensors: "<module>.lora_a" / "<module>.lora_b" as in docs/SHARD_FORMAT.md. Everything is checked
-    before any slot buffer is written, so a bad shard leaves the slot as it was.
-    """
-    modules = lora_modules(model)
-    known = {f"{name}.{part}" for name in modules for part in ("lora_a", "lora_b")}
+    ranks: tuple[tuple[list[int], int], ...]
+    plan: ScatterPlan | None
+    span: int
+
+
+class _SlotTargets:
+    """A model's LoRA modules with the shard layouts checked against them; valid while every
+    LoRA-capable module keeps the slot buffers it had (create_lora_weights, `model.to` replace them)."""
+
+    def __init__(self, model: nn.Module):
+        named = [(n, m) for n, m in model.named_modules() if isinstance(m, LORA_MODULE_TYPES)]
+        self.candidates = [m for _, m in named]
+        self.buffers = _buffers(self.candidates)
+        self.modules = {n: m for n, m in named if m.lora_a is not None}
+        self.known = frozenset(f"{n}.{part}" for n in self.modules for part in ("lora_a", "lora_b"))
+        slot_bufs = [b for b in self.buffers if b is not None]
+        self.device = slot_bufs[0].device if slot_bufs else torch.device("cpu")
+        self.scatterable = len({b.dtype for b in slot_bufs}) == 1 and all(b.is_contiguous() for b in slot_bufs)
+        self.layouts: OrderedDict[tuple, _ShardLayout] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def current(self) -> bool:
+        return all(map(operator.is_, self.buffers, _buffers(self.candidates)))
+
+    def layout(self, tensors: dict[str, torch.Tensor], key: tuple, offsets: list[int | None]) -> _ShardLayout:
+        """The layout of `tensors` (signature `key`): cached, or checked (ValueError) and planned."""
+        with self.lock:
+            found = self.layouts.get(key)
+            if found is not None:
+                self.layouts.move_to_end(key)
+                return found
+        _check_shard(self.modules, self.known, tensors)
+        found = self._plan(tensors, dict(zip(tensors, offsets)))
+        with self.lock:
+            self.layouts[key] = found
+            while len(self.layouts) > _MAX_LAYOUTS:
+                self.layouts.popitem(last=False)
+        return found
+
+    def _plan(self, tensors: dict[str, torch.Tensor], offsets: dict[str, int | None]) -> _ShardLayout:
+        ranks, copies = [], []
+        size = next(iter(tensors.values())).element_size() if tensors else 1
+        plannable = self.scatterable and all(
+            offsets[k] is not None and offsets[k] % size == 0 and t.is_contiguous() for k, t in tensors.items()
+        )
+        for name, m in self.modules.items():
+            a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
+            ranks.append((m.slot_ranks, 0 if a is None else a.shape[m.slot_rank_dim]))
+            if not plannable:
+                continue
+            for buf, src, part, parts in ((m.lora_a, a, "lora_a", 1), (m.lora_b, b, "lora_b", m.rank_parts)):
+                offset = 0 if src is None else offsets[f"{name}.{part}"] // size
+                copies.append(_slot_copy(buf, m.slot_rank_dim, src, offset, parts))
+        if not plannable:
+            return _ShardLayout(tuple(ranks), None, 0)
+        span = max((offsets[k] + t.nbytes for k, t in tensors.items()), default=0)
+        return _ShardLayout(tuple(ranks), ScatterPlan(tuple(copies)), span)
+
+
+_TARGETS: weakref.WeakKeyDictionary[nn.Module, _SlotTargets] = weakref.WeakKeyDictionary()
+_CLEAR_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first module -> (buffers, plan)
+
+
+def _buffers(modules) -> tuple:
+    return tuple(b for m in modules for b in (m._buffers["lora_a"], m._buffers["lora_b"]))
+
+
+def _slot_targets(model: nn.Module) -> _SlotTargets:
+    targets = _TARGETS.get(model)
+    if targets is None or not targets.current():
+        targets = _TARGETS[model] = _SlotTargets(model)
+    return targets
+
+
+def _slot_copy(buf: torch.Tensor, rank_dim: int, src: torch.Tensor | None, src_offset: int, parts: int = 1) -> SlotCopy:
+    """One slot of `buf` ([max_loras, ...], rank on dim rank_dim of a slot) as rows x fill: rows are
+    the dims before the rank, a row the rank and the dims after it. src (its rank r <= the slot's)
+    fills each row's first r / R; None: zeros. parts > 1: a fully sharded column layer's B, whose rank
+    is `parts` blocks (one per TP rank's A) each padded on its own: each block is a row."""
+    shape = buf.shape[1:]
+    inner = prod(shape[rank_dim + 1 :])
+    fill = shape[rank_dim] // parts * inner
+    cols = 0 if src is None else src.shape[rank_dim] // parts * inner
+    return SlotCopy(buf, prod(shape[:rank_dim]) * parts, fill, fill, cols, src_offset)
+
+
+def _signature(tensors: dict[str, torch.Tensor]):
+    """(key, byte offsets, storage, lo) of a shard. The key names each tensor's name, shape, dtype,
+    contiguity and, when all are host tensors in one storage (`storage`, else None), its byte
+    offset from lo, the lowest start among them."""
+    ts = tuple(tensors.values())
+    ptrs = [t.data_ptr() for t in ts]
+    lo, storage = min(ptrs, default=0), None
+    if ts and ts[0].device.type == "cpu":
+        first = ts[0].untyped_storage()
+        if first.data_ptr() <= lo and max(ptrs) < first.data_ptr() + first.nbytes():
+            storage = first
+    offsets = [p - lo for p in ptrs] if storage is not None else [None] * len(ts)
+    shapes, dtypes, contiguous = [t.shape for t in ts], [t.dtype for t in ts], [t.is_contiguous() for t in ts]
+    key = (tuple(tensors), tuple(zip(shapes, dtypes, contiguous, offsets)))
+    return key, offsets, storage, lo
+
+
+def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device, dtype: torch.dtype):
+    """The `nbytes` of host `storage` from address lo, copied to `device` in one copy (async from
+    pinned memory). The caching allocator reuses the buffer only for work queued after the scatter
+    on the current stream, so it is freed when the caller drops it."""
+    host = torch.empty(0, dtype=torch.uint8).set_(storage, lo - storage.data_ptr(), (nbytes,), (1,))
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)
+    return dev.view(dtype)
+
+
+def _check_shard(modules: dict[str, nn.Module], known: frozenset, tensors: dict[str, torch.Tensor]) -> None:
+    """ValueError unless every tensor belongs to a module and fits its slot buffers."""
     unknown = sorted(set(tensors) - known)
     if unknown:
         raise ValueError(f"shard has tensors for no LoRA module of this model: {unknown[:8]}")
@@ -519,16 +624,70 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
         if a is None:
             continue
         rank_dim = module.slot_rank_dim
-        for part, src, buf in (("lora_a", a, module.lora_a[slot]), ("lora_b", b, module.lora_b[slot])):
+        for part, src, buf in (("lora_a", a, module.lora_a[0]), ("lora_b", b, module.lora_b[0])):
             if (err := _fit_error(buf, src, rank_dim)) is not None:
                 raise ValueError(f"{name}.{part}: {err}")
         if a.shape[rank_dim] * module.rank_parts != b.shape[rank_dim]:
             parts = f" x {module.rank_parts} rank parts" if module.rank_parts > 1 else ""
             raise ValueError(f"{name}: lora_a rank {a.shape[rank_dim]}{parts} != lora_b rank {b.shape[rank_dim]}")
-    writes = SlotWrites()  # every module's copies and zero-fills issued together
-    for name, module in modules.items():
-        if f"{name}.lora_a" in tensors:
-            module.set_lora(slot, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"], writes)
-        else:
-            module.reset_lora(slot, writes)
-    writes.flush()
+
+
+def _default_scatter(device: torch.device):
+    return kernels.slot_scatter if device.type == "cuda" else None
+
+
+def _clear_plan(modules: list[nn.Module], buffers: tuple) -> ScatterPlan | None:
+    """Zeros over one slot of each of `buffers` (the modules'), whole; None when they are not all
+    contiguous of one dtype. Cached by the list's first module, checked against the buffers."""
+    cached = _CLEAR_PLANS.get(modules[0])
+    if cached is None or len(cached[0]) != len(buffers) or not all(map(operator.is_, cached[0], buffers)):
+        ok = len({b.dtype for b in buffers}) == 1 and all(b.is_contiguous() for b in buffers)
+        plan = ScatterPlan(tuple(SlotCopy(b, 1, b.stride(0), b.stride(0)) for b in buffers)) if ok else None
+        cached = _CLEAR_PLANS[modules[0]] = (buffers, plan)
+    return cached[1]
+
+
+def clear_slot(modules, slot: int, scatter=None) -> None:
+    """Zeroes `slot` of every module (an iterable of LoRA modules, e.g. lora_modules(model).values()) in
+    one go: on CUDA one launch. scatter: as in load_shard_into_slot."""
+    modules = list(modules)
+    buffers = _buffers(modules)
+    scatter = scatter or (_default_scatter(buffers[0].device) if buffers else None)
+    plan = _clear_plan(modules, buffers) if scatter is not None else None
+    if plan is None:
+        writes = SlotWrites()
+        for m in modules:
+            m.reset_lora(slot, writes)
+        writes.flush()
+        return
+    scatter(plan, None, slot)
+    for m in modules:
+        m.slot_ranks[slot] = 0
+
+
+def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor], scatter=None) -> None:
+    """Copies one shard's tensors into `slot` of every LoRA module; modules absent from it are zeroed.
+
+    tensors: "<module>.lora_a" / "<module>.lora_b" as in docs/SHARD_FORMAT.md. Everything is checked
+    before any slot buffer is written, so a bad shard leaves the slot as it was (a layout that passed
+    once is not checked again). scatter: how a shard staged in one piece is scattered into the slots
+    (default: kernels.slot_scatter on CUDA, one launch; None on the CPU: per-tensor copies there).
+    """
+    targets = _slot_targets(model)
+    key, offsets, storage, lo = _signature(tensors)
+    layout = targets.layout(tensors, key, offsets)
+    scatter = scatter or _default_scatter(targets.device)
+    if scatter is not None and layout.plan is not None:
+        dtype = next(iter(tensors.values())).dtype if tensors else torch.uint8
+        staged = _staged(storage, lo, layout.span, targets.device, dtype) if tensors else None
+        scatter(layout.plan, staged, slot)
+    else:
+        writes = SlotWrites()  # every module's copies and zero-fills issued together
+        for name, module in targets.modules.items():
+            if f"{name}.lora_a" in tensors:
+                module.set_lora(slot, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"], writes)
+            else:
+                module.reset_lora(slot, writes)
+        writes.flush()
+    for ranks, r in layout.ranks:
+        ranks[slot] = r

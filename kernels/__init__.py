@@ -1,4 +1,5 @@
-"""LoRA shrink/expand and paged attention kernels: Triton on CUDA, the plain-PyTorch reference elsewhere.
+"""LoRA shrink/expand, paged attention, fused MoE and slot-load kernels: Triton on CUDA, the
+plain-PyTorch reference elsewhere.
 
 `import loraserve.kernels` works with no GPU and no Triton installed: Triton is imported
 only when a CUDA tensor first asks for it.
@@ -10,7 +11,7 @@ import importlib
 
 import torch
 
-from . import attention_reference, moe_reference, ops_reference, reference
+from . import attention_reference, copy_reference, moe_reference, ops_reference, reference
 from .meta import LoraMeta, make_lora_meta
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "rms_norm",
     "rope_and_cache",
     "silu_and_mul",
+    "slot_scatter",
 ]
 
 _CUDA_MODULES: dict[str, object] = {}  # fast-path module name -> the module (or its reference)
@@ -111,3 +113,11 @@ def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
 def silu_and_mul(gate_up):
     """[T, 2I] gate | up -> silu(gate) * up [T, I]."""
     return _ops_impl(gate_up).silu_and_mul(gate_up)
+
+
+# ---- slot loads (kernels/copy_reference.py, kernels/triton_copy.py) ----------------------------
+
+def slot_scatter(plan: copy_reference.ScatterPlan, src, slot: int) -> None:
+    """A slot load's copies and zero-fills from the staged shard `src`: one launch on CUDA."""
+    if plan.copies:
+        _on_device(plan.copies[0].dst, "triton_copy", copy_reference).slot_scatter(plan, src, slot)

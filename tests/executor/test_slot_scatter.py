@@ -1,0 +1,145 @@
+"""Slot loads through the one-launch scatter (kernels.slot_scatter) against the per-tensor copies.
+
+A shard in one host buffer is staged in one copy and scattered by a plan cached per layout
+(executor/lora.py); a shard of separate tensors goes through SlotWrites, one copy per tensor.
+Both must leave the same bytes in every slot buffer: copies, rank tails zeroed, untargeted
+modules zeroed. The modules cover every slot buffer shape: fused and plain linear layers, a fully
+sharded column layer (B's rank in 2 parts) and row layer, an embedding and MoE experts.
+
+The plain-PyTorch scatter runs everywhere; the Triton kernel on CUDA (pytest -m gpu), or on the CPU
+under Triton's interpreter (TRITON_INTERPRET=1, with triton installed).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from loraserve.executor import lora
+from loraserve.executor.lora import (
+    ExpertsWithLoRA, LinearWithLoRA, LoraSpec, VocabEmbeddingWithLoRA, clear_slot, load_shard_into_slot, lora_modules,
+)  # fmt: skip
+from loraserve.executor.parallel import TPGroup
+from loraserve.kernels import copy_reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = [torch.bfloat16, torch.float32]
+
+# (slot, rank, modules absent from the shard); rank 0: an empty shard. Odd sizes everywhere; slot 2
+# gets rank 8, then rank 4 (its old tail must go) without the experts; step 5 repeats step 1's layout.
+STEPS = [(0, 4, ()), (2, 8, ("o",)), (1, 6, ()), (2, 4, ("experts",)), (3, 4, ()), (0, 0, ())]
+
+
+def _modules(dtype, device) -> nn.Module:
+    spec = LoraSpec(max_loras=4, max_rank=16, dtype=dtype, fully_sharded=True)
+    tp2 = TPGroup(size=2, rank=0)  # only the slot buffers' shapes are used: no process group needed
+    model = nn.ModuleDict({
+        "qkv": LinearWithLoRA(24, (20, 12, 12), False, spec, dtype, device),
+        "o": LinearWithLoRA(20, (24,), False, spec, dtype, device, row_parallel=True),
+        "sharded_col": LinearWithLoRA(24, (14, 14), False, spec, dtype, device, tp=tp2),  # rank_parts 2
+        "sharded_row": LinearWithLoRA(24, (14,), False, spec, dtype, device, tp=tp2, row_parallel=True),
+        "embed": VocabEmbeddingWithLoRA(37, 24, spec, dtype, device),
+        "experts": ExpertsWithLoRA(3, 24, (10, 10), spec, dtype, device),
+    })  # fmt: skip
+    assert model["sharded_col"].rank_parts == 2
+    torch.manual_seed(0)
+    for m in lora_modules(model).values():  # stale contents: every write must be a copy or a zero
+        m.lora_a.copy_(torch.randn(m.lora_a.shape))
+        m.lora_b.copy_(torch.randn(m.lora_b.shape))
+    return model
+
+
+def _shard(model, rank: int, absent=(), seed=0) -> dict[str, torch.Tensor]:
+    if rank == 0:
+        return {}
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, m in lora_modules(model).items():
+        if name in absent:
+            continue
+        for part, buf, r in (("lora_a", m.lora_a, rank // m.rank_parts), ("lora_b", m.lora_b, rank)):
+            shape = list(buf.shape[1:])
+            shape[m.slot_rank_dim] = r
+            out[f"{name}.{part}"] = torch.randn(shape, generator=gen).to(buf.dtype)
+    return out
+
+
+def _one_buffer(tensors: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
+    """The tensors as views of one host buffer, packed at their own alignment only (as a shard lands)."""
+    offsets, total = {}, 0
+    for name, t in tensors.items():
+        total = -(-total // t.element_size()) * t.element_size()
+        offsets[name], total = total, total + t.nbytes
+    blob = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    out = {}
+    for name, t in tensors.items():
+        out[name] = blob[offsets[name] : offsets[name] + t.nbytes].view(t.dtype).view(t.shape)
+        out[name].copy_(t)
+    return out
+
+
+def _assert_same(got, want):
+    for (name, a), b in zip(lora_modules(got).items(), lora_modules(want).values()):
+        assert torch.equal(a.lora_a.cpu(), b.lora_a.cpu()), f"{name}.lora_a"
+        assert torch.equal(a.lora_b.cpu(), b.lora_b.cpu()), f"{name}.lora_b"
+        assert a.slot_ranks == b.slot_ranks, name
+
+
+def _check_against_per_tensor_copies(scatter, dtype, device):
+    """Every STEP into `new` (one buffer, scattered) and `old` (separate tensors, per-tensor copies)."""
+    new, old = _modules(dtype, device), _modules(dtype, device)
+    pin = torch.device(device).type == "cuda"
+    for i, (slot, rank, absent) in enumerate(STEPS):
+        shard = _shard(new, rank, absent, seed=i)
+        load_shard_into_slot(new, slot, _one_buffer(shard, pin), scatter=scatter)
+        load_shard_into_slot(old, slot, {k: v.to(device) for k, v in shard.items()})
+        _assert_same(new, old)
+    targets = lora._slot_targets(new)
+    assert len(targets.layouts) == len(STEPS) - 1  # step 5 reused step 1's layout (checks and plan)
+    assert all(layout.plan is not None for layout in targets.layouts.values())
+
+    bad = _one_buffer({**_shard(new, 4), "qkv.lora_b": torch.zeros(44, 17, dtype=dtype)}, pin)
+    with pytest.raises(ValueError, match="qkv.lora_b"):
+        load_shard_into_slot(new, 3, bad, scatter=scatter)
+    _assert_same(new, old)  # nothing was written
+
+    clear_slot(lora_modules(new).values(), 2, scatter=scatter)
+    for m in lora_modules(old).values():
+        m.reset_lora(2)
+    _assert_same(new, old)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_scatter_matches_per_tensor_copies(dtype):
+    _check_against_per_tensor_copies(copy_reference.slot_scatter, dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_scatter_matches_per_tensor_copies_interpreted(dtype):
+    """The Triton kernel, run by Triton's interpreter on CPU tensors."""
+    if not INTERPRET:
+        pytest.skip("runs the Triton kernel on the CPU: set TRITON_INTERPRET=1 (triton installed)")
+    triton_copy = pytest.importorskip("loraserve.kernels.triton_copy", reason="needs triton installed")
+    _check_against_per_tensor_copies(triton_copy.slot_scatter, dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_slot_loads_are_one_scatter_and_match_per_tensor_copies(dtype, monkeypatch):
+    """On CUDA the default path: a pinned shard staged in one copy, then kernels.slot_scatter (Triton),
+    once per load and once per clear; equal to per-tensor copies."""
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
+    pytest.importorskip("triton", reason="needs CUDA + Triton: triton is not installed")
+    from loraserve import kernels
+
+    calls = []
+    scatter = kernels.slot_scatter
+    monkeypatch.setattr(kernels, "slot_scatter", lambda *args: calls.append(args[2]) or scatter(*args))
+    _check_against_per_tensor_copies(None, dtype, "cuda")
+    torch.cuda.synchronize()
+    assert calls == [slot for slot, _, _ in STEPS] + [2]  # every load and the clear: one scatter each
