@@ -7,7 +7,7 @@
 #   test:    the executor's and the attention kernels' CUDA tests (graphs, paged attention, service)
 #   svc:     the engine's part of them only: graphs, service and MoE tests (after an engine-only change)
 #   parallel: the tensor- and expert-parallel GPU tests (NCCL, one GPU per rank; tp 4 needs 4 GPUs)
-#   load:    the slot-load GPU tests (tests/executor/test_lora.py)
+#   load:    the slot-load GPU tests (tests/executor/test_lora.py, test_slot_scatter.py)
 #   moe:     benchmarks/bench_moe.py (fused MoE + expert LoRA against its floor)
 #   attn:    benchmarks/bench_attention.py (paged attention kernels against their floors)
 #   engine:  benchmarks/bench_engine.py (decode / prefill / gRPC against the floors; needs
@@ -67,7 +67,7 @@ if has parallel; then
     > "$OUT/parallel_gpu_tests.log" 2>&1; tail -12 "$OUT/parallel_gpu_tests.log"
 fi
 if has load; then
-  python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu tests/executor/test_lora.py \
+  python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu tests/executor/test_lora.py tests/executor/test_slot_scatter.py \
     2>&1 | tee "$OUT/load_gpu_tests.log" | tail -4
 fi
 if has moe; then
