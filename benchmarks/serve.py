@@ -110,11 +110,24 @@ class Counter(SlotObserver):
     def __init__(self):
         self.hits = self.misses = self.evictions = 0
         self.loads: list[tuple[str, float]] = []
+        self.phases: list[tuple[float, float, float]] = []  # (fetch, slot wait, copy) of each load
 
     def slot_hit(self): self.hits += 1  # noqa: E704
     def slot_miss(self): self.misses += 1  # noqa: E704
     def slot_eviction(self): self.evictions += 1  # noqa: E704
     def adapter_loaded(self, tier, seconds): self.loads.append((tier, seconds))  # noqa: E704
+    def load_phases(self, *seconds): self.phases.append(seconds)  # noqa: E704
+
+
+def phases(loads: list[tuple[float, float, float]]) -> str:
+    """Where the loads' time went: p50 / p99 ms of each phase (SlotObserver.load_phases)."""
+    if not loads:
+        return "no loads"
+    parts = []
+    for i, what in enumerate(("fetch", "slot wait", "copy")):
+        xs = [p[i] for p in loads]
+        parts.append(f"{what} {pct(xs, 50) * 1e3:.1f} / {pct(xs, 99) * 1e3:.1f}")
+    return "p50 / p99 ms: " + ", ".join(parts)
 
 
 # ---- workload -----------------------------------------------------------------------------------
@@ -421,7 +434,7 @@ async def run(args, tokenizer) -> list[tuple]:
         ("slots", f"hit rate {counter.hits / max(1, counter.hits + counter.misses):.2f}", "", "",
          f"{len(loads) / mixed.seconds:.1f} loads/s, load p50 / p99 {pct(loads, 50) * 1e3:.1f} / {pct(loads, 99) * 1e3:.1f} ms, "
          f"{counter.evictions} evictions; loads from the CPU cache {sum(t == 'cpu' for t, _ in counter.loads)}, fetched first "
-         f"{sum(t == 'store' for t, _ in counter.loads)}"),
+         f"{sum(t == 'store' for t, _ in counter.loads)}; " + phases(counter.phases)),
     ]
     if args.grpc:
         rows.append(await grpc_row(args, engine, items))

@@ -55,6 +55,9 @@ class SlotObserver:
     def slot_miss(self) -> None: ...
     def slot_eviction(self) -> None: ...
     def adapter_loaded(self, tier: str, seconds: float) -> None: ...
+    def load_phases(self, fetch_s: float, slot_wait_s: float, copy_s: float) -> None:
+        """A slot load's seconds split: in the CPU cache (the fetch and its wait for a seat; ~0 when
+        cached), waiting for a slot to free, the copy into it (host side: until the copy is queued)."""
 
 
 @dataclass(eq=False)
@@ -385,10 +388,12 @@ class SlotManager:
         t0, tier = time.perf_counter(), "cpu" if a.tensors is not None else "store"
         try:
             digest, tensors = await self.cpu.ensure(a)
+            t_fetched = time.perf_counter()
             if not waited_on(a):  # every request for it ended during the fetch: keep the copy, take no slot
                 log.info("adapter %s: fetched for requests that have ended; kept in the CPU cache, no slot taken", a.name)
                 return
             slot = await self._claim_slot(a)
+            t_slot = time.perf_counter()
             try:
                 a.event = await asyncio.to_thread(self._copy, slot, tensors)
                 a.slot_digest = digest
@@ -399,7 +404,9 @@ class SlotManager:
                     raise invalid(f"adapter {a.name!r} does not fit this executor's LoRA slots: {exc}") from exc
                 raise
             log.info("adapter %s (digest %s, rank %d) -> slot %d", a.name, a.digest[:12], a.rank, slot)
-            self.observer.adapter_loaded(tier, time.perf_counter() - t0)
+            t_end = time.perf_counter()
+            self.observer.adapter_loaded(tier, t_end - t0)
+            self.observer.load_phases(t_fetched - t0, t_slot - t_fetched, t_end - t_slot)
         finally:
             a.slot_task = None
             self._forget_if_unused(a)

@@ -96,6 +96,10 @@ class ExecutorMetrics:
         self.adapter_load = Histogram("loraserve_executor_adapter_load_seconds",
                                       "Time to bring an adapter into a GPU slot, by the tier it came from (cpu, store)",
                                       ["tier"], buckets=LOAD_BUCKETS, registry=r)
+        self.adapter_load_phase = Histogram(
+            "loraserve_executor_adapter_load_phase_seconds",
+            "Where a slot load's time goes: fetch (into the CPU cache, with its wait for a load seat), "
+            "slot_wait (for a slot to free), copy (into the slot)", ["phase"], buckets=LOAD_BUCKETS, registry=r)
 
     def attach(self, engine, slots, max_loras: int) -> None:
         self.registry.register(_ExecutorState(engine, slots, max_loras))
@@ -149,6 +153,10 @@ class ExecutorMetrics:
 
     def adapter_loaded(self, tier: str, seconds: float) -> None:
         self.adapter_load.labels(tier).observe(seconds)
+
+    def load_phases(self, fetch_s: float, slot_wait_s: float, copy_s: float) -> None:
+        for phase, seconds in (("fetch", fetch_s), ("slot_wait", slot_wait_s), ("copy", copy_s)):
+            self.adapter_load_phase.labels(phase).observe(seconds)
 
 
 class _ExecutorState:

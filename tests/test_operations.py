@@ -148,6 +148,9 @@ def test_metrics_count_what_was_sent(served):
     assert value(ex, "loraserve_executor_slot_misses_total") == 4  # qv8, mlp4, o2, missing
     assert value(ex, "loraserve_executor_slot_evictions_total") == 1  # qv8 (least recently used) for o2
     assert value(ex, "loraserve_executor_adapter_load_seconds_count", tier="store") == 3
+    for phase in ("fetch", "slot_wait", "copy"):  # each load's time, split
+        assert value(ex, "loraserve_executor_adapter_load_phase_seconds_count", phase=phase) == 3
+    assert value(ex, "loraserve_executor_adapter_load_phase_seconds_sum", phase="fetch") > 0
     assert value(ex, "loraserve_executor_lora_slots_total") == 2 and value(ex, "loraserve_executor_lora_slots_used") == 2
     assert value(ex, "loraserve_executor_kv_cache_blocks_total") == 256
     held = {s.name: s.bytes for s in executor.list() if s.in_cpu_cache}
