@@ -31,7 +31,9 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
 - `--probe`: bytes per adapter of each rank, pinned host -> device bandwidth measured in the same
   run, and cold load times as ratios of the copy floor (bytes / that bandwidth): CPU cache ->
   slot (the adapter in pinned host memory, not in a slot), and store -> slot through a real
-  `loraserve store` process on loopback (one rank-16 PEFT adapter registered, disk tier).
+  `loraserve store` process on loopback (one rank-16 PEFT adapter registered, disk tier); and
+  how much cold loads delay other adapters' requests: the longest gap between step results while
+  4 rank-64 adapters are fetched and loaded beside 8 decoding requests, in steps of the median gap.
 """
 
 from __future__ import annotations
@@ -349,8 +351,47 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
         rows.append((f"rank {rank}: CPU cache -> slot", f"{t * 1e3:.2f} ms", f"{nbytes / 2**20:.1f} MiB",
                      f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms"))
         await slots.evict(name)
+    rows.append(await load_delay(engine, args.vocab))
     rows += await store_probe(args, engine, bw)
     return rows
+
+
+async def load_delay(engine: Engine, vocab: int, batch: int = 8, cold: int = 4) -> tuple:
+    """How much cold loads delay other adapters' requests: `batch` requests of adapters already
+    in slots decode while `cold` rank-64 adapters are fetched and loaded into free slots one after
+    the other; the longest gap between two step results during the loads against the median gap
+    before them (target: at most one decode step more, i.e. a gap <= 2x the median)."""
+    slots = engine.slots
+    warm = [f"adapter-{4 * i + 1}" for i in range(batch)]  # rank 16, RandomAdapters' naming
+    for name in warm:
+        await slots.load(name)
+    longest = engine.config.max_model_len - 32  # decodes until cancelled below
+    items = [Item([(7 * i + j) % vocab for j in range(32)], longest, name) for i, name in enumerate(warm)]
+    run = engine_one(engine, True)
+    tasks = [asyncio.ensure_future(run(item)) for item in items]
+    try:
+        await asyncio.sleep(0.5)  # every request decoding
+        t0 = time.perf_counter()
+        await asyncio.sleep(1.0)
+        t1 = time.perf_counter()
+        for i in range(cold):  # rank 64: the largest copies
+            await slots.load(f"adapter-{4 * (batch + i) + 3}")
+        t2 = time.perf_counter()
+        await asyncio.sleep(0.2)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    ends = [s.end for s in engine.step_times if t0 <= s.end]
+    before = [b - a for a, b in zip(ends, ends[1:]) if b <= t1]
+    during = [b - a for a, b in zip(ends, ends[1:]) if b > t1 and a < t2]
+    if not before or not during:
+        return ("cold loads during decode", "no steps", "", "")
+    base, worst = statistics.median(before), max(during)
+    return (f"{cold} cold loads (rank 64, fetch + slot) beside {batch} decoding requests", f"{worst * 1e3:.2f} ms",
+            f"{(t2 - t1) * 1e3:.0f} ms of loads",
+            f"longest gap between steps during the loads; median before {base * 1e3:.2f} ms: "
+            f"+{worst / base - 1:.2f} steps (target <= +1)")
 
 
 async def store_probe(args, engine: Engine, bw: float) -> list[tuple]:
