@@ -14,6 +14,8 @@ from loraserve.executor.lora import LoraSpec, lora_modules
 from loraserve.executor.model.loader import load_hf_checkpoint
 from loraserve.kernels import make_lora_meta
 
+from .conftest import TINY_MOE
+
 
 def test_batch_buckets_cover_every_batch_up_to_the_maximum():
     assert batch_buckets(1) == [1]
@@ -25,10 +27,12 @@ def test_batch_buckets_cover_every_batch_up_to_the_maximum():
         assert buckets == sorted(set(buckets)) and buckets[-1] == n
 
 
-def test_static_buffer_step_equals_the_eager_step_on_cpu(hf_model):
+@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen2_moe"])
+def test_static_buffer_step_equals_the_eager_step_on_cpu(hf_model, family):
     """What the graphs capture, run without capture: inputs staged in the static buffer (ragged
-    tables, padding to the bucket, mixed slots) give the eager step's logits. Runs everywhere."""
-    _, path = hf_model("llama")
+    tables, padding to the bucket, mixed slots, expert LoRA for the MoE families) give the eager
+    step's logits. Runs everywhere."""
+    _, path = hf_model(family, **TINY_MOE.get(family, {}))
     model = load_hf_checkpoint(path, lora=LoraSpec(MAX_LORAS, RANK, torch.float32))
     torch.manual_seed(1)
     for m in lora_modules(model).values():

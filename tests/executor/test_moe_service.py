@@ -5,6 +5,7 @@ token by token against transformers + PEFT; hostile MoE adapters refused by the 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import copy
 import json
 
@@ -46,21 +47,32 @@ def served(family, device, hf_model, moe_adapter, tmp_path_factory, module_loop_
         d = moe_adapter(family, model, root / "adapters" / name, name)
         native = name != "per_expert6" or family == "mixtral"  # PEFT converts only Mixtral's per-expert form
         refs[name] = PeftModel.from_pretrained(copy.deepcopy(model), d).eval() if native else merge_per_expert_adapter(model, d, 2.0)
-    lt = module_loop_thread
-    scfg = StoreConfig(listen="127.0.0.1:0", data_dir=root / "store", base_model="tiny", base_model_path=path,
+    with _services(module_loop_thread, path, root, root / "store", device=device, dtype="float32") as (store, client, _):
+        yield store, client, refs, root
+
+
+@contextlib.contextmanager
+def _services(lt, path, root, data, **executor_overrides):
+    """(store client, executor client, executor parts): a store with NAMES registered from
+    root / "adapters" and an executor of the model at `path`, on loopback; stopped on exit."""
+    scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model="tiny", base_model_path=path,
                        sources=SourceConfig(local_roots=(root / "adapters",)), limits=validate.Limits(max_rank=16))
     store_server, store_port = lt.run(serve_store(scfg))
-    store = StoreClient(f"127.0.0.1:{store_port}", timeout_s=60)
-    for name in NAMES:
-        store.register(name, str(root / "adapters" / name))
-    cfg = ExecutorConfig(model=str(path), base_model="tiny", device=device, dtype="float32", max_loras=3, max_rank=8,
-                         max_cpu_adapters=8, num_blocks=128, block_size=4, max_model_len=256,
-                         store_address=f"127.0.0.1:{store_port}", slot_wait_timeout_s=10.0)  # fmt: skip
-    parts = build_executor(cfg)
-    server, port = lt.run(serve_executor(parts, "127.0.0.1:0"))
-    yield store, ExecutorClient(f"127.0.0.1:{port}", timeout_s=120), refs, root
-    lt.run(shutdown(server, parts))
-    lt.run(store_server.stop(0))
+    try:
+        store = StoreClient(f"127.0.0.1:{store_port}", timeout_s=60)
+        for name in NAMES:
+            store.register(name, str(root / "adapters" / name))
+        fields = dict(model=str(path), base_model="tiny", max_loras=3, max_rank=8, max_cpu_adapters=8, num_blocks=128,
+                      block_size=4, max_model_len=256, store_address=f"127.0.0.1:{store_port}",
+                      slot_wait_timeout_s=10.0)  # fmt: skip
+        parts = build_executor(ExecutorConfig(**{**fields, **executor_overrides}))
+        server, port = lt.run(serve_executor(parts, "127.0.0.1:0"))
+        try:
+            yield store, ExecutorClient(f"127.0.0.1:{port}", timeout_s=120), parts
+        finally:
+            lt.run(shutdown(server, parts))
+    finally:
+        lt.run(store_server.stop(0))
 
 
 def _generate(client, adapter, ids, max_tokens=6):
@@ -92,6 +104,38 @@ def test_mixed_moe_batches_over_grpc_match_transformers_peft(served):
             assert logprobs.argmax(-1).tolist() == out, name
             got = torch.tensor(list(resp.logprobs), dtype=torch.float64)
             assert torch.allclose(got, logprobs[torch.arange(len(out)), out], atol=2e-4), name
+
+
+@pytest.mark.gpu
+def test_bf16_moe_decode_replays_cuda_graphs_like_the_eager_steps(served, family, device, hf_model, loop_thread,
+                                                                  tmp_path):
+    """bf16 on CUDA: the decode steps of a MoE model replay CUDA graphs (the fused MoE and expert
+    LoRA kernels captured), and the served tokens and logprobs are the eager steps' (common token
+    prefix: a later bf16 near-tie may part them)."""
+    if device != "cuda":
+        pytest.skip("the CUDA run of the module's services only (its adapters are reused)")
+    _, _, _, root = served
+    _, path = hf_model(family, **TINY_MOE[family], vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS,
+                       max_position_embeddings=256)  # fmt: skip
+    group = ["experts8", "attn4", "", "down2", "experts8"]
+    out = {}
+    for eager in (False, True):
+        with _services(loop_thread, path, root, tmp_path / f"store-{eager}", device="cuda", dtype="bfloat16",
+                       enforce_eager=eager) as (_, client, parts):
+            assert (parts.engine.graphs is None) == eager
+            for name in set(group) - {""}:
+                client.load(name)
+            jobs = [(name, _prompt(i)) for i, name in enumerate(group)]
+            with cf.ThreadPoolExecutor(len(jobs)) as pool:
+                out[eager] = list(pool.map(lambda j: _generate(client, *j, 10), jobs))
+            if not eager:
+                assert any(s.kind == "decode-graph" for s in parts.engine.step_times)
+    for name, graph, plain in zip(group, out[False], out[True]):
+        a, b = list(graph.token_ids), list(plain.token_ids)
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert same >= len(b) // 2, (name, a, b)
+        torch.testing.assert_close(torch.tensor(list(graph.logprobs)[:same]), torch.tensor(list(plain.logprobs)[:same]),
+                                   atol=0.05, rtol=0, msg=name)
 
 
 def _hostile(src, dst, edit_tensors=None, edit_config=None):
