@@ -314,8 +314,9 @@ def _longest_step(engine, since: float) -> float:
     return max((s.seconds for s in engine.step_times if s.launched >= since), default=0.0)
 
 
-async def grpc_case(engine, slots, args) -> tuple[float, float]:
-    """(engine-only tok/s, gRPC tok/s) for the same `streams` requests of the base model."""
+async def grpc_case(engine, slots, args) -> tuple[float, float, float, float]:
+    """(engine-only tok/s, gRPC tok/s, the longest step of each) for the same `streams` requests of
+    the base model."""
     from loraserve.executor.service import ExecutorParts, serve, shutdown
     from loraserve.executor.store_client import StoreClient
     from loraserve.v1.common_pb2 import Layout

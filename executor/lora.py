@@ -562,6 +562,14 @@ _TARGETS: weakref.WeakKeyDictionary[nn.Module, _SlotTargets] = weakref.WeakKeyDi
 _CLEAR_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first module -> (buffers, plan)
 
 
+def forget_slot_plans(model: nn.Module) -> None:
+    """Drops what the slot-load caches hold of `model` (its slot buffers among it): call before
+    its buffers are replaced, so the old ones are freed at once."""
+    _TARGETS.pop(model, None)
+    for m in model.modules():
+        _CLEAR_PLANS.pop(m, None)
+
+
 def _buffers(modules) -> tuple:
     return tuple(b for m in modules for b in (m._buffers["lora_a"], m._buffers["lora_b"]))
 

@@ -7,6 +7,8 @@ import dataclasses
 import logging
 import os
 
+from .lora import forget_slot_plans
+
 log = logging.getLogger(__name__)
 
 CPU_CACHE_SHARE = 0.5  # of the host memory available at start-up
@@ -58,6 +60,7 @@ def lora_bytes_per_slot(modules) -> int:
 def resize_slots(model, modules, max_loras: int) -> None:
     """Re-creates every module's slot buffers with `max_loras` slots (they are empty at start-up)."""
     spec = model.lora_spec
+    forget_slot_plans(model)  # the slot-load caches hold the old buffers
     for m in modules.values():
         if m.lora_a is not None:
             m.lora_a = m.lora_b = None  # free the old buffers before the new ones are allocated

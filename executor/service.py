@@ -172,10 +172,10 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
         device=cfg.torch_device,
         slot_wait_timeout_s=cfg.slot_wait_timeout_s, max_concurrent_loads=cfg.max_concurrent_loads, observer=metrics,
     )
+    if ranks is not None:
+        ranks.wait_ready()  # before the engine's warm-up steps reach them
     engine = Engine(model, tokenizer, kv, slots, cfg, ranks)
     metrics.attach(engine, slots, cfg.max_loras)
-    if ranks is not None:
-        ranks.wait_ready()
     log.info("executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d, %d KV blocks of %d%s",
              time.perf_counter() - t0, cfg.model, cfg.device, cfg.dtype, mc.num_layers, cfg.max_loras,
              cfg.max_rank, cfg.num_blocks, cfg.block_size,

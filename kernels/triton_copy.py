@@ -13,6 +13,7 @@ integers of their size, so any dtype copies bit for bit.
 from __future__ import annotations
 
 import itertools
+import threading
 
 import torch
 import triton
@@ -47,24 +48,31 @@ def _slot_scatter_kernel(table_ptr, block_copy_ptr, src_ptr, slot, BLOCK: tl.con
     tl.store(dst + slot * slot_stride + row.to(tl.int64) * dst_stride + col, x, mask=inside)
 
 
+_TABLES_LOCK = threading.Lock()  # loads run in worker threads: one builds a plan's table, once
+
+
 def _tables(plan: ScatterPlan, device: torch.device):
     """(descriptor table [copies, 8] int64, each block's copy [blocks] int32, blocks, slots) on
     device, or None when a copy is too large for the kernel's int32 element index."""
     key = str(device)
-    if key not in plan.device_tables:
-        sizes = [c.rows * c.fill for c in plan.copies]
-        blocks = [triton.cdiv(n, BLOCK) for n in sizes]
-        first = [0, *itertools.accumulate(blocks)]
-        if max(sizes) >= 2**31:
-            plan.device_tables[key] = None
-        else:
-            table = torch.tensor(
-                [[c.dst.data_ptr(), c.dst.stride(0), c.src_offset, n, c.src_cols, c.dst_stride, c.fill, f]
-                 for c, n, f in zip(plan.copies, sizes, first)], dtype=torch.int64,
-            ).view(-1, _COLUMNS)  # fmt: skip
-            block_copy = torch.repeat_interleave(torch.arange(len(blocks), dtype=torch.int32), torch.tensor(blocks))
-            slots = min(c.dst.shape[0] for c in plan.copies)
-            plan.device_tables[key] = (table.to(device), block_copy.to(device), first[-1], slots)
+    with _TABLES_LOCK:
+        return plan.device_tables[key] if key in plan.device_tables else _build_tables(plan, device, key)
+
+
+def _build_tables(plan: ScatterPlan, device: torch.device, key: str):
+    sizes = [c.rows * c.fill for c in plan.copies]
+    blocks = [triton.cdiv(n, BLOCK) for n in sizes]
+    first = [0, *itertools.accumulate(blocks)]
+    if max(sizes) >= 2**31:
+        plan.device_tables[key] = None
+    else:
+        table = torch.tensor(
+            [[c.dst.data_ptr(), c.dst.stride(0), c.src_offset, n, c.src_cols, c.dst_stride, c.fill, f]
+             for c, n, f in zip(plan.copies, sizes, first)], dtype=torch.int64,
+        ).view(-1, _COLUMNS)  # fmt: skip
+        block_copy = torch.repeat_interleave(torch.arange(len(blocks), dtype=torch.int32), torch.tensor(blocks))
+        slots = min(c.dst.shape[0] for c in plan.copies)
+        plan.device_tables[key] = (table.to(device), block_copy.to(device), first[-1], slots)
     return plan.device_tables[key]
 
 

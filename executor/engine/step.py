@@ -27,6 +27,9 @@ class StepInputs:
     sample_rows: list[int]  # index of the last token of each sequence that samples
     sample_slots: list[int]
     slot_adapters: dict[int, tuple[str, str]] = field(default_factory=dict)  # slot -> (adapter, digest) in it
+    # Run every LoRA module's kernels over whole slots, as a captured graph does, even where no
+    # adapter in the step targets the module (the start-up warm-up: its slot 0 is empty).
+    every_slot: bool = False
 
     @classmethod
     def of(cls, b) -> "StepInputs":
@@ -34,11 +37,12 @@ class StepInputs:
                    b.sample_slots, b.slot_adapters)
 
 
-def lora_meta(slots: list[int], max_loras: int, device: torch.device):
-    """Token grouping by slot, once per step; None when no token uses an adapter."""
+def lora_meta(slots: list[int], max_loras: int, device: torch.device, every_slot: bool = False):
+    """Token grouping by slot, once per step; None when no token uses an adapter. every_slot: no
+    host-side set of the step's slots, so no module is skipped (StepInputs.every_slot)."""
     if max_loras == 0 or max(slots, default=-1) < 0:
         return None
-    active = frozenset(s for s in slots if s >= 0)
+    active = None if every_slot else frozenset(s for s in slots if s >= 0)
     return make_lora_meta(torch.tensor(slots, dtype=torch.int32, device=device), max_loras, active)
 
 
@@ -46,10 +50,11 @@ def lora_meta(slots: list[int], max_loras: int, device: torch.device):
 def forward_step(model, kv_cache: KVCache, step, max_loras: int, device: torch.device) -> torch.Tensor | None:
     """model.forward over the step's tokens, then the logits [len(sample_rows), vocab] float32 of
     the rows that sample (None when none does). `step`: StepInputs or anything with its fields."""
+    every = getattr(step, "every_slot", False)  # the engine's own batches never set it
     input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=device)
     attn = AttentionMetadata.build(step.query_lens, step.context_lens, step.block_tables, kv_cache.block_size, device)
-    hidden = model.forward(input_ids, attn.positions, attn, kv_cache, lora_meta(step.token_slots, max_loras, device))
+    hidden = model.forward(input_ids, attn.positions, attn, kv_cache, lora_meta(step.token_slots, max_loras, device, every))
     if not step.sample_rows:
         return None
     rows = torch.tensor(step.sample_rows, dtype=torch.long, device=device)
-    return model.compute_logits(hidden.index_select(0, rows), lora_meta(step.sample_slots, max_loras, device))
+    return model.compute_logits(hidden.index_select(0, rows), lora_meta(step.sample_slots, max_loras, device, every))

@@ -12,8 +12,9 @@ and Triton's disk cache makes it short on the next start.
 The steps: one sequence's prefill first (its KV is then written, so later steps' decode row reads
 only what was written), then, for every token count T of `token_ladder`, one step of T tokens:
 that sequence's decode row plus a T - 1 token prefill chunk cut into sequences of at most
-max_model_len. Every other token uses LoRA slot 0 (all zeros at start), so the LoRA kernels run
-beside the base path. What the steps leave in the KV cache is what any freed block holds: never
+max_model_len. Every other token uses LoRA slot 0 (all zeros at start), and the steps run every
+LoRA module's kernels over whole slots as a captured graph does (`StepInputs.every_slot`: slot 0
+targets no module yet, so a normal step would skip them all), on every rank alike. What the steps leave in the KV cache is what any freed block holds: never
 read (a sequence reads only the positions it wrote).
 """
 
@@ -76,7 +77,7 @@ def _step(seqs: list[tuple[int, int, list[int]]], input_ids: list[int], slot: in
     return StepInputs(
         input_ids=input_ids, query_lens=query_lens, context_lens=[c for _, c, _ in seqs],
         block_tables=[b for _, _, b in seqs], token_slots=token_slots, sample_rows=sample_rows,
-        sample_slots=[token_slots[r] for r in sample_rows],
+        sample_slots=[token_slots[r] for r in sample_rows], every_slot=True,
     )
 
 

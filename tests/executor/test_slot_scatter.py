@@ -146,3 +146,22 @@ def test_cuda_slot_loads_are_one_scatter_and_match_per_tensor_copies(dtype, monk
     # loads fall back (device tensors), except its empty shard (step 5), a clear: one scatter too.
     loads = [slot for slot, _, _ in STEPS]
     assert calls == loads + [STEPS[-1][0], 2]
+
+
+def test_resizing_the_slots_drops_the_cached_plans_that_hold_the_old_buffers():
+    """resize_slots (executor/memory.py) re-creates the slot buffers: the slot-load caches must not
+    keep the old ones alive, and a load after it writes the new ones."""
+    import weakref
+
+    from loraserve.executor.memory import resize_slots
+
+    model = _modules(torch.float32, "cpu")
+    model.lora_spec = LoraSpec(max_loras=4, max_rank=16, dtype=torch.float32, fully_sharded=True)
+    load_shard_into_slot(model, 1, _one_buffer(_shard(model, 4), False), scatter=copy_reference.slot_scatter)
+    clear_slot(lora_modules(model).values(), 2, scatter=copy_reference.slot_scatter)
+    old = weakref.ref(model["qkv"].lora_a)
+    assert lora._TARGETS.get(model) is not None
+    resize_slots(model, lora_modules(model), 3)
+    assert lora._TARGETS.get(model) is None and old() is None  # freed at once
+    load_shard_into_slot(model, 2, _one_buffer(_shard(model, 4), False), scatter=copy_reference.slot_scatter)
+    assert model["qkv"].lora_a.shape[0] == 3 and model["qkv"].slot_ranks[2] == 4

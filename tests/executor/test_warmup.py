@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from loraserve import kernels
 from loraserve.executor.engine.kv_cache import KVCache
 from loraserve.executor.engine.step import StepInputs, forward_step
 from loraserve.executor.engine.warmup import token_ladder, warm_up, warm_up_steps
-from loraserve.executor.lora import LoraSpec
+from loraserve.executor.lora import LoraSpec, lora_modules
 from loraserve.executor.model.loader import load_model
 
 
@@ -66,3 +67,30 @@ def test_serving_after_the_warm_up_equals_serving_without_it(hf_model):
     assert len(ran) == len(steps) and seconds >= 0
     assert any(c.abs().sum() > 0 for c in used.k_cache)  # the warm-up wrote into the cache
     torch.testing.assert_close(serve(used), want, rtol=0, atol=0)
+
+
+def test_the_warm_up_runs_every_lora_module_s_kernels_though_no_slot_holds_an_adapter(hf_model, monkeypatch):
+    """At start no slot targets any module, so a normal step would skip every LoRA kernel: the
+    warm-up's steps run them over whole slots (as a captured graph does), and change no slot."""
+    _, path = hf_model("llama")
+    model = load_model(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
+    cfg, modules = model.cfg, lora_modules(model)
+    kv = KVCache(cfg.num_layers, 24, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    calls = {"shrink": 0, "expand": 0}
+    for op in calls:
+        real = getattr(kernels, f"lora_{op}")
+        monkeypatch.setattr(kernels, f"lora_{op}", lambda *a, _real=real, _op=op, **k: calls.__setitem__(
+            _op, calls[_op] + 1) or _real(*a, **k))
+    steps = warm_up_steps(max_tokens=8, max_model_len=64, block_size=16, num_blocks=24, max_loras=2,
+                          vocab_size=cfg.vocab_size)
+    assert all(s.every_slot for s in steps)
+    forward_step(model, kv, steps[1], 2, torch.device("cpu"))  # the ladder's first step: 1 token on slot 0
+    per_step = len(modules)  # every module: qkv, o, gate_up, down of each layer
+    assert calls == {"shrink": per_step, "expand": per_step}
+    warm_up(lambda s: forward_step(model, kv, s, 2, torch.device("cpu")), steps, torch.device("cpu"))
+    assert all(m.slot_ranks == [0, 0] for m in modules.values())
+    # the same step as the engine's own batches make it (no every_slot): every module skipped
+    calls.update(shrink=0, expand=0)
+    steps[1].every_slot = False
+    forward_step(model, kv, steps[1], 2, torch.device("cpu"))
+    assert calls == {"shrink": 0, "expand": 0}
