@@ -182,3 +182,21 @@ def test_executor_http_port_and_eager_flag(manifests):
         assert "http" not in pod_ports and "http" not in svc_ports
         assert "--http-port=0" in executor["args"] and "--enforce-eager" in executor["args"]
         assert "--tp-size=2" in executor["args"] and "--fully-sharded-loras" in executor["args"]
+
+
+def test_executor_kernel_cache_is_an_emptydir_named_by_triton_cache_dir(manifests):
+    """The warm-up's Triton builds land on an emptyDir (TRITON_CACHE_DIR), kept across container
+    restarts in the pod; "" leaves the image's default and mounts nothing."""
+    _, docs = manifests
+    executor = container(docs, "executor")
+    env = {e["name"]: e.get("value") for e in executor["env"]}
+    assert env["TRITON_CACHE_DIR"] == "/var/cache/loraserve/triton"
+    mount = next(m for m in executor["volumeMounts"] if m["name"] == "kernel-cache")
+    assert mount["mountPath"] == "/var/cache/loraserve/triton"
+    pod = next(d for d in kinds(docs)["Deployment"] if d["metadata"]["name"].endswith("-executor"))["spec"]["template"]["spec"]
+    assert next(v for v in pod["volumes"] if v["name"] == "kernel-cache") == {"name": "kernel-cache", "emptyDir": {}}
+    off = container(render({"executor": {"kernelCacheDir": ""}}), "executor")
+    assert "TRITON_CACHE_DIR" not in {e["name"] for e in off["env"]}
+    assert "kernel-cache" not in {m["name"] for m in off.get("volumeMounts", [])}
+    with pytest.raises(helm.HelmValuesError, match="at '/executor/kernelCacheDir': 'relative/path' does not match"):
+        render({"executor": {"kernelCacheDir": "relative/path"}})
