@@ -122,7 +122,7 @@ class StoreClient:
         self.timeout_s = timeout_s
         self.pin_memory = pin_memory  # shards land in pinned host memory (CUDA: the slot copy is a true async DMA)
         self.chunk_bytes = chunk_bytes
-        self._hash_thread = ThreadPoolExecutor(1, thread_name_prefix="shard-sha256")
+        self._hash_thread = ThreadPoolExecutor(1, thread_name_prefix="shard-hash")
         self.channel: grpc.aio.Channel | None = None  # opened on first use, on the serving loop
         self.answering = True  # the last health check's answer (watch); True until one fails
 

@@ -13,8 +13,9 @@ from urllib.parse import urlsplit
 
 import grpc
 import pytest
+import xxhash
 
-from loraserve.adapter_store.cache import CacheUnavailable, DiskCache, RedisCache, TieredCache
+from loraserve.adapter_store.cache import CacheUnavailable, Checksums, DiskCache, RedisCache, TieredCache
 from loraserve.errors import StatusError
 
 KIB = 1024
@@ -88,7 +89,7 @@ def test_disk_corrupted_file_is_dropped(tmp_path, caplog):
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="loraserve.adapter_store.cache"):
         assert cache.get(shard_key(1)) is None
-    assert f"shard {shard_key(1)} in {path} failed its sha256 check" in caplog.text
+    assert f"shard {shard_key(1)} in {path} failed its xxh3-128 check" in caplog.text
     assert not path.exists() and cache.total_bytes() == 0
 
 
@@ -225,7 +226,7 @@ def test_redis_corrupted_chunk_is_dropped(redis_url, caplog):
     redis.Redis.from_url(redis_url.url).set(f"{redis_url.prefix}:shard:{shard_key(1)}:c1", b"\0" * 4 * KIB)
     with caplog.at_level(logging.WARNING, logger="loraserve.adapter_store.cache"):
         assert cache.get(shard_key(1)) is None
-    assert f"shard {shard_key(1)}" in caplog.text and "failed its sha256 check" in caplog.text
+    assert f"shard {shard_key(1)}" in caplog.text and "failed its xxh3-128 check" in caplog.text
     assert cache.total_bytes() == 0
     assert not list(redis.Redis.from_url(redis_url.url).scan_iter(match=f"{redis_url.prefix}:shard:*"))
 
@@ -243,7 +244,7 @@ def test_redis_open_streams_the_chunks_one_get_each_and_checks_them(redis_url, r
     blob = bytes(range(256)) * 40  # 10 KiB: three chunks
     cache.put(shard_key(1), blob)
     reader = cache.open(shard_key(1))
-    assert (reader.size, reader.sha256, reader.tier) == (len(blob), hashlib.sha256(blob).hexdigest(), "redis")
+    assert (reader.size, reader.checksums, reader.tier) == (len(blob), Checksums.of(blob), "redis")
     requests_before = redis_proxy.requests
     assert _read_all(reader, 3 * KIB) == blob and reader.finish()
     assert redis_proxy.requests - requests_before == 3  # one GET per chunk, as the reader reaches it
@@ -259,7 +260,7 @@ def test_redis_open_drops_a_corrupted_copy_when_it_finishes(redis_url, caplog):
     reader = cache.open(shard_key(1))
     with caplog.at_level(logging.WARNING, logger="loraserve.adapter_store.cache"):
         assert len(_read_all(reader, 4 * KIB)) == 10 * KIB and not reader.finish()
-    assert "failed its sha256 check; deleting it" in caplog.text and cache.size(shard_key(1)) is None
+    assert "failed its xxh3-128 check; deleting it" in caplog.text and cache.size(shard_key(1)) is None
 
 
 def test_redis_chunk_gone_mid_stream_is_data_loss(redis_url):
@@ -337,15 +338,15 @@ def test_tiered_hit_in_lower_tier_backfills_upper(redis_url, tmp_path):
     assert cache.get(shard_key(2)) is None
 
 
-def test_tiered_read_returns_the_sha256_each_tier_checked(redis_url, tmp_path):
-    """FetchShard's checksum trailer is the hash a tier computed on read: it must be the blob's."""
+def test_tiered_read_returns_the_checksums_each_tier_checked(redis_url, tmp_path):
+    """FetchShard's checksum trailer is the hash a tier checked on read: it must be the blob's."""
     redis_tier, disk_tier = redis_cache(redis_url), DiskCache(tmp_path, 1 << 20)
     blob = blob_of(40 * KIB)
     disk_tier.put(shard_key(1), blob)
     cache = TieredCache([redis_tier, disk_tier])
-    sha = hashlib.sha256(blob).hexdigest()
-    assert cache.read(shard_key(1)) == (blob, "disk", sha)
-    assert cache.read(shard_key(1)) == (blob, "redis", sha)
+    sums = Checksums(hashlib.sha256(blob).hexdigest(), xxhash.xxh3_128_hexdigest(blob))
+    assert cache.read(shard_key(1)) == (blob, "disk", sums)
+    assert cache.read(shard_key(1)) == (blob, "redis", sums)  # back-filled with both
     assert cache.read(shard_key(2)) is None
 
 

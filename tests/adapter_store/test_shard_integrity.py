@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
+import xxhash
 
 from loraserve.adapter_store import pack, validate
 from loraserve.adapter_store.config import StoreConfig
@@ -88,7 +89,7 @@ def test_a_shard_streams_over_many_chunks_and_reassembles_exactly(store):
             asm.add(c)
         got_header, blob = asm.result()
         assert blob == whole and got_header.total_bytes == len(whole) and got_header.cache_tier == "disk"
-        assert chunks[-1].trailer.sha256 == hashlib.sha256(whole).hexdigest()
+        assert chunks[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(whole))  # no sha256
     with pytest.raises(grpc.RpcError) as e:
         raw_chunks(store.address, MAX_CHUNK + 1)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -151,7 +152,7 @@ def test_a_corrupted_redis_copy_is_dropped_and_served_from_disk_then_repacked(re
     caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
     header, blob = s.client.fetch_shard("a", layout())
     assert (header.cache_tier, blob) == ("disk", good)  # the bad Redis copy was not served
-    assert f"redis cache: shard {key}" in caplog.text and "failed its sha256 check; deleting it" in caplog.text
+    assert f"redis cache: shard {key}" in caplog.text and "failed its xxh3-128 check; deleting it" in caplog.text
     assert s.redis.get(f"{meta_key}:c0") == good  # back-filled from disk with the good bytes
     assert s.client.fetch_shard("a", layout())[0].cache_tier == "redis"
 
@@ -164,7 +165,7 @@ def test_a_corrupted_redis_copy_is_dropped_and_served_from_disk_then_repacked(re
     header, blob = s.client.fetch_shard("a", layout())
     assert header.cache_tier == "packed" and pack_equal(blob, good)
     assert s.client.fetch_shard("a", layout())[0].cache_tier == "redis"
-    assert pack_equal(shard_file.read_bytes()[40:], good)
+    assert pack_equal(shard_file.read_bytes()[56:], good)  # after the 56-byte header: magic, sha256, xxh3-128
 
 
 def _raw_stream_error(address: str) -> grpc.RpcError:
@@ -182,7 +183,7 @@ def test_a_redis_copy_streams_as_it_is_read_and_a_bad_one_fails_before_its_trail
     _, good = s.client.fetch_shard("a", layout())  # packed, then put in both tiers
     chunks = raw_chunks(s.address, 1 << 12)
     assert chunks[0].header.cache_tier == "redis" and b"".join(c.data for c in chunks[1:-1]) == good
-    assert chunks[-1].trailer.sha256 == hashlib.sha256(good).hexdigest()
+    assert chunks[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(good))
     key = pack.shard_key(s.manifest.digest, layout(), pb.ShardRank())
     meta_key = f"{s.prefix}:shard:{key}"
     chunk0 = bytearray(s.redis.get(f"{meta_key}:c0"))
@@ -191,9 +192,9 @@ def test_a_redis_copy_streams_as_it_is_read_and_a_bad_one_fails_before_its_trail
     caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
     error = _raw_stream_error(s.address)
     assert error.code() == grpc.StatusCode.DATA_LOSS
-    assert error.details() == ("the cached shard of adapter 'a' failed its sha256 check in the store's redis cache "
+    assert error.details() == ("the cached shard of adapter 'a' failed its xxh3-128 check in the store's redis cache "
                                "and was dropped: fetch it again")
-    assert "failed its sha256 check; deleting it" in caplog.text and not s.redis.exists(meta_key)
+    assert "failed its xxh3-128 check; deleting it" in caplog.text and not s.redis.exists(meta_key)
     header, blob = s.client.fetch_shard("a", layout())
     assert header.cache_tier == "disk" and blob == good  # Redis missed it: read whole from disk, back-filled
     header, blob = s.client.fetch_shard("a", layout())
@@ -257,7 +258,7 @@ def test_a_disk_copy_changed_since_its_check_is_hashed_while_streamed_and_droppe
     header, good = store.client.fetch_shard("a", layout())  # packed and cached: the store checked it
     path = _disk_file(store)
     data = bytearray(path.read_bytes())
-    data[-5] ^= 0x01  # still a loadable blob: only the sha256 knows
+    data[-5] ^= 0x01  # still a loadable blob: only the checksum knows
     time.sleep(0.02)  # a later mtime than the check's, even on coarse file clocks
     path.write_bytes(bytes(data))
     caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
@@ -267,9 +268,9 @@ def test_a_disk_copy_changed_since_its_check_is_hashed_while_streamed_and_droppe
             for chunk in stream:
                 assert chunk.WhichOneof("part") != "trailer"  # the bad copy never gets its trailer
     assert e.value.code() == grpc.StatusCode.DATA_LOSS
-    assert e.value.details() == ("the cached shard of adapter 'a' failed its sha256 check in the store's disk cache "
+    assert e.value.details() == ("the cached shard of adapter 'a' failed its xxh3-128 check in the store's disk cache "
                                  "and was dropped: fetch it again")
-    assert "failed its sha256 check; deleting it" in caplog.text and not path.exists()
+    assert "failed its xxh3-128 check; deleting it" in caplog.text and not path.exists()
     header, blob = store.client.fetch_shard("a", layout())
     assert header.cache_tier == "packed" and pack_equal(blob, good)
 
@@ -285,12 +286,12 @@ def test_the_python_client_asks_again_with_verify_when_a_stream_fails_after_its_
     assert header.cache_tier == "packed" and pack_equal(blob, good)
 
 
-def test_a_checked_disk_copy_streams_with_the_sha256_stored_beside_it(store):
+def test_a_checked_disk_copy_streams_with_the_xxh3_stored_beside_it(store):
     _, good = store.client.fetch_shard("a", layout())
     chunks = raw_chunks(store.address, 1 << 12)
     assert chunks[0].header.cache_tier == "disk"
     assert b"".join(c.data for c in chunks[1:-1]) == good
-    assert chunks[-1].trailer.sha256 == hashlib.sha256(good).hexdigest()
+    assert chunks[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(good))
     # verify=True: read whole and checked before the first byte goes out, same bytes
     with grpc.insecure_channel(store.address) as channel:
         req = spb.FetchShardRequest(name="a", layout=layout(), verify=True)

@@ -80,10 +80,12 @@ class ShardHeader(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_common_pb2.AdapterManifest, _Mapping]] = ..., layout_hash: _Optional[str] = ..., total_bytes: _Optional[int] = ..., cache_tier: _Optional[str] = ...) -> None: ...
 
 class ShardTrailer(_message.Message):
-    __slots__ = ("sha256",)
+    __slots__ = ("sha256", "xxh3_128")
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    XXH3_128_FIELD_NUMBER: _ClassVar[int]
     sha256: str
-    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+    xxh3_128: str
+    def __init__(self, sha256: _Optional[str] = ..., xxh3_128: _Optional[str] = ...) -> None: ...
 
 class ShardChunk(_message.Message):
     __slots__ = ("header", "data", "trailer")
