@@ -331,8 +331,9 @@ async def _sliced(blob: bytes, chunk: int):
 async def _streamed(reader, chunk: int, name: str):
     """A cached shard as framed data chunks, as it is read: chunk k+1 is read (and, for a copy not
     checked since it changed, hashed) in a thread while chunk k is sent. A copy that fails its
-    checksum (xxh3-128, or sha256 for a copy cached before xxh3-128 was kept) is deleted from the cache and the stream fails DATA_LOSS before its trailer; the
-    client asks again (with `verify`) and gets it packed anew."""
+    checksum (xxh3-128, or sha256 for a copy cached before xxh3-128 was kept) is deleted from the
+    cache and the stream fails DATA_LOSS before its trailer; the client asks again (with `verify`)
+    and gets it packed anew."""
     buffer = bytearray(_FRAME_ROOM + chunk)  # read into, framed in place, copied once into the message
 
     def read() -> bytes:

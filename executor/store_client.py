@@ -169,7 +169,12 @@ class StoreClient:
                     # Allocated in a thread: a cold pinned allocation of a large shard takes
                     # milliseconds, which the serving loop (and the engine's steps) must not wait for.
                     buffers.append(await asyncio.to_thread(host_buffer, n, self.pin_memory))
-                asm.add_raw(message)
+                if asm.header is not None and message[:1] != b"\x12":
+                    # the trailer, checked off the serving loop: a sha256-only one (a copy the store
+                    # cached before xxh3-128 was kept) costs a sha256 pass over the whole shard
+                    await asyncio.to_thread(asm.add_raw, message)
+                else:
+                    asm.add_raw(message)
             header, _ = asm.result()
         except grpc.aio.AioRpcError as e:
             error = self._error(e, f"; adapter {name!r} cannot be loaded now")

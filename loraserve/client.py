@@ -103,7 +103,8 @@ class ShardAssembler:
         if trailer.xxh3_128:
             ok = self._xxh.hexdigest() == trailer.xxh3_128
         else:  # only a sha256: one pass over the whole blob (the buffer, or the joined bytes)
-            ok = bool(trailer.sha256) and hashlib.sha256(self._buffer if self._buffer is not None else blob).hexdigest() == trailer.sha256
+            whole = self._buffer if self._buffer is not None else blob
+            ok = bool(trailer.sha256) and hashlib.sha256(whole).hexdigest() == trailer.sha256
         if not ok:
             raise StatusError(grpc.StatusCode.DATA_LOSS, "shard checksum mismatch: the stream was corrupted")
         self.blob = blob
