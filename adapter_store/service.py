@@ -7,6 +7,7 @@ register never stalls FetchShard streams to executors.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import shutil
 import tempfile
@@ -207,7 +208,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             manifest=manifest, layout_hash=layout_hash(request.layout), total_bytes=size, cache_tier=tier))
         async for message in chunks:
             yield message
-        yield _trailer(sums)
+        yield await _trailer(sums, request.xxh3, None if reader is not None else blob)
         self.metrics.fetch_bytes.labels(tier).inc(size)
         self.metrics.fetch.labels(tier).observe(time.perf_counter() - t0)
 
@@ -360,12 +361,16 @@ async def _streamed(reader, chunk: int, name: str):
         reader.close()
 
 
-def _trailer(sums: Checksums) -> spb.ShardChunk:
-    """The stream's checksum trailer: xxh3-128 when known, else (a copy cached before it was kept,
-    streamed as read) the sha256 stored with the copy. Never both: the client checks one."""
-    if sums.xxh3_128:
+async def _trailer(sums: Checksums, xxh3: bool, blob: bytes | None) -> spb.ShardChunk:
+    """The stream's checksum trailer: xxh3-128 when the client checks it (FetchShardRequest.xxh3)
+    and it is known; else sha256, the one a client before xxh3 checks: stored with every cached copy,
+    computed (in a thread) for a freshly packed `blob`. Never both: the client checks one."""
+    if xxh3 and sums.xxh3_128:
         return spb.ShardChunk(trailer=spb.ShardTrailer(xxh3_128=sums.xxh3_128))
-    return spb.ShardChunk(trailer=spb.ShardTrailer(sha256=sums.sha256))
+    sha256 = sums.sha256
+    if not sha256 and blob is not None:
+        sha256 = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())
+    return spb.ShardChunk(trailer=spb.ShardTrailer(sha256=sha256))
 
 
 def _pass_bytes(message) -> bytes:

@@ -159,7 +159,7 @@ class StoreClient:
 
     async def _stream(self, name: str, digest: str, verify: bool) -> tuple[spb.ShardHeader, torch.Tensor]:
         req = spb.FetchShardRequest(name=name, layout=self.layout, rank=self.rank, digest=digest,
-                                    chunk_bytes=self.chunk_bytes, verify=verify)
+                                    chunk_bytes=self.chunk_bytes, verify=verify, xxh3=True)
         buffers: list[torch.Tensor] = []
         asm = ShardAssembler(lambda n: buffers[-1].numpy(), self._hash_thread)
         call = self._fetch_method()(req)  # raw messages: data chunks are read in place

@@ -193,7 +193,7 @@ class StoreClient(_Client):
 
     def _fetch_shard(self, name, layout, tp_rank, ep_rank, digest, verify) -> tuple[spb.ShardHeader, bytes]:
         req = spb.FetchShardRequest(name=name, layout=layout, rank=pb.ShardRank(tp_rank=tp_rank, ep_rank=ep_rank),
-                                    digest=digest, verify=verify)
+                                    digest=digest, verify=verify, xxh3=True)
         asm = ShardAssembler()
         method = self.channel.unary_stream("/loraserve.v1.AdapterStore/FetchShard",
                                            request_serializer=spb.FetchShardRequest.SerializeToString)

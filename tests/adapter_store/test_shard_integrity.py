@@ -68,9 +68,10 @@ def store(loop_thread, tmp_path, tiny_llama_dir, peft_adapter):
     s.stop()
 
 
-def raw_chunks(address: str, chunk_bytes: int, lay: pb.Layout | None = None) -> list[spb.ShardChunk]:
+def raw_chunks(address: str, chunk_bytes: int, lay: pb.Layout | None = None, xxh3: bool = True) -> list[spb.ShardChunk]:
+    """The stream's messages; xxh3 False: as a client from before xxh3 trailers asks."""
     with grpc.insecure_channel(address) as channel:
-        req = spb.FetchShardRequest(name="a", layout=lay or layout(), chunk_bytes=chunk_bytes)
+        req = spb.FetchShardRequest(name="a", layout=lay or layout(), chunk_bytes=chunk_bytes, xxh3=xxh3)
         return list(spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60))
 
 
@@ -294,7 +295,7 @@ def test_a_checked_disk_copy_streams_with_the_xxh3_stored_beside_it(store):
     assert chunks[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(good))
     # verify=True: read whole and checked before the first byte goes out, same bytes
     with grpc.insecure_channel(store.address) as channel:
-        req = spb.FetchShardRequest(name="a", layout=layout(), verify=True)
+        req = spb.FetchShardRequest(name="a", layout=layout(), verify=True, xxh3=True)
         verified = list(spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60))
     assert verified[0].header.cache_tier == "disk" and b"".join(c.data for c in verified[1:-1]) == good
 
@@ -373,7 +374,7 @@ def test_an_old_format_disk_copy_streams_with_its_sha256_and_a_bad_one_is_data_l
     assert header.cache_tier == "disk" and blob == good
     # verify=True reads it whole: its sha256 is checked, and the trailer carries xxh3 computed then
     with grpc.insecure_channel(store.address) as channel:
-        req = spb.FetchShardRequest(name="a", layout=layout(), verify=True)
+        req = spb.FetchShardRequest(name="a", layout=layout(), verify=True, xxh3=True)
         verified = list(spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60))
     assert verified[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(good))
     assert _assemble(verified, threaded=True)[1] == good
@@ -418,3 +419,22 @@ def test_an_old_format_redis_copy_streams_with_its_sha256_and_a_bad_one_is_data_
     header, blob = s.client.fetch_shard("a", layout())
     assert header.cache_tier == "disk" and blob == good  # back-filled into Redis with both checksums
     assert s.redis.hget(meta_key, "xxh3_128").decode() == xxhash.xxh3_128_hexdigest(good)
+
+
+@pytest.mark.parametrize("tiers", ["disk", "redis"])
+def test_a_client_from_before_xxh3_gets_sha256_trailers_from_every_tier(tiers, request):
+    """A request without `xxh3` (an executor older than the store, in a rolling upgrade) gets the
+    sha256 trailer it checks: computed for the freshly packed shard, stored with cached copies."""
+    s = request.getfixturevalue("store" if tiers == "disk" else "redis_store")
+    first = raw_chunks(s.address, 1 << 12, xxh3=False)
+    blob = b"".join(c.data for c in first[1:-1])
+    want = spb.ShardTrailer(sha256=hashlib.sha256(blob).hexdigest())
+    assert first[0].header.cache_tier == "packed" and first[-1].trailer == want
+    again = raw_chunks(s.address, 1 << 12, xxh3=False)
+    assert again[0].header.cache_tier == tiers and again[-1].trailer == want
+    asm = ShardAssembler()
+    for c in again:
+        asm.add(c)
+    assert asm.result()[1] == blob  # the checksum a pre-xxh3 client checks: it passes
+    new = raw_chunks(s.address, 1 << 12)  # a current client: xxh3 from the same copy
+    assert new[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(blob))

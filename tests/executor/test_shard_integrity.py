@@ -209,7 +209,7 @@ def test_the_honest_trailer_is_xxh3_and_a_sha256_one_still_loads(honest_after, t
     cached before xxh3-128 was kept) is still checked and accepted by every client."""
     setup = honest_after
     with grpc.insecure_channel(setup.store_address) as channel:
-        req = spb.FetchShardRequest(name=ADAPTER, layout=setup.parts.store.layout)
+        req = spb.FetchShardRequest(name=ADAPTER, layout=setup.parts.store.layout, xxh3=True)
         chunks = list(spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60))
     good = b"".join(c.data for c in chunks[1:-1])
     assert chunks[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(good))
