@@ -17,11 +17,13 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import NamedTuple
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import grpc
+import xxhash
 
 from loraserve.errors import StatusError, exhausted, invalid
 
@@ -40,6 +42,42 @@ def check_key(key: str) -> str:
     return key
 
 
+class Checksums(NamedTuple):
+    """The checksums stored with a cached copy of a blob, as hex. A copy cached before xxh3-128 was
+    kept has only its sha256 (xxh3_128 ""). xxh3 is the stream's checksum whenever it is known: it
+    costs a twentieth of sha256's CPU (docs/BENCHMARKS.md); sha256 stays stored beside it."""
+
+    sha256: str = ""
+    xxh3_128: str = ""
+
+    @classmethod
+    def of(cls, blob) -> Checksums:
+        return cls(hashlib.sha256(blob).hexdigest(), xxh3_128(blob))
+
+    def hasher(self):
+        """A fresh hash object of the checksum to check a copy with: xxh3-128 when known, else sha256."""
+        return xxhash.xxh3_128() if self.xxh3_128 else hashlib.sha256()
+
+    def expected(self) -> str:
+        """The hex digest `hasher` must end with."""
+        return self.xxh3_128 or self.sha256
+
+    def matches(self, blob) -> bool:
+        """The blob against the checksum `hasher` uses (xxh3-128 when known)."""
+        h = self.hasher()
+        h.update(blob)
+        return h.hexdigest() == self.expected()
+
+    @property
+    def kind(self) -> str:
+        return "xxh3-128" if self.xxh3_128 else "sha256"
+
+
+def xxh3_128(blob) -> str:
+    """Hex xxh3-128 of bytes (or anything with the buffer protocol)."""
+    return xxhash.xxh3_128_hexdigest(blob)
+
+
 def _check_fits(key: str, size_bytes: int, budget_bytes: int, where: str) -> None:
     if size_bytes > budget_bytes:
         raise exhausted(f"shard {key} is {size_bytes} bytes, over the {where} cache budget of {budget_bytes} bytes")
@@ -49,10 +87,39 @@ def _check_fits(key: str, size_bytes: int, budget_bytes: int, where: str) -> Non
 # Disk
 # ---------------------------------------------------------------------------------------
 
-# File = magic (8 bytes) + sha256 of the blob (32 bytes) + blob; one file, so one atomic rename.
-_MAGIC = b"LSSHARD1"
-_HEADER_BYTES = len(_MAGIC) + 32
+# File = magic (8 bytes) + sha256 of the blob (32 bytes) + xxh3-128 of the blob (16 bytes) + blob;
+# one file, so one atomic rename. Files written before xxh3 was kept have magic LSSHARD1 and no
+# xxh3 (header 40 bytes): they are still read, and checked with their sha256.
+_MAGIC = b"LSSHARD2"
+_MAGIC_V1 = b"LSSHARD1"
+_MAGIC_BYTES = len(_MAGIC)
+_HEADER_BYTES = {_MAGIC: _MAGIC_BYTES + 32 + 16, _MAGIC_V1: _MAGIC_BYTES + 32}  # by magic
 _SUFFIX = ".shard"
+
+
+def _file_head(sums: Checksums) -> bytes:
+    return _MAGIC + bytes.fromhex(sums.sha256) + bytes.fromhex(sums.xxh3_128)
+
+
+def _read_head(f) -> tuple[int, Checksums] | None:
+    """(header bytes, the checksums stored in it) of an open shard file, read up to its blob; None
+    when it is no shard file (unknown magic, or cut short)."""
+    magic = f.read(_MAGIC_BYTES)
+    n = _HEADER_BYTES.get(magic)
+    if n is None:
+        return None
+    rest = f.read(n - _MAGIC_BYTES)
+    if len(rest) != n - _MAGIC_BYTES:
+        return None
+    return n, Checksums(rest[:32].hex(), rest[32:].hex())
+
+
+def _checked(sums: Checksums, blob) -> Checksums | None:
+    """The checksums of a copy whose bytes match the stored ones (xxh3-128 when stored, else sha256),
+    or None. A copy with only a sha256 gets its xxh3-128 too, so its stream's trailer carries it."""
+    if sums.xxh3_128:
+        return sums if xxh3_128(blob) == sums.xxh3_128 else None
+    return Checksums(sums.sha256, xxh3_128(blob)) if hashlib.sha256(blob).hexdigest() == sums.sha256 else None
 
 
 class DiskCache:
@@ -84,8 +151,14 @@ class DiskCache:
             if not _KEY_RE.fullmatch(key):
                 log.warning("disk cache: ignoring %s, not a shard file name", path)
                 continue
-            st = path.stat()
-            found.append((st.st_mtime_ns, key, st.st_size - _HEADER_BYTES))
+            try:
+                with open(path, "rb") as f:
+                    head = _read_head(f)
+                    st = os.fstat(f.fileno())
+            except FileNotFoundError:
+                continue
+            # not a shard file: counted whole, and dropped on its first read
+            found.append((st.st_mtime_ns, key, st.st_size - (head[0] if head else 0)))
         for _, key, size_bytes in sorted(found):
             self._index[key] = size_bytes
             self._total_bytes += size_bytes
@@ -100,17 +173,18 @@ class DiskCache:
         hit = self.read(key)
         return hit and hit[0]
 
-    def read(self, key: str) -> tuple[bytes, str] | None:
-        """(blob, its sha256 hex, checked on this read) or None."""
+    def read(self, key: str) -> tuple[bytes, Checksums] | None:
+        """(blob, its checksums, checked on this read) or None."""
         path = self._path(key)
         try:
             with open(path, "rb") as f:  # header and blob read apart: no copy of the blob
-                head, blob, inode = f.read(_HEADER_BYTES), f.read(), os.fstat(f.fileno()).st_ino
+                head, blob, inode = _read_head(f), f.read(), os.fstat(f.fileno()).st_ino
         except FileNotFoundError:
             return None
-        sha = hashlib.sha256(blob).digest()
-        if head[: len(_MAGIC)] != _MAGIC or sha != head[len(_MAGIC) :]:
-            log.warning("disk cache: shard %s in %s failed its sha256 check; deleting it", key, path)
+        sums = head and _checked(head[1], blob)
+        if not sums:
+            log.warning("disk cache: shard %s in %s failed its %s check; deleting it", key, path,
+                        head[1].kind if head else "checksum")
             with self._lock:
                 if _inode(path) == inode:  # not already replaced by a fresh put
                     self._remove(key)
@@ -122,30 +196,31 @@ class DiskCache:
                     os.utime(path)  # the LRU order on disk, for the next start
                     if _inode(path) == inode:
                         self._checked[key] = _file_id(os.stat(path))
-        return blob, sha.hex()
+        return blob, sums
 
     def open(self, key: str) -> ShardReader | None:
         """The shard as a stream of chunks, or None: the first bytes can go out before the last are
         read. A file this cache has checked since it last changed (same inode, size and mtime as
         at that check: written by `put`, or read whole and checked) is read as is, the reader's
-        client checking the stream's sha256 (`read` checks it here); any other file is hashed as
-        it is read and `ShardReader.finish` deletes it when it no longer matches its stored sha256."""
+        client checking the stream's checksum (`read` checks it here); any other file is hashed as
+        it is read and `ShardReader.finish` deletes it when it no longer matches its stored checksum
+        (xxh3-128; sha256 for a file written before xxh3 was kept)."""
         path = self._path(key)
         try:
             f = open(path, "rb")
         except FileNotFoundError:
             return None
         try:
-            head = f.read(_HEADER_BYTES)
+            head = _read_head(f)
             st = os.fstat(f.fileno())
         except BaseException:
             f.close()
             raise
-        size = st.st_size - _HEADER_BYTES
-        if head[: len(_MAGIC)] != _MAGIC or size < 0:
+        if head is None:
             f.close()
-            self._drop_corrupt(key, path, st.st_ino)
+            self._drop_corrupt(key, path, st.st_ino, "checksum")
             return None
+        size, sums = st.st_size - head[0], head[1]
         with self._lock:
             trusted = self._checked.get(key) == _file_id(st)
             if key in self._index:
@@ -156,30 +231,33 @@ class DiskCache:
                     if trusted:
                         self._checked[key] = _file_id(st)
         checked = _file_id(st)
-        return ShardReader(f, size, head[len(_MAGIC) :].hex(), self.name, verify=not trusted,
-                           on_checked=lambda ok: self._after_check(key, path, checked, ok))
+        return ShardReader(f, size, sums, self.name, verify=not trusted,
+                           on_checked=lambda ok: self._after_check(key, path, checked, ok, sums.kind))
 
-    def _after_check(self, key: str, path: Path, checked: tuple[int, int, int], ok: bool) -> None:
+    def _after_check(self, key: str, path: Path, checked: tuple[int, int, int], ok: bool, kind: str) -> None:
         if ok:
             with self._lock:
                 self._checked[key] = checked
         else:
-            self._drop_corrupt(key, path, checked[0])
+            self._drop_corrupt(key, path, checked[0], kind)
 
-    def _drop_corrupt(self, key: str, path: Path, inode: int) -> None:
+    def _drop_corrupt(self, key: str, path: Path, inode: int, kind: str) -> None:
         self._checked.pop(key, None)
-        log.warning("disk cache: shard %s in %s failed its sha256 check; deleting it", key, path)
+        log.warning("disk cache: shard %s in %s failed its %s check; deleting it", key, path, kind)
         with self._lock:
             if _inode(path) == inode:  # not already replaced by a fresh put
                 self._remove(key)
 
-    def put(self, key: str, blob: bytes) -> None:
+    def put(self, key: str, blob: bytes, sums: Checksums | None = None) -> None:
+        """sums: the blob's checksums when the caller has both (else computed here)."""
         path = self._path(key)
         _check_fits(key, len(blob), self.budget_bytes, f"disk ({self.root})")
+        if sums is None or not (sums.sha256 and sums.xxh3_128):
+            sums = Checksums.of(blob)
         tmp = self._tmp_dir / f"{uuid.uuid4().hex}.tmp"
         try:
             with open(tmp, "wb") as f:
-                f.write(_MAGIC + hashlib.sha256(blob).digest())
+                f.write(_file_head(sums))
                 f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())
@@ -233,13 +311,14 @@ class DiskCache:
 class ShardReader:
     """One cached shard read chunk by chunk (DiskCache.open, RedisCache.open) from `f` (a file, or
     anything with readinto and close). `readinto` runs in a worker thread (file reads, Redis replies
-    and sha256 release the GIL), `finish` once the last chunk is read."""
+    and the hashes release the GIL), `finish` once the last chunk is read."""
 
-    def __init__(self, f, size: int, sha256: str, tier: str, verify: bool, on_checked: Callable[[bool], None]):
-        self.size, self.sha256, self.tier = size, sha256, tier  # sha256: hex, as stored with the blob
-        self.verify = verify  # hash the bytes as they are read and compare at `finish`
+    def __init__(self, f, size: int, checksums: Checksums, tier: str, verify: bool,
+                 on_checked: Callable[[bool], None]):
+        self.size, self.checksums, self.tier = size, checksums, tier  # checksums: as stored with the blob
+        self.verify = verify  # hash the bytes as they are read (xxh3-128 when stored, else sha256), compare at `finish`
         self._f, self._left, self._on_checked = f, size, on_checked
-        self._hash = hashlib.sha256() if verify else None
+        self._hash = checksums.hasher() if verify else None
 
     def readinto(self, view: memoryview) -> int:
         """Fills view with the next bytes (fewer at the end); returns how many (0: done)."""
@@ -250,12 +329,12 @@ class ShardReader:
         return n
 
     def finish(self) -> bool:
-        """False when verifying and the bytes no longer match the stored sha256 (the file is then
+        """False when verifying and the bytes no longer match the stored checksum (the copy is then
         dropped from the cache); True otherwise."""
         self.close()
         if self._hash is None:
             return True
-        ok = self._left == 0 and self._hash.hexdigest() == self.sha256
+        ok = self._left == 0 and self._hash.hexdigest() == self.checksums.expected()
         self._on_checked(ok)
         return ok
 
@@ -335,7 +414,8 @@ class RedisCache:
         """The shard as a stream of chunks, or None: one GET per stored chunk as the reader gets to
         it, so the first bytes go out before the last are read and no whole copy is joined. Always
         hashed on the way (another store may have written the copy; this one cannot tell whether it
-        changed): `ShardReader.finish` deletes a copy that no longer matches its stored sha256. A
+        changed): `ShardReader.finish` deletes a copy that no longer matches its stored checksum
+        (xxh3-128; sha256 for a copy written before xxh3 was kept). A
         chunk gone meanwhile (evicted or replaced by another store) or Redis failing mid-stream
         fails the read with DATA_LOSS, which a client answers by asking again with `verify`."""
         meta_key = self._meta_key(key)
@@ -347,11 +427,11 @@ class RedisCache:
         if not meta:
             return None
         chunks = _RedisChunks(self, key, int(meta[b"n_chunks"]))
-        sha = meta[b"sha256"].decode()
-        return ShardReader(chunks, int(meta[b"size"]), sha, self.name, verify=True,
-                           on_checked=lambda ok: ok or self._drop_corrupt(key, sha))
+        sums = _meta_sums(meta)
+        return ShardReader(chunks, int(meta[b"size"]), sums, self.name, verify=True,
+                           on_checked=lambda ok: ok or self._drop_corrupt(key, sums.sha256, sums.kind))
 
-    def _drop_corrupt(self, key: str, sha: str) -> None:
+    def _drop_corrupt(self, key: str, sha: str, kind: str) -> None:
         """Deletes the copy that failed its check, unless another store replaced it meanwhile (its
         stored sha256 is no longer `sha`: the read mixed two copies, and the new one is good)."""
         try:
@@ -361,13 +441,13 @@ class RedisCache:
             log.warning("redis cache: could not delete shard %s: %s", key, exc)
             return
         if removed:
-            log.warning("redis cache: shard %s (%s at %s) failed its sha256 check; deleting it",
-                        key, self._meta_key(key), self.url)
+            log.warning("redis cache: shard %s (%s at %s) failed its %s check; deleting it",
+                        key, self._meta_key(key), self.url, kind)
         else:
             log.info("redis cache: shard %s was replaced while it was read; the new copy stays", key)
 
-    def read(self, key: str) -> tuple[bytes, str] | None:
-        """(blob, its sha256 hex, checked on this read) or None."""
+    def read(self, key: str) -> tuple[bytes, Checksums] | None:
+        """(blob, its checksums, checked on this read) or None."""
         meta_key = self._meta_key(key)
         with self._errors():
             meta = self._redis.hgetall(meta_key)
@@ -382,17 +462,22 @@ class RedisCache:
                 log.info("redis cache: shard %s lost chunks (removed meanwhile?); a miss", key)
                 return None
             blob = b"".join(chunks)
-            sha = hashlib.sha256(blob).hexdigest()
-            if len(blob) != int(meta[b"size"]) or sha != meta[b"sha256"].decode():
-                self._drop_corrupt(key, meta[b"sha256"].decode())
+            stored = _meta_sums(meta)
+            sums = _checked(stored, blob) if len(blob) == int(meta[b"size"]) else None
+            if sums is None:
+                self._drop_corrupt(key, stored.sha256, stored.kind)
                 return None
-            return blob, sha
+            return blob, sums
 
-    def put(self, key: str, blob: bytes) -> None:
+    def put(self, key: str, blob: bytes, sums: Checksums | None = None) -> None:
+        """sums: the blob's checksums when the caller has both (else computed here)."""
         meta_key = self._meta_key(key)
         _check_fits(key, len(blob), self.budget_bytes, f"redis ({self.url})")
+        if sums is None or not (sums.sha256 and sums.xxh3_128):
+            sums = Checksums.of(blob)
         chunks = [blob[i : i + self.chunk_bytes] for i in range(0, len(blob), self.chunk_bytes)]
-        meta = {"size": len(blob), "n_chunks": len(chunks), "sha256": hashlib.sha256(blob).hexdigest()}
+        # sha256 stays the copy's identity (`_remove(only_sha=)`); xxh3_128 is what it is checked with
+        meta = {"size": len(blob), "n_chunks": len(chunks), "sha256": sums.sha256, "xxh3_128": sums.xxh3_128}
 
         def write(pipe) -> None:
             old = pipe.hgetall(meta_key)
@@ -499,6 +584,11 @@ class _RedisChunks:
         self._chunk = memoryview(b"")
 
 
+def _meta_sums(meta: dict) -> Checksums:
+    """The checksums in a Redis copy's meta hash (no xxh3_128 in a copy written before it was kept)."""
+    return Checksums(meta[b"sha256"].decode(), meta.get(b"xxh3_128", b"").decode())
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -531,15 +621,15 @@ class TieredCache:
         hit = self.read(key)
         return hit and hit[:2]
 
-    def read(self, key: str) -> tuple[bytes, str, str] | None:
-        """(blob, tier name, the blob's sha256 hex as checked by that tier) or None."""
+    def read(self, key: str) -> tuple[bytes, str, Checksums] | None:
+        """(blob, tier name, the blob's checksums as checked by that tier) or None."""
         for i, tier in enumerate(self.tiers):
             hit = self._call(i, tier.read, key)
             if hit is not None:
-                blob, sha = hit
+                blob, sums = hit
                 for upper in range(i):
-                    self._backfill(upper, key, blob)
-                return blob, tier.name, sha
+                    self._backfill(upper, key, blob, sums)
+                return blob, tier.name, sums
         return None
 
     def open(self, key: str) -> ShardReader | None:
@@ -554,12 +644,15 @@ class TieredCache:
                 return reader
         return None
 
-    def put(self, key: str, blob: bytes) -> None:
-        """Into every available tier; raises RESOURCE_EXHAUSTED only if no tier can hold it."""
+    def put(self, key: str, blob: bytes, sums: Checksums | None = None) -> None:
+        """Into every available tier; raises RESOURCE_EXHAUSTED only if no tier can hold it.
+        sums: the blob's checksums when the caller has both (else each tier computes them)."""
+        if sums is None and len(self.tiers) > 1:
+            sums = Checksums.of(blob)  # once, not per tier
         too_big: list[StatusError] = []
         for i, tier in enumerate(self.tiers):
             try:
-                self._call(i, tier.put, key, blob)
+                self._call(i, tier.put, key, blob, sums)
             except StatusError as exc:
                 too_big.append(exc)
         if len(too_big) == len(self.tiers):
@@ -580,9 +673,9 @@ class TieredCache:
         """Bytes held per tier name (None while a tier is down)."""
         return {tier.name: self._call(i, tier.total_bytes) for i, tier in enumerate(self.tiers)}
 
-    def _backfill(self, i: int, key: str, blob: bytes) -> None:
+    def _backfill(self, i: int, key: str, blob: bytes, sums: Checksums | None = None) -> None:
         try:
-            self._call(i, self.tiers[i].put, key, blob)
+            self._call(i, self.tiers[i].put, key, blob, sums)
         except StatusError as exc:  # too big for that tier: it stays in the lower one
             log.debug("not back-filling %s into %s: %s", key, self.tiers[i].name, exc.message)
 

@@ -27,7 +27,7 @@ from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
 
 from . import base_model, pack, sources
-from .cache import DiskCache, RedisCache, TieredCache
+from .cache import Checksums, DiskCache, RedisCache, TieredCache, xxh3_128
 from .config import StoreConfig
 from .layout import check_layout, layout_hash
 from .redis_registry import RedisRegistry
@@ -186,7 +186,8 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
 
     @grpc_errors
     async def FetchShard(self, request, context):
-        """Header, data chunks, sha256 trailer. A cached shard streams as it is read from the first
+        """Header, data chunks, checksum trailer (xxh3-128; sha256 for a copy cached before xxh3-128
+        was kept, when no xxh3 of it is known). A cached shard streams as it is read from the first
         cache tier (disk, or Redis chunk by chunk); a packed one, a back-filled one or any with
         `verify` (read whole and checked first) from memory.
         Data chunks go out already framed (`_frame_head`): no message object is built per chunk."""
@@ -199,21 +200,21 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         reader = None if request.verify else await asyncio.to_thread(self.cache.open, key)
         if reader is not None:
             self.metrics.cache_hits.labels(reader.tier).inc()
-            chunks, size, tier, sha256 = _streamed(reader, chunk, request.name), reader.size, reader.tier, reader.sha256
+            chunks, size, tier, sums = _streamed(reader, chunk, request.name), reader.size, reader.tier, reader.checksums
         else:
-            blob, tier, sha256 = await self._shard(manifest, request.layout, request.rank)
+            blob, tier, sums = await self._shard(manifest, request.layout, request.rank)
             chunks, size = _sliced(blob, chunk), len(blob)
         yield spb.ShardChunk(header=spb.ShardHeader(
             manifest=manifest, layout_hash=layout_hash(request.layout), total_bytes=size, cache_tier=tier))
         async for message in chunks:
             yield message
-        yield spb.ShardChunk(trailer=spb.ShardTrailer(sha256=sha256))
+        yield await _trailer(sums, request.xxh3, None if reader is not None else blob)
         self.metrics.fetch_bytes.labels(tier).inc(size)
         self.metrics.fetch.labels(tier).observe(time.perf_counter() - t0)
 
-    async def _shard(self, manifest: pb.AdapterManifest, layout: pb.Layout, rank: pb.ShardRank) -> tuple[bytes, str, str]:
-        """(blob, tier, sha256 hex) from the first cache tier that has it, else packed once
-        (concurrent callers share it). A tier's hit comes with the sha256 it checked on read,
+    async def _shard(self, manifest: pb.AdapterManifest, layout: pb.Layout, rank: pb.ShardRank) -> tuple[bytes, str, Checksums]:
+        """(blob, tier, checksums) from the first cache tier that has it, else packed once
+        (concurrent callers share it). A tier's hit comes with the checksums it checked on read,
         so the stream's checksum trailer costs no second pass over the bytes."""
         key = pack.shard_key(manifest.digest, layout, rank)
         hit = await asyncio.to_thread(self.cache.read, key)
@@ -236,10 +237,10 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         finally:
             del self._inflight[key]
 
-    def _pack_one(self, manifest: pb.AdapterManifest, layout: pb.Layout, rank: pb.ShardRank) -> tuple[bytes, str, str]:
-        """(blob, "packed", sha256 hex) of one rank's shard, packed and cached. Runs in a thread."""
+    def _pack_one(self, manifest: pb.AdapterManifest, layout: pb.Layout, rank: pb.ShardRank) -> tuple[bytes, str, Checksums]:
+        """(blob, "packed", checksums: its xxh3-128) of one rank's shard, packed and cached. Runs in a thread."""
         (blob,) = self._pack_ranks(manifest, layout, [rank])
-        return blob, "packed", hashlib.sha256(blob).hexdigest()
+        return blob, "packed", Checksums(xxh3_128=xxh3_128(blob))
 
     def _pack_ranks(self, manifest: pb.AdapterManifest, layout: pb.Layout, ranks: list[pb.ShardRank]) -> list[bytes]:
         """Packs once, slices for each rank, caches each shard. Runs in a thread."""
@@ -331,8 +332,9 @@ async def _sliced(blob: bytes, chunk: int):
 async def _streamed(reader, chunk: int, name: str):
     """A cached shard as framed data chunks, as it is read: chunk k+1 is read (and, for a copy not
     checked since it changed, hashed) in a thread while chunk k is sent. A copy that fails its
-    sha256 is deleted from the cache and the stream fails DATA_LOSS before its trailer; the
-    client asks again (with `verify`) and gets it packed anew."""
+    checksum (xxh3-128, or sha256 for a copy cached before xxh3-128 was kept) is deleted from the
+    cache and the stream fails DATA_LOSS before its trailer; the client asks again (with `verify`)
+    and gets it packed anew."""
     buffer = bytearray(_FRAME_ROOM + chunk)  # read into, framed in place, copied once into the message
 
     def read() -> bytes:
@@ -351,12 +353,24 @@ async def _streamed(reader, chunk: int, name: str):
             ahead = asyncio.ensure_future(asyncio.to_thread(read))
             yield message
         if not await asyncio.to_thread(reader.finish):
-            raise StatusError(grpc.StatusCode.DATA_LOSS, f"the cached shard of adapter {name!r} failed its sha256 "
-                              f"check in the store's {reader.tier} cache and was dropped: fetch it again")
+            raise StatusError(grpc.StatusCode.DATA_LOSS, f"the cached shard of adapter {name!r} failed its "
+                              f"{reader.checksums.kind} check in the store's {reader.tier} cache and was dropped: fetch it again")
     finally:
         if ahead is not None and not ahead.done():
             await asyncio.wait([ahead])
         reader.close()
+
+
+async def _trailer(sums: Checksums, xxh3: bool, blob: bytes | None) -> spb.ShardChunk:
+    """The stream's checksum trailer: xxh3-128 when the client checks it (FetchShardRequest.xxh3)
+    and it is known; else sha256, the one a client before xxh3 checks: stored with every cached copy,
+    computed (in a thread) for a freshly packed `blob`. Never both: the client checks one."""
+    if xxh3 and sums.xxh3_128:
+        return spb.ShardChunk(trailer=spb.ShardTrailer(xxh3_128=sums.xxh3_128))
+    sha256 = sums.sha256
+    if not sha256 and blob is not None:
+        sha256 = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())
+    return spb.ShardChunk(trailer=spb.ShardTrailer(sha256=sha256))
 
 
 def _pass_bytes(message) -> bytes:

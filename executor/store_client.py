@@ -122,7 +122,7 @@ class StoreClient:
         self.timeout_s = timeout_s
         self.pin_memory = pin_memory  # shards land in pinned host memory (CUDA: the slot copy is a true async DMA)
         self.chunk_bytes = chunk_bytes
-        self._hash_thread = ThreadPoolExecutor(1, thread_name_prefix="shard-sha256")
+        self._hash_thread = ThreadPoolExecutor(1, thread_name_prefix="shard-hash")
         self.channel: grpc.aio.Channel | None = None  # opened on first use, on the serving loop
         self.answering = True  # the last health check's answer (watch); True until one fails
 
@@ -159,7 +159,7 @@ class StoreClient:
 
     async def _stream(self, name: str, digest: str, verify: bool) -> tuple[spb.ShardHeader, torch.Tensor]:
         req = spb.FetchShardRequest(name=name, layout=self.layout, rank=self.rank, digest=digest,
-                                    chunk_bytes=self.chunk_bytes, verify=verify)
+                                    chunk_bytes=self.chunk_bytes, verify=verify, xxh3=True)
         buffers: list[torch.Tensor] = []
         asm = ShardAssembler(lambda n: buffers[-1].numpy(), self._hash_thread)
         call = self._fetch_method()(req)  # raw messages: data chunks are read in place
@@ -169,7 +169,12 @@ class StoreClient:
                     # Allocated in a thread: a cold pinned allocation of a large shard takes
                     # milliseconds, which the serving loop (and the engine's steps) must not wait for.
                     buffers.append(await asyncio.to_thread(host_buffer, n, self.pin_memory))
-                asm.add_raw(message)
+                if asm.header is not None and message[:1] != b"\x12":
+                    # the trailer, checked off the serving loop: a sha256-only one (a copy the store
+                    # cached before xxh3-128 was kept) costs a sha256 pass over the whole shard
+                    await asyncio.to_thread(asm.add_raw, message)
+                else:
+                    asm.add_raw(message)
             header, _ = asm.result()
         except grpc.aio.AioRpcError as e:
             error = self._error(e, f"; adapter {name!r} cannot be loaded now")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 import grpc
+import xxhash
 
 from loraserve.errors import StatusError
 from loraserve.serving import BULK_OPTIONS
@@ -35,6 +36,10 @@ _DATA_TAG = 0x12  # ShardChunk.data: field 2, length-delimited
 class ShardAssembler:
     """Puts a FetchShard stream back together: header, data chunks, then a checksum trailer.
 
+    The data is hashed with xxh3-128 as it arrives and checked against the trailer's `xxh3_128`.
+    A trailer with only a `sha256` (a copy the store cached before xxh3-128 was kept, or an older
+    store) is checked with a sha256 pass over the whole blob at the end instead.
+
     `allocate(total_bytes)`, when given, returns the writable buffer (anything memoryview takes)
     that the data is copied into as it arrives, e.g. pinned host memory; otherwise the chunks are
     joined into one bytes object at the end. `add_raw` takes a message's wire bytes (a stub whose
@@ -48,7 +53,7 @@ class ShardAssembler:
         self._hashed: Future | None = None
         self._buffer: memoryview | None = None
         self._parts: list[bytes] = []
-        self._sha = hashlib.sha256()
+        self._xxh = xxhash.xxh3_128()
         self._size = 0
         self.blob: object | None = None
 
@@ -59,7 +64,7 @@ class ShardAssembler:
         elif part == "data":
             self._data(chunk.data)  # each access of a bytes field builds a new bytes object: read it once
         elif part == "trailer":
-            self._finish(chunk.trailer.sha256)
+            self._finish(chunk.trailer)
 
     def add_raw(self, message: bytes) -> None:
         if message[:1] == bytes((_DATA_TAG,)):
@@ -81,22 +86,28 @@ class ShardAssembler:
             if self._size + n > len(self._buffer):
                 raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard stream sent more than the {len(self._buffer)} bytes its header said")
             self._buffer[self._size : self._size + n] = data
-            if self._hash_thread is not None:  # sha256 releases the GIL: it overlaps the next receive
-                self._hashed = self._hash_thread.submit(self._sha.update, self._buffer[self._size : self._size + n])
+            if self._hash_thread is not None:  # xxh3 releases the GIL: it overlaps the next receive
+                self._hashed = self._hash_thread.submit(self._xxh.update, self._buffer[self._size : self._size + n])
         else:
             self._parts.append(data)
         if self._hashed is None:
-            self._sha.update(data)
+            self._xxh.update(data)
         self._size += n
 
-    def _finish(self, sha256: str) -> None:
+    def _finish(self, trailer: spb.ShardTrailer) -> None:
         if self.header is None or self._size != self.header.total_bytes:
             raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard stream ended after {self._size} bytes, header said {self.header and self.header.total_bytes}")
         if self._hashed is not None:
             self._hashed.result()  # the worker runs in order: the last chunk's hash ends it
-        if self._sha.hexdigest() != sha256:
+        blob = self._buffer.obj if self._buffer is not None else b"".join(self._parts)
+        if trailer.xxh3_128:
+            ok = self._xxh.hexdigest() == trailer.xxh3_128
+        else:  # only a sha256: one pass over the whole blob (the buffer, or the joined bytes)
+            whole = self._buffer if self._buffer is not None else blob
+            ok = bool(trailer.sha256) and hashlib.sha256(whole).hexdigest() == trailer.sha256
+        if not ok:
             raise StatusError(grpc.StatusCode.DATA_LOSS, "shard checksum mismatch: the stream was corrupted")
-        self.blob = self._buffer.obj if self._buffer is not None else b"".join(self._parts)
+        self.blob = blob
 
     def result(self) -> tuple[spb.ShardHeader, object]:
         """(header, blob): bytes, or the buffer `allocate` returned."""
@@ -182,7 +193,7 @@ class StoreClient(_Client):
 
     def _fetch_shard(self, name, layout, tp_rank, ep_rank, digest, verify) -> tuple[spb.ShardHeader, bytes]:
         req = spb.FetchShardRequest(name=name, layout=layout, rank=pb.ShardRank(tp_rank=tp_rank, ep_rank=ep_rank),
-                                    digest=digest, verify=verify)
+                                    digest=digest, verify=verify, xxh3=True)
         asm = ShardAssembler()
         method = self.channel.unary_stream("/loraserve.v1.AdapterStore/FetchShard",
                                            request_serializer=spb.FetchShardRequest.SerializeToString)

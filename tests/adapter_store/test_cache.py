@@ -13,8 +13,9 @@ from urllib.parse import urlsplit
 
 import grpc
 import pytest
+import xxhash
 
-from loraserve.adapter_store.cache import CacheUnavailable, DiskCache, RedisCache, TieredCache
+from loraserve.adapter_store.cache import CacheUnavailable, Checksums, DiskCache, RedisCache, TieredCache
 from loraserve.errors import StatusError
 
 KIB = 1024
@@ -88,7 +89,7 @@ def test_disk_corrupted_file_is_dropped(tmp_path, caplog):
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="loraserve.adapter_store.cache"):
         assert cache.get(shard_key(1)) is None
-    assert f"shard {shard_key(1)} in {path} failed its sha256 check" in caplog.text
+    assert f"shard {shard_key(1)} in {path} failed its xxh3-128 check" in caplog.text
     assert not path.exists() and cache.total_bytes() == 0
 
 
@@ -225,7 +226,7 @@ def test_redis_corrupted_chunk_is_dropped(redis_url, caplog):
     redis.Redis.from_url(redis_url.url).set(f"{redis_url.prefix}:shard:{shard_key(1)}:c1", b"\0" * 4 * KIB)
     with caplog.at_level(logging.WARNING, logger="loraserve.adapter_store.cache"):
         assert cache.get(shard_key(1)) is None
-    assert f"shard {shard_key(1)}" in caplog.text and "failed its sha256 check" in caplog.text
+    assert f"shard {shard_key(1)}" in caplog.text and "failed its xxh3-128 check" in caplog.text
     assert cache.total_bytes() == 0
     assert not list(redis.Redis.from_url(redis_url.url).scan_iter(match=f"{redis_url.prefix}:shard:*"))
 
@@ -243,7 +244,7 @@ def test_redis_open_streams_the_chunks_one_get_each_and_checks_them(redis_url, r
     blob = bytes(range(256)) * 40  # 10 KiB: three chunks
     cache.put(shard_key(1), blob)
     reader = cache.open(shard_key(1))
-    assert (reader.size, reader.sha256, reader.tier) == (len(blob), hashlib.sha256(blob).hexdigest(), "redis")
+    assert (reader.size, reader.checksums, reader.tier) == (len(blob), Checksums.of(blob), "redis")
     requests_before = redis_proxy.requests
     assert _read_all(reader, 3 * KIB) == blob and reader.finish()
     assert redis_proxy.requests - requests_before == 3  # one GET per chunk, as the reader reaches it
@@ -259,7 +260,7 @@ def test_redis_open_drops_a_corrupted_copy_when_it_finishes(redis_url, caplog):
     reader = cache.open(shard_key(1))
     with caplog.at_level(logging.WARNING, logger="loraserve.adapter_store.cache"):
         assert len(_read_all(reader, 4 * KIB)) == 10 * KIB and not reader.finish()
-    assert "failed its sha256 check; deleting it" in caplog.text and cache.size(shard_key(1)) is None
+    assert "failed its xxh3-128 check; deleting it" in caplog.text and cache.size(shard_key(1)) is None
 
 
 def test_redis_chunk_gone_mid_stream_is_data_loss(redis_url):
@@ -337,15 +338,15 @@ def test_tiered_hit_in_lower_tier_backfills_upper(redis_url, tmp_path):
     assert cache.get(shard_key(2)) is None
 
 
-def test_tiered_read_returns_the_sha256_each_tier_checked(redis_url, tmp_path):
-    """FetchShard's checksum trailer is the hash a tier computed on read: it must be the blob's."""
+def test_tiered_read_returns_the_checksums_each_tier_checked(redis_url, tmp_path):
+    """FetchShard's checksum trailer is the hash a tier checked on read: it must be the blob's."""
     redis_tier, disk_tier = redis_cache(redis_url), DiskCache(tmp_path, 1 << 20)
     blob = blob_of(40 * KIB)
     disk_tier.put(shard_key(1), blob)
     cache = TieredCache([redis_tier, disk_tier])
-    sha = hashlib.sha256(blob).hexdigest()
-    assert cache.read(shard_key(1)) == (blob, "disk", sha)
-    assert cache.read(shard_key(1)) == (blob, "redis", sha)
+    sums = Checksums(hashlib.sha256(blob).hexdigest(), xxhash.xxh3_128_hexdigest(blob))
+    assert cache.read(shard_key(1)) == (blob, "disk", sums)
+    assert cache.read(shard_key(1)) == (blob, "redis", sums)  # back-filled with both
     assert cache.read(shard_key(2)) is None
 
 
@@ -422,3 +423,68 @@ def test_redis_copy_replaced_mid_stream_fails_the_stream_and_keeps_the_new_copy(
     assert "was replaced while it was read; the new copy stays" in caplog.text
     assert "deleting it" not in caplog.text
     assert cache.get(shard_key(1)) == b"b" * 10 * KIB
+
+
+# ---------------------------------------------------------------------------------------
+# Copies cached before xxh3-128 was kept (sha256 only)
+# ---------------------------------------------------------------------------------------
+
+
+def _write_old_disk_file(root, key: str, blob: bytes):
+    path = root / f"{key}.shard"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"LSSHARD1" + hashlib.sha256(blob).digest() + blob)
+    return path
+
+
+def test_disk_reads_and_streams_an_old_format_file_checking_its_sha256(tmp_path, caplog):
+    blob = blob_of(10 * KIB)
+    path = _write_old_disk_file(tmp_path, shard_key(1), blob)
+    cache = DiskCache(tmp_path, budget_bytes=1 << 20)
+    assert cache.total_bytes() == 10 * KIB and cache.size(shard_key(1)) == 10 * KIB  # its 40-byte header
+    reader = cache.open(shard_key(1))  # not checked since it was written: hashed as read, with sha256
+    assert reader.verify and reader.checksums == Checksums(hashlib.sha256(blob).hexdigest(), "")
+    assert _read_all(reader, 3 * KIB) == blob and reader.finish()
+    assert cache.read(shard_key(1)) == (blob, Checksums.of(blob))  # sha256 checked, xxh3 computed
+    assert path.read_bytes()[:8] == b"LSSHARD1"  # left as it was
+
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    time.sleep(0.02)
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="loraserve.adapter_store.cache"):
+        reader = cache.open(shard_key(1))
+        assert _read_all(reader, 3 * KIB) == bytes(data[40:]) and not reader.finish()
+    assert f"shard {shard_key(1)} in {path} failed its sha256 check" in caplog.text
+    assert not path.exists() and cache.total_bytes() == 0
+
+
+def test_disk_new_files_keep_both_checksums(tmp_path):
+    cache = DiskCache(tmp_path, budget_bytes=1 << 20)
+    blob = blob_of(5 * KIB)
+    cache.put(shard_key(1), blob)
+    data = (tmp_path / f"{shard_key(1)}.shard").read_bytes()
+    assert data[:8] == b"LSSHARD2" and data[8:40] == hashlib.sha256(blob).digest()
+    assert data[40:56].hex() == xxhash.xxh3_128_hexdigest(blob) and data[56:] == blob
+    assert cache.read(shard_key(1)) == (blob, Checksums.of(blob))
+
+
+def test_redis_reads_and_streams_an_old_format_copy_checking_its_sha256(redis_url, caplog):
+    cache = redis_cache(redis_url)
+    blob = bytes(range(256)) * 40
+    cache.put(shard_key(1), blob)
+    meta_key = f"{redis_url.prefix}:shard:{shard_key(1)}"
+    cache._redis.hdel(meta_key, "xxh3_128")
+    reader = cache.open(shard_key(1))
+    assert reader.checksums == Checksums(hashlib.sha256(blob).hexdigest(), "")
+    assert _read_all(reader, 3 * KIB) == blob and reader.finish()
+    assert cache.read(shard_key(1)) == (blob, Checksums.of(blob))
+
+    chunk = bytearray(cache._redis.get(f"{meta_key}:c1"))
+    chunk[0] ^= 0x01
+    cache._redis.set(f"{meta_key}:c1", bytes(chunk))
+    with caplog.at_level(logging.WARNING, logger="loraserve.adapter_store.cache"):
+        reader = cache.open(shard_key(1))
+        _read_all(reader, 3 * KIB)
+        assert not reader.finish()
+    assert "failed its sha256 check; deleting it" in caplog.text and cache.size(shard_key(1)) is None

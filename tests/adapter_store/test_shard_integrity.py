@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
+import xxhash
 
 from loraserve.adapter_store import pack, validate
 from loraserve.adapter_store.config import StoreConfig
@@ -67,9 +68,10 @@ def store(loop_thread, tmp_path, tiny_llama_dir, peft_adapter):
     s.stop()
 
 
-def raw_chunks(address: str, chunk_bytes: int, lay: pb.Layout | None = None) -> list[spb.ShardChunk]:
+def raw_chunks(address: str, chunk_bytes: int, lay: pb.Layout | None = None, xxh3: bool = True) -> list[spb.ShardChunk]:
+    """The stream's messages; xxh3 False: as a client from before xxh3 trailers asks."""
     with grpc.insecure_channel(address) as channel:
-        req = spb.FetchShardRequest(name="a", layout=lay or layout(), chunk_bytes=chunk_bytes)
+        req = spb.FetchShardRequest(name="a", layout=lay or layout(), chunk_bytes=chunk_bytes, xxh3=xxh3)
         return list(spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60))
 
 
@@ -88,7 +90,7 @@ def test_a_shard_streams_over_many_chunks_and_reassembles_exactly(store):
             asm.add(c)
         got_header, blob = asm.result()
         assert blob == whole and got_header.total_bytes == len(whole) and got_header.cache_tier == "disk"
-        assert chunks[-1].trailer.sha256 == hashlib.sha256(whole).hexdigest()
+        assert chunks[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(whole))  # no sha256
     with pytest.raises(grpc.RpcError) as e:
         raw_chunks(store.address, MAX_CHUNK + 1)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -151,7 +153,7 @@ def test_a_corrupted_redis_copy_is_dropped_and_served_from_disk_then_repacked(re
     caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
     header, blob = s.client.fetch_shard("a", layout())
     assert (header.cache_tier, blob) == ("disk", good)  # the bad Redis copy was not served
-    assert f"redis cache: shard {key}" in caplog.text and "failed its sha256 check; deleting it" in caplog.text
+    assert f"redis cache: shard {key}" in caplog.text and "failed its xxh3-128 check; deleting it" in caplog.text
     assert s.redis.get(f"{meta_key}:c0") == good  # back-filled from disk with the good bytes
     assert s.client.fetch_shard("a", layout())[0].cache_tier == "redis"
 
@@ -164,7 +166,7 @@ def test_a_corrupted_redis_copy_is_dropped_and_served_from_disk_then_repacked(re
     header, blob = s.client.fetch_shard("a", layout())
     assert header.cache_tier == "packed" and pack_equal(blob, good)
     assert s.client.fetch_shard("a", layout())[0].cache_tier == "redis"
-    assert pack_equal(shard_file.read_bytes()[40:], good)
+    assert pack_equal(shard_file.read_bytes()[56:], good)  # after the 56-byte header: magic, sha256, xxh3-128
 
 
 def _raw_stream_error(address: str) -> grpc.RpcError:
@@ -182,7 +184,7 @@ def test_a_redis_copy_streams_as_it_is_read_and_a_bad_one_fails_before_its_trail
     _, good = s.client.fetch_shard("a", layout())  # packed, then put in both tiers
     chunks = raw_chunks(s.address, 1 << 12)
     assert chunks[0].header.cache_tier == "redis" and b"".join(c.data for c in chunks[1:-1]) == good
-    assert chunks[-1].trailer.sha256 == hashlib.sha256(good).hexdigest()
+    assert chunks[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(good))
     key = pack.shard_key(s.manifest.digest, layout(), pb.ShardRank())
     meta_key = f"{s.prefix}:shard:{key}"
     chunk0 = bytearray(s.redis.get(f"{meta_key}:c0"))
@@ -191,9 +193,9 @@ def test_a_redis_copy_streams_as_it_is_read_and_a_bad_one_fails_before_its_trail
     caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
     error = _raw_stream_error(s.address)
     assert error.code() == grpc.StatusCode.DATA_LOSS
-    assert error.details() == ("the cached shard of adapter 'a' failed its sha256 check in the store's redis cache "
+    assert error.details() == ("the cached shard of adapter 'a' failed its xxh3-128 check in the store's redis cache "
                                "and was dropped: fetch it again")
-    assert "failed its sha256 check; deleting it" in caplog.text and not s.redis.exists(meta_key)
+    assert "failed its xxh3-128 check; deleting it" in caplog.text and not s.redis.exists(meta_key)
     header, blob = s.client.fetch_shard("a", layout())
     assert header.cache_tier == "disk" and blob == good  # Redis missed it: read whole from disk, back-filled
     header, blob = s.client.fetch_shard("a", layout())
@@ -257,7 +259,7 @@ def test_a_disk_copy_changed_since_its_check_is_hashed_while_streamed_and_droppe
     header, good = store.client.fetch_shard("a", layout())  # packed and cached: the store checked it
     path = _disk_file(store)
     data = bytearray(path.read_bytes())
-    data[-5] ^= 0x01  # still a loadable blob: only the sha256 knows
+    data[-5] ^= 0x01  # still a loadable blob: only the checksum knows
     time.sleep(0.02)  # a later mtime than the check's, even on coarse file clocks
     path.write_bytes(bytes(data))
     caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
@@ -267,9 +269,9 @@ def test_a_disk_copy_changed_since_its_check_is_hashed_while_streamed_and_droppe
             for chunk in stream:
                 assert chunk.WhichOneof("part") != "trailer"  # the bad copy never gets its trailer
     assert e.value.code() == grpc.StatusCode.DATA_LOSS
-    assert e.value.details() == ("the cached shard of adapter 'a' failed its sha256 check in the store's disk cache "
+    assert e.value.details() == ("the cached shard of adapter 'a' failed its xxh3-128 check in the store's disk cache "
                                  "and was dropped: fetch it again")
-    assert "failed its sha256 check; deleting it" in caplog.text and not path.exists()
+    assert "failed its xxh3-128 check; deleting it" in caplog.text and not path.exists()
     header, blob = store.client.fetch_shard("a", layout())
     assert header.cache_tier == "packed" and pack_equal(blob, good)
 
@@ -285,15 +287,15 @@ def test_the_python_client_asks_again_with_verify_when_a_stream_fails_after_its_
     assert header.cache_tier == "packed" and pack_equal(blob, good)
 
 
-def test_a_checked_disk_copy_streams_with_the_sha256_stored_beside_it(store):
+def test_a_checked_disk_copy_streams_with_the_xxh3_stored_beside_it(store):
     _, good = store.client.fetch_shard("a", layout())
     chunks = raw_chunks(store.address, 1 << 12)
     assert chunks[0].header.cache_tier == "disk"
     assert b"".join(c.data for c in chunks[1:-1]) == good
-    assert chunks[-1].trailer.sha256 == hashlib.sha256(good).hexdigest()
+    assert chunks[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(good))
     # verify=True: read whole and checked before the first byte goes out, same bytes
     with grpc.insecure_channel(store.address) as channel:
-        req = spb.FetchShardRequest(name="a", layout=layout(), verify=True)
+        req = spb.FetchShardRequest(name="a", layout=layout(), verify=True, xxh3=True)
         verified = list(spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60))
     assert verified[0].header.cache_tier == "disk" and b"".join(c.data for c in verified[1:-1]) == good
 
@@ -306,3 +308,133 @@ def test_assembler_refuses_more_bytes_than_the_header_said():
         asm.add_raw(spb.ShardChunk(data=b"de").SerializeToString())
     assert e.value.code == grpc.StatusCode.DATA_LOSS
     assert e.value.message == "shard stream sent more than the 4 bytes its header said"
+
+
+# -- the stream checksum: xxh3-128, sha256 for copies cached before it was kept -----------------
+def _assemble(chunks: list[spb.ShardChunk], threaded: bool):
+    """(header, blob) through ShardAssembler, as the executor (buffer + hash thread) or the CLI does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        asm = ShardAssembler(bytearray, pool) if threaded else ShardAssembler()
+        for c in chunks:
+            asm.add_raw(c.SerializeToString())
+        header, blob = asm.result()
+        return header, bytes(blob)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_stream_whose_xxh3_trailer_does_not_match_a_corrupted_chunk_is_data_loss(store, threaded):
+    _, good = store.client.fetch_shard("a", layout())
+    chunks = raw_chunks(store.address, 1 << 12)
+    assert chunks[-1].trailer.xxh3_128 and not chunks[-1].trailer.sha256
+    assert _assemble(chunks, threaded)[1] == good
+    bad = bytearray(chunks[2].data)
+    bad[7] ^= 0x10  # one bit in a middle chunk
+    with pytest.raises(StatusError) as e:
+        _assemble([*chunks[:2], spb.ShardChunk(data=bytes(bad)), *chunks[3:]], threaded)
+    assert e.value.code == grpc.StatusCode.DATA_LOSS
+    assert e.value.message == "shard checksum mismatch: the stream was corrupted"
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_sha256_only_trailer_is_still_checked(store, threaded):
+    """A trailer from an older store, or for a copy cached before xxh3 was kept: sha256 only."""
+    _, good = store.client.fetch_shard("a", layout())
+    chunks = raw_chunks(store.address, 1 << 12)
+    old = [*chunks[:-1], spb.ShardChunk(trailer=spb.ShardTrailer(sha256=hashlib.sha256(good).hexdigest()))]
+    assert _assemble(old, threaded)[1] == good
+    bad = bytearray(old[1].data)
+    bad[0] ^= 0x01
+    for chunks in ([old[0], spb.ShardChunk(data=bytes(bad)), *old[2:]],  # corrupted data
+                   [*old[:-1], spb.ShardChunk(trailer=spb.ShardTrailer())]):  # no checksum at all
+        with pytest.raises(StatusError) as e:
+            _assemble(chunks, threaded)
+        assert e.value.message == "shard checksum mismatch: the stream was corrupted"
+
+
+def _as_old_disk_file(path: Path) -> bytes:
+    """Rewrites a shard file in the format of before xxh3 (LSSHARD1 + sha256 + blob); the blob."""
+    data = path.read_bytes()
+    assert data[:8] == b"LSSHARD2"
+    blob = data[56:]
+    time.sleep(0.02)  # a later mtime than the store's check
+    path.write_bytes(b"LSSHARD1" + hashlib.sha256(blob).digest() + blob)
+    return blob
+
+
+def test_an_old_format_disk_copy_streams_with_its_sha256_and_a_bad_one_is_data_loss(store, caplog):
+    _, good = store.client.fetch_shard("a", layout())
+    path = _disk_file(store)
+    assert _as_old_disk_file(path) == good
+    chunks = raw_chunks(store.address, 1 << 12)  # streamed as read, hashed (sha256) on the way
+    assert chunks[0].header.cache_tier == "disk" and b"".join(c.data for c in chunks[1:-1]) == good
+    assert chunks[-1].trailer == spb.ShardTrailer(sha256=hashlib.sha256(good).hexdigest())
+    header, blob = store.client.fetch_shard("a", layout())  # the client checks that sha256
+    assert header.cache_tier == "disk" and blob == good
+    # verify=True reads it whole: its sha256 is checked, and the trailer carries xxh3 computed then
+    with grpc.insecure_channel(store.address) as channel:
+        req = spb.FetchShardRequest(name="a", layout=layout(), verify=True, xxh3=True)
+        verified = list(spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60))
+    assert verified[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(good))
+    assert _assemble(verified, threaded=True)[1] == good
+
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    time.sleep(0.02)
+    path.write_bytes(bytes(data))
+    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
+    error = _raw_stream_error(store.address)
+    assert error.code() == grpc.StatusCode.DATA_LOSS
+    assert error.details() == ("the cached shard of adapter 'a' failed its sha256 check in the store's disk cache "
+                               "and was dropped: fetch it again")
+    assert "failed its sha256 check; deleting it" in caplog.text and not path.exists()
+    header, blob = store.client.fetch_shard("a", layout())
+    assert header.cache_tier == "packed" and pack_equal(blob, good)
+    assert _disk_file(store).read_bytes()[:8] == b"LSSHARD2"  # cached anew in the new format
+
+
+def test_an_old_format_redis_copy_streams_with_its_sha256_and_a_bad_one_is_data_loss(redis_store, caplog):
+    s = redis_store
+    _, good = s.client.fetch_shard("a", layout())
+    key = pack.shard_key(s.manifest.digest, layout(), pb.ShardRank())
+    meta_key = f"{s.prefix}:shard:{key}"
+    assert s.redis.hget(meta_key, "xxh3_128").decode() == xxhash.xxh3_128_hexdigest(good)
+    s.redis.hdel(meta_key, "xxh3_128")  # as written before xxh3 was kept: size, n_chunks, sha256
+    chunks = raw_chunks(s.address, 1 << 12)
+    assert chunks[0].header.cache_tier == "redis" and b"".join(c.data for c in chunks[1:-1]) == good
+    assert chunks[-1].trailer == spb.ShardTrailer(sha256=hashlib.sha256(good).hexdigest())
+    header, blob = s.client.fetch_shard("a", layout())
+    assert header.cache_tier == "redis" and blob == good
+
+    chunk0 = bytearray(s.redis.get(f"{meta_key}:c0"))
+    chunk0[-5] ^= 0x01
+    s.redis.set(f"{meta_key}:c0", bytes(chunk0))
+    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
+    error = _raw_stream_error(s.address)
+    assert error.code() == grpc.StatusCode.DATA_LOSS
+    assert error.details() == ("the cached shard of adapter 'a' failed its sha256 check in the store's redis cache "
+                               "and was dropped: fetch it again")
+    assert "failed its sha256 check; deleting it" in caplog.text and not s.redis.exists(meta_key)
+    header, blob = s.client.fetch_shard("a", layout())
+    assert header.cache_tier == "disk" and blob == good  # back-filled into Redis with both checksums
+    assert s.redis.hget(meta_key, "xxh3_128").decode() == xxhash.xxh3_128_hexdigest(good)
+
+
+@pytest.mark.parametrize("tiers", ["disk", "redis"])
+def test_a_client_from_before_xxh3_gets_sha256_trailers_from_every_tier(tiers, request):
+    """A request without `xxh3` (an executor older than the store, in a rolling upgrade) gets the
+    sha256 trailer it checks: computed for the freshly packed shard, stored with cached copies."""
+    s = request.getfixturevalue("store" if tiers == "disk" else "redis_store")
+    first = raw_chunks(s.address, 1 << 12, xxh3=False)
+    blob = b"".join(c.data for c in first[1:-1])
+    want = spb.ShardTrailer(sha256=hashlib.sha256(blob).hexdigest())
+    assert first[0].header.cache_tier == "packed" and first[-1].trailer == want
+    again = raw_chunks(s.address, 1 << 12, xxh3=False)
+    assert again[0].header.cache_tier == tiers and again[-1].trailer == want
+    asm = ShardAssembler()
+    for c in again:
+        asm.add(c)
+    assert asm.result()[1] == blob  # the checksum a pre-xxh3 client checks: it passes
+    new = raw_chunks(s.address, 1 << 12)  # a current client: xxh3 from the same copy
+    assert new[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(blob))

@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+import xxhash
 from peft import PeftModel
 
 from loraserve.adapter_store import validate
@@ -42,7 +43,13 @@ def _flip(data: bytes) -> bytes:
     return bytes(b)
 
 
-# mode -> (how the honest stream [header, data..., trailer] is altered, the DATA_LOSS message)
+def _sha256_trailer(data_chunks) -> spb.ShardChunk:
+    """The trailer of an older store, or of a copy cached before xxh3-128 was kept: sha256 only."""
+    return spb.ShardChunk(trailer=spb.ShardTrailer(sha256=hashlib.sha256(b"".join(c.data for c in data_chunks)).hexdigest()))
+
+
+# mode -> (how the honest stream [header, data..., trailer] is altered, the DATA_LOSS message).
+# The honest trailer carries xxh3_128 only (test_the_honest_trailer_is_xxh3_and_a_sha256_one_still_loads).
 TAMPER = {
     "truncated": (lambda h, d, t: [h, *d[:-1], spb.ShardChunk(data=d[-1].data[:-100]), t],
                   "shard stream ended after {short} bytes, header said {total}"),
@@ -50,9 +57,17 @@ TAMPER = {
                      "shard checksum mismatch: the stream was corrupted"),
     "wrong_trailer": (lambda h, d, t: [h, *d, spb.ShardChunk(trailer=spb.ShardTrailer(sha256=hashlib.sha256(b"other").hexdigest()))],
                       "shard checksum mismatch: the stream was corrupted"),
+    "wrong_xxh3_trailer": (lambda h, d, t: [h, *d, spb.ShardChunk(trailer=spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(b"other")))],
+                           "shard checksum mismatch: the stream was corrupted"),
+    "flipped_byte_sha256_trailer": (lambda h, d, t: [h, *d[:-1], spb.ShardChunk(data=_flip(d[-1].data)), _sha256_trailer(d)],
+                                    "shard checksum mismatch: the stream was corrupted"),
     "no_trailer": (lambda h, d, t: [h, *d], "shard stream ended without its checksum trailer"),
     "no_header": (lambda h, d, t: [*d, t], "shard stream sent data before its header"),
 }
+
+
+# Streams that are not damaged, only in another form: they must load.
+HONEST = {"sha256_trailer": lambda h, d, t: [h, *d, _sha256_trailer(d)]}
 
 
 class TamperingStore(AdapterStoreService):
@@ -65,7 +80,8 @@ class TamperingStore(AdapterStoreService):
         chunks = [spb.ShardChunk.FromString(c) if isinstance(c, bytes) else c
                   async for c in super().FetchShard(request, context)]
         if self.mode is not None:
-            chunks = TAMPER[self.mode][0](chunks[0], chunks[1:-1], chunks[-1])
+            alter = HONEST[self.mode] if self.mode in HONEST else TAMPER[self.mode][0]
+            chunks = alter(chunks[0], chunks[1:-1], chunks[-1])
         for c in chunks:
             yield c
 
@@ -186,3 +202,25 @@ def test_a_cold_load_reaches_the_slot_copy_as_views_of_the_one_buffer_the_stream
     (tensors,) = seen
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors.values()}
     assert len(tensors) > 1 and list(storages.values()) == [nbytes]  # one storage: the shard's own bytes
+
+
+def test_the_honest_trailer_is_xxh3_and_a_sha256_one_still_loads(honest_after, tiny_chat_llama, tmp_path):
+    """The store's trailer carries xxh3_128 alone; a sha256-only trailer (an older store, or a copy it
+    cached before xxh3-128 was kept) is still checked and accepted by every client."""
+    setup = honest_after
+    with grpc.insecure_channel(setup.store_address) as channel:
+        req = spb.FetchShardRequest(name=ADAPTER, layout=setup.parts.store.layout, xxh3=True)
+        chunks = list(spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60))
+    good = b"".join(c.data for c in chunks[1:-1])
+    assert chunks[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(good))
+
+    setup.store.mode = "sha256_trailer"
+    assert StoreClient(setup.store_address).fetch_shard(ADAPTER, setup.parts.store.layout)[1] == good
+    _, _, tensors, nbytes = setup.lt.run(setup.parts.store.fetch_shard(ADAPTER))  # the executor's client
+    assert nbytes == len(good) and tensors
+    loraserve = str(Path(sys.executable).parent / "loraserve")
+    out = tmp_path / "shards"
+    args = [loraserve, "--log-level", "WARNING", "adapters", "--store", setup.store_address, "fetch", ADAPTER,
+            "--model", str(tiny_chat_llama[1]), "--dtype", "float32", "--max-rank", "16", "--out", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "checksum ok" in proc.stdout, proc.stderr

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from loraserve.v1 import common_pb2 as loraserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n loraserve/v1/adapter_store.proto\x12\x0cloraserve.v1\x1a\x19loraserve/v1/common.proto\"E\n\x16RegisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\"!\n\x11GetAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"<\n\x13ListAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"`\n\x14ListAdaptersResponse\x12/\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1d.loraserve.v1.AdapterManifest\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"$\n\x14\x44\x65leteAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x15\x44\x65leteAdapterResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\xa3\x01\n\x11\x46\x65tchShardRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.loraserve.v1.Layout\x12%\n\x04rank\x18\x03 \x01(\x0b\x32\x17.loraserve.v1.ShardRank\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\r\x12\x0e\n\x06verify\x18\x06 \x01(\x08\"|\n\x0bShardHeader\x12/\n\x08manifest\x18\x01 \x01(\x0b\x32\x1d.loraserve.v1.AdapterManifest\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\ncache_tier\x18\x04 \x01(\t\"\x1e\n\x0cShardTrailer\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"\x80\x01\n\nShardChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.loraserve.v1.ShardHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12-\n\x07trailer\x18\x03 \x01(\x0b\x32\x1a.loraserve.v1.ShardTrailerH\x00\x42\x06\n\x04part\"j\n\x0cPrefetchItem\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.loraserve.v1.Layout\x12&\n\x05ranks\x18\x03 \x03(\x0b\x32\x17.loraserve.v1.ShardRank\"<\n\x0fPrefetchRequest\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.loraserve.v1.PrefetchItem\"\x83\x01\n\x0ePrefetchResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04rank\x18\x02 \x01(\x0b\x32\x17.loraserve.v1.ShardRank\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x12\n\ncache_tier\x18\x06 \x01(\t\"A\n\x10PrefetchResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.loraserve.v1.PrefetchResult2\xfb\x03\n\x0c\x41\x64\x61pterStore\x12V\n\x0fRegisterAdapter\x12$.loraserve.v1.RegisterAdapterRequest\x1a\x1d.loraserve.v1.AdapterManifest\x12L\n\nGetAdapter\x12\x1f.loraserve.v1.GetAdapterRequest\x1a\x1d.loraserve.v1.AdapterManifest\x12U\n\x0cListAdapters\x12!.loraserve.v1.ListAdaptersRequest\x1a\".loraserve.v1.ListAdaptersResponse\x12X\n\rDeleteAdapter\x12\".loraserve.v1.DeleteAdapterRequest\x1a#.loraserve.v1.DeleteAdapterResponse\x12I\n\nFetchShard\x12\x1f.loraserve.v1.FetchShardRequest\x1a\x18.loraserve.v1.ShardChunk0\x01\x12I\n\x08Prefetch\x12\x1d.loraserve.v1.PrefetchRequest\x1a\x1e.loraserve.v1.PrefetchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n loraserve/v1/adapter_store.proto\x12\x0cloraserve.v1\x1a\x19loraserve/v1/common.proto\"E\n\x16RegisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\"!\n\x11GetAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"<\n\x13ListAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"`\n\x14ListAdaptersResponse\x12/\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1d.loraserve.v1.AdapterManifest\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"$\n\x14\x44\x65leteAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x15\x44\x65leteAdapterResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\xb1\x01\n\x11\x46\x65tchShardRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.loraserve.v1.Layout\x12%\n\x04rank\x18\x03 \x01(\x0b\x32\x17.loraserve.v1.ShardRank\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\r\x12\x0e\n\x06verify\x18\x06 \x01(\x08\x12\x0c\n\x04xxh3\x18\x07 \x01(\x08\"|\n\x0bShardHeader\x12/\n\x08manifest\x18\x01 \x01(\x0b\x32\x1d.loraserve.v1.AdapterManifest\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\ncache_tier\x18\x04 \x01(\t\"0\n\x0cShardTrailer\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x10\n\x08xxh3_128\x18\x02 \x01(\t\"\x80\x01\n\nShardChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.loraserve.v1.ShardHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12-\n\x07trailer\x18\x03 \x01(\x0b\x32\x1a.loraserve.v1.ShardTrailerH\x00\x42\x06\n\x04part\"j\n\x0cPrefetchItem\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.loraserve.v1.Layout\x12&\n\x05ranks\x18\x03 \x03(\x0b\x32\x17.loraserve.v1.ShardRank\"<\n\x0fPrefetchRequest\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.loraserve.v1.PrefetchItem\"\x83\x01\n\x0ePrefetchResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04rank\x18\x02 \x01(\x0b\x32\x17.loraserve.v1.ShardRank\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x12\n\ncache_tier\x18\x06 \x01(\t\"A\n\x10PrefetchResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.loraserve.v1.PrefetchResult2\xfb\x03\n\x0c\x41\x64\x61pterStore\x12V\n\x0fRegisterAdapter\x12$.loraserve.v1.RegisterAdapterRequest\x1a\x1d.loraserve.v1.AdapterManifest\x12L\n\nGetAdapter\x12\x1f.loraserve.v1.GetAdapterRequest\x1a\x1d.loraserve.v1.AdapterManifest\x12U\n\x0cListAdapters\x12!.loraserve.v1.ListAdaptersRequest\x1a\".loraserve.v1.ListAdaptersResponse\x12X\n\rDeleteAdapter\x12\".loraserve.v1.DeleteAdapterRequest\x1a#.loraserve.v1.DeleteAdapterResponse\x12I\n\nFetchShard\x12\x1f.loraserve.v1.FetchShardRequest\x1a\x18.loraserve.v1.ShardChunk0\x01\x12I\n\x08Prefetch\x12\x1d.loraserve.v1.PrefetchRequest\x1a\x1e.loraserve.v1.PrefetchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,21 +45,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELETEADAPTERRESPONSE']._serialized_start=381
   _globals['_DELETEADAPTERRESPONSE']._serialized_end=421
   _globals['_FETCHSHARDREQUEST']._serialized_start=424
-  _globals['_FETCHSHARDREQUEST']._serialized_end=587
-  _globals['_SHARDHEADER']._serialized_start=589
-  _globals['_SHARDHEADER']._serialized_end=713
-  _globals['_SHARDTRAILER']._serialized_start=715
-  _globals['_SHARDTRAILER']._serialized_end=745
-  _globals['_SHARDCHUNK']._serialized_start=748
-  _globals['_SHARDCHUNK']._serialized_end=876
-  _globals['_PREFETCHITEM']._serialized_start=878
-  _globals['_PREFETCHITEM']._serialized_end=984
-  _globals['_PREFETCHREQUEST']._serialized_start=986
-  _globals['_PREFETCHREQUEST']._serialized_end=1046
-  _globals['_PREFETCHRESULT']._serialized_start=1049
-  _globals['_PREFETCHRESULT']._serialized_end=1180
-  _globals['_PREFETCHRESPONSE']._serialized_start=1182
-  _globals['_PREFETCHRESPONSE']._serialized_end=1247
-  _globals['_ADAPTERSTORE']._serialized_start=1250
-  _globals['_ADAPTERSTORE']._serialized_end=1757
+  _globals['_FETCHSHARDREQUEST']._serialized_end=601
+  _globals['_SHARDHEADER']._serialized_start=603
+  _globals['_SHARDHEADER']._serialized_end=727
+  _globals['_SHARDTRAILER']._serialized_start=729
+  _globals['_SHARDTRAILER']._serialized_end=777
+  _globals['_SHARDCHUNK']._serialized_start=780
+  _globals['_SHARDCHUNK']._serialized_end=908
+  _globals['_PREFETCHITEM']._serialized_start=910
+  _globals['_PREFETCHITEM']._serialized_end=1016
+  _globals['_PREFETCHREQUEST']._serialized_start=1018
+  _globals['_PREFETCHREQUEST']._serialized_end=1078
+  _globals['_PREFETCHRESULT']._serialized_start=1081
+  _globals['_PREFETCHRESULT']._serialized_end=1212
+  _globals['_PREFETCHRESPONSE']._serialized_start=1214
+  _globals['_PREFETCHRESPONSE']._serialized_end=1279
+  _globals['_ADAPTERSTORE']._serialized_start=1282
+  _globals['_ADAPTERSTORE']._serialized_end=1789
 # @@protoc_insertion_point(module_scope)

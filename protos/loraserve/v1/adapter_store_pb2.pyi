@@ -52,20 +52,22 @@ class DeleteAdapterResponse(_message.Message):
     def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
 
 class FetchShardRequest(_message.Message):
-    __slots__ = ("name", "layout", "rank", "digest", "chunk_bytes", "verify")
+    __slots__ = ("name", "layout", "rank", "digest", "chunk_bytes", "verify", "xxh3")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
     name: str
     layout: _common_pb2.Layout
     rank: _common_pb2.ShardRank
     digest: str
     chunk_bytes: int
     verify: bool
-    def __init__(self, name: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., rank: _Optional[_Union[_common_pb2.ShardRank, _Mapping]] = ..., digest: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., verify: _Optional[bool] = ...) -> None: ...
+    xxh3: bool
+    def __init__(self, name: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., rank: _Optional[_Union[_common_pb2.ShardRank, _Mapping]] = ..., digest: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., verify: _Optional[bool] = ..., xxh3: _Optional[bool] = ...) -> None: ...
 
 class ShardHeader(_message.Message):
     __slots__ = ("manifest", "layout_hash", "total_bytes", "cache_tier")
@@ -80,10 +82,12 @@ class ShardHeader(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_common_pb2.AdapterManifest, _Mapping]] = ..., layout_hash: _Optional[str] = ..., total_bytes: _Optional[int] = ..., cache_tier: _Optional[str] = ...) -> None: ...
 
 class ShardTrailer(_message.Message):
-    __slots__ = ("sha256",)
+    __slots__ = ("sha256", "xxh3_128")
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    XXH3_128_FIELD_NUMBER: _ClassVar[int]
     sha256: str
-    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+    xxh3_128: str
+    def __init__(self, sha256: _Optional[str] = ..., xxh3_128: _Optional[str] = ...) -> None: ...
 
 class ShardChunk(_message.Message):
     __slots__ = ("header", "data", "trailer")
