@@ -62,12 +62,6 @@ class Checksums(NamedTuple):
         """The hex digest `hasher` must end with."""
         return self.xxh3_128 or self.sha256
 
-    def matches(self, blob) -> bool:
-        """The blob against the checksum `hasher` uses (xxh3-128 when known)."""
-        h = self.hasher()
-        h.update(blob)
-        return h.hexdigest() == self.expected()
-
     @property
     def kind(self) -> str:
         return "xxh3-128" if self.xxh3_128 else "sha256"
@@ -116,9 +110,11 @@ def _read_head(f) -> tuple[int, Checksums] | None:
 
 def _checked(sums: Checksums, blob) -> Checksums | None:
     """The checksums of a copy whose bytes match the stored ones (xxh3-128 when stored, else sha256),
-    or None. A copy with only a sha256 gets its xxh3-128 too, so its stream's trailer carries it."""
+    or None: only checksums this check confirmed. A copy with only a sha256 gets its xxh3-128 too, so
+    its stream's trailer carries it; a copy checked by its xxh3-128 reports no sha256 (the stored
+    one was not checked: a back-fill recomputes it, and an older client's trailer is computed)."""
     if sums.xxh3_128:
-        return sums if xxh3_128(blob) == sums.xxh3_128 else None
+        return Checksums("", sums.xxh3_128) if xxh3_128(blob) == sums.xxh3_128 else None
     return Checksums(sums.sha256, xxh3_128(blob)) if hashlib.sha256(blob).hexdigest() == sums.sha256 else None
 
 
@@ -486,6 +482,7 @@ class RedisCache:
                 pipe.set(f"{meta_key}:c{i}", chunk)
             for i in range(len(chunks), int(old.get(b"n_chunks", 0))):
                 pipe.delete(f"{meta_key}:c{i}")
+            pipe.delete(meta_key)  # no field of an older copy's meta (a stale xxh3_128) outlives it
             pipe.hset(meta_key, mapping=meta)
             pipe.zadd(self._lru_key, {key: _now_ms()})
             pipe.incrby(self._total_key, len(blob) - int(old.get(b"size", 0)))

@@ -438,3 +438,28 @@ def test_a_client_from_before_xxh3_gets_sha256_trailers_from_every_tier(tiers, r
     assert asm.result()[1] == blob  # the checksum a pre-xxh3 client checks: it passes
     new = raw_chunks(s.address, 1 << 12)  # a current client: xxh3 from the same copy
     assert new[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(blob))
+
+
+def shard_key(digest: str) -> str:
+    return pack.shard_key(digest, layout(), pb.ShardRank())
+
+
+def test_a_wrong_stored_sha256_is_not_passed_on_and_an_older_client_s_retry_gets_a_computed_one(redis_store):
+    """A copy is checked by its xxh3-128; its stored sha256 was not checked, so a read reports none:
+    a back-fill recomputes it (the bad one does not spread to the Redis tier), and the trailer an
+    older client's verify retry gets is computed from the bytes."""
+    s = redis_store
+    blob = b"".join(c.data for c in raw_chunks(s.address, 1 << 12)[1:-1])  # packed, in Redis and on disk
+    good = hashlib.sha256(blob).hexdigest()
+    (path,) = (s.cfg.data_dir / "cache").rglob("*.shard")
+    head = bytearray(path.read_bytes())
+    assert head[8:40].hex() == good  # LSSHARD2: magic, sha256, xxh3-128, blob
+    head[8:40] = bytes(32)  # the stored sha256 goes bad, the bytes do not
+    path.write_bytes(bytes(head))
+    meta_key = f"{s.prefix}:shard:{shard_key(s.manifest.digest)}"
+    s.redis.delete(meta_key, *s.redis.keys(f"{meta_key}:c*"))  # the Redis copy gone: the disk one back-fills it
+    with grpc.insecure_channel(s.address) as channel:
+        req = spb.FetchShardRequest(name="a", layout=layout(), verify=True)  # an older client's retry: no xxh3
+        retry = list(spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60))
+    assert retry[0].header.cache_tier == "disk" and retry[-1].trailer == spb.ShardTrailer(sha256=good)
+    assert s.redis.hget(meta_key, "sha256").decode() == good  # back-filled with the sha256 of its bytes
