@@ -339,14 +339,17 @@ def test_tiered_hit_in_lower_tier_backfills_upper(redis_url, tmp_path):
 
 
 def test_tiered_read_returns_the_checksums_each_tier_checked(redis_url, tmp_path):
-    """FetchShard's checksum trailer is the hash a tier checked on read: it must be the blob's."""
+    """FetchShard's checksum trailer is the hash a tier checked on read: it must be the blob's, and
+    only what was checked (xxh3-128; the stored sha256 is not reported, so a back-fill recomputes it)."""
     redis_tier, disk_tier = redis_cache(redis_url), DiskCache(tmp_path, 1 << 20)
     blob = blob_of(40 * KIB)
     disk_tier.put(shard_key(1), blob)
     cache = TieredCache([redis_tier, disk_tier])
-    sums = Checksums(hashlib.sha256(blob).hexdigest(), xxhash.xxh3_128_hexdigest(blob))
-    assert cache.read(shard_key(1)) == (blob, "disk", sums)
-    assert cache.read(shard_key(1)) == (blob, "redis", sums)  # back-filled with both
+    checked = Checksums("", xxhash.xxh3_128_hexdigest(blob))
+    assert cache.read(shard_key(1)) == (blob, "disk", checked)
+    assert cache.read(shard_key(1)) == (blob, "redis", checked)
+    meta = redis_tier._redis.hgetall(f"{redis_url.prefix}:shard:{shard_key(1)}")  # back-filled with both
+    assert (meta[b"sha256"].decode(), meta[b"xxh3_128"].decode()) == Checksums.of(blob)
     assert cache.read(shard_key(2)) is None
 
 
@@ -466,7 +469,7 @@ def test_disk_new_files_keep_both_checksums(tmp_path):
     data = (tmp_path / f"{shard_key(1)}.shard").read_bytes()
     assert data[:8] == b"LSSHARD2" and data[8:40] == hashlib.sha256(blob).digest()
     assert data[40:56].hex() == xxhash.xxh3_128_hexdigest(blob) and data[56:] == blob
-    assert cache.read(shard_key(1)) == (blob, Checksums.of(blob))
+    assert cache.read(shard_key(1)) == (blob, Checksums("", xxhash.xxh3_128_hexdigest(blob)))  # what it checked
 
 
 def test_redis_reads_and_streams_an_old_format_copy_checking_its_sha256(redis_url, caplog):
