@@ -27,7 +27,7 @@ from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
 
 from . import base_model, pack, sources
-from .cache import Checksums, DiskCache, RedisCache, TieredCache, xxh3_128
+from .cache import Checksums, DiskCache, RedisCache, TieredCache
 from .config import StoreConfig
 from .layout import check_layout, layout_hash
 from .redis_registry import RedisRegistry
@@ -238,12 +238,14 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             del self._inflight[key]
 
     def _pack_one(self, manifest: pb.AdapterManifest, layout: pb.Layout, rank: pb.ShardRank) -> tuple[bytes, str, Checksums]:
-        """(blob, "packed", checksums: its xxh3-128) of one rank's shard, packed and cached. Runs in a thread."""
-        (blob,) = self._pack_ranks(manifest, layout, [rank])
-        return blob, "packed", Checksums(xxh3_128=xxh3_128(blob))
+        """(blob, "packed", its checksums) of one rank's shard, packed and cached. Runs in a thread."""
+        ((blob, sums),) = self._pack_ranks(manifest, layout, [rank])
+        return blob, "packed", sums
 
-    def _pack_ranks(self, manifest: pb.AdapterManifest, layout: pb.Layout, ranks: list[pb.ShardRank]) -> list[bytes]:
-        """Packs once, slices for each rank, caches each shard. Runs in a thread."""
+    def _pack_ranks(self, manifest: pb.AdapterManifest, layout: pb.Layout,
+                    ranks: list[pb.ShardRank]) -> list[tuple[bytes, Checksums]]:
+        """Packs once, slices for each rank, caches each shard with its checksums (hashed once, here).
+        Runs in a thread."""
         t0 = time.perf_counter()
         adapter = self._loaded(manifest)
         if adapter.digest != manifest.digest:
@@ -254,15 +256,16 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         blobs = []
         for rank in ranks:
             blob = pack.shard_blob(adapter, pack.shard(full, layout, rank), layout, rank)
+            sums = Checksums.of(blob)
             try:
-                self.cache.put(pack.shard_key(manifest.digest, layout, rank), blob)
+                self.cache.put(pack.shard_key(manifest.digest, layout, rank), blob, sums)
             except StatusError as e:  # too large for the cache budget: still served, not kept
                 log.warning("shard of %s not cached: %s", manifest.name, e.message)
-            blobs.append(blob)
+            blobs.append((blob, sums))
         seconds = time.perf_counter() - t0
         self.metrics.pack.observe(seconds)
         log.info("packed %s for layout %s, %d rank(s), %d bytes in %.2fs", manifest.name,
-                 layout_hash(layout)[:12], len(ranks), sum(map(len, blobs)), seconds)
+                 layout_hash(layout)[:12], len(ranks), sum(len(b) for b, _ in blobs), seconds)
         return blobs
 
     def _loaded(self, manifest: pb.AdapterManifest) -> pack.PeftAdapter:
@@ -302,7 +305,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             return [spb.PrefetchResult(name=item.name, rank=r, ok=False, error=f"{e.code.name}: {e.message}") for r in ranks]
         results = []
         for r, f in zip(ranks, found):
-            size, tier = f if f is not None else (len(next(packed)), "packed")
+            size, tier = f if f is not None else (len(next(packed)[0]), "packed")
             results.append(spb.PrefetchResult(name=item.name, rank=r, ok=True, bytes=size, cache_tier=tier))
         return results
 

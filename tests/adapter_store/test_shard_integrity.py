@@ -179,6 +179,20 @@ def _raw_stream_error(address: str) -> grpc.RpcError:
     return e.value
 
 
+def _corrupt_redis_copy_and_expect_data_loss(s, meta_key: str, kind: str, caplog) -> None:
+    """One bit of the Redis copy's first chunk flipped: its stream fails DATA_LOSS before the trailer,
+    naming the checksum (`kind`) it failed, and the copy is dropped."""
+    chunk0 = bytearray(s.redis.get(f"{meta_key}:c0"))
+    chunk0[-5] ^= 0x01
+    s.redis.set(f"{meta_key}:c0", bytes(chunk0))
+    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
+    error = _raw_stream_error(s.address)
+    assert error.code() == grpc.StatusCode.DATA_LOSS
+    assert error.details() == (f"the cached shard of adapter 'a' failed its {kind} check in the store's redis cache "
+                               "and was dropped: fetch it again")
+    assert f"failed its {kind} check; deleting it" in caplog.text and not s.redis.exists(meta_key)
+
+
 def test_a_redis_copy_streams_as_it_is_read_and_a_bad_one_fails_before_its_trailer(redis_store, caplog):
     s = redis_store
     _, good = s.client.fetch_shard("a", layout())  # packed, then put in both tiers
@@ -187,15 +201,7 @@ def test_a_redis_copy_streams_as_it_is_read_and_a_bad_one_fails_before_its_trail
     assert chunks[-1].trailer == spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(good))
     key = pack.shard_key(s.manifest.digest, layout(), pb.ShardRank())
     meta_key = f"{s.prefix}:shard:{key}"
-    chunk0 = bytearray(s.redis.get(f"{meta_key}:c0"))
-    chunk0[-5] ^= 0x01
-    s.redis.set(f"{meta_key}:c0", bytes(chunk0))
-    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
-    error = _raw_stream_error(s.address)
-    assert error.code() == grpc.StatusCode.DATA_LOSS
-    assert error.details() == ("the cached shard of adapter 'a' failed its xxh3-128 check in the store's redis cache "
-                               "and was dropped: fetch it again")
-    assert "failed its xxh3-128 check; deleting it" in caplog.text and not s.redis.exists(meta_key)
+    _corrupt_redis_copy_and_expect_data_loss(s, meta_key, "xxh3-128", caplog)
     header, blob = s.client.fetch_shard("a", layout())
     assert header.cache_tier == "disk" and blob == good  # Redis missed it: read whole from disk, back-filled
     header, blob = s.client.fetch_shard("a", layout())
@@ -407,15 +413,7 @@ def test_an_old_format_redis_copy_streams_with_its_sha256_and_a_bad_one_is_data_
     header, blob = s.client.fetch_shard("a", layout())
     assert header.cache_tier == "redis" and blob == good
 
-    chunk0 = bytearray(s.redis.get(f"{meta_key}:c0"))
-    chunk0[-5] ^= 0x01
-    s.redis.set(f"{meta_key}:c0", bytes(chunk0))
-    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
-    error = _raw_stream_error(s.address)
-    assert error.code() == grpc.StatusCode.DATA_LOSS
-    assert error.details() == ("the cached shard of adapter 'a' failed its sha256 check in the store's redis cache "
-                               "and was dropped: fetch it again")
-    assert "failed its sha256 check; deleting it" in caplog.text and not s.redis.exists(meta_key)
+    _corrupt_redis_copy_and_expect_data_loss(s, meta_key, "sha256", caplog)
     header, blob = s.client.fetch_shard("a", layout())
     assert header.cache_tier == "disk" and blob == good  # back-filled into Redis with both checksums
     assert s.redis.hget(meta_key, "xxh3_128").decode() == xxhash.xxh3_128_hexdigest(good)
