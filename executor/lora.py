@@ -243,26 +243,27 @@ class LinearWithLoRA(nn.Module):
         if weights is None:
             return F.linear(x, self.weight, self.bias)  # [T, N]
         lora_a, lora_b = weights
+        ranked = self.rank_parts == 1  # a fully sharded column layer's rank dim holds tp parts
         side = _side_stream(x.device)
         if side is None:
             y = F.linear(x, self.weight, self.bias)
-            buf = kernels.lora_shrink(x, lora_a, lora_meta)  # [S, T, rank] float32
+            buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)  # [(splits,) S, T, rank] float32
             if self.rank_parts > 1:
-                buf = self.tp.all_gather(buf)  # [S, T, max_rank]: every rank part of x @ A.T
-            return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
-        # CUDA: shrink (and its zeroing) runs on a side stream beside the base GEMM, which is
+                buf = self.tp.all_gather(buf)  # [(splits,) S, T, max_rank]: every rank part of x @ A.T
+            return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked)
+        # CUDA: shrink runs on a side stream beside the base GEMM, which is
         # bandwidth-bound at decode and hides it; only expand waits for both. Captured graphs
         # keep the fork and join. Memory is safe: the side stream waits for the main one before
         # each use, so nothing it frees is reused while the main stream still reads it.
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            buf = kernels.lora_shrink(x, lora_a, lora_meta)
+            buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)
         y = F.linear(x, self.weight, self.bias)
         main.wait_stream(side)
         if self.rank_parts > 1:
             buf = self.tp.all_gather(buf)
-        return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
+        return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked)
 
     def _forward_row_parallel(self, x: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
         """x: [T, in / tp], this rank's input columns. Every term before the all-reduce is a
@@ -271,7 +272,7 @@ class LinearWithLoRA(nn.Module):
         weights = _step_weights(self, lora_meta, x.device)
         if weights is not None:
             lora_a, lora_b = weights
-            buf = kernels.lora_shrink(x, lora_a, lora_meta)  # [1, T, rank], partial
+            buf = kernels.lora_shrink(x, lora_a, lora_meta)  # [(splits,) 1, T, rank], partial
             if self.lora_offsets is self.slice_offsets:
                 kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
             else:  # fully sharded: the whole x @ A.T, times this rank's rows of B, into its columns
@@ -502,6 +503,7 @@ class _ShardLayout:
     ranks: tuple[tuple[list[int], int], ...]
     plan: ScatterPlan | None
     span: int
+    max_rank: int  # the largest adapter rank among its modules (a fully sharded A's part times tp)
 
 
 class _SlotTargets:
@@ -539,7 +541,7 @@ class _SlotTargets:
         return found
 
     def _plan(self, tensors: dict[str, torch.Tensor], offsets: dict[str, int | None]) -> _ShardLayout:
-        ranks, copies = [], []
+        ranks, copies, top = [], [], 0
         size = next(iter(tensors.values())).element_size() if tensors else 1
         plannable = self.scatterable and all(
             offsets[k] is not None and offsets[k] % size == 0 and t.is_contiguous() for k, t in tensors.items()
@@ -547,15 +549,16 @@ class _SlotTargets:
         for name, m in self.modules.items():
             a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
             ranks.append((m.slot_ranks, 0 if a is None else a.shape[m.slot_rank_dim]))
+            top = max(top, ranks[-1][1] * m.rank_parts)
             if not plannable:
                 continue
             for buf, src, part, parts in ((m.lora_a, a, "lora_a", 1), (m.lora_b, b, "lora_b", m.rank_parts)):
                 offset = 0 if src is None else offsets[f"{name}.{part}"] // size
                 copies.append(_slot_copy(buf, m.slot_rank_dim, src, offset, parts))
         if not plannable:
-            return _ShardLayout(tuple(ranks), None, 0)
+            return _ShardLayout(tuple(ranks), None, 0, top)
         span = max((offsets[k] + t.nbytes for k, t in tensors.items()), default=0)
-        return _ShardLayout(tuple(ranks), ScatterPlan(tuple(copies)), span)
+        return _ShardLayout(tuple(ranks), ScatterPlan(tuple(copies)), span, top)
 
 
 _TARGETS: weakref.WeakKeyDictionary[nn.Module, _SlotTargets] = weakref.WeakKeyDictionary()
@@ -673,8 +676,10 @@ def clear_slot(modules, slot: int, scatter=None) -> None:
         m.slot_ranks[slot] = 0
 
 
-def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor], scatter=None) -> None:
+def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor], scatter=None) -> int:
     """Copies one shard's tensors into `slot` of every LoRA module; modules absent from it are zeroed.
+    Returns the slot's adapter rank as the kernels may read it (LoraMeta.slot_ranks): the largest
+    rank among its modules, slot buffers being zero past each module's own.
 
     tensors: "<module>.lora_a" / "<module>.lora_b" as in docs/SHARD_FORMAT.md. Everything is checked
     before any slot buffer is written, so a bad shard leaves the slot as it was (a layout that passed
@@ -699,3 +704,4 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
         writes.flush()
     for ranks, r in layout.ranks:
         ranks[slot] = r
+    return layout.max_rank

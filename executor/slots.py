@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraserve.errors import exhausted, invalid, not_found, precondition
+from loraserve.kernels.meta import FULL_RANK
 
 from .cpu_cache import CpuCache, FetchShard, waited_on
 
@@ -130,7 +131,7 @@ class SlotManager:
     def __init__(
         self,
         fetch_shard: FetchShard,
-        copy_into_slot: Callable[[int, dict[str, torch.Tensor]], None],
+        copy_into_slot: Callable[[int, dict[str, torch.Tensor]], int | None],
         clear_slot: Callable[[int], None],
         *,
         max_loras: int,
@@ -150,6 +151,10 @@ class SlotManager:
         self.observer = observer or SlotObserver()
         self._adapters: dict[str, _Adapter] = {}
         self._slots: list[_Adapter | None] = [None] * max_loras
+        # Each slot's adapter rank as the LoRA kernels may read it (LoraMeta.slot_ranks): what the
+        # copy function returns (executor/lora.py: the largest rank the shard holds), FULL_RANK when
+        # it says nothing, 0 once cleared. Written when a load is issued, before any step uses the slot.
+        self.slot_ranks: list[int] = [FULL_RANK] * max_loras
         self._clearing: set[int] = set()  # slots being zeroed after an evict
         self._ticks = itertools.count(1)
         self._changed = asyncio.Event()  # set (and replaced) whenever a slot may have become free
@@ -473,16 +478,19 @@ class SlotManager:
         return min(idle)[2] if idle else None
 
     def _copy(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
+        event = None
         if self._copy_stream is None:
-            self._copy_into_slot(slot, tensors)
-            return None
-        with torch.cuda.stream(self._copy_stream):
-            self._copy_into_slot(slot, tensors)
-            event = torch.cuda.Event()
-            event.record(self._copy_stream)
+            rank = self._copy_into_slot(slot, tensors)
+        else:
+            with torch.cuda.stream(self._copy_stream):
+                rank = self._copy_into_slot(slot, tensors)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+        self.slot_ranks[slot] = rank if isinstance(rank, int) else FULL_RANK
         return event
 
     def _clear(self, slot: int) -> None:
+        self.slot_ranks[slot] = 0
         if self._copy_stream is None:
             self._clear_slot(slot)
             return

@@ -52,12 +52,12 @@ def _impl(t: torch.Tensor):
     return _on_device(t, "triton_lora", reference)
 
 
-def lora_shrink(x, lora_a, meta: LoraMeta, out=None):
-    return _impl(x).lora_shrink(x, lora_a, meta, out)
+def lora_shrink(x, lora_a, meta: LoraMeta, out=None, ranked: bool = True):
+    return _impl(x).lora_shrink(x, lora_a, meta, out, ranked)
 
 
-def lora_expand(y, buf, lora_b, slice_offsets, meta: LoraMeta):
-    return _impl(y).lora_expand(y, buf, lora_b, slice_offsets, meta)
+def lora_expand(y, buf, lora_b, slice_offsets, meta: LoraMeta, ranked: bool = True):
+    return _impl(y).lora_expand(y, buf, lora_b, slice_offsets, meta, ranked)
 
 
 def lora_embedding_shrink(token_ids, lora_a, meta: LoraMeta, out=None):

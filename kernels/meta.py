@@ -10,13 +10,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+FULL_RANK = 1 << 30  # a block's rank when the slots' ranks are not known: read the whole slot
+
 
 @dataclass
 class BlockList:
     """The work list of the Triton kernels: each slot's token group cut into blocks of block_m rows.
 
-    blocks:     [3, max_blocks] int32; per block: slot (max_loras = the no-adapter group,
-                -1 = unused entry), first row and end row of its group in sorted_token_ids
+    blocks:     [4, max_blocks] int32; per block: slot (max_loras = the no-adapter group,
+                -1 = unused entry), first row and end row of its group in sorted_token_ids, and
+                the rank of the slot's adapter (LoraMeta.slot_ranks; FULL_RANK when unknown, 0
+                for the no-adapter group): the kernels read A and B only that far
     tokens:     [max_blocks, block_m] int32; the block's token indices, -1 past its end, so a
                 kernel reads a tile's slot and rows in one step
     num_blocks: [2] int32; blocks of real slots, and blocks including the no-adapter group
@@ -47,6 +51,10 @@ class LoraMeta:
     host_slots:        the slots with tokens this step as a host frozenset, when the caller knows
                        them without a sync (the engine does); None otherwise. LoRA layers use it
                        to skip work no active adapter needs (see executor/lora.py)
+    slot_ranks:        [max_loras] int32 on the device, the largest rank of the adapter in each slot
+                       (slot buffers are zero past it), or None: the kernels then read every slot
+                       at its full buffer rank. With it, a rank-8 adapter in a rank-64 slot moves
+                       rank-8 bytes through shrink and expand.
     """
 
     token_slots: torch.Tensor
@@ -58,6 +66,7 @@ class LoraMeta:
     active_slots: torch.Tensor | None = None
     num_active: torch.Tensor | None = None
     host_slots: frozenset[int] | None = None
+    slot_ranks: torch.Tensor | None = None
     _block_lists: dict[int, BlockList] = field(default_factory=dict, repr=False)
 
     def block_list(self, block_m: int) -> BlockList:
@@ -68,9 +77,15 @@ class LoraMeta:
         return blocks
 
 
-def make_lora_meta(token_slots: torch.Tensor, max_loras: int, host_slots: frozenset[int] | None = None) -> LoraMeta:
+def make_lora_meta(
+    token_slots: torch.Tensor,
+    max_loras: int,
+    host_slots: frozenset[int] | None = None,
+    slot_ranks: torch.Tensor | None = None,
+) -> LoraMeta:
     """Groups tokens by slot. token_slots: [T] integer tensor, -1 = no adapter.
-    host_slots: the set of slots >= 0 in token_slots, if the caller has it on the host."""
+    host_slots: the set of slots >= 0 in token_slots, if the caller has it on the host.
+    slot_ranks: [max_loras] integer tensor on token_slots' device, each slot's adapter rank (see LoraMeta)."""
     slots = token_slots.to(torch.int32)
     # No-adapter tokens sort after every real slot.
     keys = torch.where(slots < 0, torch.full_like(slots, max_loras), slots)
@@ -94,6 +109,7 @@ def make_lora_meta(token_slots: torch.Tensor, max_loras: int, host_slots: frozen
         active_slots=active_slots,
         num_active=active.sum(dtype=torch.int32).reshape(1),
         host_slots=host_slots,
+        slot_ranks=None if slot_ranks is None else slot_ranks.to(torch.int32),
     )
 
 
@@ -118,7 +134,12 @@ def _make_block_list(meta: LoraMeta, block_m: int) -> BlockList:
     group = group.clamp(max=num_slots)
     first_row = starts[group] + (block - (ends[group] - group_blocks[group])) * block_m
     end_row = starts[group] + counts[group]
-    blocks = torch.stack([torch.where(used, group, -1), first_row, end_row]).to(torch.int32)
+    if meta.slot_ranks is None:
+        rank = torch.where(group < num_slots, FULL_RANK, 0)
+    else:
+        padded = torch.cat([meta.slot_ranks.to(torch.int64), torch.zeros(1, dtype=torch.int64, device=device)])
+        rank = padded[group]  # group == num_slots (the no-adapter group): 0
+    blocks = torch.stack([torch.where(used, group, -1), first_row, end_row, rank]).to(torch.int32)
     rows = first_row[:, None] + torch.arange(block_m, device=device)  # [max_blocks, block_m]
     in_block = (rows < end_row[:, None]) & used[:, None]
     gathered = meta.sorted_token_ids[rows.clamp(0, max(num_tokens - 1, 0))]

@@ -35,13 +35,14 @@ def _slot_groups(meta: LoraMeta):
 
 
 def lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta, out: torch.Tensor | None = None
+    x: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta, out: torch.Tensor | None = None, ranked: bool = True
 ) -> torch.Tensor:
     """buf[s, t, :] = x[t] @ lora_a[slot(t), s].T for every slice s; rows of no-adapter tokens are 0.
 
     x:      [T, in]
     lora_a: [max_loras, S, R, in]
     out:    [S, T, R] float32 (allocated if None)
+    ranked: unused here (see lora_expand)
     """
     num_slices, rank = lora_a.shape[1], lora_a.shape[2]
     if out is None:
@@ -66,14 +67,19 @@ def lora_expand(
     lora_b: torch.Tensor,
     slice_offsets: tuple[int, ...],
     meta: LoraMeta,
+    ranked: bool = True,
 ) -> torch.Tensor:
     """y[t, off_s:off_s+n_s] += buf[s, t] @ lora_b[slot(t), off_s:off_s+n_s].T, in place.
 
     y:             [T, N] with N = slice_offsets[-1]
-    buf:           [S, T, R] (from lora_shrink, or lora_embedding_shrink with S = 1)
+    buf:           [S, T, R] (from lora_shrink, or lora_embedding_shrink with S = 1), or the Triton
+                   shrink's [splits, S, T, R] K-split partials (summed first)
     lora_b:        [max_loras, N, R]
     slice_offsets: S + 1 output offsets, e.g. (0, q, q + k, q + k + v)
+    ranked:        unused here: slot buffers are zero past each adapter's rank (see triton_lora)
     """
+    if buf.dim() == 4:
+        buf = buf.sum(0)
     gathered = _gathered(meta)
     if gathered is not None:
         slots, valid = gathered

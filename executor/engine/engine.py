@@ -126,6 +126,7 @@ class _Batch:
     leases: list[SlotLease]
     sources: list[int]  # per token: -1, or the previous step's sample row its id comes from (PENDING)
     slot_adapters: dict[int, tuple[str, str]] = field(default_factory=dict)  # TP only: slot -> (adapter, digest)
+    slot_ranks: list[int] | None = None  # each slot's adapter rank (SlotManager.slot_ranks), None: no LoRA in the step
 
     @property
     def is_decode(self) -> bool:
@@ -613,6 +614,8 @@ class Engine:
                 b.top_k.append(run.params.top_k)
                 b.top_p.append(run.params.top_p)
                 b.generators.append(run.generator)
+        if max(b.token_slots, default=-1) >= 0:  # the kernels read each slot up to its adapter's rank
+            b.slot_ranks = list(self.slots.slot_ranks)
         if self.ranks is not None:  # the other ranks load what rank 0 has in each slot of the step
             b.slot_adapters = {slot: self.slots.slot_version(slot) for slot in set(b.token_slots) if slot >= 0}
         num_decode = sum(s.num_tokens == 1 for s in plan.seqs)
@@ -649,7 +652,9 @@ class Engine:
         num_seqs = len(b.query_lens)
         if self._graph_step(b):
             kind = "decode-graph"
-            logits = self.graphs.run(DecodeBatch(b.input_ids, b.context_lens, b.block_tables, b.token_slots, b.sources))
+            logits = self.graphs.run(
+                DecodeBatch(b.input_ids, b.context_lens, b.block_tables, b.token_slots, b.sources, b.slot_ranks)
+            )
             if len(b.sample_rows) != num_seqs:  # a 1-token chunk in the middle of a prefill samples nothing
                 logits = logits[torch.tensor(b.sample_rows, dtype=torch.long, device=dev)]
         else:

@@ -8,7 +8,11 @@ Every per-step input lives in one static int32 device buffer that the graphs rea
 one pinned host buffer by one host->device copy per step:
 
     [ids | positions | slot mapping | seq_lens | LoRA slots | sources]  each max_batch long, then
+    [slot ranks]                                                        max_loras, then
     [block tables]                                                      max_batch x width
+
+The slot ranks (each slot's adapter rank, LoraMeta.slot_ranks) let the LoRA kernels read a
+rank-8 adapter's rank-8 bytes from a rank-64 slot.
 
 A row whose source is >= 0 takes its input id not from `ids` but from the token the previous
 step sampled in that row (`keep_sampled` leaves them in a device buffer): so the engine can launch
@@ -30,6 +34,7 @@ import numpy as np
 import torch
 
 from loraserve.kernels import make_lora_meta
+from loraserve.kernels.meta import FULL_RANK
 
 from .kv_cache import AttentionMetadata, KVCache
 
@@ -54,6 +59,7 @@ class DecodeBatch:
     block_tables: list[list[int]]
     lora_slots: list[int]  # [B] -1 = base model
     sources: list[int] | None = None  # [B] -1: input_ids[i]; r >= 0: the previous step's sampled row r
+    slot_ranks: list[int] | None = None  # [max_loras] each slot's adapter rank; None: read slots whole
 
 
 class DecodeGraphs:
@@ -63,7 +69,8 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.max_batch = max_batch
         self.width = -(-max_model_len // kv.block_size)  # block-table columns
-        size = _FIELDS * max_batch + max_batch * self.width
+        self._tables_at = _FIELDS * max_batch + max_loras  # the slot ranks sit between fields and tables
+        size = self._tables_at + max_batch * self.width
         # Two pinned host buffers, used in turn: the engine stages step N+1 while step N's copy may
         # still be queued; step N+2 reuses N's buffer only after N's tokens were collected.
         self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=self.device.type == "cuda") for _ in range(2)]
@@ -82,6 +89,7 @@ class DecodeGraphs:
         """Captures every (bucket, LoRA or not) graph, largest first so they share one memory pool."""
         t0 = time.perf_counter()
         self._fill_padding(self.max_batch, 0)
+        self._host_np[_FIELDS * self.max_batch : self._tables_at] = FULL_RANK
         self._dev.copy_(self._host)
         variants = (False, True) if self.max_loras else (False,)
         with torch.cuda.device(self.device):  # Triton launches and the capture stream follow it
@@ -116,14 +124,14 @@ class DecodeGraphs:
         float32 into the shared logits buffer."""
         n, dev = self.max_batch, self._dev
         ids, positions, slot_mapping, seq_lens, lora_slots, sources = (dev[i * n : i * n + bucket] for i in range(_FIELDS))
-        tables = dev[_FIELDS * n :].view(n, self.width)[:bucket]
+        tables = dev[self._tables_at :].view(n, self.width)[:bucket]
         ids = torch.where(sources >= 0, self._sampled[sources.clamp(min=0).long()], ids)
         positions = positions.long()
         attn = AttentionMetadata(
             slot_mapping=slot_mapping.long(), positions=positions, block_tables=tables, seq_lens=seq_lens,
             cu_query_lens=None, max_query_len=1, is_decode=True,
         )  # fmt: skip
-        meta = make_lora_meta(lora_slots, self.max_loras) if lora else None
+        meta = make_lora_meta(lora_slots, self.max_loras, slot_ranks=dev[_FIELDS * n : self._tables_at]) if lora else None
         hidden = self.model.forward(ids, positions, attn, self.kv, meta)
         self._logits[:bucket].copy_(self.model.compute_logits(hidden, meta))
 
@@ -170,7 +178,7 @@ class DecodeGraphs:
         self._host = self._hosts[1] if self._host is self._hosts[0] else self._hosts[0]
         self._host_np = self._host.numpy()
         self._fill(batch, bucket)
-        used = _FIELDS * self.max_batch + bucket * self.width  # the block tables come last
+        used = self._tables_at + bucket * self.width  # the block tables come last
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
         return bucket, lora
 
@@ -178,7 +186,7 @@ class DecodeGraphs:
         n, bs, h = self.max_batch, self.kv.block_size, self._host_np
         b = len(batch.input_ids)
         pos = np.asarray(batch.positions, dtype=np.int64)
-        tables = h[_FIELDS * n :].reshape(n, self.width)
+        tables = h[self._tables_at :].reshape(n, self.width)
         for i, table in enumerate(batch.block_tables):
             tables[i, : len(table)] = table
         h[0:b] = batch.input_ids
@@ -187,6 +195,7 @@ class DecodeGraphs:
         h[3 * n : 3 * n + b] = pos + 1
         h[4 * n : 4 * n + b] = batch.lora_slots
         h[5 * n : 5 * n + b] = -1 if batch.sources is None else batch.sources
+        h[_FIELDS * n : self._tables_at] = FULL_RANK if batch.slot_ranks is None else batch.slot_ranks
         self._fill_padding(bucket, b)
 
     def _fill_padding(self, bucket: int, first: int) -> None:
@@ -201,4 +210,4 @@ class DecodeGraphs:
         h[3 * n + first : 3 * n + bucket] = 1
         h[4 * n + first : 4 * n + bucket] = -1
         h[5 * n + first : 5 * n + bucket] = -1
-        h[_FIELDS * n :].reshape(n, self.width)[rows] = scratch
+        h[self._tables_at :].reshape(n, self.width)[rows] = scratch

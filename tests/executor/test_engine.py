@@ -358,6 +358,31 @@ async def test_adapter_output_does_not_depend_on_its_batch(tiny, make_engine):
     _assert_idle(engine)
 
 
+async def test_steps_read_each_slot_to_its_adapters_rank(tiny, make_engine, monkeypatch):
+    """Every step's LoraMeta (eager, and the graphs' static buffer) carries each slot's adapter
+    rank (SlotManager.slot_ranks, from the loaded shard), so the CUDA kernels read a rank-4
+    adapter's rank-4 bytes out of the rank-8 slots."""
+    from loraserve.executor.engine import graphs as graphs_mod, step as step_mod
+
+    seen = []
+    for mod in (step_mod, graphs_mod):
+        real = mod.make_lora_meta
+
+        def spy(token_slots, max_loras, host_slots=None, slot_ranks=None, real=real):
+            meta = real(token_slots, max_loras, host_slots, slot_ranks)
+            seen.append((token_slots.tolist(), None if slot_ranks is None else slot_ranks.tolist()))
+            return meta
+
+        monkeypatch.setattr(mod, "make_lora_meta", spy)
+    engine = make_engine(store=Store(tiny[1], ["a1", "a2"], rank=4))
+    await asyncio.gather(*(_collect(engine, _greedy(_prompt(6, 30 + i), 5, adapter=a)) for i, a in enumerate(("a1", "a2"))))
+    used = [(slots, ranks) for slots, ranks in seen if max(slots) >= 0]
+    assert used, "no step used an adapter"
+    assert engine.slots.slot_ranks == [4, 4]  # rank 4 shards in both slots (max_rank 8)
+    for slots, ranks in used:
+        assert ranks is not None and all(ranks[s] == 4 for s in slots if s >= 0), (slots, ranks)
+
+
 async def test_request_with_missing_adapter_fails_alone(tiny, make_engine):
     ref_model, _ = tiny
     engine = make_engine()

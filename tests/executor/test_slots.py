@@ -459,6 +459,28 @@ async def test_a_request_cancelled_mid_switch_never_lets_the_clear_hit_another_a
     assert slots.content[lease.slot] == "adapter-1"
 
 
+async def test_slot_ranks_follow_what_the_copy_reports_and_clear_to_zero(store, slots):
+    """SlotManager.slot_ranks: the rank the copy function returns for a slot (what the kernels read
+    it to), the whole slot (FULL_RANK) when it returns none, 0 once the slot is cleared."""
+    from loraserve.kernels.meta import FULL_RANK
+
+    a, b = NAMES[:2]
+    ranks = {a: 3, b: None}
+
+    def copy(slot, tensors):
+        slots.copy(slot, tensors)
+        return ranks[slots.content[slot]]
+
+    mgr = SlotManager(store.fetch, copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"))
+    assert mgr.slot_ranks == [FULL_RANK]
+    mgr.release(await mgr.acquire(a))
+    assert mgr.slot_ranks == [3]
+    mgr.release(await mgr.acquire(b))  # evicts a: cleared, then b's copy says nothing
+    assert slots.content[0] == b and mgr.slot_ranks == [FULL_RANK]
+    await mgr.evict(b)
+    assert mgr.slot_ranks == [0]
+
+
 async def test_refresh_loop_survives_an_unexpected_error(store, slots, caplog):
     from loraserve.executor.refresh import refresh_loop
 

@@ -16,6 +16,7 @@ from loraserve.kernels import (
     make_lora_meta,
     reference,
 )
+from loraserve.kernels.meta import FULL_RANK
 
 
 def offsets_of(widths):
@@ -136,16 +137,19 @@ def test_block_list_covers_each_group_once_in_blocks_of_one_slot(block_m, num_sl
     for tokens in (1, 7, 100, 333):
         slots = torch.randint(0, num_slots, (tokens,), generator=gen)
         slots[torch.rand(tokens, generator=gen) < none] = -1
-        meta = make_lora_meta(slots, num_slots)
+        ranks = torch.randint(1, 65, (num_slots,), generator=gen) if tokens % 2 else None  # odd T: known ranks
+        meta = make_lora_meta(slots, num_slots, slot_ranks=ranks)
         work = meta.block_list(block_m)
         assert meta.block_list(block_m) is work  # built once per step
         blocks, (lora_blocks, all_blocks) = work.blocks, work.num_blocks.tolist()
-        assert blocks.shape == (3, work.max_blocks) and all_blocks <= work.max_blocks
+        assert blocks.shape == (4, work.max_blocks) and all_blocks <= work.max_blocks
         covered = torch.zeros(tokens, dtype=torch.int64)
         for b in range(all_blocks):
-            slot, first, end = blocks[:, b].tolist()
+            slot, first, end, rank = blocks[:, b].tolist()
             assert first < end  # end: where the block's group ends
             assert (slot < num_slots) == (b < lora_blocks)  # real slots first, no-adapter group after
+            # the rank the kernels read the block's slot to: its adapter's, whole if unknown, none without one
+            assert rank == (0 if slot == num_slots else FULL_RANK if ranks is None else int(ranks[slot]))
             rows = meta.sorted_token_ids[first : min(end, first + block_m)].long()
             assert work.tokens[b, : len(rows)].tolist() == rows.tolist()
             assert (work.tokens[b, len(rows) :] == -1).all()
@@ -163,39 +167,61 @@ def test_block_list_bound_depends_only_on_tokens_and_slots():
 
 
 def emulate_kernels(x, lora_a, lora_b, offsets, meta, block_m):
-    """What the Triton kernels compute, walked tile by tile over the block list, in float64."""
+    """What the Triton kernels compute, walked tile by tile over the block list, in float64: each
+    block reads its slot's A and B only up to the block's rank (rank positions past it come out 0)."""
     work = meta.block_list(block_m)
     num_slices, rank = lora_a.shape[1], lora_a.shape[2]
     buf = torch.full((num_slices, x.shape[0], rank), float("nan"), dtype=torch.float64)
     y = torch.zeros(x.shape[0], offsets[-1], dtype=torch.float64)
     lora_blocks, all_blocks = work.num_blocks.tolist()
     for b in range(all_blocks):
-        slot, first, end = work.blocks[:, b].tolist()
+        slot, first, end, r = work.blocks[:, b].tolist()
         tok = meta.sorted_token_ids[first : min(end, first + block_m)].long()
+        buf[:, tok] = 0
         if slot == meta.max_loras:
-            buf[:, tok] = 0
             continue
-        buf[:, tok] = torch.einsum("ti,sri->str", x[tok].double(), lora_a[slot].double())
+        r = min(r, rank)
+        buf[:, tok, :r] = torch.einsum("ti,sri->str", x[tok].double(), lora_a[slot, :, :r].double())
     for b in range(lora_blocks):
-        slot, first, end = work.blocks[:, b].tolist()
+        slot, first, end, r = work.blocks[:, b].tolist()
         tok = meta.sorted_token_ids[first : min(end, first + block_m)].long()
+        r = min(r, rank)
         for s in range(num_slices):
-            y[tok, offsets[s] : offsets[s + 1]] += buf[s, tok] @ lora_b[slot, offsets[s] : offsets[s + 1]].double().T
+            b_rows = lora_b[slot, offsets[s] : offsets[s + 1], :r].double()
+            y[tok, offsets[s] : offsets[s + 1]] += buf[s, tok, :r] @ b_rows.T
     return buf, y
 
 
 @pytest.mark.parametrize("block_m", [1, 16, 64])
-def test_block_list_walk_reproduces_the_reference(block_m):
+@pytest.mark.parametrize("known_ranks", [False, True])
+def test_block_list_walk_reproduces_the_reference(block_m, known_ranks):
+    """Slots of rank 8 holding adapters of rank 1-8 (zero past it): reading each only to its
+    adapter's rank (LoraMeta.slot_ranks) gives what reading it whole gives."""
     gen = torch.Generator().manual_seed(3)
-    lora_a, lora_b = random_layer(gen, 7, 32, (32, 8, 8), 8)
+    ranks = [1, 8, 3, 5, 8, 2, 7]
+    lora_a, lora_b = random_layer(gen, 7, 32, (32, 8, 8), 8, ranks)
     slots = torch.randint(-1, 7, (150,), generator=gen)
-    meta = make_lora_meta(slots, 7)
+    meta = make_lora_meta(slots, 7, slot_ranks=torch.tensor(ranks) if known_ranks else None)
     x = torch.randn(150, 32, generator=gen)
     buf, y = emulate_kernels(x, lora_a, lora_b, (0, 32, 40, 48), meta, block_m)
     want_buf = reference.lora_shrink(x, lora_a, meta)
     torch.testing.assert_close(buf, want_buf.double(), rtol=1e-5, atol=1e-4)
     want_y = reference.lora_expand(torch.zeros(150, 48), want_buf, lora_b, (0, 32, 40, 48), meta)
     torch.testing.assert_close(y, want_y.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_reference_expand_sums_k_split_partials():
+    """lora_shrink on CUDA may return [splits, S, T, R] partials (no zeroing, no atomics):
+    lora_expand sums them, the reference too."""
+    gen = torch.Generator().manual_seed(4)
+    lora_a, lora_b = random_layer(gen, 3, 16, (8, 8), 4)
+    meta = make_lora_meta(torch.tensor([0, 2, -1, 1, 0]), 3)
+    buf = reference.lora_shrink(torch.randn(5, 16, generator=gen), lora_a, meta)
+    parts = torch.randn(3, *buf.shape, generator=gen)
+    parts[0] = buf - parts[1] - parts[2]
+    want = reference.lora_expand(torch.zeros(5, 16), buf, lora_b, (0, 8, 16), meta)
+    got = reference.lora_expand(torch.zeros(5, 16), parts, lora_b, (0, 8, 16), meta)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_tensors_use_the_reference_and_never_import_triton():
