@@ -8,6 +8,7 @@
 #   svc:     the engine's part of them only: graphs, service and MoE tests (after an engine-only change)
 #   parallel: the tensor- and expert-parallel GPU tests (NCCL, one GPU per rank; tp 4 needs 4 GPUs)
 #   load:    the slot-load GPU tests (tests/executor/test_lora.py, test_slot_scatter.py)
+#   lora:    the LoRA kernels' GPU tests (tests/kernels/test_triton_gpu.py, test_split_k_gpu.py)
 #   moe:     benchmarks/bench_moe.py (fused MoE + expert LoRA against its floor)
 #   attn:    benchmarks/bench_attention.py (paged attention kernels against their floors)
 #   engine:  benchmarks/bench_engine.py (decode / prefill / gRPC against the floors; needs
@@ -69,6 +70,10 @@ fi
 if has load; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu tests/executor/test_lora.py tests/executor/test_slot_scatter.py \
     2>&1 | tee "$OUT/load_gpu_tests.log" | tail -4
+fi
+if has lora; then
+  python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu \
+    tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py 2>&1 | tee "$OUT/lora_gpu_tests.log" | tail -4
 fi
 if has moe; then
   python3 -P benchmarks/bench_moe.py --out "$OUT/bench-moe" 2>&1 | tee "$OUT/bench_moe.log" | tail -40
