@@ -210,12 +210,7 @@ def run_case(pool: Pool, tokens, adapters, none, ceil, gen, baseline=True, ops=(
 
     def layer(i, op="layer"):
         x, y, buf, lora_a, lora_b = sets[i]
-        if op == "layer":  # as the executor runs it: K-split partials, no zeroing
-            lora_expand(y, lora_shrink(x, lora_a, meta), lora_b, offsets, meta)
-            return
-        if op == "shrink":  # the tuner's shrink alone: as the executor runs it, K-split partials
-            lora_shrink(x, lora_a, meta)
-        elif op != "expand":
+        if op != "expand":
             lora_shrink(x, lora_a, meta, out=buf)
         if op != "shrink":
             lora_expand(y, buf, lora_b, offsets, meta)

@@ -102,14 +102,9 @@ def measure(pool: RealPool, tokens, adapters, ceil, gen, ops=("layer",), warm=Fa
 
     def layer(i, op):
         x, y, buf, lora_a, lora_b = sets[i]
-        if op == "layer" and not pool.embedding:  # as the executor runs it: K-split partials, no zeroing
-            lora_expand(y, lora_shrink(x, lora_a, meta), lora_b, offsets, meta)
-            return
         if op != "expand":
             if pool.embedding:
                 lora_embedding_shrink(x, lora_a, meta, out=buf)
-            elif op == "shrink":  # the tuner's shrink alone: as the executor runs it, K-split partials
-                lora_shrink(x, lora_a, meta)
             else:
                 lora_shrink(x, lora_a, meta, out=buf)
         if op != "shrink":

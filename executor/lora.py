@@ -247,11 +247,11 @@ class LinearWithLoRA(nn.Module):
         side = _side_stream(x.device)
         if side is None:
             y = F.linear(x, self.weight, self.bias)
-            buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)  # [(splits,) S, T, rank] float32
+            buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)  # [S, T, rank] float32
             if self.rank_parts > 1:
-                buf = self.tp.all_gather(buf)  # [(splits,) S, T, max_rank]: every rank part of x @ A.T
+                buf = self.tp.all_gather(buf)  # [S, T, max_rank]: every rank part of x @ A.T
             return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked)
-        # CUDA: shrink runs on a side stream beside the base GEMM, which is
+        # CUDA: shrink (and its zeroing) runs on a side stream beside the base GEMM, which is
         # bandwidth-bound at decode and hides it; only expand waits for both. Captured graphs
         # keep the fork and join. Memory is safe: the side stream waits for the main one before
         # each use, so nothing it frees is reused while the main stream still reads it.
@@ -272,7 +272,7 @@ class LinearWithLoRA(nn.Module):
         weights = _step_weights(self, lora_meta, x.device)
         if weights is not None:
             lora_a, lora_b = weights
-            buf = kernels.lora_shrink(x, lora_a, lora_meta)  # [(splits,) 1, T, rank], partial
+            buf = kernels.lora_shrink(x, lora_a, lora_meta)  # [1, T, rank], partial
             if self.lora_offsets is self.slice_offsets:
                 kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
             else:  # fully sharded: the whole x @ A.T, times this rank's rows of B, into its columns

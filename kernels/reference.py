@@ -72,14 +72,11 @@ def lora_expand(
     """y[t, off_s:off_s+n_s] += buf[s, t] @ lora_b[slot(t), off_s:off_s+n_s].T, in place.
 
     y:             [T, N] with N = slice_offsets[-1]
-    buf:           [S, T, R] (from lora_shrink, or lora_embedding_shrink with S = 1), or the Triton
-                   shrink's [splits, S, T, R] K-split partials (summed first)
+    buf:           [S, T, R] (from lora_shrink, or lora_embedding_shrink with S = 1)
     lora_b:        [max_loras, N, R]
     slice_offsets: S + 1 output offsets, e.g. (0, q, q + k, q + k + v)
     ranked:        unused here: slot buffers are zero past each adapter's rank (see triton_lora)
     """
-    if buf.dim() == 4:
-        buf = buf.sum(0)
     gathered = _gathered(meta)
     if gathered is not None:
         slots, valid = gathered

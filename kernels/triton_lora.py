@@ -35,11 +35,10 @@ _MAX_SLICES_PER_LAUNCH = 4
 @triton.jit
 def _shrink_tile(
     tile, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-    num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj, stride_split,
+    num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
     RANK: tl.constexpr, SR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PARTIALS: tl.constexpr,
-    RANKED: tl.constexpr,
+    N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, RANKED: tl.constexpr,
 ):
     """One tile: a block of one slot's tokens x BLOCK_N of the S * RANK columns x one K split."""
     tiles_per_block = N_BLOCKS * SPLIT_K
@@ -77,13 +76,10 @@ def _shrink_tile(
             acc = tl.dot(xa, a, acc)
 
         # buf is [S, T, RANK]: column j lands in slice j // RANK, rank position j % RANK.
-        # PARTIALS: buf is [SPLIT_K, S, T, RANK], one plane per K split, summed by the expand.
         out_ptrs = out_ptr + ((offs_j[None, :] // RANK) * num_tokens + tok[:, None]) * RANK + offs_j[None, :] % RANK
         mask = m_mask[:, None] & j_mask[None, :]
         if SPLIT_K == 1:
             tl.store(out_ptrs, acc, mask=mask)
-        elif PARTIALS:
-            tl.store(out_ptrs + split * stride_split, acc, mask=mask)
         else:
             tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
 
@@ -91,11 +87,11 @@ def _shrink_tile(
 @triton.jit(do_not_specialize=["num_tokens"])
 def _shrink_kernel(
     x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr, num_blocks_ptr,
-    num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj, stride_split,
+    num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
     RANK: tl.constexpr, SR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PARTIALS: tl.constexpr,
-    RANKED: tl.constexpr, ONE_TILE: tl.constexpr,
+    N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, RANKED: tl.constexpr,
+    ONE_TILE: tl.constexpr,
 ):
     """out[s, t, r] = sum_k x[t, k] * a[slot(t), s * RANK + r, k], over the flattened j = s * RANK + r.
 
@@ -103,15 +99,14 @@ def _shrink_kernel(
     tile count the list holds. ONE_TILE (the grid covers the list's upper bound, as in decode):
     each program takes tile p without reading the count (unused entries say slot -1), one
     dependent memory round trip less. Blocks of the no-adapter group (slot == num_slots)
-    write zeros. K split over programs: PARTIALS, each split stores its own plane of out (no
-    zeroing before, no atomics; lora_expand sums them), else the splits add into a zeroed out.
+    write zeros. K split over programs: the splits add into a zeroed out.
     """
     pid = tl.program_id(0)
     if ONE_TILE:
         _shrink_tile(
             pid, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-            num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj, stride_split,
-            RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, PARTIALS, RANKED,
+            num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
+            RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, RANKED,
         )
     else:
         num_programs = tl.num_programs(0)
@@ -119,8 +114,8 @@ def _shrink_kernel(
         for tile in range(pid, num_tiles, num_programs):
             _shrink_tile(
                 tile, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-                num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj, stride_split,
-                RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, PARTIALS, RANKED,
+                num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
+                RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, RANKED,
             )
 
 
@@ -158,11 +153,11 @@ def _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES: tl.constexpr,
 @triton.jit
 def _expand_tile(
     tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-    num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn, stride_split,
+    num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
     off0, off1, off2, off3, off4,
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
-    SPLITS: tl.constexpr, RANKED: tl.constexpr,
+    RANKED: tl.constexpr,
 ):
     """One tile: a block of one slot's tokens x BLOCK_N * N_ITERS columns of one slice."""
     block = tile // chunks
@@ -174,14 +169,14 @@ def _expand_tile(
         m_mask = tok >= 0
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < RANK
-        if RANKED:  # B's columns past the slot adapter's rank are zero: not read
-            r_mask = r_mask & (offs_r < tl.load(block_ranks_ptr + block))
-        lhs_ptrs = buf_ptr + (s * num_tokens + tok[:, None]) * RANK + offs_r[None, :]
-        lhs_mask = m_mask[:, None] & r_mask[None, :]
-        lhs = tl.load(lhs_ptrs, mask=lhs_mask, other=0.0)
-        for i in tl.static_range(1, SPLITS):  # the shrink's K-split partials
-            lhs += tl.load(lhs_ptrs + i * stride_split, mask=lhs_mask, other=0.0)
-        lhs = lhs.to(b_ptr.dtype.element_ty)
+        if RANKED:  # B's columns past the slot adapter's rank are zero: not read. In runs of 8 (16
+            # bytes): a mask constant over 8 lanes keeps B's loads 16-byte vectors (the tail is zero)
+            r_mask = r_mask & (offs_r // 8 < (tl.load(block_ranks_ptr + block) + 7) // 8)
+        lhs = tl.load(
+            buf_ptr + (s * num_tokens + tok[:, None]) * RANK + offs_r[None, :],
+            mask=m_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        ).to(b_ptr.dtype.element_ty)
         b_rows = b_ptr + slot.to(tl.int64) * stride_bl
         y_rows = y_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_yt
         n_start = lo + local * (BLOCK_N * N_ITERS)
@@ -207,25 +202,24 @@ def _expand_tile(
 @triton.jit(do_not_specialize=["num_tokens"])
 def _expand_kernel(
     y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr, num_blocks_ptr,
-    num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn, stride_split,
+    num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
     off0, off1, off2, off3, off4,
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
-    SPLITS: tl.constexpr, RANKED: tl.constexpr, ONE_TILE: tl.constexpr,
+    RANKED: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """y[t, n] += sum_r buf[s(n), t, r] * b[slot(t), n, r] for the columns n of slice s(n).
 
     Persistent like _shrink_kernel, over the blocks of real slots only (num_blocks[0]):
-    no-adapter tokens are never touched. SPLITS > 1: buf holds that many K-split partials
-    (planes stride_split apart), summed here.
+    no-adapter tokens are never touched.
     """
     pid = tl.program_id(0)
     if ONE_TILE:
         _expand_tile(
             pid, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-            num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn, stride_split,
+            num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
             off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-            SPLITS, RANKED,
+            RANKED,
         )
     else:
         num_programs = tl.num_programs(0)
@@ -233,9 +227,9 @@ def _expand_kernel(
         for tile in range(pid, num_tiles, num_programs):
             _expand_tile(
                 tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-                num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn, stride_split,
+                num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
                 off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-                SPLITS, RANKED,
+                RANKED,
             )
 
 
@@ -272,40 +266,33 @@ def lora_shrink(
 
     x:      [T, in] fp16 / bf16
     lora_a: [max_loras, S, R, in], same dtype
-    out:    [S, T, R] float32, or None: then allocated, and where the tables split K over programs
-            (decode) returned as [split_k, S, T, R] partials that lora_expand sums (`.sum(0)` is
-            the [S, T, R] result): no zeroing node before the kernel and no atomics in it
+    out:    [S, T, R] float32 (allocated if None)
     ranked: read each slot only up to its adapter's rank (meta.slot_ranks; rank positions past it
             come out 0); False where the rank dim holds several parts (fully sharded TP layers)
     """
     num_tokens, in_features = x.shape
     num_slots, num_slices, rank, _ = lora_a.shape
-    if not _shrink_supported(x, lora_a, out):
-        if out is None:
-            out = torch.empty(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
-        return reference.lora_shrink(x, lora_a, meta, out)
-    cfg = shrink_config(x.device, num_tokens, in_features, num_slices, rank) if num_tokens else None
-    partials = out is None and cfg is not None and cfg.split_k > 1
     if out is None:
-        shape = (cfg.split_k, num_slices, num_tokens, rank) if partials else (num_slices, num_tokens, rank)
-        out = torch.empty(shape, dtype=torch.float32, device=x.device)
+        out = torch.empty(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
+    if not _shrink_supported(x, lora_a, out):
+        return reference.lora_shrink(x, lora_a, meta, out)
     if num_tokens == 0:
         return out
     sr = num_slices * rank
+    cfg = shrink_config(x.device, num_tokens, in_features, num_slices, rank)
     blocks = meta.block_list(cfg.block_m)
     col_blocks = _cdiv(sr, cfg.block_n)
     k_per_split = _cdiv(_cdiv(in_features, cfg.block_k), cfg.split_k) * cfg.block_k
-    if cfg.split_k > 1 and not partials:
+    if cfg.split_k > 1:
         out.zero_()  # the K splits add into it
     tiles = blocks.max_blocks * col_blocks * cfg.split_k  # upper bound: the list's length
     programs = num_sms(x.device.index) * cfg.ctas_per_sm
     _shrink_kernel[(min(tiles, programs),)](
         x, lora_a, out, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
         num_tokens, num_slots, in_features, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(2),
-        out.stride(0) if partials else 0,
         RANK=rank, SR=sr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         N_BLOCKS=col_blocks, SPLIT_K=cfg.split_k, EVEN_K=in_features % cfg.block_k == 0,
-        PARTIALS=partials, RANKED=ranked, ONE_TILE=tiles <= programs,
+        RANKED=ranked, ONE_TILE=tiles <= programs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -322,7 +309,7 @@ def lora_expand(
     """y[t, off_s:off_s+n_s] += buf[s, t] @ lora_b[slot(t), off_s:off_s+n_s].T, in place.
 
     y:             [T, N] fp16 / bf16, N = slice_offsets[-1]
-    buf:           [S, T, R] float32, or lora_shrink's [splits, S, T, R] partials (summed here)
+    buf:           [S, T, R] float32
     lora_b:        [max_loras, N, R], dtype of y
     slice_offsets: S + 1 output offsets, e.g. (0, q, q + k, q + k + v)
     ranked:        as in lora_shrink
@@ -330,11 +317,9 @@ def lora_expand(
     if not _expand_supported(y, buf, lora_b):
         return reference.lora_expand(y, buf, lora_b, slice_offsets, meta)
     num_tokens = y.shape[0]
-    rank = buf.shape[-1]
+    rank = buf.shape[2]
     if num_tokens == 0:
         return y
-    splits = buf.shape[0] if buf.dim() == 4 else 1
-    planes = buf if buf.dim() == 4 else buf.unsqueeze(0)
     cfg = expand_config(y.device, num_tokens, _widths(tuple(slice_offsets)), rank)
     blocks = meta.block_list(cfg.block_m)
     programs = num_sms(y.device.index) * cfg.ctas_per_sm
@@ -343,12 +328,12 @@ def lora_expand(
     ):
         tiles = blocks.max_blocks * chunks
         _expand_kernel[(min(tiles, programs),)](
-            y, planes[:, first_slice:], lora_b, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
-            num_tokens, lora_b.shape[0], chunks, y.stride(0), lora_b.stride(0), lora_b.stride(1), planes.stride(0),
+            y, buf[first_slice:], lora_b, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
+            num_tokens, lora_b.shape[0], chunks, y.stride(0), lora_b.stride(0), lora_b.stride(1),
             *offsets,
             NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
-            SPLITS=splits, RANKED=ranked, ONE_TILE=tiles <= programs,
+            RANKED=ranked, ONE_TILE=tiles <= programs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return y
@@ -409,7 +394,8 @@ def _shrink_supported(x, lora_a, out) -> bool:
         and x.stride(1) == 1
         and lora_a.stride(3) == 1
         and lora_a.stride(1) == rank * lora_a.stride(2)
-        and (out is None or (out.dtype == torch.float32 and out.is_contiguous()))
+        and out.dtype == torch.float32
+        and out.is_contiguous()
     )
 
 
@@ -420,6 +406,5 @@ def _expand_supported(y, buf, lora_b) -> bool:
         and y.stride(1) == 1
         and lora_b.stride(2) == 1
         and buf.dtype == torch.float32
-        and buf.dim() in (3, 4)
-        and (buf if buf.dim() == 3 else buf[0]).is_contiguous()  # each plane; planes any stride apart
+        and buf.is_contiguous()
     )

@@ -210,20 +210,6 @@ def test_block_list_walk_reproduces_the_reference(block_m, known_ranks):
     torch.testing.assert_close(y, want_y.double(), rtol=1e-5, atol=1e-4)
 
 
-def test_reference_expand_sums_k_split_partials():
-    """lora_shrink on CUDA may return [splits, S, T, R] partials (no zeroing, no atomics):
-    lora_expand sums them, the reference too."""
-    gen = torch.Generator().manual_seed(4)
-    lora_a, lora_b = random_layer(gen, 3, 16, (8, 8), 4)
-    meta = make_lora_meta(torch.tensor([0, 2, -1, 1, 0]), 3)
-    buf = reference.lora_shrink(torch.randn(5, 16, generator=gen), lora_a, meta)
-    parts = torch.randn(3, *buf.shape, generator=gen)
-    parts[0] = buf - parts[1] - parts[2]
-    want = reference.lora_expand(torch.zeros(5, 16), buf, lora_b, (0, 8, 16), meta)
-    got = reference.lora_expand(torch.zeros(5, 16), parts, lora_b, (0, 8, 16), meta)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
 def test_cpu_tensors_use_the_reference_and_never_import_triton():
     code = (
         "import sys, torch\n"

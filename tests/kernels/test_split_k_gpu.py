@@ -58,13 +58,11 @@ def rel_err(got, want) -> float:
     return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
-def layer_case(tokens, in_features, widths, rank, adapters, none_frac, dtype, gen, num_slots=None, mode="atomic"):
+def layer_case(tokens, in_features, widths, rank, adapters, none_frac, dtype, gen, num_slots=None, mode="whole"):
     """Shrink then expand through the Triton path; returns (buf error, y error) against float64.
 
-    mode: "atomic" (the caller's zeroed buf, K splits add into it), "partials" (lora_shrink
-    allocates [splits, S, T, R], one plane per split, lora_expand sums them), "ranked" (partials,
-    and each slot holds an adapter of a lower rank, zero past it, read only that far through
-    LoraMeta.slot_ranks)."""
+    mode: "whole" (every slot read at its full rank), "ranked" (each slot holds an adapter of a
+    lower rank, zero past it, read only that far through LoraMeta.slot_ranks)."""
     num_slots = num_slots or max(8, adapters)  # every adapter its own slot (a slot id >= the count is out of bounds)
     lora_a = (torch.randn(num_slots, len(widths), rank, in_features, generator=gen) / in_features**0.5).to(dtype)
     lora_b = (torch.randn(num_slots, sum(widths), rank, generator=gen) / rank**0.5).to(dtype)
@@ -86,16 +84,11 @@ def layer_case(tokens, in_features, widths, rank, adapters, none_frac, dtype, ge
         offsets.append(offsets[-1] + w)
     x = torch.randn(tokens, in_features, generator=gen).to(dtype).to(DEV)
     y0 = torch.randn(tokens, offsets[-1], generator=gen).to(dtype).to(DEV)
-    if mode == "atomic":
-        buf = torch.full((len(widths), tokens, rank), float("nan"), device=DEV)
-        triton_lora.lora_shrink(x, lora_a, meta, out=buf)
-    else:
-        buf = triton_lora.lora_shrink(x, lora_a, meta)
+    buf = torch.full((len(widths), tokens, rank), float("nan"), device=DEV)
+    triton_lora.lora_shrink(x, lora_a, meta, out=buf)
     y = triton_lora.lora_expand(y0.clone(), buf, lora_b, tuple(offsets), meta)
     if DEV == "cuda":
         torch.cuda.synchronize()
-    if buf.dim() == 4:  # the partials: one [S, T, R] plane per K split
-        buf = buf.sum(0)
 
     want_buf = torch.zeros(len(widths), tokens, rank, dtype=torch.float64, device=DEV)
     want_y = y0.double()
@@ -140,7 +133,7 @@ if not INTERPRET:  # real sizes: the long reductions of down projections at deco
 DTYPES = [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16]
 
 
-@pytest.mark.parametrize("mode", ["atomic", "partials", "ranked"])
+@pytest.mark.parametrize("mode", ["whole", "ranked"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"T{c[0]}-in{c[1]}-r{c[3]}-split{c[5].split_k}")
 def test_split_k_shrink_matches_the_oracle_on_odd_shapes(case, dtype, mode):
@@ -149,22 +142,6 @@ def test_split_k_shrink_matches_the_oracle_on_odd_shapes(case, dtype, mode):
     with forced_shrink(in_features, len(widths), rank, config):
         e_buf, e_y = layer_case(tokens, in_features, widths, rank, adapters, 0.25, dtype, gen, mode=mode)
     assert e_buf < TOL[dtype] and e_y < TOL[dtype], (e_buf, e_y)
-
-
-def test_partials_come_back_one_plane_per_split_and_a_caller_buffer_stays_whole():
-    """out=None and a K split: [splits, S, T, R], no zeroing needed; a caller's out: [S, T, R]."""
-    gen = torch.Generator().manual_seed(15)
-    lora_a = (torch.randn(2, 2, 8, 1000, generator=gen) / 1000**0.5).to(DTYPES[0]).to(DEV)
-    x = torch.randn(3, 1000, generator=gen).to(DTYPES[0]).to(DEV)
-    meta = make_lora_meta(torch.tensor([0, -1, 1], dtype=torch.int32, device=DEV), 2)
-    with forced_shrink(1000, 2, 8, cfg(split_k=3)):
-        parts = triton_lora.lora_shrink(x, lora_a, meta)
-        whole = triton_lora.lora_shrink(x, lora_a, meta, out=torch.full((2, 3, 8), float("nan"), device=DEV))
-    with forced_shrink(1000, 2, 8, cfg(split_k=1)):
-        single = triton_lora.lora_shrink(x, lora_a, meta)
-    assert parts.shape == (3, 2, 3, 8) and whole.shape == single.shape == (2, 3, 8)
-    torch.testing.assert_close(parts.sum(0), whole, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(single, whole, rtol=1e-4, atol=1e-5)
 
 
 def test_split_k_is_repeatable():
