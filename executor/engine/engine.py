@@ -147,6 +147,7 @@ class _Launched:
     event: torch.cuda.Event | None = None
     kept: bool = False  # its sampled tokens are in the graphs' buffer (a next step may read them)
     ahead: bool = False  # launched before the previous step's tokens reached the host
+    host: torch.Tensor | None = None  # the pinned buffer `out` is a view of (back to the engine's pool once read)
 
 
 class StepTime(NamedTuple):
@@ -202,6 +203,10 @@ class Engine:
         self.graphs = self._capture_graphs()
         self.step_times: list[StepTime] = []  # the collected steps, latest last (benchmarks and tests read them)
         self.steps_ahead = 0  # steps planned before the previous step's tokens reached the host
+        # pinned buffers for the steps' sampled tokens, allocated before serving (see _pinned_out)
+        self._out_pool: list[torch.Tensor] = [
+            torch.empty(2 * config.max_num_seqs, dtype=torch.float64, pin_memory=True) for _ in range(4)
+        ] if self.device.type == "cuda" else []
 
     def _warm_up(self) -> float | None:
         """Builds the eager steps' Triton kernels before the first request (executor/engine/warmup.py):
@@ -674,11 +679,26 @@ class Engine:
             launched.out = torch.stack((token_ids.double(), logprobs.double()))
         if dev.type == "cuda":  # every step, prefill chunks only too: its end is what frees leases
             if launched.out is not None:
-                host = torch.empty(launched.out.shape, dtype=launched.out.dtype, pin_memory=True)
-                launched.out = host.copy_(launched.out, non_blocking=True)
+                launched.host = self._pinned_out(launched.out.numel())
+                launched.out = launched.host[: launched.out.numel()].view(launched.out.shape).copy_(
+                    launched.out, non_blocking=True)
             launched.event = torch.cuda.Event()
             launched.event.record()
         return launched
+
+    def _pinned_out(self, numel: int) -> torch.Tensor:
+        """A pinned float64 host buffer for a step's tokens and logprobs, from the engine's pool.
+
+        Allocated once and reused: a page-locking allocation takes torch's host allocator (and the
+        driver), which another thread may be holding for seconds while it pins a fetched adapter
+        (docs/BENCHMARKS.md, pinning stalls); a step must not wait for that."""
+        while True:
+            try:
+                buf = self._out_pool.pop()
+            except IndexError:  # more steps in flight than ever before: one more buffer
+                return torch.empty(max(numel, 2 * self.config.max_num_seqs), dtype=torch.float64, pin_memory=True)
+            if buf.numel() >= numel:
+                return buf
 
     def _collect(self, launched: "_Launched") -> tuple[list[int], list[float]]:
         """The step's sampled tokens and logprobs (its device work is done); records its time."""
@@ -686,6 +706,9 @@ class Engine:
         if launched.out is not None:
             ids, logprobs = launched.out.tolist()
             token_ids = [int(t) for t in ids]
+        if launched.host is not None:
+            self._out_pool.append(launched.host)
+            launched.host = None
         end = time.perf_counter()
         self.step_times.append(StepTime(launched.kind, launched.num_seqs, launched.num_tokens, end - launched.t0, end,
                                         launched.t0, launched.ahead))
