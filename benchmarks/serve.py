@@ -23,7 +23,8 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
 - The ceiling: base model alone on the same workload x base bytes / (base bytes + the bytes of
   the distinct adapters the mean decode step reads, at their own ranks); printed with the distinct
   adapters per step and loraserve's ratio to it, and beside it the ceiling if every active slot is
-  read at the slot rank (64), which is what the Triton kernels walk (docs/ARCHITECTURE.md, Kernels).
+  read at the slot rank (64): what the Triton kernels read before they took each slot's adapter
+  rank (LoraMeta.slot_ranks; docs/ARCHITECTURE.md, Kernels).
 - transformers + PEFT: one request at a time; for each, `PeftModel.load_adapter` of the
   request's adapter (a PEFT folder of its rank saved once to local disk, read again per request),
   `set_adapter`, `generate`, `delete_adapter`. HF keeps one active adapter per forward, so a
@@ -461,7 +462,7 @@ async def run(args, tokenizer) -> list[tuple]:
     distinct = statistics.mean(n for n, _ in watch.steps) if watch.steps else 0.0
     step_adapter_bytes = statistics.mean(b for _, b in watch.steps) if watch.steps else 0.0
     ceiling = (base.tokens / base.seconds) * wbytes / (wbytes + step_adapter_bytes)
-    # what the kernels read if they walk each active slot at the slot rank, not the adapter's own
+    # what the kernels would read walking each active slot at the slot rank, not the adapter's own
     slot_bytes = lora_bytes_per_slot(lora_modules(engine.model)) * distinct
     tps = mixed.tokens / mixed.seconds
     loads = [s for _, s in counter.loads]
