@@ -62,6 +62,7 @@ from loraserve.executor.engine.sampler import SamplingParams  # noqa: E402
 from loraserve.executor.lora import LoraSpec, clear_slot, load_shard_into_slot, lora_modules  # noqa: E402
 from loraserve.executor.memory import lora_bytes_per_slot  # noqa: E402
 from loraserve.executor.slots import SlotManager, SlotObserver  # noqa: E402
+from loraserve.executor.pinned_arena import ArenaShard, PinnedArena, stream_fence  # noqa: E402
 from loraserve.executor.store_client import host_buffer  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
@@ -73,10 +74,11 @@ RANKS = (8, 16, 32, 64)
 class RandomAdapters:
     """fetch_shard for N names: adapter i has rank RANKS[i % 4]; one random tensor set per rank."""
 
-    def __init__(self, model, dtype):
+    def __init__(self, model, dtype, arena: PinnedArena | None = None):
         self.shapes = {n: (m.lora_a.shape[1:], m.lora_b.shape[1:]) for n, m in lora_modules(model).items()
                        if m.lora_a is not None and not n.endswith(("embed_tokens", "lm_head"))}
         self.dtype, self.sets = dtype, {}
+        self.arena = arena  # where shards land (as the store client's do with --pinned-arena-bytes)
 
     def rank(self, name: str) -> int:
         return RANKS[int(name.rsplit("-", 1)[1]) % len(RANKS)]
@@ -98,12 +100,15 @@ class RandomAdapters:
         src = self.tensors(rank)
 
         def land() -> dict[str, torch.Tensor]:  # as the store client's stream lands: one buffer, views of it
-            buffer, out, at = host_buffer(self.nbytes(rank), pin_memory=bench_engine.DEVICE == "cuda"), {}, 0
+            buffer = self.arena.allocate(self.nbytes(rank)) if self.arena is not None else None
+            out, at = ArenaShard() if buffer is not None else {}, 0
+            if buffer is None:
+                buffer = host_buffer(self.nbytes(rank), pin_memory=bench_engine.DEVICE == "cuda")
             for k, t in src.items():
                 out[k] = buffer[at : at + t.nbytes].view(t.dtype).view(t.shape)
                 out[k].copy_(t)
                 at += t.nbytes
-            return out
+            return self.arena.adopt(buffer, out) if isinstance(out, ArenaShard) else out
 
         tensors = await asyncio.to_thread(land)
         return f"random-r{rank}-{name}", rank, tensors, self.nbytes(rank)
@@ -231,11 +236,17 @@ def build(args, tokenizer):
         cfg.cpu_cache_bytes = default_cpu_cache_bytes(available_host_bytes())
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, bench_engine.DTYPE, bench_engine.DEVICE)
-    adapters, counter, modules = RandomAdapters(model, bench_engine.DTYPE), Counter(), lora_modules(model)
+    arena = None
+    if args.pinned_arena_bytes:
+        arena = PinnedArena(args.pinned_arena_bytes, pin_memory=bench_engine.DEVICE == "cuda")
+        cfg.cpu_cache_bytes = min(cfg.cpu_cache_bytes, arena.nbytes * 7 // 8)  # as the executor does
+    adapters, counter, modules = RandomAdapters(model, bench_engine.DTYPE, arena), Counter(), lora_modules(model)
     slots = SlotManager(adapters.fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
                         lambda slot: clear_slot(modules.values(), slot), max_loras=cfg.max_loras,
                         cpu_cache_bytes=cfg.cpu_cache_bytes, device=torch.device(bench_engine.DEVICE),
                         max_concurrent_loads=args.max_concurrent_loads or None, observer=counter)
+    if arena is not None and slots.copy_stream is not None:
+        arena.fence = stream_fence(slots.copy_stream)
     engine = Engine(model, tokenizer, kv, slots, cfg)
     return engine, adapters, counter
 
@@ -353,7 +364,7 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
                      f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms"))
         await slots.evict(name)
     rows.append(await load_delay(engine, args.vocab))
-    rows += await store_probe(args, engine, bw)
+    rows += await store_probe(args, engine, bw, adapters.arena)
     return rows
 
 
@@ -395,7 +406,7 @@ async def load_delay(engine: Engine, vocab: int, batch: int = 8, cold: int = 4) 
             f"+{worst / base - 1:.2f} steps (target <= +1)")
 
 
-async def store_probe(args, engine: Engine, bw: float) -> list[tuple]:
+async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None = None) -> list[tuple]:
     """store -> slot: a real `loraserve store` process, one rank-16 PEFT adapter of the model's shape."""
     import bench_store
 
@@ -415,11 +426,14 @@ async def store_probe(args, engine: Engine, bw: float) -> list[tuple]:
         BlockingStoreClient(f"127.0.0.1:{port}").register("probe-r16", str(work / "adapter"))
         model = engine.model
         layout = declare_layout(model.cfg, model.lora_spec, "meta-llama/Meta-Llama-3-8B")
-        store = StoreClient(f"127.0.0.1:{port}", layout, timeout_s=60, pin_memory=bench_engine.DEVICE == "cuda")
+        store = StoreClient(f"127.0.0.1:{port}", layout, timeout_s=60, pin_memory=bench_engine.DEVICE == "cuda",
+                            arena=arena)
         modules = lora_modules(model)
         mgr = SlotManager(store.fetch_shard, lambda slot, t: load_shard_into_slot(model, slot, t),
                           lambda slot: clear_slot(modules.values(), slot), max_loras=engine.slots.max_loras,
                           max_cpu_adapters=0, device=torch.device(bench_engine.DEVICE))
+        if arena is not None and mgr.copy_stream is not None:  # its copies read the arena's blocks too
+            arena.fence = stream_fence(engine.slots.copy_stream, mgr.copy_stream)
         times, nbytes = [], 0
         for i in range(4):  # the first packs the shard in the store; the others read its disk cache
             t0 = time.perf_counter()
@@ -527,6 +541,8 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     ap.add_argument("--max-loras", type=int, default=64)
     ap.add_argument("--cpu-cache-bytes", type=int, default=0, help="0: half the available host memory")
+    ap.add_argument("--pinned-arena-bytes", type=int, default=0,
+                    help="land fetched shards in a host arena pinned at start, as the executor's flag (0: off)")
     ap.add_argument("--max-concurrent-loads", type=int, default=4, help="store fetches at once (0: no limit)")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients (and max_num_seqs)")
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second instead of the closed loop")

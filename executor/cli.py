@@ -49,6 +49,9 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
                    help="bytes of packed adapters kept in (pinned) host memory (0: half the available host memory)")
     p.add_argument("--max-cpu-adapters", type=int, default=int(env("max_cpu_adapters", 0)),
                    help="also cap the CPU cache at this many adapters (0: the bytes alone decide)")
+    p.add_argument("--pinned-arena-bytes", type=int, default=int(env("pinned_arena_bytes", 0)),
+                   help="CUDA: page-lock this much host memory at start and land fetched adapters in it, so a cold "
+                        "fetch never stalls the running steps; the CPU cache is held to 7/8 of it (0: off)")
     p.add_argument("--max-concurrent-loads", type=int, default=int(env("max_concurrent_loads", 4)),
                    help="adapters fetched from the store at once; later cold loads wait their turn (adapters in a "
                         "slot or the CPU cache never wait for one)")
@@ -103,6 +106,7 @@ def executor_config(a: argparse.Namespace):
         tp_size=a.tp_size, ep_size=a.ep_size, tp_timeout_s=a.tp_timeout_s, fully_sharded_loras=a.fully_sharded_loras,
         lora_embeddings=a.lora_embeddings,
         max_rank=a.max_lora_rank, max_cpu_adapters=a.max_cpu_adapters, cpu_cache_bytes=a.cpu_cache_bytes,
+        pinned_arena_bytes=a.pinned_arena_bytes,
         max_concurrent_loads=a.max_concurrent_loads, num_blocks=a.num_blocks,
         block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, store_address=a.store, listen_address=a.executor_listen,

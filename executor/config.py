@@ -43,6 +43,11 @@ class ExecutorConfig:
     cpu_cache_bytes: int = 0  # packed shards kept in (pinned) host memory, in bytes; 0: half the host
     # memory available at start (executor/memory.py). Set to the resolved budget at start.
     max_cpu_adapters: int = 0  # also at most this many shards in the CPU cache; 0: the bytes alone decide
+    # CUDA: host memory page-locked once at start that fetched shards land in (executor/pinned_arena.py),
+    # so a cold fetch never page-locks while steps run (that holds the CUDA driver: every step waits);
+    # the CPU cache is then held to 7/8 of it (the rest: room for fetches in flight). 0: off, each
+    # shard lands in a fresh pinned buffer.
+    pinned_arena_bytes: int = 0
     slot_wait_timeout_s: float = 30.0  # how long a request waits for a slot when all are in use
     max_concurrent_loads: int = 4  # store fetches of adapters in flight at once (the rest wait their turn)
     adapter_refresh_s: float = 30.0  # how often held adapters are checked against the store's
@@ -85,6 +90,8 @@ class ExecutorConfig:
             raise ValueError(error)
         if min(self.max_loras, self.cpu_cache_bytes, self.max_cpu_adapters) < 0:
             raise ValueError("max_loras, cpu_cache_bytes and max_cpu_adapters must be 0 (automatic / no limit) or more")
+        if self.pinned_arena_bytes < 0:
+            raise ValueError(f"pinned_arena_bytes must be 0 (off) or more, got {self.pinned_arena_bytes}")
         if self.max_concurrent_loads < 1:
             raise ValueError(f"max_concurrent_loads must be at least 1, got {self.max_concurrent_loads}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

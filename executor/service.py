@@ -32,6 +32,7 @@ from .engine.sampler import SamplingParams
 from .http import HttpFront, serve_http
 from .layout import model_config
 from .lora import clear_slot as clear_lora_slot, declare_layout, load_shard_into_slot, lora_modules
+from .pinned_arena import PinnedArena, stream_fence
 from .model.loader import load_model
 from .model.tokenizer import Tokenizer
 from .parallel import ep_size_error, roles, tp_size_error
@@ -107,6 +108,18 @@ def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer | TokenIds
     return Tokenizer.from_pretrained(model_path)
 
 
+def pinned_arena(cfg: ExecutorConfig) -> PinnedArena | None:
+    """The pinned arena fetched shards land in (CUDA, when cfg.pinned_arena_bytes), page-locked now."""
+    if not cfg.pinned_arena_bytes:
+        return None
+    if cfg.torch_device.type != "cuda":
+        log.info("--pinned-arena-bytes is for CUDA executors: shards land in plain host memory on %s", cfg.device)
+        return None
+    arena = PinnedArena(cfg.pinned_arena_bytes)
+    log.info("pinned arena: %.1f GiB of host memory page-locked in %.1fs", arena.nbytes / 2**30, arena.pin_seconds)
+    return arena
+
+
 def resolve_adapter_memory(cfg: ExecutorConfig, model, modules) -> None:
     """Fills in max_loras and cpu_cache_bytes left at 0 (automatic), from the memory free now: the
     model is loaded with one slot per module and, on CUDA, re-created with as many as fit."""
@@ -156,10 +169,15 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
     tokenizer = load_tokenizer(cfg.model, cfg.cache_dir)
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
+    arena = pinned_arena(cfg)
     store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size, cfg.ep_size), timeout_s=cfg.store_timeout_s,
-                        tls=cfg.store_tls, pin_memory=cfg.torch_device.type == "cuda")
+                        tls=cfg.store_tls, pin_memory=cfg.torch_device.type == "cuda", arena=arena)
     modules = lora_modules(model)
     resolve_adapter_memory(cfg, model, modules)
+    if arena is not None and cfg.cpu_cache_bytes > arena.nbytes * 7 // 8:
+        log.info("CPU cache held to 7/8 of the pinned arena: %.1f GiB (asked: %.1f GiB)",
+                 arena.nbytes * 7 // 8 / 2**30, cfg.cpu_cache_bytes / 2**30)
+        cfg.cpu_cache_bytes = arena.nbytes * 7 // 8
     metrics = ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters)
 
     def clear_slot(slot: int) -> None:
@@ -172,6 +190,8 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
         device=cfg.torch_device,
         slot_wait_timeout_s=cfg.slot_wait_timeout_s, max_concurrent_loads=cfg.max_concurrent_loads, observer=metrics,
     )
+    if arena is not None and slots.copy_stream is not None:  # a released block is reused once earlier slot copies ran
+        arena.fence = stream_fence(slots.copy_stream)
     if ranks is not None:
         ranks.wait_ready()  # before the engine's warm-up steps reach them
     engine = Engine(model, tokenizer, kv, slots, cfg, ranks)

@@ -477,6 +477,11 @@ class SlotManager:
                 idle.append((s.wanted > 0, s.lru_tick, i))
         return min(idle)[2] if idle else None
 
+    @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        """The stream slot copies run on (CUDA), None on the CPU."""
+        return self._copy_stream
+
     def _copy(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
         event = None
         if self._copy_stream is None:

@@ -28,6 +28,8 @@ from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
 
+from .pinned_arena import ArenaShard, PinnedArena
+
 log = logging.getLogger(__name__)
 DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 STORE_SERVICE = "loraserve.v1.AdapterStore"
@@ -114,13 +116,18 @@ class StoreClient:
     """Fetches this rank's shard of an adapter for the executor's layout (grpc.aio)."""
 
     def __init__(self, address: str, layout: pb.Layout, rank: pb.ShardRank | None = None, timeout_s: float = 5.0,
-                 tls: ClientTls | None = None, pin_memory: bool = False, chunk_bytes: int = CHUNK_BYTES):
+                 tls: ClientTls | None = None, pin_memory: bool = False, chunk_bytes: int = CHUNK_BYTES,
+                 arena: PinnedArena | None = None):
         self.address = address
         self.tls = tls
         self.layout = layout
         self.rank = rank or pb.ShardRank()
         self.timeout_s = timeout_s
         self.pin_memory = pin_memory  # shards land in pinned host memory (CUDA: the slot copy is a true async DMA)
+        # Shards land in this pre-pinned arena when it has room (a fresh pinned buffer stalls every
+        # CUDA call of the process while it is page-locked: executor/pinned_arena.py)
+        self.arena = arena
+        self._arena_full_logged = 0.0
         self.chunk_bytes = chunk_bytes
         self._hash_thread = ThreadPoolExecutor(1, thread_name_prefix="shard-hash")
         self.channel: grpc.aio.Channel | None = None  # opened on first use, on the serving loop
@@ -150,7 +157,15 @@ class StoreClient:
             log.warning("fetching %s from store %s: %s; asking again, with the store checking its copy",
                         name, self.address, e.message)
             header, buffer = await self._stream(name, digest, verify=True)
-        tensors = await asyncio.to_thread(shard_tensors, buffer)  # parsing a large header: off the serving loop
+        in_arena = self.arena is not None and self.arena.holds(buffer)
+        try:
+            tensors = await asyncio.to_thread(shard_tensors, buffer)  # parsing a large header: off the serving loop
+        except BaseException:
+            if in_arena:
+                self.arena.release(self.arena.offset_of(buffer))
+            raise
+        if in_arena:  # the block goes back to the arena once the shard's tensors are dropped
+            tensors = self.arena.adopt(buffer, ArenaShard(tensors))
         log.info("fetched %s (%s%s) from store %s: %d bytes (%s) in %.3fs", name, header.manifest.digest[:12],
                  f", tp rank {self.rank.tp_rank}" if self.layout.tp_size > 1 else
                  f", ep rank {self.rank.ep_rank}" if self.layout.ep_size > 1 else "", self.address,
@@ -163,12 +178,11 @@ class StoreClient:
         buffers: list[torch.Tensor] = []
         asm = ShardAssembler(lambda n: buffers[-1].numpy(), self._hash_thread)
         call = self._fetch_method()(req)  # raw messages: data chunks are read in place
+        done = False
         try:
             while (message := await self._next(call, name)) is not grpc.aio.EOF:
                 if asm.header is None and not buffers and (n := _header_bytes(message)) is not None:
-                    # Allocated in a thread: a cold pinned allocation of a large shard takes
-                    # milliseconds, which the serving loop (and the engine's steps) must not wait for.
-                    buffers.append(await asyncio.to_thread(host_buffer, n, self.pin_memory))
+                    buffers.append(await self._landing(n, name))
                 if asm.header is not None and message[:1] != b"\x12":
                     # the trailer, checked off the serving loop: a sha256-only one (a copy the store
                     # cached before xxh3-128 was kept) costs a sha256 pass over the whole shard
@@ -176,6 +190,7 @@ class StoreClient:
                 else:
                     asm.add_raw(message)
             header, _ = asm.result()
+            done = True
         except grpc.aio.AioRpcError as e:
             error = self._error(e, f"; adapter {name!r} cannot be loaded now")
             error.after_header = asm.header is not None
@@ -185,7 +200,25 @@ class StoreClient:
             raise
         finally:
             call.cancel()  # a no-op once the stream has ended
+            if not done and buffers and self.arena is not None and self.arena.holds(buffers[-1]):
+                self.arena.release(self.arena.offset_of(buffers[-1]))  # a broken stream gives its block back
         return header, buffers[-1]
+
+    async def _landing(self, nbytes: int, name: str) -> torch.Tensor:
+        """Where a shard of nbytes lands: a block of the pinned arena, else a fresh host buffer."""
+        if self.arena is not None:
+            block = self.arena.allocate(nbytes)
+            if block is not None:
+                return block
+            if time.monotonic() - self._arena_full_logged > 60:
+                self._arena_full_logged = time.monotonic()
+                log.warning("pinned arena has no room for adapter %s (%d bytes; %d of %d bytes free, largest block %d): "
+                            "it lands in a fresh pinned buffer, and the CUDA calls of the running steps wait while "
+                            "that is page-locked (raise --pinned-arena-bytes or lower --cpu-cache-bytes)",
+                            name, nbytes, self.arena.free_bytes(), self.arena.nbytes, self.arena.largest_free())
+        # Allocated in a thread: a cold pinned allocation of a large shard takes milliseconds, which the
+        # serving loop must not wait for (the engine's steps still do: the driver is held meanwhile).
+        return await asyncio.to_thread(host_buffer, nbytes, self.pin_memory)
 
     def _fetch_method(self):
         return self._channel().unary_stream(FETCH_SHARD, request_serializer=spb.FetchShardRequest.SerializeToString,

@@ -224,3 +224,54 @@ def test_the_honest_trailer_is_xxh3_and_a_sha256_one_still_loads(honest_after, t
             "--model", str(tiny_chat_llama[1]), "--dtype", "float32", "--max-rank", "16", "--out", str(out)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "checksum ok" in proc.stdout, proc.stderr
+
+
+def _arena_client(setup, nbytes: int):
+    """The executor's store client landing shards in an arena (CPU memory here: the bookkeeping is
+    what CUDA's page-locked arena does)."""
+    from loraserve.executor.pinned_arena import PinnedArena
+    from loraserve.executor.store_client import StoreClient as ExecutorStoreClient
+
+    arena = PinnedArena(nbytes, pin_memory=False)
+    return ExecutorStoreClient(setup.store_address, setup.parts.store.layout, timeout_s=30, arena=arena), arena
+
+
+def test_a_shard_lands_in_the_pinned_arena_and_its_block_comes_back_when_dropped(honest_after):
+    import gc
+
+    setup = honest_after
+    client, arena = _arena_client(setup, 64 << 20)
+    _, _, plain, nbytes = setup.lt.run(setup.parts.store.fetch_shard(ADAPTER))
+    _, _, tensors, _ = setup.lt.run(client.fetch_shard(ADAPTER))
+    assert tensors.keys() == plain.keys() and all(torch.equal(tensors[k], plain[k]) for k in plain)
+    assert all(arena.holds(t) for t in tensors.values()) and arena.live_blocks() == 1
+    assert arena.free_bytes() == arena.nbytes - -(-nbytes // 4096) * 4096
+    del tensors
+    gc.collect()
+    assert arena.live_blocks() == 0 and arena.free_bytes() == arena.nbytes
+    setup.lt.run(client.close())
+
+
+@pytest.mark.parametrize("mode", ["truncated", "flipped_byte", "no_trailer"])
+def test_a_damaged_stream_gives_its_arena_block_back(honest_after, mode):
+    """DATA_LOSS after the header: the client asks again once (verify), and neither try keeps a block."""
+    setup = honest_after
+    total = shard_bytes(setup)
+    client, arena = _arena_client(setup, 64 << 20)
+    setup.store.mode = mode
+    with pytest.raises(StatusError) as e:
+        setup.lt.run(client.fetch_shard(ADAPTER))
+    assert e.value.code == grpc.StatusCode.DATA_LOSS and e.value.message == expected_message(mode, total)
+    assert arena.live_blocks() == 0 and arena.free_bytes() == arena.nbytes
+    setup.lt.run(client.close())
+
+
+def test_a_full_arena_lands_the_shard_in_a_fresh_buffer_and_says_why(honest_after, caplog):
+    setup = honest_after
+    client, arena = _arena_client(setup, 4096)  # smaller than the shard
+    with caplog.at_level("WARNING", logger="loraserve.executor.store_client"):
+        _, _, tensors, nbytes = setup.lt.run(client.fetch_shard(ADAPTER))
+    assert tensors and not any(arena.holds(t) for t in tensors.values()) and arena.misses == 1
+    assert (f"pinned arena has no room for adapter {ADAPTER} ({nbytes} bytes; 4096 of 4096 bytes free, largest block "
+            "4096): it lands in a fresh pinned buffer") in caplog.text
+    setup.lt.run(client.close())

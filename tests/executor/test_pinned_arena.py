@@ -1,0 +1,101 @@
+"""The pinned arena fetched shards land in (executor/pinned_arena.py): blocks carved out of one
+allocation, given back when the shard's tensors are dropped and once the copies out of them have
+run. CPU tensors here (page-locking needs CUDA; the bookkeeping is the same)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.pinned_arena import ALIGN, ArenaShard, PinnedArena
+
+
+class Fence:
+    """A CUDA event's `query`, switched by hand."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def arena(nbytes=16 * ALIGN, fence=None) -> PinnedArena:
+    return PinnedArena(nbytes, pin_memory=False, fence=fence)
+
+
+def test_blocks_are_aligned_disjoint_views_and_come_back_coalesced():
+    a = arena()
+    x, y, z = a.allocate(100), a.allocate(3 * ALIGN), a.allocate(ALIGN + 1)
+    assert [b.numel() for b in (x, y, z)] == [100, 3 * ALIGN, ALIGN + 1]
+    offsets = [a.offset_of(b) for b in (x, y, z)]
+    assert offsets == [0, ALIGN, 4 * ALIGN] and all(a.holds(b) for b in (x, y, z))
+    assert a.free_bytes() == 10 * ALIGN and a.live_blocks() == 3
+    a.release(offsets[1])
+    a.release(offsets[0])  # joins the block after it
+    assert a.largest_free() == 10 * ALIGN and a.free_bytes() == 14 * ALIGN
+    a.release(offsets[2])  # joins both sides: one block again
+    assert a.largest_free() == 16 * ALIGN and a.live_blocks() == 0
+
+
+def test_best_fit_and_no_room_is_none():
+    a = arena()
+    blocks = [a.allocate(ALIGN) for _ in range(16)]
+    assert a.allocate(1) is None and a.misses == 1
+    for i in (2, 3, 4, 8, 9):  # a hole of 3 blocks, then one of 2
+        a.release(a.offset_of(blocks[i]))
+    two = a.allocate(2 * ALIGN)
+    assert a.offset_of(two) == 8 * ALIGN  # the 2-block hole, not the first fit (the 3-block one)
+    assert a.allocate(4 * ALIGN) is None and a.misses == 2
+
+
+def test_a_released_block_waits_for_its_fence():
+    fences = []
+
+    def fence():
+        fences.append(Fence())
+        return fences[-1]
+
+    a = arena(4 * ALIGN, fence)
+    block = a.allocate(4 * ALIGN)
+    a.release(a.offset_of(block))  # a slot copy out of it may still be running
+    assert a.free_bytes() == 0 and a.allocate(1) is None
+    fences[0].done = True
+    assert a.free_bytes() == 4 * ALIGN and a.allocate(4 * ALIGN) is not None
+
+
+def test_an_adopted_block_comes_back_when_the_shard_is_dropped():
+    a = arena()
+    block = a.allocate(2 * ALIGN)
+    block.fill_(7)
+    shard = a.adopt(block, ArenaShard({"m.lora_a": block[:ALIGN].view(torch.int32)}))
+    held = shard["m.lora_a"]
+    assert a.live_blocks() == 1
+    del shard
+    gc.collect()
+    assert a.live_blocks() == 0 and a.free_bytes() == 16 * ALIGN
+    assert int(held[0]) == 0x07070707  # a view kept past the shard reads the arena (its bytes now unowned)
+
+
+def test_an_arena_of_no_bytes_and_a_negative_setting_are_refused():
+    with pytest.raises(ValueError, match="pinned arena of 0 bytes: must be > 0"):
+        PinnedArena(0, pin_memory=False)
+    with pytest.raises(ValueError, match="pinned_arena_bytes must be 0 \\(off\\) or more, got -1"):
+        ExecutorConfig(model="m", pinned_arena_bytes=-1)
+
+
+def test_the_cli_flag_reaches_the_config_and_a_cpu_executor_makes_no_arena(caplog):
+    from loraserve.cli import build_parser
+    from loraserve.executor.cli import executor_config
+    from loraserve.executor.service import pinned_arena
+
+    args = build_parser().parse_args(["executor", "--device", "cpu", "--pinned-arena-bytes", str(1 << 20)])
+    cfg = executor_config(args)
+    assert cfg.pinned_arena_bytes == 1 << 20
+    with caplog.at_level("INFO", logger="loraserve.executor.service"):
+        assert pinned_arena(cfg) is None
+    assert "--pinned-arena-bytes is for CUDA executors: shards land in plain host memory on cpu" in caplog.text
+    assert pinned_arena(ExecutorConfig(model="m", device="cpu")) is None  # 0: off
