@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -54,6 +55,9 @@ class PinnedArena:
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted, coalesced
         self._live: dict[int, int] = {}  # offset -> size of the blocks handed out
         self._fenced: list[tuple[int, int, object]] = []  # released, waiting for their fence
+        # Releases land here without the lock: a release runs from a finalizer, which the garbage
+        # collector may call in any thread at any allocation, the lock's holder included.
+        self._released: deque[tuple[int, object]] = deque()
         self.misses = 0  # allocations that found no room
 
     # ---- allocation ---------------------------------------------------------------------------
@@ -91,13 +95,7 @@ class PinnedArena:
 
     def release(self, offset: int) -> None:
         """Gives the block at `offset` back: reusable once the fence taken now has completed."""
-        fence = self.fence() if self.fence is not None else None
-        with self._lock:
-            size = self._live.pop(offset)
-            if fence is None:
-                self._give_back(offset, size)
-            else:
-                self._fenced.append((offset, size, fence))
+        self._released.append((offset, self.fence() if self.fence is not None else None))
 
     # ---- state --------------------------------------------------------------------------------
 
@@ -114,16 +112,20 @@ class PinnedArena:
 
     def live_blocks(self) -> int:
         with self._lock:
+            self._reclaim()
             return len(self._live)
 
     # ---- inside the lock ----------------------------------------------------------------------
 
     def _reclaim(self) -> None:
+        while self._released:
+            offset, fence = self._released.popleft()
+            self._fenced.append((offset, self._live.pop(offset), fence))
         if not self._fenced:
             return
         waiting = []
         for offset, size, fence in self._fenced:
-            if fence.query():
+            if fence is None or fence.query():
                 self._give_back(offset, size)
             else:
                 waiting.append((offset, size, fence))

@@ -99,3 +99,26 @@ def test_the_cli_flag_reaches_the_config_and_a_cpu_executor_makes_no_arena(caplo
         assert pinned_arena(cfg) is None
     assert "--pinned-arena-bytes is for CUDA executors: shards land in plain host memory on cpu" in caplog.text
     assert pinned_arena(ExecutorConfig(model="m", device="cpu")) is None  # 0: off
+
+
+def test_a_release_from_inside_the_arenas_own_lock_does_not_deadlock():
+    """A release runs from a finalizer, which the garbage collector may call at any allocation,
+    also while this thread holds the arena's lock: it must only queue the block."""
+    import threading
+
+    a = arena()
+    first, pending = a.allocate(ALIGN), [a.allocate(ALIGN)]
+    give_back = a._give_back
+
+    def give_back_and_collect(offset, size):  # as if the collector ran the second block's finalizer here
+        give_back(offset, size)
+        if pending:
+            a.release(a.offset_of(pending.pop()))
+
+    a._give_back = give_back_and_collect
+    a.release(a.offset_of(first))
+    done = threading.Event()
+    threading.Thread(target=lambda: (a.free_bytes(), done.set()), daemon=True).start()
+    assert done.wait(5), "release inside the lock deadlocked"
+    a._give_back = give_back
+    assert a.live_blocks() == 0 and a.free_bytes() == 16 * ALIGN
