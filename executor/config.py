@@ -43,10 +43,11 @@ class ExecutorConfig:
     cpu_cache_bytes: int = 0  # packed shards kept in (pinned) host memory, in bytes; 0: half the host
     # memory available at start (executor/memory.py). Set to the resolved budget at start.
     max_cpu_adapters: int = 0  # also at most this many shards in the CPU cache; 0: the bytes alone decide
-    # CUDA: host memory page-locked once at start that fetched shards land in (executor/pinned_arena.py),
-    # so a cold fetch never page-locks while steps run (that holds the CUDA driver: every step waits);
-    # the CPU cache is then held to 7/8 of it (the rest: room for fetches in flight). 0: off, each
-    # shard lands in a fresh pinned buffer.
+    # CUDA: host memory page-locked once at start that rank 0's fetched shards land in
+    # (executor/pinned_arena.py), so its cold fetches do not page-lock while steps run (that holds the
+    # CUDA driver: every step waits); the CPU cache is then held to 7/8 of it (the rest: room for
+    # fetches in flight). A full arena, TP/EP ranks 1..N-1, and shards the CPU cache re-pins still
+    # land in fresh pinned buffers. 0: off, each shard lands in a fresh pinned buffer.
     pinned_arena_bytes: int = 0
     slot_wait_timeout_s: float = 30.0  # how long a request waits for a slot when all are in use
     max_concurrent_loads: int = 4  # store fetches of adapters in flight at once (the rest wait their turn)

@@ -47,7 +47,12 @@ class PinnedArena:
         if nbytes <= 0:
             raise ValueError(f"pinned arena of {nbytes} bytes: must be > 0")
         t0 = time.perf_counter()
-        self.base = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self.base = torch.empty(nbytes, dtype=torch.uint8)
+        if pin_memory:  # registered, not torch.empty(pin_memory=True): that rounds up to a power of two
+            err = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"page-locking the pinned arena's {nbytes} bytes of host memory failed "
+                                   f"(cudaHostRegister error {int(err)}): lower --pinned-arena-bytes")
         self.pin_seconds = time.perf_counter() - t0
         self.nbytes = nbytes
         self.fence = fence

@@ -206,8 +206,8 @@ class StoreClient:
 
     async def _landing(self, nbytes: int, name: str) -> torch.Tensor:
         """Where a shard of nbytes lands: a block of the pinned arena, else a fresh host buffer."""
-        if self.arena is not None:
-            block = self.arena.allocate(nbytes)
+        if self.arena is not None:  # in a thread: reclaiming queries CUDA events, which wait while anyone pins
+            block = await asyncio.to_thread(self.arena.allocate, nbytes)
             if block is not None:
                 return block
             if time.monotonic() - self._arena_full_logged > 60:

@@ -14,6 +14,8 @@ prefill. Block sizes come from kernels/tuning.py by GPU and shape.
 `num_tokens` is not specialised (`do_not_specialize`): Triton would otherwise build a kernel
 apart for T == 1 and for T a multiple of 16, on top of the tables' configs, and a serving process
 would meet those builds on its first steps of each kind (executor/engine/warmup.py warms the rest).
+Nor is the block ranks' pointer on its alignment: it is row 3 of the [4, max_blocks] block list,
+16-byte aligned only when max_blocks (which follows T) is a multiple of 4.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def _shrink_tile(
             tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["block_ranks_ptr"])
 def _shrink_kernel(
     x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr, num_blocks_ptr,
     num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
@@ -199,7 +201,7 @@ def _expand_tile(
             tl.store(y_tile, (old.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["block_ranks_ptr"])
 def _expand_kernel(
     y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr, num_blocks_ptr,
     num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
