@@ -19,6 +19,8 @@
 #   serve:   benchmarks/serve.py: 1,000 adapters, Zipf 1.0, max_loras 64, 64 clients, Llama-3-8B shape,
 #            against base alone, the bytes ceiling and transformers + PEFT, in-process and via gRPC
 #   probe:   benchmarks/serve.py --probe: bytes per adapter, pinned H2D bandwidth, cold loads vs the floor
+#   arena:   the probe and the pinning stalls (bench_pinning.py) with shards landing in an 8 GiB pinned
+#            arena (--pinned-arena-bytes): the cold-load delay without page-locking while steps run
 # Logs and tables go to OUT_DIR.
 set -uo pipefail
 OUT=${1:?usage: gpu_executor.sh OUT_DIR [STAGES]}
@@ -113,6 +115,11 @@ fi
 if has probe; then
   PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe \
     2>"$OUT/probe.err" | tee "$OUT/probe.log" | tail -12 || tail -30 "$OUT/probe.err"
+fi
+if has arena; then
+  python3 -P benchmarks/bench_pinning.py 2>&1 | tee "$OUT/pinning.log" | tail -8
+  PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe \
+    --pinned-arena-bytes $((8 << 30)) 2>"$OUT/probe_arena.err" | tee "$OUT/probe_arena.log" | tail -12 || tail -30 "$OUT/probe_arena.err"
 fi
 if has profile; then
   python3 -P benchmarks/make_random_model.py --shape smollm2 --tokenizer "$tok" --out /tmp/rnd-profile 2>&1 | tail -1
