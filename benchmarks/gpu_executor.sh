@@ -16,7 +16,8 @@
 #   eager:   bench_engine.py --enforce-eager --streams 0 (the same decode steps without graphs)
 #   bench:   bench_executor.py on random-weight SmolLM2 and Llama-3-8B shapes (SHAPES="smollm2")
 #   profile: profile_executor.py on the random SmolLM2-shaped model
-#   serve:   benchmarks/serve.py: 1,000 adapters, Zipf 1.0, max_loras 64, 64 clients, Llama-3-8B shape,
+#   serve:   benchmarks/serve.py: 1,000 adapters, Zipf 1.0, max_loras 64, 64 clients, Llama-3-8B shape
+#            (SERVE_ARGS adds flags, e.g. SERVE_ARGS="--pinned-arena-bytes 34359738368"),
 #            against base alone, the bytes ceiling and transformers + PEFT, in-process and via gRPC
 #   probe:   benchmarks/serve.py --probe: bytes per adapter, pinned H2D bandwidth, cold loads vs the floor
 #   arena:   the probe and the pinning stalls (bench_pinning.py) with shards landing in an 8 GiB pinned
@@ -109,7 +110,7 @@ tok_flag=${tok:+--tokenizer $tok}  # none: serve.py makes a word-level tokenizer
 # the probe starts) import the symlinked package above, not the repo root's own loraserve/ folder.
 if has serve; then
   PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --adapters 1000 --alpha 1.0 --max-loras 64 --concurrency 64 \
-    --requests 500 --prompt-len 64,256 --output-len 64,128 --peft-requests 8 --grpc \
+    --requests 500 --prompt-len 64,256 --output-len 64,128 --peft-requests 8 --grpc ${SERVE_ARGS:-} \
     2>"$OUT/serve.err" | tee "$OUT/serve.log" | tail -14 || tail -30 "$OUT/serve.err"
 fi
 if has probe; then
