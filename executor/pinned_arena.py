@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import mmap
 import threading
 import time
 import weakref
@@ -47,7 +48,11 @@ class PinnedArena:
         if nbytes <= 0:
             raise ValueError(f"pinned arena of {nbytes} bytes: must be > 0")
         t0 = time.perf_counter()
-        self.base = torch.empty(nbytes, dtype=torch.uint8)
+        # Anonymous pages, page-aligned (what page-locking wants), huge pages where the kernel gives them
+        self._memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._memory.madvise(mmap.MADV_HUGEPAGE)
+        self.base = torch.frombuffer(self._memory, dtype=torch.uint8)
         if pin_memory:  # registered, not torch.empty(pin_memory=True): that rounds up to a power of two
             err = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), nbytes, 0)
             if int(err) != 0:
