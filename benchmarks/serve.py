@@ -239,7 +239,7 @@ def build(args, tokenizer):
     arena = None
     if args.pinned_arena_bytes:
         arena = PinnedArena(args.pinned_arena_bytes, pin_memory=bench_engine.DEVICE == "cuda")
-        cfg.cpu_cache_bytes = min(cfg.cpu_cache_bytes, arena.nbytes * 7 // 8)  # as the executor does
+        cfg.cpu_cache_bytes = arena.cache_budget(cfg.cpu_cache_bytes)  # as the executor does
     adapters, counter, modules = RandomAdapters(model, bench_engine.DTYPE, arena), Counter(), lora_modules(model)
     slots = SlotManager(adapters.fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
                         lambda slot: clear_slot(modules.values(), slot), max_loras=cfg.max_loras,

@@ -31,6 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 ALIGN = 4096  # block alignment: page-aligned, and more than any tensor's dtype needs
+CACHE_SHARE = 7 / 8  # of the arena, what the CPU cache may hold; the rest: room for fetches in flight
 
 
 class ArenaShard(dict):
@@ -102,6 +103,15 @@ class PinnedArena:
     def holds(self, t: torch.Tensor) -> bool:
         """Whether t's memory lies in this arena."""
         return self.base.data_ptr() <= t.data_ptr() < self.base.data_ptr() + self.nbytes
+
+    def cache_budget(self, asked: int) -> int:
+        """The CPU cache's byte budget with this arena: `asked`, at most CACHE_SHARE of the arena."""
+        return min(asked, int(self.nbytes * CACHE_SHARE))
+
+    def give_back(self, block: torch.Tensor) -> None:
+        """Releases `block` now if it is one of this arena's (a buffer that never became a shard)."""
+        if self.holds(block):
+            self.release(self.offset_of(block))
 
     def release(self, offset: int) -> None:
         """Gives the block at `offset` back: reusable once the fence taken now has completed."""

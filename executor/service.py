@@ -174,10 +174,10 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
                         tls=cfg.store_tls, pin_memory=cfg.torch_device.type == "cuda", arena=arena)
     modules = lora_modules(model)
     resolve_adapter_memory(cfg, model, modules)
-    if arena is not None and cfg.cpu_cache_bytes > arena.nbytes * 7 // 8:
+    if arena is not None and arena.cache_budget(cfg.cpu_cache_bytes) < cfg.cpu_cache_bytes:
         log.info("CPU cache held to 7/8 of the pinned arena: %.1f GiB (asked: %.1f GiB)",
-                 arena.nbytes * 7 // 8 / 2**30, cfg.cpu_cache_bytes / 2**30)
-        cfg.cpu_cache_bytes = arena.nbytes * 7 // 8
+                 arena.cache_budget(cfg.cpu_cache_bytes) / 2**30, cfg.cpu_cache_bytes / 2**30)
+        cfg.cpu_cache_bytes = arena.cache_budget(cfg.cpu_cache_bytes)
     metrics = ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters)
 
     def clear_slot(slot: int) -> None:

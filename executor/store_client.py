@@ -157,14 +157,13 @@ class StoreClient:
             log.warning("fetching %s from store %s: %s; asking again, with the store checking its copy",
                         name, self.address, e.message)
             header, buffer = await self._stream(name, digest, verify=True)
-        in_arena = self.arena is not None and self.arena.holds(buffer)
         try:
             tensors = await asyncio.to_thread(shard_tensors, buffer)  # parsing a large header: off the serving loop
         except BaseException:
-            if in_arena:
-                self.arena.release(self.arena.offset_of(buffer))
+            if self.arena is not None:
+                self.arena.give_back(buffer)
             raise
-        if in_arena:  # the block goes back to the arena once the shard's tensors are dropped
+        if self.arena is not None and self.arena.holds(buffer):  # back to the arena once the tensors are dropped
             tensors = self.arena.adopt(buffer, ArenaShard(tensors))
         log.info("fetched %s (%s%s) from store %s: %d bytes (%s) in %.3fs", name, header.manifest.digest[:12],
                  f", tp rank {self.rank.tp_rank}" if self.layout.tp_size > 1 else
@@ -200,8 +199,8 @@ class StoreClient:
             raise
         finally:
             call.cancel()  # a no-op once the stream has ended
-            if not done and buffers and self.arena is not None and self.arena.holds(buffers[-1]):
-                self.arena.release(self.arena.offset_of(buffers[-1]))  # a broken stream gives its block back
+            if not done and buffers and self.arena is not None:
+                self.arena.give_back(buffers[-1])  # a broken stream's block
         return header, buffers[-1]
 
     async def _landing(self, nbytes: int, name: str) -> torch.Tensor:
