@@ -7,8 +7,12 @@ per-step calls wait while another thread pins memory. The main thread times each
 (host time per call, median and max) while idle and while a second thread allocates `--pins`
 pinned buffers of `--mib` MiB each (kept alive, so each one is a new page-locking allocation).
 
-Usage (on a CUDA host): python benchmarks/bench_pinning.py [--pins 4] [--mib 320]
-Prints one table; asserts nothing about time.
+A second table times setting up the executor's pinned arena (executor/pinned_arena.py) of
+`--arena-gib`: page-locking the fresh pages as they are (the driver faults them in, and is held
+meanwhile) or after touching every page first (torch's threads; the driver then only locks them).
+
+Usage (on a CUDA host): python benchmarks/bench_pinning.py [--pins 4] [--mib 320] [--arena-gib 8]
+Prints two tables; asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import threading
 import time
 
 import torch
+
+from loraserve.executor.pinned_arena import PinnedArena
 
 
 def calls(dev: torch.device) -> dict:
@@ -55,6 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pins", type=int, default=4, help="pinned allocations made by the second thread per call kind")
     ap.add_argument("--mib", type=int, default=320, help="size of each (320 MiB: a rank-64 Llama-3-8B adapter)")
+    ap.add_argument("--arena-gib", type=int, default=8, help="pinned arena size for the set-up table (0: skip)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.cuda.init()
@@ -87,6 +94,19 @@ def main() -> None:
         print(f"| {name} | {statistics.median(quiet) * 1e6:.1f} / {max(quiet) * 1e6:.1f} "
               f"| {statistics.median(busy or [0]) * 1e6:.1f} / {max(busy or [0]) * 1e6:.1f} | {len(busy)} "
               f"| {statistics.median(pin_times) * 1e3:.1f} |")
+    if args.arena_gib:
+        arena_setup(args.arena_gib)
+
+
+def arena_setup(gib: int) -> None:
+    print(f"\npinned arena set-up - {gib} GiB, {torch.get_num_threads()} torch threads")
+    print("| pages | touched s | page-locked s | total s | s per GiB |\n|---|---|---|---|---|")
+    for prefault in (False, True, False, True):
+        arena = PinnedArena(gib << 30, prefault=prefault)
+        locked = arena.pin_seconds - arena.fault_seconds
+        print(f"| {'touched first' if prefault else 'as mapped'} | {arena.fault_seconds:.2f} | {locked:.2f} "
+              f"| {arena.pin_seconds:.2f} | {arena.pin_seconds / gib:.3f} |", flush=True)
+        arena.close()
 
 
 if __name__ == "__main__":

@@ -17,11 +17,11 @@
 #   bench:   bench_executor.py on random-weight SmolLM2 and Llama-3-8B shapes (SHAPES="smollm2")
 #   profile: profile_executor.py on the random SmolLM2-shaped model
 #   serve:   benchmarks/serve.py: 1,000 adapters, Zipf 1.0, max_loras 64, 64 clients, Llama-3-8B shape
-#            (SERVE_ARGS adds flags, e.g. SERVE_ARGS="--pinned-arena-bytes 34359738368"),
+#            (SERVE_ARGS adds flags, e.g. SERVE_ARGS="--pinned-arena-bytes 0" for no pinned arena),
 #            against base alone, the bytes ceiling and transformers + PEFT, in-process and via gRPC
 #   probe:   benchmarks/serve.py --probe: bytes per adapter, pinned H2D bandwidth, cold loads vs the floor
-#   arena:   the probe and the pinning stalls (bench_pinning.py) with shards landing in an 8 GiB pinned
-#            arena (--pinned-arena-bytes): the cold-load delay without page-locking while steps run
+#   arena:   the pinning stalls and the pinned arena's set-up time (bench_pinning.py), and the probe
+#            with no pinned arena (--pinned-arena-bytes 0): the cold-load delay the arena removes
 # Logs and tables go to OUT_DIR.
 set -uo pipefail
 OUT=${1:?usage: gpu_executor.sh OUT_DIR [STAGES]}
@@ -114,13 +114,13 @@ if has serve; then
     2>"$OUT/serve.err" | tee "$OUT/serve.log" | tail -14 || tail -30 "$OUT/serve.err"
 fi
 if has probe; then
-  PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe \
+  PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe --cpu-cache-bytes $((16 << 30)) \
     2>"$OUT/probe.err" | tee "$OUT/probe.log" | tail -12 || tail -30 "$OUT/probe.err"
 fi
 if has arena; then
   python3 -P benchmarks/bench_pinning.py 2>&1 | tee "$OUT/pinning.log" | tail -8
-  PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe \
-    --pinned-arena-bytes $((8 << 30)) 2>"$OUT/probe_arena.err" | tee "$OUT/probe_arena.log" | tail -12 || tail -30 "$OUT/probe_arena.err"
+  PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe --cpu-cache-bytes $((16 << 30)) \
+    --pinned-arena-bytes 0 2>"$OUT/probe_no_arena.err" | tee "$OUT/probe_no_arena.log" | tail -12 || tail -30 "$OUT/probe_no_arena.err"
 fi
 if has profile; then
   python3 -P benchmarks/make_random_model.py --shape smollm2 --tokenizer "$tok" --out /tmp/rnd-profile 2>&1 | tail -1

@@ -236,10 +236,15 @@ def build(args, tokenizer):
         cfg.cpu_cache_bytes = default_cpu_cache_bytes(available_host_bytes())
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, bench_engine.DTYPE, bench_engine.DEVICE)
-    arena = None
-    if args.pinned_arena_bytes:
-        arena = PinnedArena(args.pinned_arena_bytes, pin_memory=bench_engine.DEVICE == "cuda")
+    arena, arena_bytes = None, args.pinned_arena_bytes
+    if arena_bytes < 0:  # automatic, as the executor's: on CUDA only
+        from loraserve.executor.memory import available_host_bytes, default_pinned_arena_bytes
+        arena_bytes = default_pinned_arena_bytes(cfg.cpu_cache_bytes, available_host_bytes()) if bench_engine.DEVICE == "cuda" else 0
+    if arena_bytes:
+        arena = PinnedArena(arena_bytes, pin_memory=bench_engine.DEVICE == "cuda")
         cfg.cpu_cache_bytes = arena.cache_budget(cfg.cpu_cache_bytes)  # as the executor does
+        print(f"pinned arena: {arena.nbytes / 2**30:.1f} GiB, set up in {arena.pin_seconds:.1f} s (pages touched in "
+              f"{arena.fault_seconds:.1f} s); CPU cache {cfg.cpu_cache_bytes / 2**30:.1f} GiB", flush=True)
     adapters, counter, modules = RandomAdapters(model, bench_engine.DTYPE, arena), Counter(), lora_modules(model)
     slots = SlotManager(adapters.fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
                         lambda slot: clear_slot(modules.values(), slot), max_loras=cfg.max_loras,
@@ -541,8 +546,9 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     ap.add_argument("--max-loras", type=int, default=64)
     ap.add_argument("--cpu-cache-bytes", type=int, default=0, help="0: half the available host memory")
-    ap.add_argument("--pinned-arena-bytes", type=int, default=0,
-                    help="land fetched shards in a host arena pinned at start, as the executor's flag (0: off)")
+    ap.add_argument("--pinned-arena-bytes", type=int, default=-1,
+                    help="land fetched shards in a host arena pinned at start, as the executor's flag "
+                         "(-1: as the executor sizes it, on CUDA; 0: off)")
     ap.add_argument("--max-concurrent-loads", type=int, default=4, help="store fetches at once (0: no limit)")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients (and max_num_seqs)")
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second instead of the closed loop")

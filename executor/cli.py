@@ -49,10 +49,11 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
                    help="bytes of packed adapters kept in (pinned) host memory (0: half the available host memory)")
     p.add_argument("--max-cpu-adapters", type=int, default=int(env("max_cpu_adapters", 0)),
                    help="also cap the CPU cache at this many adapters (0: the bytes alone decide)")
-    p.add_argument("--pinned-arena-bytes", type=int, default=int(env("pinned_arena_bytes", 0)),
+    p.add_argument("--pinned-arena-bytes", type=int, default=int(env("pinned_arena_bytes", -1)),
                    help="CUDA: page-lock this much host memory at start and land fetched adapters in it (rank 0's), "
                         "so a cold fetch does not stall the running steps while it is pinned; the CPU cache is held "
-                        "to 7/8 of it; a full arena falls back to a fresh pinned buffer (0: off)")
+                        "to 7/8 of it; a full arena falls back to a fresh pinned buffer (-1: room for the CPU cache, "
+                        "at most 3/4 of the available host memory; 0: off)")
     p.add_argument("--max-concurrent-loads", type=int, default=int(env("max_concurrent_loads", 4)),
                    help="adapters fetched from the store at once; later cold loads wait their turn (adapters in a "
                         "slot or the CPU cache never wait for one)")

@@ -47,8 +47,10 @@ class ExecutorConfig:
     # (executor/pinned_arena.py), so its cold fetches do not page-lock while steps run (that holds the
     # CUDA driver: every step waits); the CPU cache is then held to 7/8 of it (the rest: room for
     # fetches in flight). A full arena, TP/EP ranks 1..N-1, and shards the CPU cache re-pins still
-    # land in fresh pinned buffers. 0: off, each shard lands in a fresh pinned buffer.
-    pinned_arena_bytes: int = 0
+    # land in fresh pinned buffers. -1 (automatic): room for the CPU cache's budget, at most 3/4 of
+    # the host memory available at start (executor/memory.py); set to the pinned size at start.
+    # 0: off, each shard lands in a fresh pinned buffer. Ignored on CPU.
+    pinned_arena_bytes: int = -1
     slot_wait_timeout_s: float = 30.0  # how long a request waits for a slot when all are in use
     max_concurrent_loads: int = 4  # store fetches of adapters in flight at once (the rest wait their turn)
     adapter_refresh_s: float = 30.0  # how often held adapters are checked against the store's
@@ -91,8 +93,8 @@ class ExecutorConfig:
             raise ValueError(error)
         if min(self.max_loras, self.cpu_cache_bytes, self.max_cpu_adapters) < 0:
             raise ValueError("max_loras, cpu_cache_bytes and max_cpu_adapters must be 0 (automatic / no limit) or more")
-        if self.pinned_arena_bytes < 0:
-            raise ValueError(f"pinned_arena_bytes must be 0 (off) or more, got {self.pinned_arena_bytes}")
+        if self.pinned_arena_bytes < -1:
+            raise ValueError(f"pinned_arena_bytes must be -1 (automatic), 0 (off) or more, got {self.pinned_arena_bytes}")
         if self.max_concurrent_loads < 1:
             raise ValueError(f"max_concurrent_loads must be at least 1, got {self.max_concurrent_loads}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

@@ -15,11 +15,21 @@ CPU_CACHE_SHARE = 0.5  # of the host memory available at start-up
 SLOT_SHARE = 0.5  # of the GPU memory free once the model and the KV cache are in place
 MAX_AUTO_LORAS = 64  # an automatic max_loras never goes above this (a batch rarely has more adapters)
 CPU_MAX_LORAS = 8  # max_loras on CPU when not given
+ARENA_HOST_SHARE = 0.75  # an automatic pinned arena takes at most this share of the host memory available
+ARENA_CACHE_SHARE = 7 / 8  # of the pinned arena, what the CPU cache may hold (the rest: fetches in flight)
 
 
 def default_cpu_cache_bytes(available_host_bytes: int) -> int:
     """CPU cache budget: a share of the host memory available now (pinned on CUDA, so not all)."""
     return int(available_host_bytes * CPU_CACHE_SHARE)
+
+
+def default_pinned_arena_bytes(cpu_cache_bytes: int, available_host_bytes: int) -> int:
+    """CUDA's pinned arena when not given: room for the CPU cache's whole budget (it may hold
+    ARENA_CACHE_SHARE of the arena), at most ARENA_HOST_SHARE of the host memory available now;
+    a multiple of 2 MiB (huge pages)."""
+    nbytes = min(int(cpu_cache_bytes / ARENA_CACHE_SHARE), int(available_host_bytes * ARENA_HOST_SHARE))
+    return max(0, nbytes // (2 << 20) * (2 << 20))
 
 
 def default_max_loras(free_device_bytes: int, bytes_per_slot: int) -> int:

@@ -28,10 +28,11 @@ from collections.abc import Callable
 
 import torch
 
+from .memory import ARENA_CACHE_SHARE as CACHE_SHARE  # of the arena, what the CPU cache may hold
+
 log = logging.getLogger(__name__)
 
 ALIGN = 4096  # block alignment: page-aligned, and more than any tensor's dtype needs
-CACHE_SHARE = 7 / 8  # of the arena, what the CPU cache may hold; the rest: room for fetches in flight
 
 
 class ArenaShard(dict):
@@ -42,10 +43,13 @@ class ArenaShard(dict):
 
 
 class PinnedArena:
-    def __init__(self, nbytes: int, pin_memory: bool = True, fence: Callable[[], object] | None = None):
+    def __init__(self, nbytes: int, pin_memory: bool = True, fence: Callable[[], object] | None = None,
+                 prefault: bool = True):
         """nbytes of host memory, page-locked now when pin_memory (the only driver call it makes).
         fence: returns an object with `query() -> bool` (a CUDA event) that completes once every
-        copy already issued out of host shards has; None: blocks are reusable at once (CPU)."""
+        copy already issued out of host shards has; None: blocks are reusable at once (CPU).
+        prefault: touch every page first (torch's intra-op threads) so that page-locking, which
+        holds the driver, finds them in place rather than faulting them in one by one."""
         if nbytes <= 0:
             raise ValueError(f"pinned arena of {nbytes} bytes: must be > 0")
         t0 = time.perf_counter()
@@ -54,12 +58,17 @@ class PinnedArena:
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._memory.madvise(mmap.MADV_HUGEPAGE)
         self.base = torch.frombuffer(self._memory, dtype=torch.uint8)
+        if prefault:
+            self.base.zero_()
+        t1 = time.perf_counter()
         if pin_memory:  # registered, not torch.empty(pin_memory=True): that rounds up to a power of two
             err = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), nbytes, 0)
             if int(err) != 0:
                 raise RuntimeError(f"page-locking the pinned arena's {nbytes} bytes of host memory failed "
                                    f"(cudaHostRegister error {int(err)}): lower --pinned-arena-bytes")
-        self.pin_seconds = time.perf_counter() - t0
+        self._pinned = pin_memory
+        self.fault_seconds = t1 - t0  # touching the pages (prefault)
+        self.pin_seconds = time.perf_counter() - t0  # all of it; the driver is held for pin_seconds - fault_seconds
         self.nbytes = nbytes
         self.fence = fence
         self._lock = threading.Lock()
@@ -70,6 +79,13 @@ class PinnedArena:
         # collector may call in any thread at any allocation, the lock's holder included.
         self._released: deque[tuple[int, object]] = deque()
         self.misses = 0  # allocations that found no room
+
+    def close(self) -> None:
+        """Unlocks the pages now (benchmarks; an executor keeps its arena until it exits). No block
+        may be in use."""
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
+            self._pinned = False
 
     # ---- allocation ---------------------------------------------------------------------------
 

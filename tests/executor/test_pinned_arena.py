@@ -83,8 +83,25 @@ def test_an_adopted_block_comes_back_when_the_shard_is_dropped():
 def test_an_arena_of_no_bytes_and_a_negative_setting_are_refused():
     with pytest.raises(ValueError, match="pinned arena of 0 bytes: must be > 0"):
         PinnedArena(0, pin_memory=False)
-    with pytest.raises(ValueError, match="pinned_arena_bytes must be 0 \\(off\\) or more, got -1"):
-        ExecutorConfig(model="m", pinned_arena_bytes=-1)
+    with pytest.raises(ValueError, match="pinned_arena_bytes must be -1 \\(automatic\\), 0 \\(off\\) or more, got -2"):
+        ExecutorConfig(model="m", pinned_arena_bytes=-2)
+
+
+def test_the_automatic_arena_holds_the_cpu_cache_and_leaves_a_quarter_of_the_host():
+    from loraserve.executor.memory import ARENA_CACHE_SHARE, default_pinned_arena_bytes
+
+    gib = 1 << 30
+    arena = default_pinned_arena_bytes(14 * gib, 100 * gib)
+    assert arena == 16 * gib and int(arena * ARENA_CACHE_SHARE) == 14 * gib  # the cache keeps its whole budget
+    assert default_pinned_arena_bytes(60 * gib, 64 * gib) == 48 * gib  # at most 3/4 of what is available
+    assert default_pinned_arena_bytes(gib + 12345, 100 * gib) % (2 << 20) == 0  # whole huge pages
+    assert default_pinned_arena_bytes(gib, 0) == 0  # nothing available: none
+
+
+def test_a_prefaulted_arena_hands_out_zeroed_memory_and_times_its_set_up():
+    a = PinnedArena(8 * ALIGN, pin_memory=False, prefault=True)
+    assert 0 <= a.fault_seconds <= a.pin_seconds
+    assert int(a.allocate(8 * ALIGN).sum()) == 0
 
 
 def test_the_cli_flag_reaches_the_config_and_a_cpu_executor_makes_no_arena(caplog):
@@ -98,7 +115,12 @@ def test_the_cli_flag_reaches_the_config_and_a_cpu_executor_makes_no_arena(caplo
     with caplog.at_level("INFO", logger="loraserve.executor.service"):
         assert pinned_arena(cfg) is None
     assert "--pinned-arena-bytes is for CUDA executors: shards land in plain host memory on cpu" in caplog.text
-    assert pinned_arena(ExecutorConfig(model="m", device="cpu")) is None  # 0: off
+    caplog.clear()
+    with caplog.at_level("INFO", logger="loraserve.executor.service"):
+        assert pinned_arena(ExecutorConfig(model="m", device="cpu")) is None  # -1 (automatic): none on CPU
+        assert pinned_arena(ExecutorConfig(model="m", device="cpu", pinned_arena_bytes=0)) is None  # 0: off
+    assert "--pinned-arena-bytes" not in caplog.text  # automatic: nothing to say on CPU
+    assert build_parser().parse_args(["executor"]).pinned_arena_bytes == -1
 
 
 def test_a_release_from_inside_the_arenas_own_lock_does_not_deadlock():
