@@ -230,6 +230,7 @@ def build(args, tokenizer):
         max_loras=args.max_loras, max_rank=max(RANKS), cpu_cache_bytes=args.cpu_cache_bytes or 0, block_size=16,
         num_blocks=args.concurrency * -(-longest // 16) + 64, max_num_seqs=args.concurrency,
         max_num_batched_tokens=max(2048, longest), max_model_len=longest, adapter_refresh_s=0,
+        admit_ratio=args.admit_ratio, max_admit_delay_steps=args.max_admit_delay_steps,
     )  # fmt: skip
     if not cfg.cpu_cache_bytes:
         from loraserve.executor.memory import available_host_bytes, default_cpu_cache_bytes
@@ -271,6 +272,24 @@ class StepWatch:
             return flatten(plan)
 
         engine._flatten = watched
+
+
+def step_mix(engine: Engine, before: dict[str, list[float]], name: str) -> tuple:
+    """A row: the run's forward steps by kind (engine.step_totals now minus `before`)."""
+    parts, wall = [], 0.0
+    for kind, now in engine.step_totals.items():
+        n, sec, seqs, tokens = (a - b for a, b in zip(now, before[kind]))
+        if n:
+            wall += sec
+            parts.append((kind, n, sec, seqs, tokens))
+    note = "; ".join(f"{kind} {n:.0f} ({sec / max(wall, 1e-9):.0%} of step time): {sec / n * 1e3:.1f} ms, "
+                     f"{seqs / n:.1f} seqs, {tokens / n:.0f} tokens each" for kind, n, sec, seqs, tokens in parts)
+    deferred = engine.scheduler.deferred_steps - before["_deferred"][0]
+    return (f"steps, {name}", "", "", "", note + (f"; {deferred} steps held admissions back" if deferred else ""))
+
+
+def totals(engine: Engine) -> dict[str, list[float]]:
+    return {k: list(v) for k, v in engine.step_totals.items()} | {"_deferred": [engine.scheduler.deferred_steps]}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -474,10 +493,14 @@ async def run(args, tokenizer) -> list[tuple]:
     wbytes = bench_engine.weight_bytes(engine.model)
     warm = [Item(items[0].prompt[:8], 4, items[0].adapter)]
     await drive(warm, engine_one(engine, True), args)
+    t_base = totals(engine)
     base = await drive(items, engine_one(engine, False), args)
+    base_steps = step_mix(engine, t_base, "base model alone")
     watch.steps.clear()
     counter.__init__()
+    t_mixed = totals(engine)
     mixed = await drive(items, engine_one(engine, True), args)
+    mixed_steps = step_mix(engine, t_mixed, "loraserve in-process")
     distinct = statistics.mean(n for n, _ in watch.steps) if watch.steps else 0.0
     step_adapter_bytes = statistics.mean(b for _, b in watch.steps) if watch.steps else 0.0
     ceiling = (base.tokens / base.seconds) * wbytes / (wbytes + step_adapter_bytes)
@@ -496,14 +519,17 @@ async def run(args, tokenizer) -> list[tuple]:
          f"{len(loads) / mixed.seconds:.1f} loads/s, load p50 / p99 {pct(loads, 50) * 1e3:.1f} / {pct(loads, 99) * 1e3:.1f} ms, "
          f"{counter.evictions} evictions; loads from the CPU cache {sum(t == 'cpu' for t, _ in counter.loads)}, fetched first "
          f"{sum(t == 'store' for t, _ in counter.loads)}; " + phases(counter.phases)),
+        base_steps, mixed_steps,
     ]
     if args.grpc:
-        rows.append(await grpc_row(args, engine, items))
+        t_grpc = totals(engine)
+        rows.append(await grpc_row(args, engine, items, ceiling))
+        rows.append(step_mix(engine, t_grpc, "through gRPC"))
     await engine.stop()
     return rows, items, tps
 
 
-async def grpc_row(args, engine: Engine, items: list[Item]) -> tuple:
+async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float) -> tuple:
     import grpc
 
     from loraserve.executor.service import ExecutorParts, serve
@@ -519,7 +545,8 @@ async def grpc_row(args, engine: Engine, items: list[Item]) -> tuple:
     finally:
         await server.stop(0)
         parts.store_watch.cancel()
-    return row(f"loraserve through gRPC (client in-process)", result)
+    return row("loraserve through gRPC (client in-process)", result,
+               f"{result.tokens / result.seconds / ceiling:.2f} of the ceiling")
 
 
 def word_tokenizer(vocab: int):
@@ -549,6 +576,9 @@ def main() -> None:
     ap.add_argument("--pinned-arena-bytes", type=int, default=-1,
                     help="land fetched shards in a host arena pinned at start, as the executor's flag "
                          "(-1: as the executor sizes it, on CUDA; 0: off)")
+    ap.add_argument("--admit-ratio", type=float, default=ExecutorConfig.admit_ratio,
+                    help="admission pacing, as the executor's flag (0: admit each request at once)")
+    ap.add_argument("--max-admit-delay-steps", type=int, default=ExecutorConfig.max_admit_delay_steps)
     ap.add_argument("--max-concurrent-loads", type=int, default=4, help="store fetches at once (0: no limit)")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients (and max_num_seqs)")
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second instead of the closed loop")

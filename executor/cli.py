@@ -61,6 +61,12 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     p.add_argument("--block-size", type=int, default=int(env("block_size", 16)))
     p.add_argument("--max-num-seqs", type=int, default=int(env("max_num_seqs", 32)))
     p.add_argument("--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", 2048)))
+    p.add_argument("--admit-ratio", type=float, default=float(env("admit_ratio", 0.0)),
+                   help="CUDA graphs: while every running sequence decodes, hold ready requests back until they "
+                        "number this share of the running ones (or --max-admit-delay-steps passed), then admit them "
+                        "in one prefill step (0: admit each at once)")
+    p.add_argument("--max-admit-delay-steps", type=int, default=int(env("max_admit_delay_steps", 8)),
+                   help="decode steps a ready request waits at most under --admit-ratio")
     p.add_argument("--max-model-len", type=int, default=int(env("max_model_len", 2048)))
     p.add_argument("--enforce-eager", action="store_true", default=env("enforce_eager", "") in ("1", "true"),
                    help="CUDA: no CUDA graphs (decode steps run eagerly); for debugging")
@@ -111,6 +117,7 @@ def executor_config(a: argparse.Namespace):
         pinned_arena_bytes=a.pinned_arena_bytes,
         max_concurrent_loads=a.max_concurrent_loads, num_blocks=a.num_blocks,
         block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        admit_ratio=a.admit_ratio, max_admit_delay_steps=a.max_admit_delay_steps,
         max_model_len=a.max_model_len, store_address=a.store, listen_address=a.executor_listen,
         admin_token=a.executor_admin_token, slot_wait_timeout_s=a.slot_wait_timeout_s,
         adapter_refresh_s=a.adapter_refresh_s, store_timeout_s=a.store_timeout_s, max_prompt_bytes=a.max_prompt_bytes,

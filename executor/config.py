@@ -62,6 +62,12 @@ class ExecutorConfig:
     max_num_seqs: int = 32  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens (prefill + decode) in one step
     max_model_len: int = 2048  # prompt + output tokens of one sequence
+    # Admission pacing (executor/engine/scheduler.py), CUDA graphs only: while every running
+    # sequence decodes, ready requests wait until they number admit_ratio x the running ones or
+    # the oldest has waited max_admit_delay_steps steps, so that one eager (prefill) step admits
+    # them all instead of one eager step each. admit_ratio 0: admit each at once.
+    admit_ratio: float = 0.0
+    max_admit_delay_steps: int = 8
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
 
     # Request limits and defaults.
@@ -97,6 +103,9 @@ class ExecutorConfig:
             raise ValueError(f"pinned_arena_bytes must be -1 (automatic), 0 (off) or more, got {self.pinned_arena_bytes}")
         if self.max_concurrent_loads < 1:
             raise ValueError(f"max_concurrent_loads must be at least 1, got {self.max_concurrent_loads}")
+        if self.admit_ratio < 0 or self.max_admit_delay_steps < 0:
+            raise ValueError(f"admit_ratio ({self.admit_ratio}) and max_admit_delay_steps "
+                             f"({self.max_admit_delay_steps}) must be 0 or more")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
         if self.num_blocks * self.block_size < self.max_model_len:

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loraserve.errors import StatusError
 
@@ -190,6 +190,19 @@ class _ExecutorState:
         yield _gauge("loraserve_executor_cpu_cache_bytes", "Bytes of packed adapter shards in host memory", sum(a.nbytes for a in cpu))
         yield _gauge("loraserve_executor_cpu_cache_adapters", "Adapters in the host memory cache", len(cpu))
         yield self._lora_info(running, waiting, adapters)
+        yield from self._steps(dict(e.step_totals))
+
+    @staticmethod
+    def _steps(totals: dict[str, list[float]]):
+        """Forward steps by kind: decode-graph (a replayed CUDA graph), decode (eager), mixed (a
+        prefill chunk in it: eager). Their share says how often admissions take the eager path."""
+        out = [CounterMetricFamily("loraserve_executor_steps", "Forward steps collected, by kind", labels=["kind"]),
+               CounterMetricFamily("loraserve_executor_step_seconds", "Seconds from launch to sampled tokens, by step kind", labels=["kind"]),
+               CounterMetricFamily("loraserve_executor_step_sequences", "Sequences in the steps, by step kind", labels=["kind"])]
+        for kind, (steps, seconds, seqs, _) in sorted(totals.items()):
+            for family, value in zip(out, (steps, seconds, seqs)):
+                family.add_metric([kind], value)
+        return out
 
     def _lora_info(self, running, waiting, adapters) -> GaugeMetricFamily:
         """vLLM's `lora_requests_info` shape: one sample whose labels list the adapters of running

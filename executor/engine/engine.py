@@ -186,7 +186,8 @@ class Engine:
         self.max_loras = spec.max_loras if spec is not None else 0  # slot buffers' leading dim
         self.allocator = BlockAllocator(kv_cache.num_blocks)
         self.scheduler = Scheduler(
-            self.allocator, kv_cache.block_size, config.max_num_seqs, config.max_num_batched_tokens
+            self.allocator, kv_cache.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+            max_admit_delay=config.max_admit_delay_steps,
         )
         self._runs: dict[int, _Run] = {}  # seq_id -> run
         self._seq_ids = itertools.count()
@@ -201,7 +202,11 @@ class Engine:
         self._detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenize")
         self.warm_up_seconds = self._warm_up()
         self.graphs = self._capture_graphs()
+        # admission pacing only where it pays: decode-only steps replay graphs, admitting steps do not
+        self.scheduler.admit_ratio = config.admit_ratio if self.graphs is not None else 0.0
         self.step_times: list[StepTime] = []  # the collected steps, latest last (benchmarks and tests read them)
+        # every collected step since start, by kind: [steps, seconds, sequences, tokens] (metrics, serve.py)
+        self.step_totals: dict[str, list[float]] = {k: [0, 0.0, 0, 0] for k in ("decode-graph", "decode", "mixed")}
         self.steps_ahead = 0  # steps planned before the previous step's tokens reached the host
         # pinned buffers for the steps' sampled tokens, allocated before serving (see _pinned_out)
         self._out_pool: list[torch.Tensor] = [
@@ -576,8 +581,8 @@ class Engine:
         graphs, running = self.graphs, self.scheduler.running
         if graphs is None or not step.launched.kept or not 0 < len(running) <= graphs.max_batch:
             return False
-        if len(running) < self.scheduler.max_num_seqs and any(seq.is_ready() for seq in self.scheduler.waiting):
-            return False  # one could be admitted: the next step is planned with it, on real ids
+        if self.scheduler.admits_now():
+            return False  # one will be admitted: the next step is planned with it, on real ids
         sampled = {s.seq: s for s in step.plan.seqs if s.needs_sample}
         goes_on = []
         for seq in running:
@@ -712,6 +717,11 @@ class Engine:
         end = time.perf_counter()
         self.step_times.append(StepTime(launched.kind, launched.num_seqs, launched.num_tokens, end - launched.t0, end,
                                         launched.t0, launched.ahead))
+        totals = self.step_totals[launched.kind]
+        totals[0] += 1
+        totals[1] += end - launched.t0
+        totals[2] += launched.num_seqs
+        totals[3] += launched.num_tokens
         if len(self.step_times) > 2000:
             del self.step_times[:1000]
         return token_ids, logprobs

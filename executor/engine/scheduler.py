@@ -8,6 +8,14 @@ sequence is preempted: its blocks are freed and it goes back to the front of the
 queue to be recomputed later (prompt + tokens generated so far). A sequence that cannot get
 a block even when it runs alone is failed rather than left to wait forever.
 
+Admission pacing (`admit_ratio` > 0, for engines whose decode-only steps replay CUDA graphs): a
+step that admits a request runs eagerly (its prefill), and with many running sequences one finishes
+nearly every step, so admitting each at once makes nearly every step an eager one. While every
+running sequence decodes, ready requests wait until they number `admit_ratio` x the running ones,
+or the oldest has waited `max_admit_delay` steps; then they are admitted together, one eager step
+for all of them. Decode steps run a little smaller meanwhile (decode is bound by reading the
+weights, so a step of 56 costs about what one of 64 does).
+
 The scheduler only decides; it never runs the model. The engine turns a `SchedulePlan`
 into input_ids / positions / attention metadata and reports sampled tokens back through
 `append_token`.
@@ -35,6 +43,7 @@ class Sequence:
     slot: int = -1  # LoRA slot of its adapter, -1 = base model
     is_ready: Callable[[], bool] = lambda: True  # adapter copy finished (CUDA event)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    ready_step: int = -1  # the scheduler's step at which it was first seen ready to admit
     block_table: list[int] = field(default_factory=list)
     finished: bool = False
 
@@ -71,13 +80,18 @@ class SchedulePlan:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 admit_ratio: float = 0.0, max_admit_delay: int = 0):
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.admit_ratio = admit_ratio  # admission pacing (module doc); 0: admit at once
+        self.max_admit_delay = max_admit_delay  # steps a ready request waits at most for others
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.steps = 0  # schedule() calls
+        self.deferred_steps = 0  # steps that held ready requests back (admission pacing)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -98,7 +112,14 @@ class Scheduler:
         self._free(seq)
 
     def schedule(self, admit: bool = True) -> SchedulePlan:
-        """The next step: running sequences first, then (if admit) waiting ones."""
+        """The next step: running sequences first, then (if admit) waiting ones, unless admission
+        pacing holds them back (`admits_now`)."""
+        self.steps += 1
+        if admit and self.admit_ratio > 0 and len(self.running) < self.max_num_seqs:
+            ready = [seq for seq in self.waiting if seq.is_ready()]
+            if ready and self._pacing_holds(ready):
+                admit = False
+                self.deferred_steps += 1
         plan = SchedulePlan(seqs=[], failed=[], preempted=[])
         budget = self.max_num_batched_tokens
         # 1. Running sequences, oldest first.
@@ -138,6 +159,21 @@ class Scheduler:
             plan.seqs.append(self._plan_one(seq, n))
             budget -= n
         return plan
+
+    def admits_now(self) -> bool:
+        """Whether the next step would admit a request (one is ready, there is room, no pacing holds it)."""
+        ready = [seq for seq in self.waiting if seq.is_ready()]
+        return bool(ready) and len(self.running) < self.max_num_seqs and not self._pacing_holds(ready)
+
+    def _pacing_holds(self, ready: list[Sequence]) -> bool:
+        """Admission pacing (module doc) holds `ready` back this step."""
+        if self.admit_ratio <= 0 or not self.running or any(seq.num_uncomputed > 1 for seq in self.running):
+            return False  # no pacing, an idle batch, or an eager step (a prefill chunk) anyway
+        for seq in ready:
+            if seq.ready_step < 0:
+                seq.ready_step = self.steps
+        return (len(ready) < self.admit_ratio * len(self.running)
+                and self.steps - min(seq.ready_step for seq in ready) < self.max_admit_delay)
 
     def _plan_one(self, seq: Sequence, n: int) -> ScheduledSeq:
         context_len = seq.num_computed
