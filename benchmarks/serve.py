@@ -496,6 +496,9 @@ async def run(args, tokenizer) -> list[tuple]:
     t_base = totals(engine)
     base = await drive(items, engine_one(engine, False), args)
     base_steps = step_mix(engine, t_base, "base model alone")
+    again = await drive(items, engine_one(engine, False), args)  # the first run may still build kernels
+    if again.tokens / again.seconds > base.tokens / base.seconds:
+        base = again  # the ceiling is taken from the faster of the two
     watch.steps.clear()
     counter.__init__()
     t_mixed = totals(engine)
@@ -509,7 +512,7 @@ async def run(args, tokenizer) -> list[tuple]:
     tps = mixed.tokens / mixed.seconds
     loads = [s for _, s in counter.loads]
     rows = [
-        row("base model alone", base),
+        row("base model alone", base, "the faster of two runs"),
         row(f"loraserve, {args.adapters} adapters", mixed, f"{tps / ceiling:.2f} of the ceiling; {tps / (base.tokens / base.seconds):.2f} of base"),
         ("ceiling the bytes allow", f"{ceiling:.1f}", "", "",
          f"{distinct:.1f} distinct adapters per decode step, {step_adapter_bytes / 2**20:.0f} MiB of them vs "

@@ -65,9 +65,10 @@ class ExecutorConfig:
     # Admission pacing (executor/engine/scheduler.py), CUDA graphs only: while every running
     # sequence decodes, ready requests wait until they number admit_ratio x the running ones or
     # the oldest has waited max_admit_delay_steps steps, so that one eager (prefill) step admits
-    # them all instead of one eager step each. admit_ratio 0: admit each at once.
-    admit_ratio: float = 0.0
-    max_admit_delay_steps: int = 8
+    # them all instead of one eager step each (1,000-adapter serve run: 2.0x the tok/s through gRPC,
+    # docs/BENCHMARKS.md). admit_ratio 0: admit each at once.
+    admit_ratio: float = 0.125
+    max_admit_delay_steps: int = 16
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
 
     # Request limits and defaults.

@@ -115,7 +115,7 @@ class Scheduler:
         """The next step: running sequences first, then (if admit) waiting ones, unless admission
         pacing holds them back (`admits_now`)."""
         self.steps += 1
-        if admit and self.admit_ratio > 0 and len(self.running) < self.max_num_seqs:
+        if self.admit_ratio > 0 and len(self.running) < self.max_num_seqs:  # (a step planned ahead counts too)
             ready = [seq for seq in self.waiting if seq.is_ready()]
             if ready and self._pacing_holds(ready):
                 admit = False

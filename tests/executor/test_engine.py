@@ -124,6 +124,7 @@ async def make_engine(tiny, request):
             cfg = engine.config
             engine.graphs = DecodeGraphs(engine.model, engine.kv_cache, cfg.max_num_seqs, cfg.max_model_len,
                                          engine.max_loras, cfg.torch_device)
+            engine.scheduler.admit_ratio = cfg.admit_ratio  # as an engine with captured graphs sets it
         engine.start()
         engines.append(engine)
         return engine
@@ -167,6 +168,27 @@ async def test_concurrent_greedy_requests_match_transformers_generate(tiny, make
         assert outs[-1].prompt_tokens == len(prompt)
     _assert_idle(engine)
     assert (engine.steps_ahead > 0) == (engine.graphs is not None)
+
+
+async def test_admission_pacing_holds_a_late_request_back_only_with_graphs_and_keeps_outputs(tiny, make_engine):
+    ref_model, _ = tiny
+    engine = make_engine(admit_ratio=0.5, max_admit_delay_steps=3)
+    prompts = [_prompt(n, seed) for seed, n in enumerate([5, 7, 6, 8, 4])]
+    first = [asyncio.ensure_future(_collect(engine, _greedy(p, 24))) for p in prompts[:4]]
+    while not (len(engine.scheduler.running) == 4 and all(s.num_uncomputed <= 1 for s in engine.scheduler.running)):
+        await asyncio.sleep(0.001)  # all four decode now
+    late = await _collect(engine, _greedy(prompts[4], 6))  # 1 ready < 0.5 x 4 running: held back (graphs)
+    results = await asyncio.gather(*first) + [late]
+    for prompt, (ids, _, _), n in zip(prompts, results, [24] * 4 + [6]):
+        assert ids == _hf_greedy(ref_model, prompt, n)[0]
+    held = engine.scheduler.deferred_steps
+    assert (1 <= held <= 3) if engine.graphs is not None else held == 0, (held, engine.scheduler.steps)
+    _assert_idle(engine)
+
+
+async def test_the_engine_paces_admissions_only_when_it_has_graphs(tiny):
+    engine = _engine(tiny[1], admit_ratio=0.5)  # on CPU: no graphs captured, every step eager
+    assert engine.graphs is None and engine.scheduler.admit_ratio == 0.0
 
 
 async def test_short_kv_cache_preempts_and_recomputes_without_changing_outputs(tiny, make_engine, caplog):

@@ -162,3 +162,69 @@ def test_sequence_that_cannot_fit_alone_fails_instead_of_waiting():
     plan = _step(sched)  # its 5th token needs a second block that does not exist
     assert plan.failed == [a] and plan.seqs == []
     assert sched.allocator.num_free == 1 and not sched.has_work()
+
+
+def _decoding(sched: Scheduler, n: int) -> list[Sequence]:
+    """n sequences admitted and past their prefill: every running one decodes."""
+    seqs = [_seq(3) for _ in range(n)]
+    for s in seqs:
+        sched.add(s)
+    _step(sched)
+    return seqs
+
+
+def test_admission_pacing_gathers_ready_requests_into_one_prefill_step():
+    sched = _scheduler(max_num_seqs=16, max_tokens=64)
+    sched.admit_ratio, sched.max_admit_delay = 0.25, 100
+    running = _decoding(sched, 8)
+    first = _seq(4)
+    sched.add(first)
+    plan = _step(sched)  # 1 ready < 0.25 x 8 running: held back, the step decodes only
+    assert [s.seq for s in plan.seqs] == running and sched.deferred_steps == 1
+    assert not sched.admits_now()
+    second = _seq(4)
+    sched.add(second)
+    assert sched.admits_now()  # 2 ready = 0.25 x 8: both go in the next step, together
+    plan = _step(sched)
+    assert [s.seq for s in plan.seqs] == running + [first, second]
+    assert sched.deferred_steps == 1
+
+
+def test_admission_pacing_bounds_the_wait_of_a_lone_request():
+    sched = _scheduler(max_num_seqs=16, max_tokens=64)
+    sched.admit_ratio, sched.max_admit_delay = 0.5, 3
+    running = _decoding(sched, 8)
+    lone = _seq(4)
+    sched.add(lone)
+    waited = 0
+    while lone not in [s.seq for s in _step(sched).seqs]:
+        waited += 1
+        assert waited <= 3, "a ready request waited past max_admit_delay steps"
+    assert waited == 3 and sched.deferred_steps == 3
+    assert all(s in sched.running for s in running)
+
+
+def test_admission_pacing_admits_at_once_into_an_idle_batch_or_a_prefill_step():
+    sched = _scheduler(max_num_seqs=16, max_tokens=64)
+    sched.admit_ratio, sched.max_admit_delay = 1.0, 100
+    a = _seq(4)
+    sched.add(a)
+    assert [s.seq for s in _step(sched).seqs] == [a]  # nothing running: no reason to wait
+    long = _seq(40)
+    sched.max_num_batched_tokens = 16  # long's prompt takes three steps
+    sched.add(long)
+    _step(sched)  # long is admitted (a prefill step: eager anyway) and prefills on
+    sched.max_num_batched_tokens = 64
+    b = _seq(4)
+    sched.add(b)
+    assert b in [s.seq for s in _step(sched).seqs]  # joins while long still prefills
+    assert sched.deferred_steps == 0
+
+
+def test_admission_pacing_off_admits_each_ready_request_at_once():
+    sched = _scheduler(max_num_seqs=16, max_tokens=64)
+    assert sched.admit_ratio == 0
+    _decoding(sched, 8)
+    c = _seq(4)
+    sched.add(c)
+    assert c in [s.seq for s in _step(sched).seqs] and sched.deferred_steps == 0
