@@ -66,7 +66,8 @@ class PinnedArena:
             if int(err) != 0:
                 raise RuntimeError(f"page-locking the pinned arena's {nbytes} bytes of host memory failed "
                                    f"(cudaHostRegister error {int(err)}): lower --pinned-arena-bytes")
-        self._pinned = pin_memory
+        # page-locked until closed or garbage (an executor built and dropped, as in tests, gives it back)
+        self._unpin = weakref.finalize(self, _unregister, self.base.data_ptr()) if pin_memory else None
         self.fault_seconds = t1 - t0  # touching the pages (prefault)
         self.pin_seconds = time.perf_counter() - t0  # all of it; the driver is held for pin_seconds - fault_seconds
         self.nbytes = nbytes
@@ -83,9 +84,8 @@ class PinnedArena:
     def close(self) -> None:
         """Unlocks the pages now (benchmarks; an executor keeps its arena until it exits). No block
         may be in use."""
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
-            self._pinned = False
+        if self._unpin is not None:
+            self._unpin()
 
     # ---- allocation ---------------------------------------------------------------------------
 
@@ -177,6 +177,10 @@ class PinnedArena:
             size += self._free[i][1]
             del self._free[i]
         self._free.insert(i, (offset, size))
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def stream_fence(*streams: torch.cuda.Stream) -> Callable[[], object]:

@@ -331,7 +331,7 @@ class Cluster:
         for name in names:
             self.store_client().register(name, str(adapters / name))
         fields = dict(model=str(base_dir), base_model="tiny", dtype="float32", max_loras=2, max_rank=16,
-                      max_cpu_adapters=8, num_blocks=256, block_size=4, max_model_len=512,
+                      max_cpu_adapters=8, num_blocks=256, block_size=4, max_model_len=512, cpu_cache_bytes=256 << 20,
                       store_address=self.store_address, slot_wait_timeout_s=30.0)
         self.parts = build_executor(ExecutorConfig(**{**fields, **executor_overrides}))
         self.server, port = lt.run(serve_executor(self.parts, "127.0.0.1:0"))

@@ -63,7 +63,7 @@ def _services(lt, path, root, data, **executor_overrides):
         for name in NAMES:
             store.register(name, str(root / "adapters" / name))
         fields = dict(model=str(path), base_model="tiny", max_loras=3, max_rank=8, max_cpu_adapters=8, num_blocks=128,
-                      block_size=4, max_model_len=256, store_address=f"127.0.0.1:{store_port}",
+                      block_size=4, max_model_len=256, store_address=f"127.0.0.1:{store_port}", cpu_cache_bytes=256 << 20,
                       slot_wait_timeout_s=10.0)  # fmt: skip
         parts = build_executor(ExecutorConfig(**{**fields, **executor_overrides}))
         server, port = lt.run(serve_executor(parts, "127.0.0.1:0"))

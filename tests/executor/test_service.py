@@ -79,7 +79,7 @@ class Cluster:
         for name in ADAPTERS:
             store.register(name, str(adapters / name))
         cfg = ExecutorConfig(model=str(base_dir), base_model="tiny", device=device, dtype="float32", max_loras=2,
-                             max_rank=16, max_cpu_adapters=8, num_blocks=256, block_size=4, max_model_len=512,
+                             max_rank=16, max_cpu_adapters=8, num_blocks=256, block_size=4, max_model_len=512, cpu_cache_bytes=256 << 20,
                              store_address=self.store_address, slot_wait_timeout_s=10.0)
         for k, v in executor_overrides.items():
             setattr(cfg, k, v)
