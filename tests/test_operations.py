@@ -157,6 +157,13 @@ def test_metrics_count_what_was_sent(served):
     assert set(held) == {"qv8", "mlp4", "o2"}
     assert value(ex, "loraserve_executor_cpu_cache_bytes") == sum(held.values())
     assert value(ex, "loraserve_lora_requests_info", running_lora_adapters="", waiting_lora_adapters="", max_lora="2") > 0
+    # steps by kind (on CPU every step is eager: the prompts' "mixed" ones and "decode" ones, no graphs)
+    totals = parts.engine.step_totals
+    assert totals["mixed"][0] >= 3 and totals["decode"][0] >= 1 and totals["decode-graph"][0] == 0
+    for kind, (steps, seconds, seqs, _) in totals.items():
+        assert value(ex, "loraserve_executor_steps_total", kind=kind) == steps
+        assert value(ex, "loraserve_executor_step_seconds_total", kind=kind) == pytest.approx(seconds)
+        assert value(ex, "loraserve_executor_step_sequences_total", kind=kind) == seqs
 
     st = scrape(served["store_server"].metrics_port)
     assert value(st, "loraserve_store_registrations_total") == 3
