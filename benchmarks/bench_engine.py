@@ -17,7 +17,8 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
   batch, staged again). Diagnostics per case: the share of steps launched ahead of the previous
   step's tokens, the host's time from a step's result to the launch of the step after next, and
   (CUDA events around each replay inside the real steps) the device time of a replay and between
-  replays. With adapters: a distinct rank-`--rank` adapter on every linear layer per sequence (up to `--adapters`, then they repeat), against two floors: the base step
+  replays. With adapters: a distinct rank-`--rank` adapter on every linear layer per sequence (up to `--adapters`, then they repeat;
+  `--ranks 8,16,32,64` gives adapter i the rank ranks[i % 4], in slots of the largest), against two floors: the base step
   of the same run plus the distinct adapters' bytes at the copy bandwidth (the floor of the
   mixed-decode target), and the bytes floor above plus the adapters' bytes.
   The adapters come from an in-process fetch function (random tensors, the same values for
@@ -116,19 +117,24 @@ def build_model(shape: str, vocab: int, spec: LoraSpec) -> LlamaForCausalLM:
     return model
 
 
-def random_shard_fetcher(model, rank: int):
-    """An in-process stand-in for the store's FetchShard: a rank-`rank` adapter on every linear layer."""
+def random_shard_fetcher(model, ranks: list[int]):
+    """An in-process stand-in for the store's FetchShard: adapter "a{i}" is a rank-ranks[i % len]
+    adapter on every linear layer. -> (fetch, bytes of each rank)."""
     shapes = {name: (m.lora_a.shape[1:], m.lora_b.shape[1:]) for name, m in lora_modules(model).items()}
     gen = torch.Generator().manual_seed(1)
-    tensors = {}
-    for name, (a_shape, b_shape) in shapes.items():
-        a = (a_shape[0], rank, *a_shape[2:])
-        tensors[f"{name}.lora_a"] = (torch.randn(a, generator=gen) * 0.02).to(DTYPE)
-        tensors[f"{name}.lora_b"] = (torch.randn(b_shape[0], rank, generator=gen) * 0.02).to(DTYPE)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    by_rank = {}
+    for rank in sorted(set(ranks)):
+        tensors = {}
+        for name, (a_shape, b_shape) in shapes.items():
+            a = (a_shape[0], rank, *a_shape[2:])
+            tensors[f"{name}.lora_a"] = (torch.randn(a, generator=gen) * 0.02).to(DTYPE)
+            tensors[f"{name}.lora_b"] = (torch.randn(b_shape[0], rank, generator=gen) * 0.02).to(DTYPE)
+        by_rank[rank] = tensors
+    nbytes = {r: sum(t.numel() * t.element_size() for t in ts.values()) for r, ts in by_rank.items()}
 
     async def fetch(name: str):
-        return f"random-{name}", rank, dict(tensors), nbytes
+        rank = ranks[int(name.removeprefix("a")) % len(ranks)]
+        return f"random-{name}", rank, dict(by_rank[rank]), nbytes[rank]
 
     return fetch, nbytes
 
@@ -139,7 +145,7 @@ def build_engine(args, tokenizer: Tokenizer) -> tuple[Engine, int]:
     cfg = ExecutorConfig(
         model="random", base_model="random", device=DEVICE, dtype=str(DTYPE).removeprefix("torch."),
         max_loras=args.adapters,
-        max_rank=args.rank, max_cpu_adapters=args.adapters, block_size=16,
+        max_rank=max(args.ranks), max_cpu_adapters=args.adapters, block_size=16,
         num_blocks=max(args.batches) * -(-max_tokens_per_seq // 16) + 4096 // 16 + 64,
         max_num_seqs=max(*args.batches, args.streams, 16), max_num_batched_tokens=4096,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager,
@@ -148,7 +154,8 @@ def build_engine(args, tokenizer: Tokenizer) -> tuple[Engine, int]:
     model = build_model(args.shape, args.vocab, spec)
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, DTYPE, DEVICE)
-    fetch, adapter_bytes = random_shard_fetcher(model, args.rank)
+    fetch, by_rank = random_shard_fetcher(model, args.ranks)
+    adapter_bytes = [by_rank[args.ranks[i % len(args.ranks)]] for i in range(max(1, args.adapters))]  # of a0, a1, ...
     modules = lora_modules(model)
     slots = SlotManager(
         fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
@@ -357,7 +364,7 @@ async def decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes
                  f"{base_every / base_floor:.2f}x floor {base_floor * 1e3:.2f} ms (step alone {base / base_floor:.2f}x)"
                  f"{_replay(engine, batch, False, base_floor)}{_host(batch, False)}"))
     if args.adapters:
-        adapters_s = min(batch, args.adapters) * adapter_bytes / bandwidth
+        adapters_s = sum(adapter_bytes[: min(batch, args.adapters)]) / bandwidth
         lora_floor = base_floor + adapters_s
         mixed, mixed_every = await decode_case(engine, args, batch, with_lora=True)
         # The target's floor: this run's base step plus the distinct adapters' bytes at the copy bandwidth.
@@ -396,7 +403,7 @@ async def run(args) -> list[tuple[str, str, str, str]]:
     rows = [
         ("copy bandwidth (read + write)", f"{bandwidth / 1e9:.0f} GB/s", "", ""),
         ("matmul peak (8192^3 bf16 on CUDA)", f"{peak / 1e12:.1f} TFLOP/s", "", ""),
-        ("weights read per decode step", f"{wbytes / 2**30:.2f} GiB", "", f"adapter: {adapter_bytes / 2**20:.1f} MiB"),
+        ("weights read per decode step", f"{wbytes / 2**30:.2f} GiB", "", f"adapter: {statistics.mean(adapter_bytes) / 2**20:.1f} MiB (mean), ranks {'/'.join(map(str, args.ranks))}"),
     ]
     if engine.warm_up_seconds is not None:
         rows.append(("kernel warm-up at start", f"{engine.warm_up_seconds:.1f} s", "",
@@ -440,12 +447,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--adapters", type=int, default=32, help="distinct adapters (GPU slots); 0: base only")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")],
+                    help="adapter i gets rank ranks[i %% len(ranks)] (default: --rank for all)")
     ap.add_argument("--streams", type=int, default=64, help="concurrent gRPC streams; 0: skip")
     ap.add_argument("--grpc-prompt", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (float32)")
     ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.ranks = args.ranks or [args.rank]
     if args.grpc_client:
         grpc_client(args.grpc_client, args.streams, args.grpc_prompt, args.new_tokens, args.vocab)
         return
