@@ -173,12 +173,18 @@ def _decoding(sched: Scheduler, n: int) -> list[Sequence]:
     return seqs
 
 
-def test_admission_pacing_gathers_ready_requests_into_one_prefill_step():
+def _paced(ratio: float, delay: int) -> tuple[Scheduler, list[Sequence], Sequence]:
+    """A pacing scheduler with 8 sequences decoding and one more request ready to admit."""
     sched = _scheduler(max_num_seqs=16, max_tokens=64)
-    sched.admit_ratio, sched.max_admit_delay = 0.25, 100
+    sched.admit_ratio, sched.max_admit_delay = ratio, delay
     running = _decoding(sched, 8)
-    first = _seq(4)
-    sched.add(first)
+    ready = _seq(4)
+    sched.add(ready)
+    return sched, running, ready
+
+
+def test_admission_pacing_gathers_ready_requests_into_one_prefill_step():
+    sched, running, first = _paced(0.25, 100)
     plan = _step(sched)  # 1 ready < 0.25 x 8 running: held back, the step decodes only
     assert [s.seq for s in plan.seqs] == running and sched.deferred_steps == 1
     assert not sched.admits_now()
@@ -191,11 +197,7 @@ def test_admission_pacing_gathers_ready_requests_into_one_prefill_step():
 
 
 def test_admission_pacing_bounds_the_wait_of_a_lone_request():
-    sched = _scheduler(max_num_seqs=16, max_tokens=64)
-    sched.admit_ratio, sched.max_admit_delay = 0.5, 3
-    running = _decoding(sched, 8)
-    lone = _seq(4)
-    sched.add(lone)
+    sched, running, lone = _paced(0.5, 3)
     waited = 0
     while lone not in [s.seq for s in _step(sched).seqs]:
         waited += 1
