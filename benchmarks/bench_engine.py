@@ -148,7 +148,7 @@ def build_engine(args, tokenizer: Tokenizer) -> tuple[Engine, int]:
         max_rank=max(args.ranks), max_cpu_adapters=args.adapters, block_size=16,
         num_blocks=max(args.batches) * -(-max_tokens_per_seq // 16) + 4096 // 16 + 64,
         max_num_seqs=max(*args.batches, args.streams, 16), max_num_batched_tokens=4096,
-        max_model_len=max_model_len, enforce_eager=args.enforce_eager,
+        max_model_len=max_model_len, enforce_eager=args.enforce_eager, admit_ratio=args.admit_ratio,
     )  # fmt: skip
     spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE)
     model = build_model(args.shape, args.vocab, spec)
@@ -452,6 +452,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64, help="concurrent gRPC streams; 0: skip")
     ap.add_argument("--grpc-prompt", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--admit-ratio", type=float, default=ExecutorConfig.admit_ratio,
+                    help="admission pacing, as the executor's flag (0: admit each request at once, as before 2026-11-26)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (float32)")
     ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
     args = ap.parse_args()

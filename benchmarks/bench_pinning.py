@@ -107,6 +107,7 @@ def arena_setup(gib: int) -> None:
         print(f"| {'touched first' if prefault else 'as mapped'} | {arena.fault_seconds:.2f} | {locked:.2f} "
               f"| {arena.pin_seconds:.2f} | {arena.pin_seconds / gib:.3f} |", flush=True)
         arena.close()
+        del arena  # unmapped before the next one is built
 
 
 if __name__ == "__main__":

@@ -62,11 +62,11 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     p.add_argument("--max-num-seqs", type=int, default=int(env("max_num_seqs", 32)))
     p.add_argument("--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", 2048)))
     p.add_argument("--admit-ratio", type=float, default=float(env("admit_ratio", 0.125)),
-                   help="CUDA graphs: while every running sequence decodes, hold ready requests back until they "
-                        "number this share of the running ones (or --max-admit-delay-steps passed), then admit them "
+                   help="CUDA graphs: while every running sequence decodes, hold ready requests back until those "
+                        "with a free seat number this share of the running ones (or --max-admit-delay-steps passed), then admit them "
                         "in one prefill step (0: admit each at once)")
     p.add_argument("--max-admit-delay-steps", type=int, default=int(env("max_admit_delay_steps", 16)),
-                   help="decode steps a ready request waits at most under --admit-ratio")
+                   help="decode steps a hold lasts at most under --admit-ratio")
     p.add_argument("--max-model-len", type=int, default=int(env("max_model_len", 2048)))
     p.add_argument("--enforce-eager", action="store_true", default=env("enforce_eager", "") in ("1", "true"),
                    help="CUDA: no CUDA graphs (decode steps run eagerly); for debugging")

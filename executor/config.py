@@ -63,8 +63,8 @@ class ExecutorConfig:
     max_num_batched_tokens: int = 2048  # tokens (prefill + decode) in one step
     max_model_len: int = 2048  # prompt + output tokens of one sequence
     # Admission pacing (executor/engine/scheduler.py), CUDA graphs only: while every running
-    # sequence decodes, ready requests wait until they number admit_ratio x the running ones or
-    # the oldest has waited max_admit_delay_steps steps, so that one eager (prefill) step admits
+    # sequence decodes, ready requests wait until those with a free seat number admit_ratio x the
+    # running ones or the hold has lasted max_admit_delay_steps steps, so that one eager (prefill) step admits
     # them all instead of one eager step each (1,000-adapter serve run: 2.0x the tok/s through gRPC,
     # docs/BENCHMARKS.md). admit_ratio 0: admit each at once.
     admit_ratio: float = 0.125

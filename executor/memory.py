@@ -28,8 +28,9 @@ def default_pinned_arena_bytes(cpu_cache_bytes: int, available_host_bytes: int) 
     """CUDA's pinned arena when not given: room for the CPU cache's whole budget (it may hold
     ARENA_CACHE_SHARE of the arena), at most ARENA_HOST_SHARE of the host memory available now;
     a multiple of 2 MiB (huge pages)."""
-    nbytes = min(int(cpu_cache_bytes / ARENA_CACHE_SHARE), int(available_host_bytes * ARENA_HOST_SHARE))
-    return max(0, nbytes // (2 << 20) * (2 << 20))
+    huge = 2 << 20
+    room = -(-int(cpu_cache_bytes / ARENA_CACHE_SHARE) // huge) * huge  # rounded up: the cache keeps its budget
+    return max(0, min(room, int(available_host_bytes * ARENA_HOST_SHARE) // huge * huge))
 
 
 def default_max_loras(free_device_bytes: int, bytes_per_slot: int) -> int:

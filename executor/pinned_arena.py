@@ -68,6 +68,9 @@ class PinnedArena:
                                    f"(cudaHostRegister error {int(err)}): lower --pinned-arena-bytes")
         # page-locked until closed or garbage (an executor built and dropped, as in tests, gives it back)
         self._unpin = weakref.finalize(self, _unregister, self.base.data_ptr()) if pin_memory else None
+        if self._unpin is not None:
+            self._unpin.atexit = False  # at exit the process's memory goes anyway
+        self.closed = False
         self.fault_seconds = t1 - t0  # touching the pages (prefault)
         self.pin_seconds = time.perf_counter() - t0  # all of it; the driver is held for pin_seconds - fault_seconds
         self.nbytes = nbytes
@@ -84,6 +87,14 @@ class PinnedArena:
     def close(self) -> None:
         """Unlocks the pages now (benchmarks; an executor keeps its arena until it exits). No block
         may be in use."""
+        with self._lock:
+            self._reclaim()
+            if self._live:
+                raise RuntimeError(f"pinned arena closed with {len(self._live)} blocks in use")
+            for _, _, fence in self._fenced:  # copies still reading released blocks end first
+                while not fence.query():
+                    time.sleep(0.001)
+            self.closed = True
         if self._unpin is not None:
             self._unpin()
 
@@ -93,6 +104,8 @@ class PinnedArena:
         """A uint8 view of nbytes (an ALIGN-aligned block), or None when no free block fits."""
         size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         with self._lock:
+            if self.closed:
+                return None
             self._reclaim()
             fits = [(s, i) for i, (_, s) in enumerate(self._free) if s >= size]
             if not fits:

@@ -108,29 +108,45 @@ def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer | TokenIds
     return Tokenizer.from_pretrained(model_path)
 
 
-def pinned_arena(cfg: ExecutorConfig) -> PinnedArena | None:
+def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | None:
     """The pinned arena rank 0's fetched shards land in (CUDA; cfg.pinned_arena_bytes, -1: sized
     for the CPU cache's budget, executor/memory.py), page-locked now; holds the CPU cache to its share.
-    Runs after cfg.cpu_cache_bytes is resolved, and sets cfg.pinned_arena_bytes to what it pinned."""
+    Runs after cfg.cpu_cache_bytes is resolved, and sets cfg.pinned_arena_bytes to what it pinned.
+    adapter_bytes: a slot's bytes (an adapter's most), which bound the cache under max_cpu_adapters."""
     if cfg.pinned_arena_bytes == 0:
         return None
     if cfg.torch_device.type != "cuda":
         if cfg.pinned_arena_bytes > 0:
             log.info("--pinned-arena-bytes is for CUDA executors: shards land in plain host memory on %s", cfg.device)
         return None
-    if cfg.pinned_arena_bytes < 0:
-        cfg.pinned_arena_bytes = memory.default_pinned_arena_bytes(cfg.cpu_cache_bytes, memory.available_host_bytes())
+    automatic = cfg.pinned_arena_bytes < 0
+    available = memory.available_host_bytes()
+    if automatic:
+        cache = cfg.cpu_cache_bytes
+        if cfg.max_cpu_adapters and adapter_bytes:  # the cache never holds more than that many adapters
+            cache = min(cache, (cfg.max_cpu_adapters + cfg.max_concurrent_loads) * adapter_bytes)
+        cfg.pinned_arena_bytes = memory.default_pinned_arena_bytes(cache, available)
         if cfg.pinned_arena_bytes == 0:
             log.warning("no host memory left for a pinned arena: fetched shards land in fresh pinned buffers")
             return None
+    elif cfg.pinned_arena_bytes > available:
+        raise ValueError(f"--pinned-arena-bytes {cfg.pinned_arena_bytes} is more than the {available} bytes of "
+                         "host memory available now: lower it (or -1: sized for the CPU cache)")
     log.info("pinned arena: page-locking %.1f GiB of host memory (--pinned-arena-bytes; 0 turns it off)",
              cfg.pinned_arena_bytes / 2**30)
-    arena = PinnedArena(cfg.pinned_arena_bytes)
+    try:
+        arena = PinnedArena(cfg.pinned_arena_bytes)
+    except RuntimeError as exc:
+        if not automatic:
+            raise
+        log.warning("pinned arena off: %s; fetched shards land in fresh pinned buffers (each pin stalls the steps)", exc)
+        cfg.pinned_arena_bytes = 0
+        return None
     log.info("pinned arena: %.1f GiB page-locked in %.1fs (pages touched in %.1fs)", arena.nbytes / 2**30,
              arena.pin_seconds, arena.fault_seconds)
     if arena.cache_budget(cfg.cpu_cache_bytes) < cfg.cpu_cache_bytes:
-        log.info("CPU cache held to 7/8 of the pinned arena: %.1f GiB (asked: %.1f GiB)",
-                 arena.cache_budget(cfg.cpu_cache_bytes) / 2**30, cfg.cpu_cache_bytes / 2**30)
+        log.warning("CPU cache held to 7/8 of the pinned arena: %.1f GiB (asked: %.1f GiB)",
+                    arena.cache_budget(cfg.cpu_cache_bytes) / 2**30, cfg.cpu_cache_bytes / 2**30)
         cfg.cpu_cache_bytes = arena.cache_budget(cfg.cpu_cache_bytes)
     return arena
 
@@ -186,7 +202,7 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
     modules = lora_modules(model)
     resolve_adapter_memory(cfg, model, modules)
-    arena = pinned_arena(cfg)
+    arena = pinned_arena(cfg, memory.lora_bytes_per_slot(modules))
     store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size, cfg.ep_size), timeout_s=cfg.store_timeout_s,
                         tls=cfg.store_tls, pin_memory=cfg.torch_device.type == "cuda", arena=arena)
     metrics = ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters)

@@ -197,7 +197,7 @@ class _ExecutorState:
         """Forward steps by kind: decode-graph (a replayed CUDA graph), decode (eager), mixed (a
         prefill chunk in it: eager). Their share says how often admissions take the eager path."""
         out = [CounterMetricFamily("loraserve_executor_steps", "Forward steps collected, by kind", labels=["kind"]),
-               CounterMetricFamily("loraserve_executor_step_seconds", "Seconds from launch to sampled tokens, by step kind", labels=["kind"]),
+               CounterMetricFamily("loraserve_executor_step_seconds", "Seconds from launch to sampled tokens, by step kind (a step launched ahead overlaps the one before: the sum can pass wall time)", labels=["kind"]),
                CounterMetricFamily("loraserve_executor_step_sequences", "Sequences in the steps, by step kind", labels=["kind"])]
         for kind, (steps, seconds, seqs, _) in sorted(totals.items()):
             for family, value in zip(out, (steps, seconds, seqs)):

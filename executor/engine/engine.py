@@ -204,6 +204,8 @@ class Engine:
         self.graphs = self._capture_graphs()
         # admission pacing only where it pays: decode-only steps replay graphs, admitting steps do not
         self.scheduler.admit_ratio = config.admit_ratio if self.graphs is not None else 0.0
+        if self.graphs is not None:
+            self.scheduler.pace_max_running = self.graphs.max_batch  # larger batches decode eagerly
         self.step_times: list[StepTime] = []  # the collected steps, latest last (benchmarks and tests read them)
         # every collected step since start, by kind: [steps, seconds, sequences, tokens] (metrics, serve.py)
         self.step_totals: dict[str, list[float]] = {k: [0, 0.0, 0, 0] for k in ("decode-graph", "decode", "mixed")}

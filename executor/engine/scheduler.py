@@ -11,9 +11,10 @@ a block even when it runs alone is failed rather than left to wait forever.
 Admission pacing (`admit_ratio` > 0, for engines whose decode-only steps replay CUDA graphs): a
 step that admits a request runs eagerly (its prefill), and with many running sequences one finishes
 nearly every step, so admitting each at once makes nearly every step an eager one. While every
-running sequence decodes, ready requests wait until they number `admit_ratio` x the running ones,
-or the oldest has waited `max_admit_delay` steps; then they are admitted together, one eager step
-for all of them. Decode steps run a little smaller meanwhile (decode is bound by reading the
+running sequence decodes, ready requests wait until those that fit (ready, and seats free) number
+`admit_ratio` x the running ones, or the hold has lasted `max_admit_delay` steps (the clock starts
+when a hold starts and stops at every admission, so a backlog does not use it up); then they are
+admitted together, one eager step for all of them. Decode steps run a little smaller meanwhile (decode is bound by reading the
 weights, so a step of 56 costs about what one of 64 does).
 
 The scheduler only decides; it never runs the model. The engine turns a `SchedulePlan`
@@ -43,7 +44,6 @@ class Sequence:
     slot: int = -1  # LoRA slot of its adapter, -1 = base model
     is_ready: Callable[[], bool] = lambda: True  # adapter copy finished (CUDA event)
     num_computed: int = 0  # tokens whose K/V are in the cache
-    ready_step: int = -1  # the scheduler's step at which it was first seen ready to admit
     block_table: list[int] = field(default_factory=list)
     finished: bool = False
 
@@ -87,11 +87,13 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.admit_ratio = admit_ratio  # admission pacing (module doc); 0: admit at once
-        self.max_admit_delay = max_admit_delay  # steps a ready request waits at most for others
+        self.max_admit_delay = max_admit_delay  # steps a hold lasts at most
+        self.pace_max_running = max_num_seqs  # pace only while the running batch fits a graph (the engine sets it)
+        self._hold_since: int | None = None  # step at which the current hold started
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.steps = 0  # schedule() calls
-        self.deferred_steps = 0  # steps that held ready requests back (admission pacing)
+        self.deferred_steps = 0  # steps planned while pacing held ready requests back (planned-ahead ones too)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -115,11 +117,9 @@ class Scheduler:
         """The next step: running sequences first, then (if admit) waiting ones, unless admission
         pacing holds them back (`admits_now`)."""
         self.steps += 1
-        if self.admit_ratio > 0 and len(self.running) < self.max_num_seqs:  # (a step planned ahead counts too)
-            ready = [seq for seq in self.waiting if seq.is_ready()]
-            if ready and self._pacing_holds(ready):
-                admit = False
-                self.deferred_steps += 1
+        if self.admit_ratio > 0 and self._pacing_holds():  # (a step planned ahead counts too)
+            admit = False
+            self.deferred_steps += 1
         plan = SchedulePlan(seqs=[], failed=[], preempted=[])
         budget = self.max_num_batched_tokens
         # 1. Running sequences, oldest first.
@@ -158,22 +158,36 @@ class Scheduler:
             self.running.append(seq)
             plan.seqs.append(self._plan_one(seq, n))
             budget -= n
+            self._hold_since = None  # an admission ends the hold
         return plan
 
     def admits_now(self) -> bool:
         """Whether the next step would admit a request (one is ready, there is room, no pacing holds it)."""
-        ready = [seq for seq in self.waiting if seq.is_ready()]
-        return bool(ready) and len(self.running) < self.max_num_seqs and not self._pacing_holds(ready)
+        if len(self.running) >= self.max_num_seqs or not any(seq.is_ready() for seq in self.waiting):
+            return False
+        return not (self.admit_ratio > 0 and self._pacing_holds(peek=True))
 
-    def _pacing_holds(self, ready: list[Sequence]) -> bool:
-        """Admission pacing (module doc) holds `ready` back this step."""
-        if self.admit_ratio <= 0 or not self.running or any(seq.num_uncomputed > 1 for seq in self.running):
-            return False  # no pacing, an idle batch, or an eager step (a prefill chunk) anyway
-        for seq in ready:
-            if seq.ready_step < 0:
-                seq.ready_step = self.steps
-        return (len(ready) < self.admit_ratio * len(self.running)
-                and self.steps - min(seq.ready_step for seq in ready) < self.max_admit_delay)
+    def _pacing_holds(self, peek: bool = False) -> bool:
+        """Admission pacing (module doc) holds the ready requests back this step. Starts the hold's
+        clock unless peek; an admission stops it (`schedule`)."""
+        free = self.max_num_seqs - len(self.running)
+        if not (0 < len(self.running) <= self.pace_max_running and free > 0) or any(
+                seq.num_uncomputed > 1 for seq in self.running):
+            return False  # an idle batch, one too large for a graph, or a prefill step anyway: admit
+        fit = 0  # ready requests the batch has seats for
+        for seq in self.waiting:
+            if fit >= free:
+                break
+            fit += bool(seq.is_ready())
+        if fit == 0:
+            if not peek:
+                self._hold_since = None  # nobody held
+            return False
+        since = self._hold_since if self._hold_since is not None else self.steps
+        holds = fit < self.admit_ratio * len(self.running) and self.steps - since < self.max_admit_delay
+        if holds and not peek and self._hold_since is None:
+            self._hold_since = self.steps
+        return holds
 
     def _plan_one(self, seq: Sequence, n: int) -> ScheduledSeq:
         context_len = seq.num_computed

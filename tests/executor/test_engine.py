@@ -186,9 +186,17 @@ async def test_admission_pacing_holds_a_late_request_back_only_with_graphs_and_k
     _assert_idle(engine)
 
 
-async def test_the_engine_paces_admissions_only_when_it_has_graphs(tiny):
+async def test_the_engine_paces_admissions_only_when_it_has_graphs(tiny, monkeypatch):
     engine = _engine(tiny[1], admit_ratio=0.5)  # on CPU: no graphs captured, every step eager
     assert engine.graphs is None and engine.scheduler.admit_ratio == 0.0
+
+    def graphs(self):  # as if captured: the static-buffer steps, largest graph of 4
+        return DecodeGraphs(self.model, self.kv_cache, 4, self.config.max_model_len, self.max_loras,
+                            self.config.torch_device)
+
+    monkeypatch.setattr(Engine, "_capture_graphs", graphs)
+    engine = _engine(tiny[1], admit_ratio=0.5)
+    assert engine.scheduler.admit_ratio == 0.5 and engine.scheduler.pace_max_running == engine.graphs.max_batch == 4
 
 
 async def test_short_kv_cache_preempts_and_recomputes_without_changing_outputs(tiny, make_engine, caplog):

@@ -144,3 +144,41 @@ def test_a_release_from_inside_the_arenas_own_lock_does_not_deadlock():
     assert done.wait(5), "release inside the lock deadlocked"
     a._give_back = give_back
     assert a.live_blocks() == 0 and a.free_bytes() == 16 * ALIGN
+
+
+def test_a_cuda_executors_automatic_arena_is_sized_for_its_cache_and_falls_back_when_pinning_fails(monkeypatch, caplog):
+    """service.pinned_arena on a CUDA config, with page-locking stubbed (no GPU here)."""
+    from loraserve.executor import service
+
+    mib = 1 << 20
+    monkeypatch.setattr(service.memory, "available_host_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(service, "PinnedArena", lambda n: PinnedArena(n, pin_memory=False))
+    cfg = ExecutorConfig(model="m", device="cuda", cpu_cache_bytes=7 * mib)
+    arena = service.pinned_arena(cfg, adapter_bytes=mib)
+    assert arena.nbytes == cfg.pinned_arena_bytes == 8 * mib and cfg.cpu_cache_bytes == 7 * mib  # cache kept whole
+    # at most max_cpu_adapters (+ the fetches in flight) adapters: the arena is not sized for 700 MiB
+    cfg = ExecutorConfig(model="m", device="cuda", cpu_cache_bytes=700 * mib, max_cpu_adapters=2, max_concurrent_loads=4)
+    assert service.pinned_arena(cfg, adapter_bytes=mib).nbytes == 8 * mib  # 6 MiB / (7/8), whole huge pages
+    with pytest.raises(ValueError, match="--pinned-arena-bytes 2147483648 is more than the 1073741824 bytes of host memory"):
+        service.pinned_arena(ExecutorConfig(model="m", device="cuda", cpu_cache_bytes=mib, pinned_arena_bytes=2 << 30))
+
+    def refuse(n):
+        raise RuntimeError("page-locking the pinned arena's bytes failed (cudaHostRegister error 2)")
+
+    monkeypatch.setattr(service, "PinnedArena", refuse)
+    cfg = ExecutorConfig(model="m", device="cuda", cpu_cache_bytes=7 * mib)
+    with caplog.at_level("WARNING", logger="loraserve.executor.service"):
+        assert service.pinned_arena(cfg) is None and cfg.pinned_arena_bytes == 0
+    assert "pinned arena off: page-locking the pinned arena's bytes failed" in caplog.text
+    with pytest.raises(RuntimeError, match="cudaHostRegister error 2"):  # a size asked for: its failure stops the start
+        service.pinned_arena(ExecutorConfig(model="m", device="cuda", cpu_cache_bytes=mib, pinned_arena_bytes=8 * mib))
+
+
+def test_a_closed_arena_hands_out_nothing_and_refuses_to_close_under_live_blocks():
+    a = arena()
+    block = a.allocate(ALIGN)
+    with pytest.raises(RuntimeError, match="pinned arena closed with 1 blocks in use"):
+        a.close()
+    a.give_back(block)
+    a.close()
+    assert a.closed and a.allocate(ALIGN) is None

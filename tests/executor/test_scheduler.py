@@ -230,3 +230,20 @@ def test_admission_pacing_off_admits_each_ready_request_at_once():
     c = _seq(4)
     sched.add(c)
     assert c in [s.seq for s in _step(sched).seqs] and sched.deferred_steps == 0
+
+
+def test_admission_pacing_waits_for_free_seats_not_for_the_backlog():
+    """A backlog of ready requests does not end a hold: what counts is how many of them the batch
+    has seats for (else every finished sequence would cost one eager admission step)."""
+    sched = _scheduler(max_num_seqs=16, max_tokens=64)
+    sched.admit_ratio, sched.max_admit_delay = 0.25, 100
+    running = _decoding(sched, 16)
+    backlog = [_seq(4) for _ in range(10)]
+    for s in backlog:
+        sched.add(s)
+    sched.finish(running[0])  # one seat: 1 < 0.25 x 15 running, held although 10 are ready
+    assert [s.seq for s in _step(sched).seqs] == running[1:] and sched.deferred_steps == 1
+    for seq in running[1:4]:
+        sched.finish(seq)  # four seats: 4 >= 0.25 x 12, four admitted in one step
+    assert [s.seq for s in _step(sched).seqs] == running[4:] + backlog[:4]
+    assert sched.deferred_steps == 1
