@@ -63,6 +63,7 @@ from loraserve.executor.lora import LoraSpec, clear_slot, load_shard_into_slot, 
 from loraserve.executor.memory import lora_bytes_per_slot  # noqa: E402
 from loraserve.executor.slots import SlotManager, SlotObserver  # noqa: E402
 from loraserve.executor.pinned_arena import ArenaShard, PinnedArena, stream_fence  # noqa: E402
+from loraserve.executor.service import pinned_arena  # noqa: E402
 from loraserve.executor.store_client import host_buffer  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
@@ -237,13 +238,13 @@ def build(args, tokenizer):
         cfg.cpu_cache_bytes = default_cpu_cache_bytes(available_host_bytes())
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, bench_engine.DTYPE, bench_engine.DEVICE)
-    arena, arena_bytes = None, args.pinned_arena_bytes
-    if arena_bytes < 0:  # automatic, as the executor's: on CUDA only
-        from loraserve.executor.memory import available_host_bytes, default_pinned_arena_bytes
-        arena_bytes = default_pinned_arena_bytes(cfg.cpu_cache_bytes, available_host_bytes()) if bench_engine.DEVICE == "cuda" else 0
-    if arena_bytes:
-        arena = PinnedArena(arena_bytes, pin_memory=bench_engine.DEVICE == "cuda")
-        cfg.cpu_cache_bytes = arena.cache_budget(cfg.cpu_cache_bytes)  # as the executor does
+    arena, cfg.pinned_arena_bytes = None, args.pinned_arena_bytes
+    if bench_engine.DEVICE == "cuda":  # sized, pinned, and the CPU cache held to its share, as the executor does
+        arena = pinned_arena(cfg, lora_bytes_per_slot(lora_modules(model)))
+    elif cfg.pinned_arena_bytes > 0:  # a CPU smoke run of the arena path: nothing to pin
+        arena = PinnedArena(cfg.pinned_arena_bytes, pin_memory=False)
+        cfg.cpu_cache_bytes = arena.cache_budget(cfg.cpu_cache_bytes)
+    if arena is not None:
         print(f"pinned arena: {arena.nbytes / 2**30:.1f} GiB, set up in {arena.pin_seconds:.1f} s (pages touched in "
               f"{arena.fault_seconds:.1f} s); CPU cache {cfg.cpu_cache_bytes / 2**30:.1f} GiB", flush=True)
     adapters, counter, modules = RandomAdapters(model, bench_engine.DTYPE, arena), Counter(), lora_modules(model)
@@ -274,22 +275,23 @@ class StepWatch:
         engine._flatten = watched
 
 
-def step_mix(engine: Engine, before: dict[str, list[float]], name: str) -> tuple:
-    """A row: the run's forward steps by kind (engine.step_totals now minus `before`)."""
+def step_mix(engine: Engine, before: dict, name: str) -> tuple:
+    """A row: the run's forward steps by kind (engine.step_totals now minus `before`, from `totals`)."""
     parts, wall = [], 0.0
     for kind, now in engine.step_totals.items():
-        n, sec, seqs, tokens = (a - b for a, b in zip(now, before[kind]))
+        n, sec, seqs, tokens = (a - b for a, b in zip(now, before["steps"][kind]))
         if n:
             wall += sec
             parts.append((kind, n, sec, seqs, tokens))
     note = "; ".join(f"{kind} {n:.0f} ({sec / max(wall, 1e-9):.0%} of step time): {sec / n * 1e3:.1f} ms, "
                      f"{seqs / n:.1f} seqs, {tokens / n:.0f} tokens each" for kind, n, sec, seqs, tokens in parts)
-    deferred = engine.scheduler.deferred_steps - before["_deferred"][0]
+    deferred = engine.scheduler.deferred_steps - before["deferred"]
     return (f"steps, {name}", "", "", "", note + (f"; {deferred} steps held admissions back" if deferred else ""))
 
 
-def totals(engine: Engine) -> dict[str, list[float]]:
-    return {k: list(v) for k, v in engine.step_totals.items()} | {"_deferred": [engine.scheduler.deferred_steps]}
+def totals(engine: Engine) -> dict:
+    """What step_mix subtracts: the step totals by kind and the held steps, now."""
+    return {"steps": {k: list(v) for k, v in engine.step_totals.items()}, "deferred": engine.scheduler.deferred_steps}
 
 
 def pct(values: list[float], q: float) -> float:
