@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The LoRA kernels on a CUDA host: GPU tests, then (optionally) tuning and the benchmarks.
 #   bash benchmarks/gpu_kernels.sh OUT_DIR STAGES [bench_kernels.py args...]
-# STAGES: comma list of smoke,tune,tune-real,test,quick,bench,real,decode,attn-sweep (default:
+# STAGES: comma list of smoke,tune,tune-real,test,quick,bench,real,decode,ranks,attn-sweep (default:
 # test,bench), run in that order. decode: the real shapes at decode token counts only (into
-# OUT/decode); attn-sweep: decode attention launch settings at small batches. tune: the hidden-size grid (bench_kernels.py --tune-out); tune-real: representative
+# OUT/decode); ranks: bench_ranks.py (adapters of smaller ranks than their slots, ~2 min; RANKS_ARGS=--sweep
+# adds a sweep of launch settings, ~4 min more); attn-sweep: decode attention launch settings at small batches. tune: the hidden-size grid (bench_kernels.py --tune-out); tune-real: representative
 # real layer shapes (tune_kernels.py, ~6 min); real: the real-shape benchmark (bench_kernels.py
 # --real, ~3 min; TUNE_REAL_BUDGET_S shortens the tuning). Writes under OUT_DIR: run.log (everything), and tuned.json, bench.json,
 # bench.md, real.json, real.md when made.
@@ -77,6 +78,10 @@ if has decode; then
   timeout "${DECODE_TIMEOUT:-200}" python3 benchmarks/bench_kernels.py --real --out "$OUT/decode" \
     --real-tokens "${DECODE_TOKENS:-1,3,17,64,255}" --real-tp "${DECODE_TP:-1,2}" --real-kinds qkv,o,gate_up,down \
     --warm-s "${DECODE_WARM_S:-45}" --budget-s "${DECODE_BUDGET_S:-70}" "${TABLE[@]}" "$@" 2>&1 | tee -a "$LOG" | tail -30
+fi
+if has ranks; then
+  stage ranks
+  timeout "${RANKS_TIMEOUT:-300}" python3 benchmarks/bench_ranks.py --out "$OUT" ${RANKS_ARGS:-} 2>&1 | tee -a "$LOG"
 fi
 if has attn-sweep; then
   stage attn-sweep

@@ -20,6 +20,7 @@ Nor is the block ranks' pointer on its alignment: it is row 3 of the [4, max_blo
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
@@ -35,14 +36,78 @@ _MAX_SLICES_PER_LAUNCH = 4
 
 
 @triton.jit
+def _shrink_part(
+    acc, x_rows, a_rows, offs_j, live, k_lo, k_hi,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
+):
+    """acc += x[rows, k_lo:k_hi] @ A[offs_j, k_lo:k_hi].T, BLOCK_K input columns per step.
+
+    STAGES: the loop's software-pipeline depth (None: the launch's num_stages)."""
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            xa = tl.load(x_rows + offs_k[None, :])
+            a = tl.load(a_rows + offs_k[:, None], mask=live[None, :], other=0.0)
+        else:
+            k_mask = offs_k < k_hi
+            xa = tl.load(x_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+            a = tl.load(a_rows + offs_k[:, None], mask=live[None, :] & k_mask[:, None], other=0.0)
+        acc = tl.dot(xa, a, acc)
+    return acc
+
+
+@triton.jit
+def _shrink_narrow(
+    x_rows, a_ptr, out_ptr, tok, m_mask, col0, rank, k_lo, k_hi, num_tokens, stride_aj,
+    RANK: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """A tile whose adapter's rank fits BN columns: those columns only, BK input columns per step.
+
+    The same bytes per step as the whole tile's BLOCK_N x BLOCK_K, in fewer steps: a low-rank
+    adapter in a high-rank slot takes as few loop trips as its bytes need, not the slot's.
+    Only with the K split (out zeroed first): the tile's other columns are left as they are."""
+    offs_j = col0 + tl.arange(0, BN)
+    live = offs_j % RANK < rank
+    acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+    # one buffer, no pipelining: the steps are few (often one), and num_stages copies of a 4x
+    # longer x tile would take the shared memory every other tile's occupancy needs
+    acc = _shrink_part(acc, x_rows, a_ptr + offs_j[None, :] * stride_aj, offs_j, live, k_lo, k_hi, BK, False, 1)
+    out_ptrs = out_ptr + ((offs_j[None, :] // RANK) * num_tokens + tok[:, None]) * RANK + offs_j[None, :] % RANK
+    tl.atomic_add(out_ptrs, acc, mask=m_mask[:, None] & live[None, :], sem="relaxed")
+
+
+@triton.jit
+def _shrink_whole(
+    x_rows, a_slot, out_ptr, tok, m_mask, offs_j, j_mask, live, k_lo, k_hi, num_tokens, stride_aj,
+    RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """The tile's BLOCK_N columns, BLOCK_K input columns per step, stored (or added, K split) into buf."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _shrink_part(acc, x_rows, a_slot + offs_j[None, :] * stride_aj, offs_j, live, k_lo, k_hi, BLOCK_K, EVEN_K, None)
+    # buf is [S, T, RANK]: column j lands in slice j // RANK, rank position j % RANK.
+    out_ptrs = out_ptr + ((offs_j[None, :] // RANK) * num_tokens + tok[:, None]) * RANK + offs_j[None, :] % RANK
+    mask = m_mask[:, None] & j_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc, mask=mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
+
+
+@triton.jit
 def _shrink_tile(
     tile, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
     num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
     RANK: tl.constexpr, SR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, RANKED: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
-    """One tile: a block of one slot's tokens x BLOCK_N of the S * RANK columns x one K split."""
+    """One tile: a block of one slot's tokens x BLOCK_N of the S * RANK columns x one K split.
+
+    NARROW (ranked, K split, and column blocks inside one slice): a block whose adapter's rank
+    is at most BLOCK_N / 4 (or / 2) computes only the first BLOCK_N / 4 (/ 2) columns, with a
+    K step 4x (2x) as long (_shrink_narrow)."""
     tiles_per_block = N_BLOCKS * SPLIT_K
     block = tile // tiles_per_block
     rest = tile - block * tiles_per_block
@@ -54,8 +119,10 @@ def _shrink_tile(
         m_mask = tok >= 0
         offs_j = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         j_mask = offs_j < SR
+        rank = RANK
         if RANKED:  # columns past the slot adapter's rank are zero in A: not read
-            live = j_mask & (offs_j % RANK < tl.load(block_ranks_ptr + block))
+            rank = tl.load(block_ranks_ptr + block)
+            live = j_mask & (offs_j % RANK < rank)
         else:
             live = j_mask
         k_lo = split * k_per_split
@@ -63,27 +130,31 @@ def _shrink_tile(
         # the no-adapter group, and tiles wholly past the adapter's rank: no products, zeros out
         k_hi = tl.where((slot < num_slots) & (tl.max(live.to(tl.int32), 0) > 0), k_hi, k_lo)
 
+        # padding rows (tok < 0) read row 0 of x: finite, and their products are never stored
         x_rows = x_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_xt
-        a_cols = a_ptr + slot.to(tl.int64) * stride_al + offs_j[None, :] * stride_aj
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                xa = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-                a = tl.load(a_cols + offs_k[:, None], mask=live[None, :], other=0.0)
+        a_slot = a_ptr + slot.to(tl.int64) * stride_al
+        col0 = col_block * BLOCK_N
+        if NARROW:
+            if BLOCK_N >= 64:  # a quarter of the columns is still >= 16 (tl.dot's least)
+                if rank <= BLOCK_N // 4:
+                    _shrink_narrow(x_rows, a_slot, out_ptr, tok, m_mask, col0, rank, k_lo, k_hi, num_tokens,
+                                   stride_aj, RANK, BLOCK_M, BLOCK_N // 4, BLOCK_K * 4)
+                elif rank <= BLOCK_N // 2:
+                    _shrink_narrow(x_rows, a_slot, out_ptr, tok, m_mask, col0, rank, k_lo, k_hi, num_tokens,
+                                   stride_aj, RANK, BLOCK_M, BLOCK_N // 2, BLOCK_K * 2)
+                else:
+                    _shrink_whole(x_rows, a_slot, out_ptr, tok, m_mask, offs_j, j_mask, live, k_lo, k_hi,
+                                  num_tokens, stride_aj, RANK, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K)
             else:
-                k_mask = offs_k < k_hi
-                xa = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                a = tl.load(a_cols + offs_k[:, None], mask=live[None, :] & k_mask[:, None], other=0.0)
-            acc = tl.dot(xa, a, acc)
-
-        # buf is [S, T, RANK]: column j lands in slice j // RANK, rank position j % RANK.
-        out_ptrs = out_ptr + ((offs_j[None, :] // RANK) * num_tokens + tok[:, None]) * RANK + offs_j[None, :] % RANK
-        mask = m_mask[:, None] & j_mask[None, :]
-        if SPLIT_K == 1:
-            tl.store(out_ptrs, acc, mask=mask)
+                if rank <= BLOCK_N // 2:
+                    _shrink_narrow(x_rows, a_slot, out_ptr, tok, m_mask, col0, rank, k_lo, k_hi, num_tokens,
+                                   stride_aj, RANK, BLOCK_M, BLOCK_N // 2, BLOCK_K * 2)
+                else:
+                    _shrink_whole(x_rows, a_slot, out_ptr, tok, m_mask, offs_j, j_mask, live, k_lo, k_hi,
+                                  num_tokens, stride_aj, RANK, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K)
         else:
-            tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
+            _shrink_whole(x_rows, a_slot, out_ptr, tok, m_mask, offs_j, j_mask, live, k_lo, k_hi,
+                          num_tokens, stride_aj, RANK, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K)
 
 
 @triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["block_ranks_ptr"])
@@ -93,7 +164,7 @@ def _shrink_kernel(
     RANK: tl.constexpr, SR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, RANKED: tl.constexpr,
-    ONE_TILE: tl.constexpr,
+    NARROW: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """out[s, t, r] = sum_k x[t, k] * a[slot(t), s * RANK + r, k], over the flattened j = s * RANK + r.
 
@@ -108,7 +179,7 @@ def _shrink_kernel(
         _shrink_tile(
             pid, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
             num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
-            RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, RANKED,
+            RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, RANKED, NARROW,
         )
     else:
         num_programs = tl.num_programs(0)
@@ -117,7 +188,7 @@ def _shrink_kernel(
             _shrink_tile(
                 tile, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
                 num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
-                RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, RANKED,
+                RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, RANKED, NARROW,
             )
 
 
@@ -153,15 +224,55 @@ def _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES: tl.constexpr,
 
 
 @triton.jit
+def _expand_cols(
+    y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr,
+    EVEN_N: tl.constexpr, RANKED: tl.constexpr,
+):
+    """y[rows, n_start : n_start + BLOCK_N * N_ITERS] += buf[s, rows, :BLOCK_R] @ B[cols, :BLOCK_R].T."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < RANK
+    if RANKED:  # B's columns past the slot adapter's rank are zero: not read. In runs of 8 (16
+        # bytes): a mask constant over 8 lanes keeps B's loads 16-byte vectors (the tail is zero)
+        r_mask = r_mask & (offs_r // 8 < (rank + 7) // 8)
+    lhs = tl.load(
+        buf_ptr + (s * num_tokens + tok[:, None]) * RANK + offs_r[None, :],
+        mask=m_mask[:, None] & r_mask[None, :],
+        other=0.0,
+    ).to(b_rows.dtype.element_ty)
+    for i in range(N_ITERS):
+        offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        if EVEN_N:
+            b = tl.load(b_rows + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_mask[:, None], other=0.0)
+            mask = m_mask[:, None]
+        else:
+            n_mask = offs_n < hi
+            b = tl.load(
+                b_rows + offs_n[None, :] * stride_bn + offs_r[:, None],
+                mask=r_mask[:, None] & n_mask[None, :],
+                other=0.0,
+            )
+            mask = m_mask[:, None] & n_mask[None, :]
+        y_tile = y_rows + offs_n[None, :]
+        old = tl.load(y_tile, mask=mask, other=0.0)
+        delta = tl.dot(lhs, b)
+        tl.store(y_tile, (old.to(tl.float32) + delta).to(y_tile.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _expand_tile(
     tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
     num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
     off0, off1, off2, off3, off4,
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
-    RANKED: tl.constexpr,
+    RANKED: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr,
 ):
-    """One tile: a block of one slot's tokens x BLOCK_N * N_ITERS columns of one slice."""
+    """One tile: a block of one slot's tokens x BLOCK_N * N_ITERS columns of one slice.
+
+    Ranked, with BLOCK_R >= 32: a block whose adapter's rank is at most BLOCK_R / 2 (or / 4,
+    BLOCK_R >= 64) reads and multiplies only that many rank columns, and takes WIDE2 (WIDE4)
+    times the columns per step: a low-rank adapter in a high-rank slot costs what its bytes do."""
     block = tile // chunks
     chunk = tile - block * chunks
     slot = tl.load(block_slots_ptr + block)
@@ -169,36 +280,34 @@ def _expand_tile(
     if (slot >= 0) & (slot < num_slots):  # skips unused entries and the no-adapter group
         s, lo, hi, local = _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES, BLOCK_N * N_ITERS)
         m_mask = tok >= 0
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < RANK
-        if RANKED:  # B's columns past the slot adapter's rank are zero: not read. In runs of 8 (16
-            # bytes): a mask constant over 8 lanes keeps B's loads 16-byte vectors (the tail is zero)
-            r_mask = r_mask & (offs_r // 8 < (tl.load(block_ranks_ptr + block) + 7) // 8)
-        lhs = tl.load(
-            buf_ptr + (s * num_tokens + tok[:, None]) * RANK + offs_r[None, :],
-            mask=m_mask[:, None] & r_mask[None, :],
-            other=0.0,
-        ).to(b_ptr.dtype.element_ty)
         b_rows = b_ptr + slot.to(tl.int64) * stride_bl
         y_rows = y_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_yt
         n_start = lo + local * (BLOCK_N * N_ITERS)
-        for i in range(N_ITERS):
-            offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            if EVEN_N:
-                b = tl.load(b_rows + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_mask[:, None], other=0.0)
-                mask = m_mask[:, None]
+        if RANKED:
+            rank = tl.load(block_ranks_ptr + block)
+            if BLOCK_R >= 64:
+                if rank <= BLOCK_R // 4:
+                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
+                                 RANK, BLOCK_R // 4, BLOCK_N * WIDE4, N_ITERS // WIDE4, EVEN_N, RANKED)
+                elif rank <= BLOCK_R // 2:
+                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
+                                 RANK, BLOCK_R // 2, BLOCK_N * WIDE2, N_ITERS // WIDE2, EVEN_N, RANKED)
+                else:
+                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
+                                 RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
+            elif BLOCK_R >= 32:
+                if rank <= BLOCK_R // 2:
+                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
+                                 RANK, BLOCK_R // 2, BLOCK_N * WIDE2, N_ITERS // WIDE2, EVEN_N, RANKED)
+                else:
+                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
+                                 RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
             else:
-                n_mask = offs_n < hi
-                b = tl.load(
-                    b_rows + offs_n[None, :] * stride_bn + offs_r[:, None],
-                    mask=r_mask[:, None] & n_mask[None, :],
-                    other=0.0,
-                )
-                mask = m_mask[:, None] & n_mask[None, :]
-            y_tile = y_rows + offs_n[None, :]
-            old = tl.load(y_tile, mask=mask, other=0.0)
-            delta = tl.dot(lhs, b)
-            tl.store(y_tile, (old.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+                _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
+                             RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
+        else:
+            _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, RANK, n_start, hi, num_tokens, stride_bn,
+                         RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
 
 
 @triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["block_ranks_ptr"])
@@ -208,7 +317,7 @@ def _expand_kernel(
     off0, off1, off2, off3, off4,
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
-    RANKED: tl.constexpr, ONE_TILE: tl.constexpr,
+    RANKED: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """y[t, n] += sum_r buf[s(n), t, r] * b[slot(t), n, r] for the columns n of slice s(n).
 
@@ -221,7 +330,7 @@ def _expand_kernel(
             pid, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
             num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
             off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-            RANKED,
+            RANKED, WIDE2, WIDE4,
         )
     else:
         num_programs = tl.num_programs(0)
@@ -231,7 +340,7 @@ def _expand_kernel(
                 tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
                 num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
                 off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-                RANKED,
+                RANKED, WIDE2, WIDE4,
             )
 
 
@@ -255,6 +364,12 @@ def _embedding_shrink_kernel(
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _narrow_shrink(cfg, rank: int) -> bool:
+    """Narrow tiles for low-rank blocks (_shrink_tile): with the K split (buf zeroed first),
+    column blocks inside one slice, at least 32 of them, and decode-sized token blocks."""
+    return cfg.split_k > 1 and cfg.block_n >= 32 and rank % cfg.block_n == 0 and cfg.block_m <= 32
 
 
 def _block_r(rank: int) -> int:
@@ -294,8 +409,8 @@ def lora_shrink(
         num_tokens, num_slots, in_features, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(2),
         RANK=rank, SR=sr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         N_BLOCKS=col_blocks, SPLIT_K=cfg.split_k, EVEN_K=in_features % cfg.block_k == 0,
-        RANKED=ranked, ONE_TILE=tiles <= programs,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        RANKED=ranked, NARROW=_narrow_shrink(cfg, rank) if ranked else False,
+        ONE_TILE=tiles <= programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -335,7 +450,7 @@ def lora_expand(
             *offsets,
             NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
-            RANKED=ranked, ONE_TILE=tiles <= programs,
+            RANKED=ranked, WIDE2=math.gcd(2, cfg.n_iters), WIDE4=math.gcd(4, cfg.n_iters), ONE_TILE=tiles <= programs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return y

@@ -43,10 +43,17 @@ def table_key() -> str:
 @contextmanager
 def forced_shrink(in_features, num_slices, rank, cfg: tuning.ShrinkConfig):
     """The device's table with one shrink entry replaced (every token count takes it)."""
+    with forced("shrink", tuning.shrink_key(in_features, num_slices, rank), cfg):
+        yield
+
+
+@contextmanager
+def forced(op, shape_key, cfg):
+    """The device's table with one entry of op replaced (every token count takes it)."""
     key = table_key()
     saved = tuning._table(key)
     table = {op: dict(entries) for op, entries in saved.items()}
-    table.setdefault("shrink", {})[tuning.shrink_key(in_features, num_slices, rank)] = {"1": tuning.as_dict(cfg)}
+    table.setdefault(op, {})[shape_key] = {"1": tuning.as_dict(cfg)}
     tuning.set_table(key, table)
     try:
         yield
@@ -120,6 +127,11 @@ SPLIT_CASES = [
     (17, 1544, (200, 40, 40), 8, 3, cfg(block_n=32, split_k=7, ctas_per_sm=1)),  # persistent loop
     (5, 2048, (64, 64), 16, 5, cfg(block_n=32, block_k=128, split_k=5)),
     (33, 960, (320,), 24, 4, cfg(block_m=32, block_n=32, split_k=2, ctas_per_sm=1)),
+    # slots of rank 64 / 32 / 128 holding lower ranks (mode "ranked": 1, 6, 11, ... 36): the
+    # narrow tiles of the shrink (a quarter / half of the columns, longer K steps) and of the expand
+    (9, 1000, (64, 40), 64, 8, cfg(block_n=64, split_k=3)),
+    (5, 700, (128,), 32, 8, cfg(block_n=32, split_k=2)),
+    (3, 520, (96, 24), 128, 8, cfg(block_n=64, split_k=5, ctas_per_sm=1)),
 ]
 if not INTERPRET:  # real sizes: the long reductions of down projections at decode
     SPLIT_CASES += [
@@ -142,6 +154,20 @@ def test_split_k_shrink_matches_the_oracle_on_odd_shapes(case, dtype, mode):
     with forced_shrink(in_features, len(widths), rank, config):
         e_buf, e_y = layer_case(tokens, in_features, widths, rank, adapters, 0.25, dtype, gen, mode=mode)
     assert e_buf < TOL[dtype] and e_y < TOL[dtype], (e_buf, e_y)
+
+
+@pytest.mark.parametrize("n_iters", [4, 3, 1])
+@pytest.mark.parametrize("rank", [64, 32])
+def test_narrow_expand_tiles_cover_their_columns(rank, n_iters):
+    """Adapters of ranks 1, 6, 11, ... in slots of rank 64 / 32: blocks of rank <= 16 (<= 32)
+    take the narrow expand path with wider column steps (4 / 2 / 1 of them per tile, as the
+    tile's steps allow: 3 steps take no widening) and must still add into every column."""
+    gen = torch.Generator().manual_seed(15)
+    widths = (96, 160, 32)
+    expand = tuning.ExpandConfig(block_m=16, block_n=32, n_iters=n_iters, num_warps=4, num_stages=1, ctas_per_sm=2)
+    with forced("expand", tuning.expand_key(widths, rank), expand):
+        e_buf, e_y = layer_case(7, 256, widths, rank, 8, 0.25, DTYPES[0], gen, mode="ranked")
+    assert e_buf < TOL[DTYPES[0]] and e_y < TOL[DTYPES[0]], (e_buf, e_y)
 
 
 def test_split_k_is_repeatable():

@@ -1,0 +1,242 @@
+"""LoRA layers of one decode step when the adapters' ranks differ from the slots' rank.
+
+    python benchmarks/bench_ranks.py [--out DIR] [--tokens 64] [--adapters 40]
+
+The executor's slot buffers have one rank (the largest an adapter may have); an adapter of a
+smaller rank sits in them zero-padded, and the kernels read it only up to its own rank
+(LoraMeta.slot_ranks). This times, for each LoRA layer of a Llama-3-8B-shaped model (q/k/v,
+o, gate/up, down), shrink alone, expand alone and the two together inside CUDA graphs, with
+the same tokens and adapters in slots of rank 64 holding adapters of rank 64, of ranks 8/16/32/64
+in turn, of rank 16 and of rank 8, and beside them rank 16 and rank 8 in slots of their own
+rank. Each row's floor is its bytes (x, each adapter's A and B up to its own rank, the float32
+buffer, y read and written) at the copy bandwidth measured in the same run, plus two graph
+launches. Prints one table (writes ranks.md under --out); asserts nothing on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+from triton.testing import do_bench
+
+from bench_kernels import BENCH_MS, DEV, DTYPE, capture, env_info, measure_ceilings, offsets_of
+
+from loraserve.kernels import lora_expand, lora_shrink, make_lora_meta, tuning
+
+# Llama-3-8B: hidden 4096, intermediate 14336, 32 query heads and 8 KV heads of 128.
+LAYERS = {
+    "qkv": (4096, (4096, 1024, 1024)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (14336, 14336)),
+    "down": (14336, (4096,)),
+}
+CASES = (  # (name, slot rank, adapter ranks taken in turn)
+    ("64 in 64", 64, (64,)),
+    ("8/16/32/64 in 64", 64, (8, 16, 32, 64)),
+    ("16 in 64", 64, (16,)),
+    ("8 in 64", 64, (8,)),
+    ("16 in 16", 16, (16,)),
+    ("8 in 8", 8, (8,)),
+)
+COPIES = 8  # layers per replayed graph, each with its own weights and activations
+
+
+def make_weights(in_features, widths, slot_rank, ranks, gen):
+    """COPIES sets of A [L, S, R, in] and B [L, N, R], zero past each slot's adapter rank (as loaded)."""
+    adapters = len(ranks)
+    rank_pos = torch.arange(slot_rank, device=DEV)
+    live = rank_pos[None, :] < torch.tensor(ranks, device=DEV)[:, None]  # [L, R]
+    sets = []
+    for _ in range(COPIES):
+        a = torch.randn(adapters, len(widths), slot_rank, in_features, device=DEV, dtype=DTYPE, generator=gen)
+        b = torch.randn(adapters, sum(widths), slot_rank, device=DEV, dtype=DTYPE, generator=gen)
+        a.mul_(live[:, None, :, None].to(DTYPE) * in_features**-0.5)
+        b.mul_(live[:, None, :].to(DTYPE) * slot_rank**-0.5)
+        sets.append((a, b))
+    return sets
+
+
+def floor_us(in_features, widths, slot_rank, ranks, tokens, ceil) -> float:
+    s, n = len(widths), sum(widths)
+    moved = (
+        tokens * in_features * 2
+        + sum((s * r * in_features + n * r) * 2 for r in ranks)
+        + 2 * s * tokens * slot_rank * 4
+        + 2 * tokens * n * 2
+    )
+    return moved / ceil["copy_bytes_per_s"] * 1e6 + 2 * ceil["empty_launch_us"]
+
+
+@dataclass
+class Setup:
+    """One layer's weights, activations and per-step grouping for one case."""
+
+    layer: str
+    case: tuple
+    ranks: list[int]
+    weights: list
+    acts: list
+    meta: object
+    offsets: tuple[int, ...]
+
+    @staticmethod
+    def make(layer, case, tokens, adapters, gen) -> "Setup":
+        in_features, widths = LAYERS[layer]
+        _, slot_rank, cycle = case
+        ranks = [cycle[i % len(cycle)] for i in range(adapters)]
+        slots = (torch.arange(tokens, device=DEV) % adapters).to(torch.int32)
+        slots = slots[torch.randperm(tokens, device=DEV, generator=gen)]
+        meta = make_lora_meta(slots, adapters, slot_ranks=torch.tensor(ranks, device=DEV, dtype=torch.int32))
+        offsets = offsets_of(widths)
+        acts = [
+            (
+                torch.randn(tokens, in_features, device=DEV, dtype=DTYPE, generator=gen),
+                torch.randn(tokens, offsets[-1], device=DEV, dtype=DTYPE, generator=gen),
+                torch.zeros(len(widths), tokens, slot_rank, device=DEV),
+            )
+            for _ in range(COPIES)
+        ]
+        weights = make_weights(in_features, widths, slot_rank, ranks, gen)
+        return Setup(layer, case, ranks, weights, acts, meta, offsets)
+
+    def time_us(self, op) -> float:
+        """One layer's op ("shrink", "expand" or "layer": both), per layer of a replayed graph."""
+
+        def step():
+            for (x, y, buf), (a, b) in zip(self.acts, self.weights):
+                if op != "expand":
+                    lora_shrink(x, a, self.meta, out=buf)
+                if op != "shrink":
+                    lora_expand(y, buf, b, self.offsets, self.meta)
+
+        graph = capture(step)
+        us = do_bench(graph.replay, return_mode="median", **BENCH_MS) * 1e3 / COPIES
+        del graph
+        return us
+
+
+def run(layer, case, tokens, adapters, ceil, gen):
+    in_features, widths = LAYERS[layer]
+    setup = Setup.make(layer, case, tokens, adapters, gen)
+    times = {op: setup.time_us(op) for op in ("shrink", "expand", "layer")}
+    slot_rank = case[1]
+    cfg = tuning.shrink_config(torch.device(DEV), tokens, in_features, len(widths), slot_rank)
+    ecfg = tuning.expand_config(torch.device(DEV), tokens, tuple(widths), slot_rank)
+    floor = floor_us(in_features, widths, slot_rank, setup.ranks, tokens, ceil)
+    del setup
+    torch.cuda.empty_cache()
+    return dict(
+        layer=layer, case=case[0], floor_us=floor, **{f"{k}_us": v for k, v in times.items()},
+        shrink_cfg=f"n{cfg.block_n} k{cfg.block_k} s{cfg.split_k}", expand_cfg=f"n{ecfg.block_n}x{ecfg.n_iters}",
+    )
+
+
+# --sweep: launch settings to try at decode (block_m, block_n, n_iters / block_k + input columns
+# per K split, num_warps, num_stages, ctas_per_sm)
+EXPAND_SWEEP = [
+    (16, 64, 1, 4, 1, 8), (16, 128, 1, 4, 1, 8), (16, 64, 2, 4, 2, 8), (16, 64, 4, 4, 2, 4),
+    (16, 128, 2, 4, 2, 4), (16, 256, 1, 4, 1, 4), (16, 64, 1, 4, 1, 16), (16, 64, 1, 2, 1, 16),
+    (16, 128, 1, 2, 1, 8), (16, 32, 4, 4, 2, 8), (16, 128, 4, 4, 3, 4), (16, 256, 2, 8, 2, 2),
+]
+SHRINK_SWEEP = [  # (block_m, block_n, block_k, columns per split, num_warps, num_stages, ctas_per_sm)
+    (16, 64, 64, 256, 4, 4, 8), (16, 64, 128, 256, 4, 4, 8), (16, 64, 64, 128, 4, 4, 8), (16, 32, 64, 256, 4, 4, 8),
+    (16, 64, 64, 512, 4, 2, 8), (16, 64, 64, 256, 4, 4, 16), (16, 64, 64, 256, 2, 4, 16),
+]
+SWEEP_CASES = ("8/16/32/64 in 64", "16 in 16", "64 in 64")
+
+
+def sweep(tokens, adapters, gen, out_lines, save):
+    """Each launch setting of each op, forced through the device's table, on each layer and case."""
+    key = tuning.gpu_key(torch.device(DEV))
+    saved = tuning._table(key)
+    cases = [c for c in CASES if c[0] in SWEEP_CASES]
+    header = "| layer | op | setting | " + " | ".join(f"{c[0]} us" for c in cases) + " |"
+    out_lines += ["", header, "|" + "---|" * (header.count("|") - 1)]
+    print("\n".join(out_lines[-2:]), flush=True)
+    for layer, (in_features, widths) in LAYERS.items():
+        setups = [Setup.make(layer, case, tokens, adapters, gen) for case in cases]
+        for op in ("expand", "shrink"):
+            for row in EXPAND_SWEEP if op == "expand" else SHRINK_SWEEP:
+                times = []
+                for case, setup in zip(cases, setups):
+                    rank = case[1]
+                    if op == "expand":
+                        cfg = tuning.ExpandConfig(*row)
+                        shape = tuning.expand_key(tuple(widths), rank)
+                        label = f"n{row[1]}x{row[2]} w{row[3]} st{row[4]} c{row[5]}"
+                    else:
+                        block_m, block_n, block_k, per_split, warps, stages, ctas = row
+                        split = tuning.pow2_split(in_features, block_k, per_split)
+                        cfg = tuning.ShrinkConfig(block_m, min(block_n, tuning._pow2(len(widths) * rank)), block_k, split,
+                                                  warps, stages, ctas)
+                        shape = tuning.shrink_key(in_features, len(widths), rank)
+                        label = f"n{block_n} k{block_k}/{per_split} w{warps} st{stages} c{ctas}"
+                    tuning.set_table(key, {op: {shape: {str(tokens): tuning.as_dict(cfg)}}})
+                    try:
+                        times.append(f"{setup.time_us(op):.1f}")
+                    except Exception as exc:  # a setting that does not fit (shared memory) is skipped
+                        times.append(f"({type(exc).__name__})")
+                out_lines.append(f"| {layer} | {op} | {label} | " + " | ".join(times) + " |")
+                print(out_lines[-1], flush=True)
+        del setups
+        torch.cuda.empty_cache()
+        save()  # after each layer: a cut-off run keeps what it measured
+    tuning.set_table(key, saved)
+
+
+HEADER = "| layer | adapters' ranks in slots of | shrink us | expand us | layer us | floor us | layer / floor | shrink cfg | expand cfg |"
+
+
+def row_text(r) -> str:
+    return (
+        f"| {r['layer']} | {r['case']} | {r['shrink_us']:.1f} | {r['expand_us']:.1f} | {r['layer_us']:.1f} "
+        f"| {r['floor_us']:.1f} | {r['layer_us'] / r['floor_us']:.2f} | {r['shrink_cfg']} | {r['expand_cfg']} |"
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="folder for ranks.md")
+    parser.add_argument("--tokens", type=int, default=64, help="decode tokens in the step (one per sequence)")
+    parser.add_argument("--adapters", type=int, default=40, help="distinct adapters among them")
+    parser.add_argument("--sweep", action="store_true", help="also time each launch setting of a short list per op")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_ranks.py needs a CUDA device")
+    ceil = measure_ceilings()
+    info = env_info(ceil)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    lines = [f"{k}: {v}" for k, v in info.items()]
+    lines += [f"tokens {args.tokens}, adapters {args.adapters}, {COPIES} layers per graph", "", HEADER, "|" + "---|" * 9]
+    print("\n".join(lines), flush=True)
+    totals = {}
+    for case in CASES:
+        for layer in LAYERS:
+            r = run(layer, case, args.tokens, args.adapters, ceil, gen)
+            totals.setdefault(case[0], [0.0, 0.0])
+            totals[case[0]][0] += r["layer_us"]
+            totals[case[0]][1] += r["floor_us"]
+            lines.append(row_text(r))
+            print(lines[-1], flush=True)
+    lines += ["", "| adapters' ranks in slots of | 4 layers us | floor us | ratio | x 32 layers ms |", "|---|---|---|---|---|"]
+    for name, (t, f) in totals.items():
+        lines.append(f"| {name} | {t:.1f} | {f:.1f} | {t / f:.2f} | {t * 32 / 1e3:.2f} |")
+    print("\n".join(lines[-len(totals) - 2 :]))
+
+    def save():
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "ranks.md"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+
+    save()
+    if args.sweep:
+        sweep(args.tokens, args.adapters, gen, lines, save)
+
+
+if __name__ == "__main__":
+    main()
