@@ -25,7 +25,7 @@ from triton.testing import do_bench
 
 from bench_kernels import BENCH_MS, DEV, DTYPE, capture, env_info, measure_ceilings, offsets_of
 
-from loraserve.kernels import lora_expand, lora_shrink, make_lora_meta, tuning
+from loraserve.kernels import lora_expand, lora_shrink, make_lora_meta, triton_lora, tuning
 
 # Llama-3-8B: hidden 4096, intermediate 14336, 32 query heads and 8 KV heads of 128.
 LAYERS = {
@@ -204,14 +204,19 @@ def main():
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens in the step (one per sequence)")
     parser.add_argument("--adapters", type=int, default=40, help="distinct adapters among them")
     parser.add_argument("--sweep", action="store_true", help="also time each launch setting of a short list per op")
+    parser.add_argument("--narrow", choices=("both", "shrink", "expand", "none"), default="both",
+                        help="which ops take the narrow tiles for low-rank blocks (a diagnostic: both in serving)")
     args = parser.parse_args()
+    triton_lora.NARROW_SHRINK = args.narrow in ("both", "shrink")
+    triton_lora.NARROW_EXPAND = args.narrow in ("both", "expand")
     if not torch.cuda.is_available():
         sys.exit("bench_ranks.py needs a CUDA device")
     ceil = measure_ceilings()
     info = env_info(ceil)
     gen = torch.Generator(device=DEV).manual_seed(0)
     lines = [f"{k}: {v}" for k, v in info.items()]
-    lines += [f"tokens {args.tokens}, adapters {args.adapters}, {COPIES} layers per graph", "", HEADER, "|" + "---|" * 9]
+    lines += [f"tokens {args.tokens}, adapters {args.adapters}, {COPIES} layers per graph, narrow tiles: {args.narrow}",
+              "", HEADER, "|" + "---|" * 9]
     print("\n".join(lines), flush=True)
     totals = {}
     for case in CASES:

@@ -14,6 +14,8 @@
 #   engine:  benchmarks/bench_engine.py (decode / prefill / gRPC against the floors; needs
 #            var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF)
 #   eager:   bench_engine.py --enforce-eager --streams 0 (the same decode steps without graphs)
+#   mixed:   bench_engine.py --ranks 8,16,32,64 --adapters 40 --batches 32,64 --streams 0 (decode with
+#            adapters of mixed ranks in slots of the largest)
 #   bench:   bench_executor.py on random-weight SmolLM2 and Llama-3-8B shapes (SHAPES="smollm2")
 #   profile: profile_executor.py on the random SmolLM2-shaped model
 #   serve:   benchmarks/serve.py: 1,000 adapters, Zipf 1.0, max_loras 64, 64 clients, Llama-3-8B shape
@@ -22,7 +24,8 @@
 #   probe:   benchmarks/serve.py --probe: bytes per adapter, pinned H2D bandwidth, cold loads vs the floor
 #   arena:   the pinning stalls and the pinned arena's set-up time (bench_pinning.py), and the probe
 #            with no pinned arena (--pinned-arena-bytes 0): the cold-load delay the arena removes
-# Logs and tables go to OUT_DIR.
+# Logs and tables go to OUT_DIR. KERNELS_FROM=DIR runs everything on the kernels in DIR instead of
+# kernels/ (a before/after comparison on one host: DIR holds an earlier kernels/ folder).
 set -uo pipefail
 OUT=${1:?usage: gpu_executor.sh OUT_DIR [STAGES]}
 stages=${2:-test}
@@ -37,7 +40,7 @@ rm -rf /tmp/farm && mkdir -p "$farm"
 for f in loraserve/*.py; do ln -s "$PWD/$f" "$farm/"; done
 ln -s "$PWD/adapter_store" "$farm/adapter_store"
 ln -s "$PWD/executor" "$farm/executor"
-ln -s "$PWD/kernels" "$farm/kernels"
+ln -s "$(realpath "${KERNELS_FROM:-kernels}")" "$farm/kernels"
 ln -s "$PWD/protos/loraserve/v1" "$farm/v1"
 export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1
 {
@@ -88,6 +91,11 @@ if has engine; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
   python3 -P benchmarks/bench_engine.py --tokenizer "$tok" 2>"$OUT/bench_engine.err" | tee "$OUT/bench_engine.log" | tail -30 \
     || tail -30 "$OUT/bench_engine.err"
+fi
+if has mixed; then
+  [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
+  python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --batches 32,64 --adapters 40 --streams 0 --ranks 8,16,32,64 \
+    2>"$OUT/bench_mixed.err" | tee "$OUT/bench_mixed.log" | tail -12 || tail -30 "$OUT/bench_mixed.err"
 fi
 if has eager; then
   python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --enforce-eager --streams 0 2>"$OUT/bench_eager.err" | tee "$OUT/bench_eager.log" | tail -30 \

@@ -32,12 +32,16 @@ from .meta import LoraMeta
 from .tuning import expand_config, num_sms, shrink_config
 
 _DTYPES = (torch.float16, torch.bfloat16)
+# The narrow tiles for adapters of lower rank than their slots (_shrink_tile, _expand_tile), on
+# unless a benchmark turns them off to measure what they change (benchmarks/bench_ranks.py --narrow).
+NARROW_SHRINK = True
+NARROW_EXPAND = True
 _MAX_SLICES_PER_LAUNCH = 4
 
 
 @triton.jit
 def _shrink_part(
-    acc, x_rows, a_rows, offs_j, live, k_lo, k_hi,
+    acc, x_rows, m_mask, a_rows, live, k_lo, k_hi,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
 ):
     """acc += x[rows, k_lo:k_hi] @ A[offs_j, k_lo:k_hi].T, BLOCK_K input columns per step.
@@ -46,11 +50,11 @@ def _shrink_part(
     for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         offs_k = k + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            xa = tl.load(x_rows + offs_k[None, :])
+            xa = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
             a = tl.load(a_rows + offs_k[:, None], mask=live[None, :], other=0.0)
         else:
             k_mask = offs_k < k_hi
-            xa = tl.load(x_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+            xa = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             a = tl.load(a_rows + offs_k[:, None], mask=live[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(xa, a, acc)
     return acc
@@ -71,7 +75,7 @@ def _shrink_narrow(
     acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
     # one buffer, no pipelining: the steps are few (often one), and num_stages copies of a 4x
     # longer x tile would take the shared memory every other tile's occupancy needs
-    acc = _shrink_part(acc, x_rows, a_ptr + offs_j[None, :] * stride_aj, offs_j, live, k_lo, k_hi, BK, False, 1)
+    acc = _shrink_part(acc, x_rows, m_mask, a_ptr + offs_j[None, :] * stride_aj, live, k_lo, k_hi, BK, False, 1)
     out_ptrs = out_ptr + ((offs_j[None, :] // RANK) * num_tokens + tok[:, None]) * RANK + offs_j[None, :] % RANK
     tl.atomic_add(out_ptrs, acc, mask=m_mask[:, None] & live[None, :], sem="relaxed")
 
@@ -84,7 +88,7 @@ def _shrink_whole(
 ):
     """The tile's BLOCK_N columns, BLOCK_K input columns per step, stored (or added, K split) into buf."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _shrink_part(acc, x_rows, a_slot + offs_j[None, :] * stride_aj, offs_j, live, k_lo, k_hi, BLOCK_K, EVEN_K, None)
+    acc = _shrink_part(acc, x_rows, m_mask, a_slot + offs_j[None, :] * stride_aj, live, k_lo, k_hi, BLOCK_K, EVEN_K, None)
     # buf is [S, T, RANK]: column j lands in slice j // RANK, rank position j % RANK.
     out_ptrs = out_ptr + ((offs_j[None, :] // RANK) * num_tokens + tok[:, None]) * RANK + offs_j[None, :] % RANK
     mask = m_mask[:, None] & j_mask[None, :]
@@ -130,7 +134,6 @@ def _shrink_tile(
         # the no-adapter group, and tiles wholly past the adapter's rank: no products, zeros out
         k_hi = tl.where((slot < num_slots) & (tl.max(live.to(tl.int32), 0) > 0), k_hi, k_lo)
 
-        # padding rows (tok < 0) read row 0 of x: finite, and their products are never stored
         x_rows = x_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_xt
         a_slot = a_ptr + slot.to(tl.int64) * stride_al
         col0 = col_block * BLOCK_N
@@ -266,11 +269,11 @@ def _expand_tile(
     off0, off1, off2, off3, off4,
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
-    RANKED: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr,
+    RANKED: tl.constexpr, NARROW: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr,
 ):
     """One tile: a block of one slot's tokens x BLOCK_N * N_ITERS columns of one slice.
 
-    Ranked, with BLOCK_R >= 32: a block whose adapter's rank is at most BLOCK_R / 2 (or / 4,
+    NARROW (ranked, BLOCK_R >= 32): a block whose adapter's rank is at most BLOCK_R / 2 (or / 4,
     BLOCK_R >= 64) reads and multiplies only that many rank columns, and takes WIDE2 (WIDE4)
     times the columns per step: a low-rank adapter in a high-rank slot costs what its bytes do."""
     block = tile // chunks
@@ -283,7 +286,7 @@ def _expand_tile(
         b_rows = b_ptr + slot.to(tl.int64) * stride_bl
         y_rows = y_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_yt
         n_start = lo + local * (BLOCK_N * N_ITERS)
-        if RANKED:
+        if NARROW:
             rank = tl.load(block_ranks_ptr + block)
             if BLOCK_R >= 64:
                 if rank <= BLOCK_R // 4:
@@ -305,6 +308,9 @@ def _expand_tile(
             else:
                 _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
                              RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
+        elif RANKED:
+            _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, tl.load(block_ranks_ptr + block), n_start, hi,
+                         num_tokens, stride_bn, RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
         else:
             _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, RANK, n_start, hi, num_tokens, stride_bn,
                          RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
@@ -317,7 +323,7 @@ def _expand_kernel(
     off0, off1, off2, off3, off4,
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
-    RANKED: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr, ONE_TILE: tl.constexpr,
+    RANKED: tl.constexpr, NARROW: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """y[t, n] += sum_r buf[s(n), t, r] * b[slot(t), n, r] for the columns n of slice s(n).
 
@@ -330,7 +336,7 @@ def _expand_kernel(
             pid, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
             num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
             off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-            RANKED, WIDE2, WIDE4,
+            RANKED, NARROW, WIDE2, WIDE4,
         )
     else:
         num_programs = tl.num_programs(0)
@@ -340,7 +346,7 @@ def _expand_kernel(
                 tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
                 num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
                 off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-                RANKED, WIDE2, WIDE4,
+                RANKED, NARROW, WIDE2, WIDE4,
             )
 
 
@@ -409,7 +415,7 @@ def lora_shrink(
         num_tokens, num_slots, in_features, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(2),
         RANK=rank, SR=sr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         N_BLOCKS=col_blocks, SPLIT_K=cfg.split_k, EVEN_K=in_features % cfg.block_k == 0,
-        RANKED=ranked, NARROW=_narrow_shrink(cfg, rank) if ranked else False,
+        RANKED=ranked, NARROW=ranked and NARROW_SHRINK and _narrow_shrink(cfg, rank),
         ONE_TILE=tiles <= programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -450,7 +456,8 @@ def lora_expand(
             *offsets,
             NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
-            RANKED=ranked, WIDE2=math.gcd(2, cfg.n_iters), WIDE4=math.gcd(4, cfg.n_iters), ONE_TILE=tiles <= programs,
+            RANKED=ranked, NARROW=ranked and NARROW_EXPAND and _block_r(rank) >= 32,
+            WIDE2=math.gcd(2, cfg.n_iters), WIDE4=math.gcd(4, cfg.n_iters), ONE_TILE=tiles <= programs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return y
