@@ -378,6 +378,15 @@ def _narrow_shrink(cfg, rank: int) -> bool:
     return cfg.split_k > 1 and cfg.block_n >= 32 and rank % cfg.block_n == 0 and cfg.block_m <= 32
 
 
+def _narrow_expand(cfg, rank: int) -> bool:
+    """Narrow tiles for low-rank blocks (_expand_tile): a slot rank of 32 or more, and at most
+    1,024 threads per SM asked for. The narrow variants' code raises the kernel's registers per
+    thread; a config that packs 16 CTAs of 4 warps per SM (32 registers each at most) would then
+    hold fewer CTAs resident, and lost more than the narrow tiles saved (o and down projections
+    on an H100, docs/BENCHMARKS.md "ranks below the slot's")."""
+    return _block_r(rank) >= 32 and cfg.ctas_per_sm * cfg.num_warps <= 32
+
+
 def _block_r(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))
 
@@ -456,7 +465,7 @@ def lora_expand(
             *offsets,
             NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
-            RANKED=ranked, NARROW=ranked and NARROW_EXPAND and _block_r(rank) >= 32,
+            RANKED=ranked, NARROW=ranked and NARROW_EXPAND and _narrow_expand(cfg, rank),
             WIDE2=math.gcd(2, cfg.n_iters), WIDE4=math.gcd(4, cfg.n_iters), ONE_TILE=tiles <= programs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
