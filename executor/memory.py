@@ -54,13 +54,31 @@ def available_host_bytes() -> int:
 
 
 def cgroup_bytes_left(root: str = "/sys/fs/cgroup") -> int | None:
-    """memory.max - memory.current of this process's cgroup (v2), or None without a limit."""
+    """memory.max - (memory.current - reclaimable page cache) of this process's cgroup (v2), or
+    None without a limit. memory.current counts the page cache the pod's own reads left (a model
+    just read from disk), which the kernel drops before it would OOM-kill: the inactive file
+    pages of memory.stat are subtracted, so such a pod does not get a smaller cache and arena."""
     try:
         limit = open(f"{root}/memory.max").read().strip()
         used = int(open(f"{root}/memory.current").read())
     except (OSError, ValueError):
         return None
-    return None if limit == "max" else max(0, int(limit) - used)
+    if limit == "max":
+        return None
+    return max(0, int(limit) - (used - _inactive_file_bytes(root)))
+
+
+def _inactive_file_bytes(root: str) -> int:
+    """memory.stat's inactive_file (0 when the file or the field is missing)."""
+    try:
+        with open(f"{root}/memory.stat") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "inactive_file":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def lora_bytes_per_slot(modules) -> int:

@@ -383,7 +383,7 @@ def _narrow_expand(cfg, rank: int) -> bool:
     1,024 threads per SM asked for. The narrow variants' code raises the kernel's registers per
     thread; a config that packs 16 CTAs of 4 warps per SM (32 registers each at most) would then
     hold fewer CTAs resident, and lost more than the narrow tiles saved (o and down projections
-    on an H100, docs/BENCHMARKS.md "ranks below the slot's")."""
+    on an H100, docs/BENCHMARKS.md "Sixth pass")."""
     return _block_r(rank) >= 32 and cfg.ctas_per_sm * cfg.num_warps <= 32
 
 

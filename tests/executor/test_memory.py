@@ -59,3 +59,14 @@ def test_a_cgroup_limit_bounds_the_available_host_memory(tmp_path):
     (tmp_path / "memory.max").write_text("max\n")
     assert memory.cgroup_bytes_left(str(tmp_path)) is None
     assert memory.cgroup_bytes_left(str(tmp_path / "absent")) is None
+
+
+def test_reclaimable_page_cache_counts_as_available_in_a_cgroup(tmp_path):
+    """memory.current counts the page cache of files the pod read (its model); the kernel drops the
+    inactive part before it would OOM-kill, so it must not shrink the automatic cache and arena."""
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    (tmp_path / "memory.current").write_text("805306368\n")  # 768 MiB, 512 MiB of it page cache
+    (tmp_path / "memory.stat").write_text("anon 268435456\nfile 536870912\nactive_file 0\ninactive_file 536870912\n")
+    assert memory.cgroup_bytes_left(str(tmp_path)) == 768 * 2**20
+    (tmp_path / "memory.stat").write_text("anon 805306368\n")  # no inactive_file field: nothing subtracted
+    assert memory.cgroup_bytes_left(str(tmp_path)) == 256 * 2**20
