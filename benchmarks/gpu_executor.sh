@@ -40,6 +40,7 @@ rm -rf /tmp/farm && mkdir -p "$farm"
 for f in loraserve/*.py; do ln -s "$PWD/$f" "$farm/"; done
 ln -s "$PWD/adapter_store" "$farm/adapter_store"
 ln -s "$PWD/executor" "$farm/executor"
+[ -d "${KERNELS_FROM:-kernels}" ] || { echo "KERNELS_FROM=$KERNELS_FROM: no such folder"; exit 1; }
 ln -s "$(realpath "${KERNELS_FROM:-kernels}")" "$farm/kernels"
 ln -s "$PWD/protos/loraserve/v1" "$farm/v1"
 export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1

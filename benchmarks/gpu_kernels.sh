@@ -7,7 +7,7 @@
 # adds a sweep of launch settings, ~4 min more); attn-sweep: decode attention launch settings at small batches. tune: the hidden-size grid (bench_kernels.py --tune-out); tune-real: representative
 # real layer shapes (tune_kernels.py, ~6 min); real: the real-shape benchmark (bench_kernels.py
 # --real, ~3 min; TUNE_REAL_BUDGET_S shortens the tuning). Writes under OUT_DIR: run.log (everything), and tuned.json, bench.json,
-# bench.md, real.json, real.md when made.
+# bench.md, real.json, real.md, ranks.md when made.
 set -uo pipefail
 OUT=$(realpath -m "${1:?usage: gpu_kernels.sh OUT_DIR [STAGES] [bench_kernels.py args...]}")
 cd "$(dirname "$0")/.."

@@ -65,7 +65,8 @@ def cgroup_bytes_left(root: str = "/sys/fs/cgroup") -> int | None:
         return None
     if limit == "max":
         return None
-    return max(0, int(limit) - (used - _inactive_file_bytes(root)))
+    # the two files are read apart: never count more than the limit as free
+    return min(int(limit), max(0, int(limit) - (used - _inactive_file_bytes(root))))
 
 
 def _inactive_file_bytes(root: str) -> int:

@@ -138,6 +138,8 @@ def _shrink_tile(
         a_slot = a_ptr + slot.to(tl.int64) * stride_al
         col0 = col_block * BLOCK_N
         if NARROW:
+            # the host's rule (_narrow_shrink): atomic adds into a zeroed buf, one slice per column block
+            tl.static_assert((SPLIT_K > 1) & (RANK % BLOCK_N == 0) & (BLOCK_N >= 32))
             if BLOCK_N >= 64:  # a quarter of the columns is still >= 16 (tl.dot's least)
                 if rank <= BLOCK_N // 4:
                     _shrink_narrow(x_rows, a_slot, out_ptr, tok, m_mask, col0, rank, k_lo, k_hi, num_tokens,
@@ -374,7 +376,8 @@ def _cdiv(a: int, b: int) -> int:
 
 def _narrow_shrink(cfg, rank: int) -> bool:
     """Narrow tiles for low-rank blocks (_shrink_tile): with the K split (buf zeroed first),
-    column blocks inside one slice, at least 32 of them, and decode-sized token blocks."""
+    column blocks inside one slice, at least 32 of them, and token blocks of at most 32 rows
+    (measured at decode only: 64 tokens)."""
     return cfg.split_k > 1 and cfg.block_n >= 32 and rank % cfg.block_n == 0 and cfg.block_m <= 32
 
 

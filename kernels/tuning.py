@@ -73,7 +73,7 @@ def _default_shrink(num_tokens: int, in_features: int, sr: int) -> ShrinkConfig:
 
 def _default_expand(num_tokens: int, n: int, rank: int) -> ExpandConfig:
     """No table: at decode, 128 columns per tile (on an H200 without a table, Llama-3-8B layers at
-    64 tokens / 40 adapters: 20-40% faster than 64, docs/BENCHMARKS.md "Sixth pass")."""
+    64 tokens / 40 adapters: 12-29% faster than 64, docs/BENCHMARKS.md "Sixth pass")."""
     if num_tokens <= 64:
         return ExpandConfig(16, 128, 1, 4, 1, 8)
     if num_tokens <= 512:

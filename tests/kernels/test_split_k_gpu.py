@@ -127,8 +127,8 @@ SPLIT_CASES = [
     (17, 1544, (200, 40, 40), 8, 3, cfg(block_n=32, split_k=7, ctas_per_sm=1)),  # persistent loop
     (5, 2048, (64, 64), 16, 5, cfg(block_n=32, block_k=128, split_k=5)),
     (33, 960, (320,), 24, 4, cfg(block_m=32, block_n=32, split_k=2, ctas_per_sm=1)),
-    # slots of rank 64 / 32 / 128 holding lower ranks (mode "ranked": 1, 6, 11, ... 36): the
-    # narrow tiles of the shrink (a quarter / half of the columns, longer K steps) and of the expand
+    # slots of rank 64 / 32 / 128 holding lower ranks (mode "ranked": 1-31 / 1-16 / 1 and 6 in use):
+    # the narrow tiles of the shrink (a quarter / half of the columns, longer K steps) and of the expand
     (9, 1000, (64, 40), 64, 8, cfg(block_n=64, split_k=3)),
     (5, 700, (128,), 32, 8, cfg(block_n=32, split_k=2)),
     (3, 520, (96, 24), 128, 8, cfg(block_n=64, split_k=5, ctas_per_sm=1)),
@@ -165,6 +165,7 @@ def test_narrow_expand_tiles_cover_their_columns(rank, n_iters):
     gen = torch.Generator().manual_seed(15)
     widths = (96, 160, 32)
     expand = tuning.ExpandConfig(block_m=16, block_n=32, n_iters=n_iters, num_warps=4, num_stages=1, ctas_per_sm=2)
+    assert triton_lora._narrow_expand(expand, rank), "the case must take the narrow expand"
     with forced("expand", tuning.expand_key(widths, rank), expand):
         e_buf, e_y = layer_case(7, 256, widths, rank, 8, 0.25, DTYPES[0], gen, mode="ranked")
     assert e_buf < TOL[DTYPES[0]] and e_y < TOL[DTYPES[0]], (e_buf, e_y)
