@@ -376,18 +376,19 @@ def _cdiv(a: int, b: int) -> int:
 
 def _narrow_shrink(cfg, rank: int) -> bool:
     """Narrow tiles for low-rank blocks (_shrink_tile): with the K split (buf zeroed first),
-    column blocks inside one slice, at least 32 of them, and token blocks of at most 32 rows
-    (measured at decode only: 64 tokens)."""
-    return cfg.split_k > 1 and cfg.block_n >= 32 and rank % cfg.block_n == 0 and cfg.block_m <= 32
+    column blocks inside one slice, at least 32 of them, and decode tiles (16 token rows: they
+    were measured at decode only, and a prefill tile's 4x longer x rows cost shared memory)."""
+    return cfg.split_k > 1 and cfg.block_n >= 32 and rank % cfg.block_n == 0 and cfg.block_m <= 16
 
 
 def _narrow_expand(cfg, rank: int) -> bool:
-    """Narrow tiles for low-rank blocks (_expand_tile): a slot rank of 32 or more, and at most
-    1,024 threads per SM asked for. The narrow variants' code raises the kernel's registers per
+    """Narrow tiles for low-rank blocks (_expand_tile): a slot rank of 32 or more, decode tiles
+    (16 token rows: measured at decode only; a prefill tile's widened steps would hold 4x the
+    accumulator), and at most 1,024 threads per SM asked for. The narrow variants' code raises the kernel's registers per
     thread; a config that packs 16 CTAs of 4 warps per SM (32 registers each at most) would then
     hold fewer CTAs resident, and lost more than the narrow tiles saved (o and down projections
     on an H100, docs/BENCHMARKS.md "Sixth pass")."""
-    return _block_r(rank) >= 32 and cfg.ctas_per_sm * cfg.num_warps <= 32
+    return _block_r(rank) >= 32 and cfg.ctas_per_sm * cfg.num_warps <= 32 and cfg.block_m <= 16
 
 
 def _block_r(rank: int) -> int:
