@@ -23,7 +23,10 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
   mixed-decode target), and the bytes floor above plus the adapters' bytes.
   The adapters come from an in-process fetch function (random tensors, the same values for
   each name; each still occupies its own GPU slot) instead of the adapter store.
-- Prefill: one step of 1 x 4096 and of 16 x 256 prompt tokens; FLOP/s against the matmul rate.
+- Prefill: one step of 1 x 4096 and of 16 x 256 prompt tokens (`--prefill`); FLOP/s against the
+  matmul rate. With adapters, each again with a distinct adapter per sequence, against the base
+  step; `--profile-prefill DIR` writes a torch.profiler table of those steps (kernels by device
+  time, and the device's busy time beside the step's wall time).
 - gRPC: `--streams` concurrent GenerateStream calls from a client in another process, against
   the same requests through `Engine.generate` in-process.
 EOS is ignored (random weights would end rows at random).
@@ -274,14 +277,36 @@ class _ReplayMarks:
         return f"device: replay in the step {inside:.2f} ms, end to next replay {between:.2f} ms"
 
 
-async def prefill_case(engine, args, num_seqs: int, length: int) -> float:
-    """Median seconds of a step that prefilled num_seqs x length tokens (max_tokens 1), of 3 runs."""
+async def prefill_case(engine, args, num_seqs: int, length: int, with_lora: bool = False) -> float:
+    """Median seconds of a step that prefilled num_seqs x length tokens (max_tokens 1), of 3 runs;
+    with_lora: sequence i with adapter a(i % adapters), as a batch of new requests of many adapters."""
     times = []
+    adapters = [f"a{i % args.adapters}" if with_lora else "" for i in range(num_seqs)]
     for rep in range(3):
         engine.step_times.clear()
-        await run_requests(engine, random_prompts(num_seqs, length, args.vocab, 100 + rep), [""] * num_seqs, 1)
+        await run_requests(engine, random_prompts(num_seqs, length, args.vocab, 100 + rep), adapters, 1)
         times += [e.seconds for e in engine.step_times if e.num_tokens == num_seqs * length]
     return statistics.median(times)
+
+
+async def profile_prefill(folder: Path, engine, num_seqs: int, length: int, case) -> None:
+    """torch.profiler over the prefill case with adapters (3 steps): the kernels by device time, and
+    the device's busy time against the steps' wall time (a host-bound step leaves the device idle),
+    written to FOLDER/prefill_<num_seqs>x<length>.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        await case()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    steps = [e.seconds for e in engine.step_times if e.num_tokens == num_seqs * length]  # the last run's
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"prefill_{num_seqs}x{length}.txt", "w") as f:
+        f.write(f"prefill {num_seqs} x {length} with adapters, 3 runs (under the profiler): the last run's step "
+                f"{', '.join(f'{t * 1e3:.1f}' for t in steps)} ms; device kernels busy {busy_us / 3e3:.1f} ms per run\n\n")
+        f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
 
 
 def prefill_flops(cfg: ModelConfig, num_seqs: int, length: int) -> float:
@@ -418,11 +443,22 @@ async def run(args) -> list[tuple[str, str, str, str]]:
         except Exception as exc:  # noqa: BLE001 - one failed case must not hide the others
             rows.append((f"decode B={batch}", "failed", "", f"{type(exc).__name__}: {exc}"))
             logging.exception("decode case B=%d failed", batch)
-    for num_seqs, length in ((1, 4096), (16, 256)):
+    for num_seqs, length in args.prefill:
         seconds = await prefill_case(engine, args, num_seqs, length)
         flops = prefill_flops(cfg, num_seqs, length)
         rows.append((f"prefill {num_seqs} x {length}", f"{seconds * 1e3:.1f} ms", f"{num_seqs * length / seconds:.0f} tok/s",
                      f"{flops / seconds / 1e12:.1f} TFLOP/s = {flops / seconds / peak:.0%} of matmul"))
+        if args.adapters:  # the same step with a distinct adapter per sequence (up to --adapters)
+            distinct = min(num_seqs, args.adapters)
+            lora_seconds = await prefill_case(engine, args, num_seqs, length, with_lora=True)
+            lora_bytes = sum(adapter_bytes[:distinct])
+            rows.append((f"prefill {num_seqs} x {length}, {distinct} adapters", f"{lora_seconds * 1e3:.1f} ms",
+                         f"{num_seqs * length / lora_seconds:.0f} tok/s",
+                         f"{lora_seconds / seconds:.2f}x the base step; the adapters' bytes at the copy bandwidth: "
+                         f"{lora_bytes / bandwidth * 1e3:.2f} ms"))
+            if args.profile_prefill:
+                await profile_prefill(args.profile_prefill, engine, num_seqs, length,
+                                      lambda: prefill_case(engine, args, num_seqs, length, with_lora=True))
     if args.streams:
         try:
             engine_tps, grpc_tps, engine_longest, grpc_longest = await grpc_case(engine, engine.slots, args)
@@ -452,6 +488,10 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64, help="concurrent gRPC streams; 0: skip")
     ap.add_argument("--grpc-prompt", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--prefill", type=lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",")],
+                    default=[(1, 4096), (16, 256)], help="prefill steps to time, SEQSxLEN,... (with --adapters, "
+                    "each also with a distinct adapter per sequence)")
+    ap.add_argument("--profile-prefill", type=Path, help="folder: a torch.profiler table of each prefill case with adapters")
     ap.add_argument("--admit-ratio", type=float, default=ExecutorConfig.admit_ratio,
                     help="admission pacing, as the executor's flag (0: admit each request at once, as before 2026-11-26)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (float32)")
