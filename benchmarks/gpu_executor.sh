@@ -13,6 +13,8 @@
 #   attn:    benchmarks/bench_attention.py (paged attention kernels against their floors)
 #   engine:  benchmarks/bench_engine.py (decode / prefill / gRPC against the floors; needs
 #            var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF)
+#   prefill: bench_engine.py --prefill 16x256,8x160,1x1024 over 40 adapters of mixed ranks: prefill
+#            steps with and without adapters, and a torch.profiler table of each (OUT_DIR/prof/)
 #   eager:   bench_engine.py --enforce-eager --streams 0 (the same decode steps without graphs)
 #   mixed:   bench_engine.py --ranks 8,16,32,64 --adapters 40 --batches 32,64 --streams 0 (decode with
 #            adapters of mixed ranks in slots of the largest)
@@ -97,6 +99,12 @@ if has mixed; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
   python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --batches 32,64 --adapters 40 --streams 0 --ranks 8,16,32,64 \
     2>"$OUT/bench_mixed.err" | tee "$OUT/bench_mixed.log" | tail -12 || tail -30 "$OUT/bench_mixed.err"
+fi
+if has prefill; then
+  [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
+  python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --batches 8 --adapters 40 --streams 0 --ranks 8,16,32,64 \
+    --prefill 16x256,8x160,1x1024 --profile-prefill "$OUT/prof" 2>"$OUT/bench_prefill.err" | tee "$OUT/bench_prefill.log" \
+    | grep prefill || tail -30 "$OUT/bench_prefill.err"
 fi
 if has eager; then
   python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --enforce-eager --streams 0 2>"$OUT/bench_eager.err" | tee "$OUT/bench_eager.log" | tail -30 \
