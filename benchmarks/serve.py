@@ -286,12 +286,18 @@ def step_mix(engine: Engine, before: dict, name: str) -> tuple:
     note = "; ".join(f"{kind} {n:.0f} ({sec / max(wall, 1e-9):.0%} of step time): {sec / n * 1e3:.1f} ms, "
                      f"{seqs / n:.1f} seqs, {tokens / n:.0f} tokens each" for kind, n, sec, seqs, tokens in parts)
     deferred = engine.scheduler.deferred_steps - before["deferred"]
-    return (f"steps, {name}", "", "", "", note + (f"; {deferred} steps held admissions back" if deferred else ""))
+    note += f"; {deferred} steps held admissions back" if deferred else ""
+    if engine.kernel_builds is not None:  # Triton builds during the run (each held its step)
+        count, seconds = engine.kernel_builds.count - before["builds"][0], engine.kernel_builds.seconds - before["builds"][1]
+        note += f"; {count} kernel builds while serving ({seconds:.1f} s)"
+    return (f"steps, {name}", "", "", "", note)
 
 
 def totals(engine: Engine) -> dict:
     """What step_mix subtracts: the step totals by kind and the held steps, now."""
-    return {"steps": {k: list(v) for k, v in engine.step_totals.items()}, "deferred": engine.scheduler.deferred_steps}
+    builds = engine.kernel_builds
+    return {"steps": {k: list(v) for k, v in engine.step_totals.items()}, "deferred": engine.scheduler.deferred_steps,
+            "builds": (builds.count, builds.seconds) if builds is not None else (0, 0.0)}
 
 
 def pct(values: list[float], q: float) -> float:

@@ -191,6 +191,8 @@ class _ExecutorState:
         yield _gauge("loraserve_executor_cpu_cache_adapters", "Adapters in the host memory cache", len(cpu))
         yield self._lora_info(running, waiting, adapters)
         yield from self._steps(dict(e.step_totals))
+        if getattr(e, "kernel_builds", None) is not None:
+            yield from self._builds(e.kernel_builds)
 
     @staticmethod
     def _steps(totals: dict[str, list[float]]):
@@ -203,6 +205,15 @@ class _ExecutorState:
             for family, value in zip(out, (steps, seconds, seqs)):
                 family.add_metric([kind], value)
         return out
+
+    @staticmethod
+    def _builds(builds):
+        """Triton kernels built after start-up (executor/engine/builds.py): each held its step."""
+        return [CounterMetricFamily("loraserve_executor_kernel_builds",
+                                    "Triton kernels built (or loaded from its disk cache) while serving: each held its step",
+                                    value=builds.count),
+                CounterMetricFamily("loraserve_executor_kernel_build_seconds",
+                                    "Seconds of those builds", value=builds.seconds)]
 
     def _lora_info(self, running, waiting, adapters) -> GaugeMetricFamily:
         """vLLM's `lora_requests_info` shape: one sample whose labels list the adapters of running

@@ -47,6 +47,7 @@ from .kv_cache import BlockAllocator, KVCache
 from .sampler import SamplingParams, find_stop, greedy, make_generator, sample, validate_request
 from .scheduler import SchedulePlan, Scheduler, Sequence
 from .step import StepInputs, forward_step
+from .builds import watch_builds
 from .warmup import warm_up, warm_up_steps
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,10 @@ class Engine:
         self._detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenize")
         self.warm_up_seconds = self._warm_up()
         self.graphs = self._capture_graphs()
+        # From here on a Triton build holds a serving step: logged and counted (builds.py), on CUDA
+        self.kernel_builds = watch_builds() if self.device.type == "cuda" else None
+        if self.kernel_builds is not None:
+            self.kernel_builds.armed = True
         # admission pacing only where it pays: decode-only steps replay graphs, admitting steps do not
         self.scheduler.admit_ratio = config.admit_ratio if self.graphs is not None else 0.0
         if self.graphs is not None:

@@ -1,0 +1,80 @@
+"""Triton kernel builds while serving: counted, timed and logged.
+
+Triton builds a kernel the first time a launch meets a new set of compile-time values (block
+sizes, token-count-dependent flags, dtypes). The warm-up (warmup.py) builds the ones a serving
+process is expected to meet; a build after it holds its whole step (0.1-1 s; milliseconds when
+Triton's disk cache has it). So once the engine is ready, every build is logged with its kernel
+and time and counted (`/metrics`: loraserve_executor_kernel_builds_total and
+loraserve_executor_kernel_build_seconds_total). A count that keeps growing says the warm-up misses
+token counts or shapes the traffic brings.
+
+Triton's hooks are process-wide: `watch_builds()` sets them once (chaining hooks set before it) and
+returns the one `KernelBuilds` of the process. The hooks run on Triton's compile path only, never on
+a launch that finds its kernel built.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+
+class KernelBuilds:
+    """Builds seen since `armed` was set (before it: started and finished, not counted)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+        self.armed = False
+        self._lock = threading.Lock()
+        self._started: dict[tuple[str, object], float] = {}
+
+    def started(self, *, key, fn, **_) -> None:
+        """Triton's jit_cache_hook: a launch found no built kernel for its values."""
+        with self._lock:
+            self._started[(fn.name, key)] = time.perf_counter()
+
+    def finished(self, *, key, fn, repr, **_) -> None:
+        """Triton's jit_post_compile_hook: that kernel is built (or loaded from the disk cache)."""
+        with self._lock:
+            began = self._started.pop((fn.name, key), None)
+            if began is None or not self.armed:
+                return
+            took = time.perf_counter() - began
+            self.count += 1
+            self.seconds += took
+        log.warning("Triton kernel %s built while serving in %.3f s (the warm-up did not build it): %s",
+                    fn.name, took, repr[:400])
+
+
+_BUILDS = KernelBuilds()
+_hooked = False
+
+
+def watch_builds() -> KernelBuilds:
+    """The process's KernelBuilds, hooked into Triton's compile path (once; a no-op without Triton)."""
+    global _hooked
+    if _hooked:
+        return _BUILDS
+    try:
+        import triton
+
+        knobs = triton.knobs.runtime
+    except (ImportError, AttributeError):  # no Triton (a CPU install), or one without these hooks
+        return _BUILDS
+    before, after = knobs.jit_cache_hook, knobs.jit_post_compile_hook
+
+    def cache_hook(**kwargs):
+        _BUILDS.started(**kwargs)
+        return before(**kwargs) if before else None  # a true value would skip the build: theirs only
+
+    def post_compile_hook(**kwargs):
+        _BUILDS.finished(**kwargs)
+        return after(**kwargs) if after else None
+
+    knobs.jit_cache_hook, knobs.jit_post_compile_hook = cache_hook, post_compile_hook
+    _hooked = True
+    return _BUILDS
