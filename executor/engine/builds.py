@@ -37,7 +37,7 @@ class KernelBuilds:
         with self._lock:
             self._started[(fn.name, key)] = time.perf_counter()
 
-    def finished(self, *, key, fn, repr, **_) -> None:
+    def finished(self, *, key, fn, repr, compile=None, **_) -> None:
         """Triton's jit_post_compile_hook: that kernel is built (or loaded from the disk cache)."""
         with self._lock:
             began = self._started.pop((fn.name, key), None)
@@ -46,8 +46,9 @@ class KernelBuilds:
             took = time.perf_counter() - began
             self.count += 1
             self.seconds += took
-        log.warning("Triton kernel %s built while serving in %.3f s (the warm-up did not build it): %s",
-                    fn.name, took, repr[:400])
+        constants = (compile or {}).get("constants")  # the compile-time values that were new
+        log.warning("Triton kernel %s built while serving in %.3f s (the warm-up did not build it): "
+                    "compile-time values %s; %s", fn.name, took, str(constants)[:600], repr[:300])
 
 
 _BUILDS = KernelBuilds()

@@ -18,9 +18,10 @@ def fn_info(name: str):
 
 
 def build(watch: builds.KernelBuilds, name: str, key=("sig", "opts")) -> None:
-    watch.started(key=key, fn=fn_info(name), repr=f"{name}[num_warps=4]", compile={}, is_manual_warmup=False,
+    info = {"constants": {"BLOCK_M": 64, "ONE_TILE": False}}
+    watch.started(key=key, fn=fn_info(name), repr=f"{name}[num_warps=4]", compile=info, is_manual_warmup=False,
                   already_compiled=False)
-    watch.finished(key=key, fn=fn_info(name), repr=f"{name}[num_warps=4]", compile={}, is_manual_warmup=False,
+    watch.finished(key=key, fn=fn_info(name), repr=f"{name}[num_warps=4]", compile=info, is_manual_warmup=False,
                    already_compiled=False)
 
 
@@ -34,6 +35,7 @@ def test_builds_count_only_once_armed_and_each_is_logged(caplog):
     assert watch.count == 1 and watch.seconds > 0
     assert "Triton kernel _expand_kernel built while serving in" in caplog.text
     assert "_expand_kernel[num_warps=4]" in caplog.text
+    assert "compile-time values {'BLOCK_M': 64, 'ONE_TILE': False}" in caplog.text
     watch.finished(key=("never", "started"), fn=fn_info("_x"), repr="_x")  # no start seen: nothing counted
     assert watch.count == 1
 
