@@ -305,7 +305,8 @@ async def profile_prefill(folder: Path, engine, num_seqs: int, length: int, case
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"prefill_{num_seqs}x{length}.txt", "w") as f:
         f.write(f"prefill {num_seqs} x {length} with adapters, 3 runs (under the profiler): the last run's step "
-                f"{', '.join(f'{t * 1e3:.1f}' for t in steps)} ms; device kernels busy {busy_us / 3e3:.1f} ms per run\n\n")
+                f"{', '.join(f'{t * 1e3:.1f}' for t in steps)} ms; device kernels busy {busy_us / 3e3:.1f} ms per run "
+                f"(every kernel of the 3 runs, the requests' other steps included)\n\n")
         f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
 
 

@@ -68,7 +68,8 @@ def _default_shrink(num_tokens: int, in_features: int, sr: int) -> ShrinkConfig:
     Prefill too: its tiles are (token blocks x column blocks), a few dozen to a few hundred for
     1,000-4,000 tokens over a few adapters, and unsplit each looped over the whole input (64 steps
     for 4,096, 224 for a down projection's 14,336): the shrink took 48-113 us per layer on an
-    H200 where its bytes and FLOPs allow ~10; split, 18-24% less (docs/BENCHMARKS.md "Seventh pass")."""
+    H200 where its bytes and FLOPs allow ~10; split, 18% less on one host (docs/BENCHMARKS.md "Seventh
+    pass"). The split's partial sums add atomically: the last bits can vary from run to run."""
     if num_tokens <= 64:  # decode: few rows per slot; split K so one adapter still fills the GPU
         return ShrinkConfig(16, min(_pow2(sr), 64), 64, pow2_split(in_features, 64, 256), 4, 4, 8)
     if num_tokens <= 512:

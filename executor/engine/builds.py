@@ -23,32 +23,44 @@ log = logging.getLogger(__name__)
 
 
 class KernelBuilds:
-    """Builds seen since `armed` was set (before it: started and finished, not counted)."""
+    """Builds seen while `armed` (before it, e.g. during a warm-up: started and finished, not counted)."""
 
     def __init__(self) -> None:
         self.count = 0
         self.seconds = 0.0
         self.armed = False
         self._lock = threading.Lock()
-        self._started: dict[tuple[str, object], float] = {}
+        self._started: dict[tuple, float] = {}  # (thread, kernel, key) -> when its build began
 
     def started(self, *, key, fn, **_) -> None:
         """Triton's jit_cache_hook: a launch found no built kernel for its values."""
         with self._lock:
-            self._started[(fn.name, key)] = time.perf_counter()
+            self._started[(threading.get_ident(), fn.name, key)] = time.perf_counter()
 
     def finished(self, *, key, fn, repr, compile=None, **_) -> None:
         """Triton's jit_post_compile_hook: that kernel is built (or loaded from the disk cache)."""
         with self._lock:
-            began = self._started.pop((fn.name, key), None)
+            began = self._started.pop((threading.get_ident(), fn.name, key), None)
             if began is None or not self.armed:
                 return
             took = time.perf_counter() - began
             self.count += 1
             self.seconds += took
-        constants = (compile or {}).get("constants")  # the compile-time values that were new
+        values = _named((compile or {}).get("constants"), fn)  # the compile-time values that were new
         log.warning("Triton kernel %s built while serving in %.3f s (the warm-up did not build it): "
-                    "compile-time values %s; %s", fn.name, took, str(constants)[:600], repr[:300])
+                    "compile-time values %s; %s", fn.name, took, str(values)[:600], repr[:300])
+
+
+def _named(constants, fn):
+    """Triton keys the constants by argument position paths ((14,): 64); by parameter name here."""
+    names = getattr(getattr(fn, "jit_function", None), "arg_names", None)
+    if not constants or not names:
+        return constants
+    named = {}
+    for path, value in constants.items():
+        at = path[0] if isinstance(path, tuple) and len(path) == 1 else None
+        named[names[at] if isinstance(at, int) and 0 <= at < len(names) else str(path)] = value
+    return named
 
 
 _BUILDS = KernelBuilds()
@@ -69,13 +81,23 @@ def watch_builds() -> KernelBuilds:
     before, after = knobs.jit_cache_hook, knobs.jit_post_compile_hook
 
     def cache_hook(**kwargs):
-        _BUILDS.started(**kwargs)
-        return before(**kwargs) if before else None  # a true value would skip the build: theirs only
+        if before is not None and (answer := before(**kwargs)):
+            return answer  # theirs skips this build: Triton compiles nothing, so no start is kept
+        _guarded(_BUILDS.started, kwargs)
+        return None
 
     def post_compile_hook(**kwargs):
-        _BUILDS.finished(**kwargs)
-        return after(**kwargs) if after else None
+        _guarded(_BUILDS.finished, kwargs)
+        return after(**kwargs) if after is not None else None
 
     knobs.jit_cache_hook, knobs.jit_post_compile_hook = cache_hook, post_compile_hook
     _hooked = True
     return _BUILDS
+
+
+def _guarded(hook, kwargs) -> None:
+    """A fault in the counting must never fail the launch that is building."""
+    try:
+        hook(**kwargs)
+    except Exception:  # noqa: BLE001 - logged; the build and its launch go on
+        log.exception("kernel build counter failed")

@@ -201,10 +201,14 @@ class Engine:
         # One thread each: a prompt being tokenized never holds up the streams' detokenizing.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenize")
+        # Triton builds (builds.py, CUDA): the warm-up's and the captures' are expected, later ones
+        # hold a serving step and are logged and counted (the counter is the process's: disarmed here
+        # so a second engine's warm-up does not count)
+        self.kernel_builds = watch_builds() if self.device.type == "cuda" else None
+        if self.kernel_builds is not None:
+            self.kernel_builds.armed = False
         self.warm_up_seconds = self._warm_up()
         self.graphs = self._capture_graphs()
-        # From here on a Triton build holds a serving step: logged and counted (builds.py), on CUDA
-        self.kernel_builds = watch_builds() if self.device.type == "cuda" else None
         if self.kernel_builds is not None:
             self.kernel_builds.armed = True
         # admission pacing only where it pays: decode-only steps replay graphs, admitting steps do not

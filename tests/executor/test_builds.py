@@ -41,11 +41,11 @@ def test_builds_count_only_once_armed_and_each_is_logged(caplog):
 
 
 def test_watch_builds_chains_the_hooks_set_before_it(monkeypatch):
-    calls = []
+    calls, skip = [], {"_skipped_kernel"}
 
     def theirs_before(**kwargs):
         calls.append(("before", kwargs["fn"].name))
-        return True  # theirs may skip a build: that answer must reach Triton
+        return kwargs["fn"].name in skip or None  # a true answer makes Triton skip the build
 
     def theirs_after(**kwargs):
         calls.append(("after", kwargs["fn"].name))
@@ -58,12 +58,36 @@ def test_watch_builds_chains_the_hooks_set_before_it(monkeypatch):
     assert builds.watch_builds() is watch
     assert builds.watch_builds() is watch  # once per process: the hooks are not wrapped twice
     watch.armed = True
-    kwargs = dict(key=("k",), fn=fn_info("_prefill_kernel"), repr="_prefill_kernel", compile={},
-                  is_manual_warmup=False, already_compiled=False)
-    assert runtime.jit_cache_hook(**kwargs) is True
-    assert runtime.jit_post_compile_hook(**kwargs) is None
-    assert calls == [("before", "_prefill_kernel"), ("after", "_prefill_kernel")]
-    assert watch.count == 1
+
+    def kwargs(name):
+        return dict(key=("k",), fn=fn_info(name), repr=name, compile={}, is_manual_warmup=False, already_compiled=False)
+
+    # as Triton does: the cache hook, then (unless it answered true) the build and the post-compile hook
+    assert runtime.jit_cache_hook(**kwargs("_prefill_kernel")) is None
+    assert runtime.jit_post_compile_hook(**kwargs("_prefill_kernel")) is None
+    assert runtime.jit_cache_hook(**kwargs("_skipped_kernel")) is True  # theirs skips it: nothing starts
+    assert calls == [("before", "_prefill_kernel"), ("after", "_prefill_kernel"), ("before", "_skipped_kernel")]
+    assert watch.count == 1 and not watch._started
+
+
+def test_the_log_names_triton_s_positional_constants():
+    watch = builds.KernelBuilds()
+    watch.armed = True
+    fn = types.SimpleNamespace(name="_shrink_kernel", jit_function=types.SimpleNamespace(arg_names=["x_ptr", "a_ptr", "RANK"]))
+    constants = {(2,): 64, (7, 0): 1}
+    assert builds._named(constants, fn) == {"RANK": 64, "(7, 0)": 1}
+    assert builds._named(constants, fn_info("_no_jit_function")) is constants
+
+
+def test_a_fault_in_the_counter_does_not_fail_the_build(monkeypatch, caplog):
+    monkeypatch.setattr(builds, "_hooked", False)
+    runtime = types.SimpleNamespace(jit_cache_hook=None, jit_post_compile_hook=None)
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(knobs=types.SimpleNamespace(runtime=runtime)))
+    monkeypatch.setattr(builds, "_BUILDS", builds.KernelBuilds())
+    builds.watch_builds()
+    with caplog.at_level(logging.ERROR, logger="loraserve.executor.engine.builds"):
+        assert runtime.jit_cache_hook(key=("k",), fn=None) is None  # fn.name fails inside the counter
+    assert "kernel build counter failed" in caplog.text
 
 
 def test_watch_builds_without_triton_is_a_no_op(monkeypatch):

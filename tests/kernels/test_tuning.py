@@ -168,3 +168,12 @@ def test_the_tuned_grid_keeps_its_entries():
                         )
     finally:
         tuning.set_table("test_gpu", {})
+
+
+def test_defaults_without_a_table_split_the_prefill_shrink_and_widen_the_decode_expand():
+    """A GPU with no table (an H200 here): the prefill shrink splits K per ~1,024 input columns (unsplit, a
+    down projection's 14,336 inputs were 224 serial steps per tile), the decode expand takes 128 columns."""
+    assert tuning._default_shrink(1024, 4096, 192).split_k == 4
+    assert tuning._default_shrink(4096, 14336, 64).split_k == 16
+    assert tuning._default_shrink(8192, 896, 16).split_k == 1  # a short reduction stays whole
+    assert tuning._default_expand(64, 4096, 64).block_n == 128
