@@ -191,8 +191,7 @@ class _ExecutorState:
         yield _gauge("loraserve_executor_cpu_cache_adapters", "Adapters in the host memory cache", len(cpu))
         yield self._lora_info(running, waiting, adapters)
         yield from self._steps(dict(e.step_totals))
-        if getattr(e, "kernel_builds", None) is not None:
-            yield from self._builds(e.kernel_builds)
+        yield from self._builds(getattr(e, "kernel_builds", None))
 
     @staticmethod
     def _steps(totals: dict[str, list[float]]):
@@ -208,12 +207,13 @@ class _ExecutorState:
 
     @staticmethod
     def _builds(builds):
-        """Triton kernels built after start-up (executor/engine/builds.py): each held its step."""
+        """Triton kernels built after start-up (executor/engine/builds.py): each held its step.
+        None (an engine without Triton: CPU): 0, so dashboards find the series everywhere."""
+        count, seconds = (builds.count, builds.seconds) if builds is not None else (0, 0.0)
         return [CounterMetricFamily("loraserve_executor_kernel_builds",
                                     "Triton kernels built (or loaded from its disk cache) while serving: each held its step",
-                                    value=builds.count),
-                CounterMetricFamily("loraserve_executor_kernel_build_seconds",
-                                    "Seconds of those builds", value=builds.seconds)]
+                                    value=count),
+                CounterMetricFamily("loraserve_executor_kernel_build_seconds", "Seconds of those builds", value=seconds)]
 
     def _lora_info(self, running, waiting, adapters) -> GaugeMetricFamily:
         """vLLM's `lora_requests_info` shape: one sample whose labels list the adapters of running

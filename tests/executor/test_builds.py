@@ -105,3 +105,5 @@ def test_builds_are_exported_as_counters():
     families = {f.name: f for f in _ExecutorState._builds(watch)}
     assert families["loraserve_executor_kernel_builds"].samples[0].value == 2
     assert families["loraserve_executor_kernel_build_seconds"].samples[0].value == pytest.approx(watch.seconds)
+    cpu = {f.name: f.samples[0].value for f in _ExecutorState._builds(None)}  # no Triton: zeros, still exported
+    assert cpu == {"loraserve_executor_kernel_builds": 0, "loraserve_executor_kernel_build_seconds": 0.0}
