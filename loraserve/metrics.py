@@ -191,7 +191,7 @@ class _ExecutorState:
         yield _gauge("loraserve_executor_cpu_cache_adapters", "Adapters in the host memory cache", len(cpu))
         yield self._lora_info(running, waiting, adapters)
         yield from self._steps(dict(e.step_totals))
-        yield from self._builds(getattr(e, "kernel_builds", None))
+        yield from self._builds(e.kernel_builds)
 
     @staticmethod
     def _steps(totals: dict[str, list[float]]):
