@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +56,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_engine  # noqa: E402 - the random-weight model of a shape, the weight bytes of a step
+import step_trace  # noqa: E402 - the profiler window of --profile
 
 from loraserve.executor.config import ExecutorConfig  # noqa: E402
 from loraserve.executor.engine.engine import Engine, GenerationRequest  # noqa: E402
@@ -276,15 +279,21 @@ class StepWatch:
 
 
 def step_mix(engine: Engine, before: dict, name: str) -> tuple:
-    """A row: the run's forward steps by kind (engine.step_totals now minus `before`, from `totals`)."""
+    """A row: the run's forward steps by kind (engine.step_totals now minus `before`, from `totals`):
+    each kind's share of the step time, its mean step, host launch time and device span."""
     parts, wall = [], 0.0
     for kind, now in engine.step_totals.items():
-        n, sec, seqs, tokens = (a - b for a, b in zip(now, before["steps"][kind]))
-        if n:
-            wall += sec
-            parts.append((kind, n, sec, seqs, tokens))
-    note = "; ".join(f"{kind} {n:.0f} ({sec / max(wall, 1e-9):.0%} of step time): {sec / n * 1e3:.1f} ms, "
-                     f"{seqs / n:.1f} seqs, {tokens / n:.0f} tokens each" for kind, n, sec, seqs, tokens in parts)
+        t = now.minus(before["steps"][kind])
+        if t.steps:
+            wall += t.seconds
+            parts.append((kind, t))
+    note = "; ".join(
+        f"{kind} {t.steps} ({t.seconds / max(wall, 1e-9):.0%} of step time): {t.seconds / t.steps * 1e3:.1f} ms "
+        f"(launch {t.launch_seconds / t.steps * 1e3:.1f}"
+        + (f", device {t.device_seconds / t.steps * 1e3:.1f}" if t.device_seconds else "")
+        + f"), {t.sequences / t.steps:.1f} seqs, {t.tokens / t.steps:.0f} tokens each"
+        for kind, t in parts
+    )
     deferred = engine.scheduler.deferred_steps - before["deferred"]
     note += f"; {deferred} steps held admissions back" if deferred else ""
     if engine.kernel_builds is not None:  # Triton builds during the run (each held its step)
@@ -296,7 +305,7 @@ def step_mix(engine: Engine, before: dict, name: str) -> tuple:
 def totals(engine: Engine) -> dict:
     """What step_mix subtracts: the step totals by kind and the held steps, now."""
     builds = engine.kernel_builds
-    return {"steps": {k: list(v) for k, v in engine.step_totals.items()}, "deferred": engine.scheduler.deferred_steps,
+    return {"steps": {k: dataclasses.replace(v) for k, v in engine.step_totals.items()}, "deferred": engine.scheduler.deferred_steps,
             "builds": (builds.count, builds.seconds) if builds is not None else (0, 0.0)}
 
 
@@ -534,15 +543,19 @@ async def run(args, tokenizer) -> list[tuple]:
          f"{sum(t == 'store' for t, _ in counter.loads)}; " + phases(counter.phases)),
         base_steps, mixed_steps,
     ]
-    if args.grpc:
+    for client in args.grpc_client if args.grpc else ():
         t_grpc = totals(engine)
-        rows.append(await grpc_row(args, engine, items, ceiling))
-        rows.append(step_mix(engine, t_grpc, "through gRPC"))
+        rows.append(await grpc_row(args, engine, items, ceiling, client))
+        rows.append(step_mix(engine, t_grpc, f"through gRPC, client {client}"))
     await engine.stop()
     return rows, items, tps
 
 
-async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float) -> tuple:
+async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float, client: str) -> tuple:
+    """The workload through the executor's gRPC service on loopback. client "process": the streams
+    come from another process (as a server's clients would: their Python work does not share this
+    process's interpreter lock with the engine's eager launches); "in-process": from this event loop.
+    With --profile, a torch.profiler window over the run (step_trace.py) is saved and summarized."""
     import grpc
 
     from loraserve.executor.service import ExecutorParts, serve
@@ -552,14 +565,47 @@ async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float) -> t
 
     parts = ExecutorParts(engine, engine.slots, StoreClient("127.0.0.1:9", Layout()), engine.config)  # no store
     server, port = await serve(parts, "127.0.0.1:0")
+    window = None
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            result = await drive(items, grpc_one(epb_grpc.ExecutorStub(channel), True), args)
+        with step_trace.labelled_steps(engine) if args.profile else contextlib.nullcontext():
+            if args.profile:
+                window = asyncio.ensure_future(step_trace.profile_window(args.profile / client, args.profile_after, 2.0))
+            if client == "process":
+                result = await asyncio.to_thread(_client_process, port, items, args)
+            else:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    result = await drive(items, grpc_one(epb_grpc.ExecutorStub(channel), True), args)
+            if window is not None:
+                trace = await window
+                print("\n".join(step_trace.summarize(trace)), file=sys.stderr)
     finally:
+        if window is not None and not window.done():
+            window.cancel()
         await server.stop(0)
         parts.store_watch.cancel()
-    return row("loraserve through gRPC (client in-process)", result,
+    return row(f"loraserve through gRPC (client {'process' if client == 'process' else 'in this process'})", result,
                f"{result.tokens / result.seconds / ceiling:.2f} of the ceiling")
+
+
+def _client_process(port: int, items: list[Item], args) -> Result:
+    """Runs the gRPC clients in a child process (spawned: no CUDA state crosses) -> their Result."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(_client_main, (port, items, args.concurrency, args.rate))
+
+
+def _client_main(port: int, items: list[Item], concurrency: int, rate: float) -> Result:
+    import grpc
+
+    from loraserve.v1 import executor_pb2_grpc as epb_grpc
+
+    async def go() -> Result:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            return await drive(items, grpc_one(epb_grpc.ExecutorStub(channel), True),
+                               argparse.Namespace(concurrency=concurrency, rate=rate))
+    return asyncio.run(go())
 
 
 def word_tokenizer(vocab: int):
@@ -600,9 +646,17 @@ def main() -> None:
     ap.add_argument("--output-len", type=span, default=(64, 256), help="lo,hi (uniform)")
     ap.add_argument("--peft-requests", type=int, default=16, help="requests run on transformers + PEFT (0: skip)")
     ap.add_argument("--grpc", action="store_true", help="also run the workload through the executor's gRPC service")
+    ap.add_argument("--grpc-client", type=lambda v: v.split(","), default=["process"],
+                    help="where the gRPC clients run: process (a child process, as remote clients), in-process "
+                         "(this event loop), or both comma-separated (one run each, in that order)")
+    ap.add_argument("--profile", type=Path, help="folder: a 2 s torch.profiler window over each gRPC run, "
+                    "summarized by step kind on stderr (benchmarks/step_trace.py)")
+    ap.add_argument("--profile-after", type=float, default=4.0, help="seconds into the gRPC run the window opens")
     ap.add_argument("--probe", action="store_true", help="measure the adapter load path instead of a workload")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if bad := set(args.grpc_client) - {"process", "in-process"}:
+        ap.error(f"--grpc-client: {', '.join(sorted(bad))} is not process or in-process")
     bench_engine.DEVICE = args.device
     bench_engine.DTYPE = torch.bfloat16 if args.device == "cuda" else torch.float32
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -33,7 +33,7 @@ _MAX_SPLITS = 64
 _PROGRAMS_PER_SM = 2  # decode splits until B * KVH * splits reaches this many programs per SM
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])  # eager decode steps' table widths vary (see _prefill_kernel)
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     scale_log2, window, partition,
@@ -173,7 +173,11 @@ def _prefill_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+# A step's block table width and sequence count vary: specialised on them (a width a multiple of 16,
+# cu_query_lens 16-byte aligned when the count is a multiple of 4: kv_cache.AttentionMetadata packs
+# it after seq_lens), each new combination would be a build while serving; the warm-up's steps meet
+# only some. They cost nothing measurable unspecialised: a program reads a few scalars of each.
+@triton.jit(do_not_specialize=["stride_tb"], do_not_specialize_on_alignment=["cu_ptr", "tables_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, cu_ptr, out_ptr,
     scale_log2, window,

@@ -194,14 +194,16 @@ class _ExecutorState:
         yield from self._builds(e.kernel_builds)
 
     @staticmethod
-    def _steps(totals: dict[str, list[float]]):
-        """Forward steps by kind: decode-graph (a replayed CUDA graph), decode (eager), mixed (a
-        prefill chunk in it: eager). Their share says how often admissions take the eager path."""
+    def _steps(totals: dict):
+        """Forward steps by kind (engine.StepTotals): decode-graph (a replayed CUDA graph), decode
+        (eager), mixed (a prefill chunk in it: eager). Their share says how often admissions take
+        the eager path; launch seconds near step seconds say the host, not the GPU, sets the pace."""
         out = [CounterMetricFamily("loraserve_executor_steps", "Forward steps collected, by kind", labels=["kind"]),
                CounterMetricFamily("loraserve_executor_step_seconds", "Seconds from launch to sampled tokens, by step kind (a step launched ahead overlaps the one before: the sum can pass wall time)", labels=["kind"]),
+               CounterMetricFamily("loraserve_executor_step_launch_seconds", "Host seconds spent queuing the steps' work (Python launches, graph staging), by step kind", labels=["kind"]),
                CounterMetricFamily("loraserve_executor_step_sequences", "Sequences in the steps, by step kind", labels=["kind"])]
-        for kind, (steps, seconds, seqs, _) in sorted(totals.items()):
-            for family, value in zip(out, (steps, seconds, seqs)):
+        for kind, t in sorted(totals.items()):
+            for family, value in zip(out, (t.steps, t.seconds, t.launch_seconds, t.sequences)):
                 family.add_metric([kind], value)
         return out
 

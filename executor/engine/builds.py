@@ -29,6 +29,7 @@ class KernelBuilds:
         self.count = 0
         self.seconds = 0.0
         self.armed = False
+        self.recent: list[str] = []  # the last few kernels counted, with their specialisation (tests, diagnosis)
         self._lock = threading.Lock()
         self._started: dict[tuple, float] = {}  # (thread, kernel, key) -> when its build began
 
@@ -46,6 +47,7 @@ class KernelBuilds:
             took = time.perf_counter() - began
             self.count += 1
             self.seconds += took
+            self.recent = [*self.recent[-7:], f"{fn.name}: {repr[:200]}"]
         values = _named((compile or {}).get("constants"), fn)  # the compile-time values that were new
         log.warning("Triton kernel %s built while serving in %.3f s (the warm-up did not build it): "
                     "compile-time values %s; %s", fn.name, took, str(values)[:600], repr[:300])

@@ -30,7 +30,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import grpc
@@ -41,6 +41,7 @@ from loraserve.kernels.reference import GATHER_MAX_TOKENS
 from loraserve.kernels.tuning import tuned_token_counts
 
 from ..config import ExecutorConfig
+from ..lora import clear_slot, lora_modules
 from ..slots import SlotLease, SlotManager
 from .graphs import DecodeBatch, DecodeGraphs
 from .kv_cache import BlockAllocator, KVCache
@@ -149,6 +150,8 @@ class _Launched:
     kept: bool = False  # its sampled tokens are in the graphs' buffer (a next step may read them)
     ahead: bool = False  # launched before the previous step's tokens reached the host
     host: torch.Tensor | None = None  # the pinned buffer `out` is a view of (back to the engine's pool once read)
+    launch_seconds: float = 0.0  # host time `_launch_on_device` took
+    start: torch.cuda.Event | None = None  # recorded before the step's work (CUDA; timing)
 
 
 class StepTime(NamedTuple):
@@ -161,6 +164,36 @@ class StepTime(NamedTuple):
     end: float  # when its tokens were on the host
     launched: float  # when it was launched
     ahead: bool  # launched before the previous step's tokens reached the host
+    launch_seconds: float = 0.0  # host time queuing its work (Python launches, graph staging)
+    device_seconds: float | None = None  # CUDA: from the device starting its work to ending it
+
+
+@dataclass
+class StepTotals:
+    """Every collected step of one kind since start (metrics, serve.py).
+
+    launch_seconds near seconds says the host set the steps' pace (the device waited for
+    launches); device_seconds is the device's span from each step's first queued work to its
+    last, gaps included (CUDA only), so seconds - device_seconds is the time the step was not on
+    the device at all (waiting behind the previous step, or its tokens' trip to the host)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    sequences: int = 0
+    tokens: int = 0
+    launch_seconds: float = 0.0
+    device_seconds: float = 0.0
+
+    def add(self, t: StepTime) -> None:
+        self.steps += 1
+        self.seconds += t.seconds
+        self.sequences += t.num_seqs
+        self.tokens += t.num_tokens
+        self.launch_seconds += t.launch_seconds
+        self.device_seconds += t.device_seconds or 0.0
+
+    def minus(self, before: "StepTotals") -> "StepTotals":
+        return StepTotals(*(getattr(self, f.name) - getattr(before, f.name) for f in fields(StepTotals)))
 
 
 @dataclass
@@ -216,8 +249,8 @@ class Engine:
         if self.graphs is not None:
             self.scheduler.pace_max_running = self.graphs.max_batch  # larger batches decode eagerly
         self.step_times: list[StepTime] = []  # the collected steps, latest last (benchmarks and tests read them)
-        # every collected step since start, by kind: [steps, seconds, sequences, tokens] (metrics, serve.py)
-        self.step_totals: dict[str, list[float]] = {k: [0, 0.0, 0, 0] for k in ("decode-graph", "decode", "mixed")}
+        # every collected step since start, by kind (metrics, serve.py)
+        self.step_totals: dict[str, StepTotals] = {k: StepTotals() for k in ("decode-graph", "decode", "mixed")}
         self.steps_ahead = 0  # steps planned before the previous step's tokens reached the host
         # pinned buffers for the steps' sampled tokens, allocated before serving (see _pinned_out)
         self._out_pool: list[torch.Tensor] = [
@@ -239,7 +272,13 @@ class Engine:
             with torch.cuda.device(self.device):
                 forward_step(self.model, kv, step, self.max_loras, self.device)
 
-        return warm_up(run, steps, self.device)
+        seconds = warm_up(run, steps, self.device)
+        modules = lora_modules(self.model).values()
+        if self.max_loras and modules:  # the slot-load kernel too (slot 0 holds nothing yet: zeroing it changes nothing)
+            with torch.cuda.device(self.device):
+                clear_slot(modules, 0)
+                torch.cuda.synchronize(self.device)
+        return seconds
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Decode-step CUDA graphs, on CUDA unless config.enforce_eager or the RoPE is dynamic.
@@ -668,6 +707,10 @@ class Engine:
     def _launch_on_device(self, b: _Batch) -> "_Launched":
         t0 = time.perf_counter()
         dev = self.device
+        start = None
+        if dev.type == "cuda":  # the step's device span starts here: its slot copies' waits are in it
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         for lease in b.leases:
             lease.wait()  # the forward's stream waits for the slot copy (CUDA only)
         num_seqs = len(b.query_lens)
@@ -685,7 +728,7 @@ class Engine:
             if self.ranks is not None:  # ranks 1..N-1 run the same step on their shards
                 self.ranks.step(StepInputs.of(b))
             logits = forward_step(self.model, self.kv_cache, b, self.max_loras, dev)
-        launched = _Launched(kind, num_seqs, len(b.input_ids), t0, None)
+        launched = _Launched(kind, num_seqs, len(b.input_ids), t0, None, start=start)
         sampled = self._sample(b, logits)
         if sampled is not None:
             token_ids, logprobs = sampled
@@ -698,8 +741,9 @@ class Engine:
                 launched.host = self._pinned_out(launched.out.numel())
                 launched.out = launched.host[: launched.out.numel()].view(launched.out.shape).copy_(
                     launched.out, non_blocking=True)
-            launched.event = torch.cuda.Event()
+            launched.event = torch.cuda.Event(enable_timing=True)
             launched.event.record()
+        launched.launch_seconds = time.perf_counter() - t0
         return launched
 
     def _pinned_out(self, numel: int) -> torch.Tensor:
@@ -725,14 +769,14 @@ class Engine:
         if launched.host is not None:
             self._out_pool.append(launched.host)
             launched.host = None
+        device_seconds = None
+        if launched.start is not None:  # both events have completed: the step's tokens are here
+            device_seconds = launched.start.elapsed_time(launched.event) / 1e3
         end = time.perf_counter()
-        self.step_times.append(StepTime(launched.kind, launched.num_seqs, launched.num_tokens, end - launched.t0, end,
-                                        launched.t0, launched.ahead))
-        totals = self.step_totals[launched.kind]
-        totals[0] += 1
-        totals[1] += end - launched.t0
-        totals[2] += launched.num_seqs
-        totals[3] += launched.num_tokens
+        step = StepTime(launched.kind, launched.num_seqs, launched.num_tokens, end - launched.t0, end, launched.t0,
+                        launched.ahead, launched.launch_seconds, device_seconds)
+        self.step_times.append(step)
+        self.step_totals[launched.kind].add(step)
         if len(self.step_times) > 2000:
             del self.step_times[:1000]
         return token_ids, logprobs

@@ -33,6 +33,7 @@ def test_builds_count_only_once_armed_and_each_is_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="loraserve.executor.engine.builds"):
         build(watch, "_expand_kernel", key=("other", "opts"))
     assert watch.count == 1 and watch.seconds > 0
+    assert watch.recent == ["_expand_kernel: _expand_kernel[num_warps=4]"]  # the warm-up's build is not in it
     assert "Triton kernel _expand_kernel built while serving in" in caplog.text
     assert "_expand_kernel[num_warps=4]" in caplog.text
     assert "compile-time values {'BLOCK_M': 64, 'ONE_TILE': False}" in caplog.text

@@ -348,6 +348,10 @@ def test_bf16_on_cuda_applies_each_rows_adapter(loop_thread, base, adapter_dirs,
         with cf.ThreadPoolExecutor(len(jobs)) as pool:
             resps = list(pool.map(lambda j: generate(client, *j, 12), jobs))
         check_bf16_rows(references, jobs, resps)
+        # the engine's warm-up built every kernel these steps ran (slot loads, prefill attention over
+        # any number of sequences, LoRA at any token count): none was built while they waited
+        builds = c.parts.engine.kernel_builds
+        assert builds.count == 0, builds.recent
     finally:
         c.close()
 

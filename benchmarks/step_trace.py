@@ -1,0 +1,145 @@
+"""Where a serving engine's steps spend their time: a torch.profiler window over a running engine,
+and a summary of its trace by step kind (host launch window, device span and busy time, kernels).
+
+Used by serve.py (`--profile DIR`): the engine's steps are labelled `step <kind>` while the window
+is open, the trace goes to DIR/trace.json.gz, and `summarize` prints, per step kind, how long the
+host took to queue a step's work, how long the device took from its first kernel to its last, how
+much of that it was busy, and the kernels of the mixed (eager prefill + decode) steps by time.
+
+    python benchmarks/step_trace.py DIR/trace.json.gz     # the summary again, from a saved trace
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import gzip
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+LABEL = "step "  # record_function names: "step decode-graph", "step decode", "step mixed"
+_RUNTIME = {"cuda_runtime", "cuda_driver"}
+_DEVICE = {"kernel", "gpu_memset", "gpu_memcpy"}
+
+
+@contextlib.contextmanager
+def labelled_steps(engine):
+    """Wraps the engine's step launch in a record_function named after the step's kind."""
+    import torch
+
+    launch = engine._launch_on_device
+
+    def labelled(b):
+        kind = "decode-graph" if engine._graph_step(b) else ("decode" if b.is_decode else "mixed")
+        with torch.profiler.record_function(LABEL + kind):
+            return launch(b)
+
+    engine._launch_on_device = labelled
+    try:
+        yield
+    finally:
+        engine._launch_on_device = launch
+
+
+async def profile_window(folder: Path, after: float, seconds: float) -> Path:
+    """Profiles CPU and CUDA activity for `seconds`, `after` seconds from now; the trace's path."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    await asyncio.sleep(after)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    try:  # eager steps launch from worker threads: record every thread's ops, not only this one's
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # an older torch: the labels of steps launched from other threads are missing
+        config = None
+    prof = profile(activities=activities, experimental_config=config)
+    prof.start()
+    await asyncio.sleep(seconds)
+    prof.stop()
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = folder / "trace.json"
+    prof.export_chrome_trace(str(raw))
+    path = folder / "trace.json.gz"
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        dst.write(src.read())
+    raw.unlink()
+    return path
+
+
+def _kind_of(name: str) -> str:
+    n = name.lower()
+    if "_shrink" in n or "_expand" in n:
+        return "lora"
+    if "attention" in n or "_prefill_kernel" in n or "_decode_kernel" in n or "_reduce_kernel" in n:
+        return "attention"
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "cublas")):
+        return "gemm"
+    if "memset" in n or "memcpy" in n:
+        return "copy/memset"
+    return "other"
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize(path: Path, top: int = 15) -> list[str]:
+    """The trace's steps by kind, and the mixed steps' kernels: lines of text (times in ms)."""
+    with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as f:
+        events = json.load(f)["traceEvents"]
+    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(LABEL)]
+    runtime = [e for e in events if e.get("ph") == "X" and e.get("cat") in _RUNTIME and "correlation" in e.get("args", {})]
+    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE and "correlation" in e.get("args", {})]
+    by_corr = defaultdict(list)
+    for e in device:
+        by_corr[e["args"]["correlation"]].append(e)
+    by_thread = defaultdict(list)  # tid -> [(ts, correlation)] of runtime calls, sorted
+    for e in runtime:
+        by_thread[e["tid"]].append((e["ts"], e["args"]["correlation"]))
+    for calls in by_thread.values():
+        calls.sort()
+    rows = defaultdict(list)  # kind -> [(host ms, span ms, busy ms, launches)]
+    kernels = defaultdict(float)  # mixed steps: kernel name -> total us
+    groups = defaultdict(float)
+    mixed = 0
+    for s in steps:
+        kind = s["name"][len(LABEL):]
+        calls = by_thread.get(s["tid"], [])
+        lo = bisect.bisect_left(calls, (s["ts"], -1))
+        hi = bisect.bisect_right(calls, (s["ts"] + s["dur"], float("inf")))
+        work = [k for _, c in calls[lo:hi] for k in by_corr.get(c, [])]
+        spans = [(k["ts"], k["ts"] + k["dur"]) for k in work]
+        span = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
+        rows[kind].append((s["dur"] / 1e3, span / 1e3, _union(spans) / 1e3, hi - lo))
+        if kind == "mixed":
+            mixed += 1
+            for k in work:
+                kernels[k["name"]] += k["dur"]
+                groups[_kind_of(k["name"])] += k["dur"]
+    out = [f"trace {path}: {len(steps)} labelled steps",
+           "| step kind | steps | host launch ms | device span ms | device busy ms | busy / span | runtime calls |",
+           "|---|---|---|---|---|---|---|"]
+    for kind, rs in sorted(rows.items()):
+        n = len(rs)
+        host, span, busy, calls = (sum(r[i] for r in rs) / n for i in range(4))
+        out.append(f"| {kind} | {n} | {host:.2f} | {span:.2f} | {busy:.2f} | {busy / max(span, 1e-9):.2f} | {calls:.0f} |")
+    if mixed:
+        out.append(f"mixed steps: device time per step by group (ms): "
+                   + ", ".join(f"{g} {t / mixed / 1e3:.2f}" for g, t in sorted(groups.items(), key=lambda x: -x[1])))
+        out += ["| kernel (mixed steps) | ms per step |", "|---|---|"]
+        for name, t in sorted(kernels.items(), key=lambda x: -x[1])[:top]:
+            out.append(f"| {name[:90]} | {t / mixed / 1e3:.3f} |")
+    return out
+
+
+if __name__ == "__main__":
+    print("\n".join(summarize(Path(sys.argv[1]))))

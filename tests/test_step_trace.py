@@ -1,0 +1,43 @@
+"""benchmarks/step_trace.py's summary of a profiler trace: steps matched to their kernels through
+the runtime calls their thread made inside the step's label, device busy time as a union."""
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import step_trace  # noqa: E402
+
+
+def _x(name, cat, ts, dur, tid=1, **args):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "args": args}
+
+
+def test_summary_matches_kernels_to_their_step(tmp_path):
+    events = [
+        # a mixed step on thread 7: two launches; a 100 us gap between its kernels (busy 500 us of a 600 us span)
+        _x("step mixed", "user_annotation", 1000, 500, tid=7),
+        _x("cudaLaunchKernel", "cuda_runtime", 1100, 5, tid=7, correlation=1),
+        _x("cudaLaunchKernel", "cuda_runtime", 1200, 5, tid=7, correlation=2),
+        _x("_shrink_kernel", "kernel", 1500, 200, tid=99, correlation=1),
+        _x("nvjet_gemm_bf16", "kernel", 1800, 300, tid=99, correlation=2),
+        # a graph step on thread 3: one replay, one kernel of 100 us
+        _x("step decode-graph", "user_annotation", 3000, 50, tid=3),
+        _x("cudaGraphLaunch", "cuda_runtime", 3010, 20, tid=3, correlation=3),
+        _x("_decode_kernel", "kernel", 3100, 100, tid=99, correlation=3),
+        # a launch on thread 7 outside any step, and another thread's launch inside the step's time
+        _x("cudaLaunchKernel", "cuda_runtime", 2000, 5, tid=7, correlation=4),
+        _x("_expand_kernel", "kernel", 2100, 50, tid=99, correlation=4),
+        _x("cudaLaunchKernel", "cuda_runtime", 1300, 5, tid=8, correlation=5),
+        _x("other_kernel", "kernel", 1300, 1000, tid=99, correlation=5),
+    ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    text = "\n".join(step_trace.summarize(path))
+    assert "| mixed | 1 | 0.50 | 0.60 | 0.50 | 0.83 | 2 |" in text
+    assert "| decode-graph | 1 | 0.05 | 0.10 | 0.10 | 1.00 | 1 |" in text
+    assert "mixed steps: device time per step by group (ms): gemm 0.30, lora 0.20" in text
+    assert "| _shrink_kernel | 0.200 |" in text
+    assert "_expand_kernel" not in text and "other_kernel" not in text
