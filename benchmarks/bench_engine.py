@@ -152,6 +152,7 @@ def build_engine(args, tokenizer: Tokenizer) -> tuple[Engine, int]:
         num_blocks=max(args.batches) * -(-max_tokens_per_seq // 16) + 4096 // 16 + 64,
         max_num_seqs=max(*args.batches, args.streams, 16), max_num_batched_tokens=4096,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, admit_ratio=args.admit_ratio,
+        mixed_graphs=not args.no_mixed_graphs,
     )  # fmt: skip
     spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE)
     model = build_model(args.shape, args.vocab, spec)
@@ -489,6 +490,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64, help="concurrent gRPC streams; 0: skip")
     ap.add_argument("--grpc-prompt", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--no-mixed-graphs", action="store_true", help="prefill and mixed steps run eagerly")
     ap.add_argument("--prefill", type=lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",")],
                     default=[(1, 4096), (16, 256)], help="prefill steps to time, SEQSxLEN,... (with --adapters, "
                     "each also with a distinct adapter per sequence)")
@@ -514,7 +516,7 @@ def main() -> None:
     print(f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights, vocab {args.vocab}, "
           f"{where}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
-          f"{'eager' if args.enforce_eager else 'CUDA graphs'}")
+          f"{'eager' if args.enforce_eager else 'CUDA graphs' + (' (decode only)' if args.no_mixed_graphs else '')}")
     print("| case | time | rate | against the floor |")
     print("|---|---|---|---|")
     for row in rows:

@@ -235,6 +235,7 @@ def build(args, tokenizer):
         num_blocks=args.concurrency * -(-longest // 16) + 64, max_num_seqs=args.concurrency,
         max_num_batched_tokens=max(2048, longest), max_model_len=longest, adapter_refresh_s=0,
         admit_ratio=args.admit_ratio, max_admit_delay_steps=args.max_admit_delay_steps,
+        mixed_graphs=not args.no_mixed_graphs,
     )  # fmt: skip
     if not cfg.cpu_cache_bytes:
         from loraserve.executor.memory import available_host_bytes, default_cpu_cache_bytes
@@ -547,6 +548,17 @@ async def run(args, tokenizer) -> list[tuple]:
         t_grpc = totals(engine)
         rows.append(await grpc_row(args, engine, items, ceiling, client))
         rows.append(step_mix(engine, t_grpc, f"through gRPC, client {client}"))
+    if args.grpc and args.eager_mixed_too and engine.mixed_graphs is not None:
+        # the same gRPC run with steps that hold a prefill chunk run eagerly (the graphs set aside):
+        # what the mixed graphs change, on one host, in one process
+        graphs, engine.mixed_graphs = engine.mixed_graphs, None
+        try:
+            t_grpc = totals(engine)
+            name, *rest = await grpc_row(args, engine, items, ceiling, args.grpc_client[0])
+            rows.append((name + ", mixed steps eager", *rest))
+            rows.append(step_mix(engine, t_grpc, f"through gRPC, client {args.grpc_client[0]}, mixed steps eager"))
+        finally:
+            engine.mixed_graphs = graphs
     await engine.stop()
     return rows, items, tps
 
@@ -649,6 +661,10 @@ def main() -> None:
     ap.add_argument("--grpc-client", type=lambda v: v.split(","), default=["process"],
                     help="where the gRPC clients run: process (a child process, as remote clients), in-process "
                          "(this event loop), or both comma-separated (one run each, in that order)")
+    ap.add_argument("--no-mixed-graphs", action="store_true", help="steps with a prefill chunk run eagerly (as the "
+                    "executor's flag)")
+    ap.add_argument("--eager-mixed-too", action="store_true", help="with --grpc: one more gRPC run with the mixed "
+                    "steps' graphs set aside (before / after on one host)")
     ap.add_argument("--profile", type=Path, help="folder: a 2 s torch.profiler window over each gRPC run, "
                     "summarized by step kind on stderr (benchmarks/step_trace.py)")
     ap.add_argument("--profile-after", type=float, default=4.0, help="seconds into the gRPC run the window opens")

@@ -20,7 +20,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-LABEL = "step "  # record_function names: "step decode-graph", "step decode", "step mixed"
+LABEL = "step "  # record_function names: "step " + the step's kind (engine.STEP_KINDS)
 _RUNTIME = {"cuda_runtime", "cuda_driver"}
 _DEVICE = {"kernel", "gpu_memset", "gpu_memcpy"}
 
@@ -33,7 +33,7 @@ def labelled_steps(engine):
     launch = engine._launch_on_device
 
     def labelled(b):
-        kind = "decode-graph" if engine._graph_step(b) else ("decode" if b.is_decode else "mixed")
+        kind = engine._step_kind(b)
         with torch.profiler.record_function(LABEL + kind):
             return launch(b)
 
@@ -96,7 +96,8 @@ def summarize(path: Path, top: int = 15) -> list[str]:
     """The trace's steps by kind, and the mixed steps' kernels: lines of text (times in ms)."""
     with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as f:
         events = json.load(f)["traceEvents"]
-    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(LABEL)]
+    steps = [e for e in events  # the host's labels (the profiler repeats them on the GPU's timeline)
+             if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(LABEL)]
     runtime = [e for e in events if e.get("ph") == "X" and e.get("cat") in _RUNTIME and "correlation" in e.get("args", {})]
     device = [e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE and "correlation" in e.get("args", {})]
     by_corr = defaultdict(list)
@@ -108,9 +109,8 @@ def summarize(path: Path, top: int = 15) -> list[str]:
     for calls in by_thread.values():
         calls.sort()
     rows = defaultdict(list)  # kind -> [(host ms, span ms, busy ms, launches)]
-    kernels = defaultdict(float)  # mixed steps: kernel name -> total us
-    groups = defaultdict(float)
-    mixed = 0
+    kernels = defaultdict(lambda: defaultdict(float))  # mixed kinds: kind -> kernel name -> total us
+    groups = defaultdict(lambda: defaultdict(float))
     for s in steps:
         kind = s["name"][len(LABEL):]
         calls = by_thread.get(s["tid"], [])
@@ -120,11 +120,10 @@ def summarize(path: Path, top: int = 15) -> list[str]:
         spans = [(k["ts"], k["ts"] + k["dur"]) for k in work]
         span = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
         rows[kind].append((s["dur"] / 1e3, span / 1e3, _union(spans) / 1e3, hi - lo))
-        if kind == "mixed":
-            mixed += 1
+        if kind.startswith("mixed"):
             for k in work:
-                kernels[k["name"]] += k["dur"]
-                groups[_kind_of(k["name"])] += k["dur"]
+                kernels[kind][k["name"]] += k["dur"]
+                groups[kind][_kind_of(k["name"])] += k["dur"]
     out = [f"trace {path}: {len(steps)} labelled steps",
            "| step kind | steps | host launch ms | device span ms | device busy ms | busy / span | runtime calls |",
            "|---|---|---|---|---|---|---|"]
@@ -132,12 +131,13 @@ def summarize(path: Path, top: int = 15) -> list[str]:
         n = len(rs)
         host, span, busy, calls = (sum(r[i] for r in rs) / n for i in range(4))
         out.append(f"| {kind} | {n} | {host:.2f} | {span:.2f} | {busy:.2f} | {busy / max(span, 1e-9):.2f} | {calls:.0f} |")
-    if mixed:
-        out.append(f"mixed steps: device time per step by group (ms): "
-                   + ", ".join(f"{g} {t / mixed / 1e3:.2f}" for g, t in sorted(groups.items(), key=lambda x: -x[1])))
-        out += ["| kernel (mixed steps) | ms per step |", "|---|---|"]
-        for name, t in sorted(kernels.items(), key=lambda x: -x[1])[:top]:
-            out.append(f"| {name[:90]} | {t / mixed / 1e3:.3f} |")
+    for kind in sorted(kernels):
+        n = len(rows[kind])
+        out.append(f"{kind} steps: device time per step by group (ms): "
+                   + ", ".join(f"{g} {t / n / 1e3:.2f}" for g, t in sorted(groups[kind].items(), key=lambda x: -x[1])))
+        out += [f"| kernel ({kind} steps) | ms per step |", "|---|---|"]
+        for name, t in sorted(kernels[kind].items(), key=lambda x: -x[1])[:top]:
+            out.append(f"| {name[:90]} | {t / n / 1e3:.3f} |")
     return out
 
 

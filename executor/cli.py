@@ -69,7 +69,10 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
                    help="decode steps a hold lasts at most under --admit-ratio")
     p.add_argument("--max-model-len", type=int, default=int(env("max_model_len", 2048)))
     p.add_argument("--enforce-eager", action="store_true", default=env("enforce_eager", "") in ("1", "true"),
-                   help="CUDA: no CUDA graphs (decode steps run eagerly); for debugging")
+                   help="CUDA: no CUDA graphs (decode and mixed steps run eagerly); for debugging")
+    p.add_argument("--no-mixed-graphs", action="store_true", default=env("no_mixed_graphs", "") in ("1", "true"),
+                   help="CUDA: steps with a prefill chunk run eagerly (decode steps keep their graphs); saves the "
+                        "mixed graphs' activation memory (about max_num_batched_tokens x the MLP width)")
     p.add_argument("--slot-wait-timeout-s", type=float, default=float(env("slot_wait_timeout_s", 30)),
                    help="how long a request waits for a GPU slot while all are busy")
     p.add_argument("--adapter-refresh-s", type=float, default=float(env("adapter_refresh_s", 30)),
@@ -121,7 +124,7 @@ def executor_config(a: argparse.Namespace):
         max_model_len=a.max_model_len, store_address=a.store, listen_address=a.executor_listen,
         admin_token=a.executor_admin_token, slot_wait_timeout_s=a.slot_wait_timeout_s,
         adapter_refresh_s=a.adapter_refresh_s, store_timeout_s=a.store_timeout_s, max_prompt_bytes=a.max_prompt_bytes,
-        enforce_eager=a.enforce_eager,
+        enforce_eager=a.enforce_eager, mixed_graphs=not a.no_mixed_graphs,
         http_listen=f"{a.executor_listen.rsplit(':', 1)[0]}:{a.http_port}" if a.http_port else "",
         tls=server_tls(a.executor_tls_cert, a.executor_tls_key, a.executor_tls_client_ca),
         store_tls=make_client_tls(a.store_tls_ca, a.store_tls_cert, a.store_tls_key),

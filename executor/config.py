@@ -69,7 +69,10 @@ class ExecutorConfig:
     # docs/BENCHMARKS.md). admit_ratio 0: admit each at once.
     admit_ratio: float = 0.125
     max_admit_delay_steps: int = 16
-    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
+    enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying CUDA graphs
+    # CUDA: steps with a prefill chunk replay graphs per token bucket (executor/engine/graphs.py,
+    # MixedGraphs); eagerly they are host-bound (docs/BENCHMARKS.md, "Eighth pass")
+    mixed_graphs: bool = True
 
     # Request limits and defaults.
     max_prompt_bytes: int = 0  # text/chat prompts above this many UTF-8 bytes are refused before

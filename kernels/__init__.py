@@ -86,11 +86,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, s
 
 
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window=None, out=None
+    q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window=None, out=None,
+    work=None,
 ):
-    """Variable-length causal queries over paged K/V: see kernels/attention_reference.py for the shapes."""
+    """Variable-length causal queries over paged K/V: see kernels/attention_reference.py for the shapes.
+    work: the Triton kernel's work list (kernels/attention_plan.py), for captured steps."""
     return _attention_impl(q).paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window, out
+        q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window, out, work
     )
 
 

@@ -43,7 +43,8 @@ def paged_decode_attention(
 
 
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window=None, out=None
+    q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window=None, out=None,
+    work=None,
 ) -> torch.Tensor:
     """Variable-length causal queries (prefill chunks and decode tokens mixed) over cached + new keys.
 
@@ -52,6 +53,7 @@ def paged_prefill_attention(
     seq_lens:      [B] int32, keys of sequence b after this step (its chunk's k/v already cached)
     cu_query_lens: [B + 1] int32, sequence b owns q rows [cu[b], cu[b + 1])
     max_query_len: host int, the longest chunk (unused here: the Triton grid is sized by it)
+    work:          the Triton kernel's work list (unused here)
     Query j of sequence b sits at p = seq_len_b - q_len_b + j and sees keys at positions <= p
     (and > p - W with a sliding window W). Sequences with q_len 0 produce nothing.
     -> out [T, H, D], dtype of q

@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 
 from . import attention_reference as reference
+from .attention_plan import d_pad as _d_pad
+from .attention_plan import prefill_config
 from .tuning import num_sms
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -177,26 +179,34 @@ def _prefill_tiles(
 # cu_query_lens 16-byte aligned when the count is a multiple of 4: kv_cache.AttentionMetadata packs
 # it after seq_lens), each new combination would be a build while serving; the warm-up's steps meet
 # only some. They cost nothing measurable unspecialised: a program reads a few scalars of each.
-@triton.jit(do_not_specialize=["stride_tb"], do_not_specialize_on_alignment=["cu_ptr", "tables_ptr", "seq_lens_ptr"])
+@triton.jit(do_not_specialize=["stride_tb"],
+            do_not_specialize_on_alignment=["cu_ptr", "tables_ptr", "seq_lens_ptr", "work_ptr"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, cu_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, cu_ptr, out_ptr, work_ptr,
     scale_log2, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUERIES: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, WORK: tl.constexpr,
 ):
     """Program (query block, kv head, b): rows r = (query j0 + r // GROUP, head kvh * GROUP + r % GROUP).
 
     Query blocks run last-first: they see the most keys, so the long programs start early.
+    WORK: program (p, kv head) takes (b, query block) from entry p of a work list (prefill_work_list;
+    b < 0: nothing), so a captured grid sized for a bucket's tokens launches no program per
+    (sequence, query block) pair that has no queries.
     """
-    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start = tl.load(cu_ptr + b)
-    q_len = tl.load(cu_ptr + b + 1) - q_start
+    if WORK:
+        b = tl.load(work_ptr + 2 * tl.program_id(0))
+        q_block = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
+    else:
+        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        b = tl.program_id(2)
+    q_start = tl.load(cu_ptr + tl.maximum(b, 0))
+    q_len = tl.load(cu_ptr + tl.maximum(b, 0) + 1) - q_start
     j0 = q_block * QUERIES
-    if j0 < q_len:
+    if (b >= 0) & (j0 < q_len):
         seq_len = tl.load(seq_lens_ptr + b)
         ctx = seq_len - q_len
         offs_m = tl.arange(0, BLOCK_M)
@@ -307,25 +317,9 @@ def decode_config(d_pad: int) -> tuple[int, int, int]:
     return (64, 4, 3) if d_pad <= 128 else (32, 4, 2)
 
 
-def prefill_config(rows: int, group: int, d_pad: int, fp32: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the longest chunk's rows (queries x group).
-
-    BLOCK_M shrinks to the rows there are, so a step of short chunks (decode tokens) wastes no
-    tensor-core rows; it never drops below the group, whose heads share a tile.
-    """
-    block_m = min(max(16, triton.next_power_of_2(rows)), 128 if d_pad <= 128 else 64)
-    block_m = max(block_m, triton.next_power_of_2(group))
-    if fp32:  # exact fp32 dots (tests, not serving): large tiles spill and take ptxas minutes to build
-        return max(min(block_m, 32), triton.next_power_of_2(group)), 32, 4, 2
-    if d_pad > 128:
-        return block_m, 32, 4, 2
-    # H100 sweep at D 128 (BLOCK_M 128): BLOCK_N 64 with 4 warps and 3 stages was best on chunks after
-    # context, BLOCK_N 128 with 8 warps 10% better on one long causal prompt and 10% worse on chunks.
-    return block_m, 64, 4, 3
-
-
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window=None, out=None
+    q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window=None, out=None,
+    work=None,
 ) -> torch.Tensor:
     """Variable-length causal queries over cached + new keys (see attention_reference for the math).
 
@@ -333,6 +327,8 @@ def paged_prefill_attention(
     k_cache/v_cache, block_tables, seq_lens: as in paged_decode_attention
     cu_query_lens: [B + 1] int32, sequence b owns q rows [cu[b], cu[b + 1])
     max_query_len: host int >= every q_len (sizes the grid)
+    work:          optional [N, 2] int32 work list (prefill_work_list, with prefill_queries of this
+                   launch): N programs per kv head instead of one per (query block, sequence)
     """
     if out is None:
         out = torch.empty_like(q)
@@ -350,13 +346,15 @@ def paged_prefill_attention(
     block_m, block_n, num_warps, num_stages = prefill_config(max_query_len * group, group, d_pad, q.dtype == torch.float32)
     queries = block_m // group  # rows are (query, head of the group) pairs
     grid = (_cdiv(max_query_len, queries), num_kv_heads, num_seqs)
+    if work is not None:
+        grid = (work.shape[0], num_kv_heads, 1)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens.contiguous(), cu_query_lens.contiguous(), out,
-        scale * _LOG2E, sliding_window or 0,
+        work if work is not None else cu_query_lens, scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        QUERIES=queries, HAS_WINDOW=sliding_window is not None, PRECISION=_precision(q),
+        QUERIES=queries, HAS_WINDOW=sliding_window is not None, PRECISION=_precision(q), WORK=work is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -364,10 +362,6 @@ def paged_prefill_attention(
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _d_pad(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _precision(q) -> str:

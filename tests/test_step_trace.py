@@ -26,7 +26,9 @@ def test_summary_matches_kernels_to_their_step(tmp_path):
         _x("step decode-graph", "user_annotation", 3000, 50, tid=3),
         _x("cudaGraphLaunch", "cuda_runtime", 3010, 20, tid=3, correlation=3),
         _x("_decode_kernel", "kernel", 3100, 100, tid=99, correlation=3),
-        # a launch on thread 7 outside any step, and another thread's launch inside the step's time
+        # the profiler's copy of a label on the GPU timeline (not a step), a launch on thread 7 outside
+        # any step, and another thread's launch inside the step's time
+        _x("step mixed", "gpu_user_annotation", 1400, 700, tid=7),
         _x("cudaLaunchKernel", "cuda_runtime", 2000, 5, tid=7, correlation=4),
         _x("_expand_kernel", "kernel", 2100, 50, tid=99, correlation=4),
         _x("cudaLaunchKernel", "cuda_runtime", 1300, 5, tid=8, correlation=5),
@@ -38,6 +40,7 @@ def test_summary_matches_kernels_to_their_step(tmp_path):
     text = "\n".join(step_trace.summarize(path))
     assert "| mixed | 1 | 0.50 | 0.60 | 0.50 | 0.83 | 2 |" in text
     assert "| decode-graph | 1 | 0.05 | 0.10 | 0.10 | 1.00 | 1 |" in text
+    assert "trace.json.gz: 2 labelled steps" in text
     assert "mixed steps: device time per step by group (ms): gemm 0.30, lora 0.20" in text
     assert "| _shrink_kernel | 0.200 |" in text
     assert "_expand_kernel" not in text and "other_kernel" not in text

@@ -43,7 +43,7 @@ from loraserve.kernels.tuning import tuned_token_counts
 from ..config import ExecutorConfig
 from ..lora import clear_slot, lora_modules
 from ..slots import SlotLease, SlotManager
-from .graphs import DecodeBatch, DecodeGraphs
+from .graphs import DecodeBatch, DecodeGraphs, MixedBatch, MixedGraphs
 from .kv_cache import BlockAllocator, KVCache
 from .sampler import SamplingParams, find_stop, greedy, make_generator, sample, validate_request
 from .scheduler import SchedulePlan, Scheduler, Sequence
@@ -157,7 +157,7 @@ class _Launched:
 class StepTime(NamedTuple):
     """One collected step, as the engine records it (times are time.perf_counter())."""
 
-    kind: str  # "decode-graph", "decode" (eager) or "mixed"
+    kind: str  # one of STEP_KINDS
     num_seqs: int
     num_tokens: int
     seconds: float  # from its launch to its sampled tokens on the host
@@ -203,6 +203,9 @@ class _InFlight:
 
 
 PENDING = -1  # a token id the previous step is still sampling (on the device)
+# A step's kind: a decode step replayed from a captured graph, or run eagerly (a batch larger than the
+# largest graph, or no graphs); a step with a prefill chunk ("mixed") replayed, or run eagerly.
+STEP_KINDS = ("decode-graph", "decode", "mixed-graph", "mixed")
 
 
 class Engine:
@@ -242,6 +245,7 @@ class Engine:
             self.kernel_builds.armed = False
         self.warm_up_seconds = self._warm_up()
         self.graphs = self._capture_graphs()
+        self.mixed_graphs = self._capture_mixed_graphs()
         if self.kernel_builds is not None:
             self.kernel_builds.armed = True
         # admission pacing only where it pays: decode-only steps replay graphs, admitting steps do not
@@ -250,7 +254,7 @@ class Engine:
             self.scheduler.pace_max_running = self.graphs.max_batch  # larger batches decode eagerly
         self.step_times: list[StepTime] = []  # the collected steps, latest last (benchmarks and tests read them)
         # every collected step since start, by kind (metrics, serve.py)
-        self.step_totals: dict[str, StepTotals] = {k: StepTotals() for k in ("decode-graph", "decode", "mixed")}
+        self.step_totals: dict[str, StepTotals] = {k: StepTotals() for k in STEP_KINDS}
         self.steps_ahead = 0  # steps planned before the previous step's tokens reached the host
         # pinned buffers for the steps' sampled tokens, allocated before serving (see _pinned_out)
         self._out_pool: list[torch.Tensor] = [
@@ -321,6 +325,26 @@ class Engine:
         return graphs
 
     # ---- lifecycle ------------------------------------------------------------------------
+
+    def _capture_mixed_graphs(self) -> MixedGraphs | None:
+        """Graphs of mixed steps (executor/engine/graphs.py, MixedGraphs) wherever decode steps have
+        graphs, for fp16 / bf16 dense models (float32 LoRA and MoE routing group tokens on the host
+        past a few hundred tokens: not capturable). A failed capture (e.g. out of memory for its
+        activations) is logged, and mixed steps run eagerly."""
+        if (self.graphs is None or not self.config.mixed_graphs or self.model.cfg.num_experts
+                or self.model.dtype == torch.float32):
+            return None
+        cfg = self.config
+        mixed = MixedGraphs(self.model, self.kv_cache, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                            cfg.max_model_len, self.max_loras, self.device, pool=self.graphs.pool)
+        try:
+            mixed.capture()
+        except Exception as exc:  # noqa: BLE001 - the eager path still serves every step
+            log.warning("CUDA graphs of mixed steps off: their capture failed (%s: %s); steps with a prefill "
+                        "chunk run eagerly", type(exc).__name__, exc)
+            torch.cuda.synchronize(self.device)
+            return None
+        return mixed
 
     def start(self) -> None:
         if self._task is None:
@@ -570,7 +594,7 @@ class Engine:
         step = _InFlight(plan, None)
         try:
             batch = self._flatten(plan)
-            if self._graph_step(batch):
+            if self._step_kind(batch).endswith("graph"):
                 step.launched = self._launch(batch)
             else:
                 task = asyncio.ensure_future(asyncio.to_thread(self._launch, batch))
@@ -686,8 +710,12 @@ class Engine:
         )  # fmt: skip
         return b
 
-    def _graph_step(self, b: _Batch) -> bool:
-        return self.graphs is not None and b.is_decode and len(b.query_lens) <= self.graphs.max_batch
+    def _step_kind(self, b: _Batch) -> str:
+        """Which of STEP_KINDS the batch runs as."""
+        if b.is_decode:
+            return "decode-graph" if self.graphs is not None and len(b.query_lens) <= self.graphs.max_batch else "decode"
+        graphed = self.mixed_graphs is not None and self.mixed_graphs.fits(len(b.input_ids), len(b.query_lens))
+        return "mixed-graph" if graphed and max(b.sources, default=-1) < 0 else "mixed"
 
     def _launch(self, b: _Batch) -> "_Launched":
         """Queues the step's work on the device: forward, logits of the sampled rows, sampling,
@@ -714,15 +742,19 @@ class Engine:
         for lease in b.leases:
             lease.wait()  # the forward's stream waits for the slot copy (CUDA only)
         num_seqs = len(b.query_lens)
-        if self._graph_step(b):
-            kind = "decode-graph"
+        kind = self._step_kind(b)
+        if kind == "decode-graph":
             logits = self.graphs.run(
                 DecodeBatch(b.input_ids, b.context_lens, b.block_tables, b.token_slots, b.sources, b.slot_ranks)
             )
             if len(b.sample_rows) != num_seqs:  # a 1-token chunk in the middle of a prefill samples nothing
                 logits = logits[torch.tensor(b.sample_rows, dtype=torch.long, device=dev)]
+        elif kind == "mixed-graph":
+            logits = self.mixed_graphs.run(MixedBatch(b.input_ids, b.query_lens, b.context_lens, b.block_tables,
+                                                      b.token_slots, b.sample_rows, b.sample_slots, b.slot_ranks))
+            if not b.sample_rows:  # prefill chunks only: nothing samples
+                logits = None
         else:
-            kind = "decode" if b.is_decode else "mixed"
             if max(b.sources, default=-1) >= 0:
                 raise RuntimeError("an eager step got placeholder tokens: only graph steps read ids from the device")
             if self.ranks is not None:  # ranks 1..N-1 run the same step on their shards

@@ -22,6 +22,16 @@ A batch of B sequences replays the graph of the smallest bucket >= B; rows B.. o
 padding: they read and write only the KV cache's scratch block and use no adapter. Each bucket
 has two graphs: the base model alone (no LoRA kernels at all) and with LoRA (LoraMeta and the
 shrink/expand kernels of every layer; all slots' full-rank buffers, nothing skipped on the host).
+
+Mixed steps (prefill chunks, with or without decode rows) replay graphs too (MixedGraphs): one per
+token bucket (64, 128, 256, then every 256 up to max_num_batched_tokens), base and LoRA, sharing the
+decode graphs' memory pool. Eagerly such a step is host-bound: ~2,700 Python-level operations
+(~420 kernel launches for an 8B model with LoRA) took 65-100 ms of host time where the device
+needed ~14-35 ms (docs/BENCHMARKS.md, "Eighth pass"). A mixed graph reads its tokens, sequences,
+block tables and the prefill attention's work list (kernels/attention_plan.py: the grid is fixed by
+the bucket, each program takes its sequence and query block from the list) from one static buffer;
+padding tokens write only the scratch block, padding sequences have no queries, and the logits are
+those of up to max_num_seqs sampled rows.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import numpy as np
 import torch
 
 from loraserve.kernels import make_lora_meta
+from loraserve.kernels.attention_plan import prefill_queries, prefill_work_list
 from loraserve.kernels.meta import FULL_RANK
 
 from .kv_cache import AttentionMetadata, KVCache
@@ -83,6 +94,11 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
+    @property
+    def pool(self):
+        """The memory pool the captured graphs allocate from (MixedGraphs shares it)."""
+        return self._pool
+
     # ---- capture --------------------------------------------------------------------------
 
     def capture(self) -> None:
@@ -103,18 +119,7 @@ class DecodeGraphs:
         )  # fmt: skip
 
     def _capture_one(self, bucket: int, lora: bool):
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compiles the Triton kernels, creates cuBLAS handles and workspaces
-                self._forward(bucket, lora)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: only this thread's calls are checked during the capture. Another thread's
-        # device work (a slot load of an executor being shut down, in tests; an allocation) would
-        # otherwise invalidate the capture ("operation failed due to a previous error during capture").
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._forward(bucket, lora)
+        graph = _capture(lambda: self._forward(bucket, lora), self._pool, self.device)
         self._pool = graph.pool()
         return graph
 
@@ -211,3 +216,180 @@ class DecodeGraphs:
         h[4 * n + first : 4 * n + bucket] = -1
         h[5 * n + first : 5 * n + bucket] = -1
         h[self._tables_at :].reshape(n, self.width)[rows] = scratch
+
+
+def _capture(forward, pool, device: torch.device) -> torch.cuda.CUDAGraph:
+    """forward() captured in a graph that allocates from `pool` (None: a new pool)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compiles the Triton kernels, creates cuBLAS handles and workspaces
+            forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: only this thread's calls are checked during the capture. Another thread's
+    # device work (a slot load of an executor being shut down, in tests; an allocation) would
+    # otherwise invalidate the capture ("operation failed due to a previous error during capture").
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        forward()
+    return graph
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Mixed-step buckets: 64, 128, 256, then every 256 up to max_tokens (always the last)."""
+    buckets = [b for b in (64, 128, 256) if b < max_tokens]
+    buckets += list(range(512, max_tokens, 256))
+    return buckets + [max_tokens]
+
+
+@dataclass
+class MixedBatch:
+    """The host-side inputs of a mixed step: B sequences of any query lengths (T tokens in all)."""
+
+    input_ids: list[int]  # [T]
+    query_lens: list[int]  # [B]
+    context_lens: list[int]  # [B] tokens already cached before the step
+    block_tables: list[list[int]]
+    token_slots: list[int]  # [T] LoRA slot of each token, -1 = base model
+    sample_rows: list[int]  # index of the last token of each sequence that samples
+    sample_slots: list[int]
+    slot_ranks: list[int] | None = None  # [max_loras]; None: read slots whole
+
+
+class MixedGraphs:
+    """Graphs of mixed steps of up to max_tokens tokens of up to max_seqs sequences (see the module
+    docstring). Static int32 buffer, T = max_tokens, S = max_seqs:
+
+        [ids | positions | slot mapping | LoRA slots]   each T long
+        [seq_lens | sample rows | sample slots]        each S long, then [cu_query_lens] S + 1
+        [work list]                                    2 x the largest bucket's capacity
+        [slot ranks]                                   max_loras
+        [block tables]                                 S x width
+    """
+
+    def __init__(self, model, kv: KVCache, max_tokens: int, max_seqs: int, max_model_len: int, max_loras: int,
+                 device, pool=None):
+        self.model, self.kv, self.max_loras = model, kv, max_loras
+        self.device = torch.device(device)
+        self.buckets = token_buckets(max_tokens)
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.width = -(-max_model_len // kv.block_size)
+        c = model.cfg
+        heads, kv_heads = model.model.layers[0].self_attn.num_heads, model.model.layers[0].self_attn.num_kv_heads
+        # queries per prefill program at each bucket's launch shape, and the work list's entries:
+        # every sequence's query blocks fit in tokens / queries + sequences
+        self.queries = {b: prefill_queries(b, heads, kv_heads, c.head_dim, model.dtype) for b in self.buckets}
+        self.capacity = {b: -(-b // self.queries[b]) + max_seqs for b in self.buckets}
+        t, s_ = max_tokens, max_seqs
+        self._seqs_at = 4 * t
+        self._work_at = self._seqs_at + 4 * s_ + 1
+        self._ranks_at = self._work_at + 2 * max(self.capacity.values())
+        self._tables_at = self._ranks_at + max_loras
+        size = self._tables_at + s_ * self.width
+        self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=self.device.type == "cuda") for _ in range(2)]
+        self._host, self._host_np = self._hosts[0], self._hosts[0].numpy()
+        self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
+        self._logits = torch.empty(max_seqs, c.vocab_size, dtype=torch.float32, device=self.device)
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._pool = pool
+
+    def capture(self) -> None:
+        """Every (bucket, LoRA or not) graph, largest first, in the pool given (the decode graphs')."""
+        t0 = time.perf_counter()
+        self._fill(MixedBatch([], [], [], [], [], [], []), self.max_tokens)
+        self._host_np[self._ranks_at : self._tables_at] = FULL_RANK
+        self._dev.copy_(self._host)
+        variants = (False, True) if self.max_loras else (False,)
+        with torch.cuda.device(self.device):
+            for bucket in reversed(self.buckets):
+                for lora in variants:
+                    graph = _capture(lambda: self._forward(bucket, lora), self._pool, self.device)
+                    self._pool = graph.pool()
+                    self._graphs[(bucket, lora)] = graph
+            torch.cuda.synchronize(self.device)
+        log.info("captured %d CUDA graphs of mixed steps (token buckets %s, up to %d sequences) in %.1fs",
+                 len(self._graphs), self.buckets, self.max_seqs, time.perf_counter() - t0)
+
+    def fits(self, num_tokens: int, num_seqs: int) -> bool:
+        return 0 < num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
+
+    @torch.inference_mode()
+    def _forward(self, bucket: int, lora: bool) -> None:
+        """The captured step: logits [max_seqs, vocab] float32 of the sample rows into the shared buffer."""
+        t, s_, dev = self.max_tokens, self.max_seqs, self._dev
+        ids, positions, slot_mapping, token_slots = (dev[i * t : i * t + bucket] for i in range(4))
+        seq_lens, sample_rows, sample_slots = (dev[self._seqs_at + i * s_ : self._seqs_at + (i + 1) * s_] for i in range(3))
+        cu = dev[self._seqs_at + 3 * s_ : self._work_at]
+        work = dev[self._work_at : self._work_at + 2 * self.capacity[bucket]].view(-1, 2)
+        ranks = dev[self._ranks_at : self._tables_at]
+        attn = AttentionMetadata(
+            slot_mapping=slot_mapping.long(), positions=positions.long(), block_tables=dev[self._tables_at :].view(s_, self.width),
+            seq_lens=seq_lens, cu_query_lens=cu, max_query_len=bucket, is_decode=False, prefill_work=work,
+        )  # fmt: skip
+        meta = make_lora_meta(token_slots, self.max_loras, slot_ranks=ranks) if lora else None
+        hidden = self.model.forward(ids, attn.positions, attn, self.kv, meta)
+        rows = hidden.index_select(0, sample_rows.long())
+        row_meta = make_lora_meta(sample_slots, self.max_loras, slot_ranks=ranks) if lora else None
+        self._logits.copy_(self.model.compute_logits(rows, row_meta))
+
+    def run(self, batch: MixedBatch) -> torch.Tensor:
+        """Stages the batch, replays its bucket's graph -> logits [len(sample_rows), vocab] float32 (a
+        view of the shared buffer, valid until the next run)."""
+        bucket, lora = self.stage(batch)
+        if self.device.type != "cuda":  # nothing captured: the same step, run directly (tests use it)
+            self._forward(bucket, lora)
+        else:
+            with torch.cuda.device(self.device):
+                self._graphs[(bucket, lora)].replay()
+        return self._logits[: len(batch.sample_rows)]
+
+    def stage(self, batch: MixedBatch) -> tuple[int, bool]:
+        """Fills the static inputs -> (the bucket, whether it needs the LoRA graph)."""
+        num_tokens = len(batch.input_ids)
+        if not self.fits(num_tokens, len(batch.query_lens)):
+            raise ValueError(f"a step of {num_tokens} tokens of {len(batch.query_lens)} sequences exceeds the mixed "
+                             f"graphs' {self.max_tokens} tokens of {self.max_seqs} sequences")
+        bucket = next(b for b in self.buckets if b >= num_tokens)
+        lora = self.max_loras > 0 and max(batch.token_slots) >= 0
+        self._host = self._hosts[1] if self._host is self._hosts[0] else self._hosts[0]
+        self._host_np = self._host.numpy()
+        self._fill(batch, bucket)
+        used = self._tables_at + len(batch.query_lens) * self.width  # the block tables come last
+        self._dev[:used].copy_(self._host[:used], non_blocking=True)
+        return bucket, lora
+
+    def _fill(self, batch: MixedBatch, bucket: int) -> None:
+        t, s_, bs, h = self.max_tokens, self.max_seqs, self.kv.block_size, self._host_np
+        n, b = len(batch.input_ids), len(batch.query_lens)
+        q = np.asarray(batch.query_lens, dtype=np.int64)
+        ctx = np.asarray(batch.context_lens, dtype=np.int64)
+        tables = h[self._tables_at :].reshape(s_, self.width)
+        for i, table in enumerate(batch.block_tables):
+            tables[i, : len(table)] = table
+        cu = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        seq = np.repeat(np.arange(b), q)
+        pos = ctx[seq] + np.arange(n) - cu[:-1][seq]
+        scratch = self.kv.scratch_block * bs
+        h[0:n] = batch.input_ids
+        h[n:bucket] = 0
+        h[t : t + n] = pos
+        h[t + n : t + bucket] = 0
+        h[2 * t : 2 * t + n] = tables[seq, pos // bs] * bs + pos % bs
+        h[2 * t + n : 2 * t + bucket] = scratch  # padding tokens write only the scratch block
+        h[3 * t : 3 * t + n] = batch.token_slots
+        h[3 * t + n : 3 * t + bucket] = -1
+        o = self._seqs_at
+        h[o : o + b] = ctx + q
+        h[o + b : o + s_] = 0
+        k = len(batch.sample_rows)
+        h[o + s_ : o + s_ + k] = batch.sample_rows
+        h[o + s_ + k : o + 2 * s_] = 0
+        h[o + 2 * s_ : o + 2 * s_ + k] = batch.sample_slots
+        h[o + 2 * s_ + k : o + 3 * s_] = -1
+        h[o + 3 * s_ : o + 3 * s_ + b + 1] = cu
+        h[o + 3 * s_ + b + 1 : self._work_at] = n  # padding sequences: no queries
+        cap = self.capacity[bucket]
+        h[self._work_at : self._work_at + 2 * cap] = prefill_work_list(q, self.queries[bucket], cap).ravel()
+        h[self._ranks_at : self._tables_at] = FULL_RANK if batch.slot_ranks is None else batch.slot_ranks
+

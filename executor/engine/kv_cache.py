@@ -85,6 +85,9 @@ class AttentionMetadata:
     cu_query_lens: torch.Tensor | None  # [B + 1] int32; None for decode-only steps
     max_query_len: int  # host: the longest query chunk (launch shape of the prefill kernel)
     is_decode: bool  # host: every sequence has exactly one query token
+    # [N, 2] int32 (sequence, query block) pairs for the prefill kernel (kernels/attention_plan.py):
+    # set by captured mixed steps, whose grid is fixed by the bucket, not by max_query_len
+    prefill_work: torch.Tensor | None = None
 
     @staticmethod
     def build(query_lens, context_lens, block_tables, block_size, device, width: int | None = None) -> "AttentionMetadata":
@@ -147,5 +150,5 @@ def paged_attention(
         )
     return kernels.paged_prefill_attention(
         q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.cu_query_lens, attn.max_query_len,
-        scale, sliding_window,
+        scale, sliding_window, work=attn.prefill_work,
     )  # fmt: skip

@@ -172,3 +172,85 @@ def test_lora_shrink_on_the_side_stream_equals_one_stream(hf_model, monkeypatch,
     monkeypatch.setattr(lora_mod, "_side_stream", lambda device: None)
     one_stream = layer(x, make_lora_meta(slots, MAX_LORAS, frozenset(range(MAX_LORAS))))
     torch.testing.assert_close(forked, one_stream, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_mixed_graph_step_equals_the_eager_step(hf_model, device):
+    """Mixed steps from the static buffer (MixedGraphs: captured on CUDA, run directly on the CPU):
+    a decode row, a chunk after cached context that samples nothing, new prompts, adapter and base
+    rows, steps padded to their token bucket and to the graphs' sequence count, and a base-only step:
+    logits and the K/V written are the eager step's."""
+    from loraserve.executor.engine.graphs import MixedBatch, MixedGraphs
+    from loraserve.executor.engine.step import StepInputs, forward_step
+
+    if device == "cuda":
+        _cuda_or_skip()
+        dtype, tol = torch.bfloat16, 3e-2
+        model = _model(hf_model, dtype)
+    else:
+        dtype, tol = torch.float32, 1e-4
+        _, path = hf_model("llama")
+        model = load_hf_checkpoint(path, lora=LoraSpec(MAX_LORAS, RANK, dtype))
+        torch.manual_seed(1)
+        for m in lora_modules(model).values():
+            m.lora_a.normal_(0, 0.2)
+            m.lora_b.normal_(0, 0.2)
+            m.slot_ranks = [RANK] * MAX_LORAS
+    cfg = model.cfg
+    kv = KVCache(cfg.num_layers, 96, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    mixed = MixedGraphs(model, kv, max_tokens=96, max_seqs=5, max_model_len=96, max_loras=MAX_LORAS, device=device)
+    assert mixed.buckets == [64, 96]
+    if device == "cuda":
+        mixed.capture()
+    alloc, gen = BlockAllocator(96), torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    cached = [5, 4, 9, 0, 0, 7, 0]  # tokens each sequence has in the cache before the cases
+    tables = [alloc.allocate(-(-(n + 72) // BLOCK)) if i in (4, 6) else alloc.allocate(-(-(n + 8) // BLOCK))
+              for i, n in enumerate(cached)]
+    for n, table in zip(cached, tables):
+        if n:
+            attn = AttentionMetadata.build([n], [0], [table], BLOCK, device)
+            model.forward(torch.tensor(rand(n), device=device), attn.positions, attn, kv, None)
+    cases = [  # (sequence, query length, slot, samples) per sequence of the step
+        [(0, 1, 2, True), (1, 6, -1, False), (3, 7, 0, True)],  # 14 tokens: bucket 64, 3 of 5 sequences
+        [(4, 70, 1, True), (2, 1, 3, True), (5, 1, -1, True)],  # 72 tokens: bucket 96
+        [(6, 65, -1, True)],  # base only: the graph without LoRA
+    ]
+    caches = kv.k_cache + kv.v_cache
+    for case in cases:
+        ids, q_lens, ctx, seq_tables, slots, rows, row_slots = [], [], [], [], [], [], []
+        for seq, q, slot, samples in case:
+            ids += rand(q)
+            q_lens.append(q)
+            ctx.append(cached[seq])
+            seq_tables.append(tables[seq])
+            slots += [slot] * q
+            if samples:
+                rows.append(len(ids) - 1)
+                row_slots.append(slot)
+        before = [c.clone() for c in caches]
+        got = mixed.run(MixedBatch(ids, q_lens, ctx, seq_tables, slots, rows, row_slots)).clone()
+        after_graph = [c[: kv.num_blocks].clone() for c in caches]
+        for c, old in zip(caches, before):
+            c.copy_(old)
+        want = forward_step(model, kv, StepInputs(ids, q_lens, ctx, seq_tables, slots, rows, row_slots),
+                            MAX_LORAS, torch.device(device))
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err < tol, f"step {case}: relative error {err:.2e}"
+        for c, g in zip(caches, after_graph):  # the same keys and values, where the eager step wrote them
+            torch.testing.assert_close(g, c[: kv.num_blocks], atol=tol, rtol=tol)
+        for seq, q, _, _ in case:
+            cached[seq] += q
+
+
+def test_prefill_work_list_covers_every_query_block_once():
+    from loraserve.kernels.attention_plan import prefill_work_list
+
+    work = prefill_work_list([3, 70, 0, 33, 1], queries=32, capacity=12)
+    real = work[work[:, 0] >= 0]
+    assert sorted(map(tuple, real.tolist())) == [(0, 0), (1, 0), (1, 1), (1, 2), (3, 0), (3, 1), (4, 0)]
+    assert (work[len(real):] == [-1, 0]).all()  # the rest: no work
+    assert real[:4, 1].tolist() == [0, 2, 1, 0]  # each sequence's last block first (the most keys)
+    with pytest.raises(ValueError, match="8 query blocks exceed the work list's 7 entries"):
+        prefill_work_list([3, 70, 0, 33, 1, 1], queries=32, capacity=7)

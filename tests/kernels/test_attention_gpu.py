@@ -228,6 +228,28 @@ def test_prefill_in_a_cuda_graph_replays_with_new_inputs():
         assert rel_err(out, want) < TOL[dtype], q_lens
 
 
+@DTYPES
+def test_prefill_work_list_matches_reference(dtype):
+    """The work-list grid (captured mixed steps): programs take (sequence, query block) from the
+    list; a grid sized for more tokens and sequences than the step has, sequences of no queries
+    (padding) and a list longer than the work give every row exactly once."""
+    from loraserve.kernels.attention_plan import prefill_queries, prefill_work_list
+
+    gen = torch.Generator(device=DEV).manual_seed(10)
+    for seq_lens, q_lens, window in (([300, 40, 1, 129, 77], [70, 40, 1, 1, 33], None),
+                                     ([900, 64, 5], [300, 0, 5], 128), ([17], [17], None)):
+        case = build(gen, seq_lens, q_lens, 32, 8, 128, 16, dtype, window)
+        bound = 512  # the bucket: the launch shape, larger than any chunk here
+        queries = prefill_queries(bound, 32, 8, 128, dtype)
+        work = torch.from_numpy(prefill_work_list(q_lens, queries, bound // queries + len(q_lens) + 3)).to(DEV)
+        case["max_query_len"] = bound
+        out = torch.full_like(case["q"], float("nan"))
+        triton_attention.paged_prefill_attention(**case, out=out, work=work)
+        want = attention_reference.paged_prefill_attention(**as_float64(case))
+        assert not out.isnan().any(), "NaN: a row was left unwritten or a masked cache row was read"
+        assert rel_err(out, want) < TOL[dtype], (q_lens, window)
+
+
 def test_eager_calls_never_synchronise_with_the_host():
     gen = torch.Generator(device=DEV).manual_seed(9)
     case = build(gen, [4096, 300], [1, 1], 32, 8, 128, 16, torch.bfloat16)
