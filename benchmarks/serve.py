@@ -554,7 +554,7 @@ async def run(args, tokenizer) -> list[tuple]:
         graphs, engine.mixed_graphs = engine.mixed_graphs, None
         try:
             t_grpc = totals(engine)
-            name, *rest = await grpc_row(args, engine, items, ceiling, args.grpc_client[0])
+            name, *rest = await grpc_row(args, engine, items, ceiling, args.grpc_client[0], "-eager-mixed")
             rows.append((name + ", mixed steps eager", *rest))
             rows.append(step_mix(engine, t_grpc, f"through gRPC, client {args.grpc_client[0]}, mixed steps eager"))
         finally:
@@ -563,7 +563,7 @@ async def run(args, tokenizer) -> list[tuple]:
     return rows, items, tps
 
 
-async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float, client: str) -> tuple:
+async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float, client: str, label: str = "") -> tuple:
     """The workload through the executor's gRPC service on loopback. client "process": the streams
     come from another process (as a server's clients would: their Python work does not share this
     process's interpreter lock with the engine's eager launches); "in-process": from this event loop.
@@ -581,7 +581,7 @@ async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float, clie
     try:
         with step_trace.labelled_steps(engine) if args.profile else contextlib.nullcontext():
             if args.profile:
-                window = asyncio.ensure_future(step_trace.profile_window(args.profile / client, args.profile_after, 2.0))
+                window = asyncio.ensure_future(step_trace.profile_window(args.profile / (client + label), args.profile_after, 2.0))
             if client == "process":
                 result = await asyncio.to_thread(_client_process, port, items, args)
             else:
