@@ -54,11 +54,16 @@ log = logging.getLogger(__name__)
 _FIELDS = 6  # ids, positions, slot mapping, seq_lens, LoRA slots, sources
 
 
+def _ladder(small: tuple[int, ...], step: int, largest: int) -> list[int]:
+    """The `small` sizes below `largest`, then every `step` from the next multiple past them, then `largest`."""
+    buckets = [b for b in small if b < largest]
+    buckets += list(range(max(small) // step * step + step, largest, step))
+    return buckets + [largest]
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to max_batch (which is always the last bucket)."""
-    buckets = [b for b in (1, 2, 4) if b < max_batch]
-    buckets += list(range(8, max_batch, 8))
-    return buckets + [max_batch]
+    return _ladder((1, 2, 4), 8, max_batch)
 
 
 @dataclass
@@ -73,7 +78,28 @@ class DecodeBatch:
     slot_ranks: list[int] | None = None  # [max_loras] each slot's adapter rank; None: read slots whole
 
 
-class DecodeGraphs:
+class _StepGraphs:
+    """What decode and mixed graphs share: replaying a captured (bucket, LoRA) graph, and the two
+    pinned host buffers staged in turn (the engine stages step N+1 while step N's copy may still be
+    queued; step N+2 reuses N's buffer only after N's tokens were collected)."""
+
+    device: torch.device
+    _graphs: dict
+    _hosts: list[torch.Tensor]
+
+    def _replay(self, bucket: int, lora: bool) -> None:
+        if self.device.type != "cuda":  # nothing captured: the same step, run directly (tests use it)
+            self._forward(bucket, lora)
+        else:
+            with torch.cuda.device(self.device):
+                self._graphs[(bucket, lora)].replay()
+
+    def _swap_hosts(self) -> None:
+        self._host = self._hosts[1] if self._host is self._hosts[0] else self._hosts[0]
+        self._host_np = self._host.numpy()
+
+
+class DecodeGraphs(_StepGraphs):
     def __init__(self, model, kv: KVCache, max_batch: int, max_model_len: int, max_loras: int, device):
         self.model, self.kv, self.max_loras = model, kv, max_loras
         self.device = torch.device(device)
@@ -82,8 +108,6 @@ class DecodeGraphs:
         self.width = -(-max_model_len // kv.block_size)  # block-table columns
         self._tables_at = _FIELDS * max_batch + max_loras  # the slot ranks sit between fields and tables
         size = self._tables_at + max_batch * self.width
-        # Two pinned host buffers, used in turn: the engine stages step N+1 while step N's copy may
-        # still be queued; step N+2 reuses N's buffer only after N's tokens were collected.
         self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=self.device.type == "cuda") for _ in range(2)]
         self._host, self._host_np = self._hosts[0], self._hosts[0].numpy()
         self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
@@ -160,12 +184,7 @@ class DecodeGraphs:
         the block tables past a sequence's blocks keep ids of earlier steps: the attention kernels
         never read a table entry at or past seq_len.
         """
-        bucket, lora = self.stage(batch)
-        if self.device.type != "cuda":  # nothing captured: the same step, run directly (tests use it)
-            self._forward(bucket, lora)
-        else:
-            with torch.cuda.device(self.device):
-                self._graphs[(bucket, lora)].replay()
+        self._replay(*self.stage(batch))
         return self._logits[: len(batch.input_ids)]
 
     def keep_sampled(self, token_ids: torch.Tensor) -> None:
@@ -180,8 +199,7 @@ class DecodeGraphs:
         if bucket is None:
             raise ValueError(f"{num_seqs} sequences exceed the largest captured batch {self.max_batch}")
         lora = self.max_loras > 0 and max(batch.lora_slots) >= 0
-        self._host = self._hosts[1] if self._host is self._hosts[0] else self._hosts[0]
-        self._host_np = self._host.numpy()
+        self._swap_hosts()
         self._fill(batch, bucket)
         used = self._tables_at + bucket * self.width  # the block tables come last
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
@@ -237,9 +255,7 @@ def _capture(forward, pool, device: torch.device) -> torch.cuda.CUDAGraph:
 
 def token_buckets(max_tokens: int) -> list[int]:
     """Mixed-step buckets: 64, 128, 256, then every 256 up to max_tokens (always the last)."""
-    buckets = [b for b in (64, 128, 256) if b < max_tokens]
-    buckets += list(range(512, max_tokens, 256))
-    return buckets + [max_tokens]
+    return _ladder((64, 128, 256), 256, max_tokens)
 
 
 @dataclass
@@ -256,7 +272,7 @@ class MixedBatch:
     slot_ranks: list[int] | None = None  # [max_loras]; None: read slots whole
 
 
-class MixedGraphs:
+class MixedGraphs(_StepGraphs):
     """Graphs of mixed steps of up to max_tokens tokens of up to max_seqs sequences (see the module
     docstring). Static int32 buffer, T = max_tokens, S = max_seqs:
 
@@ -335,12 +351,7 @@ class MixedGraphs:
     def run(self, batch: MixedBatch) -> torch.Tensor:
         """Stages the batch, replays its bucket's graph -> logits [len(sample_rows), vocab] float32 (a
         view of the shared buffer, valid until the next run)."""
-        bucket, lora = self.stage(batch)
-        if self.device.type != "cuda":  # nothing captured: the same step, run directly (tests use it)
-            self._forward(bucket, lora)
-        else:
-            with torch.cuda.device(self.device):
-                self._graphs[(bucket, lora)].replay()
+        self._replay(*self.stage(batch))
         return self._logits[: len(batch.sample_rows)]
 
     def stage(self, batch: MixedBatch) -> tuple[int, bool]:
@@ -351,8 +362,7 @@ class MixedGraphs:
                              f"graphs' {self.max_tokens} tokens of {self.max_seqs} sequences")
         bucket = next(b for b in self.buckets if b >= num_tokens)
         lora = self.max_loras > 0 and max(batch.token_slots) >= 0
-        self._host = self._hosts[1] if self._host is self._hosts[0] else self._hosts[0]
-        self._host_np = self._host.numpy()
+        self._swap_hosts()
         self._fill(batch, bucket)
         used = self._tables_at + len(batch.query_lens) * self.width  # the block tables come last
         self._dev[:used].copy_(self._host[:used], non_blocking=True)

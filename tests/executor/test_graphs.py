@@ -33,12 +33,7 @@ def test_static_buffer_step_equals_the_eager_step_on_cpu(hf_model, family):
     tables, padding to the bucket, mixed slots, expert LoRA for the MoE families) give the eager
     step's logits. Runs everywhere."""
     _, path = hf_model(family, **TINY_MOE.get(family, {}))
-    model = load_hf_checkpoint(path, lora=LoraSpec(MAX_LORAS, RANK, torch.float32))
-    torch.manual_seed(1)
-    for m in lora_modules(model).values():
-        m.lora_a.normal_(0, 0.2)
-        m.lora_b.normal_(0, 0.2)
-        m.slot_ranks = [RANK] * MAX_LORAS
+    model = _random_slots(load_hf_checkpoint(path, lora=LoraSpec(MAX_LORAS, RANK, torch.float32)))
     cfg = model.cfg
     kv = KVCache(cfg.num_layers, 32, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     graphs = DecodeGraphs(model, kv, max_batch=8, max_model_len=32, max_loras=MAX_LORAS, device="cpu")
@@ -67,15 +62,19 @@ def _cuda_or_skip():
 MAX_LORAS, RANK, BLOCK = 4, 8, 4
 
 
-def _model(hf_model, dtype):
-    _, path = hf_model("llama")
-    model = load_hf_checkpoint(path, dtype, "cuda", lora=LoraSpec(MAX_LORAS, RANK, dtype))
+def _random_slots(model):
+    """Every slot of every LoRA module a random adapter of full rank."""
     torch.manual_seed(1)
-    for m in lora_modules(model).values():  # every slot a random adapter of full rank
+    for m in lora_modules(model).values():
         m.lora_a.normal_(0, 0.2)
         m.lora_b.normal_(0, 0.2)
         m.slot_ranks = [RANK] * MAX_LORAS
     return model
+
+
+def _model(hf_model, dtype, device="cuda"):
+    _, path = hf_model("llama")
+    return _random_slots(load_hf_checkpoint(path, dtype, device, lora=LoraSpec(MAX_LORAS, RANK, dtype)))
 
 
 def _eager_decode(model, kv, ids, positions, tables, slots):
@@ -185,17 +184,8 @@ def test_mixed_graph_step_equals_the_eager_step(hf_model, device):
 
     if device == "cuda":
         _cuda_or_skip()
-        dtype, tol = torch.bfloat16, 3e-2
-        model = _model(hf_model, dtype)
-    else:
-        dtype, tol = torch.float32, 1e-4
-        _, path = hf_model("llama")
-        model = load_hf_checkpoint(path, lora=LoraSpec(MAX_LORAS, RANK, dtype))
-        torch.manual_seed(1)
-        for m in lora_modules(model).values():
-            m.lora_a.normal_(0, 0.2)
-            m.lora_b.normal_(0, 0.2)
-            m.slot_ranks = [RANK] * MAX_LORAS
+    dtype, tol = (torch.bfloat16, 3e-2) if device == "cuda" else (torch.float32, 1e-4)
+    model = _model(hf_model, dtype, device)
     cfg = model.cfg
     kv = KVCache(cfg.num_layers, 96, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     mixed = MixedGraphs(model, kv, max_tokens=96, max_seqs=5, max_model_len=96, max_loras=MAX_LORAS, device=device)
