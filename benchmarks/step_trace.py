@@ -32,10 +32,9 @@ def labelled_steps(engine):
 
     launch = engine._launch_on_device
 
-    def labelled(b):
-        kind = engine._step_kind(b)
+    def labelled(b, kind):
         with torch.profiler.record_function(LABEL + kind):
-            return launch(b)
+            return launch(b, kind)
 
     engine._launch_on_device = labelled
     try:

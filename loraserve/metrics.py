@@ -195,8 +195,8 @@ class _ExecutorState:
 
     @staticmethod
     def _steps(totals: dict):
-        """Forward steps by kind (engine.StepTotals): decode-graph (a replayed CUDA graph), decode
-        (eager), mixed (a prefill chunk in it: eager). Their share says how often admissions take
+        """Forward steps by kind (engine.STEP_KINDS, StepTotals): decode-graph and mixed-graph (replayed
+        CUDA graphs; mixed: a prefill chunk in it), decode and mixed (eager). Their share says how often admissions take
         the eager path; launch seconds near step seconds say the host, not the GPU, sets the pace."""
         out = [CounterMetricFamily("loraserve_executor_steps", "Forward steps collected, by kind", labels=["kind"]),
                CounterMetricFamily("loraserve_executor_step_seconds", "Seconds from launch to sampled tokens, by step kind (a step launched ahead overlaps the one before: the sum can pass wall time)", labels=["kind"]),

@@ -2,8 +2,9 @@
 
     generate(req) --size check, tokenize (thread), validate, acquire adapter slot--> Scheduler.waiting
     step loop:  schedule -> flatten (input_ids, positions, block tables, token slots)
-                -> launch: decode-only steps replay a CUDA graph (executor/engine/graphs.py) from the
-                   loop, other steps run model.forward + compute_logits eagerly in a worker thread;
+                -> launch: decode steps replay a CUDA graph per batch bucket and steps with a prefill
+                   chunk one per token bucket (executor/engine/graphs.py), from the loop; steps no
+                   graph takes run model.forward + compute_logits eagerly in a worker thread;
                    then sampling on the device and one copy of the sampled tokens and logprobs
                    into pinned host memory
                 -> while the device computes: the previous step's outputs are delivered
@@ -248,7 +249,8 @@ class Engine:
         self.mixed_graphs = self._capture_mixed_graphs()
         if self.kernel_builds is not None:
             self.kernel_builds.armed = True
-        # admission pacing only where it pays: decode-only steps replay graphs, admitting steps do not
+        # admission pacing only where it pays: with graphs a decode step is cheap, and an admitting
+        # step is a prefill (eager or from a mixed graph: still a larger step)
         self.scheduler.admit_ratio = config.admit_ratio if self.graphs is not None else 0.0
         if self.graphs is not None:
             self.scheduler.pace_max_running = self.graphs.max_batch  # larger batches decode eagerly
@@ -328,21 +330,24 @@ class Engine:
 
     def _capture_mixed_graphs(self) -> MixedGraphs | None:
         """Graphs of mixed steps (executor/engine/graphs.py, MixedGraphs) wherever decode steps have
-        graphs, for fp16 / bf16 dense models (float32 LoRA and MoE routing group tokens on the host
-        past a few hundred tokens: not capturable). A failed capture (e.g. out of memory for its
-        activations) is logged, and mixed steps run eagerly."""
+        graphs, for fp16 / bf16 dense models (float32 LoRA groups tokens on the host past a few
+        hundred: not capturable; mixture-of-experts prefill steps have not been captured on a CUDA
+        host yet). Their own memory pool: a failed capture (e.g. out of memory for the activations of
+        its largest bucket) is logged, gives its memory back, and mixed steps run eagerly."""
         if (self.graphs is None or not self.config.mixed_graphs or self.model.cfg.num_experts
                 or self.model.dtype == torch.float32):
             return None
         cfg = self.config
         mixed = MixedGraphs(self.model, self.kv_cache, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                            cfg.max_model_len, self.max_loras, self.device, pool=self.graphs.pool)
+                            cfg.max_model_len, self.max_loras, self.device)
         try:
             mixed.capture()
         except Exception as exc:  # noqa: BLE001 - the eager path still serves every step
             log.warning("CUDA graphs of mixed steps off: their capture failed (%s: %s); steps with a prefill "
                         "chunk run eagerly", type(exc).__name__, exc)
             torch.cuda.synchronize(self.device)
+            del mixed
+            torch.cuda.empty_cache()  # the failed graphs' pool
             return None
         return mixed
 
@@ -585,8 +590,8 @@ class Engine:
 
     async def _start(self, plan: SchedulePlan) -> _InFlight | None:
         """Flattens and launches a planned step: a graph step from the loop itself (staging and
-        replay take well under a millisecond; from a worker thread it would wait for the GIL while
-        the loop delivers outputs, and the device would idle), an eager one, which launches
+        replay take 0.5-2 ms of host time, serve.py's "launch"; from a worker thread it would wait for
+        the GIL while the loop delivers outputs, and the device would idle), an eager one, which launches
         hundreds of kernels from Python, in a worker thread. None if the launch failed (its
         requests have failed)."""
         for s in plan.seqs:
@@ -594,10 +599,11 @@ class Engine:
         step = _InFlight(plan, None)
         try:
             batch = self._flatten(plan)
-            if self._step_kind(batch).endswith("graph"):
-                step.launched = self._launch(batch)
+            kind = self._step_kind(batch)  # decided once: the launch runs what was decided here
+            if kind.endswith("graph"):
+                step.launched = self._launch(batch, kind)
             else:
-                task = asyncio.ensure_future(asyncio.to_thread(self._launch, batch))
+                task = asyncio.ensure_future(asyncio.to_thread(self._launch, batch, kind))
                 try:
                     step.launched = await asyncio.shield(task)  # a cancel must not orphan the thread's launch
                 except asyncio.CancelledError:  # stopping: the launch and its device work end before the slots move
@@ -717,22 +723,22 @@ class Engine:
         graphed = self.mixed_graphs is not None and self.mixed_graphs.fits(len(b.input_ids), len(b.query_lens))
         return "mixed-graph" if graphed and max(b.sources, default=-1) < 0 else "mixed"
 
-    def _launch(self, b: _Batch) -> "_Launched":
+    def _launch(self, b: _Batch, kind: str) -> "_Launched":
         """Queues the step's work on the device: forward, logits of the sampled rows, sampling,
         and a copy of the sampled tokens and logprobs into pinned host memory."""
         if self.ranks is not None:
             try:
-                return self._launch_on_device(b)
+                return self._launch_on_device(b, kind)
             except Exception as exc:  # the other ranks are in this step's collectives: no way to go on
                 self.ranks.fail(f"rank 0's forward step failed: {type(exc).__name__}: {exc}")
                 raise
         if self.device.type != "cuda":
-            return self._launch_on_device(b)
+            return self._launch_on_device(b, kind)
         with torch.cuda.device(self.device):  # a worker thread starts on GPU 0; Triton launches on the current GPU
-            return self._launch_on_device(b)
+            return self._launch_on_device(b, kind)
 
     @torch.inference_mode()
-    def _launch_on_device(self, b: _Batch) -> "_Launched":
+    def _launch_on_device(self, b: _Batch, kind: str) -> "_Launched":
         t0 = time.perf_counter()
         dev = self.device
         start = None
@@ -742,7 +748,6 @@ class Engine:
         for lease in b.leases:
             lease.wait()  # the forward's stream waits for the slot copy (CUDA only)
         num_seqs = len(b.query_lens)
-        kind = self._step_kind(b)
         if kind == "decode-graph":
             logits = self.graphs.run(
                 DecodeBatch(b.input_ids, b.context_lens, b.block_tables, b.token_slots, b.sources, b.slot_ranks)

@@ -24,14 +24,15 @@ has two graphs: the base model alone (no LoRA kernels at all) and with LoRA (Lor
 shrink/expand kernels of every layer; all slots' full-rank buffers, nothing skipped on the host).
 
 Mixed steps (prefill chunks, with or without decode rows) replay graphs too (MixedGraphs): one per
-token bucket (64, 128, 256, then every 256 up to max_num_batched_tokens), base and LoRA, sharing the
-decode graphs' memory pool. Eagerly such a step is host-bound: ~2,700 Python-level operations
-(~420 kernel launches for an 8B model with LoRA) took 65-100 ms of host time where the device
-needed ~14-35 ms (docs/BENCHMARKS.md, "Eighth pass"). A mixed graph reads its tokens, sequences,
+token bucket (64, 128, 256, then every 256 up to max_num_batched_tokens), base and LoRA, in a memory
+pool of their own. Eagerly such a step was host-bound: ~2,700 Python-level operations
+(~420 kernel launches for an 8B model with LoRA, ~1,350 tokens) took 65-83 ms of host time through
+gRPC where the device was busy 41 ms (docs/BENCHMARKS.md, "Eighth pass"). A mixed graph reads its tokens, sequences,
 block tables and the prefill attention's work list (kernels/attention_plan.py: the grid is fixed by
 the bucket, each program takes its sequence and query block from the list) from one static buffer;
-padding tokens write only the scratch block, padding sequences have no queries, and the logits are
-those of up to max_num_seqs sampled rows.
+padding tokens write only the scratch block (their attention rows are never written: whatever
+they hold flows only through their own rows, every op past attention being row-wise), padding
+sequences have no queries, and the logits are those of up to min(max_num_seqs, bucket) sampled rows.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from loraserve.kernels import make_lora_meta
 from loraserve.kernels.attention_plan import prefill_queries, prefill_work_list
 from loraserve.kernels.meta import FULL_RANK
 
-from .kv_cache import AttentionMetadata, KVCache
+from .kv_cache import AttentionMetadata, KVCache, place_tokens
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +118,6 @@ class DecodeGraphs(_StepGraphs):
         self._sampled = torch.zeros(max_batch, dtype=torch.int32, device=self.device)  # the last step's tokens
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
-
-    @property
-    def pool(self):
-        """The memory pool the captured graphs allocate from (MixedGraphs shares it)."""
-        return self._pool
 
     # ---- capture --------------------------------------------------------------------------
 
@@ -295,7 +291,7 @@ class MixedGraphs(_StepGraphs):
         # queries per prefill program at each bucket's launch shape, and the work list's entries:
         # every sequence's query blocks fit in tokens / queries + sequences
         self.queries = {b: prefill_queries(b, heads, kv_heads, c.head_dim, model.dtype) for b in self.buckets}
-        self.capacity = {b: -(-b // self.queries[b]) + max_seqs for b in self.buckets}
+        self.capacity = {b: -(-b // self.queries[b]) + min(max_seqs, b) for b in self.buckets}
         t, s_ = max_tokens, max_seqs
         self._seqs_at = 4 * t
         self._work_at = self._seqs_at + 4 * s_ + 1
@@ -310,7 +306,7 @@ class MixedGraphs(_StepGraphs):
         self._pool = pool
 
     def capture(self) -> None:
-        """Every (bucket, LoRA or not) graph, largest first, in the pool given (the decode graphs')."""
+        """Every (bucket, LoRA or not) graph, largest first, in one pool (`pool`, or a new one)."""
         t0 = time.perf_counter()
         self._fill(MixedBatch([], [], [], [], [], [], []), self.max_tokens)
         self._host_np[self._ranks_at : self._tables_at] = FULL_RANK
@@ -331,7 +327,8 @@ class MixedGraphs(_StepGraphs):
 
     @torch.inference_mode()
     def _forward(self, bucket: int, lora: bool) -> None:
-        """The captured step: logits [max_seqs, vocab] float32 of the sample rows into the shared buffer."""
+        """The captured step: logits [min(max_seqs, bucket), vocab] float32 of the sample rows (a step has
+        at most as many sequences as tokens) into the shared buffer."""
         t, s_, dev = self.max_tokens, self.max_seqs, self._dev
         ids, positions, slot_mapping, token_slots = (dev[i * t : i * t + bucket] for i in range(4))
         seq_lens, sample_rows, sample_slots = (dev[self._seqs_at + i * s_ : self._seqs_at + (i + 1) * s_] for i in range(3))
@@ -344,9 +341,10 @@ class MixedGraphs(_StepGraphs):
         )  # fmt: skip
         meta = make_lora_meta(token_slots, self.max_loras, slot_ranks=ranks) if lora else None
         hidden = self.model.forward(ids, attn.positions, attn, self.kv, meta)
-        rows = hidden.index_select(0, sample_rows.long())
-        row_meta = make_lora_meta(sample_slots, self.max_loras, slot_ranks=ranks) if lora else None
-        self._logits.copy_(self.model.compute_logits(rows, row_meta))
+        k = min(s_, bucket)
+        rows = hidden.index_select(0, sample_rows[:k].long())
+        row_meta = make_lora_meta(sample_slots[:k], self.max_loras, slot_ranks=ranks) if lora else None
+        self._logits[:k].copy_(self.model.compute_logits(rows, row_meta))
 
     def run(self, batch: MixedBatch) -> torch.Tensor:
         """Stages the batch, replays its bucket's graph -> logits [len(sample_rows), vocab] float32 (a
@@ -374,18 +372,13 @@ class MixedGraphs(_StepGraphs):
         q = np.asarray(batch.query_lens, dtype=np.int64)
         ctx = np.asarray(batch.context_lens, dtype=np.int64)
         tables = h[self._tables_at :].reshape(s_, self.width)
-        for i, table in enumerate(batch.block_tables):
-            tables[i, : len(table)] = table
-        cu = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(q, out=cu[1:])
-        seq = np.repeat(np.arange(b), q)
-        pos = ctx[seq] + np.arange(n) - cu[:-1][seq]
+        cu, pos, slot_mapping = place_tokens(q, ctx, batch.block_tables, tables, bs)
         scratch = self.kv.scratch_block * bs
         h[0:n] = batch.input_ids
         h[n:bucket] = 0
         h[t : t + n] = pos
         h[t + n : t + bucket] = 0
-        h[2 * t : 2 * t + n] = tables[seq, pos // bs] * bs + pos % bs
+        h[2 * t : 2 * t + n] = slot_mapping
         h[2 * t + n : 2 * t + bucket] = scratch  # padding tokens write only the scratch block
         h[3 * t : 3 * t + n] = batch.token_slots
         h[3 * t + n : 3 * t + bucket] = -1

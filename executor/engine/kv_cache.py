@@ -67,6 +67,23 @@ class BlockAllocator:
             self._free.append(b)
 
 
+def place_tokens(q_lens: np.ndarray, ctx: np.ndarray, block_tables, tables: np.ndarray, block_size: int):
+    """Writes each sequence's blocks into the rows of `tables` ([>= B, W] numpy) and returns
+    (cu_query_lens [B + 1], positions [T], cache slots [T]) of the step's tokens, int64.
+    ValueError if a sequence's tokens need more blocks than its table holds."""
+    seq_lens = ctx + q_lens
+    for i, table in enumerate(block_tables):
+        if seq_lens[i] > len(table) * block_size:
+            raise ValueError(f"sequence of {seq_lens[i]} tokens needs more than its {len(table)} blocks")
+        tables[i, : len(table)] = table
+    cu = np.zeros(len(q_lens) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)  # [T]
+    positions = ctx[seq_of_token] + np.arange(int(cu[-1])) - cu[:-1][seq_of_token]
+    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    return cu, positions, slots
+
+
 @dataclass
 class AttentionMetadata:
     """Where the flattened tokens of one step come from and go to in the paged cache.
@@ -103,16 +120,8 @@ class AttentionMetadata:
         seq_lens = ctx + q_lens
         width = max(1, width or max((len(t) for t in block_tables), default=1))
         tables = np.zeros((num_seqs, width), dtype=np.int64)
-        for i, table in enumerate(block_tables):
-            if seq_lens[i] > len(table) * block_size:
-                raise ValueError(f"sequence of {seq_lens[i]} tokens needs more than its {len(table)} blocks")
-            tables[i, : len(table)] = table
-        cu = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu[1:])
+        cu, positions, slots = place_tokens(q_lens, ctx, block_tables, tables, block_size)
         num_tokens = int(cu[-1])
-        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)  # [T]
-        positions = ctx[seq_of_token] + np.arange(num_tokens) - cu[:-1][seq_of_token]
-        slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         # One copy: [slots T | positions T | seq_lens B | cu B + 1 | tables B * W], then views.
         packed = torch.from_numpy(np.concatenate([slots, positions, seq_lens, cu, tables.ravel()])).to(device)
         t, b = num_tokens, num_seqs

@@ -2,9 +2,10 @@
 
 Why: Triton compiles a kernel the first time it meets a new set of compile-time values, and the
 LoRA kernels' values follow the step's token count (the block sizes and split-K that the tuning
-tables pick for it, kernels/tuning.py; whether a launch fits in one wave). Decode steps replay
-CUDA graphs captured at start, but prefill and mixed steps run eagerly with whatever token count
-the arrivals make, so a fresh process compiled kernels while its first streams waited: on a CUDA
+tables pick for it, kernels/tuning.py; whether a launch fits in one wave). Steps replay CUDA
+graphs captured at start (whose captures build their kernels), but whatever runs eagerly (every
+step without graphs; decode batches past the largest graph; float32 and MoE prefill) meets
+whatever token count the arrivals make, so a fresh process compiled kernels while its first streams waited: on a CUDA
 host, 64 gRPC streams ran at 13-88% of the engine-alone rate in four runs (a compile takes
 ~0.1-1 s and holds the whole step). Warming up moves that to start, where it is logged and timed,
 and Triton's disk cache makes it short on the next start.

@@ -576,3 +576,30 @@ async def test_a_resident_adapters_request_runs_within_steps_while_cold_loads_ho
     assert [len((await asyncio.wait_for(t, 30))[0]) for t in cold] == [4, 4]
     await asyncio.wait_for(running, 30)
     _assert_idle(engine)
+
+
+def test_step_kind_picks_a_graph_only_where_one_takes_the_step():
+    """Engine._step_kind: decode batches up to the largest decode graph replay it; steps with a
+    prefill chunk replay a mixed graph when one fits their tokens and sequences and no token is a
+    placeholder of the previous step; everything else runs eagerly (and without graphs, all)."""
+    from types import SimpleNamespace
+
+    class Fits:
+        def fits(self, tokens, seqs):
+            return tokens <= 96 and seqs <= 4
+
+    def batch(query_lens, sources=None):
+        n = sum(query_lens)
+        return SimpleNamespace(is_decode=all(q == 1 for q in query_lens), query_lens=query_lens,
+                               input_ids=[0] * n, sources=sources or [-1] * n)
+
+    graphed = SimpleNamespace(graphs=SimpleNamespace(max_batch=4), mixed_graphs=Fits())
+    kind = lambda engine, b: Engine._step_kind(engine, b)  # noqa: E731
+    assert kind(graphed, batch([1, 1, 1])) == "decode-graph"
+    assert kind(graphed, batch([1] * 5)) == "decode"  # past the largest decode graph
+    assert kind(graphed, batch([1, 7, 30])) == "mixed-graph"
+    assert kind(graphed, batch([1, 95, 1])) == "mixed"  # 97 tokens: past the largest bucket
+    assert kind(graphed, batch([1, 2, 3, 4, 5])) == "mixed"  # more sequences than the graphs hold
+    assert kind(graphed, batch([1, 7], [2, -1, -1, -1, -1, -1, -1, -1])) == "mixed"  # a placeholder id
+    eager = SimpleNamespace(graphs=None, mixed_graphs=None)
+    assert kind(eager, batch([1, 1])) == "decode" and kind(eager, batch([1, 7])) == "mixed"

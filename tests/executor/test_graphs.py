@@ -232,6 +232,8 @@ def test_mixed_graph_step_equals_the_eager_step(hf_model, device):
             torch.testing.assert_close(g, c[: kv.num_blocks], atol=tol, rtol=tol)
         for seq, q, _, _ in case:
             cached[seq] += q
+    with pytest.raises(ValueError, match="sequence of 30 tokens needs more than its 2 blocks"):
+        mixed.stage(MixedBatch(rand(30), [30], [0], [[0, 1]], [-1] * 30, [29], [-1]))  # a table too short
 
 
 def test_prefill_work_list_covers_every_query_block_once():

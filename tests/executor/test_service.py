@@ -350,8 +350,10 @@ def test_bf16_on_cuda_applies_each_rows_adapter(loop_thread, base, adapter_dirs,
         check_bf16_rows(references, jobs, resps)
         # the engine's warm-up built every kernel these steps ran (slot loads, prefill attention over
         # any number of sequences, LoRA at any token count): none was built while they waited
-        builds = c.parts.engine.kernel_builds
-        assert builds.count == 0, builds.recent
+        engine = c.parts.engine
+        assert engine.kernel_builds.count == 0, engine.kernel_builds.recent
+        # and the prompts' steps replayed the mixed-step graphs (a failed capture would run them eagerly)
+        assert engine.mixed_graphs is not None and engine.step_totals["mixed-graph"].steps > 0
     finally:
         c.close()
 
