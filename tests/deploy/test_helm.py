@@ -22,7 +22,7 @@ NON_DEFAULT = {
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}, "executorPort": 9400},
     "redis": {"enabled": False, "url": "redis://redis.example:6379/1"},
     "executor": {"replicaCount": 4, "gpu": {"count": 0}, "dtype": "bfloat16", "service": {"headless": True},
-                 "httpPort": 0, "enforceEager": True, "tpSize": 2, "fullyShardedLoras": True},
+                 "httpPort": 0, "enforceEager": True, "mixedGraphs": False, "tpSize": 2, "fullyShardedLoras": True},
     "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "path": "/models/llama", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
     "auth": {"storeAdminToken": "s", "executorAdminToken": "e"},
     "s3": {"existingSecret": "aws", "endpointUrl": "http://minio:9000"},
@@ -176,11 +176,13 @@ def test_executor_http_port_and_eager_flag(manifests):
     if which == "default":
         assert pod_ports["http"] == 8000 and "http" in svc_ports
         assert "--http-port=8000" in executor["args"] and "--enforce-eager" not in executor["args"]
+        assert "--no-mixed-graphs" not in executor["args"]
         assert "--tp-size=1" in executor["args"] and "--fully-sharded-loras" not in executor["args"]
         assert "--ep-size=1" in executor["args"]
     else:
         assert "http" not in pod_ports and "http" not in svc_ports
         assert "--http-port=0" in executor["args"] and "--enforce-eager" in executor["args"]
+        assert "--no-mixed-graphs" in executor["args"]
         assert "--tp-size=2" in executor["args"] and "--fully-sharded-loras" in executor["args"]
 
 
