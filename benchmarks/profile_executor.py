@@ -41,12 +41,12 @@ def main() -> None:
 
     profiler = cProfile.Profile() if args.cprofile else None
 
-    def timed(self, b):
+    def timed(self, b, kind):
         t0 = time.perf_counter()
         if profiler is not None:  # cProfile sees only the thread that enables it: the launching one
             profiler.enable()
         try:
-            return real(self, b)
+            return real(self, b, kind)
         finally:
             if profiler is not None:
                 profiler.disable()

@@ -342,14 +342,15 @@ class Engine:
                             cfg.max_model_len, self.max_loras, self.device)
         try:
             mixed.capture()
+            return mixed
         except Exception as exc:  # noqa: BLE001 - the eager path still serves every step
             log.warning("CUDA graphs of mixed steps off: their capture failed (%s: %s); steps with a prefill "
                         "chunk run eagerly", type(exc).__name__, exc)
-            torch.cuda.synchronize(self.device)
-            del mixed
-            torch.cuda.empty_cache()  # the failed graphs' pool
-            return None
-        return mixed
+        # past the handler: its traceback no longer holds the graphs, so their pool can go back
+        mixed = None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return None
 
     def start(self) -> None:
         if self._task is None:

@@ -173,12 +173,13 @@ def test_lora_shrink_on_the_side_stream_equals_one_stream(hf_model, monkeypatch,
     torch.testing.assert_close(forked, one_stream, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_mixed_graph_step_equals_the_eager_step(hf_model, device):
+@pytest.mark.parametrize("device, max_seqs", [("cpu", 5), ("cpu", 80), pytest.param("cuda", 5, marks=pytest.mark.gpu)])
+def test_mixed_graph_step_equals_the_eager_step(hf_model, device, max_seqs):
     """Mixed steps from the static buffer (MixedGraphs: captured on CUDA, run directly on the CPU):
     a decode row, a chunk after cached context that samples nothing, new prompts, adapter and base
     rows, steps padded to their token bucket and to the graphs' sequence count, and a base-only step:
-    logits and the K/V written are the eager step's."""
+    logits and the K/V written are the eager step's. max_seqs 80: more
+    sequences than bucket 64 has tokens, so that bucket's graph computes only 64 rows of logits."""
     from loraserve.executor.engine.graphs import MixedBatch, MixedGraphs
     from loraserve.executor.engine.step import StepInputs, forward_step
 
@@ -188,7 +189,8 @@ def test_mixed_graph_step_equals_the_eager_step(hf_model, device):
     model = _model(hf_model, dtype, device)
     cfg = model.cfg
     kv = KVCache(cfg.num_layers, 96, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype, device)
-    mixed = MixedGraphs(model, kv, max_tokens=96, max_seqs=5, max_model_len=96, max_loras=MAX_LORAS, device=device)
+    mixed = MixedGraphs(model, kv, max_tokens=96, max_seqs=max_seqs, max_model_len=96, max_loras=MAX_LORAS,
+                        device=device)
     assert mixed.buckets == [64, 96]
     if device == "cuda":
         mixed.capture()
