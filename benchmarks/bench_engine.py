@@ -17,7 +17,9 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
   batch, staged again). Diagnostics per case: the share of steps launched ahead of the previous
   step's tokens, the host's time from a step's result to the launch of the step after next, and
   (CUDA events around each replay inside the real steps) the device time of a replay and between
-  replays. With adapters: a distinct rank-`--rank` adapter on every linear layer per sequence (up to `--adapters`, then they repeat;
+  replays. `--profile-decode DIR`: each case's graph, replayed alone, under torch.profiler: its
+  kernels' time by group (GEMM, LoRA shrink / expand, attention, norms, ...) and the idle gaps
+  between them, in DIR/decode_B<batch>_<base|lora>.txt. With adapters: a distinct rank-`--rank` adapter on every linear layer per sequence (up to `--adapters`, then they repeat;
   `--ranks 8,16,32,64` gives adapter i the rank ranks[i % 4], in slots of the largest), against two floors: the base step
   of the same run plus the distinct adapters' bytes at the copy bandwidth (the floor of the
   mixed-decode target), and the bytes floor above plus the adapters' bytes.
@@ -203,7 +205,17 @@ def replay_seconds(engine, batch: int, with_lora: bool) -> float | None:
     last = LAST_FULL.get((batch, with_lora))
     if last is not None:
         engine.graphs.stage(last)
-    return _time_cuda(engine.graphs.graph(batch, with_lora).replay)
+    replay = engine.graphs.graph(batch, with_lora).replay
+    seconds = _time_cuda(replay)
+    if PROFILE_DECODE is not None:  # where the replay's time goes: kernels by group, idle gaps
+        import step_trace
+
+        lines = [f"decode graph B={batch}, {'with adapters' if with_lora else 'base'}: replay {seconds * 1e6:.1f} us "
+                 "(timed alone, before the profiler)", *step_trace.replay_breakdown(replay)]
+        PROFILE_DECODE.mkdir(parents=True, exist_ok=True)
+        (PROFILE_DECODE / f"decode_B{batch}_{'lora' if with_lora else 'base'}.txt").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+    return seconds
 
 
 async def decode_case(engine, args, batch: int, with_lora: bool) -> tuple[float, float]:
@@ -242,6 +254,7 @@ async def decode_case(engine, args, batch: int, with_lora: bool) -> tuple[float,
     return statistics.median(steps[2:] or steps), statistics.median(intervals[2:] or intervals)
 
 
+PROFILE_DECODE: Path | None = None  # --profile-decode: a folder for each decode graph's breakdown
 HOST: dict[tuple[int, bool], str] = {}  # per decode case: the host's lead (printed in the table)
 LAST_FULL: dict[tuple[int, bool], object] = {}  # per decode case: its last DecodeBatch of all B sequences
 
@@ -494,6 +507,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",")],
                     default=[(1, 4096), (16, 256)], help="prefill steps to time, SEQSxLEN,... (with --adapters, "
                     "each also with a distinct adapter per sequence)")
+    ap.add_argument("--profile-decode", type=Path,
+                    help="folder: each decode case's graph replay under torch.profiler (kernels by group, idle gaps)")
     ap.add_argument("--profile-prefill", type=Path, help="folder: a torch.profiler table of each prefill case with adapters")
     ap.add_argument("--admit-ratio", type=float, default=ExecutorConfig.admit_ratio,
                     help="admission pacing, as the executor's flag (0: admit each request at once, as before 2026-11-26)")
@@ -504,7 +519,8 @@ def main() -> None:
     if args.grpc_client:
         grpc_client(args.grpc_client, args.streams, args.grpc_prompt, args.new_tokens, args.vocab)
         return
-    global DEVICE, DTYPE
+    global DEVICE, DTYPE, PROFILE_DECODE
+    PROFILE_DECODE = args.profile_decode
     DEVICE, DTYPE = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_engine.py needs a CUDA host (--device cpu: a smoke run of the script)")

@@ -12,7 +12,8 @@
 #   moe:     benchmarks/bench_moe.py (fused MoE + expert LoRA against its floor)
 #   attn:    benchmarks/bench_attention.py (paged attention kernels against their floors)
 #   engine:  benchmarks/bench_engine.py (decode / prefill / gRPC against the floors; needs
-#            var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF)
+#            var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF;
+#            ENGINE_ARGS adds flags here and to `mixed`, e.g. "--streams 0 --profile-decode OUT_DIR/prof")
 #   prefill: bench_engine.py --prefill 16x256,8x160,1x1024 over 40 adapters of mixed ranks: prefill
 #            steps with and without adapters, and a torch.profiler table of each (OUT_DIR/prof/)
 #   eager:   bench_engine.py --enforce-eager --streams 0 (the same decode steps without graphs)
@@ -92,13 +93,13 @@ if has attn; then
 fi
 if has engine; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
-  python3 -P benchmarks/bench_engine.py --tokenizer "$tok" 2>"$OUT/bench_engine.err" | tee "$OUT/bench_engine.log" | tail -30 \
+  python3 -P benchmarks/bench_engine.py --tokenizer "$tok" ${ENGINE_ARGS:-} 2>"$OUT/bench_engine.err" | tee "$OUT/bench_engine.log" | tail -30 \
     || tail -30 "$OUT/bench_engine.err"
 fi
 if has mixed; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
   python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --batches 32,64 --adapters 40 --streams 0 --ranks 8,16,32,64 \
-    2>"$OUT/bench_mixed.err" | tee "$OUT/bench_mixed.log" | tail -12 || tail -30 "$OUT/bench_mixed.err"
+    ${ENGINE_ARGS:-} 2>"$OUT/bench_mixed.err" | tee "$OUT/bench_mixed.log" | tail -12 || tail -30 "$OUT/bench_mixed.err"
 fi
 if has prefill; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }

@@ -7,6 +7,11 @@ host took to queue a step's work, how long the device took from its first kernel
 much of that it was busy, and the kernels of the mixed (eager prefill + decode) steps by time.
 
     python benchmarks/step_trace.py DIR/trace.json.gz     # the summary again, from a saved trace
+
+`replay_breakdown` does the same for one captured graph replayed back to back (bench_engine.py
+`--profile-decode`): per replay, the device span, the kernels' busy time (their union: the LoRA
+shrink runs beside the base GEMM on a side stream), the idle gaps between kernels, and the kernels'
+time by group and by name.
 """
 
 from __future__ import annotations
@@ -68,17 +73,63 @@ async def profile_window(folder: Path, after: float, seconds: float) -> Path:
     return path
 
 
-def _kind_of(name: str) -> str:
+_GROUPS = (  # (group, substrings of the kernel name), first match wins; names lower-cased
+    ("lora shrink", ("_shrink",)),
+    ("lora expand", ("_expand",)),
+    ("lora other", ("_lora", "_slot")),
+    ("attention", ("attention", "_prefill_kernel", "_decode_kernel", "_merge_splits", "_reduce_kernel")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "cublas", "gemv")),
+    ("norm", ("rms_norm",)),
+    ("rope + cache", ("_rope",)),
+    ("silu-mul", ("_silu",)),
+    ("memset / copy", ("memset", "memcpy", "fill", "copy")),
+)
+
+
+def kernel_group(name: str) -> str:
     n = name.lower()
-    if "_shrink" in n or "_expand" in n:
-        return "lora"
-    if "attention" in n or "_prefill_kernel" in n or "_decode_kernel" in n or "_reduce_kernel" in n:
-        return "attention"
-    if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "cublas")):
-        return "gemm"
-    if "memset" in n or "memcpy" in n:
-        return "copy/memset"
-    return "other"
+    return next((g for g, keys in _GROUPS if any(k in n for k in keys)), "other")
+
+
+def replay_breakdown(replay, runs: int = 20) -> list[str]:
+    """Profiles `runs` back-to-back calls of `replay` (a CUDA graph's replay); lines of text (us per replay)."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return breakdown_of(json.loads(path.read_text())["traceEvents"], runs)
+
+
+def breakdown_of(events: list[dict], runs: int, top: int = 12) -> list[str]:
+    """The device events of `runs` replays (a trace's events): per replay span, busy, gaps, groups."""
+    work = [e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE]
+    if not work:
+        return ["no device events in the trace (is the profiler's CUDA activity available?)"]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in work]
+    span = (max(b for _, b in spans) - min(a for a, _ in spans)) / runs
+    busy = _union(spans) / runs
+    groups, names = defaultdict(float), defaultdict(float)
+    for e in work:
+        groups[kernel_group(e["name"])] += e["dur"] / runs
+        names[e["name"]] += e["dur"] / runs
+    out = [f"per replay: span {span:.1f} us, kernels busy {busy:.1f} us ({busy / span:.0%}), idle between "
+           f"kernels {span - busy:.1f} us, {len(work) / runs:.0f} kernels; kernel time (overlapping streams "
+           "counted twice) by group:",
+           "| group | us per replay |", "|---|---|"]
+    out += [f"| {g} | {t:.1f} |" for g, t in sorted(groups.items(), key=lambda x: -x[1])]
+    out += ["| kernel | us per replay |", "|---|---|"]
+    out += [f"| {n[:90]} | {t:.1f} |" for n, t in sorted(names.items(), key=lambda x: -x[1])[:top]]
+    return out
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -122,7 +173,7 @@ def summarize(path: Path, top: int = 15) -> list[str]:
         if kind.startswith("mixed"):
             for k in work:
                 kernels[kind][k["name"]] += k["dur"]
-                groups[kind][_kind_of(k["name"])] += k["dur"]
+                groups[kind][kernel_group(k["name"])] += k["dur"]
     out = [f"trace {path}: {len(steps)} labelled steps",
            "| step kind | steps | host launch ms | device span ms | device busy ms | busy / span | runtime calls |",
            "|---|---|---|---|---|---|---|"]

@@ -41,6 +41,26 @@ def test_summary_matches_kernels_to_their_step(tmp_path):
     assert "| mixed | 1 | 0.50 | 0.60 | 0.50 | 0.83 | 2 |" in text
     assert "| decode-graph | 1 | 0.05 | 0.10 | 0.10 | 1.00 | 1 |" in text
     assert "trace.json.gz: 2 labelled steps" in text
-    assert "mixed steps: device time per step by group (ms): gemm 0.30, lora 0.20" in text
+    assert "mixed steps: device time per step by group (ms): gemm 0.30, lora shrink 0.20" in text
     assert "| _shrink_kernel | 0.200 |" in text
     assert "_expand_kernel" not in text and "other_kernel" not in text
+
+
+def test_replay_breakdown_counts_overlap_once_in_busy_and_groups_kernels():
+    # two replays of one graph: a GEMM beside a shrink on a side stream, then an expand after a 10 us gap
+    events = []
+    for r in range(2):
+        t = 1000 * r
+        events += [
+            _x("nvjet_tst_gemm", "kernel", t, 100, tid=1),
+            _x("_shrink_kernel", "kernel", t + 20, 50, tid=2),
+            _x("_expand_kernel", "kernel", t + 110, 30, tid=1),
+            _x("Memset (Device)", "gpu_memset", t + 140, 5, tid=1),
+        ]
+    events.append(_x("cudaGraphLaunch", "cuda_runtime", 0, 5))  # host side: not counted
+    text = "\n".join(step_trace.breakdown_of(events, runs=2))
+    # span per replay: (1145 - 0) / 2; busy: 100 + 30 + 5 per replay (the shrink hides under the GEMM)
+    assert "span 572.5 us, kernels busy 135.0 us (24%), idle between kernels 437.5 us, 4 kernels" in text
+    assert "| gemm | 100.0 |" in text and "| lora shrink | 50.0 |" in text
+    assert "| lora expand | 30.0 |" in text and "| memset / copy | 5.0 |" in text
+    assert step_trace.breakdown_of([], runs=1)[0].startswith("no device events")
