@@ -208,6 +208,7 @@ def replay_seconds(engine, batch: int, with_lora: bool) -> float | None:
     replay = engine.graphs.graph(batch, with_lora).replay
     seconds = _time_cuda(replay)
     if PROFILE_DECODE is not None:  # where the replay's time goes: kernels by group, idle gaps
+        sys.path.insert(0, str(Path(__file__).parent))  # run as `python -P`: the script's folder is not on the path
         import step_trace
 
         lines = [f"decode graph B={batch}, {'with adapters' if with_lora else 'base'}: replay {seconds * 1e6:.1f} us "
