@@ -505,9 +505,12 @@ def main() -> None:
     ap.add_argument("--grpc-prompt", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-mixed-graphs", action="store_true", help="prefill and mixed steps run eagerly")
-    ap.add_argument("--prefill", type=lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",")],
-                    default=[(1, 4096), (16, 256)], help="prefill steps to time, SEQSxLEN,... (with --adapters, "
+    ap.add_argument("--prefill", type=lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",") if c],
+                    default=[(1, 4096), (16, 256)], help="prefill steps to time, SEQSxLEN,... ('': none; with --adapters, "
                     "each also with a distinct adapter per sequence)")
+    ap.add_argument("--side-stream-priority", type=int, default=None,
+                    help="CUDA priority of the LoRA shrink's side stream (-1: high); default: the executor's")
+    ap.add_argument("--table", type=Path, help="a kernel table (JSON) to use instead of this GPU's shipped one")
     ap.add_argument("--profile-decode", type=Path,
                     help="folder: each decode case's graph replay under torch.profiler (kernels by group, idle gaps)")
     ap.add_argument("--profile-prefill", type=Path, help="folder: a torch.profiler table of each prefill case with adapters")
@@ -522,6 +525,14 @@ def main() -> None:
         return
     global DEVICE, DTYPE, PROFILE_DECODE
     PROFILE_DECODE = args.profile_decode
+    if args.side_stream_priority is not None:
+        import loraserve.executor.lora as lora_mod
+
+        lora_mod.SIDE_STREAM_PRIORITY = args.side_stream_priority
+    if args.table is not None and args.device == "cuda":
+        from loraserve.kernels import tuning
+
+        tuning.set_table(tuning.gpu_key(torch.device("cuda")), json.loads(args.table.read_text()))
     DEVICE, DTYPE = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_engine.py needs a CUDA host (--device cpu: a smoke run of the script)")
