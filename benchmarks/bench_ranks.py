@@ -16,6 +16,7 @@ launches. Prints one table (writes ranks.md under --out); asserts nothing on tim
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -141,6 +142,8 @@ EXPAND_SWEEP = [
     (16, 64, 1, 4, 1, 8), (16, 128, 1, 4, 1, 8), (16, 64, 2, 4, 2, 8), (16, 64, 4, 4, 2, 4),
     (16, 128, 2, 4, 2, 4), (16, 256, 1, 4, 1, 4), (16, 64, 1, 4, 1, 16), (16, 64, 1, 2, 1, 16),
     (16, 128, 1, 2, 1, 8), (16, 32, 4, 4, 2, 8), (16, 128, 4, 4, 3, 4), (16, 256, 2, 8, 2, 2),
+    (16, 128, 1, 4, 1, 4), (16, 128, 1, 4, 1, 16), (16, 128, 2, 4, 2, 8), (16, 256, 1, 4, 1, 8),
+    (16, 128, 1, 8, 1, 4), (16, 64, 2, 4, 2, 4),
 ]
 SHRINK_SWEEP = [  # (block_m, block_n, block_k, columns per split, num_warps, num_stages, ctas_per_sm)
     (16, 64, 64, 256, 4, 4, 8), (16, 64, 128, 256, 4, 4, 8), (16, 64, 64, 128, 4, 4, 8), (16, 32, 64, 256, 4, 4, 8),
@@ -149,43 +152,84 @@ SHRINK_SWEEP = [  # (block_m, block_n, block_k, columns per split, num_warps, nu
 SWEEP_CASES = ("8/16/32/64 in 64", "16 in 16", "64 in 64")
 
 
-def sweep(tokens, adapters, gen, out_lines, save):
-    """Each launch setting of each op, forced through the device's table, on each layer and case."""
+def _candidates(op, in_features, widths, rank, tokens, current):
+    """(label, config) of each setting to time for one layer: the table's own first, then the list."""
+    out = [(f"table: {_label(op, current, in_features)}", current)]
+    for row in EXPAND_SWEEP if op == "expand" else SHRINK_SWEEP:
+        if op == "expand":
+            cfg = tuning.ExpandConfig(*row)
+        else:
+            block_m, block_n, block_k, per_split, warps, stages, ctas = row
+            split = tuning.pow2_split(in_features, block_k, per_split)
+            cfg = tuning.ShrinkConfig(block_m, min(block_n, tuning._pow2(len(widths) * rank)), block_k, split,
+                                      warps, stages, ctas)
+        if cfg != current:
+            out.append((_label(op, cfg, in_features), cfg))
+    return out
+
+
+def _label(op, cfg, in_features) -> str:
+    if op == "expand":
+        return f"n{cfg.block_n}x{cfg.n_iters} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}"
+    per_split = -(-in_features // cfg.split_k)
+    return f"n{cfg.block_n} k{cfg.block_k}/{per_split} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}"
+
+
+def sweep(tokens, adapters, gen, out_lines, save, ops=("expand", "shrink"), case_names=SWEEP_CASES):
+    """Each launch setting of each op, forced through the device's table, on each layer and case.
+
+    Returns {(op, table key): {config: [us per case, summed over the layers sharing the key]}}."""
     key = tuning.gpu_key(torch.device(DEV))
     saved = tuning._table(key)
-    cases = [c for c in CASES if c[0] in SWEEP_CASES]
+    cases = [c for c in CASES if c[0] in case_names]
+    rank = cases[0][1]
+    if any(c[1] != rank for c in cases):
+        raise SystemExit("--sweep-cases: every case must have the same slot rank (one table key per layer)")
     header = "| layer | op | setting | " + " | ".join(f"{c[0]} us" for c in cases) + " |"
     out_lines += ["", header, "|" + "---|" * (header.count("|") - 1)]
     print("\n".join(out_lines[-2:]), flush=True)
+    measured: dict = {}
     for layer, (in_features, widths) in LAYERS.items():
         setups = [Setup.make(layer, case, tokens, adapters, gen) for case in cases]
-        for op in ("expand", "shrink"):
-            for row in EXPAND_SWEEP if op == "expand" else SHRINK_SWEEP:
+        for op in ops:
+            if op == "expand":
+                shape, current = tuning.expand_key(tuple(widths), rank), tuning.expand_config(torch.device(DEV), tokens, tuple(widths), rank)
+            else:
+                shape = tuning.shrink_key(in_features, len(widths), rank)
+                current = tuning.shrink_config(torch.device(DEV), tokens, in_features, len(widths), rank)
+            for label, cfg in _candidates(op, in_features, widths, rank, tokens, current):
                 times = []
-                for case, setup in zip(cases, setups):
-                    rank = case[1]
-                    if op == "expand":
-                        cfg = tuning.ExpandConfig(*row)
-                        shape = tuning.expand_key(tuple(widths), rank)
-                        label = f"n{row[1]}x{row[2]} w{row[3]} st{row[4]} c{row[5]}"
-                    else:
-                        block_m, block_n, block_k, per_split, warps, stages, ctas = row
-                        split = tuning.pow2_split(in_features, block_k, per_split)
-                        cfg = tuning.ShrinkConfig(block_m, min(block_n, tuning._pow2(len(widths) * rank)), block_k, split,
-                                                  warps, stages, ctas)
-                        shape = tuning.shrink_key(in_features, len(widths), rank)
-                        label = f"n{block_n} k{block_k}/{per_split} w{warps} st{stages} c{ctas}"
-                    tuning.set_table(key, {op: {shape: {str(tokens): tuning.as_dict(cfg)}}})
+                tuning.set_table(key, {op: {shape: {str(tokens): tuning.as_dict(cfg)}}})
+                for setup in setups:
                     try:
-                        times.append(f"{setup.time_us(op):.1f}")
-                    except Exception as exc:  # a setting that does not fit (shared memory) is skipped
-                        times.append(f"({type(exc).__name__})")
-                out_lines.append(f"| {layer} | {op} | {label} | " + " | ".join(times) + " |")
+                        times.append(setup.time_us(op))
+                    except Exception:  # a setting that does not fit (shared memory) is skipped
+                        times.append(float("inf"))
+                tuning.set_table(key, saved)
+                sums = measured.setdefault((op, shape), {}).setdefault(cfg, [0.0] * len(cases))
+                for i, t in enumerate(times):
+                    sums[i] += t
+                out_lines.append(f"| {layer} | {op} | {label} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
                 print(out_lines[-1], flush=True)
         del setups
         torch.cuda.empty_cache()
         save()  # after each layer: a cut-off run keeps what it measured
     tuning.set_table(key, saved)
+    return measured
+
+
+def pick(measured, slack: float = 1.03):
+    """Per table key, the setting fastest on the first case whose time on every other case stays within
+    `slack` of the table's own setting (the first one timed); {(op, key): (config, old, new times)}
+    for the keys where that is not the table's own."""
+    chosen = {}
+    for (op, shape), by_cfg in measured.items():
+        (current, base), *_ = by_cfg.items()
+        ok = [(t[0], cfg) for cfg, t in by_cfg.items() if all(x <= b * slack for x, b in zip(t[1:], base[1:]))]
+        best_time, best = min(ok, key=lambda x: x[0])
+        if best != current and best_time < base[0] / slack:
+            chosen[(op, shape)] = (best, base, by_cfg[best])
+    return chosen
 
 
 HEADER = "| layer | adapters' ranks in slots of | shrink us | expand us | layer us | floor us | layer / floor | shrink cfg | expand cfg |"
@@ -204,6 +248,13 @@ def main():
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens in the step (one per sequence)")
     parser.add_argument("--adapters", type=int, default=40, help="distinct adapters among them")
     parser.add_argument("--sweep", action="store_true", help="also time each launch setting of a short list per op")
+    parser.add_argument("--sweep-ops", default="expand,shrink", help="the ops --sweep times (comma list)")
+    parser.add_argument("--sweep-cases", default=";".join(SWEEP_CASES),
+                        help="the cases --sweep times, by name, ';'-separated (e.g. '8/16/32/64 in 64;64 in 64')")
+    parser.add_argument("--sweep-only", action="store_true", help="skip the table of every case (the sweep alone)")
+    parser.add_argument("--sweep-table", default=None,
+                        help="write this GPU's table plus, per layer key, the swept setting fastest on the first "
+                             "--sweep-cases case that is no more than 3%% slower on the others (at --tokens)")
     parser.add_argument("--narrow", choices=("both", "shrink", "expand", "none"), default="both",
                         help="which ops take the narrow tiles for low-rank blocks (a diagnostic: both in serving)")
     args = parser.parse_args()
@@ -219,7 +270,7 @@ def main():
               "", HEADER, "|" + "---|" * 9]
     print("\n".join(lines), flush=True)
     totals = {}
-    for case in CASES:
+    for case in () if args.sweep_only else CASES:
         for layer in LAYERS:
             r = run(layer, case, args.tokens, args.adapters, ceil, gen)
             totals.setdefault(case[0], [0.0, 0.0])
@@ -240,7 +291,20 @@ def main():
 
     save()
     if args.sweep:
-        sweep(args.tokens, args.adapters, gen, lines, save)
+        measured = sweep(args.tokens, args.adapters, gen, lines, save, tuple(args.sweep_ops.split(",")),
+                         tuple(args.sweep_cases.split(";")))
+        if args.sweep_table:
+            key = tuning.gpu_key(torch.device(DEV))
+            table = json.loads(json.dumps(tuning._table(key)))  # a deep copy
+            lines += ["", f"chosen for {args.sweep_table} (us per case, summed over the layers of a key):"]
+            for (op, shape), (cfg, old, new) in sorted(pick(measured).items()):
+                table.setdefault(op, {}).setdefault(shape, {})[str(args.tokens)] = tuning.as_dict(cfg)
+                lines.append(f"- {op} {shape} @ {args.tokens} tokens: {cfg} "
+                             f"({' / '.join(f'{t:.1f}' for t in old)} -> {' / '.join(f'{t:.1f}' for t in new)})")
+            with open(args.sweep_table, "w") as f:
+                json.dump(table, f, indent=1, sort_keys=True)
+            print("\n".join(lines[lines.index(f"chosen for {args.sweep_table} (us per case, summed over the layers of a key):"):]))
+        save()
 
 
 if __name__ == "__main__":
