@@ -181,7 +181,8 @@ def sweep(tokens, adapters, gen, out_lines, save, ops=("expand", "shrink"), case
     Returns {(op, table key): {config: [us per case, summed over the layers sharing the key]}}."""
     key = tuning.gpu_key(torch.device(DEV))
     saved = tuning._table(key)
-    cases = [c for c in CASES if c[0] in case_names]
+    by_name = {c[0]: c for c in CASES}
+    cases = [by_name[n] for n in case_names]  # in the order given: pick() optimizes the first
     rank = cases[0][1]
     if any(c[1] != rank for c in cases):
         raise SystemExit("--sweep-cases: every case must have the same slot rank (one table key per layer)")
