@@ -18,6 +18,14 @@ A row whose source is >= 0 takes its input id not from `ids` but from the token 
 step sampled in that row (`keep_sampled` leaves them in a device buffer): so the engine can launch
 a step before the previous one's tokens reach the host.
 
+Each decode graph also samples greedily (argmax and its logprob, the sampler's `greedy`) after the
+logits, writes the tokens and logprobs into one static [2, max_batch] float64 buffer (what the engine
+copies to the host) and keeps the tokens for the next step's sources: a step whose rows are all
+greedy (`run_greedy`) launches nothing but the staging copy, the replay and the copy out. Eagerly,
+those ~9 small kernels took most of the ~80 us the device spent between two replays
+(docs/BENCHMARKS.md, "Ninth pass"). A step that samples (temperature > 0) reads the logits as before
+and overwrites the kept tokens with its own; the graph's greedy pass is then ~1-2 kernels' time wasted.
+
 A batch of B sequences replays the graph of the smallest bucket >= B; rows B.. of the bucket are
 padding: they read and write only the KV cache's scratch block and use no adapter. Each bucket
 has two graphs: the base model alone (no LoRA kernels at all) and with LoRA (LoraMeta and the
@@ -49,6 +57,7 @@ from loraserve.kernels.attention_plan import prefill_queries, prefill_work_list
 from loraserve.kernels.meta import FULL_RANK
 
 from .kv_cache import AttentionMetadata, KVCache, place_tokens
+from .sampler import greedy
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +125,7 @@ class DecodeGraphs(_StepGraphs):
         # for its lifetime, and the buckets' rows of vocab floats grow with max_batch squared.
         self._logits = torch.empty(max_batch, model.cfg.vocab_size, dtype=torch.float32, device=self.device)
         self._sampled = torch.zeros(max_batch, dtype=torch.int32, device=self.device)  # the last step's tokens
+        self._greedy = torch.zeros(2, max_batch, dtype=torch.float64, device=self.device)  # tokens, logprobs
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
@@ -158,7 +168,12 @@ class DecodeGraphs(_StepGraphs):
         )  # fmt: skip
         meta = make_lora_meta(lora_slots, self.max_loras, slot_ranks=dev[_FIELDS * n : self._tables_at]) if lora else None
         hidden = self.model.forward(ids, positions, attn, self.kv, meta)
-        self._logits[:bucket].copy_(self.model.compute_logits(hidden, meta))
+        logits = self._logits[:bucket]
+        logits.copy_(self.model.compute_logits(hidden, meta))
+        token_ids, logprobs = greedy(logits)  # what a step of greedy rows samples (run_greedy)
+        self._greedy[0, :bucket].copy_(token_ids)
+        self._greedy[1, :bucket].copy_(logprobs)
+        self._sampled[:bucket].copy_(token_ids)
 
     # ---- replay ---------------------------------------------------------------------------
 
@@ -182,6 +197,13 @@ class DecodeGraphs(_StepGraphs):
         """
         self._replay(*self.stage(batch))
         return self._logits[: len(batch.input_ids)]
+
+    def run_greedy(self, batch: DecodeBatch) -> torch.Tensor:
+        """As `run`, for a batch whose every row samples greedily: -> [2, B] float64 (token ids,
+        logprobs), a view of the graphs' buffer valid until the next run; the tokens are kept for
+        the next step's sources (no `keep_sampled` needed)."""
+        self._replay(*self.stage(batch))
+        return self._greedy[:, : len(batch.input_ids)]
 
     def keep_sampled(self, token_ids: torch.Tensor) -> None:
         """Keeps a step's sampled tokens [rows] on the device for the next step's sources."""
