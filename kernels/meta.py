@@ -36,6 +36,27 @@ class BlockList:
     max_blocks: int
 
 
+class ShrinkWorkspace:
+    """A zeroed float32 buffer that one step's shrink outputs are carved from, in call order.
+
+    A split-K shrink adds its partial sums into a zeroed output: without a workspace every LoRA
+    layer zeroes its own (a memset node per layer, 128 per Llama-3-8B step); the decode graphs
+    zero one workspace for the whole step instead and pass it in LoraMeta.shrink_workspace.
+    """
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer, self.used = buffer, 0
+
+    def take(self, num_slices: int, num_tokens: int, rank: int) -> torch.Tensor | None:
+        """The next zeroed [S, T, R] float32 view, or None when the buffer has no room left."""
+        n = num_slices * num_tokens * rank
+        if self.used + n > self.buffer.numel():
+            return None
+        view = self.buffer[self.used : self.used + n].view(num_slices, num_tokens, rank)
+        self.used += n
+        return view
+
+
 @dataclass
 class LoraMeta:
     """Tokens grouped by GPU slot.
@@ -55,6 +76,8 @@ class LoraMeta:
                        (slot buffers are zero past it), or None: the kernels then read every slot
                        at its full buffer rank. With it, a rank-8 adapter in a rank-64 slot moves
                        rank-8 bytes through shrink and expand.
+    shrink_workspace:  a ShrinkWorkspace the step zeroed once, or None: each shrink then allocates
+                       (and, when it splits K, zeroes) its own output
     """
 
     token_slots: torch.Tensor
@@ -67,6 +90,7 @@ class LoraMeta:
     num_active: torch.Tensor | None = None
     host_slots: frozenset[int] | None = None
     slot_ranks: torch.Tensor | None = None
+    shrink_workspace: ShrinkWorkspace | None = None
     _block_lists: dict[int, BlockList] = field(default_factory=dict, repr=False)
 
     def block_list(self, block_m: int) -> BlockList:

@@ -45,6 +45,8 @@ def lora_shrink(
     ranked: unused here (see lora_expand)
     """
     num_slices, rank = lora_a.shape[1], lora_a.shape[2]
+    if out is None and meta.shrink_workspace is not None:  # as triton_lora (here every element is written)
+        out = meta.shrink_workspace.take(num_slices, x.shape[0], rank)
     if out is None:
         out = torch.empty(num_slices, x.shape[0], rank, dtype=torch.float32, device=x.device)
     gathered = _gathered(meta)

@@ -408,6 +408,10 @@ def lora_shrink(
     """
     num_tokens, in_features = x.shape
     num_slots, num_slices, rank, _ = lora_a.shape
+    zeroed = False  # out is known to hold zeros (the step's workspace)
+    if out is None and meta.shrink_workspace is not None:
+        out = meta.shrink_workspace.take(num_slices, num_tokens, rank)
+        zeroed = out is not None
     if out is None:
         out = torch.empty(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
     if not _shrink_supported(x, lora_a, out):
@@ -419,7 +423,7 @@ def lora_shrink(
     blocks = meta.block_list(cfg.block_m)
     col_blocks = _cdiv(sr, cfg.block_n)
     k_per_split = _cdiv(_cdiv(in_features, cfg.block_k), cfg.split_k) * cfg.block_k
-    if cfg.split_k > 1:
+    if cfg.split_k > 1 and not zeroed:
         out.zero_()  # the K splits add into it
     tiles = blocks.max_blocks * col_blocks * cfg.split_k  # upper bound: the list's length
     programs = num_sms(x.device.index) * cfg.ctas_per_sm

@@ -54,8 +54,9 @@ import torch
 
 from loraserve.kernels import make_lora_meta
 from loraserve.kernels.attention_plan import prefill_queries, prefill_work_list
-from loraserve.kernels.meta import FULL_RANK
+from loraserve.kernels.meta import FULL_RANK, ShrinkWorkspace
 
+from ..lora import LinearWithLoRA, lora_modules
 from .kv_cache import AttentionMetadata, KVCache, place_tokens
 from .sampler import greedy
 
@@ -86,6 +87,12 @@ class DecodeBatch:
     lora_slots: list[int]  # [B] -1 = base model
     sources: list[int] | None = None  # [B] -1: input_ids[i]; r >= 0: the previous step's sampled row r
     slot_ranks: list[int] | None = None  # [max_loras] each slot's adapter rank; None: read slots whole
+
+
+def shrink_floats_per_token(model) -> int:
+    """Float32 values one token's shrink outputs take over every LoRA linear layer of a step
+    (slices x slot rank each; the embedding's LoRA gathers instead and takes none)."""
+    return sum(m.lora_a.shape[1] * m.lora_a.shape[2] for m in lora_modules(model).values() if isinstance(m, LinearWithLoRA))
 
 
 class _StepGraphs:
@@ -126,6 +133,9 @@ class DecodeGraphs(_StepGraphs):
         self._logits = torch.empty(max_batch, model.cfg.vocab_size, dtype=torch.float32, device=self.device)
         self._sampled = torch.zeros(max_batch, dtype=torch.int32, device=self.device)  # the last step's tokens
         self._greedy = torch.zeros(2, max_batch, dtype=torch.float64, device=self.device)  # tokens, logprobs
+        # Every LoRA layer's shrink output of a step, zeroed once per step (not one memset per layer).
+        self._shrink_per_token = shrink_floats_per_token(model) if max_loras else 0
+        self._shrink_ws = torch.zeros(max_batch * self._shrink_per_token, dtype=torch.float32, device=self.device)
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
@@ -166,7 +176,12 @@ class DecodeGraphs(_StepGraphs):
             slot_mapping=slot_mapping.long(), positions=positions, block_tables=tables, seq_lens=seq_lens,
             cu_query_lens=None, max_query_len=1, is_decode=True,
         )  # fmt: skip
-        meta = make_lora_meta(lora_slots, self.max_loras, slot_ranks=dev[_FIELDS * n : self._tables_at]) if lora else None
+        meta = None
+        if lora:
+            meta = make_lora_meta(lora_slots, self.max_loras, slot_ranks=dev[_FIELDS * n : self._tables_at])
+            workspace = self._shrink_ws[: bucket * self._shrink_per_token]
+            workspace.zero_()
+            meta.shrink_workspace = ShrinkWorkspace(workspace)
         hidden = self.model.forward(ids, positions, attn, self.kv, meta)
         logits = self._logits[:bucket]
         logits.copy_(self.model.compute_logits(hidden, meta))

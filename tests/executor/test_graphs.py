@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraserve.executor.engine.graphs import DecodeBatch, DecodeGraphs, batch_buckets
+from loraserve.executor.engine.graphs import DecodeBatch, DecodeGraphs, batch_buckets, shrink_floats_per_token
 from loraserve.executor.engine.kv_cache import AttentionMetadata, BlockAllocator, KVCache
 from loraserve.executor.lora import LoraSpec, lora_modules
 from loraserve.executor.model.loader import load_hf_checkpoint
 from loraserve.kernels import make_lora_meta
+from loraserve.kernels.meta import ShrinkWorkspace
 
 from .conftest import TINY_MOE
 
@@ -52,6 +53,14 @@ def test_static_buffer_step_equals_the_eager_step_on_cpu(hf_model, family):
         assert (bucket, lora) == (4, max(slots) >= 0)
         graphs._forward(bucket, lora)
         torch.testing.assert_close(graphs._logits[:3], want, atol=1e-5, rtol=1e-5)
+        # the step's shrink outputs all fit the graphs' workspace (sized by shrink_floats_per_token)
+        if max(slots) >= 0:
+            per_token = shrink_floats_per_token(model)
+            ws = ShrinkWorkspace(torch.zeros(3 * per_token))
+            meta.shrink_workspace = ws
+            torch.testing.assert_close(model.compute_logits(model.forward(torch.tensor(ids), attn.positions, attn, kv, meta), meta),
+                                       want, atol=1e-5, rtol=1e-5)
+            assert ws.used == 3 * per_token > 0
         # the step's greedy sampling, inside the graph: tokens, their logprobs, kept for the next step
         out = graphs.run_greedy(DecodeBatch(ids, lens, tables, slots))
         assert out.shape == (2, 3) and out.dtype == torch.float64

@@ -16,7 +16,7 @@ from loraserve.kernels import (
     make_lora_meta,
     reference,
 )
-from loraserve.kernels.meta import FULL_RANK
+from loraserve.kernels.meta import FULL_RANK, ShrinkWorkspace
 
 
 def offsets_of(widths):
@@ -220,3 +220,20 @@ def test_cpu_tensors_use_the_reference_and_never_import_triton():
         "assert 'triton' not in sys.modules and 'loraserve.kernels.triton_lora' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_shrink_workspace_hands_out_zeroed_views_in_call_order_until_full():
+    buf = torch.zeros(2 * 3 * 4 + 1 * 3 * 8)
+    ws = ShrinkWorkspace(buf)
+    a, b = ws.take(2, 3, 4), ws.take(1, 3, 8)
+    assert a.shape == (2, 3, 4) and b.shape == (1, 3, 8) and ws.used == buf.numel()
+    assert a.data_ptr() == buf.data_ptr() and b.data_ptr() == buf[24:].data_ptr()
+    assert ws.take(1, 1, 1) is None  # full: the shrink allocates its own output instead
+    # the reference shrink writes into the workspace's view (every element)
+    x, lora_a = torch.randn(3, 5), torch.randn(2, 2, 4, 5)
+    meta = make_lora_meta(torch.tensor([1, -1, 0]), 2)
+    meta.shrink_workspace = ShrinkWorkspace(torch.full((2 * 3 * 4,), float("nan")))
+    out = lora_shrink(x, lora_a, meta)
+    assert out.data_ptr() == meta.shrink_workspace.buffer.data_ptr() and not out.isnan().any()
+    meta.shrink_workspace = None
+    torch.testing.assert_close(out, lora_shrink(x, lora_a, meta))
