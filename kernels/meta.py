@@ -67,8 +67,6 @@ class LoraMeta:
     slot_start:        [max_loras] int32, offset of each slot's group in sorted_token_ids
     num_tokens:        T (host int; the launch shape)
     max_loras:         number of slots (host int)
-    active_slots:      [max_loras] int32, slots with tokens this step first (ascending), then -1
-    num_active:        [1] int32, how many slots have tokens
     host_slots:        the slots with tokens this step as a host frozenset, when the caller knows
                        them without a sync (the engine does); None otherwise. LoRA layers use it
                        to skip work no active adapter needs (see executor/lora.py)
@@ -78,6 +76,8 @@ class LoraMeta:
                        rank-8 bytes through shrink and expand.
     shrink_workspace:  a ShrinkWorkspace the step zeroed once, or None: each shrink then allocates
                        (and, when it splits K, zeroes) its own output
+    active_slots, num_active (properties, computed on first use: no kernel reads them): the slots
+    with tokens this step first (ascending), then -1 ([max_loras] int32), and how many ([1] int32)
     """
 
     token_slots: torch.Tensor
@@ -86,12 +86,21 @@ class LoraMeta:
     slot_start: torch.Tensor
     num_tokens: int
     max_loras: int
-    active_slots: torch.Tensor | None = None
-    num_active: torch.Tensor | None = None
     host_slots: frozenset[int] | None = None
     slot_ranks: torch.Tensor | None = None
     shrink_workspace: ShrinkWorkspace | None = None
     _block_lists: dict[int, BlockList] = field(default_factory=dict, repr=False)
+
+    @property
+    def active_slots(self) -> torch.Tensor:
+        active = self.tokens_per_slot > 0
+        # Stable sort of "is idle" puts the active slots first, in ascending order.
+        order = torch.argsort((~active).to(torch.int8), stable=True).to(torch.int32)
+        return torch.where(active[order.long()], order, torch.full_like(order, -1))
+
+    @property
+    def num_active(self) -> torch.Tensor:
+        return (self.tokens_per_slot > 0).sum(dtype=torch.int32).reshape(1)
 
     def block_list(self, block_m: int) -> BlockList:
         """The work list for tiles of block_m rows; built on first use, then shared by every layer."""
@@ -106,10 +115,24 @@ def make_lora_meta(
     max_loras: int,
     host_slots: frozenset[int] | None = None,
     slot_ranks: torch.Tensor | None = None,
+    block_m: int | None = None,
 ) -> LoraMeta:
     """Groups tokens by slot. token_slots: [T] integer tensor, -1 = no adapter.
     host_slots: the set of slots >= 0 in token_slots, if the caller has it on the host.
-    slot_ranks: [max_loras] integer tensor on token_slots' device, each slot's adapter rank (see LoraMeta)."""
+    slot_ranks: [max_loras] integer tensor on token_slots' device, each slot's adapter rank (see LoraMeta).
+    block_m: build the block list of these tile rows now too; on CUDA a small step's whole grouping
+    is then one Triton program (kernels/triton_meta.py) instead of ~35 torch ops."""
+    if block_m is not None and token_slots.device.type == "cuda" and FUSED:
+        fused = _fused_grouping(token_slots, max_loras, slot_ranks, block_m)
+        if fused is not None:
+            sorted_ids, counts, starts, blocks = fused
+            meta = LoraMeta(
+                token_slots=token_slots.to(torch.int32), sorted_token_ids=sorted_ids, tokens_per_slot=counts,
+                slot_start=starts, num_tokens=int(token_slots.shape[0]), max_loras=max_loras, host_slots=host_slots,
+                slot_ranks=None if slot_ranks is None else slot_ranks.to(torch.int32),
+            )  # fmt: skip
+            meta._block_lists[block_m] = blocks
+            return meta
     slots = token_slots.to(torch.int32)
     # No-adapter tokens sort after every real slot.
     keys = torch.where(slots < 0, torch.full_like(slots, max_loras), slots)
@@ -119,22 +142,30 @@ def make_lora_meta(
     counts.scatter_add_(0, keys.to(torch.int64), torch.ones_like(keys, dtype=torch.int64))
     counts = counts[:max_loras]
     starts = torch.cumsum(counts, 0) - counts
-    active = counts > 0
-    # Stable sort of "is idle" puts the active slots first, in ascending order.
-    order = torch.argsort((~active).to(torch.int8), stable=True).to(torch.int32)
-    active_slots = torch.where(active[order.long()], order, torch.full_like(order, -1))
-    return LoraMeta(
+    meta = LoraMeta(
         token_slots=slots,
         sorted_token_ids=sorted_ids,
         tokens_per_slot=counts.to(torch.int32),
         slot_start=starts.to(torch.int32),
         num_tokens=int(slots.shape[0]),
         max_loras=max_loras,
-        active_slots=active_slots,
-        num_active=active.sum(dtype=torch.int32).reshape(1),
         host_slots=host_slots,
         slot_ranks=None if slot_ranks is None else slot_ranks.to(torch.int32),
     )
+    if block_m is not None:
+        meta.block_list(block_m)
+    return meta
+
+
+FUSED = True  # make_lora_meta(block_m=...) on CUDA: one Triton program when the step fits (tests compare both)
+
+
+def _fused_grouping(token_slots, max_loras, slot_ranks, block_m):
+    try:
+        from . import triton_meta
+    except ImportError:  # no Triton: the torch ops
+        return None
+    return triton_meta.group_tokens(token_slots, max_loras, slot_ranks, block_m)
 
 
 def _make_block_list(meta: LoraMeta, block_m: int) -> BlockList:

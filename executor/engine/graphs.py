@@ -63,6 +63,9 @@ from .sampler import greedy
 log = logging.getLogger(__name__)
 
 _FIELDS = 6  # ids, positions, slot mapping, seq_lens, LoRA slots, sources
+# The decode tiles' token rows (every decode entry of the shipped tables, and the defaults up to 64
+# tokens): a decode step's LoraMeta builds that block list up front, in one program on CUDA.
+DECODE_BLOCK_M = 16
 
 
 def _ladder(small: tuple[int, ...], step: int, largest: int) -> list[int]:
@@ -178,7 +181,8 @@ class DecodeGraphs(_StepGraphs):
         )  # fmt: skip
         meta = None
         if lora:
-            meta = make_lora_meta(lora_slots, self.max_loras, slot_ranks=dev[_FIELDS * n : self._tables_at])
+            meta = make_lora_meta(lora_slots, self.max_loras, slot_ranks=dev[_FIELDS * n : self._tables_at],
+                                  block_m=DECODE_BLOCK_M)
             workspace = self._shrink_ws[: bucket * self._shrink_per_token]
             workspace.zero_()
             meta.shrink_workspace = ShrinkWorkspace(workspace)

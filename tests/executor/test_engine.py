@@ -398,8 +398,8 @@ async def test_steps_read_each_slot_to_its_adapters_rank(tiny, make_engine, monk
     for mod in (step_mod, graphs_mod):
         real = mod.make_lora_meta
 
-        def spy(token_slots, max_loras, host_slots=None, slot_ranks=None, real=real):
-            meta = real(token_slots, max_loras, host_slots, slot_ranks)
+        def spy(token_slots, max_loras, host_slots=None, slot_ranks=None, block_m=None, real=real):
+            meta = real(token_slots, max_loras, host_slots, slot_ranks, block_m)
             seen.append((token_slots.tolist(), None if slot_ranks is None else slot_ranks.tolist()))
             return meta
 
