@@ -266,21 +266,27 @@ class _ReplayMarks:
     next one's start (sampling, the token copies, and any idle)."""
 
     def __init__(self, engine):
-        self.graphs, self.run, self.marks, self.last = engine.graphs, engine.graphs.run, [], {}
+        self.graphs, self.marks, self.last = engine.graphs, [], {}
+        self.runs = {name: getattr(engine.graphs, name) for name in ("run", "run_greedy")}  # logits / greedy steps
 
-        def run(batch):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            logits = self.run(batch)
-            end.record()
-            self.marks.append((len(batch.input_ids), start, end))
-            self.last[len(batch.input_ids)] = batch
-            return logits
+        def marked(real):
+            def run(batch):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = real(batch)
+                end.record()
+                self.marks.append((len(batch.input_ids), start, end))
+                self.last[len(batch.input_ids)] = batch
+                return out
 
-        self.graphs.run = run
+            return run
+
+        for name, real in self.runs.items():
+            setattr(self.graphs, name, marked(real))
 
     def stop(self) -> None:
-        self.graphs.run = self.run
+        for name in self.runs:
+            delattr(self.graphs, name)  # the instance attributes go: the class's methods again
 
     def summary(self, batch: int) -> str:
         torch.cuda.synchronize()
@@ -508,6 +514,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",") if c],
                     default=[(1, 4096), (16, 256)], help="prefill steps to time, SEQSxLEN,... ('': none; with --adapters, "
                     "each also with a distinct adapter per sequence)")
+    ap.add_argument("--no-fold-merge", action="store_true",
+                    help="decode attention's splits merged by a second kernel (as before the fold; an A/B)")
     ap.add_argument("--side-stream-priority", type=int, default=None,
                     help="CUDA priority of the LoRA shrink's side stream (-1: high); default: the executor's")
     ap.add_argument("--table", type=Path, help="a kernel table (JSON) to use instead of this GPU's shipped one")
@@ -525,6 +533,10 @@ def main() -> None:
         return
     global DEVICE, DTYPE, PROFILE_DECODE
     PROFILE_DECODE = args.profile_decode
+    if args.no_fold_merge and args.device == "cuda":
+        from loraserve.kernels import triton_attention
+
+        triton_attention.FOLD_MERGE = False
     if args.side_stream_priority is not None:
         import loraserve.executor.lora as lora_mod
 
