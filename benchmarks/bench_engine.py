@@ -267,7 +267,7 @@ class _ReplayMarks:
 
     def __init__(self, engine):
         self.graphs, self.marks, self.last = engine.graphs, [], {}
-        self.runs = {name: getattr(engine.graphs, name) for name in ("run", "run_greedy")}  # logits / greedy steps
+        self.runs = {"run": engine.graphs.run}
 
         def marked(real):
             def run(batch):
@@ -514,10 +514,6 @@ def main() -> None:
     ap.add_argument("--prefill", type=lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",") if c],
                     default=[(1, 4096), (16, 256)], help="prefill steps to time, SEQSxLEN,... ('': none; with --adapters, "
                     "each also with a distinct adapter per sequence)")
-    ap.add_argument("--no-fold-merge", action="store_true",
-                    help="decode attention's splits merged by a second kernel (as before the fold; an A/B)")
-    ap.add_argument("--side-stream-priority", type=int, default=None,
-                    help="CUDA priority of the LoRA shrink's side stream (-1: high); default: the executor's")
     ap.add_argument("--table", type=Path, help="a kernel table (JSON) to use instead of this GPU's shipped one")
     ap.add_argument("--profile-decode", type=Path,
                     help="folder: each decode case's graph replay under torch.profiler (kernels by group, idle gaps)")
@@ -533,14 +529,6 @@ def main() -> None:
         return
     global DEVICE, DTYPE, PROFILE_DECODE
     PROFILE_DECODE = args.profile_decode
-    if args.no_fold_merge and args.device == "cuda":
-        from loraserve.kernels import triton_attention
-
-        triton_attention.FOLD_MERGE = False
-    if args.side_stream_priority is not None:
-        import loraserve.executor.lora as lora_mod
-
-        lora_mod.SIDE_STREAM_PRIORITY = args.side_stream_priority
     if args.table is not None and args.device == "cuda":
         from loraserve.kernels import tuning
 

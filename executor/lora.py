@@ -77,7 +77,6 @@ def _step_weights(m: nn.Module, meta: LoraMeta | None, device: torch.device):
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-SIDE_STREAM_PRIORITY = 0  # CUDA stream priority of the side stream (lower = higher; read when it is made)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -87,7 +86,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _SIDE_STREAMS.get(index)
     if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index, priority=SIDE_STREAM_PRIORITY)
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
     return stream
 
 

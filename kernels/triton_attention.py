@@ -5,9 +5,7 @@ split) and serves all H / KVH query heads of that kv head from each K/V tile it 
 group padded to 16 rows for tl.dot), walking the sequence's keys in tiles of BLOCK_N tokens
 gathered through the block table (a tile spans several cache blocks when block_size < BLOCK_N).
 When B * KVH programs cannot fill the GPU, the keys are split over programs (flash-decoding)
-and the splits' partials (max, sum, unnormalised output) are merged by the last split of each
-(sequence, kv head) to finish (a counter per pair, no waiting; a merge kernel after, only where
-the counters cannot be allocated: inside a capture that first meets a batch that large).
+and a second kernel merges the splits' partial (max, sum, unnormalised output).
 
 Prefill (variable-length chunks, decode tokens mixed in) is flash attention over the paged
 keys: a program owns BLOCK_M rows of (query, head of the group) pairs of one sequence and kv
@@ -39,21 +37,18 @@ _PROGRAMS_PER_SM = 2  # decode splits until B * KVH * splits reaches this many p
 
 @triton.jit(do_not_specialize=["stride_tb"])  # eager decode steps' table widths vary (see _prefill_kernel)
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, counters_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     scale_log2, window, partition,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
-    GROUP_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (b, kv head, split): the GROUP query heads of one kv head over keys of one partition.
 
     Not SPLIT (one partition): writes out[b, heads] normalised. Otherwise writes the unnormalised fp32
     accumulator and (m, l) of the partition to the scratch; a partition with no visible key
     (past seq_len, or before the window) runs no tile and so writes the neutral (-inf, 0, 0).
-    MERGE (with SPLIT): the splits of one (b, kv head) count themselves in counters[b, kv head]
-    (zero on entry); the last to finish merges all of them into out and sets the counter back to
-    zero, so no merge kernel follows (one graph node less per layer) and no program waits for another.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -93,13 +88,13 @@ def _decode_kernel(
         rows = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_head + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_head + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # in flight with k
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -118,48 +113,6 @@ def _decode_kernel(
         tl.store(
             part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :]
         )
-        if MERGE:
-            counter = counters_ptr + b * tl.num_programs(1) + kvh
-            tl.debug_barrier()  # every thread's partial stores precede the release below
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-                _merge_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kvh, tl.num_programs(2), stride_ob,
-                             stride_oh, GROUP, GROUP_P2, HEAD_DIM, D_PAD, MERGE_CHUNK)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
-
-
-@triton.jit
-def _merge_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kvh, num_splits, stride_ob, stride_oh,
-                 GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                 CHUNK: tl.constexpr):
-    """out[b, heads of kv head kvh] from the splits' partials (as _merge_splits_kernel), CHUNK splits
-    per round of loads. Loads bypass L1: other programs wrote the partials."""
-    offs_g = tl.arange(0, GROUP_P2)
-    offs_s = tl.arange(0, CHUNK)
-    offs_d = tl.arange(0, D_PAD)
-    heads = kvh * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    first = (b.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * num_splits  # [GROUP_P2]
-    m_all = tl.full([GROUP_P2], float("-inf"), tl.float32)
-    l_all = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, D_PAD], tl.float32)
-    for c in range(0, num_splits, CHUNK):
-        part = first[:, None] + (c + offs_s)[None, :]  # [GROUP_P2, CHUNK]
-        gs_mask = g_mask[:, None] & ((c + offs_s) < num_splits)[None, :]
-        m_c = tl.load(part_m_ptr + part, mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
-        l_c = tl.load(part_l_ptr + part, mask=gs_mask, other=0.0, cache_modifier=".cg")
-        acc_c = tl.load(part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                        mask=gs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_all, tl.max(m_c, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: weights 0, not NaN
-        w_old = tl.exp2(m_all - m_safe)
-        w_c = tl.exp2(m_c - m_safe[:, None])  # 0 for neutral partitions
-        l_all = l_all * w_old + tl.sum(l_c * w_c, 1)
-        acc = acc * w_old[:, None] + tl.sum(acc_c * w_c[:, :, None], 1)
-        m_all = m_new
-    o = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]  # all neutral (seq_len 0): zeros
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -325,55 +278,27 @@ def paged_decode_attention(
     d_pad = _d_pad(head_dim)
     block_n, num_warps, num_stages = decode_config(d_pad)
     splits, partition = decode_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, num_sms(q.device.index), block_n)
-    part_acc = part_m = part_l = counters = out  # unused by the kernel when there is one split
-    merge = False
+    part_acc = part_m = part_l = out  # unused by the kernel when there is one split
     if splits > 1:
         part_acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(2, num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
         part_m, part_l = part_ml[0], part_ml[1]
-        counters = _merge_counters(q.device, num_seqs * num_kv_heads)
-        merge = counters is not None
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens.contiguous(), out, part_acc, part_m, part_l,
-        counters if merge else out,
         scale * _LOG2E, sliding_window or 0, partition,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1, MERGE=merge and FOLD_MERGE,
-        GROUP_P2=triton.next_power_of_2(group),
-        MERGE_CHUNK=min(triton.next_power_of_2(splits), max(1, 8192 // (triton.next_power_of_2(group) * d_pad))),
-        HAS_WINDOW=sliding_window is not None, PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1, HAS_WINDOW=sliding_window is not None,
+        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages,
     )
-    if splits > 1 and not (merge and FOLD_MERGE):
+    if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_m, part_l, out, splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(splits),
             num_warps=4 if d_pad * splits >= 4096 else 2,
         )
     return out
-
-
-FOLD_MERGE = True  # the last split of each (sequence, kv head) merges (False: a merge kernel after; benchmarks)
-_COUNTERS: dict[int, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-_MIN_COUNTERS = 1 << 14
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """The zeroed int32 counters the splits count themselves in (one per (sequence, kv head); each
-    call leaves them zero), shared by every decode call on the device: calls on one stream run one
-    after another. None when the device's buffer is too small and cannot grow now (inside a CUDA
-    graph capture: the merge kernel runs instead)."""
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
-    counters = _COUNTERS.get(index)
-    if counters is None or counters.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if counters is not None:  # graphs captured on it still use it: never freed
-            _RETIRED.append(counters)
-        counters = _COUNTERS[index] = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
-    return counters
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_len: int, sms: int, block_n: int) -> tuple[int, int]:

@@ -749,15 +749,12 @@ class Engine:
         for lease in b.leases:
             lease.wait()  # the forward's stream waits for the slot copy (CUDA only)
         num_seqs = len(b.query_lens)
-        greedy_out = None  # [2, rows] tokens and logprobs, sampled inside the decode graph
         if kind == "decode-graph":
-            batch = DecodeBatch(b.input_ids, b.context_lens, b.block_tables, b.token_slots, b.sources, b.slot_ranks)
-            if len(b.sample_rows) == num_seqs and not any(t > 0 for t in b.temperature):
-                greedy_out, logits = self.graphs.run_greedy(batch), None
-            else:
-                logits = self.graphs.run(batch)
-                if len(b.sample_rows) != num_seqs:  # a 1-token chunk in the middle of a prefill samples nothing
-                    logits = logits[torch.tensor(b.sample_rows, dtype=torch.long, device=dev)]
+            logits = self.graphs.run(
+                DecodeBatch(b.input_ids, b.context_lens, b.block_tables, b.token_slots, b.sources, b.slot_ranks)
+            )
+            if len(b.sample_rows) != num_seqs:  # a 1-token chunk in the middle of a prefill samples nothing
+                logits = logits[torch.tensor(b.sample_rows, dtype=torch.long, device=dev)]
         elif kind == "mixed-graph":
             logits = self.mixed_graphs.run(MixedBatch(b.input_ids, b.query_lens, b.context_lens, b.block_tables,
                                                       b.token_slots, b.sample_rows, b.sample_slots, b.slot_ranks))
@@ -771,9 +768,7 @@ class Engine:
             logits = forward_step(self.model, self.kv_cache, b, self.max_loras, dev)
         launched = _Launched(kind, num_seqs, len(b.input_ids), t0, None, start=start)
         sampled = self._sample(b, logits)
-        if greedy_out is not None:  # the graph sampled, and kept the tokens for the next step's sources
-            launched.out, launched.kept = (greedy_out if dev.type == "cuda" else greedy_out.clone()), True
-        elif sampled is not None:
+        if sampled is not None:
             token_ids, logprobs = sampled
             if self.graphs is not None and len(token_ids) <= self.graphs.max_batch:
                 self.graphs.keep_sampled(token_ids)  # the next step may be planned on them (PENDING)

@@ -18,14 +18,6 @@ A row whose source is >= 0 takes its input id not from `ids` but from the token 
 step sampled in that row (`keep_sampled` leaves them in a device buffer): so the engine can launch
 a step before the previous one's tokens reach the host.
 
-Each decode graph also samples greedily (argmax and its logprob, the sampler's `greedy`) after the
-logits, writes the tokens and logprobs into one static [2, max_batch] float64 buffer (what the engine
-copies to the host) and keeps the tokens for the next step's sources: a step whose rows are all
-greedy (`run_greedy`) launches nothing but the staging copy, the replay and the copy out. Eagerly,
-those ~9 small kernels took most of the ~80 us the device spent between two replays
-(docs/BENCHMARKS.md, "Ninth pass"). A step that samples (temperature > 0) reads the logits as before
-and overwrites the kept tokens with its own; the graph's greedy pass is then ~1-2 kernels' time wasted.
-
 A batch of B sequences replays the graph of the smallest bucket >= B; rows B.. of the bucket are
 padding: they read and write only the KV cache's scratch block and use no adapter. Each bucket
 has two graphs: the base model alone (no LoRA kernels at all) and with LoRA (LoraMeta and the
@@ -58,7 +50,6 @@ from loraserve.kernels.meta import FULL_RANK, ShrinkWorkspace
 
 from ..lora import LinearWithLoRA, lora_modules
 from .kv_cache import AttentionMetadata, KVCache, place_tokens
-from .sampler import greedy
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +126,6 @@ class DecodeGraphs(_StepGraphs):
         # for its lifetime, and the buckets' rows of vocab floats grow with max_batch squared.
         self._logits = torch.empty(max_batch, model.cfg.vocab_size, dtype=torch.float32, device=self.device)
         self._sampled = torch.zeros(max_batch, dtype=torch.int32, device=self.device)  # the last step's tokens
-        self._greedy = torch.zeros(2, max_batch, dtype=torch.float64, device=self.device)  # tokens, logprobs
         # Every LoRA layer's shrink output of a step, zeroed once per step (not one memset per layer).
         self._shrink_per_token = shrink_floats_per_token(model) if max_loras else 0
         self._shrink_ws = torch.zeros(max_batch * self._shrink_per_token, dtype=torch.float32, device=self.device)
@@ -187,12 +177,7 @@ class DecodeGraphs(_StepGraphs):
             workspace.zero_()
             meta.shrink_workspace = ShrinkWorkspace(workspace)
         hidden = self.model.forward(ids, positions, attn, self.kv, meta)
-        logits = self._logits[:bucket]
-        logits.copy_(self.model.compute_logits(hidden, meta))
-        token_ids, logprobs = greedy(logits)  # what a step of greedy rows samples (run_greedy)
-        self._greedy[0, :bucket].copy_(token_ids)
-        self._greedy[1, :bucket].copy_(logprobs)
-        self._sampled[:bucket].copy_(token_ids)
+        self._logits[:bucket].copy_(self.model.compute_logits(hidden, meta))
 
     # ---- replay ---------------------------------------------------------------------------
 
@@ -216,13 +201,6 @@ class DecodeGraphs(_StepGraphs):
         """
         self._replay(*self.stage(batch))
         return self._logits[: len(batch.input_ids)]
-
-    def run_greedy(self, batch: DecodeBatch) -> torch.Tensor:
-        """As `run`, for a batch whose every row samples greedily: -> [2, B] float64 (token ids,
-        logprobs), a view of the graphs' buffer valid until the next run; the tokens are kept for
-        the next step's sources (no `keep_sampled` needed)."""
-        self._replay(*self.stage(batch))
-        return self._greedy[:, : len(batch.input_ids)]
 
     def keep_sampled(self, token_ids: torch.Tensor) -> None:
         """Keeps a step's sampled tokens [rows] on the device for the next step's sources."""

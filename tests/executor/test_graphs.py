@@ -61,12 +61,6 @@ def test_static_buffer_step_equals_the_eager_step_on_cpu(hf_model, family):
             torch.testing.assert_close(model.compute_logits(model.forward(torch.tensor(ids), attn.positions, attn, kv, meta), meta),
                                        want, atol=1e-5, rtol=1e-5)
             assert ws.used == 3 * per_token > 0
-        # the step's greedy sampling, inside the graph: tokens, their logprobs, kept for the next step
-        out = graphs.run_greedy(DecodeBatch(ids, lens, tables, slots))
-        assert out.shape == (2, 3) and out.dtype == torch.float64
-        assert out[0].long().tolist() == want.argmax(-1).tolist() == graphs._sampled[:3].tolist()
-        want_lp = torch.log_softmax(want, -1).gather(1, want.argmax(-1, keepdim=True))[:, 0].double()
-        torch.testing.assert_close(out[1], want_lp, atol=1e-5, rtol=1e-5)
 
 
 def _cuda_or_skip():
@@ -135,10 +129,6 @@ def test_graph_replay_equals_the_eager_step(hf_model, dtype, tol):
         before = [c.clone() for c in caches]
         # The graph first, on the cache as the prefill left it: its own K/V write must land.
         got = graphs.run(DecodeBatch(ids, positions, seq_tables, slots)).clone()
-        sampled = graphs._greedy[:, : len(seqs)].clone()  # the replay's own greedy pass (run_greedy's result)
-        assert sampled[0].long().tolist() == got.argmax(-1).tolist() == graphs._sampled[: len(seqs)].tolist()
-        lp = torch.log_softmax(got.double(), -1).gather(1, got.argmax(-1, keepdim=True))[:, 0]
-        torch.testing.assert_close(sampled[1], lp, atol=1e-4, rtol=1e-4)
         after_graph = [c[: kv.num_blocks].clone() for c in caches]
         for c, old in zip(caches, before):
             c.copy_(old)

@@ -143,32 +143,6 @@ def test_long_contexts_take_the_split_path(dtype):
     run_cases(check_decode, cases, dtype)
 
 
-class _NoMergeKernel:
-    def __getitem__(self, grid):
-        raise AssertionError("the merge kernel ran: the splits should have merged in their last program")
-
-
-@DTYPES
-def test_splits_merge_in_their_last_program_or_in_the_merge_kernel(dtype, monkeypatch):
-    """The splits of each (sequence, kv head) merged by the last of them to finish (counters, the
-    default) or by the merge kernel after (FOLD_MERGE off): both match the reference, the counters
-    are zero after every call, and with the fold no merge kernel runs."""
-    gen = torch.Generator(device=DEV).manual_seed(9)
-    cases = []
-    for lens in ([4096], [1000] * 8, [3000, 0, 17], [8192, 1]):
-        assert triton_attention.decode_splits(len(lens), 8, (max(lens) // 16 + 1) * 16, num_sms(0), 64)[0] > 1
-        for window in (None, 700):
-            cases.append((f"{lens} W{window}", build(gen, lens, [1] * len(lens), 32, 8, 128, 16, dtype, window)))
-    cases.append(("GQA 7 (Qwen2-7B heads)", build(gen, [2000, 5], [1, 1], 28, 4, 128, 16, dtype)))
-    merge_kernel = triton_attention._merge_splits_kernel
-    for fold in (True, False):
-        monkeypatch.setattr(triton_attention, "FOLD_MERGE", fold)
-        monkeypatch.setattr(triton_attention, "_merge_splits_kernel", _NoMergeKernel() if fold else merge_kernel)
-        run_cases(check_decode, cases, dtype)
-        torch.cuda.synchronize()
-        assert triton_attention._COUNTERS and all(int(c.count_nonzero()) == 0 for c in triton_attention._COUNTERS.values())
-
-
 @DTYPES
 def test_batch_64_with_context_1024(dtype):
     gen = torch.Generator(device=DEV).manual_seed(4)
