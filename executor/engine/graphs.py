@@ -22,6 +22,9 @@ A batch of B sequences replays the graph of the smallest bucket >= B; rows B.. o
 padding: they read and write only the KV cache's scratch block and use no adapter. Each bucket
 has two graphs: the base model alone (no LoRA kernels at all) and with LoRA (LoraMeta and the
 shrink/expand kernels of every layer; all slots' full-rank buffers, nothing skipped on the host).
+The LoRA graph's step builds its LoraMeta with the block list of 16-row decode tiles (one Triton
+program on CUDA, kernels/triton_meta.py) and zeroes one workspace for every layer's shrink output
+(a split-K shrink adds into zeros; each layer zeroing its own was a memset node per layer).
 
 Mixed steps (prefill chunks, with or without decode rows) replay graphs too (MixedGraphs): one per
 token bucket (64, 128, 256, then every 256 up to max_num_batched_tokens), base and LoRA, in a memory
