@@ -529,13 +529,13 @@ def main() -> None:
         return
     global DEVICE, DTYPE, PROFILE_DECODE
     PROFILE_DECODE = args.profile_decode
-    if args.table is not None and args.device == "cuda":
-        from loraserve.kernels import tuning
-
-        tuning.set_table(tuning.gpu_key(torch.device("cuda")), json.loads(args.table.read_text()))
     DEVICE, DTYPE = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_engine.py needs a CUDA host (--device cpu: a smoke run of the script)")
+    if args.table is not None and DEVICE == "cuda":
+        from loraserve.kernels import tuning
+
+        tuning.set_table(tuning.gpu_key(torch.device("cuda")), json.loads(args.table.read_text()))
     if args.tokenizer is None:
         raise SystemExit("--tokenizer DIR is required")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")

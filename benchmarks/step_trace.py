@@ -76,7 +76,7 @@ async def profile_window(folder: Path, after: float, seconds: float) -> Path:
 _GROUPS = (  # (group, substrings of the kernel name), first match wins; names lower-cased
     ("lora shrink", ("_shrink",)),
     ("lora expand", ("_expand",)),
-    ("lora other", ("_lora", "_slot")),
+    ("lora other", ("_lora", "_slot", "_group_kernel")),  # LoraMeta's torch ops land in "other"
     ("attention", ("attention", "_prefill_kernel", "_decode_kernel", "_merge_splits", "_reduce_kernel")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "cublas", "gemv")),
     ("norm", ("rms_norm",)),

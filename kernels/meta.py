@@ -120,9 +120,12 @@ def make_lora_meta(
     """Groups tokens by slot. token_slots: [T] integer tensor, -1 = no adapter.
     host_slots: the set of slots >= 0 in token_slots, if the caller has it on the host.
     slot_ranks: [max_loras] integer tensor on token_slots' device, each slot's adapter rank (see LoraMeta).
-    block_m: build the block list of these tile rows now too; on CUDA a small step's whole grouping
-    is then one Triton program (kernels/triton_meta.py) instead of ~35 torch ops."""
-    if block_m is not None and token_slots.device.type == "cuda" and FUSED:
+    block_m: on CUDA, build the block list of these tile rows now too (the Triton kernels' work list;
+    the CPU reference needs none): a small step's whole grouping is then one Triton program
+    (kernels/triton_meta.py) instead of ~35 torch ops."""
+    if token_slots.device.type != "cuda":
+        block_m = None
+    if block_m is not None and FUSED:
         fused = _fused_grouping(token_slots, max_loras, slot_ranks, block_m)
         if fused is not None:
             sorted_ids, counts, starts, blocks = fused

@@ -82,7 +82,7 @@ def group_tokens(token_slots: torch.Tensor, max_loras: int, slot_ranks: torch.Te
     """(sorted ids [T], counts [L], starts [L], the BlockList of block_m rows), all int32 on the
     device, or None when the step is too large for one program (the caller groups with torch)."""
     num_tokens = int(token_slots.shape[0])
-    if num_tokens == 0:
+    if num_tokens == 0 or max_loras < 1 or block_m & (block_m - 1):  # tl.arange wants powers of two
         return None
     t_pad = max(16, triton.next_power_of_2(num_tokens))
     g_pad = max(16, triton.next_power_of_2(max_loras + 1))
@@ -91,13 +91,13 @@ def group_tokens(token_slots: torch.Tensor, max_loras: int, slot_ranks: torch.Te
     if t_pad * g_pad > MAX_ELEMENTS or b_pad * g_pad > MAX_ELEMENTS or b_pad * block_m > MAX_ELEMENTS:
         return None
     dev = token_slots.device
-    slots = token_slots.to(torch.int32)
+    slots = token_slots.to(torch.int32).contiguous()  # the program reads slots[t] at slots_ptr + t
     out = torch.empty(num_tokens + 2 * max_loras + 2, dtype=torch.int32, device=dev)
     sorted_ids, counts, starts = out[:num_tokens], out[num_tokens : num_tokens + max_loras], out[num_tokens + max_loras : -2]
     num_blocks = out[-2:]
     blocks = torch.empty(4, max_blocks, dtype=torch.int32, device=dev)
     tokens = torch.empty(max_blocks, block_m, dtype=torch.int32, device=dev)
-    ranks = slot_ranks.to(torch.int32) if slot_ranks is not None else slots
+    ranks = slot_ranks.to(torch.int32).contiguous() if slot_ranks is not None else slots
     _group_kernel[(1,)](
         slots, ranks, sorted_ids, counts, starts, blocks, tokens, num_blocks, num_tokens, max_loras, max_blocks,
         T_PAD=t_pad, G_PAD=g_pad, B_PAD=b_pad, BLOCK_M=block_m, HAS_RANKS=slot_ranks is not None, FULL=FULL_RANK,

@@ -554,7 +554,9 @@ async def test_a_resident_adapters_request_runs_within_steps_while_cold_loads_ho
     """One load seat, held by a stalled store fetch, a second cold load queued for it: a request for
     an adapter in a slot arrives behind both and gets its first token within a few steps (the step
     in flight, one launched ahead, its own, and one launched ahead of it before its token is
-    delivered); one for an adapter in the CPU cache is served too, both while the cold loads wait."""
+    delivered; on a busy CPU its arrival (tokenized in a worker thread) can miss one more planning:
+    up to 6, where waiting for the cold loads would never end before the gate opens); one for an
+    adapter in the CPU cache is served too, both while the cold loads wait."""
     store = GatedStore(tiny[1], ["cold-1", "cold-2", "hot", "warm"], cold=("cold-1", "cold-2"))
     engine = make_engine(store=store, max_concurrent_loads=1)
     await engine.slots.load("hot")  # in a slot
@@ -567,7 +569,7 @@ async def test_a_resident_adapters_request_runs_within_steps_while_cold_loads_ho
     sent = time.perf_counter()
     ids, _, _ = await asyncio.wait_for(_collect(engine, _greedy(_prompt(5, 3), 1, adapter="hot")), 30)
     steps = [t for t in engine.step_times if t.end > sent]
-    assert len(ids) == 1 and 1 <= len(steps) <= 4, len(steps)
+    assert len(ids) == 1 and 1 <= len(steps) <= 6, len(steps)
     ids, _, _ = await asyncio.wait_for(_collect(engine, _greedy(_prompt(5, 3), 1, adapter="warm")), 30)
     assert len(ids) == 1  # its copy into a slot takes no seat (steps go on meanwhile: not counted)
     assert "running done" not in times and not any(t.done() for t in cold)

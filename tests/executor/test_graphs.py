@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loraserve.executor.engine import graphs as graphs_mod
 from loraserve.executor.engine.graphs import DecodeBatch, DecodeGraphs, batch_buckets, shrink_floats_per_token
 from loraserve.executor.engine.kv_cache import AttentionMetadata, BlockAllocator, KVCache
 from loraserve.executor.lora import LoraSpec, lora_modules
@@ -29,7 +30,7 @@ def test_batch_buckets_cover_every_batch_up_to_the_maximum():
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral", "qwen2_moe"])
-def test_static_buffer_step_equals_the_eager_step_on_cpu(hf_model, family):
+def test_static_buffer_step_equals_the_eager_step_on_cpu(hf_model, family, monkeypatch):
     """What the graphs capture, run without capture: inputs staged in the static buffer (ragged
     tables, padding to the bucket, mixed slots, expert LoRA for the MoE families) give the eager
     step's logits. Runs everywhere."""
@@ -51,7 +52,15 @@ def test_static_buffer_step_equals_the_eager_step_on_cpu(hf_model, family):
         want = model.compute_logits(model.forward(torch.tensor(ids), attn.positions, attn, kv, meta), meta)
         bucket, lora = graphs.stage(DecodeBatch(ids, lens, tables, slots))
         assert (bucket, lora) == (4, max(slots) >= 0)
+        graphs._shrink_ws.fill_(float("nan"))  # what a previous step's shrinks left
+        handed = []
+        monkeypatch.setattr(graphs_mod, "ShrinkWorkspace", lambda buf: handed.append(buf.clone()) or ShrinkWorkspace(buf))
         graphs._forward(bucket, lora)
+        if lora:  # the step zeroed its whole workspace before any shrink took a view of it
+            assert len(handed) == 1 and handed[0].numel() == bucket * shrink_floats_per_token(model)
+            assert not handed[0].any()
+        else:
+            assert not handed
         torch.testing.assert_close(graphs._logits[:3], want, atol=1e-5, rtol=1e-5)
         # the step's shrink outputs all fit the graphs' workspace (sized by shrink_floats_per_token)
         if max(slots) >= 0:

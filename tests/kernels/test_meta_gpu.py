@@ -67,6 +67,19 @@ def test_steps_too_large_for_one_program_take_the_torch_ops():
     slots = torch.zeros(4096, dtype=torch.int32, device=DEV)
     assert triton_meta.group_tokens(slots, 64, None, 16) is None
     assert triton_meta.group_tokens(slots[:0], 64, None, 16) is None
+    assert triton_meta.group_tokens(slots[:8], 64, None, 24) is None  # tile rows not a power of two
+    assert triton_meta.group_tokens(slots[:8], 0, None, 16) is None
+
+
+def test_strided_slots_and_ranks_are_read_as_their_values():
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randint(-1, 6, (40,), generator=gen).to(torch.int32).to(DEV)
+    ranks = torch.randint(1, 65, (12,), generator=gen).to(torch.int32).to(DEV)
+    slots, strided_ranks = base[::2], ranks[::2]  # every other element: not contiguous
+    want, want_blocks = _torch_grouping(slots.contiguous(), 6, strided_ranks.contiguous(), 16)
+    sorted_ids, counts, starts, blocks = triton_meta.group_tokens(slots, 6, strided_ranks, 16)
+    assert sorted_ids.tolist() == want.sorted_token_ids.tolist() and counts.tolist() == want.tokens_per_slot.tolist()
+    assert blocks.blocks.tolist() == want_blocks.blocks.tolist()
 
 
 @pytest.mark.skipif(INTERPRET, reason="make_lora_meta takes the fused path for CUDA tensors only")

@@ -185,6 +185,31 @@ def test_split_k_is_repeatable():
     torch.testing.assert_close(first, second, rtol=1e-5, atol=1e-6)
 
 
+def test_split_k_shrink_adds_into_the_steps_zeroed_workspace_without_zeroing_it():
+    """With LoraMeta.shrink_workspace (the decode graphs zero one per step), a split-K shrink takes its
+    output from the workspace and adds into it as it is: a view that holds ones gives the product
+    plus one (so a step that forgot to zero its workspace would be wrong), a zeroed one the product;
+    past the workspace's room it allocates and zeroes its own."""
+    from loraserve.kernels.meta import ShrinkWorkspace
+
+    gen = torch.Generator().manual_seed(13)
+    in_features, rank = 1000, 8
+    lora_a = (torch.randn(2, 2, rank, in_features, generator=gen) / in_features**0.5).to(DTYPES[0]).to(DEV)
+    x = torch.randn(3, in_features, generator=gen).to(DTYPES[0]).to(DEV)
+    meta = make_lora_meta(torch.tensor([0, 1, -1], dtype=torch.int32, device=DEV), 2)
+    with forced_shrink(in_features, 2, rank, cfg(split_k=4)):
+        want = triton_lora.lora_shrink(x, lora_a, meta).clone()  # its own zeroed output
+        for fill, offset in ((1.0, 1.0), (0.0, 0.0)):
+            buffer = torch.full((2 * 3 * rank + 5,), fill, dtype=torch.float32, device=DEV)
+            meta.shrink_workspace = ShrinkWorkspace(buffer)
+            got = triton_lora.lora_shrink(x, lora_a, meta)
+            assert got.data_ptr() == buffer.data_ptr() and meta.shrink_workspace.used == 2 * 3 * rank
+            torch.testing.assert_close(got, want + offset, rtol=1e-5, atol=1e-5)
+            again = triton_lora.lora_shrink(x, lora_a, meta)  # no room left: its own output, zeroed
+            assert again.data_ptr() != buffer.data_ptr()
+            torch.testing.assert_close(again, want, rtol=1e-5, atol=1e-5)
+
+
 REAL_TOKENS = (1, 3) if INTERPRET else (1, 17, 1031)
 
 
