@@ -11,7 +11,7 @@ import torch
 from loraserve.executor.engine import graphs as graphs_mod
 from loraserve.executor.engine.graphs import DecodeBatch, DecodeGraphs, batch_buckets, shrink_floats_per_token
 from loraserve.executor.engine.kv_cache import AttentionMetadata, BlockAllocator, KVCache
-from loraserve.executor.lora import LoraSpec, lora_modules
+from loraserve.executor.lora import LinearWithLoRA, LoraSpec, lora_modules
 from loraserve.executor.model.loader import load_hf_checkpoint
 from loraserve.kernels import make_lora_meta
 from loraserve.kernels.meta import ShrinkWorkspace
@@ -70,6 +70,10 @@ def test_static_buffer_step_equals_the_eager_step_on_cpu(hf_model, family, monke
             torch.testing.assert_close(model.compute_logits(model.forward(torch.tensor(ids), attn.positions, attn, kv, meta), meta),
                                        want, atol=1e-5, rtol=1e-5)
             assert ws.used == 3 * per_token > 0
+
+
+def shrink_layers(model):
+    return [m for m in lora_modules(model).values() if isinstance(m, LinearWithLoRA)]
 
 
 def _cuda_or_skip():
@@ -166,11 +170,17 @@ def test_split_k_shrinks_in_the_graph_add_into_a_workspace_zeroed_each_replay(hf
         return tuning.ShrinkConfig(16, min(64, tuning._pow2(num_slices * rank)), 16, 2, 4, 2, 8)
 
     monkeypatch.setattr(triton_lora, "shrink_config", split_in_two)
+    outputs = []  # where the graph's shrinks write (captured once: the warm-up and capture runs)
+    real_shrink = triton_lora.lora_shrink
+    monkeypatch.setattr(triton_lora, "lora_shrink", lambda *a, **k: outputs.append(real_shrink(*a, **k)) or outputs[-1])
     model = _model(hf_model, torch.bfloat16)  # the Triton LoRA kernels take fp16 / bf16
     cfg = model.cfg
     kv = KVCache(cfg.num_layers, 16, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda")
     graphs = DecodeGraphs(model, kv, max_batch=4, max_model_len=16, max_loras=MAX_LORAS, device="cuda")
     graphs.capture()
+    ws = graphs._shrink_ws
+    inside = [o for o in outputs if ws.data_ptr() <= o.data_ptr() < ws.data_ptr() + ws.numel() * ws.element_size()]
+    assert inside and len(inside) % len(shrink_layers(model)) == 0  # every LoRA layer's shrink took a workspace view
     alloc, gen = BlockAllocator(16), torch.Generator().manual_seed(3)
     lens, tables = [3, 6, 5], []
     for n in lens:

@@ -79,7 +79,8 @@ def test_strided_slots_and_ranks_are_read_as_their_values():
     want, want_blocks = _torch_grouping(slots.contiguous(), 6, strided_ranks.contiguous(), 16)
     sorted_ids, counts, starts, blocks = triton_meta.group_tokens(slots, 6, strided_ranks, 16)
     assert sorted_ids.tolist() == want.sorted_token_ids.tolist() and counts.tolist() == want.tokens_per_slot.tolist()
-    assert blocks.blocks.tolist() == want_blocks.blocks.tolist()
+    assert starts.tolist() == want.slot_start.tolist()
+    assert blocks.blocks.tolist() == want_blocks.blocks.tolist() and blocks.tokens.tolist() == want_blocks.tokens.tolist()
 
 
 @pytest.mark.skipif(INTERPRET, reason="make_lora_meta takes the fused path for CUDA tensors only")
