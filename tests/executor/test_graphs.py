@@ -161,8 +161,8 @@ def test_split_k_shrinks_in_the_graph_add_into_a_workspace_zeroed_each_replay(hf
     """Every shrink forced to split K (the tiny model's shapes take one split from the tables): the
     LoRA graph's shrinks add into the step's workspace, which each replay zeroes first, so the same
     batch replayed three times gives the eager step's logits, the same each time (a missed zeroing
-    would add the previous replay's partial sums). Not run on a GPU yet (written after the last run
-    of its session)."""
+    would add the previous replay's partial sums). Not run on a GPU yet (written after the last GPU
+    run of this change: docs/BENCHMARKS.md, "GPU test runs")."""
     _cuda_or_skip()
     from loraserve.kernels import triton_lora, tuning
 
