@@ -253,9 +253,9 @@ class LinearWithLoRA(nn.Module):
             return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked)
         # CUDA: shrink (and its zeroing, unless the step's shrink workspace is zeroed already) runs on
         # a side stream beside the base GEMM, which is bandwidth-bound at decode and hides it; only
-        # expand waits for both. Captured graphs
-        # keep the fork and join. Memory is safe: the side stream waits for the main one before
-        # each use, so nothing it frees is reused while the main stream still reads it.
+        # expand waits for both. Captured graphs keep the fork and join. Memory is safe: the side
+        # stream waits for the main one before each use, so nothing it frees is reused while the
+        # main stream still reads it.
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):

@@ -57,6 +57,18 @@ class ShrinkWorkspace:
         return view
 
 
+def shrink_output(meta, out, num_slices: int, num_tokens: int, rank: int, device) -> tuple[torch.Tensor, bool]:
+    """A shrink's [S, T, R] float32 output: `out` if given, else a view of the step's workspace
+    (known zeroed: True), else a new tensor (False)."""
+    if out is None and meta.shrink_workspace is not None:
+        out = meta.shrink_workspace.take(num_slices, num_tokens, rank)
+        if out is not None:
+            return out, True
+    if out is None:
+        out = torch.empty(num_slices, num_tokens, rank, dtype=torch.float32, device=device)
+    return out, False
+
+
 @dataclass
 class LoraMeta:
     """Tokens grouped by GPU slot.
@@ -76,7 +88,7 @@ class LoraMeta:
                        rank-8 bytes through shrink and expand.
     shrink_workspace:  a ShrinkWorkspace the step zeroed once, or None: each shrink then allocates
                        (and, when it splits K, zeroes) its own output
-    active_slots, num_active (properties, computed on first use: no kernel reads them): the slots
+    active_slots, num_active (properties, computed when read: no kernel reads them): the slots
     with tokens this step first (ascending), then -1 ([max_loras] int32), and how many ([1] int32)
     """
 
@@ -125,26 +137,19 @@ def make_lora_meta(
     (kernels/triton_meta.py) instead of ~35 torch ops."""
     if token_slots.device.type != "cuda":
         block_m = None
-    if block_m is not None and FUSED:
-        fused = _fused_grouping(token_slots, max_loras, slot_ranks, block_m)
-        if fused is not None:
-            sorted_ids, counts, starts, blocks = fused
-            meta = LoraMeta(
-                token_slots=token_slots.to(torch.int32), sorted_token_ids=sorted_ids, tokens_per_slot=counts,
-                slot_start=starts, num_tokens=int(token_slots.shape[0]), max_loras=max_loras, host_slots=host_slots,
-                slot_ranks=None if slot_ranks is None else slot_ranks.to(torch.int32),
-            )  # fmt: skip
-            meta._block_lists[block_m] = blocks
-            return meta
     slots = token_slots.to(torch.int32)
-    # No-adapter tokens sort after every real slot.
-    keys = torch.where(slots < 0, torch.full_like(slots, max_loras), slots)
-    sorted_ids = torch.argsort(keys, stable=True).to(torch.int32)
-    # scatter_add, not bincount: CUDA bincount reads the maximum back to the host.
-    counts = torch.zeros(max_loras + 1, dtype=torch.int64, device=slots.device)
-    counts.scatter_add_(0, keys.to(torch.int64), torch.ones_like(keys, dtype=torch.int64))
-    counts = counts[:max_loras]
-    starts = torch.cumsum(counts, 0) - counts
+    fused = _fused_grouping(slots, max_loras, slot_ranks, block_m) if block_m is not None and FUSED else None
+    if fused is not None:
+        sorted_ids, counts, starts, blocks = fused
+    else:
+        # No-adapter tokens sort after every real slot.
+        keys = torch.where(slots < 0, torch.full_like(slots, max_loras), slots)
+        sorted_ids = torch.argsort(keys, stable=True).to(torch.int32)
+        # scatter_add, not bincount: CUDA bincount reads the maximum back to the host.
+        counts = torch.zeros(max_loras + 1, dtype=torch.int64, device=slots.device)
+        counts.scatter_add_(0, keys.to(torch.int64), torch.ones_like(keys, dtype=torch.int64))
+        counts = counts[:max_loras]
+        starts = torch.cumsum(counts, 0) - counts
     meta = LoraMeta(
         token_slots=slots,
         sorted_token_ids=sorted_ids,
@@ -155,10 +160,11 @@ def make_lora_meta(
         host_slots=host_slots,
         slot_ranks=None if slot_ranks is None else slot_ranks.to(torch.int32),
     )
-    if block_m is not None:
+    if fused is not None:
+        meta._block_lists[block_m] = blocks
+    elif block_m is not None:
         meta.block_list(block_m)
     return meta
-
 
 FUSED = True  # make_lora_meta(block_m=...) on CUDA: one Triton program when the step fits (tests compare both)
 

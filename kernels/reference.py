@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .meta import LoraMeta
+from .meta import LoraMeta, shrink_output
 
 # Up to this many tokens, gather each token's weights and run one batched op per layer
 # (BGMV-style: few tokens per adapter, as in decode); above it, loop over slot groups
@@ -45,10 +45,7 @@ def lora_shrink(
     ranked: unused here (see lora_expand)
     """
     num_slices, rank = lora_a.shape[1], lora_a.shape[2]
-    if out is None and meta.shrink_workspace is not None:  # as triton_lora (here every element is written)
-        out = meta.shrink_workspace.take(num_slices, x.shape[0], rank)
-    if out is None:
-        out = torch.empty(num_slices, x.shape[0], rank, dtype=torch.float32, device=x.device)
+    out, _ = shrink_output(meta, out, num_slices, x.shape[0], rank, x.device)  # every element is written below
     gathered = _gathered(meta)
     if gathered is not None:
         slots, valid = gathered

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .meta import LoraMeta
+from .meta import LoraMeta, shrink_output
 from .tuning import expand_config, num_sms, shrink_config
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -408,12 +408,7 @@ def lora_shrink(
     """
     num_tokens, in_features = x.shape
     num_slots, num_slices, rank, _ = lora_a.shape
-    zeroed = False  # out is known to hold zeros (the step's workspace)
-    if out is None and meta.shrink_workspace is not None:
-        out = meta.shrink_workspace.take(num_slices, num_tokens, rank)
-        zeroed = out is not None
-    if out is None:
-        out = torch.empty(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)
+    out, zeroed = shrink_output(meta, out, num_slices, num_tokens, rank, x.device)  # zeroed: the step's workspace
     if not _shrink_supported(x, lora_a, out):
         return reference.lora_shrink(x, lora_a, meta, out)
     if num_tokens == 0:
