@@ -515,6 +515,8 @@ def main() -> None:
                     default=[(1, 4096), (16, 256)], help="prefill steps to time, SEQSxLEN,... ('': none; with --adapters, "
                     "each also with a distinct adapter per sequence)")
     ap.add_argument("--table", type=Path, help="a kernel table (JSON) to use instead of this GPU's shipped one")
+    ap.add_argument("--torch-greedy", action="store_true",
+                    help="greedy steps pick with torch's argmax + logsumexp instead of the fused kernel (an A/B)")
     ap.add_argument("--profile-decode", type=Path,
                     help="folder: each decode case's graph replay under torch.profiler (kernels by group, idle gaps)")
     ap.add_argument("--profile-prefill", type=Path, help="folder: a torch.profiler table of each prefill case with adapters")
@@ -536,6 +538,11 @@ def main() -> None:
         from loraserve.kernels import tuning
 
         tuning.set_table(tuning.gpu_key(torch.device("cuda")), json.loads(args.table.read_text()))
+    if args.torch_greedy:
+        from loraserve.executor.engine import engine as engine_module
+        from loraserve.kernels import ops_reference
+
+        engine_module.greedy = ops_reference.greedy
     if args.tokenizer is None:
         raise SystemExit("--tokenizer DIR is required")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -12,6 +12,8 @@
 #   lora:    the LoRA kernels' GPU tests (tests/kernels/test_triton_gpu.py, test_split_k_gpu.py)
 #   moe:     benchmarks/bench_moe.py (fused MoE + expert LoRA against its floor)
 #   attn:    benchmarks/bench_attention.py (paged attention kernels against their floors)
+#   skinny:  benchmarks/bench_skinny.py --greedy (the base linears at 1-16 tokens, cuBLAS against the
+#            skinny GEMM; the fused greedy pick); writes OUT_DIR/skinny_table.json (SKINNY_ARGS adds flags)
 #   engine:  benchmarks/bench_engine.py (decode / prefill / gRPC against the floors; needs
 #            var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF;
 #            ENGINE_ARGS adds flags here and to `mixed`, e.g. "--streams 0 --profile-decode OUT_DIR/prof")
@@ -56,7 +58,8 @@ export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1
 tok=$(ls -d var/cache/tokenizers/*/ 2>/dev/null | head -1)
 if has test; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs \
-    tests/kernels/test_attention_gpu.py tests/kernels/test_ops_gpu.py tests/kernels/test_meta_gpu.py tests/executor/test_graphs.py \
+    tests/kernels/test_attention_gpu.py tests/kernels/test_ops_gpu.py tests/kernels/test_meta_gpu.py \
+    tests/kernels/test_linear_gpu.py tests/executor/test_graphs.py \
     2>&1 | tee "$OUT/kernel_gpu_tests.log" | tail -8
 fi
 if has svc; then
@@ -91,6 +94,10 @@ if has moe; then
 fi
 if has attn; then
   python3 -P benchmarks/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | tail -40
+fi
+if has skinny; then
+  python3 -P benchmarks/bench_skinny.py --greedy --extra 49152x4096 --table-out "$OUT/skinny_table.json" ${SKINNY_ARGS:-} \
+    2>"$OUT/bench_skinny.err" | tee "$OUT/bench_skinny.log" | tail -40 || tail -30 "$OUT/bench_skinny.err"
 fi
 if has engine; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }

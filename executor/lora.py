@@ -241,12 +241,12 @@ class LinearWithLoRA(nn.Module):
             return self._forward_row_parallel(x, lora_meta)
         weights = _step_weights(self, lora_meta, x.device)
         if weights is None:
-            return F.linear(x, self.weight, self.bias)  # [T, N]
+            return kernels.linear(x, self.weight, self.bias)  # [T, N]
         lora_a, lora_b = weights
         ranked = self.rank_parts == 1  # a fully sharded column layer's rank dim holds tp parts
         side = _side_stream(x.device)
         if side is None:
-            y = F.linear(x, self.weight, self.bias)
+            y = kernels.linear(x, self.weight, self.bias)
             buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)  # [S, T, rank] float32
             if self.rank_parts > 1:
                 buf = self.tp.all_gather(buf)  # [S, T, max_rank]: every rank part of x @ A.T
@@ -260,7 +260,7 @@ class LinearWithLoRA(nn.Module):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)
-        y = F.linear(x, self.weight, self.bias)
+        y = kernels.linear(x, self.weight, self.bias)
         main.wait_stream(side)
         if self.rank_parts > 1:
             buf = self.tp.all_gather(buf)
@@ -269,7 +269,7 @@ class LinearWithLoRA(nn.Module):
     def _forward_row_parallel(self, x: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
         """x: [T, in / tp], this rank's input columns. Every term before the all-reduce is a
         partial sum over them, LoRA's included (expand is linear in the shrink output)."""
-        y = F.linear(x, self.weight)  # [T, N], partial
+        y = kernels.linear(x, self.weight)  # [T, N], partial
         weights = _step_weights(self, lora_meta, x.device)
         if weights is not None:
             lora_a, lora_b = weights

@@ -27,6 +27,8 @@ __all__ = [
     "rms_norm",
     "rope_and_cache",
     "silu_and_mul",
+    "linear",
+    "greedy",
     "slot_scatter",
 ]
 
@@ -115,6 +117,17 @@ def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
 def silu_and_mul(gate_up):
     """[T, 2I] gate | up -> silu(gate) * up [T, I]."""
     return _ops_impl(gate_up).silu_and_mul(gate_up)
+
+
+def linear(x, weight, bias=None):
+    """F.linear; on CUDA at 1-16 tokens the skinny GEMM where the GPU's table lists the shape
+    (kernels/triton_linear.py)."""
+    return _on_device(x, "triton_linear", ops_reference).linear(x, weight, bias)
+
+
+def greedy(logits):
+    """logits [B, V] float32 -> (argmax [B] int64, its logprob [B] float32): one kernel on CUDA."""
+    return _ops_impl(logits).greedy(logits)
 
 
 # ---- slot loads (kernels/copy_reference.py, kernels/triton_copy.py) ----------------------------

@@ -46,3 +46,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 * I] (gate | up) -> silu(gate) * up, [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight.T + bias (the base model's projections)."""
+    return F.linear(x, weight, bias)
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32 -> the argmax of each row [B] int64 (the first of equal maxima) and
+    its logprob [B] float32 (the max minus the row's logsumexp)."""
+    token_ids = logits.argmax(dim=-1)
+    logprobs = logits.gather(1, token_ids[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    return token_ids, logprobs

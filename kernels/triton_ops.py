@@ -146,3 +146,43 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = 1024
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
     return out
+
+
+@triton.jit
+def _greedy_kernel(logits_ptr, ids_ptr, logprob_ptr, stride_row, vocab, BLOCK: tl.constexpr):
+    """One row: its argmax (the first of equal maxima) and max - logsumexp, in one pass over it.
+
+    Each lane keeps a running max, the first column that reached it, and the sum of exp(x - max)
+    of its columns; the lanes are merged at the end."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    run_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK], tl.float32)
+    run_idx = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + offs
+        x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        run_idx = tl.where(x > run_max, cols, run_idx)
+        new_max = tl.maximum(run_max, x)
+        scaled = run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max)
+        run_sum = tl.where(new_max == float("-inf"), 0.0, scaled)  # an all -inf lane: nothing yet
+        run_max = new_max
+    row_max = tl.max(run_max, axis=0)
+    total = tl.sum(tl.where(run_max == float("-inf"), 0.0, run_sum * tl.exp(run_max - row_max)), axis=0)
+    token = tl.min(tl.where(run_max == row_max, run_idx, vocab), axis=0)
+    tl.store(ids_ptr + row, token.to(tl.int64))
+    tl.store(logprob_ptr + row, row_max - (row_max + tl.log(total)))  # as logits[argmax] - logsumexp
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax [B] int64, its logprob [B] float32) of logits [B, V]: see ops_reference.greedy.
+
+    One program per row in one launch, where torch's argmax, gather and logsumexp are several."""
+    if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype != torch.float32 or logits.shape[1] == 0:
+        return ops_reference.greedy(logits)
+    rows, vocab = logits.shape
+    token_ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        _greedy_kernel[(rows,)](logits, token_ids, logprobs, logits.stride(0), vocab, BLOCK=2048, num_warps=8)
+    return token_ids, logprobs

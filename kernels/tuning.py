@@ -6,6 +6,8 @@ kernels/model_shapes.py). They are keyed by what each kernel sees:
 
   shrink  "<in>x<slices>x<rank>"          -> tokens -> ShrinkConfig
   expand  "<w0>+<w1>+...x<rank>"          -> tokens -> ExpandConfig   (the output slice widths)
+  skinny  "<N>x<K>"                        -> tokens -> SkinnyConfig   (the base model's linear layers at
+          1-16 tokens, kernels/triton_linear.py; written by `benchmarks/bench_skinny.py --table-out`)
 
 A lookup for T tokens and a shape (the nearest-entry rule):
 1. the same shape, tuned at the token count nearest to T on a log scale, if that one is within
@@ -16,6 +18,10 @@ A lookup for T tokens and a shape (the nearest-entry rule):
    reduces about as many input columns as in the tuned entry (a 4x longer reduction gets 4x
    the splits, not 4x longer programs; rounded to a power of two), block_n cut to the output;
 3. an empty table: the rule in `_default_shrink` / `_default_expand`.
+
+The skinny GEMM has no nearest-entry rule: it replaces cuBLAS only for the exact (N, K) the
+table lists, at token counts up to the largest one measured there (the entry of the smallest
+tuned count >= T; a null entry: cuBLAS won there); anything else stays on cuBLAS.
 """
 
 from __future__ import annotations
@@ -52,6 +58,14 @@ class ExpandConfig:
     num_warps: int
     num_stages: int
     ctas_per_sm: int
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int  # output columns per program (programs = N / block_n)
+    block_k: int
+    num_warps: int
+    num_stages: int
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -128,7 +142,7 @@ def _table(key: str) -> dict:
 def set_table(key: str, table: dict) -> None:
     """Replaces a GPU's table in memory (the tuners use this to benchmark what they just tuned)."""
     _tables[key] = table
-    for cached in (_entries, _shrink_config, _expand_config):
+    for cached in (_entries, _shrink_config, _expand_config, _skinny_config):
         cached.cache_clear()
 
 
@@ -229,6 +243,23 @@ def _expand_config(key: str, num_tokens: int, widths: tuple[int, ...], rank: int
 
     found = _nearest(_entries(key, "expand"), expand_key(widths, rank), num_tokens, distance)
     return ExpandConfig(**found[2]) if found else _default_expand(num_tokens, n, rank)
+
+
+def skinny_key(n: int, k: int) -> str:
+    return f"{n}x{k}"
+
+
+def skinny_config(device: torch.device, num_tokens: int, n: int, k: int) -> SkinnyConfig | None:
+    """The skinny GEMM's config for y [T, n] = x [T, k] @ W.T on this GPU, or None: use cuBLAS."""
+    return _skinny_config(_device_key(device), num_tokens, n, k)
+
+
+@lru_cache(maxsize=1024)
+def _skinny_config(key: str, num_tokens: int, n: int, k: int) -> SkinnyConfig | None:
+    by_tokens = _table(key).get("skinny", {}).get(skinny_key(n, k), {})
+    tuned = sorted(int(t) for t in by_tokens if int(t) >= num_tokens)
+    entry = by_tokens[str(tuned[0])] if tuned else None  # null: measured, cuBLAS was faster
+    return SkinnyConfig(**entry) if entry else None
 
 
 def as_dict(config) -> dict:

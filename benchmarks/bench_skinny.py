@@ -1,0 +1,170 @@
+"""The base model's linear layers at 1-16 tokens on a CUDA host: cuBLAS against the skinny GEMM.
+
+    python benchmarks/bench_skinny.py [--model llama-3-8b] [--tokens 1,2,4,8,16] [--table-out FILE]
+    python benchmarks/bench_skinny.py --greedy   # also: torch's argmax+logsumexp against the fused kernel
+
+Per layer shape of the model (q/k/v fused, o, gate/up fused, down, lm_head; tp 1 unless --tp)
+and token count: the floor (the weight's bytes at the measured copy bandwidth), cuBLAS
+(F.linear), and the fastest of the skinny kernel's configurations (kernels/triton_linear.py),
+each as a multiple of the floor. Every kernel runs inside a CUDA graph over enough copies of the
+weight (>= 4x the L2 cache in all) that each call reads its weight from memory, as a model's
+layers do. Every configuration's output is checked against F.linear first.
+
+--table-out FILE writes this GPU's kernel table (kernels/configs/<gpu>.json as loaded) plus a
+"skinny" entry per (N, K) and token count: the fastest configuration where it beats cuBLAS by at
+least --min-gain, else null (cuBLAS). Copy FILE over the table to use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as `python -P`
+from bench_kernels import DEV, DTYPE, capture, env_info, measure_ceilings
+
+from loraserve.kernels import model_shapes, ops_reference, tuning
+from loraserve.kernels.triton_linear import skinny_linear
+from loraserve.kernels.triton_ops import greedy as fused_greedy
+
+L2_MULTIPLE = 4  # the copies of a weight one replay walks: at least this many L2 caches of bytes
+
+
+def layer_shapes(model: str, tp: int) -> list[tuple[str, int, int]]:
+    """(kind, N, K) of the model's base linear layers on one tensor-parallel rank."""
+    family = next(f for f in model_shapes.FAMILIES if f.name == model)
+    out = []
+    for s in model_shapes.layer_shapes(family, tp):
+        if s.kind != "embedding":
+            out.append((s.kind, s.out_features, s.in_features))
+    return out
+
+
+def candidates(grid: str) -> list[tuning.SkinnyConfig]:
+    if grid == "small":
+        ns, ks, warps, stages = (16, 32), (256, 512), (4,), (3, 4)
+    else:
+        ns, ks, warps, stages = (16, 32, 64), (128, 256, 512), (4, 8), (3, 4)
+    return [tuning.SkinnyConfig(n, k, w, s) for n, k, w, s in itertools.product(ns, ks, warps, stages)]
+
+
+
+def timed(fn_per_copy, copies: int) -> float:
+    """Microseconds per call of fn_per_copy(i), replayed in one graph over every copy i."""
+    graph = capture(lambda: [fn_per_copy(i) for i in range(copies)])
+    ms = do_bench(graph.replay, warmup=5, rep=40, return_mode="median")
+    del graph
+    return ms * 1e3 / copies
+
+
+def bench_shape(kind, n, k, tokens_list, configs, ceil, l2_bytes) -> list[dict]:
+    weight_bytes = n * k * 2
+    copies = max(1, -(-L2_MULTIPLE * l2_bytes // weight_bytes))
+    weights = [torch.randn(n, k, device=DEV, dtype=DTYPE) / k**0.5 for _ in range(copies)]
+    floor_us = weight_bytes / ceil["copy_bytes_per_s"] * 1e6
+    rows = []
+    for t in tokens_list:
+        x = torch.randn(t, k, device=DEV, dtype=DTYPE)
+        want = F.linear(x, weights[0]).float()
+        cublas = timed(lambda i: F.linear(x, weights[i]), copies)
+        best, best_cfg, failed = None, None, 0
+        for cfg in configs:
+            try:
+                got = skinny_linear(x, weights[0], None, cfg).float()
+            except Exception as e:  # a config the compiler rejects (e.g. out of shared memory)
+                print(f"  {kind} T={t} {cfg}: {type(e).__name__}", file=sys.stderr)
+                failed += 1
+                continue
+            if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
+                raise AssertionError(f"{kind} {n}x{k} T={t} {cfg}: max error {(got - want).abs().max().item():.3g}")
+            us = timed(lambda i: skinny_linear(x, weights[i], None, cfg), copies)
+            if best is None or us < best:
+                best, best_cfg = us, cfg
+        rows.append(dict(kind=kind, n=n, k=k, tokens=t, floor_us=floor_us, cublas_us=cublas, skinny_us=best,
+                         config=asdict(best_cfg) if best_cfg else None, failed=failed))
+        print(f"{kind} {n}x{k} T={t}: floor {floor_us:.1f} cuBLAS {cublas:.1f} skinny {best:.1f} us {best_cfg}",
+              file=sys.stderr, flush=True)
+    del weights
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_greedy(vocabs, batches) -> list[str]:
+    lines = ["", "| rows x vocab | torch argmax + logsumexp | fused kernel | equal |", "|---|---|---|---|"]
+    for v, b in itertools.product(vocabs, batches):
+        logits = torch.randn(b, v, device=DEV, dtype=torch.float32) * 4
+        ref_ids, ref_lp = ops_reference.greedy(logits)
+        ids, lp = fused_greedy(logits)
+        equal = bool(torch.equal(ids, ref_ids)) and torch.allclose(lp, ref_lp, atol=1e-5, rtol=1e-5)
+        torch_us = timed(lambda i: ops_reference.greedy(logits), 20)
+        fused_us = timed(lambda i: fused_greedy(logits), 20)
+        lines.append(f"| {b} x {v} | {torch_us:.1f} us | {fused_us:.1f} us | {equal} |")
+    return lines
+
+
+def table_with_skinny(rows, min_gain: float) -> dict:
+    key = tuning.gpu_key(torch.device(DEV))
+    table = json.loads(json.dumps(tuning._table(key)))  # a copy of the table as loaded
+    skinny = table.setdefault("skinny", {})
+    for r in rows:
+        wins = r["skinny_us"] is not None and r["skinny_us"] * (1 + min_gain) <= r["cublas_us"]
+        skinny.setdefault(tuning.skinny_key(r["n"], r["k"]), {})[str(r["tokens"])] = r["config"] if wins else None
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3-8b", choices=[f.name for f in model_shapes.FAMILIES])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--tokens", default="1,2,4,8,16")
+    p.add_argument("--kinds", default="qkv,o,gate_up,down,lm_head")
+    p.add_argument("--extra", default="", help="more N x K shapes, e.g. 49152x4096,6144x4096")
+    p.add_argument("--grid", default="full", choices=("full", "small"))
+    p.add_argument("--table-out", default=None)
+    p.add_argument("--min-gain", type=float, default=0.02)
+    p.add_argument("--greedy", action="store_true")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_skinny.py times CUDA kernels: run it on a CUDA host")
+    torch.manual_seed(0)
+    ceil = measure_ceilings()
+    info = env_info(ceil)
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    kinds = args.kinds.split(",")
+    shapes = [s for s in layer_shapes(args.model, args.tp) if s[0] in kinds]
+    shapes += [("extra", *(int(v) for v in e.split("x"))) for e in args.extra.split(",") if e]
+    tokens = [int(t) for t in args.tokens.split(",")]
+    configs = candidates(args.grid)
+    rows = []
+    for kind, n, k in shapes:
+        rows += bench_shape(kind, n, k, tokens, configs, ceil, l2_bytes)
+    print(f"# skinny GEMM, {info['device']}, {info['date']}; torch {info['torch']}, triton {info['triton']}")
+    print(f"# {info['command']}; copy bandwidth {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s; {len(configs)} configs")
+    print("| layer | N x K | tokens | floor | cuBLAS | skinny (best) | skinny / cuBLAS | config (n, k, warps, stages) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        c = r["config"]
+        cfg = f"{c['block_n']}, {c['block_k']}, {c['num_warps']}, {c['num_stages']}" if c else "-"
+        print(f"| {r['kind']} | {r['n']} x {r['k']} | {r['tokens']} | {r['floor_us']:.1f} us | "
+              f"{r['cublas_us']:.1f} us = {r['cublas_us'] / r['floor_us']:.2f}x | "
+              f"{r['skinny_us']:.1f} us = {r['skinny_us'] / r['floor_us']:.2f}x | "
+              f"{r['skinny_us'] / r['cublas_us']:.3f} | {cfg} |")
+    if args.greedy:
+        print("\n".join(bench_greedy((49152, 128256), (1, 8, 64))))
+    if args.table_out:
+        with open(args.table_out, "w") as f:
+            json.dump(table_with_skinny(rows, args.min_gain), f, indent=1, sort_keys=True)
+            f.write("\n")
+        print(f"# table with the skinny entries: {args.table_out}")
+
+
+if __name__ == "__main__":
+    main()

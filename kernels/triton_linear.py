@@ -1,0 +1,117 @@
+"""The base model's linear layers at decode batch sizes: a Triton skinny GEMM beside cuBLAS.
+
+At 1-16 tokens a layer's GEMM is a weight read: y [M, N] = x [M, K] @ W[N, K].T moves N*K*2
+bytes and does almost no arithmetic. cuBLAS reaches ~95% of the copy bandwidth on the wide
+gate/up projection but ~82-85% on q/k/v, o and down (docs/BENCHMARKS.md "Ninth pass"), where its
+kernels for these shapes launch too few CTAs (or split K and add a reduce kernel). Here each
+program owns BLOCK_N output columns for every token and streams their rows of W through the
+whole reduction: N / BLOCK_N programs, each several stages of loads in flight, no second kernel.
+
+Used only where this GPU's table (kernels/configs/<gpu>.json, op "skinny", written by
+`benchmarks/bench_skinny.py --table-out`) holds an entry for the exact (N, K) that beat cuBLAS
+when it was measured; every other shape, token count or dtype stays on F.linear
+(kernels/tuning.py `skinny_config`). Nothing is tuned while serving.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .tuning import SkinnyConfig, skinny_config
+
+MAX_TOKENS = 16  # rows of x one program multiplies (tl.dot's smallest tile)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    if EVEN_N:
+        rows = offs_n
+    else:  # clamp instead of masking the weight loads: the extra columns are never stored
+        rows = tl.minimum(offs_n, N - 1)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    if BLOCK_M == 1:
+        # One token: products in registers, one sum over K at the end (no tensor-core tile to fill).
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        x_ptrs = x_ptr + offs_k
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs)
+            else:
+                k_mask = (k0 + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            else:
+                k_mask = (k0 + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out = acc
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rows).to(tl.float32)[None, :]
+    offs_m = tl.arange(0, BLOCK_M)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Shapes and layouts the kernel takes: 2-D x of 1-16 rows, half-precision, unit column strides."""
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= MAX_TOKENS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and weight.dim() == 2
+    )
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M <= 16, K] through the skinny kernel with config cfg."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m = 1 if m == 1 else MAX_TOKENS
+    _skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the skinny kernel where this GPU's table says it is faster."""
+    if supported(x, weight):
+        cfg = skinny_config(x.device, x.shape[0], weight.shape[0], weight.shape[1])
+        if cfg is not None:
+            return skinny_linear(x, weight, bias, cfg)
+    return F.linear(x, weight, bias)
