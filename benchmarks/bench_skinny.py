@@ -1,6 +1,6 @@
-"""The base model's linear layers at 1-16 tokens on a CUDA host: cuBLAS against the skinny GEMM.
+"""The base model's linear layers at 1-64 tokens on a CUDA host: cuBLAS against the skinny GEMM.
 
-    python benchmarks/bench_skinny.py [--model llama-3-8b] [--tokens 1,2,4,8,16] [--table-out FILE]
+    python benchmarks/bench_skinny.py [--model llama-3-8b] [--tokens 1,4,8,16,32,64] [--table-out FILE]
     python benchmarks/bench_skinny.py --greedy   # also: torch's argmax+logsumexp against the fused kernel
 
 Per layer shape of the model (q/k/v fused, o, gate/up fused, down, lm_head; tp 1 unless --tp)
@@ -124,7 +124,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3-8b", choices=[f.name for f in model_shapes.FAMILIES])
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--tokens", default="1,2,4,8,16")
+    p.add_argument("--tokens", default="1,4,8,16,32,64")
     p.add_argument("--kinds", default="qkv,o,gate_up,down,lm_head")
     p.add_argument("--extra", default="", help="more N x K shapes, e.g. 49152x4096,6144x4096")
     p.add_argument("--grid", default="full", choices=("full", "small"))

@@ -12,7 +12,7 @@
 #   lora:    the LoRA kernels' GPU tests (tests/kernels/test_triton_gpu.py, test_split_k_gpu.py)
 #   moe:     benchmarks/bench_moe.py (fused MoE + expert LoRA against its floor)
 #   attn:    benchmarks/bench_attention.py (paged attention kernels against their floors)
-#   skinny:  benchmarks/bench_skinny.py --greedy (the base linears at 1-16 tokens, cuBLAS against the
+#   skinny:  benchmarks/bench_skinny.py --greedy (the base linears at 1-64 tokens, cuBLAS against the
 #            skinny GEMM; the fused greedy pick); writes OUT_DIR/skinny_table.json (SKINNY_ARGS adds flags)
 #   engine:  benchmarks/bench_engine.py (decode / prefill / gRPC against the floors; needs
 #            var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF;

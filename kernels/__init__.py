@@ -120,7 +120,7 @@ def silu_and_mul(gate_up):
 
 
 def linear(x, weight, bias=None):
-    """F.linear; on CUDA at 1-16 tokens the skinny GEMM where the GPU's table lists the shape
+    """F.linear; on CUDA at 1-64 tokens the skinny GEMM where the GPU's table lists the shape
     (kernels/triton_linear.py)."""
     return _on_device(x, "triton_linear", ops_reference).linear(x, weight, bias)
 

@@ -1,7 +1,7 @@
 """The base model's linear layers at decode batch sizes: a Triton skinny GEMM beside cuBLAS.
 
-At 1-16 tokens a layer's GEMM is a weight read: y [M, N] = x [M, K] @ W[N, K].T moves N*K*2
-bytes and does almost no arithmetic. cuBLAS reaches ~95% of the copy bandwidth on the wide
+At 1-64 tokens a layer's GEMM is a weight read: y [M, N] = x [M, K] @ W[N, K].T moves N*K*2
+bytes and does little arithmetic. cuBLAS reaches ~95% of the copy bandwidth on the wide
 gate/up projection but ~82-85% on q/k/v, o and down (docs/BENCHMARKS.md "Ninth pass"), where its
 kernels for these shapes launch too few CTAs (or split K and add a reduce kernel). Here each
 program owns BLOCK_N output columns for every token and streams their rows of W through the
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .tuning import SkinnyConfig, skinny_config
 
-MAX_TOKENS = 16  # rows of x one program multiplies (tl.dot's smallest tile)
+MAX_TOKENS = 64  # at most this many rows of x, all in one program's tile (16, 32 or 64 rows: tl.dot's sizes)
 
 
 @triton.jit
@@ -81,7 +81,7 @@ def _skinny_kernel(
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Shapes and layouts the kernel takes: 2-D x of 1-16 rows, half-precision, unit column strides."""
+    """Shapes and layouts the kernel takes: 2-D x of 1-64 rows, half-precision, unit column strides."""
     return (
         x.dim() == 2
         and 0 < x.shape[0] <= MAX_TOKENS
@@ -94,11 +94,11 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M <= 16, K] through the skinny kernel with config cfg."""
+    """F.linear(x, weight, bias) for x [M <= 64, K] through the skinny kernel with config cfg."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m = 1 if m == 1 else MAX_TOKENS
+    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     _skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

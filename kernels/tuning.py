@@ -7,7 +7,7 @@ kernels/model_shapes.py). They are keyed by what each kernel sees:
   shrink  "<in>x<slices>x<rank>"          -> tokens -> ShrinkConfig
   expand  "<w0>+<w1>+...x<rank>"          -> tokens -> ExpandConfig   (the output slice widths)
   skinny  "<N>x<K>"                        -> tokens -> SkinnyConfig   (the base model's linear layers at
-          1-16 tokens, kernels/triton_linear.py; written by `benchmarks/bench_skinny.py --table-out`)
+          1-64 tokens, kernels/triton_linear.py; written by `benchmarks/bench_skinny.py --table-out`)
 
 A lookup for T tokens and a shape (the nearest-entry rule):
 1. the same shape, tuned at the token count nearest to T on a log scale, if that one is within

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 DEV = "cpu" if INTERPRET else "cuda"
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 13, 16])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 13, 16, 17, 33, 64])
 @pytest.mark.parametrize("n, k, block_n, block_k", [
     (96, 256, 32, 128),   # even tiles
     (100, 200, 32, 128),  # N and K both off the tiles: clamped rows, masked K
@@ -69,7 +69,7 @@ def test_linear_takes_the_skinny_kernel_only_where_the_table_lists_the_shape(mon
     try:
         dtype = torch.float16 if INTERPRET else torch.bfloat16
         w = torch.randn(64, 256).to(dev, dtype)
-        for tokens, skinny in [(1, True), (2, False), (4, False), (5, True), (8, True), (9, False), (32, False)]:
+        for tokens, skinny in [(1, True), (2, False), (4, False), (5, True), (8, True), (9, False), (65, False)]:
             calls.clear()
             x = torch.randn(tokens, 256).to(dev, dtype)
             y = triton_linear.linear(x, w)
