@@ -276,7 +276,9 @@ class Engine:
             if self.ranks is not None:
                 self.ranks.step(step)
             with torch.cuda.device(self.device):
-                forward_step(self.model, kv, step, self.max_loras, self.device)
+                logits = forward_step(self.model, kv, step, self.max_loras, self.device)
+                if logits is not None:
+                    greedy(logits)  # the sampler's fused greedy kernel (kernels.greedy) too
 
         seconds = warm_up(run, steps, self.device)
         modules = lora_modules(self.model).values()
