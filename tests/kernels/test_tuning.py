@@ -134,7 +134,16 @@ def test_every_real_shape_lands_near_a_shipped_entry():
 def test_shipped_config_tables_are_well_formed():
     for path in tuning.CONFIG_DIR.glob("*.json"):
         table = json.loads(path.read_text())
-        assert set(table) <= {"shrink", "expand"}, path.name
+        assert set(table) <= {"shrink", "expand", "skinny"}, path.name
+        for shape, by_tokens in table.get("skinny", {}).items():
+            n, k = (int(v) for v in shape.split("x"))
+            assert n > 0 and k > 0, (path.name, shape)
+            for tokens, entry in by_tokens.items():
+                assert 1 <= int(tokens) <= 64, (path.name, shape, tokens)  # triton_linear.MAX_TOKENS
+                if entry is not None:
+                    cfg = tuning.SkinnyConfig(**entry)
+                    for size in (cfg.block_n, cfg.block_k):
+                        assert size >= 16 and size & (size - 1) == 0, (path.name, "skinny", shape, tokens)
         for op, cls in (("shrink", tuning.ShrinkConfig), ("expand", tuning.ExpandConfig)):
             for shape, by_tokens in table.get(op, {}).items():
                 if op == "shrink":
@@ -177,3 +186,31 @@ def test_defaults_without_a_table_split_the_prefill_shrink_and_widen_the_decode_
     assert tuning._default_shrink(4096, 14336, 64).split_k == 16
     assert tuning._default_shrink(8192, 896, 16).split_k == 1  # a short reduction stays whole
     assert tuning._default_expand(64, 4096, 64).block_n == 128
+
+
+SKINNY = dict(block_n=32, block_k=256, num_warps=4, num_stages=4)
+
+
+def test_skinny_gemm_only_for_listed_shapes_and_token_counts():
+    """The skinny GEMM replaces cuBLAS for the exact (N, K) listed, at the entry of the smallest
+    measured token count >= T; a null entry (cuBLAS won there), a count past the largest measured
+    one, or another shape: None, i.e. F.linear."""
+    table = {"skinny": {"6144x4096": {"1": SKINNY, "8": None, "16": dict(SKINNY, block_n=64)}}}
+
+    def check():
+        got = [tuning._skinny_config("test_gpu", t, 6144, 4096) for t in (1, 2, 8, 9, 16, 17, 64)]
+        assert got == [tuning.SkinnyConfig(**SKINNY), None, None, tuning.SkinnyConfig(**dict(SKINNY, block_n=64)),
+                       tuning.SkinnyConfig(**dict(SKINNY, block_n=64)), None, None]
+        assert tuning._skinny_config("test_gpu", 1, 4096, 6144) is None  # N and K are not interchangeable
+        assert tuning._skinny_config("test_gpu", 1, 6144, 4095) is None  # no nearest-entry rule
+
+    with_table(table, check)
+    assert tuning._skinny_config("test_gpu", 1, 6144, 4096) is None  # an empty table: cuBLAS
+
+
+def test_shipped_h100_table_takes_the_skinny_gemm_where_it_was_measured_faster():
+    key = "nvidia_h100_80gb_hbm3"
+    assert tuning._skinny_config(key, 1, 6144, 4096) is not None  # q/k/v at one token
+    assert tuning._skinny_config(key, 8, 6144, 4096) is None  # within 2% of cuBLAS there: null
+    assert tuning._skinny_config(key, 54, 4096, 14336) is not None  # down at a serving batch
+    assert tuning._skinny_config(key, 65, 4096, 14336) is None  # past the largest measured count
