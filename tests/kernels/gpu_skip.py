@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Modules that also run under Triton's interpreter: with TRITON_INTERPRET=1 and no GPU, their
+# kernels run on CPU tensors.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+DEV = "cpu" if INTERPRET else "cuda"
 
 
 def skip_unless_cuda_and_triton(interpreter: bool = False) -> None:

@@ -7,23 +7,17 @@ interpreter on CPU tensors. Run: pytest -m gpu tests/kernels/test_linear_gpu.py
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
-
-from .gpu_skip import skip_unless_cuda_and_triton  # noqa: E402
+from .gpu_skip import DEV, INTERPRET, skip_unless_cuda_and_triton
 
 skip_unless_cuda_and_triton(interpreter=INTERPRET)
 
 from loraserve.kernels import ops_reference, triton_linear, triton_ops, tuning  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-DEV = "cpu" if INTERPRET else "cuda"
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 3, 8, 13, 16, 17, 33, 64])

@@ -8,22 +8,16 @@ interpreter on CPU tensors. Run: pytest -m gpu tests/kernels/test_meta_gpu.py
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
-
-from .gpu_skip import skip_unless_cuda_and_triton  # noqa: E402
+from .gpu_skip import DEV, INTERPRET, skip_unless_cuda_and_triton
 
 skip_unless_cuda_and_triton(interpreter=INTERPRET)
 
 from loraserve.kernels import make_lora_meta, meta as meta_mod, triton_meta  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-DEV = "cpu" if INTERPRET else "cuda"
 
 
 def _torch_grouping(slots, max_loras, ranks, block_m):
