@@ -90,8 +90,8 @@ def bench_shape(kind, n, k, tokens_list, configs, ceil, l2_bytes) -> list[dict]:
                 best, best_cfg = us, cfg
         rows.append(dict(kind=kind, n=n, k=k, tokens=t, floor_us=floor_us, cublas_us=cublas, skinny_us=best,
                          config=asdict(best_cfg) if best_cfg else None, failed=failed))
-        print(f"{kind} {n}x{k} T={t}: floor {floor_us:.1f} cuBLAS {cublas:.1f} skinny {best:.1f} us {best_cfg}",
-              file=sys.stderr, flush=True)
+        print(f"{kind} {n}x{k} T={t}: floor {floor_us:.1f} cuBLAS {cublas:.1f} skinny "
+              f"{'-' if best is None else f'{best:.1f}'} us {best_cfg}", file=sys.stderr, flush=True)
     del weights
     torch.cuda.empty_cache()
     return rows
@@ -151,12 +151,12 @@ def main() -> None:
     print("| layer | N x K | tokens | floor | cuBLAS | skinny (best) | skinny / cuBLAS | config (n, k, warps, stages) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        c = r["config"]
+        c, us = r["config"], r["skinny_us"]
         cfg = f"{c['block_n']}, {c['block_k']}, {c['num_warps']}, {c['num_stages']}" if c else "-"
+        skinny = "none built" if us is None else f"{us:.1f} us = {us / r['floor_us']:.2f}x"
+        ratio = "-" if us is None else f"{us / r['cublas_us']:.3f}"
         print(f"| {r['kind']} | {r['n']} x {r['k']} | {r['tokens']} | {r['floor_us']:.1f} us | "
-              f"{r['cublas_us']:.1f} us = {r['cublas_us'] / r['floor_us']:.2f}x | "
-              f"{r['skinny_us']:.1f} us = {r['skinny_us'] / r['floor_us']:.2f}x | "
-              f"{r['skinny_us'] / r['cublas_us']:.3f} | {cfg} |")
+              f"{r['cublas_us']:.1f} us = {r['cublas_us'] / r['floor_us']:.2f}x | {skinny} | {ratio} | {cfg} |")
     if args.greedy:
         print("\n".join(bench_greedy((49152, 128256), (1, 8, 64))))
     if args.table_out:

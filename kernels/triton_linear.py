@@ -1,16 +1,18 @@
 """The base model's linear layers at decode batch sizes: a Triton skinny GEMM beside cuBLAS.
 
 At 1-64 tokens a layer's GEMM is a weight read: y [M, N] = x [M, K] @ W[N, K].T moves N*K*2
-bytes and does little arithmetic. cuBLAS reaches ~95% of the copy bandwidth on the wide
-gate/up projection but ~82-85% on q/k/v, o and down (docs/BENCHMARKS.md "Ninth pass"), where its
-kernels for these shapes launch too few CTAs (or split K and add a reduce kernel). Here each
-program owns BLOCK_N output columns for every token and streams their rows of W through the
+bytes and does little arithmetic. In the ninth pass's profile of the decode graph (docs/BENCHMARKS.md,
+"Ninth pass") cuBLAS read the wide gate/up projection at ~95% of the copy bandwidth but q/k/v, o
+and down at ~82-85% (too few CTAs for the shape, or a split K plus a reduce kernel); timed alone
+over cold weights (`benchmarks/bench_skinny.py`, "Tenth pass") it took 1.09-1.64x the bytes'
+time. Here each program owns BLOCK_N output columns for every token and streams their rows of W through the
 whole reduction: N / BLOCK_N programs, each several stages of loads in flight, no second kernel.
 
 Used only where this GPU's table (kernels/configs/<gpu>.json, op "skinny", written by
 `benchmarks/bench_skinny.py --table-out`) holds an entry for the exact (N, K) that beat cuBLAS
-when it was measured; every other shape, token count or dtype stays on F.linear
-(kernels/tuning.py `skinny_config`). Nothing is tuned while serving.
+when it was measured (in bf16; fp16 layers of that shape take the same entries, unmeasured);
+every other shape or token count, and float32, stays on F.linear (kernels/tuning.py
+`skinny_config`). Nothing is tuned while serving.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .tuning import SkinnyConfig, skinny_config
 MAX_TOKENS = 64  # at most this many rows of x, all in one program's tile (16, 32 or 64 rows: tl.dot's sizes)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one build per row tile for every token count (the warm-up's ladder covers it)
 def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -80,16 +82,20 @@ def _skinny_kernel(
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
 
 
-def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Shapes and layouts the kernel takes: 2-D x of 1-64 rows, half-precision, unit column strides."""
+def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Shapes and layouts the kernel takes: 2-D x of 1-64 rows, half-precision, unit column
+    strides, a contiguous bias of the same dtype. Anything else (a mismatched K included) goes
+    to F.linear, which also raises its own errors."""
     return (
         x.dim() == 2
+        and weight.dim() == 2
         and 0 < x.shape[0] <= MAX_TOKENS
+        and x.shape[1] == weight.shape[1]
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(1) == 1
         and weight.stride(1) == 1
-        and weight.dim() == 2
+        and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.is_contiguous()))
     )
 
 
@@ -110,7 +116,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the skinny kernel where this GPU's table says it is faster."""
-    if supported(x, weight):
+    if supported(x, weight, bias):
         cfg = skinny_config(x.device, x.shape[0], weight.shape[0], weight.shape[1])
         if cfg is not None:
             return skinny_linear(x, weight, bias, cfg)

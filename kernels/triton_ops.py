@@ -150,7 +150,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _greedy_kernel(logits_ptr, ids_ptr, logprob_ptr, stride_row, vocab, BLOCK: tl.constexpr):
-    """One row: its argmax (the first of equal maxima) and max - logsumexp, in one pass over it.
+    """One row: its argmax (the first of equal maxima; a NaN counts as the largest, as in
+    torch.argmax, and the logprob is then NaN) and max - logsumexp, in one pass over it.
 
     Each lane keeps a running max, the first column that reached it, and the sum of exp(x - max)
     of its columns; the lanes are merged at the end."""
@@ -162,6 +163,7 @@ def _greedy_kernel(logits_ptr, ids_ptr, logprob_ptr, stride_row, vocab, BLOCK: t
     for start in range(0, vocab, BLOCK):
         cols = start + offs
         x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("inf"), x)  # NaN ranks above everything, as in torch.argmax
         run_idx = tl.where(x > run_max, cols, run_idx)
         new_max = tl.maximum(run_max, x)
         scaled = run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max)
@@ -169,7 +171,7 @@ def _greedy_kernel(logits_ptr, ids_ptr, logprob_ptr, stride_row, vocab, BLOCK: t
         run_max = new_max
     row_max = tl.max(run_max, axis=0)
     total = tl.sum(tl.where(run_max == float("-inf"), 0.0, run_sum * tl.exp(run_max - row_max)), axis=0)
-    token = tl.min(tl.where(run_max == row_max, run_idx, vocab), axis=0)
+    token = tl.minimum(tl.min(tl.where(run_max == row_max, run_idx, vocab), axis=0), vocab - 1)
     tl.store(ids_ptr + row, token.to(tl.int64))
     tl.store(logprob_ptr + row, row_max - (row_max + tl.log(total)))  # as logits[argmax] - logsumexp
 

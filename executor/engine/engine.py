@@ -50,7 +50,7 @@ from .sampler import SamplingParams, find_stop, greedy, make_generator, sample, 
 from .scheduler import SchedulePlan, Scheduler, Sequence
 from .step import StepInputs, forward_step
 from .builds import watch_builds
-from .warmup import warm_up, warm_up_steps
+from .warmup import token_ladder, warm_up, warm_up_steps
 
 log = logging.getLogger(__name__)
 
@@ -281,6 +281,15 @@ class Engine:
                     greedy(logits)  # the sampler's fused greedy kernel (kernels.greedy) too
 
         seconds = warm_up(run, steps, self.device)
+        if self.ranks is None:  # (under TP, compute_logits gathers across ranks: their steps warm it)
+            # the lm_head (a skinny GEMM at up to 64 rows, kernels/triton_linear.py) and the greedy
+            # kernel at every sampled-row count an eager step may bring: the ladder's steps sample 1-2
+            rows = token_ladder(cfg.max_num_seqs)
+            hidden = torch.zeros(rows[-1], self.model.cfg.hidden_size, dtype=self.model.dtype, device=self.device)
+            with torch.cuda.device(self.device):
+                for n in rows:
+                    greedy(self.model.compute_logits(hidden[:n], None))
+                torch.cuda.synchronize(self.device)
         modules = lora_modules(self.model).values()
         if self.max_loras and modules:  # the slot-load kernel too (slot 0 holds nothing yet: zeroing it changes nothing)
             with torch.cuda.device(self.device):

@@ -10,7 +10,8 @@ host, 64 gRPC streams ran at 13-88% of the engine-alone rate in four runs (a com
 ~0.1-1 s and holds the whole step). Warming up moves that to start, where it is logged and timed,
 and Triton's disk cache makes it short on the next start.
 
-The engine also runs the sampler's greedy kernel (kernels.greedy) on each step's logits.
+The engine also runs the sampler's greedy kernel (kernels.greedy) on each step's logits, and the
+lm_head and that kernel at every sampled-row count of `token_ladder(max_num_seqs)`.
 
 The steps: one sequence's prefill first (its KV is then written, so later steps' decode row reads
 only what was written), then, for every token count T of `token_ladder`, one step of T tokens:

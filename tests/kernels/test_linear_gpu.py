@@ -105,3 +105,31 @@ def test_fused_greedy_takes_the_first_of_equal_maxima_and_skips_minus_inf():
     assert ids.tolist() == want_ids.tolist()
     torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
     assert abs(lp[1].item() + torch.log(torch.tensor(float(vocab))).item()) < 1e-5
+
+
+def test_fused_greedy_ranks_nan_first_like_torch():
+    logits = torch.randn(3, 3000)
+    logits[0, 2500] = float("nan")  # one NaN: torch.argmax picks it
+    logits[1, [40, 2100]] = float("nan")  # two: the first
+    logits[2, :] = float("nan")  # all NaN: column 0
+    logits = logits.to(DEV)
+    ids, lp = triton_ops.greedy(logits)
+    want_ids, _ = ops_reference.greedy(logits)
+    assert ids.tolist() == want_ids.tolist() == [2500, 40, 0]
+    assert torch.isnan(lp).all()  # torch's logsumexp of a row with a NaN is NaN too
+
+
+def test_linear_leaves_what_the_kernel_does_not_take_to_f_linear(monkeypatch):
+    """A mismatched K, a bias of another dtype, float32: F.linear (and its own error), not the kernel."""
+    monkeypatch.setattr(tuning, "_device_key", lambda device: "test-gpu")
+    tuning.set_table("test-gpu", {"skinny": {"64x256": {"8": dict(block_n=32, block_k=128, num_warps=4, num_stages=2)}}})
+    try:
+        dtype = torch.float16 if INTERPRET else torch.bfloat16
+        w = torch.randn(64, 256).to(DEV, dtype)
+        with pytest.raises(RuntimeError):
+            triton_linear.linear(torch.randn(4, 255).to(DEV, dtype), w)
+        assert not triton_linear.supported(torch.randn(4, 256).to(DEV, dtype), w, torch.randn(64).to(DEV))
+        assert not triton_linear.supported(torch.randn(4, 256).to(DEV), w.float())
+        assert triton_linear.supported(torch.randn(4, 256).to(DEV, dtype), w, torch.randn(64).to(DEV, dtype))
+    finally:
+        tuning.set_table("test-gpu", {})
