@@ -267,26 +267,21 @@ class _ReplayMarks:
 
     def __init__(self, engine):
         self.graphs, self.marks, self.last = engine.graphs, [], {}
-        self.runs = {"run": engine.graphs.run}
+        real = engine.graphs.run
 
-        def marked(real):
-            def run(batch):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = real(batch)
-                end.record()
-                self.marks.append((len(batch.input_ids), start, end))
-                self.last[len(batch.input_ids)] = batch
-                return out
+        def run(batch):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = real(batch)
+            end.record()
+            self.marks.append((len(batch.input_ids), start, end))
+            self.last[len(batch.input_ids)] = batch
+            return out
 
-            return run
-
-        for name, real in self.runs.items():
-            setattr(self.graphs, name, marked(real))
+        self.graphs.run = run  # an instance attribute over the class's method
 
     def stop(self) -> None:
-        for name in self.runs:
-            delattr(self.graphs, name)  # the instance attributes go: the class's methods again
+        del self.graphs.run  # the class's method again
 
     def summary(self, batch: int) -> str:
         torch.cuda.synchronize()

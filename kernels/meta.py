@@ -166,6 +166,7 @@ def make_lora_meta(
         meta.block_list(block_m)
     return meta
 
+
 FUSED = True  # make_lora_meta(block_m=...) on CUDA: one Triton program when the step fits (tests compare both)
 
 

@@ -282,13 +282,14 @@ class Engine:
 
         seconds = warm_up(run, steps, self.device)
         if self.ranks is None:  # (under TP, compute_logits gathers across ranks: their steps warm it)
-            # the lm_head (a skinny GEMM at up to 64 rows, kernels/triton_linear.py) and the greedy
-            # kernel at every sampled-row count an eager step may bring: the ladder's steps sample 1-2
+            # the lm_head (a skinny GEMM at up to 64 rows, kernels/triton_linear.py) at every
+            # sampled-row count an eager step may bring: the ladder's steps sample 1-2 rows (the
+            # greedy kernel above is built once for any row count)
             rows = token_ladder(cfg.max_num_seqs)
             hidden = torch.zeros(rows[-1], self.model.cfg.hidden_size, dtype=self.model.dtype, device=self.device)
             with torch.cuda.device(self.device):
                 for n in rows:
-                    greedy(self.model.compute_logits(hidden[:n], None))
+                    self.model.compute_logits(hidden[:n], None)
                 torch.cuda.synchronize(self.device)
         modules = lora_modules(self.model).values()
         if self.max_loras and modules:  # the slot-load kernel too (slot 0 holds nothing yet: zeroing it changes nothing)

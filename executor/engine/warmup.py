@@ -11,7 +11,7 @@ host, 64 gRPC streams ran at 13-88% of the engine-alone rate in four runs (a com
 and Triton's disk cache makes it short on the next start.
 
 The engine also runs the sampler's greedy kernel (kernels.greedy) on each step's logits, and the
-lm_head and that kernel at every sampled-row count of `token_ladder(max_num_seqs)`.
+lm_head at every sampled-row count of `token_ladder(max_num_seqs)`.
 
 The steps: one sequence's prefill first (its KV is then written, so later steps' decode row reads
 only what was written), then, for every token count T of `token_ladder`, one step of T tokens:
