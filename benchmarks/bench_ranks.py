@@ -269,8 +269,7 @@ def main():
     parser.add_argument("--b-layout", choices=("rank-major", "n-major"), default=B_LAYOUT,
                         help="B's slot layout: [L, R, N] storage seen as [L, N, R] (the executor's) or [L, N, R] storage")
     args = parser.parse_args()
-    global B_LAYOUT
-    B_LAYOUT = args.b_layout
+    globals()["B_LAYOUT"] = args.b_layout
     triton_lora.NARROW_SHRINK = args.narrow in ("both", "shrink")
     triton_lora.NARROW_EXPAND = args.narrow in ("both", "expand")
     if not torch.cuda.is_available():
