@@ -151,10 +151,6 @@ EXPAND_SWEEP = [
     (16, 128, 1, 4, 1, 4), (16, 128, 1, 4, 1, 16), (16, 128, 2, 4, 2, 8), (16, 256, 1, 4, 1, 8),
     (16, 128, 1, 8, 1, 4), (16, 64, 2, 4, 2, 4),
 ]
-GROUPED_SWEEP = [  # decode's grouped expand: (block_n, token blocks per program, num_stages, num_warps)
-    (64, 4, 3, 4), (64, 8, 3, 4), (64, 16, 3, 4), (128, 4, 3, 4), (128, 8, 3, 4), (128, 16, 3, 4),
-    (256, 8, 3, 4), (128, 8, 2, 4), (64, 8, 2, 4), (256, 4, 2, 8), (128, 4, 4, 4), (64, 2, 3, 4),
-]
 SHRINK_SWEEP = [  # (block_m, block_n, block_k, columns per split, num_warps, num_stages, ctas_per_sm)
     (16, 64, 64, 256, 4, 4, 8), (16, 64, 128, 256, 4, 4, 8), (16, 64, 64, 128, 4, 4, 8), (16, 32, 64, 256, 4, 4, 8),
     (16, 64, 64, 512, 4, 2, 8), (16, 64, 64, 256, 4, 4, 16), (16, 64, 64, 256, 2, 4, 16),
@@ -162,16 +158,10 @@ SHRINK_SWEEP = [  # (block_m, block_n, block_k, columns per split, num_warps, nu
 SWEEP_CASES = ("8/16/32/64 in 64", "16 in 16", "64 in 64")
 
 
-def _candidates(op, in_features, widths, rank, current, grouped="with"):
-    """(label, config) of each setting to time for one layer: the table's own first, then the list.
-    grouped (expand): "with" the grouped settings, "without" them, or "only" them."""
+def _candidates(op, in_features, widths, rank, current):
+    """(label, config) of each setting to time for one layer: the table's own first, then the list."""
     out = [(f"table: {_label(op, current, in_features)}", current)]
-    rows = SHRINK_SWEEP
-    if op == "expand":
-        rows = [] if grouped == "only" else list(EXPAND_SWEEP)
-        if grouped != "without":
-            rows += [(16, bn, 1, warps, stages, 1, group) for bn, group, stages, warps in GROUPED_SWEEP]
-    for row in rows:
+    for row in EXPAND_SWEEP if op == "expand" else SHRINK_SWEEP:
         if op == "expand":
             cfg = tuning.ExpandConfig(*row)
         else:
@@ -185,15 +175,13 @@ def _candidates(op, in_features, widths, rank, current, grouped="with"):
 
 
 def _label(op, cfg, in_features) -> str:
-    if op == "expand" and cfg.group:
-        return f"grouped n{cfg.block_n} g{cfg.group} w{cfg.num_warps} st{cfg.num_stages}"
     if op == "expand":
         return f"n{cfg.block_n}x{cfg.n_iters} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}"
     per_split = -(-in_features // cfg.split_k)
     return f"n{cfg.block_n} k{cfg.block_k}/{per_split} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}"
 
 
-def sweep(tokens, adapters, gen, out_lines, save, ops=("expand", "shrink"), case_names=SWEEP_CASES, grouped="with"):
+def sweep(tokens, adapters, gen, out_lines, save, ops=("expand", "shrink"), case_names=SWEEP_CASES):
     """Each launch setting of each op, forced through the device's table, on each layer and case.
 
     Returns {(op, table key): {config: [us per case, summed over the layers sharing the key]}}."""
@@ -216,7 +204,7 @@ def sweep(tokens, adapters, gen, out_lines, save, ops=("expand", "shrink"), case
             else:
                 shape = tuning.shrink_key(in_features, len(widths), rank)
                 current = tuning.shrink_config(torch.device(DEV), tokens, in_features, len(widths), rank)
-            for label, cfg in _candidates(op, in_features, widths, rank, current, grouped):
+            for label, cfg in _candidates(op, in_features, widths, rank, current):
                 times = []
                 tuning.set_table(key, {op: {shape: {str(tokens): tuning.as_dict(cfg)}}})
                 for setup in setups:
@@ -278,8 +266,6 @@ def main():
                              "and token counts by the table's nearest-entry rule (kernels/tuning.py)")
     parser.add_argument("--narrow", choices=("both", "shrink", "expand", "none"), default="both",
                         help="which ops take the narrow tiles for low-rank blocks (a diagnostic: both in serving)")
-    parser.add_argument("--sweep-grouped", choices=("with", "without", "only"), default="with",
-                        help="whether the expand sweep times decode's grouped expand settings (only: those alone)")
     parser.add_argument("--b-layout", choices=("rank-major", "n-major"), default=B_LAYOUT,
                         help="B's slot layout: [L, R, N] storage seen as [L, N, R] (the executor's) or [L, N, R] storage")
     args = parser.parse_args()
@@ -319,7 +305,7 @@ def main():
     save()
     if args.sweep:
         measured = sweep(args.tokens, args.adapters, gen, lines, save, tuple(args.sweep_ops.split(",")),
-                         tuple(args.sweep_cases.split(";")), args.sweep_grouped)
+                         tuple(args.sweep_cases.split(";")))
         if args.sweep_table:
             key = tuning.gpu_key(torch.device(DEV))
             table = json.loads(json.dumps(tuning._table(key)))  # a deep copy

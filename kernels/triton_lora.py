@@ -352,50 +352,6 @@ def _expand_kernel(
             )
 
 
-@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["block_ranks_ptr"])
-def _expand_grouped_kernel(
-    y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr, num_blocks_ptr,
-    num_tokens, chunks, group, stride_yt, stride_bl, stride_bn, stride_br,
-    off0, off1, off2, off3, off4,
-    NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANKED: tl.constexpr, STAGES: tl.constexpr,
-):
-    """_expand_kernel's sum for decode, another walk: program (g, c) owns BLOCK_N columns (chunk c)
-    and adds every token block g * group ... g * group + group - 1 of real slots into them, in one
-    loop whose loads the compiler pipelines STAGES deep. At one or two tokens per adapter a tile's
-    bytes are few; the per-tile walk then waits on each tile's memory in turn, this one keeps the
-    next blocks' loads in flight. Blocks hold disjoint tokens, so no two iterations touch one row."""
-    pid = tl.program_id(0)
-    chunk = pid % chunks
-    first = (pid // chunks) * group
-    last = tl.minimum(first + group, tl.load(num_blocks_ptr))  # real slots' blocks come first
-    s, lo, hi, local = _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES, BLOCK_N)
-    offs_n = lo + local * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < hi
-    offs_r = tl.arange(0, BLOCK_R)
-    for block in tl.range(first, last, num_stages=STAGES):
-        slot = tl.load(block_slots_ptr + block)
-        tok = tl.load(block_tokens_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        m_mask = tok >= 0
-        r_mask = offs_r < RANK
-        if RANKED:  # as in _expand_cols: whole runs of 8 rank positions
-            r_mask = r_mask & (offs_r // 8 < (tl.load(block_ranks_ptr + block) + 7) // 8)
-        lhs = tl.load(
-            buf_ptr + (s * num_tokens + tok[:, None]) * RANK + offs_r[None, :],
-            mask=m_mask[:, None] & r_mask[None, :],
-            other=0.0,
-        ).to(b_ptr.dtype.element_ty)
-        b = tl.load(
-            b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-            mask=r_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        )
-        y_tile = y_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        old = tl.load(y_tile, mask=mask, other=0.0)
-        tl.store(y_tile, (old.to(tl.float32) + tl.dot(lhs, b)).to(y_tile.dtype.element_ty), mask=mask)
-
-
 @triton.jit(do_not_specialize=["num_tokens"])
 def _embedding_shrink_kernel(
     ids_ptr, slots_ptr, a_ptr, out_ptr, num_tokens, stride_al, stride_av,
@@ -501,8 +457,6 @@ def lora_expand(
         return y
     cfg = expand_config(y.device, num_tokens, _widths(tuple(slice_offsets)), rank)
     blocks = meta.block_list(cfg.block_m)
-    if cfg.group:
-        return _expand_grouped(y, buf, lora_b, slice_offsets, blocks, cfg, rank, ranked)
     programs = num_sms(y.device.index) * cfg.ctas_per_sm
     for first_slice, num_slices, offsets, chunks, even_n in _expand_launches(
         tuple(slice_offsets), cfg.block_n * cfg.n_iters
@@ -517,21 +471,6 @@ def lora_expand(
             RANKED=ranked, NARROW=ranked and NARROW_EXPAND and _narrow_expand(cfg, rank),
             WIDE2=math.gcd(2, cfg.n_iters), WIDE4=math.gcd(4, cfg.n_iters), ONE_TILE=tiles <= programs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    return y
-
-
-def _expand_grouped(y, buf, lora_b, slice_offsets, blocks, cfg, rank: int, ranked: bool) -> torch.Tensor:
-    """lora_expand through _expand_grouped_kernel (cfg.group > 0): one program per column chunk and
-    group of blocks; the grid follows the list's upper bound, so a captured graph serves any batch."""
-    groups = _cdiv(blocks.max_blocks, cfg.group)
-    for first_slice, num_slices, offsets, chunks, _ in _expand_launches(tuple(slice_offsets), cfg.block_n):
-        _expand_grouped_kernel[(chunks * groups,)](
-            y, buf[first_slice:], lora_b, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
-            y.shape[0], chunks, cfg.group, y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-            *offsets,
-            NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            RANKED=ranked, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
         )
     return y
 

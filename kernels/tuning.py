@@ -58,10 +58,6 @@ class ExpandConfig:
     num_warps: int
     num_stages: int
     ctas_per_sm: int
-    # > 0: decode's grouped expand (triton_lora._expand_grouped_kernel): a program owns block_n
-    # columns and walks `group` token blocks in a software-pipelined loop (num_stages deep);
-    # ctas_per_sm and n_iters are then unused
-    group: int = 0
 
 
 @dataclass(frozen=True)
