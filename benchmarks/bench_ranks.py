@@ -269,7 +269,8 @@ def main():
     parser.add_argument("--b-layout", choices=("rank-major", "n-major"), default=B_LAYOUT,
                         help="B's slot layout: [L, R, N] storage seen as [L, N, R] (the executor's) or [L, N, R] storage")
     args = parser.parse_args()
-    globals()["B_LAYOUT"] = args.b_layout
+    global B_LAYOUT
+    B_LAYOUT = args.b_layout
     triton_lora.NARROW_SHRINK = args.narrow in ("both", "shrink")
     triton_lora.NARROW_EXPAND = args.narrow in ("both", "expand")
     if not torch.cuda.is_available():
