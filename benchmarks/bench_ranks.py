@@ -46,12 +46,8 @@ CASES = (  # (name, slot rank, adapter ranks taken in turn)
 COPIES = 8  # layers per replayed graph, each with its own weights and activations
 
 
-B_LAYOUT = "rank-major"  # --b-layout: how B's slots lie in memory (the executor's: rank-major)
-
-
 def make_weights(in_features, widths, slot_rank, ranks, gen):
-    """COPIES sets of A [L, S, R, in] and B [L, N, R], zero past each slot's adapter rank (as loaded).
-    B is a view of [L, R, N] storage (rank-major) unless B_LAYOUT is "n-major"."""
+    """COPIES sets of A [L, S, R, in] and B [L, N, R], zero past each slot's adapter rank (as loaded)."""
     adapters = len(ranks)
     rank_pos = torch.arange(slot_rank, device=DEV)
     live = rank_pos[None, :] < torch.tensor(ranks, device=DEV)[:, None]  # [L, R]
@@ -59,8 +55,6 @@ def make_weights(in_features, widths, slot_rank, ranks, gen):
     for _ in range(COPIES):
         a = torch.randn(adapters, len(widths), slot_rank, in_features, device=DEV, dtype=DTYPE, generator=gen)
         b = torch.randn(adapters, sum(widths), slot_rank, device=DEV, dtype=DTYPE, generator=gen)
-        if B_LAYOUT == "rank-major":
-            b = b.transpose(1, 2).contiguous().transpose(1, 2)
         a.mul_(live[:, None, :, None].to(DTYPE) * in_features**-0.5)
         b.mul_(live[:, None, :].to(DTYPE) * slot_rank**-0.5)
         sets.append((a, b))
@@ -266,11 +260,7 @@ def main():
                              "and token counts by the table's nearest-entry rule (kernels/tuning.py)")
     parser.add_argument("--narrow", choices=("both", "shrink", "expand", "none"), default="both",
                         help="which ops take the narrow tiles for low-rank blocks (a diagnostic: both in serving)")
-    parser.add_argument("--b-layout", choices=("rank-major", "n-major"), default=B_LAYOUT,
-                        help="B's slot layout: [L, R, N] storage seen as [L, N, R] (the executor's) or [L, N, R] storage")
     args = parser.parse_args()
-    global B_LAYOUT
-    B_LAYOUT = args.b_layout
     triton_lora.NARROW_SHRINK = args.narrow in ("both", "shrink")
     triton_lora.NARROW_EXPAND = args.narrow in ("both", "expand")
     if not torch.cuda.is_available():
@@ -279,8 +269,7 @@ def main():
     info = env_info(ceil)
     gen = torch.Generator(device=DEV).manual_seed(0)
     lines = [f"{k}: {v}" for k, v in info.items()]
-    lines += [f"tokens {args.tokens}, adapters {args.adapters}, {COPIES} layers per graph, narrow tiles: {args.narrow}, "
-              f"B layout: {args.b_layout}",
+    lines += [f"tokens {args.tokens}, adapters {args.adapters}, {COPIES} layers per graph, narrow tiles: {args.narrow}",
               "", HEADER, "|" + "---|" * 9]
     print("\n".join(lines), flush=True)
     totals = {}

@@ -230,7 +230,7 @@ def _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES: tl.constexpr,
 
 @triton.jit
 def _expand_cols(
-    y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn, stride_br,
+    y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr,
     EVEN_N: tl.constexpr, RANKED: tl.constexpr,
 ):
@@ -248,12 +248,12 @@ def _expand_cols(
     for i in range(N_ITERS):
         offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
         if EVEN_N:
-            b = tl.load(b_rows + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br, mask=r_mask[:, None], other=0.0)
+            b = tl.load(b_rows + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_mask[:, None], other=0.0)
             mask = m_mask[:, None]
         else:
             n_mask = offs_n < hi
             b = tl.load(
-                b_rows + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                b_rows + offs_n[None, :] * stride_bn + offs_r[:, None],
                 mask=r_mask[:, None] & n_mask[None, :],
                 other=0.0,
             )
@@ -267,7 +267,7 @@ def _expand_cols(
 @triton.jit
 def _expand_tile(
     tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-    num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn, stride_br,
+    num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
     off0, off1, off2, off3, off4,
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
@@ -292,36 +292,36 @@ def _expand_tile(
             rank = tl.load(block_ranks_ptr + block)
             if BLOCK_R >= 64:
                 if rank <= BLOCK_R // 4:
-                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn, stride_br,
+                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
                                  RANK, BLOCK_R // 4, BLOCK_N * WIDE4, N_ITERS // WIDE4, EVEN_N, RANKED)
                 elif rank <= BLOCK_R // 2:
-                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn, stride_br,
+                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
                                  RANK, BLOCK_R // 2, BLOCK_N * WIDE2, N_ITERS // WIDE2, EVEN_N, RANKED)
                 else:
-                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn, stride_br,
+                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
                                  RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
             elif BLOCK_R >= 32:
                 if rank <= BLOCK_R // 2:
-                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn, stride_br,
+                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
                                  RANK, BLOCK_R // 2, BLOCK_N * WIDE2, N_ITERS // WIDE2, EVEN_N, RANKED)
                 else:
-                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn, stride_br,
+                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
                                  RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
             else:
-                _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn, stride_br,
+                _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
                              RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
         elif RANKED:
             _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, tl.load(block_ranks_ptr + block), n_start, hi,
-                         num_tokens, stride_bn, stride_br, RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
+                         num_tokens, stride_bn, RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
         else:
-            _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, RANK, n_start, hi, num_tokens, stride_bn, stride_br,
+            _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, RANK, n_start, hi, num_tokens, stride_bn,
                          RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
 
 
 @triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["block_ranks_ptr"])
 def _expand_kernel(
     y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr, num_blocks_ptr,
-    num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn, stride_br,
+    num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
     off0, off1, off2, off3, off4,
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
@@ -336,7 +336,7 @@ def _expand_kernel(
     if ONE_TILE:
         _expand_tile(
             pid, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-            num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn, stride_br,
+            num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
             off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
             RANKED, NARROW, WIDE2, WIDE4,
         )
@@ -346,7 +346,7 @@ def _expand_kernel(
         for tile in range(pid, num_tiles, num_programs):
             _expand_tile(
                 tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-                num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn, stride_br,
+                num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
                 off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
                 RANKED, NARROW, WIDE2, WIDE4,
             )
@@ -464,7 +464,7 @@ def lora_expand(
         tiles = blocks.max_blocks * chunks
         _expand_kernel[(min(tiles, programs),)](
             y, buf[first_slice:], lora_b, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
-            num_tokens, lora_b.shape[0], chunks, y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+            num_tokens, lora_b.shape[0], chunks, y.stride(0), lora_b.stride(0), lora_b.stride(1),
             *offsets,
             NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
@@ -540,7 +540,7 @@ def _expand_supported(y, buf, lora_b) -> bool:
         y.dtype in _DTYPES
         and lora_b.dtype == y.dtype
         and y.stride(1) == 1
-        and (lora_b.stride(2) == 1 or lora_b.stride(1) == 1)  # [.., N, R] n-major or a rank-major view
+        and lora_b.stride(2) == 1
         and buf.dtype == torch.float32
         and buf.is_contiguous()
     )

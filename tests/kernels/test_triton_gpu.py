@@ -275,31 +275,3 @@ def test_dispatch_uses_triton_for_cuda_tensors():
 
     x = torch.randn(4, 64, device=DEV, dtype=torch.float16)
     assert kernels._impl(x) is triton_lora
-
-
-def rank_major(lora_b: torch.Tensor) -> torch.Tensor:
-    """The same [L, N, R] values, stored [L, R, N] (the executor's slot layout for B)."""
-    return lora_b.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("widths", [(4096, 1024, 1024), (896, 128, 128), (4000,)], ids=["qkv", "small", "odd"])
-def test_rank_major_b_matches_the_oracle(dtype, widths):
-    """Expand reading B from rank-major storage (each rank row's N outputs contiguous), with adapters
-    of ranks 8-64 in rank-64 slots read only to their ranks, at decode and prefill token counts."""
-    gen = torch.Generator(device=DEV).manual_seed(9)
-    num_slots, rank = 8, 64
-    ranks = [8, 16, 32, 64, 8, 24, 64, 16]
-    _, lora_b = make_layer(num_slots, 16, widths, rank, dtype, ranks, gen)
-    b_rm = rank_major(lora_b)
-    assert b_rm.stride(1) == 1 and torch.equal(b_rm, lora_b)
-    slot_ranks = torch.tensor(ranks, dtype=torch.int32, device=DEV)
-    for tokens in (1, 7, 64, 300, 2048):
-        slots = make_slots(tokens, num_slots, 0.2, gen)
-        meta = make_lora_meta(slots, num_slots, slot_ranks=slot_ranks)
-        buf = torch.randn(len(widths), tokens, rank, device=DEV, generator=gen)
-        y0 = torch.randn(tokens, sum(widths), device=DEV, generator=gen).to(dtype)
-        want = oracle_expand(y0, buf, lora_b, offsets_of(widths), slots)
-        y = lora_expand(y0.clone(), buf, b_rm, offsets_of(widths), meta)
-        assert rel_err(y, want) < TOL[dtype], tokens
-        assert torch.equal(y[slots < 0], y0[slots < 0])
