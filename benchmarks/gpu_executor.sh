@@ -10,6 +10,8 @@
 #   parallel: the tensor- and expert-parallel GPU tests (NCCL, one GPU per rank; tp 4 needs 4 GPUs)
 #   load:    the slot-load GPU tests (tests/executor/test_lora.py, test_slot_scatter.py)
 #   lora:    the LoRA kernels' GPU tests (tests/kernels/test_triton_gpu.py, test_split_k_gpu.py)
+#   ranks:   benchmarks/bench_ranks.py (each LoRA layer of a decode step alone, adapters of ranks 8-64
+#            in slots of rank 64 and of their own rank; RANKS_ARGS adds flags, e.g. "--tokens 16")
 #   moe:     benchmarks/bench_moe.py (fused MoE + expert LoRA against its floor)
 #   attn:    benchmarks/bench_attention.py (paged attention kernels against their floors)
 #   skinny:  benchmarks/bench_skinny.py --greedy (the base linears at 1-64 tokens, cuBLAS against the
@@ -88,6 +90,9 @@ fi
 if has lora; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu \
     tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py 2>&1 | tee "$OUT/lora_gpu_tests.log" | tail -4
+fi
+if has ranks; then
+  python3 benchmarks/bench_ranks.py --out "$OUT" ${RANKS_ARGS:-} 2>&1 | tee "$OUT/bench_ranks.log" | tail -12
 fi
 if has moe; then
   python3 -P benchmarks/bench_moe.py --out "$OUT/bench-moe" 2>&1 | tee "$OUT/bench_moe.log" | tail -40
