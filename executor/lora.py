@@ -77,10 +77,6 @@ def _step_weights(m: nn.Module, meta: LoraMeta | None, device: torch.device):
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-# CUDA: expand beside the base GEMM too (on the side stream, into a LoRA output of its own that the
-# main stream adds after the join) instead of after it on the main stream. A switch for A/B runs
-# (benchmarks/bench_engine.py --expand-after).
-EXPAND_BESIDE = True
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -262,16 +258,10 @@ class LinearWithLoRA(nn.Module):
         # main stream still reads it.
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
-        delta = None
         with torch.cuda.stream(side):
             buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)
-            if EXPAND_BESIDE and self.rank_parts == 1:
-                delta = torch.zeros(x.shape[0], self.slice_offsets[-1], dtype=lora_b.dtype, device=x.device)
-                kernels.lora_expand(delta, buf, lora_b, self.slice_offsets, lora_meta, ranked)
         y = kernels.linear(x, self.weight, self.bias)
         main.wait_stream(side)
-        if delta is not None:
-            return y.add_(delta)
         if self.rank_parts > 1:
             buf = self.tp.all_gather(buf)
         return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked)
