@@ -14,11 +14,9 @@ when the budget is spent (what it did not reach keeps the nearest existing entry
 3. decode expand of the output widths the hidden-size grid lacks (896 to 128256 columns)
 4. prefill (1024 and 4096 tokens) shrink and expand of the long and short shapes
 5. prefill (4096 tokens) of every distinct tp-1 q/k/v, o, gate/up and down shape, ranks 8 and 128
-6. the same shapes at 1024 tokens
-7. prefill (1024 and 4096 tokens) of the tensor-parallel per-rank shapes (tp 2, 4, 8) not in 5
 
 Token buckets: 1, 17, 255 at decode (every decode T is within 4x of one), 1024 and 4096 at
-prefill (phase 5 alone: 4096, and 1024 takes it by rule 1). Each candidate is timed alone in CUDA graphs for two mixes (1 adapter, and
+prefill. Each candidate is timed alone in CUDA graphs for two mixes (1 adapter, and
 min(T, 64) adapters); the pick has the smallest worst ratio to the fastest candidate of each
 mix. The hidden-size grid's own entries (in 4096 / 8192, slices 1 / 3, rank 8 / 16 / 64) are
 not retuned: the result is the base table with entries added.
@@ -56,34 +54,25 @@ PLAN = (
 )  # fmt: skip
 
 
-def _prefill_plan(phase: int, tp_sizes: tuple[int, ...], tokens: tuple[int, ...], skip=()) -> list:
-    """Prefill entries at `tokens` of every distinct shrink and expand shape of the served families'
-    q/k/v, o, gate/up and down at `tp_sizes` (per-rank shapes), ranks 8 and 128, the most served
-    sizes first; shapes of PLAN's phase 4 and of `skip` (earlier phases' plans) left out."""
+def _prefill_plan() -> list:
+    """5. prefill (4096 tokens; 1024 takes it by rule 1) of every distinct tp-1 shrink and expand
+    shape of the served families' q/k/v, o, gate/up and down, ranks 8 and 128, the most served sizes first."""
     from loraserve.kernels import model_shapes
 
-    shapes = [s for s in model_shapes.real_shapes(tp_sizes=tp_sizes) if s.kind in ("qkv", "o", "gate_up", "down")]
+    shapes = [s for s in model_shapes.real_shapes(tp_sizes=(1,)) if s.kind in ("qkv", "o", "gate_up", "down")]
     first = ("llama-3-8b", "qwen2.5-7b", "llama-3.2-3b", "llama-3.2-1b", "qwen2.5-14b", "qwen2.5-0.5b")
     shapes.sort(key=lambda s: first.index(s.model) if s.model in first else len(first))
-    plan, seen = [], {(op, shape) for _, op, shape, _ in skip}
+    plan, seen = [], set()
     for s in shapes:
         for r in (8, 128):
             for op, shape in (("shrink", (s.in_features, len(s.widths), r)), ("expand", (s.widths, r))):
                 if (op, shape) not in seen and (4, op, shape, PREFILL_TOKENS) not in PLAN:
                     seen.add((op, shape))
-                    plan.append((phase, op, shape, tokens))
+                    plan.append((5, op, shape, (4096,)))
     return plan
 
 
-# 5. prefill (4096 tokens) of every distinct tp-1 shape; 6. the same shapes at 1024 tokens (from
-# 4096's entry, a 1024-token step of few tokens per adapter took 2.35x its floor: "Kernels on the
-# real layer shapes" in docs/BENCHMARKS.md); 7. the tensor-parallel per-rank shapes at both prefill
-# token counts.
-_PHASE5 = _prefill_plan(5, (1,), (4096,))
-PLAN = (
-    PLAN + _PHASE5 + _prefill_plan(6, (1,), (1024,))
-    + _prefill_plan(7, (2, 4, 8), PREFILL_TOKENS, skip=_PHASE5)
-)  # fmt: skip
+PLAN = PLAN + _prefill_plan()
 
 
 def _split(in_features: int, block_k: int, per_split: int) -> int:
