@@ -260,11 +260,24 @@ def main():
                              "and token counts by the table's nearest-entry rule (kernels/tuning.py)")
     parser.add_argument("--narrow", choices=("both", "shrink", "expand", "none"), default="both",
                         help="which ops take the narrow tiles for low-rank blocks (a diagnostic: both in serving)")
+    parser.add_argument("--launch-only", default=None, metavar="LAYER:CASE",
+                        help="launch that layer's shrink and expand eagerly 3 times each and time nothing (a target for "
+                             "a profiler, e.g. ncu -k regex:_shrink_kernel|_expand_kernel), e.g. 'gate_up:8/16/32/64 in 64'")
     args = parser.parse_args()
     triton_lora.NARROW_SHRINK = args.narrow in ("both", "shrink")
     triton_lora.NARROW_EXPAND = args.narrow in ("both", "expand")
     if not torch.cuda.is_available():
         sys.exit("bench_ranks.py needs a CUDA device")
+    if args.launch_only:
+        layer, name = args.launch_only.split(":", 1)
+        setup = Setup.make(layer, {c[0]: c for c in CASES}[name], args.tokens, args.adapters,
+                           torch.Generator(device=DEV).manual_seed(0))
+        (x, y, buf), (a, b) = setup.acts[0], setup.weights[0]
+        for _ in range(3):
+            lora_shrink(x, a, setup.meta, out=buf.zero_())
+            lora_expand(y, buf, b, setup.offsets, setup.meta)
+        torch.cuda.synchronize()
+        return
     ceil = measure_ceilings()
     info = env_info(ceil)
     gen = torch.Generator(device=DEV).manual_seed(0)
