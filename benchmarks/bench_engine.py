@@ -510,8 +510,6 @@ def main() -> None:
                     default=[(1, 4096), (16, 256)], help="prefill steps to time, SEQSxLEN,... ('': none; with --adapters, "
                     "each also with a distinct adapter per sequence)")
     ap.add_argument("--table", type=Path, help="a kernel table (JSON) to use instead of this GPU's shipped one")
-    ap.add_argument("--no-resident-cap", action="store_true",
-                    help="LoRA kernels' persistent grids of the table's CTAs per SM even past what an SM holds (an A/B)")
     ap.add_argument("--torch-greedy", action="store_true",
                     help="greedy steps pick with torch's argmax + logsumexp instead of the fused kernel (an A/B)")
     ap.add_argument("--profile-decode", type=Path,
@@ -535,10 +533,6 @@ def main() -> None:
         from loraserve.kernels import tuning
 
         tuning.set_table(tuning.gpu_key(torch.device("cuda")), json.loads(args.table.read_text()))
-    if args.no_resident_cap:
-        from loraserve.kernels import triton_lora
-
-        triton_lora.RESIDENT_CAP = False
     if args.torch_greedy:
         from loraserve.executor.engine import engine as engine_module
         from loraserve.kernels import ops_reference

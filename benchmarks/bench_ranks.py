@@ -263,10 +263,7 @@ def main():
     parser.add_argument("--launch-only", default=None, metavar="LAYER:CASE",
                         help="launch that layer's shrink and expand eagerly 3 times each and time nothing (a target for "
                              "a profiler, e.g. ncu -k regex:_shrink_kernel|_expand_kernel), e.g. 'gate_up:8/16/32/64 in 64'")
-    parser.add_argument("--no-resident-cap", action="store_true",
-                        help="persistent grids of the table's CTAs per SM even past what an SM holds (an A/B)")
     args = parser.parse_args()
-    triton_lora.RESIDENT_CAP = not args.no_resident_cap
     triton_lora.NARROW_SHRINK = args.narrow in ("both", "shrink")
     triton_lora.NARROW_EXPAND = args.narrow in ("both", "expand")
     if not torch.cuda.is_available():
@@ -285,8 +282,7 @@ def main():
     info = env_info(ceil)
     gen = torch.Generator(device=DEV).manual_seed(0)
     lines = [f"{k}: {v}" for k, v in info.items()]
-    lines += [f"tokens {args.tokens}, adapters {args.adapters}, {COPIES} layers per graph, narrow tiles: {args.narrow}, "
-              f"resident cap: {not args.no_resident_cap}",
+    lines += [f"tokens {args.tokens}, adapters {args.adapters}, {COPIES} layers per graph, narrow tiles: {args.narrow}",
               "", HEADER, "|" + "---|" * 9]
     print("\n".join(lines), flush=True)
     totals = {}

@@ -37,10 +37,6 @@ _DTYPES = (torch.float16, torch.bfloat16)
 NARROW_SHRINK = True
 NARROW_EXPAND = True
 _MAX_SLICES_PER_LAUNCH = 4
-# Persistent grids sized to the CTAs an SM really holds (resident_ctas): on unless a benchmark turns
-# it off to measure what it changes (benchmarks/bench_ranks.py --no-resident-cap).
-RESIDENT_CAP = True
-_RESIDENT: dict[tuple, int] = {}  # launch key (dtype, constexprs, launch options) -> CTAs of it one SM holds
 
 
 @triton.jit
@@ -378,47 +374,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _programs(kernel, key: tuple, args: tuple, kwargs: dict, device: torch.device, ctas_per_sm: int) -> int:
-    """A persistent grid: the table's CTAs per SM, capped at what one SM holds of the built kernel.
-
-    A table entry may ask for more than its kernel's registers and shared memory let in (an H100
-    decode shrink and gate/up expand: 8 asked, 3 held, so 2.67 waves with a partial last one); the
-    programs past the first wave then wait for a free slot instead of taking their share of the
-    tiles in the loop. The first call of a launch key builds the kernel (its looping variant,
-    without launching it) to read its registers and shared memory."""
-    if RESIDENT_CAP and device.type == "cuda":
-        if key not in _RESIDENT:
-            compiled = kernel.warmup(*args, grid=(1,), ONE_TILE=False, **kwargs)
-            if hasattr(compiled, "_init_handles"):
-                compiled._init_handles()
-            _RESIDENT[key] = _resident_ctas(compiled, device.index, kwargs["num_warps"]) or ctas_per_sm
-        ctas_per_sm = min(ctas_per_sm, _RESIDENT[key])
-    return num_sms(device.index) * ctas_per_sm
-
-
-def _resident_ctas(compiled, device_index: int, num_warps: int) -> int | None:
-    """CTAs of a built kernel one SM holds: registers (allocated per warp in 256s), shared memory
-    (plus the 1 KiB the driver keeps per block) and threads; None if the build does not say."""
-    regs, smem = getattr(compiled, "n_regs", None), getattr(getattr(compiled, "metadata", None), "shared", None)
-    if not regs or smem is None:
-        return None
-    sm = _sm_limits(device_index)
-    per_warp = -(-regs * 32 // 256) * 256
-    return max(1, min(sm["blocks"], sm["threads"] // (32 * num_warps), sm["regs"] // (per_warp * num_warps),
-                      sm["smem"] // (smem + 1024)))
-
-
-@lru_cache(maxsize=None)
-def _sm_limits(device_index: int) -> dict:
-    props = torch.cuda.get_device_properties(device_index)
-    return {
-        "regs": getattr(props, "regs_per_multiprocessor", 65536),
-        "threads": getattr(props, "max_threads_per_multi_processor", 2048),
-        "smem": getattr(props, "shared_memory_per_multiprocessor", 233472),
-        "blocks": 32,
-    }
-
-
 def _narrow_shrink(cfg, rank: int) -> bool:
     """Narrow tiles for low-rank blocks (_shrink_tile): with the K split (buf zeroed first),
     column blocks inside one slice, at least 32 of them, and decode tiles (16 token rows: they
@@ -466,17 +421,15 @@ def lora_shrink(
     if cfg.split_k > 1 and not zeroed:
         out.zero_()  # the K splits add into it
     tiles = blocks.max_blocks * col_blocks * cfg.split_k  # upper bound: the list's length
-    args = (x, lora_a, out, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
-            num_tokens, num_slots, in_features, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(2))
-    kwargs = dict(
+    programs = num_sms(x.device.index) * cfg.ctas_per_sm
+    _shrink_kernel[(min(tiles, programs),)](
+        x, lora_a, out, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
+        num_tokens, num_slots, in_features, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(2),
         RANK=rank, SR=sr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         N_BLOCKS=col_blocks, SPLIT_K=cfg.split_k, EVEN_K=in_features % cfg.block_k == 0,
         RANKED=ranked, NARROW=ranked and NARROW_SHRINK and _narrow_shrink(cfg, rank),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ONE_TILE=tiles <= programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    key = ("shrink", x.dtype, *kwargs.items())
-    programs = _programs(_shrink_kernel, key, args, kwargs, x.device, cfg.ctas_per_sm)
-    _shrink_kernel[(min(tiles, programs),)](*args, ONE_TILE=tiles <= programs, **kwargs)
     return out
 
 
@@ -504,22 +457,21 @@ def lora_expand(
         return y
     cfg = expand_config(y.device, num_tokens, _widths(tuple(slice_offsets)), rank)
     blocks = meta.block_list(cfg.block_m)
+    programs = num_sms(y.device.index) * cfg.ctas_per_sm
     for first_slice, num_slices, offsets, chunks, even_n in _expand_launches(
         tuple(slice_offsets), cfg.block_n * cfg.n_iters
     ):
         tiles = blocks.max_blocks * chunks
-        args = (y, buf[first_slice:], lora_b, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
-                num_tokens, lora_b.shape[0], chunks, y.stride(0), lora_b.stride(0), lora_b.stride(1), *offsets)
-        kwargs = dict(
+        _expand_kernel[(min(tiles, programs),)](
+            y, buf[first_slice:], lora_b, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
+            num_tokens, lora_b.shape[0], chunks, y.stride(0), lora_b.stride(0), lora_b.stride(1),
+            *offsets,
             NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
             RANKED=ranked, NARROW=ranked and NARROW_EXPAND and _narrow_expand(cfg, rank),
-            WIDE2=math.gcd(2, cfg.n_iters), WIDE4=math.gcd(4, cfg.n_iters),
+            WIDE2=math.gcd(2, cfg.n_iters), WIDE4=math.gcd(4, cfg.n_iters), ONE_TILE=tiles <= programs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        key = ("expand", y.dtype, *kwargs.items())
-        programs = _programs(_expand_kernel, key, args, kwargs, y.device, cfg.ctas_per_sm)
-        _expand_kernel[(min(tiles, programs),)](*args, ONE_TILE=tiles <= programs, **kwargs)
     return y
 
 

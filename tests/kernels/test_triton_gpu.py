@@ -275,27 +275,3 @@ def test_dispatch_uses_triton_for_cuda_tensors():
 
     x = torch.randn(4, 64, device=DEV, dtype=torch.float16)
     assert kernels._impl(x) is triton_lora
-
-
-def test_persistent_grids_hold_no_more_ctas_than_an_sm_takes(monkeypatch):
-    """A table entry asking for 16 CTAs per SM of a tile whose registers let fewer in: the grid is
-    capped at what an SM holds of the built kernel (triton_lora._programs), and the sums stay right."""
-    from loraserve.kernels import tuning
-
-    monkeypatch.setattr(tuning, "_device_key", lambda device: "test-resident")
-    widths, rank = (2048, 2048), 64
-    cfg = dict(block_m=16, block_n=256, n_iters=1, num_warps=4, num_stages=1, ctas_per_sm=16)
-    tuning.set_table("test-resident", {"expand": {tuning.expand_key(widths, rank): {"64": cfg}}})
-    monkeypatch.setattr(triton_lora, "_RESIDENT", {})
-    try:
-        gen = torch.Generator(device=DEV).manual_seed(10)
-        _, lora_b = make_layer(40, 16, widths, rank, torch.bfloat16, gen=gen)
-        slots = make_slots(64, 40, 0.1, gen)
-        buf = torch.randn(2, 64, rank, device=DEV, generator=gen)
-        y0 = torch.randn(64, sum(widths), device=DEV, generator=gen).to(torch.bfloat16)
-        y = lora_expand(y0.clone(), buf, lora_b, offsets_of(widths), make_lora_meta(slots, 40))
-        assert rel_err(y, oracle_expand(y0, buf, lora_b, offsets_of(widths), slots)) < TOL[torch.bfloat16]
-        held = [v for k, v in triton_lora._RESIDENT.items() if k[0] == "expand"]
-        assert len(held) == 1 and 1 <= held[0] < 16, triton_lora._RESIDENT
-    finally:
-        tuning.set_table("test-resident", {})
