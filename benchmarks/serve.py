@@ -61,6 +61,7 @@ import step_trace  # noqa: E402 - the profiler window of --profile
 from loraserve.executor.config import ExecutorConfig  # noqa: E402
 from loraserve.executor.engine.engine import Engine, GenerationRequest  # noqa: E402
 from loraserve.executor.engine.kv_cache import KVCache  # noqa: E402
+from loraserve.executor.engine.slow_steps import describe as describe_step  # noqa: E402
 from loraserve.executor.engine.sampler import SamplingParams  # noqa: E402
 from loraserve.executor.lora import LoraSpec, clear_slot, load_shard_into_slot, lora_modules  # noqa: E402
 from loraserve.executor.memory import lora_bytes_per_slot  # noqa: E402
@@ -300,6 +301,13 @@ def step_mix(engine: Engine, before: dict, name: str) -> tuple:
     if engine.kernel_builds is not None:  # Triton builds during the run (each held its step)
         count, seconds = engine.kernel_builds.count - before["builds"][0], engine.kernel_builds.seconds - before["builds"][1]
         note += f"; {count} kernel builds while serving ({seconds:.1f} s)"
+    slow = sum(engine.slow_steps.counts.values()) - before["slow"]
+    run_steps = [t for t in engine.step_times if t.launched >= before["at"]]
+    if run_steps:  # the run's longest step, whatever its kind: a throughput swing shows here first
+        longest = max(run_steps, key=lambda t: t.seconds)
+        same = [t.seconds for t in run_steps if t.kind == longest.kind]
+        note += (f"; {slow} slow steps (over 5x their kind's median); longest: {longest.kind}, "
+                 + describe_step(longest, statistics.median(same), against="the run's median step of its kind"))
     return (f"steps, {name}", "", "", "", note)
 
 
@@ -307,7 +315,8 @@ def totals(engine: Engine) -> dict:
     """What step_mix subtracts: the step totals by kind and the held steps, now."""
     builds = engine.kernel_builds
     return {"steps": {k: dataclasses.replace(v) for k, v in engine.step_totals.items()}, "deferred": engine.scheduler.deferred_steps,
-            "builds": (builds.count, builds.seconds) if builds is not None else (0, 0.0)}
+            "builds": (builds.count, builds.seconds) if builds is not None else (0, 0.0),
+            "slow": sum(engine.slow_steps.counts.values()), "at": time.perf_counter()}
 
 
 def pct(values: list[float], q: float) -> float:

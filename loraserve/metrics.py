@@ -191,6 +191,7 @@ class _ExecutorState:
         yield _gauge("loraserve_executor_cpu_cache_adapters", "Adapters in the host memory cache", len(cpu))
         yield self._lora_info(running, waiting, adapters)
         yield from self._steps(dict(e.step_totals))
+        yield self._slow_steps(e.slow_steps)
         yield from self._builds(e.kernel_builds)
 
     @staticmethod
@@ -206,6 +207,16 @@ class _ExecutorState:
             for family, value in zip(out, (t.steps, t.seconds, t.launch_seconds, t.sequences)):
                 family.add_metric([kind], value)
         return out
+
+    @staticmethod
+    def _slow_steps(slow) -> CounterMetricFamily:
+        """Steps far slower than their kind's recent median (executor/engine/slow_steps.py), each logged."""
+        family = CounterMetricFamily("loraserve_executor_slow_steps",
+                                     "Forward steps over 5x their kind's recent median step (and over 0.1 s), by kind",
+                                     labels=["kind"])
+        for kind, count in sorted(slow.counts.items()):
+            family.add_metric([kind], count)
+        return family
 
     @staticmethod
     def _builds(builds):

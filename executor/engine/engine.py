@@ -50,6 +50,7 @@ from .sampler import SamplingParams, find_stop, greedy, make_generator, sample, 
 from .scheduler import SchedulePlan, Scheduler, Sequence
 from .step import StepInputs, forward_step
 from .builds import watch_builds
+from .slow_steps import SlowSteps
 from .warmup import token_ladder, warm_up, warm_up_steps
 
 log = logging.getLogger(__name__)
@@ -257,6 +258,7 @@ class Engine:
         self.step_times: list[StepTime] = []  # the collected steps, latest last (benchmarks and tests read them)
         # every collected step since start, by kind (metrics, serve.py)
         self.step_totals: dict[str, StepTotals] = {k: StepTotals() for k in STEP_KINDS}
+        self.slow_steps = SlowSteps(STEP_KINDS)  # steps far slower than their kind's recent ones: logged, counted
         self.steps_ahead = 0  # steps planned before the previous step's tokens reached the host
         # pinned buffers for the steps' sampled tokens, allocated before serving (see _pinned_out)
         self._out_pool: list[torch.Tensor] = [
@@ -827,6 +829,7 @@ class Engine:
                         launched.ahead, launched.launch_seconds, device_seconds)
         self.step_times.append(step)
         self.step_totals[launched.kind].add(step)
+        self.slow_steps.observe(step, self.kernel_builds.count if self.kernel_builds is not None else 0)
         if len(self.step_times) > 2000:
             del self.step_times[:1000]
         return token_ids, logprobs
