@@ -57,12 +57,19 @@ def describe(step, median: float, gap: float | None = None, builds: int | None =
     device = "-" if step.device_seconds is None else f"{step.device_seconds * 1e3:.1f} ms"
     parts = [
         f"{step.seconds * 1e3:.1f} ms from launch to tokens ({against} {median * 1e3:.1f} ms)",
-        f"{step.num_seqs} sequences, {step.num_tokens} tokens",
+        f"{_count(step.num_seqs, 'sequence')}, {_count(step.num_tokens, 'token')}",
         f"host queuing {step.launch_seconds * 1e3:.1f} ms, device {device}",
-        "launched ahead of the previous step's tokens" if step.ahead else "launched after the previous step's tokens",
     ]
-    if gap is not None:
-        parts.append(f"{gap * 1e3:.1f} ms from the previous step's tokens to this launch")
+    if gap is None:
+        parts.append("launched ahead of the previous step's tokens" if step.ahead else "launched after the previous step's tokens")
+    elif gap < 0:
+        parts.append(f"launched {-gap * 1e3:.1f} ms before the previous step's tokens reached the host")
+    else:
+        parts.append(f"launched {gap * 1e3:.1f} ms after the previous step's tokens reached the host")
     if builds is not None:
         parts.append(f"{builds} Triton builds while serving so far")
     return "; ".join(parts)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -32,7 +32,7 @@ def test_a_step_far_over_its_kinds_median_is_logged_and_counted(caplog):
     text = caplog.text
     assert "slow decode-graph step: 315.0 ms from launch to tokens (its kind's recent median 11.0 ms)" in text
     assert "8 sequences, 8 tokens" in text and "host queuing 2.0 ms, device 12.0 ms" in text
-    assert "4.0 ms from the previous step's tokens to this launch" in text
+    assert "launched 4.0 ms after the previous step's tokens reached the host" in text
     assert "0 Triton builds while serving so far" in text
 
 
@@ -56,6 +56,13 @@ def test_each_kind_has_its_own_median():
     assert not watch.observe(step("mixed-graph", 0.300, at))  # 2.5x a mixed step: no
     assert watch.observe(step("decode-graph", 0.300, at + 0.3))  # 27x a decode step: yes
     assert watch.counts == {"decode-graph": 1, "decode": 0, "mixed-graph": 0, "mixed": 0}
+
+
+def test_a_step_launched_ahead_says_how_long_before_the_previous_ones_tokens():
+    one = StepTime("decode-graph", 1, 1, 1.293, 11.0, 9.707, True, 0.0006, 0.0062)
+    line = slow_steps.describe(one, 0.0119, gap=-1.2616, builds=0)
+    assert line.startswith("1293.0 ms from launch to tokens (its kind's recent median 11.9 ms); 1 sequence, 1 token;")
+    assert "device 6.2 ms" in line and "launched 1261.6 ms before the previous step's tokens reached the host" in line
 
 
 def test_slow_steps_are_exported_by_kind():
