@@ -100,11 +100,19 @@ class RandomAdapters:
     def nbytes(self, rank: int) -> int:
         return sum(t.nbytes for t in self.tensors(rank).values())
 
+    def prepare(self) -> None:
+        """Makes every rank's random set now, before anything is timed: made on first use instead,
+        a set (40-320 MiB of torch.randn for a Llama-3-8B shape, ~1 s) held the event loop, and the
+        engine's steps with it, in the middle of the in-process run (four slow steps of 0.3-1.3 s,
+        docs/BENCHMARKS.md "Eleventh pass")."""
+        for rank in RANKS:
+            self.tensors(rank)
+
     async def fetch(self, name: str):
         rank = self.rank(name)
-        src = self.tensors(rank)
 
         def land() -> dict[str, torch.Tensor]:  # as the store client's stream lands: one buffer, views of it
+            src = self.tensors(rank)
             buffer = self.arena.allocate(self.nbytes(rank)) if self.arena is not None else None
             out, at = ArenaShard() if buffer is not None else {}, 0
             if buffer is None:
@@ -510,6 +518,7 @@ async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None
 
 async def run(args, tokenizer) -> list[tuple]:
     engine, adapters, counter = build(args, tokenizer)
+    adapters.prepare()
     engine.start()
     if args.probe:
         rows = await probe(args, engine, adapters)
