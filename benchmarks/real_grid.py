@@ -24,6 +24,7 @@ from triton.testing import do_bench
 
 from bench_kernels import DEV, DTYPE, capture, offsets_of, token_slots
 from loraserve.kernels import lora_embedding_shrink, lora_expand, lora_shrink, make_lora_meta, model_shapes
+from loraserve.kernels.meta import ShrinkWorkspace
 
 DECODE_MAX_TOKENS = 256
 PREFILL_MIN_TOKENS = 1024
@@ -100,24 +101,39 @@ def measure(pool: RealPool, tokens, adapters, ceil, gen, ops=("layer",), warm=Fa
         buf = torch.zeros(len(pool.widths), tokens, pool.rank, device=DEV)
         sets.append((x, y, buf, *pool.weights[i]))
 
+    # Decode layers take their shrink outputs from one workspace zeroed once per replay, as the
+    # engine's decode graphs do (executor/engine/graphs.py: one memset per step, not one per split-K
+    # layer); prefill layers zero their own, as the engine's prefill steps do.
+    workspace = None
+    if tokens <= DECODE_MAX_TOKENS and not pool.embedding:
+        workspace = torch.zeros(len(sets) * len(pool.widths) * tokens * pool.rank, device=DEV)
+
     def layer(i, op):
         x, y, buf, lora_a, lora_b = sets[i]
         if op != "expand":
             if pool.embedding:
                 lora_embedding_shrink(x, lora_a, meta, out=buf)
             else:
-                lora_shrink(x, lora_a, meta, out=buf)
+                buf = lora_shrink(x, lora_a, meta, out=None if workspace is not None else buf)
         if op != "shrink":
             lora_expand(y, buf, lora_b, offsets, meta)
 
+    def step(op):
+        if workspace is not None and op != "expand":
+            workspace.zero_()
+            meta.shrink_workspace = ShrinkWorkspace(workspace)
+        for i in range(len(sets)):
+            layer(i, op)
+        meta.shrink_workspace = None
+
     if warm:
         for op in ops:
-            layer(0, op)
+            step(op)
         return {}
     result = dict(distinct=distinct, sets=len(sets), floor_us=floor_us(pool, tokens, tokens, distinct, ceil))
     timing = DECODE_MS if tokens <= DECODE_MAX_TOKENS else PREFILL_MS
     for op in ops:
-        graph = capture(lambda: [layer(i, op) for i in range(len(sets))])
+        graph = capture(lambda: step(op))
         result[f"{op}_us"] = do_bench(graph.replay, return_mode="median", **timing) * 1e3 / len(sets)
         del graph
     return result
