@@ -1,6 +1,7 @@
 """LoRA layers of one decode step when the adapters' ranks differ from the slots' rank.
 
     python benchmarks/bench_ranks.py [--out DIR] [--tokens 64] [--adapters 40]
+    ncu -k "regex:_shrink_kernel|_expand_kernel" python benchmarks/bench_ranks.py --launch-only "gate_up:8/16/32/64 in 64"
 
 The executor's slot buffers have one rank (the largest an adapter may have); an adapter of a
 smaller rank sits in them zero-padded, and the kernels read it only up to its own rank
@@ -269,12 +270,15 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_ranks.py needs a CUDA device")
     if args.launch_only:
-        layer, name = args.launch_only.split(":", 1)
-        setup = Setup.make(layer, {c[0]: c for c in CASES}[name], args.tokens, args.adapters,
-                           torch.Generator(device=DEV).manual_seed(0))
+        layer, _, name = args.launch_only.partition(":")
+        cases = {c[0]: c for c in CASES}
+        if layer not in LAYERS or name not in cases:
+            parser.error(f"--launch-only {args.launch_only!r}: LAYER:CASE with LAYER one of {', '.join(LAYERS)} "
+                         f"and CASE one of {'; '.join(cases)}")
+        setup = Setup.make(layer, cases[name], args.tokens, args.adapters, torch.Generator(device=DEV).manual_seed(0))
         (x, y, buf), (a, b) = setup.acts[0], setup.weights[0]
         for _ in range(3):
-            lora_shrink(x, a, setup.meta, out=buf.zero_())
+            lora_shrink(x, a, setup.meta, out=buf)
             lora_expand(y, buf, b, setup.offsets, setup.meta)
         torch.cuda.synchronize()
         return

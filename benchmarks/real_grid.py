@@ -106,7 +106,7 @@ def measure(pool: RealPool, tokens, adapters, ceil, gen, ops=("layer",), warm=Fa
     # layer); prefill layers zero their own, as the engine's prefill steps do.
     workspace = None
     if tokens <= DECODE_MAX_TOKENS and not pool.embedding:
-        workspace = torch.zeros(len(sets) * len(pool.widths) * tokens * pool.rank, device=DEV)
+        workspace = torch.zeros(len(sets) * len(pool.widths) * tokens * pool.rank, dtype=torch.float32, device=DEV)
 
     def layer(i, op):
         x, y, buf, lora_a, lora_b = sets[i]

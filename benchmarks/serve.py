@@ -59,9 +59,9 @@ import bench_engine  # noqa: E402 - the random-weight model of a shape, the weig
 import step_trace  # noqa: E402 - the profiler window of --profile
 
 from loraserve.executor.config import ExecutorConfig  # noqa: E402
+from loraserve.executor.engine import slow_steps  # noqa: E402
 from loraserve.executor.engine.engine import Engine, GenerationRequest  # noqa: E402
 from loraserve.executor.engine.kv_cache import KVCache  # noqa: E402
-from loraserve.executor.engine.slow_steps import describe as describe_step  # noqa: E402
 from loraserve.executor.engine.sampler import SamplingParams  # noqa: E402
 from loraserve.executor.lora import LoraSpec, clear_slot, load_shard_into_slot, lora_modules  # noqa: E402
 from loraserve.executor.memory import lora_bytes_per_slot  # noqa: E402
@@ -310,21 +310,23 @@ def step_mix(engine: Engine, before: dict, name: str) -> tuple:
         count, seconds = engine.kernel_builds.count - before["builds"][0], engine.kernel_builds.seconds - before["builds"][1]
         note += f"; {count} kernel builds while serving ({seconds:.1f} s)"
     slow = sum(engine.slow_steps.counts.values()) - before["slow"]
-    run_steps = [t for t in engine.step_times if t.launched >= before["at"]]
-    if run_steps:  # the run's longest step, whatever its kind: a throughput swing shows here first
-        longest = max(run_steps, key=lambda t: t.seconds)
-        same = [t.seconds for t in run_steps if t.kind == longest.kind]
-        note += (f"; {slow} slow steps (over 5x their kind's median); longest: {longest.kind}, "
-                 + describe_step(longest, statistics.median(same), against="the run's median step of its kind"))
+    note += f"; {slow_steps.count(slow, 'slow step')} ({slow_steps.RULE})"
+    if engine.slow_steps.longest is not None:  # the run's longest step, whatever its kind: a swing shows here first
+        own, longest = engine.slow_steps.longest
+        kind = engine.step_totals[longest.kind].minus(before["steps"][longest.kind])
+        note += f"; longest: {longest.kind}, " + slow_steps.describe(
+            longest, kind.seconds / max(kind.steps, 1), against="the run's mean step of its kind", own=own)
     return (f"steps, {name}", "", "", "", note)
 
 
 def totals(engine: Engine) -> dict:
-    """What step_mix subtracts: the step totals by kind and the held steps, now."""
+    """What step_mix subtracts: the step totals by kind and the held steps, now (and the longest
+    step is tracked from here)."""
+    engine.slow_steps.reset_longest()
     builds = engine.kernel_builds
     return {"steps": {k: dataclasses.replace(v) for k, v in engine.step_totals.items()}, "deferred": engine.scheduler.deferred_steps,
             "builds": (builds.count, builds.seconds) if builds is not None else (0, 0.0),
-            "slow": sum(engine.slow_steps.counts.values()), "at": time.perf_counter()}
+            "slow": sum(engine.slow_steps.counts.values())}
 
 
 def pct(values: list[float], q: float) -> float:

@@ -211,9 +211,9 @@ class _ExecutorState:
     @staticmethod
     def _slow_steps(slow) -> CounterMetricFamily:
         """Steps far slower than their kind's recent median (executor/engine/slow_steps.py), each logged."""
-        family = CounterMetricFamily("loraserve_executor_slow_steps",
-                                     "Forward steps over 5x their kind's recent median step (and over 0.1 s), by kind",
-                                     labels=["kind"])
+        from loraserve.executor.engine.slow_steps import RULE
+
+        family = CounterMetricFamily("loraserve_executor_slow_steps", f"Forward steps {RULE}, by kind", labels=["kind"])
         for kind, count in sorted(slow.counts.items()):
             family.add_metric([kind], count)
         return family

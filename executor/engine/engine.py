@@ -829,7 +829,7 @@ class Engine:
                         launched.ahead, launched.launch_seconds, device_seconds)
         self.step_times.append(step)
         self.step_totals[launched.kind].add(step)
-        self.slow_steps.observe(step, self.kernel_builds.count if self.kernel_builds is not None else 0)
+        self.slow_steps.observe(step, self.kernel_builds.count if self.kernel_builds is not None else None)
         if len(self.step_times) > 2000:
             del self.step_times[:1000]
         return token_ids, logprobs

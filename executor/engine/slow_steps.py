@@ -3,10 +3,14 @@
 A serving run's throughput can swing with no error anywhere: a step that usually takes 11 ms takes
 300 ms once, and the streams stall behind it. Triton builds explain some (builds.py logs those);
 others need the step itself: its kind and size, how long the host took to queue it, how long the
-device worked on it, how long it waited between the two. So every collected step is compared with
-the median of the last `WINDOW` steps of its kind; one over `FACTOR` times that median and over
-`MIN_SECONDS` is logged with all of that and counted (`/metrics`: loraserve_executor_slow_steps_total
-by kind). The first `WARMUP_STEPS` of a kind set the median only.
+device worked on it, and when it was launched against the previous step's tokens. So every
+collected step's own time (from its launch, or from the previous step's tokens if it was launched
+ahead of them, to its own tokens: a stall counts once, not once per step in flight behind it) is
+compared with the median of the last `WINDOW` steps of its kind and size (token count to the next
+power of two: a 2,048-token prefill chunk is not judged against 100-token ones). One over `FACTOR`
+times that median and over `MIN_SECONDS` is logged with all of that and counted (`/metrics`:
+loraserve_executor_slow_steps_total by kind). The first `WARMUP_STEPS` of a kind and size set the
+median only.
 """
 
 from __future__ import annotations
@@ -21,43 +25,60 @@ WINDOW = 64
 WARMUP_STEPS = 16
 FACTOR = 5.0
 MIN_SECONDS = 0.1
+RULE = f"over {FACTOR:g}x the recent median of their kind and size, and over {MIN_SECONDS:g} s"
 
 
 class SlowSteps:
-    """The steps of each kind (engine.StepTime) compared with their kind's recent median."""
+    """The steps (engine.StepTime) compared with the recent median of their kind and size."""
 
     def __init__(self, kinds=()) -> None:
         self.counts: Counter[str] = Counter({k: 0 for k in kinds})  # slow steps by kind, since start (every kind listed)
-        self.slowest = None  # (seconds, StepTime, median then) of the slowest slow step
-        self._recent: dict[str, deque[float]] = {}
+        self.longest = None  # (own seconds, StepTime) of the longest step since `reset_longest` (benchmarks)
+        self._recent: dict[tuple[str, int], deque[float]] = {}
         self._last_end: float | None = None
+        self._last_builds: int | None = None
 
-    def observe(self, step, builds: int = 0) -> bool:
+    def reset_longest(self) -> None:
+        self.longest = None
+
+    def observe(self, step, builds: int | None = None) -> bool:
         """Records `step`; True (and a warning logged) when it is slow. builds: Triton builds while
-        serving so far (one during the step says why it was slow)."""
-        recent = self._recent.setdefault(step.kind, deque(maxlen=WINDOW))
+        serving so far (None where they are not watched); the line says how many came since the
+        previous step."""
         gap = None if self._last_end is None else step.launched - self._last_end
+        own = step.seconds if gap is None or gap >= 0 else step.end - self._last_end
         self._last_end = step.end
+        new_builds = None if builds is None or self._last_builds is None else builds - self._last_builds
+        self._last_builds = builds
+        if self.longest is None or own > self.longest[0]:
+            self.longest = (own, step)
+        recent = self._recent.setdefault((step.kind, _bucket(step.num_tokens)), deque(maxlen=WINDOW))
         slow = False
-        if len(recent) >= WARMUP_STEPS:
+        if len(recent) >= WARMUP_STEPS and own > MIN_SECONDS:  # a short step can't be slow: no median needed
             median = statistics.median(recent)
-            slow = step.seconds > max(MIN_SECONDS, FACTOR * median)
+            slow = own > FACTOR * median
             if slow:
                 self.counts[step.kind] += 1
-                if self.slowest is None or step.seconds > self.slowest[0]:
-                    self.slowest = (step.seconds, step, median)
-                log.warning("slow %s step: %s", step.kind, describe(step, median, gap, builds))
-        recent.append(step.seconds)
+                log.warning("slow %s step: %s", step.kind, describe(step, median, gap, new_builds, own=own))
+        recent.append(own)
         return slow
 
 
+def _bucket(num_tokens: int) -> int:
+    return 1 << max(0, num_tokens - 1).bit_length()
+
+
 def describe(step, median: float, gap: float | None = None, builds: int | None = None,
-             against: str = "its kind's recent median") -> str:
-    """One line on a step: its time against `median` (named by `against`), size, host and device parts."""
+             against: str = "the recent median of its kind and size", own: float | None = None) -> str:
+    """One line on a step: its time against `median` (named by `against`), size, host and device
+    parts, its launch against the previous step's tokens (gap), Triton builds since that step."""
     device = "-" if step.device_seconds is None else f"{step.device_seconds * 1e3:.1f} ms"
+    took = f"{step.seconds * 1e3:.1f} ms from launch to tokens"
+    if own is not None and own < step.seconds:
+        took += f", {own * 1e3:.1f} ms of it after the previous step's tokens"
     parts = [
-        f"{step.seconds * 1e3:.1f} ms from launch to tokens ({against} {median * 1e3:.1f} ms)",
-        f"{_count(step.num_seqs, 'sequence')}, {_count(step.num_tokens, 'token')}",
+        f"{took} ({against} {median * 1e3:.1f} ms)",
+        f"{count(step.num_seqs, 'sequence')}, {count(step.num_tokens, 'token')}",
         f"host queuing {step.launch_seconds * 1e3:.1f} ms, device {device}",
     ]
     if gap is None:
@@ -67,9 +88,9 @@ def describe(step, median: float, gap: float | None = None, builds: int | None =
     else:
         parts.append(f"launched {gap * 1e3:.1f} ms after the previous step's tokens reached the host")
     if builds is not None:
-        parts.append(f"{builds} Triton builds while serving so far")
+        parts.append(f"{count(builds, 'Triton build')} while serving since the previous step")
     return "; ".join(parts)
 
 
-def _count(n: int, noun: str) -> str:
+def count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -4,6 +4,7 @@ loader), a real paged KV cache, scheduler, sampler and slot manager; transformer
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -12,6 +13,7 @@ import torch
 
 from loraserve.errors import StatusError, not_found
 from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.engine import slow_steps
 from loraserve.executor.engine.engine import Engine, GenerationRequest
 from loraserve.executor.engine.graphs import DecodeGraphs
 from loraserve.executor.engine.kv_cache import KVCache
@@ -168,6 +170,26 @@ async def test_concurrent_greedy_requests_match_transformers_generate(tiny, make
         assert outs[-1].prompt_tokens == len(prompt)
     _assert_idle(engine)
     assert (engine.steps_ahead > 0) == (engine.graphs is not None)
+
+
+async def test_every_collected_step_goes_through_the_slow_step_watch(tiny, make_engine, caplog):
+    """Engine._collect hands each step to engine.slow_steps (executor/engine/slow_steps.py): with a
+    floor of 0 s and a factor of 0, every step past the warm-up count is slow and logged."""
+    engine = make_engine()
+    engine.slow_steps.reset_longest()
+    watch = engine.slow_steps
+    with caplog.at_level(logging.WARNING, logger="loraserve.executor.engine.slow_steps"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(slow_steps, "MIN_SECONDS", 0.0)
+            mp.setattr(slow_steps, "FACTOR", 0.0)
+            mp.setattr(slow_steps, "WARMUP_STEPS", 1)
+            await _collect(engine, _greedy(_prompt(5, 1), 6))
+    steps = len(engine.step_times)
+    assert steps >= 6 and watch.longest is not None
+    assert sum(len(q) for q in watch._recent.values()) == steps  # every step, once
+    flagged = sum(watch.counts.values())
+    assert flagged >= 1 and caplog.text.count(" step: ") == flagged  # the watch's own lines, one per slow step
+    assert "Triton" not in caplog.text  # CPU: builds are not watched
 
 
 async def test_admission_pacing_holds_a_late_request_back_only_with_graphs_and_keeps_outputs(tiny, make_engine):
