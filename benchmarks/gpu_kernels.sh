@@ -6,7 +6,7 @@
 # OUT/decode); ranks: bench_ranks.py (adapters of smaller ranks than their slots, ~2 min; RANKS_ARGS=--sweep
 # adds a sweep of launch settings, ~4 min more); attn-sweep: decode attention launch settings at small batches. tune: the hidden-size grid (bench_kernels.py --tune-out); tune-real: representative
 # real layer shapes (tune_kernels.py, ~6 min); real: the real-shape benchmark (bench_kernels.py
-# --real, ~3 min; TUNE_REAL_BUDGET_S shortens the tuning). Writes under OUT_DIR: run.log (everything), and tuned.json, bench.json,
+# --real, ~3 min; TUNE_REAL_BUDGET_S shortens the tuning; TUNE_REAL_ARGS adds flags, e.g. "--phases 5,6,7"). Writes under OUT_DIR: run.log (everything), and tuned.json, bench.json,
 # bench.md, real.json, real.md, ranks.md when made.
 set -uo pipefail
 OUT=$(realpath -m "${1:?usage: gpu_kernels.sh OUT_DIR [STAGES] [bench_kernels.py args...]}")
@@ -54,7 +54,7 @@ fi
 if has tune-real; then
   stage tune-real
   timeout "${TUNE_REAL_TIMEOUT:-480}" python3 benchmarks/tune_kernels.py --out "$OUT/tuned_real.json" \
-    --budget-s "${TUNE_REAL_BUDGET_S:-250}" "${TABLE[@]}" 2>&1 | tee -a "$LOG"
+    --budget-s "${TUNE_REAL_BUDGET_S:-250}" "${TABLE[@]}" ${TUNE_REAL_ARGS:-} 2>&1 | tee -a "$LOG"
   [ -f "$OUT/tuned_real.json" ] && cp "$OUT/tuned_real.json" "$OUT/tuned.json" && use_table "$OUT/tuned.json"
 fi
 if has test; then

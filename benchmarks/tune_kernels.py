@@ -14,6 +14,14 @@ when the budget is spent (what it did not reach keeps the nearest existing entry
 3. decode expand of the output widths the hidden-size grid lacks (896 to 128256 columns)
 4. prefill (1024 and 4096 tokens) shrink and expand of the long and short shapes
 5. prefill (4096 tokens) of every distinct tp-1 q/k/v, o, gate/up and down shape, ranks 8 and 128
+6. (with --phases) the same shapes at 1024 tokens
+7. (with --phases) prefill (1024 and 4096 tokens) of the tensor-parallel per-rank shapes (tp 2/4/8) not in 5
+
+Phases 1-5 run by default. `--phases 5,6,7` tunes prefill only and keeps the base table's decode
+entries (on an H100 on 2026-11-26 all three took 212 s with 1-4 and gave a prefill median of
+1.71x its floor against 1.75x; docs/BENCHMARKS.md). Prefill entries also serve other token counts
+by the lookup's rules (kernels/tuning.py): for a shape with no decode entry of its own, rule 2 can
+take a 1024-token entry from ~47 tokens up, so compare decode lookups before shipping such a table.
 
 Token buckets: 1, 17, 255 at decode (every decode T is within 4x of one), 1024 and 4096 at
 prefill. Each candidate is timed alone in CUDA graphs for two mixes (1 adapter, and
@@ -54,25 +62,28 @@ PLAN = (
 )  # fmt: skip
 
 
-def _prefill_plan() -> list:
-    """5. prefill (4096 tokens; 1024 takes it by rule 1) of every distinct tp-1 shrink and expand
-    shape of the served families' q/k/v, o, gate/up and down, ranks 8 and 128, the most served sizes first."""
+def _prefill_plan(phase: int, tp_sizes: tuple[int, ...], tokens: tuple[int, ...], skip=()) -> list:
+    """Prefill entries at `tokens` of every distinct shrink and expand shape of the served families'
+    q/k/v, o, gate/up and down at `tp_sizes` (per-rank shapes), ranks 8 and 128, the most served
+    sizes first; shapes of phase 4 and of `skip` (an earlier phase's plan) left out."""
     from loraserve.kernels import model_shapes
 
-    shapes = [s for s in model_shapes.real_shapes(tp_sizes=(1,)) if s.kind in ("qkv", "o", "gate_up", "down")]
+    shapes = [s for s in model_shapes.real_shapes(tp_sizes=tp_sizes) if s.kind in ("qkv", "o", "gate_up", "down")]
     first = ("llama-3-8b", "qwen2.5-7b", "llama-3.2-3b", "llama-3.2-1b", "qwen2.5-14b", "qwen2.5-0.5b")
     shapes.sort(key=lambda s: first.index(s.model) if s.model in first else len(first))
-    plan, seen = [], set()
+    plan, seen = [], {(op, shape) for _, op, shape, _ in skip}
     for s in shapes:
         for r in (8, 128):
             for op, shape in (("shrink", (s.in_features, len(s.widths), r)), ("expand", (s.widths, r))):
                 if (op, shape) not in seen and (4, op, shape, PREFILL_TOKENS) not in PLAN:
                     seen.add((op, shape))
-                    plan.append((5, op, shape, (4096,)))
+                    plan.append((phase, op, shape, tokens))
     return plan
 
 
-PLAN = PLAN + _prefill_plan()
+_PHASE5 = _prefill_plan(5, (1,), (4096,))
+PLAN = PLAN + _PHASE5 + _prefill_plan(6, (1,), (1024,)) + _prefill_plan(7, (2, 4, 8), PREFILL_TOKENS, skip=_PHASE5)
+DEFAULT_PHASES = (1, 2, 3, 4, 5)
 
 
 def _split(in_features: int, block_k: int, per_split: int) -> int:
@@ -146,8 +157,9 @@ def tune_one(key, table, op, shape, tokens, ceil, gen, pool, log, warm=False) ->
             f"{mixes[1]} adapters {t[1]:.1f} us, score {score:.2f}")  # fmt: skip
 
 
-def tune(base: dict, budget_s: float, out: str, ceil, log=print, part=None) -> dict:
-    """Tunes PLAN in order until budget_s; part (i, n): compile worker i of n (every n-th shape, untimed)."""
+def tune(base: dict, budget_s: float, out: str, ceil, log=print, part=None, phases=DEFAULT_PHASES) -> dict:
+    """Tunes PLAN's `phases` in order until budget_s; part (i, n): compile worker i of n (every n-th
+    shape, untimed). Entries of the other phases stay as the base table has them."""
     gen = torch.Generator(device=DEV).manual_seed(1)
     key = tuning.gpu_key(torch.device(DEV))
     table = json.loads(json.dumps(base))
@@ -155,7 +167,8 @@ def tune(base: dict, budget_s: float, out: str, ceil, log=print, part=None) -> d
         table.setdefault(op, {})
     started = time.time()
     done, left = 0, []
-    for index, (phase, op, shape, tokens_list) in enumerate(sorted(PLAN, key=lambda p: p[0])):
+    plan = [p for p in PLAN if p[0] in phases]
+    for index, (phase, op, shape, tokens_list) in enumerate(sorted(plan, key=lambda p: p[0])):
         if part is not None and index % part[1] != part[0]:
             continue
         if part is None and time.time() - started > budget_s:
@@ -186,19 +199,27 @@ def main():
     parser.add_argument("--budget-s", type=float, default=250.0, help="stop starting new shapes after this")
     parser.add_argument("--warm-s", type=float, default=70.0, help="compile in parallel first, at most this long")
     parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
+    parser.add_argument("--phases", default=",".join(map(str, DEFAULT_PHASES)),
+                        help="the plan's phases to tune, comma list of 1-7 (see above); the others keep the base table's entries")
     args = parser.parse_args()
+    try:
+        phases = tuple(int(p) for p in args.phases.split(","))
+    except ValueError:
+        phases = ()
+    if not phases or any(p not in range(1, 8) for p in phases):
+        parser.error(f"--phases {args.phases!r}: a comma list of phases 1-7")
     torch.backends.cuda.matmul.allow_tf32 = False
     key = tuning.gpu_key(torch.device(DEV))
     base = json.load(open(args.table)) if args.table else tuning._table(key)
     if args.warm_part:
         part = tuple(int(v) for v in args.warm_part.split("/"))
-        tune(base, float("inf"), args.out, None, log=lambda line: None, part=part)
+        tune(base, float("inf"), args.out, None, log=lambda line: None, part=part, phases=phases)
         return
     if args.warm_s > 0:
         real_grid.warm_in_workers(__file__, sys.argv[1:], args.warm_s)
     ceil = measure_ceilings()
     print(json.dumps({k: round(v, 3) for k, v in ceil.items()}))
-    tune(base, args.budget_s, args.out, ceil, log=lambda line: print(line, flush=True))
+    tune(base, args.budget_s, args.out, ceil, log=lambda line: print(line, flush=True), phases=phases)
     print(f"-> {args.out}")
 
 
