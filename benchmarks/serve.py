@@ -561,7 +561,9 @@ async def run(args, tokenizer) -> list[tuple]:
         ("slots", f"hit rate {counter.hits / max(1, counter.hits + counter.misses):.2f}", "", "",
          f"{len(loads) / mixed.seconds:.1f} loads/s, load p50 / p99 {pct(loads, 50) * 1e3:.1f} / {pct(loads, 99) * 1e3:.1f} ms, "
          f"{counter.evictions} evictions; loads from the CPU cache {sum(t == 'cpu' for t, _ in counter.loads)}, fetched first "
-         f"{sum(t == 'store' for t, _ in counter.loads)}; " + phases(counter.phases)),
+         f"{sum(t == 'store' for t, _ in counter.loads)}; " + phases(counter.phases)
+         + (f"; {adapters.arena.misses} fetches found the pinned arena full (each pinned a buffer of its own)"
+            if adapters.arena is not None else "")),
         base_steps, mixed_steps,
     ]
     for client in args.grpc_client if args.grpc else ():
