@@ -9,7 +9,8 @@ kernels/model_shapes.py). They are keyed by what each kernel sees:
   skinny  "<N>x<K>"                        -> tokens -> SkinnyConfig   (the base model's linear layers at
           1-64 tokens, kernels/triton_linear.py; written by `benchmarks/bench_skinny.py --table-out`)
 
-A lookup for T tokens and a shape (the nearest-entry rule):
+A lookup for T tokens and a shape (the nearest-entry rule), among the entries tuned at decode
+token counts (<= DECODE_MAX_TOKENS) when T is one and the table has any, else among all:
 1. the same shape, tuned at the token count nearest to T on a log scale, if that one is within
    4x of T (so the tuned grid's own shapes get exactly the entries they were tuned with);
 2. else the entry nearest in log space over every key at once: |ln T/T'| + |ln in/in'| +
@@ -37,6 +38,10 @@ import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 SAME_SHAPE_TOKENS_RATIO = 4.0  # rule 1 takes the same shape's entry if tuned within this factor of T
+# Decode token counts take decode entries only: without this, a shape with no decode entry of its
+# own took a 1,024-token prefill entry (tiles of 64 token rows) from ~47 tokens up by rule 2
+# (docs/BENCHMARKS.md, "Kernels on the real layer shapes", eleventh pass)
+DECODE_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,8 @@ def _nearest(entries, shape: str, num_tokens: int, distance):
     """(shape key, tokens, config) by rules 1 and 2 of the module docstring, or None if empty."""
     if not entries:
         return None
+    if num_tokens <= DECODE_MAX_TOKENS:
+        entries = [e for e in entries if e[1] <= DECODE_MAX_TOKENS] or entries
     same = [e for e in entries if e[0] == shape]
     if same:
         best = min(same, key=lambda e: (_log_gap(e[1], num_tokens), e[1]))

@@ -25,7 +25,9 @@ def test_same_shape_takes_the_nearest_tuned_token_count():
     def check():
         assert tuning._shrink_config("test_gpu", 1, 4096, 3, 64).block_m == 16
         assert tuning._shrink_config("test_gpu", 31, 4096, 3, 64).block_m == 16
-        assert tuning._shrink_config("test_gpu", 33, 4096, 3, 64).block_m == 128
+        # 33 is nearer 1,024 than 1 on a log scale, but a decode token count takes decode entries only
+        assert tuning._shrink_config("test_gpu", 33, 4096, 3, 64).block_m == 16
+        assert tuning._shrink_config("test_gpu", 257, 4096, 3, 64).block_m == 128
         assert tuning._shrink_config("test_gpu", 5000, 4096, 3, 64).block_m == 128
         assert tuning._shrink_config("test_gpu", 1, 4096, 3, 64) == tuning.ShrinkConfig(**DECODE)
 
@@ -88,6 +90,25 @@ def test_other_shapes_take_the_entry_nearest_in_log_space():
         assert pick(3000, 16384, 1, 8).block_m == 128
 
     with_table(table, check)
+
+
+def test_decode_token_counts_take_decode_entries_only():
+    """A shape tuned at prefill sizes only does not lend its prefill tile to a decode step while the
+    table has decode entries (rule 2 would: 1,024 is nearer 200 than another shape's 17 is), and
+    past DECODE_MAX_TOKENS it does; a table of prefill entries only still serves decode."""
+    prefill = dict(EXPAND, block_m=64, n_iters=2)
+    table = {"expand": {"4096x8": {"1024": prefill}, "6144x8": {"17": EXPAND}}}
+
+    def check():
+        assert tuning._expand_config("test_gpu", 200, (4096,), 8) == tuning.ExpandConfig(**EXPAND)
+        assert tuning._expand_config("test_gpu", tuning.DECODE_MAX_TOKENS, (4096,), 8).block_m == 16
+        assert tuning._expand_config("test_gpu", tuning.DECODE_MAX_TOKENS + 1, (4096,), 8).block_m == 64
+        assert tuning._expand_config("test_gpu", 700, (4096,), 8) == tuning.ExpandConfig(**prefill)
+
+    with_table(table, check)
+    only_prefill = with_table({"expand": {"4096x8": {"1024": prefill}}},
+                              lambda: tuning._expand_config("test_gpu", 8, (4096,), 8))
+    assert only_prefill == tuning.ExpandConfig(**prefill)
 
 
 def test_expand_is_keyed_by_its_slice_widths():
