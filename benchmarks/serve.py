@@ -541,6 +541,7 @@ async def run(args, tokenizer) -> list[tuple]:
         base_steps = step_mix(engine, t_again, "base model alone")
     watch.steps.clear()
     counter.__init__()
+    arena_misses = adapters.arena.misses if adapters.arena is not None else 0  # the mixed run's, printed below
     t_mixed = totals(engine)
     mixed = await drive(items, engine_one(engine, True), args)
     mixed_steps = step_mix(engine, t_mixed, "loraserve in-process")
@@ -562,8 +563,8 @@ async def run(args, tokenizer) -> list[tuple]:
          f"{len(loads) / mixed.seconds:.1f} loads/s, load p50 / p99 {pct(loads, 50) * 1e3:.1f} / {pct(loads, 99) * 1e3:.1f} ms, "
          f"{counter.evictions} evictions; loads from the CPU cache {sum(t == 'cpu' for t, _ in counter.loads)}, fetched first "
          f"{sum(t == 'store' for t, _ in counter.loads)}; " + phases(counter.phases)
-         + (f"; {adapters.arena.misses} fetches found the pinned arena full (each pinned a buffer of its own)"
-            if adapters.arena is not None else "")),
+         + (f"; {adapters.arena.misses - arena_misses} fetches found the pinned arena full (each pinned a buffer "
+            "of its own)" if adapters.arena is not None else "")),
         base_steps, mixed_steps,
     ]
     for client in args.grpc_client if args.grpc else ():

@@ -18,10 +18,11 @@ when the budget is spent (what it did not reach keeps the nearest existing entry
 7. (with --phases) prefill (1024 and 4096 tokens) of the tensor-parallel per-rank shapes (tp 2/4/8) not in 5
 
 Phases 1-5 run by default. `--phases 5,6,7` tunes prefill only and keeps the base table's decode
-entries (on an H100 on 2026-11-26 all three took 212 s with 1-4 and gave a prefill median of
-1.71x its floor against 1.75x; docs/BENCHMARKS.md). Prefill entries also serve other token counts
-by the lookup's rules (kernels/tuning.py): for a shape with no decode entry of its own, rule 2 can
-take a 1024-token entry from ~47 tokens up, so compare decode lookups before shipping such a table.
+entries (on an H100 on 2026-11-26 all seven took 212 s and gave a prefill median of 1.71x its
+floor against 1.75x; docs/BENCHMARKS.md). Phase 7 leaves out the shapes phase 5 has, so run it with
+6 as well (5,7 alone leaves those shapes without a 1024-token entry). Prefill entries also serve other
+token counts by the lookup's rules (kernels/tuning.py), though never a decode token count
+(<= tuning.DECODE_MAX_TOKENS) while the table has decode entries: from 257 tokens up.
 
 Token buckets: 1, 17, 255 at decode (every decode T is within 4x of one), 1024 and 4096 at
 prefill. Each candidate is timed alone in CUDA graphs for two mixes (1 adapter, and

@@ -10,7 +10,8 @@ kernels/model_shapes.py). They are keyed by what each kernel sees:
           1-64 tokens, kernels/triton_linear.py; written by `benchmarks/bench_skinny.py --table-out`)
 
 A lookup for T tokens and a shape (the nearest-entry rule), among the entries tuned at decode
-token counts (<= DECODE_MAX_TOKENS) when T is one and the table has any, else among all:
+token counts (<= DECODE_MAX_TOKENS) when T is itself a decode token count and that op's table has
+such entries, else among all:
 1. the same shape, tuned at the token count nearest to T on a log scale, if that one is within
    4x of T (so the tuned grid's own shapes get exactly the entries they were tuned with);
 2. else the entry nearest in log space over every key at once: |ln T/T'| + |ln in/in'| +
