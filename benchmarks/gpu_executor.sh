@@ -24,6 +24,9 @@
 #   eager:   bench_engine.py --enforce-eager --streams 0 (the same decode steps without graphs)
 #   mixed:   bench_engine.py --ranks 8,16,32,64 --adapters 40 --batches 32,64 --streams 0 (decode with
 #            adapters of mixed ranks in slots of the largest)
+#   tables:  the decode step's time under several kernel tables, on one host: the mixed case (B=64,
+#            40 adapters of ranks 8-64; TABLES_ARGS replaces "--batches 64") once per table of TABLES
+#            (comma list of JSON files, "shipped" = this GPU's own) in turn, ROUNDS times (default 2)
 #   bench:   bench_executor.py on random-weight SmolLM2 and Llama-3-8B shapes (SHAPES="smollm2")
 #   profile: profile_executor.py on the random SmolLM2-shaped model
 #   serve:   benchmarks/serve.py: 1,000 adapters, Zipf 1.0, max_loras 64, 64 clients, Llama-3-8B shape
@@ -113,6 +116,18 @@ if has mixed; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
   python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --batches 32,64 --adapters 40 --streams 0 --ranks 8,16,32,64 \
     ${ENGINE_ARGS:-} 2>"$OUT/bench_mixed.err" | tee "$OUT/bench_mixed.log" | tail -12 || tail -30 "$OUT/bench_mixed.err"
+fi
+if has tables; then
+  [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
+  for round in $(seq "${ROUNDS:-2}"); do
+    tables=${TABLES:-shipped}
+    for t in ${tables//,/ }; do
+      table_flag=(); [ "$t" = shipped ] || table_flag=(--table "$t")
+      echo "== table $t, round $round" | tee -a "$OUT/tables.log"
+      python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --adapters 40 --streams 0 --ranks 8,16,32,64 --no-mixed-graphs \
+        ${TABLES_ARGS:---batches 64} "${table_flag[@]}" 2>>"$OUT/tables.err" | tail -3 | tee -a "$OUT/tables.log"
+    done
+  done
 fi
 if has prefill; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }

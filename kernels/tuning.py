@@ -64,6 +64,9 @@ class ExpandConfig:
     num_warps: int
     num_stages: int
     ctas_per_sm: int
+    # True: a tile adds its block's tokens one by one with multiply-adds (no tl.dot tile of block_m
+    # rows; kernels/triton_lora.py _expand_rows), for decode blocks of a token or two
+    fma: bool = False
 
 
 @dataclass(frozen=True)
