@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from triton.testing import do_bench
@@ -133,8 +133,7 @@ def run(layer, case, tokens, adapters, ceil, gen):
     torch.cuda.empty_cache()
     return dict(
         layer=layer, case=case[0], floor_us=floor, **{f"{k}_us": v for k, v in times.items()},
-        shrink_cfg=f"n{cfg.block_n} k{cfg.block_k} s{cfg.split_k}",
-        expand_cfg=f"n{ecfg.block_n}x{ecfg.n_iters}" + (" fma" if ecfg.fma else ""),
+        shrink_cfg=f"n{cfg.block_n} k{cfg.block_k} s{cfg.split_k}", expand_cfg=f"n{ecfg.block_n}x{ecfg.n_iters}",
     )
 
 
@@ -147,28 +146,19 @@ EXPAND_SWEEP = [
     (16, 128, 1, 4, 1, 4), (16, 128, 1, 4, 1, 16), (16, 128, 2, 4, 2, 8), (16, 256, 1, 4, 1, 8),
     (16, 128, 1, 8, 1, 4), (16, 64, 2, 4, 2, 4),
 ]
-# the multiply-add tiles (ExpandConfig.fma: a block's tokens one by one, no 16-row tl.dot tile)
-EXPAND_SWEEP_FMA = [
-    (16, 64, 1, 4, 1, 16, True), (16, 128, 1, 4, 1, 8, True), (16, 64, 2, 4, 1, 16, True), (16, 32, 4, 4, 1, 16, True),
-    (16, 32, 8, 4, 1, 8, True), (16, 64, 4, 4, 1, 8, True), (16, 128, 2, 8, 1, 8, True), (16, 32, 2, 2, 1, 32, True),
-    (16, 64, 1, 2, 1, 32, True), (16, 32, 8, 2, 1, 16, True), (16, 128, 1, 8, 1, 8, True), (16, 16, 8, 2, 1, 32, True),
-    (16, 64, 8, 4, 1, 8, True), (16, 256, 1, 8, 1, 8, True),
-]
 SHRINK_SWEEP = [  # (block_m, block_n, block_k, columns per split, num_warps, num_stages, ctas_per_sm)
     (16, 64, 64, 256, 4, 4, 8), (16, 64, 128, 256, 4, 4, 8), (16, 64, 64, 128, 4, 4, 8), (16, 32, 64, 256, 4, 4, 8),
     (16, 64, 64, 512, 4, 2, 8), (16, 64, 64, 256, 4, 4, 16), (16, 64, 64, 256, 2, 4, 16),
 ]
+REGS_ONLY = False  # --sweep-regs-only
+REGS_SWEEP = (128, 96, 80, 64)  # register caps tried on the table's own setting (maxnreg)
 SWEEP_CASES = ("8/16/32/64 in 64", "16 in 16", "64 in 64")
 
 
-def _candidates(op, in_features, widths, rank, current, forms=("dot", "fma")):
-    """(label, config) of each setting to time for one layer: the table's own first, then the list
-    (for the expand, the tl.dot tiles' list and / or the multiply-add tiles', as `forms` says)."""
+def _candidates(op, in_features, widths, rank, current):
+    """(label, config) of each setting to time for one layer: the table's own first, then the list."""
     out = [(f"table: {_label(op, current, in_features)}", current)]
-    rows = SHRINK_SWEEP
-    if op == "expand":
-        rows = (EXPAND_SWEEP if "dot" in forms else []) + (EXPAND_SWEEP_FMA if "fma" in forms else [])
-    for row in rows:
+    for row in () if REGS_ONLY else EXPAND_SWEEP if op == "expand" else SHRINK_SWEEP:
         if op == "expand":
             cfg = tuning.ExpandConfig(*row)
         else:
@@ -178,17 +168,26 @@ def _candidates(op, in_features, widths, rank, current, forms=("dot", "fma")):
                                       warps, stages, ctas)
         if cfg != current:
             out.append((_label(op, cfg, in_features), cfg))
+    for regs in REGS_SWEEP:  # the table's own setting with its registers capped, at 1x and 2x the programs
+        for ctas in (current.ctas_per_sm, current.ctas_per_sm * 2):
+            out.append((_label(op, replace(current, maxnreg=regs, ctas_per_sm=ctas), in_features),
+                        replace(current, maxnreg=regs, ctas_per_sm=ctas)))
     return out
 
 
 def _label(op, cfg, in_features) -> str:
     if op == "expand":
-        return f"n{cfg.block_n}x{cfg.n_iters} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}" + (" fma" if cfg.fma else "")
+        return f"n{cfg.block_n}x{cfg.n_iters} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}" + _regs_label(cfg)
     per_split = -(-in_features // cfg.split_k)
-    return f"n{cfg.block_n} k{cfg.block_k}/{per_split} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}"
+    return (f"n{cfg.block_n} k{cfg.block_k}/{per_split} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}"
+            + _regs_label(cfg))
 
 
-def sweep(tokens, adapters, gen, out_lines, save, ops=("expand", "shrink"), case_names=SWEEP_CASES, forms=("dot", "fma")):
+def _regs_label(cfg) -> str:
+    return f" r{cfg.maxnreg}" if cfg.maxnreg else ""
+
+
+def sweep(tokens, adapters, gen, out_lines, save, ops=("expand", "shrink"), case_names=SWEEP_CASES):
     """Each launch setting of each op, forced through the device's table, on each layer and case.
 
     Returns {(op, table key): {config: [us per case, summed over the layers sharing the key]}}."""
@@ -211,7 +210,7 @@ def sweep(tokens, adapters, gen, out_lines, save, ops=("expand", "shrink"), case
             else:
                 shape = tuning.shrink_key(in_features, len(widths), rank)
                 current = tuning.shrink_config(torch.device(DEV), tokens, in_features, len(widths), rank)
-            for label, cfg in _candidates(op, in_features, widths, rank, current, forms):
+            for label, cfg in _candidates(op, in_features, widths, rank, current):
                 times = []
                 tuning.set_table(key, {op: {shape: {str(tokens): tuning.as_dict(cfg)}}})
                 for setup in setups:
@@ -266,8 +265,8 @@ def main():
     parser.add_argument("--sweep-cases", default=";".join(SWEEP_CASES),
                         help="the cases --sweep times, by name, ';'-separated (e.g. '8/16/32/64 in 64;64 in 64')")
     parser.add_argument("--sweep-only", action="store_true", help="skip the table of every case (the sweep alone)")
-    parser.add_argument("--sweep-forms", default="dot,fma",
-                        help="the expand tiles --sweep tries: dot (16-row tl.dot tiles), fma (multiply-adds per token)")
+    parser.add_argument("--sweep-regs-only", action="store_true",
+                        help="--sweep tries only the table's own setting with its registers capped (maxnreg)")
     parser.add_argument("--sweep-table", default=None,
                         help="write this GPU's table plus, per layer key, the swept setting fastest on the first "
                              "--sweep-cases case that is no more than 3%% slower on the others and at least 3%% faster "
@@ -279,6 +278,8 @@ def main():
                         help="launch that layer's shrink and expand eagerly 3 times each and time nothing (a target for "
                              "a profiler, e.g. ncu -k regex:_shrink_kernel|_expand_kernel), e.g. 'gate_up:8/16/32/64 in 64'")
     args = parser.parse_args()
+    global REGS_ONLY
+    REGS_ONLY = args.sweep_regs_only
     triton_lora.NARROW_SHRINK = args.narrow in ("both", "shrink")
     triton_lora.NARROW_EXPAND = args.narrow in ("both", "expand")
     if not torch.cuda.is_available():
@@ -326,7 +327,7 @@ def main():
     save()
     if args.sweep:
         measured = sweep(args.tokens, args.adapters, gen, lines, save, tuple(args.sweep_ops.split(",")),
-                         tuple(args.sweep_cases.split(";")), tuple(args.sweep_forms.split(",")))
+                         tuple(args.sweep_cases.split(";")))
         if args.sweep_table:
             key = tuning.gpu_key(torch.device(DEV))
             table = json.loads(json.dumps(tuning._table(key)))  # a deep copy

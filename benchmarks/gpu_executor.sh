@@ -125,7 +125,7 @@ if has tables; then
       table_flag=(); [ "$t" = shipped ] || table_flag=(--table "$t")
       echo "== table $t, round $round" | tee -a "$OUT/tables.log"
       python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --adapters 40 --streams 0 --ranks 8,16,32,64 --no-mixed-graphs \
-        ${TABLES_ARGS:---batches 64} "${table_flag[@]}" 2>>"$OUT/tables.err" | tail -3 | tee -a "$OUT/tables.log"
+        --prefill= ${TABLES_ARGS:---batches 64} "${table_flag[@]}" 2>>"$OUT/tables.err" | grep "^| decode" | tee -a "$OUT/tables.log"
     done
   done
 fi

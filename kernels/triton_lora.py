@@ -265,84 +265,6 @@ def _expand_cols(
 
 
 @triton.jit
-def _expand_rows(
-    y_ptr, stride_yt, b_rows, buf_ptr, s, tok_ptr, n_live, rank, n_start, hi, num_tokens, stride_bn,
-    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr,
-    EVEN_N: tl.constexpr, RANKED: tl.constexpr,
-):
-    """_expand_cols without tl.dot, for blocks of a few tokens (decode): B's [BLOCK_N, BLOCK_R] tile is
-    read once, then each of the block's n_live tokens adds its row of products (multiply-adds and a
-    sum over the rank). No 16-row accumulator for rows that hold no token: fewer registers per
-    program, so more programs (and more of B's bytes in flight) per SM. Float32 throughout."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < RANK
-    if RANKED:  # as _expand_cols: past the adapter's rank B is zero, not read (runs of 8: 16-byte loads)
-        r_mask = r_mask & (offs_r // 8 < (rank + 7) // 8)
-    for i in range(N_ITERS):
-        offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        if EVEN_N:
-            b = tl.load(b_rows + offs_n[:, None] * stride_bn + offs_r[None, :], mask=r_mask[None, :], other=0.0)
-        else:
-            b = tl.load(b_rows + offs_n[:, None] * stride_bn + offs_r[None, :],
-                        mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-        b = b.to(tl.float32)
-        for m in range(n_live):
-            t = tl.load(tok_ptr + m)
-            lhs = tl.load(buf_ptr + (s * num_tokens + t) * RANK + offs_r, mask=r_mask, other=0.0)
-            delta = tl.sum(b * lhs[None, :], axis=1)
-            y_row = y_ptr + t.to(tl.int64) * stride_yt + offs_n
-            if EVEN_N:
-                old = tl.load(y_row)
-                tl.store(y_row, (old.to(tl.float32) + delta).to(y_row.dtype.element_ty))
-            else:
-                old = tl.load(y_row, mask=n_mask, other=0.0)
-                tl.store(y_row, (old.to(tl.float32) + delta).to(y_row.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _expand_rows_ranked(
-    y_ptr, stride_yt, b_rows, buf_ptr, s, tok_ptr, n_live, rank, n_start, hi, num_tokens, stride_bn,
-    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
-    W8: tl.constexpr, W16: tl.constexpr, W32: tl.constexpr, W64: tl.constexpr,
-):
-    """_expand_rows at the block's own rank class (8, 16, 32, 64, then the slot's): a rank-8 adapter in a
-    rank-64 slot reads and multiplies 8 rank columns, over W8 times the columns per step (the tile's
-    elements stay about the same, and so do its registers)."""
-    if BLOCK_R > 8:
-        if rank <= 8:
-            _expand_rows(y_ptr, stride_yt, b_rows, buf_ptr, s, tok_ptr, n_live, rank, n_start, hi, num_tokens,
-                         stride_bn, RANK, 8, BLOCK_N * W8, N_ITERS // W8, EVEN_N, True)
-        elif BLOCK_R > 16:
-            if rank <= 16:
-                _expand_rows(y_ptr, stride_yt, b_rows, buf_ptr, s, tok_ptr, n_live, rank, n_start, hi, num_tokens,
-                             stride_bn, RANK, 16, BLOCK_N * W16, N_ITERS // W16, EVEN_N, True)
-            elif BLOCK_R > 32:
-                if rank <= 32:
-                    _expand_rows(y_ptr, stride_yt, b_rows, buf_ptr, s, tok_ptr, n_live, rank, n_start, hi,
-                                 num_tokens, stride_bn, RANK, 32, BLOCK_N * W32, N_ITERS // W32, EVEN_N, True)
-                elif BLOCK_R > 64:
-                    if rank <= 64:
-                        _expand_rows(y_ptr, stride_yt, b_rows, buf_ptr, s, tok_ptr, n_live, rank, n_start, hi,
-                                     num_tokens, stride_bn, RANK, 64, BLOCK_N * W64, N_ITERS // W64, EVEN_N, True)
-                    else:
-                        _expand_rows(y_ptr, stride_yt, b_rows, buf_ptr, s, tok_ptr, n_live, rank, n_start, hi,
-                                     num_tokens, stride_bn, RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, True)
-                else:
-                    _expand_rows(y_ptr, stride_yt, b_rows, buf_ptr, s, tok_ptr, n_live, rank, n_start, hi,
-                                 num_tokens, stride_bn, RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, True)
-            else:
-                _expand_rows(y_ptr, stride_yt, b_rows, buf_ptr, s, tok_ptr, n_live, rank, n_start, hi, num_tokens,
-                             stride_bn, RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, True)
-        else:
-            _expand_rows(y_ptr, stride_yt, b_rows, buf_ptr, s, tok_ptr, n_live, rank, n_start, hi, num_tokens,
-                         stride_bn, RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, True)
-    else:
-        _expand_rows(y_ptr, stride_yt, b_rows, buf_ptr, s, tok_ptr, n_live, rank, n_start, hi, num_tokens,
-                     stride_bn, RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, True)
-
-
-@triton.jit
 def _expand_tile(
     tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
     num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
@@ -350,7 +272,6 @@ def _expand_tile(
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
     RANKED: tl.constexpr, NARROW: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr,
-    FMA: tl.constexpr, W8: tl.constexpr, W16: tl.constexpr, W32: tl.constexpr, W64: tl.constexpr,
 ):
     """One tile: a block of one slot's tokens x BLOCK_N * N_ITERS columns of one slice.
 
@@ -367,17 +288,7 @@ def _expand_tile(
         b_rows = b_ptr + slot.to(tl.int64) * stride_bl
         y_rows = y_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_yt
         n_start = lo + local * (BLOCK_N * N_ITERS)
-        if FMA:  # the block's tokens one by one (_expand_rows): its live rows are the first ones
-            n_live = tl.sum(m_mask.to(tl.int32), axis=0)
-            tok_ptr = block_tokens_ptr + block * BLOCK_M
-            if RANKED:
-                _expand_rows_ranked(y_ptr, stride_yt, b_rows, buf_ptr, s, tok_ptr, n_live,
-                                    tl.load(block_ranks_ptr + block), n_start, hi, num_tokens, stride_bn,
-                                    RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, W8, W16, W32, W64)
-            else:
-                _expand_rows(y_ptr, stride_yt, b_rows, buf_ptr, s, tok_ptr, n_live, RANK, n_start, hi, num_tokens,
-                             stride_bn, RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, False)
-        elif NARROW:
+        if NARROW:
             rank = tl.load(block_ranks_ptr + block)
             if BLOCK_R >= 64:
                 if rank <= BLOCK_R // 4:
@@ -415,7 +326,6 @@ def _expand_kernel(
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
     RANKED: tl.constexpr, NARROW: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr, ONE_TILE: tl.constexpr,
-    FMA: tl.constexpr, W8: tl.constexpr, W16: tl.constexpr, W32: tl.constexpr, W64: tl.constexpr,
 ):
     """y[t, n] += sum_r buf[s(n), t, r] * b[slot(t), n, r] for the columns n of slice s(n).
 
@@ -428,7 +338,7 @@ def _expand_kernel(
             pid, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
             num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
             off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-            RANKED, NARROW, WIDE2, WIDE4, FMA, W8, W16, W32, W64,
+            RANKED, NARROW, WIDE2, WIDE4,
         )
     else:
         num_programs = tl.num_programs(0)
@@ -438,7 +348,7 @@ def _expand_kernel(
                 tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
                 num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
                 off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-                RANKED, NARROW, WIDE2, WIDE4, FMA, W8, W16, W32, W64,
+                RANKED, NARROW, WIDE2, WIDE4,
             )
 
 
@@ -481,6 +391,11 @@ def _narrow_expand(cfg, rank: int) -> bool:
     return _block_r(rank) >= 32 and cfg.ctas_per_sm * cfg.num_warps <= 32 and cfg.block_m <= 16
 
 
+def _regs(cfg) -> dict:
+    """The launch's register cap (Triton's maxnreg), where the table sets one."""
+    return {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
+
+
 def _block_r(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))
 
@@ -518,7 +433,7 @@ def lora_shrink(
         RANK=rank, SR=sr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         N_BLOCKS=col_blocks, SPLIT_K=cfg.split_k, EVEN_K=in_features % cfg.block_k == 0,
         RANKED=ranked, NARROW=ranked and NARROW_SHRINK and _narrow_shrink(cfg, rank),
-        ONE_TILE=tiles <= programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ONE_TILE=tiles <= programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg),
     )
     return out
 
@@ -547,9 +462,6 @@ def lora_expand(
         return y
     cfg = expand_config(y.device, num_tokens, _widths(tuple(slice_offsets)), rank)
     blocks = meta.block_list(cfg.block_m)
-    block_r = _block_r(rank)
-    # FMA tiles' widening per rank class: a divisor of n_iters, at most block_r / class
-    wide = {c: math.gcd(cfg.n_iters, max(1, block_r // c)) for c in (8, 16, 32, 64)}
     programs = num_sms(y.device.index) * cfg.ctas_per_sm
     for first_slice, num_slices, offsets, chunks, even_n in _expand_launches(
         tuple(slice_offsets), cfg.block_n * cfg.n_iters
@@ -559,12 +471,11 @@ def lora_expand(
             y, buf[first_slice:], lora_b, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
             num_tokens, lora_b.shape[0], chunks, y.stride(0), lora_b.stride(0), lora_b.stride(1),
             *offsets,
-            NUM_SLICES=num_slices, RANK=rank, BLOCK_R=block_r,
+            NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
             RANKED=ranked, NARROW=ranked and NARROW_EXPAND and _narrow_expand(cfg, rank),
             WIDE2=math.gcd(2, cfg.n_iters), WIDE4=math.gcd(4, cfg.n_iters), ONE_TILE=tiles <= programs,
-            FMA=cfg.fma, W8=wide[8], W16=wide[16], W32=wide[32], W64=wide[64],
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg),
         )
     return y
 

@@ -54,6 +54,7 @@ class ShrinkConfig:
     num_warps: int
     num_stages: int
     ctas_per_sm: int  # persistent grid: programs = SMs * ctas_per_sm (at most the tile count)
+    maxnreg: int = 0  # > 0: registers per thread capped there (more programs resident per SM)
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,7 @@ class ExpandConfig:
     num_warps: int
     num_stages: int
     ctas_per_sm: int
-    # True: a tile adds its block's tokens one by one with multiply-adds (no tl.dot tile of block_m
-    # rows; kernels/triton_lora.py _expand_rows), for decode blocks of a token or two
-    fma: bool = False
+    maxnreg: int = 0  # as ShrinkConfig.maxnreg
 
 
 @dataclass(frozen=True)

@@ -171,26 +171,6 @@ def test_narrow_expand_tiles_cover_their_columns(rank, n_iters):
     assert e_buf < TOL[DTYPES[0]] and e_y < TOL[DTYPES[0]], (e_buf, e_y)
 
 
-@pytest.mark.parametrize("mode", ["whole", "ranked"])
-@pytest.mark.parametrize(
-    "rank,n_iters,tokens,block_n",
-    [(64, 8, 7, 16), (64, 3, 7, 32), (32, 2, 19, 16), (128, 1, 7, 32), (16, 4, 1, 16), (8, 1, 40, 32), (1, 2, 5, 16)],
-)
-def test_fma_expand_matches_the_oracle(rank, n_iters, tokens, block_n, mode):
-    """The expand's multiply-add tiles (ExpandConfig.fma): every block's tokens one by one, at each
-    block's rank class (8 / 16 / 32 / 64 / the slot's) widened by the divisors of n_iters that the class
-    allows (8 steps: up to 8x; 3 steps: none), on widths that are not multiples of the tile, blocks of
-    one token and blocks of several (40 tokens over 8 adapters), slots whose adapters hold ranks 1 to
-    the slot's (ranked) or the whole slot."""
-    gen = torch.Generator().manual_seed(16)
-    widths = (96, 200, 40)
-    expand = tuning.ExpandConfig(block_m=16, block_n=block_n, n_iters=n_iters, num_warps=4, num_stages=1,
-                                 ctas_per_sm=2, fma=True)
-    with forced("expand", tuning.expand_key(widths, rank), expand):
-        e_buf, e_y = layer_case(tokens, 256, widths, rank, 8, 0.25, DTYPES[0], gen, mode=mode)
-    assert e_buf < TOL[DTYPES[0]] and e_y < TOL[DTYPES[0]], (e_buf, e_y)
-
-
 def test_split_k_is_repeatable():
     """Atomic fp32 adds in any order: two runs agree to float32 rounding, not bit for bit."""
     gen = torch.Generator().manual_seed(12)
