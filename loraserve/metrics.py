@@ -193,6 +193,7 @@ class _ExecutorState:
         yield from self._steps(dict(e.step_totals))
         yield self._slow_steps(e.slow_steps)
         yield from self._builds(e.kernel_builds)
+        yield self._gc_pauses(e.gc_pauses)
 
     @staticmethod
     def _steps(totals: dict):
@@ -227,6 +228,16 @@ class _ExecutorState:
                                     "Triton kernels built (or loaded from its disk cache) while serving: each held its step",
                                     value=count),
                 CounterMetricFamily("loraserve_executor_kernel_build_seconds", "Seconds of those builds", value=seconds)]
+
+    @staticmethod
+    def _gc_pauses(pauses) -> CounterMetricFamily:
+        """The garbage collector's time (executor/engine/gc_pauses.py): the event loop waits it out."""
+        family = CounterMetricFamily("loraserve_executor_gc_pause_seconds",
+                                     "Seconds Python's garbage collector ran (the event loop waited), by generation",
+                                     labels=["generation"])
+        for generation, seconds in enumerate(pauses.seconds_by_generation):
+            family.add_metric([str(generation)], seconds)
+        return family
 
     def _lora_info(self, running, waiting, adapters) -> GaugeMetricFamily:
         """vLLM's `lora_requests_info` shape: one sample whose labels list the adapters of running

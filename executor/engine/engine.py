@@ -50,6 +50,7 @@ from .sampler import SamplingParams, find_stop, greedy, make_generator, sample, 
 from .scheduler import SchedulePlan, Scheduler, Sequence
 from .step import StepInputs, forward_step
 from .builds import watch_builds
+from .gc_pauses import freeze_startup, unfreeze, watch_gc
 from .slow_steps import SlowSteps
 from .warmup import token_ladder, warm_up, warm_up_steps
 
@@ -250,6 +251,10 @@ class Engine:
         self.mixed_graphs = self._capture_mixed_graphs()
         if self.kernel_builds is not None:
             self.kernel_builds.armed = True
+        # start-up's objects (imports, model, warm-up, graphs) out of the garbage collector's walks: a
+        # full walk of them held the event loop 150-400 ms (gc_pauses.py); every collection is timed
+        self.gc_pauses = watch_gc()
+        log.info("engine ready: %d objects of start-up frozen out of the garbage collector's walks", freeze_startup())
         # admission pacing only where it pays: with graphs a decode step is cheap, and an admitting
         # step is a prefill (eager or from a mixed graph: still a larger step)
         self.scheduler.admit_ratio = config.admit_ratio if self.graphs is not None else 0.0
@@ -394,6 +399,7 @@ class Engine:
         self._release_deferred()
         for run in list(self._runs.values()):
             self._finish(run, "cancelled")
+        unfreeze()  # start-up's objects back in the garbage collector's reach: the engine may be dropped now
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -829,7 +835,8 @@ class Engine:
                         launched.ahead, launched.launch_seconds, device_seconds)
         self.step_times.append(step)
         self.step_totals[launched.kind].add(step)
-        self.slow_steps.observe(step, self.kernel_builds.count if self.kernel_builds is not None else None)
+        self.slow_steps.observe(step, self.kernel_builds.count if self.kernel_builds is not None else None,
+                                (self.gc_pauses.count, self.gc_pauses.seconds))
         if len(self.step_times) > 2000:
             del self.step_times[:1000]
         return token_ids, logprobs

@@ -190,6 +190,22 @@ async def test_every_collected_step_goes_through_the_slow_step_watch(tiny, make_
     flagged = sum(watch.counts.values())
     assert flagged >= 1 and caplog.text.count(" step: ") == flagged  # the watch's own lines, one per slow step
     assert "Triton" not in caplog.text  # CPU: builds are not watched
+    assert caplog.text.count("Python's garbage collector: ") == flagged  # the collector's time since the previous step
+
+
+async def test_the_engine_freezes_start_up_objects_and_puts_them_back_when_it_stops(tiny):
+    """Once ready, start-up's objects are out of the garbage collector's walks (gc_pauses.py); stopping
+    puts them back, so a dropped engine's cycles are collected."""
+    import gc
+
+    engine = _engine(tiny[1])
+    engine.start()
+    try:
+        assert gc.get_freeze_count() > 1000
+        assert engine.gc_pauses.count >= 1  # freeze_startup's own collection was timed
+    finally:
+        await engine.stop()
+    assert gc.get_freeze_count() == 0
 
 
 async def test_admission_pacing_holds_a_late_request_back_only_with_graphs_and_keeps_outputs(tiny, make_engine):

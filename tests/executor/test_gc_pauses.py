@@ -1,0 +1,84 @@
+"""Python's garbage collector (executor/engine/gc_pauses.py): every collection timed, start-up's
+objects frozen out of later walks (and a dropped engine's cycles collected by the next freeze), the
+time named in the slow-step line and exported to /metrics by generation."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+from loraserve.executor.engine import gc_pauses, slow_steps
+from loraserve.executor.engine.engine import STEP_KINDS, StepTime
+from loraserve.metrics import _ExecutorState
+
+
+class Node:
+    """A container object that can sit in a reference cycle."""
+
+    def __init__(self) -> None:
+        self.other = None
+
+
+def cycle() -> tuple[Node, weakref.ref]:
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return a, weakref.ref(b)
+
+
+def test_each_collection_is_timed_by_generation():
+    pauses = gc_pauses.GcPauses()
+    gc.callbacks.append(pauses)
+    try:
+        gc.collect()
+        gc.collect(0)
+    finally:
+        gc.callbacks.remove(pauses)
+    assert pauses.count == 2
+    assert pauses.seconds_by_generation[2] > 0 and pauses.seconds_by_generation[0] > 0
+    assert pauses.seconds == sum(pauses.seconds_by_generation)
+    assert gc_pauses.watch_gc() is gc_pauses.watch_gc()  # one per process, set once
+    assert gc.callbacks.count(gc_pauses.watch_gc()) == 1
+
+
+def test_frozen_objects_are_not_walked_until_the_next_freeze_or_unfreeze():
+    try:
+        live, alive = cycle()
+        frozen = gc_pauses.freeze_startup()
+        assert frozen == gc.get_freeze_count() > 0
+        del live
+        gc.collect()
+        assert alive() is not None, "a frozen cycle must be out of the collector's walks"
+        gc_pauses.freeze_startup()  # a later engine's start: the earlier one's garbage goes first
+        assert alive() is None
+        live, alive = cycle()
+        gc_pauses.freeze_startup()
+        del live
+        gc_pauses.unfreeze()  # an engine that stops
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert alive() is None
+    finally:
+        gc.unfreeze()
+
+
+def test_the_slow_step_line_names_the_collectors_time_since_the_previous_step(caplog):
+    watch = slow_steps.SlowSteps(STEP_KINDS)
+    at = 0.0
+    for _ in range(slow_steps.WARMUP_STEPS):
+        watch.observe(StepTime("decode-graph", 8, 8, 0.011, at + 0.011, at, False, 0.002, 0.010), gc_pauses=(40, 0.05))
+        at += 0.011
+    with caplog.at_level(logging.WARNING, logger="loraserve.executor.engine.slow_steps"):
+        assert watch.observe(StepTime("decode-graph", 8, 8, 0.33, at + 0.33, at, False, 0.002, 0.010),
+                             gc_pauses=(41, 0.371))
+    assert "Python's garbage collector: 321.0 ms in 1 collection since the previous step" in caplog.text
+    line = slow_steps.describe(StepTime("mixed", 8, 8, 0.5, 0.5, 0.0, False, 0.002, None), 0.05)
+    assert "garbage collector" not in line  # not watched: left out
+
+
+def test_the_collectors_time_is_exported_by_generation():
+    pauses = gc_pauses.GcPauses()
+    pauses.seconds_by_generation = [0.001, 0.002, 0.3]
+    family = _ExecutorState._gc_pauses(pauses)
+    assert family.name == "loraserve_executor_gc_pause_seconds"
+    assert {s.labels["generation"]: s.value for s in family.samples} == {"0": 0.001, "1": 0.002, "2": 0.3}
