@@ -111,6 +111,22 @@ def test_decode_token_counts_take_decode_entries_only():
     assert only_prefill == tuning.ExpandConfig(**prefill)
 
 
+def test_a_register_cap_is_read_from_the_entry_and_kept_through_the_shrinks_rescaling():
+    """maxnreg (Triton's register cap; triton_lora passes it to the launch where it is set): 0 where
+    an entry has none, the entry's own value where it has one, also for a shrink moved to another input size."""
+    shrink = dict(block_m=16, block_n=64, block_k=64, split_k=4, num_warps=4, num_stages=4, ctas_per_sm=8)
+    table = {"expand": {"4096x8": {"16": dict(EXPAND, maxnreg=96)}, "6144x8": {"16": EXPAND}},
+             "shrink": {"4096x1x16": {"16": dict(shrink, maxnreg=128)}}}
+
+    def check():
+        assert tuning._expand_config("test_gpu", 16, (4096,), 8).maxnreg == 96
+        assert tuning._expand_config("test_gpu", 16, (6144,), 8).maxnreg == 0
+        moved = tuning._shrink_config("test_gpu", 16, 14336, 1, 16)
+        assert moved.maxnreg == 128 and moved.split_k > 4
+
+    with_table(table, check)
+
+
 def test_expand_is_keyed_by_its_slice_widths():
     table = {
         "expand": {
