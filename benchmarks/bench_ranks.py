@@ -170,8 +170,9 @@ def _candidates(op, in_features, widths, rank, current):
             out.append((_label(op, cfg, in_features), cfg))
     for regs in REGS_SWEEP:  # the table's own setting with its registers capped, at 1x and 2x the programs
         for ctas in (current.ctas_per_sm, current.ctas_per_sm * 2):
-            out.append((_label(op, replace(current, maxnreg=regs, ctas_per_sm=ctas), in_features),
-                        replace(current, maxnreg=regs, ctas_per_sm=ctas)))
+            cfg = replace(current, maxnreg=regs, ctas_per_sm=ctas)
+            if all(cfg != seen for _, seen in out):
+                out.append((_label(op, cfg, in_features), cfg))
     return out
 
 

@@ -119,13 +119,14 @@ if has mixed; then
 fi
 if has tables; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
+  tables=${TABLES:-shipped}
   for round in $(seq "${ROUNDS:-2}"); do
-    tables=${TABLES:-shipped}
     for t in ${tables//,/ }; do
       table_flag=(); [ "$t" = shipped ] || table_flag=(--table "$t")
       echo "== table $t, round $round" | tee -a "$OUT/tables.log"
       python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --adapters 40 --streams 0 --ranks 8,16,32,64 --no-mixed-graphs \
-        --prefill= ${TABLES_ARGS:---batches 64} "${table_flag[@]}" 2>>"$OUT/tables.err" | grep "^| decode" | tee -a "$OUT/tables.log"
+        --prefill= ${TABLES_ARGS:---batches 64} "${table_flag[@]}" 2>>"$OUT/tables.err" | grep "^| decode" | tee -a "$OUT/tables.log" \
+        || tail -30 "$OUT/tables.err"
     done
   done
 fi

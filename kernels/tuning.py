@@ -273,4 +273,8 @@ def _skinny_config(key: str, num_tokens: int, n: int, k: int) -> SkinnyConfig | 
 
 
 def as_dict(config) -> dict:
-    return asdict(config)
+    """A config as a table entry (no register cap: the key left out, as in the tables before it)."""
+    entry = asdict(config)
+    if not entry.get("maxnreg", 1):
+        del entry["maxnreg"]
+    return entry

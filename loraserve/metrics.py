@@ -193,7 +193,7 @@ class _ExecutorState:
         yield from self._steps(dict(e.step_totals))
         yield self._slow_steps(e.slow_steps)
         yield from self._builds(e.kernel_builds)
-        yield self._gc_pauses(e.gc_pauses)
+        yield self._gc_pauses(getattr(e, "gc_pauses", None))
 
     @staticmethod
     def _steps(totals: dict):
@@ -235,7 +235,7 @@ class _ExecutorState:
         family = CounterMetricFamily("loraserve_executor_gc_pause_seconds",
                                      "Seconds Python's garbage collector ran (the event loop waited), by generation",
                                      labels=["generation"])
-        for generation, seconds in enumerate(pauses.seconds_by_generation):
+        for generation, seconds in enumerate(pauses.seconds_by_generation if pauses is not None else (0.0,) * 3):
             family.add_metric([str(generation)], seconds)
         return family
 

@@ -50,7 +50,7 @@ from .sampler import SamplingParams, find_stop, greedy, make_generator, sample, 
 from .scheduler import SchedulePlan, Scheduler, Sequence
 from .step import StepInputs, forward_step
 from .builds import watch_builds
-from .gc_pauses import freeze_startup, unfreeze, watch_gc
+from .gc_pauses import engine_started, engine_stopped, watch_gc
 from .slow_steps import SlowSteps
 from .warmup import token_ladder, warm_up, warm_up_steps
 
@@ -251,10 +251,8 @@ class Engine:
         self.mixed_graphs = self._capture_mixed_graphs()
         if self.kernel_builds is not None:
             self.kernel_builds.armed = True
-        # start-up's objects (imports, model, warm-up, graphs) out of the garbage collector's walks: a
-        # full walk of them held the event loop 150-400 ms (gc_pauses.py); every collection is timed
-        self.gc_pauses = watch_gc()
-        log.info("engine ready: %d objects of start-up frozen out of the garbage collector's walks", freeze_startup())
+        self.gc_pauses = watch_gc()  # every collection timed (gc_pauses.py); start() freezes start-up's objects
+        self._frozen = False
         # admission pacing only where it pays: with graphs a decode step is cheap, and an admitting
         # step is a prefill (eager or from a mixed graph: still a larger step)
         self.scheduler.admit_ratio = config.admit_ratio if self.graphs is not None else 0.0
@@ -375,6 +373,13 @@ class Engine:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-step-loop")
             self._task.add_done_callback(self._on_loop_exit)
+        if not self._frozen:
+            # start-up's objects (imports, model, warm-up, graphs) out of the garbage collector's walks:
+            # a full walk of them held the event loop for a few hundred ms (gc_pauses.py)
+            self._frozen = True
+            frozen = engine_started()
+            if frozen is not None:
+                log.info("engine serving: %d objects of start-up frozen out of the garbage collector's walks", frozen)
 
     def _on_loop_exit(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
@@ -399,7 +404,9 @@ class Engine:
         self._release_deferred()
         for run in list(self._runs.values()):
             self._finish(run, "cancelled")
-        unfreeze()  # start-up's objects back in the garbage collector's reach: the engine may be dropped now
+        if self._frozen:  # the last running engine puts start-up's objects back: this one may be dropped now
+            self._frozen = False
+            engine_stopped()
 
     # ---- requests -------------------------------------------------------------------------
 

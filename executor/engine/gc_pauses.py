@@ -3,12 +3,14 @@
 A full collection (generation 2) walks every container object the process holds, and holds the
 GIL while it does: the engine's event loop launches and collects no step meanwhile. With torch,
 the model code and the tokenizer imported, a process holds ~400,000 such objects, and a full walk
-takes 150-400 ms (measured: 160 ms on a 2-core host; serve benchmark steps of 320-400 ms on a CUDA
-host with no build, no pinning and 7-11 ms of device time). Almost all of those objects live as
-long as the process, so once the engine is ready (imports, model, warm-up, graphs) it moves them
-out of the collector's reach (`freeze_startup`: gc.collect, then gc.freeze); later collections walk
-only what was made while serving. Reference counting still frees every object as before; only
-cycles among the frozen objects would wait for the process to end.
+takes a few hundred ms (160 ms on a 2-core host; the serve benchmark logged steps of 332 and 408 ms
+on a CUDA host with no build, no pinning and 7-11 ms of device time, and none once frozen). Almost all of those objects live as
+long as the process, so when the first engine of the process starts serving (after imports, model,
+warm-up, graphs) they are moved out of the collector's reach (`engine_started`: gc.collect, then
+gc.freeze); later collections walk only what was made while serving. When the last running engine
+stops they are put back (`engine_stopped`), so a dropped engine's reference cycles are freed by the
+next collection. Reference counting frees every object as before; only cycles that pass through
+frozen objects wait until then. Tensor-parallel worker ranks (executor/ranks.py) do not freeze.
 
 Every collection is timed (gc.callbacks, `watch_gc`): the slow-step line (slow_steps.py) names the
 collector's time since the previous step, and `/metrics` exports the total by generation
@@ -18,7 +20,10 @@ collector's time since the previous step, and `/metrics` exports the total by ge
 from __future__ import annotations
 
 import gc
+import logging
 import time
+
+log = logging.getLogger(__name__)
 
 
 class GcPauses:
@@ -29,9 +34,19 @@ class GcPauses:
         self.seconds = 0.0
         self.seconds_by_generation = [0.0, 0.0, 0.0]
         self._began: float | None = None
+        self._failed = False
 
     def __call__(self, phase: str, info: dict) -> None:
-        """gc.callbacks: 'start' and 'stop' of each collection (in the thread that triggered it)."""
+        """gc.callbacks: 'start' and 'stop' of each collection (in the thread that triggered it; the
+        GIL keeps two from overlapping). A failure here would print on every collection: logged once."""
+        try:
+            self._record(phase, info)
+        except Exception:  # noqa: BLE001 - never let the timing break a collection
+            if not self._failed:
+                self._failed = True
+                log.warning("garbage collection timing failed; collections go on untimed", exc_info=True)
+
+    def _record(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._began = time.perf_counter()
             return
@@ -60,16 +75,34 @@ def watch_gc() -> GcPauses:
 
 def freeze_startup() -> int:
     """Collects once, then moves every object left out of later collections' walks; returns how
-    many objects are frozen. What an earlier engine of the process froze is put back first, so
-    its garbage is collected here, not kept for the process's life (tests and benchmarks start
-    several engines in one process)."""
+    many objects are frozen. Anything frozen before is put back first (and collected if dead)."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
 
 
-def unfreeze() -> None:
-    """Puts the frozen objects back in the collector's reach (an engine that stops: its model and
-    caches, if held in reference cycles, are freed by the next collection)."""
+_running = 0  # engines of this process between engine_started and engine_stopped
+
+
+def engine_started() -> int | None:
+    """An engine starts serving: the first one of the process freezes (returns the frozen count);
+    None when another engine runs already (what it froze stays frozen)."""
+    global _running
+    _running += 1
+    return freeze_startup() if _running == 1 else None
+
+
+def engine_stopped() -> None:
+    """An engine stopped: when it was the last one running, the frozen objects are put back."""
+    global _running
+    _running = max(0, _running - 1)
+    if _running == 0:
+        gc.unfreeze()
+
+
+def reset() -> None:
+    """No engine running, nothing frozen (tests: an engine a test never stopped)."""
+    global _running
+    _running = 0
     gc.unfreeze()

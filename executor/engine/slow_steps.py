@@ -2,7 +2,8 @@
 
 A serving run's throughput can swing with no error anywhere: a step that usually takes 11 ms takes
 300 ms once, and the streams stall behind it. Triton builds explain some (builds.py logs those),
-the garbage collector's walks others (gc_pauses.py times them); the rest need the step itself: its kind and size, how long the host took to queue it, how long the
+the garbage collector's walks others (gc_pauses.py times them); the rest need the step
+itself: its kind and size, how long the host took to queue it, how long the
 device worked on it, and when it was launched against the previous step's tokens. So every
 collected step's own time (from its launch, or from the previous step's tokens if it was launched
 ahead of them, to its own tokens: a stall counts once, not once per step in flight behind it) is

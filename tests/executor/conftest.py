@@ -20,6 +20,16 @@ from loraserve.executor.engine.kv_cache import AttentionMetadata, BlockAllocator
 from loraserve.kernels import make_lora_meta
 from loraserve.v1 import executor_pb2 as epb
 
+@pytest.fixture(autouse=True)
+def _nothing_frozen_after_a_test():
+    """An engine a test started and never stopped leaves start-up's objects frozen out of the garbage
+    collector's walks (executor/engine/gc_pauses.py): put back after each test."""
+    yield
+    from loraserve.executor.engine import gc_pauses
+
+    gc_pauses.reset()
+
+
 # Small enough for milliseconds per forward on 2 CPU cores; GQA (4 q heads over 2 kv heads).
 TINY = dict(
     vocab_size=256,

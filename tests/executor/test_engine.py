@@ -193,19 +193,35 @@ async def test_every_collected_step_goes_through_the_slow_step_watch(tiny, make_
     assert caplog.text.count("Python's garbage collector: ") == flagged  # the collector's time since the previous step
 
 
-async def test_the_engine_freezes_start_up_objects_and_puts_them_back_when_it_stops(tiny):
-    """Once ready, start-up's objects are out of the garbage collector's walks (gc_pauses.py); stopping
-    puts them back, so a dropped engine's cycles are collected."""
+async def test_the_engine_freezes_start_up_objects_and_puts_them_back_when_the_last_one_stops(tiny):
+    """Once serving, start-up's objects are out of the garbage collector's walks (gc_pauses.py): a
+    cycle made before start survives a collection while an engine runs, and is freed once the last
+    running engine has stopped. A second engine neither re-freezes nor thaws the first one's."""
     import gc
+    import weakref
 
-    engine = _engine(tiny[1])
-    engine.start()
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    alive = weakref.ref(b)
+    first, second = _engine(tiny[1]), _engine(tiny[1])
+    before = first.gc_pauses.count
+    first.start()
     try:
+        assert gc.get_freeze_count() > 1000 and first.gc_pauses.count > before  # its collection timed
+        del a, b
+        gc.collect()
+        assert alive() is not None, "frozen: the collector must not walk start-up's cycle"
+        second.start()
+        await second.stop()  # the first still runs: still frozen
         assert gc.get_freeze_count() > 1000
-        assert engine.gc_pauses.count >= 1  # freeze_startup's own collection was timed
     finally:
-        await engine.stop()
+        await first.stop()
     assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert alive() is None
 
 
 async def test_admission_pacing_holds_a_late_request_back_only_with_graphs_and_keeps_outputs(tiny, make_engine):

@@ -54,12 +54,37 @@ def test_frozen_objects_are_not_walked_until_the_next_freeze_or_unfreeze():
         live, alive = cycle()
         gc_pauses.freeze_startup()
         del live
-        gc_pauses.unfreeze()  # an engine that stops
+        gc_pauses.reset()  # nothing running: put back
         assert gc.get_freeze_count() == 0
         gc.collect()
         assert alive() is None
     finally:
         gc.unfreeze()
+
+
+def test_only_the_first_running_engine_freezes_and_only_the_last_one_to_stop_thaws():
+    try:
+        assert gc_pauses.engine_started() > 0
+        assert gc_pauses.engine_started() is None  # a second engine: the first one's freeze stands
+        gc_pauses.engine_stopped()
+        assert gc.get_freeze_count() > 0
+        gc_pauses.engine_stopped()
+        assert gc.get_freeze_count() == 0
+        gc_pauses.engine_stopped()  # a stray stop: no count below zero
+        assert gc_pauses.engine_started() > 0
+    finally:
+        gc_pauses.reset()
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_failing_timing_is_logged_once_and_never_raises(caplog):
+    pauses = gc_pauses.GcPauses()
+    pauses.seconds_by_generation = None  # the next 'stop' fails inside the callback
+    with caplog.at_level(logging.WARNING, logger="loraserve.executor.engine.gc_pauses"):
+        for _ in range(3):
+            pauses("start", {"generation": 2})
+            pauses("stop", {"generation": 2})
+    assert caplog.text.count("garbage collection timing failed") == 1
 
 
 def test_the_slow_step_line_names_the_collectors_time_since_the_previous_step(caplog):
@@ -82,3 +107,5 @@ def test_the_collectors_time_is_exported_by_generation():
     family = _ExecutorState._gc_pauses(pauses)
     assert family.name == "loraserve_executor_gc_pause_seconds"
     assert {s.labels["generation"]: s.value for s in family.samples} == {"0": 0.001, "1": 0.002, "2": 0.3}
+    none = _ExecutorState._gc_pauses(None)  # an engine without the watch: zeros, still exported
+    assert {s.labels["generation"]: s.value for s in none.samples} == {"0": 0.0, "1": 0.0, "2": 0.0}

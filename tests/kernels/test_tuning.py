@@ -123,6 +123,8 @@ def test_a_register_cap_is_read_from_the_entry_and_kept_through_the_shrinks_resc
         assert tuning._expand_config("test_gpu", 16, (6144,), 8).maxnreg == 0
         moved = tuning._shrink_config("test_gpu", 16, 14336, 1, 16)
         assert moved.maxnreg == 128 and moved.split_k > 4
+        assert "maxnreg" not in tuning.as_dict(tuning.ExpandConfig(**EXPAND))  # tables written keep their keys
+        assert tuning.as_dict(moved)["maxnreg"] == 128
 
     with_table(table, check)
 
