@@ -150,15 +150,15 @@ SHRINK_SWEEP = [  # (block_m, block_n, block_k, columns per split, num_warps, nu
     (16, 64, 64, 256, 4, 4, 8), (16, 64, 128, 256, 4, 4, 8), (16, 64, 64, 128, 4, 4, 8), (16, 32, 64, 256, 4, 4, 8),
     (16, 64, 64, 512, 4, 2, 8), (16, 64, 64, 256, 4, 4, 16), (16, 64, 64, 256, 2, 4, 16),
 ]
-REGS_ONLY = False  # --sweep-regs-only
 REGS_SWEEP = (128, 96, 80, 64)  # register caps tried on the table's own setting (maxnreg)
 SWEEP_CASES = ("8/16/32/64 in 64", "16 in 16", "64 in 64")
 
 
-def _candidates(op, in_features, widths, rank, current):
-    """(label, config) of each setting to time for one layer: the table's own first, then the list."""
+def _candidates(op, in_features, widths, rank, current, regs_only=False):
+    """(label, config) of each setting to time for one layer: the table's own first, then the list
+    (unless regs_only), then the table's own with its registers capped."""
     out = [(f"table: {_label(op, current, in_features)}", current)]
-    for row in () if REGS_ONLY else EXPAND_SWEEP if op == "expand" else SHRINK_SWEEP:
+    for row in () if regs_only else EXPAND_SWEEP if op == "expand" else SHRINK_SWEEP:
         if op == "expand":
             cfg = tuning.ExpandConfig(*row)
         else:
@@ -188,7 +188,7 @@ def _regs_label(cfg) -> str:
     return f" r{cfg.maxnreg}" if cfg.maxnreg else ""
 
 
-def sweep(tokens, adapters, gen, out_lines, save, ops=("expand", "shrink"), case_names=SWEEP_CASES):
+def sweep(tokens, adapters, gen, out_lines, save, ops=("expand", "shrink"), case_names=SWEEP_CASES, regs_only=False):
     """Each launch setting of each op, forced through the device's table, on each layer and case.
 
     Returns {(op, table key): {config: [us per case, summed over the layers sharing the key]}}."""
@@ -211,7 +211,7 @@ def sweep(tokens, adapters, gen, out_lines, save, ops=("expand", "shrink"), case
             else:
                 shape = tuning.shrink_key(in_features, len(widths), rank)
                 current = tuning.shrink_config(torch.device(DEV), tokens, in_features, len(widths), rank)
-            for label, cfg in _candidates(op, in_features, widths, rank, current):
+            for label, cfg in _candidates(op, in_features, widths, rank, current, regs_only):
                 times = []
                 tuning.set_table(key, {op: {shape: {str(tokens): tuning.as_dict(cfg)}}})
                 for setup in setups:
@@ -279,8 +279,6 @@ def main():
                         help="launch that layer's shrink and expand eagerly 3 times each and time nothing (a target for "
                              "a profiler, e.g. ncu -k regex:_shrink_kernel|_expand_kernel), e.g. 'gate_up:8/16/32/64 in 64'")
     args = parser.parse_args()
-    global REGS_ONLY
-    REGS_ONLY = args.sweep_regs_only
     triton_lora.NARROW_SHRINK = args.narrow in ("both", "shrink")
     triton_lora.NARROW_EXPAND = args.narrow in ("both", "expand")
     if not torch.cuda.is_available():
@@ -328,7 +326,7 @@ def main():
     save()
     if args.sweep:
         measured = sweep(args.tokens, args.adapters, gen, lines, save, tuple(args.sweep_ops.split(",")),
-                         tuple(args.sweep_cases.split(";")))
+                         tuple(args.sweep_cases.split(";")), args.sweep_regs_only)
         if args.sweep_table:
             key = tuning.gpu_key(torch.device(DEV))
             table = json.loads(json.dumps(tuning._table(key)))  # a deep copy

@@ -2,14 +2,14 @@
 
 A serving run's throughput can swing with no error anywhere: a step that usually takes 11 ms takes
 300 ms once, and the streams stall behind it. Triton builds explain some (builds.py logs those),
-the garbage collector's walks others (gc_pauses.py times them); the rest need the step
-itself: its kind and size, how long the host took to queue it, how long the
-device worked on it, and when it was launched against the previous step's tokens. So every
-collected step's own time (from its launch, or from the previous step's tokens if it was launched
-ahead of them, to its own tokens: a stall counts once, not once per step in flight behind it) is
-compared with the median of the last `WINDOW` steps of its kind and size (token count to the next
-power of two: a 2,048-token prefill chunk is not judged against 100-token ones). One over `FACTOR`
-times that median and over `MIN_SECONDS` is logged with all of that and counted (`/metrics`:
+the garbage collector's walks others (gc_pauses.py times them); the rest need the step itself: its
+kind and size, how long the host took to queue it, how long the device worked on it, and when it
+was launched against the previous step's tokens. So every collected step's own time (from its
+launch, or from the previous step's tokens if it was launched ahead of them, to its own tokens: a
+stall counts once, not once per step in flight behind it) is compared with the median of the last
+`WINDOW` steps of its kind and size (token count to the next power of two: a 2,048-token prefill
+chunk is not judged against 100-token ones). One over `FACTOR` times that median and over
+`MIN_SECONDS` is logged with all of that and counted (`/metrics`:
 loraserve_executor_slow_steps_total by kind). The first `WARMUP_STEPS` of a kind and size set the
 median only.
 """
@@ -66,7 +66,8 @@ class SlowSteps:
             slow = own > FACTOR * median
             if slow:
                 self.counts[step.kind] += 1
-                log.warning("slow %s step: %s", step.kind, describe(step, median, gap, new_builds, own=own, gc_pauses=new_gc))
+                log.warning("slow %s step: %s", step.kind,
+                            describe(step, median, gap, new_builds, own=own, gc_pauses=new_gc))
         recent.append(own)
         return slow
 
