@@ -309,6 +309,9 @@ def step_mix(engine: Engine, before: dict, name: str) -> tuple:
     if engine.kernel_builds is not None:  # Triton builds during the run (each held its step)
         count, seconds = engine.kernel_builds.count - before["builds"][0], engine.kernel_builds.seconds - before["builds"][1]
         note += f"; {count} kernel builds while serving ({seconds:.1f} s)"
+    # how long Python's garbage collector held the serving process during the run
+    count, seconds = engine.gc_pauses.count - before["gc"][0], engine.gc_pauses.seconds - before["gc"][1]
+    note += f"; garbage collector {seconds * 1e3:.1f} ms in {count} collections"
     slow = sum(engine.slow_steps.counts.values()) - before["slow"]
     note += f"; {slow_steps.count(slow, 'slow step')} ({slow_steps.RULE})"
     if engine.slow_steps.longest is not None:  # the run's longest step, whatever its kind: a swing shows here first
@@ -326,7 +329,8 @@ def totals(engine: Engine) -> dict:
     builds = engine.kernel_builds
     return {"steps": {k: dataclasses.replace(v) for k, v in engine.step_totals.items()}, "deferred": engine.scheduler.deferred_steps,
             "builds": (builds.count, builds.seconds) if builds is not None else (0, 0.0),
-            "slow": sum(engine.slow_steps.counts.values())}
+            "slow": sum(engine.slow_steps.counts.values()),
+            "gc": (engine.gc_pauses.count, engine.gc_pauses.seconds)}
 
 
 def pct(values: list[float], q: float) -> float:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import gc
 import hashlib
 import itertools
 import logging
@@ -45,6 +46,7 @@ from loraserve.errors import StatusError
 from loraserve.v1 import common_pb2 as pb
 
 from .config import ExecutorConfig
+from .engine import gc_pauses
 from .engine.kv_cache import KVCache
 from .engine.step import StepInputs, forward_step
 from .lora import LoraSpec, clear_slot, declare_layout, load_shard_into_slot, lora_modules
@@ -311,9 +313,14 @@ class _Rank:
         self.loop = asyncio.new_event_loop()  # the store client's
         threading.Thread(target=self.loop.run_forever, name="store-client", daemon=True).start()
         threading.Thread(target=self._read, name="rank-0-reader", daemon=True).start()
+        # Start-up's objects out of the garbage collector's walks (engine/gc_pauses.py): a full
+        # collection here would hold this rank's step, and every rank waits for it in the collectives.
+        # The process serves until it exits, so nothing thaws them.
+        self.gc = gc_pauses.watch_gc()
+        frozen = gc_pauses.freeze_startup()
         self._send(("ready",))
-        log.info("%s rank %d ready: %s, %d layers, %d kv heads here", self.role, rank, cfg.model, mc.num_layers,
-                 self.model.num_kv_heads)
+        log.info("%s rank %d ready: %s, %d layers, %d kv heads here; %d start-up objects frozen out of the garbage "
+                 "collector's walks", self.role, rank, cfg.model, mc.num_layers, self.model.num_kv_heads, frozen)
 
     def run(self) -> None:
         while (inputs := self.steps.get()) is not None:
@@ -393,4 +400,5 @@ class _Rank:
         with self.shards_lock:
             shards = {key: shard_checksum(t) for key, t in self.shards.items()}
         return {"rank": self.rank, "device": str(self.device), "tp_rank": self.tp.rank, "ep_rank": self.ep.rank,
-                "experts": local_experts(self.model), "slots": dict(enumerate(self.slots)), "shards": shards}
+                "experts": local_experts(self.model), "slots": dict(enumerate(self.slots)), "shards": shards,
+                "gc_frozen": gc.get_freeze_count(), "gc_collections": self.gc.count, "gc_seconds": self.gc.seconds}

@@ -10,8 +10,10 @@ starts serving (after imports, model, warm-up, graphs) they are moved out of the
 (`engine_started`: gc.collect, then gc.freeze); later collections walk only what was made while
 serving. When the last running engine stops they are put back (`engine_stopped`), so a dropped
 engine's reference cycles are freed by the next collection. Reference counting frees every object
-as before; only cycles that pass through frozen objects wait until then. Tensor-parallel worker
-ranks (executor/ranks.py) do not freeze.
+as before; only cycles that pass through frozen objects wait until then. Tensor- and
+expert-parallel worker ranks (executor/ranks.py) freeze once their shard of the model is loaded
+and serve until their process exits (a full collection on one rank holds every rank's collective);
+their state reply names the frozen count and the collector's time.
 
 Every collection is timed (gc.callbacks, `watch_gc`): the slow-step line (slow_steps.py) names the
 collector's time since the previous step, and `/metrics` exports the total by generation

@@ -174,6 +174,17 @@ def test_each_rank_loads_the_store_shard_of_its_own_tp_rank(cluster, case):
                 assert shard_checksum(st_load(blob0)) != state["shards"][(name, digest)]
 
 
+def test_worker_ranks_freeze_start_up_objects_out_of_the_garbage_collector(cluster):
+    """A full collection on one rank holds every rank's collective: each worker rank freezes what
+    start-up made (torch, the model, its shard) once it is ready, and times its collections."""
+    run_group(cluster.client(), ["all4"], max_tokens=2)
+    states = cluster.lt.run(cluster.parts.ranks.states())
+    assert states
+    for state in states:
+        assert state["gc_frozen"] > 10_000, state["gc_frozen"]  # torch alone holds far more; 0 unfrozen
+        assert state["gc_collections"] >= 0 and state["gc_seconds"] >= 0.0
+
+
 def test_admin_rpcs_pins_evictions_and_refresh_under_tp(cluster, references, adapter_dirs, tmp_path):
     client, store = cluster.client(), cluster.store_client()
     assert client.pin("kd8").pinned
