@@ -517,6 +517,9 @@ def main() -> None:
     ap.add_argument("--profile-prefill", type=Path, help="folder: a torch.profiler table of each prefill case with adapters")
     ap.add_argument("--admit-ratio", type=float, default=ExecutorConfig.admit_ratio,
                     help="admission pacing, as the executor's flag (0: admit each request at once, as before 2026-11-26)")
+    ap.add_argument("--ablate", choices=("expand", "shrink", "lora", "stream-expand"),
+                    help="a diagnostic (benchmarks/lora_ablation.py): a LoRA kernel replaced by nothing, or the "
+                         "expand by a plain read of its bytes; the outputs are wrong, the step times say what it holds")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (float32)")
     ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -533,6 +536,13 @@ def main() -> None:
         from loraserve.kernels import tuning
 
         tuning.set_table(tuning.gpu_key(torch.device("cuda")), json.loads(args.table.read_text()))
+    if args.ablate is not None:
+        if DEVICE != "cuda":
+            raise SystemExit("--ablate needs a CUDA host")
+        sys.path.insert(0, str(Path(__file__).parent))
+        import lora_ablation
+
+        lora_ablation.apply(args.ablate)
     if args.torch_greedy:
         from loraserve.executor.engine import engine as engine_module
         from loraserve.kernels import ops_reference
@@ -546,7 +556,8 @@ def main() -> None:
     print(f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights, vocab {args.vocab}, "
           f"{where}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
-          f"{'eager' if args.enforce_eager else 'CUDA graphs' + (' (decode only)' if args.no_mixed_graphs else '')}")
+          f"{'eager' if args.enforce_eager else 'CUDA graphs' + (' (decode only)' if args.no_mixed_graphs else '')}"
+          + (f"; ABLATED: {args.ablate} (outputs wrong; benchmarks/lora_ablation.py)" if args.ablate else ""))
     print("| case | time | rate | against the floor |")
     print("|---|---|---|---|")
     for row in rows:

@@ -27,6 +27,9 @@
 #   tables:  the decode step's time under several kernel tables, on one host: the mixed case (B=64,
 #            40 adapters of ranks 8-64; TABLES_ARGS replaces "--batches 64") once per table of TABLES
 #            (comma list of JSON files, "shipped" = this GPU's own) in turn, ROUNDS times (default 2)
+#   ablate:  the same mixed case once per entry of ABLATE (comma list, default
+#            "none,expand,stream-expand,shrink,lora,none"; ABLATE_ARGS replaces "--batches 64"):
+#            bench_engine.py --ablate, what each LoRA kernel holds of the step (benchmarks/lora_ablation.py)
 #   bench:   bench_executor.py on random-weight SmolLM2 and Llama-3-8B shapes (SHAPES="smollm2")
 #   profile: profile_executor.py on the random SmolLM2-shaped model
 #   serve:   benchmarks/serve.py: 1,000 adapters, Zipf 1.0, max_loras 64, 64 clients, Llama-3-8B shape
@@ -128,6 +131,17 @@ if has tables; then
         --prefill= ${TABLES_ARGS:---batches 64} "${table_flag[@]}" 2>>"$OUT/tables.err" | grep "^| decode" | tee -a "$OUT/tables.log" \
         || tail -30 "$OUT/tables.err"
     done
+  done
+fi
+if has ablate; then
+  [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
+  ablate=${ABLATE:-none,expand,stream-expand,shrink,lora,none}
+  for a in ${ablate//,/ }; do
+    ablate_flag=(); [ "$a" = none ] || ablate_flag=(--ablate "$a")
+    echo "== ablate $a" | tee -a "$OUT/ablate.log"
+    python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --adapters 40 --streams 0 --ranks 8,16,32,64 --no-mixed-graphs \
+      --prefill= ${ABLATE_ARGS:---batches 64} "${ablate_flag[@]}" 2>>"$OUT/ablate.err" | grep "^| decode" | tee -a "$OUT/ablate.log" \
+      || tail -30 "$OUT/ablate.err"
   done
 fi
 if has prefill; then

@@ -1,0 +1,84 @@
+"""What the LoRA kernels cost inside the engine's step: each replaced by nothing, or the expand by
+a plain read of the bytes a packed layout would hold (`bench_engine.py --ablate NAME`).
+
+A diagnostic, not a serving mode: every ablation makes the outputs wrong. It answers how much of
+a decode step each LoRA kernel holds on the critical path, and how much an ideal expand could
+save there (the alone-timed kernels have misled before: docs/BENCHMARKS.md, "Eleventh pass").
+
+  expand         lora_expand does nothing (y is the base layer's output)
+  shrink         lora_shrink computes nothing (its zeroed output; the expand still runs)
+  lora           both: what is left is LoraMeta and the streams' fork and join
+  stream-expand  lora_expand reads, per block of the step's list, the first N * r elements of its
+                 slot's B (N output columns, r the adapter's rank) as one contiguous run, and
+                 writes nothing: the bytes of the adapters' B at their own ranks, at the speed a
+                 plain streaming read reaches (no y read or write, no products)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from loraserve import kernels
+
+ABLATIONS = ("expand", "shrink", "lora", "stream-expand")
+_STEP = 4096  # elements per load (8 KiB of bf16)
+_STEPS = 4  # loads per program: 32 KiB of B per program
+
+
+@triton.jit
+def _stream_kernel(b_ptr, block_slots_ptr, block_ranks_ptr, sink_ptr, num_slots, stride_bl, n_cols,
+                   STEP: tl.constexpr, STEPS: tl.constexpr):
+    block = tl.program_id(0)
+    chunk = tl.program_id(1)
+    slot = tl.load(block_slots_ptr + block)
+    if (slot >= 0) & (slot < num_slots):
+        count = n_cols * tl.load(block_ranks_ptr + block)
+        first = chunk * STEP * STEPS
+        if first < count:
+            row = b_ptr + slot.to(tl.int64) * stride_bl
+            total = tl.zeros([STEP], dtype=tl.float32)
+            for i in tl.range(0, STEPS):
+                offs = first + i * STEP + tl.arange(0, STEP)
+                total += tl.load(row + offs, mask=offs < count, other=0.0).to(tl.float32)
+            s = tl.sum(total)
+            # never true for these sums in practice; keeps the loads from being dropped as dead
+            tl.store(sink_ptr + block, s, mask=s == 1.2345e-30)
+
+
+def _stream_expand(y, buf, lora_b, slice_offsets, meta, ranked=True):
+    blocks = meta.block_list(16)
+    n_cols, rank = slice_offsets[-1], buf.shape[2]
+    chunks = triton.cdiv(n_cols * rank, _STEP * _STEPS)
+    sink = buf.new_empty(blocks.max_blocks)
+    _stream_kernel[(blocks.max_blocks, chunks)](
+        lora_b, blocks.blocks, blocks.blocks[3], sink, lora_b.shape[0], lora_b.stride(0), n_cols,
+        STEP=_STEP, STEPS=_STEPS, num_warps=4,
+    )
+    return y
+
+
+def _no_expand(y, buf, lora_b, slice_offsets, meta, ranked=True):
+    return y
+
+
+def _no_shrink(x, lora_a, meta, out=None, ranked=True):
+    from loraserve.kernels.meta import shrink_output
+
+    num_slots, num_slices, rank, _ = lora_a.shape
+    out, zeroed = shrink_output(meta, out, num_slices, x.shape[0], rank, x.device)
+    if not zeroed:
+        out.zero_()
+    return out
+
+
+def apply(name: str) -> None:
+    """Replaces the LoRA kernels the executor's layers call (loraserve.kernels.lora_*) for this process."""
+    if name not in ABLATIONS:
+        raise ValueError(f"unknown ablation {name!r}; one of {', '.join(ABLATIONS)}")
+    if name in ("expand", "lora"):
+        kernels.lora_expand = _no_expand
+    if name in ("shrink", "lora"):
+        kernels.lora_shrink = _no_shrink
+    if name == "stream-expand":
+        kernels.lora_expand = _stream_expand
