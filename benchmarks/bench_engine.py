@@ -522,9 +522,6 @@ def main() -> None:
                          "LoRA kernel replaced by nothing, the expand by a plain read of its bytes, the side stream "
                          "instead of the programmatic dependent launch, or neither; the outputs are wrong (but no-pdl's "
                          "and serial's), the step times say what each holds")
-    ap.add_argument("--lead-smem-kib", type=int,
-                    help="the shared memory the GEMM that leads the LoRA shrink may take per program (kernels/tuning.py "
-                         "SKINNY_SMEM_LIMIT): room left on its SM for the shrink's programs beside it")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (float32)")
     ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -541,10 +538,6 @@ def main() -> None:
         from loraserve.kernels import tuning
 
         tuning.set_table(tuning.gpu_key(torch.device("cuda")), json.loads(args.table.read_text()))
-    if args.lead_smem_kib is not None:
-        from loraserve.kernels import tuning
-
-        tuning.SKINNY_SMEM_LIMIT = args.lead_smem_kib * 1024
     if args.ablate is not None:
         if DEVICE != "cuda":
             raise SystemExit("--ablate needs a CUDA host")

@@ -29,8 +29,7 @@
 #            (comma list of JSON files, "shipped" = this GPU's own) in turn, ROUNDS times (default 2)
 #   ablate:  the same mixed case once per entry of ABLATE (comma list, default
 #            "none,expand,stream-expand,shrink,lora,none"; ABLATE_ARGS replaces "--batches 64"):
-#            bench_engine.py --ablate, what each LoRA kernel holds of the step (benchmarks/lora_ablation.py);
-#            an entry leadN runs --lead-smem-kib N instead (the GEMM leading the shrink fitted to N KiB)
+#            bench_engine.py --ablate, what each LoRA kernel holds of the step (benchmarks/lora_ablation.py)
 #   bench:   bench_executor.py on random-weight SmolLM2 and Llama-3-8B shapes (SHAPES="smollm2")
 #   profile: profile_executor.py on the random SmolLM2-shaped model
 #   serve:   benchmarks/serve.py: 1,000 adapters, Zipf 1.0, max_loras 64, 64 clients, Llama-3-8B shape
@@ -139,7 +138,6 @@ if has ablate; then
   ablate=${ABLATE:-none,expand,stream-expand,shrink,lora,none}
   for a in ${ablate//,/ }; do
     ablate_flag=(); [ "$a" = none ] || ablate_flag=(--ablate "$a")
-    case $a in lead*) ablate_flag=(--lead-smem-kib "${a#lead}") ;; esac
     echo "== ablate $a" | tee -a "$OUT/ablate.log"
     python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --adapters 40 --streams 0 --ranks 8,16,32,64 --no-mixed-graphs \
       --prefill= ${ABLATE_ARGS:---batches 64} "${ablate_flag[@]}" 2>>"$OUT/ablate.err" | grep "^| decode" | tee -a "$OUT/ablate.log" \
