@@ -289,34 +289,13 @@ def skinny_lead_config(device: torch.device, num_tokens: int, n: int, k: int) ->
 def _skinny_lead_config(key: str, num_tokens: int, n: int, k: int) -> SkinnyConfig:
     found = _skinny_config(key, num_tokens, n, k)
     if found is not None:
-        return _fit_skinny(found, num_tokens)
+        return found
     by_tokens = _table(key).get("skinny", {}).get(skinny_key(n, k), {})
-    # an entry measured with the same row tile (1, 16, 32 or 64 rows: triton_linear.py)
-    measured = [(int(t), e) for t, e in by_tokens.items() if e and skinny_rows(int(t)) == skinny_rows(num_tokens)]
+    measured = [(int(t), e) for t, e in by_tokens.items() if e and (int(t) > 1) == (num_tokens > 1)]
     if not measured:
-        return _fit_skinny(LEAD_DEFAULT, num_tokens)
+        return LEAD_DEFAULT
     _, entry = min(measured, key=lambda te: (_log_gap(te[0], num_tokens), te[0]))
-    return _fit_skinny(SkinnyConfig(**entry), num_tokens)
-
-
-SKINNY_SMEM_LIMIT = 200 * 1024  # of the 227 KiB an H100 SM gives one program, with room for Triton's own
-
-
-def skinny_rows(num_tokens: int) -> int:
-    """The skinny kernel's row tile for num_tokens rows (triton_linear.skinny_linear)."""
-    return 1 if num_tokens == 1 else max(16, _pow2(num_tokens))
-
-
-def skinny_smem_bytes(cfg: SkinnyConfig, num_tokens: int) -> int:
-    """The pipelined x and W tiles' shared memory (16-bit), num_stages deep."""
-    return (skinny_rows(num_tokens) + cfg.block_n) * cfg.block_k * 2 * cfg.num_stages
-
-
-def _fit_skinny(cfg: SkinnyConfig, num_tokens: int) -> SkinnyConfig:
-    """cfg with fewer stages, then shorter K steps, until its tiles fit SKINNY_SMEM_LIMIT."""
-    while skinny_smem_bytes(cfg, num_tokens) > SKINNY_SMEM_LIMIT:
-        cfg = replace(cfg, num_stages=cfg.num_stages - 1) if cfg.num_stages > 2 else replace(cfg, block_k=cfg.block_k // 2)
-    return cfg
+    return SkinnyConfig(**entry)
 
 
 def as_dict(config) -> dict:

@@ -253,27 +253,3 @@ def test_shipped_h100_table_takes_the_skinny_gemm_where_it_was_measured_faster()
     assert tuning._skinny_config(key, 8, 6144, 4096) is None  # within 2% of cuBLAS there: null
     assert tuning._skinny_config(key, 54, 4096, 14336) is not None  # down at a serving batch
     assert tuning._skinny_config(key, 65, 4096, 14336) is None  # past the largest measured count
-
-
-def test_the_lead_gemm_config_has_a_tile_for_every_count_and_fits_shared_memory():
-    """linear_and_shrink's GEMM never goes to cuBLAS: where the table is null or silent it takes the
-    shape's entry measured with the same row tile, else the default; and whatever it takes, fewer
-    stages / shorter K steps until its tiles fit (a 32-token entry at 64 rows asked 384 KiB once)."""
-    key = "nvidia_h100_80gb_hbm3"
-    shapes = [tuple(int(v) for v in s.split("x")) for s in tuning._table(key)["skinny"]] + [(1000, 100)]
-    for n, k in shapes:
-        for tokens in range(1, 65):
-            cfg = tuning._skinny_lead_config(key, tokens, n, k)
-            assert tuning.skinny_smem_bytes(cfg, tokens) <= tuning.SKINNY_SMEM_LIMIT, (n, k, tokens, cfg)
-            listed = tuning._skinny_config(key, tokens, n, k)
-            if listed is not None:
-                assert cfg == listed or tuning.skinny_smem_bytes(listed, tokens) > tuning.SKINNY_SMEM_LIMIT
-    # 28672 x 4096 at 64 tokens: null in the table; its only 64-row-tile entry is none, so the default
-    assert tuning._skinny_lead_config(key, 64, 28672, 4096) == tuning.LEAD_DEFAULT
-    # at 40 tokens (a 64-row tile) the shape's 64-token entry
-    assert tuning._skinny_lead_config(key, 40, 4096, 14336) == tuning.SkinnyConfig(block_n=32, block_k=256, num_warps=4,
-                                                                                   num_stages=4)
-    assert tuning._skinny_lead_config("no_such_gpu", 8, 6144, 4096) == tuning.LEAD_DEFAULT
-    big = tuning.SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
-    fitted = tuning._fit_skinny(big, 64)
-    assert fitted.block_k * fitted.num_stages < 512 * 4 and tuning.skinny_smem_bytes(fitted, 64) <= tuning.SKINNY_SMEM_LIMIT
