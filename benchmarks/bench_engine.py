@@ -517,11 +517,9 @@ def main() -> None:
     ap.add_argument("--profile-prefill", type=Path, help="folder: a torch.profiler table of each prefill case with adapters")
     ap.add_argument("--admit-ratio", type=float, default=ExecutorConfig.admit_ratio,
                     help="admission pacing, as the executor's flag (0: admit each request at once, as before 2026-11-26)")
-    ap.add_argument("--ablate", metavar="NAME[+NAME]",
-                    help="a diagnostic (benchmarks/lora_ablation.py: expand, shrink, lora, no-pdl, serial, stream-expand): a "
-                         "LoRA kernel replaced by nothing, the expand by a plain read of its bytes, the side stream "
-                         "instead of the programmatic dependent launch, or neither; the outputs are wrong (but no-pdl's "
-                         "and serial's), the step times say what each holds")
+    ap.add_argument("--ablate", choices=("expand", "shrink", "lora", "stream-expand"),
+                    help="a diagnostic (benchmarks/lora_ablation.py): a LoRA kernel replaced by nothing, or the "
+                         "expand by a plain read of its bytes; the outputs are wrong, the step times say what it holds")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (float32)")
     ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
     args = ap.parse_args()

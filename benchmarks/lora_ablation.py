@@ -1,20 +1,13 @@
 """What the LoRA kernels cost inside the engine's step: each replaced by nothing, or the expand by
-a plain read of the bytes a packed layout would hold, or the side stream taken away
-(`bench_engine.py --ablate NAME[+NAME]`).
+a plain read of the bytes a packed layout would hold (`bench_engine.py --ablate NAME`).
 
-A diagnostic, not a serving mode: all but no-pdl and serial make the outputs wrong. It answers how much of
+A diagnostic, not a serving mode: every ablation makes the outputs wrong. It answers how much of
 a decode step each LoRA kernel holds on the critical path, and how much an ideal expand could
 save there (the alone-timed kernels have misled before: docs/BENCHMARKS.md, "Eleventh pass").
 
   expand         lora_expand does nothing (y is the base layer's output)
-  shrink         lora_shrink computes nothing (its zeroed output; the expand still runs), on the
-                 side stream (no programmatic dependent launch: no-pdl too)
+  shrink         lora_shrink computes nothing (its zeroed output; the expand still runs)
   lora           both: what is left is LoraMeta and the streams' fork and join
-  no-pdl         the shrink beside the base GEMM on a side stream (a fork and a join per layer), not
-                 as the GEMM's programmatic dependent on one stream (kernels/triton_lora.py
-                 `linear_and_shrink`); outputs unchanged
-  serial         no side stream: each layer's shrink runs after its base GEMM on the step's own
-                 stream (no fork and join per layer; the kernels themselves unchanged)
   stream-expand  lora_expand reads, per block of the step's list, the first N * r elements of its
                  slot's B (N output columns, r the adapter's rank) as one contiguous run, and
                  writes nothing: the bytes of the adapters' B at their own ranks, at the speed a
@@ -27,9 +20,8 @@ import triton
 import triton.language as tl
 
 from loraserve import kernels
-from loraserve.kernels import triton_lora
 
-ABLATIONS = ("expand", "shrink", "lora", "no-pdl", "serial", "stream-expand")
+ABLATIONS = ("expand", "shrink", "lora", "stream-expand")
 _STEP = 4096  # elements per load (8 KiB of bf16)
 _STEPS = 4  # loads per program: 32 KiB of B per program
 
@@ -80,27 +72,13 @@ def _no_shrink(x, lora_a, meta, out=None, ranked=True):
     return out
 
 
-def apply(names: str) -> None:
-    """Replaces the LoRA kernels the executor's layers call (loraserve.kernels.lora_*), or the side
-    stream they run on, for this process. names: one of ABLATIONS, or several joined by "+"."""
-    for name in names.split("+"):
-        _apply(name)
-
-
-def _apply(name: str) -> None:
+def apply(name: str) -> None:
+    """Replaces the LoRA kernels the executor's layers call (loraserve.kernels.lora_*) for this process."""
     if name not in ABLATIONS:
         raise ValueError(f"unknown ablation {name!r}; one of {', '.join(ABLATIONS)}")
-    if name == "serial":
-        from loraserve.executor import lora
-
-        lora._side_stream = lambda device: None
-        triton_lora.PDL = False
-    if name == "no-pdl":
-        triton_lora.PDL = False
     if name in ("expand", "lora"):
         kernels.lora_expand = _no_expand
     if name in ("shrink", "lora"):
         kernels.lora_shrink = _no_shrink
-        triton_lora.PDL = False  # linear_and_shrink calls the Triton shrink itself
     if name == "stream-expand":
         kernels.lora_expand = _stream_expand

@@ -251,18 +251,11 @@ class LinearWithLoRA(nn.Module):
             if self.rank_parts > 1:
                 buf = self.tp.all_gather(buf)  # [S, T, max_rank]: every rank part of x @ A.T
             return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked)
-        # CUDA: the shrink runs beside the base GEMM, which is bandwidth-bound at decode and hides
-        # it; only expand waits for both. At 1-64 tokens on sm90+ (decode graphs) both go on this
-        # stream, the shrink launched as the GEMM's programmatic dependent (kernels.linear_and_shrink):
-        # no fork and join per layer.
-        if self.rank_parts == 1:
-            pair = kernels.linear_and_shrink(x, self.weight, self.bias, lora_a, lora_meta, ranked)
-            if pair is not None:
-                return kernels.lora_expand(pair[0], pair[1], lora_b, self.slice_offsets, lora_meta, ranked)
-        # Elsewhere the shrink (and its zeroing, unless the step's shrink workspace is zeroed
-        # already) runs on a side stream; captured graphs keep the fork and join. Memory is safe: the
-        # side stream waits for the main one before each use, so nothing it frees is reused while
-        # the main stream still reads it.
+        # CUDA: shrink (and its zeroing, unless the step's shrink workspace is zeroed already) runs on
+        # a side stream beside the base GEMM, which is bandwidth-bound at decode and hides it; only
+        # expand waits for both. Captured graphs keep the fork and join. Memory is safe: the side
+        # stream waits for the main one before each use, so nothing it frees is reused while the
+        # main stream still reads it.
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):

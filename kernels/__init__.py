@@ -19,7 +19,6 @@ __all__ = [
     "make_lora_meta",
     "lora_shrink",
     "lora_expand",
-    "linear_and_shrink",
     "lora_embedding_shrink",
     "moe_route",
     "fused_moe",
@@ -57,14 +56,6 @@ def _impl(t: torch.Tensor):
 
 def lora_shrink(x, lora_a, meta: LoraMeta, out=None, ranked: bool = True):
     return _impl(x).lora_shrink(x, lora_a, meta, out, ranked)
-
-
-def linear_and_shrink(x, weight, bias, lora_a, meta: LoraMeta, ranked: bool = True):
-    """(F.linear(x, weight, bias), lora_shrink(x, lora_a, meta)) with the shrink beside the GEMM on
-    one stream (CUDA, sm90+, 1-64 tokens, the step's shrink workspace: kernels/triton_lora.py);
-    None elsewhere: the caller runs the two its own way."""
-    module = _impl(x)
-    return module.linear_and_shrink(x, weight, bias, lora_a, meta, ranked) if module is not reference else None
 
 
 def lora_expand(y, buf, lora_b, slice_offsets, meta: LoraMeta, ranked: bool = True):

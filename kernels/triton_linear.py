@@ -31,13 +31,8 @@ MAX_TOKENS = 64  # at most this many rows of x, all in one program's tile (16, 3
 def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, LEAD: tl.constexpr = False,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """LEAD: the next kernel in the stream (launched as a programmatic dependent, the LoRA shrink)
-    may start as soon as every program of this one has: it reads nothing this kernel writes, and
-    waits for this kernel's end before it ends (triton_lora.py `linear_and_shrink`)."""
-    if LEAD:
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -104,11 +99,8 @@ def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     )
 
 
-def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig, lead: bool = False
-) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M <= 64, K] through the skinny kernel with config cfg.
-    lead: let the next kernel, launched as a programmatic dependent, start beside this one."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M <= 64, K] through the skinny kernel with config cfg."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -116,7 +108,7 @@ def skinny_linear(
     _skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, LEAD=lead,
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import reference
 from .meta import LoraMeta, shrink_output
-from .tuning import expand_config, num_sms, shrink_config, skinny_lead_config
+from .tuning import expand_config, num_sms, shrink_config
 
 _DTYPES = (torch.float16, torch.bfloat16)
 # The narrow tiles for adapters of lower rank than their slots (_shrink_tile, _expand_tile), on
@@ -169,7 +169,7 @@ def _shrink_kernel(
     RANK: tl.constexpr, SR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, RANKED: tl.constexpr,
-    NARROW: tl.constexpr, ONE_TILE: tl.constexpr, FOLLOW: tl.constexpr = False,
+    NARROW: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """out[s, t, r] = sum_k x[t, k] * a[slot(t), s * RANK + r, k], over the flattened j = s * RANK + r.
 
@@ -178,11 +178,6 @@ def _shrink_kernel(
     each program takes tile p without reading the count (unused entries say slot -1), one
     dependent memory round trip less. Blocks of the no-adapter group (slot == num_slots)
     write zeros. K split over programs: the splits add into a zeroed out.
-
-    FOLLOW (launched as the programmatic dependent of the base layer's skinny GEMM,
-    `linear_and_shrink`): it may run beside that GEMM, whose inputs were complete when it began and
-    which writes nothing read here; each program waits for the GEMM's end before it ends, so the
-    next kernel in the stream (the expand, launched as usual) sees both outputs.
     """
     pid = tl.program_id(0)
     if ONE_TILE:
@@ -200,8 +195,6 @@ def _shrink_kernel(
                 num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
                 RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, RANKED, NARROW,
             )
-    if FOLLOW:
-        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -408,8 +401,7 @@ def _block_r(rank: int) -> int:
 
 
 def lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta, out: torch.Tensor | None = None, ranked: bool = True,
-    follow: bool = False,
+    x: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta, out: torch.Tensor | None = None, ranked: bool = True
 ) -> torch.Tensor:
     """buf[s, t, :] = x[t] @ lora_a[slot(t), s].T for every slice s; rows of no-adapter tokens are 0.
 
@@ -418,7 +410,6 @@ def lora_shrink(
     out:    [S, T, R] float32 (allocated if None)
     ranked: read each slot only up to its adapter's rank (meta.slot_ranks; rank positions past it
             come out 0); False where the rank dim holds several parts (fully sharded TP layers)
-    follow: launched as the programmatic dependent of the kernel before it (linear_and_shrink only)
     """
     num_tokens, in_features = x.shape
     num_slots, num_slices, rank, _ = lora_a.shape
@@ -442,49 +433,9 @@ def lora_shrink(
         RANK=rank, SR=sr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         N_BLOCKS=col_blocks, SPLIT_K=cfg.split_k, EVEN_K=in_features % cfg.block_k == 0,
         RANKED=ranked, NARROW=ranked and NARROW_SHRINK and _narrow_shrink(cfg, rank),
-        ONE_TILE=tiles <= programs, FOLLOW=follow, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_regs(cfg), **({"launch_pdl": True} if follow else {}),
+        ONE_TILE=tiles <= programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg),
     )
     return out
-
-
-# Programmatic dependent launch (sm90+): on, unless a benchmark turns it off to measure it
-# (benchmarks/bench_engine.py --no-pdl).
-PDL = True
-
-
-def linear_and_shrink(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor, meta: LoraMeta,
-    ranked: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(F.linear(x, weight, bias), lora_shrink(x, lora_a, meta)) on the current stream, the shrink
-    beside the GEMM; None where this does not apply (the caller runs them its own way).
-
-    The base layer's GEMM goes through the skinny kernel (kernels/triton_linear.py, even where
-    cuBLAS is a little faster alone) and lets the next kernel start as soon as all its programs have;
-    the shrink is launched as that programmatic dependent (Hopper's programmatic dependent launch,
-    kept as such in a captured CUDA graph). It reads x, the adapters' A and the step's meta, all
-    complete before the GEMM began, and writes only its own output; it waits for the GEMM's end
-    before it ends, so the expand after it sees both. The same overlap as a side stream without a
-    fork and a join per layer, which cost ~3.4 us each in a decode graph (docs/BENCHMARKS.md,
-    "Thirteenth pass"). Applies on sm90+ at 1-64 tokens (the skinny kernel's rows) where the shrink
-    itself is the Triton one and its output is the step's zeroed workspace (a memset between the two
-    would serialise them; correct, but no overlap)."""
-    from . import triton_linear
-
-    if not PDL or torch.cuda.get_device_capability(x.device)[0] < 9:
-        return None
-    workspace = meta.shrink_workspace
-    if workspace is None or not triton_linear.supported(x, weight, bias):
-        return None
-    if not _shrink_supported(x, lora_a, workspace.buffer):
-        return None
-    num_slices, rank = lora_a.shape[1], lora_a.shape[2]
-    if workspace.used + num_slices * x.shape[0] * rank > workspace.buffer.numel():
-        return None
-    cfg = skinny_lead_config(x.device, x.shape[0], weight.shape[0], weight.shape[1])
-    y = triton_linear.skinny_linear(x, weight, bias, cfg, lead=True)
-    return y, lora_shrink(x, lora_a, meta, ranked=ranked, follow=True)
 
 
 def lora_expand(

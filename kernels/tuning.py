@@ -272,32 +272,6 @@ def _skinny_config(key: str, num_tokens: int, n: int, k: int) -> SkinnyConfig | 
     return SkinnyConfig(**entry) if entry else None
 
 
-# The skinny GEMM where it must run though cuBLAS may be faster (it leads the LoRA shrink in a
-# programmatic dependent launch, kernels/triton_lora.py `linear_and_shrink`) and the table has no
-# multi-row entry for the shape: the setting measured fastest most often at 16-64 tokens.
-LEAD_DEFAULT = SkinnyConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
-
-
-def skinny_lead_config(device: torch.device, num_tokens: int, n: int, k: int) -> SkinnyConfig:
-    """The skinny GEMM's config for a launch that must not go to cuBLAS: the table's entry where it
-    has one for this count; else the shape's measured entry nearest in tokens (multi-row entries
-    for more than one token: a one-token entry's tile has one row); else LEAD_DEFAULT."""
-    return _skinny_lead_config(_device_key(device), num_tokens, n, k)
-
-
-@lru_cache(maxsize=1024)
-def _skinny_lead_config(key: str, num_tokens: int, n: int, k: int) -> SkinnyConfig:
-    found = _skinny_config(key, num_tokens, n, k)
-    if found is not None:
-        return found
-    by_tokens = _table(key).get("skinny", {}).get(skinny_key(n, k), {})
-    measured = [(int(t), e) for t, e in by_tokens.items() if e and (int(t) > 1) == (num_tokens > 1)]
-    if not measured:
-        return LEAD_DEFAULT
-    _, entry = min(measured, key=lambda te: (_log_gap(te[0], num_tokens), te[0]))
-    return SkinnyConfig(**entry)
-
-
 def as_dict(config) -> dict:
     """A config as a table entry (no register cap: the key left out, as in the tables before it)."""
     entry = asdict(config)
