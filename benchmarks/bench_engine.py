@@ -517,9 +517,10 @@ def main() -> None:
     ap.add_argument("--profile-prefill", type=Path, help="folder: a torch.profiler table of each prefill case with adapters")
     ap.add_argument("--admit-ratio", type=float, default=ExecutorConfig.admit_ratio,
                     help="admission pacing, as the executor's flag (0: admit each request at once, as before 2026-11-26)")
-    ap.add_argument("--ablate", choices=("expand", "shrink", "lora", "stream-expand"),
-                    help="a diagnostic (benchmarks/lora_ablation.py): a LoRA kernel replaced by nothing, or the "
-                         "expand by a plain read of its bytes; the outputs are wrong, the step times say what it holds")
+    ap.add_argument("--ablate", metavar="NAME[+NAME]",
+                    help="a diagnostic (benchmarks/lora_ablation.py: expand, shrink, lora, serial[-KIND], stream-expand): "
+                         "a LoRA kernel replaced by nothing, the expand by a plain read of its bytes, or no side stream; "
+                         "the outputs are wrong (but serial's), the step times say what each holds")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (float32)")
     ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -557,7 +558,7 @@ def main() -> None:
           f"{where}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
           f"{'eager' if args.enforce_eager else 'CUDA graphs' + (' (decode only)' if args.no_mixed_graphs else '')}"
-          + (f"; ABLATED: {args.ablate} (outputs wrong; benchmarks/lora_ablation.py)" if args.ablate else ""))
+          + (f"; ABLATED: {args.ablate} (benchmarks/lora_ablation.py)" if args.ablate else ""))
     print("| case | time | rate | against the floor |")
     print("|---|---|---|---|")
     for row in rows:

@@ -1,13 +1,17 @@
 """What the LoRA kernels cost inside the engine's step: each replaced by nothing, or the expand by
-a plain read of the bytes a packed layout would hold (`bench_engine.py --ablate NAME`).
+a plain read of the bytes a packed layout would hold, or the side stream taken away
+(`bench_engine.py --ablate NAME[+NAME]`).
 
-A diagnostic, not a serving mode: every ablation makes the outputs wrong. It answers how much of
+A diagnostic, not a serving mode: all but the serial ones make the outputs wrong. It answers how much of
 a decode step each LoRA kernel holds on the critical path, and how much an ideal expand could
 save there (the alone-timed kernels have misled before: docs/BENCHMARKS.md, "Eleventh pass").
 
   expand         lora_expand does nothing (y is the base layer's output)
   shrink         lora_shrink computes nothing (its zeroed output; the expand still runs)
   lora           both: what is left is LoraMeta and the streams' fork and join
+  serial         no side stream: each layer's shrink runs after its base GEMM on the step's own
+                 stream (no fork and join per layer; the kernels themselves unchanged)
+  serial-KIND    the same for one kind of layer only (qkv, o, gate_up, down; told apart by shape)
   stream-expand  lora_expand reads, per block of the step's list, the first N * r elements of its
                  slot's B (N output columns, r the adapter's rank) as one contiguous run, and
                  writes nothing: the bytes of the adapters' B at their own ranks, at the speed a
@@ -21,7 +25,8 @@ import triton.language as tl
 
 from loraserve import kernels
 
-ABLATIONS = ("expand", "shrink", "lora", "stream-expand")
+KINDS = ("qkv", "o", "gate_up", "down")
+ABLATIONS = ("expand", "shrink", "lora", "serial", *(f"serial-{k}" for k in KINDS), "stream-expand")
 _STEP = 4096  # elements per load (8 KiB of bf16)
 _STEPS = 4  # loads per program: 32 KiB of B per program
 
@@ -72,10 +77,45 @@ def _no_shrink(x, lora_a, meta, out=None, ranked=True):
     return out
 
 
-def apply(name: str) -> None:
-    """Replaces the LoRA kernels the executor's layers call (loraserve.kernels.lora_*) for this process."""
+def _kind(module) -> str:
+    """qkv, o, gate_up or down, from a Llama-family LinearWithLoRA's shape."""
+    sizes = module.output_sizes
+    if len(sizes) > 1:
+        return "qkv" if len(sizes) == 3 else "gate_up"
+    return "down" if module.in_features > sizes[0] else "o"
+
+
+def _serial(kinds: set[str]) -> None:
+    """The layers of these kinds run their shrink on the step's own stream (no side stream)."""
+    from loraserve.executor import lora
+
+    forward = lora.LinearWithLoRA.forward
+
+    def serial_forward(self, x, lora_meta=None):
+        if _kind(self) not in kinds:
+            return forward(self, x, lora_meta)
+        side = lora._side_stream
+        lora._side_stream = lambda device: None
+        try:
+            return forward(self, x, lora_meta)
+        finally:
+            lora._side_stream = side
+
+    lora.LinearWithLoRA.forward = serial_forward
+
+
+def apply(names: str) -> None:
+    """Replaces the LoRA kernels the executor's layers call (loraserve.kernels.lora_*), or the side
+    stream they run on, for this process. names: one of ABLATIONS, or several joined by "+"."""
+    for name in names.split("+"):
+        _apply(name)
+
+
+def _apply(name: str) -> None:
     if name not in ABLATIONS:
         raise ValueError(f"unknown ablation {name!r}; one of {', '.join(ABLATIONS)}")
+    if name.startswith("serial"):
+        _serial(set(KINDS) if name == "serial" else {name.removeprefix("serial-")})
     if name in ("expand", "lora"):
         kernels.lora_expand = _no_expand
     if name in ("shrink", "lora"):
