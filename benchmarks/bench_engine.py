@@ -149,7 +149,7 @@ def build_engine(args, tokenizer: Tokenizer) -> tuple[Engine, int]:
     max_model_len = max(4096 + 16, max_tokens_per_seq)
     cfg = ExecutorConfig(
         model="random", base_model="random", device=DEVICE, dtype=str(DTYPE).removeprefix("torch."),
-        max_loras=args.adapters,
+        max_loras=max(args.max_loras or 0, args.adapters),
         max_rank=max(args.ranks), max_cpu_adapters=args.adapters, block_size=16,
         num_blocks=max(args.batches) * -(-max_tokens_per_seq // 16) + 4096 // 16 + 64,
         max_num_seqs=max(*args.batches, args.streams, 16), max_num_batched_tokens=4096,
@@ -499,6 +499,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--adapters", type=int, default=32, help="distinct adapters (GPU slots); 0: base only")
+    ap.add_argument("--max-loras", type=int, default=0,
+                    help="GPU slots (default and least: --adapters; the serve benchmark's engine has 64)")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")],
                     help="adapter i gets rank ranks[i %% len(ranks)] (default: --rank for all)")

@@ -405,29 +405,73 @@ def h2d_bandwidth() -> float:
     return n / bench_engine._time_cuda(lambda: dst.copy_(src, non_blocking=True), repeat=10)
 
 
+class CopyCalls:
+    """Times the slot manager's copy into a slot (SlotManager._copy_into_slot, run on its copy
+    thread): the host seconds of the call (the staged host -> device copy queued, the scatter
+    launched), and on CUDA its device span by events on the stream it runs on (the copy stream)."""
+
+    def __init__(self, slots):
+        self.inner, self.host, self.events = slots._copy_into_slot, 0.0, None
+        slots._copy_into_slot = self
+
+    def __call__(self, slot: int, tensors: dict):
+        on_cuda = bench_engine.DEVICE == "cuda"
+        start = torch.cuda.Event(enable_timing=True) if on_cuda else None
+        t0 = time.perf_counter()
+        if start is not None:
+            start.record()
+        rank = self.inner(slot, tensors)
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events = (start, end)
+        self.host = time.perf_counter() - t0
+        return rank
+
+    def device(self) -> float:
+        """Seconds between the events of the last call (call after its copy has finished); 0 on the CPU."""
+        return self.events[0].elapsed_time(self.events[1]) / 1e3 if self.events else 0.0
+
+    @staticmethod
+    def thread_seconds(slots) -> float:
+        """The last load's copy phase: its thread hop plus the call (SlotObserver.load_phases)."""
+        return slots.observer.phases[-1][2] if getattr(slots.observer, "phases", None) else 0.0
+
+    def restore(self, slots) -> None:
+        slots._copy_into_slot = self.inner
+
+
 async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
     bw = h2d_bandwidth()
     where = "pinned H2D" if bench_engine.DEVICE == "cuda" else "host memcpy"
     rows = [(f"{where} bandwidth", f"{bw / 1e9:.1f} GB/s", "", "256 MiB, median of 10")]
     slots = engine.slots
+    copy_calls = CopyCalls(slots)
     for rank in RANKS:
         name = f"adapter-{RANKS.index(rank)}"
         nbytes, floor = adapters.nbytes(rank), adapters.nbytes(rank) / bw
         await slots.load(name, into_slot=False)  # in the CPU cache (pinned on CUDA), in no slot
-        times = []
+        times, parts = [], []
         for _ in range(5):
             t0 = time.perf_counter()
             lease = await slots.acquire(name)
+            t1 = time.perf_counter()
             if lease.ready is not None:
                 lease.ready.synchronize()
-            times.append(time.perf_counter() - t0)
+            t2 = time.perf_counter()
+            times.append(t2 - t0)
+            parts.append((t1 - t0, copy_calls.thread_seconds(slots), copy_calls.host, copy_calls.device(), t2 - t1))
             slots.release(lease)
             await slots.evict(name)
             await slots.load(name, into_slot=False)
         t = statistics.median(times)
+        part = [statistics.median(p[i] for p in parts) * 1e3 for i in range(5)]
         rows.append((f"rank {rank}: CPU cache -> slot", f"{t * 1e3:.2f} ms", f"{nbytes / 2**20:.1f} MiB",
-                     f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms"))
+                     f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms; medians: acquire {part[0]:.2f} ms "
+                     f"(copy thread {part[1]:.2f}, of it the copy call {part[2]:.2f}), device span of the copy "
+                     f"{part[3]:.2f}, then waiting on its event {part[4]:.2f}"))
         await slots.evict(name)
+    copy_calls.restore(slots)
     rows.append(await load_delay(engine, args.vocab))
     rows += await store_probe(args, engine, bw, adapters.arena)
     return rows
