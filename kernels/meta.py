@@ -178,11 +178,26 @@ def _fused_grouping(token_slots, max_loras, slot_ranks, block_m):
     return triton_meta.group_tokens(token_slots, max_loras, slot_ranks, block_m)
 
 
+def block_bound(num_tokens: int, max_loras: int, block_m: int) -> int:
+    """The most blocks T tokens can make over max_loras slots and the no-adapter group: BlockList.max_blocks.
+
+    G non-empty groups of n_1 + ... + n_G = T tokens make sum ceil(n_g / block_m) <= G + (T - G) // block_m
+    blocks (each group's first token opens a block; the other T - G tokens open one more per
+    block_m), which grows with G, so the bound is that at G = min(T, max_loras + 1), and is
+    reached (G - 1 groups of one token, the rest in one). A tight bound matters: the decode
+    kernels cover it with one program per tile (ONE_TILE in kernels/triton_lora.py) only while it fits
+    the programs the GPU holds at once; the looser ceil(T / block_m) + G, at 64 tokens over 64
+    slots, tipped the o and down projections' expand and the down shrink into the looping
+    grid (+0.17 ms a decode step on an H100: docs/BENCHMARKS.md, "Fourteenth pass").
+    """
+    groups = min(num_tokens, max_loras + 1)
+    return groups + (num_tokens - groups) // block_m
+
+
 def _make_block_list(meta: LoraMeta, block_m: int) -> BlockList:
     """Cuts each slot's group (and the no-adapter group, as slot max_loras) into blocks of block_m rows.
 
-    A group of n tokens gives ceil(n / block_m) blocks, so the total is at most
-    ceil(T / block_m) + (number of non-empty groups) <= ceil(T / block_m) + min(T, max_loras + 1).
+    A group of n tokens gives ceil(n / block_m) blocks; `block_bound` bounds the total.
     """
     num_tokens, num_slots = meta.num_tokens, meta.max_loras
     device = meta.tokens_per_slot.device
@@ -192,7 +207,7 @@ def _make_block_list(meta: LoraMeta, block_m: int) -> BlockList:
     starts = torch.cat([meta.slot_start.to(torch.int64), lora_total])
     group_blocks = (counts + block_m - 1) // block_m
     ends = torch.cumsum(group_blocks, 0)  # block index one past each group's last block
-    max_blocks = -(-num_tokens // block_m) + min(num_tokens, num_slots + 1)
+    max_blocks = block_bound(num_tokens, num_slots, block_m)
     block = torch.arange(max_blocks, device=device)
     group = torch.searchsorted(ends, block, right=True)  # == L + 1 past the last block
     used = group <= num_slots

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .meta import FULL_RANK, BlockList
+from .meta import FULL_RANK, BlockList, block_bound
 
 MAX_ELEMENTS = 32768  # the largest [groups, tokens] or [blocks, groups] comparison one program takes
 
@@ -86,7 +86,7 @@ def group_tokens(token_slots: torch.Tensor, max_loras: int, slot_ranks: torch.Te
         return None
     t_pad = max(16, triton.next_power_of_2(num_tokens))
     g_pad = max(16, triton.next_power_of_2(max_loras + 1))
-    max_blocks = -(-num_tokens // block_m) + min(num_tokens, max_loras + 1)
+    max_blocks = block_bound(num_tokens, max_loras, block_m)
     b_pad = max(16, triton.next_power_of_2(max_blocks))
     if t_pad * g_pad > MAX_ELEMENTS or b_pad * g_pad > MAX_ELEMENTS or b_pad * block_m > MAX_ELEMENTS:
         return None

@@ -163,7 +163,26 @@ def test_block_list_covers_each_group_once_in_blocks_of_one_slot(block_m, num_sl
 def test_block_list_bound_depends_only_on_tokens_and_slots():
     a = make_lora_meta(torch.zeros(50, dtype=torch.int32), 8).block_list(16)
     b = make_lora_meta(torch.arange(50) % 8, 8).block_list(16)
-    assert a.max_blocks == b.max_blocks == 4 + 9
+    # 9 groups (8 slots and the no-adapter one) open 9 blocks; the other 41 tokens open 41 // 16 more
+    assert a.max_blocks == b.max_blocks == 9 + 2
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_block_list_bound_is_reached_and_never_passed(block_m):
+    gen = torch.Generator().manual_seed(block_m)
+    for num_slots in (1, 3, 8, 64):
+        for tokens in (1, 2, 5, 16, 17, 50, 64, 65, 200):
+            bound = make_lora_meta(torch.zeros(tokens, dtype=torch.int32), num_slots).block_list(block_m).max_blocks
+            # reached: one token in each of the first G - 1 groups, the rest in the last (no adapter)
+            groups = min(tokens, num_slots + 1)
+            worst = torch.full((tokens,), -1, dtype=torch.int32)
+            worst[: groups - 1] = torch.arange(groups - 1, dtype=torch.int32)
+            blocks = make_lora_meta(worst, num_slots).block_list(block_m)
+            assert int(blocks.num_blocks[1]) == bound == blocks.max_blocks
+            for _ in range(20):  # and never passed, whatever the grouping
+                slots = torch.randint(-1, num_slots, (tokens,), generator=gen, dtype=torch.int32)
+                blocks = make_lora_meta(slots, num_slots).block_list(block_m)
+                assert int(blocks.num_blocks[1]) <= blocks.max_blocks == bound
 
 
 def emulate_kernels(x, lora_a, lora_b, offsets, meta, block_m):
