@@ -41,6 +41,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import io
+import pstats
 import contextlib
 import json
 import random
@@ -410,8 +413,8 @@ class CopyCalls:
     thread): the host seconds of the call (the staged host -> device copy queued, the scatter
     launched), and on CUDA its device span by events on the stream it runs on (the copy stream)."""
 
-    def __init__(self, slots):
-        self.inner, self.host, self.events = slots._copy_into_slot, 0.0, None
+    def __init__(self, slots, profile: cProfile.Profile | None = None):
+        self.inner, self.host, self.events, self.profile = slots._copy_into_slot, 0.0, None, profile
         slots._copy_into_slot = self
 
     def __call__(self, slot: int, tensors: dict):
@@ -420,7 +423,7 @@ class CopyCalls:
         t0 = time.perf_counter()
         if start is not None:
             start.record()
-        rank = self.inner(slot, tensors)
+        rank = self.profile.runcall(self.inner, slot, tensors) if self.profile else self.inner(slot, tensors)
         if start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -446,7 +449,7 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
     where = "pinned H2D" if bench_engine.DEVICE == "cuda" else "host memcpy"
     rows = [(f"{where} bandwidth", f"{bw / 1e9:.1f} GB/s", "", "256 MiB, median of 10")]
     slots = engine.slots
-    copy_calls = CopyCalls(slots)
+    copy_calls = CopyCalls(slots, cProfile.Profile() if args.profile_load else None)
     for rank in RANKS:
         name = f"adapter-{RANKS.index(rank)}"
         nbytes, floor = adapters.nbytes(rank), adapters.nbytes(rank) / bw
@@ -472,6 +475,10 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
                      f"{part[3]:.2f}, then waiting on its event {part[4]:.2f}"))
         await slots.evict(name)
     copy_calls.restore(slots)
+    if args.profile_load:
+        out = io.StringIO()
+        pstats.Stats(copy_calls.profile, stream=out).sort_stats("cumulative").print_stats(60)
+        args.profile_load.write_text(out.getvalue())
     rows.append(await load_delay(engine, args.vocab))
     rows += await store_probe(args, engine, bw, adapters.arena)
     return rows
@@ -740,6 +747,8 @@ def main() -> None:
                     "summarized by step kind on stderr (benchmarks/step_trace.py)")
     ap.add_argument("--profile-after", type=float, default=4.0, help="seconds into the gRPC run the window opens")
     ap.add_argument("--probe", action="store_true", help="measure the adapter load path instead of a workload")
+    ap.add_argument("--profile-load", type=Path, metavar="FILE",
+                    help="with --probe: cProfile of the CPU cache -> slot copy calls, by cumulative time, into FILE")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if bad := set(args.grpc_client) - {"process", "in-process"}:
