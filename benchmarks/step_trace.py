@@ -4,7 +4,8 @@ and a summary of its trace by step kind (host launch window, device span and bus
 Used by serve.py (`--profile DIR`): the engine's steps are labelled `step <kind>` while the window
 is open, the trace goes to DIR/trace.json.gz, and `summarize` prints, per step kind, how long the
 host took to queue a step's work, how long the device took from its first kernel to its last, how
-much of that it was busy, and the kernels of the mixed (eager prefill + decode) steps by time.
+much of that it was busy, each kind's kernels by time (a graph replay's kernels carry its launch's
+correlation), and the device work no step launched (slot loads, clears).
 
     python benchmarks/step_trace.py DIR/trace.json.gz     # the summary again, from a saved trace
 
@@ -143,7 +144,8 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 def summarize(path: Path, top: int = 15) -> list[str]:
-    """The trace's steps by kind, and the mixed steps' kernels: lines of text (times in ms)."""
+    """The trace's steps by kind, each kind's kernels by group and by name, and the device work
+    outside the steps: lines of text (times in ms)."""
     with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as f:
         events = json.load(f)["traceEvents"]
     steps = [e for e in events  # the host's labels (the profiler repeats them on the GPU's timeline)
@@ -159,21 +161,22 @@ def summarize(path: Path, top: int = 15) -> list[str]:
     for calls in by_thread.values():
         calls.sort()
     rows = defaultdict(list)  # kind -> [(host ms, span ms, busy ms, launches)]
-    kernels = defaultdict(lambda: defaultdict(float))  # mixed kinds: kind -> kernel name -> total us
+    kernels = defaultdict(lambda: defaultdict(float))  # kind -> kernel name -> total us
     groups = defaultdict(lambda: defaultdict(float))
+    mine = set()  # correlations of the labelled steps' device work
     for s in steps:
         kind = s["name"][len(LABEL):]
         calls = by_thread.get(s["tid"], [])
         lo = bisect.bisect_left(calls, (s["ts"], -1))
         hi = bisect.bisect_right(calls, (s["ts"] + s["dur"], float("inf")))
-        work = [k for _, c in calls[lo:hi] for k in by_corr.get(c, [])]
+        work = [k for _, c in calls[lo:hi] for k in by_corr.get(c, [])]  # a graph's kernels: its launch's
+        mine.update(c for _, c in calls[lo:hi])
         spans = [(k["ts"], k["ts"] + k["dur"]) for k in work]
         span = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
         rows[kind].append((s["dur"] / 1e3, span / 1e3, _union(spans) / 1e3, hi - lo))
-        if kind.startswith("mixed"):
-            for k in work:
-                kernels[kind][k["name"]] += k["dur"]
-                groups[kind][kernel_group(k["name"])] += k["dur"]
+        for k in work:
+            kernels[kind][k["name"]] += k["dur"]
+            groups[kind][kernel_group(k["name"])] += k["dur"]
     out = [f"trace {path}: {len(steps)} labelled steps",
            "| step kind | steps | host launch ms | device span ms | device busy ms | busy / span | runtime calls |",
            "|---|---|---|---|---|---|---|"]
@@ -181,6 +184,17 @@ def summarize(path: Path, top: int = 15) -> list[str]:
         n = len(rs)
         host, span, busy, calls = (sum(r[i] for r in rs) / n for i in range(4))
         out.append(f"| {kind} | {n} | {host:.2f} | {span:.2f} | {busy:.2f} | {busy / max(span, 1e-9):.2f} | {calls:.0f} |")
+    # device work no labelled step launched (slot loads' copies and scatters, slot clears), which
+    # shares the GPU with the steps it overlaps
+    other = [e for e in device if e["args"]["correlation"] not in mine]
+    if other and steps:
+        window = (max(s["ts"] + s["dur"] for s in steps) - min(s["ts"] for s in steps)) / 1e3
+        by_group = defaultdict(float)
+        for e in other:
+            by_group[kernel_group(e["name"])] += e["dur"] / 1e3
+        out.append(f"device work outside the steps: {len(other)} kernels / copies, {sum(by_group.values()):.2f} ms "
+                   f"over the {window:.0f} ms of labelled steps (" + ", ".join(
+                       f"{g} {t:.2f}" for g, t in sorted(by_group.items(), key=lambda x: -x[1])) + ")")
     for kind in sorted(kernels):
         n = len(rows[kind])
         out.append(f"{kind} steps: device time per step by group (ms): "

@@ -43,6 +43,10 @@ def test_summary_matches_kernels_to_their_step(tmp_path):
     assert "trace.json.gz: 2 labelled steps" in text
     assert "mixed steps: device time per step by group (ms): gemm 0.30, lora shrink 0.20" in text
     assert "| _shrink_kernel | 0.200 |" in text
+    assert "| _decode_kernel | 0.100 |" in text  # a graph replay's kernels, under its step kind too
+    # work launched outside the steps (thread 7 between steps, thread 8 during one), by group only
+    assert "device work outside the steps: 2 kernels / copies, 1.05 ms over the 2 ms of labelled steps" in text
+    assert "(other 1.00, lora expand 0.05)" in text
     assert "_expand_kernel" not in text and "other_kernel" not in text
 
 
