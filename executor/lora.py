@@ -621,15 +621,15 @@ def _signature(tensors: dict[str, torch.Tensor], ptrs: list[int], storage, lo: i
     return key, offsets
 
 
-def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """The `nbytes` of host `storage` from address lo, copied to `device` in one copy (async from
-    pinned memory), viewed as `dtype`. The caching allocator reuses the buffer only for work queued after
+    pinned memory), as bytes. The caching allocator reuses the buffer only for work queued after
     it on the current stream (the scatter, or nothing when the shard fails its checks), so it is
     freed when the caller drops it."""
     host = torch.empty(0, dtype=torch.uint8).set_(storage, lo - storage.data_ptr(), (nbytes,), (1,))
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dev.copy_(host, non_blocking=True)
-    return dev.view(dtype)
+    return dev
 
 
 def _check_shard(modules: dict[str, nn.Module], known: frozenset, tensors: dict[str, torch.Tensor]) -> None:
@@ -700,18 +700,14 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
     ts = tuple(tensors.values())
     ptrs, storage, lo, hi = _host_extent(ts)
     staged = None
-    if scatter is not None and storage is not None and targets.scatterable and (hi - lo) % ts[0].element_size() == 0:
+    if scatter is not None and storage is not None and targets.scatterable:
         # The shard's one host -> device copy first: the layout's lookup (or first checks) below
-        # runs on the host while it moves. A shard that fails them only wasted the copy. As few
-        # torch calls as before: in a busy server each one that lets go of the interpreter lock
-        # may wait for the serving thread to hand it back.
-        staged = _staged(storage, lo, hi - lo, targets.device, ts[0].dtype)
+        # runs on the host while it moves. A shard that fails them only wasted the copy.
+        staged = _staged(storage, lo, hi - lo, targets.device)
     key, offsets = _signature(tensors, ptrs, storage, lo)
     layout = targets.layout(tensors, key, offsets)
-    if scatter is not None and layout.plan is not None:  # a plan: every tensor in one host storage, or none
-        if staged is None and ts:  # not staged above (a span that is no whole number of elements)
-            staged = _staged(storage, lo, layout.span, targets.device, ts[0].dtype)
-        scatter(layout.plan, staged, slot)  # staged holds layout.span bytes: span = hi - lo
+    if scatter is not None and layout.plan is not None:  # a plan: every tensor in one host storage (staged), or none
+        scatter(layout.plan, staged[: layout.span].view(ts[0].dtype) if staged is not None else None, slot)
     else:
         writes = SlotWrites()  # every module's copies and zero-fills issued together
         for name, module in targets.modules.items():
