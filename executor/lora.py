@@ -597,39 +597,31 @@ def _slot_copy(buf: torch.Tensor, rank_dim: int, src: torch.Tensor | None, src_o
     return SlotCopy(buf, prod(shape[:rank_dim]) * parts, fill, fill, cols, src_offset)
 
 
-def _host_extent(ts: tuple[torch.Tensor, ...]):
-    """(pointers, storage, lo, hi) of a shard's tensors: their data pointers and, when all are host
-    tensors in one storage (else storage None), the lowest start lo and highest end hi among them."""
+def _signature(tensors: dict[str, torch.Tensor]):
+    """(key, byte offsets, storage, lo) of a shard. The key names each tensor's name, shape, dtype,
+    contiguity and, when all are host tensors in one storage (`storage`, else None), its byte
+    offset from lo, the lowest start among them."""
+    ts = tuple(tensors.values())
     ptrs = [t.data_ptr() for t in ts]
     lo, storage = min(ptrs, default=0), None
     if ts and ts[0].device.type == "cpu":
         first = ts[0].untyped_storage()
         if first.data_ptr() <= lo and max(ptrs) < first.data_ptr() + first.nbytes():
             storage = first
-    hi = max((p + t.nbytes for p, t in zip(ptrs, ts)), default=lo) if storage is not None else lo
-    return ptrs, storage, lo, hi
-
-
-def _signature(tensors: dict[str, torch.Tensor], ptrs: list[int], storage, lo: int):
-    """(key, byte offsets) of a shard (pointers, storage and lo from _host_extent). The key names
-    each tensor's name, shape, dtype, contiguity and, when all lie in one host storage, its byte
-    offset from lo."""
-    ts = tuple(tensors.values())
     offsets = [p - lo for p in ptrs] if storage is not None else [None] * len(ts)
     shapes, dtypes, contiguous = [t.shape for t in ts], [t.dtype for t in ts], [t.is_contiguous() for t in ts]
     key = (tuple(tensors), tuple(zip(shapes, dtypes, contiguous, offsets)))
-    return key, offsets
+    return key, offsets, storage, lo
 
 
-def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device) -> torch.Tensor:
+def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device, dtype: torch.dtype):
     """The `nbytes` of host `storage` from address lo, copied to `device` in one copy (async from
-    pinned memory), as bytes. The caching allocator reuses the buffer only for work queued after
-    it on the current stream (the scatter, or nothing when the shard fails its checks), so it is
-    freed when the caller drops it."""
+    pinned memory). The caching allocator reuses the buffer only for work queued after the scatter
+    on the current stream, so it is freed when the caller drops it."""
     host = torch.empty(0, dtype=torch.uint8).set_(storage, lo - storage.data_ptr(), (nbytes,), (1,))
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dev.copy_(host, non_blocking=True)
-    return dev
+    return dev.view(dtype)
 
 
 def _check_shard(modules: dict[str, nn.Module], known: frozenset, tensors: dict[str, torch.Tensor]) -> None:
@@ -696,18 +688,13 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
     (default: kernels.slot_scatter on CUDA, one launch; None on the CPU: per-tensor copies there).
     """
     targets = _slot_targets(model)
-    scatter = scatter or _default_scatter(targets.device)
-    ts = tuple(tensors.values())
-    ptrs, storage, lo, hi = _host_extent(ts)
-    staged = None
-    if scatter is not None and storage is not None and targets.scatterable:
-        # The shard's one host -> device copy first: the layout's lookup (or first checks) below
-        # runs on the host while it moves. A shard that fails them only wasted the copy.
-        staged = _staged(storage, lo, hi - lo, targets.device)
-    key, offsets = _signature(tensors, ptrs, storage, lo)
+    key, offsets, storage, lo = _signature(tensors)
     layout = targets.layout(tensors, key, offsets)
-    if scatter is not None and layout.plan is not None:  # a plan: every tensor in one host storage (staged), or none
-        scatter(layout.plan, staged[: layout.span].view(ts[0].dtype) if staged is not None else None, slot)
+    scatter = scatter or _default_scatter(targets.device)
+    if scatter is not None and layout.plan is not None:
+        dtype = next(iter(tensors.values())).dtype if tensors else torch.uint8
+        staged = _staged(storage, lo, layout.span, targets.device, dtype) if tensors else None
+        scatter(layout.plan, staged, slot)
     else:
         writes = SlotWrites()  # every module's copies and zero-fills issued together
         for name, module in targets.modules.items():
