@@ -24,7 +24,9 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
   the distinct adapters the mean decode step reads, at their own ranks); printed with the distinct
   adapters per step and loraserve's ratio to it, and beside it the ceiling if every active slot is
   read at the slot rank (64): what the Triton kernels read before they took each slot's adapter
-  rank (LoraMeta.slot_ranks; docs/ARCHITECTURE.md, Kernels).
+  rank (LoraMeta.slot_ranks; docs/ARCHITECTURE.md, Kernels). A gRPC run is also held to its own
+  ceiling, from its own decode steps: it starts with the slots and the CPU cache the in-process
+  run left, so its steps can hold other numbers of adapters than the in-process run's.
 - transformers + PEFT: one request at a time; for each, `PeftModel.load_adapter` of the
   request's adapter (a PEFT folder of its rank saved once to local disk, read again per request),
   `set_adapter`, `generate`, `delete_adapter`. HF keeps one active adapter per forward, so a
@@ -622,9 +624,20 @@ async def run(args, tokenizer) -> list[tuple]:
             "of its own)" if adapters.arena is not None else "")),
         base_steps, mixed_steps,
     ]
+    def own_ceiling() -> tuple[float, float]:
+        """(ceiling tok/s, distinct adapters per decode step) of the decode steps watched since
+        the watch was last cleared: a gRPC run is held to what its own steps' bytes allow (its
+        slots start warm, so its steps hold more sequences and adapters than the in-process run's)."""
+        if not watch.steps:
+            return ceiling, distinct
+        step_bytes = statistics.mean(b for _, b in watch.steps)
+        return ((base.tokens / base.seconds) * wbytes / (wbytes + step_bytes),
+                statistics.mean(n for n, _ in watch.steps))
+
     for client in args.grpc_client if args.grpc else ():
         t_grpc = totals(engine)
-        rows.append(await grpc_row(args, engine, items, ceiling, client))
+        watch.steps.clear()
+        rows.append(await grpc_row(args, engine, items, ceiling, client, own=own_ceiling))
         rows.append(step_mix(engine, t_grpc, f"through gRPC, client {client}"))
     if args.grpc and args.eager_mixed_too and engine.mixed_graphs is not None:
         # the same gRPC run with steps that hold a prefill chunk run eagerly (the graphs set aside):
@@ -632,7 +645,8 @@ async def run(args, tokenizer) -> list[tuple]:
         graphs, engine.mixed_graphs = engine.mixed_graphs, None
         try:
             t_grpc = totals(engine)
-            name, *rest = await grpc_row(args, engine, items, ceiling, args.grpc_client[0], "-eager-mixed")
+            watch.steps.clear()
+            name, *rest = await grpc_row(args, engine, items, ceiling, args.grpc_client[0], "-eager-mixed", own=own_ceiling)
             rows.append((name + ", mixed steps eager", *rest))
             rows.append(step_mix(engine, t_grpc, f"through gRPC, client {args.grpc_client[0]}, mixed steps eager"))
         finally:
@@ -641,7 +655,8 @@ async def run(args, tokenizer) -> list[tuple]:
     return rows, items, tps
 
 
-async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float, client: str, label: str = "") -> tuple:
+async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float, client: str, label: str = "",
+                   own=None) -> tuple:
     """The workload through the executor's gRPC service on loopback. client "process": the streams
     come from another process (as a server's clients would: their Python work does not share this
     process's interpreter lock with the engine's eager launches); "in-process": from this event loop.
@@ -673,8 +688,13 @@ async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float, clie
             window.cancel()
         await server.stop(0)
         parts.store_watch.cancel()
-    return row(f"loraserve through gRPC (client {'process' if client == 'process' else 'in this process'})", result,
-               f"{result.tokens / result.seconds / ceiling:.2f} of the ceiling")
+    tps = result.tokens / result.seconds
+    note = f"{tps / ceiling:.2f} of the ceiling"
+    if own is not None:  # the run's own steps: own() -> (its ceiling, its distinct adapters per decode step)
+        own_c, own_d = own()
+        note = (f"{tps / own_c:.2f} of its own ceiling {own_c:.1f} tok/s ({own_d:.1f} distinct adapters per "
+                f"decode step); {tps / ceiling:.2f} of the in-process run's ceiling")
+    return row(f"loraserve through gRPC (client {'process' if client == 'process' else 'in this process'})", result, note)
 
 
 def _client_process(port: int, items: list[Item], args) -> Result:
