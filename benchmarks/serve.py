@@ -415,8 +415,9 @@ class CopyCalls:
     thread): the host seconds of the call (the staged host -> device copy queued, the scatter
     launched), and on CUDA its device span by events on the stream it runs on (the copy stream)."""
 
-    def __init__(self, slots, profile: cProfile.Profile | None = None):
+    def __init__(self, slots, profile: cProfile.Profile | None = None, trace: bool = False):
         self.inner, self.host, self.events, self.profile = slots._copy_into_slot, 0.0, None, profile
+        self.trace = [] if trace else None  # torch.profiler key averages of each call (--trace-load)
         slots._copy_into_slot = self
 
     def __call__(self, slot: int, tensors: dict):
@@ -425,7 +426,17 @@ class CopyCalls:
         t0 = time.perf_counter()
         if start is not None:
             start.record()
-        rank = self.profile.runcall(self.inner, slot, tensors) if self.profile else self.inner(slot, tensors)
+        if self.trace is not None:  # the call's torch ops and CUDA runtime calls, each with its host time
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+            with profile(activities=activities) as prof:
+                rank = self.inner(slot, tensors)
+            self.trace.append(prof.key_averages())
+        elif self.profile:
+            rank = self.profile.runcall(self.inner, slot, tensors)
+        else:
+            rank = self.inner(slot, tensors)
         if start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -446,12 +457,27 @@ class CopyCalls:
         slots._copy_into_slot = self.inner
 
 
+def trace_table(calls: list) -> str:
+    """The copy calls' torch ops and CUDA runtime calls (torch.profiler key averages of each call),
+    summed over the calls: host microseconds per call by name, the largest first."""
+    host, count = {}, {}
+    for averages in calls:
+        for e in averages:
+            host[e.key] = host.get(e.key, 0.0) + e.self_cpu_time_total
+            count[e.key] = count.get(e.key, 0) + e.count
+    n = max(1, len(calls))
+    lines = [f"{n} copy calls; host time by op or CUDA runtime call (self, us per call)",
+             "| name | us per call | calls per copy |", "|---|---|---|"]
+    lines += [f"| {k[:80]} | {t / n:.1f} | {count[k] / n:.1f} |" for k, t in sorted(host.items(), key=lambda x: -x[1])[:40]]
+    return "\n".join(lines) + "\n"
+
+
 async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
     bw = h2d_bandwidth()
     where = "pinned H2D" if bench_engine.DEVICE == "cuda" else "host memcpy"
     rows = [(f"{where} bandwidth", f"{bw / 1e9:.1f} GB/s", "", "256 MiB, median of 10")]
     slots = engine.slots
-    copy_calls = CopyCalls(slots, cProfile.Profile() if args.profile_load else None)
+    copy_calls = CopyCalls(slots, cProfile.Profile() if args.profile_load else None, trace=bool(args.trace_load))
     for rank in RANKS:
         name = f"adapter-{RANKS.index(rank)}"
         nbytes, floor = adapters.nbytes(rank), adapters.nbytes(rank) / bw
@@ -481,6 +507,8 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
         out = io.StringIO()
         pstats.Stats(copy_calls.profile, stream=out).sort_stats("cumulative").print_stats(60)
         args.profile_load.write_text(out.getvalue())
+    if args.trace_load:
+        args.trace_load.write_text(trace_table(copy_calls.trace))
     rows.append(await load_delay(engine, args.vocab))
     rows += await store_probe(args, engine, bw, adapters.arena)
     return rows
@@ -769,6 +797,9 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="measure the adapter load path instead of a workload")
     ap.add_argument("--profile-load", type=Path, metavar="FILE",
                     help="with --probe: cProfile of the CPU cache -> slot copy calls, by cumulative time, into FILE")
+    ap.add_argument("--trace-load", type=Path, metavar="FILE",
+                    help="with --probe: torch.profiler of the same calls (torch ops and CUDA runtime calls, host "
+                         "time each, no Python-level overhead), a table into FILE; the probe's own times then include the profiler's")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if bad := set(args.grpc_client) - {"process", "in-process"}:
