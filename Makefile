@@ -1,8 +1,9 @@
 # The two commands of the README:  `make up`  and  `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch first, pinned, so the project's torch range is already satisfied and pip pulls no
-# CUDA packages (on these machines 2.13.0 is a CPU wheel on disk). Override on a GPU host.
+# torch first, pinned, so the project's torch range is already satisfied and pip resolves nothing
+# newer; where the configured index carries a CPU build of the pin, no CUDA packages come with it
+# (README: "Which torch wheel"). Override on a GPU host.
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 

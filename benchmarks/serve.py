@@ -43,17 +43,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
-import io
-import pstats
 import contextlib
+import cProfile
+import dataclasses
+import io
 import json
+import pstats
 import random
 import statistics
 import sys
 import tempfile
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -478,31 +478,33 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
     rows = [(f"{where} bandwidth", f"{bw / 1e9:.1f} GB/s", "", "256 MiB, median of 10")]
     slots = engine.slots
     copy_calls = CopyCalls(slots, cProfile.Profile() if args.profile_load else None, trace=bool(args.trace_load))
-    for rank in RANKS:
-        name = f"adapter-{RANKS.index(rank)}"
-        nbytes, floor = adapters.nbytes(rank), adapters.nbytes(rank) / bw
-        await slots.load(name, into_slot=False)  # in the CPU cache (pinned on CUDA), in no slot
-        times, parts = [], []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            lease = await slots.acquire(name)
-            t1 = time.perf_counter()
-            if lease.ready is not None:
-                lease.ready.synchronize()
-            t2 = time.perf_counter()
-            times.append(t2 - t0)
-            parts.append((t1 - t0, copy_calls.thread_seconds(slots), copy_calls.host, copy_calls.device(), t2 - t1))
-            slots.release(lease)
+    try:
+        for rank in RANKS:
+            name = f"adapter-{RANKS.index(rank)}"
+            nbytes, floor = adapters.nbytes(rank), adapters.nbytes(rank) / bw
+            await slots.load(name, into_slot=False)  # in the CPU cache (pinned on CUDA), in no slot
+            times, parts = [], []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                lease = await slots.acquire(name)
+                t1 = time.perf_counter()
+                if lease.ready is not None:
+                    lease.ready.synchronize()
+                t2 = time.perf_counter()
+                times.append(t2 - t0)
+                parts.append((t1 - t0, copy_calls.thread_seconds(slots), copy_calls.host, copy_calls.device(), t2 - t1))
+                slots.release(lease)
+                await slots.evict(name)
+                await slots.load(name, into_slot=False)
+            t = statistics.median(times)
+            part = [statistics.median(p[i] for p in parts) * 1e3 for i in range(5)]
+            rows.append((f"rank {rank}: CPU cache -> slot", f"{t * 1e3:.2f} ms", f"{nbytes / 2**20:.1f} MiB",
+                         f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms; medians: acquire {part[0]:.2f} ms "
+                         f"(copy thread {part[1]:.2f}, of it the copy call {part[2]:.2f}), device span of the copy "
+                         f"{part[3]:.2f}, then waiting on its event {part[4]:.2f}"))
             await slots.evict(name)
-            await slots.load(name, into_slot=False)
-        t = statistics.median(times)
-        part = [statistics.median(p[i] for p in parts) * 1e3 for i in range(5)]
-        rows.append((f"rank {rank}: CPU cache -> slot", f"{t * 1e3:.2f} ms", f"{nbytes / 2**20:.1f} MiB",
-                     f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms; medians: acquire {part[0]:.2f} ms "
-                     f"(copy thread {part[1]:.2f}, of it the copy call {part[2]:.2f}), device span of the copy "
-                     f"{part[3]:.2f}, then waiting on its event {part[4]:.2f}"))
-        await slots.evict(name)
-    copy_calls.restore(slots)
+    finally:
+        copy_calls.restore(slots)
     if args.profile_load:
         out = io.StringIO()
         pstats.Stats(copy_calls.profile, stream=out).sort_stats("cumulative").print_stats(60)
@@ -652,12 +654,13 @@ async def run(args, tokenizer) -> list[tuple]:
             "of its own)" if adapters.arena is not None else "")),
         base_steps, mixed_steps,
     ]
-    def own_ceiling() -> tuple[float, float]:
+    def own_ceiling() -> tuple[float, float] | None:
         """(ceiling tok/s, distinct adapters per decode step) of the decode steps watched since
         the watch was last cleared: a gRPC run is held to what its own steps' bytes allow (its
-        slots start warm, so its steps hold more sequences and adapters than the in-process run's)."""
+        slots start warm, so its steps hold more sequences and adapters than the in-process run's).
+        None when no decode step was watched."""
         if not watch.steps:
-            return ceiling, distinct
+            return None
         step_bytes = statistics.mean(b for _, b in watch.steps)
         return ((base.tokens / base.seconds) * wbytes / (wbytes + step_bytes),
                 statistics.mean(n for n, _ in watch.steps))
@@ -718,8 +721,10 @@ async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float, clie
         parts.store_watch.cancel()
     tps = result.tokens / result.seconds
     note = f"{tps / ceiling:.2f} of the ceiling"
-    if own is not None:  # the run's own steps: own() -> (its ceiling, its distinct adapters per decode step)
-        own_c, own_d = own()
+    if own is not None and (mine := own()) is None:
+        note += " (no decode step of this run was recorded: its own ceiling is unknown)"
+    elif own is not None:  # the run's own steps: own() -> (its ceiling, its distinct adapters per decode step)
+        own_c, own_d = mine
         note = (f"{tps / own_c:.2f} of its own ceiling {own_c:.1f} tok/s ({own_d:.1f} distinct adapters per "
                 f"decode step); {tps / ceiling:.2f} of the in-process run's ceiling")
     return row(f"loraserve through gRPC (client {'process' if client == 'process' else 'in this process'})", result, note)
@@ -804,6 +809,10 @@ def main() -> None:
     args = ap.parse_args()
     if bad := set(args.grpc_client) - {"process", "in-process"}:
         ap.error(f"--grpc-client: {', '.join(sorted(bad))} is not process or in-process")
+    if (args.profile_load or args.trace_load) and not args.probe:
+        ap.error("--profile-load and --trace-load profile the probe's copy calls: add --probe")
+    if args.profile_load and args.trace_load:
+        ap.error("--profile-load and --trace-load each time the same copy calls: run one at a time")
     bench_engine.DEVICE = args.device
     bench_engine.DTYPE = torch.bfloat16 if args.device == "cuda" else torch.float32
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -185,10 +185,14 @@ def summarize(path: Path, top: int = 15) -> list[str]:
         host, span, busy, calls = (sum(r[i] for r in rs) / n for i in range(4))
         out.append(f"| {kind} | {n} | {host:.2f} | {span:.2f} | {busy:.2f} | {busy / max(span, 1e-9):.2f} | {calls:.0f} |")
     # device work no labelled step launched (slot loads' copies and scatters, slot clears), which
-    # shares the GPU with the steps it overlaps
-    other = [e for e in device if e["args"]["correlation"] not in mine]
+    # shares the GPU with the steps it overlaps: only what overlaps the labelled steps' window counts
+    # (the profiler's window also holds work before the first step and after the last)
+    lo_ts = min((s["ts"] for s in steps), default=0.0)
+    hi_ts = max((s["ts"] + s["dur"] for s in steps), default=0.0)
+    other = [e for e in device if e["args"]["correlation"] not in mine
+             and e["ts"] < hi_ts and e["ts"] + e["dur"] > lo_ts]
     if other and steps:
-        window = (max(s["ts"] + s["dur"] for s in steps) - min(s["ts"] for s in steps)) / 1e3
+        window = (hi_ts - lo_ts) / 1e3
         by_group = defaultdict(float)
         for e in other:
             by_group[kernel_group(e["name"])] += e["dur"] / 1e3

@@ -15,7 +15,7 @@ prefill. Block sizes come from kernels/tuning.py by GPU and shape.
 apart for T == 1 and for T a multiple of 16, on top of the tables' configs, and a serving process
 would meet those builds on its first steps of each kind (executor/engine/warmup.py warms the rest).
 Nor is the block ranks' pointer on its alignment: it is row 3 of the [4, max_blocks] block list,
-16-byte aligned only when max_blocks (which follows T) is a multiple of 4.
+16-byte aligned only when max_blocks (which follows T and max_loras) is a multiple of 4.
 """
 
 from __future__ import annotations

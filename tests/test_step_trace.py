@@ -33,6 +33,9 @@ def test_summary_matches_kernels_to_their_step(tmp_path):
         _x("_expand_kernel", "kernel", 2100, 50, tid=99, correlation=4),
         _x("cudaLaunchKernel", "cuda_runtime", 1300, 5, tid=8, correlation=5),
         _x("other_kernel", "kernel", 1300, 1000, tid=99, correlation=5),
+        # work after the last step, inside the profiler's window only: not counted
+        _x("cudaMemcpyAsync", "cuda_runtime", 4000, 5, tid=8, correlation=6),
+        _x("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 4100, 500, tid=98, correlation=6),
     ]
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
