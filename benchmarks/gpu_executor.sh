@@ -36,6 +36,7 @@
 #            (SERVE_ARGS adds flags, e.g. SERVE_ARGS="--pinned-arena-bytes 0" for no pinned arena),
 #            against base alone, the bytes ceiling and transformers + PEFT, in-process and via gRPC
 #   probe:   benchmarks/serve.py --probe: bytes per adapter, pinned H2D bandwidth, cold loads vs the floor
+#            (PROBE_ARGS adds flags, e.g. PROBE_ARGS="--trace-load OUT_DIR/trace.txt")
 #   arena:   the pinning stalls and the pinned arena's set-up time (bench_pinning.py), and the probe
 #            with no pinned arena (--pinned-arena-bytes 0): the cold-load delay the arena removes
 # Logs and tables go to OUT_DIR. KERNELS_FROM=DIR runs everything on the kernels in DIR instead of
@@ -175,7 +176,7 @@ if has serve; then
     2>"$OUT/serve.err" | tee "$OUT/serve.log" | tail -14 || tail -30 "$OUT/serve.err"
 fi
 if has probe; then
-  PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe --cpu-cache-bytes $((16 << 30)) \
+  PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe --cpu-cache-bytes $((16 << 30)) ${PROBE_ARGS:-} \
     2>"$OUT/probe.err" | tee "$OUT/probe.log" | tail -12 || tail -30 "$OUT/probe.err"
 fi
 if has arena; then

@@ -460,15 +460,18 @@ class CopyCalls:
 def trace_table(calls: list) -> str:
     """The copy calls' torch ops and CUDA runtime calls (torch.profiler key averages of each call),
     summed over the calls: host microseconds per call by name, the largest first."""
-    host, count = {}, {}
+    host, device, count = {}, {}, {}
     for averages in calls:
         for e in averages:
             host[e.key] = host.get(e.key, 0.0) + e.self_cpu_time_total
+            device[e.key] = device.get(e.key, 0.0) + getattr(e, "self_device_time_total", 0.0)
             count[e.key] = count.get(e.key, 0) + e.count
     n = max(1, len(calls))
-    lines = [f"{n} copy calls; host time by op or CUDA runtime call (self, us per call)",
-             "| name | us per call | calls per copy |", "|---|---|---|"]
-    lines += [f"| {k[:80]} | {t / n:.1f} | {count[k] / n:.1f} |" for k, t in sorted(host.items(), key=lambda x: -x[1])[:40]]
+    lines = [f"{n} copy calls; host time by op or CUDA runtime call, and the device time of the copies and "
+             "kernels they queued (self, us per call)",
+             "| name | host us per call | device us per call | calls per copy |", "|---|---|---|---|"]
+    lines += [f"| {k[:80]} | {t / n:.1f} | {device[k] / n:.1f} | {count[k] / n:.1f} |"
+              for k, t in sorted(host.items(), key=lambda x: -(x[1] + device[x[0]]))[:40]]
     return "\n".join(lines) + "\n"
 
 
