@@ -72,6 +72,7 @@ from loraserve.executor.lora import LoraSpec, clear_slot, load_shard_into_slot, 
 from loraserve.executor.memory import lora_bytes_per_slot  # noqa: E402
 from loraserve.executor.slots import SlotManager, SlotObserver  # noqa: E402
 from loraserve.executor.pinned_arena import ArenaShard, PinnedArena, stream_fence  # noqa: E402
+from loraserve.executor.shard_tensors import ShardTensors  # noqa: E402
 from loraserve.executor.service import pinned_arena  # noqa: E402
 from loraserve.executor.store_client import host_buffer  # noqa: E402
 
@@ -119,7 +120,7 @@ class RandomAdapters:
         def land() -> dict[str, torch.Tensor]:  # as the store client's stream lands: one buffer, views of it
             src = self.tensors(rank)
             buffer = self.arena.allocate(self.nbytes(rank)) if self.arena is not None else None
-            out, at = ArenaShard() if buffer is not None else {}, 0
+            out, at = ArenaShard() if buffer is not None else ShardTensors(), 0
             if buffer is None:
                 buffer = host_buffer(self.nbytes(rank), pin_memory=bench_engine.DEVICE == "cuda")
             for k, t in src.items():
@@ -415,14 +416,34 @@ class CopyCalls:
     thread): the host seconds of the call (the staged host -> device copy queued, the scatter
     launched), and on CUDA its device span by events on the stream it runs on (the copy stream)."""
 
+    PARTS = ("_slot_targets", "_signature", "_staged", "scatter")  # executor.lora's steps, timed apart
+
     def __init__(self, slots, profile: cProfile.Profile | None = None, trace: bool = False):
         self.inner, self.host, self.events, self.profile = slots._copy_into_slot, 0.0, None, profile
-        self.trace = [] if trace else None  # torch.profiler key averages of each call (--trace-load)
+        self.trace = [] if trace else None  # (shard bytes, torch.profiler key averages) of each call (--trace-load)
+        self.split: dict[str, float] = {}  # host seconds of each of PARTS in the last call
         slots._copy_into_slot = self
+        from loraserve.executor import lora
+
+        self._lora, self._saved = lora, {n: getattr(lora, n) for n in ("_slot_targets", "_signature", "_staged", "_default_scatter")}
+        for n in ("_slot_targets", "_signature", "_staged"):
+            setattr(lora, n, self._timed(n, self._saved[n]))
+        saved_default = self._saved["_default_scatter"]
+        lora._default_scatter = lambda device: (lambda f: f and self._timed("scatter", f))(saved_default(device))
+
+    def _timed(self, part: str, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.split[part] = self.split.get(part, 0.0) + time.perf_counter() - t0
+        return timed
 
     def __call__(self, slot: int, tensors: dict):
         on_cuda = bench_engine.DEVICE == "cuda"
         start = torch.cuda.Event(enable_timing=True) if on_cuda else None
+        self.split = {}
         t0 = time.perf_counter()
         if start is not None:
             start.record()
@@ -432,7 +453,7 @@ class CopyCalls:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
             with profile(activities=activities) as prof:
                 rank = self.inner(slot, tensors)
-            self.trace.append(prof.key_averages())
+            self.trace.append((sum(t.nbytes for t in tensors.values()), prof.key_averages()))
         elif self.profile:
             rank = self.profile.runcall(self.inner, slot, tensors)
         else:
@@ -453,25 +474,39 @@ class CopyCalls:
         """The last load's copy phase: its thread hop plus the call (SlotObserver.load_phases)."""
         return slots.observer.phases[-1][2] if getattr(slots.observer, "phases", None) else 0.0
 
+    def parts(self) -> list[float]:
+        """Host seconds of the last call's PARTS, then the rest of the call (the layout's lookup,
+        the slot ranks, the Python between)."""
+        got = [self.split.get(n, 0.0) for n in self.PARTS]
+        return got + [self.host - sum(got)]
+
     def restore(self, slots) -> None:
         slots._copy_into_slot = self.inner
+        for n, fn in self._saved.items():
+            setattr(self._lora, n, fn)
 
 
 def trace_table(calls: list) -> str:
     """The copy calls' torch ops and CUDA runtime calls (torch.profiler key averages of each call),
-    summed over the calls: host microseconds per call by name, the largest first."""
-    host, device, count = {}, {}, {}
-    for averages in calls:
-        for e in averages:
-            host[e.key] = host.get(e.key, 0.0) + e.self_cpu_time_total
-            device[e.key] = device.get(e.key, 0.0) + getattr(e, "self_device_time_total", 0.0)
-            count[e.key] = count.get(e.key, 0) + e.count
-    n = max(1, len(calls))
-    lines = [f"{n} copy calls; host time by op or CUDA runtime call, and the device time of the copies and "
-             "kernels they queued (self, us per call)",
-             "| name | host us per call | device us per call | calls per copy |", "|---|---|---|---|"]
-    lines += [f"| {k[:80]} | {t / n:.1f} | {device[k] / n:.1f} | {count[k] / n:.1f} |"
-              for k, t in sorted(host.items(), key=lambda x: -(x[1] + device[x[0]]))[:40]]
+    one table per shard size, each size's first call left out (it checks the layout and builds the
+    scatter's tables once): host and device microseconds per call by name, the largest first."""
+    by_size: dict[int, list] = {}
+    for nbytes, averages in calls:
+        by_size.setdefault(nbytes, []).append(averages)
+    lines = []
+    for nbytes, runs in sorted(by_size.items()):
+        host, device, count = {}, {}, {}
+        for averages in runs[1:]:
+            for e in averages:
+                host[e.key] = host.get(e.key, 0.0) + e.self_cpu_time_total
+                device[e.key] = device.get(e.key, 0.0) + getattr(e, "self_device_time_total", 0.0)
+                count[e.key] = count.get(e.key, 0) + e.count
+        n = max(1, len(runs) - 1)
+        lines += [f"\n{nbytes / 2**20:.1f} MiB shard: {n} repeat copy calls; host time by op or CUDA runtime call, "
+                  "and the device time of the copies and kernels they queued (self, us per call)",
+                  "| name | host us per call | device us per call | calls per copy |", "|---|---|---|---|"]
+        lines += [f"| {k[:80]} | {t / n:.1f} | {device[k] / n:.1f} | {count[k] / n:.1f} |"
+                  for k, t in sorted(host.items(), key=lambda x: -(x[1] + device[x[0]]))[:25]]
     return "\n".join(lines) + "\n"
 
 
@@ -495,16 +530,18 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
                     lease.ready.synchronize()
                 t2 = time.perf_counter()
                 times.append(t2 - t0)
-                parts.append((t1 - t0, copy_calls.thread_seconds(slots), copy_calls.host, copy_calls.device(), t2 - t1))
+                parts.append((t1 - t0, copy_calls.thread_seconds(slots), copy_calls.host, copy_calls.device(), t2 - t1,
+                              *copy_calls.parts()))
                 slots.release(lease)
                 await slots.evict(name)
                 await slots.load(name, into_slot=False)
             t = statistics.median(times)
-            part = [statistics.median(p[i] for p in parts) * 1e3 for i in range(5)]
+            part = [statistics.median(p[i] for p in parts) * 1e3 for i in range(len(parts[0]))]
             rows.append((f"rank {rank}: CPU cache -> slot", f"{t * 1e3:.2f} ms", f"{nbytes / 2**20:.1f} MiB",
                          f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms; medians: acquire {part[0]:.2f} ms "
-                         f"(copy thread {part[1]:.2f}, of it the copy call {part[2]:.2f}), device span of the copy "
-                         f"{part[3]:.2f}, then waiting on its event {part[4]:.2f}"))
+                         f"(copy thread {part[1]:.2f}, of it the copy call {part[2]:.2f}: slot targets {part[5]:.2f}, "
+                         f"signature {part[6]:.2f}, staging copy queued {part[7]:.2f}, scatter launch {part[8]:.2f}, "
+                         f"rest {part[9]:.2f}), device span of the copy {part[3]:.2f}, then waiting on its event {part[4]:.2f}"))
             await slots.evict(name)
     finally:
         copy_calls.restore(slots)

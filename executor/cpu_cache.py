@@ -27,6 +27,8 @@ import torch
 
 from loraserve.errors import StatusError
 
+from .lora import shard_signature
+from .shard_tensors import ShardTensors
 from .store_client import pinned_blob
 
 if TYPE_CHECKING:
@@ -92,11 +94,12 @@ class CpuCache:
                         raise StatusError(grpc.StatusCode.CANCELLED,
                                           f"adapter {a.name!r}: no request waits for it any more; not fetched")
                     digest, rank, tensors, nbytes = await self._fetch_shard(a.name)
-            if self.device.type == "cuda" and not all(t.is_pinned() for t in tensors.values()):
-                # Pinned host memory makes the slot copy a true async DMA. The store client's shards
-                # land pinned already (one copy per load: the stream's); others are copied here into
-                # one pinned buffer, so a slot load moves them with one host->device copy too.
-                tensors = await asyncio.to_thread(pinned_blob, tensors)
+            # Pinned host memory makes the slot copy a true async DMA. The store client's shards
+            # land pinned already (one copy per load: the stream's); others are copied here into
+            # one pinned buffer, so a slot load moves them with one host->device copy too. And the
+            # shard's signature is worked out now, off the serving loop, not in every slot load.
+            tensors = await asyncio.to_thread(
+                _landed, tensors, self.device.type == "cuda" and not all(t.is_pinned() for t in tensors.values()))
             a.digest, a.rank, a.nbytes, a.tensors = digest, rank, nbytes, tensors
             self._lru[a.name] = a
             self.nbytes += nbytes
@@ -140,3 +143,12 @@ def waited_on(a: _Adapter) -> bool:
     in flight (`holds`), or its pin (a pinned adapter's slot is reloaded when its version changes).
     A slot load alone is not a reason: it goes on after every request that started it has ended."""
     return a.wanted > 0 or a.holds > 0 or a.pinned
+
+
+def _landed(tensors: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
+    """A fetched shard as the CPU cache keeps it: in one pinned buffer if `pin`, its signature kept."""
+    if pin:
+        tensors = pinned_blob(tensors)
+    if isinstance(tensors, ShardTensors):
+        shard_signature(tensors)
+    return tensors

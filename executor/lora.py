@@ -5,7 +5,11 @@ Every LoRA-capable module has the same surface: `create_lora_weights`, `set_lora
 own slot through the step's LoraMeta (slot -1 = base model only). Slot buffers are zero beyond
 each adapter's rank, so the kernels may compute over the full `max_rank` and stay exact; each
 module also keeps its slots' ranks on the host (`slot_ranks`) to skip modules no active
-adapter targets and, on the reference path, to cut the rank to the step's largest.
+adapter targets and, on the reference path, to cut the rank to the step's largest. That is a
+contract on every writer of slot buffers (the set_lora / reset_lora below, slot loads and clears):
+a module's slot holds zeros past its `slot_ranks` entry. Loads and clears rely on it to zero only
+the rank positions the slot's previous adapter wrote (a rank-8 load over a rank-8 one moves a
+rank-8 adapter's bytes, not the slot's whole `max_rank`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from loraserve.v1 import common_pb2
 
 from .model.config import ModelConfig
 from .parallel import TPGroup
+from .shard_tensors import ShardTensors
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -526,7 +531,7 @@ class _SlotTargets:
     def current(self) -> bool:
         return all(map(operator.is_, self.buffers, _buffers(self.candidates)))
 
-    def layout(self, tensors: dict[str, torch.Tensor], key: tuple, offsets: list[int | None]) -> _ShardLayout:
+    def layout(self, tensors: dict[str, torch.Tensor], key: "_LayoutKey", offsets: list[int | None]) -> _ShardLayout:
         """The layout of `tensors` (signature `key`): cached, or checked (ValueError) and planned."""
         with self.lock:
             found = self.layouts.get(key)
@@ -555,7 +560,7 @@ class _SlotTargets:
                 continue
             for buf, src, part, parts in ((m.lora_a, a, "lora_a", 1), (m.lora_b, b, "lora_b", m.rank_parts)):
                 offset = 0 if src is None else offsets[f"{name}.{part}"] // size
-                copies.append(_slot_copy(buf, m.slot_rank_dim, src, offset, parts))
+                copies.append(_slot_copy(buf, m.slot_rank_dim, src, offset, parts, m.rank_parts))
         if not plannable:
             return _ShardLayout(tuple(ranks), None, 0, top)
         span = max((offsets[k] + t.nbytes for k, t in tensors.items()), default=0)
@@ -585,22 +590,55 @@ def _slot_targets(model: nn.Module) -> _SlotTargets:
     return targets
 
 
-def _slot_copy(buf: torch.Tensor, rank_dim: int, src: torch.Tensor | None, src_offset: int, parts: int = 1) -> SlotCopy:
+def _slot_copy(buf: torch.Tensor, rank_dim: int, src: torch.Tensor | None, src_offset: int, parts: int = 1,
+               rank_parts: int = 1) -> SlotCopy:
     """One slot of `buf` ([max_loras, ...], rank on dim rank_dim of a slot) as rows x fill: rows are
     the dims before the rank, a row the rank and the dims after it. src (its rank r <= the slot's)
     fills each row's first r / R; None: zeros. parts > 1: a fully sharded column layer's B, whose rank
-    is `parts` blocks (one per TP rank's A) each padded on its own: each block is a row."""
+    is `parts` blocks (one per TP rank's A) each padded on its own: each block is a row.
+    rank_parts: the module's (a row's rank positions hold 1 / rank_parts of an adapter's rank)."""
     shape = buf.shape[1:]
     inner = prod(shape[rank_dim + 1 :])
     fill = shape[rank_dim] // parts * inner
     cols = 0 if src is None else src.shape[rank_dim] // parts * inner
-    return SlotCopy(buf, prod(shape[:rank_dim]) * parts, fill, fill, cols, src_offset)
+    return SlotCopy(buf, prod(shape[:rank_dim]) * parts, fill, fill, cols, src_offset, unit=inner, parts=rank_parts)
+
+
+class _LayoutKey:
+    """A shard layout's key (a tuple over every tensor) with its hash worked out once; one object
+    per layout (`_KEYS`), so the layout cache finds a shard's by identity, not by comparing ~450
+    names and shapes on every load."""
+
+    __slots__ = ("parts", "hash", "__weakref__")
+
+    def __init__(self, parts: tuple):
+        self.parts, self.hash = parts, hash(parts)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, _LayoutKey) and self.hash == other.hash and self.parts == other.parts)
+
+
+_KEYS: weakref.WeakValueDictionary[tuple, _LayoutKey] = weakref.WeakValueDictionary()
+_KEYS_LOCK = threading.Lock()
+
+
+def shard_signature(tensors: dict[str, torch.Tensor]):
+    """What a slot load of `tensors` works out before it copies anything: (layout key, byte
+    offsets, storage, lo), see `_signature`. Kept on a ShardTensors (the CPU cache calls this
+    as a shard lands, off the serving loop), so its loads into slots skip it."""
+    return _signature(tensors)
 
 
 def _signature(tensors: dict[str, torch.Tensor]):
     """(key, byte offsets, storage, lo) of a shard. The key names each tensor's name, shape, dtype,
     contiguity and, when all are host tensors in one storage (`storage`, else None), its byte
-    offset from lo, the lowest start among them."""
+    offset from lo, the lowest start among them. Worked out once per ShardTensors."""
+    known = getattr(tensors, "signature", None)
+    if known is not None:
+        return known
     ts = tuple(tensors.values())
     ptrs = [t.data_ptr() for t in ts]
     lo, storage = min(ptrs, default=0), None
@@ -610,8 +648,15 @@ def _signature(tensors: dict[str, torch.Tensor]):
             storage = first
     offsets = [p - lo for p in ptrs] if storage is not None else [None] * len(ts)
     shapes, dtypes, contiguous = [t.shape for t in ts], [t.dtype for t in ts], [t.is_contiguous() for t in ts]
-    key = (tuple(tensors), tuple(zip(shapes, dtypes, contiguous, offsets)))
-    return key, offsets, storage, lo
+    parts = (tuple(tensors), tuple(zip(shapes, dtypes, contiguous, offsets)))
+    with _KEYS_LOCK:
+        key = _KEYS.get(parts)
+        if key is None:
+            key = _KEYS[parts] = _LayoutKey(parts)
+    found = key, offsets, storage, lo
+    if isinstance(tensors, ShardTensors):
+        tensors.signature = found
+    return found
 
 
 def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device, dtype: torch.dtype):
@@ -649,19 +694,30 @@ def _default_scatter(device: torch.device):
 
 
 def _clear_plan(modules: list[nn.Module], buffers: tuple) -> ScatterPlan | None:
-    """Zeros over one slot of each of `buffers` (the modules'), whole; None when they are not all
-    contiguous of one dtype. Cached by the list's first module, checked against the buffers."""
+    """Zeros over one slot of each of `buffers` (the modules'), row by row as a load writes them (so
+    `clipped` cuts them to a rank); None when they are not all contiguous of one dtype. Cached by
+    the list's first module, checked against the buffers."""
     cached = _CLEAR_PLANS.get(modules[0])
     if cached is None or len(cached[0]) != len(buffers) or not all(map(operator.is_, cached[0], buffers)):
         ok = len({b.dtype for b in buffers}) == 1 and all(b.is_contiguous() for b in buffers)
-        plan = ScatterPlan(tuple(SlotCopy(b, 1, b.stride(0), b.stride(0)) for b in buffers)) if ok else None
+        plan = ScatterPlan(tuple(
+            _slot_copy(buf, m.slot_rank_dim, None, 0, parts, m.rank_parts)
+            for m in modules for buf, parts in ((m.lora_a, 1), (m.lora_b, m.rank_parts))
+        )) if ok else None  # fmt: skip
         cached = _CLEAR_PLANS[modules[0]] = (buffers, plan)
     return cached[1]
 
 
+def written_rank(modules, slot: int) -> int:
+    """The adapter rank past which `slot` holds zeros in every one of `modules`: the largest of their
+    slot_ranks (set by every load and clear; a fully sharded layer's counts 1 / rank_parts of it)."""
+    return max((m.slot_ranks[slot] * m.rank_parts for m in modules), default=0)
+
+
 def clear_slot(modules, slot: int, scatter=None) -> None:
     """Zeroes `slot` of every module (an iterable of LoRA modules, e.g. lora_modules(model).values()) in
-    one go: on CUDA one launch. scatter: as in load_shard_into_slot."""
+    one go: on CUDA one launch, over the rank positions its adapter wrote only. scatter: as in
+    load_shard_into_slot."""
     modules = list(modules)
     buffers = _buffers(modules)
     scatter = scatter or (_default_scatter(buffers[0].device) if buffers else None)
@@ -672,7 +728,7 @@ def clear_slot(modules, slot: int, scatter=None) -> None:
             m.reset_lora(slot, writes)
         writes.flush()
         return
-    scatter(plan, None, slot)
+    scatter(plan.clipped(written_rank(modules, slot)), None, slot)
     for m in modules:
         m.slot_ranks[slot] = 0
 
@@ -694,7 +750,8 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
     if scatter is not None and layout.plan is not None:
         dtype = next(iter(tensors.values())).dtype if tensors else torch.uint8
         staged = _staged(storage, lo, layout.span, targets.device, dtype) if tensors else None
-        scatter(layout.plan, staged, slot)
+        # zeros only up to what the slot's previous adapter wrote: its tail past that is zero already
+        scatter(layout.plan.clipped(written_rank(targets.modules.values(), slot)), staged, slot)
     else:
         writes = SlotWrites()  # every module's copies and zero-fills issued together
         for name, module in targets.modules.items():

@@ -29,17 +29,18 @@ from collections.abc import Callable
 import torch
 
 from .memory import ARENA_CACHE_SHARE as CACHE_SHARE  # of the arena, what the CPU cache may hold
+from .shard_tensors import ShardTensors
 
 log = logging.getLogger(__name__)
 
 ALIGN = 4096  # block alignment: page-aligned, and more than any tensor's dtype needs
 
 
-class ArenaShard(dict):
-    """A shard's tensors (name -> view of one arena block): a dict that can carry a finalizer.
+class ArenaShard(ShardTensors):
+    """A shard's tensors (name -> view of one arena block), whose finalizer releases the block.
     Keep passing this dict itself along; a copy of it (`dict(shard)`) does not keep the block."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ()
 
 
 class PinnedArena:

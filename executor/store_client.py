@@ -29,6 +29,7 @@ from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
 
 from .pinned_arena import ArenaShard, PinnedArena
+from .shard_tensors import ShardTensors
 
 log = logging.getLogger(__name__)
 DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -61,7 +62,7 @@ def host_buffer(nbytes: int, pin_memory: bool) -> torch.Tensor:
     return torch.frombuffer(memory, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
-def pinned_blob(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def pinned_blob(tensors: dict[str, torch.Tensor]) -> ShardTensors:
     """The tensors copied into one pinned host buffer, as contiguous views of it (as a fetched
     shard lands): a slot load then moves it with one host->device copy (executor/lora.py)."""
     offsets, total = {}, 0
@@ -70,7 +71,7 @@ def pinned_blob(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         offsets[name] = total
         total += t.numel() * t.element_size()
     blob = host_buffer(total, pin_memory=True)
-    out = {}
+    out = ShardTensors()
     for name, t in tensors.items():
         view = blob[offsets[name] : offsets[name] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         view.copy_(t)
@@ -78,7 +79,7 @@ def pinned_blob(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def shard_tensors(blob: torch.Tensor) -> dict[str, torch.Tensor]:
+def shard_tensors(blob: torch.Tensor) -> ShardTensors:
     """The tensors of a safetensors blob held in a uint8 tensor, as views of it (no copy).
 
     Layout: 8-byte little-endian header length, the JSON header, then the data; each tensor's
@@ -91,7 +92,7 @@ def shard_tensors(blob: torch.Tensor) -> dict[str, torch.Tensor]:
         header = json.loads(raw[8 : 8 + n].tobytes())
     except ValueError as e:
         raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard header is not JSON: {e}") from None
-    base, out = 8 + n, {}
+    base, out = 8 + n, ShardTensors()
     for name, info in header.items():
         if name == "__metadata__":
             continue

@@ -11,7 +11,7 @@ it (executor/lora.py); the Triton kernel then does every copy of a load in one l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -20,7 +20,10 @@ import torch
 class SlotCopy:
     """dst[slot] seen as `rows` rows `dst_stride` elements apart: the first `src_cols` of each row's
     `fill` columns come from the source (rows x src_cols, row-major, from element `src_offset`),
-    the rest are zeroed (src_cols 0: zeros only)."""
+    the rest are zeroed (src_cols 0: zeros only). `unit`: a row's elements per rank position
+    (its rank positions lie one after another along the row), 0 when the row is not laid out by
+    rank; `parts`: the adapter's rank over a row's positions (a fully sharded layer's rank is cut
+    in parts): `ScatterPlan.clipped` cuts the zero fill of a row short by them."""
 
     dst: torch.Tensor  # a module's slot buffer, [max_loras, ...], contiguous
     rows: int
@@ -28,6 +31,8 @@ class SlotCopy:
     dst_stride: int
     src_cols: int = 0
     src_offset: int = 0
+    unit: int = 0
+    parts: int = 1
 
 
 @dataclass(eq=False)
@@ -38,6 +43,21 @@ class ScatterPlan:
 
     copies: tuple[SlotCopy, ...]
     device_tables: dict = field(default_factory=dict)
+    clips: dict = field(default_factory=dict)  # rank -> the plan clipped to it (`clipped`)
+
+    def clipped(self, rank: int | None) -> ScatterPlan:
+        """This plan for a slot that holds zeros past adapter rank `rank` already (None: nothing
+        known, the plan itself): each row with a `unit` is filled only up to the larger of its
+        source columns and its share of `rank` positions, so a load moves its own rank's bytes and
+        zeroes only what the slot's previous adapter left. Cached per rank (their tables with them)."""
+        if rank is None:
+            return self
+        got = self.clips.get(rank)
+        if got is None:
+            cut = [replace(c, fill=min(c.fill, max(c.src_cols, -(-rank // c.parts) * c.unit))) if c.unit else c
+                   for c in self.copies]
+            got = self.clips[rank] = ScatterPlan(tuple(c for c in cut if c.fill))
+        return got
 
 
 def slot_scatter(plan: ScatterPlan, src: torch.Tensor | None, slot: int) -> None:

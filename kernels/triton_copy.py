@@ -7,7 +7,9 @@ offset, elements, source columns, destination row stride, columns to fill, first
 once per ScatterPlan and kept on the device; every load of that layout is then one launch whose
 only varying argument is the slot. Each program does BLOCK elements of one copy's rows x fill
 region: a source element where the column is below src_cols, else zero. Elements move as
-integers of their size, so any dtype copies bit for bit.
+integers, so any dtype copies bit for bit: of the widest size up to 8 bytes that every copy's
+offsets, row lengths and strides (in bytes) are multiples of, so a bf16 slot of rank >= 4 moves 8
+bytes per element and its index arithmetic is a quarter of 2-byte elements'.
 """
 
 from __future__ import annotations
@@ -52,27 +54,45 @@ _TABLES_LOCK = threading.Lock()  # loads run in worker threads: one builds a pla
 
 
 def _tables(plan: ScatterPlan, device: torch.device):
-    """(descriptor table [copies, 8] int64, each block's copy [blocks] int32, blocks, slots) on
-    device, or None when a copy is too large for the kernel's int32 element index."""
+    """(descriptor table [copies, 8] int64, each block's copy [blocks] int32, blocks, slots, word
+    dtype) on device, or None when a copy is too large for the kernel's int32 element index. The
+    table counts in words: `_word` elements of the slot buffers' dtype."""
     key = str(device)
     with _TABLES_LOCK:
         return plan.device_tables[key] if key in plan.device_tables else _build_tables(plan, device, key)
 
 
+def _word(plan: ScatterPlan) -> int:
+    """Elements per word: the most (a power of two, up to 8 bytes) that divides every copy's source
+    offset, source columns, fill, row stride and slot stride, and its slot buffer's address."""
+    size = plan.copies[0].dst.element_size()
+    n = 8 // size
+    while n > 1:
+        if all(
+            v % n == 0 for c in plan.copies for v in (c.src_offset, c.src_cols, c.fill, c.dst_stride, c.dst.stride(0))
+        ) and all(c.dst.data_ptr() % (n * size) == 0 for c in plan.copies):
+            break
+        n //= 2
+    return n
+
+
 def _build_tables(plan: ScatterPlan, device: torch.device, key: str):
-    sizes = [c.rows * c.fill for c in plan.copies]
+    w = _word(plan)
+    sizes = [c.rows * c.fill // w for c in plan.copies]
     blocks = [triton.cdiv(n, BLOCK) for n in sizes]
     first = [0, *itertools.accumulate(blocks)]
     if max(sizes) >= 2**31:
         plan.device_tables[key] = None
     else:
         table = torch.tensor(
-            [[c.dst.data_ptr(), c.dst.stride(0), c.src_offset, n, c.src_cols, c.dst_stride, c.fill, f]
+            [[c.dst.data_ptr(), c.dst.stride(0) // w, c.src_offset // w, n, c.src_cols // w, c.dst_stride // w,
+              c.fill // w, f]
              for c, n, f in zip(plan.copies, sizes, first)], dtype=torch.int64,
         ).view(-1, _COLUMNS)  # fmt: skip
         block_copy = torch.repeat_interleave(torch.arange(len(blocks), dtype=torch.int32), torch.tensor(blocks))
         slots = min(c.dst.shape[0] for c in plan.copies)
-        plan.device_tables[key] = (table.to(device), block_copy.to(device), first[-1], slots)
+        word = _WORDS[w * plan.copies[0].dst.element_size()]
+        plan.device_tables[key] = (table.to(device), block_copy.to(device), first[-1], slots, word)
     return plan.device_tables[key]
 
 
@@ -84,10 +104,10 @@ def slot_scatter(plan: ScatterPlan, src: torch.Tensor | None, slot: int) -> None
     tables = _tables(plan, dst.device)
     if tables is None:
         return copy_reference.slot_scatter(plan, src, slot)
-    table, block_copy, blocks, slots = tables
+    table, block_copy, blocks, slots, word = tables
     if not 0 <= slot < slots:  # the kernel would write past the buffers
         raise IndexError(f"slot {slot} of {slots}")
-    word = _WORDS[dst.element_size()]
-    src = (src if src is not None else dst.new_empty(0)).view(word)
+    raw = (src if src is not None else dst.new_empty(0)).view(torch.uint8)
+    src = raw[: raw.numel() - raw.numel() % word.itemsize].view(word)  # the copies end on whole words
     if blocks:
         _slot_scatter_kernel[(blocks,)](table, block_copy, src, slot, BLOCK=BLOCK, num_warps=4)

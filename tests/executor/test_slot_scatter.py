@@ -49,6 +49,7 @@ def _modules(dtype, device) -> nn.Module:
     for m in lora_modules(model).values():  # stale contents: every write must be a copy or a zero
         m.lora_a.copy_(torch.randn(m.lora_a.shape))
         m.lora_b.copy_(torch.randn(m.lora_b.shape))
+        m.slot_ranks[:] = [m.lora_a.shape[m.slot_rank_dim + 1]] * len(m.slot_ranks)  # ... at every rank position
     return model
 
 
@@ -165,3 +166,58 @@ def test_resizing_the_slots_drops_the_cached_plans_that_hold_the_old_buffers():
     assert lora._TARGETS.get(model) is None and old() is None  # freed at once
     load_shard_into_slot(model, 2, _one_buffer(_shard(model, 4), False), scatter=copy_reference.slot_scatter)
     assert model["qkv"].lora_a.shape[0] == 3 and model["qkv"].slot_ranks[2] == 4
+
+
+def test_a_load_zeroes_only_what_the_slots_previous_adapter_wrote():
+    """Rank-r over rank-r moves r rank positions per row and no zeros; over a larger rank it zeroes
+    the old tail, and nothing past it; a clear covers the written positions only (none after a
+    clear). Same bytes as per-tensor copies throughout."""
+    new, old = _modules(torch.float32, "cpu"), _modules(torch.float32, "cpu")
+    plans = []
+
+    def scatter(plan, src, slot):
+        plans.append(plan)
+        copy_reference.slot_scatter(plan, src, slot)
+
+    def written(plan):  # elements written per row position: (source, zeros) over all copies
+        return sum(c.rows * c.src_cols for c in plan.copies), sum(c.rows * (c.fill - c.src_cols) for c in plan.copies)
+
+    def load(rank, seed):
+        shard = _shard(new, rank, seed=seed)
+        load_shard_into_slot(new, 1, _one_buffer(shard, False), scatter=scatter)
+        load_shard_into_slot(old, 1, shard)
+        _assert_same(new, old)
+        return written(plans[-1])
+
+    src4, zeros = load(4, 0)  # the slot was stale at every rank position: all zeroed
+    assert zeros > 0
+    assert load(4, 1) == (src4, 0)  # rank 4 over rank 4: only its own bytes
+    src8, _ = load(8, 2)
+    src4_again, tail = load(4, 3)  # rank 4 over rank 8: the old tail 4..8 zeroed, nothing past it
+    assert src4_again == src4 and tail == src8 - src4
+    clear_slot(lora_modules(new).values(), 1, scatter=scatter)
+    for m in lora_modules(old).values():
+        m.reset_lora(1)
+    _assert_same(new, old)
+    assert written(plans[-1]) == (0, src4)  # the clear zeroes the rank-4 positions only
+    n = len(plans)
+    clear_slot(lora_modules(new).values(), 1, scatter=scatter)
+    assert written(plans[n]) == (0, 0)  # nothing written since: nothing to zero
+    assert load(4, 4) == (src4, 0)
+
+
+def test_a_shards_signature_is_worked_out_once_and_its_layout_key_shared():
+    """A ShardTensors keeps its signature (the CPU cache works it out as the shard lands), so its
+    slot loads skip it; shards of one layout share one key object, found by identity."""
+    from loraserve.executor.shard_tensors import ShardTensors
+
+    model = _modules(torch.float32, "cpu")
+    one, two = (ShardTensors(_one_buffer(_shard(model, 4, seed=s), False)) for s in (0, 1))
+    sig = lora.shard_signature(one)
+    assert one.signature is sig and lora.shard_signature(one) is sig
+    assert lora.shard_signature(two)[0] is sig[0]  # same layout: the same key object
+    load_shard_into_slot(model, 1, one, scatter=copy_reference.slot_scatter)
+    load_shard_into_slot(model, 2, two, scatter=copy_reference.slot_scatter)
+    assert len(lora._slot_targets(model).layouts) == 1
+    plain = _one_buffer(_shard(model, 4, seed=2), False)  # a plain dict: worked out on each load, nothing kept
+    assert lora.shard_signature(plain)[0] is sig[0] and not hasattr(plain, "signature")

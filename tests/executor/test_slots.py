@@ -644,3 +644,18 @@ async def test_an_acquire_cancelled_while_its_fetch_waits_for_a_seat_fetches_not
     assert "adapter-2" not in store.fetches, "a fetch started for a request that had ended"
     assert store.fetches.get("adapter-3") == 1 and mgr.state("adapter-3").in_cpu_cache
     assert "adapter-3" not in slots.content.values() and mgr.state("adapter-3").slot < 0
+
+
+async def test_a_fetched_shard_lands_with_its_signature_worked_out(store, slots):
+    """The CPU cache works a ShardTensors' signature out as it lands (off the serving loop): the
+    slot copy then finds it kept and skips that work."""
+    from loraserve.executor.shard_tensors import ShardTensors
+
+    store.shards["adapter-0"] = ShardTensors(store.shards["adapter-0"])
+    seen = []
+    copy = slots.copy
+    slots.copy = lambda slot, tensors: seen.append(getattr(tensors, "signature", None)) or copy(slot, tensors)
+    mgr = _manager(store, slots)
+    lease = await mgr.acquire("adapter-0")
+    mgr.release(lease)
+    assert seen and seen[0] is not None and seen[0][0].parts[0] == ("layer.lora_a",)

@@ -1,0 +1,82 @@
+"""What queuing one host -> device copy costs the host, by source memory and size (CUDA host).
+
+A slot load queues one copy of the shard's bytes from the pinned CPU cache (memory page-locked with
+cudaHostRegister: executor/pinned_arena.py) and returns; the copy's own time is the device's. This
+prints, per size, the host time of `dst.copy_(src, non_blocking=True)` on a side stream and the
+copy's device time (events), from: memory of torch's pinned allocator (cudaHostAlloc), a region
+page-locked with cudaHostRegister (as the arena), and the same region issued as 8 MiB pieces.
+Medians of 20, after 3 warm-ups.
+
+    python benchmarks/bench_h2d_call.py [--region-gib 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+SIZES_MIB = (40, 80, 160, 320)
+
+
+def timed(fn, stream: torch.cuda.Stream, repeat: int = 20) -> tuple[float, float]:
+    """(host seconds of fn's call, device seconds between events around it), medians."""
+    host, dev = [], []
+    for i in range(repeat + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            start.record()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            end.record()
+        end.synchronize()
+        if i >= 3:
+            host.append(t1 - t0)
+            dev.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(host), statistics.median(dev)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--region-gib", type=float, default=4.0, help="size of the cudaHostRegister'd region")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_h2d_call.py runs on a CUDA host")
+    stream = torch.cuda.Stream()
+    top = max(SIZES_MIB) << 20
+    alloc = torch.empty(top, dtype=torch.uint8, pin_memory=True)
+    region_bytes = int(args.region_gib * 2**30)
+    region = torch.empty(region_bytes, dtype=torch.uint8)
+    region.fill_(1)  # pages touched before they are locked, as the arena does
+    err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), region_bytes, 0)
+    if int(err) != 0:
+        raise SystemExit(f"cudaHostRegister error {int(err)}")
+    dst = torch.empty(top, dtype=torch.uint8, device="cuda")
+    rows = []
+    for mib in SIZES_MIB:
+        n = mib << 20
+        at = region_bytes // 2  # a slice from the middle of the registered region
+        src_reg = region[at : at + n]
+        cases = {
+            "cudaHostAlloc (torch pinned)": lambda: dst[:n].copy_(alloc[:n], non_blocking=True),
+            "cudaHostRegister region": lambda: dst[:n].copy_(src_reg, non_blocking=True),
+            "region, 8 MiB pieces": lambda: [dst[o : o + (8 << 20)].copy_(src_reg[o : o + (8 << 20)], non_blocking=True)
+                                             for o in range(0, n, 8 << 20)],
+        }
+        for name, fn in cases.items():
+            h, d = timed(fn, stream)
+            rows.append((mib, name, h * 1e6, d * 1e3, n / d / 1e9))
+    print(f"\nhost -> device copy, host time of the call - {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}")
+    print("| MiB | source | host us of the call | device ms | GB/s |\n|---|---|---|---|---|")
+    for mib, name, h, d, bw in rows:
+        print(f"| {mib} | {name} | {h:.1f} | {d:.3f} | {bw:.1f} |")
+    torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
+
+
+if __name__ == "__main__":
+    main()
