@@ -714,9 +714,10 @@ def written_rank(modules, slot: int) -> int:
     return max((m.slot_ranks[slot] * m.rank_parts for m in modules), default=0)
 
 
-def clear_slot(modules, slot: int, scatter=None) -> None:
+def clear_slot(modules, slot: int, scatter=None, whole: bool = False) -> None:
     """Zeroes `slot` of every module (an iterable of LoRA modules, e.g. lora_modules(model).values()) in
-    one go: on CUDA one launch, over the rank positions its adapter wrote only. scatter: as in
+    one go: on CUDA one launch, over the rank positions its adapter wrote only (whole: every one;
+    the engine's warm-up clears an empty slot so, to build the kernel loads use). scatter: as in
     load_shard_into_slot."""
     modules = list(modules)
     buffers = _buffers(modules)
@@ -728,7 +729,7 @@ def clear_slot(modules, slot: int, scatter=None) -> None:
             m.reset_lora(slot, writes)
         writes.flush()
         return
-    scatter(plan.clipped(written_rank(modules, slot)), None, slot)
+    scatter(plan if whole else plan.clipped(written_rank(modules, slot)), None, slot)
     for m in modules:
         m.slot_ranks[slot] = 0
 

@@ -297,9 +297,10 @@ class Engine:
                     self.model.compute_logits(hidden[:n], None)
                 torch.cuda.synchronize(self.device)
         modules = lora_modules(self.model).values()
-        if self.max_loras and modules:  # the slot-load kernel too (slot 0 holds nothing yet: zeroing it changes nothing)
+        if self.max_loras and modules:  # the slot-load kernel too (slot 0 holds nothing yet: zeroing it changes
+            # nothing; whole, or the clear would skip the launch, having written nothing to zero)
             with torch.cuda.device(self.device):
-                clear_slot(modules, 0)
+                clear_slot(modules, 0, whole=True)
                 torch.cuda.synchronize(self.device)
         return seconds
 
