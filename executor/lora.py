@@ -520,6 +520,9 @@ class _SlotTargets:
         named = [(n, m) for n, m in model.named_modules() if isinstance(m, LORA_MODULE_TYPES)]
         self.candidates = [m for _, m in named]
         self.buffers = _buffers(self.candidates)
+        # each module's buffer dict (kept for the module's life; a replaced buffer changes its entry)
+        # with the buffers it held: `current` reads these, a few times faster than listing them again
+        self._held = [(m._buffers, m._buffers["lora_a"], m._buffers["lora_b"]) for m in self.candidates]
         self.modules = {n: m for n, m in named if m.lora_a is not None}
         self.known = frozenset(f"{n}.{part}" for n in self.modules for part in ("lora_a", "lora_b"))
         slot_bufs = [b for b in self.buffers if b is not None]
@@ -529,7 +532,7 @@ class _SlotTargets:
         self.lock = threading.Lock()
 
     def current(self) -> bool:
-        return all(map(operator.is_, self.buffers, _buffers(self.candidates)))
+        return all(d["lora_a"] is a and d["lora_b"] is b for d, a, b in self._held)
 
     def layout(self, tensors: dict[str, torch.Tensor], key: "_LayoutKey", offsets: list[int | None]) -> _ShardLayout:
         """The layout of `tensors` (signature `key`): cached, or checked (ValueError) and planned."""
