@@ -608,10 +608,12 @@ async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None
                  head_dim=s["head_dim"], vocab_size=args.vocab)
     work = Path(tempfile.mkdtemp(prefix="serve-probe-"))
     port = bench_store.free_port()
-    proc = bench_store.start_store(work, port, None, "", config=shape)
+    # blocking set-up (a store process, a PEFT adapter, its registration: seconds) off the event loop,
+    # whose engine may still be finishing the cancelled requests of the probe before
+    proc = await asyncio.to_thread(bench_store.start_store, work, port, None, "", config=shape)
     try:
-        bench_store.make_adapter(work / "adapter", 16, config=shape)
-        BlockingStoreClient(f"127.0.0.1:{port}").register("probe-r16", str(work / "adapter"))
+        await asyncio.to_thread(bench_store.make_adapter, work / "adapter", 16, config=shape)
+        await asyncio.to_thread(BlockingStoreClient(f"127.0.0.1:{port}").register, "probe-r16", str(work / "adapter"))
         model = engine.model
         layout = declare_layout(model.cfg, model.lora_spec, "meta-llama/Meta-Llama-3-8B")
         store = StoreClient(f"127.0.0.1:{port}", layout, timeout_s=60, pin_memory=bench_engine.DEVICE == "cuda",
