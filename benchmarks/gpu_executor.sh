@@ -37,6 +37,7 @@
 #            against base alone, the bytes ceiling and transformers + PEFT, in-process and via gRPC
 #   probe:   benchmarks/serve.py --probe: bytes per adapter, pinned H2D bandwidth, cold loads vs the floor
 #            (PROBE_ARGS adds flags, e.g. PROBE_ARGS="--trace-load OUT_DIR/trace.txt")
+#   h2d:     benchmarks/bench_h2d_call.py: the host time of queuing one host -> device copy, by source memory
 #   arena:   the pinning stalls and the pinned arena's set-up time (bench_pinning.py), and the probe
 #            with no pinned arena (--pinned-arena-bytes 0): the cold-load delay the arena removes
 # Logs and tables go to OUT_DIR. KERNELS_FROM=DIR runs everything on the kernels in DIR instead of
@@ -178,6 +179,9 @@ fi
 if has probe; then
   PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe --cpu-cache-bytes $((16 << 30)) ${PROBE_ARGS:-} \
     2>"$OUT/probe.err" | tee "$OUT/probe.log" | tail -12 || tail -30 "$OUT/probe.err"
+fi
+if has h2d; then
+  python3 -P benchmarks/bench_h2d_call.py 2>&1 | tee "$OUT/h2d.log" | tail -15
 fi
 if has arena; then
   python3 -P benchmarks/bench_pinning.py 2>&1 | tee "$OUT/pinning.log" | tail -8
