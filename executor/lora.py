@@ -666,6 +666,8 @@ def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.d
     """The `nbytes` of host `storage` from address lo, copied to `device` in one copy (async from
     pinned memory). The caching allocator reuses the buffer only for work queued after the scatter
     on the current stream, so it is freed when the caller drops it."""
+    if not storage.data_ptr() <= lo <= lo + nbytes <= storage.data_ptr() + storage.nbytes():
+        raise ValueError(f"shard bytes [{lo:#x}, +{nbytes}) are not inside their host buffer (a stale signature?)")
     host = torch.empty(0, dtype=torch.uint8).set_(storage, lo - storage.data_ptr(), (nbytes,), (1,))
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dev.copy_(host, non_blocking=True)
@@ -717,10 +719,22 @@ def written_rank(modules, slot: int) -> int:
     return max((m.slot_ranks[slot] * m.rank_parts for m in modules), default=0)
 
 
-def clear_slot(modules, slot: int, scatter=None, whole: bool = False) -> None:
+def warm_slot_scatter(modules, slot: int = 0) -> None:
+    """Builds the slot-load kernel before serving (the engine's warm-up): zeroes `slot`, which holds
+    nothing yet, cut to rank 1, to rank 2 and whole, so that each word width a load or clear may
+    use (kernels/triton_copy.py: 2-, 4- and 8-byte words for bf16) is built once."""
+    modules = list(modules)
+    buffers = _buffers(modules)
+    scatter = _default_scatter(buffers[0].device) if buffers else None
+    plan = _clear_plan(modules, buffers) if scatter is not None else None
+    if plan is not None:
+        for rank in (1, 2, None):
+            scatter(plan.clipped(rank), None, slot)
+
+
+def clear_slot(modules, slot: int, scatter=None) -> None:
     """Zeroes `slot` of every module (an iterable of LoRA modules, e.g. lora_modules(model).values()) in
-    one go: on CUDA one launch, over the rank positions its adapter wrote only (whole: every one;
-    the engine's warm-up clears an empty slot so, to build the kernel loads use). scatter: as in
+    one go: on CUDA one launch, over the rank positions its adapter wrote only. scatter: as in
     load_shard_into_slot."""
     modules = list(modules)
     buffers = _buffers(modules)
@@ -732,7 +746,7 @@ def clear_slot(modules, slot: int, scatter=None, whole: bool = False) -> None:
             m.reset_lora(slot, writes)
         writes.flush()
         return
-    scatter(plan if whole else plan.clipped(written_rank(modules, slot)), None, slot)
+    scatter(plan.clipped(written_rank(modules, slot)), None, slot)
     for m in modules:
         m.slot_ranks[slot] = 0
 

@@ -6,8 +6,50 @@ from __future__ import annotations
 class ShardTensors(dict):
     """A shard's tensors (name -> tensor, views of the one host buffer it landed in), as the CPU
     cache holds them. A dict that can carry what every slot load of it would otherwise work out
-    again (`signature`: the layout key executor/lora.py looks its checked plan up by, set once by
-    lora.shard_signature) and a finalizer (the pinned arena's ArenaShard). Not changed once made:
-    the signature describes the tensors it was made from."""
+    again (`signature`: the layout key and host addresses executor/lora.py loads it by, set once
+    by lora.shard_signature) and a finalizer (the pinned arena's ArenaShard). The signature
+    describes the tensors it was made from: changing the dict drops it, and a copy (copy, deepcopy,
+    pickle: new tensors, new addresses) does not carry it."""
 
     __slots__ = ("__weakref__", "signature")
+
+    def _changed(self) -> None:
+        try:
+            del self.signature
+        except AttributeError:
+            pass
+
+    def __setitem__(self, key, value) -> None:
+        self._changed()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key) -> None:
+        self._changed()
+        super().__delitem__(key)
+
+    def update(self, *args, **kwargs) -> None:
+        self._changed()
+        super().update(*args, **kwargs)
+
+    def pop(self, *args):
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._changed()
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self._changed()
+        return super().setdefault(key, default)
+
+    def clear(self) -> None:
+        self._changed()
+        super().clear()
+
+    def __ior__(self, other):
+        self._changed()
+        return super().__ior__(other)
+
+    def __reduce_ex__(self, protocol):
+        return type(self), (dict(self),)  # the tensors only: a copy's signature is its own to work out

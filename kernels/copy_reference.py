@@ -56,7 +56,7 @@ class ScatterPlan:
         if got is None:
             cut = [replace(c, fill=min(c.fill, max(c.src_cols, -(-rank // c.parts) * c.unit))) if c.unit else c
                    for c in self.copies]
-            got = self.clips[rank] = ScatterPlan(tuple(c for c in cut if c.fill))
+            got = self.clips.setdefault(rank, ScatterPlan(tuple(c for c in cut if c.fill)))  # one kept if two race
         return got
 
 

@@ -42,7 +42,7 @@ from loraserve.kernels.reference import GATHER_MAX_TOKENS
 from loraserve.kernels.tuning import tuned_token_counts
 
 from ..config import ExecutorConfig
-from ..lora import clear_slot, lora_modules
+from ..lora import lora_modules, warm_slot_scatter
 from ..slots import SlotLease, SlotManager
 from .graphs import DecodeBatch, DecodeGraphs, MixedBatch, MixedGraphs
 from .kv_cache import BlockAllocator, KVCache
@@ -297,10 +297,10 @@ class Engine:
                     self.model.compute_logits(hidden[:n], None)
                 torch.cuda.synchronize(self.device)
         modules = lora_modules(self.model).values()
-        if self.max_loras and modules:  # the slot-load kernel too (slot 0 holds nothing yet: zeroing it changes
-            # nothing; whole, or the clear would skip the launch, having written nothing to zero)
+        if self.max_loras and modules:  # the slot-load kernel too, each word width (slot 0 holds nothing yet:
+            # zeroing it changes nothing)
             with torch.cuda.device(self.device):
-                clear_slot(modules, 0, whole=True)
+                warm_slot_scatter(modules, 0)
                 torch.cuda.synchronize(self.device)
         return seconds
 

@@ -19,8 +19,8 @@ that sequence's decode row plus a T - 1 token prefill chunk cut into sequences o
 max_model_len. Every other token uses LoRA slot 0 (all zeros at start), and the steps run every
 LoRA module's kernels over whole slots as a captured graph does (`StepInputs.every_slot`: slot 0
 targets no module yet, so a normal step would skip them all), on every rank alike. The engine then
-zeroes slot 0 through the slot-load kernel (kernels/triton_copy.py), which builds it before the
-first adapter load; the attention kernels are not specialised on what varies with a step's
+zeroes slot 0 through the slot-load kernel (kernels/triton_copy.py) at each word width it may move
+(lora.warm_slot_scatter), which builds it before the first adapter load; the attention kernels are not specialised on what varies with a step's
 sequences (table width, their count), so the ladder's steps cover every step's variant. What the steps leave in the KV cache is what any freed block holds: never
 read (a sequence reads only the positions it wrote).
 """

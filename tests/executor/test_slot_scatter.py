@@ -221,3 +221,29 @@ def test_a_shards_signature_is_worked_out_once_and_its_layout_key_shared():
     assert len(lora._slot_targets(model).layouts) == 1
     plain = _one_buffer(_shard(model, 4, seed=2), False)  # a plain dict: worked out on each load, nothing kept
     assert lora.shard_signature(plain)[0] is sig[0] and not hasattr(plain, "signature")
+
+
+def test_a_changed_or_copied_shard_does_not_keep_its_signature():
+    """The kept signature names host addresses: a changed dict drops it, a copy does not carry it
+    (its tensors live elsewhere), and a load of the copy reads the copy's bytes."""
+    import copy
+    import pickle
+
+    from loraserve.executor.shard_tensors import ShardTensors
+
+    model, ref = _modules(torch.float32, "cpu"), _modules(torch.float32, "cpu")
+    shard = ShardTensors(_one_buffer(_shard(model, 4, seed=0), False))
+    lora.shard_signature(shard)
+    for other in (copy.copy(shard), copy.deepcopy(shard), pickle.loads(pickle.dumps(shard))):
+        assert type(other) is ShardTensors and not hasattr(other, "signature") and other.keys() == shard.keys()
+    deep = copy.deepcopy(shard)
+    shard.clear()  # the original's buffer may go; the copy loads from its own
+    load_shard_into_slot(model, 1, deep, scatter=copy_reference.slot_scatter)
+    load_shard_into_slot(ref, 1, dict(deep))
+    _assert_same(model, ref)
+    changed = ShardTensors(_one_buffer(_shard(model, 4, seed=1), False))
+    lora.shard_signature(changed)
+    changed["qkv.lora_a"] = changed["qkv.lora_a"].clone()
+    assert not hasattr(changed, "signature")
+    with pytest.raises(ValueError, match="not inside their host buffer"):
+        lora._staged(torch.empty(16, dtype=torch.uint8).untyped_storage(), 0, 16, torch.device("cpu"), torch.uint8)
