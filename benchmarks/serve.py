@@ -422,7 +422,17 @@ class CopyCalls:
         self.inner, self.host, self.events, self.profile = slots._copy_into_slot, 0.0, None, profile
         self.trace = [] if trace else None  # (shard bytes, torch.profiler key averages) of each call (--trace-load)
         self.split: dict[str, float] = {}  # host seconds of each of PARTS in the last call
+        self.marks: dict[str, float] = {}  # perf_counter at the copy thread's steps of the last load
         slots._copy_into_slot = self
+        copy = slots._copy  # SlotManager._copy: the copy thread's call (stream context, the call, its event)
+
+        def marked(*a):
+            self.marks["enter"] = time.perf_counter()
+            try:
+                return copy(*a)
+            finally:
+                self.marks["exit"] = time.perf_counter()
+        slots._copy = marked
         from loraserve.executor import lora
 
         self._lora, self._saved = lora, {n: getattr(lora, n) for n in ("_slot_targets", "_signature", "_staged", "_default_scatter")}
@@ -444,7 +454,7 @@ class CopyCalls:
         on_cuda = bench_engine.DEVICE == "cuda"
         start = torch.cuda.Event(enable_timing=True) if on_cuda else None
         self.split = {}
-        t0 = time.perf_counter()
+        t0 = self.marks["start"] = time.perf_counter()
         if start is not None:
             start.record()
         if self.trace is not None:  # the call's torch ops and CUDA runtime calls, each with its host time
@@ -462,7 +472,8 @@ class CopyCalls:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self.events = (start, end)
-        self.host = time.perf_counter() - t0
+        self.marks["end"] = time.perf_counter()
+        self.host = self.marks["end"] - t0
         return rank
 
     def device(self) -> float:
@@ -480,8 +491,17 @@ class CopyCalls:
         got = [self.split.get(n, 0.0) for n in self.PARTS]
         return got + [self.host - sum(got)]
 
+    def hops(self, t0: float, t1: float) -> list[float]:
+        """Seconds of the last load from acquire (t0) to its return (t1): before the copy thread's
+        call (the slot's claim, the hop onto the thread), its stream context before the copy call,
+        after it (the event, the context's exit), then back to the acquire's return (the hop back,
+        the log line, the waiters' wake-up)."""
+        m = self.marks
+        return [m["enter"] - t0, m["start"] - m["enter"], m["exit"] - m["end"], t1 - m["exit"]]
+
     def restore(self, slots) -> None:
         slots._copy_into_slot = self.inner
+        del slots._copy  # the class's method again
         for n, fn in self._saved.items():
             setattr(self._lora, n, fn)
 
@@ -531,7 +551,7 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
                 t2 = time.perf_counter()
                 times.append(t2 - t0)
                 parts.append((t1 - t0, copy_calls.thread_seconds(slots), copy_calls.host, copy_calls.device(), t2 - t1,
-                              *copy_calls.parts()))
+                              *copy_calls.parts(), *copy_calls.hops(t0, t1)))
                 slots.release(lease)
                 await slots.evict(name)
                 await slots.load(name, into_slot=False)
@@ -541,7 +561,9 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
                          f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms; medians: acquire {part[0]:.2f} ms "
                          f"(copy thread {part[1]:.2f}, of it the copy call {part[2]:.2f}: slot targets {part[5]:.2f}, "
                          f"signature {part[6]:.2f}, staging copy queued {part[7]:.2f}, scatter launch {part[8]:.2f}, "
-                         f"rest {part[9]:.2f}), device span of the copy {part[3]:.2f}, then waiting on its event {part[4]:.2f}"))
+                         f"rest {part[9]:.2f}; around the call: claim and hop onto the thread {part[10]:.2f}, stream "
+                         f"context {part[11]:.2f}, event and context exit {part[12]:.2f}, back to the acquire's "
+                         f"return {part[13]:.2f}), device span of the copy {part[3]:.2f}, then waiting on its event {part[4]:.2f}"))
             await slots.evict(name)
     finally:
         copy_calls.restore(slots)
