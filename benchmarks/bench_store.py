@@ -139,17 +139,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_flight, store_pid, chunk_bytes=0):
+def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_flight, store_pid, chunk_bytes=0,
+                       arena_bytes=0):
     """The executor's store client: request to tensors in host memory, checksum checked; with
     in_flight > 1, that many streams of the shard at once (the rate counts all their bytes).
     Also the CPU seconds each side spent per GB moved (store process; client process), which
-    other processes' load on the cores does not change as much as the rate."""
+    other processes' load on the cores does not change as much as the rate. arena_bytes: shards
+    land in a host arena of that size, its pages touched before (`--pinned-arena-bytes` on a CPU
+    executor; a CUDA executor's pinned arena is touched likewise), not in a fresh buffer each."""
     import asyncio
 
+    from loraserve.executor.pinned_arena import PinnedArena
     from loraserve.executor.store_client import StoreClient as ExecutorStoreClient
 
+    arena = PinnedArena(arena_bytes, pin_memory=False) if arena_bytes else None
+
     async def run():
-        client = ExecutorStoreClient(address, layout, timeout_s=60.0, **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
+        client = ExecutorStoreClient(address, layout, timeout_s=60.0, arena=arena,
+                                     **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
         await client.fetch_shard("llama3-r16")  # connect
         times = []
         cpu0 = cpu_seconds(store_pid), cpu_seconds(os.getpid())
@@ -158,6 +165,8 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
             results = await asyncio.gather(*(client.fetch_shard("llama3-r16") for _ in range(in_flight)))
             times.append(time.perf_counter() - t0)
             assert all(r[3] == nbytes for r in results)
+            assert arena is None or all(arena.holds(next(iter(r[2].values()))) for r in results)
+            del results  # the arena's blocks come back
         cpu = [cpu_seconds(store_pid) - cpu0[0], cpu_seconds(os.getpid()) - cpu0[1]]
         await client.close()
         return statistics.median(times), [c / (repeat * in_flight * nbytes / 1e9) for c in cpu]
@@ -165,7 +174,7 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
     seconds, (store_cpu, client_cpu) = asyncio.run(run())
     mb = nbytes / 2**20
     what = "executor client" if in_flight == 1 else f"executor client x{in_flight}"
-    return (f"{what}, {tier}", f"{in_flight} x {mb:.1f} MiB", f"{in_flight * mb / seconds:9.0f} MiB/s",
+    return (f"{what}, {tier}" + (", host arena" if arena is not None else ""), f"{in_flight} x {mb:.1f} MiB", f"{in_flight * mb / seconds:9.0f} MiB/s",
             f"{in_flight * nbytes / seconds / 1e9:.2f} GB/s; stream/raw {raw_seconds * in_flight / seconds:.2f}; "
             f"CPU s/GB: store {store_cpu:.2f}, client {client_cpu:.2f}")
 
@@ -253,6 +262,8 @@ def main() -> None:
     ap.add_argument("--fetch-only", action="store_true", help="skip the tp=2 and tp=8 pack rows")
     ap.add_argument("--in-flight", type=int, default=4, help="shards streamed at once by the executor client")
     ap.add_argument("--chunk-bytes", type=int, default=0, help="FetchShard chunk size asked for (0: the client's default)")
+    ap.add_argument("--arena-bytes", type=int, default=1 << 30, help="also the executor client landing shards in a "
+                    "host arena of this size, touched before (as a CPU executor's --pinned-arena-bytes; 0: skip)")
     ap.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)  # the bare stream's server process
     args = ap.parse_args()
     if args.bare_server:
@@ -283,6 +294,10 @@ def main() -> None:
         for n in sorted({1, args.in_flight}):
             rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "disk", raw_s, disk.size(key), args.repeat, n,
                                            proc.pid, args.chunk_bytes))
+        if args.arena_bytes:
+            for n in sorted({1, args.in_flight}):
+                rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "disk", raw_s, disk.size(key), args.repeat,
+                                               n, proc.pid, args.chunk_bytes, args.arena_bytes))
         from loraserve.executor.store_client import CHUNK_BYTES
         for n in sorted({1, args.in_flight}):
             rows.append(bare_row(disk.size(key), args.chunk_bytes or CHUNK_BYTES, args.repeat, n))

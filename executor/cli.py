@@ -53,7 +53,8 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
                    help="CUDA: page-lock this much host memory at start and land fetched adapters in it (rank 0's), "
                         "so a cold fetch does not stall the running steps while it is pinned; the CPU cache is held "
                         "to 7/8 of it; a full arena falls back to a fresh pinned buffer (-1: room for the CPU cache, "
-                        "at most 3/4 of the available host memory; 0: off)")
+                        "at most 3/4 of the available host memory; 0: off). CPU: only when given (> 0), touched at "
+                        "start, not page-locked: fetched adapters stream into memory that takes no page faults")
     p.add_argument("--max-concurrent-loads", type=int, default=int(env("max_concurrent_loads", 4)),
                    help="adapters fetched from the store at once; later cold loads wait their turn (adapters in a "
                         "slot or the CPU cache never wait for one)")

@@ -109,16 +109,16 @@ def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer | TokenIds
 
 
 def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | None:
-    """The pinned arena rank 0's fetched shards land in (CUDA; cfg.pinned_arena_bytes, -1: sized
-    for the CPU cache's budget, executor/memory.py), page-locked now; holds the CPU cache to its share.
-    Runs after cfg.cpu_cache_bytes is resolved, and sets cfg.pinned_arena_bytes to what it pinned.
-    adapter_bytes: a slot's bytes (an adapter's most), which bound the cache under max_cpu_adapters."""
+    """The arena rank 0's fetched shards land in: on CUDA pinned (cfg.pinned_arena_bytes, -1: sized
+    for the CPU cache's budget, executor/memory.py), page-locked now; elsewhere only when given
+    (> 0), its pages touched now but not locked, so a shard streams into memory that takes no page
+    faults. Holds the CPU cache to its share. Runs after cfg.cpu_cache_bytes is resolved, and sets
+    cfg.pinned_arena_bytes to what it made. adapter_bytes: a slot's bytes (an adapter's most), which
+    bound the cache under max_cpu_adapters."""
     if cfg.pinned_arena_bytes == 0:
         return None
     if cfg.torch_device.type != "cuda":
-        if cfg.pinned_arena_bytes > 0:
-            log.info("--pinned-arena-bytes is for CUDA executors: shards land in plain host memory on %s", cfg.device)
-        return None
+        return None if cfg.pinned_arena_bytes < 0 else _host_arena(cfg)
     automatic = cfg.pinned_arena_bytes < 0
     available = memory.available_host_bytes()
     if automatic:
@@ -144,8 +144,24 @@ def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | N
         return None
     log.info("pinned arena: %.1f GiB page-locked in %.1fs (pages touched in %.1fs)", arena.nbytes / 2**30,
              arena.pin_seconds, arena.fault_seconds)
+    return _hold_cache(cfg, arena)
+
+
+def _host_arena(cfg: ExecutorConfig) -> PinnedArena:
+    """A CPU executor's arena (--pinned-arena-bytes > 0): touched now, not page-locked."""
+    available = memory.available_host_bytes()
+    if cfg.pinned_arena_bytes > available:
+        raise ValueError(f"--pinned-arena-bytes {cfg.pinned_arena_bytes} is more than the {available} bytes of "
+                         "host memory available now: lower it")
+    arena = PinnedArena(cfg.pinned_arena_bytes, pin_memory=False)
+    log.info("host arena: %.1f GiB touched in %.1fs (on %s: not page-locked); fetched shards land in it",
+             arena.nbytes / 2**30, arena.fault_seconds, cfg.device)
+    return _hold_cache(cfg, arena)
+
+
+def _hold_cache(cfg: ExecutorConfig, arena: PinnedArena) -> PinnedArena:
     if arena.cache_budget(cfg.cpu_cache_bytes) < cfg.cpu_cache_bytes:
-        log.warning("CPU cache held to 7/8 of the pinned arena: %.1f GiB (asked: %.1f GiB)",
+        log.warning("CPU cache held to 7/8 of the arena: %.1f GiB (asked: %.1f GiB)",
                     arena.cache_budget(cfg.cpu_cache_bytes) / 2**30, cfg.cpu_cache_bytes / 2**30)
         cfg.cpu_cache_bytes = arena.cache_budget(cfg.cpu_cache_bytes)
     return arena

@@ -212,10 +212,12 @@ class StoreClient:
                 return block
             if time.monotonic() - self._arena_full_logged > 60:
                 self._arena_full_logged = time.monotonic()
-                log.warning("pinned arena has no room for adapter %s (%d bytes; %d of %d bytes free, largest block %d): "
-                            "it lands in a fresh pinned buffer, and the CUDA calls of the running steps wait while "
-                            "that is page-locked (raise --pinned-arena-bytes or lower --cpu-cache-bytes)",
-                            name, nbytes, self.arena.free_bytes(), self.arena.nbytes, self.arena.largest_free())
+                log.warning("%s arena has no room for adapter %s (%d bytes; %d of %d bytes free, largest block %d): "
+                            "it lands in a fresh %s (raise --pinned-arena-bytes or lower --cpu-cache-bytes)",
+                            "pinned" if self.pin_memory else "host", name, nbytes, self.arena.free_bytes(),
+                            self.arena.nbytes, self.arena.largest_free(),
+                            "pinned buffer, and the CUDA calls of the running steps wait while that is page-locked"
+                            if self.pin_memory else "host buffer")
         # Allocated in a thread: a cold pinned allocation of a large shard takes milliseconds, which the
         # serving loop must not wait for (the engine's steps still do: the driver is held meanwhile).
         return await asyncio.to_thread(host_buffer, nbytes, self.pin_memory)

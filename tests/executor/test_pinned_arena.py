@@ -104,17 +104,25 @@ def test_a_prefaulted_arena_hands_out_zeroed_memory_and_times_its_set_up():
     assert int(a.allocate(8 * ALIGN).sum()) == 0
 
 
-def test_the_cli_flag_reaches_the_config_and_a_cpu_executor_makes_no_arena(caplog):
+def test_the_cli_flag_reaches_the_config_and_a_cpu_executor_makes_an_arena_only_when_given(caplog):
+    """On the CPU an arena only when --pinned-arena-bytes is given: touched, not page-locked, and it
+    holds the CPU cache to its share as on CUDA; more than the host has is refused."""
     from loraserve.cli import build_parser
     from loraserve.executor.cli import executor_config
     from loraserve.executor.service import pinned_arena
 
-    args = build_parser().parse_args(["executor", "--device", "cpu", "--pinned-arena-bytes", str(1 << 20)])
+    args = build_parser().parse_args(["executor", "--device", "cpu", "--pinned-arena-bytes", str(1 << 20),
+                                      "--cpu-cache-bytes", str(4 << 20)])
     cfg = executor_config(args)
     assert cfg.pinned_arena_bytes == 1 << 20
     with caplog.at_level("INFO", logger="loraserve.executor.service"):
-        assert pinned_arena(cfg) is None
-    assert "--pinned-arena-bytes is for CUDA executors: shards land in plain host memory on cpu" in caplog.text
+        arena = pinned_arena(cfg)
+    assert arena is not None and arena.nbytes == 1 << 20 and int(arena.allocate(1 << 20).sum()) == 0
+    assert "host arena: 0.0 GiB touched in" in caplog.text and "(on cpu: not page-locked)" in caplog.text
+    assert cfg.cpu_cache_bytes == arena.cache_budget(4 << 20) < 4 << 20  # held to its share of the arena
+    assert "CPU cache held to 7/8 of the arena" in caplog.text
+    with pytest.raises(ValueError, match="is more than the .* bytes of host memory available now: lower it"):
+        pinned_arena(ExecutorConfig(model="m", device="cpu", pinned_arena_bytes=1 << 60))
     caplog.clear()
     with caplog.at_level("INFO", logger="loraserve.executor.service"):
         assert pinned_arena(ExecutorConfig(model="m", device="cpu")) is None  # -1 (automatic): none on CPU
