@@ -416,7 +416,8 @@ class CopyCalls:
     thread): the host seconds of the call (the staged host -> device copy queued, the scatter
     launched), and on CUDA its device span by events on the stream it runs on (the copy stream)."""
 
-    PARTS = ("_slot_targets", "_signature", "_staged", "scatter")  # executor.lora's steps, timed apart
+    STEPS = ("_slot_targets", "shard_signature", "_staged")  # executor.lora's functions, timed apart
+    PARTS = (*STEPS, "scatter")  # and the scatter's launch
 
     def __init__(self, slots, profile: cProfile.Profile | None = None, trace: bool = False):
         self.inner, self.host, self.events, self.profile = slots._copy_into_slot, 0.0, None, profile
@@ -435,8 +436,8 @@ class CopyCalls:
         slots._copy = marked
         from loraserve.executor import lora
 
-        self._lora, self._saved = lora, {n: getattr(lora, n) for n in ("_slot_targets", "_signature", "_staged", "_default_scatter")}
-        for n in ("_slot_targets", "_signature", "_staged"):
+        self._lora, self._saved = lora, {n: getattr(lora, n) for n in (*self.STEPS, "_default_scatter")}
+        for n in self.STEPS:
             setattr(lora, n, self._timed(n, self._saved[n]))
         saved_default = self._saved["_default_scatter"]
         lora._default_scatter = lambda device: (lambda f: f and self._timed("scatter", f))(saved_default(device))
@@ -785,12 +786,12 @@ async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float, clie
         parts.store_watch.cancel()
     tps = result.tokens / result.seconds
     note = f"{tps / ceiling:.2f} of the ceiling"
-    if own is not None and (mine := own()) is None:
-        note += " (no decode step of this run was recorded: its own ceiling is unknown)"
-    elif own is not None:  # the run's own steps: own() -> (its ceiling, its distinct adapters per decode step)
-        own_c, own_d = mine
-        note = (f"{tps / own_c:.2f} of its own ceiling {own_c:.1f} tok/s ({own_d:.1f} distinct adapters per "
+    mine = own() if own is not None else None  # (its ceiling, its distinct adapters per decode step)
+    if mine is not None:
+        note = (f"{tps / mine[0]:.2f} of its own ceiling {mine[0]:.1f} tok/s ({mine[1]:.1f} distinct adapters per "
                 f"decode step); {tps / ceiling:.2f} of the in-process run's ceiling")
+    elif own is not None:
+        note += " (no decode step of this run was recorded: its own ceiling is unknown)"
     return row(f"loraserve through gRPC (client {'process' if client == 'process' else 'in this process'})", result, note)
 
 

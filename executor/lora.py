@@ -629,16 +629,11 @@ _KEYS_LOCK = threading.Lock()
 
 
 def shard_signature(tensors: dict[str, torch.Tensor]):
-    """What a slot load of `tensors` works out before it copies anything: (layout key, byte
-    offsets, storage, lo), see `_signature`. Kept on a ShardTensors (the CPU cache calls this
-    as a shard lands, off the serving loop), so its loads into slots skip it."""
-    return _signature(tensors)
-
-
-def _signature(tensors: dict[str, torch.Tensor]):
-    """(key, byte offsets, storage, lo) of a shard. The key names each tensor's name, shape, dtype,
-    contiguity and, when all are host tensors in one storage (`storage`, else None), its byte
-    offset from lo, the lowest start among them. Worked out once per ShardTensors."""
+    """What a slot load of `tensors` works out before it copies anything: (key, byte offsets,
+    storage, lo). The key names each tensor's name, shape, dtype, contiguity and, when all are host
+    tensors in one storage (`storage`, else None), its byte offset from lo, the lowest start among
+    them. Kept on a ShardTensors (the CPU cache calls this as a shard lands, off the serving loop),
+    so its loads into slots skip it."""
     known = getattr(tensors, "signature", None)
     if known is not None:
         return known
@@ -719,14 +714,18 @@ def written_rank(modules, slot: int) -> int:
     return max((m.slot_ranks[slot] * m.rank_parts for m in modules), default=0)
 
 
+def _clearing(modules: list[nn.Module], scatter=None):
+    """(scatter, clear plan) for zeroing slots of `modules`; the plan None where no scatter applies."""
+    buffers = _buffers(modules)
+    scatter = scatter or (_default_scatter(buffers[0].device) if buffers else None)
+    return scatter, _clear_plan(modules, buffers) if scatter is not None else None
+
+
 def warm_slot_scatter(modules, slot: int = 0) -> None:
     """Builds the slot-load kernel before serving (the engine's warm-up): zeroes `slot`, which holds
     nothing yet, cut to rank 1, to rank 2 and whole, so that each word width a load or clear may
     use (kernels/triton_copy.py: 2-, 4- and 8-byte words for bf16) is built once."""
-    modules = list(modules)
-    buffers = _buffers(modules)
-    scatter = _default_scatter(buffers[0].device) if buffers else None
-    plan = _clear_plan(modules, buffers) if scatter is not None else None
+    scatter, plan = _clearing(list(modules))
     if plan is not None:
         for rank in (1, 2, None):
             scatter(plan.clipped(rank), None, slot)
@@ -737,9 +736,7 @@ def clear_slot(modules, slot: int, scatter=None) -> None:
     one go: on CUDA one launch, over the rank positions its adapter wrote only. scatter: as in
     load_shard_into_slot."""
     modules = list(modules)
-    buffers = _buffers(modules)
-    scatter = scatter or (_default_scatter(buffers[0].device) if buffers else None)
-    plan = _clear_plan(modules, buffers) if scatter is not None else None
+    scatter, plan = _clearing(modules, scatter)
     if plan is None:
         writes = SlotWrites()
         for m in modules:
@@ -762,7 +759,7 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
     (default: kernels.slot_scatter on CUDA, one launch; None on the CPU: per-tensor copies there).
     """
     targets = _slot_targets(model)
-    key, offsets, storage, lo = _signature(tensors)
+    key, offsets, storage, lo = shard_signature(tensors)
     layout = targets.layout(tensors, key, offsets)
     scatter = scatter or _default_scatter(targets.device)
     if scatter is not None and layout.plan is not None:
