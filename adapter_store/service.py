@@ -350,10 +350,11 @@ async def _streamed(reader, chunk: int, name: str):
         return bytes(memoryview(buffer)[start : _FRAME_ROOM + n])
 
     ahead = None
+    loop = asyncio.get_running_loop()
     try:
-        ahead = asyncio.ensure_future(asyncio.to_thread(read))
+        ahead = loop.run_in_executor(None, read)  # a future, not a task per chunk
         while message := await ahead:
-            ahead = asyncio.ensure_future(asyncio.to_thread(read))
+            ahead = loop.run_in_executor(None, read)
             yield message
         if not await asyncio.to_thread(reader.finish):
             raise StatusError(grpc.StatusCode.DATA_LOSS, f"the cached shard of adapter {name!r} failed its "

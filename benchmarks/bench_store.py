@@ -145,14 +145,16 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
     in_flight > 1, that many streams of the shard at once (the rate counts all their bytes).
     Also the CPU seconds each side spent per GB moved (store process; client process), which
     other processes' load on the cores does not change as much as the rate. arena_bytes: shards
-    land in a host arena of that size, its pages touched before (`--pinned-arena-bytes` on a CPU
-    executor; a CUDA executor's pinned arena is touched likewise), not in a fresh buffer each."""
+    land in a host arena of that size, as a CPU executor's default one (`--pinned-arena-bytes -1`):
+    its pages touched by the first fetches that land in them (the connecting fetch, then the first
+    round's other streams) and reused by later ones; 0: each shard in a fresh buffer
+    (`--pinned-arena-bytes 0`), whose pages fault in on first touch every time."""
     import asyncio
 
     from loraserve.executor.pinned_arena import PinnedArena
     from loraserve.executor.store_client import StoreClient as ExecutorStoreClient
 
-    arena = PinnedArena(arena_bytes, pin_memory=False) if arena_bytes else None
+    arena = PinnedArena(arena_bytes, pin_memory=False, prefault=False) if arena_bytes else None
 
     async def run():
         client = ExecutorStoreClient(address, layout, timeout_s=60.0, arena=arena,
@@ -263,7 +265,7 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=4, help="shards streamed at once by the executor client")
     ap.add_argument("--chunk-bytes", type=int, default=0, help="FetchShard chunk size asked for (0: the client's default)")
     ap.add_argument("--arena-bytes", type=int, default=1 << 30, help="also the executor client landing shards in a "
-                    "host arena of this size, touched before (as a CPU executor's --pinned-arena-bytes; 0: skip)")
+                    "host arena of this size, touched as shards land (as a CPU executor's default arena; 0: skip)")
     ap.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)  # the bare stream's server process
     args = ap.parse_args()
     if args.bare_server:

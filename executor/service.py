@@ -110,15 +110,15 @@ def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer | TokenIds
 
 def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | None:
     """The arena rank 0's fetched shards land in: on CUDA pinned (cfg.pinned_arena_bytes, -1: sized
-    for the CPU cache's budget, executor/memory.py), page-locked now; elsewhere only when given
-    (> 0), its pages touched now but not locked, so a shard streams into memory that takes no page
-    faults. Holds the CPU cache to its share. Runs after cfg.cpu_cache_bytes is resolved, and sets
-    cfg.pinned_arena_bytes to what it made. adapter_bytes: a slot's bytes (an adapter's most), which
-    bound the cache under max_cpu_adapters."""
+    for the CPU cache's budget, executor/memory.py), page-locked now; on the CPU never page-locked,
+    and with -1 (sized alike) its pages are touched by the first shards that land in them, not at
+    start: nothing is committed before it is used, and a later shard reuses touched pages instead of
+    faulting in a fresh buffer's (a given size, > 0, is touched now). Holds the CPU cache to its
+    share. Runs after cfg.cpu_cache_bytes is resolved, and sets cfg.pinned_arena_bytes to what it
+    made. adapter_bytes: a slot's bytes (an adapter's most), which bound the cache under
+    max_cpu_adapters."""
     if cfg.pinned_arena_bytes == 0:
         return None
-    if cfg.torch_device.type != "cuda":
-        return None if cfg.pinned_arena_bytes < 0 else _host_arena(cfg)
     automatic = cfg.pinned_arena_bytes < 0
     available = memory.available_host_bytes()
     if automatic:
@@ -127,11 +127,14 @@ def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | N
             cache = min(cache, (cfg.max_cpu_adapters + cfg.max_concurrent_loads) * adapter_bytes)
         cfg.pinned_arena_bytes = memory.default_pinned_arena_bytes(cache, available)
         if cfg.pinned_arena_bytes == 0:
-            log.warning("no host memory left for a pinned arena: fetched shards land in fresh pinned buffers")
+            log.warning("no host memory left for a %s arena: fetched shards land in fresh %s buffers",
+                        *(("pinned", "pinned") if cfg.torch_device.type == "cuda" else ("host", "host")))
             return None
     elif cfg.pinned_arena_bytes > available:
         raise ValueError(f"--pinned-arena-bytes {cfg.pinned_arena_bytes} is more than the {available} bytes of "
                          "host memory available now: lower it (or -1: sized for the CPU cache)")
+    if cfg.torch_device.type != "cuda":
+        return _host_arena(cfg, prefault=not automatic)
     log.info("pinned arena: page-locking %.1f GiB of host memory (--pinned-arena-bytes; 0 turns it off)",
              cfg.pinned_arena_bytes / 2**30)
     try:
@@ -147,15 +150,16 @@ def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | N
     return _hold_cache(cfg, arena)
 
 
-def _host_arena(cfg: ExecutorConfig) -> PinnedArena:
-    """A CPU executor's arena (--pinned-arena-bytes > 0): touched now, not page-locked."""
-    available = memory.available_host_bytes()
-    if cfg.pinned_arena_bytes > available:
-        raise ValueError(f"--pinned-arena-bytes {cfg.pinned_arena_bytes} is more than the {available} bytes of "
-                         "host memory available now: lower it")
-    arena = PinnedArena(cfg.pinned_arena_bytes, pin_memory=False)
-    log.info("host arena: %.1f GiB touched in %.1fs (on %s: not page-locked); fetched shards land in it",
-             arena.nbytes / 2**30, arena.fault_seconds, cfg.device)
+def _host_arena(cfg: ExecutorConfig, prefault: bool) -> PinnedArena:
+    """A CPU executor's arena: not page-locked; its pages touched now (prefault) or as shards land."""
+    arena = PinnedArena(cfg.pinned_arena_bytes, pin_memory=False, prefault=prefault)
+    if prefault:
+        log.info("host arena: %.1f GiB touched in %.1fs (on %s: not page-locked); fetched shards land in it",
+                 arena.nbytes / 2**30, arena.fault_seconds, cfg.device)
+    else:
+        log.info("host arena: %.1f GiB of address space (on %s: not page-locked, pages touched as fetched shards "
+                 "land in them and kept for the next ones; --pinned-arena-bytes 0 turns it off)",
+                 arena.nbytes / 2**30, cfg.device)
     return _hold_cache(cfg, arena)
 
 

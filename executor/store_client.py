@@ -227,10 +227,12 @@ class StoreClient:
                                             response_deserializer=None)
 
     async def _next(self, call, name: str):
-        """The stream's next message (or EOF), waiting at most timeout_s for it."""
+        """The stream's next message (or EOF), waiting at most timeout_s for it (a timer, not a
+        task per message as `asyncio.wait_for` makes: a shard is ~100 messages)."""
         try:
-            return await asyncio.wait_for(call.read(), self.timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout_s):
+                return await call.read()
+        except TimeoutError:
             raise unavailable(f"adapter store at {self.address} did not answer within {self.timeout_s:g}s "
                               f"(store_timeout_s); adapter {name!r} cannot be loaded now") from None
 

@@ -104,10 +104,12 @@ def test_a_prefaulted_arena_hands_out_zeroed_memory_and_times_its_set_up():
     assert int(a.allocate(8 * ALIGN).sum()) == 0
 
 
-def test_the_cli_flag_reaches_the_config_and_a_cpu_executor_makes_an_arena_only_when_given(caplog):
-    """On the CPU an arena only when --pinned-arena-bytes is given: touched, not page-locked, and it
-    holds the CPU cache to its share as on CUDA; more than the host has is refused."""
+def test_the_cli_flag_reaches_the_config_and_a_cpu_executor_makes_a_host_arena(caplog, monkeypatch):
+    """On the CPU the arena is never page-locked: a given size is touched at start; the automatic
+    one (-1, the default) is sized as on CUDA and nothing of it is touched until shards land in it;
+    either holds the CPU cache to its share; more than the host has is refused; 0 is off."""
     from loraserve.cli import build_parser
+    from loraserve.executor import memory
     from loraserve.executor.cli import executor_config
     from loraserve.executor.service import pinned_arena
 
@@ -124,11 +126,20 @@ def test_the_cli_flag_reaches_the_config_and_a_cpu_executor_makes_an_arena_only_
     with pytest.raises(ValueError, match="is more than the .* bytes of host memory available now: lower it"):
         pinned_arena(ExecutorConfig(model="m", device="cpu", pinned_arena_bytes=1 << 60))
     caplog.clear()
+    mib = 1 << 20
+    cfg = ExecutorConfig(model="m", device="cpu", cpu_cache_bytes=7 * mib)
     with caplog.at_level("INFO", logger="loraserve.executor.service"):
-        assert pinned_arena(ExecutorConfig(model="m", device="cpu")) is None  # -1 (automatic): none on CPU
+        arena = pinned_arena(cfg)  # -1 (automatic)
         assert pinned_arena(ExecutorConfig(model="m", device="cpu", pinned_arena_bytes=0)) is None  # 0: off
-    assert "--pinned-arena-bytes" not in caplog.text  # automatic: nothing to say on CPU
+    assert arena.nbytes == cfg.pinned_arena_bytes == 8 * mib and cfg.cpu_cache_bytes == 7 * mib  # cache kept whole
+    assert "host arena: 0.0 GiB of address space (on cpu: not page-locked, pages touched as fetched shards land" in caplog.text
+    assert int(arena.allocate(8 * mib).sum()) == 0  # untouched pages read as zeros, as a touched arena's
     assert build_parser().parse_args(["executor"]).pinned_arena_bytes == -1
+    caplog.clear()
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 0)
+    with caplog.at_level("INFO", logger="loraserve.executor.service"):
+        assert pinned_arena(ExecutorConfig(model="m", device="cpu", cpu_cache_bytes=mib)) is None
+    assert "no host memory left for a host arena: fetched shards land in fresh host buffers" in caplog.text
 
 
 def test_a_release_from_inside_the_arenas_own_lock_does_not_deadlock():
