@@ -494,7 +494,7 @@ class CopyCalls:
 
     def hops(self, t0: float, t1: float) -> list[float]:
         """Seconds of the last load from acquire (t0) to its return (t1): before the copy thread's
-        call (the slot's claim, the hop onto the thread), the thread's work before the copy call,
+        call (the slot's claim, and the hop onto the copy thread where the copy runs there), the work before the copy call,
         after it (the event), then back to the acquire's return (the hop back,
         the log line, the waiters' wake-up)."""
         m = self.marks
@@ -562,7 +562,7 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
                          f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms; medians: acquire {part[0]:.2f} ms "
                          f"(copy thread {part[1]:.2f}, of it the copy call {part[2]:.2f}: slot targets {part[5]:.2f}, "
                          f"signature {part[6]:.2f}, staging copy queued {part[7]:.2f}, scatter launch {part[8]:.2f}, "
-                         f"rest {part[9]:.2f}; around the call: claim and hop onto the thread {part[10]:.2f}, before "
+                         f"rest {part[9]:.2f}; around the call: claim (and any hop onto the copy thread) {part[10]:.2f}, before "
                          f"the call {part[11]:.2f}, event {part[12]:.2f}, back to the acquire's "
                          f"return {part[13]:.2f}), device span of the copy {part[3]:.2f}, then waiting on its event {part[4]:.2f}"))
             await slots.evict(name)

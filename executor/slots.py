@@ -20,9 +20,9 @@ Rules this module guarantees:
   slot or in the CPU cache never waits for a fetch seat.
 - A failed fetch leaves nothing behind; every waiter gets the error; the next acquire retries.
 - Adapters already in a slot or in the CPU cache keep serving when the store is down.
-- Loading never blocks the forward passes of other adapters: host work runs in a thread (on
-  CUDA one copy thread whose current stream is the copy stream, set once when it starts), and
-  on CUDA the copy runs on that side stream; the lease carries an event recorded after the copy.
+- Loading never blocks the forward passes of other adapters: on CUDA the copy runs on a side
+  stream (queued from the loop when the shard is in pinned memory: that only queues device work;
+  else from a copy thread), on the CPU in a thread; the lease carries an event recorded after the copy.
 - A new version in the store (`refresh`: the adapter was registered again, or deleted) drops
   the cached one as soon as no running request uses it; requests that arrive meanwhile wait
   for that (up to `slot_wait_timeout_s`, then they are served the old version) and get the
@@ -171,9 +171,12 @@ class SlotManager:
                             max_concurrent_loads=max_concurrent_loads, spawn=self._spawn,
                             forget=self._forget_if_unused, notify=self._notify)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # CUDA: slot copies and clears run, in turn, on one thread whose current stream is the copy
-        # stream, set once when it starts (a `torch.cuda.stream` context per copy cost ~0.1 ms of a
-        # rank-8 load's ~1.5). On the CPU: the loop's default executor (copies run side by side).
+        # CUDA: a copy out of pinned host memory only queues device work (~0.5 ms of host time), so
+        # it is queued right here, on the loop (`_copy_in`): a hop onto a thread and back cost
+        # 0.3-0.5 ms of a rank-8 load's ~1.5, and the device copy starts that much later. Clears and
+        # copies out of pageable memory (whose "async" copy waits for the bytes) run, in turn, on one
+        # thread whose current stream is the copy stream, set once when it starts. On the CPU: the
+        # loop's default executor (copies run side by side).
         self._copy_thread = None
         if self._copy_stream is not None:
             self._copy_thread = ThreadPoolExecutor(1, thread_name_prefix="slot-copy", initializer=_use_stream,
@@ -363,7 +366,7 @@ class SlotManager:
         """The slot task of a pinned adapter whose version changed in the store."""
         try:
             digest, tensors = await self.cpu.ensure(a)
-            a.event = await self._on_copy_thread(self._copy, a.slot, tensors)
+            a.event = await self._copy_in(a.slot, tensors)
             a.slot_digest = digest
             log.info("adapter %s (pinned): version %s replaced %s in slot %d", a.name, digest[:12], old[:12], a.slot)
         except Exception as exc:  # noqa: BLE001 - the slot still holds the old version, which serves on
@@ -415,7 +418,7 @@ class SlotManager:
             slot = await self._claim_slot(a)
             t_slot = time.perf_counter()
             try:
-                a.event = await self._on_copy_thread(self._copy, slot, tensors)
+                a.event = await self._copy_in(slot, tensors)
                 a.slot_digest = digest
             except BaseException as exc:
                 self._slots[slot], a.slot = None, -1
@@ -497,13 +500,25 @@ class SlotManager:
         """The stream slot copies run on (CUDA), None on the CPU."""
         return self._copy_stream
 
+    async def _copy_in(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
+        """Copies the shard into the slot: queued on the copy stream from the loop itself when its
+        bytes are pinned (CUDA), else on the copy thread; returns the copy's event (None on the CPU)."""
+        if self._copy_stream is not None and tensors and next(iter(tensors.values())).is_pinned():
+            main = torch.cuda.current_stream(self.device)
+            torch.cuda.set_stream(self._copy_stream)
+            try:
+                return self._copy(slot, tensors)
+            finally:
+                torch.cuda.set_stream(main)
+        return await self._on_copy_thread(self._copy, slot, tensors)
+
     def _on_copy_thread(self, fn: Callable, *args) -> asyncio.Future:
         """Runs `fn(*args)` where slot copies run (see __init__); awaitable from the loop."""
         return asyncio.get_running_loop().run_in_executor(self._copy_thread, fn, *args)
 
     def _copy(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
-        """Copies the shard into the slot; on CUDA, on the copy thread (its current stream is the
-        copy stream), returning an event recorded after the copy."""
+        """Copies the shard into the slot, on CUDA with the copy stream current (`_copy_in`),
+        returning an event recorded after the copy."""
         rank = self._copy_into_slot(slot, tensors)
         event = None
         if self._copy_stream is not None:
