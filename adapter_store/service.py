@@ -339,15 +339,25 @@ async def _streamed(reader, chunk: int, name: str):
     cache and the stream fails DATA_LOSS before its trailer; the client asks again (with `verify`)
     and gets it packed anew."""
     buffer = bytearray(_FRAME_ROOM + chunk)  # read into, framed in place, copied once into the message
+    # A read runs on in its thread when the stream is cancelled while waiting for it (a client gone):
+    # the reader is closed only after it, and no read starts after the close.
+    lock, closed = threading.Lock(), False
 
     def read() -> bytes:
-        n = reader.readinto(memoryview(buffer)[_FRAME_ROOM:])
-        if n == 0:
-            return b""
-        head = _frame_head(n)
-        start = _FRAME_ROOM - len(head)
-        buffer[start:_FRAME_ROOM] = head
-        return bytes(memoryview(buffer)[start : _FRAME_ROOM + n])
+        with lock:
+            n = 0 if closed else reader.readinto(memoryview(buffer)[_FRAME_ROOM:])
+            if n == 0:
+                return b""
+            head = _frame_head(n)
+            start = _FRAME_ROOM - len(head)
+            buffer[start:_FRAME_ROOM] = head
+            return bytes(memoryview(buffer)[start : _FRAME_ROOM + n])
+
+    def close() -> None:
+        nonlocal closed
+        with lock:
+            closed = True
+            reader.close()
 
     ahead = None
     loop = asyncio.get_running_loop()
@@ -362,7 +372,9 @@ async def _streamed(reader, chunk: int, name: str):
     finally:
         if ahead is not None and not ahead.done():
             await asyncio.wait([ahead])
-        reader.close()
+        if ahead is not None and ahead.done() and not ahead.cancelled():
+            ahead.exception()  # a read that failed after the stream stopped waiting: nobody else reports it
+        await asyncio.to_thread(close)
 
 
 async def _trailer(sums: Checksums, xxh3: bool, blob: bytes | None) -> spb.ShardChunk:

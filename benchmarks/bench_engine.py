@@ -52,7 +52,7 @@ from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.engine.engine import Engine, GenerationRequest
 from loraserve.executor.engine.kv_cache import KVCache
 from loraserve.executor.engine.sampler import SamplingParams
-from loraserve.executor.lora import LoraSpec, clear_slot, load_shard_into_slot, lora_modules
+from loraserve.executor.lora import LoraSpec, clear_slot, load_shard_into_slot, lora_modules, queued_load
 from loraserve.executor.model.config import ModelConfig
 from loraserve.executor.model.llama import LlamaForCausalLM
 from loraserve.executor.model.tokenizer import Tokenizer
@@ -167,6 +167,7 @@ def build_engine(args, tokenizer: Tokenizer) -> tuple[Engine, int]:
         fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
         lambda slot: clear_slot(modules.values(), slot),
         max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters, device=torch.device(DEVICE),
+        queued_copy=lambda tensors: queued_load(model, tensors),
     )  # fmt: skip
     t0 = time.perf_counter()
     engine = Engine(model, tokenizer, kv, slots, cfg)

@@ -68,7 +68,7 @@ from loraserve.executor.engine import slow_steps  # noqa: E402
 from loraserve.executor.engine.engine import Engine, GenerationRequest  # noqa: E402
 from loraserve.executor.engine.kv_cache import KVCache  # noqa: E402
 from loraserve.executor.engine.sampler import SamplingParams  # noqa: E402
-from loraserve.executor.lora import LoraSpec, clear_slot, load_shard_into_slot, lora_modules  # noqa: E402
+from loraserve.executor.lora import LoraSpec, clear_slot, load_shard_into_slot, lora_modules, queued_load  # noqa: E402
 from loraserve.executor.memory import lora_bytes_per_slot  # noqa: E402
 from loraserve.executor.slots import SlotManager, SlotObserver  # noqa: E402
 from loraserve.executor.pinned_arena import ArenaShard, PinnedArena, stream_fence  # noqa: E402
@@ -257,12 +257,9 @@ def build(args, tokenizer):
         cfg.cpu_cache_bytes = default_cpu_cache_bytes(available_host_bytes())
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, bench_engine.DTYPE, bench_engine.DEVICE)
-    arena, cfg.pinned_arena_bytes = None, args.pinned_arena_bytes
-    if bench_engine.DEVICE == "cuda":  # sized, pinned, and the CPU cache held to its share, as the executor does
-        arena = pinned_arena(cfg, lora_bytes_per_slot(lora_modules(model)))
-    elif cfg.pinned_arena_bytes > 0:  # a CPU smoke run of the arena path: nothing to pin
-        arena = PinnedArena(cfg.pinned_arena_bytes, pin_memory=False)
-        cfg.cpu_cache_bytes = arena.cache_budget(cfg.cpu_cache_bytes)
+    cfg.pinned_arena_bytes = args.pinned_arena_bytes
+    # sized (pinned on CUDA), and the CPU cache held to its share, as the executor does
+    arena = pinned_arena(cfg, lora_bytes_per_slot(lora_modules(model)))
     if arena is not None:
         print(f"pinned arena: {arena.nbytes / 2**30:.1f} GiB, set up in {arena.pin_seconds:.1f} s (pages touched in "
               f"{arena.fault_seconds:.1f} s); CPU cache {cfg.cpu_cache_bytes / 2**30:.1f} GiB", flush=True)
@@ -270,7 +267,8 @@ def build(args, tokenizer):
     slots = SlotManager(adapters.fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
                         lambda slot: clear_slot(modules.values(), slot), max_loras=cfg.max_loras,
                         cpu_cache_bytes=cfg.cpu_cache_bytes, device=torch.device(bench_engine.DEVICE),
-                        max_concurrent_loads=args.max_concurrent_loads or None, observer=counter)
+                        max_concurrent_loads=args.max_concurrent_loads or None, observer=counter,
+                        queued_copy=lambda tensors: queued_load(model, tensors))
     if arena is not None and slots.copy_stream is not None:
         arena.fence = stream_fence(slots.copy_stream)
     engine = Engine(model, tokenizer, kv, slots, cfg)
@@ -412,8 +410,8 @@ def h2d_bandwidth() -> float:
 
 
 class CopyCalls:
-    """Times the slot manager's copy into a slot (SlotManager._copy_into_slot, run on its copy
-    thread): the host seconds of the call (the staged host -> device copy queued, the scatter
+    """Times the slot manager's copy into a slot (SlotManager._copy_into_slot, run on the loop or on
+    its copy thread: SlotManager._copy_in): the host seconds of the call (the staged host -> device copy queued, the scatter
     launched), and on CUDA its device span by events on the stream it runs on (the copy stream)."""
 
     STEPS = ("_slot_targets", "shard_signature", "_staged")  # executor.lora's functions, timed apart
@@ -423,9 +421,9 @@ class CopyCalls:
         self.inner, self.host, self.events, self.profile = slots._copy_into_slot, 0.0, None, profile
         self.trace = [] if trace else None  # (shard bytes, torch.profiler key averages) of each call (--trace-load)
         self.split: dict[str, float] = {}  # host seconds of each of PARTS in the last call
-        self.marks: dict[str, float] = {}  # perf_counter at the copy thread's steps of the last load
+        self.marks: dict[str, float] = {}  # perf_counter at the copy's steps of the last load
         slots._copy_into_slot = self
-        copy = slots._copy  # SlotManager._copy: the copy thread's call (the call, its event)
+        copy = slots._copy  # SlotManager._copy: the copy call and its event
 
         def marked(*a):
             self.marks["enter"] = time.perf_counter()
@@ -483,7 +481,7 @@ class CopyCalls:
 
     @staticmethod
     def thread_seconds(slots) -> float:
-        """The last load's copy phase: its thread hop plus the call (SlotObserver.load_phases)."""
+        """The last load's copy phase: the copy call, any thread hops, the log line (SlotObserver.load_phases)."""
         return slots.observer.phases[-1][2] if getattr(slots.observer, "phases", None) else 0.0
 
     def parts(self) -> list[float]:
@@ -493,8 +491,8 @@ class CopyCalls:
         return got + [self.host - sum(got)]
 
     def hops(self, t0: float, t1: float) -> list[float]:
-        """Seconds of the last load from acquire (t0) to its return (t1): before the copy thread's
-        call (the slot's claim, and the hop onto the copy thread where the copy runs there), the work before the copy call,
+        """Seconds of the last load from acquire (t0) to its return (t1): before SlotManager._copy
+        (the slot's claim, and the hop onto the copy thread where the copy runs there), the work before the copy call,
         after it (the event), then back to the acquire's return (the hop back,
         the log line, the waiters' wake-up)."""
         m = self.marks
@@ -560,7 +558,7 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
             part = [statistics.median(p[i] for p in parts) * 1e3 for i in range(len(parts[0]))]
             rows.append((f"rank {rank}: CPU cache -> slot", f"{t * 1e3:.2f} ms", f"{nbytes / 2**20:.1f} MiB",
                          f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms; medians: acquire {part[0]:.2f} ms "
-                         f"(copy thread {part[1]:.2f}, of it the copy call {part[2]:.2f}: slot targets {part[5]:.2f}, "
+                         f"(copy phase {part[1]:.2f}, of it the copy call {part[2]:.2f}: slot targets {part[5]:.2f}, "
                          f"signature {part[6]:.2f}, staging copy queued {part[7]:.2f}, scatter launch {part[8]:.2f}, "
                          f"rest {part[9]:.2f}; around the call: claim (and any hop onto the copy thread) {part[10]:.2f}, before "
                          f"the call {part[11]:.2f}, event {part[12]:.2f}, back to the acquire's "
@@ -644,7 +642,8 @@ async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None
         modules = lora_modules(model)
         mgr = SlotManager(store.fetch_shard, lambda slot, t: load_shard_into_slot(model, slot, t),
                           lambda slot: clear_slot(modules.values(), slot), max_loras=engine.slots.max_loras,
-                          max_cpu_adapters=0, device=torch.device(bench_engine.DEVICE))
+                          max_cpu_adapters=0, device=torch.device(bench_engine.DEVICE),
+                          queued_copy=lambda tensors: queued_load(model, tensors))
         if arena is not None and mgr.copy_stream is not None:  # its copies read the arena's blocks too
             arena.fence = stream_fence(engine.slots.copy_stream, mgr.copy_stream)
         times, nbytes = [], 0
@@ -841,8 +840,8 @@ def main() -> None:
     ap.add_argument("--max-loras", type=int, default=64)
     ap.add_argument("--cpu-cache-bytes", type=int, default=0, help="0: half the available host memory")
     ap.add_argument("--pinned-arena-bytes", type=int, default=-1,
-                    help="land fetched shards in a host arena pinned at start, as the executor's flag "
-                         "(-1: as the executor sizes it, on CUDA; 0: off)")
+                    help="land fetched shards in a host arena, as the executor's flag (-1: as the executor "
+                         "sizes it, pinned at start on CUDA; 0: off)")
     ap.add_argument("--admit-ratio", type=float, default=ExecutorConfig.admit_ratio,
                     help="admission pacing, as the executor's flag (0: admit each request at once)")
     ap.add_argument("--max-admit-delay-steps", type=int, default=ExecutorConfig.max_admit_delay_steps)

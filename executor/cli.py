@@ -55,7 +55,8 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
                         "to 7/8 of it; a full arena falls back to a fresh pinned buffer (-1: room for the CPU cache, "
                         "at most 3/4 of the available host memory; 0: off). CPU: never page-locked; -1 sized alike, its "
                         "pages touched by the first adapters that land in them and reused by later ones (no page "
-                        "faults then); a size > 0 is touched at start")
+                        "faults then), the CPU cache not held to it; a size > 0 is touched at start and holds the "
+                        "cache to 7/8 of it")
     p.add_argument("--max-concurrent-loads", type=int, default=int(env("max_concurrent_loads", 4)),
                    help="adapters fetched from the store at once; later cold loads wait their turn (adapters in a "
                         "slot or the CPU cache never wait for one)")

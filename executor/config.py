@@ -49,9 +49,10 @@ class ExecutorConfig:
     # fetches in flight). A full arena, TP/EP ranks 1..N-1, and shards the CPU cache re-pins still
     # land in fresh pinned buffers. -1 (automatic): room for the CPU cache's budget, at most 3/4 of
     # the host memory available at start (executor/memory.py); set to the pinned size at start.
-    # 0: off, each shard lands in a fresh pinned buffer. CPU: never page-locked; -1 sized alike, its
-    # pages touched by the first shards that land in them (nothing committed at start) and reused by
-    # later ones; > 0 touched at start; 0: each shard lands in a fresh host buffer (page faults).
+    # 0: off, each shard lands in a fresh pinned buffer. CPU: never page-locked; -1 sized alike (and
+    # left at -1), its pages touched by the first shards that land in them (nothing touched at
+    # start) and reused by later ones, the CPU cache not held to it; > 0 touched at start, holding
+    # the cache as on CUDA; 0: each shard lands in a fresh host buffer (page faults every time).
     pinned_arena_bytes: int = -1
     slot_wait_timeout_s: float = 30.0  # how long a request waits for a slot when all are in use
     max_concurrent_loads: int = 4  # store fetches of adapters in flight at once (the rest wait their turn)

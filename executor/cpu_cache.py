@@ -98,8 +98,7 @@ class CpuCache:
             # land pinned already (one copy per load: the stream's); others are copied here into
             # one pinned buffer, so a slot load moves them with one host->device copy too. And the
             # shard's signature is worked out now, off the serving loop, not in every slot load.
-            tensors = await asyncio.to_thread(
-                _landed, tensors, self.device.type == "cuda" and not all(t.is_pinned() for t in tensors.values()))
+            tensors = await asyncio.to_thread(_landed, tensors, self.device.type == "cuda")
             a.digest, a.rank, a.nbytes, a.tensors = digest, rank, nbytes, tensors
             self._lru[a.name] = a
             self.nbytes += nbytes
@@ -145,10 +144,13 @@ def waited_on(a: _Adapter) -> bool:
     return a.wanted > 0 or a.holds > 0 or a.pinned
 
 
-def _landed(tensors: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
-    """A fetched shard as the CPU cache keeps it: in one pinned buffer if `pin`, its signature kept."""
-    if pin:
+def _landed(tensors: dict[str, torch.Tensor], cuda: bool) -> dict[str, torch.Tensor]:
+    """A fetched shard as the CPU cache keeps it: on CUDA in pinned memory (copied into one pinned
+    buffer unless every tensor is pinned already), its signature and pinnedness kept on it. In a
+    thread: asking the driver whether memory is pinned waits while another thread page-locks."""
+    if cuda and not all(t.is_pinned() for t in tensors.values()):
         tensors = pinned_blob(tensors)
     if isinstance(tensors, ShardTensors):
         shard_signature(tensors)
+        tensors.pinned = cuda
     return tensors

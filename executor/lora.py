@@ -669,17 +669,34 @@ def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.d
     return dev.view(dtype)
 
 
+def _planned(model: nn.Module, key: "_LayoutKey"):
+    """(targets, layout) of a layout already planned for `model`'s CUDA slot buffers (no check that
+    they are current: what a caller does with them stays valid for any buffers of that device),
+    or None."""
+    known = _TARGETS.get(model)
+    if known is None or known.device.type != "cuda":
+        return None
+    with known.lock:
+        layout = known.layouts.get(key)
+    return (known, layout) if layout is not None and layout.plan is not None else None
+
+
+def queued_load(model: nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether a load of `tensors` into `model`'s slots only queues device work: CUDA slot buffers,
+    the shard in page-locked memory (ShardTensors.pinned, kept as it landed in the CPU cache) and
+    its layout checked and planned by an earlier load (no host work beyond ~0.5-0.8 ms of calls)."""
+    signature = getattr(tensors, "signature", None)
+    return getattr(tensors, "pinned", False) and signature is not None and _planned(model, signature[0]) is not None
+
+
 def _staged_early(model: nn.Module, key: "_LayoutKey", storage, lo: int, tensors: dict[str, torch.Tensor]):
     """A CUDA load of a layout already planned: its bytes staged before the slot buffers are
     checked (`_slot_targets`, ~0.05-0.1 ms of host time), so the host -> device copy, the longest
     part of a load, starts that much sooner. None otherwise (the load stages after its checks)."""
-    known = _TARGETS.get(model)
-    if known is None or storage is None or known.device.type != "cuda":
+    planned = _planned(model, key) if storage is not None else None
+    if planned is None:
         return None
-    with known.lock:
-        layout = known.layouts.get(key)
-    if layout is None or layout.plan is None:
-        return None
+    known, layout = planned
     return _staged(storage, lo, layout.span, known.device, next(iter(tensors.values())).dtype)
 
 

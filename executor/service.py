@@ -31,7 +31,7 @@ from .engine.kv_cache import KVCache
 from .engine.sampler import SamplingParams
 from .http import HttpFront, serve_http
 from .layout import model_config
-from .lora import clear_slot as clear_lora_slot, declare_layout, load_shard_into_slot, lora_modules
+from .lora import clear_slot as clear_lora_slot, declare_layout, load_shard_into_slot, lora_modules, queued_load
 from .pinned_arena import PinnedArena, stream_fence
 from .model.loader import load_model
 from .model.tokenizer import Tokenizer
@@ -109,36 +109,39 @@ def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer | TokenIds
 
 
 def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | None:
-    """The arena rank 0's fetched shards land in: on CUDA pinned (cfg.pinned_arena_bytes, -1: sized
-    for the CPU cache's budget, executor/memory.py), page-locked now; on the CPU never page-locked,
-    and with -1 (sized alike) its pages are touched by the first shards that land in them, not at
-    start: nothing is committed before it is used, and a later shard reuses touched pages instead of
-    faulting in a fresh buffer's (a given size, > 0, is touched now). Holds the CPU cache to its
-    share. Runs after cfg.cpu_cache_bytes is resolved, and sets cfg.pinned_arena_bytes to what it
-    made. adapter_bytes: a slot's bytes (an adapter's most), which bound the cache under
-    max_cpu_adapters."""
+    """The arena rank 0's fetched shards land in. On CUDA pinned (cfg.pinned_arena_bytes, -1: sized
+    for the CPU cache's budget, executor/memory.py), page-locked now, and the CPU cache held to its
+    share; cfg.pinned_arena_bytes is set to what it made. On the CPU never page-locked: -1 sized
+    alike, its pages touched by the first shards that land in them, not at start (a later shard
+    reuses touched pages instead of faulting in a fresh buffer's), and the CPU cache not held (a full
+    arena only means fresh buffers); a given size (> 0) is touched now and holds the cache as on
+    CUDA. Runs after cfg.cpu_cache_bytes is resolved. adapter_bytes: a slot's bytes (an adapter's
+    most), which bound the cache under max_cpu_adapters."""
     if cfg.pinned_arena_bytes == 0:
         return None
-    automatic = cfg.pinned_arena_bytes < 0
+    cuda, automatic = cfg.torch_device.type == "cuda", cfg.pinned_arena_bytes < 0
     available = memory.available_host_bytes()
+    size = cfg.pinned_arena_bytes
     if automatic:
         cache = cfg.cpu_cache_bytes
         if cfg.max_cpu_adapters and adapter_bytes:  # the cache never holds more than that many adapters
             cache = min(cache, (cfg.max_cpu_adapters + cfg.max_concurrent_loads) * adapter_bytes)
-        cfg.pinned_arena_bytes = memory.default_pinned_arena_bytes(cache, available)
-        if cfg.pinned_arena_bytes == 0:
+        size = memory.default_pinned_arena_bytes(cache, available)
+        if size == 0:
             log.warning("no host memory left for a %s arena: fetched shards land in fresh %s buffers",
-                        *(("pinned", "pinned") if cfg.torch_device.type == "cuda" else ("host", "host")))
+                        *(("pinned",) * 2 if cuda else ("host",) * 2))
+            if cuda:
+                cfg.pinned_arena_bytes = 0
             return None
-    elif cfg.pinned_arena_bytes > available:
-        raise ValueError(f"--pinned-arena-bytes {cfg.pinned_arena_bytes} is more than the {available} bytes of "
+    elif size > available:
+        raise ValueError(f"--pinned-arena-bytes {size} is more than the {available} bytes of "
                          "host memory available now: lower it (or -1: sized for the CPU cache)")
-    if cfg.torch_device.type != "cuda":
-        return _host_arena(cfg, prefault=not automatic)
-    log.info("pinned arena: page-locking %.1f GiB of host memory (--pinned-arena-bytes; 0 turns it off)",
-             cfg.pinned_arena_bytes / 2**30)
+    if not cuda:
+        return _host_arena(cfg, size, automatic)
+    cfg.pinned_arena_bytes = size
+    log.info("pinned arena: page-locking %.1f GiB of host memory (--pinned-arena-bytes; 0 turns it off)", size / 2**30)
     try:
-        arena = PinnedArena(cfg.pinned_arena_bytes)
+        arena = PinnedArena(size)
     except RuntimeError as exc:
         if not automatic:
             raise
@@ -150,16 +153,24 @@ def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | N
     return _hold_cache(cfg, arena)
 
 
-def _host_arena(cfg: ExecutorConfig, prefault: bool) -> PinnedArena:
-    """A CPU executor's arena: not page-locked; its pages touched now (prefault) or as shards land."""
-    arena = PinnedArena(cfg.pinned_arena_bytes, pin_memory=False, prefault=prefault)
-    if prefault:
-        log.info("host arena: %.1f GiB touched in %.1fs (on %s: not page-locked); fetched shards land in it",
-                 arena.nbytes / 2**30, arena.fault_seconds, cfg.device)
-    else:
+def _host_arena(cfg: ExecutorConfig, size: int, automatic: bool) -> PinnedArena | None:
+    """A CPU executor's arena (see pinned_arena): not page-locked; automatic: untouched address
+    space (none where the host refuses the mapping), else touched now."""
+    try:
+        arena = PinnedArena(size, pin_memory=False, prefault=not automatic)
+    except OSError as exc:  # the mapping refused (strict overcommit, an address-space limit)
+        if not automatic:
+            raise
+        log.warning("host arena off: mapping %.1f GiB failed (%s); fetched shards land in fresh host buffers",
+                    size / 2**30, exc)
+        return None
+    if automatic:
         log.info("host arena: %.1f GiB of address space (on %s: not page-locked, pages touched as fetched shards "
                  "land in them and kept for the next ones; --pinned-arena-bytes 0 turns it off)",
                  arena.nbytes / 2**30, cfg.device)
+        return arena
+    log.info("host arena: %.1f GiB touched in %.1fs (on %s: not page-locked); fetched shards land in it",
+             arena.nbytes / 2**30, arena.fault_seconds, cfg.device)
     return _hold_cache(cfg, arena)
 
 
@@ -236,6 +247,7 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
         max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters or None, cpu_cache_bytes=cfg.cpu_cache_bytes,
         device=cfg.torch_device,
         slot_wait_timeout_s=cfg.slot_wait_timeout_s, max_concurrent_loads=cfg.max_concurrent_loads, observer=metrics,
+        queued_copy=lambda tensors: queued_load(model, tensors),
     )
     if arena is not None and slots.copy_stream is not None:  # a released block is reused once earlier slot copies ran
         arena.fence = stream_fence(slots.copy_stream)
@@ -406,6 +418,7 @@ async def shutdown(server: RunningServer, parts: ExecutorParts, grace_s: float =
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     await parts.engine.stop()
+    parts.slots.close()
     if parts.ranks is not None:
         await asyncio.to_thread(parts.ranks.close)
     await parts.store.close()

@@ -7,17 +7,19 @@ class ShardTensors(dict):
     """A shard's tensors (name -> tensor, views of the one host buffer it landed in), as the CPU
     cache holds them. A dict that can carry what every slot load of it would otherwise work out
     again (`signature`: the layout key and host addresses executor/lora.py loads it by, set once
-    by lora.shard_signature) and a finalizer (the pinned arena's ArenaShard). The signature
-    describes the tensors it was made from: changing the dict drops it, and a copy (copy, deepcopy,
-    pickle: new tensors, new addresses) does not carry it."""
+    by lora.shard_signature; `pinned`: True when every tensor is in page-locked memory, set by the
+    CPU cache as it lands) and a finalizer (the pinned arena's ArenaShard). Both describe the
+    tensors they were worked out from: changing the dict drops them, and a copy (copy, deepcopy,
+    pickle: new tensors, new addresses) does not carry them."""
 
-    __slots__ = ("__weakref__", "signature")
+    __slots__ = ("__weakref__", "signature", "pinned")
 
     def _changed(self) -> None:
-        try:
-            del self.signature
-        except AttributeError:
-            pass
+        for kept in ("signature", "pinned"):
+            try:
+                delattr(self, kept)
+            except AttributeError:
+                pass
 
     def __setitem__(self, key, value) -> None:
         self._changed()

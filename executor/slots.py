@@ -149,8 +149,12 @@ class SlotManager:
         slot_wait_timeout_s: float = 30.0,
         max_concurrent_loads: int | None = None,
         observer: SlotObserver | None = None,
+        queued_copy: Callable[[dict[str, torch.Tensor]], bool] | None = None,
     ):
+        """queued_copy(tensors): whether copying these into a slot only queues device work (CUDA;
+        executor/lora.py `queued_load`): such copies run on the loop itself, the rest on a thread."""
         self._copy_into_slot = copy_into_slot
+        self._queued_copy = queued_copy
         self._clear_slot = clear_slot
         self.max_loras = max_loras
         self._slot_queue: list[_Adapter] = []  # adapters waiting for a slot, first come first served
@@ -171,12 +175,13 @@ class SlotManager:
                             max_concurrent_loads=max_concurrent_loads, spawn=self._spawn,
                             forget=self._forget_if_unused, notify=self._notify)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # CUDA: a copy out of pinned host memory only queues device work (~0.5 ms of host time), so
-        # it is queued right here, on the loop (`_copy_in`): a hop onto a thread and back cost
-        # 0.3-0.5 ms of a rank-8 load's ~1.5, and the device copy starts that much later. Clears and
-        # copies out of pageable memory (whose "async" copy waits for the bytes) run, in turn, on one
-        # thread whose current stream is the copy stream, set once when it starts. On the CPU: the
-        # loop's default executor (copies run side by side).
+        # CUDA: a copy that only queues device work (`queued_copy`: pinned host memory, a layout
+        # planned before; ~0.5-0.8 ms of host time) is queued right here, on the loop (`_copy_in`):
+        # with a copy thread, its hand-offs of the interpreter lock lengthened the steps' gaps while
+        # cold loads ran (docs/BENCHMARKS.md, "Sixteenth pass"). Clears, a layout's first load (its
+        # checks) and copies out of pageable memory (whose "async" copy waits for the bytes) run, in
+        # turn, on one thread whose current stream is the copy stream, set once when it starts. On
+        # the CPU: the loop's default executor (copies run side by side).
         self._copy_thread = None
         if self._copy_stream is not None:
             self._copy_thread = ThreadPoolExecutor(1, thread_name_prefix="slot-copy", initializer=_use_stream,
@@ -501,20 +506,36 @@ class SlotManager:
         return self._copy_stream
 
     async def _copy_in(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
-        """Copies the shard into the slot: queued on the copy stream from the loop itself when its
-        bytes are pinned (CUDA), else on the copy thread; returns the copy's event (None on the CPU)."""
-        if self._copy_stream is not None and tensors and next(iter(tensors.values())).is_pinned():
-            main = torch.cuda.current_stream(self.device)
-            torch.cuda.set_stream(self._copy_stream)
+        """Copies the shard into the slot: queued on the copy stream from the loop itself when that
+        only queues device work (`queued_copy`), else on the copy thread; returns the copy's event
+        (None on the CPU). The loop's current device and stream are put back after."""
+        if self._copy_stream is not None and self._queued_copy is not None and self._queued_copy(tensors):
+            device, main = torch.cuda.current_device(), torch.cuda.current_stream(self.device)
+            torch.cuda.set_stream(self._copy_stream)  # (and its device)
             try:
                 return self._copy(slot, tensors)
             finally:
                 torch.cuda.set_stream(main)
+                torch.cuda.set_device(device)
         return await self._on_copy_thread(self._copy, slot, tensors)
 
-    def _on_copy_thread(self, fn: Callable, *args) -> asyncio.Future:
-        """Runs `fn(*args)` where slot copies run (see __init__); awaitable from the loop."""
-        return asyncio.get_running_loop().run_in_executor(self._copy_thread, fn, *args)
+    async def _on_copy_thread(self, fn: Callable, *args):
+        """fn(*args) where slot copies run (see __init__). If the caller is cancelled meanwhile, the
+        call still runs to its end (a thread cannot be stopped): the caller's cancellation is
+        raised only after it, so whatever the caller then frees (a slot) is no longer being written."""
+        future = asyncio.get_running_loop().run_in_executor(self._copy_thread, fn, *args)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            await asyncio.wait([future])
+            if not future.cancelled():
+                future.exception()  # retrieved: the caller is cancelled, so nobody else reports it
+            raise
+
+    def close(self) -> None:
+        """Lets the copy thread end once its queued work is done (the executor's shutdown)."""
+        if self._copy_thread is not None:
+            self._copy_thread.shutdown(wait=False)
 
     def _copy(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
         """Copies the shard into the slot, on CUDA with the copy stream current (`_copy_in`),

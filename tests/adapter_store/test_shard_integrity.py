@@ -5,6 +5,7 @@ that no longer match their digest are DATA_LOSS (never packed) until registered 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import math
@@ -461,3 +462,42 @@ def test_a_wrong_stored_sha256_is_not_passed_on_and_an_older_client_s_retry_gets
         retry = list(spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60))
     assert retry[0].header.cache_tier == "disk" and retry[-1].trailer == spb.ShardTrailer(sha256=good)
     assert s.redis.hget(meta_key, "sha256").decode() == good  # back-filled with the sha256 of its bytes
+
+
+def test_a_cancelled_stream_closes_its_reader_only_after_the_read_in_flight_ends():
+    """A client gone while the store reads the next chunk in a thread (the stream awaits it and is
+    cancelled there): the read runs on, and the reader is closed only after it, never under it."""
+    from loraserve.adapter_store.service import _streamed
+
+    events, started, release = [], threading.Event(), threading.Event()
+
+    class Reader:
+        tier = "disk"
+
+        def readinto(self, view) -> int:
+            events.append("read")
+            if events.count("read") == 2:  # the read the cancelled stream waits for
+                started.set()
+                release.wait(10)
+            view[:4] = b"abcd"
+            events.append("read done")
+            return 4
+
+        def finish(self) -> bool:
+            return True
+
+        def close(self) -> None:
+            events.append("close")
+
+    async def run():
+        stream = _streamed(Reader(), 16, "a")
+        assert (await stream.__anext__()).endswith(b"abcd")
+        waiting = asyncio.ensure_future(stream.__anext__())
+        await asyncio.to_thread(started.wait, 10)
+        waiting.cancel()
+        threading.Timer(0.2, release.set).start()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(run())
+    assert events == ["read", "read done", "read", "read done", "close"]

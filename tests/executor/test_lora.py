@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from loraserve.executor.lora import LoraSpec, declare_layout, load_shard_into_slot, lora_modules
+from loraserve.executor.lora import LoraSpec, declare_layout, load_shard_into_slot, lora_modules, queued_load, shard_signature
 from loraserve.executor.model.loader import load_hf_checkpoint
 from loraserve.v1 import common_pb2
 
@@ -248,6 +248,17 @@ def test_a_shard_in_one_pinned_buffer_loads_with_one_copy_and_equals_per_tensor_
     load_shard_into_slot(staged, 0, pinned_blob(high))
     load_shard_into_slot(staged, 0, pinned_blob(low))  # one storage: the staged path
     load_shard_into_slot(plain, 0, {k: v.clone() for k, v in low.items()})  # separate tensors: per-tensor copies
+    torch.cuda.synchronize()
+    for (name, a), b in zip(lora_modules(staged).items(), lora_modules(plain).values()):
+        assert torch.equal(a.lora_a, b.lora_a) and torch.equal(a.lora_b, b.lora_b), name
+    # a layout planned before: its bytes are staged before the slot-buffer check, and the slot
+    # manager may queue such a load from its loop (pinned, as the CPU cache marks it; planned)
+    again = pinned_blob(high)
+    shard_signature(again)
+    again.pinned = True
+    assert queued_load(staged, again) and not queued_load(plain, again)  # plain never planned it
+    load_shard_into_slot(staged, 0, again)
+    load_shard_into_slot(plain, 0, {k: v.clone() for k, v in high.items()})
     torch.cuda.synchronize()
     for (name, a), b in zip(lora_modules(staged).items(), lora_modules(plain).values()):
         assert torch.equal(a.lora_a, b.lora_a) and torch.equal(a.lora_b, b.lora_b), name

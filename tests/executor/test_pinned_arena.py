@@ -105,11 +105,12 @@ def test_a_prefaulted_arena_hands_out_zeroed_memory_and_times_its_set_up():
 
 
 def test_the_cli_flag_reaches_the_config_and_a_cpu_executor_makes_a_host_arena(caplog, monkeypatch):
-    """On the CPU the arena is never page-locked: a given size is touched at start; the automatic
-    one (-1, the default) is sized as on CUDA and nothing of it is touched until shards land in it;
-    either holds the CPU cache to its share; more than the host has is refused; 0 is off."""
+    """On the CPU the arena is never page-locked: a given size is touched at start and holds the CPU
+    cache to its share; the automatic one (-1, the default) is sized as on CUDA, nothing of it is
+    touched until shards land in it, the cache keeps its budget, and a refused mapping means none;
+    more than the host has is refused; 0 is off."""
     from loraserve.cli import build_parser
-    from loraserve.executor import memory
+    from loraserve.executor import memory, service
     from loraserve.executor.cli import executor_config
     from loraserve.executor.service import pinned_arena
 
@@ -127,14 +128,30 @@ def test_the_cli_flag_reaches_the_config_and_a_cpu_executor_makes_a_host_arena(c
         pinned_arena(ExecutorConfig(model="m", device="cpu", pinned_arena_bytes=1 << 60))
     caplog.clear()
     mib = 1 << 20
+    made = []
+    monkeypatch.setattr(service, "PinnedArena", lambda *a, **kw: made.append(kw) or PinnedArena(*a, **kw))
     cfg = ExecutorConfig(model="m", device="cpu", cpu_cache_bytes=7 * mib)
     with caplog.at_level("INFO", logger="loraserve.executor.service"):
         arena = pinned_arena(cfg)  # -1 (automatic)
         assert pinned_arena(ExecutorConfig(model="m", device="cpu", pinned_arena_bytes=0)) is None  # 0: off
-    assert arena.nbytes == cfg.pinned_arena_bytes == 8 * mib and cfg.cpu_cache_bytes == 7 * mib  # cache kept whole
+    assert made == [{"pin_memory": False, "prefault": False}]  # nothing touched at start
+    assert arena.nbytes == 8 * mib and cfg.cpu_cache_bytes == 7 * mib  # sized for the cache, which keeps its budget
+    assert cfg.pinned_arena_bytes == -1  # still automatic: a second build from this config sizes it again
     assert "host arena: 0.0 GiB of address space (on cpu: not page-locked, pages touched as fetched shards land" in caplog.text
-    assert int(arena.allocate(8 * mib).sum()) == 0  # untouched pages read as zeros, as a touched arena's
     assert build_parser().parse_args(["executor"]).pinned_arena_bytes == -1
+    big = ExecutorConfig(model="m", device="cpu", cpu_cache_bytes=1 << 30)
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 1 << 30)
+    assert pinned_arena(big).nbytes == 3 << 28 and big.cpu_cache_bytes == 1 << 30  # 3/4 of what is free; cache not cut
+    caplog.clear()
+
+    def refused(*a, **kw):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(service, "PinnedArena", refused)
+    with caplog.at_level("INFO", logger="loraserve.executor.service"):
+        assert pinned_arena(ExecutorConfig(model="m", device="cpu", cpu_cache_bytes=mib)) is None
+        with pytest.raises(OSError, match="Cannot allocate memory"):  # a size asked for is not quietly dropped
+            pinned_arena(ExecutorConfig(model="m", device="cpu", pinned_arena_bytes=mib))
+    assert "host arena off: mapping 0.0 GiB failed ([Errno 12] Cannot allocate memory); fetched shards land in fresh host buffers" in caplog.text
     caplog.clear()
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 0)
     with caplog.at_level("INFO", logger="loraserve.executor.service"):

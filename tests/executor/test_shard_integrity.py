@@ -204,8 +204,12 @@ def test_a_cold_load_reaches_the_slot_copy_as_views_of_the_one_buffer_the_stream
     storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
     start = min(t.data_ptr() for t in tensors.values())
     end = max(t.data_ptr() + t.nbytes for t in tensors.values())
+    arena = setup.parts.store.arena  # a CPU executor's default host arena
     assert len(tensors) > 1 and len(storages) == 1 and end - start <= nbytes  # one storage, within the shard's bytes
-    assert setup.parts.store.arena is not None and setup.parts.store.arena.holds(next(iter(tensors.values())))
+    assert arena is not None and arena.holds(next(iter(tensors.values())))
+    (block,) = [(arena.base.data_ptr() + o, size) for o, size in arena._live.items()
+                if arena.base.data_ptr() + o <= start < arena.base.data_ptr() + o + size]
+    assert end <= block[0] + block[1]  # every view inside the one block the stream wrote
 
 
 def test_the_honest_trailer_is_xxh3_and_a_sha256_one_still_loads(honest_after, tiny_chat_llama, tmp_path):

@@ -224,8 +224,9 @@ def test_a_shards_signature_is_worked_out_once_and_its_layout_key_shared():
 
 
 def test_a_changed_or_copied_shard_does_not_keep_its_signature():
-    """The kept signature names host addresses: a changed dict drops it, a copy does not carry it
-    (its tensors live elsewhere), and a load of the copy reads the copy's bytes."""
+    """The kept signature names host addresses, the kept `pinned` their memory: a changed dict drops
+    both, a copy carries neither (its tensors live elsewhere), and a load of the copy reads the
+    copy's bytes. No load on the CPU counts as queued-only (it copies bytes, on a thread)."""
     import copy
     import pickle
 
@@ -234,8 +235,10 @@ def test_a_changed_or_copied_shard_does_not_keep_its_signature():
     model, ref = _modules(torch.float32, "cpu"), _modules(torch.float32, "cpu")
     shard = ShardTensors(_one_buffer(_shard(model, 4, seed=0), False))
     lora.shard_signature(shard)
+    shard.pinned = True  # as the CPU cache marks a CUDA executor's shard
     for other in (copy.copy(shard), copy.deepcopy(shard), pickle.loads(pickle.dumps(shard))):
-        assert type(other) is ShardTensors and not hasattr(other, "signature") and other.keys() == shard.keys()
+        assert type(other) is ShardTensors and other.keys() == shard.keys()
+        assert not hasattr(other, "signature") and not hasattr(other, "pinned")
     deep = copy.deepcopy(shard)
     shard.clear()  # the original's buffer may go; the copy loads from its own
     load_shard_into_slot(model, 1, deep, scatter=copy_reference.slot_scatter)
@@ -243,7 +246,11 @@ def test_a_changed_or_copied_shard_does_not_keep_its_signature():
     _assert_same(model, ref)
     changed = ShardTensors(_one_buffer(_shard(model, 4, seed=1), False))
     lora.shard_signature(changed)
+    changed.pinned = True
     changed["qkv.lora_a"] = changed["qkv.lora_a"].clone()
-    assert not hasattr(changed, "signature")
+    assert not hasattr(changed, "signature") and not hasattr(changed, "pinned")
+    lora.shard_signature(deep)
+    deep.pinned = True
+    assert not lora.queued_load(model, deep)  # CPU slot buffers: the copy is host work
     with pytest.raises(ValueError, match="not inside their host buffer"):
         lora._staged(torch.empty(16, dtype=torch.uint8).untyped_storage(), 0, 16, torch.device("cpu"), torch.uint8)

@@ -648,14 +648,38 @@ async def test_an_acquire_cancelled_while_its_fetch_waits_for_a_seat_fetches_not
 
 async def test_a_fetched_shard_lands_with_its_signature_worked_out(store, slots):
     """The CPU cache works a ShardTensors' signature out as it lands (off the serving loop): the
-    slot copy then finds it kept and skips that work."""
+    slot copy then finds it kept and skips that work. It marks whether the shard is in page-locked
+    memory too (only a CUDA executor's is: here, on the CPU, not)."""
     from loraserve.executor.shard_tensors import ShardTensors
 
     store.shards["adapter-0"] = ShardTensors(store.shards["adapter-0"])
     seen = []
     copy = slots.copy
-    slots.copy = lambda slot, tensors: seen.append(getattr(tensors, "signature", None)) or copy(slot, tensors)
+    slots.copy = lambda slot, tensors: seen.append((getattr(tensors, "signature", None), tensors.pinned)) or copy(slot, tensors)
     mgr = _manager(store, slots)
     lease = await mgr.acquire("adapter-0")
     mgr.release(lease)
-    assert seen and seen[0] is not None and seen[0][0].parts[0] == ("layer.lora_a",)
+    assert seen and seen[0][0] is not None and seen[0][0][0].parts[0] == ("layer.lora_a",) and seen[0][1] is False
+
+
+async def test_a_cancelled_wait_for_the_copy_thread_ends_only_after_the_threads_call(store, slots):
+    """A thread's call cannot be stopped: a caller cancelled while waiting for a copy or clear there
+    (a shutdown) gets its cancellation only once the call has ended, so what it then frees (a slot)
+    is not being written any more."""
+    import threading
+
+    mgr = _manager(store, slots)
+    started, release, ended = threading.Event(), threading.Event(), []
+
+    def slow_clear():
+        started.set()
+        release.wait(10)
+        ended.append(True)
+
+    waiting = asyncio.ensure_future(mgr._on_copy_thread(slow_clear))
+    await asyncio.to_thread(started.wait, 10)
+    waiting.cancel()
+    threading.Timer(0.2, release.set).start()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert ended == [True]
