@@ -21,8 +21,9 @@ Rules this module guarantees:
 - A failed fetch leaves nothing behind; every waiter gets the error; the next acquire retries.
 - Adapters already in a slot or in the CPU cache keep serving when the store is down.
 - Loading never blocks the forward passes of other adapters: on CUDA the copy runs on a side
-  stream (queued from the loop when the shard is in pinned memory: that only queues device work;
-  else from a copy thread), on the CPU in a thread; the lease carries an event recorded after the copy.
+  stream (queued from the loop when that is all it does: a pinned shard of a layout planned
+  before; else from a copy thread), on the CPU in a thread; the lease carries an event recorded
+  after the copy.
 - A new version in the store (`refresh`: the adapter was registered again, or deleted) drops
   the cached one as soon as no running request uses it; requests that arrive meanwhile wait
   for that (up to `slot_wait_timeout_s`, then they are served the old version) and get the
