@@ -21,7 +21,7 @@ import grpc
 from loraserve.auth import require_admin
 from loraserve.errors import StatusError, grpc_errors, invalid, precondition, unavailable
 from loraserve.metrics import StoreMetrics, serve_metrics
-from loraserve.serving import BULK_OPTIONS, RunningServer, start_server
+from loraserve.serving import BULK_OPTIONS, RunningServer, outlast_cancellation, start_server
 from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
@@ -369,12 +369,10 @@ async def _streamed(reader, chunk: int, name: str):
         if not await asyncio.to_thread(reader.finish):
             raise StatusError(grpc.StatusCode.DATA_LOSS, f"the cached shard of adapter {name!r} failed its "
                               f"{reader.checksums.kind} check in the store's {reader.tier} cache and was dropped: fetch it again")
-    finally:
-        if ahead is not None and not ahead.done():
-            await asyncio.wait([ahead])
-        if ahead is not None and ahead.done() and not ahead.cancelled():
-            ahead.exception()  # a read that failed after the stream stopped waiting: nobody else reports it
-        await asyncio.to_thread(close)
+    finally:  # through a cancellation too: the read in flight ends, then the reader is closed
+        if ahead is not None:
+            await outlast_cancellation(ahead)
+        await outlast_cancellation(loop.run_in_executor(None, close))
 
 
 async def _trailer(sums: Checksums, xxh3: bool, blob: bytes | None) -> spb.ShardChunk:

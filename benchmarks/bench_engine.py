@@ -167,7 +167,7 @@ def build_engine(args, tokenizer: Tokenizer) -> tuple[Engine, int]:
         fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
         lambda slot: clear_slot(modules.values(), slot),
         max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters, device=torch.device(DEVICE),
-        queued_copy=lambda tensors: queued_load(model, tensors),
+        queued_copy=lambda slot, tensors: queued_load(model, slot, tensors),
     )  # fmt: skip
     t0 = time.perf_counter()
     engine = Engine(model, tokenizer, kv, slots, cfg)

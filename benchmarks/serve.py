@@ -258,17 +258,17 @@ def build(args, tokenizer):
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, bench_engine.DTYPE, bench_engine.DEVICE)
     cfg.pinned_arena_bytes = args.pinned_arena_bytes
-    # sized (pinned on CUDA), and the CPU cache held to its share, as the executor does
+    # as the executor makes it: on CUDA pinned, the CPU cache held to its share; on the CPU not pinned
     arena = pinned_arena(cfg, lora_bytes_per_slot(lora_modules(model)))
     if arena is not None:
-        print(f"pinned arena: {arena.nbytes / 2**30:.1f} GiB, set up in {arena.pin_seconds:.1f} s (pages touched in "
+        print(f"{'pinned' if bench_engine.DEVICE == 'cuda' else 'host'} arena: {arena.nbytes / 2**30:.1f} GiB, set up in {arena.pin_seconds:.1f} s (pages touched in "
               f"{arena.fault_seconds:.1f} s); CPU cache {cfg.cpu_cache_bytes / 2**30:.1f} GiB", flush=True)
     adapters, counter, modules = RandomAdapters(model, bench_engine.DTYPE, arena), Counter(), lora_modules(model)
     slots = SlotManager(adapters.fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
                         lambda slot: clear_slot(modules.values(), slot), max_loras=cfg.max_loras,
                         cpu_cache_bytes=cfg.cpu_cache_bytes, device=torch.device(bench_engine.DEVICE),
                         max_concurrent_loads=args.max_concurrent_loads or None, observer=counter,
-                        queued_copy=lambda tensors: queued_load(model, tensors))
+                        queued_copy=lambda slot, tensors: queued_load(model, slot, tensors))
     if arena is not None and slots.copy_stream is not None:
         arena.fence = stream_fence(slots.copy_stream)
     engine = Engine(model, tokenizer, kv, slots, cfg)
@@ -643,7 +643,7 @@ async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None
         mgr = SlotManager(store.fetch_shard, lambda slot, t: load_shard_into_slot(model, slot, t),
                           lambda slot: clear_slot(modules.values(), slot), max_loras=engine.slots.max_loras,
                           max_cpu_adapters=0, device=torch.device(bench_engine.DEVICE),
-                          queued_copy=lambda tensors: queued_load(model, tensors))
+                          queued_copy=lambda slot, tensors: queued_load(model, slot, tensors))
         if arena is not None and mgr.copy_stream is not None:  # its copies read the arena's blocks too
             arena.fence = stream_fence(engine.slots.copy_stream, mgr.copy_stream)
         times, nbytes = [], 0
@@ -658,6 +658,7 @@ async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None
             mgr.release(lease)
             await mgr.evict("probe-r16")  # and from the CPU cache (max_cpu_adapters 0 keeps none anyway)
         await store.close()
+        mgr.close()
         t, floor = statistics.median(times), nbytes / bw
         return [("rank 16: store -> slot", f"{t * 1e3:.1f} ms", f"{nbytes / 2**20:.1f} MiB",
                  f"{t / floor:.1f}x the copy floor; stream {nbytes / t / 1e9:.2f} GB/s end to end (disk tier, loopback)")]
@@ -714,8 +715,9 @@ async def run(args, tokenizer) -> list[tuple]:
          f"{len(loads) / mixed.seconds:.1f} loads/s, load p50 / p99 {pct(loads, 50) * 1e3:.1f} / {pct(loads, 99) * 1e3:.1f} ms, "
          f"{counter.evictions} evictions; loads from the CPU cache {sum(t == 'cpu' for t, _ in counter.loads)}, fetched first "
          f"{sum(t == 'store' for t, _ in counter.loads)}; " + phases(counter.phases)
-         + (f"; {adapters.arena.misses - arena_misses} fetches found the pinned arena full (each pinned a buffer "
-            "of its own)" if adapters.arena is not None else "")),
+         + (f"; {adapters.arena.misses - arena_misses} fetches found the arena full (each "
+            + ("pinned a buffer of its own)" if bench_engine.DEVICE == "cuda" else "took a fresh buffer)")
+            if adapters.arena is not None else "")),
         base_steps, mixed_steps,
     ]
     def own_ceiling() -> tuple[float, float] | None:

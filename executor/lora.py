@@ -681,12 +681,21 @@ def _planned(model: nn.Module, key: "_LayoutKey"):
     return (known, layout) if layout is not None and layout.plan is not None else None
 
 
-def queued_load(model: nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether a load of `tensors` into `model`'s slots only queues device work: CUDA slot buffers,
-    the shard in page-locked memory (ShardTensors.pinned, kept as it landed in the CPU cache) and
-    its layout checked and planned by an earlier load (no host work beyond ~0.5-0.8 ms of calls)."""
+def queued_load(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether a load of `tensors` into `slot` of `model`'s slots only queues device work: CUDA slot
+    buffers, the shard in page-locked memory (ShardTensors.pinned, kept as it landed in the CPU
+    cache), its layout checked and planned by an earlier load, and the scatter's tables for what
+    this slot holds now built already (building them copies from pageable memory, which waits for
+    the copy stream's queued work): no host work beyond ~0.5-0.8 ms of calls."""
     signature = getattr(tensors, "signature", None)
-    return getattr(tensors, "pinned", False) and signature is not None and _planned(model, signature[0]) is not None
+    if not getattr(tensors, "pinned", False) or signature is None:
+        return False
+    planned = _planned(model, signature[0])
+    if planned is None:
+        return False
+    known, layout = planned
+    clip = layout.plan.clips.get(written_rank(known.modules.values(), slot))
+    return clip is not None and str(known.device) in clip.device_tables
 
 
 def _staged_early(model: nn.Module, key: "_LayoutKey", storage, lo: int, tensors: dict[str, torch.Tensor]):

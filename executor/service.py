@@ -142,7 +142,7 @@ def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | N
     log.info("pinned arena: page-locking %.1f GiB of host memory (--pinned-arena-bytes; 0 turns it off)", size / 2**30)
     try:
         arena = PinnedArena(size)
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:  # page-locking refused, or the mapping itself
         if not automatic:
             raise
         log.warning("pinned arena off: %s; fetched shards land in fresh pinned buffers (each pin stalls the steps)", exc)
@@ -247,7 +247,7 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
         max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters or None, cpu_cache_bytes=cfg.cpu_cache_bytes,
         device=cfg.torch_device,
         slot_wait_timeout_s=cfg.slot_wait_timeout_s, max_concurrent_loads=cfg.max_concurrent_loads, observer=metrics,
-        queued_copy=lambda tensors: queued_load(model, tensors),
+        queued_copy=lambda slot, tensors: queued_load(model, slot, tensors),
     )
     if arena is not None and slots.copy_stream is not None:  # a released block is reused once earlier slot copies ran
         arena.fence = stream_fence(slots.copy_stream)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraserve.errors import exhausted, invalid, not_found, precondition
+from loraserve.serving import outlast_cancellation
 from loraserve.kernels.meta import FULL_RANK
 
 from .cpu_cache import CpuCache, FetchShard, waited_on
@@ -150,10 +151,10 @@ class SlotManager:
         slot_wait_timeout_s: float = 30.0,
         max_concurrent_loads: int | None = None,
         observer: SlotObserver | None = None,
-        queued_copy: Callable[[dict[str, torch.Tensor]], bool] | None = None,
+        queued_copy: Callable[[int, dict[str, torch.Tensor]], bool] | None = None,
     ):
-        """queued_copy(tensors): whether copying these into a slot only queues device work (CUDA;
-        executor/lora.py `queued_load`): such copies run on the loop itself, the rest on a thread."""
+        """queued_copy(slot, tensors): whether copying these into that slot only queues device work
+        (CUDA; executor/lora.py `queued_load`): such copies run on the loop itself, the rest on a thread."""
         self._copy_into_slot = copy_into_slot
         self._queued_copy = queued_copy
         self._clear_slot = clear_slot
@@ -510,7 +511,7 @@ class SlotManager:
         """Copies the shard into the slot: queued on the copy stream from the loop itself when that
         only queues device work (`queued_copy`), else on the copy thread; returns the copy's event
         (None on the CPU). The loop's current device and stream are put back after."""
-        if self._copy_stream is not None and self._queued_copy is not None and self._queued_copy(tensors):
+        if self._copy_stream is not None and self._queued_copy is not None and self._queued_copy(slot, tensors):
             device, main = torch.cuda.current_device(), torch.cuda.current_stream(self.device)
             torch.cuda.set_stream(self._copy_stream)  # (and its device)
             try:
@@ -528,9 +529,7 @@ class SlotManager:
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            await asyncio.wait([future])
-            if not future.cancelled():
-                future.exception()  # retrieved: the caller is cancelled, so nobody else reports it
+            await outlast_cancellation(future)
             raise
 
     def close(self) -> None:

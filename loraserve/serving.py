@@ -11,6 +11,8 @@
 - `RunningServer.drain(grace_s)` is the one way to stop: health goes NOT_SERVING, new RPCs are
   refused, in-flight ones get `grace_s` to finish, then are cancelled.
 - `wait_for_stop_signal` turns SIGTERM (Kubernetes) and SIGINT (Ctrl-C) into that same drain.
+- `outlast_cancellation(future)`: cleanup that must wait for a thread's call (which cannot be
+  stopped) even while the task doing it is cancelled (a client gone, a shutdown).
 """
 
 from __future__ import annotations
@@ -137,3 +139,16 @@ async def wait_for_stop_signal() -> str:
     finally:
         for sig in sigs:
             loop.remove_signal_handler(sig)
+
+
+async def outlast_cancellation(future: asyncio.Future) -> None:
+    """Waits until `future` (a thread's call, e.g. from `run_in_executor`) is done, through any
+    cancellation of the waiting task meanwhile (the caller re-raises its own once this returns),
+    and retrieves its exception so that none goes unreported as "never retrieved"."""
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            continue
+    if not future.cancelled():
+        future.exception()

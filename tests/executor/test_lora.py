@@ -251,14 +251,21 @@ def test_a_shard_in_one_pinned_buffer_loads_with_one_copy_and_equals_per_tensor_
     torch.cuda.synchronize()
     for (name, a), b in zip(lora_modules(staged).items(), lora_modules(plain).values()):
         assert torch.equal(a.lora_a, b.lora_a) and torch.equal(a.lora_b, b.lora_b), name
-    # a layout planned before: its bytes are staged before the slot-buffer check, and the slot
-    # manager may queue such a load from its loop (pinned, as the CPU cache marks it; planned)
-    again = pinned_blob(high)
-    shard_signature(again)
-    again.pinned = True
-    assert queued_load(staged, again) and not queued_load(plain, again)  # plain never planned it
+    # a layout planned before: its bytes are staged before the slot-buffer check; the slot manager
+    # may queue a load from its loop once the plan's tables for what the slot holds are built too
+    def marked(shard):  # as the CPU cache keeps a CUDA executor's shard
+        shard = pinned_blob(shard)
+        shard_signature(shard)
+        shard.pinned = True
+        return shard
+
+    again = marked(high)
+    assert not queued_load(staged, 0, again)  # high's tables over a slot holding rank 4: not built yet
     load_shard_into_slot(staged, 0, again)
     load_shard_into_slot(plain, 0, {k: v.clone() for k, v in high.items()})
     torch.cuda.synchronize()
     for (name, a), b in zip(lora_modules(staged).items(), lora_modules(plain).values()):
         assert torch.equal(a.lora_a, b.lora_a) and torch.equal(a.lora_b, b.lora_b), name
+    low_again = marked(low)
+    assert queued_load(staged, 0, low_again)  # low over rank 8: planned and built by the second load
+    assert not queued_load(plain, 0, low_again) and not queued_load(staged, 0, dict(low_again))

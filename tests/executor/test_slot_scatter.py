@@ -251,6 +251,6 @@ def test_a_changed_or_copied_shard_does_not_keep_its_signature():
     assert not hasattr(changed, "signature") and not hasattr(changed, "pinned")
     lora.shard_signature(deep)
     deep.pinned = True
-    assert not lora.queued_load(model, deep)  # CPU slot buffers: the copy is host work
+    assert not lora.queued_load(model, 1, deep)  # CPU slot buffers: the copy is host work
     with pytest.raises(ValueError, match="not inside their host buffer"):
         lora._staged(torch.empty(16, dtype=torch.uint8).untyped_storage(), 0, 16, torch.device("cpu"), torch.uint8)
