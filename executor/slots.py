@@ -178,7 +178,7 @@ class SlotManager:
                             forget=self._forget_if_unused, notify=self._notify)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # CUDA: a copy that only queues device work (`queued_copy`: pinned host memory, a layout
-        # planned before; ~0.5-0.8 ms of host time) is queued right here, on the loop (`_copy_in`):
+        # planned and its tables built before; ~0.5-0.8 ms of host time) is queued right here, on the loop (`_copy_in`):
         # with a copy thread, its hand-offs of the interpreter lock lengthened the steps' gaps while
         # cold loads ran (docs/BENCHMARKS.md, "Sixteenth pass"). Clears, a layout's first load (its
         # checks) and copies out of pageable memory (whose "async" copy waits for the bytes) run, in

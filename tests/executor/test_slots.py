@@ -664,8 +664,8 @@ async def test_a_fetched_shard_lands_with_its_signature_worked_out(store, slots)
 
 async def test_a_cancelled_wait_for_the_copy_thread_ends_only_after_the_threads_call(store, slots):
     """A thread's call cannot be stopped: a caller cancelled while waiting for a copy or clear there
-    (a shutdown) gets its cancellation only once the call has ended, so what it then frees (a slot)
-    is not being written any more."""
+    (a shutdown), even twice, gets its cancellation only once the call has ended, so what it then
+    frees (a slot) is not being written any more."""
     import threading
 
     mgr = _manager(store, slots)
@@ -678,8 +678,10 @@ async def test_a_cancelled_wait_for_the_copy_thread_ends_only_after_the_threads_
 
     waiting = asyncio.ensure_future(mgr._on_copy_thread(slow_clear))
     await asyncio.to_thread(started.wait, 10)
+    threading.Timer(0.3, release.set).start()
     waiting.cancel()
-    threading.Timer(0.2, release.set).start()
+    await asyncio.sleep(0.05)
+    waiting.cancel()  # again (a shutdown after a client's cancel): still after the call only
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert ended == [True]
