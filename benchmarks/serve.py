@@ -411,8 +411,9 @@ def h2d_bandwidth() -> float:
 
 class CopyCalls:
     """Times the slot manager's copy into a slot (SlotManager._copy_into_slot, run on the loop or on
-    its copy thread: SlotManager._copy_in): the host seconds of the call (the staged host -> device copy queued, the scatter
-    launched), and on CUDA its device span by events on the stream it runs on (the copy stream)."""
+    its copy thread: SlotManager._copy_in): the host seconds of the call (the staged host -> device
+    copy queued, the scatter launched), and on CUDA its device span by events on the stream it runs
+    on (the copy stream)."""
 
     STEPS = ("_slot_targets", "shard_signature", "_staged")  # executor.lora's functions, timed apart
     PARTS = (*STEPS, "scatter")  # and the scatter's launch
@@ -480,7 +481,7 @@ class CopyCalls:
         return self.events[0].elapsed_time(self.events[1]) / 1e3 if self.events else 0.0
 
     @staticmethod
-    def thread_seconds(slots) -> float:
+    def copy_phase_seconds(slots) -> float:
         """The last load's copy phase: the copy call, any thread hops, the log line (SlotObserver.load_phases)."""
         return slots.observer.phases[-1][2] if getattr(slots.observer, "phases", None) else 0.0
 
@@ -492,9 +493,9 @@ class CopyCalls:
 
     def hops(self, t0: float, t1: float) -> list[float]:
         """Seconds of the last load from acquire (t0) to its return (t1): before SlotManager._copy
-        (the slot's claim, and the hop onto the copy thread where the copy runs there), the work before the copy call,
-        after it (the event), then back to the acquire's return (the hop back,
-        the log line, the waiters' wake-up)."""
+        (the slot's claim, and the hop onto the copy thread where the copy runs there), the work
+        before the copy call, after it (the event), then back to the acquire's return (any hop
+        back, the log line, the waiters' wake-up)."""
         m = self.marks
         return [m["enter"] - t0, m["start"] - m["enter"], m["exit"] - m["end"], t1 - m["exit"]]
 
@@ -549,7 +550,7 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
                     lease.ready.synchronize()
                 t2 = time.perf_counter()
                 times.append(t2 - t0)
-                parts.append((t1 - t0, copy_calls.thread_seconds(slots), copy_calls.host, copy_calls.device(), t2 - t1,
+                parts.append((t1 - t0, copy_calls.copy_phase_seconds(slots), copy_calls.host, copy_calls.device(), t2 - t1,
                               *copy_calls.parts(), *copy_calls.hops(t0, t1)))
                 slots.release(lease)
                 await slots.evict(name)
