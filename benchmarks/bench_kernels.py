@@ -462,6 +462,7 @@ def real_benchmark(args, ceil, info):
         budget_s=float("inf") if part else args.budget_s,
         on_row=lambda line: print(line, flush=True),
         part=part,
+        pdl=args.pdl,
     )
     if part:
         return
@@ -500,6 +501,8 @@ def main():
     parser.add_argument("--real-kinds", default="qkv,o,gate_up,down,embedding,lm_head")
     parser.add_argument("--budget-s", type=float, default=110.0, help="--real: stop starting new shapes after this")
     parser.add_argument("--warm-s", type=float, default=60.0, help="--real: compile in parallel first, at most this long")
+    parser.add_argument("--pdl", action="store_true",
+                        help="--real: decode shrinks and expands launched as programmatic dependents (sm90+)")
     parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
     args = parser.parse_args()
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The LoRA kernels on a CUDA host: GPU tests, then (optionally) tuning and the benchmarks.
 #   bash benchmarks/gpu_kernels.sh OUT_DIR STAGES [bench_kernels.py args...]
-# STAGES: comma list of smoke,tune,tune-real,test,quick,bench,real,decode,ranks,attn-sweep (default:
-# test,bench), run in that order. decode: the real shapes at decode token counts only (into
-# OUT/decode); ranks: bench_ranks.py (adapters of smaller ranks than their slots, ~2 min; RANKS_ARGS=--sweep
+# STAGES: comma list of smoke,tune,tune-real,test,quick,bench,real,decode,decode-pdl,ranks,attn-sweep
+# (default: test,bench), run in that order. decode: the real shapes at decode token counts only (into
+# OUT/decode); decode-pdl: the same with the layers' kernels launched as programmatic dependents
+# (into OUT/decode-pdl); ranks: bench_ranks.py (adapters of smaller ranks than their slots, ~2 min; RANKS_ARGS=--sweep
 # adds a sweep of launch settings, ~4 min more); attn-sweep: decode attention launch settings at small batches. tune: the hidden-size grid (bench_kernels.py --tune-out); tune-real: representative
 # real layer shapes (tune_kernels.py, ~6 min); real: the real-shape benchmark (bench_kernels.py
 # --real, ~3 min; TUNE_REAL_BUDGET_S shortens the tuning; TUNE_REAL_ARGS adds flags, e.g. "--phases 5,6,7"). Writes under OUT_DIR: run.log (everything), and tuned.json, bench.json,
@@ -31,7 +32,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 
 python3 -c "import loraserve.kernels as k; print('loraserve.kernels from', k.__file__)" 2>&1 | tee -a "$LOG"
 
 pytest_gpu() {
-  python3 -m pytest tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py -m gpu -q -s \
+  python3 -m pytest tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py tests/kernels/test_pdl_gpu.py -m gpu -q -s \
     -p no:cacheprovider -o addopts="--import-mode=importlib -ra" "$@"
 }
 use_table() {  # a tuned table replaces this checkout's shipped one, so later stages run on it
@@ -73,11 +74,19 @@ if has real; then
   stage real
   timeout "${REAL_TIMEOUT:-360}" python3 benchmarks/bench_kernels.py --real --out "$OUT" "${TABLE[@]}" "$@" 2>&1 | tee -a "$LOG"
 fi
-if has decode; then
-  stage decode
-  timeout "${DECODE_TIMEOUT:-200}" python3 benchmarks/bench_kernels.py --real --out "$OUT/decode" \
+decode_stage() {  # decode_stage NAME [extra bench_kernels.py args]: the real shapes at decode token counts
+  local name=$1
+  shift
+  stage "$name"
+  timeout "${DECODE_TIMEOUT:-200}" python3 benchmarks/bench_kernels.py --real --out "$OUT/$name" \
     --real-tokens "${DECODE_TOKENS:-1,3,17,64,255}" --real-tp "${DECODE_TP:-1,2}" --real-kinds qkv,o,gate_up,down \
     --warm-s "${DECODE_WARM_S:-45}" --budget-s "${DECODE_BUDGET_S:-70}" "${TABLE[@]}" "$@" 2>&1 | tee -a "$LOG" | tail -30
+}
+if has decode; then
+  decode_stage decode "$@"
+fi
+if has decode-pdl; then  # the same, each layer's shrink and expand launched as programmatic dependents
+  decode_stage decode-pdl --pdl "$@"
 fi
 if has ranks; then
   stage ranks

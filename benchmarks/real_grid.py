@@ -83,10 +83,13 @@ def graph_sets(tokens) -> int:
     return 8 if tokens <= DECODE_MAX_TOKENS else 4 if tokens <= 1024 else 2
 
 
-def measure(pool: RealPool, tokens, adapters, ceil, gen, ops=("layer",), warm=False) -> dict:
+def measure(pool: RealPool, tokens, adapters, ceil, gen, ops=("layer",), warm=False, pdl=False) -> dict:
     """Graph time per layer (us) of each op in ops ("layer", "shrink", "expand") and the floor.
 
-    warm: run each op once, eagerly, and time nothing (a compile-only pass, see warm_in_workers)."""
+    warm: run each op once, eagerly, and time nothing (a compile-only pass, see warm_in_workers).
+    pdl: decode shrinks and expands launched as programmatic dependents (each layer's expand starts
+    during its shrink, the next layer's shrink during the expand: the graph's layers in a chain)."""
+    follow = dict(pdl=True) if pdl else {}  # (no keyword at all without it: older trees take none)
     distinct = max(1, min(adapters, tokens, pool.slots))
     slots = token_slots(tokens, tokens, distinct, gen)
     meta = make_lora_meta(slots, pool.slots)
@@ -114,9 +117,9 @@ def measure(pool: RealPool, tokens, adapters, ceil, gen, ops=("layer",), warm=Fa
             if pool.embedding:
                 lora_embedding_shrink(x, lora_a, meta, out=buf)
             else:
-                buf = lora_shrink(x, lora_a, meta, out=None if workspace is not None else buf)
+                buf = lora_shrink(x, lora_a, meta, out=None if workspace is not None else buf, **follow)
         if op != "shrink":
-            lora_expand(y, buf, lora_b, offsets, meta)
+            lora_expand(y, buf, lora_b, offsets, meta, **follow)
 
     def step(op):
         if workspace is not None and op != "expand":
@@ -238,10 +241,11 @@ def cases(tokens_list, adapters_list, kinds):
     return out
 
 
-def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=print, part=None):
+def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=print, part=None, pdl=False):
     """Every kernel shape of the real layers (ordered_shapes), each rank and case, until budget_s.
 
     part (i, n): the compile-only pass of worker i of n (every n-th shape, nothing timed).
+    pdl: as in measure.
     Returns (rows, shapes not measured for lack of time)."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     shapes = [s for s in model_shapes.real_shapes(tp_sizes=tps) if s.kind in kinds]
@@ -261,7 +265,7 @@ def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=
             pool = RealPool.make(cls == "embedding", in_features, widths, rank, slots, copies=1 if part else 8)
             for tokens, adapters in todo:
                 try:
-                    res = measure(pool, tokens, adapters, ceil, gen, warm=part is not None)
+                    res = measure(pool, tokens, adapters, ceil, gen, warm=part is not None, pdl=pdl)
                 except Exception as exc:  # one failing case (memory, a config over a limit) ends no run
                     on_row(f"failed: in {in_features} widths {widths} rank {rank} T={tokens}: {str(exc)[:160]}")
                     continue

@@ -54,12 +54,21 @@ def _impl(t: torch.Tensor):
     return _on_device(t, "triton_lora", reference)
 
 
-def lora_shrink(x, lora_a, meta: LoraMeta, out=None, ranked: bool = True):
-    return _impl(x).lora_shrink(x, lora_a, meta, out, ranked)
+def lora_shrink(x, lora_a, meta: LoraMeta, out=None, ranked: bool = True, pdl: bool = False):
+    """pdl: launch as a programmatic dependent at decode on CUDA (kernels/triton_lora.py says what
+    the caller promises); the reference ignores it."""
+    impl = _impl(x)
+    if pdl and impl is not reference:
+        return impl.lora_shrink(x, lora_a, meta, out, ranked, pdl=True)
+    return impl.lora_shrink(x, lora_a, meta, out, ranked)
 
 
-def lora_expand(y, buf, lora_b, slice_offsets, meta: LoraMeta, ranked: bool = True):
-    return _impl(y).lora_expand(y, buf, lora_b, slice_offsets, meta, ranked)
+def lora_expand(y, buf, lora_b, slice_offsets, meta: LoraMeta, ranked: bool = True, pdl: bool = False):
+    """pdl: as in lora_shrink."""
+    impl = _impl(y)
+    if pdl and impl is not reference:
+        return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, pdl=True)
+    return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked)
 
 
 def lora_embedding_shrink(token_ids, lora_a, meta: LoraMeta, out=None):

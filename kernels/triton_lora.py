@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import reference
 from .meta import LoraMeta, shrink_output
-from .tuning import expand_config, num_sms, shrink_config
+from .tuning import DECODE_MAX_TOKENS, expand_config, num_sms, shrink_config
 
 _DTYPES = (torch.float16, torch.bfloat16)
 # The narrow tiles for adapters of lower rank than their slots (_shrink_tile, _expand_tile), on
@@ -105,7 +105,7 @@ def _shrink_tile(
     RANK: tl.constexpr, SR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, RANKED: tl.constexpr,
-    NARROW: tl.constexpr,
+    NARROW: tl.constexpr, PDL: tl.constexpr,
 ):
     """One tile: a block of one slot's tokens x BLOCK_N of the S * RANK columns x one K split.
 
@@ -119,13 +119,17 @@ def _shrink_tile(
     col_block = rest - split * N_BLOCKS
     slot = tl.load(block_slots_ptr + block)
     tok = tl.load(block_tokens_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    rank = RANK
+    if RANKED:
+        rank = tl.load(block_ranks_ptr + block)
+    if PDL:  # the block list is the step's, written before the stream's last non-PDL kernel; x is
+        # the predecessor's: wait for it (and so for everything before it) in every program
+        tl.extra.cuda.gdc_wait()
     if slot >= 0:  # -1: an unused entry of the list
         m_mask = tok >= 0
         offs_j = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         j_mask = offs_j < SR
-        rank = RANK
         if RANKED:  # columns past the slot adapter's rank are zero in A: not read
-            rank = tl.load(block_ranks_ptr + block)
             live = j_mask & (offs_j % RANK < rank)
         else:
             live = j_mask
@@ -169,7 +173,7 @@ def _shrink_kernel(
     RANK: tl.constexpr, SR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, RANKED: tl.constexpr,
-    NARROW: tl.constexpr, ONE_TILE: tl.constexpr,
+    NARROW: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[s, t, r] = sum_k x[t, k] * a[slot(t), s * RANK + r, k], over the flattened j = s * RANK + r.
 
@@ -178,13 +182,19 @@ def _shrink_kernel(
     each program takes tile p without reading the count (unused entries say slot -1), one
     dependent memory round trip less. Blocks of the no-adapter group (slot == num_slots)
     write zeros. K split over programs: the splits add into a zeroed out.
+
+    PDL (ONE_TILE only; launched with launch_pdl): a programmatic dependent of the stream's last
+    kernel. Each program reads its block list entry, lets the next kernel (the expand) start
+    launching, then waits for the predecessor's grid before it reads x or writes out.
     """
     pid = tl.program_id(0)
     if ONE_TILE:
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         _shrink_tile(
             pid, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
             num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
-            RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, RANKED, NARROW,
+            RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, RANKED, NARROW, PDL,
         )
     else:
         num_programs = tl.num_programs(0)
@@ -193,7 +203,7 @@ def _shrink_kernel(
             _shrink_tile(
                 tile, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
                 num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
-                RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, RANKED, NARROW,
+                RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, RANKED, NARROW, False,
             )
 
 
@@ -229,39 +239,64 @@ def _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES: tl.constexpr,
 
 
 @triton.jit
+def _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N: tl.constexpr):
+    """B[offs_n, offs_r] as a [BLOCK_R, BLOCK_N] tile (columns from hi on read as 0)."""
+    if EVEN_N:
+        return tl.load(b_rows + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_mask[:, None], other=0.0)
+    return tl.load(
+        b_rows + offs_n[None, :] * stride_bn + offs_r[:, None],
+        mask=r_mask[:, None] & (offs_n < hi)[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _add_cols(y_rows, lhs, b, offs_n, m_mask, hi, EVEN_N: tl.constexpr):
+    """y[rows, offs_n] += lhs @ b."""
+    if EVEN_N:
+        mask = m_mask[:, None]
+    else:
+        mask = m_mask[:, None] & (offs_n < hi)[None, :]
+    y_tile = y_rows + offs_n[None, :]
+    old = tl.load(y_tile, mask=mask, other=0.0)
+    delta = tl.dot(lhs, b)
+    tl.store(y_tile, (old.to(tl.float32) + delta).to(y_tile.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _expand_cols(
     y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr,
-    EVEN_N: tl.constexpr, RANKED: tl.constexpr,
+    EVEN_N: tl.constexpr, RANKED: tl.constexpr, PDL: tl.constexpr,
 ):
-    """y[rows, n_start : n_start + BLOCK_N * N_ITERS] += buf[s, rows, :BLOCK_R] @ B[cols, :BLOCK_R].T."""
+    """y[rows, n_start : n_start + BLOCK_N * N_ITERS] += buf[s, rows, :BLOCK_R] @ B[cols, :BLOCK_R].T.
+
+    PDL: the first step's B columns are read before the wait for the shrink's grid (B is the
+    slot's, written before the step), buf and y after it."""
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < RANK
     if RANKED:  # B's columns past the slot adapter's rank are zero: not read. In runs of 8 (16
         # bytes): a mask constant over 8 lanes keeps B's loads 16-byte vectors (the tail is zero)
         r_mask = r_mask & (offs_r // 8 < (rank + 7) // 8)
+    if PDL:
+        first = _b_cols(b_rows, n_start + tl.arange(0, BLOCK_N), offs_r, r_mask, hi, stride_bn, EVEN_N)
+        tl.extra.cuda.gdc_wait()
     lhs = tl.load(
         buf_ptr + (s * num_tokens + tok[:, None]) * RANK + offs_r[None, :],
         mask=m_mask[:, None] & r_mask[None, :],
         other=0.0,
     ).to(b_rows.dtype.element_ty)
-    for i in range(N_ITERS):
-        offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        if EVEN_N:
-            b = tl.load(b_rows + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_mask[:, None], other=0.0)
-            mask = m_mask[:, None]
-        else:
-            n_mask = offs_n < hi
-            b = tl.load(
-                b_rows + offs_n[None, :] * stride_bn + offs_r[:, None],
-                mask=r_mask[:, None] & n_mask[None, :],
-                other=0.0,
-            )
-            mask = m_mask[:, None] & n_mask[None, :]
-        y_tile = y_rows + offs_n[None, :]
-        old = tl.load(y_tile, mask=mask, other=0.0)
-        delta = tl.dot(lhs, b)
-        tl.store(y_tile, (old.to(tl.float32) + delta).to(y_tile.dtype.element_ty), mask=mask)
+    if PDL:
+        _add_cols(y_rows, lhs, first, n_start + tl.arange(0, BLOCK_N), m_mask, hi, EVEN_N)
+        for i in range(1, N_ITERS):
+            offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            _add_cols(y_rows, lhs, _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N), offs_n, m_mask, hi,
+                      EVEN_N)
+    else:
+        for i in range(N_ITERS):
+            offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            _add_cols(y_rows, lhs, _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N), offs_n, m_mask, hi,
+                      EVEN_N)
 
 
 @triton.jit
@@ -271,7 +306,7 @@ def _expand_tile(
     off0, off1, off2, off3, off4,
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
-    RANKED: tl.constexpr, NARROW: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr,
+    RANKED: tl.constexpr, NARROW: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr, PDL: tl.constexpr,
 ):
     """One tile: a block of one slot's tokens x BLOCK_N * N_ITERS columns of one slice.
 
@@ -282,6 +317,9 @@ def _expand_tile(
     chunk = tile - block * chunks
     slot = tl.load(block_slots_ptr + block)
     tok = tl.load(block_tokens_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    rank = RANK
+    if NARROW or RANKED:  # read beside the slot, not after it: one dependent round trip less
+        rank = tl.load(block_ranks_ptr + block)
     if (slot >= 0) & (slot < num_slots):  # skips unused entries and the no-adapter group
         s, lo, hi, local = _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES, BLOCK_N * N_ITERS)
         m_mask = tok >= 0
@@ -289,33 +327,34 @@ def _expand_tile(
         y_rows = y_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_yt
         n_start = lo + local * (BLOCK_N * N_ITERS)
         if NARROW:
-            rank = tl.load(block_ranks_ptr + block)
             if BLOCK_R >= 64:
                 if rank <= BLOCK_R // 4:
                     _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                                 RANK, BLOCK_R // 4, BLOCK_N * WIDE4, N_ITERS // WIDE4, EVEN_N, RANKED)
+                                 RANK, BLOCK_R // 4, BLOCK_N * WIDE4, N_ITERS // WIDE4, EVEN_N, RANKED, PDL)
                 elif rank <= BLOCK_R // 2:
                     _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                                 RANK, BLOCK_R // 2, BLOCK_N * WIDE2, N_ITERS // WIDE2, EVEN_N, RANKED)
+                                 RANK, BLOCK_R // 2, BLOCK_N * WIDE2, N_ITERS // WIDE2, EVEN_N, RANKED, PDL)
                 else:
                     _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                                 RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
+                                 RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL)
             elif BLOCK_R >= 32:
                 if rank <= BLOCK_R // 2:
                     _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                                 RANK, BLOCK_R // 2, BLOCK_N * WIDE2, N_ITERS // WIDE2, EVEN_N, RANKED)
+                                 RANK, BLOCK_R // 2, BLOCK_N * WIDE2, N_ITERS // WIDE2, EVEN_N, RANKED, PDL)
                 else:
                     _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                                 RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
+                                 RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL)
             else:
                 _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                             RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
+                             RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL)
         elif RANKED:
-            _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, tl.load(block_ranks_ptr + block), n_start, hi,
-                         num_tokens, stride_bn, RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
+            _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
+                         RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL)
         else:
             _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, RANK, n_start, hi, num_tokens, stride_bn,
-                         RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED)
+                         RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL)
+    elif PDL:  # every program waits: the grid ends only after the shrink's (and what it waited for)
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["block_ranks_ptr"])
@@ -326,19 +365,26 @@ def _expand_kernel(
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
     RANKED: tl.constexpr, NARROW: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr, ONE_TILE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[t, n] += sum_r buf[s(n), t, r] * b[slot(t), n, r] for the columns n of slice s(n).
 
     Persistent like _shrink_kernel, over the blocks of real slots only (num_blocks[0]):
     no-adapter tokens are never touched.
+
+    PDL (ONE_TILE only; launched with launch_pdl): a programmatic dependent of the shrink before
+    it. Each program reads its block list entry and its first B columns while the shrink runs,
+    then waits for the shrink's grid before it reads buf and y.
     """
     pid = tl.program_id(0)
     if ONE_TILE:
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         _expand_tile(
             pid, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
             num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
             off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-            RANKED, NARROW, WIDE2, WIDE4,
+            RANKED, NARROW, WIDE2, WIDE4, PDL,
         )
     else:
         num_programs = tl.num_programs(0)
@@ -348,7 +394,7 @@ def _expand_kernel(
                 tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
                 num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
                 off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-                RANKED, NARROW, WIDE2, WIDE4,
+                RANKED, NARROW, WIDE2, WIDE4, False,
             )
 
 
@@ -400,8 +446,31 @@ def _block_r(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))
 
 
+@lru_cache(maxsize=16)
+def _pdl_capable(device_index: int) -> bool:
+    """Programmatic dependent launch: compute capability 9.0 and newer."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _pdl(pdl: bool, device: torch.device, one_tile: bool, num_tokens: int) -> bool:
+    """Launch as a programmatic dependent: asked for, at decode token counts (measured there
+    only), one tile per program (no loop over the list: a grid that leaves room on the SMs for the
+    next kernel's programs), and a GPU that has it."""
+    return (
+        pdl
+        and one_tile
+        and num_tokens <= DECODE_MAX_TOKENS
+        and _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+    )
+
+
 def lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta, out: torch.Tensor | None = None, ranked: bool = True
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    meta: LoraMeta,
+    out: torch.Tensor | None = None,
+    ranked: bool = True,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """buf[s, t, :] = x[t] @ lora_a[slot(t), s].T for every slice s; rows of no-adapter tokens are 0.
 
@@ -410,6 +479,10 @@ def lora_shrink(
     out:    [S, T, R] float32 (allocated if None)
     ranked: read each slot only up to its adapter's rank (meta.slot_ranks; rank positions past it
             come out 0); False where the rank dim holds several parts (fully sharded TP layers)
+    pdl:    at decode, launch as a programmatic dependent of the stream's last kernel (its block
+            list read before x is ready). The caller's promise: the block list, lora_a and, when the
+            K split adds into it, a zeroed out were written before the stream's last kernel launched
+            without PDL; an expand launched with pdl=True after it then starts during this shrink
     """
     num_tokens, in_features = x.shape
     num_slots, num_slices, rank, _ = lora_a.shape
@@ -427,13 +500,15 @@ def lora_shrink(
         out.zero_()  # the K splits add into it
     tiles = blocks.max_blocks * col_blocks * cfg.split_k  # upper bound: the list's length
     programs = num_sms(x.device.index) * cfg.ctas_per_sm
+    follow = _pdl(pdl, x.device, tiles <= programs, num_tokens)
     _shrink_kernel[(min(tiles, programs),)](
         x, lora_a, out, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
         num_tokens, num_slots, in_features, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(2),
         RANK=rank, SR=sr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         N_BLOCKS=col_blocks, SPLIT_K=cfg.split_k, EVEN_K=in_features % cfg.block_k == 0,
         RANKED=ranked, NARROW=ranked and NARROW_SHRINK and _narrow_shrink(cfg, rank),
-        ONE_TILE=tiles <= programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg),
+        ONE_TILE=tiles <= programs, PDL=follow, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_regs(cfg), **({"launch_pdl": True} if follow else {}),
     )
     return out
 
@@ -445,6 +520,7 @@ def lora_expand(
     slice_offsets: tuple[int, ...],
     meta: LoraMeta,
     ranked: bool = True,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """y[t, off_s:off_s+n_s] += buf[s, t] @ lora_b[slot(t), off_s:off_s+n_s].T, in place.
 
@@ -453,6 +529,10 @@ def lora_expand(
     lora_b:        [max_loras, N, R], dtype of y
     slice_offsets: S + 1 output offsets, e.g. (0, q, q + k, q + k + v)
     ranked:        as in lora_shrink
+    pdl:           at decode, launch as a programmatic dependent of the stream's last kernel (the
+                   shrink that wrote buf): its block list and first B columns are read before buf
+                   and y are ready, on the promise of lora_shrink's pdl; a slice group's second
+                   launch follows the first the same way
     """
     if not _expand_supported(y, buf, lora_b):
         return reference.lora_expand(y, buf, lora_b, slice_offsets, meta)
@@ -467,6 +547,7 @@ def lora_expand(
         tuple(slice_offsets), cfg.block_n * cfg.n_iters
     ):
         tiles = blocks.max_blocks * chunks
+        follow = _pdl(pdl, y.device, tiles <= programs, num_tokens)
         _expand_kernel[(min(tiles, programs),)](
             y, buf[first_slice:], lora_b, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
             num_tokens, lora_b.shape[0], chunks, y.stride(0), lora_b.stride(0), lora_b.stride(1),
@@ -475,7 +556,8 @@ def lora_expand(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
             RANKED=ranked, NARROW=ranked and NARROW_EXPAND and _narrow_expand(cfg, rank),
             WIDE2=math.gcd(2, cfg.n_iters), WIDE4=math.gcd(4, cfg.n_iters), ONE_TILE=tiles <= programs,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg),
+            PDL=follow, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **_regs(cfg), **({"launch_pdl": True} if follow else {}),
         )
     return y
 

@@ -1,0 +1,173 @@
+"""Decode shrinks and expands launched as programmatic dependents (`pdl=True`,
+kernels/triton_lora.py): a chain of layers where each shrink reads the previous expand's output
+equals the reference, eagerly and replayed in a CUDA graph with new inputs and new slots, and the
+launches really are programmatic where they should be (decode grids) and not elsewhere.
+
+Needs a CUDA GPU of compute capability 9.0 or newer; skips elsewhere (Triton's interpreter has no
+grid dependency control). Run: pytest -m gpu tests/kernels/test_pdl_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .gpu_skip import skip_unless_cuda_and_triton
+
+skip_unless_cuda_and_triton(interpreter=False)
+
+from loraserve.kernels import make_lora_meta, reference, triton_lora  # noqa: E402
+from loraserve.kernels.meta import ShrinkWorkspace  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.get_device_capability()[0] < 9, reason="programmatic dependent launch needs sm90+"),
+]
+
+DEV = "cuda"
+MAX_LORAS = 6
+LAYERS = 4
+
+
+class Launches:
+    """Wraps a Triton kernel of triton_lora: records each launch's launch_pdl, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.pdl: list[bool] = []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.pdl.append(bool(kwargs.get("launch_pdl", False)))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    shrink, expand = Launches(triton_lora._shrink_kernel), Launches(triton_lora._expand_kernel)
+    monkeypatch.setattr(triton_lora, "_shrink_kernel", shrink)
+    monkeypatch.setattr(triton_lora, "_expand_kernel", expand)
+    return shrink, expand
+
+
+def weights(dim: int, widths: tuple[int, ...], rank: int, seed: int):
+    """LAYERS layers of dim -> sum(widths) == dim, so each layer's output is the next one's input."""
+    assert sum(widths) == dim
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(LAYERS):
+        a = torch.randn(MAX_LORAS, len(widths), rank, dim, generator=gen) / dim**0.5
+        b = torch.randn(MAX_LORAS, dim, rank, generator=gen) / rank**0.5
+        out.append((a.to(DEV, torch.bfloat16), b.to(DEV, torch.bfloat16)))
+    return out
+
+
+def slots_and_ranks(tokens: int, rank: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randint(-1, MAX_LORAS, (tokens,), generator=gen, dtype=torch.int32)
+    ranks = torch.tensor([rank, max(1, rank // 2), 8, rank, 8, max(1, rank // 4)], dtype=torch.int32)
+    return slots.to(DEV), ranks.to(DEV)
+
+
+def offsets(widths):
+    out = [0]
+    for w in widths:
+        out.append(out[-1] + w)
+    return tuple(out)
+
+
+def chain(x, bases, layers, widths, meta, impl, pdl):
+    """h_0 = x; h_i = bases[i] + LoRA_i(h_{i-1}): each shrink reads what the expand before it wrote.
+    bases are copied into the outputs before the first layer (nothing runs between two layers)."""
+    outs = [base.clone() for base in bases]
+    h = x
+    for (a, b), y in zip(layers, outs):
+        kwargs = dict(pdl=True) if pdl else {}
+        buf = impl.lora_shrink(h, a, meta, **kwargs)
+        impl.lora_expand(y, buf, b, offsets(widths), meta, **kwargs)
+        h = y
+    return h
+
+
+CASES = [  # (tokens, dim, widths, rank): odd sizes, q/k/v-like slices, a long reduction, > 4 slices
+    (1, 1000, (600, 400), 16),
+    (5, 4096, (2048, 1024, 1024), 16),
+    (17, 1000, (1000,), 64),
+    (64, 14336, (14336,), 8),
+    (3, 1000, (200, 200, 200, 200, 100, 100), 16),  # two expand launches: the second follows the first
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-d{c[1]}-s{len(c[2])}-r{c[3]}")
+def test_a_chain_of_programmatic_layers_equals_the_reference(case, launches):
+    tokens, dim, widths, rank = case
+    layers = weights(dim, widths, rank, seed=tokens + dim)
+    slots, ranks = slots_and_ranks(tokens, rank, seed=tokens)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens, dim, generator=gen).to(DEV, torch.bfloat16)
+    bases = [torch.randn(tokens, dim, generator=gen).to(DEV, torch.bfloat16) for _ in range(LAYERS)]
+    meta = make_lora_meta(slots, MAX_LORAS, slot_ranks=ranks)
+    want = chain(x, bases, layers, widths, meta, reference, pdl=False)
+    got = chain(x, bases, layers, widths, meta, triton_lora, pdl=True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+    shrink, expand = launches
+    assert shrink.pdl and all(shrink.pdl), "every decode shrink launched as a programmatic dependent"
+    assert expand.pdl and all(expand.pdl)
+    assert len(expand.pdl) == LAYERS * (2 if len(widths) > 4 else 1)
+
+
+def test_a_captured_chain_replays_with_new_inputs_and_slots():
+    """In a CUDA graph (the step's workspace zeroed by a memset node first, as the engine's decode
+    graphs do), each replay reads the static inputs and slots as they are then."""
+    tokens, dim, widths, rank = 9, 2048, (1024, 512, 512), 32
+    layers = weights(dim, widths, rank, seed=3)
+    slots, ranks = slots_and_ranks(tokens, rank, seed=1)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, dim, generator=gen).to(DEV, torch.bfloat16)
+    bases = [torch.randn(tokens, dim, generator=gen).to(DEV, torch.bfloat16) for _ in range(LAYERS)]
+    workspace = torch.empty(LAYERS * len(widths) * tokens * rank, dtype=torch.float32, device=DEV)
+
+    def step():
+        meta = make_lora_meta(slots, MAX_LORAS, slot_ranks=ranks)
+        workspace.zero_()
+        meta.shrink_workspace = ShrinkWorkspace(workspace)
+        return chain(x, bases, layers, widths, meta, triton_lora, pdl=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (11, 12, 13):
+        new_slots, _ = slots_and_ranks(tokens, rank, seed=seed)
+        slots.copy_(new_slots)
+        x.copy_(torch.randn(tokens, dim, generator=torch.Generator().manual_seed(seed)).to(DEV, torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = chain(x, bases, layers, widths, make_lora_meta(slots, MAX_LORAS, slot_ranks=ranks), reference, pdl=False)
+        torch.testing.assert_close(out.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_prefill_grids_and_the_default_are_not_programmatic(launches):
+    """pdl applies to one-tile (decode) grids only; without pdl nothing is programmatic."""
+    tokens, dim, widths, rank = 4096, 4096, (4096,), 16
+    layers = weights(dim, widths, rank, seed=9)[:1]
+    slots, ranks = slots_and_ranks(tokens, rank, seed=2)
+    x = torch.randn(tokens, dim, device=DEV, dtype=torch.bfloat16)
+    meta = make_lora_meta(slots, MAX_LORAS, slot_ranks=ranks)
+    (a, b), = layers
+    y = torch.zeros(tokens, dim, device=DEV, dtype=torch.bfloat16)
+    triton_lora.lora_expand(y, triton_lora.lora_shrink(x, a, meta, pdl=True), b, offsets(widths), meta, pdl=True)
+    small = make_lora_meta(slots[:3].contiguous(), MAX_LORAS, slot_ranks=ranks)
+    triton_lora.lora_expand(y[:3], triton_lora.lora_shrink(x[:3], a, small), b, offsets(widths), small)
+    torch.cuda.synchronize()
+    shrink, expand = launches
+    assert shrink.pdl == [False, False] and expand.pdl == [False, False]
