@@ -9,7 +9,8 @@
 #   svc:     the engine's part of them only: graphs, service and MoE tests (after an engine-only change)
 #   parallel: the tensor- and expert-parallel GPU tests (NCCL, one GPU per rank; tp 4 needs 4 GPUs)
 #   load:    the slot-load GPU tests (tests/executor/test_lora.py, test_slot_scatter.py)
-#   lora:    the LoRA kernels' GPU tests (tests/kernels/test_triton_gpu.py, test_split_k_gpu.py)
+#   lora:    the LoRA kernels' GPU tests (tests/kernels/test_triton_gpu.py, test_split_k_gpu.py, test_pdl_gpu.py)
+#   pdl:     the programmatic-dependent LoRA launches' GPU tests alone (tests/kernels/test_pdl_gpu.py)
 #   ranks:   benchmarks/bench_ranks.py (each LoRA layer of a decode step alone, adapters of ranks 8-64
 #            in slots of rank 64 and of their own rank; RANKS_ARGS adds flags, e.g. "--tokens 16")
 #   moe:     benchmarks/bench_moe.py (fused MoE + expert LoRA against its floor)
@@ -97,7 +98,11 @@ if has load; then
 fi
 if has lora; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu \
-    tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py 2>&1 | tee "$OUT/lora_gpu_tests.log" | tail -4
+    tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py tests/kernels/test_pdl_gpu.py 2>&1 | tee "$OUT/lora_gpu_tests.log" | tail -4
+fi
+if has pdl; then
+  python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu \
+    tests/kernels/test_pdl_gpu.py 2>&1 | tee "$OUT/pdl_gpu_tests.log" | tail -4
 fi
 if has ranks; then
   python3 benchmarks/bench_ranks.py --out "$OUT" ${RANKS_ARGS:-} 2>&1 | tee "$OUT/bench_ranks.log" | tail -12

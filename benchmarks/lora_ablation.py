@@ -12,6 +12,9 @@ save there (the alone-timed kernels have misled before: docs/BENCHMARKS.md, "Ele
   serial         no side stream: each layer's shrink runs after its base GEMM on the step's own
                  stream (no fork and join per layer; the kernels themselves unchanged)
   serial-KIND    the same for one kind of layer only (qkv, o, gate_up, down; told apart by shape)
+  serial-pdl     serial, and each layer's shrink and expand launched as programmatic dependents
+                 (kernels' pdl=True): the shrink follows the base GEMM, the expand starts during
+                 the shrink (outputs right)
   stream-expand  lora_expand reads, per block of the step's list, the first N * r elements of its
                  slot's B (N output columns, r the adapter's rank) as one contiguous run, and
                  writes nothing: the bytes of the adapters' B at their own ranks, at the speed a
@@ -26,7 +29,7 @@ import triton.language as tl
 from loraserve import kernels
 
 KINDS = ("qkv", "o", "gate_up", "down")
-ABLATIONS = ("expand", "shrink", "lora", "serial", *(f"serial-{k}" for k in KINDS), "stream-expand")
+ABLATIONS = ("expand", "shrink", "lora", "serial", *(f"serial-{k}" for k in KINDS), "serial-pdl", "stream-expand")
 _STEP = 4096  # elements per load (8 KiB of bf16)
 _STEPS = 4  # loads per program: 32 KiB of B per program
 
@@ -85,21 +88,27 @@ def _kind(module) -> str:
     return "down" if module.in_features > sizes[0] else "o"
 
 
-def _serial(kinds: set[str]) -> None:
-    """The layers of these kinds run their shrink on the step's own stream (no side stream)."""
+def _serial(kinds: set[str], pdl: bool = False) -> None:
+    """The layers of these kinds run their shrink on the step's own stream (no side stream);
+    pdl: their shrink and expand launched as programmatic dependents."""
     from loraserve.executor import lora
 
     forward = lora.LinearWithLoRA.forward
+    shrink, expand = kernels.lora_shrink, kernels.lora_expand
 
     def serial_forward(self, x, lora_meta=None):
         if _kind(self) not in kinds:
             return forward(self, x, lora_meta)
         side = lora._side_stream
         lora._side_stream = lambda device: None
+        if pdl:
+            kernels.lora_shrink = lambda *a, **k: shrink(*a, **k, pdl=True)
+            kernels.lora_expand = lambda *a, **k: expand(*a, **k, pdl=True)
         try:
             return forward(self, x, lora_meta)
         finally:
             lora._side_stream = side
+            kernels.lora_shrink, kernels.lora_expand = shrink, expand
 
     lora.LinearWithLoRA.forward = serial_forward
 
@@ -114,7 +123,9 @@ def apply(names: str) -> None:
 def _apply(name: str) -> None:
     if name not in ABLATIONS:
         raise ValueError(f"unknown ablation {name!r}; one of {', '.join(ABLATIONS)}")
-    if name.startswith("serial"):
+    if name == "serial-pdl":
+        _serial(set(KINDS), pdl=True)
+    elif name.startswith("serial"):
         _serial(set(KINDS) if name == "serial" else {name.removeprefix("serial-")})
     if name in ("expand", "lora"):
         kernels.lora_expand = _no_expand
