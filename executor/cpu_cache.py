@@ -75,11 +75,17 @@ class CpuCache:
         except Exception:  # noqa: BLE001 - logged by _fetch; the request's acquire fetches again
             pass
 
+    def cached(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]] | None:
+        """(digest, tensors) of the adapter's host copy if it is here (marked used), else None."""
+        if a.tensors is None:
+            return None
+        self._lru.move_to_end(a.name)
+        return a.digest, a.tensors
+
     async def ensure(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]]:
         """(digest, tensors) of the adapter's host copy, fetching it if needed."""
-        if a.tensors is not None:
-            self._lru.move_to_end(a.name)
-            return a.digest, a.tensors
+        if (held := self.cached(a)) is not None:
+            return held
         if a.fetch_task is None:
             a.fetch_task = self._spawn(self._fetch(a))
         return await asyncio.shield(a.fetch_task)

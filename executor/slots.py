@@ -408,11 +408,38 @@ class SlotManager:
     # ---- tiers ----------------------------------------------------------------------------
 
     async def _ensure_slot(self, a: _Adapter) -> None:
+        if a.slot < 0 and a.slot_task is None and self._load_now(a):
+            return
         while a.slot < 0 or a.slot_task is not None:
             if a.slot_task is None:
                 a.slot_task = self._spawn(self._load_slot(a))
             # Shielded: one waiter being cancelled must not cancel the load the others share.
             await asyncio.shield(a.slot_task)
+
+    def _load_now(self, a: _Adapter) -> bool:
+        """The common cold load, done on the spot with no task and no await (so none of the loop
+        turns a task's start and its waiter's wake-up take): the adapter's host copy is in the CPU
+        cache, a slot is free or idle with no adapter queued before this one, and the copy only
+        queues device work (`queued_copy`). False, having changed nothing but the CPU cache's
+        order, when any of that is not so: the caller takes the task path (`_load_slot`)."""
+        if self._queued_copy is None or a.stale or (held := self.cpu.cached(a)) is None:
+            return False
+        digest, tensors = held
+        slot = self._pick_slot(a)
+        if slot is None or not self._queued_copy(slot, tensors):
+            return False
+        t0 = time.perf_counter()
+        self._take_slot(a, slot)
+        try:
+            try:
+                a.event = self._copy_on_loop(slot, tensors)
+                a.slot_digest = digest
+            except BaseException as exc:
+                self._copy_failed(a, slot, exc)
+            self._loaded(a, slot, "cpu", t0, t0, t0)
+        finally:
+            self._notify()
+        return True
 
     async def _load_slot(self, a: _Adapter) -> None:
         t0, tier = time.perf_counter(), "cpu" if a.tensors is not None else "store"
@@ -428,19 +455,27 @@ class SlotManager:
                 a.event = await self._copy_in(slot, tensors)
                 a.slot_digest = digest
             except BaseException as exc:
-                self._slots[slot], a.slot = None, -1
-                if isinstance(exc, ValueError):  # the model refused the shard's shapes or dtypes
-                    self.cpu.drop(a)  # a shard that cannot be used is not worth caching
-                    raise invalid(f"adapter {a.name!r} does not fit this executor's LoRA slots: {exc}") from exc
-                raise
-            log.info("adapter %s (digest %s, rank %d) -> slot %d", a.name, a.digest[:12], a.rank, slot)
-            t_end = time.perf_counter()
-            self.observer.adapter_loaded(tier, t_end - t0)
-            self.observer.load_phases(t_fetched - t0, t_slot - t_fetched, t_end - t_slot)
+                self._copy_failed(a, slot, exc)
+            self._loaded(a, slot, tier, t0, t_fetched, t_slot)
         finally:
             a.slot_task = None
             self._forget_if_unused(a)
             self._notify()
+
+    def _copy_failed(self, a: _Adapter, slot: int, exc: BaseException) -> None:
+        """A copy into a just-claimed slot failed: the slot is freed, a shard the model refuses
+        (ValueError) is dropped from the CPU cache and reported as INVALID_ARGUMENT; raises."""
+        self._slots[slot], a.slot = None, -1
+        if isinstance(exc, ValueError):  # the model refused the shard's shapes or dtypes
+            self.cpu.drop(a)  # a shard that cannot be used is not worth caching
+            raise invalid(f"adapter {a.name!r} does not fit this executor's LoRA slots: {exc}") from exc
+        raise exc
+
+    def _loaded(self, a: _Adapter, slot: int, tier: str, t0: float, t_fetched: float, t_slot: float) -> None:
+        log.info("adapter %s (digest %s, rank %d) -> slot %d", a.name, a.digest[:12], a.rank, slot)
+        t_end = time.perf_counter()
+        self.observer.adapter_loaded(tier, t_end - t0)
+        self.observer.load_phases(t_fetched - t0, t_slot - t_fetched, t_end - t_slot)
 
     async def _claim_slot(self, a: _Adapter) -> int:
         """Takes a free slot or evicts an idle one (`_pick_slot`); waits, in turn, if all are busy."""
@@ -461,6 +496,11 @@ class SlotManager:
         finally:
             self._slot_queue.remove(a)
             self._notify()  # the next waiter's turn
+        self._take_slot(a, slot)
+        return slot
+
+    def _take_slot(self, a: _Adapter, slot: int) -> None:
+        """a takes the slot `_pick_slot` chose, evicting the idle adapter in it."""
         old = self._slots[slot]
         if old is not None:
             log.info("slot %d: evicting adapter %s (idle%s) for %s", slot, old.name,
@@ -469,7 +509,6 @@ class SlotManager:
             old.slot, old.event = -1, None
             self._forget_if_unused(old)
         self._slots[slot], a.slot = a, slot
-        return slot
 
     async def _wait_for_change(self, deadline: float) -> bool:
         """Waits until slots or loads may have changed (`_notify`), or until the loop time
@@ -508,18 +547,25 @@ class SlotManager:
         return self._copy_stream
 
     async def _copy_in(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
-        """Copies the shard into the slot: queued on the copy stream from the loop itself when that
-        only queues device work (`queued_copy`), else on the copy thread; returns the copy's event
-        (None on the CPU). The loop's current device and stream are put back after."""
-        if self._copy_stream is not None and self._queued_copy is not None and self._queued_copy(slot, tensors):
-            device, main = torch.cuda.current_device(), torch.cuda.current_stream(self.device)
-            torch.cuda.set_stream(self._copy_stream)  # (and its device)
-            try:
-                return self._copy(slot, tensors)
-            finally:
-                torch.cuda.set_stream(main)
-                torch.cuda.set_device(device)
+        """Copies the shard into the slot: from the loop itself when that only queues device work
+        (`queued_copy`), else on the copy thread; returns the copy's event (None on the CPU)."""
+        if self._queued_copy is not None and self._queued_copy(slot, tensors):
+            return self._copy_on_loop(slot, tensors)
         return await self._on_copy_thread(self._copy, slot, tensors)
+
+    def _copy_on_loop(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
+        """Copies the shard into the slot from the loop itself (a copy `queued_copy` says only
+        queues device work): on CUDA queued on the copy stream, the loop's current device and
+        stream put back after; returns the copy's event (None on the CPU)."""
+        if self._copy_stream is None:
+            return self._copy(slot, tensors)
+        device, main = torch.cuda.current_device(), torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(self._copy_stream)  # (and its device)
+        try:
+            return self._copy(slot, tensors)
+        finally:
+            torch.cuda.set_stream(main)
+            torch.cuda.set_device(device)
 
     async def _on_copy_thread(self, fn: Callable, *args):
         """fn(*args) where slot copies run (see __init__). If the caller is cancelled meanwhile, the

@@ -64,9 +64,14 @@ class Store:
 
 
 class Slots:
-    """The model's slot buffers, reduced to a dict: slot -> name of the adapter whose tensors it holds."""
+    """The model's slot buffers, reduced to a dict: slot -> name of the adapter whose tensors it holds.
 
-    def __init__(self, store: Store):
+    queued: the manager is told every copy only queues device work (`queued_copy`), so copies run
+    on the loop and a cold load from the CPU cache into a free slot is done on the spot
+    (`SlotManager._load_now`), as on CUDA with pinned shards."""
+
+    def __init__(self, store: Store, queued: bool = False):
+        self.queued = queued
         self.by_value = store.labels
         self.content: dict[int, str | None] = {}
         self.writes: list[tuple[int, str]] = []
@@ -90,6 +95,7 @@ def _manager(store, slots, max_loras=2, max_cpu_adapters=8, timeout_s=5.0, max_c
         device=torch.device("cpu"),
         slot_wait_timeout_s=timeout_s,
         max_concurrent_loads=max_concurrent_loads,
+        queued_copy=(lambda slot, tensors: True) if slots.queued else None,
     )
 
 
@@ -98,9 +104,10 @@ def store():
     return Store()
 
 
-@pytest.fixture
-def slots(store):
-    return Slots(store)
+@pytest.fixture(params=[False, True], ids=["thread-copies", "loop-copies"])
+def slots(store, request):
+    """Every test of the state machine runs with copies on a thread and with copies queued from the loop."""
+    return Slots(store, queued=request.param)
 
 
 def _status(info, code: grpc.StatusCode, message: str):
@@ -326,6 +333,40 @@ async def test_shard_the_model_refuses_is_invalid_argument_and_not_cached(store,
         "layer.lora_a: shard tensor (1, 2, 4) does not fit slot (1, 8, 5)",
     )
     assert mgr.states() == []
+
+
+async def test_a_cold_load_from_the_cpu_cache_into_a_free_slot_starts_no_task(store, slots):
+    """With loop-queued copies, the common cold load (host copy cached, a slot free, nobody queued
+    before it) is done inside the acquire: no task, no loop turns; otherwise a load task runs."""
+    mgr = _manager(store, slots)
+    await mgr.load("adapter-0", into_slot=False)
+    spawned = []
+    spawn = mgr._spawn
+    mgr._spawn = lambda coro: spawned.append(coro) or spawn(coro)
+    lease = await mgr.acquire("adapter-0")
+    assert slots.content[lease.slot] == "adapter-0" and mgr.state("adapter-0").slot == lease.slot
+    assert len(spawned) == (0 if slots.queued else 1)
+    mgr.release(lease)
+    lease = await mgr.acquire("adapter-1")  # not in the CPU cache: fetched by a task either way
+    assert slots.content[lease.slot] == "adapter-1" and len(spawned) == (1 if slots.queued else 2)
+
+
+async def test_a_loop_queued_copy_the_model_refuses_is_invalid_argument_and_frees_the_slot(store, slots):
+    def copy(slot, tensors):
+        raise ValueError("layer.lora_a: shard tensor (1, 2, 4) does not fit slot (1, 8, 5)")
+
+    mgr = SlotManager(store.fetch, copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
+                      queued_copy=lambda slot, tensors: True)
+    await mgr.load("adapter-0", into_slot=False)  # cached: the acquire's copy is done on the spot
+    with pytest.raises(StatusError) as info:
+        await mgr.acquire("adapter-0")
+    _status(
+        info,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "adapter 'adapter-0' does not fit this executor's LoRA slots: "
+        "layer.lora_a: shard tensor (1, 2, 4) does not fit slot (1, 8, 5)",
+    )
+    assert mgr.states() == [] and mgr._slots == [None]  # not cached, and the slot is free again
 
 
 # ---- new versions in the store ----------------------------------------------------------------
