@@ -319,11 +319,17 @@ async def test_cancelled_waiter_does_not_cancel_the_shared_load(store, slots):
     assert mgr.state("adapter-0").in_use == 1 and slots.content[lease.slot] == "adapter-0"
 
 
-async def test_shard_the_model_refuses_is_invalid_argument_and_not_cached(store, slots):
+@pytest.mark.parametrize("cached", [False, True], ids=["fetched", "cached"])
+async def test_shard_the_model_refuses_is_invalid_argument_and_not_cached(store, slots, cached):
+    """Refused on a thread or on the loop, after a fetch or from the CPU cache (with loop copies: on
+    the spot, `_load_now`): INVALID_ARGUMENT, the copy dropped and the slot free again."""
     def copy(slot, tensors):
         raise ValueError("layer.lora_a: shard tensor (1, 2, 4) does not fit slot (1, 8, 5)")
 
-    mgr = SlotManager(store.fetch, copy, slots.clear, max_loras=2, max_cpu_adapters=8, device=torch.device("cpu"))
+    mgr = SlotManager(store.fetch, copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
+                      queued_copy=(lambda slot, tensors: True) if slots.queued else None)
+    if cached:
+        await mgr.load("adapter-0", into_slot=False)
     with pytest.raises(StatusError) as info:
         await mgr.acquire("adapter-0")
     _status(
@@ -332,7 +338,7 @@ async def test_shard_the_model_refuses_is_invalid_argument_and_not_cached(store,
         "adapter 'adapter-0' does not fit this executor's LoRA slots: "
         "layer.lora_a: shard tensor (1, 2, 4) does not fit slot (1, 8, 5)",
     )
-    assert mgr.states() == []
+    assert mgr.states() == [] and mgr._slots == [None]
 
 
 async def test_a_cold_load_from_the_cpu_cache_into_a_free_slot_starts_no_task(store, slots):
@@ -349,24 +355,6 @@ async def test_a_cold_load_from_the_cpu_cache_into_a_free_slot_starts_no_task(st
     mgr.release(lease)
     lease = await mgr.acquire("adapter-1")  # not in the CPU cache: fetched by a task either way
     assert slots.content[lease.slot] == "adapter-1" and len(spawned) == (1 if slots.queued else 2)
-
-
-async def test_a_loop_queued_copy_the_model_refuses_is_invalid_argument_and_frees_the_slot(store, slots):
-    def copy(slot, tensors):
-        raise ValueError("layer.lora_a: shard tensor (1, 2, 4) does not fit slot (1, 8, 5)")
-
-    mgr = SlotManager(store.fetch, copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
-                      queued_copy=lambda slot, tensors: True)
-    await mgr.load("adapter-0", into_slot=False)  # cached: the acquire's copy is done on the spot
-    with pytest.raises(StatusError) as info:
-        await mgr.acquire("adapter-0")
-    _status(
-        info,
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "adapter 'adapter-0' does not fit this executor's LoRA slots: "
-        "layer.lora_a: shard tensor (1, 2, 4) does not fit slot (1, 8, 5)",
-    )
-    assert mgr.states() == [] and mgr._slots == [None]  # not cached, and the slot is free again
 
 
 # ---- new versions in the store ----------------------------------------------------------------
