@@ -173,6 +173,10 @@ class SlotManager:
         self._ticks = itertools.count(1)
         self._changed = asyncio.Event()  # set (and replaced) whenever a slot may have become free
         self._tasks: set[asyncio.Task] = set()
+        # Load tasks spawned that have not started yet: one of a cached adapter reaches its place in
+        # the slot queue in its first step, so until then no acquire may take a slot on the spot
+        # (`_load_now`) ahead of it
+        self._unstarted: set[asyncio.Task] = set()
         self.cpu = CpuCache(fetch_shard, self.device, budget_bytes=cpu_cache_bytes, max_adapters=max_cpu_adapters,
                             max_concurrent_loads=max_concurrent_loads, spawn=self._spawn,
                             forget=self._forget_if_unused, notify=self._notify)
@@ -412,7 +416,9 @@ class SlotManager:
             return
         while a.slot < 0 or a.slot_task is not None:
             if a.slot_task is None:
-                a.slot_task = self._spawn(self._load_slot(a))
+                a.slot_task = task = self._spawn(self._load_slot(a))
+                self._unstarted.add(task)
+                task.add_done_callback(self._unstarted.discard)  # (also if cancelled before it starts)
             # Shielded: one waiter being cancelled must not cancel the load the others share.
             await asyncio.shield(a.slot_task)
 
@@ -421,8 +427,9 @@ class SlotManager:
         turns a task's start and its waiter's wake-up take): the adapter's host copy is in the CPU
         cache, a slot is free or idle with no adapter queued before this one, and the copy only
         queues device work (`queued_copy`). False, having changed nothing but the CPU cache's
-        order, when any of that is not so: the caller takes the task path (`_load_slot`)."""
-        if self._queued_copy is None or a.stale or (held := self.cpu.cached(a)) is None:
+        order, when any of that is not so, or while a load task that asked earlier has not started
+        (it would have queued for a slot before this one): the caller takes the task path (`_load_slot`)."""
+        if self._queued_copy is None or a.stale or self._unstarted or (held := self.cpu.cached(a)) is None:
             return False
         digest, tensors = held
         slot = self._pick_slot(a)
@@ -442,6 +449,7 @@ class SlotManager:
         return True
 
     async def _load_slot(self, a: _Adapter) -> None:
+        self._unstarted.discard(asyncio.current_task())  # a cached copy: in the slot queue within this step
         t0, tier = time.perf_counter(), "cpu" if a.tensors is not None else "store"
         try:
             digest, tensors = await self.cpu.ensure(a)

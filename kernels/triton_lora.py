@@ -184,8 +184,8 @@ def _shrink_kernel(
     write zeros. K split over programs: the splits add into a zeroed out.
 
     PDL (ONE_TILE only; launched with launch_pdl): a programmatic dependent of the stream's last
-    kernel. Each program reads its block list entry, lets the next kernel (the expand) start
-    launching, then waits for the predecessor's grid before it reads x or writes out.
+    kernel. Each program first lets the next kernel (the expand) start launching, reads its block
+    list entry, then waits for the predecessor's grid before it reads x or writes out.
     """
     pid = tl.program_id(0)
     if ONE_TILE:

@@ -553,6 +553,25 @@ async def test_slot_waiters_are_served_in_arrival_order(store, slots):
     mgr.release(await asyncio.wait_for(late, 1.0))
 
 
+async def test_a_load_that_asked_first_keeps_its_turn_over_one_done_on_the_spot(store, slots):
+    """adapter-0's copy cannot be queued from the loop (its load takes a task), adapter-1's can (on
+    the spot, `_load_now`); both are cached and ask in the same instant for the one slot: the
+    first to ask gets it, the other waits for it."""
+    mgr = SlotManager(store.fetch, slots.copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
+                      slot_wait_timeout_s=5.0,
+                      queued_copy=(lambda slot, tensors: slots.by_value[float(tensors["layer.lora_a"][0, 0, 0])] != "adapter-0"))
+    for name in NAMES[:2]:
+        await mgr.load(name, into_slot=False)
+    first = asyncio.create_task(mgr.acquire("adapter-0"))
+    second = asyncio.create_task(mgr.acquire("adapter-1"))  # runs after the first spawns its load task,
+    # before that task starts
+    lease = await asyncio.wait_for(first, 1.0)
+    assert slots.content[lease.slot] == "adapter-0" and not second.done()
+    mgr.release(lease)
+    mgr.release(await asyncio.wait_for(second, 1.0))
+    assert slots.writes == [(0, "adapter-0"), (0, "adapter-1")]
+
+
 async def test_slot_eviction_prefers_adapters_no_queued_request_wants(store, slots):
     mgr = _manager(store, slots, max_loras=2)
     for name in ["adapter-0", "adapter-1"]:  # adapter-0 is now the least recently used

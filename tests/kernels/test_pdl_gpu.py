@@ -75,9 +75,12 @@ def weights(dim: int, widths: tuple[int, ...], rank: int, seed: int):
     return out
 
 
-def slots_and_ranks(tokens: int, rank: int, seed: int):
+def slots_and_ranks(tokens: int, rank: int, seed: int, none: bool = False):
+    """none: no token has an adapter (every expand program takes the no-block branch's wait)."""
     gen = torch.Generator().manual_seed(seed)
     slots = torch.randint(-1, MAX_LORAS, (tokens,), generator=gen, dtype=torch.int32)
+    if none:
+        slots.fill_(-1)
     ranks = torch.tensor(slot_ranks(rank), dtype=torch.int32)
     return slots.to(DEV), ranks.to(DEV)
 
@@ -89,44 +92,58 @@ def offsets(widths):
     return tuple(out)
 
 
-def chain(x, bases, layers, widths, meta, impl, pdl):
+def chain(x, bases, layers, widths, meta, impl, pdl, workspace=None):
     """h_0 = x; h_i = bases[i] + LoRA_i(h_{i-1}): each shrink reads what the expand before it wrote.
-    bases are copied into the outputs before the first layer (nothing runs between two layers)."""
+    bases are copied into the outputs before the first layer. workspace: the shrinks' outputs are
+    carved from it, zeroed once first (as in the engine's decode graphs), so nothing runs between two
+    layers; without it each split-K shrink zeroes its own output just before it."""
     outs = [base.clone() for base in bases]
+    if workspace is not None:
+        workspace.zero_()
+        meta.shrink_workspace = ShrinkWorkspace(workspace)
     h = x
     for (a, b), y in zip(layers, outs):
         kwargs = dict(pdl=True) if pdl else {}
         buf = impl.lora_shrink(h, a, meta, **kwargs)
         impl.lora_expand(y, buf, b, offsets(widths), meta, **kwargs)
         h = y
+    meta.shrink_workspace = None
     return h
 
 
-CASES = [  # (tokens, dim, widths, rank): odd sizes, q/k/v-like slices, a long reduction, > 4 slices
-    (1, 1000, (600, 400), 16),
-    (5, 4096, (2048, 1024, 1024), 16),
-    (17, 1000, (1000,), 64),
-    (64, 14336, (14336,), 8),
-    (3, 1000, (200, 200, 200, 200, 100, 100), 16),  # two expand launches: the second follows the first
+CASES = [  # (tokens, dim, widths, rank, no adapter at all): odd sizes, q/k/v-like slices, a long
+    # reduction, > 4 slices, every token without an adapter
+    (1, 1000, (600, 400), 16, False),
+    (5, 4096, (2048, 1024, 1024), 16, False),
+    (17, 1000, (1000,), 64, False),
+    (64, 14336, (14336,), 8, False),
+    (3, 1000, (200, 200, 200, 200, 100, 100), 16, False),  # two expand launches: the second follows the first
+    (4, 1000, (600, 400), 16, True),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-d{c[1]}-s{len(c[2])}-r{c[3]}")
-def test_a_chain_of_programmatic_layers_equals_the_reference(case, launches):
-    tokens, dim, widths, rank = case
+@pytest.mark.parametrize("workspace", [False, True], ids=["own-zeroing", "step-workspace"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-d{c[1]}-s{len(c[2])}-r{c[3]}" + ("-none" if c[4] else ""))
+def test_a_chain_of_programmatic_layers_equals_the_reference(case, workspace, launches):
+    """step-workspace: each shrink directly follows the expand before it (no memset between), so a
+    shrink that read its input before its wait would read the previous layer half-written."""
+    tokens, dim, widths, rank, none = case
     layers = weights(dim, widths, rank, seed=tokens + dim)
-    slots, ranks = slots_and_ranks(tokens, rank, seed=tokens)
+    slots, ranks = slots_and_ranks(tokens, rank, seed=tokens, none=none)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(tokens, dim, generator=gen).to(DEV, torch.bfloat16)
     bases = [torch.randn(tokens, dim, generator=gen).to(DEV, torch.bfloat16) for _ in range(LAYERS)]
     meta = make_lora_meta(slots, MAX_LORAS, slot_ranks=ranks)
+    space = None
+    if workspace:
+        space = torch.empty(LAYERS * len(widths) * tokens * rank, dtype=torch.float32, device=DEV)
     want = chain(x, bases, layers, widths, meta, reference, pdl=False)
-    plain = chain(x, bases, layers, widths, meta, triton_lora, pdl=False)
+    plain = chain(x, bases, layers, widths, meta, triton_lora, pdl=False, workspace=space)
     shrink, expand = launches
     assert not any(shrink.pdl + expand.pdl)
     shrink.pdl.clear()
     expand.pdl.clear()
-    got = chain(x, bases, layers, widths, meta, triton_lora, pdl=True)
+    got = chain(x, bases, layers, widths, meta, triton_lora, pdl=True, workspace=space)
     torch.cuda.synchronize()
     # bf16 outputs of magnitude up to ~8 after four layers: one or two units in the last place
     # (0.03-0.06) apart from the float reference; a layer that read its input before it was
@@ -138,7 +155,7 @@ def test_a_chain_of_programmatic_layers_equals_the_reference(case, launches):
     assert len(expand.pdl) == LAYERS * (2 if len(widths) > 4 else 1)
 
 
-def test_a_captured_chain_replays_with_new_inputs_and_slots():
+def test_a_captured_chain_replays_with_new_inputs_and_slots(launches):
     """In a CUDA graph (the step's workspace zeroed by a memset node first, as the engine's decode
     graphs do), each replay reads the static inputs and slots as they are then."""
     tokens, dim, widths, rank = 9, 2048, (1024, 512, 512), 32
@@ -160,9 +177,13 @@ def test_a_captured_chain_replays_with_new_inputs_and_slots():
     with torch.cuda.stream(stream):
         step()  # compile and warm up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
+    shrink, expand = launches
+    shrink.pdl.clear()
+    expand.pdl.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
+    assert shrink.pdl == [True] * LAYERS and expand.pdl == [True] * LAYERS  # captured as programmatic
     for seed in (11, 12, 13):
         new_slots, _ = slots_and_ranks(tokens, rank, seed=seed)
         slots.copy_(new_slots)
