@@ -505,6 +505,8 @@ def main():
                         help="--real: decode shrinks and expands launched as programmatic dependents (sm90+)")
     parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
     args = parser.parse_args()
+    if args.pdl and not args.real:
+        parser.error("--pdl applies to the real-shape benchmark only: add --real")
 
     global GRAPH_SETS
     GRAPH_SETS = args.graph_sets
