@@ -10,7 +10,7 @@ import torch
 
 from loraserve.errors import StatusError, not_found, unavailable
 from loraserve.executor.config import ExecutorConfig
-from loraserve.executor.slots import SlotManager
+from loraserve.executor.slots import SlotManager, SlotObserver
 
 NAMES = [f"adapter-{i}" for i in range(5)]
 
@@ -551,6 +551,58 @@ async def test_slot_waiters_are_served_in_arrival_order(store, slots):
     assert slots.content[lease.slot] == "adapter-1" and not late.done()
     mgr.release(lease)
     mgr.release(await asyncio.wait_for(late, 1.0))
+
+
+class Recorder(SlotObserver):
+    """A SlotObserver that keeps what it is told."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def slot_hit(self) -> None:
+        self.calls.append(("hit",))
+
+    def slot_miss(self) -> None:
+        self.calls.append(("miss",))
+
+    def slot_eviction(self) -> None:
+        self.calls.append(("eviction",))
+
+    def adapter_loaded(self, tier: str, seconds: float) -> None:
+        self.calls.append(("loaded", tier))
+
+    def load_phases(self, fetch_s: float, slot_wait_s: float, copy_s: float) -> None:
+        self.calls.append(("phases", fetch_s >= 0 and slot_wait_s >= 0 and copy_s >= 0))
+
+
+async def test_a_load_on_the_spot_evicts_the_idle_adapter_and_reports_as_the_task_path_does(store, slots):
+    """Cached adapter-1 takes adapter-0's idle slot: one miss, one eviction, a CPU-tier load, on
+    either path; adapter-0 keeps its host copy and loses its slot."""
+    observer = Recorder()
+    mgr = SlotManager(store.fetch, slots.copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
+                      observer=observer, queued_copy=(lambda slot, tensors: True) if slots.queued else None)
+    mgr.release(await mgr.acquire("adapter-0"))
+    await mgr.load("adapter-1", into_slot=False)
+    observer.calls.clear()
+    mgr.release(await mgr.acquire("adapter-1"))
+    assert observer.calls == [("miss",), ("eviction",), ("loaded", "cpu"), ("phases", True)]
+    assert slots.content == {0: "adapter-1"}
+    states = {s.name: s for s in mgr.states()}
+    assert states["adapter-1"].slot == 0 and states["adapter-0"].slot == -1 and states["adapter-0"].in_cpu_cache
+
+
+async def test_a_copy_that_fails_otherwise_frees_the_slot_keeps_the_host_copy_and_raises_as_is(store, slots):
+    def copy(slot, tensors):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    mgr = SlotManager(store.fetch, copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
+                      queued_copy=(lambda slot, tensors: True) if slots.queued else None)
+    await mgr.load("adapter-0", into_slot=False)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        await mgr.acquire("adapter-0")
+    assert mgr._slots == [None]
+    state, = mgr.states()
+    assert state.name == "adapter-0" and state.slot == -1 and state.in_cpu_cache
 
 
 async def test_a_load_that_asked_first_keeps_its_turn_over_one_done_on_the_spot(store, slots):
