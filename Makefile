@@ -33,6 +33,8 @@ up-tp2: install
 
 test: install
 	$(PY) -m pytest
+	# The Triton kernels once more, run by Triton's interpreter on CPU tensors (small shapes; no GPU)
+	TRITON_INTERPRET=1 $(PY) -m pytest -m gpu tests/kernels tests/executor/test_slot_scatter.py
 
 protos: install
 	bash protos/generate.sh

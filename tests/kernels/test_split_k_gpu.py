@@ -8,32 +8,20 @@ Run: pytest -m gpu tests/kernels/test_split_k_gpu.py -s  (benchmarks/gpu_kernels
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
-
-from .gpu_skip import skip_unless_cuda_and_triton  # noqa: E402
+from .gpu_skip import DEV, INTERPRET, skip_unless_cuda_and_triton
 
 skip_unless_cuda_and_triton(interpreter=INTERPRET)
 
 from loraserve.kernels import make_lora_meta, model_shapes, triton_lora, tuning  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("interpreter_device", "no_reference_fallback")]
 
-DEV = "cpu" if INTERPRET else "cuda"
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_device(monkeypatch):
-    """Under the interpreter: a table key and an SM count for CPU tensors (no CUDA to ask)."""
-    if INTERPRET:
-        monkeypatch.setitem(tuning._gpu_keys, None, "nvidia_h100_80gb_hbm3")  # the shipped table
-        monkeypatch.setattr(triton_lora, "num_sms", lambda index: 4)
 
 
 def table_key() -> str:

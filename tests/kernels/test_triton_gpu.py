@@ -3,6 +3,10 @@
 Every check draws fresh random inputs, poisons the shrink output with NaN first, and asks
 for: no NaN, every element written, no-adapter tokens untouched in y, relative error
 ||out - ref|| / ||ref|| below 1e-2 (bf16) or 1e-3 (fp16).
+With TRITON_INTERPRET=1 and no GPU the same kernels run on CPU tensors through Triton's
+interpreter, with the H100's table: fp16 only (NumPy has no bfloat16) and shapes scaled down (it
+runs one program at a time), prefill token counts included; the benchmark grid, graph capture and
+the CUDA-only checks skip there. `make test` runs that mode.
 Run: pytest -m gpu tests/kernels/test_triton_gpu.py -s  (benchmarks/gpu_kernels.sh does).
 """
 
@@ -13,9 +17,9 @@ import itertools
 import pytest
 import torch
 
-from .gpu_skip import skip_unless_cuda_and_triton  # noqa: E402
+from .gpu_skip import DEV, INTERPRET, skip_unless_cuda_and_triton
 
-skip_unless_cuda_and_triton()
+skip_unless_cuda_and_triton(interpreter=INTERPRET)
 
 from loraserve.kernels import (  # noqa: E402
     lora_embedding_shrink,
@@ -25,10 +29,24 @@ from loraserve.kernels import (  # noqa: E402
     triton_lora,
 )
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("interpreter_device", "no_reference_fallback")]
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
-DEV = "cuda"
+# The interpreter computes through NumPy, which has no bfloat16.
+DTYPES = pytest.mark.parametrize("dtype", [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16],
+                                 ids=lambda d: {torch.bfloat16: "bf16", torch.float16: "fp16"}[d])
+DTYPE = torch.float16 if INTERPRET else torch.bfloat16  # of the single-dtype checks
+cuda_only = pytest.mark.skipif(INTERPRET, reason="needs a CUDA device (graphs, host syncs, dispatch)")
+
+
+if INTERPRET:  # the dispatch (kernels.lora_*) takes the reference for CPU tensors: call Triton's own
+    lora_shrink, lora_expand = triton_lora.lora_shrink, triton_lora.lora_expand
+    lora_embedding_shrink = triton_lora.lora_embedding_shrink
+
+
+def scaled(gpu, interpreted):
+    """A test's sizes: the GPU's, or the interpreter's (smaller: it runs one program at a time)."""
+    return interpreted if INTERPRET else gpu
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -102,7 +120,8 @@ def check_layer(
     lora_shrink(x, lora_a, meta, out=buf)
     y0 = torch.randn(num_tokens, offsets[-1], device=DEV, generator=gen).to(dtype)
     y = lora_expand(y0.clone(), buf, lora_b, offsets, meta)
-    torch.cuda.synchronize()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
 
     want_buf = oracle_shrink(x, lora_a, slots)
     want_y = oracle_expand(y0, want_buf, lora_b, offsets, slots)
@@ -126,6 +145,7 @@ def grid_widths(hidden, num_slices):
     return (hidden,) if num_slices == 1 else (hidden, 1024, 1024)
 
 
+@cuda_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_benchmark_grid_matches_float64(dtype):
     gen = torch.Generator(device=DEV).manual_seed(1)
@@ -147,46 +167,56 @@ def test_benchmark_grid_matches_float64(dtype):
     assert not failures, failures[:20]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@DTYPES
 def test_mixed_ranks_in_one_batch(dtype):
     gen = torch.Generator(device=DEV).manual_seed(2)
     ranks = [8, 16, 32, 64, 128, 8, 128, 16] * 2
-    for tokens in (5, 64, 300, 2048):
-        e_buf, e_y = check_layer(tokens, 4096, (4096, 1024, 1024), 128, 16, 0.2, dtype, gen, ranks, num_slots=16)
+    hidden, widths, token_counts = scaled((4096, (4096, 1024, 1024), (5, 64, 300, 2048)),
+                                          (256, (256, 64, 64), (5, 64, 300)))
+    for tokens in token_counts:
+        e_buf, e_y = check_layer(tokens, hidden, widths, 128, 16, 0.2, dtype, gen, ranks, num_slots=16)
         assert e_buf < TOL[dtype] and e_y < TOL[dtype], (tokens, e_buf, e_y)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@DTYPES
 @pytest.mark.parametrize(
     "in_features,widths,rank",
-    [
+    scaled([
         (4000, (4000,), 16),  # K not a multiple of any block
         (2048, (11008, 11008), 32),  # gate/up
         (896, (896, 128, 128), 8),  # small GQA, widths not multiples of 256
         (1024, (512, 256, 256, 128, 128, 64), 16),  # more slices than one launch takes
         (4096, (4096, 1024, 1024), 128),
         (4096, (4096,), 1),
-    ],
+    ], [
+        (400, (400,), 16),
+        (160, (344, 344), 32),
+        (96, (96, 16, 16), 8),
+        (128, (64, 32, 32, 16, 16, 8), 16),
+        (256, (256, 64, 64), 128),
+        (256, (256,), 1),
+    ]),
 )
 def test_odd_shapes(dtype, in_features, widths, rank):
     gen = torch.Generator(device=DEV).manual_seed(3)
-    for tokens, adapters in ((1, 1), (37, 5), (700, 9), (5000, 3)):
+    for tokens, adapters in scaled(((1, 1), (37, 5), (700, 9), (5000, 3)), ((1, 1), (37, 5), (300, 3))):
         e_buf, e_y = check_layer(tokens, in_features, widths, rank, adapters, 0.25, dtype, gen, num_slots=12)
         assert e_buf < TOL[dtype] and e_y < TOL[dtype], (tokens, e_buf, e_y)
 
 
 def test_all_tokens_without_adapter_leave_y_alone():
     gen = torch.Generator(device=DEV).manual_seed(4)
-    for tokens in (1, 64, 3000):
-        check_layer(tokens, 1024, (1024, 256), 16, 4, 1.0, torch.bfloat16, gen, num_slots=4)
+    hidden, token_counts = scaled((1024, (1, 64, 3000)), (128, (1, 64, 300)))
+    for tokens in token_counts:
+        check_layer(tokens, hidden, (hidden, hidden // 4), 16, 4, 1.0, DTYPE, gen, num_slots=4)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@DTYPES
 def test_expand_alone_on_random_buf(dtype):
     gen = torch.Generator(device=DEV).manual_seed(5)
-    widths, rank = (4096, 1024, 1024), 64
+    widths, rank = scaled((4096, 1024, 1024), (256, 64, 64)), 64
     _, lora_b = make_layer(32, 16, widths, rank, dtype, gen=gen)
-    for tokens in (1, 16, 256, 4096):
+    for tokens in scaled((1, 16, 256, 4096), (1, 16, 300)):
         slots = make_slots(tokens, 32, 0.2, gen)
         meta = make_lora_meta(slots, 32)
         buf = torch.randn(3, tokens, rank, device=DEV, generator=gen)
@@ -195,13 +225,13 @@ def test_expand_alone_on_random_buf(dtype):
         assert rel_err(y, oracle_expand(y0, buf, lora_b, offsets_of(widths), slots)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@DTYPES
 def test_embedding_shrink_then_expand(dtype):
     gen = torch.Generator(device=DEV).manual_seed(6)
-    num_slots, vocab, rank, hidden = 6, 32000, 16, 4096
+    num_slots, vocab, rank, hidden = 6, scaled(32000, 1000), 16, scaled(4096, 256)
     lora_a = torch.randn(num_slots, vocab, rank, device=DEV, generator=gen).to(dtype)
     lora_b = (torch.randn(num_slots, hidden, rank, device=DEV, generator=gen) / rank**0.5).to(dtype)
-    for tokens in (1, 77, 4096):
+    for tokens in scaled((1, 77, 4096), (1, 77, 300)):
         slots = make_slots(tokens, num_slots, 0.2, gen)
         ids = torch.randint(0, vocab, (tokens,), device=DEV, generator=gen)
         meta = make_lora_meta(slots, num_slots)
@@ -213,6 +243,7 @@ def test_embedding_shrink_then_expand(dtype):
         assert rel_err(y, oracle_expand(y0, want[None], lora_b, (0, hidden), slots)) < TOL[dtype]
 
 
+@cuda_only
 def test_step_in_a_cuda_graph_replays_with_new_batches():
     """make_lora_meta + shrink + expand captured once, replayed on new slots and inputs."""
     gen = torch.Generator(device=DEV).manual_seed(7)
@@ -251,6 +282,7 @@ def test_step_in_a_cuda_graph_replays_with_new_batches():
             assert rel_err(y, oracle_expand(y0, want_buf, lora_b, offsets, slots_in)) < TOL[dtype]
 
 
+@cuda_only
 def test_eager_calls_never_synchronise_with_the_host():
     gen = torch.Generator(device=DEV).manual_seed(8)
     lora_a, lora_b = make_layer(8, 2048, (2048, 512), 16, torch.bfloat16, gen=gen)
@@ -270,6 +302,7 @@ def test_eager_calls_never_synchronise_with_the_host():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@cuda_only
 def test_dispatch_uses_triton_for_cuda_tensors():
     from loraserve import kernels
 
