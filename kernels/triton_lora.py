@@ -288,15 +288,10 @@ def _expand_cols(
     ).to(b_rows.dtype.element_ty)
     if PDL:
         _add_cols(y_rows, lhs, first, n_start + tl.arange(0, BLOCK_N), m_mask, hi, EVEN_N)
-        for i in range(1, N_ITERS):
-            offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            _add_cols(y_rows, lhs, _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N), offs_n, m_mask, hi,
-                      EVEN_N)
-    else:
-        for i in range(N_ITERS):
-            offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            _add_cols(y_rows, lhs, _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N), offs_n, m_mask, hi,
-                      EVEN_N)
+    for i in range(1 if PDL else 0, N_ITERS):  # (a constexpr start: the first step is done under PDL)
+        offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        _add_cols(y_rows, lhs, _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N), offs_n, m_mask, hi,
+                  EVEN_N)
 
 
 @triton.jit
@@ -447,9 +442,9 @@ def _block_r(rank: int) -> int:
 
 
 @lru_cache(maxsize=16)
-def _pdl_capable(device_index: int) -> bool:
-    """Programmatic dependent launch: compute capability 9.0 and newer."""
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def _pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch: a CUDA device of compute capability 9.0 and newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _pdl(pdl: bool, device: torch.device, one_tile: bool, num_tokens: int) -> bool:
@@ -460,7 +455,7 @@ def _pdl(pdl: bool, device: torch.device, one_tile: bool, num_tokens: int) -> bo
         pdl
         and one_tile
         and num_tokens <= DECODE_MAX_TOKENS
-        and _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+        and _pdl_capable(device)
     )
 
 

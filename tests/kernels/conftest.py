@@ -10,14 +10,31 @@ INTERPRETER_SMS = 4  # few programs: the persistent loops take several tiles eac
 
 
 @pytest.fixture
-def interpreter_device(monkeypatch):
+def interpreter_device(request, monkeypatch):
     """Under Triton's interpreter (CPU tensors, no CUDA to ask): the shipped H100 table for the
-    configs and a small SM count for the grid sizes. Nothing on a GPU."""
+    configs and an SM count for the grid sizes (the test module's INTERPRETER_SMS, else 4).
+    Nothing on a GPU."""
     if INTERPRET:
         from loraserve.kernels import triton_lora, tuning
 
+        sms = getattr(request.module, "INTERPRETER_SMS", INTERPRETER_SMS)
         monkeypatch.setitem(tuning._gpu_keys, None, "nvidia_h100_80gb_hbm3")
-        monkeypatch.setattr(triton_lora, "num_sms", lambda index: INTERPRETER_SMS)
+        monkeypatch.setattr(triton_lora, "num_sms", lambda index: sms)
+
+
+@pytest.fixture
+def interpreter_pdl(monkeypatch):
+    """Under Triton's interpreter: programmatic dependent launches taken as on an sm90 GPU, their
+    grid dependency controls (gdc_wait, gdc_launch_dependents) run as no-ops: a program runs at a
+    time there, so the kernels' numbers and the launches' choices are checked, not the ordering."""
+    if INTERPRET:
+        import triton.language.extra.cuda as cuda_extra
+
+        from loraserve.kernels import triton_lora
+
+        monkeypatch.setattr(triton_lora, "_pdl_capable", lambda device: True)
+        monkeypatch.setattr(cuda_extra, "gdc_wait", lambda: None)
+        monkeypatch.setattr(cuda_extra, "gdc_launch_dependents", lambda: None)
 
 
 @pytest.fixture

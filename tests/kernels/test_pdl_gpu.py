@@ -3,8 +3,11 @@ kernels/triton_lora.py): a chain of layers where each shrink reads the previous 
 equals the reference, eagerly and replayed in a CUDA graph with new inputs and new slots, and the
 launches really are programmatic where they should be (decode grids) and not elsewhere.
 
-Needs a CUDA GPU of compute capability 9.0 or newer; skips elsewhere (Triton's interpreter has no
-grid dependency control). Run: pytest -m gpu tests/kernels/test_pdl_gpu.py
+Needs a CUDA GPU of compute capability 9.0 or newer; skips elsewhere. With TRITON_INTERPRET=1 and
+no GPU it runs through Triton's interpreter on CPU tensors (fp16, smaller shapes), where the grid
+dependency controls are no-ops (conftest's interpreter_pdl): there it checks the programmatic
+paths' numbers and which launches are programmatic, not the ordering, which only a GPU shows.
+Run: pytest -m gpu tests/kernels/test_pdl_gpu.py
 """
 
 from __future__ import annotations
@@ -12,21 +15,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .gpu_skip import skip_unless_cuda_and_triton
+from .gpu_skip import DEV, INTERPRET, skip_unless_cuda_and_triton
 
-skip_unless_cuda_and_triton(interpreter=False)
+skip_unless_cuda_and_triton(interpreter=INTERPRET)
 
 from loraserve.kernels import make_lora_meta, reference, triton_lora  # noqa: E402
 from loraserve.kernels.meta import ShrinkWorkspace  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.get_device_capability()[0] < 9, reason="programmatic dependent launch needs sm90+"),
+    pytest.mark.usefixtures("interpreter_device", "interpreter_pdl"),
+    pytest.mark.skipif(not INTERPRET and torch.cuda.get_device_capability()[0] < 9,
+                       reason="programmatic dependent launch needs sm90+"),
 ]
 
-DEV = "cuda"
+INTERPRETER_SMS = 132  # an H100's: decode grids are one tile per program, as PDL needs
+DTYPE = torch.float16 if INTERPRET else torch.bfloat16  # NumPy (the interpreter) has no bfloat16
 MAX_LORAS = 6
-LAYERS = 4
+LAYERS = 2 if INTERPRET else 4  # the interpreter runs a program at a time
 CHAIN_TOL = dict(rtol=3e-2, atol=8e-2)
 
 
@@ -71,7 +77,7 @@ def weights(dim: int, widths: tuple[int, ...], rank: int, seed: int):
         for slot, r in enumerate(slot_ranks(rank)):  # as a load leaves a slot: zero past the rank
             a[slot, :, r:] = 0
             b[slot, :, r:] = 0
-        out.append((a.to(DEV, torch.bfloat16), b.to(DEV, torch.bfloat16)))
+        out.append((a.to(DEV, DTYPE), b.to(DEV, DTYPE)))
     return out
 
 
@@ -114,9 +120,9 @@ def chain(x, bases, layers, widths, meta, impl, pdl, workspace=None):
 CASES = [  # (tokens, dim, widths, rank, no adapter at all): odd sizes, q/k/v-like slices, a long
     # reduction, > 4 slices, every token without an adapter
     (1, 1000, (600, 400), 16, False),
-    (5, 4096, (2048, 1024, 1024), 16, False),
-    (17, 1000, (1000,), 64, False),
-    (64, 14336, (14336,), 8, False),
+    (5, 4096, (2048, 1024, 1024), 16, False) if not INTERPRET else (5, 512, (256, 128, 128), 16, False),
+    (17, 1000, (1000,), 64, False) if not INTERPRET else (9, 600, (600,), 64, False),
+    (64, 14336, (14336,), 8, False) if not INTERPRET else (33, 2000, (2000,), 8, False),
     (3, 1000, (200, 200, 200, 200, 100, 100), 16, False),  # two expand launches: the second follows the first
     (4, 1000, (600, 400), 16, True),
 ]
@@ -131,8 +137,8 @@ def test_a_chain_of_programmatic_layers_equals_the_reference(case, workspace, la
     layers = weights(dim, widths, rank, seed=tokens + dim)
     slots, ranks = slots_and_ranks(tokens, rank, seed=tokens, none=none)
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(tokens, dim, generator=gen).to(DEV, torch.bfloat16)
-    bases = [torch.randn(tokens, dim, generator=gen).to(DEV, torch.bfloat16) for _ in range(LAYERS)]
+    x = torch.randn(tokens, dim, generator=gen).to(DEV, DTYPE)
+    bases = [torch.randn(tokens, dim, generator=gen).to(DEV, DTYPE) for _ in range(LAYERS)]
     meta = make_lora_meta(slots, MAX_LORAS, slot_ranks=ranks)
     space = None
     if workspace:
@@ -144,7 +150,8 @@ def test_a_chain_of_programmatic_layers_equals_the_reference(case, workspace, la
     shrink.pdl.clear()
     expand.pdl.clear()
     got = chain(x, bases, layers, widths, meta, triton_lora, pdl=True, workspace=space)
-    torch.cuda.synchronize()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     # bf16 outputs of magnitude up to ~8 after four layers: one or two units in the last place
     # (0.03-0.06) apart from the float reference; a layer that read its input before it was
     # written would be off by O(1) over whole rows
@@ -155,6 +162,7 @@ def test_a_chain_of_programmatic_layers_equals_the_reference(case, workspace, la
     assert len(expand.pdl) == LAYERS * (2 if len(widths) > 4 else 1)
 
 
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
 def test_a_captured_chain_replays_with_new_inputs_and_slots(launches):
     """In a CUDA graph (the step's workspace zeroed by a memset node first, as the engine's decode
     graphs do), each replay reads the static inputs and slots as they are then."""
@@ -162,8 +170,8 @@ def test_a_captured_chain_replays_with_new_inputs_and_slots(launches):
     layers = weights(dim, widths, rank, seed=3)
     slots, ranks = slots_and_ranks(tokens, rank, seed=1)
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(tokens, dim, generator=gen).to(DEV, torch.bfloat16)
-    bases = [torch.randn(tokens, dim, generator=gen).to(DEV, torch.bfloat16) for _ in range(LAYERS)]
+    x = torch.randn(tokens, dim, generator=gen).to(DEV, DTYPE)
+    bases = [torch.randn(tokens, dim, generator=gen).to(DEV, DTYPE) for _ in range(LAYERS)]
     workspace = torch.empty(LAYERS * len(widths) * tokens * rank, dtype=torch.float32, device=DEV)
 
     def step():
@@ -187,7 +195,7 @@ def test_a_captured_chain_replays_with_new_inputs_and_slots(launches):
     for seed in (11, 12, 13):
         new_slots, _ = slots_and_ranks(tokens, rank, seed=seed)
         slots.copy_(new_slots)
-        x.copy_(torch.randn(tokens, dim, generator=torch.Generator().manual_seed(seed)).to(DEV, torch.bfloat16))
+        x.copy_(torch.randn(tokens, dim, generator=torch.Generator().manual_seed(seed)).to(DEV, DTYPE))
         graph.replay()
         torch.cuda.synchronize()
         want = chain(x, bases, layers, widths, make_lora_meta(slots, MAX_LORAS, slot_ranks=ranks), reference, pdl=False)
@@ -196,16 +204,17 @@ def test_a_captured_chain_replays_with_new_inputs_and_slots(launches):
 
 def test_prefill_grids_and_the_default_are_not_programmatic(launches):
     """pdl applies to one-tile (decode) grids only; without pdl nothing is programmatic."""
-    tokens, dim, widths, rank = 4096, 4096, (4096,), 16
+    tokens, dim, widths, rank = (4096, 4096, (4096,), 16) if not INTERPRET else (300, 256, (256,), 16)
     layers = weights(dim, widths, rank, seed=9)[:1]
     slots, ranks = slots_and_ranks(tokens, rank, seed=2)
-    x = torch.randn(tokens, dim, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(tokens, dim, device=DEV, dtype=DTYPE)
     meta = make_lora_meta(slots, MAX_LORAS, slot_ranks=ranks)
     (a, b), = layers
-    y = torch.zeros(tokens, dim, device=DEV, dtype=torch.bfloat16)
+    y = torch.zeros(tokens, dim, device=DEV, dtype=DTYPE)
     triton_lora.lora_expand(y, triton_lora.lora_shrink(x, a, meta, pdl=True), b, offsets(widths), meta, pdl=True)
     small = make_lora_meta(slots[:3].contiguous(), MAX_LORAS, slot_ranks=ranks)
     triton_lora.lora_expand(y[:3], triton_lora.lora_shrink(x[:3], a, small), b, offsets(widths), small)
-    torch.cuda.synchronize()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     shrink, expand = launches
     assert shrink.pdl == [False, False] and expand.pdl == [False, False]
