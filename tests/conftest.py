@@ -2,15 +2,38 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import os
 import socket
+import time
 import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+
+# ---------------------------------------------------------------------------------------
+# Waiting for work of other threads and tasks
+# ---------------------------------------------------------------------------------------
+
+
+async def until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Polls `condition()` on the running loop until it holds; fails after timeout_s. For what
+    lands through a thread (a fetch's landing, a copy thread) or a later loop turn: a fixed sleep
+    before asserting it fails on a slow or loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not hold within {timeout_s:g}s"
+        await asyncio.sleep(0.001)
+
+
+@pytest.fixture(name="until")
+def until_fixture():
+    """`until` (above), for test modules (they cannot import conftest)."""
+    return until
 
 
 # ---------------------------------------------------------------------------------------

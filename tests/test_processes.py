@@ -37,7 +37,14 @@ class Proc:
         self.p = subprocess.Popen([LORASERVE, "--log-level", "INFO", *args], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def wait(self, timeout: float) -> int:
+        """The exit code, once the process has ended and its last line has been read."""
+        code = self.p.wait(timeout)
+        self._reader.join(10)
+        return code
 
     def _read(self):
         for line in self.p.stdout:
@@ -97,10 +104,10 @@ def test_a_second_store_or_executor_on_a_busy_port_refuses_to_start(procs, tmp_p
     first = procs(*store_args(port, tmp_path / "a", base, chat_adapters))
     first.wait_for("adapter store serving on")
     second = procs(*store_args(port, tmp_path / "b", base, chat_adapters))
-    assert second.p.wait(30) == 1, second.output
+    assert second.wait(30) == 1, second.output
     assert f"error: could not listen on 127.0.0.1:{port}: address in use" in second.output
     executor = procs("executor", "--model", str(base), "--executor-listen", f"127.0.0.1:{port}", "--cache-dir", "")
-    assert executor.p.wait(60) == 1, executor.output
+    assert executor.wait(60) == 1, executor.output
     assert f"error: could not listen on 127.0.0.1:{port}: address in use" in executor.output
     store = StoreClient(f"127.0.0.1:{port}", timeout_s=30)
     for i in range(6):  # every registration lands in the one store that listens
@@ -136,7 +143,7 @@ def test_store_drains_on_sigterm_and_an_acknowledged_registration_is_kept(procs,
         store.p.send_signal(signal.SIGTERM)
         for f in futures:
             f.result(60)
-    assert store.p.wait(30) == 0, store.output
+    assert store.wait(30) == 0, store.output
     assert "SIGTERM: draining" in store.output
     assert len(ok) > 0 and len(failed) == 16
     for e in errors:  # refused while draining (gRPC says CANCELLED for a call racing its stop), or the port is closed
@@ -170,7 +177,7 @@ def test_staging_left_by_kill_9_during_registration_is_removed_at_start(procs, t
         assert time.time() < deadline, store.output
         time.sleep(0.05)
     store.p.kill()
-    store.p.wait(10)
+    store.wait(10)
     left = list((data / "staging").iterdir())
     assert len(left) == 3 and all(p.name.startswith("tmp") for p in left)
     blackhole.close()
@@ -229,5 +236,5 @@ def test_up_drains_on_sigterm_a_running_stream_finishes(up_process):
     with pytest.raises(StatusError) as e:  # nothing new is accepted meanwhile
         client.generate("hi", max_tokens=2)
     assert e.value.code.name == "UNAVAILABLE"
-    assert proc.p.wait(30) == 0, proc.output
+    assert proc.wait(30) == 0, proc.output
     assert "SIGTERM: draining" in proc.output

@@ -384,7 +384,8 @@ class ParallelExecutorProcess:
              "--block-size", "4", "--tp-timeout-s", "60"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
         deadline = time.time() + 120
         while "executor serving gRPC" not in self.log:
             assert self.proc.poll() is None and time.time() < deadline, self.log
@@ -395,6 +396,12 @@ class ParallelExecutorProcess:
     @property
     def log(self) -> str:
         return "".join(self.lines)
+
+    def wait(self, timeout: float) -> int:
+        """The exit code, once the process has ended and its last line has been read."""
+        code = self.proc.wait(timeout)
+        self._reader.join(10)
+        return code
 
     def kill(self):
         if self.proc.poll() is None:

@@ -146,6 +146,11 @@ def _greedy(prompt, max_tokens, **kwargs) -> GenerationRequest:
     return GenerationRequest(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens), **kwargs)
 
 
+def _idle(engine: Engine) -> bool:
+    return (engine.allocator.num_free == engine.kv_cache.num_blocks and not engine.scheduler.has_work()
+            and engine._runs == {} and all(s.in_use == 0 for s in engine.slots.states()))
+
+
 def _assert_idle(engine: Engine):
     assert engine.allocator.num_free == engine.kv_cache.num_blocks
     assert not engine.scheduler.has_work() and engine._runs == {}
@@ -265,7 +270,7 @@ async def test_short_kv_cache_preempts_and_recomputes_without_changing_outputs(t
     _assert_idle(engine)
 
 
-async def test_consumer_stopping_early_frees_blocks_and_lease(tiny, make_engine):
+async def test_consumer_stopping_early_frees_blocks_and_lease(tiny, make_engine, until):
     engine = make_engine(store=Store(tiny[1], ["a1"]))
     stream = engine.generate(_greedy(_prompt(30, 0), 50, adapter="a1"))
     first = await stream.__anext__()
@@ -274,11 +279,11 @@ async def test_consumer_stopping_early_frees_blocks_and_lease(tiny, make_engine)
     assert engine.allocator.num_free < engine.kv_cache.num_blocks
     assert engine.slots.state("a1").in_use == 1
     await stream.aclose()
-    await asyncio.sleep(0.05)  # a step in flight finishes, then the deferred lease is released
+    await until(lambda: _idle(engine))  # a step in flight finishes, then the deferred lease is released
     _assert_idle(engine)
 
 
-async def test_cancelled_task_frees_blocks_and_lease(tiny, make_engine):
+async def test_cancelled_task_frees_blocks_and_lease(tiny, make_engine, until):
     engine = make_engine(store=Store(tiny[1], ["a1"]))
     got = asyncio.Event()
 
@@ -291,14 +296,14 @@ async def test_cancelled_task_frees_blocks_and_lease(tiny, make_engine):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.05)
+    await until(lambda: _idle(engine))
     _assert_idle(engine)
     # The engine goes on serving.
     ids, _, _ = await _collect(engine, _greedy(_prompt(5, 2), 3))
     assert len(ids) == 3
 
 
-async def test_eos_ends_the_request_without_text(tiny, make_engine):
+async def test_eos_ends_the_request_without_text(tiny, make_engine, until):
     ref_model, _ = tiny
     prompt = _prompt(8, 3)
     ref = _hf_greedy(ref_model, prompt, 12)[0]
@@ -307,12 +312,12 @@ async def test_eos_ends_the_request_without_text(tiny, make_engine):
     ids, text, outs = await _collect(engine, _greedy(prompt, 12))
     assert ids == ref[: k + 1] and outs[-1].finish_reason == "eos"
     assert text == engine.tokenizer.decode(ref[:k])
-    await asyncio.sleep(0.05)  # the step planned past the eos ends; its row is dropped
+    await until(lambda: _idle(engine))  # the step planned past the eos ends; its row is dropped
     _assert_idle(engine)
     assert (engine.steps_ahead > 0) == (engine.graphs is not None)
 
 
-async def test_stop_string_is_cut_from_the_output(tiny, make_engine):
+async def test_stop_string_is_cut_from_the_output(tiny, make_engine, until):
     ref_model, _ = tiny
     engine = make_engine()
     # A prompt whose greedy text has a two-character piece that first appears after a few chars.
@@ -327,7 +332,7 @@ async def test_stop_string_is_cut_from_the_output(tiny, make_engine):
     ids, text, outs = await _collect(engine, req)
     assert text == full[:cut] and outs[-1].finish_reason == "stop"
     assert engine.tokenizer.decode(ids).startswith(full[:cut] + stop)
-    await asyncio.sleep(0.05)
+    await until(lambda: _idle(engine))
     _assert_idle(engine)
     assert (engine.steps_ahead > 0) == (engine.graphs is not None)
 
@@ -502,14 +507,14 @@ async def test_bad_requests_are_invalid_argument(make_engine, req, message):
     _assert_idle(engine)
 
 
-async def test_deadline_exceeded_frees_the_sequence(make_engine):
+async def test_deadline_exceeded_frees_the_sequence(make_engine, until):
     engine = make_engine()
     req = _greedy(_prompt(10, 8), 90, request_id="r1", deadline=time.monotonic() + 0.05)
     with pytest.raises(StatusError) as info:
         await _collect(engine, req)
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert info.value.message == "request r1: deadline exceeded"
-    await asyncio.sleep(0.05)
+    await until(lambda: _idle(engine))
     _assert_idle(engine)
 
 
@@ -523,7 +528,7 @@ async def test_stop_cancels_live_requests(make_engine):
     _assert_idle(engine)
 
 
-async def test_a_crashed_step_loop_fails_its_requests_and_gives_their_slots_back(tiny, make_engine, monkeypatch):
+async def test_a_crashed_step_loop_fails_its_requests_and_gives_their_slots_back(tiny, make_engine, monkeypatch, until):
     """The loop dies (a bug in planning, here injected): every live request gets INTERNAL, and the
     leases held back for steps in flight go back, so the adapter can be evicted."""
     engine = make_engine(store=Store(tiny[1], ["a1"]))
@@ -538,8 +543,7 @@ async def test_a_crashed_step_loop_fails_its_requests_and_gives_their_slots_back
         async for _ in stream:
             pass
     assert err.value.code == grpc.StatusCode.INTERNAL and "engine stopped: RuntimeError: planning bug" in err.value.message
-    await asyncio.sleep(0.05)
-    assert engine.slots.state("a1").in_use == 0 and engine._deferred_releases == []
+    await until(lambda: engine.slots.state("a1").in_use == 0 and engine._deferred_releases == [])
 
 
 class GatedStore(Store):
@@ -557,11 +561,6 @@ class GatedStore(Store):
         return await super().fetch(name)
 
 
-async def _until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.001)
 
 
 async def _first_token_time(engine: Engine, req: GenerationRequest, times: dict, key: str):
@@ -570,20 +569,20 @@ async def _first_token_time(engine: Engine, req: GenerationRequest, times: dict,
     times[key + " done"] = time.monotonic()
 
 
-async def test_a_cold_adapters_request_is_admitted_in_arrival_order_once_its_adapter_lands(tiny, make_engine):
+async def test_a_cold_adapters_request_is_admitted_in_arrival_order_once_its_adapter_lands(tiny, make_engine, until):
     """One running seat: the cold adapter's request arrived before `later`; its adapter lands while
     another request runs, and it runs next, before `later` (queued at arrival, admitted on landing)."""
     store = GatedStore(tiny[1], ["cold"], cold="cold")
     engine = make_engine(store=store, max_num_seqs=1)
     times: dict[str, float] = {}
     first = asyncio.create_task(_first_token_time(engine, _greedy(_prompt(5, 1), 80), times, "first"))
-    await _until(lambda: "first" in times)  # running
+    await until(lambda: "first" in times)  # running
     cold = asyncio.create_task(_first_token_time(engine, _greedy(_prompt(5, 2), 4, adapter="cold"), times, "cold"))
     await asyncio.sleep(0.01)  # `cold` arrives first (its fetch waits at the gate) ...
     later = asyncio.create_task(_first_token_time(engine, _greedy(_prompt(5, 3), 4), times, "later"))
-    await _until(lambda: len(engine._runs) == 3)  # ... then `later` is queued (`cold` is, since it arrived)
+    await until(lambda: len(engine._runs) == 3)  # ... then `later` is queued (`cold` is, since it arrived)
     store.gate.set()
-    await _until(lambda: engine.slots.state("cold").slot >= 0)  # the cold adapter lands
+    await until(lambda: engine.slots.state("cold").slot >= 0)  # the cold adapter lands
     assert "first done" not in times  # ... while `first` still runs (80 tokens)
     await asyncio.wait_for(asyncio.gather(first, cold, later), 30)
     assert times["first done"] <= times["cold"] < times["later"]
@@ -604,7 +603,7 @@ async def test_a_cold_adapter_does_not_hold_up_other_requests(tiny, make_engine)
     _assert_idle(engine)
 
 
-async def test_a_resident_adapters_request_runs_within_steps_while_cold_loads_hold_every_load_seat(tiny, make_engine):
+async def test_a_resident_adapters_request_runs_within_steps_while_cold_loads_hold_every_load_seat(tiny, make_engine, until):
     """One load seat, held by a stalled store fetch, a second cold load queued for it: a request for
     an adapter in a slot arrives behind both and gets its first token within a few steps (the step
     in flight, one launched ahead, its own, and one launched ahead of it before its token is
@@ -617,9 +616,9 @@ async def test_a_resident_adapters_request_runs_within_steps_while_cold_loads_ho
     await engine.slots.load("warm", into_slot=False)  # in the CPU cache only
     times: dict[str, float] = {}
     running = asyncio.create_task(_first_token_time(engine, _greedy(_prompt(5, 1), 80), times, "running"))
-    await _until(lambda: "running" in times)  # steps go on from here
+    await until(lambda: "running" in times)  # steps go on from here
     cold = [asyncio.create_task(_collect(engine, _greedy(_prompt(5, 2), 4, adapter=n))) for n in ("cold-1", "cold-2")]
-    await _until(lambda: store.fetching[-1:] == ["cold-1"] and len(engine.scheduler.waiting) == 2)
+    await until(lambda: store.fetching[-1:] == ["cold-1"] and len(engine.scheduler.waiting) == 2)
     sent = time.perf_counter()
     ids, _, _ = await asyncio.wait_for(_collect(engine, _greedy(_prompt(5, 3), 1, adapter="hot")), 30)
     steps = [t for t in engine.step_times if t.end > sent]

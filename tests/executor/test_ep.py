@@ -268,7 +268,7 @@ def test_a_rank_killed_mid_serving_ends_the_ep_executor_with_a_clear_error(base,
         assert "expert-parallel over 2 ranks" in ex.log and ex.client.info().ep_size == 2
         assert len(generate(ex.client, "", prompt_ids(0), 2).token_ids) == 2
         os.kill(ex.rank1_pid, signal.SIGKILL)
-        assert ex.proc.wait(30) == 1
+        assert ex.wait(30) == 1
         assert re.search(rf"CRITICAL .*expert-parallel rank 1 \(pid {ex.rank1_pid}\) was killed by signal 9.*; stopping "
                          r"the expert-parallel executor", ex.log), ex.log
     finally:

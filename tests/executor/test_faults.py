@@ -109,7 +109,10 @@ def test_a_stalled_store_fails_cold_requests_unavailable_in_seconds_and_held_one
         client = ex.client(timeout_s=15)  # the old 2-minute hang shows as DEADLINE_EXCEEDED here
         client._call(client.stub.Generate, token_request("qv8"))  # held from now on
         proc.send_signal(signal.SIGSTOP)
-        time.sleep(2.5)  # the executor's health watch notices (checks every second)
+        deadline = time.monotonic() + 15
+        while ex.parts.store.answering:  # the executor's health watch notices (a check every second, 1 s to answer)
+            assert time.monotonic() < deadline, "the executor's health watch did not notice the stopped store"
+            time.sleep(0.05)
         held, took = timed(lambda: client.load("qv8"))
         assert not isinstance(held, StatusError) and held.slot >= 0, held
         assert took < 2, f"LoadAdapter of a held adapter waited {took:.1f}s on a stopped store"
@@ -155,12 +158,13 @@ def test_cold_adapters_recover_within_about_a_second_of_the_store_restarting(loo
         store_server, _ = loop_thread.run(serve_store(scfg))
         back = time.monotonic()
         while True:
+            asked = time.monotonic()  # the attempt that succeeds: when it was sent, not when it ended
             resp, _ = timed(lambda: client._call(client.stub.Generate, token_request("mlp4")))
             if not isinstance(resp, StatusError):
                 break
             assert resp.code.name == "UNAVAILABLE", resp
             time.sleep(0.05)
-        recovered = time.monotonic() - back
+        recovered = asked - back
         assert recovered < 1.8, f"cold adapters failed for {recovered:.1f}s after the store answered again"
         assert len(resp.token_ids) == 8
     finally:
@@ -199,9 +203,10 @@ def test_a_huge_prompt_is_refused_by_bytes_at_once_and_other_streams_keep_flowin
                 assert isinstance(err, StatusError) and err.code.name == "INVALID_ARGUMENT", err
                 assert err.message == (f"{what}: 1000000 bytes, above this executor's limit of {limit} bytes "
                                        "(max_prompt_bytes; max_model_len is 512 tokens)")
-                assert took < 2, took
+                assert took < 5, took
             gaps, tokens = streaming.result(120)
-        assert tokens == 400 and max(gaps) < 1.0, max(gaps)
+        # a stalled loop would show as a gap of the refusals' whole time; a slow machine's gaps stay well under 2 s
+        assert tokens == 400 and max(gaps) < 2.0, max(gaps)
         with pytest.raises(StatusError) as e:  # under the byte limit: tokenized (one token per byte here)
             client.generate("y" * limit, chat=False, max_tokens=2)
         assert e.value.code.name == "INVALID_ARGUMENT" and e.value.message.startswith(f"prompt of {limit} tokens exceeds max_model_len 512")
@@ -224,7 +229,8 @@ def test_prompts_are_tokenized_off_the_event_loop(loop_thread, tiny_chat_llama):
             gaps, tokens = streaming.result(120)
         assert isinstance(err, StatusError) and err.code.name == "INVALID_ARGUMENT" and "max_model_len" in err.message, err
         print(f"longest gap {max(gaps):.3f}s while a 1.3 MB prompt was tokenized in {took:.2f}s")
-        assert tokens == 3000 and max(gaps) < 0.75, (max(gaps), took)
+        # tokenizing takes seconds (4-7 s on a 2-core machine): on the loop it would be one gap that long
+        assert tokens == 3000 and max(gaps) < took / 2, (max(gaps), took)
     finally:
         ex.close()
 

@@ -201,7 +201,7 @@ async def test_all_slots_in_use_waits_then_times_out(store, slots):
     await asyncio.sleep(0.05)
     assert not waiter.done()
     mgr.release(held[0])
-    lease = await asyncio.wait_for(waiter, 1.0)
+    lease = await asyncio.wait_for(waiter, 10.0)
     assert lease.slot == held[0].slot and slots.content[lease.slot] == "adapter-2"
     assert slots.content[held[1].slot] == "adapter-1"
 
@@ -383,32 +383,33 @@ async def test_refresh_of_an_adapter_in_use_waits_for_its_requests(store, slots)
     await asyncio.sleep(0.05)
     assert not waiter.done() and slots.content[running.slot] == "adapter-0"  # never swapped under it
     mgr.release(running)
-    lease = await asyncio.wait_for(waiter, 1.0)
+    lease = await asyncio.wait_for(waiter, 10.0)
     assert lease.digest == new and slots.content[lease.slot] == "adapter-0@v2"
 
 
-async def test_refresh_waiter_is_served_the_old_version_after_the_slot_wait(store, slots):
+async def test_refresh_waiter_is_served_the_old_version_after_the_slot_wait(store, slots, until):
     mgr = _manager(store, slots, timeout_s=0.1)
     running = await mgr.acquire("adapter-0")
     await mgr.refresh("adapter-0", store.register_again("adapter-0"))
-    lease = await asyncio.wait_for(mgr.acquire("adapter-0"), 1.0)  # still in use after 0.1 s
+    lease = await asyncio.wait_for(mgr.acquire("adapter-0"), 10.0)  # still in use after 0.1 s
     assert lease.digest == "sha256:adapter-0" and lease.slot == running.slot
     mgr.release(running)
     mgr.release(lease)
-    await asyncio.sleep(0.05)  # the last release dropped the old version
-    assert mgr.states() == []
+    await until(lambda: mgr.states() == [], what="the last release dropping the old version")
 
 
-async def test_refresh_reloads_a_pinned_adapter_and_keeps_the_pin(store, slots):
+async def test_refresh_reloads_a_pinned_adapter_and_keeps_the_pin(store, slots, until):
     mgr = _manager(store, slots)
     await mgr.pin("adapter-0")
     new = store.register_again("adapter-0")
     assert await mgr.refresh("adapter-0", new)
-    for _ in range(100):
+
+    def reloaded() -> bool:  # the new host copy's digest shows before its copy into the slot ends
         state = mgr.state("adapter-0")
-        if state.slot >= 0 and state.digest == new:
-            break
-        await asyncio.sleep(0.01)
+        return state.slot >= 0 and state.digest == new and not state.loading
+
+    await until(reloaded, what="the pinned adapter's reload")
+    state = mgr.state("adapter-0")
     assert state.pinned and state.digest == new and slots.content[state.slot] == "adapter-0@v2"
 
 
@@ -434,7 +435,7 @@ async def test_refresh_sees_an_old_version_left_in_a_slot_after_a_newer_host_cop
     assert lease.digest == new and slots.content[lease.slot] == "adapter-0@v2"
 
 
-async def test_refresh_of_a_pinned_adapter_keeps_its_slot_under_slot_pressure(store, slots):
+async def test_refresh_of_a_pinned_adapter_keeps_its_slot_under_slot_pressure(store, slots, until):
     mgr = _manager(store, slots, max_loras=2, timeout_s=0.3)
     pinned_slot = (await mgr.pin("adapter-0")).slot
     busy = await mgr.acquire("adapter-1")
@@ -445,6 +446,7 @@ async def test_refresh_of_a_pinned_adapter_keeps_its_slot_under_slot_pressure(st
     with pytest.raises(StatusError) as info:
         await waiter
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await until(lambda: not mgr.state("adapter-0").loading, what="the pinned adapter's reload")
     state = mgr.state("adapter-0")
     assert (state.slot, state.pinned, state.digest) == (pinned_slot, True, new)
     assert slots.content[pinned_slot] == "adapter-0@v2" and slots.content[busy.slot] == "adapter-1"
@@ -483,7 +485,7 @@ async def test_a_request_cancelled_mid_switch_never_lets_the_clear_hit_another_a
     mgr.release(running)  # the switch starts zeroing the slot; the deadline cancels its request
     with pytest.raises(asyncio.TimeoutError):
         await switching
-    lease = await asyncio.wait_for(other, 2.0)
+    lease = await asyncio.wait_for(other, 10.0)
     await asyncio.sleep(0.3)  # any clear still running has finished by now
     assert slots.content[lease.slot] == "adapter-1"
 
@@ -510,7 +512,7 @@ async def test_slot_ranks_follow_what_the_copy_reports_and_clear_to_zero(store, 
     assert mgr.slot_ranks == [0]
 
 
-async def test_refresh_loop_survives_an_unexpected_error(store, slots, caplog):
+async def test_refresh_loop_survives_an_unexpected_error(store, slots, caplog, until):
     from loraserve.executor.refresh import refresh_loop
 
     def broken_clear(slot):
@@ -527,7 +529,8 @@ async def test_refresh_loop_survives_an_unexpected_error(store, slots, caplog):
             return "sha256:a-new-version"
 
     loop = asyncio.create_task(refresh_loop(mgr, StoreAnswers(), 0.01))
-    await asyncio.sleep(0.1)
+    await until(lambda: "adapter refresh round failed" in caplog.text, what="a failed refresh round's log line")
+    await asyncio.sleep(0.05)  # more rounds: the loop goes on after the failure
     assert not loop.done()
     assert "adapter refresh round failed" in caplog.text and "device-side assert" in caplog.text
     loop.cancel()
@@ -547,10 +550,10 @@ async def test_slot_waiters_are_served_in_arrival_order(store, slots):
     await asyncio.sleep(0.01)  # adapter-1 is waiting for the slot
     mgr.release(running)
     late = asyncio.create_task(mgr.acquire("adapter-2"))  # asks in the same instant
-    lease = await asyncio.wait_for(first, 1.0)
+    lease = await asyncio.wait_for(first, 10.0)
     assert slots.content[lease.slot] == "adapter-1" and not late.done()
     mgr.release(lease)
-    mgr.release(await asyncio.wait_for(late, 1.0))
+    mgr.release(await asyncio.wait_for(late, 10.0))
 
 
 class Recorder(SlotObserver):
@@ -617,10 +620,10 @@ async def test_a_load_that_asked_first_keeps_its_turn_over_one_done_on_the_spot(
     first = asyncio.create_task(mgr.acquire("adapter-0"))
     second = asyncio.create_task(mgr.acquire("adapter-1"))  # runs after the first spawns its load task,
     # before that task starts
-    lease = await asyncio.wait_for(first, 1.0)
+    lease = await asyncio.wait_for(first, 10.0)
     assert slots.content[lease.slot] == "adapter-0" and not second.done()
     mgr.release(lease)
-    mgr.release(await asyncio.wait_for(second, 1.0))
+    mgr.release(await asyncio.wait_for(second, 10.0))
     assert slots.writes == [(0, "adapter-0"), (0, "adapter-1")]
 
 
@@ -637,31 +640,36 @@ async def test_slot_eviction_prefers_adapters_no_queued_request_wants(store, slo
     assert {s.name for s in mgr.states() if s.slot >= 0} == {"adapter-2", "adapter-3"}
 
 
-async def test_a_wanted_adapter_is_prefetched_into_the_cpu_cache_before_its_acquire(store, slots):
+def _cached(mgr, *names) -> bool:
+    """Every one of names has its host copy in the CPU cache (a fetch lands through a thread)."""
+    return set(names) <= {s.name for s in mgr.states() if s.in_cpu_cache}
+
+
+async def test_a_wanted_adapter_is_prefetched_into_the_cpu_cache_before_its_acquire(store, slots, until):
     mgr = _manager(store, slots)
     unwant = mgr.want("adapter-3")
-    await asyncio.sleep(0.01)
-    assert store.fetches == {"adapter-3": 1} and mgr.state("adapter-3").in_cpu_cache
+    await until(lambda: _cached(mgr, "adapter-3"), what="the prefetch")
+    assert store.fetches == {"adapter-3": 1}
     lease = await mgr.acquire("adapter-3")
     unwant()
     mgr.release(lease)
     assert store.fetches == {"adapter-3": 1}
     mgr.want("adapter-9")()  # a failed prefetch leaves nothing behind; the acquire reports the error
-    await asyncio.sleep(0.01)
-    assert "adapter-9" not in {s.name for s in mgr.states()}
+    await until(lambda: "adapter-9" in store.fetches, what="the prefetch of adapter-9")
+    await until(lambda: "adapter-9" not in {s.name for s in mgr.states()}, what="the failed prefetch's cleanup")
     with pytest.raises(StatusError) as e:
         await mgr.acquire("adapter-9")
     _status(e, grpc.StatusCode.NOT_FOUND, "adapter 'adapter-9' is not registered")
 
 
-async def test_an_adapter_waiting_for_a_slot_is_fetched_meanwhile(store, slots):
+async def test_an_adapter_waiting_for_a_slot_is_fetched_meanwhile(store, slots, until):
     mgr = _manager(store, slots, max_loras=1)
     running = await mgr.acquire("adapter-0")
     waiting = asyncio.create_task(mgr.acquire("adapter-1"))
-    await asyncio.sleep(0.01)
-    assert store.fetches.get("adapter-1") == 1 and mgr.state("adapter-1").in_cpu_cache and not waiting.done()
+    await until(lambda: _cached(mgr, "adapter-1"), what="the waiting adapter's fetch")
+    assert store.fetches.get("adapter-1") == 1 and not waiting.done()
     mgr.release(running)
-    mgr.release(await asyncio.wait_for(waiting, 1.0))
+    mgr.release(await asyncio.wait_for(waiting, 10.0))
 
 
 async def test_cpu_cache_is_bounded_in_bytes(store, slots):
@@ -674,22 +682,22 @@ async def test_cpu_cache_is_bounded_in_bytes(store, slots):
     assert sorted(s.name for s in mgr.states() if s.in_cpu_cache) == NAMES[3:]
 
 
-async def test_cpu_cache_drops_copies_no_request_waits_on_first(store, slots):
+async def test_cpu_cache_drops_copies_no_request_waits_on_first(store, slots, until):
     shard_bytes = 1 * 2 * 4 * 4
     mgr = _manager(store, slots, max_loras=1, max_cpu_adapters=None)
     mgr.cpu_cache_bytes = 2 * shard_bytes
     running = await mgr.acquire("adapter-0")
     waiting = asyncio.create_task(mgr.acquire("adapter-1"))  # fetched, then waits for the slot
-    await asyncio.sleep(0.01)
+    await until(lambda: _cached(mgr, "adapter-1"), what="the waiting adapter's fetch")
     for name in ["adapter-2", "adapter-3"]:  # newer copies: LRU alone would drop adapter-1's
         await mgr.load(name, into_slot=False)
     assert mgr.state("adapter-1").in_cpu_cache
     mgr.release(running)
-    mgr.release(await asyncio.wait_for(waiting, 1.0))
+    mgr.release(await asyncio.wait_for(waiting, 10.0))
     assert store.fetches["adapter-1"] == 1
 
 
-async def test_store_fetches_run_at_most_max_concurrent_loads_at_once_in_the_order_asked():
+async def test_store_fetches_run_at_most_max_concurrent_loads_at_once_in_the_order_asked(until):
     """Cold loads take seats in turn; an adapter already in the CPU cache or in a slot never waits
     for a seat, and a fetch whose request has ended before its turn is not started."""
     store = Store([*NAMES, "adapter-5"])
@@ -702,23 +710,23 @@ async def test_store_fetches_run_at_most_max_concurrent_loads_at_once_in_the_ord
     await asyncio.sleep(0.01)
     assert store.fetches.keys() == {"adapter-0", "adapter-5", "adapter-1", "adapter-2"} and store.in_flight == 2
     for name in ("adapter-0", "adapter-5"):  # served while every seat is taken by a cold load
-        mgr.release(await asyncio.wait_for(mgr.acquire(name), 1.0))
+        mgr.release(await asyncio.wait_for(mgr.acquire(name), 10.0))
     unwants["adapter-4"]()  # its request ends while its fetch waits for a seat
     store.gates["adapter-2"].set()
-    await asyncio.sleep(0.01)
-    assert "adapter-3" in store.fetches and store.in_flight == 2  # the next in turn took the seat
+    await until(lambda: "adapter-3" in store.fetches, what="the next cold load taking the seat")
+    assert store.in_flight == 2  # the next in turn took the seat
     for gate in store.gates.values():
         gate.set()
-    await asyncio.sleep(0.01)
-    assert "adapter-4" not in store.fetches and "adapter-4" not in {s.name for s in mgr.states()}
-    assert store.most_in_flight == 2 and all(mgr.state(n).in_cpu_cache for n in NAMES[1:4])
+    await until(lambda: _cached(mgr, *NAMES[1:4]), what="the cold loads")
+    await until(lambda: "adapter-4" not in {s.name for s in mgr.states()}, what="the ended request's cleanup")
+    assert "adapter-4" not in store.fetches and store.most_in_flight == 2
     for name in NAMES[1:4]:
         unwants[name]()
     with pytest.raises(ValueError, match="max_concurrent_loads must be at least 1, got 0"):
         ExecutorConfig(max_concurrent_loads=0)
 
 
-async def test_an_acquire_cancelled_while_its_fetch_waits_for_a_seat_fetches_nothing_and_takes_no_slot():
+async def test_an_acquire_cancelled_while_its_fetch_waits_for_a_seat_fetches_nothing_and_takes_no_slot(until):
     """The slot load an acquire starts outlives the acquire (it is shared and shielded); once every
     request for the adapter has ended it must not take a load seat, nor a slot after a fetch."""
     store = Store([*NAMES])
@@ -734,15 +742,15 @@ async def test_an_acquire_cancelled_while_its_fetch_waits_for_a_seat_fetches_not
         await waiting
     fetching = asyncio.create_task(mgr.acquire("adapter-3"))  # gets the seat after adapter-1 ...
     store.gates["adapter-1"].set()
-    mgr.release(await asyncio.wait_for(first, 1.0))
+    mgr.release(await asyncio.wait_for(first, 10.0))
     await asyncio.sleep(0.01)
     fetching.cancel()  # ... and ends while its fetch runs: the copy is kept, no slot taken for it
     with pytest.raises(asyncio.CancelledError):
         await fetching
     store.gates["adapter-3"].set()
-    await asyncio.sleep(0.01)
+    await until(lambda: _cached(mgr, "adapter-3"), what="adapter-3's fetch")
     assert "adapter-2" not in store.fetches, "a fetch started for a request that had ended"
-    assert store.fetches.get("adapter-3") == 1 and mgr.state("adapter-3").in_cpu_cache
+    assert store.fetches.get("adapter-3") == 1
     assert "adapter-3" not in slots.content.values() and mgr.state("adapter-3").slot < 0
 
 

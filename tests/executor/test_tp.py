@@ -292,7 +292,7 @@ def test_a_rank_killed_mid_serving_ends_the_executor_with_a_clear_error(tp_execu
         token_ids=epb.TokenIds(ids=prompt_ids(1)), sampling=epb.SamplingParams(max_tokens=400)), timeout=60)
     next(iter(stream))  # mid-serving: a request is streaming
     os.kill(ex.rank1_pid, signal.SIGKILL)
-    assert ex.proc.wait(30) == 1
+    assert ex.wait(30) == 1
     with pytest.raises(Exception):
         for _ in stream:
             pass
@@ -304,7 +304,7 @@ def test_sigterm_stops_every_rank_cleanly(tp_executor_process):
     ex = tp_executor_process()
     assert len(generate(ex.client, "", prompt_ids(0), 2).token_ids) == 2
     ex.proc.send_signal(signal.SIGTERM)
-    assert ex.proc.wait(60) == 0, ex.log
+    assert ex.wait(60) == 0, ex.log
     assert "tensor-parallel rank 1 stopping" in ex.log and "tensor-parallel ranks 1..1 stopped" in ex.log
     assert "CRITICAL" not in ex.log and "killing it" not in ex.log
     with pytest.raises(ProcessLookupError):
