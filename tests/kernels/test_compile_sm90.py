@@ -4,8 +4,9 @@ The wrappers (kernels/triton_lora.py) run as when serving, with the shipped H100
 families' real layer shapes at decode and prefill token counts, slot ranks 16 and 128, plain and
 programmatic (PDL) launches;
 each launch compiles its kernel variant through PTX to a cubin (Triton's bundled ptxas) instead of
-running it. Checked per variant: a cubin for sm90, shared memory an H100 block can have, and grid
-dependency control instructions exactly in the PDL variants. So a kernel change that does not build,
+running it (kernels/offline_build.py). Checked per variant: a cubin for sm90, shared memory an H100
+block can have, no register spilled to local memory, and grid dependency control instructions
+exactly in the PDL variants. So a kernel change that does not build,
 or a table entry whose tiles do not fit, fails here rather than on a GPU; Triton's interpreter (the
 other CPU checks of these kernels) builds nothing. A CUDA host runs the kernels themselves instead.
 """
@@ -23,16 +24,17 @@ if torch.cuda.is_available():
     pytest.skip("a CUDA host builds and runs the kernels in its GPU tests", allow_module_level=True)
 pytest.importorskip("triton", reason="needs triton installed")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver  # noqa: E402
-
 from loraserve.kernels import make_lora_meta, model_shapes, triton_lora, tuning  # noqa: E402
+from loraserve.kernels.offline_build import (  # noqa: E402
+    BLOCK_SHARED_BYTES,
+    H100_SMS,
+    building_for,
+    launches_build,
+    resources,
+)
 
-H100 = GPUTarget("cuda", 90, 32)
-H100_SHARED_BYTES = 227 * 1024  # the most shared memory one block may have on an H100
-H100_SMS = 132
 # A sample that reaches every kind of variant (~1 s of compiling each: the whole grid of shapes,
-# token counts and ranks is ~300 of them for three models): the families' layers at tp 1, an even
+# token counts and ranks is ~300 of them for three models): two families' layers at tp 1, an even
 # and an odd hidden size, decode (PDL too) and a prefill chunk, a slot rank whose tiles take the
 # plain path and one whose lower-rank adapter takes the narrow ones.
 MODELS = ("llama-3-8b", "qwen2.5-7b")
@@ -41,54 +43,27 @@ RANKS = (16, 128)
 KERNELS = ("_shrink_kernel", "_expand_kernel", "_embedding_shrink_kernel")
 
 
-class CompileOnly:
-    """Triton's active driver while compiling: an H100 as the target; nothing is launched."""
-
-    def get_current_target(self):
-        return H100
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-
-class Build:
-    """Stands in for a kernel of triton_lora: a launch compiles (Triton's warm-up) and keeps the result."""
-
-    def __init__(self, kernel, built: dict):
-        self.kernel, self.built = kernel, built
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            compiled = self.kernel.run(*args, grid=grid, warmup=True, **kwargs)
-            self.built[id(compiled)] = (compiled, bool(kwargs.get("launch_pdl", False)))
-
-        return launch
-
-
 @pytest.fixture(scope="module")
 def built():
-    """Every distinct kernel variant the wrappers launch on MODELS' tp-1 layers, compiled for sm90."""
+    """Every distinct kernel variant the wrappers launch on MODELS' tp-1 layers, built for an H100:
+    (compiled kernel, launched as a programmatic dependent)."""
     patch = pytest.MonkeyPatch()
-    out: dict[int, tuple] = {}
+    launches: list = []
     try:
-        patch.setattr(driver, "_active", CompileOnly())  # put back as it was (unset here: no GPU driver)
         patch.setitem(tuning._gpu_keys, None, "nvidia_h100_80gb_hbm3")
         patch.setattr(triton_lora, "num_sms", lambda index: H100_SMS)
         patch.setattr(triton_lora, "_pdl_capable", lambda device: True)
-        for name in KERNELS:
-            patch.setattr(triton_lora, name, Build(getattr(triton_lora, name), out))
-        shapes = [s for s in model_shapes.real_shapes(tp_sizes=(1,)) if s.model in MODELS]
-        for shape in shapes:
-            for tokens in TOKENS:
-                for rank in RANKS:
-                    for pdl in (False, True) if tokens <= tuning.DECODE_MAX_TOKENS else (False,):
-                        launch_layer(shape, tokens, rank, pdl)
+        launches_build(patch, triton_lora, KERNELS, launches)
+        with building_for():
+            for shape in [s for s in model_shapes.real_shapes(tp_sizes=(1,)) if s.model in MODELS]:
+                for tokens in TOKENS:
+                    for rank in RANKS:
+                        for pdl in (False, True) if tokens <= tuning.DECODE_MAX_TOKENS else (False,):
+                            launch_layer(shape, tokens, rank, pdl)
     finally:
         patch.undo()
-    return list(out.values())
+    variants = {id(b.compiled): (b.compiled, bool(b.kwargs.get("launch_pdl", False))) for b in launches}
+    return list(variants.values())
 
 
 def launch_layer(shape: model_shapes.LayerShape, tokens: int, rank: int, pdl: bool) -> None:
@@ -120,11 +95,16 @@ def test_every_variant_builds_a_cubin_for_sm90(built):
     print(f"\n{len(built)} kernel variants compiled for sm90")
 
 
-def test_every_variant_fits_an_h100_blocks_shared_memory(built):
-    worst = max(built, key=lambda b: b[0].metadata.shared)[0]
-    over = [(c.metadata.name, c.metadata.shared) for c, _ in built if c.metadata.shared > H100_SHARED_BYTES]
+def test_every_variant_fits_an_h100_block_and_spills_no_registers(built):
+    """Shared memory an H100 block may have, and no local memory: a register spill goes to it."""
+    used = [(compiled.metadata.name, resources(compiled)) for compiled, _ in built]
+    over = [(name, res.shared) for name, res in used if res.shared > BLOCK_SHARED_BYTES]
+    spilled = [(name, res) for name, res in used if res.local]
     assert not over, over
-    print(f"\nmost shared memory: {worst.metadata.shared} bytes ({worst.metadata.name})")
+    assert not spilled, spilled
+    most = max(used, key=lambda u: u[1].shared)
+    print(f"\nmost shared memory: {most[1].shared} bytes ({most[0]}); "
+          f"registers per thread {min(r.registers for _, r in used)}-{max(r.registers for _, r in used)}")
 
 
 def test_grid_dependency_control_is_in_the_programmatic_variants_only(built):
