@@ -20,44 +20,16 @@ import datetime
 import platform
 import sys
 from collections import Counter
-from contextlib import ExitStack
-from unittest import mock
 
-import torch
-
-from loraserve.kernels import make_lora_meta, model_shapes, triton_lora, tuning
-from loraserve.kernels.offline_build import H100_SMS, building_for, launches_build, resident_ctas, resources
-
-TABLE = "nvidia_h100_80gb_hbm3"
-
-
-class Patches:
-    """setattr / setitem undone together (the monkeypatch interface launches_build takes)."""
-
-    def __init__(self):
-        self.stack = ExitStack()
-
-    def setattr(self, obj, name, value):
-        self.stack.enter_context(mock.patch.object(obj, name, value))
-
-    def setitem(self, mapping, key, value):
-        self.stack.enter_context(mock.patch.dict(mapping, {key: value}))
-
-    def undo(self):
-        self.stack.close()
-
-
-def launch(shape: model_shapes.LayerShape, tokens: int, rank: int) -> None:
-    """One layer's shrink and expand as the engine calls them: 8 adapters, no-adapter tokens among them."""
-    slots = torch.tensor([i % 9 - 1 for i in range(tokens)], dtype=torch.int32)
-    meta = make_lora_meta(slots, 8)
-    widths = shape.widths
-    offsets = tuple(sum(widths[:i]) for i in range(len(widths) + 1))
-    x = torch.empty(tokens, shape.in_features, dtype=torch.bfloat16)
-    lora_a = torch.empty(8, len(widths), rank, shape.in_features, dtype=torch.bfloat16)
-    lora_b = torch.empty(8, offsets[-1], rank, dtype=torch.bfloat16)
-    buf = triton_lora.lora_shrink(x, lora_a, meta)
-    triton_lora.lora_expand(torch.empty(tokens, offsets[-1], dtype=torch.bfloat16), buf, lora_b, offsets, meta)
+from loraserve.kernels import model_shapes
+from loraserve.kernels.offline_build import (
+    H100_SMS,
+    H100_TABLE,
+    launch_lora_layer,
+    lora_builds_for_h100,
+    resident_ctas,
+    resources,
+)
 
 
 def main() -> int:
@@ -76,37 +48,21 @@ def main() -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     ranks = [int(r) for r in args.ranks.split(",")]
 
-    configs: list = []  # the config of each launch, in launch order (one per wrapper call)
-
-    def recording(pick):
-        def pick_and_keep(*a):
-            configs.append(pick(*a))
-            return configs[-1]
-        return pick_and_keep
-
+    picked: dict = {}  # the config each op's last wrapper call picked ("shrink" / "expand")
     rows = []
-    patch = Patches()
-    try:
-        patch.setitem(tuning._gpu_keys, None, TABLE)
-        patch.setattr(triton_lora, "num_sms", lambda index: H100_SMS)
-        patch.setattr(triton_lora, "shrink_config", recording(triton_lora.shrink_config))
-        patch.setattr(triton_lora, "expand_config", recording(triton_lora.expand_config))
-        built: list = []
-        launches_build(patch, triton_lora, ("_shrink_kernel", "_expand_kernel"), built)
-        total = len(shapes) * len(tokens) * len(ranks)
-        with building_for():
-            for i, (shape, t, r) in enumerate((s, t, r) for s in shapes for t in tokens for r in ranks):
-                before = len(built)
-                launch(shape, t, r)
-                cfg = {"_shrink_kernel": configs[-2], "_expand_kernel": configs[-1]}
-                rows += [(shape, t, r, cfg[b.name], b) for b in built[before:]]
-                if (i + 1) % 20 == 0 or i + 1 == total:
-                    print(f"built {i + 1} / {total} layer launches ({len(built)} kernel launches)", file=sys.stderr)
-    finally:
-        patch.undo()
+    built: list = []
+    total = len(shapes) * len(tokens) * len(ranks)
+    with lora_builds_for_h100(built, on_config=picked.__setitem__):
+        for i, (shape, t, r) in enumerate((s, t, r) for s in shapes for t in tokens for r in ranks):
+            before = len(built)
+            launch_lora_layer(shape, t, r, adapters=8)
+            rows += [(shape, t, r, picked["shrink" if b.name == "_shrink_kernel" else "expand"], b)
+                     for b in built[before:]]
+            if (i + 1) % 20 == 0 or i + 1 == total:
+                print(f"built {i + 1} / {total} layer launches ({len(built)} kernel launches)", file=sys.stderr)
 
     print(f"\nLoRA kernel launches built for an H100 (sm90) without one - {platform.node()}, "
-          f"{datetime.date.today()}; table {TABLE}, {H100_SMS} SMs, bf16, 8 adapters")
+          f"{datetime.date.today()}; table {H100_TABLE}, {H100_SMS} SMs, bf16, 8 adapters")
     print("| model | layer | tokens | rank | kernel | config (m, n, k / iters, split, warps, stages, CTAs/SM) "
           "| grid | regs | local B | shared B | SM holds | waves |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -118,7 +74,7 @@ def main() -> int:
             cache[key] = resources(b.compiled)
         res = cache[key]
         holds = resident_ctas(res, b.compiled.metadata.num_warps)
-        waves = -(-b.grid[0] // (holds * H100_SMS))
+        waves = -(-b.grid[0] // (holds * H100_SMS)) if holds else "cannot launch"
         waves_count[waves] += 1
         if args.only_waves and waves == 1:
             continue
@@ -130,7 +86,7 @@ def main() -> int:
               f"| {holds} | {waves} |")
     spills = sum(1 for res in cache.values() if res.local)
     print(f"\n{len(rows)} kernel launches, {len(cache)} distinct variants; by waves: "
-          + ", ".join(f"{w}: {n}" for w, n in sorted(waves_count.items()))
+          + ", ".join(f"{w}: {n}" for w, n in sorted(waves_count.items(), key=str))
           + f"; variants with local memory (spills): {spills}")
     return 0
 

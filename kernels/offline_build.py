@@ -5,8 +5,10 @@
 PTX to a cubin with the `ptxas` bundled in Triton's wheel, and returns it without launching it.
 `launches_build(module, names, built)` turns a module's kernel launches (`kernel[grid](...)`)
 into such builds, so a wrapper runs as when serving and each launch leaves its compiled variant in
-`built`. `resources(compiled)` reads what the cubin holds per thread and block (`cuobjdump
--res-usage`, also bundled), and `resident_ctas` how many of its blocks an H100's SM can hold.
+`built`; `lora_builds_for_h100` does that for kernels/triton_lora.py with the H100's table, and
+`launch_lora_layer` calls its wrappers for one real layer shape. `resources(compiled)` reads what
+the cubin holds per thread and block (`cuobjdump -res-usage`, also bundled), and `resident_ctas`
+how many of its blocks an H100's SM can hold.
 
 Used by tests/kernels/test_compile_sm90.py (CI builds the LoRA kernels for an H100) and
 benchmarks/kernel_resources.py (registers, spills and residency per real layer shape against what
@@ -19,8 +21,9 @@ import os
 import re
 import subprocess
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from unittest import mock
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -34,10 +37,14 @@ BLOCK_SHARED_BYTES = 227 * 1024
 SM_MAX_CTAS = 32
 SM_MAX_WARPS = 64
 H100_SMS = 132
+H100_TABLE = "nvidia_h100_80gb_hbm3"  # kernels/configs/
+LORA_KERNELS = ("_shrink_kernel", "_expand_kernel", "_embedding_shrink_kernel")
 
 
 class _CompileOnly:
-    """Triton's driver while building: the target is named; no device, nothing launched."""
+    """Triton's driver while building: the target is named; no device, nothing launched. Its device
+    is a key of the target's own (Triton keeps a kernel's builds per device): builds for another
+    target, or a real device 0 later in the process, never find these."""
 
     def __init__(self, target: GPUTarget):
         self.target = target
@@ -45,8 +52,8 @@ class _CompileOnly:
     def get_current_target(self) -> GPUTarget:
         return self.target
 
-    def get_current_device(self) -> int:
-        return 0
+    def get_current_device(self) -> str:
+        return f"offline-{self.target.backend}-{self.target.arch}"
 
     def get_current_stream(self, device=None) -> int:
         return 0
@@ -90,9 +97,78 @@ class Built:
 
 def launches_build(monkeypatch, module, names, built: list) -> None:
     """Replaces module's kernels `names` (with pytest's monkeypatch or one like it) so that each
-    launch builds instead, appending a Built to `built`."""
+    launch builds instead (inside building_for), appending a Built to `built`."""
     for name in names:
         monkeypatch.setattr(module, name, _Build(getattr(module, name), built))
+
+
+@contextmanager
+def lora_builds_for_h100(built: list, pdl: bool = False, on_config=None):
+    """Inside: kernels/triton_lora.py's wrappers build for an H100 (with its shipped table and SM
+    count) instead of launching, appending a Built per launch to `built`. pdl: programmatic
+    launches taken as on an sm90 GPU. on_config(op, config): told each config the wrappers pick
+    ("shrink" / "expand"), just before the launch that uses it."""
+    from . import triton_lora, tuning
+
+    with ExitStack() as stack:
+        patch = _Patches(stack)
+        patch.setitem(tuning._gpu_keys, None, H100_TABLE)
+        patch.setattr(triton_lora, "num_sms", lambda index: H100_SMS)
+        if pdl:
+            patch.setattr(triton_lora, "_pdl_capable", lambda device: True)
+        if on_config is not None:
+            for op in ("shrink", "expand"):
+                pick = getattr(triton_lora, f"{op}_config")
+                patch.setattr(triton_lora, f"{op}_config", _told(pick, op, on_config))
+        launches_build(patch, triton_lora, LORA_KERNELS, built)
+        stack.enter_context(building_for(H100))
+        yield
+
+
+def _told(pick, op: str, on_config):
+    def pick_and_tell(*args):
+        config = pick(*args)
+        on_config(op, config)
+        return config
+
+    return pick_and_tell
+
+
+class _Patches:
+    """setattr / setitem undone when `stack` closes (the monkeypatch interface launches_build takes)."""
+
+    def __init__(self, stack: ExitStack):
+        self.stack = stack
+
+    def setattr(self, obj, name, value):
+        self.stack.enter_context(mock.patch.object(obj, name, value))
+
+    def setitem(self, mapping, key, value):
+        self.stack.enter_context(mock.patch.dict(mapping, {key: value}))
+
+
+def launch_lora_layer(shape, tokens: int, rank: int, adapters: int = 2, pdl: bool = False) -> None:
+    """One layer's LoRA (a kernels.model_shapes.LayerShape) as the engine calls it, on CPU tensors
+    left uninitialised (inside lora_builds_for_h100 nothing runs): `adapters` slots holding ranks
+    `rank` and lower (the slots' ranks read), one token in every adapters + 1 without an adapter."""
+    import torch
+
+    from . import triton_lora
+    from .meta import make_lora_meta
+
+    slots = torch.tensor([i % (adapters + 1) - 1 for i in range(tokens)], dtype=torch.int32)
+    ranks = torch.tensor([max(1, rank >> (2 * (i % 2))) for i in range(adapters)], dtype=torch.int32)
+    meta = make_lora_meta(slots, adapters, slot_ranks=ranks)
+    offsets = tuple(sum(shape.widths[:i]) for i in range(len(shape.widths) + 1))
+    lora_b = torch.empty(adapters, offsets[-1], rank, dtype=torch.bfloat16)
+    y = torch.empty(tokens, offsets[-1], dtype=torch.bfloat16)
+    if shape.kind == "embedding":
+        lora_a = torch.empty(adapters, shape.in_features, rank, dtype=torch.bfloat16)
+        buf = triton_lora.lora_embedding_shrink(torch.zeros(tokens, dtype=torch.int64), lora_a, meta)
+    else:
+        lora_a = torch.empty(adapters, len(shape.widths), rank, shape.in_features, dtype=torch.bfloat16)
+        buf = triton_lora.lora_shrink(torch.empty(tokens, shape.in_features, dtype=torch.bfloat16), lora_a, meta, pdl=pdl)
+    triton_lora.lora_expand(y, buf, lora_b, offsets, meta, pdl=pdl)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,39 @@ import pytest
 
 
 # ---------------------------------------------------------------------------------------
+# Triton's interpreter (TRITON_INTERPRET=1: the kernel tests on CPU tensors)
+# ---------------------------------------------------------------------------------------
+
+
+def pytest_configure(config):
+    _fix_interpreter_scalars()
+
+
+def _fix_interpreter_scalars() -> None:
+    """Lets Triton 3.6's interpreter run on NumPy >= 2.4. It hands a kernel's scalars around as
+    one-element arrays and turns them into Python ints with int(array), which NumPy 2.4 refuses for
+    arrays of one dimension (triton-lang/triton#9171): every `tl.range` over a loaded bound failed.
+    Wraps the interpreter's patching of tl.tensor so that conversion squeezes first; once per process,
+    a no-op without triton or without the interpreter."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = interpreter._patch_lang_tensor
+    if getattr(patch, "squeezes_scalars", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor.squeezes_scalars = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+# ---------------------------------------------------------------------------------------
 # Waiting for work of other threads and tasks
 # ---------------------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ class Proc:
         """The exit code, once the process has ended and its last line has been read."""
         code = self.p.wait(timeout)
         self._reader.join(10)
+        assert not self._reader.is_alive(), f"its output did not end with the process:\n{self.output}"
         return code
 
     def _read(self):

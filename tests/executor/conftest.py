@@ -401,6 +401,7 @@ class ParallelExecutorProcess:
         """The exit code, once the process has ended and its last line has been read."""
         code = self.proc.wait(timeout)
         self._reader.join(10)
+        assert not self._reader.is_alive(), f"its output did not end with the process:\n{self.log}"
         return code
 
     def kill(self):

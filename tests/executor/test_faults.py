@@ -203,7 +203,7 @@ def test_a_huge_prompt_is_refused_by_bytes_at_once_and_other_streams_keep_flowin
                 assert isinstance(err, StatusError) and err.code.name == "INVALID_ARGUMENT", err
                 assert err.message == (f"{what}: 1000000 bytes, above this executor's limit of {limit} bytes "
                                        "(max_prompt_bytes; max_model_len is 512 tokens)")
-                assert took < 5, took
+                assert took < 2, took  # refused by bytes: tokenizing it would take seconds
             gaps, tokens = streaming.result(120)
         # a stalled loop would show as a gap of the refusals' whole time; a slow machine's gaps stay well under 2 s
         assert tokens == 400 and max(gaps) < 2.0, max(gaps)
@@ -230,7 +230,7 @@ def test_prompts_are_tokenized_off_the_event_loop(loop_thread, tiny_chat_llama):
         assert isinstance(err, StatusError) and err.code.name == "INVALID_ARGUMENT" and "max_model_len" in err.message, err
         print(f"longest gap {max(gaps):.3f}s while a 1.3 MB prompt was tokenized in {took:.2f}s")
         # tokenizing takes seconds (4-7 s on a 2-core machine): on the loop it would be one gap that long
-        assert tokens == 3000 and max(gaps) < took / 2, (max(gaps), took)
+        assert tokens == 3000 and max(gaps) < max(0.75, took / 2), (max(gaps), took)
     finally:
         ex.close()
 

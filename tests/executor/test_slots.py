@@ -707,7 +707,8 @@ async def test_store_fetches_run_at_most_max_concurrent_loads_at_once_in_the_ord
     await mgr.load("adapter-5", into_slot=False)  # in the CPU cache only
     store.gates = {n: asyncio.Event() for n in NAMES[1:5]}
     unwants = {n: mgr.want(n) for n in NAMES[1:5]}  # four requests for cold adapters arrive in turn
-    await asyncio.sleep(0.01)
+    await until(lambda: store.in_flight == 2, what="two cold loads taking the seats")
+    await asyncio.sleep(0.01)  # and no third one starting
     assert store.fetches.keys() == {"adapter-0", "adapter-5", "adapter-1", "adapter-2"} and store.in_flight == 2
     for name in ("adapter-0", "adapter-5"):  # served while every seat is taken by a cold load
         mgr.release(await asyncio.wait_for(mgr.acquire(name), 10.0))
@@ -743,7 +744,7 @@ async def test_an_acquire_cancelled_while_its_fetch_waits_for_a_seat_fetches_not
     fetching = asyncio.create_task(mgr.acquire("adapter-3"))  # gets the seat after adapter-1 ...
     store.gates["adapter-1"].set()
     mgr.release(await asyncio.wait_for(first, 10.0))
-    await asyncio.sleep(0.01)
+    await until(lambda: "adapter-3" in store.fetches, what="adapter-3's fetch starting")
     fetching.cancel()  # ... and ends while its fetch runs: the copy is kept, no slot taken for it
     with pytest.raises(asyncio.CancelledError):
         await fetching

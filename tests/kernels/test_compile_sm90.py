@@ -24,12 +24,12 @@ if torch.cuda.is_available():
     pytest.skip("a CUDA host builds and runs the kernels in its GPU tests", allow_module_level=True)
 pytest.importorskip("triton", reason="needs triton installed")
 
-from loraserve.kernels import make_lora_meta, model_shapes, triton_lora, tuning  # noqa: E402
+from loraserve.kernels import model_shapes, tuning  # noqa: E402
 from loraserve.kernels.offline_build import (  # noqa: E402
     BLOCK_SHARED_BYTES,
-    H100_SMS,
-    building_for,
-    launches_build,
+    LORA_KERNELS,
+    launch_lora_layer,
+    lora_builds_for_h100,
     resources,
 )
 
@@ -40,54 +40,26 @@ from loraserve.kernels.offline_build import (  # noqa: E402
 MODELS = ("llama-3-8b", "qwen2.5-7b")
 TOKENS = (1, 17, 1031)
 RANKS = (16, 128)
-KERNELS = ("_shrink_kernel", "_expand_kernel", "_embedding_shrink_kernel")
 
 
 @pytest.fixture(scope="module")
 def built():
     """Every distinct kernel variant the wrappers launch on MODELS' tp-1 layers, built for an H100:
     (compiled kernel, launched as a programmatic dependent)."""
-    patch = pytest.MonkeyPatch()
     launches: list = []
-    try:
-        patch.setitem(tuning._gpu_keys, None, "nvidia_h100_80gb_hbm3")
-        patch.setattr(triton_lora, "num_sms", lambda index: H100_SMS)
-        patch.setattr(triton_lora, "_pdl_capable", lambda device: True)
-        launches_build(patch, triton_lora, KERNELS, launches)
-        with building_for():
-            for shape in [s for s in model_shapes.real_shapes(tp_sizes=(1,)) if s.model in MODELS]:
-                for tokens in TOKENS:
-                    for rank in RANKS:
-                        for pdl in (False, True) if tokens <= tuning.DECODE_MAX_TOKENS else (False,):
-                            launch_layer(shape, tokens, rank, pdl)
-    finally:
-        patch.undo()
+    with lora_builds_for_h100(launches, pdl=True):
+        for shape in [s for s in model_shapes.real_shapes(tp_sizes=(1,)) if s.model in MODELS]:
+            for tokens in TOKENS:
+                for rank in RANKS:
+                    for pdl in (False, True) if tokens <= tuning.DECODE_MAX_TOKENS else (False,):
+                        launch_lora_layer(shape, tokens, rank, pdl=pdl)
     variants = {id(b.compiled): (b.compiled, bool(b.kwargs.get("launch_pdl", False))) for b in launches}
     return list(variants.values())
 
 
-def launch_layer(shape: model_shapes.LayerShape, tokens: int, rank: int, pdl: bool) -> None:
-    """One layer's LoRA as the engine calls it (2 slots, a no-adapter token, the slots' ranks read);
-    tensors uninitialised: nothing runs."""
-    slots = torch.tensor([i % 3 - 1 for i in range(tokens)], dtype=torch.int32)
-    meta = make_lora_meta(slots, 2, slot_ranks=torch.tensor([rank, max(1, rank // 4)], dtype=torch.int32))
-    out_features = sum(shape.widths)
-    offsets = tuple(sum(shape.widths[:i]) for i in range(len(shape.widths) + 1))
-    lora_b = torch.empty(2, out_features, rank, dtype=torch.bfloat16)
-    y = torch.empty(tokens, out_features, dtype=torch.bfloat16)
-    if shape.kind == "embedding":
-        lora_a = torch.empty(2, shape.in_features, rank, dtype=torch.bfloat16)
-        buf = triton_lora.lora_embedding_shrink(torch.zeros(tokens, dtype=torch.int64), lora_a, meta)
-    else:
-        lora_a = torch.empty(2, len(shape.widths), rank, shape.in_features, dtype=torch.bfloat16)
-        x = torch.empty(tokens, shape.in_features, dtype=torch.bfloat16)
-        buf = triton_lora.lora_shrink(x, lora_a, meta, pdl=pdl)
-    triton_lora.lora_expand(y, buf, lora_b, offsets, meta, pdl=pdl)
-
-
 def test_every_variant_builds_a_cubin_for_sm90(built):
     names = {compiled.metadata.name for compiled, _ in built}
-    assert names == set(KERNELS), names
+    assert names == set(LORA_KERNELS), names
     assert len(built) >= 20, f"only {len(built)} variants: the launches did not reach the kernels"
     for compiled, _ in built:
         assert compiled.asm["cubin"], compiled.metadata.name

@@ -12,6 +12,8 @@ Run: pytest -m gpu tests/kernels/test_pdl_gpu.py
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -160,6 +162,30 @@ def test_a_chain_of_programmatic_layers_equals_the_reference(case, workspace, la
     assert shrink.pdl and all(shrink.pdl), "every decode shrink launched as a programmatic dependent"
     assert expand.pdl and all(expand.pdl)
     assert len(expand.pdl) == LAYERS * (2 if len(widths) > 4 else 1)
+
+
+@pytest.mark.parametrize("n_iters", [2, 4])
+def test_programmatic_expands_of_several_column_steps_equal_the_reference(n_iters, launches, monkeypatch):
+    """The table gives decode expands one column step; with 2 or 4 the PDL path's first step (its B
+    columns read before the wait) and the loop from the second one must still cover every column,
+    also where a low-rank adapter's narrow tiles widen the steps."""
+    pick = triton_lora.expand_config
+    monkeypatch.setattr(triton_lora, "expand_config",
+                        lambda *args: dataclasses.replace(pick(*args), n_iters=n_iters, block_n=32))
+    tokens, dim, widths, rank = 5, 1000, (600, 400), 64
+    layers = weights(dim, widths, rank, seed=21)
+    slots, ranks = slots_and_ranks(tokens, rank, seed=22)
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(tokens, dim, generator=gen).to(DEV, DTYPE)
+    bases = [torch.randn(tokens, dim, generator=gen).to(DEV, DTYPE) for _ in range(LAYERS)]
+    meta = make_lora_meta(slots, MAX_LORAS, slot_ranks=ranks)
+    want = chain(x, bases, layers, widths, meta, reference, pdl=False)
+    got = chain(x, bases, layers, widths, meta, triton_lora, pdl=True)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    torch.testing.assert_close(got.float(), want.float(), **CHAIN_TOL)
+    shrink, expand = launches
+    assert expand.pdl and all(expand.pdl), "the expands launched as programmatic dependents"
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
