@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import random
 import socket
 import time
 import uuid
@@ -72,6 +73,39 @@ def until_fixture():
 # ---------------------------------------------------------------------------------------
 # Network
 # ---------------------------------------------------------------------------------------
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux: 32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def unused_port() -> int:
+    """A loopback port free now, for a child process that binds it seconds later. Drawn below the
+    kernel's ephemeral range: a port from bind(0) lies in that range, where every client connection
+    of the suite (gRPC, Redis, S3) takes its local port, and one could take it meanwhile."""
+    draw = random.Random()  # its own: tests that seed the global one do not repeat ports
+    top = max(_ephemeral_low(), 20001)
+    for _ in range(200):
+        port = draw.randrange(20000, top)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that range is taken: any free port
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(name="free_port", scope="session")
+def free_port_fixture():
+    """`unused_port` (above), for test modules (they cannot import conftest)."""
+    return unused_port
 
 
 @pytest.fixture

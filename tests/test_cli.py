@@ -7,7 +7,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,11 +19,6 @@ from safetensors import safe_open
 LORASERVE = str(Path(sys.executable).parent / "loraserve")
 REPO = Path(__file__).resolve().parent.parent
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli(*args, check=True, env=None) -> subprocess.CompletedProcess:
@@ -103,7 +97,7 @@ def test_every_flag_reads_its_environment_variable_and_help_names_it(monkeypatch
 
 
 @pytest.fixture
-def store_process(tmp_path, tiny_llama_dir, s3_server):
+def store_process(tmp_path, tiny_llama_dir, s3_server, free_port):
     root = tmp_path / "adapters"
     root.mkdir()
     port = free_port()
@@ -158,7 +152,7 @@ def _readme_blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", (REPO / "README.md").read_text(), re.S)
 
 
-def test_up_prints_one_mixed_batch_and_the_readme_examples_run_against_it(tmp_path):
+def test_up_prints_one_mixed_batch_and_the_readme_examples_run_against_it(tmp_path, free_port):
     """`loraserve up` as `make up` starts it (from the repository root, default allowed roots),
     then the README's store examples as written: only the addresses (to free ports, through
     LORASERVE_STORE / LORASERVE_EXECUTOR) and the placeholder adapter path differ."""

@@ -24,11 +24,6 @@ from loraserve.v1 import executor_pb2 as epb
 LORASERVE = str(Path(sys.executable).parent / "loraserve")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Proc:
     """A `loraserve` process whose output is collected by a thread (so it never blocks on a pipe)."""
@@ -99,7 +94,7 @@ def store_args(port: int, data: Path, base: Path, root: Path, *extra) -> list[st
             "--base-model-path", str(base), "--allow-local-root", str(root), *extra]
 
 
-def test_a_second_store_or_executor_on_a_busy_port_refuses_to_start(procs, tmp_path, tiny_chat_llama, chat_adapters):
+def test_a_second_store_or_executor_on_a_busy_port_refuses_to_start(procs, tmp_path, tiny_chat_llama, chat_adapters, free_port):
     base = tiny_chat_llama[1]
     port = free_port()
     first = procs(*store_args(port, tmp_path / "a", base, chat_adapters))
@@ -117,7 +112,7 @@ def test_a_second_store_or_executor_on_a_busy_port_refuses_to_start(procs, tmp_p
     assert not (tmp_path / "b" / "registry").exists() or not list((tmp_path / "b" / "registry").iterdir())
 
 
-def test_store_drains_on_sigterm_and_an_acknowledged_registration_is_kept(procs, tmp_path, tiny_chat_llama, chat_adapters):
+def test_store_drains_on_sigterm_and_an_acknowledged_registration_is_kept(procs, tmp_path, tiny_chat_llama, chat_adapters, free_port):
     base, port = tiny_chat_llama[1], free_port()
     store = procs(*store_args(port, tmp_path / "data", base, chat_adapters))
     store.wait_for("adapter store serving on")
@@ -155,7 +150,7 @@ def test_store_drains_on_sigterm_and_an_acknowledged_registration_is_kept(procs,
     assert kept == set(ok), (sorted(kept - set(ok)), sorted(set(ok) - kept))
 
 
-def test_staging_left_by_kill_9_during_registration_is_removed_at_start(procs, tmp_path, tiny_chat_llama, chat_adapters):
+def test_staging_left_by_kill_9_during_registration_is_removed_at_start(procs, tmp_path, tiny_chat_llama, chat_adapters, free_port):
     # An "S3 endpoint" that accepts connections and never answers: the registration waits in
     # its download, with its staging folder made, when the store is killed.
     blackhole = socket.socket()
@@ -189,7 +184,7 @@ def test_staging_left_by_kill_9_during_registration_is_removed_at_start(procs, t
 
 
 @pytest.fixture(scope="module")
-def up_process(tiny_chat_llama, chat_adapters, tmp_path_factory):
+def up_process(tiny_chat_llama, chat_adapters, tmp_path_factory, free_port):
     """`loraserve up --admin-token T` on the tiny chat model, with two demo adapters."""
     demo = tmp_path_factory.mktemp("demo")
     for name in ("qv8", "o2"):

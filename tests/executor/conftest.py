@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -373,10 +372,8 @@ class ParallelExecutorProcess:
     """`loraserve executor --tp-size 2` (or `--ep-size 2`: `parallel`) on a tiny model, as an operator
     starts it (no store needed for the base model); its output is collected by a thread."""
 
-    def __init__(self, model_dir: Path, store_port: int, parallel: tuple[str, str]):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+    def __init__(self, model_dir: Path, store_port: int, parallel: tuple[str, str], port: int):
+        self.port = port  # free (the free_port fixture): the executor binds it
         self.proc = subprocess.Popen(
             [LORASERVE, "--log-level", "INFO", "executor", "--model", str(model_dir), *parallel,
              "--cpu-threads", "1", "--executor-listen", f"127.0.0.1:{self.port}", "--http-port", "0",

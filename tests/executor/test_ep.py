@@ -261,9 +261,9 @@ def test_cli_refuses_an_ep_size_that_does_not_split_the_experts(hf_model, tmp_pa
     assert "ep_size 3 does not split this model: 4 experts do not make 3 equal blocks" in out.stderr
 
 
-def test_a_rank_killed_mid_serving_ends_the_ep_executor_with_a_clear_error(base, closed_port):
+def test_a_rank_killed_mid_serving_ends_the_ep_executor_with_a_clear_error(base, closed_port, free_port):
     """`loraserve executor --ep-size 2`: serving on both ranks; rank 1 killed -> exit 1, the log names it."""
-    ex = ParallelExecutorProcess(base[1], closed_port, ("--ep-size", "2"))
+    ex = ParallelExecutorProcess(base[1], closed_port, ("--ep-size", "2"), free_port())
     try:
         assert "expert-parallel over 2 ranks" in ex.log and ex.client.info().ep_size == 2
         assert len(generate(ex.client, "", prompt_ids(0), 2).token_ids) == 2

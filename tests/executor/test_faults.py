@@ -9,7 +9,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,11 +30,6 @@ from loraserve.v1 import executor_pb2 as epb
 
 LORASERVE = str(Path(sys.executable).parent / "loraserve")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def executor_config(model: Path, store: str, **overrides) -> ExecutorConfig:
@@ -78,7 +72,7 @@ def timed(call):
 
 
 @pytest.fixture
-def store_process(tmp_path, tiny_chat_llama, chat_adapters):
+def store_process(tmp_path, tiny_chat_llama, chat_adapters, free_port):
     port = free_port()
     proc = subprocess.Popen(
         [LORASERVE, "--log-level", "WARNING", "store", "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path / "data"),
@@ -134,7 +128,7 @@ def test_a_stalled_store_fails_cold_requests_unavailable_in_seconds_and_held_one
 # -- defect 4: recovery after the store restarts -----------------------------------------------
 
 
-def test_cold_adapters_recover_within_about_a_second_of_the_store_restarting(loop_thread, tiny_chat_llama, chat_adapters, tmp_path):
+def test_cold_adapters_recover_within_about_a_second_of_the_store_restarting(loop_thread, tiny_chat_llama, chat_adapters, tmp_path, free_port):
     port = free_port()
     scfg = StoreConfig(listen=f"127.0.0.1:{port}", data_dir=tmp_path / "store", base_model="tiny",
                        base_model_path=tiny_chat_llama[1], sources=SourceConfig(local_roots=(chat_adapters,)),

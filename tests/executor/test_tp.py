@@ -269,7 +269,7 @@ def test_cli_refuses_a_tp_size_that_does_not_split_the_model(tmp_path):
 
 
 @pytest.fixture
-def tp_executor_process(hf_model, save_byte_tokenizer, closed_port):
+def tp_executor_process(hf_model, save_byte_tokenizer, closed_port, free_port):
     _, path = hf_model("llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
                        max_position_embeddings=512)
     if not (path / "tokenizer.json").exists():
@@ -277,7 +277,7 @@ def tp_executor_process(hf_model, save_byte_tokenizer, closed_port):
     started = []
 
     def start() -> ParallelExecutorProcess:
-        started.append(ParallelExecutorProcess(path, closed_port, ("--tp-size", "2")))
+        started.append(ParallelExecutorProcess(path, closed_port, ("--tp-size", "2"), free_port()))
         return started[-1]
 
     yield start
