@@ -32,12 +32,23 @@ from loraserve.kernels.offline_build import (
 )
 
 
+def int_list(text: str) -> list[int]:
+    """'1,8,32' -> [1, 8, 32], positive integers only (an argparse type)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama-3-8b,qwen2.5-7b", help="families of kernels/model_shapes.py")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size whose per-rank shapes are built")
-    p.add_argument("--tokens", default="1,8,32,64,256,1031")
-    p.add_argument("--ranks", default="16,64", help="slot ranks")
+    p.add_argument("--tokens", type=int_list, default=[1, 8, 32, 64, 256, 1031], help="token counts, e.g. 1,8,32")
+    p.add_argument("--ranks", type=int_list, default=[16, 64], help="slot ranks, e.g. 16,64")
     p.add_argument("--only-waves", action="store_true", help="print only the launches of more than one wave")
     args = p.parse_args()
     models = set(args.models.split(","))
@@ -45,8 +56,7 @@ def main() -> int:
     if not shapes:
         p.error(f"no layer shapes for models {sorted(models)} at tp {args.tp} (known: "
                 f"{', '.join(f.name for f in model_shapes.FAMILIES)})")
-    tokens = [int(t) for t in args.tokens.split(",")]
-    ranks = [int(r) for r in args.ranks.split(",")]
+    tokens, ranks = args.tokens, args.ranks
 
     picked: dict = {}  # the config each op's last wrapper call picked ("shrink" / "expand")
     rows = []
