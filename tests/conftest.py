@@ -83,6 +83,9 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+_handed_out: set[int] = set()
+
+
 def unused_port() -> int:
     """A loopback port free now, for a child process that binds it seconds later. Drawn below the
     kernel's ephemeral range: a port from bind(0) lies in that range, where every client connection
@@ -91,11 +94,14 @@ def unused_port() -> int:
     top = max(_ephemeral_low(), 20001)
     for _ in range(200):
         port = draw.randrange(20000, top)
+        if port in _handed_out:  # free now, but perhaps not yet bound by the child it went to
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     with socket.socket() as s:  # that range is taken: any free port
         s.bind(("127.0.0.1", 0))

@@ -16,9 +16,10 @@ def interpreter_device(request, monkeypatch):
     Nothing on a GPU."""
     if INTERPRET:
         from loraserve.kernels import triton_lora, tuning
+        from loraserve.kernels.offline_build import H100_TABLE
 
         sms = getattr(request.module, "INTERPRETER_SMS", INTERPRETER_SMS)
-        monkeypatch.setitem(tuning._gpu_keys, None, "nvidia_h100_80gb_hbm3")
+        monkeypatch.setitem(tuning._gpu_keys, None, H100_TABLE)
         monkeypatch.setattr(triton_lora, "num_sms", lambda index: sms)
 
 
