@@ -43,33 +43,26 @@ def _rank_mask(offs_r, rank, RANK: tl.constexpr):
 @triton.jit
 def _lora_rows(acc, n_start, rows, offs_m, m_mask, M, buf_ptr, lb_ptr, token_slots_ptr,
                block_slots_ptr, block_ranks_ptr, num_blocks_ptr, stride_ll, stride_ln, off1, off2, off3,
-               RANK: tl.constexpr, BLOCK_R: tl.constexpr, GROUPS: tl.constexpr):
-    """acc[t, :] += buf[s, t, :] @ B[slot(t), rows, :].T for the program's columns (one slice s).
-
-    One pass over the step's work list, GROUPS blocks at a time: their B tiles stacked along the
-    reduction ([GROUPS * BLOCK_R, BLOCK_N], one load: many bytes in flight per program) and each
-    token's shrink output placed in its own slot's stretch of the [BLOCK_M, GROUPS * BLOCK_R] left
-    side, zero elsewhere, so one tl.dot adds every token's delta. A slot's blocks are consecutive
-    in the list; only its first adds its B."""
+               RANK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """acc[t, :] += buf[s, t, :] @ B[slot(t), rows, :].T for the program's columns (one slice s):
+    one pass over the step's slots, each slot's B tile read once, its tokens picked by a mask."""
     s = _slice_of(n_start, off1, off2, off3)
-    offs_c = tl.arange(0, GROUPS * BLOCK_R)
-    c_group = offs_c // BLOCK_R
-    c_r = offs_c % BLOCK_R
+    offs_r = tl.arange(0, BLOCK_R)
     tok_slot = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=-1)
-    buf_rows = buf_ptr + (s * M + offs_m[:, None]) * RANK + c_r[None, :]
-    num_blocks = tl.load(num_blocks_ptr)  # blocks of real slots
-    for b0 in range(0, num_blocks, GROUPS):
-        block = b0 + c_group
-        valid = block < num_blocks
-        slot = tl.load(block_slots_ptr + block, mask=valid, other=-1)
-        prev = tl.load(block_slots_ptr + block - 1, mask=valid & (block > 0), other=-1)
-        rank = tl.load(block_ranks_ptr + block, mask=valid, other=0)
-        keep = valid & (slot != prev) & _rank_mask(c_r, rank, RANK)  # [GROUPS * BLOCK_R]
-        bt = tl.load(lb_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * stride_ll
-                     + rows.to(tl.int64)[None, :] * stride_ln + c_r[:, None],
-                     mask=keep[:, None], other=0.0)  # [GROUPS * BLOCK_R, BLOCK_N]
-        lhs = tl.load(buf_rows, mask=(tok_slot[:, None] == slot[None, :]) & keep[None, :], other=0.0)
-        acc = tl.dot(lhs.to(bt.dtype), bt, acc)
+    lhs_all = tl.load(buf_ptr + (s * M + offs_m[:, None]) * RANK + offs_r[None, :],
+                      mask=m_mask[:, None] & (offs_r < RANK)[None, :], other=0.0)
+    num_blocks = tl.load(num_blocks_ptr)  # blocks of real slots; a slot's blocks are consecutive
+    prev = -1
+    for b in range(0, num_blocks):
+        slot = tl.load(block_slots_ptr + b)
+        rank = tl.load(block_ranks_ptr + b)
+        lead = slot != prev  # the slot's first block: its B is added once
+        prev = slot
+        r_mask = _rank_mask(offs_r, tl.where(lead, rank, 0), RANK)
+        bt = tl.load(lb_ptr + slot.to(tl.int64) * stride_ll + rows.to(tl.int64)[None, :] * stride_ln + offs_r[:, None],
+                     mask=r_mask[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
+        lhs = tl.where((tok_slot == slot)[:, None] & r_mask[None, :], lhs_all, 0.0).to(bt.dtype)
+        acc = tl.dot(lhs, bt, acc)
     return acc
 
 
@@ -95,7 +88,7 @@ def _skinny_kernel(
     off1, off2, off3,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    LORA: tl.constexpr = False, RANK: tl.constexpr = 16, BLOCK_R: tl.constexpr = 16, GROUPS: tl.constexpr = 1,
+    LORA: tl.constexpr = False, RANK: tl.constexpr = 16, BLOCK_R: tl.constexpr = 16,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,7 +137,7 @@ def _skinny_kernel(
         if LORA:
             acc = _lora_rows(acc, pid * BLOCK_N, rows, offs_m, m_mask, M, buf_ptr, lb_ptr, token_slots_ptr,
                              block_slots_ptr, block_ranks_ptr, num_blocks_ptr, stride_ll, stride_ln, off1, off2, off3,
-                             RANK, BLOCK_R, GROUPS)
+                             RANK, BLOCK_R)
         out = acc
     if HAS_BIAS:
         out += tl.load(b_ptr + rows).to(tl.float32)[None, :]
@@ -194,9 +187,6 @@ def _block_m(m: int) -> int:
 # H100's shared memory (3 x 48 KiB).
 FUSED_DEFAULT = SkinnyConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 MAX_FUSED_SLICES = 4
-# Rank columns of B the epilogue takes per step (GROUPS = this / the slot rank's tile): several
-# slots' B tiles in one load keep enough bytes in flight with one program per SM.
-LORA_COLUMNS = 256
 
 
 def fuses_expand(x: torch.Tensor, weight: torch.Tensor, bias, buf_rank: int, lora_b: torch.Tensor,
@@ -226,7 +216,6 @@ def skinny_linear_expand(
     rank = buf.shape[2]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     blocks = meta.any_block_list()
-    block_r = max(16, triton.next_power_of_2(rank))
     offs = tuple(slice_offsets[1:-1]) + (n,) * (MAX_FUSED_SLICES - len(slice_offsets) + 1)
     _skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
@@ -234,7 +223,7 @@ def skinny_linear_expand(
         lora_b.stride(0), lora_b.stride(1), *offs,
         HAS_BIAS=bias is not None, BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
-        LORA=True, RANK=rank, BLOCK_R=block_r, GROUPS=max(1, LORA_COLUMNS // block_r),
+        LORA=True, RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
