@@ -187,14 +187,18 @@ def _block_m(m: int) -> int:
 # H100's shared memory (3 x 48 KiB).
 FUSED_DEFAULT = SkinnyConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 MAX_FUSED_SLICES = 4
+# The fused path's largest token count. Its epilogue walks the step's slots one after another in
+# each program (one program per SM, as the GEMM's pipeline fills shared memory): at 8 tokens of 8
+# adapters it saved 3% of an H100 decode step, at 64 tokens of 40 it cost 19% (docs/BENCHMARKS.md).
+FUSED_MAX_TOKENS = 16
 
 
 def fuses_expand(x: torch.Tensor, weight: torch.Tensor, bias, buf_rank: int, lora_b: torch.Tensor,
                  slice_offsets: tuple[int, ...]) -> SkinnyConfig | None:
     """The config to run y = x @ W.T + b + LoRA expand as one skinny kernel, or None where it
-    does not apply (more than 64 rows, a layout the kernel does not take, slices that a
+    does not apply (more than FUSED_MAX_TOKENS rows, a layout the kernel does not take, slices that a
     program's columns would straddle, more than 4 slices)."""
-    if not supported(x, weight, bias) or lora_b.dtype != x.dtype or lora_b.stride(2) != 1:
+    if x.shape[0] > FUSED_MAX_TOKENS or not supported(x, weight, bias) or lora_b.dtype != x.dtype or lora_b.stride(2) != 1:
         return None
     if len(slice_offsets) - 1 > MAX_FUSED_SLICES or slice_offsets[-1] != weight.shape[0] or buf_rank != lora_b.shape[2]:
         return None

@@ -145,7 +145,10 @@ def test_fuses_expand_picks_the_tables_config_or_the_default_and_refuses_what_it
 
         assert pick(1) == tuning.SkinnyConfig(**cfg)  # the table's entry
         assert pick(8) == triton_linear.FUSED_DEFAULT  # cuBLAS won the base GEMM alone: the default
+        monkeypatch.setattr(triton_linear, "FUSED_MAX_TOKENS", 64)
         assert pick(64) == triton_linear.FUSED_DEFAULT  # no entry at this count
+        monkeypatch.setattr(triton_linear, "FUSED_MAX_TOKENS", 16)
+        assert pick(16) == triton_linear.FUSED_DEFAULT and pick(17) is None  # past the fused path's bound
         assert pick(1, offsets=(0, 96, 192)) is None  # a 64-column program would straddle two slices
         assert pick(8, offsets=(0, 48, 96, 144, 160, 176, 192)) is None  # more than 4 slices
         assert pick(65) is None  # more rows than one tile
