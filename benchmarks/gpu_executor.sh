@@ -11,8 +11,6 @@
 #   load:    the slot-load GPU tests (tests/executor/test_lora.py, test_slot_scatter.py)
 #   lora:    the LoRA kernels' GPU tests (tests/kernels/test_triton_gpu.py, test_split_k_gpu.py, test_pdl_gpu.py)
 #   pdl:     the programmatic-dependent LoRA launches' GPU tests alone (tests/kernels/test_pdl_gpu.py)
-#   fused:   the skinny GEMM's GPU tests, with the LoRA expand fused in and without
-#            (tests/kernels/test_linear_lora_gpu.py, test_linear_gpu.py)
 #   ranks:   benchmarks/bench_ranks.py (each LoRA layer of a decode step alone, adapters of ranks 8-64
 #            in slots of rank 64 and of their own rank; RANKS_ARGS adds flags, e.g. "--tokens 16")
 #   moe:     benchmarks/bench_moe.py (fused MoE + expert LoRA against its floor)
@@ -105,10 +103,6 @@ fi
 if has pdl; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu \
     tests/kernels/test_pdl_gpu.py 2>&1 | tee "$OUT/pdl_gpu_tests.log" | tail -4
-fi
-if has fused; then
-  python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu \
-    tests/kernels/test_linear_lora_gpu.py tests/kernels/test_linear_gpu.py 2>&1 | tee "$OUT/fused_gpu_tests.log" | tail -4
 fi
 if has ranks; then
   python3 benchmarks/bench_ranks.py --out "$OUT" ${RANKS_ARGS:-} 2>&1 | tee "$OUT/bench_ranks.log" | tail -12

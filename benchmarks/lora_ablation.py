@@ -15,11 +15,6 @@ save there (the alone-timed kernels have misled before: docs/BENCHMARKS.md, "Ele
   serial-pdl     serial, and each layer's shrink and expand launched as programmatic dependents
                  (kernels' pdl=True): the shrink follows the base GEMM, the expand starts during
                  the shrink (outputs right)
-  unfused        no expand fused into the base GEMM (kernels.FUSE_EXPAND off): the side-stream shrink,
-                 the base GEMM and a separate expand launch, as before the fused path (outputs right).
-                 Every ablation below that replaces or reorders the expand implies it
-  fused-all      the fused path at every token count it takes (up to 64; shipped: up to
-                 kernels/triton_linear.py FUSED_MAX_TOKENS)
   stream-expand  lora_expand reads, per block of the step's list, the first N * r elements of its
                  slot's B (N output columns, r the adapter's rank) as one contiguous run, and
                  writes nothing: the bytes of the adapters' B at their own ranks, at the speed a
@@ -34,7 +29,7 @@ import triton.language as tl
 from loraserve import kernels
 
 KINDS = ("qkv", "o", "gate_up", "down")
-ABLATIONS = ("unfused", "fused-all", "expand", "shrink", "lora", "serial", *(f"serial-{k}" for k in KINDS), "serial-pdl", "stream-expand")
+ABLATIONS = ("expand", "shrink", "lora", "serial", *(f"serial-{k}" for k in KINDS), "serial-pdl", "stream-expand")
 _STEP = 4096  # elements per load (8 KiB of bf16)
 _STEPS = 4  # loads per program: 32 KiB of B per program
 
@@ -128,13 +123,6 @@ def apply(names: str) -> None:
 def _apply(name: str) -> None:
     if name not in ABLATIONS:
         raise ValueError(f"unknown ablation {name!r}; one of {', '.join(ABLATIONS)}")
-    if name == "fused-all":
-        from loraserve.kernels import triton_linear
-
-        triton_linear.FUSED_MAX_TOKENS = triton_linear.MAX_TOKENS
-        return
-    if name != "shrink":  # the others describe (or replace part of) the two-kernel expand path
-        kernels.FUSE_EXPAND = False
     if name == "serial-pdl":
         _serial(set(KINDS), pdl=True)
     elif name.startswith("serial"):

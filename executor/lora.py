@@ -249,10 +249,6 @@ class LinearWithLoRA(nn.Module):
             return kernels.linear(x, self.weight, self.bias)  # [T, N]
         lora_a, lora_b = weights
         ranked = self.rank_parts == 1  # a fully sharded column layer's rank dim holds tp parts
-        if ranked:  # CUDA at decode: the shrink, then the base GEMM with the expand fused in (no side stream)
-            y = kernels.linear_with_lora(x, self.weight, self.bias, lora_a, lora_b, self.slice_offsets, lora_meta)
-            if y is not None:
-                return y
         side = _side_stream(x.device)
         if side is None:
             y = kernels.linear(x, self.weight, self.bias)

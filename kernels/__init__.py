@@ -28,7 +28,6 @@ __all__ = [
     "rope_and_cache",
     "silu_and_mul",
     "linear",
-    "linear_with_lora",
     "greedy",
     "slot_scatter",
 ]
@@ -133,27 +132,6 @@ def linear(x, weight, bias=None):
     """F.linear; on CUDA at 1-64 tokens the skinny GEMM where the GPU's table lists the shape
     (kernels/triton_linear.py)."""
     return _on_device(x, "triton_linear", ops_reference).linear(x, weight, bias)
-
-
-FUSE_EXPAND = True  # linear_with_lora fuses the expand into the skinny GEMM where it can (False: never)
-
-
-def linear_with_lora(x, weight, bias, lora_a, lora_b, slice_offsets, meta: LoraMeta):
-    """linear(x) + the LoRA delta of each token's slot, on CUDA at 1-64 tokens as two kernels:
-    lora_shrink, then the skinny GEMM with the expand in its epilogue (kernels/triton_linear.py).
-    None where that does not apply (CPU, more than 64 tokens, a layout or slicing the fused kernel
-    does not take, FUSE_EXPAND off): the caller then runs linear, lora_shrink and lora_expand.
-    Slots are read to their adapter's rank (meta.slot_ranks), as lora_shrink(ranked=True) does."""
-    if not FUSE_EXPAND:
-        return None
-    module = _on_device(x, "triton_linear", ops_reference)
-    if module is ops_reference:
-        return None
-    cfg = module.fuses_expand(x, weight, bias, lora_a.shape[2], lora_b, tuple(slice_offsets))
-    if cfg is None:
-        return None
-    buf = lora_shrink(x, lora_a, meta)
-    return module.skinny_linear_expand(x, weight, bias, cfg, buf, lora_b, tuple(slice_offsets), meta)
 
 
 def greedy(logits):

@@ -114,13 +114,6 @@ class LoraMeta:
     def num_active(self) -> torch.Tensor:
         return (self.tokens_per_slot > 0).sum(dtype=torch.int32).reshape(1)
 
-    def any_block_list(self) -> BlockList:
-        """A work list already built this step (by the first layer's shrink), else that of 16-row tiles:
-        for kernels that only walk the slots' groups, whatever their tiles' rows."""
-        for blocks in self._block_lists.values():
-            return blocks
-        return self.block_list(16)
-
     def block_list(self, block_m: int) -> BlockList:
         """The work list for tiles of block_m rows; built on first use, then shared by every layer."""
         blocks = self._block_lists.get(block_m)
