@@ -5,12 +5,13 @@
 PTX to a cubin with the `ptxas` bundled in Triton's wheel, and returns it without launching it.
 `launches_build(module, names, built)` turns a module's kernel launches (`kernel[grid](...)`)
 into such builds, so a wrapper runs as when serving and each launch leaves its compiled variant in
-`built`; `lora_builds_for_h100` does that for kernels/triton_lora.py with the H100's table, and
+`built`; `builds_for_h100` does that for any modules' kernels with the H100's table and SM count,
+`lora_builds_for_h100` for kernels/triton_lora.py (PDL and config hooks too), and
 `launch_lora_layer` calls its wrappers for one real layer shape. `resources(compiled)` reads what
 the cubin holds per thread and block (`cuobjdump -res-usage`, also bundled), and `resident_ctas`
 how many of its blocks an H100's SM can hold.
 
-Used by tests/kernels/test_compile_sm90.py (CI builds the LoRA kernels for an H100) and
+Used by tests/kernels/test_compile_sm90.py (CI builds the LoRA kernels and the base model's for an H100) and
 benchmarks/kernel_resources.py (registers, spills and residency per real layer shape against what
 the table asks for). Imports Triton: only where it is installed.
 """
@@ -103,6 +104,28 @@ def launches_build(monkeypatch, module, names, built: list) -> None:
 
 
 @contextmanager
+def builds_for_h100(built: list, kernels: dict):
+    """Inside: the launches of `kernels` ({module: kernel names}) build for an H100 instead of
+    running, appending a Built per launch to `built`; the wrappers see the shipped H100 table and
+    its SM count (each module's `num_sms`, where it has one)."""
+    from . import tuning
+
+    with ExitStack() as stack:
+        patch = _Patches(stack)
+        _h100(patch, tuning, kernels, built)
+        stack.enter_context(building_for(H100))
+        yield
+
+
+def _h100(patch, tuning, kernels: dict, built: list) -> None:
+    patch.setitem(tuning._gpu_keys, None, H100_TABLE)
+    for module, names in kernels.items():
+        if hasattr(module, "num_sms"):
+            patch.setattr(module, "num_sms", lambda index: H100_SMS)
+        launches_build(patch, module, names, built)
+
+
+@contextmanager
 def lora_builds_for_h100(built: list, pdl: bool = False, on_config=None):
     """Inside: kernels/triton_lora.py's wrappers build for an H100 (with its shipped table and SM
     count) instead of launching, appending a Built per launch to `built`. pdl: programmatic
@@ -112,15 +135,13 @@ def lora_builds_for_h100(built: list, pdl: bool = False, on_config=None):
 
     with ExitStack() as stack:
         patch = _Patches(stack)
-        patch.setitem(tuning._gpu_keys, None, H100_TABLE)
-        patch.setattr(triton_lora, "num_sms", lambda index: H100_SMS)
         if pdl:
             patch.setattr(triton_lora, "_pdl_capable", lambda device: True)
         if on_config is not None:
             for op in ("shrink", "expand"):
                 pick = getattr(triton_lora, f"{op}_config")
                 patch.setattr(triton_lora, f"{op}_config", _told(pick, op, on_config))
-        launches_build(patch, triton_lora, LORA_KERNELS, built)
+        _h100(patch, tuning, {triton_lora: LORA_KERNELS}, built)
         stack.enter_context(building_for(H100))
         yield
 

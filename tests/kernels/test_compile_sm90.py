@@ -1,8 +1,10 @@
-"""The LoRA kernels compiled for an H100 (sm90) by Triton's own compiler, on a machine without a GPU.
+"""The LoRA kernels, and the base model's (skinny GEMM, attention, fused ops, token grouping),
+compiled for an H100 (sm90) by Triton's own compiler, on a machine without a GPU.
 
 The wrappers (kernels/triton_lora.py) run as when serving, with the shipped H100 table, on two
 families' real layer shapes at decode and prefill token counts, slot ranks 16 and 128, plain and
-programmatic (PDL) launches;
+programmatic (PDL) launches; the base model's wrappers on every skinny GEMM entry of the H100
+table and on Llama-3-8B's and SmolLM2's attention and norm shapes at decode and prefill;
 each launch compiles its kernel variant through PTX to a cubin (Triton's bundled ptxas) instead of
 running it (kernels/offline_build.py). Checked per variant: a cubin for sm90, shared memory an H100
 block can have, no register spilled to local memory, and grid dependency control instructions
@@ -27,7 +29,9 @@ pytest.importorskip("triton", reason="needs triton installed")
 from loraserve.kernels import model_shapes, tuning  # noqa: E402
 from loraserve.kernels.offline_build import (  # noqa: E402
     BLOCK_SHARED_BYTES,
+    H100_TABLE,
     LORA_KERNELS,
+    builds_for_h100,
     launch_lora_layer,
     lora_builds_for_h100,
     resources,
@@ -69,14 +73,19 @@ def test_every_variant_builds_a_cubin_for_sm90(built):
 
 def test_every_variant_fits_an_h100_block_and_spills_no_registers(built):
     """Shared memory an H100 block may have, and no local memory: a register spill goes to it."""
-    used = [(compiled.metadata.name, resources(compiled)) for compiled, _ in built]
+    _fits_an_h100_block([compiled for compiled, _ in built])
+
+
+def _fits_an_h100_block(compiled_kernels) -> None:
+    used = [(compiled.metadata.name, resources(compiled)) for compiled in compiled_kernels]
     over = [(name, res.shared) for name, res in used if res.shared > BLOCK_SHARED_BYTES]
     spilled = [(name, res) for name, res in used if res.local]
     assert not over, over
     assert not spilled, spilled
     most = max(used, key=lambda u: u[1].shared)
+    regs = max(used, key=lambda u: u[1].registers)
     print(f"\nmost shared memory: {most[1].shared} bytes ({most[0]}); "
-          f"registers per thread {min(r.registers for _, r in used)}-{max(r.registers for _, r in used)}")
+          f"registers per thread {min(r.registers for _, r in used)}-{regs[1].registers} (most: {regs[0]})")
 
 
 def test_grid_dependency_control_is_in_the_programmatic_variants_only(built):
@@ -88,3 +97,83 @@ def test_grid_dependency_control_is_in_the_programmatic_variants_only(built):
         assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" in ptx, compiled.metadata.name
     for compiled in plain:
         assert "griddepcontrol" not in compiled.asm["ptx"], compiled.metadata.name
+
+
+# ---- the base model's kernels ----------------------------------------------------------------
+
+BASE_KERNELS = {
+    "triton_linear": ("_skinny_kernel",),
+    "triton_attention": ("_decode_kernel", "_merge_splits_kernel", "_prefill_kernel"),
+    "triton_ops": ("_rms_norm_kernel", "_rope_cache_kernel", "_silu_mul_kernel", "_greedy_kernel"),
+    "triton_meta": ("_group_kernel",),
+}
+# (heads, kv heads, head dim, hidden, intermediate, vocab): Llama-3-8B, SmolLM2-135M
+ATTENTION_SHAPES = ((32, 8, 128, 4096, 14336, 128256), (9, 3, 64, 576, 1536, 49152))
+BLOCK_SIZE = 16  # the KV cache's block (executor/config.py)
+
+
+@pytest.fixture(scope="module")
+def base_built():
+    """Every distinct variant the base model's wrappers launch, built for an H100: the skinny GEMM
+    at every (shape, tokens) entry of the shipped table, decode attention (one split and several,
+    with their merge) and prefill attention (per query block and from a work list, with and
+    without a sliding window), the norm, RoPE + cache write, SiLU-and-mul and greedy pick, and the
+    one-program token grouping."""
+    import importlib
+
+    modules = {importlib.import_module(f"loraserve.kernels.{name}"): names for name, names in BASE_KERNELS.items()}
+    mods = {m.__name__.rsplit(".", 1)[1]: m for m in modules}
+    launches: list = []
+    bf16 = torch.bfloat16
+    with builds_for_h100(launches, modules):
+        for shape, by_tokens in tuning._table(H100_TABLE)["skinny"].items():
+            n, k = map(int, shape.split("x"))
+            for tokens, entry in by_tokens.items():
+                if entry is not None:
+                    x, w = torch.empty(int(tokens), k, dtype=bf16), torch.empty(n, k, dtype=bf16)
+                    mods["triton_linear"].skinny_linear(x, w, None, tuning.SkinnyConfig(**entry))
+        attention, ops = mods["triton_attention"], mods["triton_ops"]
+        for heads, kv_heads, dim, hidden, inter, vocab in ATTENTION_SHAPES:
+            k_cache = torch.empty(64, BLOCK_SIZE, kv_heads, dim, dtype=bf16)
+            for seqs, max_blocks in ((1, 256), (64, 256), (64, 4)):  # many splits, some, one
+                q = torch.empty(seqs, heads, dim, dtype=bf16)
+                tables = torch.zeros(seqs, max_blocks, dtype=torch.int32)
+                lens = torch.ones(seqs, dtype=torch.int32)
+                attention.paged_decode_attention(q, k_cache, k_cache, tables, lens, 0.1)
+            for window in (None, 4096):
+                q = torch.empty(1031, heads, dim, dtype=bf16)
+                tables, lens = torch.zeros(3, 80, dtype=torch.int32), torch.ones(3, dtype=torch.int32)
+                cu = torch.tensor([0, 500, 1000, 1031], dtype=torch.int32)
+                attention.paged_prefill_attention(q, k_cache, k_cache, tables, lens, cu, 500, 0.1, window)
+                attention.paged_prefill_attention(q, k_cache, k_cache, tables, lens, cu, 500, 0.1, window,
+                                                  work=torch.zeros(40, 2, dtype=torch.int32))
+            for tokens in (1, 64, 1031):
+                x = torch.empty(tokens, hidden, dtype=bf16)
+                ops.rms_norm(x, torch.empty(hidden, dtype=bf16), 1e-5)
+                ops.rms_norm(x, torch.empty(hidden, dtype=bf16), 1e-5, residual=x)
+                q, kv = torch.empty(tokens, heads, dim, dtype=bf16), torch.empty(tokens, kv_heads, dim, dtype=bf16)
+                cos = torch.empty(4096, dim // 2, dtype=torch.float32)
+                ops.rope_and_cache(q, kv, kv, cos, cos, k_cache, k_cache, torch.zeros(tokens, dtype=torch.int64))
+                ops.silu_and_mul(torch.empty(tokens, 2 * inter, dtype=bf16))
+            ops.greedy(torch.empty(64, vocab, dtype=torch.float32))
+        for tokens, slots in ((1, 64), (64, 64), (256, 128)):
+            mods["triton_meta"].group_tokens(torch.zeros(tokens, dtype=torch.int32), slots,
+                                             torch.ones(slots, dtype=torch.int32), 16)
+    return launches
+
+
+def test_every_base_kernel_builds_a_cubin_for_sm90(base_built):
+    variants = {id(b.compiled): b.compiled for b in base_built}.values()
+    names = {compiled.metadata.name for compiled in variants}
+    assert names == {name for group in BASE_KERNELS.values() for name in group}, names
+    skinny = [b for b in base_built if b.compiled.metadata.name == "_skinny_kernel"]
+    entries = sum(e is not None for by in tuning._table(H100_TABLE)["skinny"].values() for e in by.values())
+    assert len(skinny) == entries, (len(skinny), entries)
+    for compiled in variants:
+        assert compiled.asm["cubin"], compiled.metadata.name
+        assert ".target sm_90" in compiled.asm["ptx"], compiled.metadata.name
+    print(f"\n{len(variants)} base-model kernel variants compiled for sm90")
+
+
+def test_every_base_kernel_fits_an_h100_block_and_spills_no_registers(base_built):
+    _fits_an_h100_block({id(b.compiled): b.compiled for b in base_built}.values())
