@@ -21,8 +21,9 @@ from .gpu_skip import DEV, INTERPRET, skip_unless_cuda_and_triton
 
 skip_unless_cuda_and_triton(interpreter=INTERPRET)
 
-from loraserve.kernels import make_lora_meta, reference, triton_lora  # noqa: E402
+from loraserve.kernels import make_lora_meta, reference, triton_lora, tuning  # noqa: E402
 from loraserve.kernels.meta import ShrinkWorkspace  # noqa: E402
+from loraserve.kernels.offline_build import H100_TABLE  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -152,9 +153,9 @@ def test_a_chain_of_programmatic_layers_equals_the_reference(case, workspace, la
     plain = chain(x, bases, layers, widths, meta, triton_lora, pdl=False, workspace=space)
     shrink, expand = launches
     assert not any(shrink.pdl + expand.pdl)
-    shrink.pdl.clear()
-    expand.pdl.clear()
-    expand.one_tile.clear()
+    for launched in (shrink, expand):
+        launched.pdl.clear()
+        launched.one_tile.clear()
     got = chain(x, bases, layers, widths, meta, triton_lora, pdl=True, workspace=space)
     if DEV == "cuda":
         torch.cuda.synchronize()
@@ -163,10 +164,13 @@ def test_a_chain_of_programmatic_layers_equals_the_reference(case, workspace, la
     # written would be off by O(1) over whole rows
     torch.testing.assert_close(got.float(), want.float(), **CHAIN_TOL)
     torch.testing.assert_close(got.float(), plain.float(), **CHAIN_TOL)
-    assert shrink.pdl and all(shrink.pdl), "every decode shrink launched as a programmatic dependent"
-    # every expand whose grid covers its list one program per tile follows as a dependent (with
-    # the H100 table, all of these); a looping grid (another GPU's configs) launches plainly
-    assert expand.pdl == expand.one_tile
+    # a decode launch whose grid covers its list one program per tile follows as a dependent; a
+    # looping grid (another GPU's default configs gave one here) launches plainly. With the H100
+    # table every one of these grids is one program per tile, so every launch is programmatic
+    assert shrink.pdl == shrink.one_tile and expand.pdl == expand.one_tile
+    if tuning._device_key(x.device) == H100_TABLE:
+        assert all(shrink.one_tile) and all(expand.one_tile), "a decode grid of the H100 table loops"
+    assert len(shrink.pdl) == LAYERS
     assert len(expand.pdl) == LAYERS * (2 if len(widths) > 4 else 1)
 
 
