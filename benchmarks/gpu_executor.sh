@@ -62,7 +62,7 @@ ln -s "$(realpath "${KERNELS_FROM:-kernels}")" "$farm/kernels"
 ln -s "$PWD/protos/loraserve/v1" "$farm/v1"
 export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1
 {
-  date -u; git log -1 --format='commit %H' 2>/dev/null
+  date -u; echo "tree $(bash benchmarks/tree_id.sh) (git log --all --format='%h %T' names its commit)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 } 2>&1 | tee "$OUT/gpu.txt"

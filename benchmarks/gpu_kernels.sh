@@ -23,6 +23,7 @@ stage() { echo "=== $1 $(date -u +%H:%M:%S)" | tee -a "$LOG"; }
 stage env
 {
   date -u
+  echo "tree $(bash benchmarks/tree_id.sh) (git log --all --format='%h %T' names its commit)"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv
   python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } 2>&1 | tee -a "$LOG"
