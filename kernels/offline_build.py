@@ -112,26 +112,21 @@ def builds_for_h100(built: list, kernels: dict):
 
     with ExitStack() as stack:
         patch = _Patches(stack)
-        _h100(patch, tuning, kernels, built)
+        patch.setitem(tuning._gpu_keys, None, H100_TABLE)
+        for module, names in kernels.items():
+            if hasattr(module, "num_sms"):
+                patch.setattr(module, "num_sms", lambda index: H100_SMS)
+            launches_build(patch, module, names, built)
         stack.enter_context(building_for(H100))
         yield
 
 
-def _h100(patch, tuning, kernels: dict, built: list) -> None:
-    patch.setitem(tuning._gpu_keys, None, H100_TABLE)
-    for module, names in kernels.items():
-        if hasattr(module, "num_sms"):
-            patch.setattr(module, "num_sms", lambda index: H100_SMS)
-        launches_build(patch, module, names, built)
-
-
 @contextmanager
 def lora_builds_for_h100(built: list, pdl: bool = False, on_config=None):
-    """Inside: kernels/triton_lora.py's wrappers build for an H100 (with its shipped table and SM
-    count) instead of launching, appending a Built per launch to `built`. pdl: programmatic
-    launches taken as on an sm90 GPU. on_config(op, config): told each config the wrappers pick
-    ("shrink" / "expand"), just before the launch that uses it."""
-    from . import triton_lora, tuning
+    """`builds_for_h100` for kernels/triton_lora.py. pdl: programmatic launches taken as on an
+    sm90 GPU. on_config(op, config): told each config the wrappers pick ("shrink" / "expand"), just
+    before the launch that uses it."""
+    from . import triton_lora
 
     with ExitStack() as stack:
         patch = _Patches(stack)
@@ -141,8 +136,7 @@ def lora_builds_for_h100(built: list, pdl: bool = False, on_config=None):
             for op in ("shrink", "expand"):
                 pick = getattr(triton_lora, f"{op}_config")
                 patch.setattr(triton_lora, f"{op}_config", _told(pick, op, on_config))
-        _h100(patch, tuning, {triton_lora: LORA_KERNELS}, built)
-        stack.enter_context(building_for(H100))
+        stack.enter_context(builds_for_h100(built, {triton_lora: LORA_KERNELS}))
         yield
 
 
