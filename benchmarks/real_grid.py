@@ -239,7 +239,7 @@ def fused_summary(rows, launch_us) -> list[str]:
     ]
     picked = {id(r) for r in rule}
     as_ruled = [with_time(r, r["fused_us"], launch_us) if id(r) in picked else r for r in rows]
-    best = [with_time(r, min(r["time_us"], r.get("fused_us") or r["time_us"]), launch_us) for r in rows]
+    best = [with_time(r, min(r["time_us"], r["fused_us"] or r["time_us"]), launch_us) for r in rows]
     for name, sel in (("as the shipped rule picks", as_ruled), ("the faster of the two per case", best)):
         lines.append(f"-- {name}:")
         lines += summarize(sel, launch_us)[1:5]
