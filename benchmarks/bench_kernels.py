@@ -463,11 +463,10 @@ def real_benchmark(args, ceil, info):
         on_row=lambda line: print(line, flush=True),
         part=part,
         pdl=args.pdl,
-        layer=args.layer,
     )
     if part:
         return
-    lines = real_grid.summarize(rows, ceil["empty_launch_us"]) + real_grid.fused_summary(rows, ceil["empty_launch_us"])
+    lines = real_grid.summarize(rows, ceil["empty_launch_us"])
     if left:
         lines.append(f"not measured (time budget {args.budget_s:.0f} s spent): {len(left)} kernel shapes, e.g. "
                      + "; ".join(f"{k[1]} -> {'+'.join(map(str, k[2]))}" for k in left[:5]))
@@ -504,9 +503,6 @@ def main():
     parser.add_argument("--warm-s", type=float, default=60.0, help="--real: compile in parallel first, at most this long")
     parser.add_argument("--pdl", action="store_true",
                         help="--real: decode shrinks and expands launched as programmatic dependents (sm90+)")
-    parser.add_argument("--layer", choices=("two", "auto", "both"), default="auto",
-                        help="--real: a layer as shrink + expand (two), as served (auto: the one-kernel layer "
-                             "where kernels/tuning.py fused_config picks it), or both timed per case")
     parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
     args = parser.parse_args()
     if args.pdl and not args.real:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The LoRA kernels on a CUDA host: GPU tests, then (optionally) tuning and the benchmarks.
 #   bash benchmarks/gpu_kernels.sh OUT_DIR STAGES [bench_kernels.py args...]
-# STAGES: comma list of smoke,tune,tune-real,test,test-fused,quick,bench,real,decode,decode-pdl,ranks,attn-sweep
-# (default: test,bench), run in that order. test-fused: the one-kernel layer's tests alone. decode: the real shapes at decode token counts only (into
+# STAGES: comma list of smoke,tune,tune-real,test,quick,bench,real,decode,decode-pdl,ranks,attn-sweep
+# (default: test,bench), run in that order. decode: the real shapes at decode token counts only (into
 # OUT/decode); decode-pdl: the same with the layers' kernels launched as programmatic dependents
 # (into OUT/decode-pdl); ranks: bench_ranks.py (adapters of smaller ranks than their slots, ~2 min; RANKS_ARGS=--sweep
 # adds a sweep of launch settings, ~4 min more); attn-sweep: decode attention launch settings at small batches. tune: the hidden-size grid (bench_kernels.py --tune-out); tune-real: representative
@@ -33,8 +33,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 
 python3 -c "import loraserve.kernels as k; print('loraserve.kernels from', k.__file__)" 2>&1 | tee -a "$LOG"
 
 pytest_gpu() {
-  python3 -m pytest tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py tests/kernels/test_pdl_gpu.py \
-    tests/kernels/test_fused_gpu.py -m gpu -q -s -p no:cacheprovider -o addopts="--import-mode=importlib -ra" "$@"
+  python3 -m pytest tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py tests/kernels/test_pdl_gpu.py -m gpu -q -s \
+    -p no:cacheprovider -o addopts="--import-mode=importlib -ra" "$@"
 }
 use_table() {  # a tuned table replaces this checkout's shipped one, so later stages run on it
   key=$(python3 -c "import torch; from loraserve.kernels.tuning import gpu_key; print(gpu_key(torch.device('cuda')))")
@@ -62,11 +62,6 @@ fi
 if has test; then
   stage test
   timeout "${TEST_TIMEOUT:-480}" bash -c "$(declare -f pytest_gpu); pytest_gpu" 2>&1 | tee -a "$LOG"
-fi
-if has test-fused; then
-  stage test-fused
-  timeout "${TEST_TIMEOUT:-480}" python3 -m pytest tests/kernels/test_fused_gpu.py -m gpu -q -p no:cacheprovider \
-    -o addopts="--import-mode=importlib -ra" 2>&1 | tee -a "$LOG"
 fi
 if has quick; then
   stage quick

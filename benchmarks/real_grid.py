@@ -23,15 +23,7 @@ import torch
 from triton.testing import do_bench
 
 from bench_kernels import DEV, DTYPE, capture, offsets_of, token_slots
-from loraserve.kernels import (
-    lora_embedding_shrink,
-    lora_expand,
-    lora_shrink,
-    lora_shrink_expand,
-    make_lora_meta,
-    model_shapes,
-    tuning,
-)
+from loraserve.kernels import lora_embedding_shrink, lora_expand, lora_shrink, make_lora_meta, model_shapes
 from loraserve.kernels.meta import ShrinkWorkspace
 
 DECODE_MAX_TOKENS = 256
@@ -39,12 +31,6 @@ PREFILL_MIN_TOKENS = 1024
 POOL_BYTES = 8 << 30  # weights of one (shape, rank) pool, all copies together
 DECODE_MS = dict(warmup=3, rep=12)
 PREFILL_MS = dict(warmup=5, rep=20)
-# --layer both: the one-kernel layer is timed only where one program reduces over at most this many
-# bytes (a rank-128 down projection's would re-read 3.7 MB of A per program: tens of us, nothing learned)
-FUSED_TIMED_PROGRAM_BYTES = 1 << 20
-# a layer as the benchmark times it: "layer" shrink + expand; "fused" the one-kernel layer
-# (kernels/triton_lora_fused.py) forced; "auto" lora_shrink_expand as served (its rule picks)
-LAYER_MODES = {"two": ("layer",), "auto": ("auto",), "both": ("layer", "fused")}
 
 
 @dataclass
@@ -98,8 +84,7 @@ def graph_sets(tokens) -> int:
 
 
 def measure(pool: RealPool, tokens, adapters, ceil, gen, ops=("layer",), warm=False, pdl=False) -> dict:
-    """Graph time per layer (us) of each op in ops ("layer", "fused", "auto": see LAYER_MODES;
-    "shrink", "expand") and the floor.
+    """Graph time per layer (us) of each op in ops ("layer", "shrink", "expand") and the floor.
 
     warm: run each op once, eagerly, and time nothing (a compile-only pass, see warm_in_workers).
     pdl: decode shrinks and expands launched as programmatic dependents (each layer's expand starts
@@ -128,9 +113,6 @@ def measure(pool: RealPool, tokens, adapters, ceil, gen, ops=("layer",), warm=Fa
 
     def layer(i, op):
         x, y, buf, lora_a, lora_b = sets[i]
-        if op in ("fused", "auto"):
-            lora_shrink_expand(y, x, lora_a, lora_b, offsets, meta, fused=True if op == "fused" else None, **follow)
-            return
         if op != "expand":
             if pool.embedding:
                 lora_embedding_shrink(x, lora_a, meta, out=buf)
@@ -140,7 +122,7 @@ def measure(pool: RealPool, tokens, adapters, ceil, gen, ops=("layer",), warm=Fa
             lora_expand(y, buf, lora_b, offsets, meta, **follow)
 
     def step(op):
-        if workspace is not None and op not in ("expand", "fused"):
+        if workspace is not None and op != "expand":
             workspace.zero_()
             meta.shrink_workspace = ShrinkWorkspace(workspace)
         for i in range(len(sets)):
@@ -218,34 +200,6 @@ def summarize(rows, launch_us) -> list[str]:
     return lines
 
 
-def with_time(row, t, launch_us) -> dict:
-    floor = row["floor_us"]
-    return dict(row, time_us=t, ratio=t / floor, adj=(t - 2 * launch_us) / floor, with_launches=t / (floor + 2 * launch_us))
-
-
-def fused_summary(rows, launch_us) -> list[str]:
-    """--layer both: where the one-kernel layer beat shrink + expand, and the targets' lines with
-    each case timed as the shipped rule (tuning.fused_config) picks and as the faster of the two."""
-    timed = [r for r in rows if r.get("fused_us") is not None]
-    if not timed:
-        return []
-    won = [r for r in timed if r["fused_us"] < r["time_us"]]
-    rule = [r for r in timed if tuning.fused_config(r["tokens"], r["in"], tuple(r["widths"]), r["rank"], r["max_loras"])]
-    rule_won = [r for r in rule if r["fused_us"] < r["time_us"]]
-    lines = [
-        "",
-        f"one-kernel layer timed on {len(timed)} cases: faster than shrink + expand on {len(won)}; "
-        f"the shipped rule picks it on {len(rule)} ({len(rule_won)} of them faster)",
-    ]
-    picked = {id(r) for r in rule}
-    as_ruled = [with_time(r, r["fused_us"], launch_us) if id(r) in picked else r for r in rows]
-    best = [with_time(r, min(r["time_us"], r["fused_us"] or r["time_us"]), launch_us) for r in rows]
-    for name, sel in (("as the shipped rule picks", as_ruled), ("the faster of the two per case", best)):
-        lines.append(f"-- {name}:")
-        lines += summarize(sel, launch_us)[1:5]
-    return lines
-
-
 def row_of(name, rows) -> str:
     def stats(values):
         return f"{statistics.median(values):.2f} / {max(values):.2f} ({len(values)})" if values else "-"
@@ -267,10 +221,9 @@ def row_text(r) -> str:
         f" +{len(r['layers']) - 3}" if len(r["layers"]) > 3 else ""
     )
     widths = "+".join(str(w) for w in r["widths"])
-    fused = f" fused {r['fused_us']:.1f} |" if r.get("fused_us") is not None else ""
     return (
         f"| {r['in']} | {widths} | {r['rank']} | {r['tokens']} | {r['adapters']} | {r['floor_us']:.2f} "
-        f"| {r['time_us']:.1f} | {r['ratio']:.2f} | {r['adj']:.2f} | {r['with_launches']:.2f} | {layers} |{fused}"
+        f"| {r['time_us']:.1f} | {r['ratio']:.2f} | {r['adj']:.2f} | {r['with_launches']:.2f} | {layers} |"
     )
 
 
@@ -288,21 +241,11 @@ def cases(tokens_list, adapters_list, kinds):
     return out
 
 
-def fused_timed(pool: RealPool, tokens) -> tuple[bool, int, int]:
-    """(time the forced one-kernel layer here, one program's reads, all programs' reads): tuning.fused_estimate."""
-    if pool.embedding:
-        return False, 0, 0
-    _, program_bytes, total_bytes = tuning.fused_estimate(tokens, pool.in_features, pool.widths, pool.rank, pool.slots)
-    return program_bytes <= FUSED_TIMED_PROGRAM_BYTES, program_bytes, total_bytes
-
-
-def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=print, part=None, pdl=False,
-          layer="two"):
+def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=print, part=None, pdl=False):
     """Every kernel shape of the real layers (ordered_shapes), each rank and case, until budget_s.
 
     part (i, n): the compile-only pass of worker i of n (every n-th shape, nothing timed).
-    pdl: as in measure. layer: a LAYER_MODES key; a row's time is its first op's, and with "both" the
-    row also holds the forced one-kernel layer's time (fused_us, None where not timed) and its reads.
+    pdl: as in measure.
     Returns (rows, shapes not measured for lack of time)."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     shapes = [s for s in model_shapes.real_shapes(tp_sizes=tps) if s.kind in kinds]
@@ -321,29 +264,20 @@ def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=
             slots = max(a for _, a in todo)
             pool = RealPool.make(cls == "embedding", in_features, widths, rank, slots, copies=1 if part else 8)
             for tokens, adapters in todo:
-                ops = LAYER_MODES[layer]
-                timed, program_bytes, total_bytes = fused_timed(pool, tokens)
-                if pool.embedding:  # a gather, then the expand: nothing to fuse
-                    ops = ("layer",)
-                elif "fused" in ops and not timed:
-                    ops = tuple(op for op in ops if op != "fused")
                 try:
-                    res = measure(pool, tokens, adapters, ceil, gen, ops=ops, warm=part is not None, pdl=pdl)
+                    res = measure(pool, tokens, adapters, ceil, gen, warm=part is not None, pdl=pdl)
                 except Exception as exc:  # one failing case (memory, a config over a limit) ends no run
                     on_row(f"failed: in {in_features} widths {widths} rank {rank} T={tokens}: {str(exc)[:160]}")
                     continue
                 if part is not None:
                     continue
-                t, floor = res[f"{ops[0]}_us"], res["floor_us"]
+                t, floor = res["layer_us"], res["floor_us"]
                 row = dict(
                     kind=cls, layers=layers[key], widths=widths, rank=rank, tokens=tokens, adapters=res["distinct"],
                     floor_us=floor, time_us=t, ratio=t / floor, adj=(t - 2 * ceil["empty_launch_us"]) / floor,
                     with_launches=t / (floor + 2 * ceil["empty_launch_us"]),
                     sets=res["sets"], **{"in": in_features},
                 )  # fmt: skip
-                if layer == "both" and not pool.embedding:
-                    row.update(fused_us=res.get("fused_us"), program_bytes=program_bytes, total_bytes=total_bytes,
-                               max_loras=pool.slots)
                 rows.append(row)
                 on_row(row_text(row))
             del pool

@@ -19,7 +19,6 @@ __all__ = [
     "make_lora_meta",
     "lora_shrink",
     "lora_expand",
-    "lora_shrink_expand",
     "lora_embedding_shrink",
     "moe_route",
     "fused_moe",
@@ -70,16 +69,6 @@ def lora_expand(y, buf, lora_b, slice_offsets, meta: LoraMeta, ranked: bool = Tr
     if pdl and impl is not reference:
         return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, pdl=True)
     return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked)
-
-
-def lora_shrink_expand(y, x, lora_a, lora_b, slice_offsets, meta: LoraMeta, ranked: bool = True,
-                       fused: bool | None = None, pdl: bool = False):
-    """y += (x @ A.T) @ B.T per slice, in place: on CUDA one kernel where it pays
-    (kernels/triton_lora_fused.py; fused=True/False forces either way), else shrink + expand."""
-    impl = _on_device(y, "triton_lora_fused", reference)
-    if impl is reference:
-        return reference.lora_shrink_expand(y, x, lora_a, lora_b, slice_offsets, meta, ranked)
-    return impl.lora_shrink_expand(y, x, lora_a, lora_b, slice_offsets, meta, ranked, fused=fused, pdl=pdl)
 
 
 def lora_embedding_shrink(token_ids, lora_a, meta: LoraMeta, out=None):

@@ -102,19 +102,6 @@ def lora_expand(
     return y
 
 
-def lora_shrink_expand(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    slice_offsets: tuple[int, ...],
-    meta: LoraMeta,
-    ranked: bool = True,
-) -> torch.Tensor:
-    """y += per slice (x @ A.T) @ B.T: lora_shrink then lora_expand (the Triton path may fuse them)."""
-    return lora_expand(y, lora_shrink(x, lora_a, meta), lora_b, slice_offsets, meta)
-
-
 def lora_embedding_shrink(
     token_ids: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta, out: torch.Tensor | None = None
 ) -> torch.Tensor:

