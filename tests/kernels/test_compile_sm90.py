@@ -15,6 +15,8 @@ other CPU checks of these kernels) builds nothing. A CUDA host runs the kernels 
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 import pytest
 
@@ -36,6 +38,8 @@ from loraserve.kernels.offline_build import (  # noqa: E402
     lora_builds_for_h100,
     resources,
 )
+
+H200_TABLE = "nvidia_h200"  # kernels/configs/: skinny entries only
 
 # A sample that reaches every kind of variant (~1 s of compiling each: the whole grid of shapes,
 # token counts and ranks is ~300 of them for three models): two families' layers at tp 1, an even
@@ -142,12 +146,15 @@ def base_built():
     linear, attention, ops = modules["triton_linear"], modules["triton_attention"], modules["triton_ops"]
     bf16 = torch.bfloat16
     with builds_for_h100(launches, {modules[name]: names for name, names in BASE_KERNELS.items()}):
-        for shape, by_tokens in tuning._table(H100_TABLE)["skinny"].items():
-            n, k = map(int, shape.split("x"))
-            w = torch.empty(n, k, dtype=bf16)
-            for tokens in range(1, linear.MAX_TOKENS + 1):
-                if linear.skinny_config(torch.device("cpu"), tokens, n, k) is not None:
-                    built_by(linear.linear, torch.empty(tokens, k, dtype=bf16), w)
+        # the H100's skinny entries, then the H200's (the same sm90 chip, configs of its own)
+        for table in (H100_TABLE, H200_TABLE):
+            with mock.patch.dict(tuning._gpu_keys, {None: table}):
+                for shape in tuning._table(table)["skinny"]:
+                    n, k = map(int, shape.split("x"))
+                    w = torch.empty(n, k, dtype=bf16)
+                    for tokens in range(1, linear.MAX_TOKENS + 1):
+                        if linear.skinny_config(torch.device("cpu"), tokens, n, k) is not None:
+                            built_by(linear.linear, torch.empty(tokens, k, dtype=bf16), w)
         n, k = map(int, next(iter(tuning._table(H100_TABLE)["skinny"])).split("x"))
         built_by(linear.linear, torch.empty(1, k, dtype=bf16), torch.empty(n, k, dtype=bf16), torch.empty(n, dtype=bf16))
         for heads, kv_heads, dim, hidden, inter, vocab in ATTENTION_SHAPES:
