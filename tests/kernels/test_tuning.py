@@ -154,7 +154,7 @@ def test_every_real_shape_lands_near_a_shipped_entry():
     """On the shipped tables, every real layer shape at decode gets a K split whose per-program
     reduction is within 2x of a tuned entry's, and never a prefill tile at decode. A table with no
     LoRA entries (the H200's: skinny only) is skipped: its LoRA kernels take the defaults, which do
-    give 64-row tiles from 65 tokens on (`_default_shrink` / `_default_expand`, as measured there)."""
+    give 64-row tiles from 65 tokens on (`_default_shrink` / `_default_expand`; not measured there)."""
     checked = 0
     for path in tuning.CONFIG_DIR.glob("*.json"):
         key = path.stem
