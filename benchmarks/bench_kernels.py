@@ -463,6 +463,7 @@ def real_benchmark(args, ceil, info):
         on_row=lambda line: print(line, flush=True),
         part=part,
         pdl=args.pdl,
+        ops=("layer", *(op for op in args.real_ops.split(",") if op and op != "layer")),
     )
     if part:
         return
@@ -499,12 +500,17 @@ def main():
     parser.add_argument("--real-tokens", default="1,3,17,255,1024,4096")
     parser.add_argument("--real-adapters", default="1,64")
     parser.add_argument("--real-kinds", default="qkv,o,gate_up,down,embedding,lm_head")
+    parser.add_argument("--real-ops", default="layer",
+                        help="--real: also time the shrink and the expand alone ('layer,shrink,expand'): real.json "
+                             "rows then hold shrink_us, expand_us and the configs the tables gave")
     parser.add_argument("--budget-s", type=float, default=110.0, help="--real: stop starting new shapes after this")
     parser.add_argument("--warm-s", type=float, default=60.0, help="--real: compile in parallel first, at most this long")
     parser.add_argument("--pdl", action="store_true",
                         help="--real: decode shrinks and expands launched as programmatic dependents (sm90+)")
     parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
     args = parser.parse_args()
+    if set(args.real_ops.split(",")) - {"layer", "shrink", "expand"}:
+        parser.error(f"--real-ops takes layer, shrink and expand, not {args.real_ops!r}")
     if args.pdl and not args.real:
         parser.error("--pdl applies to the real-shape benchmark only: add --real")
 

@@ -24,6 +24,7 @@ from triton.testing import do_bench
 
 from bench_kernels import DEV, DTYPE, capture, offsets_of, token_slots
 from loraserve.kernels import lora_embedding_shrink, lora_expand, lora_shrink, make_lora_meta, model_shapes
+from loraserve.kernels import tuning
 from loraserve.kernels.meta import ShrinkWorkspace
 
 DECODE_MAX_TOKENS = 256
@@ -241,11 +242,14 @@ def cases(tokens_list, adapters_list, kinds):
     return out
 
 
-def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=print, part=None, pdl=False):
+def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=print, part=None, pdl=False,
+          ops=("layer",)):
     """Every kernel shape of the real layers (ordered_shapes), each rank and case, until budget_s.
 
     part (i, n): the compile-only pass of worker i of n (every n-th shape, nothing timed).
-    pdl: as in measure.
+    pdl: as in measure. ops: as in measure; "layer" always (the rows' time), "shrink" and "expand"
+    add each kernel alone (shrink_us, expand_us: the shrink's includes zeroing its output when its
+    K split adds into it) and the configs the lookup gave (shrink_cfg, expand_cfg).
     Returns (rows, shapes not measured for lack of time)."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     shapes = [s for s in model_shapes.real_shapes(tp_sizes=tps) if s.kind in kinds]
@@ -265,7 +269,7 @@ def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=
             pool = RealPool.make(cls == "embedding", in_features, widths, rank, slots, copies=1 if part else 8)
             for tokens, adapters in todo:
                 try:
-                    res = measure(pool, tokens, adapters, ceil, gen, warm=part is not None, pdl=pdl)
+                    res = measure(pool, tokens, adapters, ceil, gen, ops=ops, warm=part is not None, pdl=pdl)
                 except Exception as exc:  # one failing case (memory, a config over a limit) ends no run
                     on_row(f"failed: in {in_features} widths {widths} rank {rank} T={tokens}: {str(exc)[:160]}")
                     continue
@@ -278,11 +282,23 @@ def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=
                     with_launches=t / (floor + 2 * ceil["empty_launch_us"]),
                     sets=res["sets"], **{"in": in_features},
                 )  # fmt: skip
+                if len(ops) > 1:
+                    row.update({f"{op}_us": res[f"{op}_us"] for op in ops if op != "layer"}, **configs(pool, tokens))
                 rows.append(row)
                 on_row(row_text(row))
             del pool
             torch.cuda.empty_cache()
     return rows, left
+
+
+def configs(pool: RealPool, tokens) -> dict:
+    """The kernel configs the tables give a case (what the rows of a per-kernel run are read with)."""
+    widths = pool.widths
+    expand = tuning.expand_config(DEV, tokens, widths, pool.rank)
+    out = dict(expand_cfg=tuning.as_dict(expand))
+    if not pool.embedding:
+        out["shrink_cfg"] = tuning.as_dict(tuning.shrink_config(DEV, tokens, pool.in_features, len(widths), pool.rank))
+    return out
 
 
 def warm_in_workers(script: str, argv: list[str], timeout_s: float, log=print) -> None:
