@@ -265,6 +265,8 @@ def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=
         cls, in_features, widths = key
         for rank in ranks:
             todo = cases(tokens_list, adapters_list, {k for _, k, _ in layers[key]})
+            if not todo:  # an lm_head-only shape in a run of prefill token counts only
+                continue
             slots = max(a for _, a in todo)
             pool = RealPool.make(cls == "embedding", in_features, widths, rank, slots, copies=1 if part else 8)
             for tokens, adapters in todo:
