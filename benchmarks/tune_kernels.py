@@ -111,6 +111,58 @@ def shrink_candidates(tokens: int, in_features: int, sr: int) -> list[tuning.Shr
     return [tuning.ShrinkConfig(*row) for row in dict.fromkeys(rows)]  # fmt: skip
 
 
+# --wide: more prefill candidates (more warps per tile, larger and smaller tiles, more or fewer
+# programs per SM): a sweep of what the default lists leave out, to find which of them earn a place
+WIDE_EXPAND = (
+    (64, 128, 2, 8, 2, 2), (64, 128, 2, 8, 3, 2), (64, 128, 4, 8, 3, 2), (128, 128, 2, 8, 2, 1),
+    (128, 128, 2, 8, 3, 2), (64, 256, 1, 8, 2, 2), (64, 64, 8, 4, 3, 4), (32, 128, 2, 4, 3, 8),
+    (32, 64, 4, 4, 3, 8), (16, 128, 8, 4, 3, 8), (64, 128, 1, 4, 2, 4), (64, 128, 1, 4, 2, 8),
+    (32, 256, 2, 8, 3, 4), (128, 64, 4, 8, 3, 2), (64, 64, 2, 4, 2, 8), (32, 128, 1, 4, 2, 8),
+)
+WIDE_SHRINK = (  # (block_m, block_n, block_k, columns per K split (0: no split), warps, stages, CTAs per SM)
+    (128, 128, 64, 0, 8, 3, 1), (128, 256, 64, 0, 8, 3, 1), (64, 256, 64, 0, 8, 3, 1), (128, 128, 64, 2048, 8, 3, 1),
+    (128, 64, 64, 0, 4, 4, 1), (64, 128, 64, 0, 8, 4, 2), (64, 64, 64, 0, 4, 4, 3), (32, 64, 128, 0, 4, 4, 4),
+    (64, 64, 128, 1024, 4, 4, 2), (64, 64, 128, 512, 4, 4, 2), (32, 64, 128, 1024, 4, 4, 4), (128, 64, 64, 2048, 8, 4, 1),
+    (64, 128, 128, 0, 8, 3, 2), (32, 128, 64, 0, 4, 4, 4),
+)
+_wide = False
+
+
+def wide_candidates(op: str, tokens: int, in_features: int, sr: int) -> list:
+    """The --wide additions at prefill token counts (none at decode)."""
+    if not _wide or tokens <= tuning.DECODE_MAX_TOKENS:
+        return []
+    if op == "expand":
+        return [tuning.ExpandConfig(*row) for row in WIDE_EXPAND]
+    full = max(16, triton.next_power_of_2(sr))
+    rows = []
+    for bm, bn, bk, per_split, warps, stages, ctas in WIDE_SHRINK:
+        split = _split(in_features, bk, per_split) if per_split else 1
+        rows.append(tuning.ShrinkConfig(bm, min(bn, full), bk, split, warps, stages, ctas))
+    return rows
+
+
+def parse_only(text: str) -> list:
+    """--only "expand:14784+14784x128@1024,4096;shrink:8192x2x128@4096" -> plan entries (phase 0)."""
+    plan = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        try:
+            op, rest = item.split(":")
+            shape_text, tokens_text = rest.split("@")
+            tokens = tuple(int(t) for t in tokens_text.split(","))
+            if op == "shrink":
+                shape = tuning.parse_shrink_key(shape_text)
+            elif op == "expand":
+                shape = tuning.parse_expand_key(shape_text)
+            else:
+                raise ValueError(op)
+        except ValueError as exc:
+            raise ValueError(f"--only entry {item!r}: want op:shape@tokens, e.g. expand:4096+1024+1024x128@4096 "
+                             f"or shrink:14336x1x8@1024,4096 ({exc})") from None
+        plan.append((0, op, shape, tokens))
+    return plan
+
+
 def pools_for(op, shape, mixes, copies):
     if op == "shrink":
         in_features, slices, rank = shape
@@ -130,6 +182,8 @@ def tune_one(key, table, op, shape, tokens, ceil, gen, pool, log, warm=False) ->
     else:
         shape_key = tuning.expand_key(*shape)
         cands = expand_candidates(tokens)
+    sr = shape[1] * shape[2] if op == "shrink" else 0
+    cands = list(dict.fromkeys(cands + wide_candidates(op, tokens, shape[0] if op == "shrink" else 0, sr)))
     mixes = (1, min(tokens, MANY_ADAPTERS))
     times = []
     for cand in cands:
@@ -158,9 +212,10 @@ def tune_one(key, table, op, shape, tokens, ceil, gen, pool, log, warm=False) ->
             f"{mixes[1]} adapters {t[1]:.1f} us, score {score:.2f}")  # fmt: skip
 
 
-def tune(base: dict, budget_s: float, out: str, ceil, log=print, part=None, phases=DEFAULT_PHASES) -> dict:
+def tune(base: dict, budget_s: float, out: str, ceil, log=print, part=None, phases=DEFAULT_PHASES, only=None) -> dict:
     """Tunes PLAN's `phases` in order until budget_s; part (i, n): compile worker i of n (every n-th
-    shape, untimed). Entries of the other phases stay as the base table has them."""
+    shape, untimed). Entries of the other phases stay as the base table has them. only: a plan of
+    its own (parse_only) instead of PLAN's phases."""
     gen = torch.Generator(device=DEV).manual_seed(1)
     key = tuning.gpu_key(torch.device(DEV))
     table = json.loads(json.dumps(base))
@@ -168,7 +223,7 @@ def tune(base: dict, budget_s: float, out: str, ceil, log=print, part=None, phas
         table.setdefault(op, {})
     started = time.time()
     done, left = 0, []
-    plan = [p for p in PLAN if p[0] in phases]
+    plan = only if only is not None else [p for p in PLAN if p[0] in phases]
     for index, (phase, op, shape, tokens_list) in enumerate(sorted(plan, key=lambda p: p[0])):
         if part is not None and index % part[1] != part[0]:
             continue
@@ -202,7 +257,18 @@ def main():
     parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
     parser.add_argument("--phases", default=",".join(map(str, DEFAULT_PHASES)),
                         help="the plan's phases to tune, comma list of 1-7 (see above); the others keep the base table's entries")
+    parser.add_argument("--only", default=None,
+                        help='tune these shapes only, e.g. "expand:14784+14784x128@1024,4096;shrink:8192x2x128@4096" '
+                             "(every candidate's times are printed: with --wide, a sweep)")
+    parser.add_argument("--wide", action="store_true",
+                        help="try the WIDE_EXPAND / WIDE_SHRINK candidates too at prefill token counts")
     args = parser.parse_args()
+    global _wide
+    _wide = args.wide
+    try:
+        only = parse_only(args.only) if args.only else None
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         phases = tuple(int(p) for p in args.phases.split(","))
     except ValueError:
@@ -214,13 +280,13 @@ def main():
     base = json.load(open(args.table)) if args.table else tuning._table(key)
     if args.warm_part:
         part = tuple(int(v) for v in args.warm_part.split("/"))
-        tune(base, float("inf"), args.out, None, log=lambda line: None, part=part, phases=phases)
+        tune(base, float("inf"), args.out, None, log=lambda line: None, part=part, phases=phases, only=only)
         return
     if args.warm_s > 0:
         real_grid.warm_in_workers(__file__, sys.argv[1:], args.warm_s)
     ceil = measure_ceilings()
     print(json.dumps({k: round(v, 3) for k, v in ceil.items()}))
-    tune(base, args.budget_s, args.out, ceil, log=lambda line: print(line, flush=True), phases=phases)
+    tune(base, args.budget_s, args.out, ceil, log=lambda line: print(line, flush=True), phases=phases, only=only)
     print(f"-> {args.out}")
 
 
