@@ -92,7 +92,7 @@ def _default_shrink(num_tokens: int, in_features: int, sr: int) -> ShrinkConfig:
     for 4,096, 224 for a down projection's 14,336): the shrink took 48-113 us per layer on an
     H200 where its bytes and FLOPs allow ~10; split, 18% less on one host (docs/BENCHMARKS.md "Seventh
     pass"). The split's partial sums add atomically: the last bits can vary from run to run."""
-    if num_tokens <= 64:  # decode: few rows per slot; split K so one adapter still fills the GPU
+    if num_tokens <= DECODE_MAX_TOKENS:  # decode: few rows per slot; split K so one adapter still fills the GPU
         return ShrinkConfig(16, min(_pow2(sr), 64), 64, pow2_split(in_features, 64, 256), 4, 4, 8)
     if num_tokens <= 512:
         return ShrinkConfig(64, min(_pow2(sr), 64), 128, pow2_split(in_features, 128, 1024), 4, 3, 2)
@@ -102,7 +102,7 @@ def _default_shrink(num_tokens: int, in_features: int, sr: int) -> ShrinkConfig:
 def _default_expand(num_tokens: int, n: int, rank: int) -> ExpandConfig:
     """No table: at decode, 128 columns per tile (on an H200 without a table, Llama-3-8B layers at
     64 tokens / 40 adapters: 12-29% faster than 64, docs/BENCHMARKS.md "Sixth pass")."""
-    if num_tokens <= 64:
+    if num_tokens <= DECODE_MAX_TOKENS:
         return ExpandConfig(16, 128, 1, 4, 1, 8)
     if num_tokens <= 512:
         return ExpandConfig(64, 64, 1, 4, 2, 4)
