@@ -19,7 +19,8 @@ such entries, else among all:
    slice-count mismatch for the expand, and the shrink's K split rescaled so each program
    reduces about as many input columns as in the tuned entry (a 4x longer reduction gets 4x
    the splits, not 4x longer programs; rounded to a power of two), block_n cut to the output;
-3. an empty table: the rule in `_default_shrink` / `_default_expand`.
+3. an empty table: the rule in `_default_shrink` / `_default_expand` (decode tiles at every decode
+   token count there too).
 
 The skinny GEMM has no nearest-entry rule: it replaces cuBLAS only for the exact (N, K) the
 table lists, at token counts up to the largest one measured there (the entry of the smallest
@@ -87,6 +88,11 @@ def _cdiv(a: int, b: int) -> int:
 def _default_shrink(num_tokens: int, in_features: int, sr: int) -> ShrinkConfig:
     """No table: split K so each program reduces ~256 (decode) or ~1024 (mid, prefill) input columns.
 
+    Decode is every decode token count (<= DECODE_MAX_TOKENS), as the tables' rule has it: a batch of
+    128-256 sequences over a few dozen adapters is a few tokens per adapter, and 64-row tiles there
+    (the mid tiles, as these defaults had from 65 tokens) made an H200's decode step with 40
+    adapters 11-17% slower (docs/BENCHMARKS.md, "Twenty-first pass").
+
     Prefill too: its tiles are (token blocks x column blocks), a few dozen to a few hundred for
     1,000-4,000 tokens over a few adapters, and unsplit each looped over the whole input (64 steps
     for 4,096, 224 for a down projection's 14,336): the shrink took 48-113 us per layer on an
@@ -100,8 +106,9 @@ def _default_shrink(num_tokens: int, in_features: int, sr: int) -> ShrinkConfig:
 
 
 def _default_expand(num_tokens: int, n: int, rank: int) -> ExpandConfig:
-    """No table: at decode, 128 columns per tile (on an H200 without a table, Llama-3-8B layers at
-    64 tokens / 40 adapters: 12-29% faster than 64, docs/BENCHMARKS.md "Sixth pass")."""
+    """No table: at decode (<= DECODE_MAX_TOKENS, as _default_shrink), 16-row tiles of 128 columns
+    (on an H200 without a table, Llama-3-8B layers at 64 tokens / 40 adapters: 12-29% faster than
+    64 columns, docs/BENCHMARKS.md "Sixth pass")."""
     if num_tokens <= DECODE_MAX_TOKENS:
         return ExpandConfig(16, 128, 1, 4, 1, 8)
     if num_tokens <= 512:
