@@ -503,15 +503,12 @@ def main():
     parser.add_argument("--real-ops", default="layer",
                         help="--real: also time the shrink and the expand alone ('layer,shrink,expand'): real.json "
                              "rows then hold shrink_us, expand_us and the configs the tables gave")
-    parser.add_argument("--no-y-prefetch", action="store_true",
-                        help="the prefill expand without its y prefetch (triton_lora.PREFETCH_Y off): a before/after")
     parser.add_argument("--budget-s", type=float, default=110.0, help="--real: stop starting new shapes after this")
     parser.add_argument("--warm-s", type=float, default=60.0, help="--real: compile in parallel first, at most this long")
     parser.add_argument("--pdl", action="store_true",
                         help="--real: decode shrinks and expands launched as programmatic dependents (sm90+)")
     parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
     args = parser.parse_args()
-    triton_lora.PREFETCH_Y = not args.no_y_prefetch
     if set(args.real_ops.split(",")) - {"layer", "shrink", "expand"}:
         parser.error(f"--real-ops takes layer, shrink and expand, not {args.real_ops!r}")
     if args.pdl and not args.real:

@@ -36,9 +36,6 @@ _DTYPES = (torch.float16, torch.bfloat16)
 # unless a benchmark turns them off to measure what they change (benchmarks/bench_ranks.py --narrow).
 NARROW_SHRINK = True
 NARROW_EXPAND = True
-# The prefill expand's y prefetch (_prefetch_y), on unless a benchmark turns it off to measure it
-# (benchmarks/bench_kernels.py --no-y-prefetch).
-PREFETCH_Y = True
 _MAX_SLICES_PER_LAUNCH = 4
 
 
@@ -267,24 +264,15 @@ def _add_cols(y_rows, lhs, b, offs_n, m_mask, hi, EVEN_N: tl.constexpr):
 
 
 @triton.jit
-def _y_cols(y_rows, offs_n, mask_m, hi, EVEN_N: tl.constexpr):
-    """y[rows, offs_n] as loaded for an add (columns from hi on, and rows off mask_m, read as 0)."""
-    if EVEN_N:
-        return tl.load(y_rows + offs_n[None, :], mask=mask_m[:, None], other=0.0)
-    return tl.load(y_rows + offs_n[None, :], mask=mask_m[:, None] & (offs_n < hi)[None, :], other=0.0)
-
-
-@triton.jit
 def _expand_cols(
     y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr,
-    EVEN_N: tl.constexpr, RANKED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
+    EVEN_N: tl.constexpr, RANKED: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[rows, n_start : n_start + BLOCK_N * N_ITERS] += buf[s, rows, :BLOCK_R] @ B[cols, :BLOCK_R].T.
 
     PDL: the first step's B columns are read before the wait for the shrink's grid (B is the
-    slot's, written before the step), buf and y after it. PREFETCH (not with PDL): each step loads
-    the next step's y columns before its own product and store, so two steps' y reads are in flight."""
+    slot's, written before the step), buf and y after it."""
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < RANK
     if RANKED:  # B's columns past the slot adapter's rank are zero: not read. In runs of 8 (16
@@ -300,25 +288,10 @@ def _expand_cols(
     ).to(b_rows.dtype.element_ty)
     if PDL:
         _add_cols(y_rows, lhs, first, n_start + tl.arange(0, BLOCK_N), m_mask, hi, EVEN_N)
-    if PREFETCH:
-        tl.static_assert(not PDL)
-        old = _y_cols(y_rows, n_start + tl.arange(0, BLOCK_N), m_mask, hi, EVEN_N)
-        for i in range(0, N_ITERS):
-            offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            b = _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N)
-            upcoming = _y_cols(y_rows, offs_n + BLOCK_N, m_mask & (i + 1 < N_ITERS), hi, EVEN_N)
-            delta = tl.dot(lhs, b)
-            if EVEN_N:
-                mask = m_mask[:, None]
-            else:
-                mask = m_mask[:, None] & (offs_n < hi)[None, :]
-            tl.store(y_rows + offs_n[None, :], (old.to(tl.float32) + delta).to(y_rows.dtype.element_ty), mask=mask)
-            old = upcoming
-    else:
-        for i in range(1 if PDL else 0, N_ITERS):  # (a constexpr start: the first step is done under PDL)
-            offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            _add_cols(y_rows, lhs, _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N), offs_n, m_mask, hi,
-                      EVEN_N)
+    for i in range(1 if PDL else 0, N_ITERS):  # (a constexpr start: the first step is done under PDL)
+        offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        _add_cols(y_rows, lhs, _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N), offs_n, m_mask, hi,
+                  EVEN_N)
 
 
 @triton.jit
@@ -329,7 +302,6 @@ def _expand_tile(
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
     RANKED: tl.constexpr, NARROW: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """One tile: a block of one slot's tokens x BLOCK_N * N_ITERS columns of one slice.
 
@@ -372,10 +344,10 @@ def _expand_tile(
                              RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL)
         elif RANKED:
             _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                         RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL, PREFETCH)
+                         RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL)
         else:
             _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, RANK, n_start, hi, num_tokens, stride_bn,
-                         RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL, PREFETCH)
+                         RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL)
     elif PDL:  # every program waits: the grid ends only after the shrink's (and what it waited for)
         tl.extra.cuda.gdc_wait()
 
@@ -388,7 +360,7 @@ def _expand_kernel(
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
     RANKED: tl.constexpr, NARROW: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr, ONE_TILE: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[t, n] += sum_r buf[s(n), t, r] * b[slot(t), n, r] for the columns n of slice s(n).
 
@@ -407,7 +379,7 @@ def _expand_kernel(
             pid, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
             num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
             off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-            RANKED, NARROW, WIDE2, WIDE4, PDL, PREFETCH,
+            RANKED, NARROW, WIDE2, WIDE4, PDL,
         )
     else:
         num_programs = tl.num_programs(0)
@@ -417,7 +389,7 @@ def _expand_kernel(
                 tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
                 num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
                 off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-                RANKED, NARROW, WIDE2, WIDE4, False, PREFETCH,
+                RANKED, NARROW, WIDE2, WIDE4, False,
             )
 
 
@@ -458,12 +430,6 @@ def _narrow_expand(cfg, rank: int) -> bool:
     hold fewer CTAs resident, and lost more than the narrow tiles saved (o and down projections
     on an H100, docs/BENCHMARKS.md "Sixth pass")."""
     return _block_r(rank) >= 32 and cfg.ctas_per_sm * cfg.num_warps <= 32 and cfg.block_m <= 16
-
-
-def _prefetch_y(cfg, num_tokens: int, pdl: bool) -> bool:
-    """The expand loads each step's next y columns ahead (_expand_cols PREFETCH): prefill tiles of
-    several steps, no PDL. Off at decode token counts (not measured there)."""
-    return PREFETCH_Y and cfg.n_iters > 1 and num_tokens > DECODE_MAX_TOKENS and not pdl
 
 
 def _regs(cfg) -> dict:
@@ -585,7 +551,7 @@ def lora_expand(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
             RANKED=ranked, NARROW=ranked and NARROW_EXPAND and _narrow_expand(cfg, rank),
             WIDE2=math.gcd(2, cfg.n_iters), WIDE4=math.gcd(4, cfg.n_iters), ONE_TILE=tiles <= programs,
-            PDL=follow, PREFETCH=_prefetch_y(cfg, num_tokens, follow), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=follow, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **_regs(cfg), **({"launch_pdl": True} if follow else {}),
         )
     return y
