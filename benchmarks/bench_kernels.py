@@ -372,13 +372,21 @@ def expand_candidates(tokens):
                 (16, 64, 2, 4, 2, 8)]
     elif tokens <= 2048:
         rows = [(64, 128, 1, 4, 1, 4), (64, 128, 2, 4, 2, 2), (32, 128, 2, 4, 2, 4), (64, 64, 2, 4, 2, 4),
-                (64, 128, 4, 4, 3, 2), (32, 64, 4, 4, 2, 4)]
+                (64, 128, 4, 4, 3, 2), (32, 64, 4, 4, 2, 4)] + CAPPED_EXPAND
     else:
         rows = [(64, 128, 2, 4, 2, 2), (64, 128, 4, 4, 3, 2), (64, 128, 2, 4, 3, 3), (64, 64, 4, 4, 3, 4),
                 (32, 128, 4, 4, 3, 4), (64, 256, 2, 8, 2, 2),
                 # more programs than resident CTAs, one tile each (ONE_TILE at 4096 tokens)
-                (32, 128, 4, 4, 3, 8), (32, 128, 8, 4, 3, 4), (16, 128, 4, 4, 3, 8)]
+                (32, 128, 4, 4, 3, 8), (32, 128, 8, 4, 3, 4), (16, 128, 4, 4, 3, 8)] + CAPPED_EXPAND
     return [tuning.ExpandConfig(*row) for row in rows]
+
+
+# Prefill expand tiles with registers capped at 128 a thread and one stage: 4 blocks resident per
+# SM where the uncapped rank-128 tiles held 2 (12.5% occupancy, latency-bound under a profiler);
+# in a sweep they took rank-128 expands at 1,024-4,096 tokens 10-18% faster with one adapter
+# (docs/BENCHMARKS.md, "Kernels on the real layer shapes", twenty-first pass)
+CAPPED_EXPAND = [(64, 64, 4, 4, 1, 4, 128), (64, 64, 2, 4, 1, 4, 128), (64, 128, 1, 4, 1, 4, 128),
+                 (64, 128, 2, 4, 1, 3, 168)]
 
 
 def tune(args, ceil):

@@ -265,6 +265,8 @@ def main():
     parser.add_argument("--only", default=None,
                         help='tune these shapes only, e.g. "expand:14784+14784x128@1024,4096;shrink:8192x2x128@4096" '
                              "(every candidate's times are printed: with --wide, a sweep)")
+    parser.add_argument("--ops", default="shrink,expand", help="tune these ops only (of the plan's phases)")
+    parser.add_argument("--ranks", default=None, help="tune these ranks only, comma list (default: every rank of the plan)")
     parser.add_argument("--wide", action="store_true",
                         help="try the WIDE_EXPAND / WIDE_SHRINK candidates too at prefill token counts")
     args = parser.parse_args()
@@ -272,14 +274,20 @@ def main():
     _wide = args.wide
     try:
         only = parse_only(args.only) if args.only else None
+        ops = set(args.ops.split(","))
+        ranks = {int(r) for r in args.ranks.split(",")} if args.ranks else None
     except ValueError as exc:
         parser.error(str(exc))
+    if not ops or ops - {"shrink", "expand"}:
+        parser.error(f"--ops {args.ops!r}: shrink and/or expand")
     try:
         phases = tuple(int(p) for p in args.phases.split(","))
     except ValueError:
         phases = ()
     if not phases or any(p not in range(1, 8) for p in phases):
         parser.error(f"--phases {args.phases!r}: a comma list of phases 1-7")
+    if only is None and (ops != {"shrink", "expand"} or ranks):
+        only = [p for p in PLAN if p[0] in phases and p[1] in ops and (ranks is None or p[2][-1] in ranks)]
     torch.backends.cuda.matmul.allow_tf32 = False
     key = tuning.gpu_key(torch.device(DEV))
     base = json.load(open(args.table)) if args.table else tuning._table(key)
