@@ -8,6 +8,7 @@ Run: pytest -m gpu tests/kernels/test_split_k_gpu.py -s  (benchmarks/gpu_kernels
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 
 import pytest
@@ -36,12 +37,13 @@ def forced_shrink(in_features, num_slices, rank, cfg: tuning.ShrinkConfig):
 
 
 @contextmanager
-def forced(op, shape_key, cfg):
-    """The device's table with one entry of op replaced (every token count takes it)."""
+def forced(op, shape_key, cfg, tokens=1):
+    """The device's table with one entry of op replaced (every token count takes it where the table
+    has no other entries; at `tokens` by rule 1 on any table)."""
     key = table_key()
     saved = tuning._table(key)
     table = {op: dict(entries) for op, entries in saved.items()}
-    table.setdefault(op, {})[shape_key] = {"1": tuning.as_dict(cfg)}
+    table.setdefault(op, {})[shape_key] = {str(tokens): tuning.as_dict(cfg)}
     tuning.set_table(key, table)
     try:
         yield
@@ -156,6 +158,29 @@ def test_narrow_expand_tiles_cover_their_columns(rank, n_iters):
     assert triton_lora._narrow_expand(expand, rank), "the case must take the narrow expand"
     with forced("expand", tuning.expand_key(widths, rank), expand):
         e_buf, e_y = layer_case(7, 256, widths, rank, 8, 0.25, DTYPES[0], gen, mode="ranked")
+    assert e_buf < TOL[DTYPES[0]] and e_y < TOL[DTYPES[0]], (e_buf, e_y)
+
+
+def capped_prefill_expands() -> list:
+    """The distinct register-capped expand configs of the shipped H100 table at prefill token counts."""
+    table = json.loads((tuning.CONFIG_DIR / "nvidia_h100_80gb_hbm3.json").read_text())
+    configs = {tuning.ExpandConfig(**entry) for by_tokens in table["expand"].values() for t, entry in by_tokens.items()
+               if int(t) > tuning.DECODE_MAX_TOKENS and entry.get("maxnreg")}
+    return sorted(configs, key=lambda c: tuple(tuning.as_dict(c).values()))
+
+
+@pytest.mark.parametrize("mode", ["whole", "ranked"])
+@pytest.mark.parametrize("expand", capped_prefill_expands(), ids=lambda c: f"m{c.block_m}n{c.block_n}x{c.n_iters}r{c.maxnreg}")
+def test_the_tables_register_capped_prefill_expands_equal_the_oracle(expand, mode):
+    """The H100 table's prefill expand tiles with registers capped (more blocks per SM; docs/
+    BENCHMARKS.md, twenty-first pass), forced on a prefill case with slices their columns do not
+    divide, no-adapter rows and (ranked) adapters below their slots' rank. On a GPU the cap
+    applies; the interpreter checks the tiles' arithmetic."""
+    gen = torch.Generator().manual_seed(19)
+    tokens, widths, rank = (300 if INTERPRET else 1001), (200, 72, 40), 32
+    with forced("expand", tuning.expand_key(widths, rank), expand, tokens=tokens):
+        assert tuning.expand_config(torch.device(DEV), tokens, widths, rank) == expand
+        e_buf, e_y = layer_case(tokens, 160, widths, rank, 5, 0.2, DTYPES[0], gen, mode=mode)
     assert e_buf < TOL[DTYPES[0]] and e_y < TOL[DTYPES[0]], (e_buf, e_y)
 
 
