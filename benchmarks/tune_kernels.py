@@ -24,6 +24,10 @@ floor against 1.75x; docs/BENCHMARKS.md). Phase 7 leaves out the shapes phase 5 
 token counts by the lookup's rules (kernels/tuning.py), though never a decode token count
 (<= tuning.DECODE_MAX_TOKENS) while the table has decode entries: from 257 tokens up.
 
+`--ops expand --ranks 128` keeps the phases' entries of those ops and ranks only; `--only
+"expand:14784+14784x128@4096;..."` tunes the named shapes alone, and `--wide` adds candidates at
+prefill token counts: together, a sweep that prints every candidate's times.
+
 Token buckets: 1, 17, 255 at decode (every decode T is within 4x of one), 1024 and 4096 at
 prefill. Each candidate is timed alone in CUDA graphs for two mixes (1 adapter, and
 min(T, 64) adapters); the pick has the smallest worst ratio to the fastest candidate of each
