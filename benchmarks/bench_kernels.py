@@ -363,7 +363,7 @@ def shrink_candidates(tokens, sr):
 
 
 def expand_candidates(tokens):
-    """(block_m, block_n, n_iters, num_warps, num_stages, ctas_per_sm) to try, by regime."""
+    """(block_m, block_n, n_iters, num_warps, num_stages, ctas_per_sm[, maxnreg]) to try, by regime."""
     if tokens <= 64:
         rows = [(16, 64, 1, 4, 1, 8), (16, 128, 1, 4, 1, 4), (16, 32, 1, 4, 1, 8), (16, 64, 1, 4, 1, 16),
                 (16, 128, 1, 4, 1, 16)]
@@ -381,10 +381,10 @@ def expand_candidates(tokens):
     return [tuning.ExpandConfig(*row) for row in rows]
 
 
-# Prefill expand tiles with registers capped at 128 a thread and one stage: 4 blocks resident per
-# SM where the uncapped rank-128 tiles held 2 (12.5% occupancy, latency-bound under a profiler);
-# in a sweep they took rank-128 expands at 1,024-4,096 tokens 10-18% faster with one adapter
-# (docs/BENCHMARKS.md, "Kernels on the real layer shapes", twenty-first pass)
+# Prefill expand tiles with registers capped (128 a thread, 4 blocks resident per SM; 168, 3) and
+# one stage, where the uncapped rank-128 tiles held 2 blocks (12.5% occupancy, latency-bound under a
+# profiler); in a sweep they took rank-128 expands at 1,024-4,096 tokens 10-18% faster with one
+# adapter (docs/BENCHMARKS.md, "Kernels on the real layer shapes", twenty-first pass)
 CAPPED_EXPAND = [(64, 64, 4, 4, 1, 4, 128), (64, 64, 2, 4, 1, 4, 128), (64, 128, 1, 4, 1, 4, 128),
                  (64, 128, 2, 4, 1, 3, 168)]
 
@@ -517,8 +517,10 @@ def main():
                         help="--real: decode shrinks and expands launched as programmatic dependents (sm90+)")
     parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
     args = parser.parse_args()
-    if set(args.real_ops.split(",")) - {"layer", "shrink", "expand"}:
+    if set(args.real_ops.split(",")) - {"layer", "shrink", "expand", ""}:
         parser.error(f"--real-ops takes layer, shrink and expand, not {args.real_ops!r}")
+    if args.real_ops != "layer" and not args.real:
+        parser.error("--real-ops applies to the real-shape benchmark only: add --real")
     if args.pdl and not args.real:
         parser.error("--pdl applies to the real-shape benchmark only: add --real")
 

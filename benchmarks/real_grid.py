@@ -27,7 +27,7 @@ from loraserve.kernels import lora_embedding_shrink, lora_expand, lora_shrink, m
 from loraserve.kernels import tuning
 from loraserve.kernels.meta import ShrinkWorkspace
 
-DECODE_MAX_TOKENS = 256
+DECODE_MAX_TOKENS = tuning.DECODE_MAX_TOKENS
 PREFILL_MIN_TOKENS = 1024
 POOL_BYTES = 8 << 30  # weights of one (shape, rank) pool, all copies together
 DECODE_MS = dict(warmup=3, rep=12)
@@ -296,10 +296,11 @@ def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=
 def configs(pool: RealPool, tokens) -> dict:
     """The kernel configs the tables give a case (what the rows of a per-kernel run are read with)."""
     widths = pool.widths
-    expand = tuning.expand_config(DEV, tokens, widths, pool.rank)
+    device = torch.device(DEV)
+    expand = tuning.expand_config(device, tokens, widths, pool.rank)
     out = dict(expand_cfg=tuning.as_dict(expand))
     if not pool.embedding:
-        out["shrink_cfg"] = tuning.as_dict(tuning.shrink_config(DEV, tokens, pool.in_features, len(widths), pool.rank))
+        out["shrink_cfg"] = tuning.as_dict(tuning.shrink_config(device, tokens, pool.in_features, len(widths), pool.rank))
     return out
 
 

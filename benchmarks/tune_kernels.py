@@ -46,7 +46,7 @@ import torch
 import triton
 
 import real_grid
-from bench_kernels import DEV, expand_candidates, measure_ceilings
+from bench_kernels import CAPPED_EXPAND, DEV, expand_candidates, measure_ceilings
 from bench_kernels import shrink_candidates as grid_shrink_candidates
 from loraserve.kernels import tuning
 
@@ -122,11 +122,10 @@ WIDE_EXPAND = (
     (128, 128, 2, 8, 3, 2), (64, 256, 1, 8, 2, 2), (64, 64, 8, 4, 3, 4), (32, 128, 2, 4, 3, 8),
     (32, 64, 4, 4, 3, 8), (16, 128, 8, 4, 3, 8), (64, 128, 1, 4, 2, 4), (64, 128, 1, 4, 2, 8),
     (32, 256, 2, 8, 3, 4), (128, 64, 4, 8, 3, 2), (64, 64, 2, 4, 2, 8), (32, 128, 1, 4, 2, 8),
-    # register caps and fewer stages: more blocks resident per SM (a rank-128 expand at 4,096 tokens
-    # ran 2 blocks per SM, 12.5% occupancy, latency-bound; docs/BENCHMARKS.md, twenty-first pass)
-    (64, 128, 2, 4, 1, 3, 168), (64, 128, 2, 4, 2, 3, 168), (64, 128, 2, 4, 1, 4, 128),
-    (64, 64, 2, 4, 1, 4, 128), (64, 64, 4, 4, 1, 4, 128), (32, 128, 2, 4, 1, 4, 128), (32, 128, 2, 4, 1, 6, 80),
-    (32, 64, 4, 4, 1, 8, 64), (64, 128, 1, 4, 1, 4, 128),
+    # register caps and fewer stages beyond the prefill lists' own (bench_kernels.CAPPED_EXPAND):
+    # more blocks resident per SM (docs/BENCHMARKS.md, twenty-first pass)
+    (64, 128, 2, 4, 2, 3, 168), (64, 128, 2, 4, 1, 4, 128), (32, 128, 2, 4, 1, 4, 128), (32, 128, 2, 4, 1, 6, 80),
+    (32, 64, 4, 4, 1, 8, 64),
 )
 WIDE_SHRINK = (  # (block_m, block_n, block_k, columns per K split (0: no split), warps, stages, CTAs per SM)
     (128, 128, 64, 0, 8, 3, 1), (128, 256, 64, 0, 8, 3, 1), (64, 256, 64, 0, 8, 3, 1), (128, 128, 64, 2048, 8, 3, 1),
@@ -142,7 +141,7 @@ def wide_candidates(op: str, tokens: int, in_features: int, sr: int) -> list:
     if not _wide or tokens <= tuning.DECODE_MAX_TOKENS:
         return []
     if op == "expand":
-        return [tuning.ExpandConfig(*row) for row in WIDE_EXPAND]
+        return [tuning.ExpandConfig(*row) for row in WIDE_EXPAND + tuple(CAPPED_EXPAND)]
     full = max(16, triton.next_power_of_2(sr))
     rows = []
     for bm, bn, bk, per_split, warps, stages, ctas in WIDE_SHRINK:
@@ -187,12 +186,12 @@ def tune_one(key, table, op, shape, tokens, ceil, gen, pool, log, warm=False) ->
     warm: launch each candidate once per mix and time nothing (a compile worker)."""
     if op == "shrink":
         shape_key = tuning.shrink_key(*shape)
-        cands = shrink_candidates(tokens, shape[0], shape[1] * shape[2])
+        sr = shape[1] * shape[2]
+        cands = shrink_candidates(tokens, shape[0], sr) + wide_candidates(op, tokens, shape[0], sr)
     else:
         shape_key = tuning.expand_key(*shape)
-        cands = expand_candidates(tokens)
-    sr = shape[1] * shape[2] if op == "shrink" else 0
-    cands = list(dict.fromkeys(cands + wide_candidates(op, tokens, shape[0] if op == "shrink" else 0, sr)))
+        cands = expand_candidates(tokens) + wide_candidates(op, tokens, 0, 0)
+    cands = list(dict.fromkeys(cands))
     mixes = (1, min(tokens, MANY_ADAPTERS))
     times = []
     for cand in cands:
@@ -278,10 +277,13 @@ def main():
     _wide = args.wide
     try:
         only = parse_only(args.only) if args.only else None
-        ops = set(args.ops.split(","))
-        ranks = {int(r) for r in args.ranks.split(",")} if args.ranks else None
     except ValueError as exc:
         parser.error(str(exc))
+    ops = set(args.ops.split(","))
+    try:
+        ranks = {int(r) for r in args.ranks.split(",")} if args.ranks else None
+    except ValueError:
+        parser.error(f"--ranks {args.ranks!r}: a comma list of ranks, e.g. 8,128")
     if not ops or ops - {"shrink", "expand"}:
         parser.error(f"--ops {args.ops!r}: shrink and/or expand")
     try:
@@ -290,8 +292,13 @@ def main():
         phases = ()
     if not phases or any(p not in range(1, 8) for p in phases):
         parser.error(f"--phases {args.phases!r}: a comma list of phases 1-7")
-    if only is None and (ops != {"shrink", "expand"} or ranks):
+    filtered = ops != {"shrink", "expand"} or ranks is not None
+    if only is not None and (filtered or args.phases != parser.get_default("phases")):
+        parser.error("--only names its shapes itself: no --phases, --ops or --ranks with it")
+    if filtered:
         only = [p for p in PLAN if p[0] in phases and p[1] in ops and (ranks is None or p[2][-1] in ranks)]
+        if not only:
+            parser.error(f"nothing in phases {args.phases} has ops {args.ops} and ranks {args.ranks}")
     torch.backends.cuda.matmul.allow_tf32 = False
     key = tuning.gpu_key(torch.device(DEV))
     base = json.load(open(args.table)) if args.table else tuning._table(key)

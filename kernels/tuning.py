@@ -91,7 +91,7 @@ def _default_shrink(num_tokens: int, in_features: int, sr: int) -> ShrinkConfig:
     Decode is every decode token count (<= DECODE_MAX_TOKENS), as the tables' rule has it: a batch of
     128-256 sequences over a few dozen adapters is a few tokens per adapter, and 64-row tiles there
     (the mid tiles, as these defaults had from 65 tokens) made an H200's decode step with 40
-    adapters 11-17% slower (docs/BENCHMARKS.md, "Twenty-first pass").
+    adapters 12-20% slower than the decode tiles do (docs/BENCHMARKS.md, "Twenty-first pass").
 
     Prefill too: its tiles are (token blocks x column blocks), a few dozen to a few hundred for
     1,000-4,000 tokens over a few adapters, and unsplit each looped over the whole input (64 steps

@@ -30,16 +30,19 @@ def table_key() -> str:
 
 
 @contextmanager
-def forced_shrink(in_features, num_slices, rank, cfg: tuning.ShrinkConfig):
-    """The device's table with one shrink entry replaced (every token count takes it)."""
-    with forced("shrink", tuning.shrink_key(in_features, num_slices, rank), cfg):
+def forced_shrink(in_features, num_slices, rank, cfg: tuning.ShrinkConfig, tokens):
+    """The device's table with one shrink entry, at `tokens`: the lookup gives it there on any
+    table (rule 1; checked), so a GPU's own table does not swap the case's config for another."""
+    with forced("shrink", tuning.shrink_key(in_features, num_slices, rank), cfg, tokens=tokens):
+        got = tuning.shrink_config(torch.device(DEV), tokens, in_features, num_slices, rank)
+        assert got == cfg, (got, cfg)
         yield
 
 
 @contextmanager
 def forced(op, shape_key, cfg, tokens=1):
-    """The device's table with one entry of op replaced (every token count takes it where the table
-    has no other entries; at `tokens` by rule 1 on any table)."""
+    """The device's table with one entry of op, at `tokens` (the lookup gives it there on any table,
+    by rule 1; elsewhere only where the table has no other entries)."""
     key = table_key()
     saved = tuning._table(key)
     table = {op: dict(entries) for op, entries in saved.items()}
@@ -141,7 +144,7 @@ DTYPES = [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16]
 def test_split_k_shrink_matches_the_oracle_on_odd_shapes(case, dtype, mode):
     tokens, in_features, widths, rank, adapters, config = case
     gen = torch.Generator().manual_seed(11)
-    with forced_shrink(in_features, len(widths), rank, config):
+    with forced_shrink(in_features, len(widths), rank, config, tokens):
         e_buf, e_y = layer_case(tokens, in_features, widths, rank, adapters, 0.25, dtype, gen, mode=mode)
     assert e_buf < TOL[dtype] and e_y < TOL[dtype], (e_buf, e_y)
 
@@ -156,7 +159,8 @@ def test_narrow_expand_tiles_cover_their_columns(rank, n_iters):
     widths = (96, 160, 32)
     expand = tuning.ExpandConfig(block_m=16, block_n=32, n_iters=n_iters, num_warps=4, num_stages=1, ctas_per_sm=2)
     assert triton_lora._narrow_expand(expand, rank), "the case must take the narrow expand"
-    with forced("expand", tuning.expand_key(widths, rank), expand):
+    with forced("expand", tuning.expand_key(widths, rank), expand, tokens=7):
+        assert tuning.expand_config(torch.device(DEV), 7, widths, rank) == expand
         e_buf, e_y = layer_case(7, 256, widths, rank, 8, 0.25, DTYPES[0], gen, mode="ranked")
     assert e_buf < TOL[DTYPES[0]] and e_y < TOL[DTYPES[0]], (e_buf, e_y)
 
@@ -192,7 +196,7 @@ def test_split_k_is_repeatable():
     lora_a = (torch.randn(2, 1, rank, in_features, generator=gen) / in_features**0.5).to(DTYPES[0]).to(DEV)
     x = torch.randn(3, in_features, generator=gen).to(DTYPES[0]).to(DEV)
     meta = make_lora_meta(torch.tensor([0, 1, 0], dtype=torch.int32, device=DEV), 2)
-    with forced_shrink(in_features, 1, rank, config):
+    with forced_shrink(in_features, 1, rank, config, 3):
         first = triton_lora.lora_shrink(x, lora_a, meta).clone()
         second = triton_lora.lora_shrink(x, lora_a, meta)
     torch.testing.assert_close(first, second, rtol=1e-5, atol=1e-6)
@@ -210,7 +214,7 @@ def test_split_k_shrink_adds_into_the_steps_zeroed_workspace_without_zeroing_it(
     lora_a = (torch.randn(2, 2, rank, in_features, generator=gen) / in_features**0.5).to(DTYPES[0]).to(DEV)
     x = torch.randn(3, in_features, generator=gen).to(DTYPES[0]).to(DEV)
     meta = make_lora_meta(torch.tensor([0, 1, -1], dtype=torch.int32, device=DEV), 2)
-    with forced_shrink(in_features, 2, rank, cfg(split_k=4)):
+    with forced_shrink(in_features, 2, rank, cfg(split_k=4), 3):
         want = triton_lora.lora_shrink(x, lora_a, meta).clone()  # its own zeroed output
         for fill, offset in ((1.0, 1.0), (0.0, 0.0)):
             buffer = torch.full((2 * 3 * rank + 5,), fill, dtype=torch.float32, device=DEV)
@@ -255,7 +259,7 @@ def test_split_k_shrink_replays_in_a_cuda_graph():
     slots_in = torch.zeros(3, dtype=torch.int32, device=DEV)
     x = torch.zeros(3, in_features, dtype=torch.bfloat16, device=DEV)
     buf = torch.empty(1, 3, rank, device=DEV)
-    with forced_shrink(in_features, 1, rank, cfg(split_k=148)):
+    with forced_shrink(in_features, 1, rank, cfg(split_k=148), 3):
 
         def step():
             triton_lora.lora_shrink(x, lora_a, make_lora_meta(slots_in, num_slots), out=buf)
