@@ -127,11 +127,17 @@ WIDE_EXPAND = (
     (64, 128, 2, 4, 2, 3, 168), (64, 128, 2, 4, 1, 4, 128), (32, 128, 2, 4, 1, 4, 128), (32, 128, 2, 4, 1, 6, 80),
     (32, 64, 4, 4, 1, 8, 64),
 )
-WIDE_SHRINK = (  # (block_m, block_n, block_k, columns per K split (0: no split), warps, stages, CTAs per SM)
+WIDE_SHRINK = (  # (block_m, block_n, block_k, columns per K split (0: no split), warps, stages, CTAs per SM[, maxnreg])
     (128, 128, 64, 0, 8, 3, 1), (128, 256, 64, 0, 8, 3, 1), (64, 256, 64, 0, 8, 3, 1), (128, 128, 64, 2048, 8, 3, 1),
     (128, 64, 64, 0, 4, 4, 1), (64, 128, 64, 0, 8, 4, 2), (64, 64, 64, 0, 4, 4, 3), (32, 64, 128, 0, 4, 4, 4),
     (64, 64, 128, 1024, 4, 4, 2), (64, 64, 128, 512, 4, 4, 2), (32, 64, 128, 1024, 4, 4, 4), (128, 64, 64, 2048, 8, 4, 1),
     (64, 128, 128, 0, 8, 3, 2), (32, 128, 64, 0, 4, 4, 4),
+    # lean in shared memory, so the CTAs per SM they ask for are resident: the H100 table's rank-128
+    # prefill shrinks of 3-4 stages of 128-column steps take 131-197 KB a block, one block per SM
+    # where they ask for two (two waves; benchmarks/kernel_resources.py). Built for sm90: 3-6
+    # blocks resident, no spill. Not yet timed (docs/BENCHMARKS.md, twenty-first pass).
+    (64, 64, 128, 0, 4, 2, 2), (64, 64, 64, 0, 4, 3, 3), (64, 64, 64, 0, 4, 2, 4, 128), (64, 128, 64, 0, 4, 2, 2),
+    (128, 64, 64, 0, 8, 2, 2), (64, 64, 64, 2048, 4, 2, 4, 128),
 )
 _wide = False
 
@@ -144,9 +150,9 @@ def wide_candidates(op: str, tokens: int, in_features: int, sr: int) -> list:
         return [tuning.ExpandConfig(*row) for row in WIDE_EXPAND + tuple(CAPPED_EXPAND)]
     full = max(16, triton.next_power_of_2(sr))
     rows = []
-    for bm, bn, bk, per_split, warps, stages, ctas in WIDE_SHRINK:
+    for bm, bn, bk, per_split, warps, stages, ctas, *maxnreg in WIDE_SHRINK:
         split = _split(in_features, bk, per_split) if per_split else 1
-        rows.append(tuning.ShrinkConfig(bm, min(bn, full), bk, split, warps, stages, ctas))
+        rows.append(tuning.ShrinkConfig(bm, min(bn, full), bk, split, warps, stages, ctas, *maxnreg))
     return rows
 
 
