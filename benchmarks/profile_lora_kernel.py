@@ -51,8 +51,7 @@ def main():
     x = torch.randn(args.tokens, args.in_features, device=DEV, dtype=DTYPE, generator=gen)
     y = torch.randn(args.tokens, sum(widths), device=DEV, dtype=DTYPE, generator=gen)
     buf = lora_shrink(x, lora_a, meta)
-    config = (tuning.shrink_config(torch.device(DEV), args.tokens, args.in_features, len(widths), args.rank)
-              if args.op == "shrink" else tuning.expand_config(torch.device(DEV), args.tokens, widths, args.rank))
+    config = real_grid.configs(pool, args.tokens)[f"{args.op}_cfg"]
 
     def run():
         if args.op == "shrink":

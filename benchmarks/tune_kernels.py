@@ -142,13 +142,14 @@ WIDE_SHRINK = (  # (block_m, block_n, block_k, columns per K split (0: no split)
 _wide = False
 
 
-def wide_candidates(op: str, tokens: int, in_features: int, sr: int) -> list:
-    """The --wide additions at prefill token counts (none at decode)."""
+def wide_candidates(op: str, tokens: int, shape) -> list:
+    """The --wide additions at prefill token counts (none at decode); shape as in PLAN."""
     if not _wide or tokens <= tuning.DECODE_MAX_TOKENS:
         return []
     if op == "expand":
         return [tuning.ExpandConfig(*row) for row in WIDE_EXPAND + tuple(CAPPED_EXPAND)]
-    full = max(16, triton.next_power_of_2(sr))
+    in_features, slices, rank = shape
+    full = max(16, triton.next_power_of_2(slices * rank))
     rows = []
     for bm, bn, bk, per_split, warps, stages, ctas, *maxnreg in WIDE_SHRINK:
         split = _split(in_features, bk, per_split) if per_split else 1
@@ -192,11 +193,10 @@ def tune_one(key, table, op, shape, tokens, ceil, gen, pool, log, warm=False) ->
     warm: launch each candidate once per mix and time nothing (a compile worker)."""
     if op == "shrink":
         shape_key = tuning.shrink_key(*shape)
-        sr = shape[1] * shape[2]
-        cands = shrink_candidates(tokens, shape[0], sr) + wide_candidates(op, tokens, shape[0], sr)
+        cands = shrink_candidates(tokens, shape[0], shape[1] * shape[2]) + wide_candidates(op, tokens, shape)
     else:
         shape_key = tuning.expand_key(*shape)
-        cands = expand_candidates(tokens) + wide_candidates(op, tokens, 0, 0)
+        cands = expand_candidates(tokens) + wide_candidates(op, tokens, shape)
     cands = list(dict.fromkeys(cands))
     mixes = (1, min(tokens, MANY_ADAPTERS))
     times = []

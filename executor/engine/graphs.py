@@ -58,8 +58,9 @@ log = logging.getLogger(__name__)
 
 _FIELDS = 6  # ids, positions, slot mapping, seq_lens, LoRA slots, sources
 # The decode tiles' token rows (all but one decode entry of the H100 table, and the defaults up to
-# tuning.DECODE_MAX_TOKENS): a decode step's LoraMeta builds that block list up front, in one program on CUDA; a
-# kernel whose config asks other rows builds its list from the meta's torch ops in the graph.
+# tuning.DECODE_MAX_TOKENS): a decode step's LoraMeta builds that block list up front, in one
+# program on CUDA; a kernel whose config asks other rows builds its list from the meta's torch ops
+# in the graph.
 DECODE_BLOCK_M = 16
 
 
