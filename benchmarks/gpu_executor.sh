@@ -21,7 +21,9 @@
 #            var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF;
 #            ENGINE_ARGS adds flags here and to `mixed`, e.g. "--streams 0 --profile-decode OUT_DIR/prof")
 #   prefill: bench_engine.py --prefill 16x256,8x160,1x1024 over 40 adapters of mixed ranks: prefill
-#            steps with and without adapters, and a torch.profiler table of each (OUT_DIR/prof/)
+#            steps with and without adapters, and a torch.profiler table of each (OUT_DIR/prof/);
+#            PREFILL_TABLES (comma list of JSON files, "shipped" = this GPU's own) runs them once per
+#            table in turn, ROUNDS times (default 2), without the profile
 #   eager:   bench_engine.py --enforce-eager --streams 0 (the same decode steps without graphs)
 #   mixed:   bench_engine.py --ranks 8,16,32,64 --adapters 40 --batches 32,64 --streams 0 (decode with
 #            adapters of mixed ranks in slots of the largest)
@@ -153,9 +155,21 @@ if has ablate; then
 fi
 if has prefill; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
-  python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --batches 8 --adapters 40 --streams 0 --ranks 8,16,32,64 \
-    --prefill 16x256,8x160,1x1024 --profile-prefill "$OUT/prof" 2>"$OUT/bench_prefill.err" | tee "$OUT/bench_prefill.log" \
-    | grep prefill || tail -30 "$OUT/bench_prefill.err"
+  if [ -z "${PREFILL_TABLES:-}" ]; then
+    python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --batches 8 --adapters 40 --streams 0 --ranks 8,16,32,64 \
+      --prefill 16x256,8x160,1x1024 --profile-prefill "$OUT/prof" 2>"$OUT/bench_prefill.err" | tee "$OUT/bench_prefill.log" \
+      | grep prefill || tail -30 "$OUT/bench_prefill.err"
+  else  # the same prefill steps once per table of PREFILL_TABLES ("shipped" = this GPU's own), ROUNDS times, no profile
+    for round in $(seq "${ROUNDS:-2}"); do
+      for t in ${PREFILL_TABLES//,/ }; do
+        table_flag=(); [ "$t" = shipped ] || table_flag=(--table "$t")
+        echo "== table $t, round $round" | tee -a "$OUT/bench_prefill.log"
+        python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --batches 8 --adapters 40 --streams 0 --ranks 8,16,32,64 \
+          --prefill 16x256,8x160,1x1024 "${table_flag[@]}" 2>>"$OUT/bench_prefill.err" | grep prefill \
+          | tee -a "$OUT/bench_prefill.log" || tail -30 "$OUT/bench_prefill.err"
+      done
+    done
+  fi
 fi
 if has eager; then
   python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --enforce-eager --streams 0 2>"$OUT/bench_eager.err" | tee "$OUT/bench_eager.log" | tail -30 \
