@@ -132,12 +132,9 @@ WIDE_SHRINK = (  # (block_m, block_n, block_k, columns per K split (0: no split)
     (128, 64, 64, 0, 4, 4, 1), (64, 128, 64, 0, 8, 4, 2), (64, 64, 64, 0, 4, 4, 3), (32, 64, 128, 0, 4, 4, 4),
     (64, 64, 128, 1024, 4, 4, 2), (64, 64, 128, 512, 4, 4, 2), (32, 64, 128, 1024, 4, 4, 4), (128, 64, 64, 2048, 8, 4, 1),
     (64, 128, 128, 0, 8, 3, 2), (32, 128, 64, 0, 4, 4, 4),
-    # lean in shared memory, so the CTAs per SM they ask for are resident: the H100 table's rank-128
-    # prefill shrinks of 3-4 stages of 128-column steps take 131-197 KB a block, one block per SM
-    # where they ask for two (two waves; benchmarks/kernel_resources.py). Built for sm90: 3-6
-    # blocks resident, no spill. Not yet timed (docs/BENCHMARKS.md, twenty-first pass).
-    (64, 64, 128, 0, 4, 2, 2), (64, 64, 64, 0, 4, 3, 3), (64, 64, 64, 0, 4, 2, 4, 128), (64, 128, 64, 0, 4, 2, 2),
-    (128, 64, 64, 0, 8, 2, 2), (64, 64, 64, 2048, 4, 2, 4, 128),
+    # (Shared-memory-lean tiles of 2-3 stages, which leave room for the CTAs per SM the table's
+    # rank-128 prefill shrinks ask for, were timed on an H100 and lost 1.1-3.8x to the deep
+    # pipelines: not kept. docs/BENCHMARKS.md, twenty-second pass.)
 )
 _wide = False
 
