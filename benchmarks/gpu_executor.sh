@@ -23,7 +23,8 @@
 #   prefill: bench_engine.py --prefill 16x256,8x160,1x1024 over 40 adapters of mixed ranks: prefill
 #            steps with and without adapters, and a torch.profiler table of each (OUT_DIR/prof/);
 #            PREFILL_TABLES (comma list of JSON files, "shipped" = this GPU's own) runs them once per
-#            table in turn, ROUNDS times (default 2), without the profile
+#            table in turn, ROUNDS times (default 2, as for tables), without the profile; the log
+#            then holds the prefill rows only
 #   eager:   bench_engine.py --enforce-eager --streams 0 (the same decode steps without graphs)
 #   mixed:   bench_engine.py --ranks 8,16,32,64 --adapters 40 --batches 32,64 --streams 0 (decode with
 #            adapters of mixed ranks in slots of the largest)
@@ -160,6 +161,7 @@ if has prefill; then
       --prefill 16x256,8x160,1x1024 --profile-prefill "$OUT/prof" 2>"$OUT/bench_prefill.err" | tee "$OUT/bench_prefill.log" \
       | grep prefill || tail -30 "$OUT/bench_prefill.err"
   else  # the same prefill steps once per table of PREFILL_TABLES ("shipped" = this GPU's own), ROUNDS times, no profile
+    : >"$OUT/bench_prefill.log"; : >"$OUT/bench_prefill.err"
     for round in $(seq "${ROUNDS:-2}"); do
       for t in ${PREFILL_TABLES//,/ }; do
         table_flag=(); [ "$t" = shipped ] || table_flag=(--table "$t")

@@ -133,8 +133,8 @@ WIDE_SHRINK = (  # (block_m, block_n, block_k, columns per K split (0: no split)
     (64, 64, 128, 1024, 4, 4, 2), (64, 64, 128, 512, 4, 4, 2), (32, 64, 128, 1024, 4, 4, 4), (128, 64, 64, 2048, 8, 4, 1),
     (64, 128, 128, 0, 8, 3, 2), (32, 128, 64, 0, 4, 4, 4),
     # (Shared-memory-lean tiles of 2-3 stages, which leave room for the CTAs per SM the table's
-    # rank-128 prefill shrinks ask for, were timed on an H100 and lost 1.1-3.8x to the deep
-    # pipelines: not kept. docs/BENCHMARKS.md, twenty-second pass.)
+    # rank-128 prefill shrinks ask for, were timed on an H100 and scored 1.1-3.8x worse (the
+    # worse of the two mixes) than the deeper pipelines: not kept. docs/BENCHMARKS.md, twenty-second pass.)
 )
 _wide = False
 
