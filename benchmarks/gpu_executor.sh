@@ -156,9 +156,12 @@ if has ablate; then
 fi
 if has prefill; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
-  if [ -z "${PREFILL_TABLES:-}" ]; then
+  prefill_steps() {  # the prefill cases over 40 adapters of mixed ranks; "$@": more bench_engine.py flags
     python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --batches 8 --adapters 40 --streams 0 --ranks 8,16,32,64 \
-      --prefill 16x256,8x160,1x1024 --profile-prefill "$OUT/prof" 2>"$OUT/bench_prefill.err" | tee "$OUT/bench_prefill.log" \
+      --prefill 16x256,8x160,1x1024 "$@"
+  }
+  if [ -z "${PREFILL_TABLES:-}" ]; then
+    prefill_steps --profile-prefill "$OUT/prof" 2>"$OUT/bench_prefill.err" | tee "$OUT/bench_prefill.log" \
       | grep prefill || tail -30 "$OUT/bench_prefill.err"
   else  # the same prefill steps once per table of PREFILL_TABLES ("shipped" = this GPU's own), ROUNDS times, no profile
     : >"$OUT/bench_prefill.log"; : >"$OUT/bench_prefill.err"
@@ -166,9 +169,8 @@ if has prefill; then
       for t in ${PREFILL_TABLES//,/ }; do
         table_flag=(); [ "$t" = shipped ] || table_flag=(--table "$t")
         echo "== table $t, round $round" | tee -a "$OUT/bench_prefill.log"
-        python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --batches 8 --adapters 40 --streams 0 --ranks 8,16,32,64 \
-          --prefill 16x256,8x160,1x1024 "${table_flag[@]}" 2>>"$OUT/bench_prefill.err" | grep prefill \
-          | tee -a "$OUT/bench_prefill.log" || tail -30 "$OUT/bench_prefill.err"
+        prefill_steps "${table_flag[@]}" 2>>"$OUT/bench_prefill.err" | grep prefill | tee -a "$OUT/bench_prefill.log" \
+          || tail -30 "$OUT/bench_prefill.err"
       done
     done
   fi
