@@ -7,7 +7,13 @@ copy's device time (events), from: memory of torch's pinned allocator (cudaHostA
 page-locked with cudaHostRegister (as the arena), and the same region issued as 8 MiB pieces.
 Medians of 20, after 3 warm-ups.
 
-    python benchmarks/bench_h2d_call.py [--region-gib 4]
+Then a slot load's two ways from that region, per adapter rank (a Llama-3-8B-sized adapter's bytes,
+laid out as its A and B copies into rank-64 slots): staged (the one copy above, then the scatter
+kernel from device memory) and the scatter kernel reading the page-locked region itself over the
+bus, with its grid capped at a number of programs. Host time of the calls, device time by events,
+and a check that both ways wrote the same bytes.
+
+    python benchmarks/bench_h2d_call.py [--region-gib 4] [--programs 0,264,132,66,33]
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import time
 import torch
 
 SIZES_MIB = (40, 80, 160, 320)
+SLOT_RANK, MODULES, WIDTH = 64, 320, 4096  # rank-r adapter: MODULES x (A [r, WIDTH] + B [WIDTH, r]) bf16
 
 
 def timed(fn, stream: torch.cuda.Stream, repeat: int = 20) -> tuple[float, float]:
@@ -43,6 +50,8 @@ def timed(fn, stream: torch.cuda.Stream, repeat: int = 20) -> tuple[float, float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--region-gib", type=float, default=4.0, help="size of the cudaHostRegister'd region")
+    ap.add_argument("--programs", default="0,264,132,66,33",
+                    help="grid caps of the scatter reading host memory (0: a program per block)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_h2d_call.py runs on a CUDA host")
@@ -75,7 +84,48 @@ def main() -> None:
     print("| MiB | source | host us of the call | device ms | GB/s |\n|---|---|---|---|---|")
     for mib, name, h, d, bw in rows:
         print(f"| {mib} | {name} | {h:.1f} | {d:.3f} | {bw:.1f} |")
+    scatter_rows(region, region_bytes // 2, stream, [int(p) for p in args.programs.split(",")])
     torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
+
+
+def scatter_rows(region: torch.Tensor, at: int, stream: torch.cuda.Stream, caps: list[int]) -> None:
+    """The slot-load table: staged copy + scatter against the scatter reading `region` directly."""
+    from loraserve.kernels import triton_copy
+    from loraserve.kernels.copy_reference import ScatterPlan, SlotCopy
+
+    a_slots = torch.zeros(2, MODULES, SLOT_RANK, WIDTH, dtype=torch.bfloat16, device="cuda")
+    b_slots = torch.zeros(2, MODULES, WIDTH, SLOT_RANK, dtype=torch.bfloat16, device="cuda")
+    rows = []
+    for rank in (8, 16, 32, 64):
+        per = rank * WIDTH  # elements of one A, and of one B
+        copies = []
+        for m in range(MODULES):
+            copies.append(SlotCopy(a_slots[:, m], 1, per, per, per, 2 * m * per))
+            copies.append(SlotCopy(b_slots[:, m], WIDTH, rank, SLOT_RANK, rank, (2 * m + 1) * per))
+        plan = ScatterPlan(tuple(copies))
+        n = 2 * MODULES * per * 2  # bytes
+        host = region[at : at + n].view(torch.bfloat16)
+        host.copy_(torch.randn(n // 2, dtype=torch.bfloat16))
+        dev = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda")
+
+        def staged():
+            dev.copy_(host, non_blocking=True)
+            triton_copy.slot_scatter(plan, dev, 1)
+
+        h, d = timed(staged, stream)
+        rows.append((rank, n >> 20, "staged: copy + scatter", h * 1e6, d * 1e3, n / d / 1e9, "reference"))
+        torch.cuda.synchronize()
+        want = (a_slots[1].clone(), b_slots[1].clone())
+        for cap in caps:
+            a_slots[1].zero_(), b_slots[1].zero_()
+            h, d = timed(lambda: triton_copy.slot_scatter(plan, host, 1, programs=cap or None), stream)
+            same = torch.equal(a_slots[1], want[0]) and torch.equal(b_slots[1], want[1])
+            rows.append((rank, n >> 20, f"scatter from host, {cap or 'a program per block'}", h * 1e6, d * 1e3,
+                         n / d / 1e9, "same" if same else "DIFFERENT"))
+    print(f"\nslot load, staged against read from host memory (rank-{SLOT_RANK} slots, {MODULES} modules of width {WIDTH})")
+    print("| rank | MiB | way (grid) | host us of the calls | device ms | GB/s | bytes written |\n|---|---|---|---|---|---|---|")
+    for rank, mib, name, h, d, bw, same in rows:
+        print(f"| {rank} | {mib} | {name} | {h:.1f} | {d:.3f} | {bw:.1f} | {same} |")
 
 
 if __name__ == "__main__":

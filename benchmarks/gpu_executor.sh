@@ -204,7 +204,7 @@ if has probe; then
     2>"$OUT/probe.err" | tee "$OUT/probe.log" | tail -12 || tail -30 "$OUT/probe.err"
 fi
 if has h2d; then
-  python3 -P benchmarks/bench_h2d_call.py 2>&1 | tee "$OUT/h2d.log" | tail -15
+  python3 -P benchmarks/bench_h2d_call.py 2>&1 | tee "$OUT/h2d.log" | tail -40
 fi
 if has arena; then
   python3 -P benchmarks/bench_pinning.py 2>&1 | tee "$OUT/pinning.log" | tail -8

@@ -110,6 +110,7 @@ BASE_KERNELS = {
     "triton_attention": ("_decode_kernel", "_merge_splits_kernel", "_prefill_kernel"),
     "triton_ops": ("_rms_norm_kernel", "_rope_cache_kernel", "_silu_mul_kernel", "_greedy_kernel"),
     "triton_meta": ("_group_kernel",),
+    "triton_copy": ("_slot_scatter_kernel",),
 }
 # (heads, kv heads, head dim, hidden, intermediate, vocab): Llama-3-8B, SmolLM2-135M
 ATTENTION_SHAPES = ((32, 8, 128, 4096, 14336, 128256), (9, 3, 64, 576, 1536, 49152))
@@ -130,7 +131,7 @@ def base_built():
     decode attention with and without a window (several splits and their merge, and one split),
     prefill attention at query lengths that pick each row tile, per query block and from a work
     list, with and without a window; the norm (hidden and per head), RoPE + cache write,
-    SiLU-and-mul, greedy pick and the token grouping. Each call must launch a kernel (a wrapper
+    SiLU-and-mul, greedy pick, the token grouping and the slot-load scatter. Each call must launch a kernel (a wrapper
     that fell back to its reference would build nothing): returns the Built launches."""
     import importlib
 
@@ -185,6 +186,13 @@ def base_built():
             grouped = built_by(modules["triton_meta"].group_tokens, torch.zeros(tokens, dtype=torch.int32), slots,
                                torch.ones(slots, dtype=torch.int32), 16)
             assert grouped is not None
+        # a slot load's scatter, from a staged source and from host memory (a capped grid)
+        from loraserve.kernels.copy_reference import ScatterPlan, SlotCopy
+
+        slots = torch.empty(4, 3, 64, 64, dtype=bf16)
+        plan = ScatterPlan(tuple(SlotCopy(slots[:, i], 64, 8, 64, 8, i * 512) for i in range(3)))
+        for programs in (None, 132):
+            built_by(modules["triton_copy"].slot_scatter, plan, torch.empty(1536, dtype=bf16), 1, programs=programs)
     return launches
 
 
