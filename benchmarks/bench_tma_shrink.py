@@ -9,7 +9,8 @@ same output layout and K split as the shipped kernel (its reference checks the r
 
 Prints, per shape and token count, the shipped kernel (its table's config) and the best of a few TMA
 configs, each with 1 adapter and with 64 adapters (consecutive runs of T / 64 tokens), in us per
-call from CUDA graphs of 8 calls, and the floor (bytes at the copy rate, FLOPs at the matmul rate).
+call from CUDA graphs of 8 calls on 8 copies of x and A (so that no call finds its bytes in L2 from the
+one before), and the floor (bytes at the copy rate, FLOPs at the matmul rate).
 
     python benchmarks/bench_tma_shrink.py [--shapes 4096x3x128@1024,...]
 """
@@ -33,8 +34,10 @@ SHAPES = "4096x3x128@1024,4096x3x128@4096,4096x2x128@1024,14336x1x128@1024,4096x
 CONFIGS = [
     (128, 128, 64, 1, 8, 3), (128, 128, 64, 2, 8, 3), (128, 128, 64, 4, 8, 3), (128, 256, 64, 2, 8, 3),
     (128, 256, 64, 4, 8, 3), (64, 128, 64, 2, 4, 4), (64, 128, 64, 4, 4, 4), (64, 256, 64, 4, 8, 3),
-    (128, 64, 64, 2, 4, 4), (128, 128, 128, 2, 8, 2), (64, 64, 128, 2, 4, 3),
+    (128, 64, 64, 2, 4, 4), (128, 128, 128, 2, 8, 2), (64, 64, 128, 2, 4, 3), (128, 128, 128, 4, 8, 3),
+    (64, 256, 128, 4, 8, 2), (128, 256, 64, 8, 8, 3), (64, 128, 128, 2, 4, 3),
 ]
+COPIES = 8
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -110,16 +113,16 @@ def tma_shrink(x, lora_a, meta, cfg, out=None):
     return out
 
 
-def _graph_us(fn, calls: int = 8, replays: int = 30) -> float:
-    """us per call of fn, from a CUDA graph of `calls` calls replayed (median of 5 timings)."""
+def _graph_us(fns, replays: int = 30) -> float:
+    """us per call of the calls `fns`, from a CUDA graph of them all replayed (median of 5 timings)."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        for _ in range(2):
+        for fn in fns * 2:
             fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
+        for fn in fns:
             fn()
     times = []
     for _ in range(5):
@@ -129,7 +132,7 @@ def _graph_us(fn, calls: int = 8, replays: int = 30) -> float:
             graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
+        times.append(start.elapsed_time(end) * 1e3 / (replays * len(fns)))
     return sorted(times)[2]
 
 
@@ -151,9 +154,11 @@ def main() -> None:
         shape, tokens = item.split("@")
         k, s, r = map(int, shape.split("x"))
         t = int(tokens)
-        x = torch.randn(t, k, device=dev, dtype=bf16, generator=gen)
+        xs = [torch.randn(t, k, device=dev, dtype=bf16, generator=gen) for _ in range(COPIES)]
+        x = xs[0]
         for adapters in (1, 64):
-            lora_a = (torch.randn(adapters, s, r, k, device=dev, dtype=bf16, generator=gen) * 0.05)
+            a_s = [torch.randn(adapters, s, r, k, device=dev, dtype=bf16, generator=gen) * 0.05 for _ in range(COPIES)]
+            lora_a = a_s[0]
             slots = torch.arange(t, device=dev, dtype=torch.int32) * adapters // t  # runs of T / adapters
             meta = make_lora_meta(slots, adapters)
             want = reference.lora_shrink(x, lora_a, meta)
@@ -161,14 +166,15 @@ def main() -> None:
                         2 * t * k * s * r / (args.tflops * 1e6))
             out = torch.empty_like(want)
             shipped_cfg = triton_lora.shrink_config(dev, t, k, s, r)
-            shipped = _graph_us(lambda: triton_lora.lora_shrink(x, lora_a, meta, out=out, ranked=False))
+            shipped = _graph_us([lambda x=x, a=a: triton_lora.lora_shrink(x, a, meta, out=out, ranked=False)
+                                 for x, a in zip(xs, a_s)])
             best, err = None, 0.0
             for cfg in dict.fromkeys(CONFIGS):
                 try:
                     got = tma_shrink(x, lora_a, meta, cfg)
                     torch.cuda.synchronize()
                     e = (got - want).abs().max().item() / want.abs().max().item()
-                    us = _graph_us(lambda: tma_shrink(x, lora_a, meta, cfg, out=out))
+                    us = _graph_us([lambda x=x, a=a: tma_shrink(x, a, meta, cfg, out=out) for x, a in zip(xs, a_s)])
                 except Exception as exc:  # a config that does not build or fit: skipped, said
                     print(f"  ({item}, {adapters} adapters, {cfg}: {type(exc).__name__}: {str(exc)[:120]})")
                     continue
