@@ -9,11 +9,11 @@ Medians of 20, after 3 warm-ups.
 
 Then a slot load's two ways from that region, per adapter rank (a Llama-3-8B-sized adapter's bytes,
 laid out as its A and B copies into rank-64 slots): staged (the one copy above, then the scatter
-kernel from device memory) and the scatter kernel reading the page-locked region itself over the
-bus, with its grid capped at a number of programs. Host time of the calls, device time by events,
-and a check that both ways wrote the same bytes.
+kernel from device memory), as the executor loads, and the scatter kernel reading the page-locked
+region itself over the bus (no staging copy). Host time of the calls, device time by events, and a
+check that both ways wrote the same bytes.
 
-    python benchmarks/bench_h2d_call.py [--region-gib 4] [--programs 0,264,132,66,33]
+    python benchmarks/bench_h2d_call.py [--region-gib 4]
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ def timed(fn, stream: torch.cuda.Stream, repeat: int = 20) -> tuple[float, float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--region-gib", type=float, default=4.0, help="size of the cudaHostRegister'd region")
-    ap.add_argument("--programs", default="0,264,132,66,33",
-                    help="grid caps of the scatter reading host memory (0: a program per block)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_h2d_call.py runs on a CUDA host")
@@ -84,11 +82,11 @@ def main() -> None:
     print("| MiB | source | host us of the call | device ms | GB/s |\n|---|---|---|---|---|")
     for mib, name, h, d, bw in rows:
         print(f"| {mib} | {name} | {h:.1f} | {d:.3f} | {bw:.1f} |")
-    scatter_rows(region, region_bytes // 2, stream, [int(p) for p in args.programs.split(",")])
+    scatter_rows(region, region_bytes // 2, stream)
     torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
 
 
-def scatter_rows(region: torch.Tensor, at: int, stream: torch.cuda.Stream, caps: list[int]) -> None:
+def scatter_rows(region: torch.Tensor, at: int, stream: torch.cuda.Stream) -> None:
     """The slot-load table: staged copy + scatter against the scatter reading `region` directly."""
     from loraserve.kernels import triton_copy
     from loraserve.kernels.copy_reference import ScatterPlan, SlotCopy
@@ -116,14 +114,13 @@ def scatter_rows(region: torch.Tensor, at: int, stream: torch.cuda.Stream, caps:
         rows.append((rank, n >> 20, "staged: copy + scatter", h * 1e6, d * 1e3, n / d / 1e9, "reference"))
         torch.cuda.synchronize()
         want = (a_slots[1].clone(), b_slots[1].clone())
-        for cap in caps:
-            a_slots[1].zero_(), b_slots[1].zero_()
-            h, d = timed(lambda: triton_copy.slot_scatter(plan, host, 1, programs=cap or None), stream)
-            same = torch.equal(a_slots[1], want[0]) and torch.equal(b_slots[1], want[1])
-            rows.append((rank, n >> 20, f"scatter from host, {cap or 'a program per block'}", h * 1e6, d * 1e3,
-                         n / d / 1e9, "same" if same else "DIFFERENT"))
+        a_slots[1].zero_(), b_slots[1].zero_()
+        h, d = timed(lambda: triton_copy.slot_scatter(plan, host, 1), stream)
+        same = torch.equal(a_slots[1], want[0]) and torch.equal(b_slots[1], want[1])
+        rows.append((rank, n >> 20, "the scatter reads host memory", h * 1e6, d * 1e3, n / d / 1e9,
+                     "same" if same else "DIFFERENT"))
     print(f"\nslot load, staged against read from host memory (rank-{SLOT_RANK} slots, {MODULES} modules of width {WIDTH})")
-    print("| rank | MiB | way (grid) | host us of the calls | device ms | GB/s | bytes written |\n|---|---|---|---|---|---|---|")
+    print("| rank | MiB | way | host us of the calls | device ms | GB/s | bytes written |\n|---|---|---|---|---|---|---|")
     for rank, mib, name, h, d, bw, same in rows:
         print(f"| {rank} | {mib} | {name} | {h:.1f} | {d:.3f} | {bw:.1f} | {same} |")
 

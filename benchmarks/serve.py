@@ -534,12 +534,6 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
     bw = h2d_bandwidth()
     where = "pinned H2D" if bench_engine.DEVICE == "cuda" else "host memcpy"
     rows = [(f"{where} bandwidth", f"{bw / 1e9:.1f} GB/s", "", "256 MiB, median of 10")]
-    if bench_engine.DEVICE == "cuda":
-        from loraserve.executor import lora
-
-        way = (f"the scatter reads host memory, {lora.HOST_READ_PROGRAMS} programs" if lora.HOST_READ_PROGRAMS
-               else "staged: one host -> device copy, then the scatter")
-        rows.append(("slot loads from the CPU cache", way, "", "--slot-load-programs"))
     slots = engine.slots
     copy_calls = CopyCalls(slots, cProfile.Profile() if args.profile_load else None, trace=bool(args.trace_load))
     try:
@@ -878,10 +872,6 @@ def main() -> None:
     ap.add_argument("--trace-load", type=Path, metavar="FILE",
                     help="with --probe: torch.profiler of the same calls (torch ops and CUDA runtime calls, host "
                          "time each, no Python-level overhead), a table into FILE; the probe's own times then include the profiler's")
-    ap.add_argument("--slot-load-programs", type=int, metavar="N",
-                    help="slot loads from page-locked shards: the scatter kernel reads them from host memory with N "
-                         "programs; 0: staged (one host -> device copy, then the scatter). Default: the executor's "
-                         "(executor/lora.py HOST_READ_PROGRAMS)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if bad := set(args.grpc_client) - {"process", "in-process"}:
@@ -892,10 +882,6 @@ def main() -> None:
         ap.error("--profile-load and --trace-load each time the same copy calls: run one at a time")
     bench_engine.DEVICE = args.device
     bench_engine.DTYPE = torch.bfloat16 if args.device == "cuda" else torch.float32
-    if args.slot_load_programs is not None:
-        from loraserve.executor import lora
-
-        lora.HOST_READ_PROGRAMS = args.slot_load_programs
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("serve.py runs on a CUDA host (--device cpu: a smoke run)")
     tokenizer = None

@@ -657,34 +657,16 @@ def shard_signature(tensors: dict[str, torch.Tensor]):
     return found
 
 
-# A slot load of a shard in page-locked host memory: the scatter kernel reads the shard over the bus
-# itself (no staging buffer on the device, no separate host -> device copy) with a grid of this many
-# programs, each walking the load's blocks in strides of the grid. 0: staged (one copy, then the
-# scatter from device memory), as for any shard not known to be page-locked.
-HOST_READ_PROGRAMS = 0
-
-
-def _host_bytes(storage: torch.UntypedStorage, lo: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-    """The `nbytes` of host `storage` from address lo, as a flat tensor of dtype (no copy)."""
-    if not storage.data_ptr() <= lo <= lo + nbytes <= storage.data_ptr() + storage.nbytes():
-        raise ValueError(f"shard bytes [{lo:#x}, +{nbytes}) are not inside their host buffer (a stale signature?)")
-    return torch.empty(0, dtype=torch.uint8).set_(storage, lo - storage.data_ptr(), (nbytes,), (1,)).view(dtype)
-
-
 def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device, dtype: torch.dtype):
     """The `nbytes` of host `storage` from address lo, copied to `device` in one copy (async from
     pinned memory). The caching allocator reuses the buffer only for work queued after the scatter
     on the current stream, so it is freed when the caller drops it."""
-    host = _host_bytes(storage, lo, nbytes, torch.uint8)
+    if not storage.data_ptr() <= lo <= lo + nbytes <= storage.data_ptr() + storage.nbytes():
+        raise ValueError(f"shard bytes [{lo:#x}, +{nbytes}) are not inside their host buffer (a stale signature?)")
+    host = torch.empty(0, dtype=torch.uint8).set_(storage, lo - storage.data_ptr(), (nbytes,), (1,))
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dev.copy_(host, non_blocking=True)
     return dev.view(dtype)
-
-
-def _reads_host(tensors: dict[str, torch.Tensor], storage, scatter) -> bool:
-    """Whether a load of `tensors` has the scatter kernel read them from host memory: one storage,
-    page-locked (ShardTensors.pinned), the default scatter (a CUDA model's), and HOST_READ_PROGRAMS."""
-    return bool(HOST_READ_PROGRAMS) and storage is not None and scatter is None and getattr(tensors, "pinned", False)
 
 
 def _planned(model: nn.Module, key: "_LayoutKey"):
@@ -817,21 +799,16 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
     (default: kernels.slot_scatter on CUDA, one launch; None on the CPU: per-tensor copies there).
     """
     key, offsets, storage, lo = shard_signature(tensors)
-    from_host = _reads_host(tensors, storage, scatter)
-    staged = None if from_host else _staged_early(model, key, storage, lo, tensors)
+    staged = _staged_early(model, key, storage, lo, tensors)
     targets = _slot_targets(model)
     layout = targets.layout(tensors, key, offsets)
     scatter = scatter or _default_scatter(targets.device)
     if scatter is not None and layout.plan is not None:
         dtype = next(iter(tensors.values())).dtype if tensors else torch.uint8
+        if staged is None or staged.device != targets.device:
+            staged = _staged(storage, lo, layout.span, targets.device, dtype) if tensors else None
         # zeros only up to what the slot's previous adapter wrote: its tail past that is zero already
-        plan = layout.plan.clipped(written_rank(targets.modules.values(), slot))
-        if from_host and tensors and targets.device.type == "cuda":
-            scatter(plan, _host_bytes(storage, lo, layout.span, dtype), slot, programs=HOST_READ_PROGRAMS)
-        else:
-            if staged is None or staged.device != targets.device:
-                staged = _staged(storage, lo, layout.span, targets.device, dtype) if tensors else None
-            scatter(plan, staged, slot)
+        scatter(layout.plan.clipped(written_rank(targets.modules.values(), slot)), staged, slot)
     else:
         writes = SlotWrites()  # every module's copies and zero-fills issued together
         for name, module in targets.modules.items():

@@ -141,13 +141,7 @@ def greedy(logits):
 
 # ---- slot loads (kernels/copy_reference.py, kernels/triton_copy.py) ----------------------------
 
-def slot_scatter(plan: copy_reference.ScatterPlan, src, slot: int, programs: int | None = None) -> None:
-    """A slot load's copies and zero-fills from the shard `src`, staged on the device or in
-    page-locked host memory (which the kernel reads over the bus): one launch on CUDA, of at most
-    `programs` programs when given (kernels/triton_copy.py)."""
+def slot_scatter(plan: copy_reference.ScatterPlan, src, slot: int) -> None:
+    """A slot load's copies and zero-fills from the staged shard `src`: one launch on CUDA."""
     if plan.copies:
-        impl = _on_device(plan.copies[0].dst, "triton_copy", copy_reference)
-        if impl is copy_reference:
-            impl.slot_scatter(plan, src, slot)
-        else:
-            impl.slot_scatter(plan, src, slot, programs=programs)
+        _on_device(plan.copies[0].dst, "triton_copy", copy_reference).slot_scatter(plan, src, slot)

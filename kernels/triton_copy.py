@@ -29,29 +29,25 @@ _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _COLUMNS = 8  # of the descriptor table
 
 
-@triton.jit(do_not_specialize=["slot", "blocks", "grid"])
-def _slot_scatter_kernel(table_ptr, block_copy_ptr, src_ptr, slot, blocks, grid, BLOCK: tl.constexpr):
-    # blocks over the grid: one each when the grid has a program per block; a capped grid (a source
-    # in host memory, read over the bus) walks them in strides of the grid
-    blk = tl.program_id(0)
-    while blk < blocks:
-        desc = table_ptr + tl.load(block_copy_ptr + blk).to(tl.int64) * 8  # this block's copy
-        dst_addr = tl.load(desc)
-        slot_stride = tl.load(desc + 1)
-        src_offset = tl.load(desc + 2)
-        n = tl.load(desc + 3).to(tl.int32)  # rows * fill (< 2**31: checked when the table is built)
-        src_cols = tl.load(desc + 4).to(tl.int32)
-        dst_stride = tl.load(desc + 5)
-        fill = tl.load(desc + 6).to(tl.int32)
-        first_block = tl.load(desc + 7).to(tl.int32)
-        e = (blk - first_block) * BLOCK + tl.arange(0, BLOCK)  # elements of the copy's rows x fill
-        row, col = e // fill, e % fill
-        inside = e < n
-        from_src = inside & (col < src_cols)
-        x = tl.load(src_ptr + src_offset + row.to(tl.int64) * src_cols + col, mask=from_src, other=0)
-        dst = dst_addr.to(tl.pointer_type(src_ptr.dtype.element_ty))  # the slot buffer, from its address
-        tl.store(dst + slot * slot_stride + row.to(tl.int64) * dst_stride + col, x, mask=inside)
-        blk += grid
+@triton.jit(do_not_specialize=["slot"])
+def _slot_scatter_kernel(table_ptr, block_copy_ptr, src_ptr, slot, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    desc = table_ptr + tl.load(block_copy_ptr + pid).to(tl.int64) * 8  # this block's copy
+    dst_addr = tl.load(desc)
+    slot_stride = tl.load(desc + 1)
+    src_offset = tl.load(desc + 2)
+    n = tl.load(desc + 3).to(tl.int32)  # rows * fill (< 2**31: checked when the table is built)
+    src_cols = tl.load(desc + 4).to(tl.int32)
+    dst_stride = tl.load(desc + 5)
+    fill = tl.load(desc + 6).to(tl.int32)
+    first_block = tl.load(desc + 7).to(tl.int32)
+    e = (pid - first_block) * BLOCK + tl.arange(0, BLOCK)  # elements of the copy's rows x fill
+    row, col = e // fill, e % fill
+    inside = e < n
+    from_src = inside & (col < src_cols)
+    x = tl.load(src_ptr + src_offset + row.to(tl.int64) * src_cols + col, mask=from_src, other=0)
+    dst = dst_addr.to(tl.pointer_type(src_ptr.dtype.element_ty))  # the slot buffer, from its address
+    tl.store(dst + slot * slot_stride + row.to(tl.int64) * dst_stride + col, x, mask=inside)
 
 
 _TABLES_LOCK = threading.Lock()  # loads run in worker threads: one builds a plan's table, once
@@ -100,11 +96,8 @@ def _build_tables(plan: ScatterPlan, device: torch.device, key: str):
     return plan.device_tables[key]
 
 
-def slot_scatter(plan: ScatterPlan, src: torch.Tensor | None, slot: int, programs: int | None = None) -> None:
-    """Every copy of `plan` into `slot`, in one launch: see copy_reference.slot_scatter. src may be
-    on the device (staged) or in page-locked host memory, which the kernel then reads over the bus
-    itself, with no staging copy. programs: at most this many programs, each walking blocks in
-    strides of the grid (None: one program per block)."""
+def slot_scatter(plan: ScatterPlan, src: torch.Tensor | None, slot: int) -> None:
+    """Every copy of `plan` into `slot`, in one launch: see copy_reference.slot_scatter."""
     if not plan.copies:
         return
     dst = plan.copies[0].dst
@@ -117,5 +110,4 @@ def slot_scatter(plan: ScatterPlan, src: torch.Tensor | None, slot: int, program
     raw = (src if src is not None else dst.new_empty(0)).view(torch.uint8)
     src = raw[: raw.numel() - raw.numel() % word.itemsize].view(word)  # the copies end on whole words
     if blocks:
-        grid = blocks if programs is None else max(1, min(blocks, programs))
-        _slot_scatter_kernel[(grid,)](table, block_copy, src, slot, blocks, grid, BLOCK=BLOCK, num_warps=4)
+        _slot_scatter_kernel[(blocks,)](table, block_copy, src, slot, BLOCK=BLOCK, num_warps=4)

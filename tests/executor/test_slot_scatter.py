@@ -23,7 +23,6 @@ from loraserve.executor.lora import (
     ExpertsWithLoRA, LinearWithLoRA, LoraSpec, VocabEmbeddingWithLoRA, clear_slot, load_shard_into_slot, lora_modules,
 )  # fmt: skip
 from loraserve.executor.parallel import TPGroup
-from loraserve.executor.shard_tensors import ShardTensors
 from loraserve.kernels import copy_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -90,22 +89,13 @@ def _assert_same(got, want):
         assert a.slot_ranks == b.slot_ranks, name
 
 
-def _landed(tensors: dict[str, torch.Tensor]) -> ShardTensors:
-    """A pinned shard as the CPU cache keeps it: marked page-locked, so a CUDA load may read it in place."""
-    shard = ShardTensors(tensors)
-    shard.pinned = True
-    return shard
-
-
-def _check_against_per_tensor_copies(scatter, dtype, device, landed: bool = False):
-    """Every STEP into `new` (one buffer, scattered) and `old` (separate tensors, per-tensor copies).
-    landed: the shards marked page-locked as the CPU cache marks them."""
+def _check_against_per_tensor_copies(scatter, dtype, device):
+    """Every STEP into `new` (one buffer, scattered) and `old` (separate tensors, per-tensor copies)."""
     new, old = _modules(dtype, device), _modules(dtype, device)
     pin = torch.device(device).type == "cuda"
     for i, (slot, rank, absent) in enumerate(STEPS):
         shard = _shard(new, rank, absent, seed=i)
-        one = _one_buffer(shard, pin)
-        load_shard_into_slot(new, slot, _landed(one) if landed else one, scatter=scatter)
+        load_shard_into_slot(new, slot, _one_buffer(shard, pin), scatter=scatter)
         load_shard_into_slot(old, slot, {k: v.to(device) for k, v in shard.items()})
         _assert_same(new, old)
     targets = lora._slot_targets(new)
@@ -157,34 +147,6 @@ def test_cuda_slot_loads_are_one_scatter_and_match_per_tensor_copies(dtype, monk
     # loads fall back (device tensors), except its empty shard (step 5), a clear: one scatter too.
     loads = [slot for slot, _, _ in STEPS]
     assert calls == loads + [STEPS[-1][0], 2]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("programs", [1, 3, 132])
-def test_cuda_slot_loads_read_a_pinned_shard_in_place(dtype, programs, monkeypatch):
-    """With HOST_READ_PROGRAMS set, a page-locked shard (as the CPU cache marks it) is read by the
-    scatter kernel from host memory, no staged copy: one scatter per load whose source is the host
-    buffer, the grid capped at `programs` (1 and 3 walk many blocks each), equal to per-tensor copies."""
-    if not torch.cuda.is_available() or INTERPRET:
-        pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
-    pytest.importorskip("triton", reason="needs CUDA + Triton: triton is not installed")
-    from loraserve import kernels
-
-    sources, staged = [], []
-    scatter, stage = kernels.slot_scatter, lora._staged
-    monkeypatch.setattr(lora, "HOST_READ_PROGRAMS", programs)
-    monkeypatch.setattr(lora, "_staged", lambda *a: staged.append(a) or stage(*a))
-
-    def recorded(plan, src, slot, programs=None):
-        sources.append((None if src is None else src.device.type, programs))
-        return scatter(plan, src, slot, programs=programs)
-
-    monkeypatch.setattr(kernels, "slot_scatter", recorded)
-    _check_against_per_tensor_copies(None, dtype, "cuda", landed=True)
-    torch.cuda.synchronize()
-    loads = [rank for _, rank, _ in STEPS if rank]  # the shards with tensors: read from host memory
-    assert sources.count(("cpu", programs)) == len(loads) and not staged, (sources, len(staged))
 
 
 def test_resizing_the_slots_drops_the_cached_plans_that_hold_the_old_buffers():
