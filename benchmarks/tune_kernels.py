@@ -132,11 +132,9 @@ WIDE_SHRINK = (  # (block_m, block_n, block_k, columns per K split (0: no split)
     (128, 64, 64, 0, 4, 4, 1), (64, 128, 64, 0, 8, 4, 2), (64, 64, 64, 0, 4, 4, 3), (32, 64, 128, 0, 4, 4, 4),
     (64, 64, 128, 1024, 4, 4, 2), (64, 64, 128, 512, 4, 4, 2), (32, 64, 128, 1024, 4, 4, 4), (128, 64, 64, 2048, 8, 4, 1),
     (64, 128, 128, 0, 8, 3, 2), (32, 128, 64, 0, 4, 4, 4),
-    # every slice of a q/k/v or gate/up in one tile (block_n up to 512, cut to the next power of two
-    # of slices x rank), so x is read once per row block, with deep K splits to fill the SMs
-    (64, 512, 64, 512, 8, 3, 1), (64, 512, 32, 512, 8, 4, 1), (64, 512, 64, 1024, 8, 3, 1),
-    (64, 512, 64, 512, 8, 2, 1), (64, 256, 64, 512, 8, 3, 1), (64, 256, 64, 1024, 8, 3, 1),
-    (128, 256, 64, 512, 8, 3, 1), (128, 256, 32, 512, 8, 4, 1), (128, 256, 64, 1024, 8, 3, 1),
+    # (Tiles over every slice of a q/k/v or gate/up (block_n 256-512, x read once per row block)
+    # with 4-8 K splits were timed on an H100 too and won no shape: docs/BENCHMARKS.md,
+    # twenty-third pass.)
     # (Shared-memory-lean tiles of 2-3 stages, which leave room for the CTAs per SM the table's
     # rank-128 prefill shrinks ask for, were timed on an H100 and scored 1.1-3.8x worse (the
     # worse of the two mixes) than the deeper pipelines: not kept. docs/BENCHMARKS.md, twenty-second pass.)
