@@ -1,4 +1,4 @@
-"""The LoRA kernels, and the base model's (skinny GEMM, attention, fused ops, token grouping),
+"""The LoRA kernels, and the base model's (skinny GEMM, attention, fused ops, token grouping, slot-load scatter),
 compiled for an H100 (sm90) by Triton's own compiler, on a machine without a GPU.
 
 The wrappers (kernels/triton_lora.py) run as when serving, with the shipped H100 table, on two
