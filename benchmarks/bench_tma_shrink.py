@@ -7,8 +7,8 @@ instead. Here each block whose tokens are consecutive loads x and A through host
 descriptors (`triton.tools.tensor_descriptor`); other blocks take the gather loop. Same block list,
 same output layout and K split as the shipped kernel (its reference checks the result).
 
-Prints, per shape and token count, the shipped kernel (its table's config) and the best of a few TMA
-configs, each with 1 adapter and with 64 adapters (consecutive runs of T / 64 tokens), in us per
+Prints, per shape and token count, the shipped kernel (its table's config) and the best of the TMA
+configs below, each with 1 adapter and with 64 adapters (consecutive runs of T / 64 tokens), in us per
 call from CUDA graphs of 8 calls on 8 copies of x and A (so that no call finds its bytes in L2 from the
 one before), and the floor (bytes at the copy rate, FLOPs at the matmul rate).
 
@@ -36,6 +36,9 @@ CONFIGS = [
     (128, 256, 64, 4, 8, 3), (64, 128, 64, 2, 4, 4), (64, 128, 64, 4, 4, 4), (64, 256, 64, 4, 8, 3),
     (128, 64, 64, 2, 4, 4), (128, 128, 128, 2, 8, 2), (64, 64, 128, 2, 4, 3), (128, 128, 128, 4, 8, 3),
     (64, 256, 128, 4, 8, 2), (128, 256, 64, 8, 8, 3), (64, 128, 128, 2, 4, 3),
+    # shallower stages, so that 2-4 blocks fit an SM's shared memory
+    (64, 128, 64, 2, 8, 2), (64, 64, 64, 2, 4, 2), (64, 128, 64, 4, 4, 2), (128, 128, 64, 2, 8, 2),
+    (64, 64, 128, 4, 4, 2), (64, 64, 64, 4, 4, 3),
 ]
 COPIES = 8
 
