@@ -144,6 +144,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=SHAPES, help="in x slices x rank @ tokens, comma-separated")
     ap.add_argument("--copy-gbs", type=float, default=3019.0, help="the copy rate the floor takes (GB/s)")
     ap.add_argument("--tflops", type=float, default=699.0, help="the matmul rate the floor takes")
+    ap.add_argument("--every", action="store_true", help="also print every TMA config's time")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_tma_shrink.py runs on a CUDA host")
@@ -182,6 +183,8 @@ def main() -> None:
                     print(f"  ({item}, {adapters} adapters, {cfg}: {type(exc).__name__}: {str(exc)[:120]})")
                     continue
                 err = max(err, e)
+                if args.every:
+                    print(f"  {item}, {adapters} adapters, {cfg}: {us:.1f} us")
                 if best is None or us < best[0]:
                     best = (us, cfg)
             print(f"| {item} | {adapters} | {floor:.1f} | {shipped:.1f} ({shipped_cfg.block_m}x{shipped_cfg.block_n}"
