@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The LoRA kernels on a CUDA host: GPU tests, then (optionally) tuning and the benchmarks.
 #   bash benchmarks/gpu_kernels.sh OUT_DIR STAGES [bench_kernels.py args...]
-# STAGES: comma list of smoke,tune,tune-real,test,quick,bench,real,decode,decode-pdl,ranks,attn-sweep,tma-shrink
+# STAGES: comma list of smoke,tune,tune-real,test,quick,bench,real,decode,decode-pdl,ranks,attn-sweep,tma-shrink,tma-expand
 # (default: test,bench), run in that order. decode: the real shapes at decode token counts only (into
 # OUT/decode); decode-pdl: the same with the layers' kernels launched as programmatic dependents
 # (into OUT/decode-pdl); ranks: bench_ranks.py (adapters of smaller ranks than their slots, ~2 min; RANKS_ARGS=--sweep
 # adds a sweep of launch settings, ~4 min more); attn-sweep: decode attention launch settings at small batches; tma-shrink: bench_tma_shrink.py
-# (an experiment: prefill shrink tiles loaded by TMA against the shipped shrink; TMA_ARGS adds flags). tune: the hidden-size grid (bench_kernels.py --tune-out); tune-real: representative
+# (an experiment: prefill shrink tiles loaded by TMA against the shipped shrink; TMA_ARGS adds flags); tma-expand:
+# bench_tma_expand.py (the same for the expand: y, B and the shrink output moved by TMA; TMA_ARGS too). tune: the hidden-size grid (bench_kernels.py --tune-out); tune-real: representative
 # real layer shapes (tune_kernels.py, ~6 min); real: the real-shape benchmark (bench_kernels.py
 # --real, ~3 min; TUNE_REAL_BUDGET_S shortens the tuning; TUNE_REAL_ARGS adds flags, e.g. "--phases 5,6,7"). Writes under OUT_DIR: run.log (everything), and tuned.json, bench.json,
 # bench.md, real.json, real.md, ranks.md when made.
@@ -101,5 +102,9 @@ fi
 if has tma-shrink; then
   stage tma-shrink
   timeout "${TMA_TIMEOUT:-400}" python3 benchmarks/bench_tma_shrink.py ${TMA_ARGS:-} 2>&1 | tee -a "$LOG" "$OUT/tma_shrink.md"
+fi
+if has tma-expand; then
+  stage tma-expand
+  timeout "${TMA_TIMEOUT:-400}" python3 benchmarks/bench_tma_expand.py ${TMA_ARGS:-} 2>&1 | tee -a "$LOG" "$OUT/tma_expand.md"
 fi
 stage done
