@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from bench_tma_shrink import _graph_us
+from bench_tma_shrink import _error, _graph_us, best_config
 from loraserve.kernels import reference, triton_lora
 from loraserve.kernels.meta import make_lora_meta
 from loraserve.kernels.triton_lora import _locate_slice
@@ -158,23 +158,13 @@ def main() -> None:
             cfg = triton_lora.expand_config(dev, t, tuple(widths), r)
             shipped = _graph_us([lambda y=y, b=b, u=u: triton_lora.lora_expand(y, u, b, offsets, meta, ranked=False)
                                  for y, b, u in zip(ys, bs, bufs)])
-            shipped_got = triton_lora.lora_expand(y0.clone(), bufs[0], bs[0], offsets, meta, ranked=False)
-            best, err = None, (shipped_got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
-            for c in CONFIGS:
-                try:
-                    got = tma_expand(y0.clone(), bufs[0], bs[0], offsets, meta, c)
-                    torch.cuda.synchronize()
-                    e = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
-                    us = _graph_us([lambda y=y, b=b, u=u: tma_expand(y, u, b, offsets, meta, c)
-                                    for y, b, u in zip(ys, bs, bufs)])
-                except Exception as exc:  # a config that does not build or fit: skipped, said
-                    print(f"  ({item}, {adapters} adapters, {c}: {type(exc).__name__}: {str(exc)[:120]})")
-                    continue
-                err = max(err, e)
-                if args.every:
-                    print(f"  {item}, {adapters} adapters, {c}: {us:.1f} us")
-                if best is None or us < best[0]:
-                    best = (us, c)
+            shipped_err = _error(triton_lora.lora_expand(y0.clone(), bufs[0], bs[0], offsets, meta, ranked=False), want)
+            best, err = best_config(
+                CONFIGS, lambda c: _error(tma_expand(y0.clone(), bufs[0], bs[0], offsets, meta, c), want),
+                lambda c: _graph_us([lambda y=y, b=b, u=u: tma_expand(y, u, b, offsets, meta, c)
+                                     for y, b, u in zip(ys, bs, bufs)]),
+                f"{item}, {adapters} adapters", args.every)
+            err = max(err, shipped_err)
             print(f"| {item} | {adapters} | {floor:.1f} | {shipped:.1f} ({cfg.block_m}x{cfg.block_n}, {cfg.n_iters} "
                   f"steps, {cfg.num_stages} stages, {cfg.ctas_per_sm} CTAs/SM, maxnreg {cfg.maxnreg}) | "
                   f"{best[0]:.1f} {best[1]} | {best[0] / shipped:.2f} | {err:.1e} |", flush=True)

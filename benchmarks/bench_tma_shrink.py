@@ -139,6 +139,31 @@ def _graph_us(fns, replays: int = 30) -> float:
     return sorted(times)[2]
 
 
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference over the largest value of the reference."""
+    return (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+
+
+def best_config(configs, check, timed, label: str, every: bool) -> tuple[tuple[float, tuple] | None, float]:
+    """((us, config) of the fastest of `configs`, the largest error any had): check(config) runs one
+    call and returns its error against the reference, timed(config) its us per call. A config that
+    does not build or fit is skipped, with a line that says so; every: a line per config's time."""
+    best, err = None, 0.0
+    for cfg in dict.fromkeys(configs):
+        try:
+            e = check(cfg)
+            us = timed(cfg)
+        except Exception as exc:
+            print(f"  ({label}, {cfg}: {type(exc).__name__}: {str(exc)[:120]})")
+            continue
+        err = max(err, e)
+        if every:
+            print(f"  {label}, {cfg}: {us:.1f} us")
+        if best is None or us < best[0]:
+            best = (us, cfg)
+    return best, err
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=SHAPES, help="in x slices x rank @ tokens, comma-separated")
@@ -172,21 +197,10 @@ def main() -> None:
             shipped_cfg = triton_lora.shrink_config(dev, t, k, s, r)
             shipped = _graph_us([lambda x=x, a=a: triton_lora.lora_shrink(x, a, meta, out=out, ranked=False)
                                  for x, a in zip(xs, a_s)])
-            best, err = None, 0.0
-            for cfg in dict.fromkeys(CONFIGS):
-                try:
-                    got = tma_shrink(x, lora_a, meta, cfg)
-                    torch.cuda.synchronize()
-                    e = (got - want).abs().max().item() / want.abs().max().item()
-                    us = _graph_us([lambda x=x, a=a: tma_shrink(x, a, meta, cfg, out=out) for x, a in zip(xs, a_s)])
-                except Exception as exc:  # a config that does not build or fit: skipped, said
-                    print(f"  ({item}, {adapters} adapters, {cfg}: {type(exc).__name__}: {str(exc)[:120]})")
-                    continue
-                err = max(err, e)
-                if args.every:
-                    print(f"  {item}, {adapters} adapters, {cfg}: {us:.1f} us")
-                if best is None or us < best[0]:
-                    best = (us, cfg)
+            best, err = best_config(
+                CONFIGS, lambda cfg: _error(tma_shrink(x, lora_a, meta, cfg), want),
+                lambda cfg: _graph_us([lambda x=x, a=a: tma_shrink(x, a, meta, cfg, out=out) for x, a in zip(xs, a_s)]),
+                f"{item}, {adapters} adapters", args.every)
             print(f"| {item} | {adapters} | {floor:.1f} | {shipped:.1f} ({shipped_cfg.block_m}x{shipped_cfg.block_n}"
                   f"x{shipped_cfg.block_k}, split {shipped_cfg.split_k}) | {best[0]:.1f} {best[1]} | "
                   f"{best[0] / shipped:.2f} | {err:.1e} |", flush=True)
