@@ -323,6 +323,7 @@ def step_mix(engine: Engine, before: dict, name: str) -> tuple:
         kind = engine.step_totals[longest.kind].minus(before["steps"][longest.kind])
         note += f"; longest: {longest.kind}, " + slow_steps.describe(
             longest, kind.seconds / max(kind.steps, 1), against="the run's mean step of its kind", own=own)
+        note += f"; launched {longest.launched - before['t0']:.2f} s into the run"  # (cold loads crowd its start)
     return (f"steps, {name}", "", "", "", note)
 
 
@@ -334,7 +335,7 @@ def totals(engine: Engine) -> dict:
     return {"steps": {k: dataclasses.replace(v) for k, v in engine.step_totals.items()}, "deferred": engine.scheduler.deferred_steps,
             "builds": (builds.count, builds.seconds) if builds is not None else (0, 0.0),
             "slow": sum(engine.slow_steps.counts.values()),
-            "gc": (engine.gc_pauses.count, engine.gc_pauses.seconds)}
+            "gc": (engine.gc_pauses.count, engine.gc_pauses.seconds), "t0": time.perf_counter()}
 
 
 def pct(values: list[float], q: float) -> float:
