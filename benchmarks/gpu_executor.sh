@@ -20,8 +20,8 @@
 #   engine:  benchmarks/bench_engine.py (decode / prefill / gRPC against the floors; needs
 #            var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF;
 #            ENGINE_ARGS adds flags here and to `mixed`, e.g. "--streams 0 --profile-decode OUT_DIR/prof")
-#   prefill: bench_engine.py --prefill 16x256,8x160,1x1024 (PREFILL_CASES replaces the list) over 40
-#            adapters of mixed ranks: prefill steps with and without adapters, and a torch.profiler
+#   prefill: bench_engine.py --prefill 16x256,8x160,1x1024 (PREFILL_CASES replaces the list; PREFILL_ARGS
+#            adds flags, e.g. "--batches 32" for cases of more than 8 sequences) over 40 adapters of mixed ranks: prefill steps with and without adapters, and a torch.profiler
 #            table of each (OUT_DIR/prof/);
 #            PREFILL_TABLES (comma list of JSON files, "shipped" = this GPU's own) runs them once per
 #            table in turn, ROUNDS times (default 2, as for tables), without the profile; the log
@@ -159,7 +159,7 @@ if has prefill; then
   [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
   prefill_steps() {  # the prefill cases over 40 adapters of mixed ranks; "$@": more bench_engine.py flags
     python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --batches 8 --adapters 40 --streams 0 --ranks 8,16,32,64 \
-      --prefill "${PREFILL_CASES:-16x256,8x160,1x1024}" "$@"
+      --prefill "${PREFILL_CASES:-16x256,8x160,1x1024}" ${PREFILL_ARGS:-} "$@"
   }
   if [ -z "${PREFILL_TABLES:-}" ]; then
     prefill_steps --profile-prefill "$OUT/prof" 2>"$OUT/bench_prefill.err" | tee "$OUT/bench_prefill.log" \
