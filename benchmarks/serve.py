@@ -773,7 +773,8 @@ async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float, clie
     try:
         with step_trace.labelled_steps(engine) if args.profile else contextlib.nullcontext():
             if args.profile:
-                window = asyncio.ensure_future(step_trace.profile_window(args.profile / (client + label), args.profile_after, 2.0))
+                window = asyncio.ensure_future(step_trace.profile_window(args.profile / (client + label), args.profile_after,
+                                                                             args.profile_seconds))
             if client == "process":
                 result = await asyncio.to_thread(_client_process, port, items, args)
             else:
@@ -864,9 +865,10 @@ def main() -> None:
                     "executor's flag)")
     ap.add_argument("--eager-mixed-too", action="store_true", help="with --grpc: one more gRPC run with the mixed "
                     "steps' graphs set aside (before / after on one host)")
-    ap.add_argument("--profile", type=Path, help="folder: a 2 s torch.profiler window over each gRPC run, "
+    ap.add_argument("--profile", type=Path, help="folder: a torch.profiler window (--profile-seconds) over each gRPC run, "
                     "summarized by step kind on stderr (benchmarks/step_trace.py)")
     ap.add_argument("--profile-after", type=float, default=4.0, help="seconds into the gRPC run the window opens")
+    ap.add_argument("--profile-seconds", type=float, default=2.0, help="how long the window stays open")
     ap.add_argument("--probe", action="store_true", help="measure the adapter load path instead of a workload")
     ap.add_argument("--profile-load", type=Path, metavar="FILE",
                     help="with --probe: cProfile of the CPU cache -> slot copy calls, by cumulative time, into FILE")

@@ -164,6 +164,7 @@ def summarize(path: Path, top: int = 15) -> list[str]:
     kernels = defaultdict(lambda: defaultdict(float))  # kind -> kernel name -> total us
     groups = defaultdict(lambda: defaultdict(float))
     mine = set()  # correlations of the labelled steps' device work
+    longest = None  # (device span us, kind, first, last, its correlations, runtime calls) of the longest step
     for s in steps:
         kind = s["name"][len(LABEL):]
         calls = by_thread.get(s["tid"], [])
@@ -174,6 +175,9 @@ def summarize(path: Path, top: int = 15) -> list[str]:
         spans = [(k["ts"], k["ts"] + k["dur"]) for k in work]
         span = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
         rows[kind].append((s["dur"] / 1e3, span / 1e3, _union(spans) / 1e3, hi - lo))
+        if spans and (longest is None or span > longest[0]):
+            longest = (span, kind, min(a for a, _ in spans), max(b for _, b in spans), {c for _, c in calls[lo:hi]},
+                       _union(spans))
         for k in work:
             kernels[kind][k["name"]] += k["dur"]
             groups[kind][kernel_group(k["name"])] += k["dur"]
@@ -199,6 +203,18 @@ def summarize(path: Path, top: int = 15) -> list[str]:
         out.append(f"device work outside the steps: {len(other)} kernels / copies, {sum(by_group.values()):.2f} ms "
                    f"over the {window:.0f} ms of labelled steps (" + ", ".join(
                        f"{g} {t:.2f}" for g, t in sorted(by_group.items(), key=lambda x: -x[1])) + ")")
+    if longest is not None:  # what else the device ran while the longest step ran: another step's
+        # kernels (steps launched ahead), or work no step launched (slot loads and clears)
+        span, kind, first, last, own, busy = longest
+        beside = [e for e in device if e["args"]["correlation"] not in own and e["ts"] < last and e["ts"] + e["dur"] > first]
+        by_group = defaultdict(float)
+        for e in beside:
+            by_group[("a step's " if e["args"]["correlation"] in mine else "no step's ") + kernel_group(e["name"])] += (
+                min(last, e["ts"] + e["dur"]) - max(first, e["ts"])) / 1e3
+        out.append(f"longest step: {kind}, device span {span / 1e3:.2f} ms, its kernels busy {busy / 1e3:.2f} ms; "
+                   f"beside it on the device: {len(beside)} kernels / copies"
+                   + (" (" + ", ".join(f"{g} {t:.2f} ms" for g, t in sorted(by_group.items(), key=lambda x: -x[1])) + ")"
+                      if beside else ""))
     for kind in sorted(kernels):
         n = len(rows[kind])
         out.append(f"{kind} steps: device time per step by group (ms): "
