@@ -8,6 +8,7 @@ much of that it was busy, each kind's kernels by time (a graph replay's kernels 
 correlation), and the device work no step launched (slot loads, clears).
 
     python benchmarks/step_trace.py DIR/trace.json.gz     # the summary again, from a saved trace
+    python benchmarks/step_trace.py DIR/trace.json.gz --longest   # the longest step, event by event
 
 `replay_breakdown` does the same for one captured graph replayed back to back (bench_engine.py
 `--profile-decode`): per replay, the device span, the kernels' busy time (their union: the LoRA
@@ -225,5 +226,51 @@ def summarize(path: Path, top: int = 15) -> list[str]:
     return out
 
 
+def longest_detail(path: Path, gaps: int = 5) -> list[str]:
+    """The longest labelled step (by device span) event by event: its own device work in time order
+    (the first few items), its longest idle gaps, and the device work of no step that ran in each."""
+    with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as f:
+        events = json.load(f)["traceEvents"]
+    steps = [e for e in events
+             if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(LABEL)]
+    runtime = [e for e in events if e.get("ph") == "X" and e.get("cat") in _RUNTIME and "correlation" in e.get("args", {})]
+    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE and "correlation" in e.get("args", {})]
+    by_corr = defaultdict(list)
+    for e in device:
+        by_corr[e["args"]["correlation"]].append(e)
+    stepped = set()
+    best = None  # (span, step, its device events, its runtime calls)
+    for s in steps:
+        calls = [e for e in runtime if e["tid"] == s["tid"] and s["ts"] <= e["ts"] <= s["ts"] + s["dur"]]
+        stepped.update(e["args"]["correlation"] for e in calls)
+        work = sorted((k for e in calls for k in by_corr.get(e["args"]["correlation"], [])), key=lambda k: k["ts"])
+        if work:
+            span = max(k["ts"] + k["dur"] for k in work) - work[0]["ts"]
+            if best is None or span > best[0]:
+                best = (span, s, work, calls)
+    if best is None:
+        return ["no labelled step with device work in the trace"]
+    span, s, work, calls = best
+    t0 = s["ts"]
+    out = [f"longest step: {s['name'][len(LABEL):]}, host label {s['dur'] / 1e3:.2f} ms from {t0}, device span "
+           f"{span / 1e3:.2f} ms, {len(work)} device items from {len(calls)} runtime calls; times in ms from the label's start"]
+    out += [f"  {k['ts'] - t0 >= 0 and '+' or ''}{(k['ts'] - t0) / 1e3:.3f} {k['cat']} {k['name'][:60]} "
+            f"({k['dur'] / 1e3:.3f} ms, stream {k.get('args', {}).get('stream', k['tid'])})" for k in work[:6]]
+    holes = sorted(((b["ts"] - (a["ts"] + a["dur"]), a, b) for a, b in zip(work, work[1:])), key=lambda h: -h[0])[:gaps]
+    others = [e for e in device if e["args"]["correlation"] not in stepped]
+    for hole, a, b in holes:
+        lo, hi = a["ts"] + a["dur"], b["ts"]
+        inside = [e for e in others if e["ts"] < hi and e["ts"] + e["dur"] > lo]
+        names = defaultdict(lambda: [0, 0.0])
+        for e in inside:
+            names[f"{e['cat']} {e['name'][:50]} (stream {e.get('args', {}).get('stream', e['tid'])})"][0] += 1
+            names[f"{e['cat']} {e['name'][:50]} (stream {e.get('args', {}).get('stream', e['tid'])})"][1] += e["dur"] / 1e3
+        out.append(f"gap {hole / 1e3:.3f} ms at +{(lo - t0) / 1e3:.3f}, after {a['name'][:40]}, before {b['cat']} "
+                   f"{b['name'][:40]}; beside it: " + ("; ".join(f"{n} x{c} {d:.2f} ms" for n, (c, d) in names.items())
+                                                          or "nothing of another stream"))
+    return out
+
+
 if __name__ == "__main__":
-    print("\n".join(summarize(Path(sys.argv[1]))))
+    lines = longest_detail(Path(sys.argv[1])) if "--longest" in sys.argv[2:] else summarize(Path(sys.argv[1]))
+    print("\n".join(lines))
