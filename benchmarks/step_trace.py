@@ -144,9 +144,9 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(path: Path, top: int = 15) -> list[str]:
-    """The trace's steps by kind, each kind's kernels by group and by name, and the device work
-    outside the steps: lines of text (times in ms)."""
+def _read_trace(path: Path):
+    """(the host's step labels, device work with a correlation, correlation -> its device work,
+    thread -> its runtime calls as sorted (ts, correlation)) of a saved trace."""
     with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as f:
         events = json.load(f)["traceEvents"]
     steps = [e for e in events  # the host's labels (the profiler repeats them on the GPU's timeline)
@@ -156,11 +156,24 @@ def summarize(path: Path, top: int = 15) -> list[str]:
     by_corr = defaultdict(list)
     for e in device:
         by_corr[e["args"]["correlation"]].append(e)
-    by_thread = defaultdict(list)  # tid -> [(ts, correlation)] of runtime calls, sorted
+    by_thread = defaultdict(list)
     for e in runtime:
         by_thread[e["tid"]].append((e["ts"], e["args"]["correlation"]))
     for calls in by_thread.values():
         calls.sort()
+    return steps, device, by_corr, by_thread
+
+
+def _step_calls(step, by_thread) -> list[tuple[float, int]]:
+    """The (ts, correlation) of the runtime calls the step's thread made inside its label."""
+    calls = by_thread.get(step["tid"], [])
+    return calls[bisect.bisect_left(calls, (step["ts"], -1)) : bisect.bisect_right(calls, (step["ts"] + step["dur"], float("inf")))]
+
+
+def summarize(path: Path, top: int = 15) -> list[str]:
+    """The trace's steps by kind, each kind's kernels by group and by name, and the device work
+    outside the steps: lines of text (times in ms)."""
+    steps, device, by_corr, by_thread = _read_trace(path)
     rows = defaultdict(list)  # kind -> [(host ms, span ms, busy ms, launches)]
     kernels = defaultdict(lambda: defaultdict(float))  # kind -> kernel name -> total us
     groups = defaultdict(lambda: defaultdict(float))
@@ -168,16 +181,14 @@ def summarize(path: Path, top: int = 15) -> list[str]:
     longest = None  # (device span us, kind, first, last, its correlations, runtime calls) of the longest step
     for s in steps:
         kind = s["name"][len(LABEL):]
-        calls = by_thread.get(s["tid"], [])
-        lo = bisect.bisect_left(calls, (s["ts"], -1))
-        hi = bisect.bisect_right(calls, (s["ts"] + s["dur"], float("inf")))
-        work = [k for _, c in calls[lo:hi] for k in by_corr.get(c, [])]  # a graph's kernels: its launch's
-        mine.update(c for _, c in calls[lo:hi])
+        calls = _step_calls(s, by_thread)
+        work = [k for _, c in calls for k in by_corr.get(c, [])]  # a graph's kernels: its launch's
+        mine.update(c for _, c in calls)
         spans = [(k["ts"], k["ts"] + k["dur"]) for k in work]
         span = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
-        rows[kind].append((s["dur"] / 1e3, span / 1e3, _union(spans) / 1e3, hi - lo))
+        rows[kind].append((s["dur"] / 1e3, span / 1e3, _union(spans) / 1e3, len(calls)))
         if spans and (longest is None or span > longest[0]):
-            longest = (span, kind, min(a for a, _ in spans), max(b for _, b in spans), {c for _, c in calls[lo:hi]},
+            longest = (span, kind, min(a for a, _ in spans), max(b for _, b in spans), {c for _, c in calls},
                        _union(spans))
         for k in work:
             kernels[kind][k["name"]] += k["dur"]
@@ -229,21 +240,13 @@ def summarize(path: Path, top: int = 15) -> list[str]:
 def longest_detail(path: Path, gaps: int = 5) -> list[str]:
     """The longest labelled step (by device span) event by event: its own device work in time order
     (the first few items), its longest idle gaps, and the device work of no step that ran in each."""
-    with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as f:
-        events = json.load(f)["traceEvents"]
-    steps = [e for e in events
-             if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(LABEL)]
-    runtime = [e for e in events if e.get("ph") == "X" and e.get("cat") in _RUNTIME and "correlation" in e.get("args", {})]
-    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE and "correlation" in e.get("args", {})]
-    by_corr = defaultdict(list)
-    for e in device:
-        by_corr[e["args"]["correlation"]].append(e)
+    steps, device, by_corr, by_thread = _read_trace(path)
     stepped = set()
     best = None  # (span, step, its device events, its runtime calls)
     for s in steps:
-        calls = [e for e in runtime if e["tid"] == s["tid"] and s["ts"] <= e["ts"] <= s["ts"] + s["dur"]]
-        stepped.update(e["args"]["correlation"] for e in calls)
-        work = sorted((k for e in calls for k in by_corr.get(e["args"]["correlation"], [])), key=lambda k: k["ts"])
+        calls = _step_calls(s, by_thread)
+        stepped.update(c for _, c in calls)
+        work = sorted((k for _, c in calls for k in by_corr.get(c, [])), key=lambda k: k["ts"])
         if work:
             span = max(k["ts"] + k["dur"] for k in work) - work[0]["ts"]
             if best is None or span > best[0]:
