@@ -13,6 +13,12 @@ kernel from device memory), as the executor loads, and the scatter kernel readin
 region itself over the bus (no staging copy). Host time of the calls, device time by events, and a
 check that both ways wrote the same bytes.
 
+Last, what a step's 4-byte memset waits for when slot loads are queued: four rank-64 loads' copies
+(320 MiB each, from the region) queued on a side stream as one copy each or in pieces, then a CUDA
+graph of [kernel, memset, kernel] (a memset as cuBLAS puts before some GEMMs) replayed on another
+stream: the replay's device time against the same graph without the memset, and the loads' own
+time.
+
     python benchmarks/bench_h2d_call.py [--region-gib 4]
 """
 
@@ -83,6 +89,7 @@ def main() -> None:
     for mib, name, h, d, bw in rows:
         print(f"| {mib} | {name} | {h:.1f} | {d:.3f} | {bw:.1f} |")
     scatter_rows(region, region_bytes // 2, stream)
+    memset_rows(region, stream)
     torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
 
 
@@ -123,6 +130,63 @@ def scatter_rows(region: torch.Tensor, at: int, stream: torch.cuda.Stream) -> No
     print("| rank | MiB | way | host us of the calls | device ms | GB/s | bytes written |\n|---|---|---|---|---|---|---|")
     for rank, mib, name, h, d, bw, same in rows:
         print(f"| {rank} | {mib} | {name} | {h:.1f} | {d:.3f} | {bw:.1f} | {same} |")
+
+
+def _graph(memset: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A captured [add, (4-byte memset through the driver, as cuBLAS's), add] and its tensor."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    x = torch.zeros(1024, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    capture = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture):
+        x.add_(1)
+        if memset:
+            err = cuda.cuMemsetD32Async(ctypes.c_uint64(flag.data_ptr()), ctypes.c_uint(0), ctypes.c_size_t(1),
+                                        ctypes.c_void_p(capture.cuda_stream))
+            if err:
+                raise SystemExit(f"cuMemsetD32Async error {err}")
+        x.add_(1)
+    return graph, x
+
+
+def memset_rows(region: torch.Tensor, load_stream: torch.cuda.Stream, loads: int = 4, repeat: int = 7) -> None:
+    """The memset table: a graph's replay while `loads` 320 MiB copies are queued, by piece size."""
+    n = 320 << 20
+    dst = torch.empty(loads * n, dtype=torch.uint8, device="cuda")
+    step = torch.cuda.Stream()
+    rows = []
+    for memset in (False, True):
+        graph, _ = _graph(memset)
+        for piece_mib in (0, 64, 32, 8, 2):
+            piece = (piece_mib << 20) or n
+            waits, spans = [], []
+            for _ in range(repeat):
+                torch.cuda.synchronize()
+                l0, l1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(load_stream):
+                    l0.record()
+                    for i in range(loads):
+                        for o in range(0, n, piece):
+                            dst[i * n + o : i * n + o + piece].copy_(region[o : o + piece], non_blocking=True)
+                    l1.record()
+                with torch.cuda.stream(step):
+                    s0.record()
+                    graph.replay()
+                    s1.record()
+                torch.cuda.synchronize()
+                waits.append(s0.elapsed_time(s1))
+                spans.append(l0.elapsed_time(l1))
+            rows.append(("with" if memset else "without", piece_mib or 320, statistics.median(waits), max(waits),
+                         statistics.median(spans)))
+    print(f"\na graph of [kernel, memset, kernel] replayed while {loads} loads of 320 MiB are queued on another stream"
+          f" (medians of {repeat})")
+    print("| memset | loads' copies of MiB | replay device ms (median) | (max) | loads' device ms |\n|---|---|---|---|---|")
+    for memset, piece, wait, worst, span in rows:
+        print(f"| {memset} | {piece} | {wait:.3f} | {worst:.3f} | {span:.2f} |")
 
 
 if __name__ == "__main__":
