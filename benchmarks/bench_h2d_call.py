@@ -159,7 +159,7 @@ def memset_rows(region: torch.Tensor, load_stream: torch.cuda.Stream, loads: int
     step = torch.cuda.Stream()
     rows = []
     for memset in (False, True):
-        graph, _ = _graph(memset)
+        graph, _tensor = _graph(memset)  # the tensor stays alive while its graph replays
         for piece_mib in (0, 64, 32, 8, 2):
             piece = (piece_mib << 20) or n
             waits, spans = [], []
