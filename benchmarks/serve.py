@@ -875,9 +875,6 @@ def main() -> None:
     ap.add_argument("--trace-load", type=Path, metavar="FILE",
                     help="with --probe: torch.profiler of the same calls (torch ops and CUDA runtime calls, host "
                          "time each, no Python-level overhead), a table into FILE; the probe's own times then include the profiler's")
-    ap.add_argument("--stage-piece-mib", type=int, metavar="N",
-                    help="slot loads stage their bytes in copies of N MiB (executor/lora.py STAGE_PIECE_BYTES; "
-                         "default: one copy)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if bad := set(args.grpc_client) - {"process", "in-process"}:
@@ -888,10 +885,6 @@ def main() -> None:
         ap.error("--profile-load and --trace-load each time the same copy calls: run one at a time")
     bench_engine.DEVICE = args.device
     bench_engine.DTYPE = torch.bfloat16 if args.device == "cuda" else torch.float32
-    if args.stage_piece_mib is not None:
-        from loraserve.executor import lora
-
-        lora.STAGE_PIECE_BYTES = args.stage_piece_mib << 20
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("serve.py runs on a CUDA host (--device cpu: a smoke run)")
     tokenizer = None

@@ -657,25 +657,15 @@ def shard_signature(tensors: dict[str, torch.Tensor]):
     return found
 
 
-# The staging copy in pieces of this many bytes (0: one copy). A copy engine runs what is queued on
-# it in turn: a step's small memset (cuBLAS queues 4-byte ones in prefill-size GEMMs) queued behind a
-# rank-64 load's one 320 MiB copy waits ~6 ms for it (docs/BENCHMARKS.md, twenty-third pass). An
-# experiment's setting (benchmarks/serve.py --stage-piece-mib); off by default.
-STAGE_PIECE_BYTES = 0
-
-
 def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device, dtype: torch.dtype):
     """The `nbytes` of host `storage` from address lo, copied to `device` in one copy (async from
-    pinned memory; in pieces of STAGE_PIECE_BYTES when set). The caching allocator reuses the
-    buffer only for work queued after the scatter on the current stream, so it is freed when the
-    caller drops it."""
+    pinned memory). The caching allocator reuses the buffer only for work queued after the scatter
+    on the current stream, so it is freed when the caller drops it."""
     if not storage.data_ptr() <= lo <= lo + nbytes <= storage.data_ptr() + storage.nbytes():
         raise ValueError(f"shard bytes [{lo:#x}, +{nbytes}) are not inside their host buffer (a stale signature?)")
     host = torch.empty(0, dtype=torch.uint8).set_(storage, lo - storage.data_ptr(), (nbytes,), (1,))
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    piece = STAGE_PIECE_BYTES or nbytes
-    for at in range(0, nbytes, piece):
-        dev[at : at + piece].copy_(host[at : at + piece], non_blocking=True)
+    dev.copy_(host, non_blocking=True)
     return dev.view(dtype)
 
 
