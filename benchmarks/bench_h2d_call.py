@@ -17,7 +17,10 @@ Last, what a step's 4-byte memset waits for when slot loads are queued: four ran
 (320 MiB each, from the region) queued on a side stream as one copy each or in pieces, then a CUDA
 graph of [kernel, memset, kernel] (a memset as cuBLAS puts before some GEMMs) replayed on another
 stream: the replay's device time against the same graph without the memset, and the loads' own
-time.
+time. Then the same graph (with its memset) replayed on each of 16 streams in turn while one
+320 MiB copy is queued on the load stream: streams share the device's hardware queues
+(CUDA_DEVICE_MAX_CONNECTIONS of them, 8 unless set), and work queued on a stream that shares one
+with the load stream waits behind the load's copy.
 
     python benchmarks/bench_h2d_call.py [--region-gib 4]
 """
@@ -25,6 +28,7 @@ time.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -187,6 +191,28 @@ def memset_rows(region: torch.Tensor, load_stream: torch.cuda.Stream, loads: int
     print("| memset | loads' copies of MiB | replay device ms (median) | (max) | loads' device ms |\n|---|---|---|---|---|")
     for memset, piece, wait, worst, span in rows:
         print(f"| {memset} | {piece} | {wait:.3f} | {worst:.3f} | {span:.2f} |")
+    graph, _tensor = _graph(True)
+    streams = [torch.cuda.Stream() for _ in range(16)]
+    waits = []
+    for step in streams:
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(load_stream):
+                dst[:n].copy_(region[:n], non_blocking=True)
+            with torch.cuda.stream(step):
+                s0.record()
+                graph.replay()
+                s1.record()
+            torch.cuda.synchronize()
+            times.append(s0.elapsed_time(s1))
+        waits.append(statistics.median(times))
+    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)")
+    print(f"\nthe graph replayed on each of 16 new streams while one 320 MiB copy is queued on the load stream "
+          f"(CUDA_DEVICE_MAX_CONNECTIONS {connections}; medians of 3), device ms:")
+    print("| stream | " + " | ".join(str(i) for i in range(16)) + " |\n|---|" + "---|" * 16)
+    print("| replay | " + " | ".join(f"{w:.2f}" for w in waits) + " |")
 
 
 if __name__ == "__main__":
