@@ -24,7 +24,7 @@ from loraserve.serving import RunningServer, start_server
 from loraserve.v1 import executor_pb2 as epb
 from loraserve.v1 import executor_pb2_grpc as epb_grpc
 
-from . import memory
+from . import cublas, memory
 from .config import ExecutorConfig
 from .engine.engine import Engine, GenerationOutput, GenerationRequest
 from .engine.kv_cache import KVCache
@@ -204,6 +204,7 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     t0 = time.perf_counter()
     if cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
+    cublas.without_workspace(cfg.device)  # before the first GEMM, and before the ranks are spawned (they inherit it)
     ranks = None
     if cfg.world_size > 1:
         mc = model_config(cfg.model)

@@ -41,6 +41,7 @@ from loraserve.errors import StatusError, exhausted, invalid, precondition, unav
 from loraserve.kernels.reference import GATHER_MAX_TOKENS
 from loraserve.kernels.tuning import tuned_token_counts
 
+from .. import cublas
 from ..config import ExecutorConfig
 from ..lora import lora_modules, warm_slot_scatter
 from ..slots import SlotLease, SlotManager
@@ -221,6 +222,7 @@ class Engine:
         self.slots = slot_manager
         self.config = config
         self.device = config.torch_device
+        cublas.without_workspace(str(self.device))  # in-process engines too (benchmarks), before the warm-up's GEMMs
         self.vocab_size = model.cfg.vocab_size
         spec = getattr(model, "lora_spec", None)
         self.max_loras = spec.max_loras if spec is not None else 0  # slot buffers' leading dim

@@ -1,0 +1,34 @@
+"""cuBLAS without a workspace for the executor's GEMMs (CUDA).
+
+In a captured CUDA graph, cuBLAS puts a 4-byte memset of its workspace before the GEMMs whose
+kernel keeps a counter there (on an H100: Llama-3-8B's q/k/v at 2,048 tokens and gate/up from
+1,024). While slot loads' host -> device copies were queued, such a memset was seen to wait for
+all of them: a 2,048-token mixed step took 95-135 ms of device time instead of ~55 (the run's
+longest step in every serve run). With no workspace cuBLAS picks kernels that need none: no
+memsets, and the base GEMMs no slower at 16-2,048 tokens (benchmarks/bench_gemm_workspace.py;
+docs/BENCHMARKS.md, twenty-fourth pass).
+
+torch reads CUBLAS_WORKSPACE_CONFIG once, at the process's first cuBLAS GEMM, so this runs
+before the model's first one; a value already in the environment is left as it is (give cuBLAS
+a workspace again with e.g. CUBLAS_WORKSPACE_CONFIG=:4096:8)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+VARIABLE = "CUBLAS_WORKSPACE_CONFIG"
+NO_WORKSPACE = ":0:0"
+
+
+def without_workspace(device: str) -> bool:
+    """Sets CUBLAS_WORKSPACE_CONFIG to no workspace for a CUDA `device` ("cuda", "cuda:1"), unless
+    the environment sets it already. Returns whether it set it."""
+    if not str(device).startswith("cuda") or VARIABLE in os.environ:
+        return False
+    os.environ[VARIABLE] = NO_WORKSPACE
+    log.info("cuBLAS runs without a workspace (%s=%s: no memsets in the captured steps); set %s to give it one",
+             VARIABLE, NO_WORKSPACE, VARIABLE)
+    return True
