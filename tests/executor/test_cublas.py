@@ -68,6 +68,6 @@ def test_a_captured_prefill_gemm_runs_no_memset():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     env = {k: v for k, v in os.environ.items() if k != cublas.VARIABLE}
-    out = subprocess.run([sys.executable, "-c", _MEMSETS], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-P", "-c", _MEMSETS], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "memsets 0" in out.stdout, out.stdout
