@@ -5,7 +5,8 @@ kernel keeps a counter there (on an H100: Llama-3-8B's q/k/v at 2,048 tokens and
 1,024). While slot loads' host -> device copies were queued, such a memset was seen to wait for
 all of them: a 2,048-token mixed step took 95-135 ms of device time instead of ~55 (the run's
 longest step in every serve run). With no workspace cuBLAS picks kernels that need none: no
-memsets, and the base GEMMs no slower at 16-2,048 tokens (benchmarks/bench_gemm_workspace.py;
+memsets, and a layer's four base GEMMs together no slower at 16-2,048 tokens on an H100 (down 3%
+slower at 1,354-2,048, gate/up 4-8% faster at 1,024-2,048: benchmarks/bench_gemm_workspace.py;
 docs/BENCHMARKS.md, twenty-fourth pass).
 
 torch reads CUBLAS_WORKSPACE_CONFIG once, at the process's first cuBLAS GEMM, so this runs
