@@ -7,11 +7,13 @@ up to the queued copies' time (docs/BENCHMARKS.md). Without a workspace cuBLAS p
 need none, and no memset. This prints, for Llama-3-8B's linear layers (bf16, x @ W.T as the
 executor's base linears, F.linear) at decode and prefill token counts, the GEMM's device time inside a
 CUDA graph and the memsets one replay runs, under the cuBLAS workspace settings of this process:
-run it once as is and once with
+run it once per setting, e.g. as is and with the executor's (executor/cublas.py)
 
-    CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0 python benchmarks/bench_gemm_workspace.py
+    CUBLAS_WORKSPACE_CONFIG=:0:0 python benchmarks/bench_gemm_workspace.py
 
-(torch reads both once, at its first GEMM).
+(torch reads CUBLAS_WORKSPACE_CONFIG and CUBLASLT_WORKSPACE_SIZE once, at its first GEMM; the
+second alone leaves the memsets). One process per setting: compare settings over alternating
+runs, as two runs of one setting differ by a few percent per GEMM.
 """
 
 from __future__ import annotations

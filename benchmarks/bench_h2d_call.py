@@ -15,12 +15,14 @@ check that both ways wrote the same bytes.
 
 Last, what a step's 4-byte memset waits for when slot loads are queued: four rank-64 loads' copies
 (320 MiB each, from the region) queued on a side stream as one copy each or in pieces, then a CUDA
-graph of [kernel, memset, kernel] (a memset as cuBLAS puts before some GEMMs) replayed on another
-stream: the replay's device time against the same graph without the memset, and the loads' own
-time. Then the same graph (with its memset) replayed on each of 16 streams in turn while one
-320 MiB copy is queued on the load stream: streams share the device's hardware queues
-(CUDA_DEVICE_MAX_CONNECTIONS of them, 8 unless set), and work queued on a stream that shares one
-with the load stream waits behind the load's copy.
+graph of [kernel, memset, kernel] (a memset like those cuBLAS puts before some GEMMs) replayed on
+another stream: the replay's device time, and when it ended counted from the loads' start, against
+the same graph without the memset and the loads' own time. Then the same graph (with its memset)
+replayed on each of 16 streams in turn while one 320 MiB copy is queued on the load stream:
+streams share the device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS of them, 8 unless set),
+and the question is whether a stream that shares one with the load stream waits behind its copy.
+A wait of the whole stream would hide from the replay's own events, so both tables also print
+when the replay ended, counted from an event recorded on the load stream before its copies.
 
     python benchmarks/bench_h2d_call.py [--region-gib 4]
 """
@@ -28,6 +30,7 @@ with the load stream waits behind the load's copy.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import time
@@ -136,10 +139,9 @@ def scatter_rows(region: torch.Tensor, at: int, stream: torch.cuda.Stream) -> No
         print(f"| {rank} | {mib} | {name} | {h:.1f} | {d:.3f} | {bw:.1f} | {same} |")
 
 
-def _graph(memset: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """A captured [add, (4-byte memset through the driver, as cuBLAS's), add] and its tensor."""
-    import ctypes
-
+def _graph(memset: bool) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
+    """A captured [add, (4-byte memset through the driver, like cuBLAS's), add] and the tensors it
+    writes (keep them alive while it replays: the driver's memset holds no reference)."""
     cuda = ctypes.CDLL("libcuda.so.1")
     x = torch.zeros(1024, device="cuda")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -153,66 +155,68 @@ def _graph(memset: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
             if err:
                 raise SystemExit(f"cuMemsetD32Async error {err}")
         x.add_(1)
-    return graph, x
+    return graph, (x, flag)
+
+
+def _replay_behind(graph, load_stream, stream, queue_loads) -> tuple[float, float, float]:
+    """(replay ms by its own events, ms from the loads' start to the replay's end, loads' ms): the
+    loads queued on `load_stream`, then the graph replayed on `stream`."""
+    torch.cuda.synchronize()
+    l0, l1, s0, s1 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+    with torch.cuda.stream(load_stream):
+        l0.record()
+        queue_loads()
+        l1.record()
+    with torch.cuda.stream(stream):
+        s0.record()
+        graph.replay()
+        s1.record()
+    torch.cuda.synchronize()
+    return s0.elapsed_time(s1), l0.elapsed_time(s1), l0.elapsed_time(l1)
 
 
 def memset_rows(region: torch.Tensor, load_stream: torch.cuda.Stream, loads: int = 4, repeat: int = 7) -> None:
-    """The memset table: a graph's replay while `loads` 320 MiB copies are queued, by piece size."""
+    """The memset tables: a graph's replay while `loads` 320 MiB copies are queued, by piece size;
+    then on each of 16 streams behind one."""
     n = 320 << 20
     dst = torch.empty(loads * n, dtype=torch.uint8, device="cuda")
-    step = torch.cuda.Stream()
+    replay_stream = torch.cuda.Stream()
     rows = []
     for memset in (False, True):
-        graph, _tensor = _graph(memset)  # the tensor stays alive while its graph replays
+        graph, _tensors = _graph(memset)
         for piece_mib in (0, 64, 32, 8, 2):
             piece = (piece_mib << 20) or n
-            waits, spans = [], []
-            for _ in range(repeat):
-                torch.cuda.synchronize()
-                l0, l1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                with torch.cuda.stream(load_stream):
-                    l0.record()
-                    for i in range(loads):
-                        for o in range(0, n, piece):
-                            dst[i * n + o : i * n + o + piece].copy_(region[o : o + piece], non_blocking=True)
-                    l1.record()
-                with torch.cuda.stream(step):
-                    s0.record()
-                    graph.replay()
-                    s1.record()
-                torch.cuda.synchronize()
-                waits.append(s0.elapsed_time(s1))
-                spans.append(l0.elapsed_time(l1))
-            rows.append(("with" if memset else "without", piece_mib or 320, statistics.median(waits), max(waits),
-                         statistics.median(spans)))
+
+            def queue_loads():
+                for i in range(loads):
+                    for o in range(0, n, piece):
+                        dst[i * n + o : i * n + o + piece].copy_(region[o : o + piece], non_blocking=True)
+
+            runs = [_replay_behind(graph, load_stream, replay_stream, queue_loads) for _ in range(repeat)]
+            rows.append(("with" if memset else "without", piece_mib or 320,
+                         *(statistics.median(r[i] for r in runs) for i in range(3)), max(r[0] for r in runs)))
     print(f"\na graph of [kernel, memset, kernel] replayed while {loads} loads of 320 MiB are queued on another stream"
           f" (medians of {repeat})")
-    print("| memset | loads' copies of MiB | replay device ms (median) | (max) | loads' device ms |\n|---|---|---|---|---|")
-    for memset, piece, wait, worst, span in rows:
-        print(f"| {memset} | {piece} | {wait:.3f} | {worst:.3f} | {span:.2f} |")
-    graph, _tensor = _graph(True)
-    streams = [torch.cuda.Stream() for _ in range(16)]
-    waits = []
-    for step in streams:
-        times = []
-        for _ in range(3):
-            torch.cuda.synchronize()
-            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(load_stream):
-                dst[:n].copy_(region[:n], non_blocking=True)
-            with torch.cuda.stream(step):
-                s0.record()
-                graph.replay()
-                s1.record()
-            torch.cuda.synchronize()
-            times.append(s0.elapsed_time(s1))
-        waits.append(statistics.median(times))
+    print("| memset | loads' copies of MiB | replay device ms (median) | (max) | replay ended, ms after the loads began | "
+          "loads' device ms |\n|---|---|---|---|---|---|")
+    for memset, piece, wait, ended, span, worst in rows:
+        print(f"| {memset} | {piece} | {wait:.3f} | {worst:.3f} | {ended:.2f} | {span:.2f} |")
+    graph, _tensors = _graph(True)
+
+    def one_load():
+        dst[:n].copy_(region[:n], non_blocking=True)
+
+    found = []
+    for stream in [torch.cuda.Stream() for _ in range(16)]:
+        runs = [_replay_behind(graph, load_stream, stream, one_load) for _ in range(3)]
+        found.append(tuple(statistics.median(r[i] for r in runs) for i in range(3)))
     connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)")
     print(f"\nthe graph replayed on each of 16 new streams while one 320 MiB copy is queued on the load stream "
-          f"(CUDA_DEVICE_MAX_CONNECTIONS {connections}; medians of 3), device ms:")
+          f"(CUDA_DEVICE_MAX_CONNECTIONS {connections}; medians of 3), ms:")
     print("| stream | " + " | ".join(str(i) for i in range(16)) + " |\n|---|" + "---|" * 16)
-    print("| replay | " + " | ".join(f"{w:.2f}" for w in waits) + " |")
+    print("| replay | " + " | ".join(f"{w:.2f}" for w, _, _ in found) + " |")
+    print("| replay ended, after the load began | " + " | ".join(f"{e:.2f}" for _, e, _ in found) + " |")
+    print("| the load | " + " | ".join(f"{s:.2f}" for _, _, s in found) + " |")
 
 
 if __name__ == "__main__":

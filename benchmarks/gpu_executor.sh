@@ -5,7 +5,7 @@
 # Usage (from the repo root): bash benchmarks/gpu_executor.sh OUT_DIR [STAGES]
 #   STAGES, comma-separated, run in this order (default: test):
 #   test:    the executor's and the attention kernels' CUDA tests (graphs, paged attention, the step's
-#            token grouping, service)
+#            token grouping, cuBLAS's setting, service)
 #   svc:     the engine's part of them only: graphs, cuBLAS's setting, service and MoE tests (after an engine-only change)
 #   parallel: the tensor- and expert-parallel GPU tests (NCCL, one GPU per rank; tp 4 needs 4 GPUs)
 #   load:    the slot-load GPU tests (tests/executor/test_lora.py, test_slot_scatter.py)
@@ -74,7 +74,7 @@ tok=$(ls -d var/cache/tokenizers/*/ 2>/dev/null | head -1)
 if has test; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs \
     tests/kernels/test_attention_gpu.py tests/kernels/test_ops_gpu.py tests/kernels/test_meta_gpu.py \
-    tests/kernels/test_linear_gpu.py tests/executor/test_graphs.py \
+    tests/kernels/test_linear_gpu.py tests/executor/test_graphs.py tests/executor/test_cublas.py \
     2>&1 | tee "$OUT/kernel_gpu_tests.log" | tail -8
 fi
 if has svc; then

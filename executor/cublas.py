@@ -1,13 +1,13 @@
 """cuBLAS without a workspace for the executor's GEMMs (CUDA).
 
 In a captured CUDA graph, cuBLAS puts a 4-byte memset of its workspace before the GEMMs whose
-kernel keeps a counter there (on an H100: Llama-3-8B's q/k/v at 2,048 tokens and gate/up from
-1,024). While slot loads' host -> device copies were queued, such a memset was seen to wait for
-all of them: a 2,048-token mixed step took 95-135 ms of device time instead of ~55 (the run's
-longest step in every serve run). With no workspace cuBLAS picks kernels that need none: no
-memsets, and a layer's four base GEMMs together no slower at 16-2,048 tokens on an H100 (down 3%
-slower at 1,354-2,048, gate/up 4-8% faster at 1,024-2,048: benchmarks/bench_gemm_workspace.py;
-docs/BENCHMARKS.md, twenty-fourth pass).
+kernel keeps a counter there (on an H100, of Llama-3-8B's layers at 16-2,048 tokens: q/k/v at
+2,048, gate/up at 1,024-2,048). While slot loads' host -> device copies were queued, such a memset
+was seen to wait for them: a 2,048-token mixed step took 95-136 ms of device time instead of ~55-60
+(the longest step of every unprofiled serve run). With no workspace cuBLAS picks kernels that need
+none: no memsets, and a layer's four base GEMMs together were no slower at 16-2,048 tokens on an
+H100 (benchmarks/bench_gemm_workspace.py, one process per setting; docs/BENCHMARKS.md,
+twenty-fourth pass).
 
 torch reads CUBLAS_WORKSPACE_CONFIG once, at the process's first cuBLAS GEMM, so this runs
 before the model's first one; a value already in the environment is left as it is (give cuBLAS
@@ -30,6 +30,6 @@ def without_workspace(device: str) -> bool:
     if not str(device).startswith("cuda") or VARIABLE in os.environ:
         return False
     os.environ[VARIABLE] = NO_WORKSPACE
-    log.info("cuBLAS runs without a workspace (%s=%s: no memsets in the captured steps); set %s to give it one",
-             VARIABLE, NO_WORKSPACE, VARIABLE)
+    log.info("cuBLAS without a workspace (%s=%s: no memsets in the captured steps; set %s to give it one); "
+             "it applies if no cuBLAS GEMM has run in this process yet", VARIABLE, NO_WORKSPACE, VARIABLE)
     return True
