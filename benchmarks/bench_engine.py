@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from loraserve.executor import cublas
 from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.engine.engine import Engine, GenerationRequest
 from loraserve.executor.engine.kv_cache import KVCache
@@ -539,6 +540,7 @@ def main() -> None:
     DEVICE, DTYPE = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_engine.py needs a CUDA host (--device cpu: a smoke run of the script)")
+    cublas.without_workspace(DEVICE)  # as the executor runs, from this process's first GEMM (the matmul peak's)
     if args.table is not None and DEVICE == "cuda":
         from loraserve.kernels import tuning
 

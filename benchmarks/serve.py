@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_engine  # noqa: E402 - the random-weight model of a shape, the weight bytes of a step
 import step_trace  # noqa: E402 - the profiler window of --profile
 
+from loraserve.executor import cublas  # noqa: E402
 from loraserve.executor.config import ExecutorConfig  # noqa: E402
 from loraserve.executor.engine import slow_steps  # noqa: E402
 from loraserve.executor.engine.engine import Engine, GenerationRequest  # noqa: E402
@@ -887,6 +888,7 @@ def main() -> None:
     bench_engine.DTYPE = torch.bfloat16 if args.device == "cuda" else torch.float32
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("serve.py runs on a CUDA host (--device cpu: a smoke run)")
+    cublas.without_workspace(args.device)  # as the executor runs, from this process's first GEMM
     tokenizer = None
     if args.tokenizer:
         from loraserve.executor.model.tokenizer import Tokenizer
