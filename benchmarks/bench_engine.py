@@ -540,7 +540,6 @@ def main() -> None:
     DEVICE, DTYPE = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_engine.py needs a CUDA host (--device cpu: a smoke run of the script)")
-    cublas.without_workspace(DEVICE)  # as the executor runs, from this process's first GEMM (the matmul peak's)
     if args.table is not None and DEVICE == "cuda":
         from loraserve.kernels import tuning
 
@@ -560,6 +559,9 @@ def main() -> None:
     if args.tokenizer is None:
         raise SystemExit("--tokenizer DIR is required")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # as the executor runs, from this process's first GEMM (the matmul peak's: the peak is measured
+    # without a workspace too, since 2026-11-28)
+    cublas.without_workspace(DEVICE)
     rows = asyncio.run(run(args))
     where = f"{torch.cuda.get_device_name()}, triton {__import__('triton').__version__}" if DEVICE == "cuda" else "cpu"
     print(f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights, vocab {args.vocab}, "

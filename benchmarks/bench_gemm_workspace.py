@@ -24,6 +24,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 SHAPES = {"q/k/v": (6144, 4096), "o": (4096, 4096), "gate/up": (28672, 4096), "down": (4096, 14336)}
@@ -48,7 +49,7 @@ def memsets(graph: torch.cuda.CUDAGraph) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if "memset" in e.key.lower())
+    return sum(e.count for e in prof.key_averages() if e.device_type == DeviceType.CUDA and "memset" in e.key.lower())
 
 
 def main() -> None:
