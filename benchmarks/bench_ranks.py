@@ -1,6 +1,6 @@
 """LoRA layers of one decode step when the adapters' ranks differ from the slots' rank.
 
-    python benchmarks/bench_ranks.py [--out DIR] [--tokens 64] [--adapters 40]
+    python benchmarks/bench_ranks.py [--out DIR] [--tokens 64] [--adapters 40] [--prompts 8x160 --pad-to 1536]
     ncu -k "regex:_shrink_kernel|_expand_kernel" python benchmarks/bench_ranks.py --launch-only "gate_up:8/16/32/64 in 64"
 
 The executor's slot buffers have one rank (the largest an adapter may have); an adapter of a
@@ -12,6 +12,11 @@ in turn, of rank 16 and of rank 8, and beside them rank 16 and rank 8 in slots o
 rank. Each row's floor is its bytes (x, each adapter's A and B up to its own rank, the float32
 buffer, y read and written) at the copy bandwidth measured in the same run, plus two graph
 launches. Prints one table (writes ranks.md under --out); asserts nothing on time.
+
+--prompts NxL adds N prompt chunks of L tokens to the step (chunk i on adapter 5i mod --adapters, so
+they join decode groups as a serving engine's mixed step does), and --pad-to pads the step with
+no-adapter tokens up to a graph bucket: the LoRA layers of a mixed step (prefill chunks beside
+decode rows), looked up and swept at the padded token count.
 """
 
 from __future__ import annotations
@@ -73,6 +78,41 @@ def floor_us(in_features, widths, slot_rank, ranks, tokens, ceil) -> float:
     return moved / ceil["copy_bytes_per_s"] * 1e6 + 2 * ceil["empty_launch_us"]
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A step's tokens: `decode` one-token rows over `adapters` adapters, prompt chunks of the given
+    lengths (chunk i on adapter 5i mod adapters), then no-adapter padding up to `pad_to`."""
+
+    decode: int
+    adapters: int
+    prompts: tuple[int, ...] = ()
+    pad_to: int = 0
+
+    @property
+    def lora_tokens(self) -> int:
+        return self.decode + sum(self.prompts)
+
+    @property
+    def total(self) -> int:
+        return max(self.lora_tokens, self.pad_to)
+
+    def slots(self, gen) -> torch.Tensor:
+        parts = [torch.arange(self.decode, device=DEV) % self.adapters]
+        parts += [torch.full((n,), (5 * i) % self.adapters, device=DEV) for i, n in enumerate(self.prompts)]
+        parts.append(torch.full((self.total - self.lora_tokens,), -1, device=DEV))
+        slots = torch.cat(parts).to(torch.int32)
+        return slots[torch.randperm(slots.shape[0], device=DEV, generator=gen)]
+
+
+def parse_prompts(text: str) -> tuple[int, ...]:
+    """'8x160' -> eight chunks of 160 tokens; '2x256,4x64' -> both; '' -> none."""
+    out = []
+    for part in filter(None, text.split(",")):
+        count, _, length = part.partition("x")
+        out += [int(length)] * int(count)
+    return tuple(out)
+
+
 @dataclass
 class Setup:
     """One layer's weights, activations and per-step grouping for one case."""
@@ -86,12 +126,12 @@ class Setup:
     offsets: tuple[int, ...]
 
     @staticmethod
-    def make(layer, case, tokens, adapters, gen) -> "Setup":
+    def make(layer, case, tokens, adapters, gen, layout=None) -> "Setup":
         in_features, widths = LAYERS[layer]
         _, slot_rank, cycle = case
         ranks = [cycle[i % len(cycle)] for i in range(adapters)]
-        slots = (torch.arange(tokens, device=DEV) % adapters).to(torch.int32)
-        slots = slots[torch.randperm(tokens, device=DEV, generator=gen)]
+        slots = (layout or Layout(tokens, adapters)).slots(gen)
+        tokens = slots.shape[0]
         meta = make_lora_meta(slots, adapters, slot_ranks=torch.tensor(ranks, device=DEV, dtype=torch.int32))
         offsets = offsets_of(widths)
         acts = [
@@ -121,19 +161,20 @@ class Setup:
         return us
 
 
-def run(layer, case, tokens, adapters, ceil, gen):
+def run(layer, case, layout, ceil, gen):
     in_features, widths = LAYERS[layer]
-    setup = Setup.make(layer, case, tokens, adapters, gen)
+    setup = Setup.make(layer, case, layout.decode, layout.adapters, gen, layout)
     times = {op: setup.time_us(op) for op in ("shrink", "expand", "layer")}
     slot_rank = case[1]
-    cfg = tuning.shrink_config(torch.device(DEV), tokens, in_features, len(widths), slot_rank)
-    ecfg = tuning.expand_config(torch.device(DEV), tokens, tuple(widths), slot_rank)
-    floor = floor_us(in_features, widths, slot_rank, setup.ranks, tokens, ceil)
+    cfg = tuning.shrink_config(torch.device(DEV), layout.total, in_features, len(widths), slot_rank)
+    ecfg = tuning.expand_config(torch.device(DEV), layout.total, tuple(widths), slot_rank)
+    floor = floor_us(in_features, widths, slot_rank, setup.ranks, layout.lora_tokens, ceil)
     del setup
     torch.cuda.empty_cache()
     return dict(
         layer=layer, case=case[0], floor_us=floor, **{f"{k}_us": v for k, v in times.items()},
-        shrink_cfg=f"n{cfg.block_n} k{cfg.block_k} s{cfg.split_k}", expand_cfg=f"n{ecfg.block_n}x{ecfg.n_iters}",
+        shrink_cfg=f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k}",
+        expand_cfg=f"m{ecfg.block_m} n{ecfg.block_n}x{ecfg.n_iters}",
     )
 
 
@@ -150,15 +191,32 @@ SHRINK_SWEEP = [  # (block_m, block_n, block_k, columns per split, num_warps, nu
     (16, 64, 64, 256, 4, 4, 8), (16, 64, 128, 256, 4, 4, 8), (16, 64, 64, 128, 4, 4, 8), (16, 32, 64, 256, 4, 4, 8),
     (16, 64, 64, 512, 4, 2, 8), (16, 64, 64, 256, 4, 4, 16), (16, 64, 64, 256, 2, 4, 16),
 ]
+# Past decode token counts (a mixed step: prompt chunks beside one-token groups): taller tiles and
+# wider column blocks (fewer re-reads of x and A) against the decode-style short splits
+SHRINK_SWEEP_PREFILL = [
+    (64, 64, 256, 4096, 4, 3, 2), (64, 128, 128, 4096, 4, 3, 2), (64, 256, 64, 4096, 8, 3, 1),
+    (64, 128, 64, 1024, 4, 4, 2), (64, 64, 128, 1024, 4, 3, 4), (64, 128, 128, 1024, 8, 3, 2),
+    (32, 64, 128, 1024, 4, 4, 4), (32, 128, 64, 1024, 4, 4, 4), (32, 64, 128, 512, 4, 4, 4),
+    (16, 64, 128, 512, 4, 4, 8), (16, 64, 64, 256, 4, 4, 8), (128, 128, 64, 4096, 8, 3, 1),
+    (128, 64, 64, 1024, 8, 3, 2),
+]
+EXPAND_SWEEP_PREFILL = [
+    (64, 64, 2, 4, 1, 4), (32, 128, 2, 4, 2, 4), (64, 128, 1, 4, 2, 2), (64, 128, 2, 8, 2, 2),
+    (32, 64, 2, 4, 2, 4), (16, 128, 1, 4, 1, 8), (128, 64, 2, 8, 2, 2), (64, 256, 1, 8, 2, 2),
+]
 REGS_SWEEP = (128, 96, 80, 64)  # register caps tried on the table's own setting (maxnreg)
 SWEEP_CASES = ("8/16/32/64 in 64", "16 in 16", "64 in 64")
 
 
-def _candidates(op, in_features, widths, rank, current, regs_only=False):
+def _candidates(op, in_features, widths, rank, current, regs_only=False, tokens=0):
     """(label, config) of each setting to time for one layer: the table's own first, then the list
-    (unless regs_only), then the table's own with its registers capped."""
+    (unless regs_only; the prefill list past decode token counts), then the table's own with its
+    registers capped."""
     out = [(f"table: {_label(op, current, in_features)}", current)]
-    for row in () if regs_only else EXPAND_SWEEP if op == "expand" else SHRINK_SWEEP:
+    rows = EXPAND_SWEEP if op == "expand" else SHRINK_SWEEP
+    if tokens > tuning.DECODE_MAX_TOKENS:
+        rows = EXPAND_SWEEP_PREFILL if op == "expand" else SHRINK_SWEEP_PREFILL
+    for row in () if regs_only else rows:
         if op == "expand":
             cfg = tuning.ExpandConfig(*row)
         else:
@@ -166,7 +224,7 @@ def _candidates(op, in_features, widths, rank, current, regs_only=False):
             split = tuning.pow2_split(in_features, block_k, per_split)
             cfg = tuning.ShrinkConfig(block_m, min(block_n, tuning._pow2(len(widths) * rank)), block_k, split,
                                       warps, stages, ctas)
-        if cfg != current:
+        if all(cfg != seen for _, seen in out):
             out.append((_label(op, cfg, in_features), cfg))
     for regs in REGS_SWEEP:  # the table's own setting with its registers capped, at 1x and 2x the programs
         for ctas in (current.ctas_per_sm, current.ctas_per_sm * 2):
@@ -188,12 +246,14 @@ def _regs_label(cfg) -> str:
     return f" r{cfg.maxnreg}" if cfg.maxnreg else ""
 
 
-def sweep(tokens, adapters, gen, out_lines, save, ops=("expand", "shrink"), case_names=SWEEP_CASES, regs_only=False):
-    """Each launch setting of each op, forced through the device's table, on each layer and case.
+def sweep(layout, gen, out_lines, save, ops=("expand", "shrink"), case_names=SWEEP_CASES, regs_only=False):
+    """Each launch setting of each op, forced through the device's table, on each layer and case
+    (the step's tokens as `layout` lays them out; the table entry set at its padded token count).
 
     Returns {(op, table key): {config: [us per case, summed over the layers sharing the key]}}."""
     key = tuning.gpu_key(torch.device(DEV))
     saved = tuning._table(key)
+    tokens = layout.total
     by_name = {c[0]: c for c in CASES}
     cases = [by_name[n] for n in case_names]  # in the order given: pick() optimizes the first
     rank = cases[0][1]
@@ -204,14 +264,14 @@ def sweep(tokens, adapters, gen, out_lines, save, ops=("expand", "shrink"), case
     print("\n".join(out_lines[-2:]), flush=True)
     measured: dict = {}
     for layer, (in_features, widths) in LAYERS.items():
-        setups = [Setup.make(layer, case, tokens, adapters, gen) for case in cases]
+        setups = [Setup.make(layer, case, layout.decode, layout.adapters, gen, layout) for case in cases]
         for op in ops:
             if op == "expand":
                 shape, current = tuning.expand_key(tuple(widths), rank), tuning.expand_config(torch.device(DEV), tokens, tuple(widths), rank)
             else:
                 shape = tuning.shrink_key(in_features, len(widths), rank)
                 current = tuning.shrink_config(torch.device(DEV), tokens, in_features, len(widths), rank)
-            for label, cfg in _candidates(op, in_features, widths, rank, current, regs_only):
+            for label, cfg in _candidates(op, in_features, widths, rank, current, regs_only, tokens):
                 times = []
                 tuning.set_table(key, {op: {shape: {str(tokens): tuning.as_dict(cfg)}}})
                 for setup in setups:
@@ -261,6 +321,9 @@ def main():
     parser.add_argument("--out", default=None, help="folder for ranks.md")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens in the step (one per sequence)")
     parser.add_argument("--adapters", type=int, default=40, help="distinct adapters among them")
+    parser.add_argument("--prompts", default="", metavar="NxL[,NxL]",
+                        help="prompt chunks beside the decode rows (a mixed step), e.g. 8x160")
+    parser.add_argument("--pad-to", type=int, default=0, help="no-adapter tokens up to this many (a graph bucket)")
     parser.add_argument("--sweep", action="store_true", help="also time each launch setting of a short list per op")
     parser.add_argument("--sweep-ops", default="expand,shrink", help="the ops --sweep times (comma list)")
     parser.add_argument("--sweep-cases", default=";".join(SWEEP_CASES),
@@ -279,6 +342,7 @@ def main():
                         help="launch that layer's shrink and expand eagerly 3 times each and time nothing (a target for "
                              "a profiler, e.g. ncu -k regex:_shrink_kernel|_expand_kernel), e.g. 'gate_up:8/16/32/64 in 64'")
     args = parser.parse_args()
+    layout = Layout(args.tokens, args.adapters, parse_prompts(args.prompts), args.pad_to)
     triton_lora.NARROW_SHRINK = args.narrow in ("both", "shrink")
     triton_lora.NARROW_EXPAND = args.narrow in ("both", "expand")
     if not torch.cuda.is_available():
@@ -289,7 +353,7 @@ def main():
         if layer not in LAYERS or name not in cases:
             parser.error(f"--launch-only {args.launch_only!r}: LAYER:CASE with LAYER one of {', '.join(LAYERS)} "
                          f"and CASE one of {'; '.join(cases)}")
-        setup = Setup.make(layer, cases[name], args.tokens, args.adapters, torch.Generator(device=DEV).manual_seed(0))
+        setup = Setup.make(layer, cases[name], args.tokens, args.adapters, torch.Generator(device=DEV).manual_seed(0), layout)
         (x, y, buf), (a, b) = setup.acts[0], setup.weights[0]
         for _ in range(3):
             lora_shrink(x, a, setup.meta, out=buf)
@@ -300,13 +364,14 @@ def main():
     info = env_info(ceil)
     gen = torch.Generator(device=DEV).manual_seed(0)
     lines = [f"{k}: {v}" for k, v in info.items()]
-    lines += [f"tokens {args.tokens}, adapters {args.adapters}, {COPIES} layers per graph, narrow tiles: {args.narrow}",
+    lines += [f"decode tokens {args.tokens}, adapters {args.adapters}, prompt chunks {list(layout.prompts) or 'none'}, "
+              f"{layout.total} tokens in all, {COPIES} layers per graph, narrow tiles: {args.narrow}",
               "", HEADER, "|" + "---|" * 9]
     print("\n".join(lines), flush=True)
     totals = {}
     for case in () if args.sweep_only else CASES:
         for layer in LAYERS:
-            r = run(layer, case, args.tokens, args.adapters, ceil, gen)
+            r = run(layer, case, layout, ceil, gen)
             totals.setdefault(case[0], [0.0, 0.0])
             totals[case[0]][0] += r["layer_us"]
             totals[case[0]][1] += r["floor_us"]
@@ -325,15 +390,15 @@ def main():
 
     save()
     if args.sweep:
-        measured = sweep(args.tokens, args.adapters, gen, lines, save, tuple(args.sweep_ops.split(",")),
+        measured = sweep(layout, gen, lines, save, tuple(args.sweep_ops.split(",")),
                          tuple(args.sweep_cases.split(";")), args.sweep_regs_only)
         if args.sweep_table:
             key = tuning.gpu_key(torch.device(DEV))
             table = json.loads(json.dumps(tuning._table(key)))  # a deep copy
             lines += ["", f"chosen for {args.sweep_table} (us per case, summed over the layers of a key):"]
             for (op, shape), (cfg, old, new) in sorted(pick(measured).items()):
-                table.setdefault(op, {}).setdefault(shape, {})[str(args.tokens)] = tuning.as_dict(cfg)
-                lines.append(f"- {op} {shape} @ {args.tokens} tokens: {cfg} "
+                table.setdefault(op, {}).setdefault(shape, {})[str(layout.total)] = tuning.as_dict(cfg)
+                lines.append(f"- {op} {shape} @ {layout.total} tokens: {cfg} "
                              f"({' / '.join(f'{t:.1f}' for t in old)} -> {' / '.join(f'{t:.1f}' for t in new)})")
             with open(args.sweep_table, "w") as f:
                 json.dump(table, f, indent=1, sort_keys=True)
