@@ -420,8 +420,8 @@ class CopyCalls:
     STEPS = ("_slot_targets", "shard_signature", "_staged")  # executor.lora's functions, timed apart
     PARTS = (*STEPS, "scatter")  # and the scatter's launch
 
-    def __init__(self, slots, profile: cProfile.Profile | None = None, trace: bool = False):
-        self.inner, self.host, self.events, self.profile = slots._copy_into_slot, 0.0, None, profile
+    def __init__(self, slots, trace: bool = False):
+        self.inner, self.host, self.events = slots._copy_into_slot, 0.0, None
         self.trace = [] if trace else None  # (shard bytes, torch.profiler key averages) of each call (--trace-load)
         self.split: dict[str, float] = {}  # host seconds of each of PARTS in the last call
         self.marks: dict[str, float] = {}  # perf_counter at the copy's steps of the last load
@@ -466,8 +466,6 @@ class CopyCalls:
             with profile(activities=activities) as prof:
                 rank = self.inner(slot, tensors)
             self.trace.append((sum(t.nbytes for t in tensors.values()), prof.key_averages()))
-        elif self.profile:
-            rank = self.profile.runcall(self.inner, slot, tensors)
         else:
             rank = self.inner(slot, tensors)
         if start is not None:
@@ -537,7 +535,8 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
     where = "pinned H2D" if bench_engine.DEVICE == "cuda" else "host memcpy"
     rows = [(f"{where} bandwidth", f"{bw / 1e9:.1f} GB/s", "", "256 MiB, median of 10")]
     slots = engine.slots
-    copy_calls = CopyCalls(slots, cProfile.Profile() if args.profile_load else None, trace=bool(args.trace_load))
+    copy_calls = CopyCalls(slots, trace=bool(args.trace_load))
+    profile = cProfile.Profile() if args.profile_load else None  # each load's acquire, its claim included
     try:
         for rank in RANKS:
             name = f"adapter-{RANKS.index(rank)}"
@@ -545,9 +544,13 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
             await slots.load(name, into_slot=False)  # in the CPU cache (pinned on CUDA), in no slot
             times, parts = [], []
             for _ in range(5):
+                if profile is not None:
+                    profile.enable()
                 t0 = time.perf_counter()
                 lease = await slots.acquire(name)
                 t1 = time.perf_counter()
+                if profile is not None:
+                    profile.disable()
                 if lease.ready is not None:
                     lease.ready.synchronize()
                 t2 = time.perf_counter()
@@ -571,7 +574,9 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
         copy_calls.restore(slots)
     if args.profile_load:
         out = io.StringIO()
-        pstats.Stats(copy_calls.profile, stream=out).sort_stats("cumulative").print_stats(60)
+        stats = pstats.Stats(profile, stream=out)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(40)
         args.profile_load.write_text(out.getvalue())
     if args.trace_load:
         args.trace_load.write_text(trace_table(copy_calls.trace))
@@ -872,7 +877,8 @@ def main() -> None:
     ap.add_argument("--profile-seconds", type=float, default=2.0, help="how long the window stays open")
     ap.add_argument("--probe", action="store_true", help="measure the adapter load path instead of a workload")
     ap.add_argument("--profile-load", type=Path, metavar="FILE",
-                    help="with --probe: cProfile of the CPU cache -> slot copy calls, by cumulative time, into FILE")
+                    help="with --probe: cProfile of each cold load's acquire (the slot's claim, the copy call, the "
+                         "event), by cumulative and by own time, into FILE")
     ap.add_argument("--trace-load", type=Path, metavar="FILE",
                     help="with --probe: torch.profiler of the same calls (torch ops and CUDA runtime calls, host "
                          "time each, no Python-level overhead), a table into FILE; the probe's own times then include the profiler's")
