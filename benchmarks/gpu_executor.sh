@@ -46,7 +46,8 @@
 #   arena:   the pinning stalls and the pinned arena's set-up time (bench_pinning.py), and the probe
 #            with no pinned arena (--pinned-arena-bytes 0): the cold-load delay the arena removes
 # Logs and tables go to OUT_DIR. KERNELS_FROM=DIR runs everything on the kernels in DIR instead of
-# kernels/ (a before/after comparison on one host: DIR holds an earlier kernels/ folder).
+# kernels/ (a before/after comparison on one host: DIR holds an earlier kernels/ folder);
+# EXECUTOR_FROM=DIR likewise for executor/.
 set -uo pipefail
 OUT=${1:?usage: gpu_executor.sh OUT_DIR [STAGES]}
 stages=${2:-test}
@@ -60,7 +61,8 @@ farm=/tmp/farm/loraserve
 rm -rf /tmp/farm && mkdir -p "$farm"
 for f in loraserve/*.py; do ln -s "$PWD/$f" "$farm/"; done
 ln -s "$PWD/adapter_store" "$farm/adapter_store"
-ln -s "$PWD/executor" "$farm/executor"
+[ -d "${EXECUTOR_FROM:-executor}" ] || { echo "EXECUTOR_FROM=$EXECUTOR_FROM: no such folder"; exit 1; }
+ln -s "$(realpath "${EXECUTOR_FROM:-executor}")" "$farm/executor"
 [ -d "${KERNELS_FROM:-kernels}" ] || { echo "KERNELS_FROM=$KERNELS_FROM: no such folder"; exit 1; }
 ln -s "$(realpath "${KERNELS_FROM:-kernels}")" "$farm/kernels"
 ln -s "$PWD/protos/loraserve/v1" "$farm/v1"

@@ -435,6 +435,16 @@ class CopyCalls:
             finally:
                 self.marks["exit"] = time.perf_counter()
         slots._copy = marked
+        # The claim, part by part (the fast path, SlotManager._load_now): its entry, the CPU cache's
+        # lookup, the slot pick, the queued-copy check, the slot taken, and _copy_on_loop's entry
+        # (what is left before `enter` is its switch to the copy stream)
+        self.claim: dict[str, float] = {}
+        self._patched = []  # (object, name, its own attribute before, if it had one)
+        for n in (*self.CLAIM_MARKS, *self.CLAIM_PARTS):
+            owner = slots.cpu if n == "cached" else slots
+            self._patched.append((owner, n, owner.__dict__.get(n)))
+            fn = getattr(owner, n)
+            setattr(owner, n, self._marked(n, fn) if n in self.CLAIM_MARKS else self._timed(n, fn, claim=True))
         from loraserve.executor import lora
 
         self._lora, self._saved = lora, {n: getattr(lora, n) for n in (*self.STEPS, "_default_scatter")}
@@ -443,14 +453,41 @@ class CopyCalls:
         saved_default = self._saved["_default_scatter"]
         lora._default_scatter = lambda device: (lambda f: f and self._timed("scatter", f))(saved_default(device))
 
-    def _timed(self, part: str, fn):
+    CLAIM_MARKS = ("_load_now", "_copy_on_loop")
+    CLAIM_PARTS = ("cached", "_pick_slot", "_queued_copy", "_take_slot")
+
+    def _timed(self, part: str, fn, claim: bool = False):
         def timed(*a, **kw):
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                self.split[part] = self.split.get(part, 0.0) + time.perf_counter() - t0
+                out = self.claim if claim else self.split
+                out[part] = out.get(part, 0.0) + time.perf_counter() - t0
         return timed
+
+    def _marked(self, mark: str, fn):
+        def marked(*a, **kw):
+            self.marks[mark] = time.perf_counter()
+            return fn(*a, **kw)
+        return marked
+
+    def begin(self) -> None:
+        """Before an acquire: the claim's parts and marks start afresh."""
+        self.claim = {}
+        for m in self.CLAIM_MARKS:
+            self.marks.pop(m, None)
+
+    def claim_parts(self, t0: float) -> list[float]:
+        """Seconds of the last fast-path claim (0s where the load took the task path): acquire to
+        _load_now, then CLAIM_PARTS, then _load_now's own rest up to _copy_on_loop, then the switch
+        to the copy stream (_copy_on_loop to the copy's entry)."""
+        m = self.marks
+        if "_load_now" not in m or "_copy_on_loop" not in m:
+            return [0.0] * (len(self.CLAIM_PARTS) + 3)
+        parts = [self.claim.get(n, 0.0) for n in self.CLAIM_PARTS]
+        return [m["_load_now"] - t0, *parts, m["_copy_on_loop"] - m["_load_now"] - sum(parts),
+                m["enter"] - m["_copy_on_loop"]]
 
     def __call__(self, slot: int, tensors: dict):
         on_cuda = bench_engine.DEVICE == "cuda"
@@ -502,6 +539,11 @@ class CopyCalls:
     def restore(self, slots) -> None:
         slots._copy_into_slot = self.inner
         del slots._copy  # the class's method again
+        for owner, n, own in self._patched:
+            if own is None:
+                delattr(owner, n)
+            else:
+                setattr(owner, n, own)
         for n, fn in self._saved.items():
             setattr(self._lora, n, fn)
 
@@ -544,6 +586,7 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
             await slots.load(name, into_slot=False)  # in the CPU cache (pinned on CUDA), in no slot
             times, parts = [], []
             for _ in range(5):
+                copy_calls.begin()
                 if profile is not None:
                     profile.enable()
                 t0 = time.perf_counter()
@@ -556,7 +599,7 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
                 t2 = time.perf_counter()
                 times.append(t2 - t0)
                 parts.append((t1 - t0, copy_calls.copy_phase_seconds(slots), copy_calls.host, copy_calls.device(), t2 - t1,
-                              *copy_calls.parts(), *copy_calls.hops(t0, t1)))
+                              *copy_calls.parts(), *copy_calls.hops(t0, t1), *copy_calls.claim_parts(t0)))
                 slots.release(lease)
                 await slots.evict(name)
                 await slots.load(name, into_slot=False)
@@ -568,7 +611,10 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
                          f"signature {part[6]:.2f}, staging copy queued {part[7]:.2f}, scatter launch {part[8]:.2f}, "
                          f"rest {part[9]:.2f}; around the call: claim (and any hop onto the copy thread) {part[10]:.2f}, before "
                          f"the call {part[11]:.2f}, event {part[12]:.2f}, back to the acquire's "
-                         f"return {part[13]:.2f}), device span of the copy {part[3]:.2f}, then waiting on its event {part[4]:.2f}"))
+                         f"return {part[13]:.2f}), device span of the copy {part[3]:.2f}, then waiting on its event {part[4]:.2f}; "
+                         f"the claim: to _load_now {part[14]:.3f}, CPU cache lookup {part[15]:.3f}, slot pick {part[16]:.3f}, "
+                         f"queued-copy check {part[17]:.3f}, slot taken {part[18]:.3f}, the rest of _load_now {part[19]:.3f}, "
+                         f"switch to the copy stream {part[20]:.3f}"))
             await slots.evict(name)
     finally:
         copy_calls.restore(slots)
