@@ -447,14 +447,17 @@ class CopyCalls:
             setattr(owner, n, self._marked(n, fn) if n in self.CLAIM_MARKS else self._timed(n, fn, claim=True))
         from loraserve.executor import lora
 
-        self._lora, self._saved = lora, {n: getattr(lora, n) for n in (*self.STEPS, "_default_scatter")}
+        self._lora, self._saved = lora, {n: getattr(lora, n) for n in (*self.STEPS, *self.CHECK, "_default_scatter")}
         for n in self.STEPS:
             setattr(lora, n, self._timed(n, self._saved[n]))
+        for n in self.CHECK:  # in the claim only (the queued-copy check's parts): until the copy call
+            setattr(lora, n, self._timed(n, self._saved[n], claim=True))
         saved_default = self._saved["_default_scatter"]
         lora._default_scatter = lambda device: (lambda f: f and self._timed("scatter", f))(saved_default(device))
 
     CLAIM_MARKS = ("_load_now", "_copy_on_loop")
     CLAIM_PARTS = ("cached", "_pick_slot", "_queued_copy", "_take_slot")
+    CHECK = ("_planned", "written_rank")  # executor.lora's functions the queued-copy check calls
 
     def _timed(self, part: str, fn, claim: bool = False):
         def timed(*a, **kw):
@@ -462,8 +465,9 @@ class CopyCalls:
             try:
                 return fn(*a, **kw)
             finally:
-                out = self.claim if claim else self.split
-                out[part] = out.get(part, 0.0) + time.perf_counter() - t0
+                if not claim or "enter" not in self.marks:
+                    out = self.claim if claim else self.split
+                    out[part] = out.get(part, 0.0) + time.perf_counter() - t0
         return timed
 
     def _marked(self, mark: str, fn):
@@ -475,7 +479,7 @@ class CopyCalls:
     def begin(self) -> None:
         """Before an acquire: the claim's parts and marks start afresh."""
         self.claim = {}
-        for m in self.CLAIM_MARKS:
+        for m in (*self.CLAIM_MARKS, "enter"):
             self.marks.pop(m, None)
 
     def claim_parts(self, t0: float) -> list[float]:
@@ -484,10 +488,10 @@ class CopyCalls:
         to the copy stream (_copy_on_loop to the copy's entry)."""
         m = self.marks
         if "_load_now" not in m or "_copy_on_loop" not in m:
-            return [0.0] * (len(self.CLAIM_PARTS) + 3)
+            return [0.0] * (len(self.CLAIM_PARTS) + 3 + len(self.CHECK))
         parts = [self.claim.get(n, 0.0) for n in self.CLAIM_PARTS]
         return [m["_load_now"] - t0, *parts, m["_copy_on_loop"] - m["_load_now"] - sum(parts),
-                m["enter"] - m["_copy_on_loop"]]
+                m["enter"] - m["_copy_on_loop"], *(self.claim.get(n, 0.0) for n in self.CHECK)]
 
     def __call__(self, slot: int, tensors: dict):
         on_cuda = bench_engine.DEVICE == "cuda"
@@ -614,7 +618,8 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
                          f"return {part[13]:.2f}), device span of the copy {part[3]:.2f}, then waiting on its event {part[4]:.2f}; "
                          f"the claim: to _load_now {part[14]:.3f}, CPU cache lookup {part[15]:.3f}, slot pick {part[16]:.3f}, "
                          f"queued-copy check {part[17]:.3f}, slot taken {part[18]:.3f}, the rest of _load_now {part[19]:.3f}, "
-                         f"switch to the copy stream {part[20]:.3f}"))
+                         f"switch to the copy stream {part[20]:.3f}; in the check: the planned layout's lookup {part[21]:.3f}, "
+                         f"the slot's written rank {part[22]:.3f}"))
             await slots.evict(name)
     finally:
         copy_calls.restore(slots)

@@ -567,13 +567,15 @@ class SlotManager:
         stream put back after; returns the copy's event (None on the CPU)."""
         if self._copy_stream is None:
             return self._copy(slot, tensors)
-        device, main = torch.cuda.current_device(), torch.cuda.current_stream(self.device)
+        # The current stream looked up by device index (a torch.device without one takes a slower
+        # lookup); putting it back puts its device back too. This switch is on a cold load's path
+        # before its host -> device copy is queued.
+        main = torch.cuda.current_stream(torch.cuda.current_device())
         torch.cuda.set_stream(self._copy_stream)  # (and its device)
         try:
             return self._copy(slot, tensors)
         finally:
-            torch.cuda.set_stream(main)
-            torch.cuda.set_device(device)
+            torch.cuda.set_stream(main)  # (and the loop's device)
 
     async def _on_copy_thread(self, fn: Callable, *args):
         """fn(*args) where slot copies run (see __init__). If the caller is cancelled meanwhile, the
