@@ -457,7 +457,7 @@ class CopyCalls:
 
     CLAIM_MARKS = ("_load_now", "_copy_on_loop")
     CLAIM_PARTS = ("cached", "_pick_slot", "_queued_copy", "_take_slot")
-    CHECK = ("_planned", "written_rank")  # executor.lora's functions the queued-copy check calls
+    CHECK = ("_planned",)  # executor.lora's functions the queued-copy check calls
 
     def _timed(self, part: str, fn, claim: bool = False):
         def timed(*a, **kw):
@@ -618,8 +618,7 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
                          f"return {part[13]:.2f}), device span of the copy {part[3]:.2f}, then waiting on its event {part[4]:.2f}; "
                          f"the claim: to _load_now {part[14]:.3f}, CPU cache lookup {part[15]:.3f}, slot pick {part[16]:.3f}, "
                          f"queued-copy check {part[17]:.3f}, slot taken {part[18]:.3f}, the rest of _load_now {part[19]:.3f}, "
-                         f"switch to the copy stream {part[20]:.3f}; in the check: the planned layout's lookup {part[21]:.3f}, "
-                         f"the slot's written rank {part[22]:.3f}"))
+                         f"switch to the copy stream {part[20]:.3f}; in the check: the planned layout's lookup {part[21]:.3f}"))
             await slots.evict(name)
     finally:
         copy_calls.restore(slots)

@@ -530,6 +530,14 @@ class _SlotTargets:
         self.scatterable = len({b.dtype for b in slot_bufs}) == 1 and all(b.is_contiguous() for b in slot_bufs)
         self.layouts: OrderedDict[tuple, _ShardLayout] = OrderedDict()
         self.lock = threading.Lock()
+        # each module's slot_ranks list (replaced only with its slot buffers, which retires these
+        # targets) and rank parts: `written_rank` without an attribute lookup per module
+        self._rank_lists = [(m.slot_ranks, m.rank_parts) for m in self.modules.values()]
+
+    def written_rank(self, slot: int) -> int:
+        """`written_rank` over these modules (a cold load's path reads it twice: ~0.07 ms a time by
+        module attributes on a CUDA host, docs/BENCHMARKS.md "Twenty-fifth pass")."""
+        return max([ranks[slot] * parts for ranks, parts in self._rank_lists], default=0)
 
     def current(self) -> bool:
         return all(d["lora_a"] is a and d["lora_b"] is b for d, a, b in self._held)
@@ -694,7 +702,7 @@ def queued_load(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -
     if planned is None:
         return False
     known, layout = planned
-    clip = layout.plan.clips.get(written_rank(known.modules.values(), slot))
+    clip = layout.plan.clips.get(known.written_rank(slot))
     return clip is not None and str(known.device) in clip.device_tables
 
 
@@ -808,7 +816,7 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
         if staged is None or staged.device != targets.device:
             staged = _staged(storage, lo, layout.span, targets.device, dtype) if tensors else None
         # zeros only up to what the slot's previous adapter wrote: its tail past that is zero already
-        scatter(layout.plan.clipped(written_rank(targets.modules.values(), slot)), staged, slot)
+        scatter(layout.plan.clipped(targets.written_rank(slot)), staged, slot)
     else:
         writes = SlotWrites()  # every module's copies and zero-fills issued together
         for name, module in targets.modules.items():
