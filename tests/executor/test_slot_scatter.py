@@ -98,6 +98,7 @@ def _check_against_per_tensor_copies(scatter, dtype, device):
         load_shard_into_slot(new, slot, _one_buffer(shard, pin), scatter=scatter)
         load_shard_into_slot(old, slot, {k: v.to(device) for k, v in shard.items()})
         _assert_same(new, old)
+        _assert_written_ranks(new)
     targets = lora._slot_targets(new)
     assert len(targets.layouts) == len(STEPS) - 1  # step 5 reused step 1's layout (checks and plan)
     assert all(layout.plan is not None for layout in targets.layouts.values())
@@ -111,6 +112,15 @@ def _check_against_per_tensor_copies(scatter, dtype, device):
     for m in lora_modules(old).values():
         m.reset_lora(2)
     _assert_same(new, old)
+    _assert_written_ranks(new)
+
+
+def _assert_written_ranks(model):
+    """The slot targets' written rank (read on a cold load's path from their own slot-rank lists)
+    is the modules' own, in every slot (a fully sharded module counting its parts)."""
+    targets = lora._slot_targets(model)
+    for slot in range(len(next(iter(targets.modules.values())).slot_ranks)):
+        assert targets.written_rank(slot) == lora.written_rank(targets.modules.values(), slot), slot
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
