@@ -937,9 +937,9 @@ def main() -> None:
     if bad := set(args.grpc_client) - {"process", "in-process"}:
         ap.error(f"--grpc-client: {', '.join(sorted(bad))} is not process or in-process")
     if (args.profile_load or args.trace_load) and not args.probe:
-        ap.error("--profile-load and --trace-load profile the probe's copy calls: add --probe")
+        ap.error("--profile-load and --trace-load profile the probe's cold loads: add --probe")
     if args.profile_load and args.trace_load:
-        ap.error("--profile-load and --trace-load each time the same copy calls: run one at a time")
+        ap.error("--profile-load and --trace-load each time the same cold loads: run one at a time")
     bench_engine.DEVICE = args.device
     bench_engine.DTYPE = torch.bfloat16 if args.device == "cuda" else torch.float32
     if args.device == "cuda" and not torch.cuda.is_available():
