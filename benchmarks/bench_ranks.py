@@ -236,9 +236,10 @@ def _candidates(op, in_features, widths, rank, current, regs_only=False, tokens=
 
 def _label(op, cfg, in_features) -> str:
     if op == "expand":
-        return f"n{cfg.block_n}x{cfg.n_iters} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}" + _regs_label(cfg)
+        return (f"m{cfg.block_m} n{cfg.block_n}x{cfg.n_iters} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}"
+                + _regs_label(cfg))
     per_split = -(-in_features // cfg.split_k)
-    return (f"n{cfg.block_n} k{cfg.block_k}/{per_split} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}"
+    return (f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k}/{per_split} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}"
             + _regs_label(cfg))
 
 
