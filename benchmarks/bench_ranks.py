@@ -1,4 +1,4 @@
-"""LoRA layers of one decode step when the adapters' ranks differ from the slots' rank.
+"""LoRA layers of one decode step (or mixed step: --prompts) when the adapters' ranks differ from the slots' rank.
 
     python benchmarks/bench_ranks.py [--out DIR] [--tokens 64] [--adapters 40] [--prompts 8x160 --pad-to 1536]
     ncu -k "regex:_shrink_kernel|_expand_kernel" python benchmarks/bench_ranks.py --launch-only "gate_up:8/16/32/64 in 64"
@@ -344,6 +344,8 @@ def main():
                              "a profiler, e.g. ncu -k regex:_shrink_kernel|_expand_kernel), e.g. 'gate_up:8/16/32/64 in 64'")
     args = parser.parse_args()
     layout = Layout(args.tokens, args.adapters, parse_prompts(args.prompts), args.pad_to)
+    if args.pad_to and args.pad_to < layout.lora_tokens:
+        parser.error(f"--pad-to {args.pad_to} is below the step's {layout.lora_tokens} adapter tokens")
     triton_lora.NARROW_SHRINK = args.narrow in ("both", "shrink")
     triton_lora.NARROW_EXPAND = args.narrow in ("both", "expand")
     if not torch.cuda.is_available():

@@ -12,7 +12,8 @@
 #   lora:    the LoRA kernels' GPU tests (tests/kernels/test_triton_gpu.py, test_split_k_gpu.py, test_pdl_gpu.py)
 #   pdl:     the programmatic-dependent LoRA launches' GPU tests alone (tests/kernels/test_pdl_gpu.py)
 #   ranks:   benchmarks/bench_ranks.py (each LoRA layer of a decode step alone, adapters of ranks 8-64
-#            in slots of rank 64 and of their own rank; RANKS_ARGS adds flags, e.g. "--tokens 16")
+#            in slots of rank 64 and of their own rank; RANKS_ARGS adds flags, e.g. "--tokens 16", or
+#            "--prompts 8x160 --pad-to 1536" for a mixed step)
 #   moe:     benchmarks/bench_moe.py (fused MoE + expert LoRA against its floor)
 #   attn:    benchmarks/bench_attention.py (paged attention kernels against their floors)
 #   skinny:  benchmarks/bench_skinny.py --greedy (the base linears at 1-64 tokens, cuBLAS against the
@@ -69,6 +70,7 @@ ln -s "$PWD/protos/loraserve/v1" "$farm/v1"
 export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1
 {
   date -u; echo "tree $(bash benchmarks/tree_id.sh) (git log --all --format='%h %T' names its commit)"
+  echo "kernels from ${KERNELS_FROM:-kernels}, executor from ${EXECUTOR_FROM:-executor}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 } 2>&1 | tee "$OUT/gpu.txt"

@@ -439,11 +439,13 @@ class CopyCalls:
         # lookup, the slot pick, the queued-copy check, the slot taken, and _copy_on_loop's entry
         # (what is left before `enter` is its switch to the copy stream)
         self.claim: dict[str, float] = {}
-        self._patched = []  # (object, name, its own attribute before, if it had one)
+        self._patched = []  # (object, name, whether it was the object's own attribute, its value)
         for n in (*self.CLAIM_MARKS, *self.CLAIM_PARTS):
             owner = slots.cpu if n == "cached" else slots
-            self._patched.append((owner, n, owner.__dict__.get(n)))
             fn = getattr(owner, n)
+            if fn is None:  # no queued_copy: the fast path is off, nothing to time
+                continue
+            self._patched.append((owner, n, n in owner.__dict__, fn))
             setattr(owner, n, self._marked(n, fn) if n in self.CLAIM_MARKS else self._timed(n, fn, claim=True))
         from loraserve.executor import lora
 
@@ -473,21 +475,22 @@ class CopyCalls:
     def _marked(self, mark: str, fn):
         def marked(*a, **kw):
             self.marks[mark] = time.perf_counter()
-            return fn(*a, **kw)
+            out = self.marks[f"{mark} returned"] = fn(*a, **kw)
+            return out
         return marked
 
     def begin(self) -> None:
         """Before an acquire: the claim's parts and marks start afresh."""
         self.claim = {}
-        for m in (*self.CLAIM_MARKS, "enter"):
+        for m in (*self.CLAIM_MARKS, *(f"{m} returned" for m in self.CLAIM_MARKS), "enter"):
             self.marks.pop(m, None)
 
     def claim_parts(self, t0: float) -> list[float]:
-        """Seconds of the last fast-path claim (0s where the load took the task path): acquire to
+        """Seconds of the last fast-path claim (0s where _load_now did not do the load): acquire to
         _load_now, then CLAIM_PARTS, then _load_now's own rest up to _copy_on_loop, then the switch
         to the copy stream (_copy_on_loop to the copy's entry)."""
         m = self.marks
-        if "_load_now" not in m or "_copy_on_loop" not in m:
+        if m.get("_load_now returned") is not True or "_copy_on_loop" not in m:
             return [0.0] * (len(self.CLAIM_PARTS) + 3 + len(self.CHECK))
         parts = [self.claim.get(n, 0.0) for n in self.CLAIM_PARTS]
         return [m["_load_now"] - t0, *parts, m["_copy_on_loop"] - m["_load_now"] - sum(parts),
@@ -543,11 +546,11 @@ class CopyCalls:
     def restore(self, slots) -> None:
         slots._copy_into_slot = self.inner
         del slots._copy  # the class's method again
-        for owner, n, own in self._patched:
-            if own is None:
-                delattr(owner, n)
+        for owner, n, own, fn in self._patched:
+            if own:
+                setattr(owner, n, fn)
             else:
-                setattr(owner, n, own)
+                delattr(owner, n)  # the class's method again
         for n, fn in self._saved.items():
             setattr(self._lora, n, fn)
 
@@ -593,11 +596,13 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
                 copy_calls.begin()
                 if profile is not None:
                     profile.enable()
-                t0 = time.perf_counter()
-                lease = await slots.acquire(name)
-                t1 = time.perf_counter()
-                if profile is not None:
-                    profile.disable()
+                try:
+                    t0 = time.perf_counter()
+                    lease = await slots.acquire(name)
+                    t1 = time.perf_counter()
+                finally:
+                    if profile is not None:
+                        profile.disable()
                 if lease.ready is not None:
                     lease.ready.synchronize()
                 t2 = time.perf_counter()
@@ -927,8 +932,9 @@ def main() -> None:
     ap.add_argument("--profile-seconds", type=float, default=2.0, help="how long the window stays open")
     ap.add_argument("--probe", action="store_true", help="measure the adapter load path instead of a workload")
     ap.add_argument("--profile-load", type=Path, metavar="FILE",
-                    help="with --probe: cProfile of each cold load's acquire (the slot's claim, the copy call, the "
-                         "event), by cumulative and by own time, into FILE")
+                    help="with --probe: cProfile switched on over each cold load's acquire (the slot's claim, "
+                         "the copy call when the loop makes it, the event; from Python 3.12 whatever other "
+                         "threads run meanwhile too), by cumulative and by own time, into FILE")
     ap.add_argument("--trace-load", type=Path, metavar="FILE",
                     help="with --probe: torch.profiler of the same calls (torch ops and CUDA runtime calls, host "
                          "time each, no Python-level overhead), a table into FILE; the probe's own times then include the profiler's")

@@ -567,15 +567,19 @@ class SlotManager:
         stream put back after; returns the copy's event (None on the CPU)."""
         if self._copy_stream is None:
             return self._copy(slot, tensors)
-        # The current stream looked up by device index (a torch.device without one takes a slower
-        # lookup); putting it back puts its device back too. This switch is on a cold load's path
-        # before its host -> device copy is queued.
-        main = torch.cuda.current_stream(torch.cuda.current_device())
+        # This switch is on a cold load's path before its host -> device copy is queued: streams are
+        # looked up by device index (a torch.device without one takes a slower lookup), and the
+        # loop's device is set back only where it is not the copy stream's. Each device has its own
+        # current stream: what is put back is the copy stream's device's, whatever device is current.
+        device, copy_device = torch.cuda.current_device(), self._copy_stream.device_index
+        main = torch.cuda.current_stream(copy_device)
         torch.cuda.set_stream(self._copy_stream)  # (and its device)
         try:
             return self._copy(slot, tensors)
         finally:
-            torch.cuda.set_stream(main)  # (and the loop's device)
+            torch.cuda.set_stream(main)  # (and its device: the copy stream's)
+            if device != copy_device:
+                torch.cuda.set_device(device)
 
     async def _on_copy_thread(self, fn: Callable, *args):
         """fn(*args) where slot copies run (see __init__). If the caller is cancelled meanwhile, the

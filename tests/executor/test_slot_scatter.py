@@ -29,8 +29,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.bfloat16, torch.float32]
 
 # (slot, rank, modules absent from the shard); rank 0: an empty shard. Odd sizes everywhere; slot 2
-# gets rank 8, then rank 4 (its old tail must go) without the experts; step 5 repeats step 1's layout.
-STEPS = [(0, 4, ()), (2, 8, ("o",)), (1, 6, ()), (2, 4, ("experts",)), (3, 4, ()), (0, 0, ())]
+# gets rank 8, then rank 4 (its old tail must go) without the experts; step 5 repeats step 1's layout;
+# step 6 targets the fully sharded column layer alone (its rank parts decide the slot's written rank).
+STEPS = [(0, 4, ()), (2, 8, ("o",)), (1, 6, ()), (2, 4, ("experts",)), (3, 4, ()),
+         (3, 10, ("qkv", "o", "sharded_row", "embed", "experts")), (0, 0, ())]
 
 
 def _modules(dtype, device) -> nn.Module:

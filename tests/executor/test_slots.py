@@ -794,3 +794,28 @@ async def test_a_cancelled_wait_for_the_copy_thread_ends_only_after_the_threads_
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert ended == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the slot copy stream")
+def test_a_loop_queued_copy_puts_back_every_devices_current_stream_and_the_current_device():
+    """_copy_on_loop runs the copy on the copy stream, then leaves the loop thread's current device
+    and each device's current stream as they were: with slots on the last GPU while device 0 is
+    current (a multi-GPU host), and on the current device itself."""
+    seen = []
+
+    def copy(slot, tensors):
+        seen.append((torch.cuda.current_device(), torch.cuda.current_stream()))
+        return 8
+
+    for index in sorted({0, torch.cuda.device_count() - 1}):
+        torch.cuda.set_device(0)
+        slots = SlotManager(Store().fetch, copy, lambda slot: None, max_loras=1, device=torch.device("cuda", index),
+                            queued_copy=lambda slot, tensors: True)
+        before = [torch.cuda.current_stream(d) for d in range(torch.cuda.device_count())]
+        slots._copy_on_loop(0, {})
+        assert seen[-1] == (index, slots.copy_stream)
+        assert torch.cuda.current_device() == 0
+        assert [torch.cuda.current_stream(d) for d in range(torch.cuda.device_count())] == before
+        assert slots.slot_ranks[0] == 8
+        slots.close()
