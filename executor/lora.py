@@ -679,8 +679,8 @@ def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.d
 
 def _planned(model: nn.Module, key: "_LayoutKey"):
     """(targets, layout) of a layout already planned for `model`'s CUDA slot buffers (no check that
-    they are current: what a caller does with them stays valid for any buffers of that device),
-    or None."""
+    they are current: what a caller does with them stays valid for any buffers of that device; their
+    written ranks may then be stale, which only `queued_load`'s loop-or-thread answer reads), or None."""
     known = _TARGETS.get(model)
     if known is None or known.device.type != "cuda":
         return None
