@@ -126,11 +126,12 @@ class Setup:
     offsets: tuple[int, ...]
 
     @staticmethod
-    def make(layer, case, tokens, adapters, gen, layout=None) -> "Setup":
+    def make(layer, case, layout: "Layout", gen) -> "Setup":
         in_features, widths = LAYERS[layer]
         _, slot_rank, cycle = case
+        adapters = layout.adapters
         ranks = [cycle[i % len(cycle)] for i in range(adapters)]
-        slots = (layout or Layout(tokens, adapters)).slots(gen)
+        slots = layout.slots(gen)
         tokens = slots.shape[0]
         meta = make_lora_meta(slots, adapters, slot_ranks=torch.tensor(ranks, device=DEV, dtype=torch.int32))
         offsets = offsets_of(widths)
@@ -163,7 +164,7 @@ class Setup:
 
 def run(layer, case, layout, ceil, gen):
     in_features, widths = LAYERS[layer]
-    setup = Setup.make(layer, case, layout.decode, layout.adapters, gen, layout)
+    setup = Setup.make(layer, case, layout, gen)
     times = {op: setup.time_us(op) for op in ("shrink", "expand", "layer")}
     slot_rank = case[1]
     cfg = tuning.shrink_config(torch.device(DEV), layout.total, in_features, len(widths), slot_rank)
@@ -265,7 +266,7 @@ def sweep(layout, gen, out_lines, save, ops=("expand", "shrink"), case_names=SWE
     print("\n".join(out_lines[-2:]), flush=True)
     measured: dict = {}
     for layer, (in_features, widths) in LAYERS.items():
-        setups = [Setup.make(layer, case, layout.decode, layout.adapters, gen, layout) for case in cases]
+        setups = [Setup.make(layer, case, layout, gen) for case in cases]
         for op in ops:
             if op == "expand":
                 shape, current = tuning.expand_key(tuple(widths), rank), tuning.expand_config(torch.device(DEV), tokens, tuple(widths), rank)
@@ -356,7 +357,7 @@ def main():
         if layer not in LAYERS or name not in cases:
             parser.error(f"--launch-only {args.launch_only!r}: LAYER:CASE with LAYER one of {', '.join(LAYERS)} "
                          f"and CASE one of {'; '.join(cases)}")
-        setup = Setup.make(layer, cases[name], args.tokens, args.adapters, torch.Generator(device=DEV).manual_seed(0), layout)
+        setup = Setup.make(layer, cases[name], layout, torch.Generator(device=DEV).manual_seed(0))
         (x, y, buf), (a, b) = setup.acts[0], setup.weights[0]
         for _ in range(3):
             lora_shrink(x, a, setup.meta, out=buf)

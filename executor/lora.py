@@ -535,8 +535,8 @@ class _SlotTargets:
         self._rank_lists = [(m.slot_ranks, m.rank_parts) for m in self.modules.values()]
 
     def written_rank(self, slot: int) -> int:
-        """`written_rank` over these modules (a cold load's path reads it twice: ~0.07 ms a time by
-        module attributes on a CUDA host, docs/BENCHMARKS.md "Twenty-fifth pass")."""
+        """`written_rank` over these modules, from the lists kept above: a cold load's path reads it
+        twice, the first time before its copy is queued (docs/BENCHMARKS.md "Twenty-fifth pass")."""
         return max([ranks[slot] * parts for ranks, parts in self._rank_lists], default=0)
 
     def current(self) -> bool:
