@@ -412,54 +412,51 @@ def h2d_bandwidth() -> float:
 
 
 class CopyCalls:
-    """Times the slot manager's copy into a slot (SlotManager._copy_into_slot, run on the loop or on
-    its copy thread: SlotManager._copy_in): the host seconds of the call (the staged host -> device
-    copy queued, the scatter launched), and on CUDA its device span by events on the stream it runs
-    on (the copy stream)."""
+    """Times a cold load's copy into a slot: on the loop (SlotManager._queued_copy begins it, its
+    staging copy queued, and the function it returns finishes it) or on the copy thread
+    (SlotManager._copy_into_slot): the host seconds from the copy's start to its end (the scatter
+    launched), and on CUDA its device span by events on the stream it runs on (the copy stream).
+    Also the claim before it, part by part (the fast path, SlotManager._load_now)."""
 
     STEPS = ("_slot_targets", "shard_signature", "_staged")  # executor.lora's functions, timed apart
     PARTS = (*STEPS, "scatter")  # and the scatter's launch
+    CLAIM_MARKS = ("_load_now", "_copy_stream_current")
+    CLAIM_PARTS = ("cached", "_pick_slot", "_take_slot")  # timed until the copy's event (`exit`)
+    CHECK = ("_planned",)  # executor.lora's functions the queued-copy call runs, timed until then too
 
     def __init__(self, slots, trace: bool = False):
         self.inner, self.host, self.events = slots._copy_into_slot, 0.0, None
+        self.on_cuda = bench_engine.DEVICE == "cuda"
         self.trace = [] if trace else None  # (shard bytes, torch.profiler key averages) of each call (--trace-load)
-        self.split: dict[str, float] = {}  # host seconds of each of PARTS in the last call
-        self.marks: dict[str, float] = {}  # perf_counter at the copy's steps of the last load
-        slots._copy_into_slot = self
-        copy = slots._copy  # SlotManager._copy: the copy call and its event
-
-        def marked(*a):
-            self.marks["enter"] = time.perf_counter()
-            try:
-                return copy(*a)
-            finally:
-                self.marks["exit"] = time.perf_counter()
-        slots._copy = marked
-        # The claim, part by part (the fast path, SlotManager._load_now): its entry, the CPU cache's
-        # lookup, the slot pick, the queued-copy check, the slot taken, and _copy_on_loop's entry
-        # (what is left before `enter` is its switch to the copy stream)
-        self.claim: dict[str, float] = {}
+        self.split: dict[str, float] = {}  # host seconds of each of PARTS in the last copy
+        self.marks: dict[str, float] = {}  # perf_counter at the load's steps
+        self.claim: dict[str, float] = {}  # host seconds of CLAIM_PARTS, CHECK and the queued-copy call
         self._patched = []  # (object, name, whether it was the object's own attribute, its value)
-        for n in (*self.CLAIM_MARKS, *self.CLAIM_PARTS):
+        self._patch(slots, "_copy_into_slot", lambda slot, tensors: self._copy(lambda: self.inner(slot, tensors), tensors))
+        if slots._queued_copy is not None:
+            self._patch(slots, "_queued_copy", self._begun(slots._queued_copy))
+        # the copy's event recorded (an executor before SlotManager._copied: its _copy's return)
+        done = "_copied" if hasattr(slots, "_copied") else "_copy"
+        self._patch(slots, done, self._marked("exit", getattr(slots, done), after=True))
+        for n in self.CLAIM_MARKS:
+            if hasattr(slots, n):
+                self._patch(slots, n, self._marked(n, getattr(slots, n)))
+        for n in self.CLAIM_PARTS:
             owner = slots.cpu if n == "cached" else slots
-            fn = getattr(owner, n)
-            if fn is None:  # no queued_copy: the fast path is off, nothing to time
-                continue
-            self._patched.append((owner, n, n in owner.__dict__, fn))
-            setattr(owner, n, self._marked(n, fn) if n in self.CLAIM_MARKS else self._timed(n, fn, claim=True))
+            self._patch(owner, n, self._timed(n, getattr(owner, n), claim=True))
         from loraserve.executor import lora
 
         self._lora, self._saved = lora, {n: getattr(lora, n) for n in (*self.STEPS, *self.CHECK, "_default_scatter")}
         for n in self.STEPS:
             setattr(lora, n, self._timed(n, self._saved[n]))
-        for n in self.CHECK:  # in the claim only (the queued-copy check's parts): until the copy call
+        for n in self.CHECK:
             setattr(lora, n, self._timed(n, self._saved[n], claim=True))
         saved_default = self._saved["_default_scatter"]
         lora._default_scatter = lambda device: (lambda f: f and self._timed("scatter", f))(saved_default(device))
 
-    CLAIM_MARKS = ("_load_now", "_copy_on_loop")
-    CLAIM_PARTS = ("cached", "_pick_slot", "_queued_copy", "_take_slot")
-    CHECK = ("_planned",)  # executor.lora's functions the queued-copy check calls
+    def _patch(self, owner, name: str, fn) -> None:
+        self._patched.append((owner, name, name in owner.__dict__, getattr(owner, name)))
+        setattr(owner, name, fn)
 
     def _timed(self, part: str, fn, claim: bool = False):
         def timed(*a, **kw):
@@ -467,61 +464,78 @@ class CopyCalls:
             try:
                 return fn(*a, **kw)
             finally:
-                if not claim or "enter" not in self.marks:
+                if not claim or "exit" not in self.marks:
                     out = self.claim if claim else self.split
                     out[part] = out.get(part, 0.0) + time.perf_counter() - t0
         return timed
 
-    def _marked(self, mark: str, fn):
+    def _marked(self, mark: str, fn, after: bool = False):
+        """fn marking the time it is called (after=True: the time it returns) as `mark`."""
         def marked(*a, **kw):
-            self.marks[mark] = time.perf_counter()
+            if not after:
+                self.marks[mark] = time.perf_counter()
             out = self.marks[f"{mark} returned"] = fn(*a, **kw)
+            if after:
+                self.marks[mark] = time.perf_counter()
             return out
         return marked
 
-    def begin(self) -> None:
-        """Before an acquire: the claim's parts and marks start afresh."""
-        self.claim = {}
-        for m in (*self.CLAIM_MARKS, *(f"{m} returned" for m in self.CLAIM_MARKS), "enter"):
-            self.marks.pop(m, None)
+    def _begun(self, queued):
+        def begun(slot, tensors):
+            self._start()
+            finish = queued(slot, tensors)
+            self.claim["_queued_copy"] = time.perf_counter() - self.marks["start"]
+            if not callable(finish):  # None: not queued; an executor before queued_load began copies: True / False
+                return finish
+            return lambda: self._copy(finish, tensors, started=True)
+        return begun
 
-    def claim_parts(self, t0: float) -> list[float]:
-        """Seconds of the last fast-path claim (0s where _load_now did not do the load): acquire to
-        _load_now, then CLAIM_PARTS, then _load_now's own rest up to _copy_on_loop, then the switch
-        to the copy stream (_copy_on_loop to the copy's entry)."""
-        m = self.marks
-        if m.get("_load_now returned") is not True or "_copy_on_loop" not in m:
-            return [0.0] * (len(self.CLAIM_PARTS) + 3 + len(self.CHECK))
-        parts = [self.claim.get(n, 0.0) for n in self.CLAIM_PARTS]
-        return [m["_load_now"] - t0, *parts, m["_copy_on_loop"] - m["_load_now"] - sum(parts),
-                m["enter"] - m["_copy_on_loop"], *(self.claim.get(n, 0.0) for n in self.CHECK)]
-
-    def __call__(self, slot: int, tensors: dict):
-        on_cuda = bench_engine.DEVICE == "cuda"
-        start = torch.cuda.Event(enable_timing=True) if on_cuda else None
+    def _start(self) -> None:
         self.split = {}
-        t0 = self.marks["start"] = time.perf_counter()
-        if start is not None:
-            start.record()
+        self.marks["start"] = time.perf_counter()
+        self.start = torch.cuda.Event(enable_timing=True) if self.on_cuda else None
+        if self.start is not None:
+            self.start.record()
+
+    def _copy(self, fn, tensors: dict, started: bool = False):
+        """fn() (the copy, or the rest of one begun since `_start`) timed, with the trace's ops if asked."""
+        if not started:
+            self._start()
         if self.trace is not None:  # the call's torch ops and CUDA runtime calls, each with its host time
             from torch.profiler import ProfilerActivity, profile
 
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_cuda else [])
             with profile(activities=activities) as prof:
-                rank = self.inner(slot, tensors)
+                rank = fn()
             self.trace.append((sum(t.nbytes for t in tensors.values()), prof.key_averages()))
         else:
-            rank = self.inner(slot, tensors)
-        if start is not None:
+            rank = fn()
+        if self.start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.events = (start, end)
+            self.events = (self.start, end)
         self.marks["end"] = time.perf_counter()
-        self.host = self.marks["end"] - t0
+        self.host = self.marks["end"] - self.marks["start"]
         return rank
 
+    def begin(self) -> None:
+        """Before an acquire: the claim's parts and marks start afresh."""
+        self.claim, self.marks, self.events = {}, {}, None
+
+    def claim_parts(self, t0: float) -> list[float]:
+        """Seconds of the last fast-path claim (0s where _load_now did not do the load): acquire to
+        _load_now, the CPU cache's lookup, the slot pick, the switch to the copy stream, the
+        queued-copy call (its check and staging copy queued), the slot taken, and of the call the
+        planned layout's lookup."""
+        m = self.marks
+        if m.get("_load_now returned") is not True or "_copy_stream_current" not in m:
+            return [0.0] * 7
+        c = self.claim
+        return [m["_load_now"] - t0, c.get("cached", 0.0), c.get("_pick_slot", 0.0), m["start"] - m["_copy_stream_current"],
+                c.get("_queued_copy", 0.0), c.get("_take_slot", 0.0), c.get("_planned", 0.0)]
+
     def device(self) -> float:
-        """Seconds between the events of the last call (call after its copy has finished); 0 on the CPU."""
+        """Seconds between the events of the last copy (call after it has finished); 0 on the CPU."""
         return self.events[0].elapsed_time(self.events[1]) / 1e3 if self.events else 0.0
 
     @staticmethod
@@ -530,23 +544,22 @@ class CopyCalls:
         return slots.observer.phases[-1][2] if getattr(slots.observer, "phases", None) else 0.0
 
     def parts(self) -> list[float]:
-        """Host seconds of the last call's PARTS, then the rest of the call (the layout's lookup,
-        the slot ranks, the Python between)."""
+        """Host seconds of the last copy's PARTS, then the rest of it (the layout's lookup, the slot
+        ranks, on the loop the slot taken, the Python between)."""
         got = [self.split.get(n, 0.0) for n in self.PARTS]
         return got + [self.host - sum(got)]
 
     def hops(self, t0: float, t1: float) -> list[float]:
-        """Seconds of the last load from acquire (t0) to its return (t1): before SlotManager._copy
-        (the slot's claim, and the hop onto the copy thread where the copy runs there), the work
-        before the copy call, after it (the event), then back to the acquire's return (any hop
-        back, the log line, the waiters' wake-up)."""
+        """Seconds of the last load from acquire (t0) to its return (t1): before the copy's start
+        (the slot's claim, and the hop onto the copy thread where the copy runs there), from its end
+        to its event recorded, then back to the acquire's return (any hop back, the log line, the
+        waiters' wake-up)."""
         m = self.marks
-        return [m["enter"] - t0, m["start"] - m["enter"], m["exit"] - m["end"], t1 - m["exit"]]
+        exit_ = m.get("exit", m["end"])
+        return [m["start"] - t0, exit_ - m["end"], t1 - exit_]
 
-    def restore(self, slots) -> None:
-        slots._copy_into_slot = self.inner
-        del slots._copy  # the class's method again
-        for owner, n, own, fn in self._patched:
+    def restore(self) -> None:
+        for owner, n, own, fn in reversed(self._patched):
             if own:
                 setattr(owner, n, fn)
             else:
@@ -592,7 +605,7 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
             nbytes, floor = adapters.nbytes(rank), adapters.nbytes(rank) / bw
             await slots.load(name, into_slot=False)  # in the CPU cache (pinned on CUDA), in no slot
             times, parts = [], []
-            for _ in range(5):
+            for _ in range(args.probe_loads):
                 copy_calls.begin()
                 if profile is not None:
                     profile.enable()
@@ -615,18 +628,19 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
             t = statistics.median(times)
             part = [statistics.median(p[i] for p in parts) * 1e3 for i in range(len(parts[0]))]
             rows.append((f"rank {rank}: CPU cache -> slot", f"{t * 1e3:.2f} ms", f"{nbytes / 2**20:.1f} MiB",
-                         f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms; medians: acquire {part[0]:.2f} ms "
-                         f"(copy phase {part[1]:.2f}, of it the copy call {part[2]:.2f}: slot targets {part[5]:.2f}, "
+                         f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms (median of {len(times)} loads; "
+                         f"{min(times) / floor:.2f}-{max(times) / floor:.2f}x); medians: acquire {part[0]:.2f} ms "
+                         f"(copy phase {part[1]:.2f}, of it the copy {part[2]:.2f}: slot targets {part[5]:.2f}, "
                          f"signature {part[6]:.2f}, staging copy queued {part[7]:.2f}, scatter launch {part[8]:.2f}, "
-                         f"rest {part[9]:.2f}; around the call: claim (and any hop onto the copy thread) {part[10]:.2f}, before "
-                         f"the call {part[11]:.2f}, event {part[12]:.2f}, back to the acquire's "
-                         f"return {part[13]:.2f}), device span of the copy {part[3]:.2f}, then waiting on its event {part[4]:.2f}; "
-                         f"the claim: to _load_now {part[14]:.3f}, CPU cache lookup {part[15]:.3f}, slot pick {part[16]:.3f}, "
-                         f"queued-copy check {part[17]:.3f}, slot taken {part[18]:.3f}, the rest of _load_now {part[19]:.3f}, "
-                         f"switch to the copy stream {part[20]:.3f}; in the check: the planned layout's lookup {part[21]:.3f}"))
+                         f"rest {part[9]:.2f}; around it: claim (and any hop onto the copy thread) {part[10]:.2f}, "
+                         f"event {part[11]:.2f}, back to the acquire's return {part[12]:.2f}), device span of the copy "
+                         f"{part[3]:.2f}, then waiting on its event {part[4]:.2f}; the claim: to _load_now {part[13]:.3f}, "
+                         f"CPU cache lookup {part[14]:.3f}, slot pick {part[15]:.3f}, switch to the copy stream {part[16]:.3f}, "
+                         f"queued-copy call (its check and staging copy) {part[17]:.3f}, slot taken {part[18]:.3f}; "
+                         f"in the call: the planned layout's lookup {part[19]:.3f}"))
             await slots.evict(name)
     finally:
-        copy_calls.restore(slots)
+        copy_calls.restore()
     if args.profile_load:
         out = io.StringIO()
         stats = pstats.Stats(profile, stream=out)
@@ -635,8 +649,9 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
         args.profile_load.write_text(out.getvalue())
     if args.trace_load:
         args.trace_load.write_text(trace_table(copy_calls.trace))
-    rows.append(await load_delay(engine, args.vocab))
-    rows += await store_probe(args, engine, bw, adapters.arena)
+    if not args.probe_loads_only:
+        rows.append(await load_delay(engine, args.vocab))
+        rows += await store_probe(args, engine, bw, adapters.arena)
     return rows
 
 
@@ -931,6 +946,9 @@ def main() -> None:
     ap.add_argument("--profile-after", type=float, default=4.0, help="seconds into the gRPC run the window opens")
     ap.add_argument("--profile-seconds", type=float, default=2.0, help="how long the window stays open")
     ap.add_argument("--probe", action="store_true", help="measure the adapter load path instead of a workload")
+    ap.add_argument("--probe-loads", type=int, default=5, help="cold loads per rank in the probe (their median is reported)")
+    ap.add_argument("--probe-loads-only", action="store_true",
+                    help="the probe's CPU cache -> slot loads only (not the loads beside decoding, nor store -> slot)")
     ap.add_argument("--profile-load", type=Path, metavar="FILE",
                     help="with --probe: cProfile switched on over each cold load's acquire (the slot's claim, "
                          "the copy call when the loop makes it, the event; from Python 3.12 whatever other "

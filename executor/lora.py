@@ -18,6 +18,7 @@ import operator
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 
@@ -689,21 +690,30 @@ def _planned(model: nn.Module, key: "_LayoutKey"):
     return (known, layout) if layout is not None and layout.plan is not None else None
 
 
-def queued_load(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether a load of `tensors` into `slot` of `model`'s slots only queues device work: CUDA slot
-    buffers, the shard in page-locked memory (ShardTensors.pinned, kept as it landed in the CPU
-    cache), its layout checked and planned by an earlier load, and the scatter's tables for what
-    this slot holds now built already (building them copies from pageable memory, which waits for
-    the copy stream's queued work): no host work beyond ~0.5-0.8 ms of calls."""
+def queued_load(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -> Callable[[], int] | None:
+    """A load of `tensors` into `slot` of `model`'s slots begun, when all it does is queue device
+    work: CUDA slot buffers, the shard in page-locked memory (ShardTensors.pinned, kept as it landed
+    in the CPU cache), its layout checked and planned by an earlier load, and the scatter's tables
+    for what this slot holds now built already (building them copies from pageable memory, which
+    waits for the copy stream's queued work). Its host -> device copy is queued on the current
+    stream (the slot manager's copy stream) before the slot's part of that check, so the check and
+    what the caller does next overlap the copy; the returned function finishes the load (as
+    load_shard_into_slot, whose rank it returns). None otherwise: with nothing queued, or where only
+    the slot's tables are missing (once per layout and rank written before) with the staging copy
+    queued and dropped (its buffer goes back to the current stream's pool, reused only by work queued
+    after it)."""
     signature = getattr(tensors, "signature", None)
-    if not getattr(tensors, "pinned", False) or signature is None:
-        return False
+    if not getattr(tensors, "pinned", False) or signature is None or signature[2] is None:
+        return None
     planned = _planned(model, signature[0])
     if planned is None:
-        return False
+        return None
     known, layout = planned
+    staged = _staged(signature[2], signature[3], layout.span, known.device, next(iter(tensors.values())).dtype)
     clip = layout.plan.clips.get(known.written_rank(slot))
-    return clip is not None and str(known.device) in clip.device_tables
+    if clip is None or str(known.device) not in clip.device_tables:
+        return None  # (the caller's copy thread stages them again)
+    return lambda: load_shard_into_slot(model, slot, tensors, staged=staged)
 
 
 def _staged_early(model: nn.Module, key: "_LayoutKey", storage, lo: int, tensors: dict[str, torch.Tensor]):
@@ -796,7 +806,8 @@ def clear_slot(modules, slot: int, scatter=None) -> None:
         m.slot_ranks[slot] = 0
 
 
-def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor], scatter=None) -> int:
+def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor], scatter=None,
+                         staged: torch.Tensor | None = None) -> int:
     """Copies one shard's tensors into `slot` of every LoRA module; modules absent from it are zeroed.
     Returns the slot's adapter rank as the kernels may read it (LoraMeta.slot_ranks): the largest
     rank among its modules, slot buffers being zero past each module's own.
@@ -805,9 +816,11 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
     before any slot buffer is written, so a bad shard leaves the slot as it was (a layout that passed
     once is not checked again). scatter: how a shard staged in one piece is scattered into the slots
     (default: kernels.slot_scatter on CUDA, one launch; None on the CPU: per-tensor copies there).
+    staged: the shard's bytes on the device already (`queued_load`), else staged here.
     """
     key, offsets, storage, lo = shard_signature(tensors)
-    staged = _staged_early(model, key, storage, lo, tensors)
+    if staged is None:
+        staged = _staged_early(model, key, storage, lo, tensors)
     targets = _slot_targets(model)
     layout = targets.layout(tensors, key, offsets)
     scatter = scatter or _default_scatter(targets.device)

@@ -34,6 +34,7 @@ Rules this module guarantees:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -151,10 +152,12 @@ class SlotManager:
         slot_wait_timeout_s: float = 30.0,
         max_concurrent_loads: int | None = None,
         observer: SlotObserver | None = None,
-        queued_copy: Callable[[int, dict[str, torch.Tensor]], bool] | None = None,
+        queued_copy: Callable[[int, dict[str, torch.Tensor]], Callable[[], int | None] | None] | None = None,
     ):
-        """queued_copy(slot, tensors): whether copying these into that slot only queues device work
-        (CUDA; executor/lora.py `queued_load`): such copies run on the loop itself, the rest on a thread."""
+        """queued_copy(slot, tensors), called with the copy stream current: where copying these into
+        that slot only queues device work (CUDA; executor/lora.py `queued_load`), the copy begun, as
+        a function that finishes it and returns what copy_into_slot would; else None, having queued
+        nothing. Such copies run on the loop itself, the rest on the copy thread (copy_into_slot)."""
         self._copy_into_slot = copy_into_slot
         self._queued_copy = queued_copy
         self._clear_slot = clear_slot
@@ -427,25 +430,29 @@ class SlotManager:
         turns a task's start and its waiter's wake-up take): the adapter's host copy is in the CPU
         cache, a slot is free or idle with no adapter queued before this one, and the copy only
         queues device work (`queued_copy`). False, having changed nothing but the CPU cache's
-        order, when any of that is not so, or while a load task that asked earlier has not started
+        order (and perhaps queued a staging copy that is then dropped: `queued_copy`), when any of that is not so, or while a load task that asked earlier has not started
         (it would have queued for a slot before this one): the caller takes the task path (`_load_slot`)."""
         if self._queued_copy is None or a.stale or self._unstarted or (held := self.cpu.cached(a)) is None:
             return False
         digest, tensors = held
         slot = self._pick_slot(a)
-        if slot is None or not self._queued_copy(slot, tensors):
+        if slot is None:
             return False
         t0 = time.perf_counter()
-        self._take_slot(a, slot)
-        try:
+        with self._copy_stream_current():
+            finish = self._queued_copy(slot, tensors)  # (its host -> device copy queued already)
+            if finish is None:
+                return False
+            self._take_slot(a, slot)
             try:
-                a.event = self._copy_on_loop(slot, tensors)
-                a.slot_digest = digest
-            except BaseException as exc:
-                self._copy_failed(a, slot, exc)
-            self._loaded(a, slot, "cpu", t0, t0, t0)
-        finally:
-            self._notify()
+                try:
+                    a.event = self._copied(slot, finish())
+                    a.slot_digest = digest
+                except BaseException as exc:
+                    self._copy_failed(a, slot, exc)
+            finally:
+                self._notify()
+        self._loaded(a, slot, "cpu", t0, t0, t0)
         return True
 
     async def _load_slot(self, a: _Adapter) -> None:
@@ -557,16 +564,20 @@ class SlotManager:
     async def _copy_in(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
         """Copies the shard into the slot: from the loop itself when that only queues device work
         (`queued_copy`), else on the copy thread; returns the copy's event (None on the CPU)."""
-        if self._queued_copy is not None and self._queued_copy(slot, tensors):
-            return self._copy_on_loop(slot, tensors)
+        if self._queued_copy is not None:
+            with self._copy_stream_current():
+                finish = self._queued_copy(slot, tensors)
+                if finish is not None:
+                    return self._copied(slot, finish())
         return await self._on_copy_thread(self._copy, slot, tensors)
 
-    def _copy_on_loop(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
-        """Copies the shard into the slot from the loop itself (a copy `queued_copy` says only
-        queues device work): on CUDA queued on the copy stream, the loop's current device and
-        stream put back after; returns the copy's event (None on the CPU)."""
+    @contextlib.contextmanager
+    def _copy_stream_current(self):
+        """On CUDA, the copy stream current on this thread (the loop's) inside, and after it the
+        thread's current device and each device's current stream as they were; nothing on the CPU."""
         if self._copy_stream is None:
-            return self._copy(slot, tensors)
+            yield
+            return
         # This switch is on a cold load's path before its host -> device copy is queued: streams are
         # looked up by device index (a torch.device without one takes a slower lookup), and the
         # loop's device is set back only where it is not the copy stream's. Each device has its own
@@ -575,7 +586,7 @@ class SlotManager:
         main = torch.cuda.current_stream(copy_device)
         torch.cuda.set_stream(self._copy_stream)  # (and its device)
         try:
-            return self._copy(slot, tensors)
+            yield
         finally:
             torch.cuda.set_stream(main)  # (and its device: the copy stream's)
             if device != copy_device:
@@ -598,9 +609,12 @@ class SlotManager:
             self._copy_thread.shutdown(wait=False)
 
     def _copy(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
-        """Copies the shard into the slot, on CUDA with the copy stream current (`_copy_in`),
-        returning an event recorded after the copy."""
-        rank = self._copy_into_slot(slot, tensors)
+        """Copies the shard into the slot, on CUDA with the copy stream current (the copy thread's)."""
+        return self._copied(slot, self._copy_into_slot(slot, tensors))
+
+    def _copied(self, slot: int, rank: int | None) -> torch.cuda.Event | None:
+        """After a copy into the slot was queued: the slot's rank as its copy function returned it,
+        and on CUDA an event recorded after the copy, on the copy stream (current here)."""
         event = None
         if self._copy_stream is not None:
             event = torch.cuda.Event()

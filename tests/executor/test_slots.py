@@ -85,6 +85,12 @@ class Slots:
         self.content[slot] = None
 
 
+def queued_by(copy, when=lambda tensors: True):
+    """A queued_copy for `copy`: where when(tensors), the copy begun (nothing to begin here) as the
+    function that does it, as executor/lora.py `queued_load` returns one; else None."""
+    return lambda slot, tensors: (lambda: copy(slot, tensors)) if when(tensors) else None
+
+
 def _manager(store, slots, max_loras=2, max_cpu_adapters=8, timeout_s=5.0, max_concurrent_loads=None) -> SlotManager:
     return SlotManager(
         store.fetch,
@@ -95,7 +101,7 @@ def _manager(store, slots, max_loras=2, max_cpu_adapters=8, timeout_s=5.0, max_c
         device=torch.device("cpu"),
         slot_wait_timeout_s=timeout_s,
         max_concurrent_loads=max_concurrent_loads,
-        queued_copy=(lambda slot, tensors: True) if slots.queued else None,
+        queued_copy=queued_by(slots.copy) if slots.queued else None,
     )
 
 
@@ -327,7 +333,7 @@ async def test_shard_the_model_refuses_is_invalid_argument_and_not_cached(store,
         raise ValueError("layer.lora_a: shard tensor (1, 2, 4) does not fit slot (1, 8, 5)")
 
     mgr = SlotManager(store.fetch, copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
-                      queued_copy=(lambda slot, tensors: True) if slots.queued else None)
+                      queued_copy=queued_by(copy) if slots.queued else None)
     if cached:
         await mgr.load("adapter-0", into_slot=False)
     with pytest.raises(StatusError) as info:
@@ -583,7 +589,7 @@ async def test_a_load_on_the_spot_evicts_the_idle_adapter_and_reports_as_the_tas
     either path; adapter-0 keeps its host copy and loses its slot."""
     observer = Recorder()
     mgr = SlotManager(store.fetch, slots.copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
-                      observer=observer, queued_copy=(lambda slot, tensors: True) if slots.queued else None)
+                      observer=observer, queued_copy=queued_by(slots.copy) if slots.queued else None)
     mgr.release(await mgr.acquire("adapter-0"))
     await mgr.load("adapter-1", into_slot=False)
     observer.calls.clear()
@@ -599,7 +605,7 @@ async def test_a_copy_that_fails_otherwise_frees_the_slot_keeps_the_host_copy_an
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     mgr = SlotManager(store.fetch, copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
-                      queued_copy=(lambda slot, tensors: True) if slots.queued else None)
+                      queued_copy=queued_by(copy) if slots.queued else None)
     await mgr.load("adapter-0", into_slot=False)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         await mgr.acquire("adapter-0")
@@ -614,7 +620,7 @@ async def test_a_load_that_asked_first_keeps_its_turn_over_one_done_on_the_spot(
     first to ask gets it, the other waits for it."""
     mgr = SlotManager(store.fetch, slots.copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
                       slot_wait_timeout_s=5.0,
-                      queued_copy=(lambda slot, tensors: slots.by_value[float(tensors["layer.lora_a"][0, 0, 0])] != "adapter-0"))
+                      queued_copy=queued_by(slots.copy, lambda tensors: slots.by_value[float(tensors["layer.lora_a"][0, 0, 0])] != "adapter-0"))
     for name in NAMES[:2]:
         await mgr.load(name, into_slot=False)
     first = asyncio.create_task(mgr.acquire("adapter-0"))
@@ -798,24 +804,38 @@ async def test_a_cancelled_wait_for_the_copy_thread_ends_only_after_the_threads_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the slot copy stream")
-def test_a_loop_queued_copy_puts_back_every_devices_current_stream_and_the_current_device():
-    """_copy_on_loop runs the copy on the copy stream, then leaves the loop thread's current device
-    and each device's current stream as they were: with slots on the last GPU while device 0 is
-    current (a multi-GPU host), and on the current device itself."""
+def test_a_loop_queued_copy_runs_on_the_copy_stream_and_puts_back_every_devices_stream_and_the_device():
+    """A copy queued from the loop is begun (`queued_copy`: its staging copy queued) and finished on
+    the copy stream; after it the loop thread's current device and each device's current stream are
+    as they were: with slots on the last GPU while device 0 is current (a multi-GPU host), and on the
+    current device itself. A copy that is not queued leaves them too, and runs on the copy thread."""
     seen = []
 
+    def queued(slot, tensors):
+        seen.append(("begun", torch.cuda.current_device(), torch.cuda.current_stream()))
+        if tensors.get("host work"):
+            return None
+
+        def finish():
+            seen.append(("finished", torch.cuda.current_device(), torch.cuda.current_stream()))
+            return 8
+        return finish
+
     def copy(slot, tensors):
-        seen.append((torch.cuda.current_device(), torch.cuda.current_stream()))
-        return 8
+        seen.append(("thread", torch.cuda.current_device(), torch.cuda.current_stream()))
+        return 4
 
     for index in sorted({0, torch.cuda.device_count() - 1}):
         torch.cuda.set_device(0)
         slots = SlotManager(Store().fetch, copy, lambda slot: None, max_loras=1, device=torch.device("cuda", index),
-                            queued_copy=lambda slot, tensors: True)
+                            queued_copy=queued)
         before = [torch.cuda.current_stream(d) for d in range(torch.cuda.device_count())]
-        slots._copy_on_loop(0, {})
-        assert seen[-1] == (index, slots.copy_stream)
-        assert torch.cuda.current_device() == 0
-        assert [torch.cuda.current_stream(d) for d in range(torch.cuda.device_count())] == before
-        assert slots.slot_ranks[0] == 8
+        for tensors, rank, steps in (({}, 8, ("begun", "finished")), ({"host work": True}, 4, ("begun", "thread"))):
+            seen.clear()
+            event = asyncio.run(slots._copy_in(0, tensors))
+            assert seen == [(step, index, slots.copy_stream) for step in steps]
+            assert torch.cuda.current_device() == 0
+            assert [torch.cuda.current_stream(d) for d in range(torch.cuda.device_count())] == before
+            assert slots.slot_ranks[0] == rank and event is not None
+            event.synchronize()
         slots.close()
