@@ -428,6 +428,7 @@ class CopyCalls:
         self.inner, self.host, self.events = slots._copy_into_slot, 0.0, None
         self.on_cuda = bench_engine.DEVICE == "cuda"
         self.trace = [] if trace else None  # (shard bytes, torch.profiler key averages) of each call (--trace-load)
+        self._profiling = None  # the profiler of the copy under way (--trace-load)
         self.split: dict[str, float] = {}  # host seconds of each of PARTS in the last copy
         self.marks: dict[str, float] = {}  # perf_counter at the load's steps
         self.claim: dict[str, float] = {}  # host seconds of CLAIM_PARTS, CHECK and the queued-copy call
@@ -486,30 +487,39 @@ class CopyCalls:
             finish = queued(slot, tensors)
             self.claim["_queued_copy"] = time.perf_counter() - self.marks["start"]
             if not callable(finish):  # None: not queued; an executor before queued_load began copies: True / False
+                self._stop_profiling()  # (on this thread, where it started)
                 return finish
             return lambda: self._copy(finish, tensors, started=True)
         return begun
 
     def _start(self) -> None:
+        """The copy's start: its clock and start event, and (--trace-load) the profiler's window opened."""
+        if self.trace is not None:  # the copy's torch ops and CUDA runtime calls, each with its host time
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profiling = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_cuda else []))
+            self._profiling.__enter__()
         self.split = {}
         self.marks["start"] = time.perf_counter()
         self.start = torch.cuda.Event(enable_timing=True) if self.on_cuda else None
         if self.start is not None:
             self.start.record()
 
+    def _stop_profiling(self):
+        """The profiler of the copy under way, stopped (None when not tracing)."""
+        prof, self._profiling = self._profiling, None
+        if prof is not None:
+            prof.__exit__(None, None, None)
+        return prof
+
     def _copy(self, fn, tensors: dict, started: bool = False):
-        """fn() (the copy, or the rest of one begun since `_start`) timed, with the trace's ops if asked."""
+        """fn() (the copy, or the rest of one begun since `_start`) timed, and traced if asked."""
         if not started:
             self._start()
-        if self.trace is not None:  # the call's torch ops and CUDA runtime calls, each with its host time
-            from torch.profiler import ProfilerActivity, profile
-
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_cuda else [])
-            with profile(activities=activities) as prof:
-                rank = fn()
+        rank = fn()
+        prof = self._stop_profiling()
+        if prof is not None:
             self.trace.append((sum(t.nbytes for t in tensors.values()), prof.key_averages()))
-        else:
-            rank = fn()
         if self.start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -569,7 +579,7 @@ class CopyCalls:
 
 
 def trace_table(calls: list) -> str:
-    """The copy calls' torch ops and CUDA runtime calls (torch.profiler key averages of each call),
+    """The copies' torch ops and CUDA runtime calls (torch.profiler key averages of each call),
     one table per shard size, each size's first call left out (it checks the layout and builds the
     scatter's tables once): host and device microseconds per call by name, the largest first."""
     by_size: dict[int, list] = {}
