@@ -4,7 +4,8 @@ A slot load queues one copy of the shard's bytes from the pinned CPU cache (memo
 cudaHostRegister: executor/pinned_arena.py) and returns; the copy's own time is the device's. This
 prints, per size, the host time of `dst.copy_(src, non_blocking=True)` on a side stream and the
 copy's device time (events), from: memory of torch's pinned allocator (cudaHostAlloc), a region
-page-locked with cudaHostRegister (as the arena), and the same region issued as 8 MiB pieces.
+page-locked with cudaHostRegister (as the arena), the executor's pinned arena itself, and the
+region issued as 8 MiB pieces (`--copies-only`: this table alone).
 Medians of 20, after 3 warm-ups.
 
 Then a slot load's two ways from that region, per adapter rank (a Llama-3-8B-sized adapter's bytes,
@@ -25,7 +26,7 @@ A wait of the whole stream would hide from the replay's own events, so both tabl
 when the replay began and ended, counted from an event recorded on the load stream before its
 copies (the start includes the host's time queuing them).
 
-    python benchmarks/bench_h2d_call.py [--region-gib 4]
+    python benchmarks/bench_h2d_call.py [--region-gib 4] [--copies-only]
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def timed(fn, stream: torch.cuda.Stream, repeat: int = 20) -> tuple[float, float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--region-gib", type=float, default=4.0, help="size of the cudaHostRegister'd region")
+    ap.add_argument("--copies-only", action="store_true", help="the first table only (one copy by source and size)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_h2d_call.py runs on a CUDA host")
@@ -76,15 +78,19 @@ def main() -> None:
     err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), region_bytes, 0)
     if int(err) != 0:
         raise SystemExit(f"cudaHostRegister error {int(err)}")
+    from loraserve.executor.pinned_arena import PinnedArena
+
+    arena = PinnedArena(region_bytes)  # the executor's own: anonymous pages, huge pages where given, touched, registered
     dst = torch.empty(top, dtype=torch.uint8, device="cuda")
     rows = []
     for mib in SIZES_MIB:
         n = mib << 20
         at = region_bytes // 2  # a slice from the middle of the registered region
-        src_reg = region[at : at + n]
+        src_reg, src_arena = region[at : at + n], arena.base[at : at + n]
         cases = {
             "cudaHostAlloc (torch pinned)": lambda: dst[:n].copy_(alloc[:n], non_blocking=True),
             "cudaHostRegister region": lambda: dst[:n].copy_(src_reg, non_blocking=True),
+            "the pinned arena (executor/pinned_arena.py)": lambda: dst[:n].copy_(src_arena, non_blocking=True),
             "region, 8 MiB pieces": lambda: [dst[o : o + (8 << 20)].copy_(src_reg[o : o + (8 << 20)], non_blocking=True)
                                              for o in range(0, n, 8 << 20)],
         }
@@ -96,6 +102,8 @@ def main() -> None:
     print("| MiB | source | host us of the call | device ms | GB/s |\n|---|---|---|---|---|")
     for mib, name, h, d, bw in rows:
         print(f"| {mib} | {name} | {h:.1f} | {d:.3f} | {bw:.1f} |")
+    if args.copies_only:
+        return
     scatter_rows(region, region_bytes // 2, stream)
     memset_rows(region, stream)
     torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
