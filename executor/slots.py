@@ -156,8 +156,9 @@ class SlotManager:
     ):
         """queued_copy(slot, tensors), called with the copy stream current: where copying these into
         that slot only queues device work (CUDA; executor/lora.py `queued_load`), the copy begun, as
-        a function that finishes it and returns what copy_into_slot would; else None, having queued
-        nothing. Such copies run on the loop itself, the rest on the copy thread (copy_into_slot)."""
+        a function that finishes it and returns what copy_into_slot would; else None (any device work
+        it queued is dropped). Such copies run on the loop itself, the rest on the copy thread
+        (copy_into_slot)."""
         self._copy_into_slot = copy_into_slot
         self._queued_copy = queued_copy
         self._clear_slot = clear_slot
@@ -430,8 +431,9 @@ class SlotManager:
         turns a task's start and its waiter's wake-up take): the adapter's host copy is in the CPU
         cache, a slot is free or idle with no adapter queued before this one, and the copy only
         queues device work (`queued_copy`). False, having changed nothing but the CPU cache's
-        order (and perhaps queued a staging copy that is then dropped: `queued_copy`), when any of that is not so, or while a load task that asked earlier has not started
-        (it would have queued for a slot before this one): the caller takes the task path (`_load_slot`)."""
+        order (a staging copy `queued_copy` began is dropped), when any of that is not so, or while
+        a load task that asked earlier has not started (it would have queued for a slot before this
+        one): the caller takes the task path (`_load_slot`)."""
         if self._queued_copy is None or a.stale or self._unstarted or (held := self.cpu.cached(a)) is None:
             return False
         digest, tensors = held
