@@ -484,7 +484,11 @@ class CopyCalls:
     def _begun(self, queued):
         def begun(slot, tensors):
             self._start()
-            finish = queued(slot, tensors)
+            try:
+                finish = queued(slot, tensors)
+            except BaseException:
+                self._stop_profiling()
+                raise
             self.claim["_queued_copy"] = time.perf_counter() - self.marks["start"]
             if not callable(finish):  # None: not queued; an executor before queued_load began copies: True / False
                 self._stop_profiling()  # (on this thread, where it started)
@@ -516,8 +520,10 @@ class CopyCalls:
         """fn() (the copy, or the rest of one begun since `_start`) timed, and traced if asked."""
         if not started:
             self._start()
-        rank = fn()
-        prof = self._stop_profiling()
+        try:
+            rank = fn()
+        finally:
+            prof = self._stop_profiling()
         if prof is not None:
             self.trace.append((sum(t.nbytes for t in tensors.values()), prof.key_averages()))
         if self.start is not None:

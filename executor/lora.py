@@ -695,13 +695,10 @@ def queued_load(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -
     work: CUDA slot buffers, the shard in page-locked memory (ShardTensors.pinned, kept as it landed
     in the CPU cache), its layout checked and planned by an earlier load, and the scatter's tables
     for what this slot holds now built already (building them copies from pageable memory, which
-    waits for the copy stream's queued work). Its host -> device copy is queued on the current
-    stream (the slot manager's copy stream) before the slot's part of that check, so the check and
-    what the caller does next overlap the copy; the returned function finishes the load (as
-    load_shard_into_slot, whose rank it returns). None otherwise: with nothing queued, or where only
-    the slot's tables are missing (once per layout and rank written before) with the staging copy
-    queued and dropped (its buffer goes back to the current stream's pool, reused only by work queued
-    after it)."""
+    waits for the copy stream's queued work). Its host -> device copy is then queued on the current
+    stream (the slot manager's copy stream), so that what the caller does next (the slot taken)
+    overlaps the copy; the returned function finishes the load (as load_shard_into_slot, whose rank
+    it returns). None otherwise, with nothing queued (the caller's copy thread loads it)."""
     signature = getattr(tensors, "signature", None)
     if not getattr(tensors, "pinned", False) or signature is None or signature[2] is None:
         return None
@@ -709,10 +706,10 @@ def queued_load(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -
     if planned is None:
         return None
     known, layout = planned
-    staged = _staged(signature[2], signature[3], layout.span, known.device, next(iter(tensors.values())).dtype)
     clip = layout.plan.clips.get(known.written_rank(slot))
     if clip is None or str(known.device) not in clip.device_tables:
-        return None  # (the caller's copy thread stages them again)
+        return None
+    staged = _staged(signature[2], signature[3], layout.span, known.device, next(iter(tensors.values())).dtype)
     return lambda: load_shard_into_slot(model, slot, tensors, staged=staged)
 
 

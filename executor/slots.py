@@ -156,9 +156,9 @@ class SlotManager:
     ):
         """queued_copy(slot, tensors), called with the copy stream current: where copying these into
         that slot only queues device work (CUDA; executor/lora.py `queued_load`), the copy begun, as
-        a function that finishes it and returns what copy_into_slot would; else None (any device work
-        it queued is dropped). Such copies run on the loop itself, the rest on the copy thread
-        (copy_into_slot)."""
+        a function that finishes it and returns what copy_into_slot would; else None, having queued
+        nothing. Such copies run on the loop itself, the rest on the copy thread (copy_into_slot).
+        Either raises ValueError for a shard the model refuses (INVALID_ARGUMENT to the caller)."""
         self._copy_into_slot = copy_into_slot
         self._queued_copy = queued_copy
         self._clear_slot = clear_slot
@@ -431,9 +431,8 @@ class SlotManager:
         turns a task's start and its waiter's wake-up take): the adapter's host copy is in the CPU
         cache, a slot is free or idle with no adapter queued before this one, and the copy only
         queues device work (`queued_copy`). False, having changed nothing but the CPU cache's
-        order (a staging copy `queued_copy` began is dropped), when any of that is not so, or while
-        a load task that asked earlier has not started (it would have queued for a slot before this
-        one): the caller takes the task path (`_load_slot`)."""
+        order, when any of that is not so, or while a load task that asked earlier has not started
+        (it would have queued for a slot before this one): the caller takes the task path (`_load_slot`)."""
         if self._queued_copy is None or a.stale or self._unstarted or (held := self.cpu.cached(a)) is None:
             return False
         digest, tensors = held
@@ -442,7 +441,10 @@ class SlotManager:
             return False
         t0 = time.perf_counter()
         with self._copy_stream_current():
-            finish = self._queued_copy(slot, tensors)  # (its host -> device copy queued already)
+            try:
+                finish = self._queued_copy(slot, tensors)  # (its host -> device copy queued already)
+            except BaseException as exc:
+                self._copy_failed(a, None, exc)
             if finish is None:
                 return False
             self._take_slot(a, slot)
@@ -479,10 +481,12 @@ class SlotManager:
             self._forget_if_unused(a)
             self._notify()
 
-    def _copy_failed(self, a: _Adapter, slot: int, exc: BaseException) -> None:
-        """A copy into a just-claimed slot failed: the slot is freed, a shard the model refuses
-        (ValueError) is dropped from the CPU cache and reported as INVALID_ARGUMENT; raises."""
-        self._slots[slot], a.slot = None, -1
+    def _copy_failed(self, a: _Adapter, slot: int | None, exc: BaseException) -> None:
+        """A copy into a just-claimed slot (None: before one was taken) failed: the slot is freed, a
+        shard the model refuses (ValueError) is dropped from the CPU cache and reported as
+        INVALID_ARGUMENT; raises."""
+        if slot is not None:
+            self._slots[slot], a.slot = None, -1
         if isinstance(exc, ValueError):  # the model refused the shard's shapes or dtypes
             self.cpu.drop(a)  # a shard that cannot be used is not worth caching
             raise invalid(f"adapter {a.name!r} does not fit this executor's LoRA slots: {exc}") from exc

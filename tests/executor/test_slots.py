@@ -325,15 +325,20 @@ async def test_cancelled_waiter_does_not_cancel_the_shared_load(store, slots):
     assert mgr.state("adapter-0").in_use == 1 and slots.content[lease.slot] == "adapter-0"
 
 
+@pytest.mark.parametrize("begun", [False, True], ids=["refused-by-the-copy", "refused-as-it-begins"])
 @pytest.mark.parametrize("cached", [False, True], ids=["fetched", "cached"])
-async def test_shard_the_model_refuses_is_invalid_argument_and_not_cached(store, slots, cached):
+async def test_shard_the_model_refuses_is_invalid_argument_and_not_cached(store, slots, cached, begun):
     """Refused on a thread or on the loop, after a fetch or from the CPU cache (with loop copies: on
-    the spot, `_load_now`): INVALID_ARGUMENT, the copy dropped and the slot free again."""
+    the spot, `_load_now`), by the copy or (loop copies) as `queued_copy` begins it, before a slot is
+    taken there: INVALID_ARGUMENT, the copy dropped and the slot free again."""
     def copy(slot, tensors):
         raise ValueError("layer.lora_a: shard tensor (1, 2, 4) does not fit slot (1, 8, 5)")
 
+    queued = queued_by(copy)
+    if begun:
+        queued = lambda slot, tensors: copy(slot, tensors)  # noqa: E731
     mgr = SlotManager(store.fetch, copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
-                      queued_copy=queued_by(copy) if slots.queued else None)
+                      queued_copy=queued if slots.queued else None)
     if cached:
         await mgr.load("adapter-0", into_slot=False)
     with pytest.raises(StatusError) as info:
