@@ -21,7 +21,7 @@ import grpc
 from loraserve.auth import require_admin
 from loraserve.errors import StatusError, grpc_errors, invalid, precondition, unavailable
 from loraserve.metrics import StoreMetrics, serve_metrics
-from loraserve.serving import BULK_OPTIONS, RunningServer, outlast_cancellation, start_server
+from loraserve.serving import BULK_OPTIONS, RunningServer, start_server
 from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
@@ -30,6 +30,7 @@ from . import base_model, pack, sources
 from .cache import Checksums, DiskCache, RedisCache, TieredCache
 from .config import StoreConfig
 from .layout import check_layout, layout_hash
+from .read_ahead import read_ahead
 from .redis_registry import RedisRegistry
 from .registry import FileRegistry
 
@@ -332,47 +333,28 @@ async def _sliced(blob: bytes, chunk: int):
         yield b"".join((_frame_head(len(part)), part))
 
 
-async def _streamed(reader, chunk: int, name: str):
-    """A cached shard as framed data chunks, as it is read: chunk k+1 is read (and, for a copy not
-    checked since it changed, hashed) in a thread while chunk k is sent. A copy that fails its
-    checksum (xxh3-128, or sha256 for a copy cached before xxh3-128 was kept) is deleted from the
-    cache and the stream fails DATA_LOSS before its trailer; the client asks again (with `verify`)
-    and gets it packed anew."""
+def _streamed(reader, chunk: int, name: str):
+    """A cached shard as framed data chunks, as it is read ahead of the stream by a thread
+    (read_ahead.py: up to DEPTH chunks ahead, hashed there for a copy not checked since it changed).
+    A copy that fails its checksum (xxh3-128, or sha256 for a copy cached before xxh3-128 was kept)
+    is deleted from the cache and the stream fails DATA_LOSS before its trailer; the client asks
+    again (with `verify`) and gets it packed anew."""
     buffer = bytearray(_FRAME_ROOM + chunk)  # read into, framed in place, copied once into the message
-    # A read runs on in its thread when the stream is cancelled while waiting for it (a client gone):
-    # the reader is closed only after it, and no read starts after the close.
-    lock, closed = threading.Lock(), False
 
-    def read() -> bytes:
-        with lock:
-            n = 0 if closed else reader.readinto(memoryview(buffer)[_FRAME_ROOM:])
-            if n == 0:
-                return b""
-            head = _frame_head(n)
-            start = _FRAME_ROOM - len(head)
-            buffer[start:_FRAME_ROOM] = head
-            return bytes(memoryview(buffer)[start : _FRAME_ROOM + n])
+    def read(reader) -> bytes:
+        n = reader.readinto(memoryview(buffer)[_FRAME_ROOM:])
+        if n == 0:
+            return b""
+        head = _frame_head(n)
+        start = _FRAME_ROOM - len(head)
+        buffer[start:_FRAME_ROOM] = head
+        return bytes(memoryview(buffer)[start : _FRAME_ROOM + n])
 
-    def close() -> None:
-        nonlocal closed
-        with lock:
-            closed = True
-            reader.close()
+    def failed() -> StatusError:
+        return StatusError(grpc.StatusCode.DATA_LOSS, f"the cached shard of adapter {name!r} failed its "
+                           f"{reader.checksums.kind} check in the store's {reader.tier} cache and was dropped: fetch it again")
 
-    ahead = None
-    loop = asyncio.get_running_loop()
-    try:
-        ahead = loop.run_in_executor(None, read)  # a future, not a task per chunk
-        while message := await ahead:
-            ahead = loop.run_in_executor(None, read)
-            yield message
-        if not await asyncio.to_thread(reader.finish):
-            raise StatusError(grpc.StatusCode.DATA_LOSS, f"the cached shard of adapter {name!r} failed its "
-                              f"{reader.checksums.kind} check in the store's {reader.tier} cache and was dropped: fetch it again")
-    finally:  # through a cancellation too: the read in flight ends, then the reader is closed
-        if ahead is not None:
-            await outlast_cancellation(ahead)
-        await outlast_cancellation(loop.run_in_executor(None, close))
+    return read_ahead(reader, read, failed)
 
 
 async def _trailer(sums: Checksums, xxh3: bool, blob: bytes | None) -> spb.ShardChunk:

@@ -501,3 +501,40 @@ def test_a_cancelled_stream_closes_its_reader_only_after_the_read_in_flight_ends
 
     asyncio.run(run())
     assert events == ["read", "read done", "read", "read done", "close"]
+
+
+def test_the_store_reads_a_shard_at_most_a_few_chunks_ahead_of_its_stream():
+    """The read-ahead thread keeps at most DEPTH chunks queued beyond what the stream has taken (a slow
+    client holds that much of the shard in memory, not all of it), and the stream gets every chunk
+    in order, then ends once the reader's check passed."""
+    from loraserve.adapter_store.read_ahead import DEPTH
+    from loraserve.adapter_store.service import _streamed
+
+    reads, chunks = [], 3 * DEPTH
+
+    class Reader:
+        tier, checksums = "disk", None
+
+        def readinto(self, view) -> int:
+            if len(reads) == chunks:
+                return 0
+            reads.append(len(reads))
+            view[:4] = len(reads).to_bytes(4, "big")
+            return 4
+
+        def finish(self) -> bool:
+            return True
+
+        def close(self) -> None:
+            pass
+
+    async def run():
+        stream = _streamed(Reader(), 16, "a")
+        got = [await stream.__anext__()]
+        await asyncio.sleep(0.3)  # the reader runs ahead meanwhile, as far as it may
+        assert len(reads) == 1 + DEPTH
+        got += [message async for message in stream]
+        return got
+
+    got = asyncio.run(run())
+    assert [int.from_bytes(m[-4:], "big") for m in got] == list(range(1, chunks + 1))
