@@ -531,10 +531,49 @@ def test_the_store_reads_a_shard_at_most_a_few_chunks_ahead_of_its_stream():
     async def run():
         stream = _streamed(Reader(), 16, "a")
         got = [await stream.__anext__()]
-        await asyncio.sleep(0.3)  # the reader runs ahead meanwhile, as far as it may
+        seen, still = len(reads), 0
+        for _ in range(100):  # the reader runs ahead meanwhile, as far as it may: until reads stop
+            await asyncio.sleep(0.05)
+            seen, still = len(reads), still + 1 if len(reads) == seen else 0
+            if still == 4:
+                break
         assert len(reads) == 1 + DEPTH
         got += [message async for message in stream]
         return got
 
     got = asyncio.run(run())
     assert [int.from_bytes(m[-4:], "big") for m in got] == list(range(1, chunks + 1))
+
+
+def test_a_stream_whose_read_ahead_thread_cannot_start_fails_and_closes_its_reader(monkeypatch):
+    """Out of threads (the process's limit): the stream fails with the start's error, and the
+    shard's reader is closed anyway, with nothing read."""
+    from loraserve.adapter_store import read_ahead
+    from loraserve.adapter_store.service import _streamed
+
+    events = []
+
+    class Reader:
+        tier, checksums = "disk", None
+
+        def readinto(self, view) -> int:
+            events.append("read")
+            return 0
+
+        def finish(self) -> bool:
+            return True
+
+        def close(self) -> None:
+            events.append("close")
+
+    def no_thread(run):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(read_ahead, "_start_thread", no_thread)
+
+    async def run():
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            await _streamed(Reader(), 16, "a").__anext__()
+
+    asyncio.run(run())
+    assert events == ["close"]
