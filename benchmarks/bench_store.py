@@ -139,8 +139,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def busy_loop(busy_ms: float, idle_ms: float):
+    """A coroutine standing for a serving engine on the client's event loop: Python work for
+    busy_ms (holding the loop and the interpreter lock), then idle_ms awaiting (as a step waits on
+    its device work), over and over. Threads of the client that need the interpreter lock (the
+    checksum's) then wait behind it as they would in a serving executor."""
+    import asyncio
+
+    async def run():
+        while True:
+            end = time.perf_counter() + busy_ms / 1e3
+            while time.perf_counter() < end:
+                pass
+            await asyncio.sleep(idle_ms / 1e3)
+
+    return run()
+
+
 def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_flight, store_pid, chunk_bytes=0,
-                       arena_bytes=0):
+                       arena_bytes=0, busy: tuple[float, float] | None = None):
     """The executor's store client: request to tensors in host memory, checksum checked; with
     in_flight > 1, that many streams of the shard at once (the rate counts all their bytes).
     Also the CPU seconds each side spent per GB moved (store process; client process), which
@@ -148,7 +165,8 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
     land in a host arena of that size, as a CPU executor's default one (`--pinned-arena-bytes -1`):
     its pages touched by the first fetches that land in them (the connecting fetch, then the first
     round's other streams) and reused by later ones; 0: each shard in a fresh buffer
-    (`--pinned-arena-bytes 0`), whose pages fault in on first touch every time."""
+    (`--pinned-arena-bytes 0`), whose pages fault in on first touch every time. busy: (busy ms,
+    idle ms) of a busy_loop beside the fetches."""
     import asyncio
 
     from loraserve.executor.pinned_arena import PinnedArena
@@ -160,6 +178,7 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
         client = ExecutorStoreClient(address, layout, timeout_s=60.0, arena=arena,
                                      **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
         await client.fetch_shard("llama3-r16")  # connect
+        engine = asyncio.ensure_future(busy_loop(*busy)) if busy else None
         times = []
         cpu0 = cpu_seconds(store_pid), cpu_seconds(os.getpid())
         for _ in range(repeat):
@@ -170,12 +189,16 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
             assert arena is None or all(arena.holds(next(iter(r[2].values()))) for r in results)
             del results  # the arena's blocks come back
         cpu = [cpu_seconds(store_pid) - cpu0[0], cpu_seconds(os.getpid()) - cpu0[1]]
+        if engine is not None:
+            engine.cancel()
         await client.close()
         return statistics.median(times), [c / (repeat * in_flight * nbytes / 1e9) for c in cpu]
 
     seconds, (store_cpu, client_cpu) = asyncio.run(run())
     mb = nbytes / 2**20
     what = "executor client" if in_flight == 1 else f"executor client x{in_flight}"
+    if busy:
+        what += f", loop busy {busy[0]:g}/{busy[1]:g} ms"
     return (f"{what}, {tier}" + (", host arena" if arena is not None else ""), f"{in_flight} x {mb:.1f} MiB", f"{in_flight * mb / seconds:9.0f} MiB/s",
             f"{in_flight * nbytes / seconds / 1e9:.2f} GB/s; stream/raw {raw_seconds * in_flight / seconds:.2f}; "
             f"CPU s/GB: store {store_cpu:.2f}, client {client_cpu:.2f}")
@@ -266,6 +289,9 @@ def main() -> None:
     ap.add_argument("--chunk-bytes", type=int, default=0, help="FetchShard chunk size asked for (0: the client's default)")
     ap.add_argument("--arena-bytes", type=int, default=1 << 30, help="also the executor client landing shards in a "
                     "host arena of this size, touched as shards land (as a CPU executor's default arena; 0: skip)")
+    ap.add_argument("--busy-loop", default="", metavar="BUSY/IDLE",
+                    help="also the executor client rows with a coroutine on its loop that runs Python for BUSY ms, "
+                    "then awaits IDLE ms, over and over (a serving engine's host work; e.g. 10/10)")
     ap.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)  # the bare stream's server process
     args = ap.parse_args()
     if args.bare_server:
@@ -300,6 +326,11 @@ def main() -> None:
             for n in sorted({1, args.in_flight}):
                 rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "disk", raw_s, disk.size(key), args.repeat,
                                                n, proc.pid, args.chunk_bytes, args.arena_bytes))
+        if args.busy_loop:
+            busy = tuple(float(x) for x in args.busy_loop.split("/"))
+            for n in sorted({1, args.in_flight}):
+                rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "disk", raw_s, disk.size(key), args.repeat,
+                                               n, proc.pid, args.chunk_bytes, args.arena_bytes, busy))
         from loraserve.executor.store_client import CHUNK_BYTES
         for n in sorted({1, args.in_flight}):
             rows.append(bare_row(disk.size(key), args.chunk_bytes or CHUNK_BYTES, args.repeat, n))

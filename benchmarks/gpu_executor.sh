@@ -40,7 +40,8 @@
 #   profile: profile_executor.py on the random SmolLM2-shaped model
 #   serve:   benchmarks/serve.py: 1,000 adapters, Zipf 1.0, max_loras 64, 64 clients, Llama-3-8B shape
 #            (SERVE_ARGS adds flags, e.g. SERVE_ARGS="--pinned-arena-bytes 0" for no pinned arena),
-#            against base alone, the bytes ceiling and transformers + PEFT, in-process and via gRPC
+#            against base alone, the bytes ceiling and transformers + PEFT, in-process and via gRPC;
+#            SERVE_PY=FILE runs another copy of serve.py (an earlier one beside its own bench_engine.py)
 #   probe:   benchmarks/serve.py --probe: bytes per adapter, pinned H2D bandwidth, cold loads vs the floor
 #            (PROBE_ARGS adds flags, e.g. PROBE_ARGS="--trace-load OUT_DIR/trace.txt")
 #   h2d:     benchmarks/bench_h2d_call.py: the host time of queuing one host -> device copy, by source memory
@@ -200,7 +201,7 @@ tok_flag=${tok:+--tokenizer $tok}  # none: serve.py makes a word-level tokenizer
 # serve / probe: PYTHONSAFEPATH=1 so that their child processes (`python -m loraserve.cli`: the store
 # the probe starts) import the symlinked package above, not the repo root's own loraserve/ folder.
 if has serve; then
-  PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --adapters 1000 --alpha 1.0 --max-loras 64 --concurrency 64 \
+  PYTHONSAFEPATH=1 python3 -P ${SERVE_PY:-benchmarks/serve.py} $tok_flag --shape llama3-8b --adapters 1000 --alpha 1.0 --max-loras 64 --concurrency 64 \
     --requests 500 --prompt-len 64,256 --output-len 64,128 --peft-requests 8 --grpc ${SERVE_ARGS:-} \
     2>"$OUT/serve.err" | tee "$OUT/serve.log" | tail -14 || tail -30 "$OUT/serve.err"
 fi

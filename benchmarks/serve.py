@@ -89,23 +89,26 @@ class RandomAdapters:
     def __init__(self, model, dtype, arena: PinnedArena | None = None):
         self.shapes = {n: (m.lora_a.shape[1:], m.lora_b.shape[1:]) for n, m in lora_modules(model).items()
                        if m.lora_a is not None and not n.endswith(("embed_tokens", "lm_head"))}
-        self.dtype, self.sets = dtype, {}
+        self.dtype, self.sets, self.blobs = dtype, {}, {}
         self.arena = arena  # where shards land (as the store client's do with --pinned-arena-bytes)
 
     def rank(self, name: str) -> int:
         return RANKS[int(name.rsplit("-", 1)[1]) % len(RANKS)]
 
     def tensors(self, rank: int) -> dict[str, torch.Tensor]:
+        """rank's tensor set: views of one flat byte blob (`blob`), in the order a shard lands them."""
         if rank not in self.sets:
-            g, out = torch.Generator().manual_seed(rank), {}
+            g, made = torch.Generator().manual_seed(rank), {}
             for n, (a, b) in self.shapes.items():
-                out[f"{n}.lora_a"] = (torch.randn(a[0], rank, *a[2:], generator=g) * 0.02).to(self.dtype)
-                out[f"{n}.lora_b"] = (torch.randn(b[0], rank, generator=g) * 0.02).to(self.dtype)
-            self.sets[rank] = out
+                made[f"{n}.lora_a"] = (torch.randn(a[0], rank, *a[2:], generator=g) * 0.02).to(self.dtype)
+                made[f"{n}.lora_b"] = (torch.randn(b[0], rank, generator=g) * 0.02).to(self.dtype)
+            blob = torch.cat([t.reshape(-1).view(torch.uint8) for t in made.values()])
+            self.blobs[rank], self.sets[rank] = blob, views(blob, made)
         return self.sets[rank]
 
     def nbytes(self, rank: int) -> int:
-        return sum(t.nbytes for t in self.tensors(rank).values())
+        self.tensors(rank)
+        return self.blobs[rank].numel()
 
     def prepare(self) -> None:
         """Makes every rank's random set now, before anything is timed: made on first use instead,
@@ -119,19 +122,30 @@ class RandomAdapters:
         rank = self.rank(name)
 
         def land() -> dict[str, torch.Tensor]:  # as the store client's stream lands: one buffer, views of it
-            src = self.tensors(rank)
-            buffer = self.arena.allocate(self.nbytes(rank)) if self.arena is not None else None
-            out, at = ArenaShard() if buffer is not None else ShardTensors(), 0
+            src, nbytes = self.blobs[rank], self.nbytes(rank)
+            buffer = self.arena.allocate(nbytes) if self.arena is not None else None
+            arena_block = buffer is not None
             if buffer is None:
-                buffer = host_buffer(self.nbytes(rank), pin_memory=bench_engine.DEVICE == "cuda")
-            for k, t in src.items():
-                out[k] = buffer[at : at + t.nbytes].view(t.dtype).view(t.shape)
-                out[k].copy_(t)
-                at += t.nbytes
-            return self.arena.adopt(buffer, out) if isinstance(out, ArenaShard) else out
+                buffer = host_buffer(nbytes, pin_memory=bench_engine.DEVICE == "cuda")
+            # One copy of the whole shard: a copy per tensor (~450 for a Llama-3-8B shape) gives the
+            # interpreter lock back and waits to retake it ~450 times, each wait up to a switch interval
+            # (5 ms) behind the serving loop: fetches of 47 ms to 2.7 s p50 by how busy a host's loop
+            # was (docs/BENCHMARKS.md, "Many adapters", twenty-seventh pass)
+            buffer[:nbytes].copy_(src)
+            out = views(buffer, self.tensors(rank), ArenaShard() if arena_block else ShardTensors())
+            return self.arena.adopt(buffer, out) if arena_block else out
 
         tensors = await asyncio.to_thread(land)
         return f"random-r{rank}-{name}", rank, tensors, self.nbytes(rank)
+
+
+def views(buffer: torch.Tensor, like: dict[str, torch.Tensor], out: dict | None = None) -> dict[str, torch.Tensor]:
+    """like's tensors as views of the uint8 `buffer`, laid end to end in like's order (into out)."""
+    out, at = ({} if out is None else out), 0
+    for k, t in like.items():
+        out[k] = buffer[at : at + t.nbytes].view(t.dtype).view(t.shape)
+        at += t.nbytes
+    return out
 
 
 class Counter(SlotObserver):
@@ -251,7 +265,7 @@ def build(args, tokenizer):
         num_blocks=args.concurrency * -(-longest // 16) + 64, max_num_seqs=args.concurrency,
         max_num_batched_tokens=max(2048, longest), max_model_len=longest, adapter_refresh_s=0,
         admit_ratio=args.admit_ratio, max_admit_delay_steps=args.max_admit_delay_steps,
-        mixed_graphs=not args.no_mixed_graphs,
+        mixed_graphs=not args.no_mixed_graphs, switch_interval_us=args.switch_interval_us,
     )  # fmt: skip
     if not cfg.cpu_cache_bytes:
         from loraserve.executor.memory import available_host_bytes, default_cpu_cache_bytes
@@ -942,6 +956,8 @@ def main() -> None:
     ap.add_argument("--admit-ratio", type=float, default=ExecutorConfig.admit_ratio,
                     help="admission pacing, as the executor's flag (0: admit each request at once)")
     ap.add_argument("--max-admit-delay-steps", type=int, default=ExecutorConfig.max_admit_delay_steps)
+    ap.add_argument("--switch-interval-us", type=int, default=ExecutorConfig.switch_interval_us,
+                    help="the interpreter's switch interval while the engine serves (0: Python's own, 5,000 us)")
     ap.add_argument("--max-concurrent-loads", type=int, default=4, help="store fetches at once (0: no limit)")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients (and max_num_seqs)")
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second instead of the closed loop")

@@ -70,6 +70,10 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
                         "in one prefill step (0: admit each at once)")
     p.add_argument("--max-admit-delay-steps", type=int, default=int(env("max_admit_delay_steps", 16)),
                    help="decode steps a hold lasts at most under --admit-ratio")
+    p.add_argument("--switch-interval-us", type=int, default=int(env("switch_interval_us", 200)),
+                   help="the interpreter's switch interval while serving: how long a helper thread (a fetched "
+                        "adapter's views, its checksum) may wait for the GIL while the event loop runs Python "
+                        "(Python's own: 5000; 0 leaves it)")
     p.add_argument("--max-model-len", type=int, default=int(env("max_model_len", 2048)))
     p.add_argument("--enforce-eager", action="store_true", default=env("enforce_eager", "") in ("1", "true"),
                    help="CUDA: no CUDA graphs (decode and mixed steps run eagerly); for debugging")
@@ -123,7 +127,7 @@ def executor_config(a: argparse.Namespace):
         pinned_arena_bytes=a.pinned_arena_bytes,
         max_concurrent_loads=a.max_concurrent_loads, num_blocks=a.num_blocks,
         block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        admit_ratio=a.admit_ratio, max_admit_delay_steps=a.max_admit_delay_steps,
+        admit_ratio=a.admit_ratio, max_admit_delay_steps=a.max_admit_delay_steps, switch_interval_us=a.switch_interval_us,
         max_model_len=a.max_model_len, store_address=a.store, listen_address=a.executor_listen,
         admin_token=a.executor_admin_token, slot_wait_timeout_s=a.slot_wait_timeout_s,
         adapter_refresh_s=a.adapter_refresh_s, store_timeout_s=a.store_timeout_s, max_prompt_bytes=a.max_prompt_bytes,

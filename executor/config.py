@@ -76,6 +76,10 @@ class ExecutorConfig:
     # CUDA: steps with a prefill chunk replay graphs per token bucket (executor/engine/graphs.py,
     # MixedGraphs); eagerly they are host-bound (docs/BENCHMARKS.md, "Eighth pass")
     mixed_graphs: bool = True
+    # The interpreter's switch interval while an engine serves (executor/engine/gil_handoff.py): how
+    # long a helper thread (a fetched shard's views, its checksum) may wait for the GIL while the event
+    # loop runs Python; Python's own is 5,000 us. 0: leave it as it is.
+    switch_interval_us: int = 200
 
     # Request limits and defaults.
     max_prompt_bytes: int = 0  # text/chat prompts above this many UTF-8 bytes are refused before
@@ -110,6 +114,8 @@ class ExecutorConfig:
             raise ValueError(f"pinned_arena_bytes must be -1 (automatic), 0 (off) or more, got {self.pinned_arena_bytes}")
         if self.max_concurrent_loads < 1:
             raise ValueError(f"max_concurrent_loads must be at least 1, got {self.max_concurrent_loads}")
+        if self.switch_interval_us < 0:
+            raise ValueError(f"switch_interval_us must be 0 (Python's own) or more, got {self.switch_interval_us}")
         if self.admit_ratio < 0 or self.max_admit_delay_steps < 0:
             raise ValueError(f"admit_ratio ({self.admit_ratio}) and max_admit_delay_steps "
                              f"({self.max_admit_delay_steps}) must be 0 or more")

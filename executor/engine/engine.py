@@ -51,6 +51,7 @@ from .sampler import SamplingParams, find_stop, greedy, make_generator, sample, 
 from .scheduler import SchedulePlan, Scheduler, Sequence
 from .step import StepInputs, forward_step
 from .builds import watch_builds
+from . import gil_handoff
 from .gc_pauses import engine_started, engine_stopped, watch_gc
 from .slow_steps import SlowSteps
 from .warmup import token_ladder, warm_up, warm_up_steps
@@ -381,6 +382,7 @@ class Engine:
             # a full walk of them held the event loop for a few hundred ms (gc_pauses.py)
             self._frozen = True
             frozen = engine_started()
+            gil_handoff.engine_started(self.config.switch_interval_us)
             if frozen is not None:
                 log.info("engine serving: %d objects of start-up frozen out of the garbage collector's walks", frozen)
 
@@ -410,6 +412,7 @@ class Engine:
         if self._frozen:  # the last running engine puts start-up's objects back: this one may be dropped now
             self._frozen = False
             engine_stopped()
+            gil_handoff.engine_stopped(self.config.switch_interval_us)
 
     # ---- requests -------------------------------------------------------------------------
 

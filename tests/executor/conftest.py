@@ -22,11 +22,13 @@ from loraserve.v1 import executor_pb2 as epb
 @pytest.fixture(autouse=True)
 def _nothing_frozen_after_a_test():
     """An engine a test started and never stopped leaves start-up's objects frozen out of the garbage
-    collector's walks (executor/engine/gc_pauses.py): put back after each test."""
+    collector's walks (executor/engine/gc_pauses.py) and the switch interval short (gil_handoff.py):
+    both put back after each test."""
     yield
-    from loraserve.executor.engine import gc_pauses
+    from loraserve.executor.engine import gc_pauses, gil_handoff
 
     gc_pauses.reset()
+    gil_handoff.reset()
 
 
 # Small enough for milliseconds per forward on 2 CPU cores; GQA (4 q heads over 2 kv heads).

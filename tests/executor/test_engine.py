@@ -238,6 +238,38 @@ async def test_the_engine_freezes_start_up_objects_and_puts_them_back_when_the_l
     assert alive() is None
 
 
+async def test_a_serving_engine_shortens_the_switch_interval_and_the_last_to_stop_puts_it_back(tiny):
+    """While an engine serves, a helper thread waits at most switch_interval_us for the GIL
+    (gil_handoff.py): the first engine sets it, a second one leaves it, the last to stop puts back
+    the interval it found; 0 leaves Python's own."""
+    import sys
+
+    found = sys.getswitchinterval()
+    first, second = _engine(tiny[1], switch_interval_us=150), _engine(tiny[1], switch_interval_us=300)
+    first.start()
+    try:
+        assert sys.getswitchinterval() == pytest.approx(150e-6)
+        second.start()
+        assert sys.getswitchinterval() == pytest.approx(150e-6)  # the first one's stands
+        await second.stop()
+        assert sys.getswitchinterval() == pytest.approx(150e-6)  # the first still serves
+    finally:
+        await first.stop()
+    assert sys.getswitchinterval() == found
+    untouched = _engine(tiny[1], switch_interval_us=0)
+    untouched.start()
+    try:
+        assert sys.getswitchinterval() == found
+    finally:
+        await untouched.stop()
+    assert sys.getswitchinterval() == found
+
+
+def test_a_negative_switch_interval_is_refused_with_its_value():
+    with pytest.raises(ValueError, match=r"switch_interval_us must be 0 \(Python's own\) or more, got -1"):
+        ExecutorConfig(switch_interval_us=-1)
+
+
 async def test_admission_pacing_holds_a_late_request_back_only_with_graphs_and_keeps_outputs(tiny, make_engine):
     ref_model, _ = tiny
     engine = make_engine(admit_ratio=0.5, max_admit_delay_steps=3)
