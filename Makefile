@@ -33,12 +33,14 @@ up-tp2: install
 	$(VENV)/bin/loraserve up --tp-size 2 --model $(TINY)/model --base-model tiny-llama \
 		--base-model-path $(TINY)/model --demo-adapters $(TINY)/adapters --data-dir $(TINY)/store
 
+# PYTHONSAFEPATH: the repo root is never put on sys.path (here, nor in the tests' child processes),
+# where its kernels/ folder would stand for the `kernels` distribution that transformers imports.
 test: install
-	$(PY) -m pytest
+	PYTHONSAFEPATH=1 $(PY) -m pytest
 	# Without a GPU: the Triton kernels once more, run by Triton's interpreter on CPU tensors (small
 	# shapes). A CUDA host ran them on the GPU in the pass above.
 	if $(PY) -c 'import sys, torch; sys.exit(torch.cuda.is_available())'; then \
-		TRITON_INTERPRET=1 $(PY) -m pytest -m gpu tests/kernels tests/executor/test_slot_scatter.py; fi
+		PYTHONSAFEPATH=1 TRITON_INTERPRET=1 $(PY) -m pytest -m gpu tests/kernels tests/executor/test_slot_scatter.py; fi
 
 protos: install
 	bash protos/generate.sh
