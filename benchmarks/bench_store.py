@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from loraserve.adapter_store.cache import DiskCache, RedisCache
 from loraserve.adapter_store.pack import shard_key
 from loraserve.client import StoreClient
+from loraserve.executor.config import ExecutorConfig
 from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import common_pb2 as pb
 
@@ -157,7 +158,7 @@ def busy_loop(busy_ms: float, idle_ms: float):
 
 
 def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_flight, store_pid, chunk_bytes=0,
-                       arena_bytes=0, busy: tuple[float, float] | None = None):
+                       arena_bytes=0, busy: tuple[float, float] | None = None, switch_us: int = 0):
     """The executor's store client: request to tensors in host memory, checksum checked; with
     in_flight > 1, that many streams of the shard at once (the rate counts all their bytes).
     Also the CPU seconds each side spent per GB moved (store process; client process), which
@@ -166,7 +167,8 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
     its pages touched by the first fetches that land in them (the connecting fetch, then the first
     round's other streams) and reused by later ones; 0: each shard in a fresh buffer
     (`--pinned-arena-bytes 0`), whose pages fault in on first touch every time. busy: (busy ms,
-    idle ms) of a busy_loop beside the fetches."""
+    idle ms) of a busy_loop beside the fetches; switch_us: the interpreter's switch interval meanwhile
+    (as a serving executor sets it, executor/engine/gil_handoff.py; 0: Python's own)."""
     import asyncio
 
     from loraserve.executor.pinned_arena import PinnedArena
@@ -179,6 +181,9 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
                                      **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
         await client.fetch_shard("llama3-r16")  # connect
         engine = asyncio.ensure_future(busy_loop(*busy)) if busy else None
+        found = sys.getswitchinterval()
+        if switch_us:
+            sys.setswitchinterval(switch_us / 1e6)
         times = []
         cpu0 = cpu_seconds(store_pid), cpu_seconds(os.getpid())
         for _ in range(repeat):
@@ -189,6 +194,7 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
             assert arena is None or all(arena.holds(next(iter(r[2].values()))) for r in results)
             del results  # the arena's blocks come back
         cpu = [cpu_seconds(store_pid) - cpu0[0], cpu_seconds(os.getpid()) - cpu0[1]]
+        sys.setswitchinterval(found)
         if engine is not None:
             engine.cancel()
         await client.close()
@@ -198,7 +204,7 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
     mb = nbytes / 2**20
     what = "executor client" if in_flight == 1 else f"executor client x{in_flight}"
     if busy:
-        what += f", loop busy {busy[0]:g}/{busy[1]:g} ms"
+        what += f", loop busy {busy[0]:g}/{busy[1]:g} ms, switch interval " + (f"{switch_us} us" if switch_us else "Python's")
     return (f"{what}, {tier}" + (", host arena" if arena is not None else ""), f"{in_flight} x {mb:.1f} MiB", f"{in_flight * mb / seconds:9.0f} MiB/s",
             f"{in_flight * nbytes / seconds / 1e9:.2f} GB/s; stream/raw {raw_seconds * in_flight / seconds:.2f}; "
             f"CPU s/GB: store {store_cpu:.2f}, client {client_cpu:.2f}")
@@ -292,6 +298,8 @@ def main() -> None:
     ap.add_argument("--busy-loop", default="", metavar="BUSY/IDLE",
                     help="also the executor client rows with a coroutine on its loop that runs Python for BUSY ms, "
                     "then awaits IDLE ms, over and over (a serving engine's host work; e.g. 10/10)")
+    ap.add_argument("--busy-switch-us", default=f"0,{ExecutorConfig.switch_interval_us}",
+                    help="the busy-loop rows at each of these switch intervals (us; 0: Python's own)")
     ap.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)  # the bare stream's server process
     args = ap.parse_args()
     if args.bare_server:
@@ -328,9 +336,11 @@ def main() -> None:
                                                n, proc.pid, args.chunk_bytes, args.arena_bytes))
         if args.busy_loop:
             busy = tuple(float(x) for x in args.busy_loop.split("/"))
-            for n in sorted({1, args.in_flight}):
-                rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "disk", raw_s, disk.size(key), args.repeat,
-                                               n, proc.pid, args.chunk_bytes, args.arena_bytes, busy))
+            for switch_us in (int(v) for v in args.busy_switch_us.split(",")):
+                for n in sorted({1, args.in_flight}):
+                    rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "disk", raw_s, disk.size(key),
+                                                   args.repeat, n, proc.pid, args.chunk_bytes, args.arena_bytes, busy,
+                                                   switch_us))
         from loraserve.executor.store_client import CHUNK_BYTES
         for n in sorted({1, args.in_flight}):
             rows.append(bare_row(disk.size(key), args.chunk_bytes or CHUNK_BYTES, args.repeat, n))
