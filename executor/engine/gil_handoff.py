@@ -13,7 +13,10 @@ When the first engine of the process starts serving, the switch interval is set 
 `switch_interval_us` (ExecutorConfig; 0 leaves Python's); when the last one stops, the interval
 it found is put back. A shorter interval makes the loop's thread hand the GIL over sooner to a
 thread that asks for it; a thread that does not ask costs nothing, so the loop pays only while
-helpers have work.
+helpers have work. In the serve benchmark, whose loop waits on its steps' device work most of
+each step, 200 us and 5 ms measured the same (docs/BENCHMARKS.md, twenty-seventh pass): the setting
+is for a loop saturated with Python (many clients, the HTTP front, a slow host), where a shard's
+views beside it took 0.5-11 s at 5 ms and 30-85 ms at 200 us.
 """
 
 from __future__ import annotations
