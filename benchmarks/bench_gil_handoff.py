@@ -1,8 +1,8 @@
 """How long a helper thread's shard work takes beside a thread that runs Python: prints one table.
 
 The executor's event loop runs Python (a step's launch, the scheduler, gRPC handlers) while helper
-threads land fetched shards: `store_client.shard_tensors` makes ~1,300 tensor views of a
-Llama-3-8B-shaped shard, each torch call giving the interpreter lock back and taking it again. While
+threads land fetched shards: `store_client.shard_tensors` makes 448 tensor views of a
+Llama-3-8B-shaped shard (one torch call each, two before), each torch call giving the interpreter lock back and taking it again. While
 another thread runs Python, each retake waits up to the interpreter's switch interval (Python's
 default: 5 ms). This script stands a thread spinning Python in bursts (`--busy` BUSY/IDLE ms; 1/0:
 always busy) in for the loop and times, in a second thread, three kinds of shard work for a
@@ -15,6 +15,7 @@ rank-`--rank` all-linear Llama-3-8B-shaped shard:
 at each switch interval of `--intervals-us`, beside the time alone (no busy thread), with the busy
 thread's Python rate as a share of its rate with no helper working (what the loop pays).
 Usage: python benchmarks/bench_gil_handoff.py [--busy 1/0] [--intervals-us 5000,1000,500,200,100] [--repeat 5]
+       [--work shard_tensors,...]
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def main() -> None:
     ap.add_argument("--busy", default="1/0", metavar="BUSY/IDLE", help="ms the busy thread spins, then sleeps")
     ap.add_argument("--intervals-us", default="5000,1000,500,200,100", help="switch intervals to run at (us)")
     ap.add_argument("--repeat", type=int, default=5, help="timings per cell (median and max reported)")
+    ap.add_argument("--work", default="", help="comma list of the rows' work to run (default: all three)")
     args = ap.parse_args()
     busy_ms, idle_ms = (float(v) for v in args.busy.split("/"))
     intervals = [int(v) for v in args.intervals_us.split(",")]
@@ -119,6 +121,8 @@ def main() -> None:
         "copy per tensor": lambda: copy_per_tensor(tensors, buffer),
         "one copy + views": lambda: one_copy_and_views(flat, tensors, buffer),
     }
+    if args.work:
+        work = {k: v for k, v in work.items() if k in args.work.split(",")}
     found = sys.getswitchinterval()
     print(f"# {platform.node()} ({platform.machine()}, {torch.get_num_threads()} torch threads), torch {torch.__version__}, "
           f"Python {platform.python_version()}; rank {args.rank} Llama-3-8B-shaped shard: {len(tensors)} tensors, "

@@ -5,9 +5,11 @@ its checksum, arena allocations, the in-process stand-in of serve.py. Most torch
 back while they run and take it again after. While the event loop runs Python (a step's launch,
 the scheduler, gRPC handlers), a thread that wants the GIL back gets it only when the loop's
 thread is made to drop it, once per switch interval: Python's default 5 ms. A shard's views are
-~1,300 such calls for a Llama-3-8B-shaped adapter, so beside a loop that was busy most of the time
-they took seconds (`benchmarks/bench_gil_handoff.py`), and the serve benchmark's cold fetches
-waited seconds for it (docs/BENCHMARKS.md, "Many adapters", twenty-seventh pass).
+~450 such calls for a Llama-3-8B-shaped adapter (~900 before they were made one a tensor), so
+beside a loop that was busy all the time they took 0.2-0.5 s on a 2-core host and up to 11 s on a
+16-core one (`benchmarks/bench_gil_handoff.py`), and the serve benchmark's cold fetches, which
+copied tensor by tensor, waited seconds for it (docs/BENCHMARKS.md, "Many adapters",
+twenty-seventh pass).
 
 When the first engine of the process starts serving, the switch interval is set to the engine's
 `switch_interval_us` (ExecutorConfig; 0 leaves Python's); when the last one stops, the interval
