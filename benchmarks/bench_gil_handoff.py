@@ -21,6 +21,7 @@ Usage: python benchmarks/bench_gil_handoff.py [--busy 1/0] [--intervals-us 5000,
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -122,9 +123,12 @@ def main() -> None:
         "one copy + views": lambda: one_copy_and_views(flat, tensors, buffer),
     }
     if args.work:
+        unknown = set(args.work.split(",")) - set(work)
+        if unknown:
+            ap.error(f"--work: no such work {sorted(unknown)}; choose from {sorted(work)}")
         work = {k: v for k, v in work.items() if k in args.work.split(",")}
     found = sys.getswitchinterval()
-    print(f"# {platform.node()} ({platform.machine()}, {torch.get_num_threads()} torch threads), torch {torch.__version__}, "
+    print(f"# {platform.machine()}, {os.cpu_count()} CPUs ({torch.get_num_threads()} torch threads), torch {torch.__version__}, "
           f"Python {platform.python_version()}; rank {args.rank} Llama-3-8B-shaped shard: {len(tensors)} tensors, "
           f"{flat.numel() / 2**20:.0f} MiB; busy thread {busy_ms:g}/{idle_ms:g} ms; {args.repeat} timings per cell")
     print("| switch interval | work | alone ms (median) | beside the busy thread ms (median / max) | x alone | busy thread's rate while it runs |")
@@ -157,8 +161,11 @@ def main() -> None:
                 busy.stop.set()
                 busy.thread.join()
                 med = statistics.median(beside)
+                # the rate is the busy thread's while the helper ran over its rate alone: with idle
+                # gaps (BUSY/IDLE) a few ms of either say nothing, so it is printed for 1/0 only
+                rate = f"{statistics.median(rates) / base_rate:.2f}" if not idle_ms else "-"
                 print(f"| {us:,} us | {what} | {alone * 1e3:.1f} | {med * 1e3:,.1f} / {max(beside) * 1e3:,.1f} | "
-                      f"{med / alone:,.1f} | {statistics.median(rates) / base_rate:.2f} |", flush=True)
+                      f"{med / alone:,.1f} | {rate} |", flush=True)
     finally:
         sys.setswitchinterval(found)
 

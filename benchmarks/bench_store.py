@@ -186,15 +186,17 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
             sys.setswitchinterval(switch_us / 1e6)
         times = []
         cpu0 = cpu_seconds(store_pid), cpu_seconds(os.getpid())
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*(client.fetch_shard("llama3-r16") for _ in range(in_flight)))
-            times.append(time.perf_counter() - t0)
-            assert all(r[3] == nbytes for r in results)
-            assert arena is None or all(arena.holds(next(iter(r[2].values()))) for r in results)
-            del results  # the arena's blocks come back
-        cpu = [cpu_seconds(store_pid) - cpu0[0], cpu_seconds(os.getpid()) - cpu0[1]]
-        sys.setswitchinterval(found)
+        try:
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                results = await asyncio.gather(*(client.fetch_shard("llama3-r16") for _ in range(in_flight)))
+                times.append(time.perf_counter() - t0)
+                assert all(r[3] == nbytes for r in results)
+                assert arena is None or all(arena.holds(next(iter(r[2].values()))) for r in results)
+                del results  # the arena's blocks come back
+            cpu = [cpu_seconds(store_pid) - cpu0[0], cpu_seconds(os.getpid()) - cpu0[1]]
+        finally:
+            sys.setswitchinterval(found)
         if engine is not None:
             engine.cancel()
         await client.close()
@@ -336,6 +338,8 @@ def main() -> None:
                                                n, proc.pid, args.chunk_bytes, args.arena_bytes))
         if args.busy_loop:
             busy = tuple(float(x) for x in args.busy_loop.split("/"))
+            if len(busy) != 2:
+                ap.error(f"--busy-loop takes BUSY/IDLE ms, e.g. 10/10; got {args.busy_loop!r}")
             for switch_us in (int(v) for v in args.busy_switch_us.split(",")):
                 for n in sorted({1, args.in_flight}):
                     rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "disk", raw_s, disk.size(key),

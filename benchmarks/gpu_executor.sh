@@ -73,7 +73,7 @@ export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1
   date -u; echo "tree $(bash benchmarks/tree_id.sh) (git log --all --format='%h %T' names its commit)"
   echo "kernels from ${KERNELS_FROM:-kernels}, executor from ${EXECUTOR_FROM:-executor}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+  python3 -P -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 } 2>&1 | tee "$OUT/gpu.txt"
 tok=$(ls -d var/cache/tokenizers/*/ 2>/dev/null | head -1)
 if has test; then

@@ -35,7 +35,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 
 python3 -c "import loraserve.kernels as k; print('loraserve.kernels from', k.__file__)" 2>&1 | tee -a "$LOG"
 
 pytest_gpu() {
-  python3 -m pytest tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py tests/kernels/test_pdl_gpu.py -m gpu -q -s \
+  python3 -P -m pytest tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py tests/kernels/test_pdl_gpu.py -m gpu -q -s \
     -p no:cacheprovider -o addopts="--import-mode=importlib -ra" "$@"
 }
 use_table() {  # a tuned table replaces this checkout's shipped one, so later stages run on it

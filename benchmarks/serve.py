@@ -14,7 +14,7 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
 - Adapters: `--adapters` names; adapter i has rank RANKS[i % 4] (8, 16, 32, 64) on every linear
   layer. Their shards come from an in-process fetch (random tensors, one set per rank, copied per
   fetch into one fresh host buffer, pinned on CUDA, whose views are the tensors: the one copy a
-  store stream makes) instead of the adapter store: registering a thousand 40-320 MiB adapters
+  store stream makes, and the store client's views of it) instead of the adapter store: registering a thousand 40-320 MiB adapters
   would take longer than the run. `--probe` measures the store path on its own. At most
   `--max-concurrent-loads` fetches run at once, as in the executor.
 - Workload: request j asks for adapter k with probability proportional to 1 / (k + 1)^alpha,
@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import save
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_engine  # noqa: E402 - the random-weight model of a shape, the weight bytes of a step
@@ -73,9 +74,8 @@ from loraserve.executor.lora import LoraSpec, clear_slot, load_shard_into_slot, 
 from loraserve.executor.memory import lora_bytes_per_slot  # noqa: E402
 from loraserve.executor.slots import SlotManager, SlotObserver  # noqa: E402
 from loraserve.executor.pinned_arena import ArenaShard, PinnedArena, stream_fence  # noqa: E402
-from loraserve.executor.shard_tensors import ShardTensors  # noqa: E402
 from loraserve.executor.service import pinned_arena  # noqa: E402
-from loraserve.executor.store_client import host_buffer  # noqa: E402
+from loraserve.executor.store_client import host_buffer, shard_tensors  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
 
@@ -96,14 +96,14 @@ class RandomAdapters:
         return RANKS[int(name.rsplit("-", 1)[1]) % len(RANKS)]
 
     def tensors(self, rank: int) -> dict[str, torch.Tensor]:
-        """rank's tensor set: views of one flat byte blob (`blob`), in the order a shard lands them."""
+        """rank's tensor set: views of its safetensors blob (`blobs[rank]`, a uint8 tensor), as a shard lands."""
         if rank not in self.sets:
             g, made = torch.Generator().manual_seed(rank), {}
             for n, (a, b) in self.shapes.items():
                 made[f"{n}.lora_a"] = (torch.randn(a[0], rank, *a[2:], generator=g) * 0.02).to(self.dtype)
                 made[f"{n}.lora_b"] = (torch.randn(b[0], rank, generator=g) * 0.02).to(self.dtype)
-            blob = torch.cat([t.reshape(-1).view(torch.uint8) for t in made.values()])
-            self.blobs[rank], self.sets[rank] = blob, views(blob, made)
+            blob = torch.frombuffer(bytearray(save(made)), dtype=torch.uint8)
+            self.blobs[rank], self.sets[rank] = blob, shard_tensors(blob)
         return self.sets[rank]
 
     def nbytes(self, rank: int) -> int:
@@ -121,7 +121,7 @@ class RandomAdapters:
     async def fetch(self, name: str):
         rank = self.rank(name)
 
-        def land() -> dict[str, torch.Tensor]:  # as the store client's stream lands: one buffer, views of it
+        def land() -> dict[str, torch.Tensor]:  # as the store client's stream lands: one buffer, its views
             src, nbytes = self.blobs[rank], self.nbytes(rank)
             buffer = self.arena.allocate(nbytes) if self.arena is not None else None
             arena_block = buffer is not None
@@ -130,22 +130,14 @@ class RandomAdapters:
             # One copy of the whole shard: a copy per tensor (~450 for a Llama-3-8B shape) gives the
             # interpreter lock back and waits to retake it ~450 times, each wait up to a switch interval
             # (5 ms) behind the serving loop: fetches of 47 ms to 2.7 s p50 by how busy a host's loop
-            # was (docs/BENCHMARKS.md, "Many adapters", twenty-seventh pass)
+            # was (docs/BENCHMARKS.md, "Many adapters", twenty-seventh pass). The views are the store
+            # client's own (store_client.shard_tensors).
             buffer[:nbytes].copy_(src)
-            out = views(buffer, self.tensors(rank), ArenaShard() if arena_block else ShardTensors())
-            return self.arena.adopt(buffer, out) if arena_block else out
+            out = shard_tensors(buffer[:nbytes])
+            return self.arena.adopt(buffer, ArenaShard(out)) if arena_block else out
 
         tensors = await asyncio.to_thread(land)
         return f"random-r{rank}-{name}", rank, tensors, self.nbytes(rank)
-
-
-def views(buffer: torch.Tensor, like: dict[str, torch.Tensor], out: dict | None = None) -> dict[str, torch.Tensor]:
-    """like's tensors as views of the uint8 `buffer`, laid end to end in like's order (into out)."""
-    out, at = ({} if out is None else out), 0
-    for k, t in like.items():
-        out[k] = buffer[at : at + t.nbytes].view(t.dtype).view(t.shape)
-        at += t.nbytes
-    return out
 
 
 class Counter(SlotObserver):

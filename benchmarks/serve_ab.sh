@@ -22,3 +22,4 @@ for round in $(seq "${3:-1}"); do
       grep "^| " "$run/serve.log" || tail -20 "$run/serve.err"; } | tee -a "$OUT/serve_ab.log"
   done
 done
+rm -rf "$work"

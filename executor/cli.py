@@ -73,7 +73,7 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     p.add_argument("--switch-interval-us", type=int, default=int(env("switch_interval_us", 200)),
                    help="the interpreter's switch interval while serving: how long a helper thread (a fetched "
                         "adapter's views, its checksum) may wait for the GIL while the event loop runs Python "
-                        "(Python's own: 5000; 0 leaves it)")
+                        "(Python's default: 5000; 0 leaves the interval as it is)")
     p.add_argument("--max-model-len", type=int, default=int(env("max_model_len", 2048)))
     p.add_argument("--enforce-eager", action="store_true", default=env("enforce_eager", "") in ("1", "true"),
                    help="CUDA: no CUDA graphs (decode and mixed steps run eagerly); for debugging")

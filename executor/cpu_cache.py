@@ -150,11 +150,19 @@ def waited_on(a: _Adapter) -> bool:
     return a.wanted > 0 or a.holds > 0 or a.pinned
 
 
+def _all_pinned(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether every tensor is in pinned memory, asked once per storage they live in (a landed
+    shard's views share one): each ask gives the interpreter lock back and waits to retake it behind
+    the serving loop (engine/gil_handoff.py), ~450 waits for a Llama-3-8B shard asked per tensor."""
+    one_per_storage = {t.untyped_storage().data_ptr(): t for t in tensors.values()}
+    return all(t.is_pinned() for t in one_per_storage.values())
+
+
 def _landed(tensors: dict[str, torch.Tensor], cuda: bool) -> dict[str, torch.Tensor]:
     """A fetched shard as the CPU cache keeps it: on CUDA in pinned memory (copied into one pinned
     buffer unless every tensor is pinned already), its signature and pinnedness kept on it. In a
     thread: asking the driver whether memory is pinned waits while another thread page-locks."""
-    if cuda and not all(t.is_pinned() for t in tensors.values()):
+    if cuda and not _all_pinned(tensors):
         tensors = pinned_blob(tensors)
     if isinstance(tensors, ShardTensors):
         shard_signature(tensors)

@@ -46,7 +46,7 @@ from loraserve.errors import StatusError
 from loraserve.v1 import common_pb2 as pb
 
 from .config import ExecutorConfig
-from .engine import gc_pauses
+from .engine import gc_pauses, gil_handoff
 from .engine.kv_cache import KVCache
 from .engine.step import StepInputs, forward_step
 from .lora import LoraSpec, clear_slot, declare_layout, load_shard_into_slot, lora_modules
@@ -318,6 +318,9 @@ class _Rank:
         # The process serves until it exits, so nothing thaws them.
         self.gc = gc_pauses.watch_gc()
         frozen = gc_pauses.freeze_startup()
+        # Its store client's views of a fetched shard run on threads beside this rank's steps: the
+        # switch interval the engine of rank 0 sets (engine/gil_handoff.py), for this process's life.
+        gil_handoff.engine_started(cfg.switch_interval_us)
         self._send(("ready",))
         log.info("%s rank %d ready: %s, %d layers, %d kv heads here; %d start-up objects frozen out of the garbage "
                  "collector's walks", self.role, rank, cfg.model, mc.num_layers, self.model.num_kv_heads, frozen)

@@ -107,7 +107,9 @@ def shard_tensors(blob: torch.Tensor) -> ShardTensors:
         begin, end = (base + o for o in info["data_offsets"])
         if dtype is None or not base <= begin <= end <= len(raw):
             raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard tensor {name!r}: dtype {info.get('dtype')} or offsets out of range")
-        shape, size = list(info["shape"]), dtype.itemsize
+        shape, size = info.get("shape"), dtype.itemsize
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard tensor {name!r}: shape {shape!r} is not a list of sizes")
         numel = math.prod(shape)
         if end - begin != numel * size:
             raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard tensor {name!r}: shape {shape} of {info['dtype']} is "

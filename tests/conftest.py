@@ -22,7 +22,26 @@ import pytest
 
 
 def pytest_configure(config):
+    _refuse_the_repo_root_on_the_path()
     _fix_interpreter_scalars()
+
+
+def _refuse_the_repo_root_on_the_path() -> None:
+    """Python started in the repo root (`python -m pytest`) has the root on sys.path, where its
+    kernels/ folder stands for the `kernels` distribution that transformers (>= 5.25) imports:
+    every test that builds a model would fail on transformers' import. Say so once instead."""
+    import importlib.metadata
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    if not any(Path(p or os.getcwd()).resolve() == root for p in sys.path):
+        return
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    pytest.exit(f"{root} is on sys.path, where its kernels/ folder hides the 'kernels' package transformers imports: "
+                "run `make test`, or PYTHONSAFEPATH=1 / python -P -m pytest", returncode=4)
 
 
 def _fix_interpreter_scalars() -> None:

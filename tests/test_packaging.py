@@ -15,13 +15,15 @@ def _run(code: str, cwd) -> str:
 
 def test_only_the_loraserve_name_is_installed(tmp_path):
     # transformers (>= 5.25) depends on a distribution that is itself named `kernels`: that one may be
-    # found, but never this repo's folders, and loraserve provides none of the names.
+    # found, but never this repo's folder; the other names are not importable at all.
     out = _run(
         "import importlib.util as u, importlib.metadata as m, pathlib;"
         "repo = pathlib.Path(" + repr(str(REPO)) + ");"
-        "names = ('kernels', 'executor', 'adapter_store', 'protos');"
-        "print([n for n in names if (s := u.find_spec(n)) and pathlib.Path(s.origin or '.').resolve().parent == repo / n]);"
-        "print([n for n in names if 'loraserve' in m.packages_distributions().get(n, [])])",
+        "places = lambda s: {pathlib.Path(p).resolve() for p in (s.submodule_search_locations or [])}"
+        " | ({pathlib.Path(s.origin).resolve().parent} if s.origin else set());"
+        "print([n for n in ('executor', 'adapter_store', 'protos') if u.find_spec(n)]"
+        " + [n for n in ('kernels',) if (s := u.find_spec(n)) and repo / n in places(s)]);"
+        "print([n for n in ('kernels', 'executor', 'adapter_store', 'protos') if 'loraserve' in m.packages_distributions().get(n, [])])",
         cwd=tmp_path,
     )
     assert out.split("\n")[:2] == ["[]", "[]"], out

@@ -256,6 +256,7 @@ class Engine:
             self.kernel_builds.armed = True
         self.gc_pauses = watch_gc()  # every collection timed (gc_pauses.py); start() freezes start-up's objects
         self._frozen = False
+        self._switch_set = False  # this engine counts among gil_handoff's engines that set the switch interval
         # admission pacing only where it pays: with graphs a decode step is cheap, and an admitting
         # step is a prefill (eager or from a mixed graph: still a larger step)
         self.scheduler.admit_ratio = config.admit_ratio if self.graphs is not None else 0.0
@@ -381,8 +382,8 @@ class Engine:
             # start-up's objects (imports, model, warm-up, graphs) out of the garbage collector's walks:
             # a full walk of them held the event loop for a few hundred ms (gc_pauses.py)
             self._frozen = True
+            self._switch_set = gil_handoff.engine_started(self.config.switch_interval_us) is not None
             frozen = engine_started()
-            gil_handoff.engine_started(self.config.switch_interval_us)
             if frozen is not None:
                 log.info("engine serving: %d objects of start-up frozen out of the garbage collector's walks", frozen)
 
@@ -412,6 +413,8 @@ class Engine:
         if self._frozen:  # the last running engine puts start-up's objects back: this one may be dropped now
             self._frozen = False
             engine_stopped()
+        if self._switch_set:
+            self._switch_set = False
             gil_handoff.engine_stopped(self.config.switch_interval_us)
 
     # ---- requests -------------------------------------------------------------------------

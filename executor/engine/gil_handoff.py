@@ -5,11 +5,11 @@ its checksum, arena allocations, the in-process stand-in of serve.py. Most torch
 back while they run and take it again after. While the event loop runs Python (a step's launch,
 the scheduler, gRPC handlers), a thread that wants the GIL back gets it only when the loop's
 thread is made to drop it, once per switch interval: Python's default 5 ms. A shard's views are
-~450 such calls for a Llama-3-8B-shaped adapter (~900 before they were made one a tensor), so
-beside a loop that was busy all the time they took 0.2-0.5 s on a 2-core host and up to 11 s on a
-16-core one (`benchmarks/bench_gil_handoff.py`), and the serve benchmark's cold fetches, which
-copied tensor by tensor, waited seconds for it (docs/BENCHMARKS.md, "Many adapters",
-twenty-seventh pass).
+~450 such calls for a Llama-3-8B-shaped adapter (~900 before they were made one a tensor): beside
+a loop that never waits, at the 5 ms interval, the ~900 took 0.5 s on a 2-core host and 6.7-10.8 s
+on a 16-core one, the ~450 0.2 s on the 2-core host (`benchmarks/bench_gil_handoff.py`); the serve
+benchmark's cold fetches, which copied tensor by tensor, waited seconds (docs/BENCHMARKS.md, "Many
+adapters", twenty-seventh pass).
 
 When the first engine of the process starts serving, the switch interval is set to the engine's
 `switch_interval_us` (ExecutorConfig; 0 leaves Python's); when the last one stops, the interval
@@ -17,8 +17,9 @@ it found is put back. A shorter interval makes the loop's thread hand the GIL ov
 thread that asks for it; a thread that does not ask costs nothing, so the loop pays only while
 helpers have work. In the serve benchmark, whose loop waits on its steps' device work most of
 each step, 200 us and 5 ms measured the same (docs/BENCHMARKS.md, twenty-seventh pass): the setting
-is for a loop saturated with Python (many clients, the HTTP front, a slow host), where a shard's
-views beside it took 0.5-11 s at 5 ms and 30-85 ms at 200 us.
+is for a loop saturated with Python (many clients, the HTTP front, a slow host), where at 200 us
+a shard's ~900 view calls took 30 ms (2-core host) and 85 ms (16-core), the ~450 of now 15 ms
+(2-core; the 16-core host not measured again).
 """
 
 from __future__ import annotations

@@ -49,6 +49,8 @@ def test_shard_tensors_at_any_alignment_equal_safetensors():
      "shard tensor 't': dtype F32 or offsets out of range"),
     (b'\x36\x00\x00\x00\x00\x00\x00\x00{"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}' + bytes(8),
      "shard tensor 't': shape [3] of F32 is 12 bytes, its offsets span 8"),
+    (b'\x3b\x00\x00\x00\x00\x00\x00\x00{"t":{"dtype":"F32","shape":[-2,-2],"data_offsets":[0,16]}}' + bytes(16),
+     "shard tensor 't': shape [-2, -2] is not a list of sizes"),
 ])
 def test_a_malformed_shard_is_data_loss(blob, message):
     with pytest.raises(StatusError) as e:
