@@ -205,11 +205,17 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         else:
             blob, tier, sums = await self._shard(manifest, request.layout, request.rank)
             chunks, size = _sliced(blob, chunk), len(blob)
-        yield spb.ShardChunk(header=spb.ShardHeader(
-            manifest=manifest, layout_hash=layout_hash(request.layout), total_bytes=size, cache_tier=tier))
-        async for message in chunks:
-            yield message
-        yield await _trailer(sums, request.xxh3, None if reader is not None else blob)
+        began = False  # chunks asked for: from then on the read-ahead closes the reader (read_ahead.py)
+        try:
+            yield spb.ShardChunk(header=spb.ShardHeader(
+                manifest=manifest, layout_hash=layout_hash(request.layout), total_bytes=size, cache_tier=tier))
+            began = True
+            async for message in chunks:
+                yield message
+            yield await _trailer(sums, request.xxh3, None if reader is not None else blob)
+        finally:
+            if reader is not None and not began:  # the client gone while the header went out
+                reader.close()
         self.metrics.fetch_bytes.labels(tier).inc(size)
         self.metrics.fetch.labels(tier).observe(time.perf_counter() - t0)
 

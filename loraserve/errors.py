@@ -79,13 +79,16 @@ def grpc_errors(method):
 
         @functools.wraps(method)
         async def stream_wrapper(self, request, context):
+            stream = method(self, request, context)
             try:
-                async for item in method(self, request, context):
+                async for item in stream:
                     yield item
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
                 await _abort(context, exc)
+            finally:  # closed early (the client gone at a yield): the method's own clean-up runs now,
+                await stream.aclose()  # not whenever the garbage collector finds its generator
 
         return stream_wrapper
 

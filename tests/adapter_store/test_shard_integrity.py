@@ -503,6 +503,27 @@ def test_a_cancelled_stream_closes_its_reader_only_after_the_read_in_flight_ends
     assert events == ["read", "read done", "read", "read done", "close"]
 
 
+def test_a_stream_closed_after_its_header_closes_the_shard_reader_at_once(store, monkeypatch):
+    """A client gone while the header is on its way, before the first data chunk is asked for: the
+    cached shard's reader (an open file) is closed then, not when the garbage collector gets to it."""
+    from loraserve.adapter_store import cache
+    from loraserve.adapter_store.service import AdapterStoreService
+
+    raw_chunks(store.address, 1 << 20)  # packed and cached: the next fetch streams from a reader
+    closed, close = [], cache.ShardReader.close
+    monkeypatch.setattr(cache.ShardReader, "close", lambda self: (closed.append(self.tier), close(self))[1])
+
+    async def run():
+        service = AdapterStoreService(store.cfg)  # the store's servicer, driven as gRPC drives it
+        stream = service.FetchShard(spb.FetchShardRequest(name="a", layout=layout(), xxh3=True), None)
+        first = await stream.__anext__()
+        assert first.header.cache_tier == "disk" and closed == []
+        await stream.aclose()
+        return list(closed)
+
+    assert store.lt.run(run(), 30) == ["disk"]
+
+
 def test_the_store_reads_a_shard_at_most_a_few_chunks_ahead_of_its_stream():
     """The read-ahead thread keeps at most DEPTH chunks queued beyond what the stream has taken (a slow
     client holds that much of the shard in memory, not all of it), and the stream gets every chunk
