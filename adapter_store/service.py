@@ -7,6 +7,7 @@ register never stalls FetchShard streams to executors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import shutil
@@ -77,6 +78,9 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         self.metrics = StoreMetrics()
         self.metrics.attach(self.cache)
         self._inflight: dict[str, asyncio.Future] = {}
+        # FetchShard streams at once: each holds up to three chunks and a reader thread (or a whole
+        # packed shard) while it runs; more wait here, in order (0: no cap)
+        self._streams = asyncio.Semaphore(cfg.max_streams) if cfg.max_streams > 0 else None
         self._adapters: OrderedDict[str, pack.PeftAdapter] = OrderedDict()  # digest -> validated adapter
         self._adapters_lock = threading.Lock()
         # Registrations commit (registry.put) under this lock, and only before the drain's
@@ -197,6 +201,32 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         if chunk > MAX_CHUNK:
             raise invalid(f"chunk_bytes {chunk} is above the maximum of {MAX_CHUNK}")
         t0 = time.perf_counter()
+        async with self._turn(request.name), contextlib.aclosing(self._fetch(manifest, request, chunk, t0)) as stream:
+            async for message in stream:  # closed with the stream, early too: its clean-up runs then
+                yield message
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, name: str):
+        """One of --max-streams: waits while that many streams are served (a client gone meanwhile
+        stops waiting), then holds its place until the stream ends, on every path."""
+        if self._streams is not None:
+            if self._streams.locked():
+                log.info("FetchShard %s waits its turn: %d streams are served (--max-streams)", name, self.cfg.max_streams)
+            self.metrics.streams_waiting.inc()
+            try:
+                await self._streams.acquire()
+            finally:
+                self.metrics.streams_waiting.dec()
+        self.metrics.streams.inc()
+        try:
+            yield
+        finally:
+            self.metrics.streams.dec()
+            if self._streams is not None:
+                self._streams.release()
+
+    async def _fetch(self, manifest: pb.AdapterManifest, request, chunk: int, t0: float):
+        """FetchShard's messages, once it is the stream's turn."""
         key = pack.shard_key(manifest.digest, request.layout, request.rank)
         reader = None if request.verify else await asyncio.to_thread(self.cache.open, key)
         if reader is not None:
@@ -210,8 +240,9 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             yield spb.ShardChunk(header=spb.ShardHeader(
                 manifest=manifest, layout_hash=layout_hash(request.layout), total_bytes=size, cache_tier=tier))
             began = True
-            async for message in chunks:
-                yield message
+            async with contextlib.aclosing(chunks):  # closed with the stream: the read-ahead ends then
+                async for message in chunks:
+                    yield message
             yield await _trailer(sums, request.xxh3, None if reader is not None else blob)
         finally:
             if reader is not None and not began:  # the client gone while the header went out

@@ -97,6 +97,8 @@ def add_store_flags(p: argparse.ArgumentParser) -> None:
                    help="where manifests and adapter files live: file (under --data-dir, one store) or redis "
                         "(in --redis-url under --redis-prefix, shared by several store replicas)")
     p.add_argument("--disk-cache-gb", type=float, default=float(env("disk_cache_gb", 8)))
+    p.add_argument("--max-streams", type=int, default=int(env("max_streams", 64)),
+                   help="shard streams (FetchShard) served at once; more wait their turn (0: no cap)")
     roots = env("allow_local_root")
     p.add_argument("--allow-local-root", type=Path, action="append",
                    default=[Path(r) for r in roots.split(os.pathsep) if r] if roots else None,
@@ -151,13 +153,15 @@ def store_config(a: argparse.Namespace):
     max_bytes = a.max_adapter_mb << 20
     if a.registry == "redis" and not a.redis_url:
         raise ValueError("--registry redis needs --redis-url")
+    if a.max_streams < 0:
+        raise ValueError(f"--max-streams must be 0 (no cap) or more, got {a.max_streams}")
     return StoreConfig(
         listen=a.listen, data_dir=a.data_dir, base_model=base_name or "",
         base_model_path=None if a.any_base_model else base_path,
         disk_cache_bytes=int(a.disk_cache_gb * 2**30), redis_url=a.redis_url, redis_prefix=a.redis_prefix, registry=a.registry,
         redis_cache_bytes=int(a.redis_cache_gb * 2**30), admin_token=a.admin_token,
         tls=server_tls(a.tls_cert, a.tls_key, a.tls_client_ca), metrics_listen=metrics_listen(a.listen, a.metrics_port),
-        limits=Limits(max_rank=a.max_rank, max_adapter_bytes=max_bytes, allow_pickle=a.allow_pickle),
+        max_streams=a.max_streams, limits=Limits(max_rank=a.max_rank, max_adapter_bytes=max_bytes, allow_pickle=a.allow_pickle),
         sources=SourceConfig(
             local_roots=roots, s3_endpoint_url=a.s3_endpoint_url, s3_region=a.s3_region,
             hf_endpoint=a.hf_endpoint, hf_token=os.environ.get("HF_TOKEN"), hf_cache_dir=a.hf_cache_dir,

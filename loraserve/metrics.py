@@ -280,6 +280,9 @@ class StoreMetrics:
                                ["tier"], buckets=LOAD_BUCKETS, registry=r)
         self.cache_hits = Counter("loraserve_store_cache_hits", "Shard lookups answered by a cache tier", ["tier"], registry=r)
         self.cache_misses = Counter("loraserve_store_cache_misses", "Shard lookups no tier had (then packed)", registry=r)
+        self.streams = Gauge("loraserve_store_streams", "FetchShard streams being served", registry=r)
+        self.streams_waiting = Gauge("loraserve_store_streams_waiting",
+                                     "FetchShard streams waiting for their turn (--max-streams)", registry=r)
 
     def attach(self, cache) -> None:
         self.registry.register(_StoreCache(cache))

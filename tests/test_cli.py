@@ -96,6 +96,12 @@ def test_every_flag_reads_its_environment_variable_and_help_names_it(monkeypatch
     assert build_parser().parse_args(["adapters", "list"]).token == "store-secret"  # other commands unaffected
 
 
+def test_a_negative_max_streams_is_refused_with_its_value(tmp_path):
+    bad = cli("store", "--max-streams", "-1", "--data-dir", str(tmp_path / "store"), check=False)
+    assert bad.returncode == 1 and "error: --max-streams must be 0 (no cap) or more, got -1" in bad.stderr
+    assert not (tmp_path / "store").exists()  # refused before anything was made
+
+
 @pytest.fixture
 def store_process(tmp_path, tiny_llama_dir, s3_server, free_port):
     root = tmp_path / "adapters"

@@ -524,6 +524,47 @@ def test_a_stream_closed_after_its_header_closes_the_shard_reader_at_once(store,
     assert store.lt.run(run(), 30) == ["disk"]
 
 
+def test_streams_over_max_streams_wait_their_turn_and_give_it_back_on_every_path(store):
+    """--max-streams 1: a second stream waits (counted in loraserve_store_streams_waiting) until the
+    first ends; a waiting stream whose client left gives its place up, and a stream closed early
+    gives its turn back, so the next one is served at once."""
+    import dataclasses
+
+    from loraserve.adapter_store.service import AdapterStoreService
+
+    raw_chunks(store.address, 1 << 20)  # packed and cached: later fetches stream from a reader
+
+    async def run():
+        service = AdapterStoreService(dataclasses.replace(store.cfg, max_streams=1))
+        metric = service.metrics.registry.get_sample_value
+        req = spb.FetchShardRequest(name="a", layout=layout(), xxh3=True)
+        first = service.FetchShard(req, None)
+        assert (await first.__anext__()).HasField("header")
+        second = service.FetchShard(req, None)
+        waiting = asyncio.ensure_future(second.__anext__())
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        assert (metric("loraserve_store_streams"), metric("loraserve_store_streams_waiting")) == (1, 1)
+        rest = [m async for m in first]  # the first ends: the second's turn
+        assert rest[-1].HasField("trailer")
+        assert (await asyncio.wait_for(waiting, 10)).HasField("header")
+
+        third = service.FetchShard(req, None)
+        gone = asyncio.ensure_future(third.__anext__())
+        await asyncio.sleep(0.1)
+        gone.cancel()  # its client left while it waited
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert metric("loraserve_store_streams_waiting") == 0
+        await second.aclose()  # closed early, after its header
+        fourth = service.FetchShard(req, None)
+        assert (await asyncio.wait_for(fourth.__anext__(), 10)).HasField("header")
+        await fourth.aclose()
+        return metric("loraserve_store_streams"), metric("loraserve_store_streams_waiting")
+
+    assert store.lt.run(run(), 60) == (0, 0)
+
+
 def test_the_store_reads_a_shard_at_most_a_few_chunks_ahead_of_its_stream():
     """The read-ahead thread keeps at most DEPTH chunks queued beyond what the stream has taken (a slow
     client holds that much of the shard in memory, not all of it), and the stream gets every chunk
