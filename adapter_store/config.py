@@ -26,7 +26,7 @@ class StoreConfig:
     admin_token: str | None = None        # when set, mutating RPCs need "authorization: Bearer <token>"
     tls: ServerTls | None = None          # certificate and key (and client CA: mutual TLS); None: plaintext
     metrics_listen: str = ""              # host:port of Prometheus' /metrics; "": off
-    max_streams: int = 64                 # FetchShard streams served at once (each holds up to three chunks
+    max_streams: int = 0                  # FetchShard streams served at once (each holds up to three chunks
                                           # and a reader thread, or a packed shard); more wait their turn; 0: no cap
     limits: Limits = field(default_factory=Limits)
     sources: SourceConfig = field(default_factory=lambda: SourceConfig(local_roots=(Path.cwd(),)))

@@ -201,17 +201,23 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         if chunk > MAX_CHUNK:
             raise invalid(f"chunk_bytes {chunk} is above the maximum of {MAX_CHUNK}")
         t0 = time.perf_counter()
-        async with self._turn(request.name), contextlib.aclosing(self._fetch(manifest, request, chunk, t0)) as stream:
-            async for message in stream:  # closed with the stream, early too: its clean-up runs then
-                yield message
+        async with self._turn(request.name) as waited:
+            if waited:  # the adapter may have been registered again or deleted meanwhile
+                manifest = self._check_fetch(request.name, request.digest, request.layout)
+            async with contextlib.aclosing(self._fetch(manifest, request, chunk, t0)) as stream:
+                async for message in stream:  # closed with the stream, early too: its clean-up runs then
+                    yield message
 
     @contextlib.asynccontextmanager
     async def _turn(self, name: str):
         """One of --max-streams: waits while that many streams are served (a client gone meanwhile
-        stops waiting), then holds its place until the stream ends, on every path."""
+        stops waiting), then holds its place until the stream ends, on every path. Yields whether
+        it waited. A waiting stream sends nothing: an executor gives up on a store that sends no
+        message within its --store-timeout-s, so that must cover the longest wait (docs: the flag)."""
+        waited = self._streams is not None and self._streams.locked()
         if self._streams is not None:
-            if self._streams.locked():
-                log.info("FetchShard %s waits its turn: %d streams are served (--max-streams)", name, self.cfg.max_streams)
+            if waited:
+                log.debug("FetchShard %s waits its turn: %d streams are served (--max-streams)", name, self.cfg.max_streams)
             self.metrics.streams_waiting.inc()
             try:
                 await self._streams.acquire()
@@ -219,7 +225,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
                 self.metrics.streams_waiting.dec()
         self.metrics.streams.inc()
         try:
-            yield
+            yield waited
         finally:
             self.metrics.streams.dec()
             if self._streams is not None:

@@ -97,8 +97,9 @@ def add_store_flags(p: argparse.ArgumentParser) -> None:
                    help="where manifests and adapter files live: file (under --data-dir, one store) or redis "
                         "(in --redis-url under --redis-prefix, shared by several store replicas)")
     p.add_argument("--disk-cache-gb", type=float, default=float(env("disk_cache_gb", 8)))
-    p.add_argument("--max-streams", type=int, default=int(env("max_streams", 64)),
-                   help="shard streams (FetchShard) served at once; more wait their turn (0: no cap)")
+    p.add_argument("--max-streams", type=int, default=int(env("max_streams", 0)),
+                   help="shard streams (FetchShard) served at once, more wait their turn, sending nothing: "
+                        "executors' --store-timeout-s must cover the wait (0: no cap)")
     roots = env("allow_local_root")
     p.add_argument("--allow-local-root", type=Path, action="append",
                    default=[Path(r) for r in roots.split(os.pathsep) if r] if roots else None,

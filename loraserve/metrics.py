@@ -276,7 +276,8 @@ class StoreMetrics:
                               buckets=LOAD_BUCKETS, registry=r)
         self.fetch_bytes = Counter("loraserve_store_fetch_bytes", "Shard bytes streamed to executors, by the tier they came from",
                                    ["tier"], registry=r)
-        self.fetch = Histogram("loraserve_store_fetch_seconds", "FetchShard from request to last chunk, by tier",
+        self.fetch = Histogram("loraserve_store_fetch_seconds", "FetchShard from request to last chunk (a wait "
+                               "for its turn under --max-streams included), by tier",
                                ["tier"], buckets=LOAD_BUCKETS, registry=r)
         self.cache_hits = Counter("loraserve_store_cache_hits", "Shard lookups answered by a cache tier", ["tier"], registry=r)
         self.cache_misses = Counter("loraserve_store_cache_misses", "Shard lookups no tier had (then packed)", registry=r)

@@ -565,6 +565,49 @@ def test_streams_over_max_streams_wait_their_turn_and_give_it_back_on_every_path
     assert store.lt.run(run(), 60) == (0, 0)
 
 
+def test_a_stream_that_waited_its_turn_finds_an_adapter_deleted_meanwhile_not_found(store):
+    """The adapter is looked up again once a waiting stream's turn comes: deleted while it waited,
+    the stream ends NOT_FOUND instead of streaming (or packing) what the store has let go of."""
+    import dataclasses
+
+    from loraserve.adapter_store.service import AdapterStoreService
+
+    class Aborted(Exception):
+        pass
+
+    class Context:  # what the servicer asks of grpc.aio's context on these paths
+        code = message = None
+
+        def cancelled(self):
+            return False
+
+        def invocation_metadata(self):
+            return ()
+
+        async def abort(self, code, message):
+            self.code, self.message = code, message
+            raise Aborted
+
+    raw_chunks(store.address, 1 << 20)
+
+    async def run():
+        service = AdapterStoreService(dataclasses.replace(store.cfg, max_streams=1))
+        req = spb.FetchShardRequest(name="a", layout=layout(), xxh3=True)
+        first = service.FetchShard(req, Context())
+        assert (await first.__anext__()).HasField("header")
+        ctx = Context()
+        waiting = asyncio.ensure_future(service.FetchShard(req, ctx).__anext__())
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await service.DeleteAdapter(spb.DeleteAdapterRequest(name="a"), Context())
+        await first.aclose()
+        with pytest.raises(Aborted):
+            await asyncio.wait_for(waiting, 10)
+        return ctx.code, ctx.message
+
+    assert store.lt.run(run(), 30) == (grpc.StatusCode.NOT_FOUND, "adapter 'a' is not registered")
+
+
 def test_the_store_reads_a_shard_at_most_a_few_chunks_ahead_of_its_stream():
     """The read-ahead thread keeps at most DEPTH chunks queued beyond what the stream has taken (a slow
     client holds that much of the shard in memory, not all of it), and the stream gets every chunk
