@@ -144,20 +144,9 @@ def main() -> None:
                 base_rate = busy.rate(0.2)
                 beside, rates = [], []
                 for _ in range(args.repeat):
-                    done = threading.Event()
-                    took = []
-
-                    def helper():
-                        t0 = time.perf_counter()
-                        fn()
-                        took.append(time.perf_counter() - t0)
-                        done.set()
-
                     before, t0 = busy.count, time.perf_counter()
-                    threading.Thread(target=helper).start()
-                    done.wait()
+                    beside.append(timed_in_thread(fn))
                     rates.append((busy.count - before) / (time.perf_counter() - t0))
-                    beside.append(took[0])
                 busy.stop.set()
                 busy.thread.join()
                 med = statistics.median(beside)

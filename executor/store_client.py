@@ -116,7 +116,7 @@ def shard_tensors(blob: torch.Tensor) -> ShardTensors:
                                                          f"{numel * size} bytes, its offsets span {end - begin}")
         if dtype not in typed:  # the whole blob as dtype (None: its start is not aligned for dtype)
             whole = blob[: len(raw) - len(raw) % size]
-            typed[dtype] = whole.view(dtype) if (blob.storage_offset() % size == 0 or size == 1) else None
+            typed[dtype] = whole.view(dtype) if blob.storage_offset() % size == 0 else None
         if typed[dtype] is None or begin % size:
             out[name] = blob[begin:end].clone().view(dtype).view(shape)  # unaligned for its dtype: a copy
             continue
