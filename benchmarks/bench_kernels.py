@@ -510,15 +510,17 @@ def main():
     parser.add_argument("--real-kinds", default="qkv,o,gate_up,down,embedding,lm_head")
     parser.add_argument("--real-ops", default="layer",
                         help="--real: also time the shrink and the expand alone ('layer,shrink,expand'): real.json "
-                             "rows then hold shrink_us, expand_us and the configs the tables gave")
+                             "rows then hold shrink_us, expand_us and the configs the tables gave; 'dense' and "
+                             "'dense_shrink' time the cuBLAS reference (torch.mm / addmm_, no gather) of one "
+                             "adapter's linear layer and of its shrink alone (dense_us, dense_shrink_us)")
     parser.add_argument("--budget-s", type=float, default=110.0, help="--real: stop starting new shapes after this")
     parser.add_argument("--warm-s", type=float, default=60.0, help="--real: compile in parallel first, at most this long")
     parser.add_argument("--pdl", action="store_true",
                         help="--real: decode shrinks and expands launched as programmatic dependents (sm90+)")
     parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
     args = parser.parse_args()
-    if set(args.real_ops.split(",")) - {"layer", "shrink", "expand", ""}:
-        parser.error(f"--real-ops takes layer, shrink and expand, not {args.real_ops!r}")
+    if set(args.real_ops.split(",")) - {"layer", "shrink", "expand", "dense", "dense_shrink", ""}:
+        parser.error(f"--real-ops takes layer, shrink, expand, dense and dense_shrink, not {args.real_ops!r}")
     if args.real_ops != "layer" and not args.real:
         parser.error("--real-ops applies to the real-shape benchmark only: add --real")
     if args.pdl and not args.real:

@@ -80,12 +80,17 @@ def floor_us(pool: RealPool, tokens, lora_tokens, adapters, ceil) -> float:
     return max(moved / ceil["copy_bytes_per_s"], flops / ceil["bf16_flops_per_s"]) * 1e6
 
 
+DENSE_OPS = ("dense", "dense_shrink")  # the cuBLAS reference (measure's dense): one adapter, linear layers
+
+
 def graph_sets(tokens) -> int:
     return 8 if tokens <= DECODE_MAX_TOKENS else 4 if tokens <= 1024 else 2
 
 
 def measure(pool: RealPool, tokens, adapters, ceil, gen, ops=("layer",), warm=False, pdl=False) -> dict:
-    """Graph time per layer (us) of each op in ops ("layer", "shrink", "expand") and the floor.
+    """Graph time per layer (us) of each op in ops ("layer", "shrink", "expand", "dense",
+    "dense_shrink") and the floor. The dense ops are the cuBLAS reference of one adapter's linear
+    layer (whole layer / shrink alone), timed only in such cases.
 
     warm: run each op once, eagerly, and time nothing (a compile-only pass, see warm_in_workers).
     pdl: decode shrinks and expands launched as programmatic dependents (each layer's expand starts
@@ -122,7 +127,21 @@ def measure(pool: RealPool, tokens, adapters, ceil, gen, ops=("layer",), warm=Fa
         if op != "shrink":
             lora_expand(y, buf, lora_b, offsets, meta, **follow)
 
+    def dense(i, op):
+        """The same layer of one adapter as plain cuBLAS GEMMs (torch.mm / addmm_): no gather, no
+        block list, a bf16 shrink output; one expand GEMM per slice."""
+        x, y, _, lora_a, lora_b = sets[i]
+        s, r = len(pool.widths), pool.rank
+        h = torch.mm(x, lora_a[0].reshape(s * r, pool.in_features).t())
+        if op == "dense":
+            for j in range(s):
+                y[:, offsets[j] : offsets[j + 1]].addmm_(h[:, j * r : (j + 1) * r], lora_b[0][offsets[j] : offsets[j + 1]].t())
+
     def step(op):
+        if op in DENSE_OPS:
+            for i in range(len(sets)):
+                dense(i, op)
+            return
         if workspace is not None and op != "expand":
             workspace.zero_()
             meta.shrink_workspace = ShrinkWorkspace(workspace)
@@ -132,11 +151,14 @@ def measure(pool: RealPool, tokens, adapters, ceil, gen, ops=("layer",), warm=Fa
 
     if warm:
         for op in ops:
-            step(op)
+            if op not in DENSE_OPS:  # (cuBLAS compiles nothing)
+                step(op)
         return {}
     result = dict(distinct=distinct, sets=len(sets), floor_us=floor_us(pool, tokens, tokens, distinct, ceil))
     timing = DECODE_MS if tokens <= DECODE_MAX_TOKENS else PREFILL_MS
     for op in ops:
+        if op in DENSE_OPS and (pool.embedding or distinct != 1):
+            continue  # the dense reference exists for one adapter's linear layer only
         graph = capture(lambda: step(op))
         result[f"{op}_us"] = do_bench(graph.replay, return_mode="median", **timing) * 1e3 / len(sets)
         del graph
@@ -179,6 +201,7 @@ def summarize(rows, launch_us) -> list[str]:
     pre_ratios = [r["ratio"] for r in prefill]
     lines = [
         f"empty graph-replayed launch: {launch_us:.2f} us; adj = (time - 2 launches) / floor",
+        *dense_lines(rows),
         f"decode (<= {DECODE_MAX_TOKENS} tokens), adj: {stats([r['adj'] for r in decode])}; "
         f"over 1.5 (target: none): {len(dec_miss)}",
         f"decode, time / floor: {stats([r['ratio'] for r in decode])}",
@@ -198,6 +221,40 @@ def summarize(rows, launch_us) -> list[str]:
     for fam in model_shapes.FAMILIES:
         sel = [r for r in rows if any(a[0] == fam.name for a in r["layers"])]
         lines.append(row_of(fam.name, sel))
+    return lines
+
+
+def dense_lines(rows) -> list[str]:
+    """The cuBLAS reference beside the kernels, over the cases that have it (one adapter, linear)."""
+    lines = []
+    for name, sel in (
+        ("decode", [r for r in rows if "dense_us" in r and r["tokens"] <= DECODE_MAX_TOKENS]),
+        ("prefill", [r for r in rows if "dense_us" in r and r["tokens"] >= PREFILL_MIN_TOKENS]),
+    ):
+        if not sel:
+            continue
+        ours = [r["ratio"] for r in sel]
+        dense = [r["dense_us"] / r["floor_us"] for r in sel]
+        line = (
+            f"{name}, one adapter, {len(sel)} linear cases: time / floor median {statistics.median(ours):.2f}x "
+            f"(over 1.6: {sum(v > 1.6 for v in ours)}), cuBLAS dense layer {statistics.median(dense):.2f}x "
+            f"(over 1.6: {sum(v > 1.6 for v in dense)}); kernels / cuBLAS median "
+            f"{statistics.median(r['time_us'] / r['dense_us'] for r in sel):.2f}, "
+            f"kernels faster in {sum(r['time_us'] < r['dense_us'] for r in sel)}"
+        )
+        both = [r for r in sel if "shrink_us" in r and "dense_shrink_us" in r]
+        if both:
+            line += (f"; shrink / cuBLAS shrink median "
+                     f"{statistics.median(r['shrink_us'] / r['dense_shrink_us'] for r in both):.2f}")
+        by_kind = []
+        for kind in model_shapes.KINDS:
+            of_kind = [r for r in sel if any(a[1] == kind for a in r.get("layers", ()))]
+            if of_kind:
+                by_kind.append(f"{kind} {statistics.median(r['ratio'] for r in of_kind):.2f} / "
+                               f"{statistics.median(r['dense_us'] / r['floor_us'] for r in of_kind):.2f}")
+        if by_kind:
+            line += "; by kind, kernels / cuBLAS time over floor: " + ", ".join(by_kind)
+        lines.append(line)
     return lines
 
 
@@ -285,7 +342,8 @@ def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=
                     sets=res["sets"], **{"in": in_features},
                 )  # fmt: skip
                 if len(ops) > 1:
-                    row.update({f"{op}_us": res[f"{op}_us"] for op in ops if op != "layer"}, **configs(pool, tokens))
+                    row.update({f"{op}_us": res[f"{op}_us"] for op in ops if f"{op}_us" in res and op != "layer"},
+                               **configs(pool, tokens))
                 rows.append(row)
                 on_row(row_text(row))
             del pool
