@@ -26,8 +26,10 @@ class StoreConfig:
     admin_token: str | None = None        # when set, mutating RPCs need "authorization: Bearer <token>"
     tls: ServerTls | None = None          # certificate and key (and client CA: mutual TLS); None: plaintext
     metrics_listen: str = ""              # host:port of Prometheus' /metrics; "": off
-    max_streams: int = 0                  # FetchShard streams served at once (each holds up to three chunks
+    max_streams: int = 64                 # FetchShard streams served at once (each holds up to three chunks
                                           # and a reader thread, or a packed shard); more wait their turn; 0: no cap
+    max_stream_wait_s: float = 2.0        # the longest a stream waits for its turn, then RESOURCE_EXHAUSTED with
+                                          # a retry hint (executors ask again); below executors' --store-timeout-s
     limits: Limits = field(default_factory=Limits)
     sources: SourceConfig = field(default_factory=lambda: SourceConfig(local_roots=(Path.cwd(),)))
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 
 from loraserve.auth import require_admin
-from loraserve.errors import StatusError, grpc_errors, invalid, precondition, unavailable
+from loraserve.errors import StatusError, busy, grpc_errors, invalid, precondition, unavailable
 from loraserve.metrics import StoreMetrics, serve_metrics
 from loraserve.serving import BULK_OPTIONS, RunningServer, start_server
 from loraserve.v1 import adapter_store_pb2 as spb
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "loraserve.v1.AdapterStore"
 DEFAULT_CHUNK = 1 << 20
 MAX_CHUNK = 3 << 20  # stays under gRPC's default 4 MiB message limit
+BUSY_RETRY_AFTER_S = 0.2  # the retry hint of a stream refused for want of a turn (--max-stream-wait-s)
 MAX_PAGE = 1000
 LOADED_ADAPTERS = 2  # validated adapters kept in memory between packs
 COMMIT_MARGIN_S = 2.0  # a drain stops registrations from committing this long before its grace ends
@@ -79,7 +80,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         self.metrics.attach(self.cache)
         self._inflight: dict[str, asyncio.Future] = {}
         # FetchShard streams at once: each holds up to three chunks and a reader thread (or a whole
-        # packed shard) while it runs; more wait here, in order (0: no cap)
+        # packed shard) while it runs; more wait here, in order, at most cfg.max_stream_wait_s (0: no cap)
         self._streams = asyncio.Semaphore(cfg.max_streams) if cfg.max_streams > 0 else None
         self._adapters: OrderedDict[str, pack.PeftAdapter] = OrderedDict()  # digest -> validated adapter
         self._adapters_lock = threading.Lock()
@@ -212,15 +213,22 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
     async def _turn(self, name: str):
         """One of --max-streams: waits while that many streams are served (a client gone meanwhile
         stops waiting), then holds its place until the stream ends, on every path. Yields whether
-        it waited. A waiting stream sends nothing: an executor gives up on a store that sends no
-        message within its --store-timeout-s, so that must cover the longest wait (docs: the flag)."""
+        it waited. A waiting stream sends nothing, and an executor gives up on a store that sends no
+        message within its --store-timeout-s: so the wait ends after --max-stream-wait-s (below that
+        timeout) with RESOURCE_EXHAUSTED and a retry hint, which the executor's client follows."""
         waited = self._streams is not None and self._streams.locked()
         if self._streams is not None:
             if waited:
                 log.debug("FetchShard %s waits its turn: %d streams are served (--max-streams)", name, self.cfg.max_streams)
             self.metrics.streams_waiting.inc()
             try:
-                await self._streams.acquire()
+                async with asyncio.timeout(self.cfg.max_stream_wait_s):
+                    await self._streams.acquire()
+            except TimeoutError:
+                self.metrics.streams_busy.inc()
+                raise busy(f"adapter store busy: all {self.cfg.max_streams} of its shard streams (--max-streams) are "
+                           f"taken and adapter {name!r} waited {self.cfg.max_stream_wait_s:g}s for one; ask again shortly",
+                           retry_after_s=BUSY_RETRY_AFTER_S) from None
             finally:
                 self.metrics.streams_waiting.dec()
         self.metrics.streams.inc()

@@ -1,7 +1,9 @@
 """The executor's side of the store contract: declare the layout, stream shards into host tensors.
 
 Every store call is bounded: a unary call by `timeout_s`, a shard stream by `timeout_s` between
-two messages (a large shard may take longer in all, a stalled store may not). The channel
+two messages (a large shard may take longer in all, a stalled store may not). A shard stream the
+store refuses as busy (RESOURCE_EXHAUSTED with a retry hint: its --max-streams streams all taken) is
+asked again after the hint, backing off, for up to BUSY_RETRY_S in all. The channel
 reconnects at most MAX_RECONNECT_BACKOFF_MS after the store answers again (gRPC's default backoff
 grows to two minutes with the outage), and `watch` checks the store's health every second so
 that work on adapters this executor already holds never waits on a store that does not answer.
@@ -15,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import logging
 import math
 import mmap
+import random
 import time
 
 import grpc
@@ -22,7 +25,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraserve.client import ShardAssembler
-from loraserve.errors import StatusError, unavailable
+from loraserve.errors import StatusError, exhausted, retry_after_s, unavailable
 from loraserve.serving import BULK_OPTIONS
 from loraserve.tls import ClientTls, secure_or_insecure_channel
 from loraserve.v1 import adapter_store_pb2 as spb
@@ -44,6 +47,8 @@ CHANNEL_OPTIONS = [
 HEALTH_INTERVAL_S = 1.0
 FETCH_SHARD = "/loraserve.v1.AdapterStore/FetchShard"
 CHUNK_BYTES = 1 << 20  # FetchShard's chunk size asked for
+BUSY_RETRY_S = 30.0  # how long a shard stream is asked again while the store answers busy
+BUSY_BACKOFF_MAX_S = 2.0  # the longest pause between two asks
 HUGE_PAGE_MIN = 4 << 20
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
@@ -138,12 +143,13 @@ class StoreClient:
 
     def __init__(self, address: str, layout: pb.Layout, rank: pb.ShardRank | None = None, timeout_s: float = 5.0,
                  tls: ClientTls | None = None, pin_memory: bool = False, chunk_bytes: int = CHUNK_BYTES,
-                 arena: PinnedArena | None = None):
+                 arena: PinnedArena | None = None, busy_retry_s: float = BUSY_RETRY_S):
         self.address = address
         self.tls = tls
         self.layout = layout
         self.rank = rank or pb.ShardRank()
         self.timeout_s = timeout_s
+        self.busy_retry_s = busy_retry_s
         self.pin_memory = pin_memory  # shards land in pinned host memory (CUDA: the slot copy is a true async DMA)
         # Shards land in this pre-pinned arena when it has room (a fresh pinned buffer stalls every
         # CUDA call of the process while it is page-locked: executor/pinned_arena.py)
@@ -171,13 +177,13 @@ class StoreClient:
         header with DATA_LOSS (a cached copy the store found corrupt and dropped) is asked again once."""
         t0 = time.perf_counter()
         try:
-            header, buffer = await self._stream(name, digest, verify=False)
+            header, buffer = await self._stream_when_served(name, digest, verify=False)
         except StatusError as e:
             if e.code != grpc.StatusCode.DATA_LOSS or not getattr(e, "after_header", False):
                 raise
             log.warning("fetching %s from store %s: %s; asking again, with the store checking its copy",
                         name, self.address, e.message)
-            header, buffer = await self._stream(name, digest, verify=True)
+            header, buffer = await self._stream_when_served(name, digest, verify=True)
         try:
             tensors = await asyncio.to_thread(shard_tensors, buffer)  # parsing a large header: off the serving loop
         except BaseException:
@@ -191,6 +197,28 @@ class StoreClient:
                  f", ep rank {self.rank.ep_rank}" if self.layout.ep_size > 1 else "", self.address,
                  header.total_bytes, header.cache_tier, time.perf_counter() - t0)
         return header.manifest.digest, header.manifest.rank, tensors, header.total_bytes
+
+    async def _stream_when_served(self, name: str, digest: str, verify: bool) -> tuple[spb.ShardHeader, torch.Tensor]:
+        """_stream, asked again while the store answers busy (its retry hint, then twice the last
+        pause, at most BUSY_BACKOFF_MAX_S, jittered), until busy_retry_s have passed: then
+        RESOURCE_EXHAUSTED naming the store and the adapter."""
+        started, pause = time.monotonic(), 0.0
+        while True:
+            try:
+                return await self._stream(name, digest, verify)
+            except StatusError as e:
+                hint = getattr(e, "retry_after_s", None)
+                if hint is None:
+                    raise
+                busy_for = time.monotonic() - started
+                if busy_for >= self.busy_retry_s:
+                    log.warning("adapter store at %s stayed busy for %.1fs; %s is not fetched", self.address, busy_for, name)
+                    raise exhausted(f"adapter store at {self.address} stayed busy for {busy_for:.1f}s ({e.message}); "
+                                    f"adapter {name!r} cannot be loaded now") from None
+                if pause == 0.0:
+                    log.info("adapter store at %s is busy (%s); asking for %s again shortly", self.address, e.message, name)
+                pause = min(max(hint, 2 * pause), BUSY_BACKOFF_MAX_S)
+                await asyncio.sleep(min(pause * random.uniform(0.5, 1.0), self.busy_retry_s - busy_for))
 
     async def _stream(self, name: str, digest: str, verify: bool) -> tuple[spb.ShardHeader, torch.Tensor]:
         req = spb.FetchShardRequest(name=name, layout=self.layout, rank=self.rank, digest=digest,
@@ -214,6 +242,7 @@ class StoreClient:
         except grpc.aio.AioRpcError as e:
             error = self._error(e, f"; adapter {name!r} cannot be loaded now")
             error.after_header = asm.header is not None
+            error.retry_after_s = retry_after_s(e)  # busy: asked again (_stream_when_served)
             raise error from None
         except StatusError as e:  # the stream itself was wrong (checksum, sizes)
             e.after_header = asm.header is not None

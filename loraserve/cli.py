@@ -97,9 +97,13 @@ def add_store_flags(p: argparse.ArgumentParser) -> None:
                    help="where manifests and adapter files live: file (under --data-dir, one store) or redis "
                         "(in --redis-url under --redis-prefix, shared by several store replicas)")
     p.add_argument("--disk-cache-gb", type=float, default=float(env("disk_cache_gb", 8)))
-    p.add_argument("--max-streams", type=int, default=int(env("max_streams", 0)),
-                   help="shard streams (FetchShard) served at once, more wait their turn, sending nothing: "
-                        "executors' --store-timeout-s must cover the wait (0: no cap)")
+    p.add_argument("--max-streams", type=int, default=int(env("max_streams", 64)),
+                   help="shard streams (FetchShard) served at once; more wait their turn, at most --max-stream-wait-s "
+                        "(0: no cap)")
+    p.add_argument("--max-stream-wait-s", type=float, default=float(env("max_stream_wait_s", 2.0)),
+                   help="the longest a stream waits for its turn before it is refused RESOURCE_EXHAUSTED with a retry "
+                        "hint, which executors follow; keep it below the executors' --store-timeout-s (a waiting "
+                        "stream sends nothing)")
     roots = env("allow_local_root")
     p.add_argument("--allow-local-root", type=Path, action="append",
                    default=[Path(r) for r in roots.split(os.pathsep) if r] if roots else None,
@@ -156,13 +160,15 @@ def store_config(a: argparse.Namespace):
         raise ValueError("--registry redis needs --redis-url")
     if a.max_streams < 0:
         raise ValueError(f"--max-streams must be 0 (no cap) or more, got {a.max_streams}")
+    if not a.max_stream_wait_s >= 0:
+        raise ValueError(f"--max-stream-wait-s must be 0 or more seconds, got {a.max_stream_wait_s:g}")
     return StoreConfig(
         listen=a.listen, data_dir=a.data_dir, base_model=base_name or "",
         base_model_path=None if a.any_base_model else base_path,
         disk_cache_bytes=int(a.disk_cache_gb * 2**30), redis_url=a.redis_url, redis_prefix=a.redis_prefix, registry=a.registry,
         redis_cache_bytes=int(a.redis_cache_gb * 2**30), admin_token=a.admin_token,
         tls=server_tls(a.tls_cert, a.tls_key, a.tls_client_ca), metrics_listen=metrics_listen(a.listen, a.metrics_port),
-        max_streams=a.max_streams, limits=Limits(max_rank=a.max_rank, max_adapter_bytes=max_bytes, allow_pickle=a.allow_pickle),
+        max_streams=a.max_streams, max_stream_wait_s=a.max_stream_wait_s, limits=Limits(max_rank=a.max_rank, max_adapter_bytes=max_bytes, allow_pickle=a.allow_pickle),
         sources=SourceConfig(
             local_roots=roots, s3_endpoint_url=a.s3_endpoint_url, s3_region=a.s3_region,
             hf_endpoint=a.hf_endpoint, hf_token=os.environ.get("HF_TOKEN"), hf_cache_dir=a.hf_cache_dir,

@@ -12,13 +12,18 @@ import grpc
 log = logging.getLogger(__name__)
 
 
-class StatusError(Exception):
-    """A failure a client can act on: a gRPC status code and a message naming the fault."""
+RETRY_AFTER_KEY = "loraserve-retry-after-ms"  # trailing metadata: busy now, ask again after this many ms
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+
+class StatusError(Exception):
+    """A failure a client can act on: a gRPC status code and a message naming the fault, and any
+    trailing metadata for the client (e.g. RETRY_AFTER_KEY)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailers = trailers
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
@@ -42,6 +47,27 @@ def exhausted(message: str) -> StatusError:
 
 def unavailable(message: str) -> StatusError:
     return StatusError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def busy(message: str, retry_after_s: float) -> StatusError:
+    """RESOURCE_EXHAUSTED for a server that is busy now and expects to have room soon: the
+    trailer RETRY_AFTER_KEY tells a client when to ask again (other RESOURCE_EXHAUSTED errors,
+    e.g. every slot pinned, carry none and are not worth asking again at once)."""
+    return StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, message,
+                       trailers=((RETRY_AFTER_KEY, str(max(1, round(retry_after_s * 1000)))),))
+
+
+def retry_after_s(e: grpc.aio.AioRpcError) -> float | None:
+    """The retry hint of a `busy` error received by a client, in seconds; None for any other error."""
+    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0.0, int(value) / 1000)
+            except ValueError:
+                return None
+    return None
 
 
 DEADLINE_SLACK_S = 0.1  # an engine deadline and gRPC's, set from one time_remaining(), differ by this much at most
@@ -71,6 +97,8 @@ def grpc_errors(method):
             raise asyncio.CancelledError()
         if isinstance(exc, StatusError):
             log.info("%s -> %s: %s", method.__name__, exc.code.name, exc.message)
+            if exc.trailers:
+                await context.abort(exc.code, exc.message, trailing_metadata=exc.trailers)
             await context.abort(exc.code, exc.message)
         log.exception("%s failed unexpectedly", method.__name__)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")

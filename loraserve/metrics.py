@@ -284,6 +284,9 @@ class StoreMetrics:
         self.streams = Gauge("loraserve_store_streams", "FetchShard streams being served", registry=r)
         self.streams_waiting = Gauge("loraserve_store_streams_waiting",
                                      "FetchShard streams waiting for their turn (--max-streams)", registry=r)
+        self.streams_busy = Counter("loraserve_store_streams_busy",
+                                    "FetchShard streams refused RESOURCE_EXHAUSTED after waiting --max-stream-wait-s for a turn",
+                                    registry=r)
 
     def attach(self, cache) -> None:
         self.registry.register(_StoreCache(cache))

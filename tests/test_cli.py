@@ -205,3 +205,9 @@ def test_up_prints_one_mixed_batch_and_the_readme_examples_run_against_it(tmp_pa
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_a_negative_max_stream_wait_is_refused_with_its_value(tmp_path):
+    bad = cli("store", "--max-stream-wait-s", "-0.5", "--data-dir", str(tmp_path / "store"), check=False)
+    assert bad.returncode == 1 and "error: --max-stream-wait-s must be 0 or more seconds, got -0.5" in bad.stderr
+    assert not (tmp_path / "store").exists()

@@ -11,12 +11,14 @@ import logging
 import math
 import shutil
 import threading
+import re
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 import redis
+import torch
 import xxhash
 
 from loraserve.adapter_store import pack, validate
@@ -682,3 +684,133 @@ def test_a_stream_whose_read_ahead_thread_cannot_start_fails_and_closes_its_read
 
     asyncio.run(run())
     assert events == ["close"]
+
+
+def _metric(port: int, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return float(next(line.split()[-1] for line in lines if line.startswith(name + " ")))
+
+
+BUSY = ("adapter store busy: all 1 of its shard streams (--max-streams) are taken and adapter 'a' waited 0.3s for "
+        "one; ask again shortly")
+
+
+@pytest.fixture
+def capped_store(loop_thread, tmp_path, tiny_llama_dir, peft_adapter, monkeypatch):
+    """One stream at a time, a waiting one refused after 0.3 s; /metrics served. While `s.held` is
+    clear, a stream holds its turn before its trailer (a shard this small is otherwise sent whole
+    into gRPC's buffers at once, its turn given back before the client reads it)."""
+    from loraserve.adapter_store import service
+
+    s = Store(loop_thread, tmp_path, tiny_llama_dir, peft_adapter(r=8), max_streams=1, max_stream_wait_s=0.3,
+              metrics_listen="127.0.0.1:0")
+    raw_chunks(s.address, 1 << 20)  # packed and cached: later fetches stream from a reader
+    s.held = asyncio.Event()
+    s.held.set()
+    trailer = service._trailer
+
+    async def held_trailer(*args):
+        await s.held.wait()
+        return await trailer(*args)
+
+    monkeypatch.setattr(service, "_trailer", held_trailer)
+    yield s
+    loop_thread.loop.call_soon_threadsafe(s.held.set)
+    s.stop()
+
+
+def test_a_stream_that_waits_past_max_stream_wait_s_is_refused_busy_with_a_retry_hint(capped_store):
+    """Over real gRPC: with the one turn held, a second stream waits --max-stream-wait-s, then ends
+    RESOURCE_EXHAUSTED with the store's reason and the retry hint in its trailers (an executor
+    would otherwise wait in silence and give up on the store); counted on /metrics."""
+    s = capped_store
+    req = spb.FetchShardRequest(name="a", layout=layout(), xxh3=True)
+    s.lt.loop.call_soon_threadsafe(s.held.clear)
+    with grpc.insecure_channel(s.address) as channel:
+        stub = spb_grpc.AdapterStoreStub(channel)
+        first = stub.FetchShard(req, timeout=60)
+        assert next(first).HasField("header")  # it holds the one turn
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.FetchShard(req, timeout=60))
+        waited = time.monotonic() - t0
+        assert (e.value.code(), e.value.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY)
+        assert ("loraserve-retry-after-ms", "200") in tuple(e.value.trailing_metadata())
+        assert 0.3 <= waited < 10
+        s.lt.loop.call_soon_threadsafe(s.held.set)
+        rest = list(first)  # the held stream is unharmed
+        assert rest[-1].HasField("trailer")
+    server = s.server
+    assert _metric(server.metrics_port, "loraserve_store_streams_busy_total") == 1
+    assert _metric(server.metrics_port, "loraserve_store_streams_waiting") == 0
+
+
+def _executor_client(address: str, **kw):
+    from loraserve.executor.store_client import StoreClient as ExecutorStoreClient
+
+    return ExecutorStoreClient(address, layout(), timeout_s=5, **kw)
+
+
+def test_the_executors_client_asks_a_busy_store_again_until_it_is_served(capped_store, caplog):
+    """The executor's store client follows the busy answer's retry hint: while another stream holds
+    the store's one turn it is refused (more than once), and once that stream ends its fetch lands the
+    same shard as an unhindered fetch, having said once in its log that the store was busy."""
+    s = capped_store
+    req = spb.FetchShardRequest(name="a", layout=layout(), xxh3=True)
+
+    async def run():
+        client = _executor_client(s.address)
+        try:
+            alone = await client.fetch_shard("a")
+            s.held.clear()
+            async with grpc.aio.insecure_channel(s.address) as channel:
+                holder = spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60)
+                assert (await holder.read()).HasField("header")  # the one turn, held
+                fetch = asyncio.ensure_future(client.fetch_shard("a"))
+                await asyncio.sleep(1.5)  # 0.3 s waits with 0.1-0.4 s pauses between: refused twice at least
+                assert not fetch.done()
+                s.held.set()
+                holder.cancel()
+                got = await asyncio.wait_for(fetch, 20)
+            return alone, got
+        finally:
+            await client.close()
+
+    with caplog.at_level(logging.INFO, logger="loraserve.executor.store_client"):
+        alone, got = s.lt.run(run(), 60)
+    assert got[:2] == alone[:2] and got[3] == alone[3]
+    assert got[2].keys() == alone[2].keys() and all(torch.equal(got[2][k], alone[2][k]) for k in alone[2])
+    assert _metric(s.server.metrics_port, "loraserve_store_streams_busy_total") >= 2
+    said = [r.getMessage() for r in caplog.records if "is busy" in r.getMessage()]
+    assert said == [f"adapter store at {s.address} is busy ({BUSY}); asking for a again shortly"]
+
+
+def test_the_executors_client_gives_up_on_a_store_busy_past_its_retry_budget(capped_store):
+    """Past busy_retry_s the executor's client stops asking: RESOURCE_EXHAUSTED naming the store,
+    how long it stayed busy, the store's own reason and the adapter."""
+    s = capped_store
+    req = spb.FetchShardRequest(name="a", layout=layout(), xxh3=True)
+
+    async def run():
+        client = _executor_client(s.address, busy_retry_s=0.8)
+        s.held.clear()
+        try:
+            async with grpc.aio.insecure_channel(s.address) as channel:
+                holder = spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60)
+                assert (await holder.read()).HasField("header")
+                with pytest.raises(StatusError) as e:
+                    await client.fetch_shard("a")
+                s.held.set()
+                holder.cancel()
+            return e.value
+        finally:
+            await client.close()
+
+    error = s.lt.run(run(), 60)
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert re.fullmatch(rf"adapter store at {re.escape(s.address)} stayed busy for (\d+\.\d)s "
+                        rf"\({re.escape(BUSY)}\); adapter 'a' cannot be loaded now", error.message), error.message
+    assert 0.8 <= float(re.search(r"busy for (\d+\.\d)s", error.message).group(1)) < 5
