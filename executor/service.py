@@ -7,6 +7,7 @@ fed by the store client (executor/store_client.py) + engine (executor/engine) ->
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -326,11 +327,14 @@ class ExecutorService(epb_grpc.ExecutorServicer):
 
     @grpc_errors
     async def GenerateStream(self, request, context):
-        async for out in self.parts.generate(to_generation_request(request, context)):
-            yield epb.GenerateStreamResponse(
-                request_id=out.request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
-                finish_reason=FINISH.get(out.finish_reason, epb.FINISH_REASON_UNSPECIFIED),
-            )
+        # Closed with the stream (grpc_errors closes it early too, e.g. the client gone between two
+        # messages): the request ends then, not when the garbage collector finds its generator.
+        async with contextlib.aclosing(self.parts.generate(to_generation_request(request, context))) as outputs:
+            async for out in outputs:
+                yield epb.GenerateStreamResponse(
+                    request_id=out.request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
+                    finish_reason=FINISH.get(out.finish_reason, epb.FINISH_REASON_UNSPECIFIED),
+                )
 
     @grpc_errors
     async def LoadAdapter(self, request, context):

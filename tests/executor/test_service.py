@@ -389,3 +389,33 @@ def test_embedding_and_lm_head_adapters_when_enabled(loop_thread, base, adapter_
             check_against_reference(PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs / name).eval() if name else model, ids, resp)
     finally:
         c.close()
+
+
+def test_a_stream_closed_between_messages_ends_its_request_at_once(cluster, caplog):
+    """GenerateStream closed while it waits at a message (the client gone between two: gRPC
+    closes the servicer's stream) ends its engine request as the close returns, not when the
+    garbage collector finds the engine's generator: its sequence and blocks are let go then."""
+    from loraserve.executor.service import ExecutorService
+
+    class Context:  # what GenerateStream asks of grpc.aio's context
+        def time_remaining(self):
+            return None
+
+        def cancelled(self):
+            return False
+
+    req = epb.GenerateRequest(adapter="all4", request_id="closed-early", token_ids=epb.TokenIds(ids=prompt_ids(0)),
+                              sampling=epb.SamplingParams(max_tokens=400))
+
+    async def run():
+        stream = ExecutorService(cluster.parts).GenerateStream(req, Context())
+        assert (await stream.__anext__()).token_ids
+        running = len(cluster.parts.engine._runs)
+        await stream.aclose()
+        ended = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request closed-early: finished")]
+        return running, len(cluster.parts.engine._runs), ended
+
+    with caplog.at_level(logging.INFO, logger="loraserve.executor.engine.engine"):
+        running, after, ended = cluster.lt.run(run(), 60)
+    assert (running, after) == (1, 0)
+    assert len(ended) == 1 and ended[0].startswith("request closed-early: finished (cancelled)")
