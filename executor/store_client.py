@@ -3,7 +3,7 @@
 Every store call is bounded: a unary call by `timeout_s`, a shard stream by `timeout_s` between
 two messages (a large shard may take longer in all, a stalled store may not). A shard stream the
 store refuses as busy (RESOURCE_EXHAUSTED with a retry hint: its --max-streams streams all taken) is
-asked again after the hint, backing off, for up to BUSY_RETRY_S in all. The channel
+asked again after the hint, backing off, for about BUSY_RETRY_S in all. The channel
 reconnects at most MAX_RECONNECT_BACKOFF_MS after the store answers again (gRPC's default backoff
 grows to two minutes with the outage), and `watch` checks the store's health every second so
 that work on adapters this executor already holds never waits on a store that does not answer.
@@ -48,7 +48,8 @@ HEALTH_INTERVAL_S = 1.0
 FETCH_SHARD = "/loraserve.v1.AdapterStore/FetchShard"
 CHUNK_BYTES = 1 << 20  # FetchShard's chunk size asked for
 BUSY_RETRY_S = 30.0  # how long a shard stream is asked again while the store answers busy
-BUSY_BACKOFF_MAX_S = 2.0  # the longest pause between two asks
+BUSY_PAUSE_MIN_S = 0.05  # the shortest pause between two asks (a hint of 0 would make a tight loop)
+BUSY_BACKOFF_MAX_S = 2.0  # the longest pause between two asks, before its jitter (+0-25%)
 HUGE_PAGE_MIN = 4 << 20
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
@@ -199,10 +200,11 @@ class StoreClient:
         return header.manifest.digest, header.manifest.rank, tensors, header.total_bytes
 
     async def _stream_when_served(self, name: str, digest: str, verify: bool) -> tuple[spb.ShardHeader, torch.Tensor]:
-        """_stream, asked again while the store answers busy (its retry hint, then twice the last
-        pause, at most BUSY_BACKOFF_MAX_S, jittered), until busy_retry_s have passed: then
-        RESOURCE_EXHAUSTED naming the store and the adapter."""
-        started, pause = time.monotonic(), 0.0
+        """_stream, asked again while the store answers busy: after its retry hint, then twice the
+        last pause (BUSY_PAUSE_MIN_S to BUSY_BACKOFF_MAX_S, each lengthened by a random 0-25% so
+        that executors refused together do not ask together), until busy_retry_s have passed:
+        then RESOURCE_EXHAUSTED naming the store and the adapter."""
+        started, pause, asks = time.monotonic(), 0.0, 0
         while True:
             try:
                 return await self._stream(name, digest, verify)
@@ -210,15 +212,17 @@ class StoreClient:
                 hint = getattr(e, "retry_after_s", None)
                 if hint is None:
                     raise
+                asks += 1
                 busy_for = time.monotonic() - started
                 if busy_for >= self.busy_retry_s:
-                    log.warning("adapter store at %s stayed busy for %.1fs; %s is not fetched", self.address, busy_for, name)
-                    raise exhausted(f"adapter store at {self.address} stayed busy for {busy_for:.1f}s ({e.message}); "
-                                    f"adapter {name!r} cannot be loaded now") from None
-                if pause == 0.0:
-                    log.info("adapter store at %s is busy (%s); asking for %s again shortly", self.address, e.message, name)
-                pause = min(max(hint, 2 * pause), BUSY_BACKOFF_MAX_S)
-                await asyncio.sleep(min(pause * random.uniform(0.5, 1.0), self.busy_retry_s - busy_for))
+                    log.warning("adapter store at %s stayed busy for %.1fs (%d asks); %r is not fetched",
+                                self.address, busy_for, asks, name)
+                    raise exhausted(f"adapter store at {self.address} stayed busy for {busy_for:.1f}s ({asks} asks); "
+                                    f"adapter {name!r} cannot be loaded now (the store's last answer: {e.message})") from None
+                if asks == 1:
+                    log.info("adapter store at %s is busy (%s); asking for %r again shortly", self.address, e.message, name)
+                pause = min(max(hint, 2 * pause, BUSY_PAUSE_MIN_S), BUSY_BACKOFF_MAX_S)
+                await asyncio.sleep(min(pause * random.uniform(1.0, 1.25), self.busy_retry_s - busy_for))
 
     async def _stream(self, name: str, digest: str, verify: bool) -> tuple[spb.ShardHeader, torch.Tensor]:
         req = spb.FetchShardRequest(name=name, layout=self.layout, rank=self.rank, digest=digest,

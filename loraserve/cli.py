@@ -98,12 +98,12 @@ def add_store_flags(p: argparse.ArgumentParser) -> None:
                         "(in --redis-url under --redis-prefix, shared by several store replicas)")
     p.add_argument("--disk-cache-gb", type=float, default=float(env("disk_cache_gb", 8)))
     p.add_argument("--max-streams", type=int, default=int(env("max_streams", 64)),
-                   help="shard streams (FetchShard) served at once; more wait their turn, at most --max-stream-wait-s "
-                        "(0: no cap)")
+                   help="shard streams (FetchShard) served at once, 0 for no cap; more wait their turn, at most "
+                        "--max-stream-wait-s")
     p.add_argument("--max-stream-wait-s", type=float, default=float(env("max_stream_wait_s", 2.0)),
                    help="the longest a stream waits for its turn before it is refused RESOURCE_EXHAUSTED with a retry "
-                        "hint, which executors follow; keep it below the executors' --store-timeout-s (a waiting "
-                        "stream sends nothing)")
+                        "hint, which executors follow (0: refused at once when every turn is taken); keep it below "
+                        "the executors' --store-timeout-s (a waiting stream sends nothing)")
     roots = env("allow_local_root")
     p.add_argument("--allow-local-root", type=Path, action="append",
                    default=[Path(r) for r in roots.split(os.pathsep) if r] if roots else None,

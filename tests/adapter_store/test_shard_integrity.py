@@ -9,9 +9,9 @@ import asyncio
 import hashlib
 import logging
 import math
+import re
 import shutil
 import threading
-import re
 import time
 from pathlib import Path
 
@@ -537,7 +537,7 @@ def test_streams_over_max_streams_wait_their_turn_and_give_it_back_on_every_path
     raw_chunks(store.address, 1 << 20)  # packed and cached: later fetches stream from a reader
 
     async def run():
-        service = AdapterStoreService(dataclasses.replace(store.cfg, max_streams=1))
+        service = AdapterStoreService(dataclasses.replace(store.cfg, max_streams=1, max_stream_wait_s=60))
         metric = service.metrics.registry.get_sample_value
         req = spb.FetchShardRequest(name="a", layout=layout(), xxh3=True)
         first = service.FetchShard(req, None)
@@ -593,7 +593,7 @@ def test_a_stream_that_waited_its_turn_finds_an_adapter_deleted_meanwhile_not_fo
     raw_chunks(store.address, 1 << 20)
 
     async def run():
-        service = AdapterStoreService(dataclasses.replace(store.cfg, max_streams=1))
+        service = AdapterStoreService(dataclasses.replace(store.cfg, max_streams=1, max_stream_wait_s=60))
         req = spb.FetchShardRequest(name="a", layout=layout(), xxh3=True)
         first = service.FetchShard(req, Context())
         assert (await first.__anext__()).HasField("header")
@@ -743,8 +743,18 @@ def test_a_stream_that_waits_past_max_stream_wait_s_is_refused_busy_with_a_retry
         s.lt.loop.call_soon_threadsafe(s.held.set)
         rest = list(first)  # the held stream is unharmed
         assert rest[-1].HasField("trailer")
+        # The refused stream took no turn with it, nor left one behind: the next stream is served at
+        # once, and while it holds the one turn another is refused again.
+        s.lt.loop.call_soon_threadsafe(s.held.clear)
+        again = stub.FetchShard(req, timeout=60)
+        assert next(again).HasField("header")
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.FetchShard(req, timeout=60))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        s.lt.loop.call_soon_threadsafe(s.held.set)
+        assert list(again)[-1].HasField("trailer")
     server = s.server
-    assert _metric(server.metrics_port, "loraserve_store_streams_busy_total") == 1
+    assert _metric(server.metrics_port, "loraserve_store_streams_busy_total") == 2
     assert _metric(server.metrics_port, "loraserve_store_streams_waiting") == 0
 
 
@@ -785,7 +795,7 @@ def test_the_executors_client_asks_a_busy_store_again_until_it_is_served(capped_
     assert got[2].keys() == alone[2].keys() and all(torch.equal(got[2][k], alone[2][k]) for k in alone[2])
     assert _metric(s.server.metrics_port, "loraserve_store_streams_busy_total") >= 2
     said = [r.getMessage() for r in caplog.records if "is busy" in r.getMessage()]
-    assert said == [f"adapter store at {s.address} is busy ({BUSY}); asking for a again shortly"]
+    assert said == [f"adapter store at {s.address} is busy ({BUSY}); asking for 'a' again shortly"]
 
 
 def test_the_executors_client_gives_up_on_a_store_busy_past_its_retry_budget(capped_store):
@@ -811,6 +821,6 @@ def test_the_executors_client_gives_up_on_a_store_busy_past_its_retry_budget(cap
 
     error = s.lt.run(run(), 60)
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert re.fullmatch(rf"adapter store at {re.escape(s.address)} stayed busy for (\d+\.\d)s "
-                        rf"\({re.escape(BUSY)}\); adapter 'a' cannot be loaded now", error.message), error.message
+    assert re.fullmatch(rf"adapter store at {re.escape(s.address)} stayed busy for (\d+\.\d)s \((\d+) asks\); adapter "
+                        rf"'a' cannot be loaded now \(the store's last answer: {re.escape(BUSY)}\)", error.message), error.message
     assert 0.8 <= float(re.search(r"busy for (\d+\.\d)s", error.message).group(1)) < 5
