@@ -12,7 +12,8 @@
   refused, in-flight ones get `grace_s` to finish, then are cancelled.
 - `wait_for_stop_signal` turns SIGTERM (Kubernetes) and SIGINT (Ctrl-C) into that same drain.
 - `outlast_cancellation(future)`: cleanup that must wait for a thread's call (which cannot be
-  stopped) even while the task doing it is cancelled (a client gone, a shutdown).
+  stopped) even while the task doing it is cancelled (a client gone, a shutdown); the
+  cancellation is raised once the call is done.
 """
 
 from __future__ import annotations
@@ -143,12 +144,17 @@ async def wait_for_stop_signal() -> str:
 
 async def outlast_cancellation(future: asyncio.Future) -> None:
     """Waits until `future` (a thread's call, e.g. from `run_in_executor`) is done, through any
-    cancellation of the waiting task meanwhile (the caller re-raises its own once this returns),
-    and retrieves its exception so that none goes unreported as "never retrieved"."""
+    cancellation of the waiting task meanwhile, and retrieves its exception so that none goes
+    unreported as "never retrieved". A cancellation that arrived during the wait is raised once the
+    call is done (it was swallowed before: a clean-up cancelled midway went on as if it had not
+    been); a caller already handling its own re-raises that one instead."""
+    cancelled = False
     while not future.done():
         try:
             await asyncio.wait([future])
         except asyncio.CancelledError:
-            continue
+            cancelled = True
     if not future.cancelled():
         future.exception()
+    if cancelled:
+        raise asyncio.CancelledError()
