@@ -145,9 +145,9 @@ async def wait_for_stop_signal() -> str:
 async def outlast_cancellation(future: asyncio.Future) -> None:
     """Waits until `future` (a thread's call, e.g. from `run_in_executor`) is done, through any
     cancellation of the waiting task meanwhile, and retrieves its exception so that none goes
-    unreported as "never retrieved". A cancellation that arrived during the wait is raised once the
+    unreported as "never retrieved". A cancellation that arrives during the wait is raised once the
     call is done (it was swallowed before: a clean-up cancelled midway went on as if it had not
-    been); a caller already handling its own re-raises that one instead."""
+    been); a caller cancelled before it called this re-raises its own once this returns."""
     cancelled = False
     while not future.done():
         try:
