@@ -7,7 +7,6 @@
 #   test:    the executor's and the attention kernels' CUDA tests (graphs, paged attention, the step's
 #            token grouping, cuBLAS's setting, service)
 #   svc:     the engine's part of them only: graphs, cuBLAS's setting, service and MoE tests (after an engine-only change)
-#   service: tests/executor/test_service.py's CUDA tests alone (SERVICE_K="cuda and ..." narrows them)
 #   parallel: the tensor- and expert-parallel GPU tests (NCCL, one GPU per rank; tp 4 needs 4 GPUs)
 #   load:    the slot-load GPU tests (tests/executor/test_lora.py, test_slot_scatter.py)
 #   lora:    the LoRA kernels' GPU tests (tests/kernels/test_triton_gpu.py, test_split_k_gpu.py, test_pdl_gpu.py)
@@ -94,10 +93,6 @@ if has test || has svc; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu \
     tests/executor/test_moe.py tests/kernels/test_moe_gpu.py \
     2>&1 | tee "$OUT/moe_gpu_tests.log" | tail -4
-fi
-if has service; then  # the executor service's CUDA tests alone; SERVICE_K narrows them (pytest -k)
-  python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs tests/executor/test_service.py \
-    -k "${SERVICE_K:-cuda or bf16}" 2>&1 | tee "$OUT/service_gpu_tests.log" | tail -6
 fi
 if has parallel; then
   # NVLink multicast stays off (NCCL_NVLS_ENABLE=0). Output to a file as it comes: rank 0 ends its
