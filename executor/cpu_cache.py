@@ -28,6 +28,7 @@ import torch
 from loraserve.errors import StatusError
 
 from .lora import shard_signature
+from .store_client import STILL_WANTED
 from .shard_tensors import ShardTensors
 from .store_client import pinned_blob
 
@@ -91,6 +92,8 @@ class CpuCache:
         return await asyncio.shield(a.fetch_task)
 
     async def _fetch(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]]:
+        # (this task's own context: a store that answers busy is asked again only while it is wanted)
+        STILL_WANTED.set(lambda: waited_on(a))
         try:
             if self._seats is None:
                 digest, rank, tensors, nbytes = await self._fetch_shard(a.name)

@@ -12,7 +12,9 @@ that work on adapters this executor already holds never waits on a store that do
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 import logging
 import math
@@ -50,6 +52,10 @@ CHUNK_BYTES = 1 << 20  # FetchShard's chunk size asked for
 BUSY_RETRY_S = 30.0  # how long a shard stream is asked again while the store answers busy
 BUSY_PAUSE_MIN_S = 0.05  # the shortest pause between two asks (a hint of 0 would make a tight loop)
 BUSY_BACKOFF_MAX_S = 2.0  # the longest pause between two asks, before its jitter (+0-25%)
+# Whether the adapter a fetch is for is still wanted, set by the caller around the fetch (the CPU
+# cache: executor/cpu_cache.py): a fetch the store keeps refusing as busy stops asking once nobody
+# waits for it (CANCELLED), instead of holding its load seat for up to BUSY_RETRY_S.
+STILL_WANTED: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("fetch_still_wanted", default=None)
 HUGE_PAGE_MIN = 4 << 20
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
@@ -203,9 +209,14 @@ class StoreClient:
         """_stream, asked again while the store answers busy: after its retry hint, then twice the
         last pause (BUSY_PAUSE_MIN_S to BUSY_BACKOFF_MAX_S, each lengthened by a random 0-25% so
         that executors refused together do not ask together), until busy_retry_s have passed:
-        then RESOURCE_EXHAUSTED naming the store and the adapter."""
+        then RESOURCE_EXHAUSTED naming the store and the adapter. CANCELLED instead once the
+        caller's STILL_WANTED says nobody waits for the adapter any more."""
         started, pause, asks = time.monotonic(), 0.0, 0
         while True:
+            if asks and (wanted := STILL_WANTED.get()) is not None and not wanted():
+                log.info("%r: no request waits for it any more; not asking the busy store at %s again", name, self.address)
+                raise StatusError(grpc.StatusCode.CANCELLED, f"adapter {name!r}: no request waits for it any more; not "
+                                                             f"fetched (the store at {self.address} was busy)")
             try:
                 return await self._stream(name, digest, verify)
             except StatusError as e:

@@ -824,3 +824,46 @@ def test_the_executors_client_gives_up_on_a_store_busy_past_its_retry_budget(cap
     assert re.fullmatch(rf"adapter store at {re.escape(s.address)} stayed busy for (\d+\.\d)s \((\d+) asks\); adapter "
                         rf"'a' cannot be loaded now \(the store's last answer: {re.escape(BUSY)}\)", error.message), error.message
     assert 0.8 <= float(re.search(r"busy for (\d+\.\d)s", error.message).group(1)) < 5
+
+
+def test_the_executors_client_stops_asking_a_busy_store_once_nobody_wants_the_adapter(capped_store):
+    """A fetch the store keeps refusing as busy ends CANCELLED at its next ask once its caller's
+    STILL_WANTED says no (the CPU cache: every request for the adapter has left), instead of asking
+    for up to 30 s while it holds a load seat."""
+    from loraserve.executor.store_client import STILL_WANTED
+
+    s = capped_store
+    req = spb.FetchShardRequest(name="a", layout=layout(), xxh3=True)
+    wanted = [True]
+
+    async def run():
+        client = _executor_client(s.address)
+        s.held.clear()
+        try:
+            async with grpc.aio.insecure_channel(s.address) as channel:
+                holder = spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60)
+                assert (await holder.read()).HasField("header")
+
+                async def fetch():
+                    STILL_WANTED.set(lambda: wanted[0])
+                    return await client.fetch_shard("a")
+
+                task = asyncio.ensure_future(fetch())
+                await asyncio.sleep(0.8)
+                assert not task.done()  # refused, asking again
+                wanted[0] = False
+                t0 = time.monotonic()
+                with pytest.raises(StatusError) as e:
+                    await asyncio.wait_for(task, 10)
+                took = time.monotonic() - t0
+                s.held.set()
+                holder.cancel()
+            return e.value, took
+        finally:
+            await client.close()
+
+    error, took = s.lt.run(run(), 60)
+    assert (error.code, error.message) == (
+        grpc.StatusCode.CANCELLED,
+        f"adapter 'a': no request waits for it any more; not fetched (the store at {s.address} was busy)")
+    assert took < 3  # at its next ask (one 0.3 s wait and a pause), not after the 30 s budget

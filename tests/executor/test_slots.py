@@ -325,6 +325,28 @@ async def test_cancelled_waiter_does_not_cancel_the_shared_load(store, slots):
     assert mgr.state("adapter-0").in_use == 1 and slots.content[lease.slot] == "adapter-0"
 
 
+async def test_a_fetch_is_told_whether_its_adapter_is_still_wanted(store, slots):
+    """The CPU cache's fetch runs with STILL_WANTED set (the store client stops asking a busy store
+    once it says no): yes while a request waits for the adapter, no once the last one has left."""
+    from loraserve.executor.store_client import STILL_WANTED
+
+    asked, fetch = [], store.fetch
+
+    async def watched(name):
+        asked.append(STILL_WANTED.get())
+        return await fetch(name)
+
+    store.fetch, store.gate = watched, asyncio.Event()
+    mgr = _manager(store, slots)
+    request = asyncio.create_task(mgr.acquire("adapter-0"))
+    await asyncio.sleep(0.01)
+    assert len(asked) == 1 and asked[0] is not None and asked[0]() is True
+    request.cancel()  # the only request for it leaves while its fetch is under way
+    await asyncio.sleep(0.01)
+    assert asked[0]() is False
+    store.gate.set()
+
+
 @pytest.mark.parametrize("begun", [False, True], ids=["refused-by-the-copy", "refused-as-it-begins"])
 @pytest.mark.parametrize("cached", [False, True], ids=["fetched", "cached"])
 async def test_shard_the_model_refuses_is_invalid_argument_and_not_cached(store, slots, cached, begun):
