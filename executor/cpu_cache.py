@@ -5,8 +5,10 @@
 Rules this module guarantees (the slot manager, which owns the adapter records, relies on them):
 - Concurrent `ensure`s of one adapter share one fetch.
 - At most `max_concurrent_loads` store fetches run at once, started in the order they were asked
-  for; a fetch nobody waits on any more by its turn (its request ended) is not started. An adapter
-  already held here never waits for a seat: a hot adapter's request is not queued behind cold loads.
+  for; a fetch nobody waits on any more by its turn (its request ended) is not started, and one the
+  store refuses as busy stops asking once nobody waits on it (the store client's STILL_WANTED). An
+  adapter already held here never waits for a seat: a hot adapter's request is not queued behind
+  cold loads.
 - A failed fetch leaves nothing behind (the caller's waiters get the error; the next call retries).
 - The cache is bounded in bytes (and optionally in adapters); over budget it drops first the copies
   no request waits on, least recently used first, never the one just fetched.
@@ -28,9 +30,8 @@ import torch
 from loraserve.errors import StatusError
 
 from .lora import shard_signature
-from .store_client import STILL_WANTED
 from .shard_tensors import ShardTensors
-from .store_client import pinned_blob
+from .store_client import STILL_WANTED, pinned_blob
 
 if TYPE_CHECKING:
     from .slots import _Adapter
@@ -92,8 +93,7 @@ class CpuCache:
         return await asyncio.shield(a.fetch_task)
 
     async def _fetch(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]]:
-        # (this task's own context: a store that answers busy is asked again only while it is wanted)
-        STILL_WANTED.set(lambda: waited_on(a))
+        wanted = STILL_WANTED.set(lambda: waited_on(a))  # a busy store is asked again only while so
         try:
             if self._seats is None:
                 digest, rank, tensors, nbytes = await self._fetch_shard(a.name)
@@ -117,6 +117,7 @@ class CpuCache:
             log.info("fetching adapter %s failed: %s", a.name, exc)
             raise
         finally:
+            STILL_WANTED.reset(wanted)
             a.fetch_task = None
             self._forget(a)
             self._notify()  # a version switch may be waiting for this load to end

@@ -3,7 +3,8 @@
 Every store call is bounded: a unary call by `timeout_s`, a shard stream by `timeout_s` between
 two messages (a large shard may take longer in all, a stalled store may not). A shard stream the
 store refuses as busy (RESOURCE_EXHAUSTED with a retry hint: its --max-streams streams all taken) is
-asked again after the hint, backing off, for about BUSY_RETRY_S in all. The channel
+asked again after the hint, backing off, for about BUSY_RETRY_S in all, and only while the caller's
+STILL_WANTED (if set) says the adapter is still wanted. The channel
 reconnects at most MAX_RECONNECT_BACKOFF_MS after the store answers again (gRPC's default backoff
 grows to two minutes with the outage), and `watch` checks the store's health every second so
 that work on adapters this executor already holds never waits on a store that does not answer.
@@ -54,7 +55,8 @@ BUSY_PAUSE_MIN_S = 0.05  # the shortest pause between two asks (a hint of 0 woul
 BUSY_BACKOFF_MAX_S = 2.0  # the longest pause between two asks, before its jitter (+0-25%)
 # Whether the adapter a fetch is for is still wanted, set by the caller around the fetch (the CPU
 # cache: executor/cpu_cache.py): a fetch the store keeps refusing as busy stops asking once nobody
-# waits for it (CANCELLED), instead of holding its load seat for up to BUSY_RETRY_S.
+# waits for it (CANCELLED), instead of holding its load seat for up to BUSY_RETRY_S. Tensor- and
+# expert-parallel ranks 1..N-1 fetch in their own processes without it (executor/ranks.py).
 STILL_WANTED: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("fetch_still_wanted", default=None)
 HUGE_PAGE_MIN = 4 << 20
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -213,10 +215,8 @@ class StoreClient:
         caller's STILL_WANTED says nobody waits for the adapter any more."""
         started, pause, asks = time.monotonic(), 0.0, 0
         while True:
-            if asks and (wanted := STILL_WANTED.get()) is not None and not wanted():
-                log.info("%r: no request waits for it any more; not asking the busy store at %s again", name, self.address)
-                raise StatusError(grpc.StatusCode.CANCELLED, f"adapter {name!r}: no request waits for it any more; not "
-                                                             f"fetched (the store at {self.address} was busy)")
+            if asks:  # (after a pause: its request may have left meanwhile)
+                self._unless_unwanted(name)
             try:
                 return await self._stream(name, digest, verify)
             except StatusError as e:
@@ -230,10 +230,18 @@ class StoreClient:
                                 self.address, busy_for, asks, name)
                     raise exhausted(f"adapter store at {self.address} stayed busy for {busy_for:.1f}s ({asks} asks); "
                                     f"adapter {name!r} cannot be loaded now (the store's last answer: {e.message})") from None
+                self._unless_unwanted(name)
                 if asks == 1:
                     log.info("adapter store at %s is busy (%s); asking for %r again shortly", self.address, e.message, name)
                 pause = min(max(hint, 2 * pause, BUSY_PAUSE_MIN_S), BUSY_BACKOFF_MAX_S)
                 await asyncio.sleep(min(pause * random.uniform(1.0, 1.25), self.busy_retry_s - busy_for))
+
+    def _unless_unwanted(self, name: str) -> None:
+        """CANCELLED when the caller's STILL_WANTED says nobody waits for the adapter any more."""
+        if (wanted := STILL_WANTED.get()) is not None and not wanted():
+            log.info("%r: no request waits for it any more; not asking the busy store at %s again", name, self.address)
+            raise StatusError(grpc.StatusCode.CANCELLED, f"adapter {name!r}: no request waits for it any more; not "
+                                                         f"fetched (the store at {self.address} was busy)")
 
     async def _stream(self, name: str, digest: str, verify: bool) -> tuple[spb.ShardHeader, torch.Tensor]:
         req = spb.FetchShardRequest(name=name, layout=self.layout, rank=self.rank, digest=digest,

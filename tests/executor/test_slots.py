@@ -345,7 +345,11 @@ async def test_a_fetch_is_told_whether_its_adapter_is_still_wanted(store, slots)
     await asyncio.sleep(0.01)
     assert asked[0]() is False
     store.gate.set()
-
+    for _ in range(100):  # the fetch ends (and lands in the CPU cache): nothing left pending
+        if mgr.state("adapter-0").in_cpu_cache:
+            break
+        await asyncio.sleep(0.01)
+    assert mgr.state("adapter-0").in_cpu_cache
 
 @pytest.mark.parametrize("begun", [False, True], ids=["refused-by-the-copy", "refused-as-it-begins"])
 @pytest.mark.parametrize("cached", [False, True], ids=["fetched", "cached"])
