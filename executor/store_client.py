@@ -215,8 +215,6 @@ class StoreClient:
         caller's STILL_WANTED says nobody waits for the adapter any more."""
         started, pause, asks = time.monotonic(), 0.0, 0
         while True:
-            if asks:  # (after a pause: its request may have left meanwhile)
-                self._unless_unwanted(name)
             try:
                 return await self._stream(name, digest, verify)
             except StatusError as e:
@@ -235,6 +233,7 @@ class StoreClient:
                     log.info("adapter store at %s is busy (%s); asking for %r again shortly", self.address, e.message, name)
                 pause = min(max(hint, 2 * pause, BUSY_PAUSE_MIN_S), BUSY_BACKOFF_MAX_S)
                 await asyncio.sleep(min(pause * random.uniform(1.0, 1.25), self.busy_retry_s - busy_for))
+                self._unless_unwanted(name)  # (its request may have left during the pause)
 
     def _unless_unwanted(self, name: str) -> None:
         """CANCELLED when the caller's STILL_WANTED says nobody waits for the adapter any more."""

@@ -97,9 +97,7 @@ def grpc_errors(method):
             raise asyncio.CancelledError()
         if isinstance(exc, StatusError):
             log.info("%s -> %s: %s", method.__name__, exc.code.name, exc.message)
-            if exc.trailers:
-                await context.abort(exc.code, exc.message, trailing_metadata=exc.trailers)
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, exc.message, trailing_metadata=exc.trailers)
         log.exception("%s failed unexpectedly", method.__name__)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 

@@ -586,7 +586,7 @@ def test_a_stream_that_waited_its_turn_finds_an_adapter_deleted_meanwhile_not_fo
         def invocation_metadata(self):
             return ()
 
-        async def abort(self, code, message):
+        async def abort(self, code, message, trailing_metadata=()):
             self.code, self.message = code, message
             raise Aborted
 
