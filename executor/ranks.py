@@ -6,8 +6,12 @@ forward itself; every rank runs the same `forward_step` on its shard of the weig
 others in the layers' collectives (executor/parallel.py). Ranks 1..N-1 are processes that rank 0
 spawns, each with a duplex pipe to it:
 
-    rank 0 -> rank i:  ("step", StepInputs) | ("fetch", id, name, digest) | ("state", id) | ("stop",)
+    rank 0 -> rank i:  ("step", StepInputs) | ("fetch", id, name, digest) | ("cancel", id) | ("state", id) | ("stop",)
     rank i -> rank 0:  ("ready",) | ("reply", id, result, error)
+
+A "cancel" tells a rank that nobody waits for that fetch's adapter any more (rank 0's STILL_WANTED
+said so): the rank's store client stops asking a store that refuses it as busy and the fetch
+replies CANCELLED, as rank 0's own fetch would (store_client.py).
 
 Slot state is decided on rank 0 alone: a step names, for every slot it uses, the adapter version
 in it (`StepInputs.slot_adapters`), and a rank whose slot holds another copies that version's shard
@@ -53,11 +57,12 @@ from .lora import LoraSpec, clear_slot, declare_layout, load_shard_into_slot, lo
 from .model.loader import load_model
 from .model.moe import Experts
 from .parallel import TPGroup, make_group, open_store, roles
-from .store_client import StoreClient
+from .store_client import STILL_WANTED, StoreClient
 
 log = logging.getLogger(__name__)
 STORE_HOST = "127.0.0.1"  # the ranks of one executor share a host
 STOP_GRACE_S = 10.0
+WANTED_POLL_S = 0.1  # how often rank 0 asks STILL_WANTED while ranks 1..N-1 fetch
 
 
 def lora_spec(cfg: ExecutorConfig) -> LoraSpec:
@@ -231,15 +236,28 @@ class TPRanks:
             for conn in self._conns:
                 conn.send_bytes(data)
 
-    async def _ask(self, message: tuple) -> list:
+    async def _ask(self, message: tuple, wanted: Callable[[], bool] | None = None) -> list:
         """Sends (kind, id, *args) to every other rank; their results in rank order. Raises the
-        first rank's error as a StatusError naming the rank."""
-        futures = []
+        first rank's error as a StatusError naming the rank. wanted: asked every WANTED_POLL_S
+        until every rank has replied; once it says no, each rank still working is sent a "cancel"."""
+        futures, ops = [], []
         for rank in range(1, self.size):
             op_id = next(self._ids)
             future = self._pending[op_id] = cf.Future()
             self._send(rank, (message[0], op_id, *message[1:]))
             futures.append(asyncio.wrap_future(future))
+            ops.append((rank, op_id))
+        while wanted is not None:
+            _, waiting = await asyncio.wait(futures, timeout=WANTED_POLL_S)
+            if not waiting:
+                break
+            if not wanted():
+                log.info("%s of %r: nobody waits for it any more; %s rank(s) %s told to stop asking a busy store",
+                         message[0], message[1], self.role, ", ".join(str(r) for (r, _), f in zip(ops, futures) if f in waiting))
+                for (rank, op_id), future in zip(ops, futures):
+                    if future in waiting:
+                        self._send(rank, ("cancel", op_id))
+                break
         replies = await asyncio.gather(*futures)
         for rank, (_, error) in enumerate(replies, start=1):
             if error is not None:
@@ -253,7 +271,7 @@ class TPRanks:
 
         async def fetch_on_every_rank(name: str):
             digest, rank, tensors, nbytes = await fetch_shard(name)
-            await self._ask(("fetch", name, digest))
+            await self._ask(("fetch", name, digest), STILL_WANTED.get())  # the caller's, as rank 0's own fetch had
             return digest, rank, tensors, nbytes
 
         return fetch_on_every_rank
@@ -309,6 +327,7 @@ class _Rank:
         self.shards: OrderedDict[tuple[str, str], dict[str, torch.Tensor]] = OrderedDict()  # host copies, LRU
         self.shards_lock = threading.Lock()
         self.steps: queue.Queue = queue.Queue()
+        self.cancels: dict[int, threading.Event] = {}  # fetches in flight by op id: set once rank 0 says "cancel"
         self.send_lock = threading.Lock()
         self.loop = asyncio.new_event_loop()  # the store client's
         threading.Thread(target=self.loop.run_forever, name="store-client", daemon=True).start()
@@ -357,11 +376,16 @@ class _Rank:
             elif kind == "stop":
                 self.steps.put(None)
             elif kind == "fetch":
-                asyncio.run_coroutine_threadsafe(self._fetch_op(*message[1:]), self.loop)
+                cancelled = self.cancels[message[1]] = threading.Event()  # before any "cancel" of it is read
+                asyncio.run_coroutine_threadsafe(self._fetch_op(*message[1:], cancelled), self.loop)
+            elif kind == "cancel":
+                if (cancelled := self.cancels.get(message[1])) is not None:  # else: that fetch has replied
+                    cancelled.set()
             elif kind == "state":
                 self._send(("reply", message[1], self._state(), None))
 
-    async def _fetch_op(self, op_id: int, name: str, digest: str) -> None:
+    async def _fetch_op(self, op_id: int, name: str, digest: str, cancelled: threading.Event) -> None:
+        STILL_WANTED.set(lambda: not cancelled.is_set())  # this task's own context: a busy store is asked again only while so
         try:
             await self._fetch(name, digest)
             self._send(("reply", op_id, None, None))
@@ -369,6 +393,8 @@ class _Rank:
             self._send(("reply", op_id, None, (exc.code.name, exc.message)))
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the load with it
             self._send(("reply", op_id, None, ("INTERNAL", f"{type(exc).__name__}: {exc}")))
+        finally:
+            self.cancels.pop(op_id, None)
 
     async def _fetch(self, name: str, digest: str) -> dict[str, torch.Tensor]:
         """This rank's shard of that version, kept in host memory (the LRU never drops a shard in a slot)."""

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 import logging
 import math
 import mmap
-import random
 import time
 
 import grpc
@@ -28,7 +27,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraserve.client import ShardAssembler
-from loraserve.errors import StatusError, exhausted, retry_after_s, unavailable
+from loraserve.errors import BusyBackoff, StatusError, retry_after_s, unavailable
 from loraserve.serving import BULK_OPTIONS
 from loraserve.tls import ClientTls, secure_or_insecure_channel
 from loraserve.v1 import adapter_store_pb2 as spb
@@ -50,13 +49,11 @@ CHANNEL_OPTIONS = [
 HEALTH_INTERVAL_S = 1.0
 FETCH_SHARD = "/loraserve.v1.AdapterStore/FetchShard"
 CHUNK_BYTES = 1 << 20  # FetchShard's chunk size asked for
-BUSY_RETRY_S = 30.0  # how long a shard stream is asked again while the store answers busy
-BUSY_PAUSE_MIN_S = 0.05  # the shortest pause between two asks (a hint of 0 would make a tight loop)
-BUSY_BACKOFF_MAX_S = 2.0  # the longest pause between two asks, before its jitter (+0-25%)
+BUSY_RETRY_S = 30.0  # how long a shard stream is asked again while the store answers busy (errors.BusyBackoff)
 # Whether the adapter a fetch is for is still wanted, set by the caller around the fetch (the CPU
 # cache: executor/cpu_cache.py): a fetch the store keeps refusing as busy stops asking once nobody
 # waits for it (CANCELLED), instead of holding its load seat for up to BUSY_RETRY_S. Tensor- and
-# expert-parallel ranks 1..N-1 fetch in their own processes without it (executor/ranks.py).
+# expert-parallel ranks 1..N-1 set it from rank 0's "cancel" message (executor/ranks.py).
 STILL_WANTED: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("fetch_still_wanted", default=None)
 HUGE_PAGE_MIN = 4 << 20
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -185,14 +182,15 @@ class StoreClient:
         the tensors are views of it: no copy after the stream's. A stream that breaks after its
         header with DATA_LOSS (a cached copy the store found corrupt and dropped) is asked again once."""
         t0 = time.perf_counter()
+        backoff = BusyBackoff(self.busy_retry_s)  # one budget for both asks below
         try:
-            header, buffer = await self._stream_when_served(name, digest, verify=False)
+            header, buffer = await self._stream_when_served(name, digest, False, backoff)
         except StatusError as e:
             if e.code != grpc.StatusCode.DATA_LOSS or not getattr(e, "after_header", False):
                 raise
             log.warning("fetching %s from store %s: %s; asking again, with the store checking its copy",
                         name, self.address, e.message)
-            header, buffer = await self._stream_when_served(name, digest, verify=True)
+            header, buffer = await self._stream_when_served(name, digest, True, backoff)
         try:
             tensors = await asyncio.to_thread(shard_tensors, buffer)  # parsing a large header: off the serving loop
         except BaseException:
@@ -207,13 +205,12 @@ class StoreClient:
                  header.total_bytes, header.cache_tier, time.perf_counter() - t0)
         return header.manifest.digest, header.manifest.rank, tensors, header.total_bytes
 
-    async def _stream_when_served(self, name: str, digest: str, verify: bool) -> tuple[spb.ShardHeader, torch.Tensor]:
-        """_stream, asked again while the store answers busy: after its retry hint, then twice the
-        last pause (BUSY_PAUSE_MIN_S to BUSY_BACKOFF_MAX_S, each lengthened by a random 0-25% so
-        that executors refused together do not ask together), until busy_retry_s have passed:
+    async def _stream_when_served(self, name: str, digest: str, verify: bool,
+                                  backoff: BusyBackoff) -> tuple[spb.ShardHeader, torch.Tensor]:
+        """_stream, asked again while the store answers busy, as `backoff` paces it (the store's
+        retry hint, then doubling pauses with jitter, for busy_retry_s from the fetch's first ask):
         then RESOURCE_EXHAUSTED naming the store and the adapter. CANCELLED instead once the
         caller's STILL_WANTED says nobody waits for the adapter any more."""
-        started, pause, asks = time.monotonic(), 0.0, 0
         while True:
             try:
                 return await self._stream(name, digest, verify)
@@ -221,18 +218,16 @@ class StoreClient:
                 hint = getattr(e, "retry_after_s", None)
                 if hint is None:
                     raise
-                asks += 1
-                busy_for = time.monotonic() - started
-                if busy_for >= self.busy_retry_s:
+                pause = backoff.next_pause(hint)
+                if pause is None:
                     log.warning("adapter store at %s stayed busy for %.1fs (%d asks); %r is not fetched",
-                                self.address, busy_for, asks, name)
-                    raise exhausted(f"adapter store at {self.address} stayed busy for {busy_for:.1f}s ({asks} asks); "
-                                    f"adapter {name!r} cannot be loaded now (the store's last answer: {e.message})") from None
+                                self.address, backoff.busy_for(), backoff.asks, name)
+                    raise backoff.gave_up(f"adapter store at {self.address}", f"adapter {name!r} cannot be loaded now",
+                                          e.message) from None
                 self._unless_unwanted(name)
-                if asks == 1:
+                if backoff.asks == 1:
                     log.info("adapter store at %s is busy (%s); asking for %r again shortly", self.address, e.message, name)
-                pause = min(max(hint, 2 * pause, BUSY_PAUSE_MIN_S), BUSY_BACKOFF_MAX_S)
-                await asyncio.sleep(min(pause * random.uniform(1.0, 1.25), self.busy_retry_s - busy_for))
+                await asyncio.sleep(pause)
                 self._unless_unwanted(name)  # (its request may have left during the pause)
 
     def _unless_unwanted(self, name: str) -> None:

@@ -14,13 +14,15 @@
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 import grpc
 import xxhash
 
-from loraserve.errors import StatusError
+from loraserve.errors import BusyBackoff, StatusError, retry_after_s
 from loraserve.serving import BULK_OPTIONS
 from loraserve.tls import ClientTls, secure_or_insecure_channel
 from loraserve.v1 import adapter_store_pb2 as spb
@@ -29,6 +31,8 @@ from loraserve.v1 import common_pb2 as pb
 from loraserve.v1 import executor_pb2 as epb
 from loraserve.v1 import executor_pb2_grpc as epb_grpc
 
+log = logging.getLogger(__name__)
+BUSY_RETRY_S = 30.0  # how long StoreClient.fetch_shard asks a busy store again (as the executor does)
 
 _DATA_TAG = 0x12  # ShardChunk.data: field 2, length-delimited
 
@@ -134,7 +138,9 @@ def _metadata(token: str | None):
 
 
 def _raise(e: grpc.RpcError):
-    raise StatusError(e.code(), e.details()) from None
+    error = StatusError(e.code(), e.details())
+    error.retry_after_s = retry_after_s(e)  # a busy server's hint (None for any other error)
+    raise error from None
 
 
 class _Client:
@@ -142,6 +148,7 @@ class _Client:
 
     def __init__(self, address: str, stub_class, token: str | None, timeout_s: float, tls: ClientTls | None = None,
                  options=None):
+        self.address = address
         self.channel = secure_or_insecure_channel(address, tls, options)
         self.stub = stub_class(self.channel)
         self.md = _metadata(token)
@@ -158,8 +165,13 @@ class _Client:
 
 
 class StoreClient(_Client):
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = 300.0, tls: ClientTls | None = None):
+    """busy_retry_s: how long fetch_shard asks again while the store refuses it as busy (all its
+    --max-streams taken); 0 reports the first refusal."""
+
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 300.0, tls: ClientTls | None = None,
+                 busy_retry_s: float = BUSY_RETRY_S):
         super().__init__(address, spb_grpc.AdapterStoreStub, token, timeout_s, tls, options=BULK_OPTIONS)
+        self.busy_retry_s = busy_retry_s
 
     def register(self, name: str, uri: str, revision: str = "") -> pb.AdapterManifest:
         return self._call(self.stub.RegisterAdapter, spb.RegisterAdapterRequest(name=name, uri=uri, revision=revision), admin=True)
@@ -185,11 +197,32 @@ class StoreClient(_Client):
     def fetch_shard(self, name: str, layout: pb.Layout, tp_rank: int = 0, ep_rank: int = 0, digest: str = "") -> tuple[spb.ShardHeader, bytes]:
         """(header, blob), the stream's checksum checked. A stream that breaks after its header
         with DATA_LOSS (a copy that failed its checksum, here or in the store) is asked again once,
-        with the store checking its copy before it sends it."""
+        with the store checking its copy before it sends it. A stream the store refuses as busy is
+        asked again after its retry hint, backing off (errors.BusyBackoff), for busy_retry_s in all:
+        then RESOURCE_EXHAUSTED naming the store and its last answer."""
+        backoff = BusyBackoff(self.busy_retry_s)  # one budget for both asks below
         try:
-            return self._fetch_shard(name, layout, tp_rank, ep_rank, digest, verify=False)
+            return self._when_served(name, layout, tp_rank, ep_rank, digest, False, backoff)
         except _BrokenStream:
-            return self._fetch_shard(name, layout, tp_rank, ep_rank, digest, verify=True)
+            return self._when_served(name, layout, tp_rank, ep_rank, digest, True, backoff)
+
+    def _when_served(self, name, layout, tp_rank, ep_rank, digest, verify, backoff) -> tuple[spb.ShardHeader, bytes]:
+        while True:
+            try:
+                return self._fetch_shard(name, layout, tp_rank, ep_rank, digest, verify)
+            except StatusError as e:
+                hint = getattr(e, "retry_after_s", None)
+                if hint is None:
+                    raise
+                pause = backoff.next_pause(hint)
+                if pause is None:
+                    if backoff.asks == 1:  # asked no more than once (busy_retry_s 0): the store's own answer
+                        raise
+                    raise backoff.gave_up(f"adapter store at {self.address}", f"adapter {name!r} was not fetched",
+                                          e.message) from None
+                if backoff.asks == 1:
+                    log.info("adapter store at %s is busy (%s); asking for %r again shortly", self.address, e.message, name)
+                time.sleep(pause)
 
     def _fetch_shard(self, name, layout, tp_rank, ep_rank, digest, verify) -> tuple[spb.ShardHeader, bytes]:
         req = spb.FetchShardRequest(name=name, layout=layout, rank=pb.ShardRank(tp_rank=tp_rank, ep_rank=ep_rank),

@@ -6,6 +6,8 @@ import asyncio
 import functools
 import inspect
 import logging
+import random
+import time
 
 import grpc
 
@@ -13,6 +15,8 @@ log = logging.getLogger(__name__)
 
 
 RETRY_AFTER_KEY = "loraserve-retry-after-ms"  # trailing metadata: busy now, ask again after this many ms
+BUSY_PAUSE_MIN_S = 0.05  # a client's shortest pause between two asks (a hint of 0 would make a tight loop)
+BUSY_BACKOFF_MAX_S = 2.0  # its longest pause between two asks, before its jitter (+0-25%)
 
 
 class StatusError(Exception):
@@ -57,8 +61,9 @@ def busy(message: str, retry_after_s: float) -> StatusError:
                        trailers=((RETRY_AFTER_KEY, str(max(1, round(retry_after_s * 1000)))),))
 
 
-def retry_after_s(e: grpc.aio.AioRpcError) -> float | None:
-    """The retry hint of a `busy` error received by a client, in seconds; None for any other error."""
+def retry_after_s(e: grpc.RpcError) -> float | None:
+    """The retry hint of a `busy` error received by a client (grpc.aio's or the blocking API's), in
+    seconds; None for any other error."""
     if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return None
     for key, value in e.trailing_metadata() or ():
@@ -68,6 +73,38 @@ def retry_after_s(e: grpc.aio.AioRpcError) -> float | None:
             except ValueError:
                 return None
     return None
+
+
+class BusyBackoff:
+    """When a client asks again after `busy` refusals, one fetch's whole life long (a retry of the
+    same fetch for another reason shares it): after the server's hint, then twice the last pause
+    (BUSY_PAUSE_MIN_S to BUSY_BACKOFF_MAX_S, or the hint where it is longer; each lengthened by a
+    random 0-25% so that clients refused together do not ask together), until budget_s have
+    passed since the first ask."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s = budget_s
+        self.started = time.monotonic()
+        self.asks = 0  # refusals so far
+        self._pause = 0.0
+
+    def busy_for(self) -> float:
+        return time.monotonic() - self.started
+
+    def next_pause(self, hint: float) -> float | None:
+        """Counts one refusal: the seconds to wait before asking again, None once the budget is spent."""
+        self.asks += 1
+        busy_for = self.busy_for()
+        if busy_for >= self.budget_s:
+            return None
+        self._pause = max(hint, min(max(2 * self._pause, BUSY_PAUSE_MIN_S), BUSY_BACKOFF_MAX_S))  # the hint is never cut
+        return min(self._pause * random.uniform(1.0, 1.25), self.budget_s - busy_for)
+
+    def gave_up(self, server: str, what: str, last: str) -> StatusError:
+        """RESOURCE_EXHAUSTED once the budget is spent: `server` stayed busy, so `what` (the
+        consequence, e.g. "adapter 'a' cannot be loaded now"); `last`, the server's last answer."""
+        return exhausted(f"{server} stayed busy for {self.busy_for():.1f}s ({self.asks} asks); {what} "
+                         f"(the store's last answer: {last})")
 
 
 DEADLINE_SLACK_S = 0.1  # an engine deadline and gRPC's, set from one time_remaining(), differ by this much at most

@@ -867,3 +867,80 @@ def test_the_executors_client_stops_asking_a_busy_store_once_nobody_wants_the_ad
         grpc.StatusCode.CANCELLED,
         f"adapter 'a': no request waits for it any more; not fetched (the store at {s.address} was busy)")
     assert took < 3  # at its next ask (one 0.3 s wait and a pause), not after the 30 s budget
+
+
+def test_the_python_client_asks_a_busy_store_again_until_it_is_served(capped_store, caplog):
+    """The blocking Python client (and `loraserve adapters fetch`) follows the busy answer too: while
+    another stream holds the store's one turn its fetch_shard is refused and asks again, and once
+    that stream ends it gets the same shard as an unhindered fetch, having said once that the store
+    was busy."""
+    s = capped_store
+    req = spb.FetchShardRequest(name="a", layout=layout(), xxh3=True)
+    client = StoreClient(s.address, timeout_s=60)
+    alone = client.fetch_shard("a", layout())
+    s.lt.loop.call_soon_threadsafe(s.held.clear)
+    with grpc.insecure_channel(s.address) as channel, caplog.at_level(logging.INFO, logger="loraserve.client"):
+        holder = spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60)
+        assert next(holder).HasField("header")  # the one turn, held
+        got = []
+        fetch = threading.Thread(target=lambda: got.append(client.fetch_shard("a", layout())))
+        fetch.start()
+        time.sleep(1.5)  # 0.3 s waits with 0.2-0.5 s pauses between: refused twice at least
+        assert fetch.is_alive()
+        s.lt.loop.call_soon_threadsafe(s.held.set)
+        holder.cancel()
+        fetch.join(20)
+    assert got and got[0][1] == alone[1] and got[0][0].manifest.digest == alone[0].manifest.digest
+    assert _metric(s.server.metrics_port, "loraserve_store_streams_busy_total") >= 2
+    said = [r.getMessage() for r in caplog.records if "is busy" in r.getMessage()]
+    assert said == [f"adapter store at {s.address} is busy ({BUSY}); asking for 'a' again shortly"]
+    client.close()
+
+
+@pytest.mark.parametrize("budget_s", [0.0, 0.8])
+def test_the_python_client_gives_up_on_a_store_busy_past_its_retry_budget(capped_store, budget_s):
+    """Past busy_retry_s the Python client stops asking: RESOURCE_EXHAUSTED naming the store, how
+    long it stayed busy and its last answer; with a budget of 0, the store's own refusal at once."""
+    s = capped_store
+    req = spb.FetchShardRequest(name="a", layout=layout(), xxh3=True)
+    client = StoreClient(s.address, timeout_s=60, busy_retry_s=budget_s)
+    s.lt.loop.call_soon_threadsafe(s.held.clear)
+    with grpc.insecure_channel(s.address) as channel:
+        holder = spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60)
+        assert next(holder).HasField("header")
+        t0 = time.monotonic()
+        with pytest.raises(StatusError) as e:
+            client.fetch_shard("a", layout())
+        took = time.monotonic() - t0
+        s.lt.loop.call_soon_threadsafe(s.held.set)
+        holder.cancel()
+    client.close()
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    if budget_s == 0:
+        assert e.value.message == BUSY and took < 5
+        return
+    assert re.fullmatch(rf"adapter store at {re.escape(s.address)} stayed busy for (\d+\.\d)s \((\d+) asks\); adapter "
+                        rf"'a' was not fetched \(the store's last answer: {re.escape(BUSY)}\)", e.value.message), e.value.message
+    assert 0.8 <= took < 5
+
+
+def test_busy_backoff_follows_the_hint_then_doubles_up_to_its_cap_within_one_budget(monkeypatch):
+    """The pauses both clients take between busy asks: never sooner than the server's hint, twice
+    the last one after (with up to 25% jitter), at most BUSY_BACKOFF_MAX_S, and none once the budget
+    (shared by a fetch's every ask: a DATA_LOSS retry does not start a new one) is spent."""
+    from loraserve import errors
+
+    now = [100.0]
+    monkeypatch.setattr(errors.time, "monotonic", lambda: now[0])
+    backoff = errors.BusyBackoff(10.0)
+    pauses = [backoff.next_pause(0.2) for _ in range(7)]
+    floors = [0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0]
+    assert all(f <= p <= f * 1.25 for p, f in zip(pauses, floors)), pauses
+    assert backoff.next_pause(3.0) >= 3.0  # a longer hint is followed, past the doubling's cap
+    assert errors.BusyBackoff(10.0).next_pause(0.0) >= errors.BUSY_PAUSE_MIN_S  # a 0 hint: no tight loop
+    now[0] += 9.5
+    assert backoff.next_pause(0.2) <= 0.5  # never past the budget's end
+    now[0] += 0.5
+    assert backoff.next_pause(0.2) is None and backoff.asks == 10
+    assert backoff.gave_up("adapter store at X", "adapter 'a' was not fetched", "busy").message == (
+        "adapter store at X stayed busy for 10.0s (10 asks); adapter 'a' was not fetched (the store's last answer: busy)")

@@ -323,9 +323,11 @@ def need_cuda_devices(n: int) -> None:
 
 class Cluster:
     """A store and an executor (any tp / ep size) on loopback, served from one event loop thread:
-    `names` are registered from the folder `adapters`; executor_overrides are ExecutorConfig fields."""
+    `names` are registered from the folder `adapters`; executor_overrides are ExecutorConfig fields,
+    store_overrides StoreConfig fields."""
 
-    def __init__(self, lt, base_dir: Path, adapters: Path, data: Path, names, **executor_overrides):
+    def __init__(self, lt, base_dir: Path, adapters: Path, data: Path, names, store_overrides: dict | None = None,
+                 **executor_overrides):
         from loraserve.adapter_store import validate
         from loraserve.adapter_store.config import StoreConfig
         from loraserve.adapter_store.service import serve as serve_store
@@ -336,7 +338,8 @@ class Cluster:
 
         self.lt = lt
         scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model="tiny", base_model_path=base_dir,
-                           sources=SourceConfig(local_roots=(adapters,)), limits=validate.Limits(max_rank=16))
+                           sources=SourceConfig(local_roots=(adapters,)), limits=validate.Limits(max_rank=16),
+                           **(store_overrides or {}))
         self.store_server, port = lt.run(serve_store(scfg))
         self.store_address = f"127.0.0.1:{port}"
         for name in names:

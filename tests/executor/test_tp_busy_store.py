@@ -1,0 +1,106 @@
+"""Ranks 1..N-1 of a tensor-parallel executor and a busy store: a rank refused as busy asks again
+only while rank 0's caller still wants the adapter (rank 0 sends it a "cancel"), as rank 0's own
+fetch does. Real store and executor on loopback (gloo on CPU), rank 1 a spawned process."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+
+import grpc
+import pytest
+import torch
+
+from loraserve.errors import StatusError
+from loraserve.executor.store_client import STILL_WANTED
+from loraserve.v1 import adapter_store_pb2 as spb
+from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
+
+from .conftest import Cluster
+
+BUSY_WAIT_S = 0.3  # the store's --max-stream-wait-s here: a refused ask takes this long
+
+
+@pytest.fixture
+def busy_cluster(loop_thread, hf_model, save_byte_tokenizer, tmp_path, monkeypatch):
+    """tp 2 over a store that serves one stream at a time; while `held` is clear, a stream holds its
+    turn before its trailer (a shard this small is otherwise sent whole at once)."""
+    from peft import LoraConfig, get_peft_model
+
+    from loraserve.adapter_store import service
+
+    model, path = hf_model("llama", vocab_size=260, bos_token_id=256, eos_token_id=257, pad_token_id=258,
+                           max_position_embeddings=512)
+    if not (path / "tokenizer.json").exists():
+        save_byte_tokenizer(path)
+    adapters = tmp_path / "adapters"
+    for seed, name in enumerate(("a", "b")):
+        torch.manual_seed(seed)
+        peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+        peft.save_pretrained(adapters / name)
+    held = asyncio.Event()
+    held.set()
+    trailer = service._trailer
+
+    async def held_trailer(*args):
+        await held.wait()
+        return await trailer(*args)
+
+    monkeypatch.setattr(service, "_trailer", held_trailer)
+    c = Cluster(loop_thread, path, adapters, tmp_path / "store", ["a", "b"], tp_size=2, cpu_threads=1,
+                tp_timeout_s=60.0, store_overrides=dict(max_streams=1, max_stream_wait_s=BUSY_WAIT_S))
+    c.held = held
+    yield c
+    loop_thread.loop.call_soon_threadsafe(held.set)
+    c.close()
+
+
+def test_a_rank_refused_by_a_busy_store_stops_asking_once_nobody_wants_the_adapter(busy_cluster):
+    """Rank 0 has its shard; the store's one turn is then taken, so rank 1 is refused and asks
+    again. Once rank 0's STILL_WANTED says nobody waits, rank 1 is told and its fetch ends CANCELLED
+    at its next ask (not after the 30 s a busy store is otherwise asked); rank 1 keeps nothing of
+    it, and the store serves the next stream."""
+    c = busy_cluster
+    parts, wanted = c.parts, [True]
+    digest = c.store_client().get("a").digest
+    req = spb.FetchShardRequest(name="b", layout=parts.store.layout, xxh3=True)
+
+    async def run():
+        async with grpc.aio.insecure_channel(c.store_address) as channel:
+            holder = None
+
+            async def rank0_then_hold(name):
+                nonlocal holder
+                got = await parts.store.fetch_shard(name)  # rank 0's own, served
+                c.held.clear()
+                holder = spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60)
+                assert (await holder.read()).HasField("header")  # the one turn, held
+                return got
+
+            async def fetch():
+                STILL_WANTED.set(lambda: wanted[0])
+                return await parts.ranks.fetching(rank0_then_hold)("a")
+
+            task = asyncio.ensure_future(fetch())
+            await asyncio.sleep(1.5)  # rank 1 refused after 0.3 s waits, asking again after 0.2-0.5 s pauses
+            assert not task.done()
+            wanted[0] = False
+            t0 = time.monotonic()
+            with pytest.raises(StatusError) as e:
+                await asyncio.wait_for(task, 10)
+            took = time.monotonic() - t0
+            c.held.set()
+            holder.cancel()
+            return e.value, took
+
+    error, took = c.lt.run(run(), 60)
+    assert error.code == grpc.StatusCode.CANCELLED
+    assert error.message == (f"tensor-parallel rank 1: adapter 'a': no request waits for it any more; not fetched "
+                             f"(the store at {c.store_address} was busy)")
+    assert took < 2.5 * 1.25 + BUSY_WAIT_S + 1  # its pause at most, one more refused ask, the poll
+    states = c.lt.run(parts.ranks.states())
+    assert ("a", digest) not in states[0]["shards"]
+    # The store's turn is free again: rank 1 fetches it when it is wanted.
+    c.lt.run(parts.ranks.fetching(parts.store.fetch_shard)("a"), 30)
+    assert ("a", digest) in c.lt.run(parts.ranks.states())[0]["shards"]
