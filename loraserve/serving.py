@@ -148,13 +148,13 @@ async def outlast_cancellation(future: asyncio.Future) -> None:
     unreported as "never retrieved". A cancellation that arrives during the wait is raised once the
     call is done (it was swallowed before: a clean-up cancelled midway went on as if it had not
     been); a caller cancelled before it called this re-raises its own once this returns."""
-    cancelled = False
+    cancelled: asyncio.CancelledError | None = None
     while not future.done():
         try:
             await asyncio.wait([future])
-        except asyncio.CancelledError:
-            cancelled = True
+        except asyncio.CancelledError as e:  # kept whole: its message says who cancelled
+            cancelled = cancelled or e
     if not future.cancelled():
         future.exception()
-    if cancelled:
-        raise asyncio.CancelledError()
+    if cancelled is not None:
+        raise cancelled
