@@ -45,6 +45,8 @@
 #   probe:   benchmarks/serve.py --probe: bytes per adapter, pinned H2D bandwidth, cold loads vs the floor
 #            (PROBE_ARGS adds flags, e.g. PROBE_ARGS="--trace-load OUT_DIR/trace.txt")
 #   h2d:     benchmarks/bench_h2d_call.py: the host time of queuing one host -> device copy, by source memory
+#   forkjoin: benchmarks/bench_fork_join.py: a side stream's fork and join inside a CUDA graph, at the o
+#            (4096 x 4096) and gate/up (28672 x 4096) shapes
 #   arena:   the pinning stalls and the pinned arena's set-up time (bench_pinning.py), and the probe
 #            with no pinned arena (--pinned-arena-bytes 0): the cold-load delay the arena removes
 # Logs and tables go to OUT_DIR. KERNELS_FROM=DIR runs everything on the kernels in DIR instead of
@@ -211,6 +213,10 @@ if has probe; then
 fi
 if has h2d; then
   python3 -P benchmarks/bench_h2d_call.py 2>&1 | tee "$OUT/h2d.log" | tail -40
+fi
+if has forkjoin; then
+  { python3 -P benchmarks/bench_fork_join.py && python3 -P benchmarks/bench_fork_join.py --n 28672 --layers 64; } \
+    2>&1 | tee "$OUT/forkjoin.log" | grep -v "^$" | tail -20
 fi
 if has arena; then
   python3 -P benchmarks/bench_pinning.py 2>&1 | tee "$OUT/pinning.log" | tail -8
