@@ -19,6 +19,10 @@ save there (the alone-timed kernels have misled before: docs/BENCHMARKS.md, "Ele
                  slot's B (N output columns, r the adapter's rank) as one contiguous run, and
                  writes nothing: the bytes of the adapters' B at their own ranks, at the speed a
                  plain streaming read reaches (no y read or write, no products)
+  packed-expand  the shipped expand kernel reading each slot's B as if it were packed at the
+                 slot's rank (kernels/triton_lora.py lora_expand's packed: the slot's first
+                 N * r8 elements, rows contiguous): what a packed slot layout would cost in the
+                 step, products and y included (the slots are not written so: outputs wrong)
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import triton.language as tl
 from loraserve import kernels
 
 KINDS = ("qkv", "o", "gate_up", "down")
-ABLATIONS = ("expand", "shrink", "lora", "serial", *(f"serial-{k}" for k in KINDS), "serial-pdl", "stream-expand")
+ABLATIONS = ("expand", "shrink", "lora", "serial", *(f"serial-{k}" for k in KINDS), "serial-pdl", "stream-expand",
+             "packed-expand")
 _STEP = 4096  # elements per load (8 KiB of bf16)
 _STEPS = 4  # loads per program: 32 KiB of B per program
 
@@ -64,6 +69,14 @@ def _stream_expand(y, buf, lora_b, slice_offsets, meta, ranked=True):
         STEP=_STEP, STEPS=_STEPS, num_warps=4,
     )
     return y
+
+
+def _packed_expand(y, buf, lora_b, slice_offsets, meta, ranked=True):
+    from loraserve.kernels import triton_lora
+
+    if not ranked or meta.slot_ranks is None:  # (a packed slot needs its rank): as shipped
+        return triton_lora.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked)
+    return triton_lora.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, packed=True)
 
 
 def _no_expand(y, buf, lora_b, slice_offsets, meta, ranked=True):
@@ -133,3 +146,5 @@ def _apply(name: str) -> None:
         kernels.lora_shrink = _no_shrink
     if name == "stream-expand":
         kernels.lora_expand = _stream_expand
+    if name == "packed-expand":
+        kernels.lora_expand = _packed_expand

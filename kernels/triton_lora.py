@@ -302,12 +302,15 @@ def _expand_tile(
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
     RANKED: tl.constexpr, NARROW: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr, PDL: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """One tile: a block of one slot's tokens x BLOCK_N * N_ITERS columns of one slice.
 
     NARROW (ranked, BLOCK_R >= 32): a block whose adapter's rank is at most BLOCK_R / 2 (or / 4,
     BLOCK_R >= 64) reads and multiplies only that many rank columns, and takes WIDE2 (WIDE4)
-    times the columns per step: a low-rank adapter in a high-rank slot costs what its bytes do."""
+    times the columns per step: a low-rank adapter in a high-rank slot costs what its bytes do.
+    PACKED (ranked): the slot holds B as [N, r8] from its start, r8 its rank rounded up to 8
+    (row stride r8, not stride_bn): each row's bytes are contiguous with the next row's."""
     block = tile // chunks
     chunk = tile - block * chunks
     slot = tl.load(block_slots_ptr + block)
@@ -315,6 +318,8 @@ def _expand_tile(
     rank = RANK
     if NARROW or RANKED:  # read beside the slot, not after it: one dependent round trip less
         rank = tl.load(block_ranks_ptr + block)
+    if PACKED:
+        stride_bn = (rank + 7) // 8 * 8
     if (slot >= 0) & (slot < num_slots):  # skips unused entries and the no-adapter group
         s, lo, hi, local = _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES, BLOCK_N * N_ITERS)
         m_mask = tok >= 0
@@ -360,7 +365,7 @@ def _expand_kernel(
     NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
     RANKED: tl.constexpr, NARROW: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr, ONE_TILE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PACKED: tl.constexpr,
 ):
     """y[t, n] += sum_r buf[s(n), t, r] * b[slot(t), n, r] for the columns n of slice s(n).
 
@@ -379,7 +384,7 @@ def _expand_kernel(
             pid, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
             num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
             off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-            RANKED, NARROW, WIDE2, WIDE4, PDL,
+            RANKED, NARROW, WIDE2, WIDE4, PDL, PACKED,
         )
     else:
         num_programs = tl.num_programs(0)
@@ -389,7 +394,7 @@ def _expand_kernel(
                 tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
                 num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
                 off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-                RANKED, NARROW, WIDE2, WIDE4, False,
+                RANKED, NARROW, WIDE2, WIDE4, False, PACKED,
             )
 
 
@@ -516,6 +521,7 @@ def lora_expand(
     meta: LoraMeta,
     ranked: bool = True,
     pdl: bool = False,
+    packed: bool = False,
 ) -> torch.Tensor:
     """y[t, off_s:off_s+n_s] += buf[s, t] @ lora_b[slot(t), off_s:off_s+n_s].T, in place.
 
@@ -528,7 +534,14 @@ def lora_expand(
                    shrink that wrote buf): its block list and first B columns are read before buf
                    and y are ready, on the promise of lora_shrink's pdl; a slice group's second
                    launch follows the first the same way
+    packed:        (ranked, Triton only) each slot holds its B packed at its own rank: the slot's
+                   first N * r8 elements are B [N, r8], r8 = meta.slot_ranks[slot] rounded up to 8,
+                   rows contiguous (a low-rank adapter's rows are then not short pieces of the
+                   slot's R-wide rows). Not a layout the slots are written in yet: measured by
+                   `bench_engine.py --ablate packed-expand` and checked by the kernel tests.
     """
+    if packed and not (ranked and _expand_supported(y, buf, lora_b)):
+        raise ValueError("a packed B is read by the Triton expand only, with slot ranks (ranked)")
     if not _expand_supported(y, buf, lora_b):
         return reference.lora_expand(y, buf, lora_b, slice_offsets, meta)
     num_tokens = y.shape[0]
@@ -551,7 +564,7 @@ def lora_expand(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
             RANKED=ranked, NARROW=ranked and NARROW_EXPAND and _narrow_expand(cfg, rank),
             WIDE2=math.gcd(2, cfg.n_iters), WIDE4=math.gcd(4, cfg.n_iters), ONE_TILE=tiles <= programs,
-            PDL=follow, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=follow, PACKED=packed, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **_regs(cfg), **({"launch_pdl": True} if follow else {}),
         )
     return y

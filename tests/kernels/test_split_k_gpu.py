@@ -62,12 +62,13 @@ def layer_case(tokens, in_features, widths, rank, adapters, none_frac, dtype, ge
     """Shrink then expand through the Triton path; returns (buf error, y error) against float64.
 
     mode: "whole" (every slot read at its full rank), "ranked" (each slot holds an adapter of a
-    lower rank, zero past it, read only that far through LoraMeta.slot_ranks)."""
+    lower rank, zero past it, read only that far through LoraMeta.slot_ranks), "packed" (ranked,
+    and the expand reads each slot's B packed at its rank rounded up to 8: lora_expand's packed)."""
     num_slots = num_slots or max(8, adapters)  # every adapter its own slot (a slot id >= the count is out of bounds)
     lora_a = (torch.randn(num_slots, len(widths), rank, in_features, generator=gen) / in_features**0.5).to(dtype)
     lora_b = (torch.randn(num_slots, sum(widths), rank, generator=gen) / rank**0.5).to(dtype)
     slot_ranks = None
-    if mode == "ranked":
+    if mode in ("ranked", "packed"):
         slot_ranks = torch.tensor([1 + (i * 5) % rank for i in range(num_slots)], dtype=torch.int32)
         for i, r in enumerate(slot_ranks.tolist()):
             lora_a[i, :, r:] = 0
@@ -86,7 +87,14 @@ def layer_case(tokens, in_features, widths, rank, adapters, none_frac, dtype, ge
     y0 = torch.randn(tokens, offsets[-1], generator=gen).to(dtype).to(DEV)
     buf = torch.full((len(widths), tokens, rank), float("nan"), device=DEV)
     triton_lora.lora_shrink(x, lora_a, meta, out=buf)
-    y = triton_lora.lora_expand(y0.clone(), buf, lora_b, tuple(offsets), meta)
+    if mode == "packed":  # slot i's first N * r8 elements: its B [N, r8] (zero past its rank), rows contiguous
+        packed = torch.full_like(lora_b, float("nan"))  # past them: never read
+        for i, r in enumerate(slot_ranks.tolist()):
+            r8 = (r + 7) // 8 * 8
+            packed[i].view(-1)[: sum(widths) * r8] = lora_b[i, :, :r8].reshape(-1)
+        y = triton_lora.lora_expand(y0.clone(), buf, packed, tuple(offsets), meta, packed=True)
+    else:
+        y = triton_lora.lora_expand(y0.clone(), buf, lora_b, tuple(offsets), meta)
     if DEV == "cuda":
         torch.cuda.synchronize()
 
@@ -149,19 +157,22 @@ def test_split_k_shrink_matches_the_oracle_on_odd_shapes(case, dtype, mode):
     assert e_buf < TOL[dtype] and e_y < TOL[dtype], (e_buf, e_y)
 
 
+@pytest.mark.parametrize("mode", ["ranked", "packed"])
 @pytest.mark.parametrize("n_iters", [4, 3, 1])
 @pytest.mark.parametrize("rank", [64, 32])
-def test_narrow_expand_tiles_cover_their_columns(rank, n_iters):
+def test_narrow_expand_tiles_cover_their_columns(rank, n_iters, mode):
     """Adapters of ranks 1, 6, 11, ... in slots of rank 64 / 32: blocks of rank <= 16 (<= 32)
     take the narrow expand path with wider column steps (4 / 2 / 1 of them per tile, as the
-    tile's steps allow: 3 steps take no widening) and must still add into every column."""
+    tile's steps allow: 3 steps take no widening) and must still add into every column; so must
+    they where each slot's B is packed at its own rank (past it, the slot holds NaN: a read
+    beyond the packed rows would show)."""
     gen = torch.Generator().manual_seed(15)
     widths = (96, 160, 32)
     expand = tuning.ExpandConfig(block_m=16, block_n=32, n_iters=n_iters, num_warps=4, num_stages=1, ctas_per_sm=2)
     assert triton_lora._narrow_expand(expand, rank), "the case must take the narrow expand"
     with forced("expand", tuning.expand_key(widths, rank), expand, tokens=7):
         assert tuning.expand_config(torch.device(DEV), 7, widths, rank) == expand
-        e_buf, e_y = layer_case(7, 256, widths, rank, 8, 0.25, DTYPES[0], gen, mode="ranked")
+        e_buf, e_y = layer_case(7, 256, widths, rank, 8, 0.25, DTYPES[0], gen, mode=mode)
     assert e_buf < TOL[DTYPES[0]] and e_y < TOL[DTYPES[0]], (e_buf, e_y)
 
 
