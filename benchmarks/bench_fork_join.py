@@ -7,16 +7,17 @@ of a step on the fork and join themselves, with the shrinks and expands taken ou
 pattern alone: a CUDA graph of --layers layers, each distinct weights (no layer reads another's from
 the L2 cache), replayed; per layer, one of
 
-  none        gemm, expand                         (no shrink, one stream)
+  none        gemm                                 (one stream)
   serial      gemm, shrink, expand                 (one stream)
   side        fork; shrink on the side stream; gemm; join; expand   (the executor's form)
-  side-empty  fork; gemm; join; expand             (nothing on the side stream)
-  side-tiny   fork; a one-element add on the side stream; gemm; join; expand
+  side-empty  fork; gemm; join                     (nothing on the side stream)
+  side-tiny   fork; a one-element add on the side stream; gemm; join
 
-with gemm a bf16 [tokens, K] @ [K, N] linear (cuBLAS), shrink x @ A.T to [tokens, rank], expand
-y += shrink @ B.T. Prints us per layer (median of --replays replays, after warm-ups) and the
+with gemm a bf16 [tokens, K] @ [K, N] linear (cuBLAS), shrink x @ A.T to [tokens, rank] for one
+adapter (A is rank x K: a small read, unlike a decode step's dozens of adapters), expand y +=
+shrink @ B.T. Prints us per layer (median of --replays replays, after warm-ups) and the
 differences that answer: what the fork and join cost with nothing, or next to nothing, on the side
-(side-empty - none, side-tiny - none), and what the side stream nets against serial (serial - side).
+(side-empty - none, side-tiny - none), and what the side stream nets against serial (side - serial).
 
     python benchmarks/bench_fork_join.py [--layers 128] [--tokens 64] [--n 4096] [--k 4096] [--rank 64]
 """

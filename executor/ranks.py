@@ -226,8 +226,11 @@ class TPRanks:
             elif message[0] == "reply":
                 _, op_id, result, error = message
                 future = self._pending.pop(op_id, None)
-                if future is not None:
-                    future.set_result((result, error))
+                if future is not None and not future.cancelled():  # cancelled: its asker gave up
+                    try:
+                        future.set_result((result, error))
+                    except cf.InvalidStateError:  # cancelled since the check
+                        pass
 
     def step(self, inputs: StepInputs) -> None:
         """Sends one step to ranks 1..N-1 (from the thread that then runs rank 0's forward)."""
@@ -238,8 +241,9 @@ class TPRanks:
 
     async def _ask(self, message: tuple, wanted: Callable[[], bool] | None = None) -> list:
         """Sends (kind, id, *args) to every other rank; their results in rank order. Raises the
-        first rank's error as a StatusError naming the rank. wanted: asked every WANTED_POLL_S
-        until every rank has replied; once it says no, each rank still working is sent a "cancel"."""
+        first rank's error as a StatusError naming the rank (its told_to_stop: this ask sent a
+        "cancel"). wanted: asked every WANTED_POLL_S until every rank has replied; once it says no,
+        each rank still working is sent a "cancel", as it is when this ask is cancelled."""
         futures, ops = [], []
         for rank in range(1, self.size):
             op_id = next(self._ids)
@@ -247,23 +251,39 @@ class TPRanks:
             self._send(rank, (message[0], op_id, *message[1:]))
             futures.append(asyncio.wrap_future(future))
             ops.append((rank, op_id))
-        while wanted is not None:
-            _, waiting = await asyncio.wait(futures, timeout=WANTED_POLL_S)
-            if not waiting:
-                break
-            if not wanted():
-                log.info("%s of %r: nobody waits for it any more; %s rank(s) %s told to stop asking a busy store",
-                         message[0], message[1], self.role, ", ".join(str(r) for (r, _), f in zip(ops, futures) if f in waiting))
-                for (rank, op_id), future in zip(ops, futures):
-                    if future in waiting:
-                        self._send(rank, ("cancel", op_id))
-                break
-        replies = await asyncio.gather(*futures)
+        told_to_stop = False
+        try:
+            while wanted is not None:
+                _, waiting = await asyncio.wait(futures, timeout=WANTED_POLL_S)
+                if not waiting:
+                    break
+                if not wanted():
+                    log.info("%s of %r: nobody waits for it any more; %s rank(s) %s told to stop if the store "
+                             "refuses them as busy", message[0], message[1], self.role,
+                             ", ".join(str(r) for (r, _), f in zip(ops, futures) if f in waiting))
+                    self._cancel(ops, futures)
+                    told_to_stop = True
+                    break
+            replies = await asyncio.gather(*futures)
+        except asyncio.CancelledError:  # the caller gave up: so do the ranks still at it
+            self._cancel(ops, futures)
+            raise
         for rank, (_, error) in enumerate(replies, start=1):
             if error is not None:
                 code, text = error
-                raise StatusError(grpc.StatusCode[code], f"{self.role} rank {rank}: {text}")
+                failed = StatusError(grpc.StatusCode[code], f"{self.role} rank {rank}: {text}")
+                failed.told_to_stop = told_to_stop  # this ask sent the ranks a "cancel"
+                raise failed
         return [result for result, _ in replies]
+
+    def _cancel(self, ops: list[tuple[int, int]], futures: list[asyncio.Future]) -> None:
+        """Sends "cancel" to each rank whose op has not replied (a late one finds nothing to cancel)."""
+        for (rank, op_id), future in zip(ops, futures):
+            if not future.done() or future.cancelled():
+                try:
+                    self._send(rank, ("cancel", op_id))
+                except OSError:  # the rank has gone: the watchdog reports it
+                    pass
 
     def fetching(self, fetch_shard: Callable[[str], Awaitable[tuple]]) -> Callable[[str], Awaitable[tuple]]:
         """The slot manager's fetch function for rank 0: rank 0's shard from the store, then every
@@ -271,8 +291,17 @@ class TPRanks:
 
         async def fetch_on_every_rank(name: str):
             digest, rank, tensors, nbytes = await fetch_shard(name)
-            await self._ask(("fetch", name, digest), STILL_WANTED.get())  # the caller's, as rank 0's own fetch had
-            return digest, rank, tensors, nbytes
+            wanted = STILL_WANTED.get()  # the caller's, as rank 0's own fetch had
+            while True:
+                try:
+                    await self._ask(("fetch", name, digest), wanted)
+                    return digest, rank, tensors, nbytes
+                except StatusError as e:
+                    # A rank told to stop because nobody waited, when someone waits again now (a new
+                    # request joined this fetch meanwhile): ask the ranks again rather than fail it.
+                    if not (e.code == grpc.StatusCode.CANCELLED and getattr(e, "told_to_stop", False) and wanted()):
+                        raise
+                    log.info("%r is wanted again after its %s ranks were told to stop; asking them again", name, self.role)
 
         return fetch_on_every_rank
 

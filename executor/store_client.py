@@ -208,22 +208,23 @@ class StoreClient:
     async def _stream_when_served(self, name: str, digest: str, verify: bool,
                                   backoff: BusyBackoff) -> tuple[spb.ShardHeader, torch.Tensor]:
         """_stream, asked again while the store answers busy, as `backoff` paces it (the store's
-        retry hint, then doubling pauses with jitter, for busy_retry_s from the fetch's first ask):
+        retry hint, then doubling pauses with jitter, for busy_retry_s from the first refused ask):
         then RESOURCE_EXHAUSTED naming the store and the adapter. CANCELLED instead once the
         caller's STILL_WANTED says nobody waits for the adapter any more."""
         while True:
+            asked_at = time.monotonic()
             try:
                 return await self._stream(name, digest, verify)
             except StatusError as e:
                 hint = getattr(e, "retry_after_s", None)
                 if hint is None:
                     raise
-                pause = backoff.next_pause(hint)
+                pause = backoff.next_pause(hint, asked_at)
                 if pause is None:
-                    log.warning("adapter store at %s stayed busy for %.1fs (%d asks); %r is not fetched",
-                                self.address, backoff.busy_for(), backoff.asks, name)
-                    raise backoff.gave_up(f"adapter store at {self.address}", f"adapter {name!r} cannot be loaded now",
-                                          e.message) from None
+                    error = backoff.gave_up(f"adapter store at {self.address}", f"adapter {name!r} cannot be loaded now",
+                                            e.message)
+                    log.warning("%s", error.message)
+                    raise error from None
                 self._unless_unwanted(name)
                 if backoff.asks == 1:
                     log.info("adapter store at %s is busy (%s); asking for %r again shortly", self.address, e.message, name)

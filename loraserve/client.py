@@ -198,8 +198,8 @@ class StoreClient(_Client):
         """(header, blob), the stream's checksum checked. A stream that breaks after its header
         with DATA_LOSS (a copy that failed its checksum, here or in the store) is asked again once,
         with the store checking its copy before it sends it. A stream the store refuses as busy is
-        asked again after its retry hint, backing off (errors.BusyBackoff), for busy_retry_s in all:
-        then RESOURCE_EXHAUSTED naming the store and its last answer."""
+        asked again after its retry hint, backing off (errors.BusyBackoff), for busy_retry_s from
+        the first refusal: then RESOURCE_EXHAUSTED naming the store and its last answer."""
         backoff = BusyBackoff(self.busy_retry_s)  # one budget for both asks below
         try:
             return self._when_served(name, layout, tp_rank, ep_rank, digest, False, backoff)
@@ -208,16 +208,17 @@ class StoreClient(_Client):
 
     def _when_served(self, name, layout, tp_rank, ep_rank, digest, verify, backoff) -> tuple[spb.ShardHeader, bytes]:
         while True:
+            asked_at = time.monotonic()
             try:
                 return self._fetch_shard(name, layout, tp_rank, ep_rank, digest, verify)
             except StatusError as e:
                 hint = getattr(e, "retry_after_s", None)
                 if hint is None:
                     raise
-                pause = backoff.next_pause(hint)
+                if self.busy_retry_s <= 0:  # asked not to ask again: the store's own answer
+                    raise
+                pause = backoff.next_pause(hint, asked_at)
                 if pause is None:
-                    if backoff.asks == 1:  # asked no more than once (busy_retry_s 0): the store's own answer
-                        raise
                     raise backoff.gave_up(f"adapter store at {self.address}", f"adapter {name!r} was not fetched",
                                           e.message) from None
                 if backoff.asks == 1:

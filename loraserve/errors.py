@@ -76,35 +76,39 @@ def retry_after_s(e: grpc.RpcError) -> float | None:
 
 
 class BusyBackoff:
-    """When a client asks again after `busy` refusals, one fetch's whole life long (a retry of the
-    same fetch for another reason shares it): after the server's hint, then twice the last pause
+    """When a client of the adapter store asks again after `busy` refusals (both the executor's
+    store client and the Python client's): after the store's hint, then twice the last pause
     (BUSY_PAUSE_MIN_S to BUSY_BACKOFF_MAX_S, or the hint where it is longer; each lengthened by a
-    random 0-25% so that clients refused together do not ask together), until budget_s have
-    passed since the first ask."""
+    random 0-25% so that clients refused together do not ask together), until budget_s have passed
+    since the first refused ask began. One per fetch: a retry of the same fetch for another reason
+    (DATA_LOSS) shares it, and time the store spent serving is not counted."""
 
     def __init__(self, budget_s: float):
         self.budget_s = budget_s
-        self.started = time.monotonic()
+        self.started: float | None = None  # when the first refused ask began (time.monotonic)
         self.asks = 0  # refusals so far
         self._pause = 0.0
 
     def busy_for(self) -> float:
-        return time.monotonic() - self.started
+        return 0.0 if self.started is None else time.monotonic() - self.started
 
-    def next_pause(self, hint: float) -> float | None:
-        """Counts one refusal: the seconds to wait before asking again, None once the budget is spent."""
+    def next_pause(self, hint: float, asked_at: float) -> float | None:
+        """Counts one refusal of an ask begun at `asked_at` (time.monotonic): the seconds to wait
+        before asking again, None once the budget is spent."""
         self.asks += 1
+        if self.started is None:
+            self.started = asked_at
         busy_for = self.busy_for()
         if busy_for >= self.budget_s:
             return None
         self._pause = max(hint, min(max(2 * self._pause, BUSY_PAUSE_MIN_S), BUSY_BACKOFF_MAX_S))  # the hint is never cut
         return min(self._pause * random.uniform(1.0, 1.25), self.budget_s - busy_for)
 
-    def gave_up(self, server: str, what: str, last: str) -> StatusError:
-        """RESOURCE_EXHAUSTED once the budget is spent: `server` stayed busy, so `what` (the
-        consequence, e.g. "adapter 'a' cannot be loaded now"); `last`, the server's last answer."""
-        return exhausted(f"{server} stayed busy for {self.busy_for():.1f}s ({self.asks} asks); {what} "
-                         f"(the store's last answer: {last})")
+    def gave_up(self, store: str, what: str, last: str) -> StatusError:
+        """RESOURCE_EXHAUSTED once the budget is spent: `store` (e.g. "adapter store at HOST:PORT")
+        stayed busy, so `what` (e.g. "adapter 'a' cannot be loaded now"); `last`, its last answer."""
+        asks = f"{self.asks} ask" + ("s" if self.asks != 1 else "")
+        return exhausted(f"{store} stayed busy for {self.busy_for():.1f}s ({asks}); {what} (the store's last answer: {last})")
 
 
 DEADLINE_SLACK_S = 0.1  # an engine deadline and gRPC's, set from one time_remaining(), differ by this much at most

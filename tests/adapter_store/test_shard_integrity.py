@@ -758,6 +758,14 @@ def test_a_stream_that_waits_past_max_stream_wait_s_is_refused_busy_with_a_retry
     assert _metric(server.metrics_port, "loraserve_store_streams_waiting") == 0
 
 
+def _refused(s, times: int, within_s: float = 30.0) -> None:
+    """Waits until the store has refused `times` streams as busy (its /metrics), for at most within_s."""
+    deadline = time.monotonic() + within_s
+    while _metric(s.server.metrics_port, "loraserve_store_streams_busy_total") < times:
+        assert time.monotonic() < deadline, f"the store refused fewer than {times} streams in {within_s:g}s"
+        time.sleep(0.05)
+
+
 def _executor_client(address: str, **kw):
     from loraserve.executor.store_client import StoreClient as ExecutorStoreClient
 
@@ -780,7 +788,7 @@ def test_the_executors_client_asks_a_busy_store_again_until_it_is_served(capped_
                 holder = spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60)
                 assert (await holder.read()).HasField("header")  # the one turn, held
                 fetch = asyncio.ensure_future(client.fetch_shard("a"))
-                await asyncio.sleep(1.5)  # 0.3 s waits with 0.1-0.4 s pauses between: refused twice at least
+                await asyncio.to_thread(_refused, s, 2)  # asked again after its first refusal
                 assert not fetch.done()
                 s.held.set()
                 holder.cancel()
@@ -885,7 +893,7 @@ def test_the_python_client_asks_a_busy_store_again_until_it_is_served(capped_sto
         got = []
         fetch = threading.Thread(target=lambda: got.append(client.fetch_shard("a", layout())))
         fetch.start()
-        time.sleep(1.5)  # 0.3 s waits with 0.2-0.5 s pauses between: refused twice at least
+        _refused(s, 2)  # asked again after its first refusal
         assert fetch.is_alive()
         s.lt.loop.call_soon_threadsafe(s.held.set)
         holder.cancel()
@@ -925,22 +933,28 @@ def test_the_python_client_gives_up_on_a_store_busy_past_its_retry_budget(capped
 
 
 def test_busy_backoff_follows_the_hint_then_doubles_up_to_its_cap_within_one_budget(monkeypatch):
-    """The pauses both clients take between busy asks: never sooner than the server's hint, twice
+    """The pauses both clients take between busy asks: never sooner than the store's hint, twice
     the last one after (with up to 25% jitter), at most BUSY_BACKOFF_MAX_S, and none once the budget
-    (shared by a fetch's every ask: a DATA_LOSS retry does not start a new one) is spent."""
+    is spent, counted from the first refused ask's start (time the store spent serving the fetch
+    before, e.g. a stream that then broke with DATA_LOSS, is not counted)."""
     from loraserve import errors
 
     now = [100.0]
     monkeypatch.setattr(errors.time, "monotonic", lambda: now[0])
     backoff = errors.BusyBackoff(10.0)
-    pauses = [backoff.next_pause(0.2) for _ in range(7)]
+    assert backoff.busy_for() == 0.0  # nothing refused yet, however long the fetch has run
+    pauses = [backoff.next_pause(0.2, asked_at=99.7) for _ in range(7)]
+    assert backoff.busy_for() == pytest.approx(0.3)  # from the first refused ask's start
     floors = [0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0]
     assert all(f <= p <= f * 1.25 for p, f in zip(pauses, floors)), pauses
-    assert backoff.next_pause(3.0) >= 3.0  # a longer hint is followed, past the doubling's cap
-    assert errors.BusyBackoff(10.0).next_pause(0.0) >= errors.BUSY_PAUSE_MIN_S  # a 0 hint: no tight loop
-    now[0] += 9.5
-    assert backoff.next_pause(0.2) <= 0.5  # never past the budget's end
+    assert backoff.next_pause(3.0, now[0]) >= 3.0  # a longer hint is followed, past the doubling's cap
+    assert errors.BusyBackoff(10.0).next_pause(0.0, now[0]) >= errors.BUSY_PAUSE_MIN_S  # a 0 hint: no tight loop
+    now[0] += 9.2
+    assert backoff.next_pause(0.2, now[0]) <= 0.5 + 1e-9  # never past the budget's end
     now[0] += 0.5
-    assert backoff.next_pause(0.2) is None and backoff.asks == 10
+    assert backoff.next_pause(0.2, now[0]) is None and backoff.asks == 10
     assert backoff.gave_up("adapter store at X", "adapter 'a' was not fetched", "busy").message == (
         "adapter store at X stayed busy for 10.0s (10 asks); adapter 'a' was not fetched (the store's last answer: busy)")
+    once = errors.BusyBackoff(0.1)
+    assert once.next_pause(0.2, asked_at=now[0] - 0.3) is None  # one refused ask outlasted the budget
+    assert once.gave_up("S", "w", "busy").message == "S stayed busy for 0.3s (1 ask); w (the store's last answer: busy)"

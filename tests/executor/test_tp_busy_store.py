@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import time
 
 import grpc
 import pytest
 import torch
 
-from loraserve.errors import StatusError
+from loraserve.errors import BUSY_BACKOFF_MAX_S, StatusError
 from loraserve.executor.store_client import STILL_WANTED
 from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
@@ -98,9 +99,56 @@ def test_a_rank_refused_by_a_busy_store_stops_asking_once_nobody_wants_the_adapt
     assert error.code == grpc.StatusCode.CANCELLED
     assert error.message == (f"tensor-parallel rank 1: adapter 'a': no request waits for it any more; not fetched "
                              f"(the store at {c.store_address} was busy)")
-    assert took < 2.5 * 1.25 + BUSY_WAIT_S + 1  # its pause at most, one more refused ask, the poll
+    assert took < BUSY_BACKOFF_MAX_S * 1.25 + BUSY_WAIT_S + 1  # its longest pause, one more refused ask, the poll
     states = c.lt.run(parts.ranks.states())
     assert ("a", digest) not in states[0]["shards"]
     # The store's turn is free again: rank 1 fetches it when it is wanted.
     c.lt.run(parts.ranks.fetching(parts.store.fetch_shard)("a"), 30)
+    assert ("a", digest) in c.lt.run(parts.ranks.states())[0]["shards"]
+
+
+def test_a_rank_told_to_stop_is_asked_again_when_the_adapter_is_wanted_again(busy_cluster, caplog):
+    """Nobody waits, so rank 1 is told to stop; then a request waits again (it joined the same fetch)
+    before rank 1 acted on it: rank 1's CANCELLED does not fail the fetch, rank 0 asks it again, and
+    once the store has room the fetch ends with the shard on rank 1."""
+    c = busy_cluster
+    parts, wanted = c.parts, [True]
+    digest = c.store_client().get("a").digest
+    req = spb.FetchShardRequest(name="b", layout=parts.store.layout, xxh3=True)
+
+    def said_again() -> bool:
+        return any("is wanted again" in r.getMessage() for r in caplog.records)
+
+    async def run():
+        async with grpc.aio.insecure_channel(c.store_address) as channel:
+            holder = None
+
+            async def rank0_then_hold(name):
+                nonlocal holder
+                got = await parts.store.fetch_shard(name)
+                c.held.clear()
+                holder = spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60)
+                assert (await holder.read()).HasField("header")
+                return got
+
+            async def fetch():
+                STILL_WANTED.set(lambda: wanted[0])
+                return await parts.ranks.fetching(rank0_then_hold)("a")
+
+            task = asyncio.ensure_future(fetch())
+            await asyncio.sleep(1.0)
+            wanted[0] = False
+            await asyncio.sleep(0.3)  # rank 0 has asked STILL_WANTED (every 0.1 s) and told rank 1 to stop
+            wanted[0] = True
+            deadline = time.monotonic() + 15
+            while not said_again():  # rank 1 stopped (CANCELLED) and rank 0 asked it again
+                assert time.monotonic() < deadline and not task.done(), "rank 0 did not ask rank 1 again"
+                await asyncio.sleep(0.05)
+            c.held.set()
+            holder.cancel()
+            return await asyncio.wait_for(task, 30)
+
+    with caplog.at_level(logging.INFO, logger="loraserve.executor.ranks"):
+        got = c.lt.run(run(), 90)
+    assert got[0] == digest
     assert ("a", digest) in c.lt.run(parts.ranks.states())[0]["shards"]
