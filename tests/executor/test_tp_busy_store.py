@@ -107,12 +107,20 @@ def test_a_rank_refused_by_a_busy_store_stops_asking_once_nobody_wants_the_adapt
     assert ("a", digest) in c.lt.run(parts.ranks.states())[0]["shards"]
 
 
-def test_a_rank_told_to_stop_is_asked_again_when_the_adapter_is_wanted_again(busy_cluster, caplog):
+def test_a_rank_told_to_stop_is_asked_again_when_the_adapter_is_wanted_again(busy_cluster, caplog, monkeypatch):
     """Nobody waits, so rank 1 is told to stop; then a request waits again (it joined the same fetch)
     before rank 1 acted on it: rank 1's CANCELLED does not fail the fetch, rank 0 asks it again, and
     once the store has room the fetch ends with the shard on rank 1."""
     c = busy_cluster
     parts, wanted = c.parts, [True]
+    send = parts.ranks._send
+
+    def send_then_wanted_again(rank, message):  # wanted again as soon as the "cancel" is on its way
+        send(rank, message)
+        if message[0] == "cancel":
+            wanted[0] = True
+
+    monkeypatch.setattr(parts.ranks, "_send", send_then_wanted_again)
     digest = c.store_client().get("a").digest
     req = spb.FetchShardRequest(name="b", layout=parts.store.layout, xxh3=True)
 
@@ -137,9 +145,7 @@ def test_a_rank_told_to_stop_is_asked_again_when_the_adapter_is_wanted_again(bus
 
             task = asyncio.ensure_future(fetch())
             await asyncio.sleep(1.0)
-            wanted[0] = False
-            await asyncio.sleep(0.3)  # rank 0 has asked STILL_WANTED (every 0.1 s) and told rank 1 to stop
-            wanted[0] = True
+            wanted[0] = False  # until rank 0 (asking every 0.1 s) has told rank 1 to stop
             deadline = time.monotonic() + 15
             while not said_again():  # rank 1 stopped (CANCELLED) and rank 0 asked it again
                 assert time.monotonic() < deadline and not task.done(), "rank 0 did not ask rank 1 again"
