@@ -40,6 +40,8 @@ class ExecutorConfig:
     # model and KV cache are in place (executor/memory.py), 8 on CPU. Set to the resolved count at start.
     max_rank: int = 64  # slot rank; larger adapters are refused by the store
     lora_embeddings: bool = False  # also give embed_tokens and lm_head slots (vocab-sized: costly)
+    packed_lora_b: bool = False  # dense layers' B packed at each slot's rank (executor/lora.py LoraSpec.packed_b);
+    # not a CLI flag yet: for the benchmarks, until it has run on a CUDA host
     cpu_cache_bytes: int = 0  # packed shards kept in (pinned) host memory, in bytes; 0: half the host
     # memory available at start (executor/memory.py). Set to the resolved budget at start.
     max_cpu_adapters: int = 0  # also at most this many shards in the CPU cache; 0: the bytes alone decide

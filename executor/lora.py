@@ -45,6 +45,11 @@ class LoraSpec:
     dtype: torch.dtype
     targets_embeddings: bool = False  # also allocate slots for embed_tokens and lm_head (vocab-sized: costly)
     fully_sharded: bool = False  # under TP, also cut the adapter rank (column layers) / B's outputs (row layers)
+    # Dense layers keep each slot's B packed at the slot's rank rounded up to 8 (its first N x r8
+    # elements, rows contiguous) instead of as [N, R] rows: the expand then reads whole sectors of
+    # a low-rank adapter's B (kernels/triton_lora.py lora_expand's packed). Off by default: measured
+    # in the decode step's ablation only so far (docs/BENCHMARKS.md, "Twenty-ninth pass").
+    packed_b: bool = False
 
 
 def _fit_error(slot_buf: torch.Tensor, src: torch.Tensor, rank_dim: int = 1) -> str | None:
@@ -79,6 +84,8 @@ def _step_weights(m: nn.Module, meta: LoraMeta | None, device: torch.device):
     rank_dim = m.slot_rank_dim + 1  # of the [max_loras, ...] buffers
     if device.type == "cuda" or r == m.lora_a.shape[rank_dim] or m.rank_parts > 1:
         return m.lora_a, m.lora_b  # rank_parts > 1: B's columns are laid out per rank part of the full slot rank
+    if getattr(m, "packed_b", False):  # a packed B is not [N, R] rows: the reference unpacks it whole
+        return m.lora_a.narrow(rank_dim, 0, r), m.lora_b
     return m.lora_a.narrow(rank_dim, 0, r), m.lora_b.narrow(rank_dim, 0, r)
 
 
@@ -140,6 +147,17 @@ def _copy_into_slot(slot_buf: torch.Tensor, src: torch.Tensor, rank_dim: int = 1
     writes.zero(slot_buf.narrow(rank_dim, r, slot_buf.shape[rank_dim] - r))
     if own:
         writes.flush()
+
+
+def packed_rank(rank: int) -> int:
+    """The row width of a B packed at slot rank `rank` (kernels/triton_lora.py: rounded up to 8)."""
+    return -(-rank // 8) * 8
+
+
+def packed_rows(lora_b: torch.Tensor, slot: int, rank: int) -> torch.Tensor:
+    """Slot `slot` of a packed B buffer ([max_loras, N, R]) as the [N, packed_rank(rank)] rows it holds."""
+    n = lora_b.shape[1]
+    return lora_b[slot].view(-1)[: n * packed_rank(rank)].view(n, packed_rank(rank))
 
 
 def _set_slot(m: nn.Module, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, writes: SlotWrites | None) -> None:
@@ -205,6 +223,9 @@ class LinearWithLoRA(nn.Module):
         )
         self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
         self.register_buffer("lora_b", None, persistent=False)
+        # B packed at each slot's rank (LoraSpec.packed_b): not where its rank dim holds tp parts
+        self.packed_b = (lora is not None and lora.packed_b and self.rank_parts == 1 and lora.max_rank % 8 == 0
+                         and self.lora_offsets is self.slice_offsets)
         if lora is not None:
             self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
 
@@ -220,14 +241,23 @@ class LinearWithLoRA(nn.Module):
         self.register_buffer("lora_b", b, persistent=False)
         self.slot_ranks = [0] * max_loras  # host copy: each slot's rank in this module, 0 = not targeted
 
-    def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, writes: SlotWrites | None = None) -> None:
+    def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, writes: SlotWrites | None = None,
+                 slot_rank: int | None = None) -> None:
         """lora_a: [S, r, in], lora_b: [N, r] (a shard's tensors, already in the slot dtype).
         Fully sharded column layers: lora_a [S, r / tp, in], lora_b [N, r], r a multiple of tp.
-        writes: record the copies there (see SlotWrites) instead of issuing them now."""
+        writes: record the copies there (see SlotWrites) instead of issuing them now.
+        slot_rank: the adapter's largest rank over its modules (what the step's LoraMeta.slot_ranks
+        will say; default this module's), at which a packed B is laid out."""
         own = writes is None
         writes = writes or SlotWrites()
         _copy_into_slot(self.lora_a[slot], lora_a, writes=writes)
-        if self.rank_parts == 1:
+        if self.packed_b:
+            if (err := _fit_error(self.lora_b[slot], lora_b)) is not None:
+                raise ValueError(err)
+            rows = packed_rows(self.lora_b, slot, max(slot_rank or 0, lora_b.shape[1]))
+            writes.copy(rows[:, : lora_b.shape[1]], lora_b)
+            writes.zero(rows[:, lora_b.shape[1] :])
+        elif self.rank_parts == 1:
             _copy_into_slot(self.lora_b[slot], lora_b, writes=writes)
         else:  # rank part p of B (columns p*r/tp ...) goes to columns p*R/tp ... of the slot
             n, parts = lora_b.shape[0], self.rank_parts
@@ -256,7 +286,7 @@ class LinearWithLoRA(nn.Module):
             buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)  # [S, T, rank] float32
             if self.rank_parts > 1:
                 buf = self.tp.all_gather(buf)  # [S, T, max_rank]: every rank part of x @ A.T
-            return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked)
+            return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked, packed=self.packed_b)
         # CUDA: shrink (and its zeroing, unless the step's shrink workspace is zeroed already) runs on
         # a side stream beside the base GEMM, which is bandwidth-bound at decode and hides it; only
         # expand waits for both. Captured graphs keep the fork and join. Memory is safe: the side
@@ -270,7 +300,7 @@ class LinearWithLoRA(nn.Module):
         main.wait_stream(side)
         if self.rank_parts > 1:
             buf = self.tp.all_gather(buf)
-        return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked)
+        return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked, packed=self.packed_b)
 
     def _forward_row_parallel(self, x: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
         """x: [T, in / tp], this rank's input columns. Every term before the all-reduce is a
@@ -281,7 +311,7 @@ class LinearWithLoRA(nn.Module):
             lora_a, lora_b = weights
             buf = kernels.lora_shrink(x, lora_a, lora_meta)  # [1, T, rank], partial
             if self.lora_offsets is self.slice_offsets:
-                kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta)
+                kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, packed=self.packed_b)
             else:  # fully sharded: the whole x @ A.T, times this rank's rows of B, into its columns
                 buf = self.tp.all_reduce(buf)
                 out = y.narrow(1, self.lora_out_start, self.lora_offsets[-1])
@@ -312,6 +342,9 @@ class VocabEmbeddingWithLoRA(nn.Module):
         self.slice_offsets = (0, embed_dim)
         self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
         self.register_buffer("lora_b", None, persistent=False)
+        # B packed at each slot's rank (LoraSpec.packed_b): not where its rank dim holds tp parts
+        self.packed_b = (lora is not None and lora.packed_b and self.rank_parts == 1 and lora.max_rank % 8 == 0
+                         and self.lora_offsets is self.slice_offsets)
         if lora is not None:
             self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
 
@@ -372,6 +405,9 @@ class ExpertsWithLoRA(nn.Module):
         )
         self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
         self.register_buffer("lora_b", None, persistent=False)
+        # B packed at each slot's rank (LoraSpec.packed_b): not where its rank dim holds tp parts
+        self.packed_b = (lora is not None and lora.packed_b and self.rank_parts == 1 and lora.max_rank % 8 == 0
+                         and self.lora_offsets is self.slice_offsets)
         if lora is not None:
             self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
 
@@ -565,14 +601,17 @@ class _SlotTargets:
             offsets[k] is not None and offsets[k] % size == 0 and t.is_contiguous() for k, t in tensors.items()
         )
         for name, m in self.modules.items():
-            a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
+            a = tensors.get(f"{name}.lora_a")
             ranks.append((m.slot_ranks, 0 if a is None else a.shape[m.slot_rank_dim]))
-            top = max(top, ranks[-1][1] * m.rank_parts)
-            if not plannable:
-                continue
+            top = max(top, ranks[-1][1] * m.rank_parts)  # the slot's rank: a packed B is laid out at it
+        for name, m in self.modules.items() if plannable else ():
+            a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
             for buf, src, part, parts in ((m.lora_a, a, "lora_a", 1), (m.lora_b, b, "lora_b", m.rank_parts)):
                 offset = 0 if src is None else offsets[f"{name}.{part}"] // size
-                copies.append(_slot_copy(buf, m.slot_rank_dim, src, offset, parts, m.rank_parts))
+                if part == "lora_b" and getattr(m, "packed_b", False):
+                    copies.append(_packed_copy(buf, src, offset, top))
+                else:
+                    copies.append(_slot_copy(buf, m.slot_rank_dim, src, offset, parts, m.rank_parts))
         if not plannable:
             return _ShardLayout(tuple(ranks), None, 0, top)
         span = max((offsets[k] + t.nbytes for k, t in tensors.items()), default=0)
@@ -614,6 +653,14 @@ def _slot_copy(buf: torch.Tensor, rank_dim: int, src: torch.Tensor | None, src_o
     fill = shape[rank_dim] // parts * inner
     cols = 0 if src is None else src.shape[rank_dim] // parts * inner
     return SlotCopy(buf, prod(shape[:rank_dim]) * parts, fill, fill, cols, src_offset, unit=inner, parts=rank_parts)
+
+
+def _packed_copy(buf: torch.Tensor, src: torch.Tensor | None, src_offset: int, slot_rank: int) -> SlotCopy:
+    """A packed B's slot ([N, r8] rows from its start, r8 = packed_rank(slot_rank)): the shard's
+    [N, r] B in each row's first r columns, zeros to r8 (src None: zeros only). Never clipped: a
+    packed slot is read no further than its own rows, whatever a previous adapter left past them."""
+    width = packed_rank(slot_rank)
+    return SlotCopy(buf, buf.shape[1], width, width, 0 if src is None else src.shape[1], src_offset)
 
 
 class _LayoutKey:
@@ -831,7 +878,8 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
         writes = SlotWrites()  # every module's copies and zero-fills issued together
         for name, module in targets.modules.items():
             if f"{name}.lora_a" in tensors:
-                module.set_lora(slot, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"], writes)
+                rank = {"slot_rank": layout.max_rank} if getattr(module, "packed_b", False) else {}
+                module.set_lora(slot, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"], writes, **rank)
             else:
                 module.reset_lora(slot, writes)
         writes.flush()

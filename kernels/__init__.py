@@ -63,12 +63,13 @@ def lora_shrink(x, lora_a, meta: LoraMeta, out=None, ranked: bool = True, pdl: b
     return impl.lora_shrink(x, lora_a, meta, out, ranked)
 
 
-def lora_expand(y, buf, lora_b, slice_offsets, meta: LoraMeta, ranked: bool = True, pdl: bool = False):
-    """pdl: as in lora_shrink."""
+def lora_expand(y, buf, lora_b, slice_offsets, meta: LoraMeta, ranked: bool = True, pdl: bool = False,
+                packed: bool = False):
+    """pdl: as in lora_shrink. packed: each slot's B packed at its rank (triton_lora.lora_expand)."""
     impl = _impl(y)
     if pdl and impl is not reference:
-        return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, pdl=True)
-    return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked)
+        return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, pdl=True, packed=packed)
+    return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, packed=packed)
 
 
 def lora_embedding_shrink(token_ids, lora_a, meta: LoraMeta, out=None):

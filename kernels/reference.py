@@ -60,6 +60,21 @@ def lora_shrink(
     return out
 
 
+def unpacked(lora_b: torch.Tensor, meta: LoraMeta, rank: int) -> torch.Tensor:
+    """[max_loras, N, rank] from slot buffers holding B packed at each slot's rank rounded up to 8
+    (its first N x r8 elements as [N, r8] rows; meta.slot_ranks gives the ranks), zeros past it."""
+    if meta.slot_ranks is None:
+        raise ValueError("a packed B needs the slots' ranks (LoraMeta.slot_ranks)")
+    n = lora_b.shape[1]
+    out = lora_b.new_zeros(lora_b.shape[0], n, rank)
+    for slot, r in enumerate(meta.slot_ranks.tolist()):
+        width = -(-r // 8) * 8
+        if width:  # (columns past `rank` are zero: the caller's rank covers every module's own)
+            rows = lora_b[slot].reshape(-1)[: n * width].view(n, width)
+            out[slot, :, : min(width, rank)] = rows[:, :rank]
+    return out
+
+
 def lora_expand(
     y: torch.Tensor,
     buf: torch.Tensor,
@@ -67,6 +82,7 @@ def lora_expand(
     slice_offsets: tuple[int, ...],
     meta: LoraMeta,
     ranked: bool = True,
+    packed: bool = False,
 ) -> torch.Tensor:
     """y[t, off_s:off_s+n_s] += buf[s, t] @ lora_b[slot(t), off_s:off_s+n_s].T, in place.
 
@@ -75,7 +91,10 @@ def lora_expand(
     lora_b:        [max_loras, N, R]
     slice_offsets: S + 1 output offsets, e.g. (0, q, q + k, q + k + v)
     ranked:        unused here: slot buffers are zero past each adapter's rank (see triton_lora)
+    packed:        each slot's B packed at its rank (triton_lora.lora_expand): unpacked here first
     """
+    if packed:
+        lora_b = unpacked(lora_b, meta, buf.shape[2])
     gathered = _gathered(meta)
     if gathered is not None:
         slots, valid = gathered

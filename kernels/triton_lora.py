@@ -534,16 +534,16 @@ def lora_expand(
                    shrink that wrote buf): its block list and first B columns are read before buf
                    and y are ready, on the promise of lora_shrink's pdl; a slice group's second
                    launch follows the first the same way
-    packed:        (ranked, Triton only) each slot holds its B packed at its own rank: the slot's
+    packed:        (ranked) each slot holds its B packed at its own rank: the slot's
                    first N * r8 elements are B [N, r8], r8 = meta.slot_ranks[slot] rounded up to 8,
                    rows contiguous (a low-rank adapter's rows are then not short pieces of the
-                   slot's R-wide rows). Not a layout the slots are written in yet: measured by
-                   `bench_engine.py --ablate packed-expand` and checked by the kernel tests.
+                   slot's R-wide rows): the slots of an executor with LoraSpec.packed_b
+                   (executor/lora.py writes them so).
     """
-    if packed and not (ranked and _expand_supported(y, buf, lora_b)):
-        raise ValueError("a packed B is read by the Triton expand only, with slot ranks (ranked)")
+    if packed and (not ranked or meta.slot_ranks is None):
+        raise ValueError("a packed B is read at each slot's rank: ranked, with LoraMeta.slot_ranks")
     if not _expand_supported(y, buf, lora_b):
-        return reference.lora_expand(y, buf, lora_b, slice_offsets, meta)
+        return reference.lora_expand(y, buf, lora_b, slice_offsets, meta, packed=packed)
     num_tokens = y.shape[0]
     rank = buf.shape[2]
     if num_tokens == 0:

@@ -17,6 +17,7 @@ import torch
 from loraserve.client import ExecutorClient
 from loraserve.executor.engine.kv_cache import AttentionMetadata, BlockAllocator, KVCache
 from loraserve.kernels import make_lora_meta
+from loraserve.executor.lora import lora_modules, written_rank
 from loraserve.v1 import executor_pb2 as epb
 
 @pytest.fixture(autouse=True)
@@ -136,7 +137,12 @@ class PagedRunner:
         if slots is not None:
             # As the engine builds it: with the active slots on the host, so layers cut rank and skip.
             active = frozenset(s for s in token_slots if s >= 0)
-            meta = make_lora_meta(torch.tensor(token_slots, device=self.device), self.model.lora_spec.max_loras, active)
+            # ... and each slot's adapter rank, as the slot manager keeps it from load_shard_into_slot
+            modules = lora_modules(self.model).values()
+            ranks = torch.tensor([written_rank(modules, s) for s in range(self.model.lora_spec.max_loras)],
+                                 dtype=torch.int32, device=self.device)
+            meta = make_lora_meta(torch.tensor(token_slots, device=self.device), self.model.lora_spec.max_loras, active,
+                                  ranks)
         hidden = self.model(torch.tensor(ids, device=self.device), attn.positions, attn, self.kv, meta)
         logits = self.model.compute_logits(hidden, meta)
         return list(logits.split(query_lens))

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from loraserve.executor.lora import LoraSpec, declare_layout, load_shard_into_slot, lora_modules, queued_load, shard_signature
+from loraserve.executor.lora import (LoraSpec, _slot_targets, declare_layout, load_shard_into_slot, lora_modules, queued_load,
+                                     shard_signature)
 from loraserve.executor.model.loader import load_hf_checkpoint
 from loraserve.v1 import common_pb2
 
@@ -83,8 +84,9 @@ def _reference(ref, adapter, ids):
         return ref(torch.tensor([ids])).logits[0]
 
 
-def _model(path, targets_embeddings=False, max_loras=3, max_rank=8):
-    spec = LoraSpec(max_loras=max_loras, max_rank=max_rank, dtype=torch.float32, targets_embeddings=targets_embeddings)
+def _model(path, targets_embeddings=False, max_loras=3, max_rank=8, packed_b=False):
+    spec = LoraSpec(max_loras=max_loras, max_rank=max_rank, dtype=torch.float32, targets_embeddings=targets_embeddings,
+                    packed_b=packed_b)
     return load_hf_checkpoint(path, lora=spec), spec
 
 
@@ -92,9 +94,15 @@ def _prompt(n, seed):
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_mixed_batch_rows_match_their_own_adapter(setup, paged_runner):
+@pytest.mark.parametrize("packed_b", [False, True], ids=["b-rows", "b-packed"])
+def test_mixed_batch_rows_match_their_own_adapter(setup, paged_runner, packed_b):
+    """packed_b: the dense layers' B packed at each slot's rank (LoraSpec.packed_b)."""
     ref, path = setup
-    model, spec = _model(path)
+    model, spec = _model(path, max_rank=16, packed_b=packed_b)  # slots wider than r8: packed rows differ from [N, R]
+    from loraserve.executor.lora import LinearWithLoRA
+
+    dense = [m.packed_b for m in model.modules() if isinstance(m, LinearWithLoRA) and m.lora_a is not None]
+    assert dense and dense == [packed_b] * len(dense)
     layout = declare_layout(model.cfg, spec, "tiny-llama")
     load_shard_into_slot(model, 0, pack_shard(ref, "r4", layout))
     load_shard_into_slot(model, 2, pack_shard(ref, "r8", layout))
@@ -137,9 +145,10 @@ def test_embedding_and_lm_head_lora_match_peft(setup, paged_runner):
     torch.testing.assert_close(out_a, _reference(ref, "r4", pa), atol=ATOL, rtol=1e-4)
 
 
-def test_reloading_a_slot_with_a_lower_rank_adapter_clears_the_old_tail(setup, paged_runner):
+@pytest.mark.parametrize("packed_b", [False, True], ids=["b-rows", "b-packed"])
+def test_reloading_a_slot_with_a_lower_rank_adapter_clears_the_old_tail(setup, paged_runner, packed_b):
     ref, path = setup
-    model, spec = _model(path, max_loras=1)
+    model, spec = _model(path, max_loras=1, max_rank=16, packed_b=packed_b)
     layout = declare_layout(model.cfg, spec, "tiny")
     load_shard_into_slot(model, 0, pack_shard(ref, "r8", layout))  # rank 8 fills the slot
     load_shard_into_slot(model, 0, pack_shard(ref, "r4", layout))  # rank 4 must zero ranks 4..7
@@ -275,3 +284,39 @@ def test_a_shard_in_one_pinned_buffer_loads_with_one_copy_and_equals_per_tensor_
     torch.cuda.synchronize()
     for (name, a), b in zip(lora_modules(staged).items(), lora_modules(plain).values()):
         assert torch.equal(a.lora_a, b.lora_a) and torch.equal(a.lora_b, b.lora_b), name
+
+
+def test_a_packed_b_is_written_alike_by_the_scatter_plan_and_by_per_tensor_copies(setup, paged_runner, monkeypatch):
+    """LoraSpec.packed_b: a slot's B holds [N, r8] rows from its start, r8 the adapter's rank rounded
+    up to 8. A shard in one storage takes the scatter plan (here its PyTorch oracle, the Triton
+    kernel's test reference), separate tensors take per-tensor copies: both write the same rows,
+    zeros past each module's own rank, over a slot that held a higher rank; the rows read back as
+    PEFT's B, and the layer's output is the adapter's."""
+    from loraserve.executor import store_client
+    from loraserve.executor.lora import packed_rows
+    from loraserve.kernels.copy_reference import slot_scatter
+
+    monkeypatch.setattr(store_client, "host_buffer", lambda n, pin_memory: torch.empty(n, dtype=torch.uint8))
+    ref, path = setup
+    planned, spec = _model(path, max_loras=1, max_rank=16, packed_b=True)  # r8 8 in rank-16 slots
+    plain, _ = _model(path, max_loras=1, max_rank=16, packed_b=True)
+    layout = declare_layout(planned.cfg, spec, "tiny")
+    high, low = pack_shard(ref, "r8", layout), pack_shard(ref, "r4", layout)
+    for model, shard in ((planned, store_client.pinned_blob(high)), (plain, high)):
+        assert load_shard_into_slot(model, 0, shard, scatter=slot_scatter) == 8
+    for model, shard in ((planned, store_client.pinned_blob(low)), (plain, dict(low))):
+        assert load_shard_into_slot(model, 0, shard, scatter=slot_scatter) == 4
+    assert _slot_targets(planned).layouts and all(v.plan is not None for v in _slot_targets(planned).layouts.values())
+    assert all(v.plan is None for v in _slot_targets(plain).layouts.values())  # separate tensors: per-tensor copies
+    for (name, a), b in zip(lora_modules(planned).items(), lora_modules(plain).values()):
+        assert torch.equal(a.lora_a, b.lora_a), name
+        rows = packed_rows(a.lora_b, 0, 4)  # [N, 8]
+        assert torch.equal(rows, packed_rows(b.lora_b, 0, 4)), name
+        src = low.get(f"{name}.lora_b")
+        if src is None:
+            assert not rows.any(), name  # a module the adapter does not target: zeros
+        else:
+            assert torch.equal(rows[:, : src.shape[1]], src) and not rows[:, src.shape[1] :].any(), name
+    ids = _prompt(6, 18)
+    out, = paged_runner(planned).step([("s", ids)], slots=[0])
+    torch.testing.assert_close(out, _reference(ref, "r4", ids), atol=ATOL, rtol=1e-4)
