@@ -269,8 +269,18 @@ class LinearWithLoRA(nn.Module):
             writes.flush()
         self.slot_ranks[slot] = lora_a.shape[1]
 
-    def reset_lora(self, slot: int, writes: SlotWrites | None = None) -> None:
-        _reset_slot(self, slot, writes)
+    def reset_lora(self, slot: int, writes: SlotWrites | None = None, slot_rank: int | None = None) -> None:
+        """Zeroes the slot. slot_rank (a packed B, in a load of an adapter that does not target this
+        module): B's rows at that rank only, as the load's scatter plan writes them."""
+        if not (self.packed_b and slot_rank):
+            return _reset_slot(self, slot, writes)
+        own = writes is None
+        writes = writes or SlotWrites()
+        writes.zero(self.lora_a[slot])
+        writes.zero(packed_rows(self.lora_b, slot, slot_rank))
+        if own:
+            writes.flush()
+        self.slot_ranks[slot] = 0
 
     def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None = None) -> torch.Tensor:
         if self.row_parallel:
@@ -342,9 +352,7 @@ class VocabEmbeddingWithLoRA(nn.Module):
         self.slice_offsets = (0, embed_dim)
         self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
         self.register_buffer("lora_b", None, persistent=False)
-        # B packed at each slot's rank (LoraSpec.packed_b): not where its rank dim holds tp parts
-        self.packed_b = (lora is not None and lora.packed_b and self.rank_parts == 1 and lora.max_rank % 8 == 0
-                         and self.lora_offsets is self.slice_offsets)
+        self.packed_b = False  # its B stays [.., R] rows (LoraSpec.packed_b is for dense linear layers)
         if lora is not None:
             self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
 
@@ -405,9 +413,7 @@ class ExpertsWithLoRA(nn.Module):
         )
         self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
         self.register_buffer("lora_b", None, persistent=False)
-        # B packed at each slot's rank (LoraSpec.packed_b): not where its rank dim holds tp parts
-        self.packed_b = (lora is not None and lora.packed_b and self.rank_parts == 1 and lora.max_rank % 8 == 0
-                         and self.lora_offsets is self.slice_offsets)
+        self.packed_b = False  # its B stays [.., R] rows (LoraSpec.packed_b is for dense linear layers)
         if lora is not None:
             self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
 
@@ -608,8 +614,8 @@ class _SlotTargets:
             a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
             for buf, src, part, parts in ((m.lora_a, a, "lora_a", 1), (m.lora_b, b, "lora_b", m.rank_parts)):
                 offset = 0 if src is None else offsets[f"{name}.{part}"] // size
-                if part == "lora_b" and getattr(m, "packed_b", False):
-                    copies.append(_packed_copy(buf, src, offset, top))
+                if part == "lora_b" and getattr(m, "packed_b", False):  # (an empty shard: the whole slot, as reset_lora)
+                    copies.append(_packed_copy(buf, src, offset, top) if top else _whole(buf))
                 else:
                     copies.append(_slot_copy(buf, m.slot_rank_dim, src, offset, parts, m.rank_parts))
         if not plannable:
@@ -653,6 +659,12 @@ def _slot_copy(buf: torch.Tensor, rank_dim: int, src: torch.Tensor | None, src_o
     fill = shape[rank_dim] // parts * inner
     cols = 0 if src is None else src.shape[rank_dim] // parts * inner
     return SlotCopy(buf, prod(shape[:rank_dim]) * parts, fill, fill, cols, src_offset, unit=inner, parts=rank_parts)
+
+
+def _whole(buf: torch.Tensor) -> SlotCopy:
+    """Zeros over one whole slot of `buf`, never clipped."""
+    n = buf[0].numel()
+    return SlotCopy(buf, 1, n, n)
 
 
 def _packed_copy(buf: torch.Tensor, src: torch.Tensor | None, src_offset: int, slot_rank: int) -> SlotCopy:
@@ -803,8 +815,9 @@ def _clear_plan(modules: list[nn.Module], buffers: tuple) -> ScatterPlan | None:
     if cached is None or len(cached[0]) != len(buffers) or not all(map(operator.is_, cached[0], buffers)):
         ok = len({b.dtype for b in buffers}) == 1 and all(b.is_contiguous() for b in buffers)
         plan = ScatterPlan(tuple(
-            _slot_copy(buf, m.slot_rank_dim, None, 0, parts, m.rank_parts)
-            for m in modules for buf, parts in ((m.lora_a, 1), (m.lora_b, m.rank_parts))
+            _whole(buf) if part == "b" and getattr(m, "packed_b", False)  # a packed B: the whole slot, as reset_lora
+            else _slot_copy(buf, m.slot_rank_dim, None, 0, parts, m.rank_parts)
+            for m in modules for buf, parts, part in ((m.lora_a, 1, "a"), (m.lora_b, m.rank_parts, "b"))
         )) if ok else None  # fmt: skip
         cached = _CLEAR_PLANS[modules[0]] = (buffers, plan)
     return cached[1]
@@ -877,11 +890,11 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
     else:
         writes = SlotWrites()  # every module's copies and zero-fills issued together
         for name, module in targets.modules.items():
+            rank = {"slot_rank": layout.max_rank} if getattr(module, "packed_b", False) else {}  # a packed B's row width
             if f"{name}.lora_a" in tensors:
-                rank = {"slot_rank": layout.max_rank} if getattr(module, "packed_b", False) else {}
                 module.set_lora(slot, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"], writes, **rank)
             else:
-                module.reset_lora(slot, writes)
+                module.reset_lora(slot, writes, **rank)
         writes.flush()
     for ranks, r in layout.ranks:
         ranks[slot] = r

@@ -278,8 +278,10 @@ class Engine:
         if self.device.type != "cuda":
             return None
         cfg, kv = self.config, self.kv_cache
+        spec = getattr(self.model, "lora_spec", None)
         steps = warm_up_steps(cfg.max_num_batched_tokens, cfg.max_model_len, kv.block_size, kv.num_blocks,
-                              self.max_loras, self.model.cfg.vocab_size, tuned_token_counts(self.device))
+                              self.max_loras, self.model.cfg.vocab_size, tuned_token_counts(self.device),
+                              packed_rank=spec.max_rank if spec is not None and spec.packed_b else 0)
 
         def run(step: StepInputs) -> None:
             if self.ranks is not None:

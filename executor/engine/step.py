@@ -42,11 +42,12 @@ def lora_meta(slots: list[int], max_loras: int, device: torch.device, every_slot
               slot_ranks: list[int] | None = None):
     """Token grouping by slot, once per step; None when no token uses an adapter. every_slot: no
     host-side set of the step's slots, so no module is skipped (StepInputs.every_slot), and the
-    slots are read at full rank. slot_ranks: [max_loras], each slot's adapter rank."""
+    slots are read at full rank unless slot_ranks says otherwise (the warm-up's, for packed B
+    slots). slot_ranks: [max_loras], each slot's adapter rank."""
     if max_loras == 0 or max(slots, default=-1) < 0:
         return None
     active = None if every_slot else frozenset(s for s in slots if s >= 0)
-    if every_slot or slot_ranks is None:
+    if slot_ranks is None:
         return make_lora_meta(torch.tensor(slots, dtype=torch.int32, device=device), max_loras, active)
     both = torch.tensor(slots + list(slot_ranks), dtype=torch.int32, device=device)  # one host->device copy
     return make_lora_meta(both[: len(slots)], max_loras, active, both[len(slots) :])

@@ -54,14 +54,17 @@ def token_ladder(max_tokens: int, tuned: tuple[int, ...] = ()) -> list[int]:
 
 
 def warm_up_steps(max_tokens: int, max_model_len: int, block_size: int, num_blocks: int, max_loras: int,
-                  vocab_size: int, tuned: tuple[int, ...] = ()) -> list[StepInputs]:
+                  vocab_size: int, tuned: tuple[int, ...] = (), packed_rank: int = 0) -> list[StepInputs]:
     """The warm-up's steps (see the module docstring); token counts that do not fit the KV cache
-    (num_blocks) or max_model_len are left out."""
+    (num_blocks) or max_model_len are left out. packed_rank: the slot rank, for slots whose B is
+    packed (LoraSpec.packed_b): their expand reads each slot at the rank the step gives it, here
+    the whole slot (slot 0 holds zeros)."""
     slot = 0 if max_loras else -1
+    ranks = [packed_rank] * max_loras if packed_rank and max_loras else None
     first_len = min(FIRST_LEN, max_model_len - 1)
     first_blocks = list(range(-(-(first_len + 1) // block_size)))  # room for the decode row's token
     free = num_blocks - len(first_blocks)
-    steps = [_step([(first_len, 0, first_blocks)], [0] * first_len, slot)]
+    steps = [_step([(first_len, 0, first_blocks)], [0] * first_len, slot, ranks)]
     for t in token_ladder(max_tokens, tuned):
         seqs, next_block, left = [(1, first_len, first_blocks)], len(first_blocks), t - 1
         while left > 0:
@@ -72,11 +75,12 @@ def warm_up_steps(max_tokens: int, max_model_len: int, block_size: int, num_bloc
             left -= n
         if next_block - len(first_blocks) > free:
             continue
-        steps.append(_step(seqs, [(7 * i) % vocab_size for i in range(t)], slot))
+        steps.append(_step(seqs, [(7 * i) % vocab_size for i in range(t)], slot, ranks))
     return steps
 
 
-def _step(seqs: list[tuple[int, int, list[int]]], input_ids: list[int], slot: int) -> StepInputs:
+def _step(seqs: list[tuple[int, int, list[int]]], input_ids: list[int], slot: int,
+          slot_ranks: list[int] | None = None) -> StepInputs:
     """seqs: (query_len, context_len: tokens already cached before it, block table) of each sequence."""
     query_lens = [q for q, _, _ in seqs]
     sample_rows = [sum(query_lens[: i + 1]) - 1 for i in range(len(seqs))]
@@ -84,7 +88,7 @@ def _step(seqs: list[tuple[int, int, list[int]]], input_ids: list[int], slot: in
     return StepInputs(
         input_ids=input_ids, query_lens=query_lens, context_lens=[c for _, c, _ in seqs],
         block_tables=[b for _, _, b in seqs], token_slots=token_slots, sample_rows=sample_rows,
-        sample_slots=[token_slots[r] for r in sample_rows], every_slot=True,
+        sample_slots=[token_slots[r] for r in sample_rows], every_slot=True, slot_ranks=slot_ranks,
     )
 
 

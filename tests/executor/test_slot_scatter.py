@@ -35,8 +35,8 @@ STEPS = [(0, 4, ()), (2, 8, ("o",)), (1, 6, ()), (2, 4, ("experts",)), (3, 4, ()
          (3, 10, ("qkv", "o", "sharded_row", "embed", "experts")), (0, 0, ())]
 
 
-def _modules(dtype, device) -> nn.Module:
-    spec = LoraSpec(max_loras=4, max_rank=16, dtype=dtype, fully_sharded=True)
+def _modules(dtype, device, packed_b=False) -> nn.Module:
+    spec = LoraSpec(max_loras=4, max_rank=16, dtype=dtype, fully_sharded=True, packed_b=packed_b)
     tp2 = TPGroup(size=2, rank=0)  # only the slot buffers' shapes are used: no process group needed
     model = nn.ModuleDict({
         "qkv": LinearWithLoRA(24, (20, 12, 12), False, spec, dtype, device),
@@ -47,6 +47,7 @@ def _modules(dtype, device) -> nn.Module:
         "experts": ExpertsWithLoRA(3, 24, (10, 10), spec, dtype, device),
     })  # fmt: skip
     assert model["sharded_col"].rank_parts == 2
+    assert [m.packed_b for m in model.values() if isinstance(m, LinearWithLoRA)] == [packed_b, packed_b, False, False]
     torch.manual_seed(0)
     for m in lora_modules(model).values():  # stale contents: every write must be a copy or a zero
         m.lora_a.copy_(torch.randn(m.lora_a.shape))
@@ -91,9 +92,11 @@ def _assert_same(got, want):
         assert a.slot_ranks == b.slot_ranks, name
 
 
-def _check_against_per_tensor_copies(scatter, dtype, device):
-    """Every STEP into `new` (one buffer, scattered) and `old` (separate tensors, per-tensor copies)."""
-    new, old = _modules(dtype, device), _modules(dtype, device)
+def _check_against_per_tensor_copies(scatter, dtype, device, packed_b=False):
+    """Every STEP into `new` (one buffer, scattered) and `old` (separate tensors, per-tensor copies).
+    packed_b: q/k/v's and o's B packed at each slot's rank (LoraSpec.packed_b); the stale contents
+    past their packed rows must be left alike too."""
+    new, old = _modules(dtype, device, packed_b), _modules(dtype, device, packed_b)
     pin = torch.device(device).type == "cuda"
     for i, (slot, rank, absent) in enumerate(STEPS):
         shard = _shard(new, rank, absent, seed=i)
@@ -125,19 +128,21 @@ def _assert_written_ranks(model):
         assert targets.written_rank(slot) == lora.written_rank(targets.modules.values(), slot), slot
 
 
+@pytest.mark.parametrize("packed_b", [False, True], ids=["b-rows", "b-packed"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reference_scatter_matches_per_tensor_copies(dtype):
-    _check_against_per_tensor_copies(copy_reference.slot_scatter, dtype, "cpu")
+def test_reference_scatter_matches_per_tensor_copies(dtype, packed_b):
+    _check_against_per_tensor_copies(copy_reference.slot_scatter, dtype, "cpu", packed_b)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("packed_b", [False, True], ids=["b-rows", "b-packed"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_scatter_matches_per_tensor_copies_interpreted(dtype):
+def test_triton_scatter_matches_per_tensor_copies_interpreted(dtype, packed_b):
     """The Triton kernel, run by Triton's interpreter on CPU tensors."""
     if not INTERPRET:
         pytest.skip("runs the Triton kernel on the CPU: set TRITON_INTERPRET=1 (triton installed)")
     triton_copy = pytest.importorskip("loraserve.kernels.triton_copy", reason="needs triton installed")
-    _check_against_per_tensor_copies(triton_copy.slot_scatter, dtype, "cpu")
+    _check_against_per_tensor_copies(triton_copy.slot_scatter, dtype, "cpu", packed_b)
 
 
 @pytest.mark.gpu

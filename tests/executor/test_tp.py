@@ -131,6 +131,27 @@ def test_mixed_batches_match_transformers_peft_and_tp1(cluster, references, base
         one.close()
 
 
+def test_packed_b_slots_serve_mixed_batches_like_peft_under_tp(case, module_loop_thread, base, adapter_dirs,
+                                                              references, tmp_path):
+    """ExecutorConfig.packed_lora_b (each dense layer's B packed at its slot's rank): every rank
+    writes its slots so and its column and row layers read them so; rows match PEFT as above."""
+    _, tp, sharded, _ = case
+    if sharded or tp != 2:
+        pytest.skip("packed B slots: checked on the tp 2 cases (a fully sharded layer keeps [N, R] rows)")
+    c = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store", ADAPTERS, tp_size=tp,
+                lora_embeddings=True, cpu_threads=1, tp_timeout_s=60.0, packed_lora_b=True)
+    try:
+        assert any(getattr(m, "packed_b", False) for m in c.parts.engine.model.modules())
+        client = c.client()
+        for group in GROUPS:
+            jobs, resps = run_group(client, group)
+            for (name, ids), resp in zip(jobs, resps):
+                check_against_reference(references[name], ids, resp)
+    finally:
+        c.close()
+    assert [p.exitcode for p in c.parts.ranks._procs] == [0] * (tp - 1)
+
+
 @pytest.mark.gpu
 def test_tp_over_nccl_on_cuda_serves_mixed_batches_like_peft_in_bf16(case, loop_thread, base, adapter_dirs,
                                                                      references, tmp_path):
