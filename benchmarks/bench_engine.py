@@ -155,9 +155,9 @@ def build_engine(args, tokenizer: Tokenizer) -> tuple[Engine, int]:
         num_blocks=max(args.batches) * -(-max_tokens_per_seq // 16) + 4096 // 16 + 64,
         max_num_seqs=max(*args.batches, args.streams, 16), max_num_batched_tokens=4096,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, admit_ratio=args.admit_ratio,
-        mixed_graphs=not args.no_mixed_graphs,
+        mixed_graphs=not args.no_mixed_graphs, packed_lora_b=args.packed_b,
     )  # fmt: skip
-    spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE)
+    spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE, packed_b=args.packed_b)
     model = build_model(args.shape, args.vocab, spec)
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, DTYPE, DEVICE)
@@ -506,6 +506,8 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=32, help="distinct adapters (GPU slots); 0: base only")
     ap.add_argument("--max-loras", type=int, default=0,
                     help="GPU slots (default and least: --adapters; the serve benchmark's engine has 64)")
+    ap.add_argument("--packed-b", action="store_true",
+                    help="dense layers' B packed at each slot's rank (ExecutorConfig.packed_lora_b)")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")],
                     help="adapter i gets rank ranks[i %% len(ranks)] (default: --rank for all)")

@@ -21,8 +21,9 @@ save there (the alone-timed kernels have misled before: docs/BENCHMARKS.md, "Ele
                  plain streaming read reaches (no y read or write, no products)
   packed-expand  the shipped expand kernel reading each slot's B as if it were packed at the
                  slot's rank (kernels/triton_lora.py lora_expand's packed: the slot's first
-                 N * r8 elements, rows contiguous): what a packed slot layout would cost in the
-                 step, products and y included (the slots are not written so: outputs wrong)
+                 N * r8 elements, rows contiguous) from slots written as [N, R] rows: what the
+                 packed layout costs in the step, products and y included, outputs wrong
+                 (bench_engine.py --packed-b runs the layout itself, outputs right)
 """
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ def grpc_one(stub, use_adapters: bool):
 
 
 def build(args, tokenizer):
-    spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE)
+    spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE, packed_b=args.packed_b)
     model = bench_engine.build_model(args.shape, args.vocab, spec)
     longest = args.prompt_len[1] + args.output_len[1] + 16
     cfg = ExecutorConfig(
@@ -257,7 +257,7 @@ def build(args, tokenizer):
         num_blocks=args.concurrency * -(-longest // 16) + 64, max_num_seqs=args.concurrency,
         max_num_batched_tokens=max(2048, longest), max_model_len=longest, adapter_refresh_s=0,
         admit_ratio=args.admit_ratio, max_admit_delay_steps=args.max_admit_delay_steps,
-        mixed_graphs=not args.no_mixed_graphs, switch_interval_us=args.switch_interval_us,
+        mixed_graphs=not args.no_mixed_graphs, switch_interval_us=args.switch_interval_us, packed_lora_b=args.packed_b,
     )  # fmt: skip
     if not cfg.cpu_cache_bytes:
         from loraserve.executor.memory import available_host_bytes, default_cpu_cache_bytes
@@ -941,6 +941,8 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=1000, help="registered adapter names (ranks 8/16/32/64 in turn)")
     ap.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     ap.add_argument("--max-loras", type=int, default=64)
+    ap.add_argument("--packed-b", action="store_true",
+                    help="dense layers' B packed at each slot's rank (ExecutorConfig.packed_lora_b)")
     ap.add_argument("--cpu-cache-bytes", type=int, default=0, help="0: half the available host memory")
     ap.add_argument("--pinned-arena-bytes", type=int, default=-1,
                     help="land fetched shards in a host arena, as the executor's flag (-1: as the executor "

@@ -149,15 +149,17 @@ def _copy_into_slot(slot_buf: torch.Tensor, src: torch.Tensor, rank_dim: int = 1
         writes.flush()
 
 
-def packed_rank(rank: int) -> int:
-    """The row width of a B packed at slot rank `rank` (kernels/triton_lora.py: rounded up to 8)."""
-    return -(-rank // 8) * 8
+def packed_rank(rank: int, slot_width: int) -> int:
+    """The row width of a B packed at slot rank `rank` in slots of rank `slot_width` (a multiple of
+    8): rounded up to 8, at most the slot's (kernels/triton_lora.py reads it so; FULL_RANK, a rank
+    not known, reads the whole slot)."""
+    return min(-(-rank // 8) * 8, slot_width)
 
 
 def packed_rows(lora_b: torch.Tensor, slot: int, rank: int) -> torch.Tensor:
-    """Slot `slot` of a packed B buffer ([max_loras, N, R]) as the [N, packed_rank(rank)] rows it holds."""
-    n = lora_b.shape[1]
-    return lora_b[slot].view(-1)[: n * packed_rank(rank)].view(n, packed_rank(rank))
+    """Slot `slot` of a packed B buffer ([max_loras, N, R]) as the [N, packed_rank(rank, R)] rows it holds."""
+    n, width = lora_b.shape[1], packed_rank(rank, lora_b.shape[2])
+    return lora_b[slot].view(-1)[: n * width].view(n, width)
 
 
 def _set_slot(m: nn.Module, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, writes: SlotWrites | None) -> None:
@@ -662,16 +664,17 @@ def _slot_copy(buf: torch.Tensor, rank_dim: int, src: torch.Tensor | None, src_o
 
 
 def _whole(buf: torch.Tensor) -> SlotCopy:
-    """Zeros over one whole slot of `buf`, never clipped."""
-    n = buf[0].numel()
-    return SlotCopy(buf, 1, n, n)
+    """Zeros over one whole slot of `buf` ([max_loras, ..., R]: rows of R, as a load's copies),
+    never clipped."""
+    width = buf.shape[-1]
+    return SlotCopy(buf, buf[0].numel() // width, width, width)
 
 
 def _packed_copy(buf: torch.Tensor, src: torch.Tensor | None, src_offset: int, slot_rank: int) -> SlotCopy:
-    """A packed B's slot ([N, r8] rows from its start, r8 = packed_rank(slot_rank)): the shard's
+    """A packed B's slot ([N, r8] rows from its start, r8 = packed_rank(slot_rank, R)): the shard's
     [N, r] B in each row's first r columns, zeros to r8 (src None: zeros only). Never clipped: a
     packed slot is read no further than its own rows, whatever a previous adapter left past them."""
-    width = packed_rank(slot_rank)
+    width = packed_rank(slot_rank, buf.shape[2])
     return SlotCopy(buf, buf.shape[1], width, width, 0 if src is None else src.shape[1], src_offset)
 
 

@@ -62,13 +62,14 @@ def lora_shrink(
 
 def unpacked(lora_b: torch.Tensor, meta: LoraMeta, rank: int) -> torch.Tensor:
     """[max_loras, N, rank] from slot buffers holding B packed at each slot's rank rounded up to 8
-    (its first N x r8 elements as [N, r8] rows; meta.slot_ranks gives the ranks), zeros past it."""
+    (its first N x r8 elements as [N, r8] rows, r8 at most the slot buffer's R; meta.slot_ranks
+    gives the ranks), zeros past it."""
     if meta.slot_ranks is None:
         raise ValueError("a packed B needs the slots' ranks (LoraMeta.slot_ranks)")
     n = lora_b.shape[1]
     out = lora_b.new_zeros(lora_b.shape[0], n, rank)
     for slot, r in enumerate(meta.slot_ranks.tolist()):
-        width = -(-r // 8) * 8
+        width = min(-(-r // 8) * 8, lora_b.shape[2])  # (FULL_RANK, a slot's rank unknown: the whole slot)
         if width:  # (columns past `rank` are zero: the caller's rank covers every module's own)
             rows = lora_b[slot].reshape(-1)[: n * width].view(n, width)
             out[slot, :, : min(width, rank)] = rows[:, :rank]

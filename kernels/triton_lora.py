@@ -309,8 +309,8 @@ def _expand_tile(
     NARROW (ranked, BLOCK_R >= 32): a block whose adapter's rank is at most BLOCK_R / 2 (or / 4,
     BLOCK_R >= 64) reads and multiplies only that many rank columns, and takes WIDE2 (WIDE4)
     times the columns per step: a low-rank adapter in a high-rank slot costs what its bytes do.
-    PACKED (ranked): the slot holds B as [N, r8] from its start, r8 its rank rounded up to 8
-    (row stride r8, not stride_bn): each row's bytes are contiguous with the next row's."""
+    PACKED (ranked): the slot holds B as [N, r8] from its start, r8 its rank rounded up to 8 and
+    at most RANK (row stride r8, not stride_bn): each row's bytes are contiguous with the next row's."""
     block = tile // chunks
     chunk = tile - block * chunks
     slot = tl.load(block_slots_ptr + block)
@@ -318,8 +318,8 @@ def _expand_tile(
     rank = RANK
     if NARROW or RANKED:  # read beside the slot, not after it: one dependent round trip less
         rank = tl.load(block_ranks_ptr + block)
-    if PACKED:
-        stride_bn = (rank + 7) // 8 * 8
+    if PACKED:  # (at most the slot's RANK: FULL_RANK, a rank not known, reads the whole slot)
+        stride_bn = tl.minimum((rank + 7) // 8 * 8, RANK)
     if (slot >= 0) & (slot < num_slots):  # skips unused entries and the no-adapter group
         s, lo, hi, local = _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES, BLOCK_N * N_ITERS)
         m_mask = tok >= 0

@@ -256,3 +256,18 @@ def test_shrink_workspace_hands_out_zeroed_views_in_call_order_until_full():
     assert out.data_ptr() == meta.shrink_workspace.buffer.data_ptr() and not out.isnan().any()
     meta.shrink_workspace = None
     torch.testing.assert_close(out, lora_shrink(x, lora_a, meta))
+
+
+def test_a_packed_b_unpacks_at_each_slot_s_rank_and_whole_where_the_rank_is_not_known():
+    """reference.unpacked (a packed B on the reference path, LoraSpec.packed_b): slot rank 4 reads the
+    slot's first N x 8 elements as rows, FULL_RANK (a slot whose rank is not known, e.g. never
+    loaded) the whole slot as [N, R], rank 0 nothing; never past the slot."""
+    lora_b = torch.randn(3, 5, 16)
+    meta = make_lora_meta(torch.tensor([0, 1, 2], dtype=torch.int32), 3,
+                          slot_ranks=torch.tensor([FULL_RANK, 4, 0], dtype=torch.int32))
+    out = reference.unpacked(lora_b, meta, 16)
+    assert torch.equal(out[0], lora_b[0])
+    assert torch.equal(out[1, :, :8], lora_b[1].reshape(-1)[:40].view(5, 8)) and not out[1, :, 8:].any()
+    assert not out[2].any()
+    with pytest.raises(ValueError, match="slot_ranks"):
+        reference.unpacked(lora_b, make_lora_meta(torch.tensor([0], dtype=torch.int32), 3), 16)

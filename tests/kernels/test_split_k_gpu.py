@@ -19,6 +19,7 @@ from .gpu_skip import DEV, INTERPRET, skip_unless_cuda_and_triton
 skip_unless_cuda_and_triton(interpreter=INTERPRET)
 
 from loraserve.kernels import make_lora_meta, model_shapes, triton_lora, tuning  # noqa: E402
+from loraserve.kernels.meta import FULL_RANK  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("interpreter_device", "no_reference_fallback")]
 
@@ -73,6 +74,8 @@ def layer_case(tokens, in_features, widths, rank, adapters, none_frac, dtype, ge
         for i, r in enumerate(slot_ranks.tolist()):
             lora_a[i, :, r:] = 0
             lora_b[i, :, r:] = 0
+        if mode == "packed":  # and a slot whose rank is not known (FULL_RANK): read whole, B as [N, R]
+            slot_ranks[0] = FULL_RANK
         slot_ranks = slot_ranks.to(DEV)
     lora_a, lora_b = lora_a.to(DEV), lora_b.to(DEV)
     num_none = int(round(none_frac * tokens))
@@ -90,7 +93,7 @@ def layer_case(tokens, in_features, widths, rank, adapters, none_frac, dtype, ge
     if mode == "packed":  # slot i's first N * r8 elements: its B [N, r8] (zero past its rank), rows contiguous
         packed = torch.full_like(lora_b, float("nan"))  # past them: never read
         for i, r in enumerate(slot_ranks.tolist()):
-            r8 = (r + 7) // 8 * 8
+            r8 = min((r + 7) // 8 * 8, rank)
             packed[i].view(-1)[: sum(widths) * r8] = lora_b[i, :, :r8].reshape(-1)
         y = triton_lora.lora_expand(y0.clone(), buf, packed, tuple(offsets), meta, packed=True)
     else:
