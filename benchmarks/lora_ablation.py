@@ -60,7 +60,7 @@ def _stream_kernel(b_ptr, block_slots_ptr, block_ranks_ptr, sink_ptr, num_slots,
             tl.store(sink_ptr + block, s, mask=s == 1.2345e-30)
 
 
-def _stream_expand(y, buf, lora_b, slice_offsets, meta, ranked=True):
+def _stream_expand(y, buf, lora_b, slice_offsets, meta, ranked=True, packed=False):
     blocks = meta.block_list(16)
     n_cols, rank = slice_offsets[-1], buf.shape[2]
     chunks = triton.cdiv(n_cols * rank, _STEP * _STEPS)
@@ -72,7 +72,7 @@ def _stream_expand(y, buf, lora_b, slice_offsets, meta, ranked=True):
     return y
 
 
-def _packed_expand(y, buf, lora_b, slice_offsets, meta, ranked=True):
+def _packed_expand(y, buf, lora_b, slice_offsets, meta, ranked=True, packed=False):
     from loraserve.kernels import triton_lora
 
     if not ranked or meta.slot_ranks is None:  # (a packed slot needs its rank): as shipped
@@ -80,7 +80,7 @@ def _packed_expand(y, buf, lora_b, slice_offsets, meta, ranked=True):
     return triton_lora.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, packed=True)
 
 
-def _no_expand(y, buf, lora_b, slice_offsets, meta, ranked=True):
+def _no_expand(y, buf, lora_b, slice_offsets, meta, ranked=True, packed=False):
     return y
 
 

@@ -10,6 +10,10 @@ contract on every writer of slot buffers (the set_lora / reset_lora below, slot 
 a module's slot holds zeros past its `slot_ranks` entry. Loads and clears rely on it to zero only
 the rank positions the slot's previous adapter wrote (a rank-8 load over a rank-8 one moves a
 rank-8 adapter's bytes, not the slot's whole `max_rank`).
+
+The exception: with LoraSpec.packed_b a dense layer's B slot holds [N, r8] rows from its start
+(r8: the slot's adapter rank rounded up to 8, at most max_rank), written at each load and never
+zeroed past them or by a clear; it is read only as such rows (`packed_rows`), never as [N, R].
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ def _step_weights(m: nn.Module, meta: LoraMeta | None, device: torch.device):
     not target, so both cuts below are exact: a module that no active slot's adapter targets
     is skipped (every device, in eager steps; the decode CUDA graphs pass a LoraMeta without
     host_slots, so a captured graph never bakes a skip in), and on the reference path the rank dim (dim 2 of every slot buffer) is cut to the
-    largest rank among the active slots. The Triton kernels keep the full slot rank: their
+    largest rank among the active slots (A's only where B is packed: the reference unpacks B). The Triton kernels keep the full slot rank: their
     tuned block sizes are per slot shape.
     """
     if meta is None or m.lora_a is None:
@@ -188,7 +192,8 @@ class LinearWithLoRA(nn.Module):
 
     weight:  [N, in], N = sum(output_sizes) (q|k|v for QKV, gate|up for gate_up, one slice otherwise)
     lora_a:  [max_loras, S, max_rank, in]
-    lora_b:  [max_loras, N, max_rank]  (scaling already folded in by the adapter store)
+    lora_b:  [max_loras, N, max_rank]  (scaling already folded in by the adapter store); with
+             packed_b (LoraSpec.packed_b) each slot's first N x r8 elements as [N, r8] rows instead
 
     Under TP (executor/parallel.py) in_features and output_sizes are this rank's. A column-parallel
     layer holds its slices' output rows; a `row_parallel` one its input columns, and all-reduces
@@ -272,14 +277,16 @@ class LinearWithLoRA(nn.Module):
         self.slot_ranks[slot] = lora_a.shape[1]
 
     def reset_lora(self, slot: int, writes: SlotWrites | None = None, slot_rank: int | None = None) -> None:
-        """Zeroes the slot. slot_rank (a packed B, in a load of an adapter that does not target this
-        module): B's rows at that rank only, as the load's scatter plan writes them."""
-        if not (self.packed_b and slot_rank):
+        """Zeroes the slot. A packed B is not zeroed by a clear (a cleared slot's rank is 0: nothing
+        reads it, and its A is zero); slot_rank (in a load of an adapter that does not target this
+        module): its rows at that rank are, as the load's scatter plan writes them."""
+        if not self.packed_b:
             return _reset_slot(self, slot, writes)
         own = writes is None
         writes = writes or SlotWrites()
         writes.zero(self.lora_a[slot])
-        writes.zero(packed_rows(self.lora_b, slot, slot_rank))
+        if slot_rank:
+            writes.zero(packed_rows(self.lora_b, slot, slot_rank))
         if own:
             writes.flush()
         self.slot_ranks[slot] = 0
@@ -616,8 +623,9 @@ class _SlotTargets:
             a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
             for buf, src, part, parts in ((m.lora_a, a, "lora_a", 1), (m.lora_b, b, "lora_b", m.rank_parts)):
                 offset = 0 if src is None else offsets[f"{name}.{part}"] // size
-                if part == "lora_b" and getattr(m, "packed_b", False):  # (an empty shard: the whole slot, as reset_lora)
-                    copies.append(_packed_copy(buf, src, offset, top) if top else _whole(buf))
+                if part == "lora_b" and getattr(m, "packed_b", False):
+                    if top:  # (an empty shard, rank 0: nothing, as a clear)
+                        copies.append(_packed_copy(buf, src, offset, top))
                 else:
                     copies.append(_slot_copy(buf, m.slot_rank_dim, src, offset, parts, m.rank_parts))
         if not plannable:
@@ -661,13 +669,6 @@ def _slot_copy(buf: torch.Tensor, rank_dim: int, src: torch.Tensor | None, src_o
     fill = shape[rank_dim] // parts * inner
     cols = 0 if src is None else src.shape[rank_dim] // parts * inner
     return SlotCopy(buf, prod(shape[:rank_dim]) * parts, fill, fill, cols, src_offset, unit=inner, parts=rank_parts)
-
-
-def _whole(buf: torch.Tensor) -> SlotCopy:
-    """Zeros over one whole slot of `buf` ([max_loras, ..., R]: rows of R, as a load's copies),
-    never clipped."""
-    width = buf.shape[-1]
-    return SlotCopy(buf, buf[0].numel() // width, width, width)
 
 
 def _packed_copy(buf: torch.Tensor, src: torch.Tensor | None, src_offset: int, slot_rank: int) -> SlotCopy:
@@ -818,9 +819,9 @@ def _clear_plan(modules: list[nn.Module], buffers: tuple) -> ScatterPlan | None:
     if cached is None or len(cached[0]) != len(buffers) or not all(map(operator.is_, cached[0], buffers)):
         ok = len({b.dtype for b in buffers}) == 1 and all(b.is_contiguous() for b in buffers)
         plan = ScatterPlan(tuple(
-            _whole(buf) if part == "b" and getattr(m, "packed_b", False)  # a packed B: the whole slot, as reset_lora
-            else _slot_copy(buf, m.slot_rank_dim, None, 0, parts, m.rank_parts)
+            _slot_copy(buf, m.slot_rank_dim, None, 0, parts, m.rank_parts)
             for m in modules for buf, parts, part in ((m.lora_a, 1, "a"), (m.lora_b, m.rank_parts, "b"))
+            if not (part == "b" and getattr(m, "packed_b", False))  # a packed B: not cleared, as reset_lora
         )) if ok else None  # fmt: skip
         cached = _CLEAR_PLANS[modules[0]] = (buffers, plan)
     return cached[1]

@@ -348,6 +348,7 @@ class _Rank:
         self.kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, self.model.num_kv_heads, mc.head_dim,
                           cfg.torch_dtype, self.device)
         self.modules = lora_modules(self.model)
+        self.packed = any(getattr(m, "packed_b", False) for m in self.modules.values())
         layout = declare_layout(mc, spec, cfg.base_model, cfg.tp_size, cfg.ep_size)
         self.store = StoreClient(cfg.store_address, layout, rank=pb.ShardRank(tp_rank=self.tp.rank, ep_rank=self.ep.rank),
                                  timeout_s=cfg.store_timeout_s, tls=cfg.store_tls,
@@ -377,7 +378,7 @@ class _Rank:
         while (inputs := self.steps.get()) is not None:
             for slot, version in inputs.slot_adapters.items():
                 if self.slots[slot] != version:
-                    self._load_slot(slot, version)
+                    self._load_slot(slot, version, inputs.slot_ranks[slot] if inputs.slot_ranks else None)
             if self.device.type == "cuda":
                 with torch.cuda.device(self.device):
                     forward_step(self.model, self.kv, inputs, self.cfg.max_loras, self.device)
@@ -443,14 +444,19 @@ class _Rank:
                 del self.shards[key]
         return tensors
 
-    def _load_slot(self, slot: int, version: tuple[str, str]) -> None:
-        """Copies this rank's shard of `version` into `slot` (("", ""): empties it)."""
+    def _load_slot(self, slot: int, version: tuple[str, str], rank0_rank: int | None = None) -> None:
+        """Copies this rank's shard of `version` into `slot` (("", ""): empties it). rank0_rank: the
+        slot's rank as rank 0 loaded it, which this rank's kernels read its slot at: a packed B
+        (LoraSpec.packed_b) laid out at another rank here would be read wrong, so that fails."""
         if version == ("", ""):
             clear_slot(self.modules.values(), slot)
         else:  # fetched already when rank 0 loaded it, unless dropped since: then fetched now
             future = asyncio.run_coroutine_threadsafe(self._fetch(*version), self.loop)
             tensors = future.result()
-            load_shard_into_slot(self.model, slot, tensors)
+            rank = load_shard_into_slot(self.model, slot, tensors)
+            if self.packed and rank0_rank is not None and rank != rank0_rank:
+                raise RuntimeError(f"slot {slot}: this rank's shard of {version[0]!r} ({version[1][:12]}) has rank {rank}, "
+                                   f"rank 0's {rank0_rank}: its packed B would be read at the wrong rank")
         self.slots[slot] = version
         log.info("slot %d: %s (%s)", slot, version[0] or "empty", version[1][:12])
 

@@ -1,7 +1,8 @@
 """Plain-PyTorch shrink/expand: the test oracle and the CPU path.
 
 Signatures are shared with kernels/triton_lora.py. Slot buffers are zero beyond each
-adapter's rank, so computing over the full slot rank R is exact for mixed ranks.
+adapter's rank, so computing over the full slot rank R is exact for mixed ranks (a packed B,
+lora_expand's `packed`, is unpacked at each slot's rank first).
 LoRA scaling is already folded into B by the adapter store.
 """
 
@@ -63,17 +64,18 @@ def lora_shrink(
 def unpacked(lora_b: torch.Tensor, meta: LoraMeta, rank: int) -> torch.Tensor:
     """[max_loras, N, rank] from slot buffers holding B packed at each slot's rank rounded up to 8
     (its first N x r8 elements as [N, r8] rows, r8 at most the slot buffer's R; meta.slot_ranks
-    gives the ranks), zeros past it."""
+    gives the ranks), zeros past it. Tensor ops only: no wait on the device (a CUDA graph may
+    capture it)."""
     if meta.slot_ranks is None:
         raise ValueError("a packed B needs the slots' ranks (LoraMeta.slot_ranks)")
-    n = lora_b.shape[1]
-    out = lora_b.new_zeros(lora_b.shape[0], n, rank)
-    for slot, r in enumerate(meta.slot_ranks.tolist()):
-        width = min(-(-r // 8) * 8, lora_b.shape[2])  # (FULL_RANK, a slot's rank unknown: the whole slot)
-        if width:  # (columns past `rank` are zero: the caller's rank covers every module's own)
-            rows = lora_b[slot].reshape(-1)[: n * width].view(n, width)
-            out[slot, :, : min(width, rank)] = rows[:, :rank]
-    return out
+    slots, n, full = lora_b.shape
+    width = torch.clamp((meta.slot_ranks.to(torch.int64) + 7) // 8 * 8, max=full)[:, None, None]  # [L, 1, 1]
+    cols = torch.arange(min(rank, full), device=lora_b.device)[None, None, :]
+    index = torch.arange(n, device=lora_b.device)[None, :, None] * width + cols  # [L, N, rank]
+    inside = cols < width  # (columns past `rank` are zero: the caller's rank covers every module's own)
+    got = lora_b.reshape(slots, n * full).gather(1, (index * inside).reshape(slots, -1)).view(slots, n, -1)
+    out = torch.where(inside, got, torch.zeros((), dtype=got.dtype, device=got.device))
+    return out if rank <= full else torch.nn.functional.pad(out, (0, rank - full))
 
 
 def lora_expand(

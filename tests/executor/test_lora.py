@@ -308,15 +308,23 @@ def test_a_packed_b_is_written_alike_by_the_scatter_plan_and_by_per_tensor_copie
         assert load_shard_into_slot(model, 0, shard, scatter=slot_scatter) == 4
     assert _slot_targets(planned).layouts and all(v.plan is not None for v in _slot_targets(planned).layouts.values())
     assert all(v.plan is None for v in _slot_targets(plain).layouts.values())  # separate tensors: per-tensor copies
-    for (name, a), b in zip(lora_modules(planned).items(), lora_modules(plain).values()):
-        assert torch.equal(a.lora_a, b.lora_a), name
-        rows = packed_rows(a.lora_b, 0, 4)  # [N, 8]
-        assert torch.equal(rows, packed_rows(b.lora_b, 0, 4)), name
-        src = low.get(f"{name}.lora_b")
-        if src is None:
-            assert not rows.any(), name  # a module the adapter does not target: zeros
-        else:
-            assert torch.equal(rows[:, : src.shape[1]], src) and not rows[:, src.shape[1] :].any(), name
-    ids = _prompt(6, 18)
-    out, = paged_runner(planned).step([("s", ids)], slots=[0])
-    torch.testing.assert_close(out, _reference(ref, "r4", ids), atol=ATOL, rtol=1e-4)
+
+    def check(shard, adapter):
+        for (name, a), b in zip(lora_modules(planned).items(), lora_modules(plain).values()):
+            assert torch.equal(a.lora_a, b.lora_a), name
+            rows = packed_rows(a.lora_b, 0, 8)  # [N, 8]: ranks 4 and 8 both
+            assert torch.equal(rows, packed_rows(b.lora_b, 0, 8)), name
+            src = shard.get(f"{name}.lora_b")
+            if src is None:
+                assert not rows.any(), name  # a module the adapter does not target: zeros
+            else:
+                assert torch.equal(rows[:, : src.shape[1]], src) and not rows[:, src.shape[1] :].any(), name
+        ids = _prompt(6, 18)
+        out, = paged_runner(planned).step([("s", ids)], slots=[0])
+        torch.testing.assert_close(out, _reference(ref, adapter, ids), atol=ATOL, rtol=1e-4)
+
+    check(low, "r4")
+    assert set(high) < {f"{n}.{p}" for n in lora_modules(planned) for p in ("lora_a", "lora_b")}  # r8 skips a module
+    for model, shard in ((planned, store_client.pinned_blob(high)), (plain, dict(high))):  # and again over rank 4
+        assert load_shard_into_slot(model, 0, shard, scatter=slot_scatter) == 8
+    check(high, "r8")

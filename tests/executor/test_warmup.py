@@ -4,6 +4,7 @@ fit the KV cache and max_model_len, and that serving after them gives what servi
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loraserve import kernels
@@ -94,3 +95,25 @@ def test_the_warm_up_runs_every_lora_module_s_kernels_though_no_slot_holds_an_ad
     steps[1].every_slot = False
     forward_step(model, kv, steps[1], 2, torch.device("cpu"))
     assert calls == {"shrink": 0, "expand": 0}
+
+
+def test_the_warm_up_reads_packed_b_slots_at_the_slot_rank(hf_model, monkeypatch):
+    """With LoraSpec.packed_b the expand reads each slot at the rank the step gives it: the warm-up's
+    steps give every slot the slot rank (packed_rank), so the packed expand runs (and on CUDA is
+    built) before serving; without the ranks it would have none to read at."""
+    _, path = hf_model("llama")
+    model = load_model(path, lora=LoraSpec(max_loras=2, max_rank=16, dtype=torch.float32, packed_b=True))
+    cfg = model.cfg
+    kv = KVCache(cfg.num_layers, 24, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    packed = []
+    real = kernels.lora_expand
+    monkeypatch.setattr(kernels, "lora_expand", lambda *a, **k: packed.append(k.get("packed")) or real(*a, **k))
+    steps = warm_up_steps(max_tokens=8, max_model_len=64, block_size=16, num_blocks=24, max_loras=2,
+                          vocab_size=cfg.vocab_size, packed_rank=16)
+    assert all(s.slot_ranks == [16, 16] for s in steps)
+    warm_up(lambda s: forward_step(model, kv, s, 2, torch.device("cpu")), steps, torch.device("cpu"))
+    assert packed and all(packed)
+    steps = warm_up_steps(max_tokens=8, max_model_len=64, block_size=16, num_blocks=24, max_loras=2,
+                          vocab_size=cfg.vocab_size)  # no slot ranks
+    with pytest.raises(ValueError, match="slot_ranks"):
+        forward_step(model, kv, steps[1], 2, torch.device("cpu"))

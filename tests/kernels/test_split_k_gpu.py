@@ -149,7 +149,7 @@ if not INTERPRET:  # real sizes: the long reductions of down projections at deco
 DTYPES = [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16]
 
 
-@pytest.mark.parametrize("mode", ["whole", "ranked"])
+@pytest.mark.parametrize("mode", ["whole", "ranked", "packed"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"T{c[0]}-in{c[1]}-r{c[3]}-split{c[5].split_k}")
 def test_split_k_shrink_matches_the_oracle_on_odd_shapes(case, dtype, mode):
