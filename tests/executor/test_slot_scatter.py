@@ -271,3 +271,27 @@ def test_a_changed_or_copied_shard_does_not_keep_its_signature():
     assert not lora.queued_load(model, 1, deep)  # CPU slot buffers: the copy is host work
     with pytest.raises(ValueError, match="not inside their host buffer"):
         lora._staged(torch.empty(16, dtype=torch.uint8).untyped_storage(), 0, 16, torch.device("cpu"), torch.uint8)
+
+
+@pytest.mark.parametrize("one_buffer", [True, False], ids=["scatter-plan", "per-tensor"])
+def test_a_packed_b_is_laid_out_at_the_slot_s_rank_not_its_module_s(one_buffer):
+    """A shard whose modules differ in rank (q/k/v 4, the rest 12): the slot's rank is 12, which the
+    kernels read every module's packed B at, so q/k/v's B is laid out at 16 (12 rounded up to 8),
+    its rows zero past 4. The layer's LoRA delta, read back that way, is the shard's own."""
+    from loraserve.kernels import make_lora_meta, reference
+
+    model = _modules(torch.float32, "cpu", packed_b=True)
+    shard = _shard(model, 12, seed=1)
+    low = _shard(model, 4, seed=2)
+    shard["qkv.lora_a"], shard["qkv.lora_b"] = low["qkv.lora_a"], low["qkv.lora_b"]
+    src = _one_buffer(shard, False) if one_buffer else shard
+    assert load_shard_into_slot(model, 1, src, scatter=copy_reference.slot_scatter) == 12
+    m = model["qkv"]
+    assert m.slot_ranks[1] == 4
+    x = torch.randn(5, m.in_features, generator=torch.Generator().manual_seed(3))
+    meta = make_lora_meta(torch.ones(5, dtype=torch.int32), 4, slot_ranks=torch.tensor([0, 12, 0, 0], dtype=torch.int32))
+    buf = reference.lora_shrink(x, m.lora_a, meta)
+    got = reference.lora_expand(torch.zeros(5, m.slice_offsets[-1]), buf, m.lora_b, m.slice_offsets, meta, packed=True)
+    a, b = shard["qkv.lora_a"], shard["qkv.lora_b"]  # [S, 4, in], [N, 4]
+    want = torch.cat([x @ a[s].T @ b[m.slice_offsets[s] : m.slice_offsets[s + 1]].T for s in range(a.shape[0])], dim=1)
+    torch.testing.assert_close(got, want)
