@@ -88,7 +88,7 @@ def _step_weights(m: nn.Module, meta: LoraMeta | None, device: torch.device):
     rank_dim = m.slot_rank_dim + 1  # of the [max_loras, ...] buffers
     if device.type == "cuda" or r == m.lora_a.shape[rank_dim] or m.rank_parts > 1:
         return m.lora_a, m.lora_b  # rank_parts > 1: B's columns are laid out per rank part of the full slot rank
-    if getattr(m, "packed_b", False):  # a packed B is not [N, R] rows: the reference unpacks it whole
+    if m.packed_b:  # a packed B is not [N, R] rows: the reference unpacks it whole
         return m.lora_a.narrow(rank_dim, 0, r), m.lora_b
     return m.lora_a.narrow(rank_dim, 0, r), m.lora_b.narrow(rank_dim, 0, r)
 
@@ -623,7 +623,7 @@ class _SlotTargets:
             a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
             for buf, src, part, parts in ((m.lora_a, a, "lora_a", 1), (m.lora_b, b, "lora_b", m.rank_parts)):
                 offset = 0 if src is None else offsets[f"{name}.{part}"] // size
-                if part == "lora_b" and getattr(m, "packed_b", False):
+                if part == "lora_b" and m.packed_b:
                     if top:  # (an empty shard, rank 0: nothing, as a clear)
                         copies.append(_packed_copy(buf, src, offset, top))
                 else:
@@ -821,7 +821,7 @@ def _clear_plan(modules: list[nn.Module], buffers: tuple) -> ScatterPlan | None:
         plan = ScatterPlan(tuple(
             _slot_copy(buf, m.slot_rank_dim, None, 0, parts, m.rank_parts)
             for m in modules for buf, parts, part in ((m.lora_a, 1, "a"), (m.lora_b, m.rank_parts, "b"))
-            if not (part == "b" and getattr(m, "packed_b", False))  # a packed B: not cleared, as reset_lora
+            if not (part == "b" and m.packed_b)  # a packed B: not cleared, as reset_lora
         )) if ok else None  # fmt: skip
         cached = _CLEAR_PLANS[modules[0]] = (buffers, plan)
     return cached[1]
@@ -894,7 +894,7 @@ def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.T
     else:
         writes = SlotWrites()  # every module's copies and zero-fills issued together
         for name, module in targets.modules.items():
-            rank = {"slot_rank": layout.max_rank} if getattr(module, "packed_b", False) else {}  # a packed B's row width
+            rank = {"slot_rank": layout.max_rank} if module.packed_b else {}  # a packed B's row width
             if f"{name}.lora_a" in tensors:
                 module.set_lora(slot, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"], writes, **rank)
             else:

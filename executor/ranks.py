@@ -348,7 +348,7 @@ class _Rank:
         self.kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, self.model.num_kv_heads, mc.head_dim,
                           cfg.torch_dtype, self.device)
         self.modules = lora_modules(self.model)
-        self.packed = any(getattr(m, "packed_b", False) for m in self.modules.values())
+        self.packed = any(m.packed_b for m in self.modules.values())
         layout = declare_layout(mc, spec, cfg.base_model, cfg.tp_size, cfg.ep_size)
         self.store = StoreClient(cfg.store_address, layout, rank=pb.ShardRank(tp_rank=self.tp.rank, ep_rank=self.ep.rank),
                                  timeout_s=cfg.store_timeout_s, tls=cfg.store_tls,

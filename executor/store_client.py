@@ -27,7 +27,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraserve.client import ShardAssembler
-from loraserve.errors import BusyBackoff, StatusError, retry_after_s, unavailable
+from loraserve.errors import BUSY_RETRY_S, BusyBackoff, StatusError, retry_after_s, unavailable
 from loraserve.serving import BULK_OPTIONS
 from loraserve.tls import ClientTls, secure_or_insecure_channel
 from loraserve.v1 import adapter_store_pb2 as spb
@@ -49,7 +49,6 @@ CHANNEL_OPTIONS = [
 HEALTH_INTERVAL_S = 1.0
 FETCH_SHARD = "/loraserve.v1.AdapterStore/FetchShard"
 CHUNK_BYTES = 1 << 20  # FetchShard's chunk size asked for
-BUSY_RETRY_S = 30.0  # how long a shard stream is asked again while the store answers busy (errors.BusyBackoff)
 # Whether the adapter a fetch is for is still wanted, set by the caller around the fetch (the CPU
 # cache: executor/cpu_cache.py): a fetch the store keeps refusing as busy stops asking once nobody
 # waits for it (CANCELLED), instead of holding its load seat for up to BUSY_RETRY_S. Tensor- and

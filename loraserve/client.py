@@ -22,7 +22,7 @@ from concurrent.futures import Executor, Future
 import grpc
 import xxhash
 
-from loraserve.errors import BusyBackoff, StatusError, retry_after_s
+from loraserve.errors import BUSY_RETRY_S, BusyBackoff, StatusError, retry_after_s
 from loraserve.serving import BULK_OPTIONS
 from loraserve.tls import ClientTls, secure_or_insecure_channel
 from loraserve.v1 import adapter_store_pb2 as spb
@@ -32,7 +32,6 @@ from loraserve.v1 import executor_pb2 as epb
 from loraserve.v1 import executor_pb2_grpc as epb_grpc
 
 log = logging.getLogger(__name__)
-BUSY_RETRY_S = 30.0  # how long StoreClient.fetch_shard asks a busy store again (as the executor does)
 
 _DATA_TAG = 0x12  # ShardChunk.data: field 2, length-delimited
 

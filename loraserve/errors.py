@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 
 
 RETRY_AFTER_KEY = "loraserve-retry-after-ms"  # trailing metadata: busy now, ask again after this many ms
+BUSY_RETRY_S = 30.0  # how long a store client asks a busy store again by default (BusyBackoff's budget)
 BUSY_PAUSE_MIN_S = 0.05  # a client's shortest pause between two asks (a hint of 0 would make a tight loop)
 BUSY_BACKOFF_MAX_S = 2.0  # its longest pause between two asks, before its jitter (+0-25%)
 

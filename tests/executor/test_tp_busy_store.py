@@ -5,6 +5,7 @@ fetch does. Real store and executor on loopback (gloo on CPU), rank 1 a spawned 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import time
@@ -57,6 +58,36 @@ def busy_cluster(loop_thread, hf_model, save_byte_tokenizer, tmp_path, monkeypat
     c.close()
 
 
+@contextlib.asynccontextmanager
+async def fetching_while_held(c, wanted: list[bool]):
+    """Rank 0 fetches adapter "a" (served), then a stream of "b" takes the store's one turn and holds
+    it, so ranks 1..N-1 are refused as busy: yields the fetch task (its STILL_WANTED reads wanted[0]);
+    the turn is given back on the way out."""
+    parts = c.parts
+    req = spb.FetchShardRequest(name="b", layout=parts.store.layout, xxh3=True)
+    async with grpc.aio.insecure_channel(c.store_address) as channel:
+        holder = None
+
+        async def rank0_then_hold(name):
+            nonlocal holder
+            got = await parts.store.fetch_shard(name)  # rank 0's own, served
+            c.held.clear()
+            holder = spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60)
+            assert (await holder.read()).HasField("header")  # the one turn, held
+            return got
+
+        async def fetch():
+            STILL_WANTED.set(lambda: wanted[0])
+            return await parts.ranks.fetching(rank0_then_hold)("a")
+
+        try:
+            yield asyncio.ensure_future(fetch())
+        finally:
+            c.held.set()
+            if holder is not None:
+                holder.cancel()
+
+
 def test_a_rank_refused_by_a_busy_store_stops_asking_once_nobody_wants_the_adapter(busy_cluster):
     """Rank 0 has its shard; the store's one turn is then taken, so rank 1 is refused and asks
     again. Once rank 0's STILL_WANTED says nobody waits, rank 1 is told and its fetch ends CANCELLED
@@ -65,35 +96,16 @@ def test_a_rank_refused_by_a_busy_store_stops_asking_once_nobody_wants_the_adapt
     c = busy_cluster
     parts, wanted = c.parts, [True]
     digest = c.store_client().get("a").digest
-    req = spb.FetchShardRequest(name="b", layout=parts.store.layout, xxh3=True)
 
     async def run():
-        async with grpc.aio.insecure_channel(c.store_address) as channel:
-            holder = None
-
-            async def rank0_then_hold(name):
-                nonlocal holder
-                got = await parts.store.fetch_shard(name)  # rank 0's own, served
-                c.held.clear()
-                holder = spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60)
-                assert (await holder.read()).HasField("header")  # the one turn, held
-                return got
-
-            async def fetch():
-                STILL_WANTED.set(lambda: wanted[0])
-                return await parts.ranks.fetching(rank0_then_hold)("a")
-
-            task = asyncio.ensure_future(fetch())
+        async with fetching_while_held(c, wanted) as task:
             await asyncio.sleep(1.5)  # rank 1 refused after 0.3 s waits, asking again after 0.2-0.5 s pauses
             assert not task.done()
             wanted[0] = False
             t0 = time.monotonic()
             with pytest.raises(StatusError) as e:
                 await asyncio.wait_for(task, 10)
-            took = time.monotonic() - t0
-            c.held.set()
-            holder.cancel()
-            return e.value, took
+            return e.value, time.monotonic() - t0
 
     error, took = c.lt.run(run(), 60)
     assert error.code == grpc.StatusCode.CANCELLED
@@ -122,37 +134,19 @@ def test_a_rank_told_to_stop_is_asked_again_when_the_adapter_is_wanted_again(bus
 
     monkeypatch.setattr(parts.ranks, "_send", send_then_wanted_again)
     digest = c.store_client().get("a").digest
-    req = spb.FetchShardRequest(name="b", layout=parts.store.layout, xxh3=True)
 
     def said_again() -> bool:
         return any("is wanted again" in r.getMessage() for r in caplog.records)
 
     async def run():
-        async with grpc.aio.insecure_channel(c.store_address) as channel:
-            holder = None
-
-            async def rank0_then_hold(name):
-                nonlocal holder
-                got = await parts.store.fetch_shard(name)
-                c.held.clear()
-                holder = spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60)
-                assert (await holder.read()).HasField("header")
-                return got
-
-            async def fetch():
-                STILL_WANTED.set(lambda: wanted[0])
-                return await parts.ranks.fetching(rank0_then_hold)("a")
-
-            task = asyncio.ensure_future(fetch())
+        async with fetching_while_held(c, wanted) as task:
             await asyncio.sleep(1.0)
             wanted[0] = False  # until rank 0 (asking every 0.1 s) has told rank 1 to stop
             deadline = time.monotonic() + 15
             while not said_again():  # rank 1 stopped (CANCELLED) and rank 0 asked it again
                 assert time.monotonic() < deadline and not task.done(), "rank 0 did not ask rank 1 again"
                 await asyncio.sleep(0.05)
-            c.held.set()
-            holder.cancel()
-            return await asyncio.wait_for(task, 30)
+        return await asyncio.wait_for(task, 30)  # the store's turn given back
 
     with caplog.at_level(logging.INFO, logger="loraserve.executor.ranks"):
         got = c.lt.run(run(), 90)
