@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from loraserve.executor import cublas
-from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.config import PACKED_LORA_B, ExecutorConfig
 from loraserve.executor.engine.engine import Engine, GenerationRequest
 from loraserve.executor.engine.kv_cache import KVCache
 from loraserve.executor.engine.sampler import SamplingParams
@@ -155,9 +155,9 @@ def build_engine(args, tokenizer: Tokenizer) -> tuple[Engine, int]:
         num_blocks=max(args.batches) * -(-max_tokens_per_seq // 16) + 4096 // 16 + 64,
         max_num_seqs=max(*args.batches, args.streams, 16), max_num_batched_tokens=4096,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, admit_ratio=args.admit_ratio,
-        mixed_graphs=not args.no_mixed_graphs, packed_lora_b=args.packed_b,
+        mixed_graphs=not args.no_mixed_graphs, packed_lora_b=PACKED_LORA_B[args.packed_b],
     )  # fmt: skip
-    spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE, packed_b=args.packed_b)
+    spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE, packed_b=cfg.packs_lora_b)
     model = build_model(args.shape, args.vocab, spec)
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, DTYPE, DEVICE)
@@ -495,6 +495,12 @@ async def run(args) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def add_packed_b_flag(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--packed-b", nargs="?", const="on", default="auto", choices=tuple(PACKED_LORA_B),
+                    help="dense layers' B packed at each slot's rank (the executor's --packed-lora-b; auto: on for "
+                         "CUDA; --packed-b alone: on)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer", type=Path, help="folder with tokenizer.json")
@@ -506,8 +512,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=32, help="distinct adapters (GPU slots); 0: base only")
     ap.add_argument("--max-loras", type=int, default=0,
                     help="GPU slots (default and least: --adapters; the serve benchmark's engine has 64)")
-    ap.add_argument("--packed-b", action="store_true",
-                    help="dense layers' B packed at each slot's rank (ExecutorConfig.packed_lora_b)")
+    add_packed_b_flag(ap)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")],
                     help="adapter i gets rank ranks[i %% len(ranks)] (default: --rank for all)")
@@ -570,7 +575,7 @@ def main() -> None:
           f"{where}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
           f"{'eager' if args.enforce_eager else 'CUDA graphs' + (' (decode only)' if args.no_mixed_graphs else '')}"
-          + (f"; ABLATED: {args.ablate} (benchmarks/lora_ablation.py)" if args.ablate else ""))
+          + f"; packed B: {args.packed_b}" + (f"; ABLATED: {args.ablate} (benchmarks/lora_ablation.py)" if args.ablate else ""))
     print("| case | time | rate | against the floor |")
     print("|---|---|---|---|")
     for row in rows:

@@ -9,7 +9,8 @@
 #   svc:     the engine's part of them only: graphs, cuBLAS's setting, service and MoE tests (after an engine-only change)
 #   parallel: the tensor- and expert-parallel GPU tests (NCCL, one GPU per rank; tp 4 needs 4 GPUs)
 #   load:    the slot-load GPU tests (tests/executor/test_lora.py, test_slot_scatter.py)
-#   lora:    the LoRA kernels' GPU tests (tests/kernels/test_triton_gpu.py, test_split_k_gpu.py, test_pdl_gpu.py)
+#   lora:    the LoRA kernels' GPU tests (tests/kernels/test_triton_gpu.py, test_split_k_gpu.py, test_pdl_gpu.py;
+#            LORA_TESTS replaces the list)
 #   pdl:     the programmatic-dependent LoRA launches' GPU tests alone (tests/kernels/test_pdl_gpu.py)
 #   ranks:   benchmarks/bench_ranks.py (each LoRA layer of a decode step alone, adapters of ranks 8-64
 #            in slots of rank 64 and of their own rank; RANKS_ARGS adds flags, e.g. "--tokens 16", or
@@ -36,6 +37,9 @@
 #   ablate:  the same mixed case once per entry of ABLATE (comma list, default
 #            "none,expand,stream-expand,shrink,lora,none"; ABLATE_ARGS replaces "--batches 64"):
 #            bench_engine.py --ablate, what each LoRA kernel holds of the step (benchmarks/lora_ablation.py)
+#   packed:  the same mixed case once per entry of PACKED (comma list of bench_engine.py --packed-b values,
+#            default "off,on,off,on"; PACKED_ARGS replaces "--batches 64"): each slot's B in [N, R] rows
+#            against packed at its adapter's rank (the executor's --packed-lora-b)
 #   bench:   bench_executor.py on random-weight SmolLM2 and Llama-3-8B shapes (SHAPES="smollm2")
 #   profile: profile_executor.py on the random SmolLM2-shaped model
 #   serve:   benchmarks/serve.py: 1,000 adapters, Zipf 1.0, max_loras 64, 64 clients, Llama-3-8B shape
@@ -78,6 +82,12 @@ export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1
   python3 -P -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 } 2>&1 | tee "$OUT/gpu.txt"
 tok=$(ls -d var/cache/tokenizers/*/ 2>/dev/null | head -1)
+mixed_decode() {  # the mixed decode case (40 adapters of ranks 8-64 in rank-64 slots, no prefill), its decode rows
+  # appended to OUT/$1.log; $2: its batch flags (word-split), the rest: more bench_engine.py flags
+  local log=$1 batches=$2; shift 2
+  python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --adapters 40 --streams 0 --ranks 8,16,32,64 --no-mixed-graphs \
+    --prefill= $batches "$@" 2>>"$OUT/$log.err" | grep "^| decode" | tee -a "$OUT/$log.log" || tail -30 "$OUT/$log.err"
+}
 if has test; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs \
     tests/kernels/test_attention_gpu.py tests/kernels/test_ops_gpu.py tests/kernels/test_meta_gpu.py \
@@ -109,7 +119,7 @@ if has load; then
 fi
 if has lora; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu \
-    tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py tests/kernels/test_pdl_gpu.py 2>&1 | tee "$OUT/lora_gpu_tests.log" | tail -4
+    ${LORA_TESTS:-tests/kernels/test_triton_gpu.py tests/kernels/test_split_k_gpu.py tests/kernels/test_pdl_gpu.py} 2>&1 | tee "$OUT/lora_gpu_tests.log" | tail -4
 fi
 if has pdl; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs -m gpu \
@@ -145,9 +155,7 @@ if has tables; then
     for t in ${tables//,/ }; do
       table_flag=(); [ "$t" = shipped ] || table_flag=(--table "$t")
       echo "== table $t, round $round" | tee -a "$OUT/tables.log"
-      python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --adapters 40 --streams 0 --ranks 8,16,32,64 --no-mixed-graphs \
-        --prefill= ${TABLES_ARGS:---batches 64} "${table_flag[@]}" 2>>"$OUT/tables.err" | grep "^| decode" | tee -a "$OUT/tables.log" \
-        || tail -30 "$OUT/tables.err"
+      mixed_decode tables "${TABLES_ARGS:---batches 64}" "${table_flag[@]}"
     done
   done
 fi
@@ -157,9 +165,15 @@ if has ablate; then
   for a in ${ablate//,/ }; do
     ablate_flag=(); [ "$a" = none ] || ablate_flag=(--ablate "$a")
     echo "== ablate $a" | tee -a "$OUT/ablate.log"
-    python3 -P benchmarks/bench_engine.py --tokenizer "$tok" --adapters 40 --streams 0 --ranks 8,16,32,64 --no-mixed-graphs \
-      --prefill= ${ABLATE_ARGS:---batches 64} "${ablate_flag[@]}" 2>>"$OUT/ablate.err" | grep "^| decode" | tee -a "$OUT/ablate.log" \
-      || tail -30 "$OUT/ablate.err"
+    mixed_decode ablate "${ABLATE_ARGS:---batches 64}" "${ablate_flag[@]}"
+  done
+fi
+if has packed; then
+  [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run the executor once on the GGUF first"; exit 1; }
+  packed=${PACKED:-off,on,off,on}
+  for p in ${packed//,/ }; do
+    echo "== packed B $p" | tee -a "$OUT/packed.log"
+    mixed_decode packed "${PACKED_ARGS:---batches 64}" --packed-b "$p"
   done
 fi
 if has prefill; then

@@ -65,7 +65,7 @@ import bench_engine  # noqa: E402 - the random-weight model of a shape, the weig
 import step_trace  # noqa: E402 - the profiler window of --profile
 
 from loraserve.executor import cublas  # noqa: E402
-from loraserve.executor.config import ExecutorConfig  # noqa: E402
+from loraserve.executor.config import PACKED_LORA_B, ExecutorConfig  # noqa: E402
 from loraserve.executor.engine import slow_steps  # noqa: E402
 from loraserve.executor.engine.engine import Engine, GenerationRequest  # noqa: E402
 from loraserve.executor.engine.kv_cache import KVCache  # noqa: E402
@@ -248,8 +248,6 @@ def grpc_one(stub, use_adapters: bool):
 
 
 def build(args, tokenizer):
-    spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE, packed_b=args.packed_b)
-    model = bench_engine.build_model(args.shape, args.vocab, spec)
     longest = args.prompt_len[1] + args.output_len[1] + 16
     cfg = ExecutorConfig(
         model="random", base_model="random", device=bench_engine.DEVICE, dtype=str(bench_engine.DTYPE).removeprefix("torch."),
@@ -257,8 +255,10 @@ def build(args, tokenizer):
         num_blocks=args.concurrency * -(-longest // 16) + 64, max_num_seqs=args.concurrency,
         max_num_batched_tokens=max(2048, longest), max_model_len=longest, adapter_refresh_s=0,
         admit_ratio=args.admit_ratio, max_admit_delay_steps=args.max_admit_delay_steps,
-        mixed_graphs=not args.no_mixed_graphs, switch_interval_us=args.switch_interval_us, packed_lora_b=args.packed_b,
+        mixed_graphs=not args.no_mixed_graphs, switch_interval_us=args.switch_interval_us, packed_lora_b=PACKED_LORA_B[args.packed_b],
     )  # fmt: skip
+    spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE, packed_b=cfg.packs_lora_b)
+    model = bench_engine.build_model(args.shape, args.vocab, spec)
     if not cfg.cpu_cache_bytes:
         from loraserve.executor.memory import available_host_bytes, default_cpu_cache_bytes
         cfg.cpu_cache_bytes = default_cpu_cache_bytes(available_host_bytes())
@@ -941,8 +941,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=1000, help="registered adapter names (ranks 8/16/32/64 in turn)")
     ap.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     ap.add_argument("--max-loras", type=int, default=64)
-    ap.add_argument("--packed-b", action="store_true",
-                    help="dense layers' B packed at each slot's rank (ExecutorConfig.packed_lora_b)")
+    bench_engine.add_packed_b_flag(ap)
     ap.add_argument("--cpu-cache-bytes", type=int, default=0, help="0: half the available host memory")
     ap.add_argument("--pinned-arena-bytes", type=int, default=-1,
                     help="land fetched shards in a host arena, as the executor's flag (-1: as the executor "
@@ -1017,7 +1016,7 @@ def main() -> None:
         print("| case | time | size | note |\n|---|---|---|---|")
     else:
         print(f"{args.adapters} adapters (ranks {'/'.join(map(str, RANKS))}, all linear), Zipf alpha {args.alpha}, "
-              f"max_loras {args.max_loras}, {f'Poisson {args.rate}/s' if args.rate else f'closed loop of {args.concurrency}'}, "
+              f"max_loras {args.max_loras} (packed B: {args.packed_b}), {f'Poisson {args.rate}/s' if args.rate else f'closed loop of {args.concurrency}'}, "
               f"{args.requests} requests, prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output "
               f"{args.output_len[0]}-{args.output_len[1]} tokens")
         print("| case | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | note |\n|---|---|---|---|---|")

@@ -45,6 +45,10 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     p.add_argument("--max-lora-rank", type=int, default=int(env("max_lora_rank", 64)))
     p.add_argument("--lora-embeddings", action="store_true", default=env("lora_embeddings", "") in ("1", "true"),
                    help="serve adapters that target embed_tokens / lm_head (vocab-sized slots)")
+    p.add_argument("--packed-lora-b", choices=("auto", "on", "off"), default=env("packed_lora_b", "auto"),
+                   help="each slot's B (the LoRA up-projection) of the dense layers laid out at the rank of the "
+                        "adapter in it, so a decode step reads a rank-8 adapter's 8 columns, not the slot's "
+                        "--max-lora-rank (auto: on for CUDA; on CPU it only costs an unpack per step)")
     p.add_argument("--cpu-cache-bytes", type=int, default=int(env("cpu_cache_bytes", 0)),
                    help="bytes of packed adapters kept in (pinned) host memory (0: half the available host memory)")
     p.add_argument("--max-cpu-adapters", type=int, default=int(env("max_cpu_adapters", 0)),
@@ -110,7 +114,7 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
 def executor_config(a: argparse.Namespace):
     import torch
 
-    from loraserve.executor.config import ExecutorConfig
+    from loraserve.executor.config import PACKED_LORA_B, ExecutorConfig
     from loraserve.tls import client_tls as make_client_tls
     from loraserve.tls import server_tls
 
@@ -122,7 +126,7 @@ def executor_config(a: argparse.Namespace):
     return ExecutorConfig(
         model=model, base_model=base or "", device=device, dtype=dtype, cache_dir=a.cache_dir, cpu_threads=a.cpu_threads, max_loras=a.max_loras,
         tp_size=a.tp_size, ep_size=a.ep_size, tp_timeout_s=a.tp_timeout_s, fully_sharded_loras=a.fully_sharded_loras,
-        lora_embeddings=a.lora_embeddings,
+        lora_embeddings=a.lora_embeddings, packed_lora_b=PACKED_LORA_B[a.packed_lora_b],
         max_rank=a.max_lora_rank, max_cpu_adapters=a.max_cpu_adapters, cpu_cache_bytes=a.cpu_cache_bytes,
         pinned_arena_bytes=a.pinned_arena_bytes,
         max_concurrent_loads=a.max_concurrent_loads, num_blocks=a.num_blocks,

@@ -20,6 +20,9 @@ PROMPT_BYTES_PER_TOKEN = 32
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+PACKED_LORA_B = {"auto": None, "on": True, "off": False}  # --packed-lora-b -> ExecutorConfig.packed_lora_b
+
+
 @dataclass
 class ExecutorConfig:
     # The base model: a .gguf file or a Hugging Face model directory.
@@ -40,8 +43,9 @@ class ExecutorConfig:
     # model and KV cache are in place (executor/memory.py), 8 on CPU. Set to the resolved count at start.
     max_rank: int = 64  # slot rank; larger adapters are refused by the store
     lora_embeddings: bool = False  # also give embed_tokens and lm_head slots (vocab-sized: costly)
-    packed_lora_b: bool = False  # dense layers' B packed at each slot's rank (executor/lora.py LoraSpec.packed_b);
-    # not a CLI flag yet: for the benchmarks, until it has run on a CUDA host
+    packed_lora_b: bool | None = None  # dense layers' B packed at each slot's rank (executor/lora.py
+    # LoraSpec.packed_b): the Triton expand reads rank-r bytes of a rank-r adapter in a wider slot.
+    # None: on CUDA only (the CPU's reference path unpacks it every step, which only costs there).
     cpu_cache_bytes: int = 0  # packed shards kept in (pinned) host memory, in bytes; 0: half the host
     # memory available at start (executor/memory.py). Set to the resolved budget at start.
     max_cpu_adapters: int = 0  # also at most this many shards in the CPU cache; 0: the bytes alone decide
@@ -138,6 +142,11 @@ class ExecutorConfig:
     @property
     def prompt_byte_limit(self) -> int:
         return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_model_len
+
+    @property
+    def packs_lora_b(self) -> bool:
+        """packed_lora_b resolved: None means on for a CUDA device."""
+        return self.torch_device.type == "cuda" if self.packed_lora_b is None else self.packed_lora_b
 
     @property
     def torch_device(self) -> torch.device:

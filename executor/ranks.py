@@ -68,7 +68,7 @@ WANTED_POLL_S = 0.1  # how often rank 0 asks STILL_WANTED while ranks 1..N-1 fet
 def lora_spec(cfg: ExecutorConfig) -> LoraSpec:
     """max_loras 0 (automatic, one rank only): one slot until the KV cache is in place (resolve_adapter_memory)."""
     return LoraSpec(cfg.max_loras or 1, cfg.max_rank, cfg.torch_dtype, targets_embeddings=cfg.lora_embeddings,
-                    fully_sharded=cfg.fully_sharded_loras, packed_b=cfg.packed_lora_b)
+                    fully_sharded=cfg.fully_sharded_loras, packed_b=cfg.packs_lora_b)
 
 
 def role(cfg: ExecutorConfig) -> str:

@@ -22,7 +22,8 @@ NON_DEFAULT = {
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}, "executorPort": 9400},
     "redis": {"enabled": False, "url": "redis://redis.example:6379/1"},
     "executor": {"replicaCount": 4, "gpu": {"count": 0}, "dtype": "bfloat16", "service": {"headless": True},
-                 "httpPort": 0, "enforceEager": True, "mixedGraphs": False, "tpSize": 2, "fullyShardedLoras": True},
+                 "httpPort": 0, "enforceEager": True, "mixedGraphs": False, "tpSize": 2, "fullyShardedLoras": True,
+                 "packedLoraB": False},
     "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "path": "/models/llama", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
     "auth": {"storeAdminToken": "s", "executorAdminToken": "e"},
     "s3": {"existingSecret": "aws", "endpointUrl": "http://minio:9000"},
@@ -152,6 +153,9 @@ def test_schema_refuses_wrong_values():
         render({"store": {"replicaCount": 0}})
     with pytest.raises(helm.HelmRenderError, match="tls.enabled needs tls.existingSecret"):
         render({"tls": {"enabled": True}})
+    with pytest.raises(helm.HelmValuesError, match="at '/executor/packedLoraB': value must be one of 'auto', true, false"):
+        render({"executor": {"packedLoraB": "off"}})  # a string: YAML's unquoted off is already false
+    assert "--packed-lora-b=on" in container(render({"executor": {"packedLoraB": True}}), "executor")["args"]
     with pytest.raises(helm.HelmValuesError, match="at '/executor/epSize': minimum: got 0, want 1"):
         render({"executor": {"epSize": 0}})
     with pytest.raises(helm.HelmRenderError, match=r"executor.epSize > 1 needs executor.tpSize 1"):
@@ -178,8 +182,9 @@ def test_executor_http_port_and_eager_flag(manifests):
         assert "--http-port=8000" in executor["args"] and "--enforce-eager" not in executor["args"]
         assert "--no-mixed-graphs" not in executor["args"]
         assert "--tp-size=1" in executor["args"] and "--fully-sharded-loras" not in executor["args"]
-        assert "--ep-size=1" in executor["args"]
+        assert "--ep-size=1" in executor["args"] and "--packed-lora-b=auto" in executor["args"]
     else:
+        assert "--packed-lora-b=off" in executor["args"]
         assert "http" not in pod_ports and "http" not in svc_ports
         assert "--http-port=0" in executor["args"] and "--enforce-eager" in executor["args"]
         assert "--no-mixed-graphs" in executor["args"]

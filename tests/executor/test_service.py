@@ -358,6 +358,41 @@ def test_bf16_on_cuda_applies_each_rows_adapter(loop_thread, base, adapter_dirs,
         c.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [True, False], ids=["b-packed", "b-rows"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_slot_reloads_on_cuda_serve_each_rows_adapter(loop_thread, base, adapter_dirs, tmp_path, references, dtype, packed):
+    """Five adapters of ranks 2-16 through two rank-16 slots on the GPU, so slots are reloaded at
+    other ranks (16 over 4, 8 over 16, ...) by the Triton scatter and read in the step's graphs: every
+    row is scored like its own adapter's PEFT reference (float32 exactly, bf16 within its tolerance).
+    packed: ExecutorConfig.packed_lora_b (the default on CUDA), the dense layers' B slots hold [N, r8]
+    rows read by the packed expand; else [N, R] rows."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
+    from loraserve.executor.lora import LinearWithLoRA
+
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", "cuda", dtype=dtype, packed_lora_b=packed)
+    try:
+        engine = c.parts.engine
+        dense = [m.packed_b for m in engine.model.modules() if isinstance(m, LinearWithLoRA) and m.lora_a is not None]
+        assert dense and dense == [packed] * len(dense)
+        client = c.client()
+        rounds = [["mlp16", "all4", ""], ["qv8", "o2", "kd8"], ["all4", "mlp16", "qv8", ""]]
+        for i, names in enumerate(rounds):
+            jobs = [(name, prompt_ids(4 * i + j)) for j, name in enumerate(names)]
+            with cf.ThreadPoolExecutor(len(jobs)) as pool:
+                resps = list(pool.map(lambda j: generate(client, *j, 12), jobs))
+            if dtype == "float32":
+                for (name, ids), resp in zip(jobs, resps):
+                    check_against_reference(references[name], ids, resp)
+            else:
+                check_bf16_rows(references, jobs, resps)
+        assert engine.kernel_builds.count == 0, engine.kernel_builds.recent  # the warm-up built each expand
+        assert engine.step_totals["decode-graph"].steps + engine.step_totals["mixed-graph"].steps > 0
+    finally:
+        c.close()
+
+
 def test_embedding_and_lm_head_adapters_when_enabled(loop_thread, base, adapter_dirs, tmp_path, device):
     """An adapter on embed_tokens + lm_head + q_proj: refused by a default executor's layout,
     served exactly (vs PEFT) when lora_embeddings is on."""

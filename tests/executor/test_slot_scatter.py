@@ -146,10 +146,11 @@ def test_triton_scatter_matches_per_tensor_copies_interpreted(dtype, packed_b):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("packed_b", [False, True], ids=["b-rows", "b-packed"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_slot_loads_are_one_scatter_and_match_per_tensor_copies(dtype, monkeypatch):
+def test_cuda_slot_loads_are_one_scatter_and_match_per_tensor_copies(dtype, packed_b, monkeypatch):
     """On CUDA the default path: a pinned shard staged in one copy, then kernels.slot_scatter (Triton),
-    once per load and once per clear; equal to per-tensor copies."""
+    once per load and once per clear; equal to per-tensor copies (packed_b: B at each slot's rank)."""
     if not torch.cuda.is_available() or INTERPRET:
         pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
     pytest.importorskip("triton", reason="needs CUDA + Triton: triton is not installed")
@@ -158,7 +159,7 @@ def test_cuda_slot_loads_are_one_scatter_and_match_per_tensor_copies(dtype, monk
     calls = []
     scatter = kernels.slot_scatter
     monkeypatch.setattr(kernels, "slot_scatter", lambda *args: calls.append(args[2]) or scatter(*args))
-    _check_against_per_tensor_copies(None, dtype, "cuda")
+    _check_against_per_tensor_copies(None, dtype, "cuda", packed_b)
     torch.cuda.synchronize()
     # Every load into the model under test and the clear: one scatter each. The per-tensor model's
     # loads fall back (device tensors), except its empty shard (step 5), a clear: one scatter too.
