@@ -703,16 +703,20 @@ async def load_delay(engine: Engine, vocab: int, batch: int = 8, cold: int = 4) 
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    ends = [s.end for s in engine.step_times if t0 <= s.end]
-    before = [b - a for a, b in zip(ends, ends[1:]) if b <= t1]
-    during = [b - a for a, b in zip(ends, ends[1:]) if b > t1 and a < t2]
+    steps = [s for s in engine.step_times if t0 <= s.end]
+    before = [b.end - a.end for a, b in zip(steps, steps[1:]) if b.end <= t1]
+    during = [(b.end - a.end, a, b) for a, b in zip(steps, steps[1:]) if b.end > t1 and a.end < t2]
     if not before or not during:
         return ("cold loads during decode", "no steps", "", "")
-    base, worst = statistics.median(before), max(during)
+    base, (worst, prev, step) = statistics.median(before), max(during, key=lambda d: d[0])
+    device = f"{step.device_seconds * 1e3:.2f}" if step.device_seconds is not None else "?"
     return (f"{cold} cold loads (rank 64, fetch + slot) beside {batch} decoding requests", f"{worst * 1e3:.2f} ms",
             f"{(t2 - t1) * 1e3:.0f} ms of loads",
             f"longest gap between steps during the loads; median before {base * 1e3:.2f} ms: "
-            f"+{worst / base - 1:.2f} steps (target <= +1)")
+            f"+{worst / base - 1:.2f} steps (target <= +1); that step: launched "
+            f"{(step.launched - prev.end) * 1e3:+.2f} ms after the previous step's tokens{' (ahead)' if step.ahead else ''}, "
+            f"queued in {step.launch_seconds * 1e3:.2f} ms, device {device} ms, its tokens on the host "
+            f"{(step.end - step.launched) * 1e3:.2f} ms after its launch")
 
 
 async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None = None) -> list[tuple]:
