@@ -729,6 +729,9 @@ def shard_signature(tensors: dict[str, torch.Tensor]):
     return found
 
 
+STAGE_CHUNK_BYTES = 16 << 20  # a staged shard's host -> device copy in pieces of this size
+
+
 def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device, dtype: torch.dtype):
     """The `nbytes` of host `storage` from address lo, copied to `device` in one copy (async from
     pinned memory). The caching allocator reuses the buffer only for work queued after the scatter
@@ -737,7 +740,8 @@ def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.d
         raise ValueError(f"shard bytes [{lo:#x}, +{nbytes}) are not inside their host buffer (a stale signature?)")
     host = torch.empty(0, dtype=torch.uint8).set_(storage, lo - storage.data_ptr(), (nbytes,), (1,))
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dev.copy_(host, non_blocking=True)
+    for at in range(0, nbytes, STAGE_CHUNK_BYTES):
+        dev[at : at + STAGE_CHUNK_BYTES].copy_(host[at : at + STAGE_CHUNK_BYTES], non_blocking=True)
     return dev.view(dtype)
 
 

@@ -274,6 +274,21 @@ def test_a_changed_or_copied_shard_does_not_keep_its_signature():
         lora._staged(torch.empty(16, dtype=torch.uint8).untyped_storage(), 0, 16, torch.device("cpu"), torch.uint8)
 
 
+def test_a_staged_shard_is_copied_in_pieces_and_arrives_whole(monkeypatch):
+    """lora._staged copies a shard's bytes to the device in STAGE_CHUNK_BYTES pieces (a step's own
+    small host -> device copies then wait behind one piece, not the whole shard): every byte of
+    [lo, lo + nbytes) arrives, the last piece short, none from outside it."""
+    monkeypatch.setattr(lora, "STAGE_CHUNK_BYTES", 7)
+    host = torch.arange(64, dtype=torch.uint8)
+    storage = host.untyped_storage()
+    pieces, copy = [], torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda dst, src, **kw: pieces.append(src.numel()) or copy(dst, src, **kw))
+    got = lora._staged(storage, storage.data_ptr() + 5, 30, torch.device("cpu"), torch.uint8)
+    assert got.tolist() == list(range(5, 35)) and pieces == [7, 7, 7, 7, 2]
+    halves = lora._staged(storage, storage.data_ptr() + 4, 32, torch.device("cpu"), torch.float16)
+    assert halves.shape == (16,) and halves.view(torch.uint8).tolist() == list(range(4, 36))
+
+
 @pytest.mark.parametrize("one_buffer", [True, False], ids=["scatter-plan", "per-tensor"])
 def test_a_packed_b_is_laid_out_at_the_slot_s_rank_not_its_module_s(one_buffer):
     """A shard whose modules differ in rank (q/k/v 4, the rest 12): the slot's rank is 12, which the
