@@ -311,3 +311,42 @@ def test_a_packed_b_is_laid_out_at_the_slot_s_rank_not_its_module_s(one_buffer):
     a, b = shard["qkv.lora_a"], shard["qkv.lora_b"]  # [S, 4, in], [N, 4]
     want = torch.cat([x @ a[s].T @ b[m.slice_offsets[s] : m.slice_offsets[s + 1]].T for s in range(a.shape[0])], dim=1)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("packed_b", [True, False], ids=["b-packed", "b-rows"])
+def test_a_worker_rank_refuses_its_packed_shard_at_another_rank_than_rank_0s(packed_b):
+    """executor/ranks.py _Rank._load_slot: each step tells the tensor-/expert-parallel ranks the rank
+    rank 0 loaded a slot at, which their kernels then read it at. A rank whose own shard of the
+    adapter loads at another rank would read its packed B wrong, so its load fails naming the slot,
+    the adapter and both ranks; at rank 0's rank it loads. B in rows is read at any rank: no check."""
+    import asyncio
+    import threading
+
+    from loraserve.executor.ranks import _Rank
+
+    rank = object.__new__(_Rank)  # the load's parts only: no process group, no store
+    rank.model = _modules(torch.float32, "cpu", packed_b)
+    rank.modules, rank.packed, rank.slots = lora_modules(rank.model), packed_b, [("", "")] * 4
+    rank.loop = asyncio.new_event_loop()
+    threading.Thread(target=rank.loop.run_forever, daemon=True).start()
+    shard = _shard(rank.model, 8)
+
+    async def fetch(name, digest):
+        return shard
+
+    rank._fetch = fetch
+    try:
+        version = ("acme", "0123456789abcdef")
+        if packed_b:
+            with pytest.raises(RuntimeError) as e:
+                rank._load_slot(2, version, rank0_rank=16)
+            assert str(e.value) == ("slot 2: this rank's shard of 'acme' (0123456789ab) has rank 8, rank 0's 16: "
+                                    "its packed B would be read at the wrong rank")
+            assert rank.slots[2] == ("", "")
+        else:
+            rank._load_slot(2, version, rank0_rank=16)
+            assert rank.slots[2] == version
+        rank._load_slot(1, version, rank0_rank=8)
+        assert rank.slots[1] == version
+    finally:
+        rank.loop.call_soon_threadsafe(rank.loop.stop)
