@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from loraserve.executor import cublas
-from loraserve.executor.config import PACKED_LORA_B, ExecutorConfig
+from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.engine.engine import Engine, GenerationRequest
 from loraserve.executor.engine.kv_cache import KVCache
 from loraserve.executor.engine.sampler import SamplingParams
@@ -155,9 +155,9 @@ def build_engine(args, tokenizer: Tokenizer) -> tuple[Engine, int]:
         num_blocks=max(args.batches) * -(-max_tokens_per_seq // 16) + 4096 // 16 + 64,
         max_num_seqs=max(*args.batches, args.streams, 16), max_num_batched_tokens=4096,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, admit_ratio=args.admit_ratio,
-        mixed_graphs=not args.no_mixed_graphs, packed_lora_b=PACKED_LORA_B[args.packed_b],
+        mixed_graphs=not args.no_mixed_graphs, packed_lora_b=packs_b(args.packed_b),
     )  # fmt: skip
-    spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE, packed_b=cfg.packs_lora_b)
+    spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE, packed_b=cfg.packed_lora_b)
     model = build_model(args.shape, args.vocab, spec)
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, DTYPE, DEVICE)
@@ -496,9 +496,15 @@ async def run(args) -> list[tuple[str, str, str, str]]:
 
 
 def add_packed_b_flag(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--packed-b", nargs="?", const="on", default="auto", choices=tuple(PACKED_LORA_B),
+    ap.add_argument("--packed-b", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                     help="dense layers' B packed at each slot's rank (the executor's --packed-lora-b; auto: on for "
                          "CUDA; --packed-b alone: on)")
+
+
+def packs_b(choice: str) -> bool:
+    """--packed-b as the executor resolves its --packed-lora-b (auto: on for CUDA), given to
+    ExecutorConfig as a bool (so an earlier executor/ folder, EXECUTOR_FROM, takes it too)."""
+    return DEVICE == "cuda" if choice == "auto" else choice == "on"
 
 
 def main() -> None:
@@ -554,6 +560,10 @@ def main() -> None:
     if args.ablate is not None:
         if DEVICE != "cuda":
             raise SystemExit("--ablate needs a CUDA host")
+        if args.ablate == "packed-expand":  # reads slots written in rows as if packed: the rows layout's ablation
+            if args.packed_b == "on":
+                raise SystemExit("--ablate packed-expand reads rows slots as if packed: not with --packed-b on")
+            args.packed_b = "off"
         sys.path.insert(0, str(Path(__file__).parent))
         import lora_ablation
 
@@ -575,7 +585,7 @@ def main() -> None:
           f"{where}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
           f"{'eager' if args.enforce_eager else 'CUDA graphs' + (' (decode only)' if args.no_mixed_graphs else '')}"
-          + f"; packed B: {args.packed_b}" + (f"; ABLATED: {args.ablate} (benchmarks/lora_ablation.py)" if args.ablate else ""))
+          + f"; packed B: {'on' if packs_b(args.packed_b) else 'off'}" + (f"; ABLATED: {args.ablate} (benchmarks/lora_ablation.py)" if args.ablate else ""))
     print("| case | time | rate | against the floor |")
     print("|---|---|---|---|")
     for row in rows:

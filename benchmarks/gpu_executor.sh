@@ -37,6 +37,8 @@
 #   ablate:  the same mixed case once per entry of ABLATE (comma list, default
 #            "none,expand,stream-expand,shrink,lora,none"; ABLATE_ARGS replaces "--batches 64"):
 #            bench_engine.py --ablate, what each LoRA kernel holds of the step (benchmarks/lora_ablation.py)
+#            (tables, ablate: the executor's default layout, B packed on CUDA since the thirtieth pass of
+#            docs/BENCHMARKS.md; add "--packed-b off" to TABLES_ARGS / ABLATE_ARGS for the rows layout)
 #   packed:  the same mixed case once per entry of PACKED (comma list of bench_engine.py --packed-b values,
 #            default "off,on,off,on"; PACKED_ARGS replaces "--batches 64"): each slot's B in [N, R] rows
 #            against packed at its adapter's rank (the executor's --packed-lora-b)

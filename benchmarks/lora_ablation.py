@@ -23,7 +23,8 @@ save there (the alone-timed kernels have misled before: docs/BENCHMARKS.md, "Ele
                  slot's rank (kernels/triton_lora.py lora_expand's packed: the slot's first
                  N * r8 elements, rows contiguous) from slots written as [N, R] rows: what the
                  packed layout costs in the step, products and y included, outputs wrong
-                 (bench_engine.py --packed-b runs the layout itself, outputs right)
+                 (bench_engine.py runs it on rows slots: --packed-b off, whatever the default;
+                 --packed-b on runs the layout itself, outputs right)
 """
 
 from __future__ import annotations

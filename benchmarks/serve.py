@@ -65,7 +65,7 @@ import bench_engine  # noqa: E402 - the random-weight model of a shape, the weig
 import step_trace  # noqa: E402 - the profiler window of --profile
 
 from loraserve.executor import cublas  # noqa: E402
-from loraserve.executor.config import PACKED_LORA_B, ExecutorConfig  # noqa: E402
+from loraserve.executor.config import ExecutorConfig  # noqa: E402
 from loraserve.executor.engine import slow_steps  # noqa: E402
 from loraserve.executor.engine.engine import Engine, GenerationRequest  # noqa: E402
 from loraserve.executor.engine.kv_cache import KVCache  # noqa: E402
@@ -255,9 +255,9 @@ def build(args, tokenizer):
         num_blocks=args.concurrency * -(-longest // 16) + 64, max_num_seqs=args.concurrency,
         max_num_batched_tokens=max(2048, longest), max_model_len=longest, adapter_refresh_s=0,
         admit_ratio=args.admit_ratio, max_admit_delay_steps=args.max_admit_delay_steps,
-        mixed_graphs=not args.no_mixed_graphs, switch_interval_us=args.switch_interval_us, packed_lora_b=PACKED_LORA_B[args.packed_b],
+        mixed_graphs=not args.no_mixed_graphs, switch_interval_us=args.switch_interval_us, packed_lora_b=bench_engine.packs_b(args.packed_b),
     )  # fmt: skip
-    spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE, packed_b=cfg.packs_lora_b)
+    spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE, packed_b=cfg.packed_lora_b)
     model = bench_engine.build_model(args.shape, args.vocab, spec)
     if not cfg.cpu_cache_bytes:
         from loraserve.executor.memory import available_host_bytes, default_cpu_cache_bytes
@@ -1015,12 +1015,12 @@ def main() -> None:
                         f"loraserve / this = {tps / (peft.tokens / peft.seconds):.1f}x"))
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\nserve benchmark - {args.shape} shape, random {str(bench_engine.DTYPE).removeprefix('torch.')} weights, {where}, "
-          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; packed B: {'on' if bench_engine.packs_b(args.packed_b) else 'off'}")
     if args.probe:
         print("| case | time | size | note |\n|---|---|---|---|")
     else:
         print(f"{args.adapters} adapters (ranks {'/'.join(map(str, RANKS))}, all linear), Zipf alpha {args.alpha}, "
-              f"max_loras {args.max_loras} (packed B: {args.packed_b}), {f'Poisson {args.rate}/s' if args.rate else f'closed loop of {args.concurrency}'}, "
+              f"max_loras {args.max_loras} , {f'Poisson {args.rate}/s' if args.rate else f'closed loop of {args.concurrency}'}, "
               f"{args.requests} requests, prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output "
               f"{args.output_len[0]}-{args.output_len[1]} tokens")
         print("| case | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | note |\n|---|---|---|---|---|")

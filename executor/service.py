@@ -234,6 +234,10 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
     mc = model.cfg
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
     modules = lora_modules(model)
+    packed = any(m.packed_b for m in modules.values())
+    if cfg.packed_lora_b and not packed:
+        log.warning("--packed-lora-b on: no layer's B is packed (it needs --max-lora-rank a multiple of 8, got %d; "
+                    "fully sharded layers, embeddings and experts keep [N, R] rows)", cfg.max_rank)
     resolve_adapter_memory(cfg, model, modules)
     arena = pinned_arena(cfg, memory.lora_bytes_per_slot(modules))
     store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size, cfg.ep_size), timeout_s=cfg.store_timeout_s,
@@ -257,9 +261,9 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
         ranks.wait_ready()  # before the engine's warm-up steps reach them
     engine = Engine(model, tokenizer, kv, slots, cfg, ranks)
     metrics.attach(engine, slots, cfg.max_loras)
-    log.info("executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d, %d KV blocks of %d%s",
+    log.info("executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d (B %s), %d KV blocks of %d%s",
              time.perf_counter() - t0, cfg.model, cfg.device, cfg.dtype, mc.num_layers, cfg.max_loras,
-             cfg.max_rank, cfg.num_blocks, cfg.block_size,
+             cfg.max_rank, "packed at each slot's rank" if packed else "in rows", cfg.num_blocks, cfg.block_size,
              f", {ranks.role} over {ranks.size} ranks{' (fully sharded LoRA)' if cfg.fully_sharded_loras and cfg.tp_size > 1 else ''}"
              if ranks is not None else "")
     return ExecutorParts(engine, slots, store, cfg, metrics=metrics, ranks=ranks)

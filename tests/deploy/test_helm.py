@@ -154,8 +154,9 @@ def test_schema_refuses_wrong_values():
     with pytest.raises(helm.HelmRenderError, match="tls.enabled needs tls.existingSecret"):
         render({"tls": {"enabled": True}})
     with pytest.raises(helm.HelmValuesError, match="at '/executor/packedLoraB': value must be one of 'auto', true, false"):
-        render({"executor": {"packedLoraB": "off"}})  # a string: YAML's unquoted off is already false
-    assert "--packed-lora-b=on" in container(render({"executor": {"packedLoraB": True}}), "executor")["args"]
+        render({"executor": {"packedLoraB": "yes"}})
+    for value, flag in ((True, "on"), ("on", "on"), ("off", "off"), (None, "auto")):
+        assert f"--packed-lora-b={flag}" in container(render({"executor": {"packedLoraB": value}}), "executor")["args"]
     with pytest.raises(helm.HelmValuesError, match="at '/executor/epSize': minimum: got 0, want 1"):
         render({"executor": {"epSize": 0}})
     with pytest.raises(helm.HelmRenderError, match=r"executor.epSize > 1 needs executor.tpSize 1"):

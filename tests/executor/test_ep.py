@@ -104,6 +104,27 @@ def test_ep2_mixed_batches_match_transformers_peft_and_ep1(cluster, references, 
         one.close()
 
 
+def test_ep2_with_packed_b_slots_matches_transformers_peft(module_loop_thread, base, adapter_dirs, references, tmp_path):
+    """ExecutorConfig.packed_lora_b under expert parallelism (the default on CUDA): the replicated
+    dense layers' B packed at each slot's rank on both ranks, the experts' kept in rows; adapters of
+    ranks 2-8 (experts only, attention only, both) through two slots match PEFT, and each rank's
+    slots agree with rank 0's ranks (a rank whose packed shard loaded at another would end the run)."""
+    c = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store", NAMES, ep_size=2, cpu_threads=1,
+                tp_timeout_s=60.0, packed_lora_b=True)
+    try:
+        packed = {(type(m).__name__, m.packed_b) for m in c.parts.engine.model.modules()
+                  if getattr(m, "lora_a", None) is not None}
+        assert packed == {("LinearWithLoRA", True), ("ExpertsWithLoRA", False)}, packed
+        client = c.client()
+        for group in GROUPS:
+            jobs, resps = run_group(client, group)
+            for (name, ids), resp in zip(jobs, resps):
+                check_against_reference(references[name], ids, resp)
+    finally:
+        c.close()
+    assert [p.exitcode for p in c.parts.ranks._procs] == [0]
+
+
 @pytest.mark.gpu
 def test_ep2_over_nccl_on_two_cuda_gpus_matches_transformers_peft(loop_thread, base, adapter_dirs, references,
                                                                   tmp_path):

@@ -358,6 +358,23 @@ def test_bf16_on_cuda_applies_each_rows_adapter(loop_thread, base, adapter_dirs,
         c.close()
 
 
+def test_packed_lora_b_on_that_packs_nothing_is_said_at_start(loop_thread, base, adapter_dirs, tmp_path, caplog):
+    """--packed-lora-b on with slots of a rank no multiple of 8: no layer can pack its B, and the
+    executor says so (with the reason) rather than serve in rows silently; its ready line says
+    how B is held either way."""
+    caplog.set_level(logging.INFO, logger="loraserve.executor.service")
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "s1", "cpu", max_rank=12, packed_lora_b=True)
+    c.close()
+    assert ("--packed-lora-b on: no layer's B is packed (it needs --max-lora-rank a multiple of 8, got 12; "
+            "fully sharded layers, embeddings and experts keep [N, R] rows)") in caplog.messages
+    assert any("slots of rank 12 (B in rows)" in m for m in caplog.messages)
+    caplog.clear()
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "s2", "cpu", packed_lora_b=True)
+    c.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("slots of rank 16 (B packed at each slot's rank)" in m for m in caplog.messages)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [True, False], ids=["b-packed", "b-rows"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,6 +1,6 @@
 """Slot loads through the one-launch scatter (kernels.slot_scatter) against the per-tensor copies.
 
-A shard in one host buffer is staged in one copy and scattered by a plan cached per layout
+A shard in one host buffer is staged (in STAGE_CHUNK_BYTES pieces) and scattered by a plan cached per layout
 (executor/lora.py); a shard of separate tensors goes through SlotWrites, one copy per tensor.
 Both must leave the same bytes in every slot buffer: copies, rank tails zeroed, untargeted
 modules zeroed. The modules cover every slot buffer shape: fused and plain linear layers, a fully
@@ -149,13 +149,15 @@ def test_triton_scatter_matches_per_tensor_copies_interpreted(dtype, packed_b):
 @pytest.mark.parametrize("packed_b", [False, True], ids=["b-rows", "b-packed"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_slot_loads_are_one_scatter_and_match_per_tensor_copies(dtype, packed_b, monkeypatch):
-    """On CUDA the default path: a pinned shard staged in one copy, then kernels.slot_scatter (Triton),
-    once per load and once per clear; equal to per-tensor copies (packed_b: B at each slot's rank)."""
+    """On CUDA the default path: a pinned shard staged in non-blocking pieces (a few bytes each here,
+    so every load takes several), then kernels.slot_scatter (Triton), once per load and once per
+    clear; equal to per-tensor copies (packed_b: B at each slot's rank)."""
     if not torch.cuda.is_available() or INTERPRET:
         pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
     pytest.importorskip("triton", reason="needs CUDA + Triton: triton is not installed")
     from loraserve import kernels
 
+    monkeypatch.setattr(lora, "STAGE_CHUNK_BYTES", 1000)
     calls = []
     scatter = kernels.slot_scatter
     monkeypatch.setattr(kernels, "slot_scatter", lambda *args: calls.append(args[2]) or scatter(*args))
