@@ -36,7 +36,9 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
   slot (the adapter in pinned host memory, not in a slot), and store -> slot through a real
   `loraserve store` process on loopback (one rank-16 PEFT adapter registered, disk tier); and
   how much cold loads delay other adapters' requests: the longest gap between step results while
-  4 rank-64 adapters are fetched and loaded beside 8 decoding requests, in steps of the median gap.
+  4 rank-64 adapters are fetched and loaded beside 8 decoding requests, in steps of the median gap
+  (`--delay-trials`, 3: a row per trial, each with adapters no earlier one loaded), and where the
+  longest gap's step spent its time (launch, queuing, device).
 """
 
 from __future__ import annotations
@@ -672,16 +674,18 @@ async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
     if args.trace_load:
         args.trace_load.write_text(trace_table(copy_calls.trace))
     if not args.probe_loads_only:
-        rows.append(await load_delay(engine, args.vocab))
+        for trial in range(args.delay_trials):
+            rows.append(await load_delay(engine, args.vocab, trial=trial, trials=args.delay_trials))
         rows += await store_probe(args, engine, bw, adapters.arena)
     return rows
 
 
-async def load_delay(engine: Engine, vocab: int, batch: int = 8, cold: int = 4) -> tuple:
+async def load_delay(engine: Engine, vocab: int, batch: int = 8, cold: int = 4, trial: int = 0, trials: int = 1) -> tuple:
     """How much cold loads delay other adapters' requests: `batch` requests of adapters already
     in slots decode while `cold` rank-64 adapters are fetched and loaded into free slots one after
     the other; the longest gap between two step results during the loads against the median gap
-    before them (target: at most one decode step more, i.e. a gap <= 2x the median)."""
+    before them (target: at most one decode step more, i.e. a gap <= 2x the median). Trial k loads
+    adapters no earlier trial did (slots for batch + trials x cold adapters must be free)."""
     slots = engine.slots
     warm = [f"adapter-{4 * i + 1}" for i in range(batch)]  # rank 16, RandomAdapters' naming
     for name in warm:
@@ -696,7 +700,7 @@ async def load_delay(engine: Engine, vocab: int, batch: int = 8, cold: int = 4) 
         await asyncio.sleep(1.0)
         t1 = time.perf_counter()
         for i in range(cold):  # rank 64: the largest copies
-            await slots.load(f"adapter-{4 * (batch + i) + 3}")
+            await slots.load(f"adapter-{4 * (batch + trial * cold + i) + 3}")
         t2 = time.perf_counter()
         await asyncio.sleep(0.2)
     finally:
@@ -710,7 +714,8 @@ async def load_delay(engine: Engine, vocab: int, batch: int = 8, cold: int = 4) 
         return ("cold loads during decode", "no steps", "", "")
     base, (worst, prev, step) = statistics.median(before), max(during, key=lambda d: d[0])
     device = f"{step.device_seconds * 1e3:.2f}" if step.device_seconds is not None else "?"
-    return (f"{cold} cold loads (rank 64, fetch + slot) beside {batch} decoding requests", f"{worst * 1e3:.2f} ms",
+    which = f", trial {trial + 1} of {trials}" if trials > 1 else ""
+    return (f"{cold} cold loads (rank 64, fetch + slot) beside {batch} decoding requests{which}", f"{worst * 1e3:.2f} ms",
             f"{(t2 - t1) * 1e3:.0f} ms of loads",
             f"longest gap between steps during the loads; median before {base * 1e3:.2f} ms: "
             f"+{worst / base - 1:.2f} steps (target <= +1); that step: launched "
@@ -978,6 +983,9 @@ def main() -> None:
     ap.add_argument("--probe-loads", type=int, default=5, help="cold loads per rank in the probe (their median is reported)")
     ap.add_argument("--probe-loads-only", action="store_true",
                     help="the probe's CPU cache -> slot loads only (not the loads beside decoding, nor store -> slot)")
+    ap.add_argument("--delay-trials", type=int, default=3,
+                    help="with --probe: times the cold loads beside decoding requests are measured, each with "
+                         "adapters no earlier trial loaded (one row each)")
     ap.add_argument("--profile-load", type=Path, metavar="FILE",
                     help="with --probe: cProfile switched on over each cold load's acquire (the slot's claim, "
                          "the copy call when the loop makes it, the event; from Python 3.12 whatever other "
