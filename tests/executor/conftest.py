@@ -379,6 +379,14 @@ def run_group(client: ExecutorClient, group: list[str], max_tokens: int = 6):
         return jobs, list(pool.map(lambda j: generate(client, *j, max_tokens), jobs))
 
 
+def check_groups_against_references(client: ExecutorClient, groups, references: dict) -> None:
+    """Each group run at once (run_group); every row scored like its own adapter's reference."""
+    for group in groups:
+        jobs, resps = run_group(client, group)
+        for (name, ids), resp in zip(jobs, resps):
+            check_against_reference(references[name], ids, resp)
+
+
 class ParallelExecutorProcess:
     """`loraserve executor --tp-size 2` (or `--ep-size 2`: `parallel`) on a tiny model, as an operator
     starts it (no store needed for the base model); its output is collected by a thread."""

@@ -29,8 +29,9 @@ from loraserve.executor.parallel import TPGroup, ep_size_error
 from loraserve.executor.ranks import local_experts, shard_checksum
 from loraserve.executor.service import build_executor
 
-from .conftest import (LORASERVE, TINY_MOE, Cluster, ParallelExecutorProcess, check_against_reference, generate,
-                       merge_per_expert_adapter, need_cuda_devices, prompt_ids, run_group)
+from .conftest import (LORASERVE, TINY_MOE, Cluster, ParallelExecutorProcess, check_against_reference,
+                       check_groups_against_references, generate, merge_per_expert_adapter, need_cuda_devices,
+                       prompt_ids, run_group)
 
 BOS, EOS, VOCAB = 256, 257, 260  # the byte ids of conftest.prompt_ids
 # experts only (PEFT's target_parameters), attention only, one expert projection + dense modules,
@@ -115,11 +116,7 @@ def test_ep2_with_packed_b_slots_matches_transformers_peft(module_loop_thread, b
         packed = {(type(m).__name__, m.packed_b) for m in c.parts.engine.model.modules()
                   if getattr(m, "lora_a", None) is not None}
         assert packed == {("LinearWithLoRA", True), ("ExpertsWithLoRA", False)}, packed
-        client = c.client()
-        for group in GROUPS:
-            jobs, resps = run_group(client, group)
-            for (name, ids), resp in zip(jobs, resps):
-                check_against_reference(references[name], ids, resp)
+        check_groups_against_references(c.client(), GROUPS, references)
     finally:
         c.close()
     assert [p.exitcode for p in c.parts.ranks._procs] == [0]

@@ -25,8 +25,8 @@ from loraserve.defaults import smollm2_gguf_path
 
 from loraserve.v1 import executor_pb2 as epb
 
-from .conftest import (LORASERVE, Cluster, ParallelExecutorProcess, check_against_reference, check_bf16_rows, generate,
-                       need_cuda_devices, prompt_ids, run_group)
+from .conftest import (LORASERVE, Cluster, ParallelExecutorProcess, check_against_reference, check_bf16_rows,
+                       check_groups_against_references, generate, need_cuda_devices, prompt_ids, run_group)
 
 # (family, tp_size, fully sharded LoRA, config overrides): Llama with biases on o_proj and down_proj
 # (added once, after the reduce), Qwen2 with q/k/v biases and tied embeddings (vocab-parallel both
@@ -142,11 +142,7 @@ def test_packed_b_slots_serve_mixed_batches_like_peft_under_tp(case, module_loop
                 lora_embeddings=True, cpu_threads=1, tp_timeout_s=60.0, packed_lora_b=True)
     try:
         assert any(getattr(m, "packed_b", False) for m in c.parts.engine.model.modules())
-        client = c.client()
-        for group in GROUPS:
-            jobs, resps = run_group(client, group)
-            for (name, ids), resp in zip(jobs, resps):
-                check_against_reference(references[name], ids, resp)
+        check_groups_against_references(c.client(), GROUPS, references)
     finally:
         c.close()
     assert [p.exitcode for p in c.parts.ranks._procs] == [0] * (tp - 1)
