@@ -44,7 +44,7 @@ class ExecutorConfig:
     max_rank: int = 64  # slot rank; larger adapters are refused by the store
     lora_embeddings: bool = False  # also give embed_tokens and lm_head slots (vocab-sized: costly)
     packed_lora_b: bool | None = None  # dense layers' B packed at each slot's rank (executor/lora.py
-    # LoraSpec.packed_b): the Triton expand reads rank-r bytes of a rank-r adapter in a wider slot.
+    # LoraSpec.packed_b): a rank-r adapter's B rows contiguous, not r-wide pieces of max_rank-wide rows.
     # None: on CUDA only (the CPU's reference path unpacks it every step, which only costs there).
     cpu_cache_bytes: int = 0  # packed shards kept in (pinned) host memory, in bytes; 0: half the host
     # memory available at start (executor/memory.py). Set to the resolved budget at start.

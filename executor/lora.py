@@ -734,8 +734,9 @@ STAGE_CHUNK_BYTES = 16 << 20  # a staged shard's host -> device copy in pieces o
 
 def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device, dtype: torch.dtype):
     """The `nbytes` of host `storage` from address lo, copied to `device` in STAGE_CHUNK_BYTES pieces
-    (async from pinned memory; a step's own small copies wait behind one piece, not the shard). The caching allocator reuses the buffer only for work queued after the scatter
-    on the current stream, so it is freed when the caller drops it."""
+    (async from pinned memory; a step's own small copies wait behind one piece, not the shard). The
+    caching allocator reuses the buffer only for work queued after the scatter on the current
+    stream, so it is freed when the caller drops it."""
     if not storage.data_ptr() <= lo <= lo + nbytes <= storage.data_ptr() + storage.nbytes():
         raise ValueError(f"shard bytes [{lo:#x}, +{nbytes}) are not inside their host buffer (a stale signature?)")
     host = torch.empty(0, dtype=torch.uint8).set_(storage, lo - storage.data_ptr(), (nbytes,), (1,))
