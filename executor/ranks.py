@@ -240,9 +240,11 @@ class TPRanks:
                 conn.send_bytes(data)
 
     async def _ask(self, message: tuple, wanted: Callable[[], bool] | None = None) -> list:
-        """Sends (kind, id, *args) to every other rank; their results in rank order. Raises the
-        first rank's error as a StatusError naming the rank (its told_to_stop: this ask sent a
-        "cancel"). wanted: asked every WANTED_POLL_S until every rank has replied; once it says no,
+        """Sends (kind, id, *args) to every other rank; their results in rank order. Raises a rank's
+        error as a StatusError naming the rank (its told_to_stop: this ask sent a "cancel"): the
+        first to fail while others still worked (they are sent a "cancel" then: the ask has failed,
+        so they need not go on, e.g. asking a busy store for up to its budget), else the first in
+        rank order. wanted: asked every WANTED_POLL_S until every rank has replied; once it says no,
         each rank still working is sent a "cancel", as it is when this ask is cancelled."""
         futures, ops = [], []
         for rank in range(1, self.size):
@@ -251,13 +253,20 @@ class TPRanks:
             self._send(rank, (message[0], op_id, *message[1:]))
             futures.append(asyncio.wrap_future(future))
             ops.append((rank, op_id))
-        told_to_stop = False
+        told_to_stop, first_failed = False, None
         try:
-            while wanted is not None:
-                _, waiting = await asyncio.wait(futures, timeout=WANTED_POLL_S)
-                if not waiting:
+            waiting = set(futures)
+            while waiting:
+                done, waiting = await asyncio.wait(waiting, timeout=WANTED_POLL_S if wanted is not None else None,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                failed = [f for f in futures if f in done and f.result()[1] is not None]
+                if failed and waiting:
+                    first_failed = futures.index(failed[0])
+                    log.info("%s of %r: %s rank %d failed; rank(s) %s told to stop", message[0], message[1], self.role,
+                             first_failed + 1, ", ".join(str(r) for (r, _), f in zip(ops, futures) if f in waiting))
+                    self._cancel(ops, futures)
                     break
-                if not wanted():
+                if waiting and wanted is not None and not wanted():
                     log.info("%s of %r: nobody waits for it any more; %s rank(s) %s told to stop if the store "
                              "refuses them as busy", message[0], message[1], self.role,
                              ", ".join(str(r) for (r, _), f in zip(ops, futures) if f in waiting))
@@ -268,7 +277,10 @@ class TPRanks:
         except asyncio.CancelledError:  # the caller gave up: so do the ranks still at it
             self._cancel(ops, futures)
             raise
-        for rank, (_, error) in enumerate(replies, start=1):
+        order = list(enumerate(replies, start=1))
+        if first_failed is not None:  # the rank whose error ended the ask, before the others told to stop
+            order.insert(0, order[first_failed])
+        for rank, (_, error) in order:
             if error is not None:
                 code, text = error
                 failed = StatusError(grpc.StatusCode[code], f"{self.role} rank {rank}: {text}")

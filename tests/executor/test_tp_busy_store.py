@@ -25,9 +25,10 @@ BUSY_WAIT_S = 0.3  # the store's --max-stream-wait-s here: a refused ask takes t
 
 
 @pytest.fixture
-def busy_cluster(loop_thread, hf_model, save_byte_tokenizer, tmp_path, monkeypatch):
-    """tp 2 over a store that serves one stream at a time; while `held` is clear, a stream holds its
-    turn before its trailer (a shard this small is otherwise sent whole at once)."""
+def busy_cluster(request, loop_thread, hf_model, save_byte_tokenizer, tmp_path, monkeypatch):
+    """tp 2 (or the tp size a test's indirect parameter gives) over a store that serves one stream
+    at a time; while `held` is clear, a stream holds its turn before its trailer (a shard this small
+    is otherwise sent whole at once)."""
     from peft import LoraConfig, get_peft_model
 
     from loraserve.adapter_store import service
@@ -50,7 +51,7 @@ def busy_cluster(loop_thread, hf_model, save_byte_tokenizer, tmp_path, monkeypat
         return await trailer(*args)
 
     monkeypatch.setattr(service, "_trailer", held_trailer)
-    c = Cluster(loop_thread, path, adapters, tmp_path / "store", ["a", "b"], tp_size=2, cpu_threads=1,
+    c = Cluster(loop_thread, path, adapters, tmp_path / "store", ["a", "b"], tp_size=getattr(request, "param", 2), cpu_threads=1,
                 tp_timeout_s=60.0, store_overrides=dict(max_streams=1, max_stream_wait_s=BUSY_WAIT_S))
     c.held = held
     yield c
@@ -152,3 +153,46 @@ def test_a_rank_told_to_stop_is_asked_again_when_the_adapter_is_wanted_again(bus
         got = c.lt.run(run(), 90)
     assert got[0] == digest
     assert ("a", digest) in c.lt.run(parts.ranks.states())[0]["shards"]
+
+
+@pytest.fixture
+def store_fails_tp_rank_2(monkeypatch):
+    """The store fails every fetch of adapter "a" for tp rank 2's shard at once (FAILED_PRECONDITION)."""
+    from loraserve.adapter_store import service
+
+    fetch = service.AdapterStoreService.FetchShard
+
+    async def failing_for_rank_2(self, request, context):
+        if request.name == "a" and request.rank.tp_rank == 2:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "tp rank 2's shard of 'a' is broken here")
+        async for message in fetch(self, request, context):
+            yield message
+
+    monkeypatch.setattr(service.AdapterStoreService, "FetchShard", failing_for_rank_2)
+
+
+@pytest.mark.parametrize("busy_cluster", [4], indirect=True, ids=["tp4"])
+def test_a_rank_that_fails_stops_the_others_asking_a_busy_store(store_fails_tp_rank_2, busy_cluster, caplog):
+    """tp 4: rank 2's fetch fails at once while ranks 1 and 3 are refused by the busy store. The
+    load has failed, so rank 0 tells ranks 1 and 3 to stop, and the fetch fails with rank 2's error
+    within a refused ask and a pause, not when the others' 30 s busy budget runs out (and not with
+    their busy answer); the store serves the next stream."""
+    c = busy_cluster
+    parts = c.parts
+
+    async def run():
+        async with fetching_while_held(c, [True]) as task:
+            t0 = time.monotonic()
+            with pytest.raises(StatusError) as e:
+                await asyncio.wait_for(asyncio.shield(task), 15)
+            return e.value, time.monotonic() - t0
+
+    with caplog.at_level(logging.INFO, logger="loraserve.executor.ranks"):
+        error, took = c.lt.run(run(), 60)
+    assert error.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.message == "tensor-parallel rank 2: tp rank 2's shard of 'a' is broken here"
+    assert took < BUSY_BACKOFF_MAX_S * 1.25 + BUSY_WAIT_S + 2  # ranks 1 and 3 stopped at their next ask
+    assert "fetch of 'a': tensor-parallel rank 2 failed; rank(s) 1, 3 told to stop" in caplog.messages
+    states = c.lt.run(parts.ranks.states())
+    assert all(not s["shards"] for s in states)  # no rank kept a shard of the failed fetch
+    assert c.lt.run(parts.ranks.fetching(parts.store.fetch_shard)("b"), 30)[0] == c.store_client().get("b").digest
