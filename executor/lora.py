@@ -51,8 +51,8 @@ class LoraSpec:
     fully_sharded: bool = False  # under TP, also cut the adapter rank (column layers) / B's outputs (row layers)
     # Dense layers keep each slot's B packed at the slot's rank rounded up to 8 (its first N x r8
     # elements, rows contiguous) instead of as [N, R] rows: the expand then reads whole sectors of
-    # a low-rank adapter's B (kernels/triton_lora.py lora_expand's packed). Off by default: measured
-    # in the decode step's ablation only so far (docs/BENCHMARKS.md, "Twenty-ninth pass").
+    # a low-rank adapter's B (kernels/triton_lora.py lora_expand's packed). The executor's default on
+    # CUDA (ExecutorConfig.packs_lora_b): -0.27 ms a mixed decode step (docs/BENCHMARKS.md, "Thirtieth pass").
     packed_b: bool = False
 
 

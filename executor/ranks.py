@@ -9,9 +9,10 @@ spawns, each with a duplex pipe to it:
     rank 0 -> rank i:  ("step", StepInputs) | ("fetch", id, name, digest) | ("cancel", id) | ("state", id) | ("stop",)
     rank i -> rank 0:  ("ready",) | ("reply", id, result, error)
 
-A "cancel" tells a rank that nobody waits for that fetch's adapter any more (rank 0's STILL_WANTED
-said so): the rank's store client stops asking a store that refuses it as busy and the fetch
-replies CANCELLED, as rank 0's own fetch would (store_client.py).
+A "cancel" tells a rank that its fetch is no longer needed: nobody waits for the adapter any more
+(rank 0's STILL_WANTED said so), or another rank's fetch of it failed. The rank's store client
+stops asking a store that refuses it as busy and the fetch replies CANCELLED, as rank 0's own
+fetch would (store_client.py).
 
 Slot state is decided on rank 0 alone: a step names, for every slot it uses, the adapter version
 in it (`StepInputs.slot_adapters`), and a rank whose slot holds another copies that version's shard
