@@ -50,6 +50,9 @@
 #            SERVE_PY=FILE runs another copy of serve.py (an earlier one beside its own bench_engine.py)
 #   probe:   benchmarks/serve.py --probe: bytes per adapter, pinned H2D bandwidth, cold loads vs the floor
 #            (PROBE_ARGS adds flags, e.g. PROBE_ARGS="--trace-load OUT_DIR/trace.txt")
+#   pieces:  the probe once per entry of PIECES (comma list of serve.py --stage-piece-mib values, default
+#            "0,16,4,0,16,4": a cold load's staged copy whole, in 16 MiB and in 4 MiB pieces; PIECES_ARGS
+#            replaces "--probe-loads 5"): the cold-delay trials and the rank-64 cold load, per piece size
 #   h2d:     benchmarks/bench_h2d_call.py: the host time of queuing one host -> device copy, by source memory
 #   forkjoin: benchmarks/bench_fork_join.py: a side stream's fork and join inside a CUDA graph, at the o
 #            (4096 x 4096) and gate/up (28672 x 4096) shapes
@@ -226,6 +229,14 @@ fi
 if has probe; then
   PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe --cpu-cache-bytes $((16 << 30)) ${PROBE_ARGS:-} \
     2>"$OUT/probe.err" | tee "$OUT/probe.log" | tail -12 || tail -30 "$OUT/probe.err"
+fi
+if has pieces; then
+  for p in $(echo "${PIECES:-0,16,4,0,16,4}" | tr , ' '); do
+    echo "== staged copy in pieces of $p MiB (0: whole)" | tee -a "$OUT/pieces.log"
+    PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe --cpu-cache-bytes $((16 << 30)) \
+      --stage-piece-mib "$p" ${PIECES_ARGS:---probe-loads 5} 2>>"$OUT/pieces.err" \
+      | grep "^| rank 64\|^| 4 cold\|pinned" | tee -a "$OUT/pieces.log" || tail -30 "$OUT/pieces.err"
+  done
 fi
 if has h2d; then
   python3 -P benchmarks/bench_h2d_call.py 2>&1 | tee "$OUT/h2d.log" | tail -40

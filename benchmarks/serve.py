@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_engine  # noqa: E402 - the random-weight model of a shape, the weight bytes of a step
 import step_trace  # noqa: E402 - the profiler window of --profile
 
-from loraserve.executor import cublas  # noqa: E402
+from loraserve.executor import cublas, lora  # noqa: E402
 from loraserve.executor.config import ExecutorConfig  # noqa: E402
 from loraserve.executor.engine import slow_steps  # noqa: E402
 from loraserve.executor.engine.engine import Engine, GenerationRequest  # noqa: E402
@@ -986,6 +986,9 @@ def main() -> None:
     ap.add_argument("--delay-trials", type=int, default=3,
                     help="with --probe: times the cold loads beside decoding requests are measured, each with "
                          "adapters no earlier trial loaded (one row each)")
+    ap.add_argument("--stage-piece-mib", type=float, metavar="MIB",
+                    help="a cold load's staged host -> device copy in pieces of this many MiB (0: one copy; "
+                         "default: the executor's, lora.STAGE_CHUNK_BYTES)")
     ap.add_argument("--profile-load", type=Path, metavar="FILE",
                     help="with --probe: cProfile switched on over each cold load's acquire (the slot's claim, "
                          "the copy call when the loop makes it, the event; from Python 3.12 whatever other "
@@ -1001,6 +1004,10 @@ def main() -> None:
         ap.error("--profile-load and --trace-load profile the probe's cold loads: add --probe")
     if args.profile_load and args.trace_load:
         ap.error("--profile-load and --trace-load each time the same cold loads: run one at a time")
+    if args.stage_piece_mib is not None:
+        if args.stage_piece_mib < 0:
+            ap.error("--stage-piece-mib: a size in MiB, 0 or more")
+        lora.STAGE_CHUNK_BYTES = int(args.stage_piece_mib * 2**20)
     bench_engine.DEVICE = args.device
     bench_engine.DTYPE = torch.bfloat16 if args.device == "cuda" else torch.float32
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1023,7 +1030,9 @@ def main() -> None:
                         f"loraserve / this = {tps / (peft.tokens / peft.seconds):.1f}x"))
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\nserve benchmark - {args.shape} shape, random {str(bench_engine.DTYPE).removeprefix('torch.')} weights, {where}, "
-          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; packed B: {'on' if bench_engine.packs_b(args.packed_b) else 'off'}")
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; packed B: {'on' if bench_engine.packs_b(args.packed_b) else 'off'}"
+          + ("" if not args.probe else f"; staged copy in {lora.STAGE_CHUNK_BYTES / 2**20:g} MiB pieces"
+             if lora.STAGE_CHUNK_BYTES else "; staged copy whole"))
     if args.probe:
         print("| case | time | size | note |\n|---|---|---|---|")
     else:

@@ -729,7 +729,7 @@ def shard_signature(tensors: dict[str, torch.Tensor]):
     return found
 
 
-STAGE_CHUNK_BYTES = 16 << 20  # a staged shard's host -> device copy in pieces of this size
+STAGE_CHUNK_BYTES = 16 << 20  # a staged shard's host -> device copy in pieces of this size (0: one copy)
 
 
 def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device, dtype: torch.dtype):
@@ -741,8 +741,9 @@ def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.d
         raise ValueError(f"shard bytes [{lo:#x}, +{nbytes}) are not inside their host buffer (a stale signature?)")
     host = torch.empty(0, dtype=torch.uint8).set_(storage, lo - storage.data_ptr(), (nbytes,), (1,))
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    for at in range(0, nbytes, STAGE_CHUNK_BYTES):
-        dev[at : at + STAGE_CHUNK_BYTES].copy_(host[at : at + STAGE_CHUNK_BYTES], non_blocking=True)
+    piece = STAGE_CHUNK_BYTES or max(nbytes, 1)
+    for at in range(0, nbytes, piece):
+        dev[at : at + piece].copy_(host[at : at + piece], non_blocking=True)
     return dev.view(dtype)
 
 
