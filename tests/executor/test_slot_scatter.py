@@ -289,6 +289,10 @@ def test_a_staged_shard_is_copied_in_pieces_and_arrives_whole(monkeypatch):
     assert got.tolist() == list(range(5, 35)) and pieces == [7, 7, 7, 7, 2]
     halves = lora._staged(storage, storage.data_ptr() + 4, 32, torch.device("cpu"), torch.float16)
     assert halves.shape == (16,) and halves.view(torch.uint8).tolist() == list(range(4, 36))
+    monkeypatch.setattr(lora, "STAGE_CHUNK_BYTES", 0)  # 0: one copy (the probe's --stage-piece-mib 0)
+    pieces.clear()
+    whole = lora._staged(storage, storage.data_ptr() + 3, 40, torch.device("cpu"), torch.uint8)
+    assert whole.tolist() == list(range(3, 43)) and pieces == [40]
 
 
 @pytest.mark.parametrize("one_buffer", [True, False], ids=["scatter-plan", "per-tensor"])
