@@ -7,6 +7,7 @@
 #   test:    the executor's and the attention kernels' CUDA tests (graphs, paged attention, the step's
 #            token grouping, cuBLAS's setting, service)
 #   svc:     the engine's part of them only: graphs, cuBLAS's setting, service and MoE tests (after an engine-only change)
+#   graphs:  the graph and cuBLAS tests alone (svc's first part)
 #   parallel: the tensor- and expert-parallel GPU tests (NCCL, one GPU per rank; tp 4 needs 4 GPUs)
 #   load:    the slot-load GPU tests (tests/executor/test_lora.py, test_slot_scatter.py)
 #   lora:    the LoRA kernels' GPU tests (tests/kernels/test_triton_gpu.py, test_split_k_gpu.py, test_pdl_gpu.py;
@@ -99,7 +100,7 @@ if has test; then
     tests/kernels/test_linear_gpu.py tests/executor/test_graphs.py tests/executor/test_cublas.py \
     2>&1 | tee "$OUT/kernel_gpu_tests.log" | tail -8
 fi
-if has svc; then
+if has svc || has graphs; then
   python3 -P -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs tests/executor/test_graphs.py \
     tests/executor/test_cublas.py 2>&1 | tee "$OUT/graph_gpu_tests.log" | tail -4
 fi

@@ -114,6 +114,31 @@ class _StepGraphs:
         self._host = self._hosts[1] if self._host is self._hosts[0] else self._hosts[0]
         self._host_np = self._host.numpy()
 
+    def _upload(self, used: int) -> None:
+        """The step's first `used` inputs host -> device: a copy-engine transfer, or with
+        INPUTS_BY_KERNEL an elementwise kernel reading the pinned buffer through its device mapping
+        (no copy engine: it cannot queue behind a slot load's copy)."""
+        mapped = getattr(self, "_mapped", None)
+        if mapped is None and INPUTS_BY_KERNEL and self.device.type == "cuda":
+            mapped = self._mapped = {h.data_ptr(): _device_view(h) for h in self._hosts}
+        if mapped:
+            torch.add(mapped[self._host.data_ptr()][:used], 0, out=self._dev[:used])
+        else:
+            self._dev[:used].copy_(self._host[:used], non_blocking=True)
+
+
+INPUTS_BY_KERNEL = False  # a step's inputs read by a kernel from their pinned buffer (see _StepGraphs._upload)
+
+
+def _device_view(host: torch.Tensor) -> torch.Tensor:
+    """Page-locked `host` (int32) as a CUDA tensor over the same memory (unified addressing)."""
+
+    class Mapped:
+        __cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i4", "data": (host.data_ptr(), False),
+                                    "version": 3, "strides": None}
+
+    return torch.as_tensor(Mapped(), device="cuda")
+
 
 class DecodeGraphs(_StepGraphs):
     def __init__(self, model, kv: KVCache, max_batch: int, max_model_len: int, max_loras: int, device):
@@ -222,7 +247,7 @@ class DecodeGraphs(_StepGraphs):
         self._swap_hosts()
         self._fill(batch, bucket)
         used = self._tables_at + bucket * self.width  # the block tables come last
-        self._dev[:used].copy_(self._host[:used], non_blocking=True)
+        self._upload(used)
         return bucket, lora
 
     def _fill(self, batch: DecodeBatch, bucket: int) -> None:
@@ -387,7 +412,7 @@ class MixedGraphs(_StepGraphs):
         self._swap_hosts()
         self._fill(batch, bucket)
         used = self._tables_at + len(batch.query_lens) * self.width  # the block tables come last
-        self._dev[:used].copy_(self._host[:used], non_blocking=True)
+        self._upload(used)
         return bucket, lora
 
     def _fill(self, batch: MixedBatch, bucket: int) -> None:

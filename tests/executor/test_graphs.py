@@ -109,11 +109,16 @@ def _eager_decode(model, kv, ids, positions, tables, slots):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("by_kernel", [False, True], ids=["inputs-copied", "inputs-by-kernel"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_graph_replay_equals_the_eager_step(hf_model, dtype, tol):
+def test_graph_replay_equals_the_eager_step(hf_model, dtype, tol, by_kernel, monkeypatch):
     """Ragged contexts across block boundaries, batches padded to their bucket, base rows and
-    adapter rows mixed, and base-only batches (the graph without LoRA): logits as the eager step's."""
+    adapter rows mixed, and base-only batches (the graph without LoRA): logits as the eager step's.
+    by_kernel: the step's inputs read from their pinned buffers by a kernel (graphs.INPUTS_BY_KERNEL)."""
+    from loraserve.executor.engine import graphs as graphs_module
+
     _cuda_or_skip()
+    monkeypatch.setattr(graphs_module, "INPUTS_BY_KERNEL", by_kernel)
     model = _model(hf_model, dtype)
     cfg = model.cfg
     kv = KVCache(cfg.num_layers, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype, "cuda")
@@ -154,6 +159,7 @@ def test_graph_replay_equals_the_eager_step(hf_model, dtype, tol):
             torch.testing.assert_close(g, c[: kv.num_blocks], atol=tol, rtol=tol)
         for c, old in zip(caches, before):
             assert not torch.equal(c[: kv.num_blocks], old[: kv.num_blocks])  # something was written
+    assert bool(getattr(graphs, "_mapped", None)) == by_kernel  # the inputs went the way asked
 
 
 @pytest.mark.gpu
@@ -234,18 +240,22 @@ def test_lora_shrink_on_the_side_stream_equals_one_stream(hf_model, monkeypatch,
     torch.testing.assert_close(forked, one_stream, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("device, max_seqs", [("cpu", 5), ("cpu", 80), pytest.param("cuda", 5, marks=pytest.mark.gpu)])
-def test_mixed_graph_step_equals_the_eager_step(hf_model, device, max_seqs):
+@pytest.mark.parametrize("device, max_seqs, by_kernel", [
+    ("cpu", 5, False), ("cpu", 80, False), pytest.param("cuda", 5, False, marks=pytest.mark.gpu),
+    pytest.param("cuda", 5, True, marks=pytest.mark.gpu, id="cuda-5-inputs-by-kernel")])
+def test_mixed_graph_step_equals_the_eager_step(hf_model, device, max_seqs, by_kernel, monkeypatch):
     """Mixed steps from the static buffer (MixedGraphs: captured on CUDA, run directly on the CPU):
     a decode row, a chunk after cached context that samples nothing, new prompts, adapter and base
     rows, steps padded to their token bucket and to the graphs' sequence count, and a base-only step:
     logits and the K/V written are the eager step's. max_seqs 80: more
     sequences than bucket 64 has tokens, so that bucket's graph computes only 64 rows of logits."""
+    from loraserve.executor.engine import graphs as graphs_module
     from loraserve.executor.engine.graphs import MixedBatch, MixedGraphs
     from loraserve.executor.engine.step import StepInputs, forward_step
 
     if device == "cuda":
         _cuda_or_skip()
+    monkeypatch.setattr(graphs_module, "INPUTS_BY_KERNEL", by_kernel)  # (CUDA only: the CPU copies)
     dtype, tol = (torch.bfloat16, 3e-2) if device == "cuda" else (torch.float32, 1e-4)
     model = _model(hf_model, dtype, device)
     cfg = model.cfg
@@ -295,6 +305,7 @@ def test_mixed_graph_step_equals_the_eager_step(hf_model, device, max_seqs):
             torch.testing.assert_close(g, c[: kv.num_blocks], atol=tol, rtol=tol)
         for seq, q, _, _ in case:
             cached[seq] += q
+    assert bool(getattr(mixed, "_mapped", None)) == by_kernel  # the inputs went the way asked
     with pytest.raises(ValueError, match="sequence of 30 tokens needs more than its 2 blocks"):
         mixed.stage(MixedBatch(rand(30), [30], [0], [[0, 1]], [-1] * 30, [29], [-1]))  # a table too short
 
