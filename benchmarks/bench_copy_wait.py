@@ -54,8 +54,8 @@ def main() -> None:
     if mapped is not None:
         ways["kernel"] = lambda: torch.mul(mapped, 1, out=dst)
 
-    def load(piece: int) -> None:
-        step = piece or load_src.numel()
+    def load(piece_mib: int) -> None:
+        step = (piece_mib << 20) or load_src.numel()
         with torch.cuda.stream(copy_stream):
             for at in range(0, load_src.numel(), step):
                 load_dst[at : at + step].copy_(load_src[at : at + step], non_blocking=True)
