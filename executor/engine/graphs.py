@@ -120,7 +120,12 @@ class _StepGraphs:
         (no copy engine: it cannot queue behind a slot load's copy)."""
         mapped = getattr(self, "_mapped", None)
         if mapped is None and INPUTS_BY_KERNEL and self.device.type == "cuda":
-            mapped = self._mapped = {h.data_ptr(): _device_view(h) for h in self._hosts}
+            try:
+                mapped = {h.data_ptr(): _device_view(h) for h in self._hosts}
+            except Exception as e:  # noqa: BLE001 - no device view of pinned memory here: copy as before
+                log.warning("graph steps copy their inputs: their pinned buffers have no device view (%s)", e)
+                mapped = {}
+            self._mapped = mapped
         if mapped:
             torch.add(mapped[self._host.data_ptr()][:used], 0, out=self._dev[:used])
         else:

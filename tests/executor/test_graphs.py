@@ -115,10 +115,8 @@ def test_graph_replay_equals_the_eager_step(hf_model, dtype, tol, by_kernel, mon
     """Ragged contexts across block boundaries, batches padded to their bucket, base rows and
     adapter rows mixed, and base-only batches (the graph without LoRA): logits as the eager step's.
     by_kernel: the step's inputs read from their pinned buffers by a kernel (graphs.INPUTS_BY_KERNEL)."""
-    from loraserve.executor.engine import graphs as graphs_module
-
     _cuda_or_skip()
-    monkeypatch.setattr(graphs_module, "INPUTS_BY_KERNEL", by_kernel)
+    monkeypatch.setattr(graphs_mod, "INPUTS_BY_KERNEL", by_kernel)
     model = _model(hf_model, dtype)
     cfg = model.cfg
     kv = KVCache(cfg.num_layers, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype, "cuda")
@@ -160,6 +158,29 @@ def test_graph_replay_equals_the_eager_step(hf_model, dtype, tol, by_kernel, mon
         for c, old in zip(caches, before):
             assert not torch.equal(c[: kv.num_blocks], old[: kv.num_blocks])  # something was written
     assert bool(getattr(graphs, "_mapped", None)) == by_kernel  # the inputs went the way asked
+
+
+def test_inputs_by_kernel_falls_back_to_the_copy_where_pinned_memory_has_no_device_view(hf_model, monkeypatch, caplog):
+    """graphs.INPUTS_BY_KERNEL on a host whose pinned input buffers cannot be viewed from the device
+    (here: no CUDA at all, the graphs told they are on one): one warning, and each step's inputs
+    are copied as before, every value arriving."""
+    _, path = hf_model("llama")
+    model = load_hf_checkpoint(path, lora=LoraSpec(MAX_LORAS, RANK, torch.float32))
+    cfg = model.cfg
+    kv = KVCache(cfg.num_layers, 32, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    graphs = DecodeGraphs(model, kv, max_batch=8, max_model_len=32, max_loras=MAX_LORAS, device="cpu")
+    monkeypatch.setattr(graphs_mod, "INPUTS_BY_KERNEL", True)
+    monkeypatch.setattr(graphs_mod, "_device_view", lambda host: (_ for _ in ()).throw(RuntimeError("no UVA")))
+    graphs.device = torch.device("cuda")  # where the mapping is tried
+    with caplog.at_level("WARNING", logger=graphs_mod.__name__):
+        for step in range(2):  # the second step neither retries nor warns again
+            graphs._swap_hosts()
+            graphs._host.copy_(torch.arange(graphs._host.numel(), dtype=torch.int32) + step)
+            graphs._upload(40)
+            assert graphs._dev[:40].tolist() == list(range(step, 40 + step))
+    assert graphs._mapped == {}
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == ["graph steps copy their inputs: their pinned buffers have no device view (no UVA)"]
 
 
 @pytest.mark.gpu
@@ -249,13 +270,12 @@ def test_mixed_graph_step_equals_the_eager_step(hf_model, device, max_seqs, by_k
     rows, steps padded to their token bucket and to the graphs' sequence count, and a base-only step:
     logits and the K/V written are the eager step's. max_seqs 80: more
     sequences than bucket 64 has tokens, so that bucket's graph computes only 64 rows of logits."""
-    from loraserve.executor.engine import graphs as graphs_module
     from loraserve.executor.engine.graphs import MixedBatch, MixedGraphs
     from loraserve.executor.engine.step import StepInputs, forward_step
 
     if device == "cuda":
         _cuda_or_skip()
-    monkeypatch.setattr(graphs_module, "INPUTS_BY_KERNEL", by_kernel)  # (CUDA only: the CPU copies)
+    monkeypatch.setattr(graphs_mod, "INPUTS_BY_KERNEL", by_kernel)  # (CUDA only: the CPU copies)
     dtype, tol = (torch.bfloat16, 3e-2) if device == "cuda" else (torch.float32, 1e-4)
     model = _model(hf_model, dtype, device)
     cfg = model.cfg
