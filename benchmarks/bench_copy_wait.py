@@ -6,8 +6,10 @@ copies share the device's host -> device copy engine, the step's copy can wait b
 Per way of queuing the load (one copy, or pieces of --pieces MiB) and per way of staging the
 inputs (`copy`: `copy_(non_blocking=True)`, a copy-engine transfer as the engine does now;
 `kernel`: an elementwise kernel reading the pinned buffer through its device mapping, no copy
-engine), this prints the input stage's device time (events around it on the forward's stream),
-median and largest of --trials, with the load queued first; and the same with no load beside it.
+engine), this prints, median of --trials with the load queued first (and with no load beside it):
+when the input stage ended, counted from an event recorded on the load's stream before the load
+(the column that shows a wait), and its time between its own events on the forward's stream
+(which a wait of the whole stream does not show: the events wait with it).
 
     python benchmarks/bench_copy_wait.py [--load-mib 320] [--pieces 0,16,4,1] [--trials 20]
 """
@@ -21,17 +23,24 @@ import torch
 
 
 def device_view(host: torch.Tensor) -> torch.Tensor | None:
-    """`host` (page-locked) as a CUDA tensor over the same memory (unified addressing), or None."""
+    """`host` (page-locked int64) as a CUDA tensor over the same memory (unified addressing), or
+    None (reported). As executor/engine/graphs.py's _device_view, for int64 and standalone."""
 
     class Mapped:
         __cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i8", "data": (host.data_ptr(), False),
                                     "version": 3, "strides": None}
 
+    mapped = Mapped()
+    mapped.host = host  # the view's deleter holds `mapped`
     try:
-        return torch.as_tensor(Mapped(), device="cuda")
+        view = torch.as_tensor(mapped)
     except Exception as e:  # noqa: BLE001 - reported, the table goes on without this way
         print(f"(no device view of pinned memory: {e})")
         return None
+    if view.data_ptr() != host.data_ptr() or view.device.type != "cuda":
+        print(f"(the pinned buffer's view is at {view.data_ptr():#x} on {view.device}: not the buffer itself)")
+        return None
+    return view
 
 
 def main() -> None:
@@ -62,6 +71,7 @@ def main() -> None:
 
     def trial(way, piece: int | None) -> tuple[float, float]:
         torch.cuda.synchronize()
+        host.add_(1)  # new inputs each trial: a stale copy of them would fail the check below
         t0 = torch.cuda.Event(enable_timing=True)
         t0.record(copy_stream)
         if piece is not None:
@@ -75,7 +85,7 @@ def main() -> None:
         assert torch.equal(dst.cpu(), host), "the staged inputs differ from the host's"
         return a.elapsed_time(b), t0.elapsed_time(b)
 
-    print(f"| inputs staged by | load beside ({args.load_mib} MiB) | stage, device ms: median / largest "
+    print(f"| inputs staged by | load beside ({args.load_mib} MiB) | stage between its own events, ms: median / largest "
           f"| stage ended after the load's start, ms: median |\n|---|---|---|---|")
     for way_name, way in ways.items():
         for piece in [None] + [int(p) for p in args.pieces.split(",")]:

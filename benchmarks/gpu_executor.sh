@@ -236,7 +236,7 @@ if has pieces; then
     echo "== staged copy in pieces of $p MiB (0: whole)" | tee -a "$OUT/pieces.log"
     PYTHONSAFEPATH=1 python3 -P benchmarks/serve.py $tok_flag --shape llama3-8b --max-loras 64 --probe --cpu-cache-bytes $((16 << 30)) \
       --stage-piece-mib "$p" ${PIECES_ARGS:---probe-loads 5} 2>>"$OUT/pieces.err" \
-      | grep "^| rank 64\|^| 4 cold\|pinned" | tee -a "$OUT/pieces.log" || tail -30 "$OUT/pieces.err"
+      | grep "^serve benchmark\|^| rank 64\|^| 4 cold\|pinned" | tee -a "$OUT/pieces.log" || tail -30 "$OUT/pieces.err"
   done
 fi
 if has h2d; then

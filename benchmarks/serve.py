@@ -68,7 +68,8 @@ import step_trace  # noqa: E402 - the profiler window of --profile
 
 from loraserve.executor import cublas, lora  # noqa: E402
 from loraserve.executor.config import ExecutorConfig  # noqa: E402
-from loraserve.executor.engine import graphs, slow_steps  # noqa: E402
+from loraserve.executor.engine import graphs as step_graphs  # noqa: E402
+from loraserve.executor.engine import slow_steps  # noqa: E402
 from loraserve.executor.engine.engine import Engine, GenerationRequest  # noqa: E402
 from loraserve.executor.engine.kv_cache import KVCache  # noqa: E402
 from loraserve.executor.engine.sampler import SamplingParams  # noqa: E402
@@ -990,8 +991,9 @@ def main() -> None:
                     help="a cold load's staged host -> device copy in pieces of this many MiB (0: one copy; "
                          "default: the executor's, lora.STAGE_CHUNK_BYTES)")
     ap.add_argument("--inputs-by-kernel", action="store_true",
-                    help="graph steps read their inputs from pinned memory by a kernel, not a copy-engine transfer "
-                         "(graphs.INPUTS_BY_KERNEL)")
+                    help="CUDA graph steps read their inputs from pinned memory by a kernel, not a copy-engine "
+                         "transfer (graphs.INPUTS_BY_KERNEL; where the pinned buffers have no device view, the "
+                         "executor warns once and copies)")
     ap.add_argument("--profile-load", type=Path, metavar="FILE",
                     help="with --probe: cProfile switched on over each cold load's acquire (the slot's claim, "
                          "the copy call when the loop makes it, the event; from Python 3.12 whatever other "
@@ -1008,10 +1010,10 @@ def main() -> None:
     if args.profile_load and args.trace_load:
         ap.error("--profile-load and --trace-load each time the same cold loads: run one at a time")
     if args.stage_piece_mib is not None:
-        if args.stage_piece_mib < 0:
-            ap.error("--stage-piece-mib: a size in MiB, 0 or more")
+        if args.stage_piece_mib < 0 or 0 < args.stage_piece_mib * 2**20 < 1:
+            ap.error("--stage-piece-mib: a size in MiB, 0 (one copy) or at least one byte")
         lora.STAGE_CHUNK_BYTES = int(args.stage_piece_mib * 2**20)
-    graphs.INPUTS_BY_KERNEL = args.inputs_by_kernel
+    step_graphs.INPUTS_BY_KERNEL = args.inputs_by_kernel
     bench_engine.DEVICE = args.device
     bench_engine.DTYPE = torch.bfloat16 if args.device == "cuda" else torch.float32
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1035,9 +1037,9 @@ def main() -> None:
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\nserve benchmark - {args.shape} shape, random {str(bench_engine.DTYPE).removeprefix('torch.')} weights, {where}, "
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; packed B: {'on' if bench_engine.packs_b(args.packed_b) else 'off'}"
-          + ("" if not args.probe else f"; staged copy in {lora.STAGE_CHUNK_BYTES / 2**20:g} MiB pieces"
-             if lora.STAGE_CHUNK_BYTES else "; staged copy whole")
-          + ("; step inputs read by a kernel" if args.inputs_by_kernel else ""))
+          + (f"; cold loads' staged copy in {lora.STAGE_CHUNK_BYTES / 2**20:g} MiB pieces" if lora.STAGE_CHUNK_BYTES
+             else "; cold loads' staged copy whole")
+          + ("; step inputs by a kernel asked (a fallback to the copy is logged)" if args.inputs_by_kernel else ""))
     if args.probe:
         print("| case | time | size | note |\n|---|---|---|---|")
     else:

@@ -734,7 +734,9 @@ STAGE_CHUNK_BYTES = 16 << 20  # a staged shard's host -> device copy in pieces o
 
 def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device, dtype: torch.dtype):
     """The `nbytes` of host `storage` from address lo, copied to `device` in STAGE_CHUNK_BYTES pieces
-    (async from pinned memory; a step's own small copies wait behind one piece, not the shard). The
+    (0: one copy; async from pinned memory; meant to let a step's own small copies wait behind one
+    piece, not the shard: a step's copy waits behind a whole single copy, but whether pieces end
+    that is not measured yet, docs/BENCHMARKS.md thirty-first pass). The
     caching allocator reuses the buffer only for work queued after the scatter on the current
     stream, so it is freed when the caller drops it."""
     if not storage.data_ptr() <= lo <= lo + nbytes <= storage.data_ptr() + storage.nbytes():

@@ -5,7 +5,8 @@ kernel exceeds the GPU's time at small batches, so the step is host-bound (docs/
 Replaying a captured graph launches them all at once.
 
 Every per-step input lives in one static int32 device buffer that the graphs read, filled from
-one pinned host buffer by one host->device copy per step:
+one pinned host buffer by one host->device copy per step (or, with INPUTS_BY_KERNEL, by a kernel
+reading that buffer through its device mapping):
 
     [ids | positions | slot mapping | seq_lens | LoRA slots | sources]  each max_batch long, then
     [slot ranks]                                                        max_loras, then
@@ -96,8 +97,8 @@ def shrink_floats_per_token(model) -> int:
 
 class _StepGraphs:
     """What decode and mixed graphs share: replaying a captured (bucket, LoRA) graph, and the two
-    pinned host buffers staged in turn (the engine stages step N+1 while step N's copy may still be
-    queued; step N+2 reuses N's buffer only after N's tokens were collected)."""
+    pinned host buffers staged in turn (the engine stages step N+1 while step N's copy, or read,
+    may still be queued; step N+2 reuses N's buffer only after N's tokens were collected)."""
 
     device: torch.device
     _graphs: dict
@@ -117,16 +118,17 @@ class _StepGraphs:
     def _upload(self, used: int) -> None:
         """The step's first `used` inputs host -> device: a copy-engine transfer, or with
         INPUTS_BY_KERNEL an elementwise kernel reading the pinned buffer through its device mapping
-        (no copy engine: it cannot queue behind a slot load's copy)."""
+        (no copy-engine transfer that could queue behind a slot load's copy; whether that ends a
+        step's wait beside a cold load is not measured yet: docs/BENCHMARKS.md, thirty-first pass)."""
         mapped = getattr(self, "_mapped", None)
         if mapped is None and INPUTS_BY_KERNEL and self.device.type == "cuda":
             try:
-                mapped = {h.data_ptr(): _device_view(h) for h in self._hosts}
+                mapped = {h.data_ptr(): _device_view(h, self._dev.device) for h in self._hosts}
             except Exception as e:  # noqa: BLE001 - no device view of pinned memory here: copy as before
                 log.warning("graph steps copy their inputs: their pinned buffers have no device view (%s)", e)
                 mapped = {}
             self._mapped = mapped
-        if mapped:
+        if INPUTS_BY_KERNEL and mapped:
             torch.add(mapped[self._host.data_ptr()][:used], 0, out=self._dev[:used])
         else:
             self._dev[:used].copy_(self._host[:used], non_blocking=True)
@@ -135,14 +137,24 @@ class _StepGraphs:
 INPUTS_BY_KERNEL = False  # a step's inputs read by a kernel from their pinned buffer (see _StepGraphs._upload)
 
 
-def _device_view(host: torch.Tensor) -> torch.Tensor:
-    """Page-locked `host` (int32) as a CUDA tensor over the same memory (unified addressing)."""
+def _device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Page-locked int32 `host` as a tensor of `device` over the same memory (unified addressing).
+    ValueError unless it is that: torch would copy a view it places on another GPU, and a copy
+    would hold the first step's inputs for ever."""
+    if host.dtype != torch.int32:
+        raise ValueError(f"the step inputs' host buffer is {host.dtype}, not int32")
 
     class Mapped:
         __cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i4", "data": (host.data_ptr(), False),
                                     "version": 3, "strides": None}
 
-    return torch.as_tensor(Mapped(), device="cuda")
+    mapped = Mapped()
+    mapped.host = host  # the view's deleter holds `mapped`: the buffer outlives the view
+    view = torch.as_tensor(mapped)
+    if view.data_ptr() != host.data_ptr() or view.device != device:
+        raise ValueError(f"the pinned buffer's view is at {view.data_ptr():#x} on {view.device}, not at "
+                         f"{host.data_ptr():#x} on {device}")
+    return view
 
 
 class DecodeGraphs(_StepGraphs):

@@ -158,6 +158,16 @@ def test_graph_replay_equals_the_eager_step(hf_model, dtype, tol, by_kernel, mon
         for c, old in zip(caches, before):
             assert not torch.equal(c[: kv.num_blocks], old[: kv.num_blocks])  # something was written
     assert bool(getattr(graphs, "_mapped", None)) == by_kernel  # the inputs went the way asked
+    for h in graphs._hosts if by_kernel else ():  # each a view of its pinned buffer, not a copy of it
+        assert graphs._mapped[h.data_ptr()].data_ptr() == h.data_ptr()
+
+
+def test_a_device_view_of_a_buffer_not_int32_is_refused():
+    """graphs._device_view maps only the step inputs' int32 buffers (a view read as another dtype
+    would feed the graphs wrong ids); its other refusal, a view torch places on another GPU or at
+    other memory, needs a CUDA host: the GPU graph tests check their views are the buffers themselves."""
+    with pytest.raises(ValueError, match="host buffer is torch.int64, not int32"):
+        graphs_mod._device_view(torch.zeros(4, dtype=torch.int64), torch.device("cuda", 0))
 
 
 def test_inputs_by_kernel_falls_back_to_the_copy_where_pinned_memory_has_no_device_view(hf_model, monkeypatch, caplog):
@@ -170,7 +180,7 @@ def test_inputs_by_kernel_falls_back_to_the_copy_where_pinned_memory_has_no_devi
     kv = KVCache(cfg.num_layers, 32, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     graphs = DecodeGraphs(model, kv, max_batch=8, max_model_len=32, max_loras=MAX_LORAS, device="cpu")
     monkeypatch.setattr(graphs_mod, "INPUTS_BY_KERNEL", True)
-    monkeypatch.setattr(graphs_mod, "_device_view", lambda host: (_ for _ in ()).throw(RuntimeError("no UVA")))
+    monkeypatch.setattr(graphs_mod, "_device_view", lambda host, device: (_ for _ in ()).throw(RuntimeError("no UVA")))
     graphs.device = torch.device("cuda")  # where the mapping is tried
     with caplog.at_level("WARNING", logger=graphs_mod.__name__):
         for step in range(2):  # the second step neither retries nor warns again
@@ -326,6 +336,8 @@ def test_mixed_graph_step_equals_the_eager_step(hf_model, device, max_seqs, by_k
         for seq, q, _, _ in case:
             cached[seq] += q
     assert bool(getattr(mixed, "_mapped", None)) == by_kernel  # the inputs went the way asked
+    for h in mixed._hosts if by_kernel else ():  # each a view of its pinned buffer, not a copy of it
+        assert mixed._mapped[h.data_ptr()].data_ptr() == h.data_ptr()
     with pytest.raises(ValueError, match="sequence of 30 tokens needs more than its 2 blocks"):
         mixed.stage(MixedBatch(rand(30), [30], [0], [[0, 1]], [-1] * 30, [29], [-1]))  # a table too short
 
