@@ -6,13 +6,13 @@ forward itself; every rank runs the same `forward_step` on its shard of the weig
 others in the layers' collectives (executor/parallel.py). Ranks 1..N-1 are processes that rank 0
 spawns, each with a duplex pipe to it:
 
-    rank 0 -> rank i:  ("step", StepInputs) | ("fetch", id, name, digest) | ("cancel", id) | ("state", id) | ("stop",)
+    rank 0 -> rank i:  ("step", StepInputs) | ("fetch", id, name, digest) | ("cancel", id, why) | ("state", id) | ("stop",)
     rank i -> rank 0:  ("ready",) | ("reply", id, result, error)
 
-A "cancel" tells a rank that its fetch is no longer needed: nobody waits for the adapter any more
-(rank 0's STILL_WANTED said so), or another rank's fetch of it failed. The rank's store client
-stops asking a store that refuses it as busy and the fetch replies CANCELLED, as rank 0's own
-fetch would (store_client.py).
+A "cancel" tells a rank that its fetch is no longer needed, and why: nobody waits for the adapter
+any more (rank 0's STILL_WANTED said so), another rank's fetch of it failed, or the load was called
+off. The rank's store client stops asking a store that refuses it as busy and the fetch replies
+CANCELLED with that reason, as rank 0's own fetch would (store_client.py).
 
 Slot state is decided on rank 0 alone: a step names, for every slot it uses, the adapter version
 in it (`StepInputs.slot_adapters`), and a rank whose slot holds another copies that version's shard
@@ -265,18 +265,18 @@ class TPRanks:
                     first_failed = futures.index(failed[0])
                     log.info("%s of %r: %s rank %d failed; rank(s) %s told to stop", message[0], message[1], self.role,
                              first_failed + 1, ", ".join(str(r) for (r, _), f in zip(ops, futures) if f in waiting))
-                    self._cancel(ops, futures)
+                    self._cancel(ops, futures, f"{self.role} rank {first_failed + 1}'s fetch of it failed")
                     break
                 if waiting and wanted is not None and not wanted():
                     log.info("%s of %r: nobody waits for it any more; %s rank(s) %s told to stop if the store "
                              "refuses them as busy", message[0], message[1], self.role,
                              ", ".join(str(r) for (r, _), f in zip(ops, futures) if f in waiting))
-                    self._cancel(ops, futures)
+                    self._cancel(ops, futures, "no request waits for it any more")
                     told_to_stop = True
                     break
             replies = await asyncio.gather(*futures)
         except asyncio.CancelledError:  # the caller gave up: so do the ranks still at it
-            self._cancel(ops, futures)
+            self._cancel(ops, futures, "its load was called off")
             raise
         order = list(enumerate(replies, start=1))
         if first_failed is not None:  # the rank whose error ended the ask, before the others told to stop
@@ -289,12 +289,13 @@ class TPRanks:
                 raise failed
         return [result for result, _ in replies]
 
-    def _cancel(self, ops: list[tuple[int, int]], futures: list[asyncio.Future]) -> None:
-        """Sends "cancel" to each rank whose op has not replied (a late one finds nothing to cancel)."""
+    def _cancel(self, ops: list[tuple[int, int]], futures: list[asyncio.Future], why: str) -> None:
+        """Sends "cancel" (and why) to each rank whose op has not replied (a late one finds nothing
+        to cancel)."""
         for (rank, op_id), future in zip(ops, futures):
             if not future.done() or future.cancelled():
                 try:
-                    self._send(rank, ("cancel", op_id))
+                    self._send(rank, ("cancel", op_id, why))
                 except OSError:  # the rank has gone: the watchdog reports it
                     pass
 
@@ -343,6 +344,22 @@ def worker_main(cfg: ExecutorConfig, rank: int, store_port: int, conn, log_level
     os._exit(0)  # nothing left to clean up; a normal exit could wait on the process group's threads
 
 
+class _StillWanted:
+    """A rank's STILL_WANTED for one fetch: true until rank 0's "cancel", whose reason is then `why`
+    (the store client names it in its CANCELLED error and its log line)."""
+
+    def __init__(self) -> None:
+        self._stopped = threading.Event()
+        self.why: str | None = None
+
+    def __call__(self) -> bool:
+        return not self._stopped.is_set()
+
+    def stop(self, why: str) -> None:
+        self.why = why  # before the event: whoever sees it set reads the reason
+        self._stopped.set()
+
+
 class _Rank:
     def __init__(self, cfg: ExecutorConfig, rank: int, store_port: int, conn):
         if cfg.cpu_threads > 0:
@@ -370,7 +387,7 @@ class _Rank:
         self.shards: OrderedDict[tuple[str, str], dict[str, torch.Tensor]] = OrderedDict()  # host copies, LRU
         self.shards_lock = threading.Lock()
         self.steps: queue.Queue = queue.Queue()
-        self.cancels: dict[int, threading.Event] = {}  # fetches in flight by op id: set once rank 0 says "cancel"
+        self.cancels: dict[int, _StillWanted] = {}  # fetches in flight by op id: stopped once rank 0 says "cancel"
         self.send_lock = threading.Lock()
         self.loop = asyncio.new_event_loop()  # the store client's
         threading.Thread(target=self.loop.run_forever, name="store-client", daemon=True).start()
@@ -419,16 +436,16 @@ class _Rank:
             elif kind == "stop":
                 self.steps.put(None)
             elif kind == "fetch":
-                cancelled = self.cancels[message[1]] = threading.Event()  # before any "cancel" of it is read
+                cancelled = self.cancels[message[1]] = _StillWanted()  # before any "cancel" of it is read
                 asyncio.run_coroutine_threadsafe(self._fetch_op(*message[1:], cancelled), self.loop)
             elif kind == "cancel":
                 if (cancelled := self.cancels.get(message[1])) is not None:  # else: that fetch has replied
-                    cancelled.set()
+                    cancelled.stop(message[2])
             elif kind == "state":
                 self._send(("reply", message[1], self._state(), None))
 
-    async def _fetch_op(self, op_id: int, name: str, digest: str, cancelled: threading.Event) -> None:
-        STILL_WANTED.set(lambda: not cancelled.is_set())  # this task's own context: a busy store is asked again only while so
+    async def _fetch_op(self, op_id: int, name: str, digest: str, cancelled: "_StillWanted") -> None:
+        STILL_WANTED.set(cancelled)  # this task's own context: a busy store is asked again only while so
         try:
             await self._fetch(name, digest)
             self._send(("reply", op_id, None, None))

@@ -52,7 +52,8 @@ CHUNK_BYTES = 1 << 20  # FetchShard's chunk size asked for
 # Whether the adapter a fetch is for is still wanted, set by the caller around the fetch (the CPU
 # cache: executor/cpu_cache.py): a fetch the store keeps refusing as busy stops asking once nobody
 # waits for it (CANCELLED), instead of holding its load seat for up to BUSY_RETRY_S. Tensor- and
-# expert-parallel ranks 1..N-1 set it from rank 0's "cancel" message (executor/ranks.py).
+# expert-parallel ranks 1..N-1 set it from rank 0's "cancel" message (executor/ranks.py); a callable
+# with a `why` (a string, once it says no) names the reason in the CANCELLED error and the log.
 STILL_WANTED: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("fetch_still_wanted", default=None)
 HUGE_PAGE_MIN = 4 << 20
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -231,10 +232,12 @@ class StoreClient:
                 self._unless_unwanted(name)  # (its request may have left during the pause)
 
     def _unless_unwanted(self, name: str) -> None:
-        """CANCELLED when the caller's STILL_WANTED says nobody waits for the adapter any more."""
+        """CANCELLED when the caller's STILL_WANTED says nobody waits for the adapter any more (or
+        its `why` gives another reason, e.g. another rank's fetch of it failed)."""
         if (wanted := STILL_WANTED.get()) is not None and not wanted():
-            log.info("%r: no request waits for it any more; not asking the busy store at %s again", name, self.address)
-            raise StatusError(grpc.StatusCode.CANCELLED, f"adapter {name!r}: no request waits for it any more; not "
+            why = getattr(wanted, "why", None) or "no request waits for it any more"
+            log.info("%r: %s; not asking the busy store at %s again", name, why, self.address)
+            raise StatusError(grpc.StatusCode.CANCELLED, f"adapter {name!r}: {why}; not "
                                                          f"fetched (the store at {self.address} was busy)")
 
     async def _stream(self, name: str, digest: str, verify: bool) -> tuple[spb.ShardHeader, torch.Tensor]:

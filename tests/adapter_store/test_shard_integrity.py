@@ -834,15 +834,18 @@ def test_the_executors_client_gives_up_on_a_store_busy_past_its_retry_budget(cap
     assert 0.8 <= float(re.search(r"busy for (\d+\.\d)s", error.message).group(1)) < 5
 
 
-def test_the_executors_client_stops_asking_a_busy_store_once_nobody_wants_the_adapter(capped_store):
+@pytest.mark.parametrize("why", [None, "tensor-parallel rank 2's fetch of it failed"], ids=["left", "rank-0-says-why"])
+def test_the_executors_client_stops_asking_a_busy_store_once_nobody_wants_the_adapter(capped_store, why):
     """A fetch the store keeps refusing as busy ends CANCELLED at its next ask once its caller's
     STILL_WANTED says no (the CPU cache: every request for the adapter has left), instead of asking
-    for up to 30 s while it holds a load seat."""
+    for up to 30 s while it holds a load seat. why: a tensor-parallel rank's STILL_WANTED, stopped
+    by rank 0's "cancel" with its reason, which the error then names."""
+    from loraserve.executor.ranks import _StillWanted
     from loraserve.executor.store_client import STILL_WANTED
 
     s = capped_store
     req = spb.FetchShardRequest(name="a", layout=layout(), xxh3=True)
-    wanted = [True]
+    wanted, rank_wanted = [True], _StillWanted()
 
     async def run():
         client = _executor_client(s.address)
@@ -853,13 +856,14 @@ def test_the_executors_client_stops_asking_a_busy_store_once_nobody_wants_the_ad
                 assert (await holder.read()).HasField("header")
 
                 async def fetch():
-                    STILL_WANTED.set(lambda: wanted[0])
+                    STILL_WANTED.set(rank_wanted if why else lambda: wanted[0])
                     return await client.fetch_shard("a")
 
                 task = asyncio.ensure_future(fetch())
                 await asyncio.sleep(0.8)
                 assert not task.done()  # refused, asking again
                 wanted[0] = False
+                rank_wanted.stop(why)
                 t0 = time.monotonic()
                 with pytest.raises(StatusError) as e:
                     await asyncio.wait_for(task, 10)
@@ -873,7 +877,7 @@ def test_the_executors_client_stops_asking_a_busy_store_once_nobody_wants_the_ad
     error, took = s.lt.run(run(), 60)
     assert (error.code, error.message) == (
         grpc.StatusCode.CANCELLED,
-        f"adapter 'a': no request waits for it any more; not fetched (the store at {s.address} was busy)")
+        f"adapter 'a': {why or 'no request waits for it any more'}; not fetched (the store at {s.address} was busy)")
     assert took < 3  # at its next ask (one 0.3 s wait and a pause), not after the 30 s budget
 
 

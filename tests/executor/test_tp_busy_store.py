@@ -172,13 +172,15 @@ def store_fails_tp_rank_2(monkeypatch):
 
 
 @pytest.mark.parametrize("busy_cluster", [4], indirect=True, ids=["tp4"])
-def test_a_rank_that_fails_stops_the_others_asking_a_busy_store(store_fails_tp_rank_2, busy_cluster, caplog):
+def test_a_rank_that_fails_stops_the_others_asking_a_busy_store(store_fails_tp_rank_2, busy_cluster, caplog, monkeypatch):
     """tp 4: rank 2's fetch fails at once while ranks 1 and 3 are refused by the busy store. The
     load has failed, so rank 0 tells ranks 1 and 3 to stop, and the fetch fails with rank 2's error
     within a refused ask and a pause, not when the others' 30 s busy budget runs out (and not with
-    their busy answer); the store serves the next stream."""
+    their busy answer), each told why; the store serves the next stream."""
     c = busy_cluster
     parts = c.parts
+    sent, send = [], parts.ranks._send
+    monkeypatch.setattr(parts.ranks, "_send", lambda rank, message: sent.append((rank, message)) or send(rank, message))
 
     async def run():
         async with fetching_while_held(c, [True]) as task:
@@ -193,6 +195,8 @@ def test_a_rank_that_fails_stops_the_others_asking_a_busy_store(store_fails_tp_r
     assert error.message == "tensor-parallel rank 2: tp rank 2's shard of 'a' is broken here"
     assert took < BUSY_BACKOFF_MAX_S * 1.25 + BUSY_WAIT_S + 2  # ranks 1 and 3 stopped at their next ask
     assert "fetch of 'a': tensor-parallel rank 2 failed; rank(s) 1, 3 told to stop" in caplog.messages
+    cancels = [(rank, m[2]) for rank, m in sent if m[0] == "cancel"]
+    assert cancels == [(1, "tensor-parallel rank 2's fetch of it failed"), (3, "tensor-parallel rank 2's fetch of it failed")]
     states = c.lt.run(parts.ranks.states())
     assert all(not s["shards"] for s in states)  # no rank kept a shard of the failed fetch
     assert c.lt.run(parts.ranks.fetching(parts.store.fetch_shard)("b"), 30)[0] == c.store_client().get("b").digest
