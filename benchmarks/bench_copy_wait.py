@@ -12,6 +12,7 @@ when the input stage ended, counted from an event recorded on the load's stream 
 (which a wait of the whole stream does not show: the events wait with it).
 
     python benchmarks/bench_copy_wait.py [--load-mib 320] [--pieces 0,16,4,1] [--trials 20]
+    (or `bash benchmarks/gpu_executor.sh OUT_DIR copywait`, which puts the package on the path)
 """
 
 from __future__ import annotations
@@ -23,24 +24,15 @@ import torch
 
 
 def device_view(host: torch.Tensor) -> torch.Tensor | None:
-    """`host` (page-locked int64) as a CUDA tensor over the same memory (unified addressing), or
-    None (reported). As executor/engine/graphs.py's _device_view, for int64 and standalone."""
+    """Pinned int32 `host` as a CUDA tensor over the same memory (the engine's own mapping,
+    executor/engine/graphs.py), or None, reported."""
+    from loraserve.executor.engine.graphs import _device_view
 
-    class Mapped:
-        __cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i8", "data": (host.data_ptr(), False),
-                                    "version": 3, "strides": None}
-
-    mapped = Mapped()
-    mapped.host = host  # the view's deleter holds `mapped`
     try:
-        view = torch.as_tensor(mapped)
+        return _device_view(host, torch.device("cuda", torch.cuda.current_device()))
     except Exception as e:  # noqa: BLE001 - reported, the table goes on without this way
         print(f"(no device view of pinned memory: {e})")
         return None
-    if view.data_ptr() != host.data_ptr() or view.device.type != "cuda":
-        print(f"(the pinned buffer's view is at {view.data_ptr():#x} on {view.device}: not the buffer itself)")
-        return None
-    return view
 
 
 def main() -> None:
@@ -54,9 +46,9 @@ def main() -> None:
         raise SystemExit("bench_copy_wait.py runs on a CUDA host")
     load_src = torch.empty(args.load_mib << 20, dtype=torch.uint8).pin_memory()
     load_dst = torch.empty_like(load_src, device="cuda")
-    n = (args.inputs_kib << 10) // 8
-    host = torch.arange(n, dtype=torch.int64).pin_memory()
-    dst = torch.empty(n, dtype=torch.int64, device="cuda")
+    n = (args.inputs_kib << 10) // 4  # int32, as the engine's step inputs
+    host = torch.arange(n, dtype=torch.int32).pin_memory()
+    dst = torch.empty(n, dtype=torch.int32, device="cuda")
     mapped = device_view(host)
     copy_stream, fwd = torch.cuda.Stream(), torch.cuda.Stream()
     ways = {"copy": lambda: dst.copy_(host, non_blocking=True)}

@@ -54,6 +54,8 @@
 #   pieces:  the probe once per entry of PIECES (comma list of serve.py --stage-piece-mib values, default
 #            "0,16,4,0,16,4": a cold load's staged copy whole, in 16 MiB and in 4 MiB pieces; PIECES_ARGS
 #            replaces "--probe-loads 5"): the cold-delay trials and the rank-64 cold load, per piece size
+#   copywait: benchmarks/bench_copy_wait.py: a step's small input copy beside a slot load's copy (one copy
+#            or pieces), copied or read by a kernel
 #   h2d:     benchmarks/bench_h2d_call.py: the host time of queuing one host -> device copy, by source memory
 #   forkjoin: benchmarks/bench_fork_join.py: a side stream's fork and join inside a CUDA graph, at the o
 #            (4096 x 4096) and gate/up (28672 x 4096) shapes
@@ -238,6 +240,9 @@ if has pieces; then
       --stage-piece-mib "$p" ${PIECES_ARGS:---probe-loads 5} 2>>"$OUT/pieces.err" \
       | grep "^serve benchmark\|^| rank 64\|^| 4 cold\|pinned" | tee -a "$OUT/pieces.log" || tail -30 "$OUT/pieces.err"
   done
+fi
+if has copywait; then
+  python3 -P benchmarks/bench_copy_wait.py 2>&1 | tee "$OUT/copy_wait.log" | tail -14
 fi
 if has h2d; then
   python3 -P benchmarks/bench_h2d_call.py 2>&1 | tee "$OUT/h2d.log" | tail -40

@@ -103,6 +103,7 @@ class _StepGraphs:
     device: torch.device
     _graphs: dict
     _hosts: list[torch.Tensor]
+    _mapped: dict[int, torch.Tensor] | None = None  # INPUTS_BY_KERNEL: each host buffer's device view
 
     def _replay(self, bucket: int, lora: bool) -> None:
         if self.device.type != "cuda":  # nothing captured: the same step, run directly (tests use it)
@@ -120,7 +121,7 @@ class _StepGraphs:
         INPUTS_BY_KERNEL an elementwise kernel reading the pinned buffer through its device mapping
         (no copy-engine transfer that could queue behind a slot load's copy; whether that ends a
         step's wait beside a cold load is not measured yet: docs/BENCHMARKS.md, thirty-first pass)."""
-        mapped = getattr(self, "_mapped", None)
+        mapped = self._mapped
         if mapped is None and INPUTS_BY_KERNEL and self.device.type == "cuda":
             try:
                 mapped = {h.data_ptr(): _device_view(h, self._dev.device) for h in self._hosts}
