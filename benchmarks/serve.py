@@ -990,10 +990,10 @@ def main() -> None:
     ap.add_argument("--stage-piece-mib", type=float, metavar="MIB",
                     help="a cold load's staged host -> device copy in pieces of this many MiB (0: one copy; "
                          "default: the executor's, lora.STAGE_CHUNK_BYTES)")
-    ap.add_argument("--inputs-by-kernel", action="store_true",
-                    help="CUDA graph steps read their inputs from pinned memory by a kernel, not a copy-engine "
-                         "transfer (graphs.INPUTS_BY_KERNEL; where the pinned buffers have no device view, the "
-                         "executor warns once and copies)")
+    ap.add_argument("--step-inputs", choices=("kernel", "copy"), default="kernel",
+                    help="how CUDA graph steps take their inputs from pinned memory: read by a kernel (the "
+                         "executor's default, graphs.INPUTS_BY_KERNEL; where the pinned buffers have no device "
+                         "view, it warns once and copies) or a copy-engine transfer (before the thirty-second pass)")
     ap.add_argument("--profile-load", type=Path, metavar="FILE",
                     help="with --probe: cProfile switched on over each cold load's acquire (the slot's claim, "
                          "the copy call when the loop makes it, the event; from Python 3.12 whatever other "
@@ -1013,7 +1013,7 @@ def main() -> None:
         if args.stage_piece_mib < 0 or 0 < args.stage_piece_mib * 2**20 < 1:
             ap.error("--stage-piece-mib: a size in MiB, 0 (one copy) or at least one byte")
         lora.STAGE_CHUNK_BYTES = int(args.stage_piece_mib * 2**20)
-    step_graphs.INPUTS_BY_KERNEL = args.inputs_by_kernel
+    step_graphs.INPUTS_BY_KERNEL = args.step_inputs == "kernel"
     bench_engine.DEVICE = args.device
     bench_engine.DTYPE = torch.bfloat16 if args.device == "cuda" else torch.float32
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1039,7 +1039,8 @@ def main() -> None:
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; packed B: {'on' if bench_engine.packs_b(args.packed_b) else 'off'}"
           + (f"; cold loads' staged copy in {lora.STAGE_CHUNK_BYTES / 2**20:g} MiB pieces" if lora.STAGE_CHUNK_BYTES
              else "; cold loads' staged copy whole")
-          + ("; step inputs by a kernel asked (a fallback to the copy is logged)" if args.inputs_by_kernel else ""))
+          + ("; step inputs read by a kernel (a fallback to the copy is logged)" if step_graphs.INPUTS_BY_KERNEL
+             else "; step inputs copied"))
     if args.probe:
         print("| case | time | size | note |\n|---|---|---|---|")
     else:

@@ -729,14 +729,15 @@ def shard_signature(tensors: dict[str, torch.Tensor]):
     return found
 
 
-STAGE_CHUNK_BYTES = 16 << 20  # a staged shard's host -> device copy in pieces of this size (0: one copy)
+STAGE_CHUNK_BYTES = 0  # a staged shard's host -> device copy in pieces of this size (0: one copy)
 
 
 def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device, dtype: torch.dtype):
     """The `nbytes` of host `storage` from address lo, copied to `device` in STAGE_CHUNK_BYTES pieces
-    (0: one copy; async from pinned memory; meant to let a step's own small copies wait behind one
-    piece, not the shard: a step's copy waits behind a whole single copy, but whether pieces end
-    that is not measured yet, docs/BENCHMARKS.md thirty-first pass). The
+    (0, the default: one copy; async from pinned memory). Pieces were meant to let a step's own small
+    copies wait behind one piece, not the shard; on a CUDA host they did not (a small copy queued
+    on another stream ended with the last piece, however small), and the step now reads its inputs
+    by a kernel instead (graphs.INPUTS_BY_KERNEL; docs/BENCHMARKS.md, thirty-second pass). The
     caching allocator reuses the buffer only for work queued after the scatter on the current
     stream, so it is freed when the caller drops it."""
     if not storage.data_ptr() <= lo <= lo + nbytes <= storage.data_ptr() + storage.nbytes():

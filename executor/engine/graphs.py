@@ -5,8 +5,8 @@ kernel exceeds the GPU's time at small batches, so the step is host-bound (docs/
 Replaying a captured graph launches them all at once.
 
 Every per-step input lives in one static int32 device buffer that the graphs read, filled from
-one pinned host buffer by one host->device copy per step (or, with INPUTS_BY_KERNEL, by a kernel
-reading that buffer through its device mapping):
+one pinned host buffer per step by a kernel reading that buffer through its device mapping
+(INPUTS_BY_KERNEL, the default; or by one host->device copy where the mapping is refused):
 
     [ids | positions | slot mapping | seq_lens | LoRA slots | sources]  each max_batch long, then
     [slot ranks]                                                        max_loras, then
@@ -117,10 +117,12 @@ class _StepGraphs:
         self._host_np = self._host.numpy()
 
     def _upload(self, used: int) -> None:
-        """The step's first `used` inputs host -> device: a copy-engine transfer, or with
-        INPUTS_BY_KERNEL an elementwise kernel reading the pinned buffer through its device mapping
-        (no copy-engine transfer that could queue behind a slot load's copy; whether that ends a
-        step's wait beside a cold load is not measured yet: docs/BENCHMARKS.md, thirty-first pass)."""
+        """The step's first `used` inputs host -> device. With INPUTS_BY_KERNEL (the default) an
+        elementwise kernel reads the pinned buffer through its device mapping: a copy-engine
+        transfer would queue behind a slot load's copy (on one CUDA host, a 16 KiB input copy
+        beside a 320 MiB load's ended with the load, 6.1 ms; read by a kernel, 0.15 ms), so a step
+        beside a cold load took one load longer (docs/BENCHMARKS.md, thirty-second pass). Where the
+        mapping is refused, and on the CPU, a copy."""
         mapped = self._mapped
         if mapped is None and INPUTS_BY_KERNEL and self.device.type == "cuda":
             try:
@@ -135,7 +137,7 @@ class _StepGraphs:
             self._dev[:used].copy_(self._host[:used], non_blocking=True)
 
 
-INPUTS_BY_KERNEL = False  # a step's inputs read by a kernel from their pinned buffer (see _StepGraphs._upload)
+INPUTS_BY_KERNEL = True  # a step's inputs read by a kernel from their pinned buffer, not copied (see _StepGraphs._upload)
 
 
 def _device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -277,9 +277,9 @@ def test_a_changed_or_copied_shard_does_not_keep_its_signature():
 
 
 def test_a_staged_shard_is_copied_in_pieces_and_arrives_whole(monkeypatch):
-    """lora._staged copies a shard's bytes to the device in STAGE_CHUNK_BYTES pieces (a step's own
-    small host -> device copies then wait behind one piece, not the whole shard): every byte of
-    [lo, lo + nbytes) arrives, the last piece short, none from outside it."""
+    """lora._staged copies a shard's bytes to the device in STAGE_CHUNK_BYTES pieces where it is set
+    (a benchmark's setting: serve.py --stage-piece-mib): every byte of [lo, lo + nbytes) arrives,
+    the last piece short, none from outside it; 0 (the default) is one copy."""
     monkeypatch.setattr(lora, "STAGE_CHUNK_BYTES", 7)
     host = torch.arange(64, dtype=torch.uint8)
     storage = host.untyped_storage()
