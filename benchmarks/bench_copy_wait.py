@@ -4,10 +4,11 @@ A cold rank-64 Llama-3-8B-shaped load stages ~320 MiB from pinned memory on the 
 stream; the step stages its inputs (a few KiB, `graphs.stage`) on the forward's stream. If both
 copies share the device's host -> device copy engine, the step's copy can wait behind the load's.
 Per way of queuing the load (one copy, or pieces of --pieces MiB) and per way of staging the
-inputs (`copy`: `copy_(non_blocking=True)`, a copy-engine transfer as the engine does now;
-`kernel`: an elementwise kernel reading the pinned buffer through its device mapping, no copy
-engine), this prints, median of --trials with the load queued first (and with no load beside it):
-when the input stage ended, counted from an event recorded on the load's stream before the load
+inputs (`copy`: `copy_(non_blocking=True)`, a copy-engine transfer, as the engine staged them
+before kernel reads became its default; `kernel`: an elementwise kernel reading the pinned buffer
+through its device mapping, no copy engine, as the engine's `graphs.INPUTS_BY_KERNEL` does), this
+prints, median of --trials with the load queued first (and with no load beside it): when the input
+stage ended, counted from an event recorded on the load's stream before the load
 (the column that shows a wait), and its time between its own events on the forward's stream
 (which a wait of the whole stream does not show: the events wait with it).
 

@@ -1039,8 +1039,8 @@ def main() -> None:
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; packed B: {'on' if bench_engine.packs_b(args.packed_b) else 'off'}"
           + (f"; cold loads' staged copy in {lora.STAGE_CHUNK_BYTES / 2**20:g} MiB pieces" if lora.STAGE_CHUNK_BYTES
              else "; cold loads' staged copy whole")
-          + ("; step inputs read by a kernel (a fallback to the copy is logged)" if step_graphs.INPUTS_BY_KERNEL
-             else "; step inputs copied"))
+          + ("; step inputs read by a kernel (a fallback to the copy is logged)"
+             if step_graphs.INPUTS_BY_KERNEL and args.device == "cuda" else "; step inputs copied"))
     if args.probe:
         print("| case | time | size | note |\n|---|---|---|---|")
     else:

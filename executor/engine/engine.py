@@ -45,7 +45,7 @@ from .. import cublas
 from ..config import ExecutorConfig
 from ..lora import lora_modules, warm_slot_scatter
 from ..slots import SlotLease, SlotManager
-from .graphs import DecodeBatch, DecodeGraphs, MixedBatch, MixedGraphs
+from .graphs import DecodeBatch, DecodeGraphs, MixedBatch, MixedGraphs, SamplingInputs
 from .kv_cache import BlockAllocator, KVCache
 from .sampler import SamplingParams, find_stop, greedy, make_generator, sample, validate_request
 from .scheduler import SchedulePlan, Scheduler, Sequence
@@ -267,6 +267,8 @@ class Engine:
         self.step_totals: dict[str, StepTotals] = {k: StepTotals() for k in STEP_KINDS}
         self.slow_steps = SlowSteps(STEP_KINDS)  # steps far slower than their kind's recent ones: logged, counted
         self.steps_ahead = 0  # steps planned before the previous step's tokens reached the host
+        # the sampling steps' temperature / top-k / top-p, staged as the graphs' inputs are (see _sample)
+        self.sampling_inputs = SamplingInputs(config.max_num_seqs, self.device)
         # pinned buffers for the steps' sampled tokens, allocated before serving (see _pinned_out)
         self._out_pool: list[torch.Tensor] = [
             torch.empty(2 * config.max_num_seqs, dtype=torch.float64, pin_memory=True) for _ in range(4)
@@ -865,15 +867,13 @@ class Engine:
         if logits is None:
             return None
         if any(t > 0 for t in b.temperature):
-            dev = self.device
-            token_ids, logprobs = sample(
-                logits,
-                torch.tensor(b.temperature, dtype=torch.float32, device=dev),
-                torch.tensor(b.top_k, dtype=torch.long, device=dev),
-                torch.tensor(b.top_p, dtype=torch.float32, device=dev),
-                b.generators,
-                any_sample=True,
-            )
+            # staged through pinned memory (on CUDA read by a kernel, not a copy that would queue
+            # behind a slot load's); more rows than max_num_seqs (none expected): copied
+            params = self.sampling_inputs.stage(b.temperature, b.top_k, b.top_p) or (
+                torch.tensor(b.temperature, dtype=torch.float32, device=self.device),
+                torch.tensor(b.top_k, dtype=torch.long, device=self.device),
+                torch.tensor(b.top_p, dtype=torch.float32, device=self.device))
+            token_ids, logprobs = sample(logits, *params, b.generators, any_sample=True)
         else:
             token_ids, logprobs = greedy(logits)
         return token_ids, logprobs

@@ -41,6 +41,7 @@ sequences have no queries, and the logits are those of up to min(max_num_seqs, b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -95,22 +96,22 @@ def shrink_floats_per_token(model) -> int:
     return sum(m.lora_a.shape[1] * m.lora_a.shape[2] for m in lora_modules(model).values() if isinstance(m, LinearWithLoRA))
 
 
-class _StepGraphs:
-    """What decode and mixed graphs share: replaying a captured (bucket, LoRA) graph, and the two
-    pinned host buffers staged in turn (the engine stages step N+1 while step N's copy, or read,
-    may still be queued; step N+2 reuses N's buffer only after N's tokens were collected)."""
+class _StagedInputs:
+    """A step's int32 inputs: two pinned host buffers filled in turn (the engine stages step N+1
+    while step N's read of its buffer may still be queued; step N+2 reuses N's buffer only after
+    N's tokens were collected) and the one device buffer they are uploaded to, in stream order."""
 
     device: torch.device
-    _graphs: dict
     _hosts: list[torch.Tensor]
     _mapped: dict[int, torch.Tensor] | None = None  # INPUTS_BY_KERNEL: each host buffer's device view
 
-    def _replay(self, bucket: int, lora: bool) -> None:
-        if self.device.type != "cuda":  # nothing captured: the same step, run directly (tests use it)
-            self._forward(bucket, lora)
-        else:
-            with torch.cuda.device(self.device):
-                self._graphs[(bucket, lora)].replay()
+    def _stage_buffers(self, size: int) -> None:
+        cuda = self.device.type == "cuda"
+        # pinned under the device's own context: a device view of the buffer must be on that device
+        with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
+            self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._host, self._host_np = self._hosts[0], self._hosts[0].numpy()
+        self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
 
     def _swap_hosts(self) -> None:
         self._host = self._hosts[1] if self._host is self._hosts[0] else self._hosts[0]
@@ -128,13 +129,53 @@ class _StepGraphs:
             try:
                 mapped = {h.data_ptr(): _device_view(h, self._dev.device) for h in self._hosts}
             except Exception as e:  # noqa: BLE001 - no device view of pinned memory here: copy as before
-                log.warning("graph steps copy their inputs: their pinned buffers have no device view (%s)", e)
+                log.warning("%s copies its inputs: its pinned buffers have no device view (%s)", type(self).__name__, e)
                 mapped = {}
             self._mapped = mapped
         if INPUTS_BY_KERNEL and mapped:
             torch.add(mapped[self._host.data_ptr()][:used], 0, out=self._dev[:used])
         else:
             self._dev[:used].copy_(self._host[:used], non_blocking=True)
+
+
+class _StepGraphs(_StagedInputs):
+    """What decode and mixed graphs share: replaying a captured (bucket, LoRA) graph, and their
+    staged inputs."""
+
+    _graphs: dict
+
+    def _replay(self, bucket: int, lora: bool) -> None:
+        if self.device.type != "cuda":  # nothing captured: the same step, run directly (tests use it)
+            self._forward(bucket, lora)
+        else:
+            with torch.cuda.device(self.device):
+                self._graphs[(bucket, lora)].replay()
+
+
+class SamplingInputs(_StagedInputs):
+    """A sampling step's per-row temperature, top-k and top-p on the device, staged as a graph
+    step's inputs are (read by a kernel from pinned memory on CUDA): built with `torch.tensor(...,
+    device=)` they were host -> device copies that queued behind a cold load's copy, as the graph
+    inputs' did. One int32 buffer: [temperature (float32 bits) | top_k | top_p (float32 bits)]."""
+
+    def __init__(self, max_rows: int, device):
+        self.device, self.max_rows = torch.device(device), max_rows
+        self._stage_buffers(3 * max_rows)
+
+    def stage(self, temperature, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(temperature float32, top_k int64, top_p float32) [rows] on the device, valid for work
+        queued after this call on the current stream until the next `stage`; None past max_rows."""
+        n = len(temperature)
+        if n > self.max_rows:
+            return None
+        self._swap_hosts()
+        h = self._host_np
+        h[:n].view(np.float32)[:] = temperature
+        h[n : 2 * n] = top_k  # top_k <= the vocab size (sampler.validate_request)
+        h[2 * n : 3 * n].view(np.float32)[:] = top_p
+        self._upload(3 * n)
+        d = self._dev
+        return d[:n].view(torch.float32), d[n : 2 * n].long(), d[2 * n : 3 * n].view(torch.float32)
 
 
 INPUTS_BY_KERNEL = True  # a step's inputs read by a kernel from their pinned buffer, not copied (see _StepGraphs._upload)
@@ -169,9 +210,7 @@ class DecodeGraphs(_StepGraphs):
         self.width = -(-max_model_len // kv.block_size)  # block-table columns
         self._tables_at = _FIELDS * max_batch + max_loras  # the slot ranks sit between fields and tables
         size = self._tables_at + max_batch * self.width
-        self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=self.device.type == "cuda") for _ in range(2)]
-        self._host, self._host_np = self._hosts[0], self._hosts[0].numpy()
-        self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
+        self._stage_buffers(size)
         # One logits buffer that every graph writes: a graph's own output would stay allocated
         # for its lifetime, and the buckets' rows of vocab floats grow with max_batch squared.
         self._logits = torch.empty(max_batch, model.cfg.vocab_size, dtype=torch.float32, device=self.device)
@@ -367,9 +406,7 @@ class MixedGraphs(_StepGraphs):
         self._ranks_at = self._work_at + 2 * max(self.capacity.values())
         self._tables_at = self._ranks_at + max_loras
         size = self._tables_at + s_ * self.width
-        self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=self.device.type == "cuda") for _ in range(2)]
-        self._host, self._host_np = self._hosts[0], self._hosts[0].numpy()
-        self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
+        self._stage_buffers(size)
         self._logits = torch.empty(max_seqs, c.vocab_size, dtype=torch.float32, device=self.device)
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = pool

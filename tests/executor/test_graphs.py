@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from loraserve.executor.engine import graphs as graphs_mod
-from loraserve.executor.engine.graphs import DecodeBatch, DecodeGraphs, batch_buckets, shrink_floats_per_token
+from loraserve.executor.engine.graphs import (
+    DecodeBatch,
+    DecodeGraphs,
+    SamplingInputs,
+    batch_buckets,
+    shrink_floats_per_token,
+)
 from loraserve.executor.engine.kv_cache import AttentionMetadata, BlockAllocator, KVCache
 from loraserve.executor.lora import LinearWithLoRA, LoraSpec, lora_modules
 from loraserve.executor.model.loader import load_hf_checkpoint
@@ -190,7 +196,31 @@ def test_inputs_by_kernel_falls_back_to_the_copy_where_pinned_memory_has_no_devi
             assert graphs._dev[:40].tolist() == list(range(step, 40 + step))
     assert graphs._mapped == {}
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warned == ["graph steps copy their inputs: their pinned buffers have no device view (no UVA)"]
+    assert warned == ["DecodeGraphs copies its inputs: its pinned buffers have no device view (no UVA)"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sampling_inputs_arrive_as_the_sampler_takes_them(device):
+    """SamplingInputs packs each row's temperature, top_k and top_p into one int32 buffer (the
+    floats as their bits) and hands back tensors of the sampler's dtypes holding the values sent;
+    successive steps fill the two host buffers in turn; more rows than it holds: None (the engine
+    then copies). On CUDA the values are read by a kernel from the pinned buffer itself."""
+    if device == "cuda":
+        _cuda_or_skip()
+    staged = SamplingInputs(4, device)
+    temperature, top_k, top_p = [0.7, 0.0, 1.5], [0, 40, 49_999], [0.9, 1.0, 0.25]
+    t, k, p = staged.stage(temperature, top_k, top_p)
+    assert (t.dtype, k.dtype, p.dtype) == (torch.float32, torch.int64, torch.float32)
+    assert t.device.type == k.device.type == p.device.type == device
+    assert t.tolist() == torch.tensor(temperature, dtype=torch.float32).tolist()
+    assert k.tolist() == top_k
+    assert p.tolist() == torch.tensor(top_p, dtype=torch.float32).tolist()
+    first = staged._host
+    t, k, p = staged.stage([1.0] * 4, [1, 2, 3, 4], [0.5] * 4)
+    assert staged._host is not first and k.tolist() == [1, 2, 3, 4] and p.tolist() == [0.5] * 4
+    if device == "cuda":  # read through each pinned buffer's own device view, not a copy of it
+        assert all(staged._mapped[h.data_ptr()].data_ptr() == h.data_ptr() for h in staged._hosts)
+    assert staged.stage([1.0] * 5, [0] * 5, [1.0] * 5) is None
 
 
 @pytest.mark.gpu
