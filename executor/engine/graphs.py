@@ -178,7 +178,7 @@ class SamplingInputs(_StagedInputs):
         return d[:n].view(torch.float32), d[n : 2 * n].long(), d[2 * n : 3 * n].view(torch.float32)
 
 
-INPUTS_BY_KERNEL = True  # a step's inputs read by a kernel from their pinned buffer, not copied (see _StepGraphs._upload)
+INPUTS_BY_KERNEL = True  # a step's inputs read by a kernel from their pinned buffer, not copied (see _StagedInputs._upload)
 
 
 def _device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -387,15 +387,22 @@ async def test_max_tokens_default_and_max_model_len(tiny, make_engine):
     assert len(ids) == 3 and outs[-1].finish_reason == "length"
 
 
-async def test_seeded_sampling_is_reproducible_across_batches(make_engine):
+async def test_seeded_sampling_is_reproducible_across_batches(make_engine, monkeypatch):
+    """... with each sampling step's temperature / top-k / top-p staged through the engine's
+    SamplingInputs (on CUDA read by a kernel from pinned memory, not copied), the greedy rows of a
+    batch with them: temperature 0, top_k 0, top_p 1."""
     engine = make_engine()
+    staged, stage = [], engine.sampling_inputs.stage
+    monkeypatch.setattr(engine.sampling_inputs, "stage", lambda *rows: staged.append(rows) or stage(*rows))
     req = dict(prompt_token_ids=_prompt(7, 5), sampling=SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=42))
     alone, _, _ = await _collect(engine, GenerationRequest(**req))
+    assert len(staged) == 10 and all(list(rows) == [[1.0], [0], [0.9]] for rows in staged)
     crowd = await asyncio.gather(
         _collect(engine, GenerationRequest(**req)),
         *(_collect(engine, _greedy(_prompt(20, s), 6)) for s in range(3)),
     )
     assert crowd[0][0] == alone
+    assert any(sorted(rows[0]) == [0.0, 0.0, 0.0, 1.0] and sorted(rows[2]) == [0.9, 1.0, 1.0, 1.0] for rows in staged)
 
 
 def _sampler_draws(ref_model, prompt: list[int], p: SamplingParams, n_tokens: int) -> list[int]:

@@ -150,8 +150,9 @@ def test_triton_scatter_matches_per_tensor_copies_interpreted(dtype, packed_b):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_slot_loads_are_one_scatter_and_match_per_tensor_copies(dtype, packed_b, monkeypatch):
     """On CUDA the default path, its staging cut in pieces: a pinned shard staged in non-blocking
-    copies (a few bytes each here, so every load takes several; one copy by default), then kernels.slot_scatter (Triton), once per load and once per
-    clear; equal to per-tensor copies (packed_b: B at each slot's rank)."""
+    copies (1,000 bytes each here, so every load takes several; one copy by default), then
+    kernels.slot_scatter (Triton), once per load and once per clear; equal to per-tensor copies
+    (packed_b: B at each slot's rank)."""
     if not torch.cuda.is_available() or INTERPRET:
         pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
     pytest.importorskip("triton", reason="needs CUDA + Triton: triton is not installed")
