@@ -225,10 +225,13 @@ async def drive(items: list[Item], one, args) -> Result:
     return res
 
 
+TEMPERATURE = 0.0  # every request's sampling temperature (--temperature; 0: greedy)
+
+
 def engine_one(engine: Engine, use_adapters: bool):
     async def one(item: Item):
         req = GenerationRequest(adapter=item.adapter if use_adapters else "", prompt_token_ids=item.prompt,
-                                sampling=SamplingParams(max_tokens=item.output_len))
+                                sampling=SamplingParams(max_tokens=item.output_len, temperature=TEMPERATURE))
         t0 = time.perf_counter()
         times = [time.perf_counter() async for out in engine.generate(req) for _ in out.token_ids]
         return len(times), times[0] - t0, (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
@@ -240,7 +243,7 @@ def grpc_one(stub, use_adapters: bool):
 
     async def one(item: Item):
         req = epb.GenerateRequest(adapter=item.adapter if use_adapters else "", token_ids=epb.TokenIds(ids=item.prompt),
-                                  sampling=epb.SamplingParams(max_tokens=item.output_len))
+                                  sampling=epb.SamplingParams(max_tokens=item.output_len, temperature=TEMPERATURE))
         t0 = time.perf_counter()
         times = [time.perf_counter() async for r in stub.GenerateStream(req) for _ in r.token_ids]
         return len(times), times[0] - t0, (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
@@ -942,6 +945,7 @@ def word_tokenizer(vocab: int):
 
 
 def main() -> None:
+    global TEMPERATURE
     span = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731 - "lo,hi"
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer", type=Path, help="folder with tokenizer.json (default: a generated word-level one)")
@@ -990,6 +994,9 @@ def main() -> None:
     ap.add_argument("--stage-piece-mib", type=float, metavar="MIB",
                     help="a cold load's staged host -> device copy in pieces of this many MiB (0: one copy; "
                          "default: the executor's, lora.STAGE_CHUNK_BYTES)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every request's sampling temperature, in-process, through gRPC and in the probe's "
+                         "decoding requests (0, the default: greedy; transformers + PEFT decodes greedily)")
     ap.add_argument("--step-inputs", choices=("kernel", "copy"), default="kernel",
                     help="how CUDA graph steps take their inputs from pinned memory: read by a kernel (the "
                          "executor's default, graphs.INPUTS_BY_KERNEL; where the pinned buffers have no device "
@@ -1014,6 +1021,9 @@ def main() -> None:
             ap.error("--stage-piece-mib: a size in MiB, 0 (one copy) or at least one byte")
         lora.STAGE_CHUNK_BYTES = int(args.stage_piece_mib * 2**20)
     step_graphs.INPUTS_BY_KERNEL = args.step_inputs == "kernel"
+    if not 0 <= args.temperature < float("inf"):
+        ap.error("--temperature: 0 (greedy) or a positive number")
+    TEMPERATURE = args.temperature
     bench_engine.DEVICE = args.device
     bench_engine.DTYPE = torch.bfloat16 if args.device == "cuda" else torch.float32
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1040,7 +1050,8 @@ def main() -> None:
           + (f"; cold loads' staged copy in {lora.STAGE_CHUNK_BYTES / 2**20:g} MiB pieces" if lora.STAGE_CHUNK_BYTES
              else "; cold loads' staged copy whole")
           + ("; step inputs read by a kernel (a fallback to the copy is logged)"
-             if step_graphs.INPUTS_BY_KERNEL and args.device == "cuda" else "; step inputs copied"))
+             if step_graphs.INPUTS_BY_KERNEL and args.device == "cuda" else "; step inputs copied")
+          + (f"; sampled at temperature {TEMPERATURE:g}" if TEMPERATURE else "; greedy"))
     if args.probe:
         print("| case | time | size | note |\n|---|---|---|---|")
     else:
