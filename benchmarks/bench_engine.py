@@ -530,17 +530,11 @@ def main() -> None:
                     default=[(1, 4096), (16, 256)], help="prefill steps to time, SEQSxLEN,... ('': none; with --adapters, "
                     "each also with a distinct adapter per sequence)")
     ap.add_argument("--table", type=Path, help="a kernel table (JSON) to use instead of this GPU's shipped one")
-    ap.add_argument("--torch-greedy", action="store_true",
-                    help="greedy steps pick with torch's argmax + logsumexp instead of the fused kernel (an A/B)")
     ap.add_argument("--profile-decode", type=Path,
                     help="folder: each decode case's graph replay under torch.profiler (kernels by group, idle gaps)")
     ap.add_argument("--profile-prefill", type=Path, help="folder: a torch.profiler table of each prefill case with adapters")
     ap.add_argument("--admit-ratio", type=float, default=ExecutorConfig.admit_ratio,
-                    help="admission pacing, as the executor's flag (0: admit each request at once, as before 2026-11-26)")
-    ap.add_argument("--ablate", metavar="NAME[+NAME]",
-                    help="a diagnostic (benchmarks/lora_ablation.py: expand, shrink, lora, serial[-KIND], stream-expand): "
-                         "a LoRA kernel replaced by nothing, the expand by a plain read of its bytes, or no side stream; "
-                         "the outputs are wrong (but serial's), the step times say what each holds")
+                    help="admission pacing, as the executor's flag (0: admit each request at once)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (float32)")
     ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -557,22 +551,6 @@ def main() -> None:
         from loraserve.kernels import tuning
 
         tuning.set_table(tuning.gpu_key(torch.device("cuda")), json.loads(args.table.read_text()))
-    if args.ablate is not None:
-        if DEVICE != "cuda":
-            raise SystemExit("--ablate needs a CUDA host")
-        if args.ablate == "packed-expand":  # reads slots written in rows as if packed: the rows layout's ablation
-            if args.packed_b == "on":
-                raise SystemExit("--ablate packed-expand reads rows slots as if packed: not with --packed-b on")
-            args.packed_b = "off"
-        sys.path.insert(0, str(Path(__file__).parent))
-        import lora_ablation
-
-        lora_ablation.apply(args.ablate)
-    if args.torch_greedy:
-        from loraserve.executor.engine import engine as engine_module
-        from loraserve.kernels import ops_reference
-
-        engine_module.greedy = ops_reference.greedy
     if args.tokenizer is None:
         raise SystemExit("--tokenizer DIR is required")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -585,7 +563,7 @@ def main() -> None:
           f"{where}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
           f"{'eager' if args.enforce_eager else 'CUDA graphs' + (' (decode only)' if args.no_mixed_graphs else '')}"
-          + f"; packed B: {'on' if packs_b(args.packed_b) else 'off'}" + (f"; ABLATED: {args.ablate} (benchmarks/lora_ablation.py)" if args.ablate else ""))
+          + f"; packed B: {'on' if packs_b(args.packed_b) else 'off'}")
     print("| case | time | rate | against the floor |")
     print("|---|---|---|---|")
     for row in rows:
