@@ -5,7 +5,7 @@ model's shapes without its checkpoint: a CUDA host without a model hub cannot us
 embedded GGUF. Tokenizer files are copied from --tokenizer (e.g. the executor's cached
 conversion of the SmolLM2 GGUF's tokenizer, var/cache/tokenizers/<key>/).
 
-Usage: python benchmarks/make_random_model.py --shape smollm2 --tokenizer DIR --out DIR
+Usage: python tools/make_random_model.py --shape smollm2 --tokenizer DIR --out DIR
 """
 
 from __future__ import annotations

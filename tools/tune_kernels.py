@@ -1,6 +1,6 @@
 """Tunes the LoRA kernels on representative real layer shapes and writes the GPU's table.
 
-    python benchmarks/tune_kernels.py --out FILE [--budget-s 330] [--table BASE.json]
+    python tools/tune_kernels.py --out FILE [--budget-s 330] [--table BASE.json]
 
 The real layers (kernels/model_shapes.py) have ~170 distinct kernel shapes per rank; tuning
 each at every token count would take hours. The tables' nearest-entry rule (kernels/tuning.py)
@@ -18,8 +18,7 @@ when the budget is spent (what it did not reach keeps the nearest existing entry
 7. (with --phases) prefill (1024 and 4096 tokens) of the tensor-parallel per-rank shapes (tp 2/4/8) not in 5
 
 Phases 1-5 run by default. `--phases 5,6,7` tunes prefill only and keeps the base table's decode
-entries (on an H100 on 2026-11-26 all seven took 212 s and gave a prefill median of 1.71x its
-floor against 1.75x; docs/BENCHMARKS.md). Phase 7 leaves out the shapes phase 5 has, so run it with
+entries (all seven take ~4 minutes on an H100). Phase 7 leaves out the shapes phase 5 has, so run it with
 6 as well (5,7 alone leaves those shapes without a 1024-token entry). Prefill entries also serve other
 token counts by the lookup's rules (kernels/tuning.py), though never a decode token count
 (<= tuning.DECODE_MAX_TOKENS) while the table has decode entries: from 257 tokens up.
@@ -41,11 +40,14 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
 
-import real_grid
+# The tuner times candidates with the kernel benchmark's own harness (benchmarks/).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import real_grid  # noqa: E402
 from bench_kernels import CAPPED_EXPAND, DEV, expand_candidates, measure_ceilings
 from bench_kernels import shrink_candidates as grid_shrink_candidates
 from loraserve.kernels import tuning

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The GPU tests and benchmarks, on a CUDA host with torch, triton, transformers, peft and pytest.
+# Python packages the host lacks can sit as wheels in .whl/ (installed into /tmp/site; the executor
+# tests need grpcio-health-checking, grpcio-reflection, pytest-asyncio, fastapi and uvicorn).
+#
+#   bash benchmarks/gpu.sh OUT_DIR [STAGES]      (from the repo root; STAGES comma-separated, default: test)
+#
+#   test:     every single-GPU test (-m gpu and the CUDA cases of the service tests): kernels, attention,
+#             graphs, slot loads, the service on CUDA, MoE
+#   parallel: the tensor- and expert-parallel tests (NCCL, one GPU per rank; tp 4 needs 4 GPUs)
+#   engine:   bench_engine.py: decode / prefill / gRPC against the floors (Llama-3-8B shape); needs
+#             var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF
+#   serve:    serve.py: 1,000 adapters, Zipf 1.0, 64 slots, 64 clients, against the base model alone,
+#             the bytes ceiling and transformers + PEFT, in-process and through gRPC; then serve.py
+#             --probe: cold loads against their floor and the delay they put on other requests
+#   kernels:  bench_kernels.py on the real layer shapes, bench_skinny.py, bench_attention.py, bench_moe.py
+#   tune:     tools/tune_kernels.py: a LoRA kernel table for this GPU (OUT_DIR/tuned.json; copy it into
+#             kernels/configs/ to ship it)
+# Everything a stage prints goes to OUT_DIR/<stage>.log; the header (GPU, versions, tree) to OUT_DIR/gpu.txt.
+set -uo pipefail
+OUT=$(realpath -m "${1:?usage: gpu.sh OUT_DIR [STAGES]}")
+stages=${2:-test}
+cd "$(dirname "$0")/.." || exit 1
+has() { [[ ",$stages," == *",$1,"* ]]; }
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+# The installed package maps the repo's folders under `loraserve` (pyproject.toml); a tree of links does the same.
+farm=/tmp/farm/loraserve
+rm -rf /tmp/farm && mkdir -p "$farm"
+for f in loraserve/*.py; do ln -s "$PWD/$f" "$farm/"; done
+for d in adapter_store executor kernels; do ln -s "$PWD/$d" "$farm/$d"; done
+ln -s "$PWD/protos/loraserve/v1" "$farm/v1"
+# PYTHONSAFEPATH: child processes (the store that serve.py starts) import the linked package, not the repo's folders.
+export PYTHONPATH=/tmp/farm:/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
+# NVLink multicast stays off in NCCL and torch.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+tree_id() {  # the git tree of this copy as it is (tracked and new files), without touching the index
+  local idx; idx=$(mktemp)
+  cp .git/index "$idx" 2>/dev/null
+  { GIT_INDEX_FILE=$idx git add -A && GIT_INDEX_FILE=$idx git rm -r -q --cached --ignore-unmatch .whl var \
+    && GIT_INDEX_FILE=$idx git write-tree; } 2>/dev/null || echo unknown
+  rm -f "$idx"
+}
+{
+  date -u
+  echo "tree $(tree_id) (git log --all --format='%h %T' names its commit)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+} 2>&1 | tee "$OUT/gpu.txt"
+pytest_q() { python3 -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rs "$@"; }
+tok=$(ls -d var/cache/tokenizers/*/ 2>/dev/null | head -1)
+need_tok() { [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run 'make up' once (it converts the GGUF's tokenizer)"; exit 1; }; }
+
+if has test; then
+  { pytest_q -m gpu tests/kernels tests/executor/test_graphs.py tests/executor/test_cublas.py tests/executor/test_lora.py \
+      tests/executor/test_slot_scatter.py tests/executor/test_moe.py
+    pytest_q tests/executor/test_service.py tests/executor/test_moe_service.py -k "cuda or bf16"
+  } >"$OUT/test.log" 2>&1
+  grep -E "passed|failed|error" "$OUT/test.log" | tail -4
+fi
+if has parallel; then
+  # To a file as it comes: rank 0 ends its process when a rank dies, which would take pytest's summary with it.
+  pytest_q -m gpu tests/executor/test_tp.py tests/executor/test_ep.py >"$OUT/parallel.log" 2>&1
+  tail -12 "$OUT/parallel.log"
+fi
+if has engine; then
+  need_tok
+  python3 benchmarks/bench_engine.py --tokenizer "$tok" 2>"$OUT/engine.err" | tee "$OUT/engine.log" | tail -30 \
+    || tail -30 "$OUT/engine.err"
+fi
+if has serve; then
+  python3 benchmarks/serve.py ${tok:+--tokenizer $tok} --shape llama3-8b --adapters 1000 --alpha 1.0 --max-loras 64 \
+    --concurrency 64 --requests 500 --prompt-len 64,256 --output-len 64,128 --peft-requests 8 --grpc \
+    2>"$OUT/serve.err" | tee "$OUT/serve.log" | tail -14 || tail -30 "$OUT/serve.err"
+  python3 benchmarks/serve.py ${tok:+--tokenizer $tok} --shape llama3-8b --max-loras 64 --probe --cpu-cache-bytes $((16 << 30)) \
+    2>"$OUT/probe.err" | tee "$OUT/probe.log" | tail -12 || tail -30 "$OUT/probe.err"
+fi
+if has kernels; then
+  { python3 benchmarks/bench_kernels.py --real --out "$OUT/kernels"
+    python3 benchmarks/bench_skinny.py --greedy
+    python3 benchmarks/bench_attention.py
+    python3 benchmarks/bench_moe.py --out "$OUT/moe"
+  } >"$OUT/kernels.log" 2>&1
+  tail -40 "$OUT/kernels.log"
+fi
+if has tune; then
+  python3 tools/tune_kernels.py --out "$OUT/tuned.json" 2>&1 | tee "$OUT/tune.log" | tail -20
+fi
