@@ -2,8 +2,8 @@
 
 FetchShard's disk and Redis tiers stream a shard as it is read. Each chunk's read (a file read or a
 Redis GET, and its hash when the copy is checked) runs off the event loop. Handing every 1 MiB
-chunk to an executor thread and back cost the store ~0.16 CPU s/GB of its ~0.7 (docs/BENCHMARKS.md,
-"Twenty-fifth pass"): a future, a queue put, a thread wake-up and a wake-up of the loop per chunk.
+chunk to an executor thread and back costs the store ~0.16 CPU s/GB of its ~0.7: a future, a queue
+put, a thread wake-up and a wake-up of the loop per chunk.
 Here one thread per stream reads up to `depth` chunks ahead into a deque; the loop takes ready
 chunks without a hand-off and is woken only when it has caught up with the reader, and the reader
 waits on a semaphore the loop releases once per chunk it takes.

@@ -33,7 +33,7 @@ import grpc
 from loraserve.errors import StatusError, not_found, unavailable
 from loraserve.v1 import common_pb2 as pb
 
-from .cache import _redact
+from .redis_cache import redact_url
 from .validate import check_name
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class RedisRegistry:
                  chunk_bytes: int = CHUNK_BYTES):
         import redis
 
-        self.url = _redact(url)
+        self.url = redact_url(url)
         self._redis = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
         self._p = f"{prefix}:registry"
         self._names, self._refs = f"{self._p}:names", f"{self._p}:refs"

@@ -28,10 +28,13 @@ from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
 
 from . import base_model, pack, sources
-from .cache import Checksums, DiskCache, RedisCache, TieredCache
+from .cache import TieredCache
+from .checksum import Checksums
 from .config import StoreConfig
+from .disk_cache import DiskCache
 from .layout import check_layout, layout_hash
 from .read_ahead import read_ahead
+from .redis_cache import RedisCache
 from .redis_registry import RedisRegistry
 from .registry import FileRegistry
 
@@ -192,8 +195,8 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
 
     @grpc_errors
     async def FetchShard(self, request, context):
-        """Header, data chunks, checksum trailer (xxh3-128; sha256 for a copy cached before xxh3-128
-        was kept, when no xxh3 of it is known). A cached shard streams as it is read from the first
+        """Header, data chunks, checksum trailer (xxh3-128; sha256 for a copy that stores only its
+        sha256, when no xxh3 of it is known). A cached shard streams as it is read from the first
         cache tier (disk, or Redis chunk by chunk); a packed one, a back-filled one or any with
         `verify` (read whole and checked first) from memory.
         Data chunks go out already framed (`_frame_head`): no message object is built per chunk."""
@@ -387,7 +390,7 @@ async def _sliced(blob: bytes, chunk: int):
 def _streamed(reader, chunk: int, name: str):
     """A cached shard as framed data chunks, as it is read ahead of the stream by a thread
     (read_ahead.py: up to DEPTH chunks ahead, hashed there for a copy not checked since it changed).
-    A copy that fails its checksum (xxh3-128, or sha256 for a copy cached before xxh3-128 was kept)
+    A copy that fails its checksum (xxh3-128, or sha256 for a copy that stores only its sha256)
     is deleted from the cache and the stream fails DATA_LOSS before its trailer; the client asks
     again (with `verify`) and gets it packed anew."""
     buffer = bytearray(_FRAME_ROOM + chunk)  # read into, framed in place, copied once into the message
@@ -410,7 +413,7 @@ def _streamed(reader, chunk: int, name: str):
 
 async def _trailer(sums: Checksums, xxh3: bool, blob: bytes | None) -> spb.ShardChunk:
     """The stream's checksum trailer: xxh3-128 when the client checks it (FetchShardRequest.xxh3)
-    and it is known; else sha256, the one a client before xxh3 checks: stored with every cached copy,
+    and it is known; else sha256, the one a client without xxh3 checks: stored with every cached copy,
     computed (in a thread) for a freshly packed `blob`. Never both: the client checks one."""
     if xxh3 and sums.xxh3_128:
         return spb.ShardChunk(trailer=spb.ShardTrailer(xxh3_128=sums.xxh3_128))

@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from loraserve.adapter_store.cache import DiskCache, RedisCache
+from loraserve.adapter_store.disk_cache import DiskCache
 from loraserve.adapter_store.pack import shard_key
+from loraserve.adapter_store.redis_cache import RedisCache
 from loraserve.client import StoreClient
 from loraserve.executor.config import ExecutorConfig
 from loraserve.v1 import adapter_store_pb2 as spb

@@ -153,7 +153,7 @@ def test_a_corrupted_redis_copy_is_dropped_and_served_from_disk_then_repacked(re
     chunk0[-5] ^= 0x01  # one bit of the last tensor's data: still a loadable safetensors blob
     s.redis.set(f"{meta_key}:c0", bytes(chunk0))
 
-    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
+    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.redis_cache")
     header, blob = s.client.fetch_shard("a", layout())
     assert (header.cache_tier, blob) == ("disk", good)  # the bad Redis copy was not served
     assert f"redis cache: shard {key}" in caplog.text and "failed its xxh3-128 check; deleting it" in caplog.text
@@ -188,7 +188,7 @@ def _corrupt_redis_copy_and_expect_data_loss(s, meta_key: str, kind: str, caplog
     chunk0 = bytearray(s.redis.get(f"{meta_key}:c0"))
     chunk0[-5] ^= 0x01
     s.redis.set(f"{meta_key}:c0", bytes(chunk0))
-    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
+    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.redis_cache")
     error = _raw_stream_error(s.address)
     assert error.code() == grpc.StatusCode.DATA_LOSS
     assert error.details() == (f"the cached shard of adapter 'a' failed its {kind} check in the store's redis cache "
@@ -271,7 +271,7 @@ def test_a_disk_copy_changed_since_its_check_is_hashed_while_streamed_and_droppe
     data[-5] ^= 0x01  # still a loadable blob: only the checksum knows
     time.sleep(0.02)  # a later mtime than the check's, even on coarse file clocks
     path.write_bytes(bytes(data))
-    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
+    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.disk_cache")
     with grpc.insecure_channel(store.address) as channel:
         stream = spb_grpc.AdapterStoreStub(channel).FetchShard(spb.FetchShardRequest(name="a", layout=layout()), timeout=60)
         with pytest.raises(grpc.RpcError) as e:
@@ -392,7 +392,7 @@ def test_an_old_format_disk_copy_streams_with_its_sha256_and_a_bad_one_is_data_l
     data[-5] ^= 0x01
     time.sleep(0.02)
     path.write_bytes(bytes(data))
-    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.cache")
+    caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.disk_cache")
     error = _raw_stream_error(store.address)
     assert error.code() == grpc.StatusCode.DATA_LOSS
     assert error.details() == ("the cached shard of adapter 'a' failed its sha256 check in the store's disk cache "
@@ -508,12 +508,12 @@ def test_a_cancelled_stream_closes_its_reader_only_after_the_read_in_flight_ends
 def test_a_stream_closed_after_its_header_closes_the_shard_reader_at_once(store, monkeypatch):
     """A client gone while the header is on its way, before the first data chunk is asked for: the
     cached shard's reader (an open file) is closed then, not when the garbage collector gets to it."""
-    from loraserve.adapter_store import cache
+    from loraserve.adapter_store import checksum
     from loraserve.adapter_store.service import AdapterStoreService
 
     raw_chunks(store.address, 1 << 20)  # packed and cached: the next fetch streams from a reader
-    closed, close = [], cache.ShardReader.close
-    monkeypatch.setattr(cache.ShardReader, "close", lambda self: (closed.append(self.tier), close(self))[1])
+    closed, close = [], checksum.ShardReader.close
+    monkeypatch.setattr(checksum.ShardReader, "close", lambda self: (closed.append(self.tier), close(self))[1])
 
     async def run():
         service = AdapterStoreService(store.cfg)  # the store's servicer, driven as gRPC drives it
