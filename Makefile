@@ -1,4 +1,4 @@
-# The two commands of the README:  `make up`  and  `make test`.
+# The two commands of the README:  `make up`  and  `make test` (lint, then the tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch first, pinned, so the project's torch range is already satisfied and pip resolves nothing
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install up up-tp2 test protos bench-store
+.PHONY: install up up-tp2 lint test protos bench-store
 
 install: $(VENV)/.installed
 
@@ -33,9 +33,14 @@ up-tp2: install
 	$(VENV)/bin/loraserve up --tp-size 2 --model $(TINY)/model --base-model tiny-llama \
 		--base-model-path $(TINY)/model --demo-adapters $(TINY)/adapters --data-dir $(TINY)/store
 
+# ruff's lint rules and format check (pyproject.toml [tool.ruff]); `ruff format .` fixes the format.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 # PYTHONSAFEPATH: the repo root is never put on sys.path (here, nor in the tests' child processes),
 # where its kernels/ folder would stand for the `kernels` distribution that transformers imports.
-test: install
+test: lint
 	PYTHONSAFEPATH=1 $(PY) -m pytest
 	# Without a GPU: the Triton kernels once more, run by Triton's interpreter on CPU tensors (small
 	# shapes). A CUDA host ran them on the GPU in the pass above.

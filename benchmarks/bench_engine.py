@@ -41,25 +41,26 @@ import asyncio
 import json
 import logging
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from loraserve.executor import cublas
+from loraserve.executor import build, cublas
 from loraserve.executor.config import ExecutorConfig
-from loraserve.executor.engine.engine import Engine, GenerationRequest
-from loraserve.executor.engine.kv_cache import KVCache
+from loraserve.executor.engine.engine import Engine
+from loraserve.executor.engine.requests import GenerationRequest
 from loraserve.executor.engine.sampler import SamplingParams
-from loraserve.executor.lora import LoraSpec, clear_slot, load_shard_into_slot, lora_modules, queued_load
+from loraserve.executor.lora import lora_modules
 from loraserve.executor.model.config import ModelConfig
 from loraserve.executor.model.llama import LlamaForCausalLM
 from loraserve.executor.model.tokenizer import Tokenizer
-from loraserve.executor.slots import SlotManager
+from loraserve.executor.slot_layout import LoraSpec
+from loraserve.executor.slot_reports import SlotObserver
 
 DEVICE, DTYPE = "cuda", torch.bfloat16  # set by main()
+NO_STORE = "127.0.0.1:9"  # the store address of an engine fed in-process: never asked for an adapter
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
                       head_dim=128, rope_theta=500000.0),
@@ -145,35 +146,28 @@ def random_shard_fetcher(model, ranks: list[int]):
     return fetch, nbytes
 
 
-def build_engine(args, tokenizer: Tokenizer) -> tuple[Engine, int]:
+def build_engine(args, tokenizer: Tokenizer) -> tuple[build.ExecutorParts, list[int]]:
+    """The executor's parts (executor/build.py) around a random-weight model, fed by an in-process
+    fetch; -> (parts, bytes of each adapter a0, a1, ...)."""
     max_tokens_per_seq = args.context + args.new_tokens + 16
     max_model_len = max(4096 + 16, max_tokens_per_seq)
     cfg = ExecutorConfig(
         model="random", base_model="random", device=DEVICE, dtype=str(DTYPE).removeprefix("torch."),
-        max_loras=max(args.max_loras or 0, args.adapters),
-        max_rank=max(args.ranks), max_cpu_adapters=args.adapters, block_size=16,
-        num_blocks=max(args.batches) * -(-max_tokens_per_seq // 16) + 4096 // 16 + 64,
+        max_loras=max(args.max_loras or 0, args.adapters, 1),
+        max_rank=max(args.ranks), max_cpu_adapters=args.adapters, max_concurrent_loads=max(1, args.adapters),
+        block_size=16, num_blocks=max(args.batches) * -(-max_tokens_per_seq // 16) + 4096 // 16 + 64,
         max_num_seqs=max(*args.batches, args.streams, 16), max_num_batched_tokens=4096,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, admit_ratio=args.admit_ratio,
-        mixed_graphs=not args.no_mixed_graphs, packed_lora_b=packs_b(args.packed_b),
+        store_address=NO_STORE, adapter_refresh_s=0,
     )  # fmt: skip
-    spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE, packed_b=cfg.packed_lora_b)
+    spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE)
     model = build_model(args.shape, args.vocab, spec)
-    mc = model.cfg
-    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, DTYPE, DEVICE)
     fetch, by_rank = random_shard_fetcher(model, args.ranks)
     adapter_bytes = [by_rank[args.ranks[i % len(args.ranks)]] for i in range(max(1, args.adapters))]  # of a0, a1, ...
-    modules = lora_modules(model)
-    slots = SlotManager(
-        fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
-        lambda slot: clear_slot(modules.values(), slot),
-        max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters, device=torch.device(DEVICE),
-        queued_copy=lambda slot, tensors: queued_load(model, slot, tensors),
-    )  # fmt: skip
     t0 = time.perf_counter()
-    engine = Engine(model, tokenizer, kv, slots, cfg)
+    parts = build.build_engine(cfg, model, tokenizer, fetch=fetch, observer=SlotObserver())
     print(f"engine ready (graph capture included) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    return engine, adapter_bytes
+    return parts, adapter_bytes
 
 
 def weight_bytes(model) -> int:
@@ -367,21 +361,17 @@ def _longest_step(engine, since: float) -> float:
     return max((s.seconds for s in engine.step_times if s.launched >= since), default=0.0)
 
 
-async def grpc_case(engine, slots, args) -> tuple[float, float, float, float]:
+async def grpc_case(parts: build.ExecutorParts, args) -> tuple[float, float, float, float]:
     """(engine-only tok/s, gRPC tok/s, the longest step of each) for the same `streams` requests of
     the base model."""
-    from loraserve.executor.service import ExecutorParts, serve, shutdown
-    from loraserve.executor.store_client import StoreClient
-    from loraserve.v1.common_pb2 import Layout
+    from loraserve.executor.service import serve
 
+    engine = parts.engine
     prompts = random_prompts(args.streams, args.grpc_prompt, args.vocab, 7)
     t0 = time.perf_counter()
     tokens = await run_requests(engine, prompts, [""] * args.streams, args.new_tokens)
     engine_tps = tokens / (time.perf_counter() - t0)
     engine_longest, t1 = _longest_step(engine, t0), time.perf_counter()
-    cfg = engine.config
-    cfg.adapter_refresh_s = 0
-    parts = ExecutorParts(engine, slots, StoreClient("127.0.0.1:9", Layout()), cfg)  # no adapters: the store is never asked
     server, port = await serve(parts, "127.0.0.1:0")
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -441,7 +431,8 @@ async def run(args) -> list[tuple[str, str, str, str]]:
     bandwidth, peak = copy_bandwidth(), matmul_peak()
     tokenizer = Tokenizer.from_pretrained(args.tokenizer)
     tokenizer.eos_token_ids = set()  # random weights: run every row to max_tokens
-    engine, adapter_bytes = build_engine(args, tokenizer)
+    parts, adapter_bytes = build_engine(args, tokenizer)
+    engine = parts.engine
     engine.start()
     cfg = engine.model.cfg
     wbytes = weight_bytes(engine.model)
@@ -483,7 +474,7 @@ async def run(args) -> list[tuple[str, str, str, str]]:
                                       lambda: prefill_case(engine, args, num_seqs, length, with_lora=True))
     if args.streams:
         try:
-            engine_tps, grpc_tps, engine_longest, grpc_longest = await grpc_case(engine, engine.slots, args)
+            engine_tps, grpc_tps, engine_longest, grpc_longest = await grpc_case(parts, args)
             rows.append((f"{args.streams} streams, engine alone", f"{engine_tps:.0f} tok/s", "",
                          f"longest step {engine_longest * 1e3:.1f} ms"))
             rows.append((f"{args.streams} streams through gRPC", f"{grpc_tps:.0f} tok/s", "",
@@ -493,18 +484,6 @@ async def run(args) -> list[tuple[str, str, str, str]]:
             logging.exception("gRPC case failed")
     await engine.stop()
     return rows
-
-
-def add_packed_b_flag(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--packed-b", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
-                    help="dense layers' B packed at each slot's rank (the executor's --packed-lora-b; auto: on for "
-                         "CUDA; --packed-b alone: on)")
-
-
-def packs_b(choice: str) -> bool:
-    """--packed-b as the executor resolves its --packed-lora-b (auto: on for CUDA), given to
-    ExecutorConfig as a bool (so an earlier executor/ folder, EXECUTOR_FROM, takes it too)."""
-    return DEVICE == "cuda" if choice == "auto" else choice == "on"
 
 
 def main() -> None:
@@ -518,14 +497,12 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=32, help="distinct adapters (GPU slots); 0: base only")
     ap.add_argument("--max-loras", type=int, default=0,
                     help="GPU slots (default and least: --adapters; the serve benchmark's engine has 64)")
-    add_packed_b_flag(ap)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")],
                     help="adapter i gets rank ranks[i %% len(ranks)] (default: --rank for all)")
     ap.add_argument("--streams", type=int, default=64, help="concurrent gRPC streams; 0: skip")
     ap.add_argument("--grpc-prompt", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--no-mixed-graphs", action="store_true", help="prefill and mixed steps run eagerly")
     ap.add_argument("--prefill", type=lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",") if c],
                     default=[(1, 4096), (16, 256)], help="prefill steps to time, SEQSxLEN,... ('': none; with --adapters, "
                     "each also with a distinct adapter per sequence)")
@@ -562,8 +539,7 @@ def main() -> None:
     print(f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights, vocab {args.vocab}, "
           f"{where}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
-          f"{'eager' if args.enforce_eager else 'CUDA graphs' + (' (decode only)' if args.no_mixed_graphs else '')}"
-          + f"; packed B: {'on' if packs_b(args.packed_b) else 'off'}")
+          f"{'eager' if args.enforce_eager else 'CUDA graphs'}")
     print("| case | time | rate | against the floor |")
     print("|---|---|---|---|")
     for row in rows:

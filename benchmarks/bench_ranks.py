@@ -32,7 +32,7 @@ from triton.testing import do_bench
 
 from bench_kernels import BENCH_MS, DEV, DTYPE, capture, env_info, measure_ceilings, offsets_of
 
-from loraserve.kernels import lora_expand, lora_shrink, make_lora_meta, triton_lora, tuning
+from loraserve.kernels import lora_expand, lora_shrink, make_lora_meta, tuning
 
 # Llama-3-8B: hidden 4096, intermediate 14336, 32 query heads and 8 KV heads of 128.
 LAYERS = {
@@ -338,8 +338,6 @@ def main():
                              "--sweep-cases case that is no more than 3%% slower on the others and at least 3%% faster "
                              "on the first than the table's own (at --tokens); the new entry also serves nearby shapes "
                              "and token counts by the table's nearest-entry rule (kernels/tuning.py)")
-    parser.add_argument("--narrow", choices=("both", "shrink", "expand", "none"), default="both",
-                        help="which ops take the narrow tiles for low-rank blocks (a diagnostic: both in serving)")
     parser.add_argument("--launch-only", default=None, metavar="LAYER:CASE",
                         help="launch that layer's shrink and expand eagerly 3 times each and time nothing (a target for "
                              "a profiler, e.g. ncu -k regex:_shrink_kernel|_expand_kernel), e.g. 'gate_up:8/16/32/64 in 64'")
@@ -347,8 +345,6 @@ def main():
     layout = Layout(args.tokens, args.adapters, parse_prompts(args.prompts), args.pad_to)
     if args.pad_to and args.pad_to < layout.lora_tokens:
         parser.error(f"--pad-to {args.pad_to} is below the step's {layout.lora_tokens} adapter tokens")
-    triton_lora.NARROW_SHRINK = args.narrow in ("both", "shrink")
-    triton_lora.NARROW_EXPAND = args.narrow in ("both", "expand")
     if not torch.cuda.is_available():
         sys.exit("bench_ranks.py needs a CUDA device")
     if args.launch_only:
@@ -369,7 +365,7 @@ def main():
     gen = torch.Generator(device=DEV).manual_seed(0)
     lines = [f"{k}: {v}" for k, v in info.items()]
     lines += [f"decode tokens {args.tokens}, adapters {args.adapters}, prompt chunks {list(layout.prompts) or 'none'}, "
-              f"{layout.total} tokens in all, {COPIES} layers per graph, narrow tiles: {args.narrow}",
+              f"{layout.total} tokens in all, {COPIES} layers per graph",
               "", HEADER, "|" + "---|" * 9]
     print("\n".join(lines), flush=True)
     totals = {}

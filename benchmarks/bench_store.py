@@ -37,7 +37,7 @@ from loraserve.adapter_store.disk_cache import DiskCache
 from loraserve.adapter_store.pack import shard_key
 from loraserve.adapter_store.redis_cache import RedisCache
 from loraserve.client import StoreClient
-from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.diagnostics.gil_handoff import SWITCH_INTERVAL_US
 from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import common_pb2 as pb
 
@@ -164,12 +164,11 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
     in_flight > 1, that many streams of the shard at once (the rate counts all their bytes).
     Also the CPU seconds each side spent per GB moved (store process; client process), which
     other processes' load on the cores does not change as much as the rate. arena_bytes: shards
-    land in a host arena of that size, as a CPU executor's default one (`--pinned-arena-bytes -1`):
-    its pages touched by the first fetches that land in them (the connecting fetch, then the first
-    round's other streams) and reused by later ones; 0: each shard in a fresh buffer
-    (`--pinned-arena-bytes 0`), whose pages fault in on first touch every time. busy: (busy ms,
+    land in a host arena of that size, as a CPU executor's: its pages touched by the first fetches
+    that land in them (the connecting fetch, then the first round's other streams) and reused by
+    later ones; 0: each shard in a fresh buffer, whose pages fault in on first touch every time. busy: (busy ms,
     idle ms) of a busy_loop beside the fetches; switch_us: the interpreter's switch interval meanwhile
-    (as a serving executor sets it, executor/engine/gil_handoff.py; 0: Python's own)."""
+    (as a serving executor sets it, executor/diagnostics/gil_handoff.py; 0: Python's own)."""
     import asyncio
 
     from loraserve.executor.pinned_arena import PinnedArena
@@ -301,7 +300,7 @@ def main() -> None:
     ap.add_argument("--busy-loop", default="", metavar="BUSY/IDLE",
                     help="also the executor client rows with a coroutine on its loop that runs Python for BUSY ms, "
                     "then awaits IDLE ms, over and over (a serving engine's host work; e.g. 10/10)")
-    ap.add_argument("--busy-switch-us", default=f"0,{ExecutorConfig.switch_interval_us}",
+    ap.add_argument("--busy-switch-us", default=f"0,{SWITCH_INTERVAL_US}",
                     help="the busy-loop rows at each of these switch intervals (us; 0: Python's own)")
     ap.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)  # the bare stream's server process
     args = ap.parse_args()

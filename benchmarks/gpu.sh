@@ -3,7 +3,9 @@
 # Python packages the host lacks can sit as wheels in .whl/ (installed into /tmp/site; the executor
 # tests need grpcio-health-checking, grpcio-reflection, pytest-asyncio, fastapi and uvicorn).
 #
-#   bash benchmarks/gpu.sh OUT_DIR [STAGES]      (from the repo root; STAGES comma-separated, default: test)
+#   bash benchmarks/gpu.sh OUT_DIR [STAGES] [bench_engine.py flags]
+#   (from the repo root; STAGES comma-separated, default: test; the flags go to the engine stage,
+#   e.g. "--prefill= --streams 0" for the decode rows alone)
 #
 #   test:     every single-GPU test (-m gpu and the CUDA cases of the service tests): kernels, attention,
 #             graphs, slot loads, the service on CUDA, MoE
@@ -20,6 +22,7 @@
 set -uo pipefail
 OUT=$(realpath -m "${1:?usage: gpu.sh OUT_DIR [STAGES]}")
 stages=${2:-test}
+engine_flags=("${@:3}")
 cd "$(dirname "$0")/.." || exit 1
 has() { [[ ",$stages," == *",$1,"* ]]; }
 mkdir -p "$OUT"
@@ -67,7 +70,7 @@ if has parallel; then
 fi
 if has engine; then
   need_tok
-  python3 benchmarks/bench_engine.py --tokenizer "$tok" 2>"$OUT/engine.err" | tee "$OUT/engine.log" | tail -30 \
+  python3 benchmarks/bench_engine.py --tokenizer "$tok" "${engine_flags[@]}" 2>"$OUT/engine.err" | tee "$OUT/engine.log" | tail -30 \
     || tail -30 "$OUT/engine.err"
 fi
 if has serve; then

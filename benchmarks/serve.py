@@ -49,7 +49,6 @@ import contextlib
 import cProfile
 import dataclasses
 import io
-import json
 import pstats
 import random
 import statistics
@@ -66,18 +65,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_engine  # noqa: E402 - the random-weight model of a shape, the weight bytes of a step
 import step_trace  # noqa: E402 - the profiler window of --profile
 
-from loraserve.executor import cublas, lora  # noqa: E402
+from loraserve.executor import build as executor_build  # noqa: E402
+from loraserve.executor import cublas  # noqa: E402
 from loraserve.executor.config import ExecutorConfig  # noqa: E402
-from loraserve.executor.engine import graphs as step_graphs  # noqa: E402
-from loraserve.executor.engine import slow_steps  # noqa: E402
-from loraserve.executor.engine.engine import Engine, GenerationRequest  # noqa: E402
-from loraserve.executor.engine.kv_cache import KVCache  # noqa: E402
+from loraserve.executor.diagnostics import slow_steps  # noqa: E402
+from loraserve.executor.engine.engine import Engine  # noqa: E402
+from loraserve.executor.engine.requests import GenerationRequest  # noqa: E402
 from loraserve.executor.engine.sampler import SamplingParams  # noqa: E402
-from loraserve.executor.lora import LoraSpec, clear_slot, load_shard_into_slot, lora_modules, queued_load  # noqa: E402
+from loraserve.executor.lora import lora_modules  # noqa: E402
 from loraserve.executor.memory import lora_bytes_per_slot  # noqa: E402
-from loraserve.executor.slots import SlotManager, SlotObserver  # noqa: E402
+from loraserve.executor.slot_layout import LoraSpec  # noqa: E402
+from loraserve.executor.slot_reports import SlotObserver  # noqa: E402
+from loraserve.executor.slots import SlotManager  # noqa: E402
 from loraserve.executor.pinned_arena import ArenaShard, PinnedArena, stream_fence  # noqa: E402
-from loraserve.executor.service import pinned_arena  # noqa: E402
 from loraserve.executor.store_client import host_buffer, shard_tensors  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
@@ -93,7 +93,7 @@ class RandomAdapters:
         self.shapes = {n: (m.lora_a.shape[1:], m.lora_b.shape[1:]) for n, m in lora_modules(model).items()
                        if m.lora_a is not None and not n.endswith(("embed_tokens", "lm_head"))}
         self.dtype, self.sets, self.blobs = dtype, {}, {}
-        self.arena = arena  # where shards land (as the store client's do with --pinned-arena-bytes)
+        self.arena = arena  # where shards land, as the store client's do (the executor's arena, set once built)
 
     def rank(self, name: str) -> int:
         return RANKS[int(name.rsplit("-", 1)[1]) % len(RANKS)]
@@ -254,38 +254,27 @@ def grpc_one(stub, use_adapters: bool):
 
 
 def build(args, tokenizer):
+    """The executor's parts (executor/build.py) around a random-weight model, fed by RandomAdapters
+    landing in the executor's host arena; -> (parts, adapters, counter, copy calls)."""
     longest = args.prompt_len[1] + args.output_len[1] + 16
     cfg = ExecutorConfig(
         model="random", base_model="random", device=bench_engine.DEVICE, dtype=str(bench_engine.DTYPE).removeprefix("torch."),
         max_loras=args.max_loras, max_rank=max(RANKS), cpu_cache_bytes=args.cpu_cache_bytes or 0, block_size=16,
         num_blocks=args.concurrency * -(-longest // 16) + 64, max_num_seqs=args.concurrency,
         max_num_batched_tokens=max(2048, longest), max_model_len=longest, adapter_refresh_s=0,
-        admit_ratio=args.admit_ratio, max_admit_delay_steps=args.max_admit_delay_steps,
-        mixed_graphs=not args.no_mixed_graphs, switch_interval_us=args.switch_interval_us, packed_lora_b=bench_engine.packs_b(args.packed_b),
+        max_concurrent_loads=args.max_concurrent_loads or max(1, args.adapters),  # 0: as many as there are adapters
+        admit_ratio=args.admit_ratio, max_admit_delay_steps=args.max_admit_delay_steps, store_address=bench_engine.NO_STORE,
     )  # fmt: skip
-    spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE, packed_b=cfg.packed_lora_b)
+    spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE)
     model = bench_engine.build_model(args.shape, args.vocab, spec)
-    if not cfg.cpu_cache_bytes:
-        from loraserve.executor.memory import available_host_bytes, default_cpu_cache_bytes
-        cfg.cpu_cache_bytes = default_cpu_cache_bytes(available_host_bytes())
-    mc = model.cfg
-    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, bench_engine.DTYPE, bench_engine.DEVICE)
-    cfg.pinned_arena_bytes = args.pinned_arena_bytes
-    # as the executor makes it: on CUDA pinned, the CPU cache held to its share; on the CPU not pinned
-    arena = pinned_arena(cfg, lora_bytes_per_slot(lora_modules(model)))
+    adapters, counter, copy_calls = RandomAdapters(model, bench_engine.DTYPE), Counter(), CopyCalls(trace=bool(args.trace_load))
+    parts = executor_build.build_engine(cfg, model, tokenizer, fetch=adapters.fetch, observer=counter,
+                                        writers=copy_calls.writers(*executor_build.slot_writers(model)), trace=copy_calls.mark)
+    adapters.arena = arena = parts.arena  # as the executor makes it: on CUDA pinned, the CPU cache held to its share
     if arena is not None:
         print(f"{'pinned' if bench_engine.DEVICE == 'cuda' else 'host'} arena: {arena.nbytes / 2**30:.1f} GiB, set up in {arena.pin_seconds:.1f} s (pages touched in "
               f"{arena.fault_seconds:.1f} s); CPU cache {cfg.cpu_cache_bytes / 2**30:.1f} GiB", flush=True)
-    adapters, counter, modules = RandomAdapters(model, bench_engine.DTYPE, arena), Counter(), lora_modules(model)
-    slots = SlotManager(adapters.fetch, lambda slot, t: load_shard_into_slot(model, slot, t),
-                        lambda slot: clear_slot(modules.values(), slot), max_loras=cfg.max_loras,
-                        cpu_cache_bytes=cfg.cpu_cache_bytes, device=torch.device(bench_engine.DEVICE),
-                        max_concurrent_loads=args.max_concurrent_loads or None, observer=counter,
-                        queued_copy=lambda slot, tensors: queued_load(model, slot, tensors))
-    if arena is not None and slots.copy_stream is not None:
-        arena.fence = stream_fence(slots.copy_stream)
-    engine = Engine(model, tokenizer, kv, slots, cfg)
-    return engine, adapters, counter
+    return parts, adapters, counter, copy_calls
 
 
 class StepWatch:
@@ -424,52 +413,51 @@ def h2d_bandwidth() -> float:
 
 
 class CopyCalls:
-    """Times a cold load's copy into a slot: on the loop (SlotManager._queued_copy begins it, its
-    staging copy queued, and the function it returns finishes it) or on the copy thread
-    (SlotManager._copy_into_slot): the host seconds from the copy's start to its end (the scatter
-    launched), and on CUDA its device span by events on the stream it runs on (the copy stream).
-    Also the claim before it, part by part (the fast path, SlotManager._load_now)."""
+    """Times a cold load's copy into a slot: begun on the loop (the slot manager's queued_copy, whose
+    returned function finishes it) or on the copy thread (its copy_into_slot): the host seconds from
+    the copy's start to its end (the scatter launched), and on CUDA its device span by events on the
+    stream it runs on (the copy stream). Also the claim before it, part by part (the fast path), from
+    the slot manager's trace. Given to build_engine as `writers(...)` and `trace=mark`; times only
+    between `start()` and `restore()`."""
 
-    STEPS = ("_slot_targets", "shard_signature", "_staged")  # executor.lora's functions, timed apart
+    STEPS = ("_slot_targets", "shard_signature", "_staged")  # executor.slot_load's functions, timed apart
     PARTS = (*STEPS, "scatter")  # and the scatter's launch
-    CLAIM_MARKS = ("_load_now", "_copy_stream_current")
-    CLAIM_PARTS = ("cached", "_pick_slot", "_take_slot")  # timed until the copy's event (`exit`)
-    CHECK = ("_planned",)  # executor.lora's functions the queued-copy call runs, timed until then too
+    CHECK = ("_planned",)  # executor.slot_load's functions the queued-copy call runs, timed until then too
 
-    def __init__(self, slots, trace: bool = False):
-        self.inner, self.host, self.events = slots._copy_into_slot, 0.0, None
+    def __init__(self, trace: bool = False):
+        self.host, self.events = 0.0, None
         self.on_cuda = bench_engine.DEVICE == "cuda"
         self.trace = [] if trace else None  # (shard bytes, torch.profiler key averages) of each call (--trace-load)
         self._profiling = None  # the profiler of the copy under way (--trace-load)
         self.split: dict[str, float] = {}  # host seconds of each of PARTS in the last copy
-        self.marks: dict[str, float] = {}  # perf_counter at the load's steps
-        self.claim: dict[str, float] = {}  # host seconds of CLAIM_PARTS, CHECK and the queued-copy call
-        self._patched = []  # (object, name, whether it was the object's own attribute, its value)
-        self._patch(slots, "_copy_into_slot", lambda slot, tensors: self._copy(lambda: self.inner(slot, tensors), tensors))
-        if slots._queued_copy is not None:
-            self._patch(slots, "_queued_copy", self._begun(slots._queued_copy))
-        # the copy's event recorded (an executor before SlotManager._copied: its _copy's return)
-        done = "_copied" if hasattr(slots, "_copied") else "_copy"
-        self._patch(slots, done, self._marked("exit", getattr(slots, done), after=True))
-        for n in self.CLAIM_MARKS:
-            if hasattr(slots, n):
-                self._patch(slots, n, self._marked(n, getattr(slots, n)))
-        for n in self.CLAIM_PARTS:
-            owner = slots.cpu if n == "cached" else slots
-            self._patch(owner, n, self._timed(n, getattr(owner, n), claim=True))
-        from loraserve.executor import lora
+        self.marks: dict[str, float] = {}  # perf_counter at the load's steps (the slot manager's trace, the copy's)
+        self.claim: dict[str, float] = {}  # host seconds of CHECK and the queued-copy call
+        self.active = False
 
-        self._lora, self._saved = lora, {n: getattr(lora, n) for n in (*self.STEPS, *self.CHECK, "_default_scatter")}
+    def writers(self, copy_into_slot, queued_copy, clear_slot) -> tuple:
+        """The slot writers (build.slot_writers) with each copy timed while active."""
+        def copy(slot, tensors):
+            if not self.active:
+                return copy_into_slot(slot, tensors)
+            return self._copy(lambda: copy_into_slot(slot, tensors), tensors)
+        return copy, self._begun(queued_copy), clear_slot
+
+    def mark(self, step: str) -> None:
+        """The slot manager's trace: when the load reached `step`."""
+        self.marks[step] = time.perf_counter()
+
+    def start(self) -> None:
+        """From now on copies are timed, and executor.slot_load's STEPS and CHECK with them."""
+        from loraserve.executor import slot_load
+
+        self.active = True
+        self._load, self._saved = slot_load, {n: getattr(slot_load, n) for n in (*self.STEPS, *self.CHECK, "_default_scatter")}
         for n in self.STEPS:
-            setattr(lora, n, self._timed(n, self._saved[n]))
+            setattr(slot_load, n, self._timed(n, self._saved[n]))
         for n in self.CHECK:
-            setattr(lora, n, self._timed(n, self._saved[n], claim=True))
+            setattr(slot_load, n, self._timed(n, self._saved[n], claim=True))
         saved_default = self._saved["_default_scatter"]
-        lora._default_scatter = lambda device: (lambda f: f and self._timed("scatter", f))(saved_default(device))
-
-    def _patch(self, owner, name: str, fn) -> None:
-        self._patched.append((owner, name, name in owner.__dict__, getattr(owner, name)))
-        setattr(owner, name, fn)
+        slot_load._default_scatter = lambda device: (lambda f: f and self._timed("scatter", f))(saved_default(device))
 
     def _timed(self, part: str, fn, claim: bool = False):
         def timed(*a, **kw):
@@ -477,34 +465,26 @@ class CopyCalls:
             try:
                 return fn(*a, **kw)
             finally:
-                if not claim or "exit" not in self.marks:
+                if not claim or "copied" not in self.marks:
                     out = self.claim if claim else self.split
                     out[part] = out.get(part, 0.0) + time.perf_counter() - t0
         return timed
 
-    def _marked(self, mark: str, fn, after: bool = False):
-        """fn marking the time it is called (after=True: the time it returns) as `mark`."""
-        def marked(*a, **kw):
-            if not after:
-                self.marks[mark] = time.perf_counter()
-            out = self.marks[f"{mark} returned"] = fn(*a, **kw)
-            if after:
-                self.marks[mark] = time.perf_counter()
-            return out
-        return marked
-
     def _begun(self, queued):
         def begun(slot, tensors):
+            if not self.active:
+                return queued(slot, tensors)
             self._start()
             try:
                 finish = queued(slot, tensors)
             except BaseException:
                 self._stop_profiling()
                 raise
-            self.claim["_queued_copy"] = time.perf_counter() - self.marks["start"]
-            if not callable(finish):  # None: not queued; an executor before queued_load began copies: True / False
+            self.marks["queued"] = time.perf_counter()
+            self.claim["_queued_copy"] = self.marks["queued"] - self.marks["start"]
+            if finish is None:  # not queued: the copy thread's copy follows
                 self._stop_profiling()  # (on this thread, where it started)
-                return finish
+                return None
             return lambda: self._copy(finish, tensors, started=True)
         return begun
 
@@ -517,9 +497,9 @@ class CopyCalls:
             self._profiling.__enter__()
         self.split = {}
         self.marks["start"] = time.perf_counter()
-        self.start = torch.cuda.Event(enable_timing=True) if self.on_cuda else None
-        if self.start is not None:
-            self.start.record()
+        self.start_event = torch.cuda.Event(enable_timing=True) if self.on_cuda else None
+        if self.start_event is not None:
+            self.start_event.record()
 
     def _stop_profiling(self):
         """The profiler of the copy under way, stopped (None when not tracing)."""
@@ -538,10 +518,10 @@ class CopyCalls:
             prof = self._stop_profiling()
         if prof is not None:
             self.trace.append((sum(t.nbytes for t in tensors.values()), prof.key_averages()))
-        if self.start is not None:
+        if self.start_event is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.events = (self.start, end)
+            self.events = (self.start_event, end)
         self.marks["end"] = time.perf_counter()
         self.host = self.marks["end"] - self.marks["start"]
         return rank
@@ -551,16 +531,16 @@ class CopyCalls:
         self.claim, self.marks, self.events = {}, {}, None
 
     def claim_parts(self, t0: float) -> list[float]:
-        """Seconds of the last fast-path claim (0s where _load_now did not do the load): acquire to
-        _load_now, the CPU cache's lookup, the slot pick, the switch to the copy stream, the
-        queued-copy call (its check and staging copy queued), the slot taken, and of the call the
-        planned layout's lookup."""
+        """Seconds of the last fast-path claim (0s where the slot manager's fast path did not do the
+        load): acquire to the fast path, the CPU cache's lookup, the slot pick, the switch to the copy
+        stream, the queued-copy call (its check and staging copy queued), the slot taken, and of the
+        call the planned layout's lookup."""
         m = self.marks
-        if m.get("_load_now returned") is not True or "_copy_stream_current" not in m:
+        if "slot taken" not in m:
             return [0.0] * 7
-        c = self.claim
-        return [m["_load_now"] - t0, c.get("cached", 0.0), c.get("_pick_slot", 0.0), m["start"] - m["_copy_stream_current"],
-                c.get("_queued_copy", 0.0), c.get("_take_slot", 0.0), c.get("_planned", 0.0)]
+        return [m["fast path"] - t0, m["cpu cache"] - m["fast path"], m["slot picked"] - m["cpu cache"],
+                m["start"] - m["copy stream"], self.claim.get("_queued_copy", 0.0), m["slot taken"] - m["queued"],
+                self.claim.get("_planned", 0.0)]
 
     def device(self) -> float:
         """Seconds between the events of the last copy (call after it has finished); 0 on the CPU."""
@@ -583,17 +563,14 @@ class CopyCalls:
         to its event recorded, then back to the acquire's return (any hop back, the log line, the
         waiters' wake-up)."""
         m = self.marks
-        exit_ = m.get("exit", m["end"])
+        exit_ = m.get("copied", m["end"])
         return [m["start"] - t0, exit_ - m["end"], t1 - exit_]
 
     def restore(self) -> None:
-        for owner, n, own, fn in reversed(self._patched):
-            if own:
-                setattr(owner, n, fn)
-            else:
-                delattr(owner, n)  # the class's method again
+        """Copies untimed again, executor.slot_load's functions as they were."""
+        self.active = False
         for n, fn in self._saved.items():
-            setattr(self._lora, n, fn)
+            setattr(self._load, n, fn)
 
 
 def trace_table(calls: list) -> str:
@@ -620,12 +597,12 @@ def trace_table(calls: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def probe(args, engine: Engine, adapters: RandomAdapters) -> list[tuple]:
+async def probe(args, engine: Engine, adapters: RandomAdapters, copy_calls: CopyCalls) -> list[tuple]:
     bw = h2d_bandwidth()
     where = "pinned H2D" if bench_engine.DEVICE == "cuda" else "host memcpy"
     rows = [(f"{where} bandwidth", f"{bw / 1e9:.1f} GB/s", "", "256 MiB, median of 10")]
     slots = engine.slots
-    copy_calls = CopyCalls(slots, trace=bool(args.trace_load))
+    copy_calls.start()
     profile = cProfile.Profile() if args.profile_load else None  # each load's acquire, its claim included
     try:
         for rank in RANKS:
@@ -733,7 +710,7 @@ async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None
     import bench_store
 
     from loraserve.client import StoreClient as BlockingStoreClient
-    from loraserve.executor.lora import declare_layout
+    from loraserve.executor.layout import declare_layout
     from loraserve.executor.store_client import StoreClient
 
     s = bench_engine.SHAPES[args.shape]
@@ -752,11 +729,9 @@ async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None
         layout = declare_layout(model.cfg, model.lora_spec, "meta-llama/Meta-Llama-3-8B")
         store = StoreClient(f"127.0.0.1:{port}", layout, timeout_s=60, pin_memory=bench_engine.DEVICE == "cuda",
                             arena=arena)
-        modules = lora_modules(model)
-        mgr = SlotManager(store.fetch_shard, lambda slot, t: load_shard_into_slot(model, slot, t),
-                          lambda slot: clear_slot(modules.values(), slot), max_loras=engine.slots.max_loras,
-                          max_cpu_adapters=0, device=torch.device(bench_engine.DEVICE),
-                          queued_copy=lambda slot, tensors: queued_load(model, slot, tensors))
+        copy_into_slot, queued_copy, clear_slot = executor_build.slot_writers(model)
+        mgr = SlotManager(store.fetch_shard, copy_into_slot, clear_slot, max_loras=engine.slots.max_loras,
+                          max_cpu_adapters=0, device=torch.device(bench_engine.DEVICE), queued_copy=queued_copy)
         if arena is not None and mgr.copy_stream is not None:  # its copies read the arena's blocks too
             arena.fence = stream_fence(engine.slots.copy_stream, mgr.copy_stream)
         times, nbytes = [], 0
@@ -784,11 +759,12 @@ async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None
 
 
 async def run(args, tokenizer) -> list[tuple]:
-    engine, adapters, counter = build(args, tokenizer)
+    parts, adapters, counter, copy_calls = build(args, tokenizer)
+    engine = parts.engine
     adapters.prepare()
     engine.start()
     if args.probe:
-        rows = await probe(args, engine, adapters)
+        rows = await probe(args, engine, adapters, copy_calls)
         await engine.stop()
         return rows, [], 0.0
     items = workload(args, args.vocab)
@@ -847,38 +823,24 @@ async def run(args, tokenizer) -> list[tuple]:
     for client in args.grpc_client if args.grpc else ():
         t_grpc = totals(engine)
         watch.steps.clear()
-        rows.append(await grpc_row(args, engine, items, ceiling, client, own=own_ceiling))
+        rows.append(await grpc_row(args, parts, items, ceiling, client, own=own_ceiling))
         rows.append(step_mix(engine, t_grpc, f"through gRPC, client {client}"))
-    if args.grpc and args.eager_mixed_too and engine.mixed_graphs is not None:
-        # the same gRPC run with steps that hold a prefill chunk run eagerly (the graphs set aside):
-        # what the mixed graphs change, on one host, in one process
-        graphs, engine.mixed_graphs = engine.mixed_graphs, None
-        try:
-            t_grpc = totals(engine)
-            watch.steps.clear()
-            name, *rest = await grpc_row(args, engine, items, ceiling, args.grpc_client[0], "-eager-mixed", own=own_ceiling)
-            rows.append((name + ", mixed steps eager", *rest))
-            rows.append(step_mix(engine, t_grpc, f"through gRPC, client {args.grpc_client[0]}, mixed steps eager"))
-        finally:
-            engine.mixed_graphs = graphs
     await engine.stop()
     return rows, items, tps
 
 
-async def grpc_row(args, engine: Engine, items: list[Item], ceiling: float, client: str, label: str = "",
-                   own=None) -> tuple:
+async def grpc_row(args, parts: executor_build.ExecutorParts, items: list[Item], ceiling: float, client: str,
+                   label: str = "", own=None) -> tuple:
     """The workload through the executor's gRPC service on loopback. client "process": the streams
     come from another process (as a server's clients would: their Python work does not share this
     process's interpreter lock with the engine's eager launches); "in-process": from this event loop.
     With --profile, a torch.profiler window over the run (step_trace.py) is saved and summarized."""
     import grpc
 
-    from loraserve.executor.service import ExecutorParts, serve
-    from loraserve.executor.store_client import StoreClient
+    from loraserve.executor.service import serve
     from loraserve.v1 import executor_pb2_grpc as epb_grpc
-    from loraserve.v1.common_pb2 import Layout
 
-    parts = ExecutorParts(engine, engine.slots, StoreClient("127.0.0.1:9", Layout()), engine.config)  # no store
+    engine = parts.engine  # its store is never asked: the slots are fed in-process
     server, port = await serve(parts, "127.0.0.1:0")
     window = None
     try:
@@ -955,16 +917,10 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=1000, help="registered adapter names (ranks 8/16/32/64 in turn)")
     ap.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     ap.add_argument("--max-loras", type=int, default=64)
-    bench_engine.add_packed_b_flag(ap)
     ap.add_argument("--cpu-cache-bytes", type=int, default=0, help="0: half the available host memory")
-    ap.add_argument("--pinned-arena-bytes", type=int, default=-1,
-                    help="land fetched shards in a host arena, as the executor's flag (-1: as the executor "
-                         "sizes it, pinned at start on CUDA; 0: off)")
     ap.add_argument("--admit-ratio", type=float, default=ExecutorConfig.admit_ratio,
                     help="admission pacing, as the executor's flag (0: admit each request at once)")
     ap.add_argument("--max-admit-delay-steps", type=int, default=ExecutorConfig.max_admit_delay_steps)
-    ap.add_argument("--switch-interval-us", type=int, default=ExecutorConfig.switch_interval_us,
-                    help="the interpreter's switch interval while the engine serves (0: Python's own, 5,000 us)")
     ap.add_argument("--max-concurrent-loads", type=int, default=4, help="store fetches at once (0: no limit)")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients (and max_num_seqs)")
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second instead of the closed loop")
@@ -976,10 +932,6 @@ def main() -> None:
     ap.add_argument("--grpc-client", type=lambda v: v.split(","), default=["process"],
                     help="where the gRPC clients run: process (a child process, as remote clients), in-process "
                          "(this event loop), or both comma-separated (one run each, in that order)")
-    ap.add_argument("--no-mixed-graphs", action="store_true", help="steps with a prefill chunk run eagerly (as the "
-                    "executor's flag)")
-    ap.add_argument("--eager-mixed-too", action="store_true", help="with --grpc: one more gRPC run with the mixed "
-                    "steps' graphs set aside (before / after on one host)")
     ap.add_argument("--profile", type=Path, help="folder: a torch.profiler window (--profile-seconds) over each gRPC run, "
                     "summarized by step kind on stderr (benchmarks/step_trace.py)")
     ap.add_argument("--profile-after", type=float, default=4.0, help="seconds into the gRPC run the window opens")
@@ -991,16 +943,9 @@ def main() -> None:
     ap.add_argument("--delay-trials", type=int, default=3,
                     help="with --probe: times the cold loads beside decoding requests are measured, each with "
                          "adapters no earlier trial loaded (one row each)")
-    ap.add_argument("--stage-piece-mib", type=float, metavar="MIB",
-                    help="a cold load's staged host -> device copy in pieces of this many MiB (0: one copy; "
-                         "default: the executor's, lora.STAGE_CHUNK_BYTES)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="every request's sampling temperature, in-process, through gRPC and in the probe's "
                          "decoding requests (0, the default: greedy; transformers + PEFT decodes greedily)")
-    ap.add_argument("--step-inputs", choices=("kernel", "copy"), default="kernel",
-                    help="how CUDA graph steps take their inputs from pinned memory: read by a kernel (the "
-                         "executor's default, graphs.INPUTS_BY_KERNEL; where the pinned buffers have no device "
-                         "view, it warns once and copies) or a copy-engine transfer (before the thirty-second pass)")
     ap.add_argument("--profile-load", type=Path, metavar="FILE",
                     help="with --probe: cProfile switched on over each cold load's acquire (the slot's claim, "
                          "the copy call when the loop makes it, the event; from Python 3.12 whatever other "
@@ -1016,11 +961,6 @@ def main() -> None:
         ap.error("--profile-load and --trace-load profile the probe's cold loads: add --probe")
     if args.profile_load and args.trace_load:
         ap.error("--profile-load and --trace-load each time the same cold loads: run one at a time")
-    if args.stage_piece_mib is not None:
-        if args.stage_piece_mib < 0 or 0 < args.stage_piece_mib * 2**20 < 1:
-            ap.error("--stage-piece-mib: a size in MiB, 0 (one copy) or at least one byte")
-        lora.STAGE_CHUNK_BYTES = int(args.stage_piece_mib * 2**20)
-    step_graphs.INPUTS_BY_KERNEL = args.step_inputs == "kernel"
     if not 0 <= args.temperature < float("inf"):
         ap.error("--temperature: 0 (greedy) or a positive number")
     TEMPERATURE = args.temperature
@@ -1046,11 +986,7 @@ def main() -> None:
                         f"loraserve / this = {tps / (peft.tokens / peft.seconds):.1f}x"))
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\nserve benchmark - {args.shape} shape, random {str(bench_engine.DTYPE).removeprefix('torch.')} weights, {where}, "
-          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; packed B: {'on' if bench_engine.packs_b(args.packed_b) else 'off'}"
-          + (f"; cold loads' staged copy in {lora.STAGE_CHUNK_BYTES / 2**20:g} MiB pieces" if lora.STAGE_CHUNK_BYTES
-             else "; cold loads' staged copy whole")
-          + ("; step inputs read by a kernel (a fallback to the copy is logged)"
-             if step_graphs.INPUTS_BY_KERNEL and args.device == "cuda" else "; step inputs copied")
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
           + (f"; sampled at temperature {TEMPERATURE:g}" if TEMPERATURE else "; greedy"))
     if args.probe:
         print("| case | time | size | note |\n|---|---|---|---|")

@@ -27,7 +27,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-LABEL = "step "  # record_function names: "step " + the step's kind (engine.STEP_KINDS)
+LABEL = "step "  # record_function names: "step " + the step's kind (engine/step_stats.py, STEP_KINDS)
 _RUNTIME = {"cuda_runtime", "cuda_driver"}
 _DEVICE = {"kernel", "gpu_memset", "gpu_memcpy"}
 

@@ -45,23 +45,12 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     p.add_argument("--max-lora-rank", type=int, default=int(env("max_lora_rank", 64)))
     p.add_argument("--lora-embeddings", action="store_true", default=env("lora_embeddings", "") in ("1", "true"),
                    help="serve adapters that target embed_tokens / lm_head (vocab-sized slots)")
-    p.add_argument("--packed-lora-b", choices=("auto", "on", "off"), default=env("packed_lora_b", "auto"),
-                   help="each slot's B (the LoRA up-projection) of the dense layers laid out at the rank of the "
-                        "adapter in it: its rows contiguous, not short pieces of --max-lora-rank-wide rows (about "
-                        "2%% of a decode step over many adapters; auto: on for CUDA; on CPU it only costs an unpack "
-                        "per step)")
     p.add_argument("--cpu-cache-bytes", type=int, default=int(env("cpu_cache_bytes", 0)),
-                   help="bytes of packed adapters kept in (pinned) host memory (0: half the available host memory)")
+                   help="bytes of packed adapters kept in (pinned) host memory (0: half the available host memory); "
+                        "the host arena fetched adapters land in is sized from it (on CUDA page-locked at start, at "
+                        "most 3/4 of the available host memory)")
     p.add_argument("--max-cpu-adapters", type=int, default=int(env("max_cpu_adapters", 0)),
                    help="also cap the CPU cache at this many adapters (0: the bytes alone decide)")
-    p.add_argument("--pinned-arena-bytes", type=int, default=int(env("pinned_arena_bytes", -1)),
-                   help="CUDA: page-lock this much host memory at start and land fetched adapters in it (rank 0's), "
-                        "so a cold fetch does not stall the running steps while it is pinned; the CPU cache is held "
-                        "to 7/8 of it; a full arena falls back to a fresh pinned buffer (-1: room for the CPU cache, "
-                        "at most 3/4 of the available host memory; 0: off). CPU: never page-locked; -1 sized alike, its "
-                        "pages touched by the first adapters that land in them and reused by later ones (no page "
-                        "faults then), the CPU cache not held to it; a size > 0 is touched at start and holds the "
-                        "cache to 7/8 of it")
     p.add_argument("--max-concurrent-loads", type=int, default=int(env("max_concurrent_loads", 4)),
                    help="adapters fetched from the store at once; later cold loads wait their turn (adapters in a "
                         "slot or the CPU cache never wait for one)")
@@ -75,16 +64,9 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
                         "in one prefill step (0: admit each at once)")
     p.add_argument("--max-admit-delay-steps", type=int, default=int(env("max_admit_delay_steps", 16)),
                    help="decode steps a hold lasts at most under --admit-ratio")
-    p.add_argument("--switch-interval-us", type=int, default=int(env("switch_interval_us", 200)),
-                   help="the interpreter's switch interval while serving: how long a helper thread (a fetched "
-                        "adapter's views, its checksum) may wait for the GIL while the event loop runs Python "
-                        "(Python's default: 5000; 0 leaves the interval as it is)")
     p.add_argument("--max-model-len", type=int, default=int(env("max_model_len", 2048)))
     p.add_argument("--enforce-eager", action="store_true", default=env("enforce_eager", "") in ("1", "true"),
                    help="CUDA: no CUDA graphs (decode and mixed steps run eagerly); for debugging")
-    p.add_argument("--no-mixed-graphs", action="store_true", default=env("no_mixed_graphs", "") in ("1", "true"),
-                   help="CUDA: steps with a prefill chunk run eagerly (decode steps keep their graphs); saves the "
-                        "mixed graphs' activation memory (about max_num_batched_tokens x the MLP width)")
     p.add_argument("--slot-wait-timeout-s", type=float, default=float(env("slot_wait_timeout_s", 30)),
                    help="how long a request waits for a GPU slot while all are busy")
     p.add_argument("--adapter-refresh-s", type=float, default=float(env("adapter_refresh_s", 30)),
@@ -115,7 +97,7 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
 def executor_config(a: argparse.Namespace):
     import torch
 
-    from loraserve.executor.config import PACKED_LORA_B, ExecutorConfig
+    from loraserve.executor.config import ExecutorConfig
     from loraserve.tls import client_tls as make_client_tls
     from loraserve.tls import server_tls
 
@@ -127,16 +109,15 @@ def executor_config(a: argparse.Namespace):
     return ExecutorConfig(
         model=model, base_model=base or "", device=device, dtype=dtype, cache_dir=a.cache_dir, cpu_threads=a.cpu_threads, max_loras=a.max_loras,
         tp_size=a.tp_size, ep_size=a.ep_size, tp_timeout_s=a.tp_timeout_s, fully_sharded_loras=a.fully_sharded_loras,
-        lora_embeddings=a.lora_embeddings, packed_lora_b=PACKED_LORA_B[a.packed_lora_b],
+        lora_embeddings=a.lora_embeddings,
         max_rank=a.max_lora_rank, max_cpu_adapters=a.max_cpu_adapters, cpu_cache_bytes=a.cpu_cache_bytes,
-        pinned_arena_bytes=a.pinned_arena_bytes,
         max_concurrent_loads=a.max_concurrent_loads, num_blocks=a.num_blocks,
         block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        admit_ratio=a.admit_ratio, max_admit_delay_steps=a.max_admit_delay_steps, switch_interval_us=a.switch_interval_us,
+        admit_ratio=a.admit_ratio, max_admit_delay_steps=a.max_admit_delay_steps,
         max_model_len=a.max_model_len, store_address=a.store, listen_address=a.executor_listen,
         admin_token=a.executor_admin_token, slot_wait_timeout_s=a.slot_wait_timeout_s,
         adapter_refresh_s=a.adapter_refresh_s, store_timeout_s=a.store_timeout_s, max_prompt_bytes=a.max_prompt_bytes,
-        enforce_eager=a.enforce_eager, mixed_graphs=not a.no_mixed_graphs,
+        enforce_eager=a.enforce_eager,
         http_listen=f"{a.executor_listen.rsplit(':', 1)[0]}:{a.http_port}" if a.http_port else "",
         tls=server_tls(a.executor_tls_cert, a.executor_tls_key, a.executor_tls_client_ca),
         store_tls=make_client_tls(a.store_tls_ca, a.store_tls_cert, a.store_tls_key),

@@ -20,9 +20,6 @@ PROMPT_BYTES_PER_TOKEN = 32
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-PACKED_LORA_B = {"auto": None, "on": True, "off": False}  # --packed-lora-b -> ExecutorConfig.packed_lora_b
-
-
 @dataclass
 class ExecutorConfig:
     # The base model: a .gguf file or a Hugging Face model directory.
@@ -43,23 +40,10 @@ class ExecutorConfig:
     # model and KV cache are in place (executor/memory.py), 8 on CPU. Set to the resolved count at start.
     max_rank: int = 64  # slot rank; larger adapters are refused by the store
     lora_embeddings: bool = False  # also give embed_tokens and lm_head slots (vocab-sized: costly)
-    packed_lora_b: bool | None = None  # dense layers' B packed at each slot's rank (executor/lora.py
-    # LoraSpec.packed_b): a rank-r adapter's B rows contiguous, not r-wide pieces of max_rank-wide rows.
-    # None: on CUDA only (the CPU's reference path unpacks it every step, which only costs there).
     cpu_cache_bytes: int = 0  # packed shards kept in (pinned) host memory, in bytes; 0: half the host
-    # memory available at start (executor/memory.py). Set to the resolved budget at start.
+    # memory available at start (executor/memory.py). Set to the resolved budget at start. The host arena
+    # fetched shards land in is sized from it (executor/build.py `pinned_arena`).
     max_cpu_adapters: int = 0  # also at most this many shards in the CPU cache; 0: the bytes alone decide
-    # CUDA: host memory page-locked once at start that rank 0's fetched shards land in
-    # (executor/pinned_arena.py), so its cold fetches do not page-lock while steps run (that holds the
-    # CUDA driver: every step waits); the CPU cache is then held to 7/8 of it (the rest: room for
-    # fetches in flight). A full arena, TP/EP ranks 1..N-1, and shards the CPU cache re-pins still
-    # land in fresh pinned buffers. -1 (automatic): room for the CPU cache's budget, at most 3/4 of
-    # the host memory available at start (executor/memory.py); set to the pinned size at start.
-    # 0: off, each shard lands in a fresh pinned buffer. CPU: never page-locked; -1 sized alike (and
-    # left at -1), its pages touched by the first shards that land in them (nothing touched at
-    # start) and reused by later ones, the CPU cache not held to it; > 0 touched at start, holding
-    # the cache as on CUDA; 0: each shard lands in a fresh host buffer (page faults every time).
-    pinned_arena_bytes: int = -1
     slot_wait_timeout_s: float = 30.0  # how long a request waits for a slot when all are in use
     max_concurrent_loads: int = 4  # store fetches of adapters in flight at once (the rest wait their turn)
     adapter_refresh_s: float = 30.0  # how often held adapters are checked against the store's
@@ -74,18 +58,10 @@ class ExecutorConfig:
     # Admission pacing (executor/engine/scheduler.py), CUDA graphs only: while every running
     # sequence decodes, ready requests wait until those with a free seat number admit_ratio x the
     # running ones or the hold has lasted max_admit_delay_steps steps, so that one eager (prefill) step admits
-    # them all instead of one eager step each (1,000-adapter serve run: 2.0x the tok/s through gRPC,
-    # docs/BENCHMARKS.md). admit_ratio 0: admit each at once.
+    # them all instead of one eager step each. admit_ratio 0: admit each at once.
     admit_ratio: float = 0.125
     max_admit_delay_steps: int = 16
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying CUDA graphs
-    # CUDA: steps with a prefill chunk replay graphs per token bucket (executor/engine/graphs.py,
-    # MixedGraphs); eagerly they are host-bound (docs/BENCHMARKS.md, "Eighth pass")
-    mixed_graphs: bool = True
-    # The interpreter's switch interval while an engine serves (executor/engine/gil_handoff.py): how
-    # long a helper thread (a fetched shard's views, its checksum) may wait for the GIL while the event
-    # loop runs Python; Python's own is 5,000 us. 0: leave it as it is.
-    switch_interval_us: int = 200
 
     # Request limits and defaults.
     max_prompt_bytes: int = 0  # text/chat prompts above this many UTF-8 bytes are refused before
@@ -116,12 +92,8 @@ class ExecutorConfig:
             raise ValueError(error)
         if min(self.max_loras, self.cpu_cache_bytes, self.max_cpu_adapters) < 0:
             raise ValueError("max_loras, cpu_cache_bytes and max_cpu_adapters must be 0 (automatic / no limit) or more")
-        if self.pinned_arena_bytes < -1:
-            raise ValueError(f"pinned_arena_bytes must be -1 (automatic), 0 (off) or more, got {self.pinned_arena_bytes}")
         if self.max_concurrent_loads < 1:
             raise ValueError(f"max_concurrent_loads must be at least 1, got {self.max_concurrent_loads}")
-        if self.switch_interval_us < 0:
-            raise ValueError(f"switch_interval_us must be 0 (Python's own) or more, got {self.switch_interval_us}")
         if self.admit_ratio < 0 or self.max_admit_delay_steps < 0:
             raise ValueError(f"admit_ratio ({self.admit_ratio}) and max_admit_delay_steps "
                              f"({self.max_admit_delay_steps}) must be 0 or more")
@@ -142,11 +114,6 @@ class ExecutorConfig:
     @property
     def prompt_byte_limit(self) -> int:
         return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_model_len
-
-    @property
-    def packs_lora_b(self) -> bool:
-        """packed_lora_b resolved: None means on for a CUDA device."""
-        return self.torch_device.type == "cuda" if self.packed_lora_b is None else self.packed_lora_b
 
     @property
     def torch_device(self) -> torch.device:

@@ -1,8 +1,14 @@
 """The CPU cache: adapters' packed shards in host memory (pinned on CUDA), fetched from the store.
 
-    store (gRPC) --fetch, at most `max_concurrent_loads` at once--> CPU cache --> GPU slots (slots.py)
+    store client --fetch, at most `max_concurrent_loads` at once--> CPU cache --> GPU slots (slots.py)
 
-Rules this module guarantees (the slot manager, which owns the adapter records, relies on them):
+Each adapter's entry is a `HostCopy` record: the version last fetched and its host tensors. Its
+holder (the slot manager) makes it and passes it to every call; only this module writes it, and it
+knows nothing of slots. What it needs from above it asks through two callbacks given at
+construction: `waited_on(copy)`, whether anyone still waits for that adapter, and
+`released(copy)`, told when the adapter's fetch has ended or its host copy was dropped here.
+
+Rules this module guarantees:
 - Concurrent `ensure`s of one adapter share one fetch.
 - At most `max_concurrent_loads` store fetches run at once, started in the order they were asked
   for; a fetch nobody waits on any more by its turn (its request ended) is not started, and one the
@@ -22,19 +28,15 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import grpc
 import torch
 
 from loraserve.errors import StatusError
 
-from .lora import shard_signature
-from .shard_tensors import ShardTensors
+from .shard_tensors import ShardTensors, shard_signature
 from .store_client import STILL_WANTED, pinned_blob
-
-if TYPE_CHECKING:
-    from .slots import _Adapter
 
 log = logging.getLogger(__name__)
 
@@ -42,94 +44,110 @@ log = logging.getLogger(__name__)
 FetchShard = Callable[[str], Awaitable[tuple[str, int, dict[str, torch.Tensor], int]]]
 
 
-class CpuCache:
-    """Fills and drops the `tensors` of the slot manager's adapter records. `spawn` starts a task the
-    manager keeps a reference to; `forget(a)` drops a record nobody needs any more; `notify()` wakes
-    whoever waits for loads to end."""
+@dataclass(eq=False)
+class HostCopy:
+    """One adapter's entry in the CPU cache. The version fields stay when the tensors are dropped
+    (a GPU slot may still hold that version) until `CpuCache.forget`."""
 
+    name: str
+    digest: str = ""  # the version last fetched; "": none yet
+    rank: int = 0  # its LoRA rank
+    nbytes: int = 0  # its shard's bytes
+    tensors: dict[str, torch.Tensor] | None = None  # the host copy; None: not held here
+    fetch_task: asyncio.Task | None = None  # the fetch in flight, shared by every `ensure`
+
+
+class CpuCache:
     def __init__(self, fetch_shard: FetchShard, device: torch.device, *, budget_bytes: int | None,
-                 max_adapters: int | None, max_concurrent_loads: int | None, spawn: Callable[..., asyncio.Task],
-                 forget: Callable[[_Adapter], None], notify: Callable[[], None]):
+                 max_adapters: int | None, max_concurrent_loads: int | None,
+                 waited_on: Callable[[HostCopy], bool], released: Callable[[HostCopy], None]):
         self._fetch_shard = fetch_shard
         self.device = device
         self.budget_bytes = budget_bytes  # None: no byte limit
         self.max_adapters = max_adapters  # None: no count limit
         self.nbytes = 0  # shard bytes of the host copies held
-        self._lru: OrderedDict[str, _Adapter] = OrderedDict()  # adapters with host tensors, oldest first
+        self._lru: OrderedDict[str, HostCopy] = OrderedDict()  # entries with host tensors, oldest first
         # Store fetches in flight at once (None: no limit). Many cold loads at once share the host's
         # cores and memory bandwidth, so each ends later; in turn, the first asked land first.
         self._seats = asyncio.Semaphore(max_concurrent_loads) if max_concurrent_loads else None
-        self._spawn, self._forget, self._notify = spawn, forget, notify
+        self._waited_on, self._released = waited_on, released
+        self._tasks: set[asyncio.Task] = set()
 
     def state(self) -> tuple[int, int]:
         """(adapters, bytes) held."""
         return len(self._lru), self.nbytes
 
-    def prefetch(self, a: _Adapter) -> None:
+    def prefetch(self, c: HostCopy) -> None:
         """Starts fetching the adapter's host copy in the background, if it has none and none is
         coming (a failure here is not reported: the next `ensure` fetches again and reports it)."""
-        if a.tensors is None and a.fetch_task is None:
-            self._spawn(self._prefetch(a))
+        if c.tensors is None and c.fetch_task is None:
+            self._spawn(self._prefetch(c))
 
-    async def _prefetch(self, a: _Adapter) -> None:
+    async def _prefetch(self, c: HostCopy) -> None:
         try:
-            await self.ensure(a)
+            await self.ensure(c)
         except Exception:  # noqa: BLE001 - logged by _fetch; the request's acquire fetches again
             pass
 
-    def cached(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]] | None:
+    def cached(self, c: HostCopy) -> tuple[str, dict[str, torch.Tensor]] | None:
         """(digest, tensors) of the adapter's host copy if it is here (marked used), else None."""
-        if a.tensors is None:
+        if c.tensors is None:
             return None
-        self._lru.move_to_end(a.name)
-        return a.digest, a.tensors
+        self._lru.move_to_end(c.name)
+        return c.digest, c.tensors
 
-    async def ensure(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]]:
+    async def ensure(self, c: HostCopy) -> tuple[str, dict[str, torch.Tensor]]:
         """(digest, tensors) of the adapter's host copy, fetching it if needed."""
-        if (held := self.cached(a)) is not None:
+        if (held := self.cached(c)) is not None:
             return held
-        if a.fetch_task is None:
-            a.fetch_task = self._spawn(self._fetch(a))
-        return await asyncio.shield(a.fetch_task)
+        if c.fetch_task is None:
+            c.fetch_task = self._spawn(self._fetch(c))
+        return await asyncio.shield(c.fetch_task)
 
-    async def _fetch(self, a: _Adapter) -> tuple[str, dict[str, torch.Tensor]]:
-        wanted = STILL_WANTED.set(lambda: waited_on(a))  # a busy store is asked again only while so
+    async def _fetch(self, c: HostCopy) -> tuple[str, dict[str, torch.Tensor]]:
+        wanted = STILL_WANTED.set(lambda: self._waited_on(c))  # a busy store is asked again only while so
         try:
             if self._seats is None:
-                digest, rank, tensors, nbytes = await self._fetch_shard(a.name)
+                digest, rank, tensors, nbytes = await self._fetch_shard(c.name)
             else:
                 async with self._seats:
-                    if not waited_on(a):  # its requests ended while it waited for a seat
+                    if not self._waited_on(c):  # its requests ended while it waited for a seat
                         raise StatusError(grpc.StatusCode.CANCELLED,
-                                          f"adapter {a.name!r}: no request waits for it any more; not fetched")
-                    digest, rank, tensors, nbytes = await self._fetch_shard(a.name)
+                                          f"adapter {c.name!r}: no request waits for it any more; not fetched")
+                    digest, rank, tensors, nbytes = await self._fetch_shard(c.name)
             # Pinned host memory makes the slot copy a true async DMA. The store client's shards
             # land pinned already (one copy per load: the stream's); others are copied here into
             # one pinned buffer, so a slot load moves them with one host->device copy too. And the
             # shard's signature is worked out now, off the serving loop, not in every slot load.
             tensors = await asyncio.to_thread(_landed, tensors, self.device.type == "cuda")
-            a.digest, a.rank, a.nbytes, a.tensors = digest, rank, nbytes, tensors
-            self._lru[a.name] = a
+            c.digest, c.rank, c.nbytes, c.tensors = digest, rank, nbytes, tensors
+            self._lru[c.name] = c
             self.nbytes += nbytes
-            self._shrink(keep=a.name)
+            self._shrink(keep=c)
             return digest, tensors
         except Exception as exc:
-            log.info("fetching adapter %s failed: %s", a.name, exc)
+            log.info("fetching adapter %s failed: %s", c.name, exc)
             raise
         finally:
             STILL_WANTED.reset(wanted)
-            a.fetch_task = None
-            self._forget(a)
-            self._notify()  # a version switch may be waiting for this load to end
+            c.fetch_task = None
+            self._released(c)
 
-    def drop(self, a: _Adapter) -> None:
-        """Forgets the adapter's host copy (its record stays)."""
-        if a.tensors is not None:
-            self.nbytes -= a.nbytes
-        a.tensors = None
-        self._lru.pop(a.name, None)
+    def drop(self, c: HostCopy) -> None:
+        """Forgets the adapter's host copy (the record keeps its version fields)."""
+        if c.tensors is not None:
+            self.nbytes -= c.nbytes
+        c.tensors = None
+        if self._lru.get(c.name) is c:
+            del self._lru[c.name]
 
-    def _shrink(self, keep: str) -> None:
+    def forget(self, c: HostCopy, digest: str = "") -> None:
+        """Forgets the adapter's host copy and its version: its next `ensure` fetches whatever the
+        store has. digest: the version the record reports meanwhile ("": none)."""
+        self.drop(c)
+        c.digest, c.rank, c.nbytes = digest, 0, 0
+
+    def _shrink(self, keep: HostCopy) -> None:
         """Drops host copies while over the byte (or adapter) budget: first those no request
         waits on, least recently used first, then the others; never `keep`, just fetched."""
         def over() -> bool:
@@ -138,26 +156,26 @@ class CpuCache:
 
         if not over():
             return
-        for a in sorted(self._lru.values(), key=waited_on):  # stable: LRU within
+        for c in sorted(self._lru.values(), key=self._waited_on):  # stable: LRU within
             if not over():
                 break
-            if a.name == keep:
+            if c is keep:
                 continue
-            self.drop(a)
-            self._forget(a)
+            self.drop(c)
+            self._released(c)
 
-
-def waited_on(a: _Adapter) -> bool:
-    """Someone waits for this adapter's copy: a queued request (`wanted`), an acquire or admin load
-    in flight (`holds`), or its pin (a pinned adapter's slot is reloaded when its version changes).
-    A slot load alone is not a reason: it goes on after every request that started it has ended."""
-    return a.wanted > 0 or a.holds > 0 or a.pinned
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)  # a reference, so the task is not garbage-collected mid-flight
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # mark errors as seen
+        return task
 
 
 def _all_pinned(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether every tensor is in pinned memory, asked once per storage they live in (a landed
     shard's views share one): each ask gives the interpreter lock back and waits to retake it behind
-    the serving loop (engine/gil_handoff.py), ~450 waits for a Llama-3-8B shard asked per tensor."""
+    the serving loop (executor/diagnostics/gil_handoff.py), ~450 waits for a Llama-3-8B shard asked per tensor."""
     one_per_storage = {t.untyped_storage().data_ptr(): t for t in tensors.values()}
     return all(t.is_pinned() for t in one_per_storage.values())
 

@@ -2,12 +2,10 @@
 
 In a captured CUDA graph, cuBLAS puts a 4-byte memset of its workspace before the GEMMs whose
 kernel keeps a counter there (on an H100, of Llama-3-8B's layers at 16-2,048 tokens: q/k/v at
-2,048, gate/up at 1,024-2,048). While slot loads' host -> device copies were queued, such a memset
-was seen to wait for them: a 2,048-token mixed step took 95-136 ms of device time instead of ~55-60
-(the longest step of every unprofiled serve run). With no workspace cuBLAS picks kernels that need
-none: no memsets, and a layer's four base GEMMs together were no slower at 16-2,048 tokens on an
-H100 (benchmarks/bench_gemm_workspace.py, one process per setting; docs/BENCHMARKS.md,
-twenty-fourth pass).
+2,048, gate/up at 1,024-2,048). Such a memset waits behind the slot loads' host -> device copies
+queued at the time: a 2,048-token mixed step then takes 95-136 ms of device time instead of ~55-60.
+With no workspace cuBLAS picks kernels that need none: no memsets, and a layer's four base GEMMs
+together are no slower at 16-2,048 tokens on an H100.
 
 torch reads CUBLAS_WORKSPACE_CONFIG once, at the process's first cuBLAS GEMM, so this runs
 before the model's first one; a value already in the environment is left as it is (give cuBLAS

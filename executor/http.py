@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 
 from loraserve.errors import StatusError, invalid, not_found
 
-from .engine.engine import GenerationOutput, GenerationRequest
+from .engine.requests import GenerationOutput, GenerationRequest
 from .engine.sampler import SamplingParams
 
 log = logging.getLogger(__name__)

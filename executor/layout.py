@@ -1,4 +1,6 @@
-"""The layout an executor of a given model declares, without building the model (for the CLI)."""
+"""The loraserve.v1.Layout an executor declares to the store: its slot buffers' modules, sizes and
+PEFT names (`declare_layout`), also worked out from a model's config alone, without building the
+model (`layout_for_model`, for the CLI)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,95 @@ import torch
 from loraserve.defaults import DEFAULT_BASE_MODEL, smollm2_gguf_path
 from loraserve.v1 import common_pb2 as pb
 
-from .lora import LoraSpec, declare_layout
 from .model.config import ModelConfig
 from .parallel import ep_size_error, ep_with_tp_error, tp_size_error
+from .slot_layout import LoraSpec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str, tp_size: int = 1,
+                   ep_size: int = 1) -> pb.Layout:
+    """The loraserve.v1.Layout of the slot buffers LlamaForCausalLM(cfg, spec) allocates.
+
+    Module sizes are the whole model's; the store cuts each rank's part (tp_size, ep_size), so every
+    rank declares the same layout and names its own ShardRank when it fetches.
+
+    Module names are the executor's; peft_modules are the PEFT names packed into each, in slice order.
+    """
+    c = model_cfg
+    K = pb.ModuleKind
+    modules = []
+    if spec.targets_embeddings:
+        modules.append(
+            pb.ModuleLayout(
+                name="model.embed_tokens", kind=K.EMBEDDING, input_size=c.vocab_size,
+                output_sizes=[c.hidden_size], peft_modules=["model.embed_tokens"],
+            )
+        )
+    for i in range(c.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        modules += [
+            pb.ModuleLayout(
+                name=f"{attn}.qkv_proj", kind=K.QKV, input_size=c.hidden_size,
+                output_sizes=[c.q_size, c.kv_size, c.kv_size], head_size=c.head_dim,
+                peft_modules=[f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
+            ),
+            pb.ModuleLayout(
+                name=f"{attn}.o_proj", kind=K.ROW, input_size=c.q_size,
+                output_sizes=[c.hidden_size], peft_modules=[f"{attn}.o_proj"],
+            ),
+        ]  # fmt: skip
+        if c.is_moe_layer(i):
+            modules += _moe_layout(c, mlp)
+        else:
+            modules += _mlp_layout(mlp, c.hidden_size, c.intermediate_size)
+    if spec.targets_embeddings:
+        modules.append(
+            pb.ModuleLayout(
+                name="lm_head", kind=K.LM_HEAD, input_size=c.hidden_size,
+                output_sizes=[c.vocab_size], peft_modules=["lm_head"],
+            )
+        )
+    return pb.Layout(
+        modules=modules, tp_size=tp_size, fully_sharded=spec.fully_sharded and tp_size > 1, ep_size=ep_size,
+        dtype=DTYPE_NAMES[spec.dtype], max_rank=spec.max_rank, base_model=base_model_name,
+    )  # fmt: skip
+
+
+def _mlp_layout(mlp: str, hidden: int, inter: int) -> list:
+    K = pb.ModuleKind
+    return [
+        pb.ModuleLayout(
+            name=f"{mlp}.gate_up_proj", kind=K.MERGED_COLUMN, input_size=hidden, output_sizes=[inter, inter],
+            peft_modules=[f"{mlp}.gate_proj", f"{mlp}.up_proj"],
+        ),
+        pb.ModuleLayout(
+            name=f"{mlp}.down_proj", kind=K.ROW, input_size=inter, output_sizes=[hidden],
+            peft_modules=[f"{mlp}.down_proj"],
+        ),
+    ]  # fmt: skip
+
+
+def _moe_layout(c: ModelConfig, mlp: str) -> list:
+    """A sparse layer's experts (per-expert PEFT names, the store's canonical form whatever file
+    format the adapter came in; see adapter_store/validate.py) and its shared expert, if any."""
+    K = pb.ModuleKind
+    e, inter = f"{mlp}.experts.{{e}}", c.moe_intermediate_size
+    modules = [
+        pb.ModuleLayout(
+            name=f"{mlp}.experts.gate_up_proj", kind=K.MOE_W13, input_size=c.hidden_size, output_sizes=[inter, inter],
+            peft_modules=[f"{e}.gate_proj", f"{e}.up_proj"], num_experts=c.num_experts,
+        ),
+        pb.ModuleLayout(
+            name=f"{mlp}.experts.down_proj", kind=K.MOE_W2, input_size=inter, output_sizes=[c.hidden_size],
+            peft_modules=[f"{e}.down_proj"], num_experts=c.num_experts,
+        ),
+    ]  # fmt: skip
+    if c.shared_expert_intermediate_size:
+        modules += _mlp_layout(f"{mlp}.shared_expert", c.hidden_size, c.shared_expert_intermediate_size)
+    return modules
 
 
 def model_config(path: Path) -> ModelConfig:

@@ -1,5 +1,6 @@
-"""What the executor gives adapters when it is not told: the CPU cache's bytes and the GPU slot
-count, from the memory free at start-up. Pure functions of their inputs, and two probes."""
+"""What the executor gives adapters when it is not told: the CPU cache's bytes, the host arena's
+and the GPU slot count, from the memory free at start-up. Pure functions of their inputs, two
+probes, and the slot buffers re-created at the count chosen."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 import logging
 import os
 
-from .lora import forget_slot_plans
+from .slot_load import forget_slot_plans
 
 log = logging.getLogger(__name__)
 
@@ -15,7 +16,7 @@ CPU_CACHE_SHARE = 0.5  # of the host memory available at start-up
 SLOT_SHARE = 0.5  # of the GPU memory free once the model and the KV cache are in place
 MAX_AUTO_LORAS = 64  # an automatic max_loras never goes above this (a batch rarely has more adapters)
 CPU_MAX_LORAS = 8  # max_loras on CPU when not given
-ARENA_HOST_SHARE = 0.75  # an automatic pinned arena takes at most this share of the host memory available
+ARENA_HOST_SHARE = 0.75  # the host arena takes at most this share of the host memory available
 ARENA_CACHE_SHARE = 7 / 8  # of the pinned arena, what the CPU cache may hold (the rest: fetches in flight)
 
 
@@ -24,9 +25,9 @@ def default_cpu_cache_bytes(available_host_bytes: int) -> int:
     return int(available_host_bytes * CPU_CACHE_SHARE)
 
 
-def default_pinned_arena_bytes(cpu_cache_bytes: int, available_host_bytes: int) -> int:
-    """CUDA's pinned arena when not given: room for the CPU cache's whole budget (it may hold
-    ARENA_CACHE_SHARE of the arena), at most ARENA_HOST_SHARE of the host memory available now;
+def arena_bytes(cpu_cache_bytes: int, available_host_bytes: int) -> int:
+    """The host arena's bytes (page-locked on CUDA): room for the CPU cache's whole budget (it may
+    hold ARENA_CACHE_SHARE of the arena), at most ARENA_HOST_SHARE of the host memory available now;
     a multiple of 2 MiB (huge pages)."""
     huge = 2 << 20
     room = -(-int(cpu_cache_bytes / ARENA_CACHE_SHARE) // huge) * huge  # rounded up: the cache keeps its budget

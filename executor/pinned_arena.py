@@ -2,10 +2,11 @@
 
 Why: page-locking host memory holds the CUDA driver for as long as it takes (~0.55 ms per MiB on
 an H100 host: ~180 ms for a rank-64 Llama-3-8B adapter), and every other CUDA call of the process
-waits meanwhile: kernel launches, copies, event records (`benchmarks/bench_pinning.py`). A shard
-landing in a fresh pinned buffer therefore stalls the decode steps of every other request
-(`serve.py --probe`: +24 steps for 4 cold rank-64 loads). Carving shards out of memory pinned
-before serving costs no driver call while serving.
+waits meanwhile: kernel launches, copies, event records. A shard landing in a fresh pinned buffer
+therefore stalls the decode steps of every other request (tens of steps for 4 cold rank-64 loads,
+about one step with the arena). Carving shards out of memory pinned before serving costs no driver
+call while serving. The executor makes one (executor/build.py `pinned_arena`); a CPU executor's is
+never page-locked: its pages are faulted in once and reused by later shards.
 
 Lifetime: a block is handed out as a uint8 view of the arena; `adopt` ties it to the shard's
 tensor dict (`ArenaShard`), and the block is released when that dict is garbage (the CPU cache
@@ -66,7 +67,7 @@ class PinnedArena:
             err = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), nbytes, 0)
             if int(err) != 0:
                 raise RuntimeError(f"page-locking the pinned arena's {nbytes} bytes of host memory failed "
-                                   f"(cudaHostRegister error {int(err)}): lower --pinned-arena-bytes")
+                                   f"(cudaHostRegister error {int(err)})")
         # page-locked until closed or garbage (an executor built and dropped, as in tests, gives it back)
         self._unpin = weakref.finalize(self, _unregister, self.base.data_ptr()) if pin_memory else None
         if self._unpin is not None:

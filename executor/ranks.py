@@ -51,13 +51,16 @@ from loraserve.errors import StatusError
 from loraserve.v1 import common_pb2 as pb
 
 from .config import ExecutorConfig
-from .engine import gc_pauses, gil_handoff
+from .diagnostics import gc_pauses, gil_handoff
 from .engine.kv_cache import KVCache
 from .engine.step import StepInputs, forward_step
-from .lora import LoraSpec, clear_slot, declare_layout, load_shard_into_slot, lora_modules
+from .layout import declare_layout
+from .lora import lora_modules
 from .model.loader import load_model
 from .model.moe import Experts
 from .parallel import TPGroup, make_group, open_store, roles
+from .slot_layout import LoraSpec
+from .slot_load import clear_slot, load_shard_into_slot
 from .store_client import STILL_WANTED, StoreClient
 
 log = logging.getLogger(__name__)
@@ -69,7 +72,7 @@ WANTED_POLL_S = 0.1  # how often rank 0 asks STILL_WANTED while ranks 1..N-1 fet
 def lora_spec(cfg: ExecutorConfig) -> LoraSpec:
     """max_loras 0 (automatic, one rank only): one slot until the KV cache is in place (resolve_adapter_memory)."""
     return LoraSpec(cfg.max_loras or 1, cfg.max_rank, cfg.torch_dtype, targets_embeddings=cfg.lora_embeddings,
-                    fully_sharded=cfg.fully_sharded_loras, packed_b=cfg.packs_lora_b)
+                    fully_sharded=cfg.fully_sharded_loras)
 
 
 def role(cfg: ExecutorConfig) -> str:
@@ -392,14 +395,14 @@ class _Rank:
         self.loop = asyncio.new_event_loop()  # the store client's
         threading.Thread(target=self.loop.run_forever, name="store-client", daemon=True).start()
         threading.Thread(target=self._read, name="rank-0-reader", daemon=True).start()
-        # Start-up's objects out of the garbage collector's walks (engine/gc_pauses.py): a full
+        # Start-up's objects out of the garbage collector's walks (diagnostics/gc_pauses.py): a full
         # collection here would hold this rank's step, and every rank waits for it in the collectives.
         # The process serves until it exits, so nothing thaws them.
         self.gc = gc_pauses.watch_gc()
         frozen = gc_pauses.freeze_startup()
         # Its store client's views of a fetched shard run on threads beside this rank's steps: the
-        # switch interval the engine of rank 0 sets (engine/gil_handoff.py), for this process's life.
-        gil_handoff.engine_started(cfg.switch_interval_us)
+        # switch interval the engine of rank 0 sets (diagnostics/gil_handoff.py), for this process's life.
+        gil_handoff.engine_started()
         self._send(("ready",))
         log.info("%s rank %d ready: %s, %d layers, %d kv heads here; %d start-up objects frozen out of the garbage "
                  "collector's walks", self.role, rank, cfg.model, mc.num_layers, self.model.num_kv_heads, frozen)
@@ -477,7 +480,7 @@ class _Rank:
     def _load_slot(self, slot: int, version: tuple[str, str], rank0_rank: int | None = None) -> None:
         """Copies this rank's shard of `version` into `slot` (("", ""): empties it). rank0_rank: the
         slot's rank as rank 0 loaded it, which this rank's kernels read its slot at: a packed B
-        (LoraSpec.packed_b) laid out at another rank here would be read wrong, so that fails."""
+        (slot_layout.packs_b_on) laid out at another rank here would be read wrong, so that fails."""
         if version == ("", ""):
             clear_slot(self.modules.values(), slot)
         else:  # fetched already when rank 0 loaded it, unless dropped since: then fetched now

@@ -1,7 +1,6 @@
-"""The Executor gRPC servicer (thin), and `build_executor`, which assembles the parts from one config.
-
-model (executor/model) + LoRA slot buffers (executor/lora.py) + slot manager (executor/slots.py)
-fed by the store client (executor/store_client.py) + engine (executor/engine) -> this servicer.
+"""The Executor gRPC servicer (thin), and `build_executor`, which makes the parts from one config:
+the model (executor/model, with its LoRA slot buffers) and any tensor- or expert-parallel ranks
+(executor/ranks.py), wired by executor/build.py into the store client, slot manager and engine.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -20,50 +18,30 @@ import torch
 from loraserve import __version__
 from loraserve.auth import require_admin
 from loraserve.errors import StatusError, grpc_errors, invalid, unavailable
-from loraserve.metrics import ExecutorMetrics, MetricsServer, serve_metrics
+from loraserve.metrics import serve_metrics
 from loraserve.serving import RunningServer, start_server
 from loraserve.v1 import executor_pb2 as epb
 from loraserve.v1 import executor_pb2_grpc as epb_grpc
 
 from . import cublas, memory
+from .build import ExecutorParts, build_engine
 from .config import ExecutorConfig
-from .engine.engine import Engine, GenerationOutput, GenerationRequest
-from .engine.kv_cache import KVCache
+from .engine.requests import GenerationOutput, GenerationRequest
 from .engine.sampler import SamplingParams
-from .http import HttpFront, serve_http
+from .http import serve_http
 from .layout import model_config
-from .lora import clear_slot as clear_lora_slot, declare_layout, load_shard_into_slot, lora_modules, queued_load
-from .pinned_arena import PinnedArena, stream_fence
+from .lora import lora_modules
 from .model.loader import load_model
 from .model.tokenizer import Tokenizer
 from .parallel import ep_size_error, roles, tp_size_error
 from .ranks import TPRanks, lora_spec
 from .refresh import refresh_loop, refresh_one
-from .slots import AdapterState, SlotManager
-from .store_client import StoreClient
+from .slot_reports import AdapterState
+from .slots import SlotManager
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "loraserve.v1.Executor"
 FINISH = {"length": epb.LENGTH, "stop": epb.STOP, "eos": epb.EOS, "cancelled": epb.CANCELLED}
-
-
-@dataclass
-class ExecutorParts:
-    engine: Engine
-    slots: SlotManager
-    store: StoreClient
-    config: ExecutorConfig
-    refresher: asyncio.Task | None = None  # executor/refresh.py's loop, started by serve()
-    store_watch: asyncio.Task | None = None  # StoreClient.watch, started by serve()
-    http: HttpFront | None = None  # the OpenAI-compatible front, started by serve() when config.http_listen
-    metrics: ExecutorMetrics | None = None
-    metrics_server: MetricsServer | None = None  # /metrics, started by serve() when config.metrics_listen
-    ranks: TPRanks | None = None  # tensor- or expert-parallel ranks 1..N-1 (config.world_size > 1)
-
-    def generate(self, req: GenerationRequest):
-        """Engine.generate, counted in the metrics (off the step loop: in the caller's task)."""
-        outputs = self.engine.generate(req)
-        return self.metrics.track(outputs, req.adapter) if self.metrics is not None else outputs
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
@@ -109,96 +87,6 @@ def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer | TokenIds
     return Tokenizer.from_pretrained(model_path)
 
 
-def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | None:
-    """The arena rank 0's fetched shards land in. On CUDA pinned (cfg.pinned_arena_bytes, -1: sized
-    for the CPU cache's budget, executor/memory.py), page-locked now, and the CPU cache held to its
-    share; cfg.pinned_arena_bytes is set to what it made. On the CPU never page-locked: -1 sized
-    alike, its pages touched by the first shards that land in them, not at start (a later shard
-    reuses touched pages instead of faulting in a fresh buffer's), and the CPU cache not held (a full
-    arena only means fresh buffers); a given size (> 0) is touched now and holds the cache as on
-    CUDA. Runs after cfg.cpu_cache_bytes is resolved. adapter_bytes: a slot's bytes (an adapter's
-    most), which bound the cache under max_cpu_adapters."""
-    if cfg.pinned_arena_bytes == 0:
-        return None
-    cuda, automatic = cfg.torch_device.type == "cuda", cfg.pinned_arena_bytes < 0
-    available = memory.available_host_bytes()
-    size = cfg.pinned_arena_bytes
-    if automatic:
-        cache = cfg.cpu_cache_bytes
-        if cfg.max_cpu_adapters and adapter_bytes:  # the cache never holds more than that many adapters
-            cache = min(cache, (cfg.max_cpu_adapters + cfg.max_concurrent_loads) * adapter_bytes)
-        size = memory.default_pinned_arena_bytes(cache, available)
-        if size == 0:
-            log.warning("no host memory left for a %s arena: fetched shards land in fresh %s buffers",
-                        *(("pinned",) * 2 if cuda else ("host",) * 2))
-            if cuda:
-                cfg.pinned_arena_bytes = 0
-            return None
-    elif size > available:
-        raise ValueError(f"--pinned-arena-bytes {size} is more than the {available} bytes of "
-                         "host memory available now: lower it (or -1: sized for the CPU cache)")
-    if not cuda:
-        return _host_arena(cfg, size, automatic)
-    cfg.pinned_arena_bytes = size
-    log.info("pinned arena: page-locking %.1f GiB of host memory (--pinned-arena-bytes; 0 turns it off)", size / 2**30)
-    try:
-        arena = PinnedArena(size)
-    except (RuntimeError, OSError) as exc:  # page-locking refused, or the mapping itself
-        if not automatic:
-            raise
-        log.warning("pinned arena off: %s; fetched shards land in fresh pinned buffers (each pin stalls the steps)", exc)
-        cfg.pinned_arena_bytes = 0
-        return None
-    log.info("pinned arena: %.1f GiB page-locked in %.1fs (pages touched in %.1fs)", arena.nbytes / 2**30,
-             arena.pin_seconds, arena.fault_seconds)
-    return _hold_cache(cfg, arena)
-
-
-def _host_arena(cfg: ExecutorConfig, size: int, automatic: bool) -> PinnedArena | None:
-    """A CPU executor's arena (see pinned_arena): not page-locked; automatic: untouched address
-    space (none where the host refuses the mapping), else touched now."""
-    try:
-        arena = PinnedArena(size, pin_memory=False, prefault=not automatic)
-    except OSError as exc:  # the mapping refused (strict overcommit, an address-space limit)
-        if not automatic:
-            raise
-        log.warning("host arena off: mapping %.1f GiB failed (%s); fetched shards land in fresh host buffers",
-                    size / 2**30, exc)
-        return None
-    if automatic:
-        log.info("host arena: %.1f GiB of address space (on %s: not page-locked, pages touched as fetched shards "
-                 "land in them and kept for the next ones; --pinned-arena-bytes 0 turns it off)",
-                 arena.nbytes / 2**30, cfg.device)
-        return arena
-    log.info("host arena: %.1f GiB touched in %.1fs (on %s: not page-locked); fetched shards land in it",
-             arena.nbytes / 2**30, arena.fault_seconds, cfg.device)
-    return _hold_cache(cfg, arena)
-
-
-def _hold_cache(cfg: ExecutorConfig, arena: PinnedArena) -> PinnedArena:
-    if arena.cache_budget(cfg.cpu_cache_bytes) < cfg.cpu_cache_bytes:
-        log.warning("CPU cache held to 7/8 of the arena: %.1f GiB (asked: %.1f GiB)",
-                    arena.cache_budget(cfg.cpu_cache_bytes) / 2**30, cfg.cpu_cache_bytes / 2**30)
-        cfg.cpu_cache_bytes = arena.cache_budget(cfg.cpu_cache_bytes)
-    return arena
-
-
-def resolve_adapter_memory(cfg: ExecutorConfig, model, modules) -> None:
-    """Fills in max_loras and cpu_cache_bytes left at 0 (automatic), from the memory free now: the
-    model is loaded with one slot per module and, on CUDA, re-created with as many as fit."""
-    if cfg.cpu_cache_bytes == 0:
-        cfg.cpu_cache_bytes = memory.default_cpu_cache_bytes(memory.available_host_bytes())
-    if cfg.max_loras == 0:
-        if cfg.torch_device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(cfg.torch_device)
-            cfg.max_loras = memory.default_max_loras(free, memory.lora_bytes_per_slot(modules))
-        else:
-            cfg.max_loras = memory.CPU_MAX_LORAS
-        memory.resize_slots(model, modules, cfg.max_loras)
-    log.info("adapters: %d GPU slots, CPU cache of %.1f GiB%s", cfg.max_loras, cfg.cpu_cache_bytes / 2**30,
-             f" or {cfg.max_cpu_adapters} adapters" if cfg.max_cpu_adapters else "")
-
-
 def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     """Loads the model with slot buffers, and wires slot manager, store client and engine.
     With cfg.tp_size or cfg.ep_size > 1 this process is rank 0 and spawns ranks 1..N-1 (executor/ranks.py)."""
@@ -227,46 +115,17 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
 
 def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorParts:
     # max_loras 0 (automatic): one slot until the KV cache is in place, then as many as fit
-    spec = lora_spec(cfg)
     tp, ep = roles(ranks.start(), cfg.ep_size) if ranks is not None else (None, None)
-    model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=spec, tp=tp, ep=ep)
+    model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=lora_spec(cfg), tp=tp, ep=ep)
     tokenizer = load_tokenizer(cfg.model, cfg.cache_dir)
-    mc = model.cfg
-    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
-    modules = lora_modules(model)
-    packed = any(m.packed_b for m in modules.values())
-    if cfg.packed_lora_b and not packed:
-        log.warning("--packed-lora-b on: no layer's B is packed (it needs --max-lora-rank a multiple of 8, got %d; "
-                    "fully sharded layers, embeddings and experts keep [N, R] rows)", cfg.max_rank)
-    resolve_adapter_memory(cfg, model, modules)
-    arena = pinned_arena(cfg, memory.lora_bytes_per_slot(modules))
-    store = StoreClient(cfg.store_address, declare_layout(mc, spec, cfg.base_model, cfg.tp_size, cfg.ep_size), timeout_s=cfg.store_timeout_s,
-                        tls=cfg.store_tls, pin_memory=cfg.torch_device.type == "cuda", arena=arena)
-    metrics = ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters)
-
-    def clear_slot(slot: int) -> None:
-        clear_lora_slot(modules.values(), slot)
-
-    fetch = store.fetch_shard if ranks is None else ranks.fetching(store.fetch_shard)
-    slots = SlotManager(
-        fetch, lambda slot, tensors: load_shard_into_slot(model, slot, tensors), clear_slot,
-        max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters or None, cpu_cache_bytes=cfg.cpu_cache_bytes,
-        device=cfg.torch_device,
-        slot_wait_timeout_s=cfg.slot_wait_timeout_s, max_concurrent_loads=cfg.max_concurrent_loads, observer=metrics,
-        queued_copy=lambda slot, tensors: queued_load(model, slot, tensors),
-    )
-    if arena is not None and slots.copy_stream is not None:  # a released block is reused once earlier slot copies ran
-        arena.fence = stream_fence(slots.copy_stream)
-    if ranks is not None:
-        ranks.wait_ready()  # before the engine's warm-up steps reach them
-    engine = Engine(model, tokenizer, kv, slots, cfg, ranks)
-    metrics.attach(engine, slots, cfg.max_loras)
+    packed = any(m.packed_b for m in lora_modules(model).values())
+    parts = build_engine(cfg, model, tokenizer, ranks=ranks)
     log.info("executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d (B %s), %d KV blocks of %d%s",
-             time.perf_counter() - t0, cfg.model, cfg.device, cfg.dtype, mc.num_layers, cfg.max_loras,
+             time.perf_counter() - t0, cfg.model, cfg.device, cfg.dtype, model.cfg.num_layers, cfg.max_loras,
              cfg.max_rank, "packed at each slot's rank" if packed else "in rows", cfg.num_blocks, cfg.block_size,
              f", {ranks.role} over {ranks.size} ranks{' (fully sharded LoRA)' if cfg.fully_sharded_loras and cfg.tp_size > 1 else ''}"
              if ranks is not None else "")
-    return ExecutorParts(engine, slots, store, cfg, metrics=metrics, ranks=ranks)
+    return parts
 
 
 def to_generation_request(req: epb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:

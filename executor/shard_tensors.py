@@ -1,13 +1,17 @@
-"""The dict a shard's tensors travel in, from where its bytes land to the slot loads that read them."""
+"""The dict a shard's tensors travel in, from where its bytes land to the slot loads that read them,
+and the signature a slot load finds its shard's layout by."""
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 
 class ShardTensors(dict):
     """A shard's tensors (name -> tensor, views of the one host buffer it landed in), as the CPU
     cache holds them. A dict that can carry what every slot load of it would otherwise work out
-    again (`signature`: the layout key and host addresses executor/lora.py loads it by, set once
-    by lora.shard_signature; `pinned`: True when every tensor is in page-locked memory, set by the
+    again (`signature`: the layout key and host addresses executor/slot_load.py loads it by, set
+    once by `shard_signature`; `pinned`: True when every tensor is in page-locked memory, set by the
     CPU cache as it lands) and a finalizer (the pinned arena's ArenaShard). Both describe the
     tensors they were worked out from: changing the dict drops them, and a copy (copy, deepcopy,
     pickle: new tensors, new addresses) does not carry them."""
@@ -55,3 +59,56 @@ class ShardTensors(dict):
 
     def __reduce_ex__(self, protocol):
         return type(self), (dict(self),)  # the tensors only: a copy's signature is its own to work out
+
+
+class LayoutKey:
+    """A shard layout's key (a tuple over every tensor) with its hash worked out once. One object
+    per layout (`LayoutKey.of`), so a layout cache finds a shard's by identity, not by comparing
+    ~450 names and shapes on every load."""
+
+    __slots__ = ("parts", "hash", "__weakref__")
+    _interned: weakref.WeakValueDictionary[tuple, LayoutKey] = weakref.WeakValueDictionary()
+    _lock = threading.Lock()
+
+    def __init__(self, parts: tuple):
+        self.parts, self.hash = parts, hash(parts)
+
+    @classmethod
+    def of(cls, parts: tuple) -> LayoutKey:
+        """The one key of `parts` while any holder keeps it (a new one once none does)."""
+        with cls._lock:
+            key = cls._interned.get(parts)
+            if key is None:
+                key = cls._interned[parts] = cls(parts)
+            return key
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, LayoutKey) and self.hash == other.hash and self.parts == other.parts)
+
+
+def shard_signature(tensors: dict):
+    """What a slot load of `tensors` works out before it copies anything: (key, byte offsets,
+    storage, lo). The key names each tensor's name, shape, dtype, contiguity and, when all are host
+    tensors in one storage (`storage`, else None), its byte offset from lo, the lowest start among
+    them. Kept on a ShardTensors (the CPU cache calls this as a shard lands, off the serving loop),
+    so its loads into slots skip it."""
+    known = getattr(tensors, "signature", None)
+    if known is not None:
+        return known
+    ts = tuple(tensors.values())
+    ptrs = [t.data_ptr() for t in ts]
+    lo, storage = min(ptrs, default=0), None
+    if ts and ts[0].device.type == "cpu":
+        first = ts[0].untyped_storage()
+        if first.data_ptr() <= lo and max(ptrs) < first.data_ptr() + first.nbytes():
+            storage = first
+    offsets = [p - lo for p in ptrs] if storage is not None else [None] * len(ts)
+    shapes, dtypes, contiguous = [t.shape for t in ts], [t.dtype for t in ts], [t.is_contiguous() for t in ts]
+    key = LayoutKey.of((tuple(tensors), tuple(zip(shapes, dtypes, contiguous, offsets))))
+    found = key, offsets, storage, lo
+    if isinstance(tensors, ShardTensors):
+        tensors.signature = found
+    return found

@@ -1,10 +1,11 @@
 """The slot manager: which adapter sits in which GPU slot, and getting it there.
 
-Adapters live in three tiers:
+Adapters live in three tiers, each calling only the one below:
 
-    store (gRPC) --fetch--> CPU cache (executor/cpu_cache.py: packed shards in host memory, pinned
-                            on CUDA, bounded in bytes; at most `max_concurrent_loads` fetches at once)
-                 --copy---> GPU slot (this module: LRU over `max_loras` slots, pins, in-use counts)
+    GPU slot (this module: LRU over `max_loras` slots, pins, in-use counts, versions)
+      -> CPU cache (executor/cpu_cache.py: packed shards in host memory, pinned on CUDA, bounded in
+         bytes; at most `max_concurrent_loads` fetches at once)
+      -> store client (executor/store_client.py)
 
 Rules this module guarantees:
 - A slot is never overwritten while a running request uses it (`in_use`), while an
@@ -20,10 +21,8 @@ Rules this module guarantees:
   slot or in the CPU cache never waits for a fetch seat.
 - A failed fetch leaves nothing behind; every waiter gets the error; the next acquire retries.
 - Adapters already in a slot or in the CPU cache keep serving when the store is down.
-- Loading never blocks the forward passes of other adapters: on CUDA the copy runs on a side
-  stream (queued from the loop when that is all it does: a pinned shard of a layout planned
-  before; else from a copy thread), on the CPU in a thread; the lease carries an event recorded
-  after the copy.
+- Loading never blocks the forward passes of other adapters (executor/slot_copies.py): the
+  lease carries the copy's event.
 - A new version in the store (`refresh`: the adapter was registered again, or deleted) drops
   the cached one as soon as no running request uses it; requests that arrive meanwhile wait
   for that (up to `slot_wait_timeout_s`, then they are served the old version) and get the
@@ -34,42 +33,25 @@ Rules this module guarantees:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from loraserve.errors import exhausted, invalid, not_found, precondition
-from loraserve.serving import outlast_cancellation
-from loraserve.kernels.meta import FULL_RANK
 
-from .cpu_cache import CpuCache, FetchShard, waited_on
+from .cpu_cache import CpuCache, FetchShard, HostCopy
+from .slot_copies import CopyIntoSlot, QueuedCopy, SlotCopier
+from .slot_reports import AdapterState, SlotObserver
 
 log = logging.getLogger(__name__)
 
 
-class SlotObserver:
-    """Told of slot hits, misses, evictions and load times (loraserve/metrics.py's ExecutorMetrics
-    is one); on the event loop, so each call must be cheap. This one ignores them."""
-
-    def slot_hit(self) -> None: ...
-    def slot_miss(self) -> None: ...
-    def slot_eviction(self) -> None: ...
-    def adapter_loaded(self, tier: str, seconds: float) -> None: ...
-    def load_phases(self, fetch_s: float, slot_wait_s: float, copy_s: float) -> None:
-        """A slot load's seconds split: in the CPU cache (the fetch and its wait for a seat; ~0 when
-        cached), waiting for a slot to free, the copy into it (host side: until the copy is queued)."""
-
-
-def _use_stream(stream: torch.cuda.Stream) -> None:
-    """The copy thread's start: its device and current stream are the copy stream's from then on."""
-    torch.cuda.set_device(stream.device)
-    torch.cuda.set_stream(stream)
+def _untraced(step: str) -> None:
+    pass
 
 
 @dataclass(eq=False)
@@ -95,27 +77,10 @@ class SlotLease:
             torch.cuda.current_stream().wait_event(self.ready)
 
 
-@dataclass
-class AdapterState:
-    name: str
-    digest: str
-    rank: int
-    slot: int  # -1: not in a GPU slot
-    pinned: bool
-    in_use: int
-    in_cpu_cache: bool
-    last_used_unix_ms: int
-    bytes: int
-    loading: bool
-
-
 @dataclass(eq=False)
 class _Adapter:
     name: str
-    digest: str = ""
-    rank: int = 0
-    nbytes: int = 0
-    tensors: dict[str, torch.Tensor] | None = None  # the CPU-cache copy (cpu_cache.py fills and drops it)
+    host: HostCopy  # the CPU cache's record: the version last fetched and its host copy
     slot: int = -1
     slot_digest: str = ""  # the version in the slot (a later refetch may have brought a newer one)
     event: torch.cuda.Event | None = None
@@ -125,24 +90,31 @@ class _Adapter:
     holds: int = 0  # acquire/load calls in flight: keep the adapter in place meanwhile
     lru_tick: int = 0
     last_used_unix_ms: int = 0
-    fetch_task: asyncio.Task | None = None
     slot_task: asyncio.Task | None = None
     stale: bool = False  # the store has another version: drop this one once nobody uses it
 
     @property
     def loading(self) -> bool:
-        return self.fetch_task is not None or self.slot_task is not None
+        return self.host.fetch_task is not None or self.slot_task is not None
 
     @property
     def evictable_from_slot(self) -> bool:
         return not self.pinned and self.in_use == 0 and self.holds == 0 and self.slot_task is None
+
+    @property
+    def waited_on(self) -> bool:
+        """Someone waits for this adapter's copy: a queued request (`wanted`), an acquire or admin
+        load in flight (`holds`), or its pin (a pinned adapter's slot is reloaded when its version
+        changes). A slot load alone is not a reason: it goes on after every request that started it
+        has ended."""
+        return self.wanted > 0 or self.holds > 0 or self.pinned
 
 
 class SlotManager:
     def __init__(
         self,
         fetch_shard: FetchShard,
-        copy_into_slot: Callable[[int, dict[str, torch.Tensor]], int | None],
+        copy_into_slot: CopyIntoSlot,
         clear_slot: Callable[[int], None],
         *,
         max_loras: int,
@@ -152,27 +124,22 @@ class SlotManager:
         slot_wait_timeout_s: float = 30.0,
         max_concurrent_loads: int | None = None,
         observer: SlotObserver | None = None,
-        queued_copy: Callable[[int, dict[str, torch.Tensor]], Callable[[], int | None] | None] | None = None,
+        queued_copy: QueuedCopy | None = None,
+        trace: Callable[[str], None] | None = None,
     ):
-        """queued_copy(slot, tensors), called with the copy stream current: where copying these into
-        that slot only queues device work (CUDA; executor/lora.py `queued_load`), the copy begun, as
-        a function that finishes it and returns what copy_into_slot would; else None, having queued
-        nothing. Such copies run on the loop itself, the rest on the copy thread (copy_into_slot).
-        Either raises ValueError for a shard the model refuses (INVALID_ARGUMENT to the caller)."""
-        self._copy_into_slot = copy_into_slot
-        self._queued_copy = queued_copy
-        self._clear_slot = clear_slot
+        """copy_into_slot, clear_slot, queued_copy: how shards reach the slots (executor/slot_copies.py).
+        trace(step), where given, is told as a load passes each step, for a timeline of its parts
+        (the fast path's claim, the copy): on the spot (`_load_now`) "fast path", "cpu cache" (its host
+        copy looked up), "slot picked", "copy stream" (about to switch to it) and "slot taken" (the
+        copy queued: the load is done on the spot); for every copy "copied" (its event recorded)."""
         self.max_loras = max_loras
         self._slot_queue: list[_Adapter] = []  # adapters waiting for a slot, first come first served
         self.device = torch.device(device)
         self.slot_wait_timeout_s = slot_wait_timeout_s
         self.observer = observer or SlotObserver()
+        self._trace = trace or _untraced
         self._adapters: dict[str, _Adapter] = {}
         self._slots: list[_Adapter | None] = [None] * max_loras
-        # Each slot's adapter rank as the LoRA kernels may read it (LoraMeta.slot_ranks): what the
-        # copy function returns (executor/lora.py: the largest rank the shard holds), FULL_RANK when
-        # it says nothing, 0 once cleared. Written when a load is issued, before any step uses the slot.
-        self.slot_ranks: list[int] = [FULL_RANK] * max_loras
         self._clearing: set[int] = set()  # slots being zeroed after an evict
         self._ticks = itertools.count(1)
         self._changed = asyncio.Event()  # set (and replaced) whenever a slot may have become free
@@ -182,20 +149,21 @@ class SlotManager:
         # (`_load_now`) ahead of it
         self._unstarted: set[asyncio.Task] = set()
         self.cpu = CpuCache(fetch_shard, self.device, budget_bytes=cpu_cache_bytes, max_adapters=max_cpu_adapters,
-                            max_concurrent_loads=max_concurrent_loads, spawn=self._spawn,
-                            forget=self._forget_if_unused, notify=self._notify)
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # CUDA: a copy that only queues device work (`queued_copy`: pinned host memory, a layout
-        # planned and its tables built before; ~0.5-0.8 ms of host time) is queued right here, on the loop (`_copy_in`):
-        # with a copy thread, its hand-offs of the interpreter lock lengthened the steps' gaps while
-        # cold loads ran (docs/BENCHMARKS.md, "Sixteenth pass"). Clears, a layout's first load (its
-        # checks) and copies out of pageable memory (whose "async" copy waits for the bytes) run, in
-        # turn, on one thread whose current stream is the copy stream, set once when it starts. On
-        # the CPU: the loop's default executor (copies run side by side).
-        self._copy_thread = None
-        if self._copy_stream is not None:
-            self._copy_thread = ThreadPoolExecutor(1, thread_name_prefix="slot-copy", initializer=_use_stream,
-                                                   initargs=(self._copy_stream,))
+                            max_concurrent_loads=max_concurrent_loads, waited_on=self._host_waited_on,
+                            released=self._host_released)
+        self.copier = SlotCopier(copy_into_slot, clear_slot, max_loras=max_loras, device=self.device,
+                                 queued_copy=queued_copy, trace=self._trace)
+        # Each slot's adapter rank as the LoRA kernels may read it (LoraMeta.slot_ranks; the copier keeps it)
+        self.slot_ranks: list[int] = self.copier.slot_ranks
+
+    @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        """The stream slot copies run on (CUDA), None on the CPU."""
+        return self.copier.stream
+
+    def close(self) -> None:
+        """Lets the copy thread end once its queued work is done (the executor's shutdown)."""
+        self.copier.close()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -207,7 +175,7 @@ class SlotManager:
         a = self._record(name)
         a.wanted += 1
         if not a.stale:
-            self.cpu.prefetch(a)
+            self.cpu.prefetch(a.host)
         done = False
 
         def unwant() -> None:
@@ -262,7 +230,7 @@ class SlotManager:
             if into_slot or pin:
                 await self._ensure_slot(a)
             else:
-                await self.cpu.ensure(a)
+                await self.cpu.ensure(a.host)
             if pin:
                 a.pinned = True
         finally:
@@ -291,7 +259,7 @@ class SlotManager:
         if a.loading or a.holds:
             raise precondition(f"adapter {name!r} is loading; evict it once it is loaded")
         del self._adapters[name]
-        self.cpu.drop(a)
+        self.cpu.drop(a.host)
         slot = await self._free_slot(a)
         log.info("evicted adapter %s (slot %d)", name, slot)
         return self._state(a)
@@ -318,15 +286,15 @@ class SlotManager:
         for n, a in self._adapters.items():
             held = self._held_versions(a)
             if held:
-                out[n] = a.slot_digest if a.slot >= 0 and a.slot_digest else a.digest
+                out[n] = a.slot_digest if a.slot >= 0 and a.slot_digest else a.host.digest
         return out
 
     @staticmethod
     def _held_versions(a: _Adapter) -> set[str]:
         """The digests the adapter's slot and host copy hold (a refetch may have left them apart)."""
         held = set()
-        if a.tensors is not None and a.digest:
-            held.add(a.digest)
+        if a.host.tensors is not None and a.host.digest:
+            held.add(a.host.digest)
         if a.slot >= 0 and a.slot_digest:
             held.add(a.slot_digest)
         return held
@@ -343,6 +311,10 @@ class SlotManager:
     def state(self, name: str) -> AdapterState:
         return self._state(self._known(name))
 
+    def cpu_cache_state(self) -> tuple[int, int]:
+        """(adapters, bytes) held in the CPU cache."""
+        return self.cpu.state()
+
     # ---- versions ---------------------------------------------------------------------------
 
     async def _switch_version(self, a: _Adapter) -> None:
@@ -352,13 +324,13 @@ class SlotManager:
         while a.stale and (a.in_use or a.loading):
             if not await self._wait_for_change(deadline):
                 log.warning("adapter %s: still in use by %d requests after %gs; serving its old version %s meanwhile",
-                            a.name, a.in_use, self.slot_wait_timeout_s, a.digest[:12])
+                            a.name, a.in_use, self.slot_wait_timeout_s, a.host.digest[:12])
                 return
         if a.stale:
             await self._drop_version(a)
 
     async def _drop_version(self, a: _Adapter) -> None:
-        """Forgets the adapter's cached version (host tensors and slot); keeps the record and its pin.
+        """Forgets the adapter's cached version (host copy and slot); keeps the record and its pin.
 
         A pinned adapter keeps its slot: the new version is fetched and copied over the old one
         in place, as the adapter's slot task, so its requests wait for that (the slot is never
@@ -366,9 +338,9 @@ class SlotManager:
         """
         if not a.stale or a.in_use or a.loading:
             return  # a concurrent switch did it already, or a request took it meanwhile
-        old = a.slot_digest if a.slot >= 0 else a.digest
-        self.cpu.drop(a)
-        a.stale, a.digest, a.rank, a.nbytes = False, "", 0, 0
+        old = a.slot_digest if a.slot >= 0 else a.host.digest
+        self.cpu.forget(a.host)
+        a.stale = False
         if a.pinned and a.slot >= 0:
             a.slot_task = self._spawn(self._reload_in_place(a, old))
             return
@@ -380,13 +352,12 @@ class SlotManager:
     async def _reload_in_place(self, a: _Adapter, old: str) -> None:
         """The slot task of a pinned adapter whose version changed in the store."""
         try:
-            digest, tensors = await self.cpu.ensure(a)
-            a.event = await self._copy_in(a.slot, tensors)
+            digest, tensors = await self.cpu.ensure(a.host)
+            a.event = await self.copier.copy_in(a.slot, tensors)
             a.slot_digest = digest
             log.info("adapter %s (pinned): version %s replaced %s in slot %d", a.name, digest[:12], old[:12], a.slot)
         except Exception as exc:  # noqa: BLE001 - the slot still holds the old version, which serves on
-            self.cpu.drop(a)
-            a.digest = old  # the next refresh round sees the difference and tries again
+            self.cpu.forget(a.host, digest=old)  # the next refresh round sees the difference and tries again
             log.warning("adapter %s (pinned): loading its new version failed (%s); version %s keeps serving",
                         a.name, exc, old[:12])
         finally:
@@ -408,7 +379,7 @@ class SlotManager:
 
     async def _clear_slot_task(self, slot: int) -> None:
         try:
-            await self._on_copy_thread(self._clear, slot)
+            await self.copier.clear(slot)
         finally:
             self._clearing.discard(slot)
             self._notify()
@@ -433,24 +404,33 @@ class SlotManager:
         queues device work (`queued_copy`). False, having changed nothing but the CPU cache's
         order, when any of that is not so, or while a load task that asked earlier has not started
         (it would have queued for a slot before this one): the caller takes the task path (`_load_slot`)."""
-        if self._queued_copy is None or a.stale or self._unstarted or (held := self.cpu.cached(a)) is None:
+        copier, trace = self.copier, self._trace
+        if copier.queued_copy is None or a.stale or self._unstarted:
+            return False
+        trace("fast path")
+        held = self.cpu.cached(a.host)
+        trace("cpu cache")
+        if held is None:
             return False
         digest, tensors = held
         slot = self._pick_slot(a)
+        trace("slot picked")
         if slot is None:
             return False
         t0 = time.perf_counter()
-        with self._copy_stream_current():
+        trace("copy stream")
+        with copier.stream_current():
             try:
-                finish = self._queued_copy(slot, tensors)  # (its host -> device copy queued already)
+                finish = copier.queued_copy(slot, tensors)  # (its host -> device copy queued already)
             except BaseException as exc:
                 self._copy_failed(a, None, exc)
             if finish is None:
                 return False
             self._take_slot(a, slot)
+            trace("slot taken")
             try:
                 try:
-                    a.event = self._copied(slot, finish())
+                    a.event = copier.copied(slot, finish())
                     a.slot_digest = digest
                 except BaseException as exc:
                     self._copy_failed(a, slot, exc)
@@ -461,17 +441,17 @@ class SlotManager:
 
     async def _load_slot(self, a: _Adapter) -> None:
         self._unstarted.discard(asyncio.current_task())  # a cached copy: in the slot queue within this step
-        t0, tier = time.perf_counter(), "cpu" if a.tensors is not None else "store"
+        t0, tier = time.perf_counter(), "cpu" if a.host.tensors is not None else "store"
         try:
-            digest, tensors = await self.cpu.ensure(a)
+            digest, tensors = await self.cpu.ensure(a.host)
             t_fetched = time.perf_counter()
-            if not waited_on(a):  # every request for it ended during the fetch: keep the copy, take no slot
+            if not a.waited_on:  # every request for it ended during the fetch: keep the copy, take no slot
                 log.info("adapter %s: fetched for requests that have ended; kept in the CPU cache, no slot taken", a.name)
                 return
             slot = await self._claim_slot(a)
             t_slot = time.perf_counter()
             try:
-                a.event = await self._copy_in(slot, tensors)
+                a.event = await self.copier.copy_in(slot, tensors)
                 a.slot_digest = digest
             except BaseException as exc:
                 self._copy_failed(a, slot, exc)
@@ -488,12 +468,12 @@ class SlotManager:
         if slot is not None:
             self._slots[slot], a.slot = None, -1
         if isinstance(exc, ValueError):  # the model refused the shard's shapes or dtypes
-            self.cpu.drop(a)  # a shard that cannot be used is not worth caching
+            self.cpu.drop(a.host)  # a shard that cannot be used is not worth caching
             raise invalid(f"adapter {a.name!r} does not fit this executor's LoRA slots: {exc}") from exc
         raise exc
 
     def _loaded(self, a: _Adapter, slot: int, tier: str, t0: float, t_fetched: float, t_slot: float) -> None:
-        log.info("adapter %s (digest %s, rank %d) -> slot %d", a.name, a.digest[:12], a.rank, slot)
+        log.info("adapter %s (digest %s, rank %d) -> slot %d", a.name, a.host.digest[:12], a.host.rank, slot)
         t_end = time.perf_counter()
         self.observer.adapter_loaded(tier, t_end - t0)
         self.observer.load_phases(t_fetched - t0, t_slot - t_fetched, t_end - t_slot)
@@ -562,93 +542,11 @@ class SlotManager:
                 idle.append((s.wanted > 0, s.lru_tick, i))
         return min(idle)[2] if idle else None
 
-    @property
-    def copy_stream(self) -> torch.cuda.Stream | None:
-        """The stream slot copies run on (CUDA), None on the CPU."""
-        return self._copy_stream
-
-    async def _copy_in(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
-        """Copies the shard into the slot: from the loop itself when that only queues device work
-        (`queued_copy`), else on the copy thread; returns the copy's event (None on the CPU)."""
-        if self._queued_copy is not None:
-            with self._copy_stream_current():
-                finish = self._queued_copy(slot, tensors)
-                if finish is not None:
-                    return self._copied(slot, finish())
-        return await self._on_copy_thread(self._copy, slot, tensors)
-
-    @contextlib.contextmanager
-    def _copy_stream_current(self):
-        """On CUDA, the copy stream current on this thread (the loop's) inside, and after it the
-        thread's current device and each device's current stream as they were; nothing on the CPU."""
-        if self._copy_stream is None:
-            yield
-            return
-        # This switch is on a cold load's path before its host -> device copy is queued: streams are
-        # looked up by device index (a torch.device without one takes a slower lookup), and the
-        # loop's device is set back only where it is not the copy stream's. Each device has its own
-        # current stream: what is put back is the copy stream's device's, whatever device is current.
-        device, copy_device = torch.cuda.current_device(), self._copy_stream.device_index
-        main = torch.cuda.current_stream(copy_device)
-        torch.cuda.set_stream(self._copy_stream)  # (and its device)
-        try:
-            yield
-        finally:
-            torch.cuda.set_stream(main)  # (and its device: the copy stream's)
-            if device != copy_device:
-                torch.cuda.set_device(device)
-
-    async def _on_copy_thread(self, fn: Callable, *args):
-        """fn(*args) where slot copies run (see __init__). If the caller is cancelled meanwhile, the
-        call still runs to its end (a thread cannot be stopped): the caller's cancellation is
-        raised only after it, so whatever the caller then frees (a slot) is no longer being written."""
-        future = asyncio.get_running_loop().run_in_executor(self._copy_thread, fn, *args)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            await outlast_cancellation(future)
-            raise
-
-    def close(self) -> None:
-        """Lets the copy thread end once its queued work is done (the executor's shutdown)."""
-        if self._copy_thread is not None:
-            self._copy_thread.shutdown(wait=False)
-
-    def _copy(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
-        """Copies the shard into the slot, on CUDA with the copy stream current (the copy thread's)."""
-        return self._copied(slot, self._copy_into_slot(slot, tensors))
-
-    def _copied(self, slot: int, rank: int | None) -> torch.cuda.Event | None:
-        """After a copy into the slot was queued: the slot's rank as its copy function returned it,
-        and on CUDA an event recorded after the copy, on the copy stream (current here)."""
-        event = None
-        if self._copy_stream is not None:
-            event = torch.cuda.Event()
-            event.record(self._copy_stream)
-        self.slot_ranks[slot] = rank if isinstance(rank, int) else FULL_RANK
-        return event
-
-    def _clear(self, slot: int) -> None:
-        self.slot_ranks[slot] = 0
-        self._clear_slot(slot)
-
-    def cpu_cache_state(self) -> tuple[int, int]:
-        """(adapters, bytes) held in the CPU cache."""
-        return self.cpu.state()
-
-    @property
-    def cpu_cache_bytes(self) -> int | None:
-        return self.cpu.budget_bytes
-
-    @cpu_cache_bytes.setter
-    def cpu_cache_bytes(self, value: int | None) -> None:
-        self.cpu.budget_bytes = value
-
     # ---- bookkeeping ----------------------------------------------------------------------
 
     def _record(self, name: str) -> _Adapter:
         if name not in self._adapters:
-            self._adapters[name] = _Adapter(name=name)
+            self._adapters[name] = _Adapter(name=name, host=HostCopy(name))
         return self._adapters[name]
 
     def _known(self, name: str) -> _Adapter:
@@ -657,9 +555,21 @@ class SlotManager:
             raise not_found(f"adapter {name!r} is not loaded on this executor")
         return a
 
+    def _host_waited_on(self, host: HostCopy) -> bool:
+        """The CPU cache's question: does anyone wait for this host copy's adapter?"""
+        a = self._adapters.get(host.name)
+        return a is not None and a.host is host and a.waited_on
+
+    def _host_released(self, host: HostCopy) -> None:
+        """The CPU cache's report: the adapter's fetch has ended or its host copy was dropped."""
+        a = self._adapters.get(host.name)
+        if a is not None and a.host is host:
+            self._forget_if_unused(a)
+        self._notify()  # a version switch may be waiting for this load to end
+
     def _forget_if_unused(self, a: _Adapter) -> None:
         """Drops the record of an adapter that is in no tier and that nobody waits on."""
-        idle = (a.slot < 0 and a.tensors is None and not a.loading and a.holds == 0 and a.in_use == 0
+        idle = (a.slot < 0 and a.host.tensors is None and not a.loading and a.holds == 0 and a.in_use == 0
                 and a.wanted == 0)
         if idle and not a.pinned and self._adapters.get(a.name) is a:
             del self._adapters[a.name]
@@ -680,15 +590,7 @@ class SlotManager:
         return task
 
     def _state(self, a: _Adapter) -> AdapterState:
-        return AdapterState(
-            name=a.name,
-            digest=a.digest,
-            rank=a.rank,
-            slot=a.slot,
-            pinned=a.pinned,
-            in_use=a.in_use,
-            in_cpu_cache=a.tensors is not None,
-            last_used_unix_ms=a.last_used_unix_ms,
-            bytes=a.nbytes,
-            loading=a.loading,
-        )
+        h = a.host
+        return AdapterState(name=a.name, digest=h.digest, rank=h.rank, slot=a.slot, pinned=a.pinned, in_use=a.in_use,
+                            in_cpu_cache=h.tensors is not None, last_used_unix_ms=a.last_used_unix_ms, bytes=h.nbytes,
+                            loading=a.loading)

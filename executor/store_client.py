@@ -63,8 +63,8 @@ _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16
 def host_buffer(nbytes: int, pin_memory: bool) -> torch.Tensor:
     """A uint8 host tensor for one shard. Pinned: torch's caching host allocator (reused once freed).
     Otherwise, past HUGE_PAGE_MIN bytes, anonymous memory marked for transparent huge pages: the
-    stream writes every byte of it once, and faulting it in 4 KiB pages cost about as much as
-    the stream itself (docs/BENCHMARKS.md, Adapter store)."""
+    stream writes every byte of it once, and faulting it in 4 KiB pages costs about as much as
+    the stream itself."""
     if pin_memory:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     if nbytes < HUGE_PAGE_MIN or not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -76,7 +76,7 @@ def host_buffer(nbytes: int, pin_memory: bool) -> torch.Tensor:
 
 def pinned_blob(tensors: dict[str, torch.Tensor]) -> ShardTensors:
     """The tensors copied into one pinned host buffer, as contiguous views of it (as a fetched
-    shard lands): a slot load then moves it with one host->device copy (executor/lora.py)."""
+    shard lands): a slot load then moves it with one host->device copy (executor/slot_load.py)."""
     offsets, total = {}, 0
     for name, t in tensors.items():
         total = -(-total // 16) * 16  # every view aligned for its dtype
@@ -98,10 +98,10 @@ def shard_tensors(blob: torch.Tensor) -> ShardTensors:
     `data_offsets` are relative to the data's start (docs/SHARD_FORMAT.md).
 
     It runs on a helper thread beside the serving loop, and each torch call there gives the
-    interpreter lock back and waits to retake it behind the loop (executor/engine/gil_handoff.py):
-    so a view is one call, `as_strided` of the blob viewed once per dtype, where slice + dtype
-    view + shape view were two (slicing keeps the lock): ~450 waits for a Llama-3-8B-shaped
-    shard instead of ~900."""
+    interpreter lock back and waits to retake it behind the loop (executor/diagnostics/gil_handoff.py):
+    so a view is one call, `as_strided` of the blob viewed once per dtype, not slice + dtype view
+    + shape view (two calls; slicing keeps the lock): ~450 waits for a Llama-3-8B-shaped shard,
+    not ~900."""
     raw = blob.numpy()
     if len(raw) < 8:
         raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard of {len(raw)} bytes has no safetensors header")
@@ -282,7 +282,8 @@ class StoreClient:
             if time.monotonic() - self._arena_full_logged > 60:
                 self._arena_full_logged = time.monotonic()
                 log.warning("%s arena has no room for adapter %s (%d bytes; %d of %d bytes free, largest block %d): "
-                            "it lands in a fresh %s (raise --pinned-arena-bytes or lower --cpu-cache-bytes)",
+                            "it lands in a fresh %s (fetches in flight have the arena's room beyond the CPU cache's, an eighth of "
+                            "it: lower --max-concurrent-loads)",
                             "pinned" if self.pin_memory else "host", name, nbytes, self.arena.free_bytes(),
                             self.arena.nbytes, self.arena.largest_free(),
                             "pinned buffer, and the CUDA calls of the running steps wait while that is page-locked"

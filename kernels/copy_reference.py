@@ -6,7 +6,7 @@ tensors and zeros after them (the rank tail up to the slot rank, or the whole sl
 shard does not target). Each such write is a `SlotCopy` from a staged source: the shard's bytes
 moved to the device in one piece. A load's copies are the same for every adapter of the same
 tensor layout, whatever the slot, so the executor builds one `ScatterPlan` per layout and reuses
-it (executor/lora.py); the Triton kernel then does every copy of a load in one launch.
+it (executor/slot_load.py); the Triton kernel then does every copy of a load in one launch.
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def make_lora_meta(
     if token_slots.device.type != "cuda":
         block_m = None
     slots = token_slots.to(torch.int32)
-    fused = _fused_grouping(slots, max_loras, slot_ranks, block_m) if block_m is not None and FUSED else None
+    fused = _fused_grouping(slots, max_loras, slot_ranks, block_m) if block_m is not None else None
     if fused is not None:
         sorted_ids, counts, starts, blocks = fused
     else:
@@ -167,9 +167,6 @@ def make_lora_meta(
     return meta
 
 
-FUSED = True  # make_lora_meta(block_m=...) on CUDA: one Triton program when the step fits (tests compare both)
-
-
 def _fused_grouping(token_slots, max_loras, slot_ranks, block_m):
     try:
         from . import triton_meta
@@ -187,8 +184,8 @@ def block_bound(num_tokens: int, max_loras: int, block_m: int) -> int:
     reached (G - 1 groups of one token, the rest in one). A tight bound matters: the decode
     kernels cover it with one program per tile (ONE_TILE in kernels/triton_lora.py) only while it fits
     the programs the GPU holds at once; the looser ceil(T / block_m) + G, at 64 tokens over 64
-    slots, tipped the o and down projections' expand and the down shrink into the looping
-    grid (+0.17 ms a decode step on an H100: docs/BENCHMARKS.md, "Fourteenth pass").
+    slots, would tip the o and down projections' expand and the down shrink into the looping
+    grid (+0.17 ms a decode step on an H100).
     """
     groups = min(num_tokens, max_loras + 1)
     return groups + (num_tokens - groups) // block_m

@@ -1,7 +1,8 @@
 """The LoRA layer shapes of the model families the executor serves, per tensor-parallel rank.
 
-A pure table + function, used by the kernel tuner and benchmark (benchmarks/bench_kernels.py
---real) so the tuned tables cover the shapes the kernels really see, and by tests.
+A pure table + function, used by the kernel tuner (tools/tune_kernels.py) and benchmark
+(benchmarks/bench_kernels.py --real) so the tuned tables cover the shapes the kernels really see,
+and by tests.
 
 Per rank, as the adapter store slices them (adapter_store/layout.py) and the layers compute:
   qkv      column (fused q|k|v): in hidden,             out (q/tp, kv/tp, kv/tp); kv heads

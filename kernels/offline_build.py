@@ -11,9 +11,8 @@ into such builds, so a wrapper runs as when serving and each launch leaves its c
 the cubin holds per thread and block (`cuobjdump -res-usage`, also bundled), and `resident_ctas`
 how many of its blocks an H100's SM can hold.
 
-Used by tests/kernels/test_compile_sm90.py (CI builds the LoRA kernels and the base model's for an H100) and
-benchmarks/kernel_resources.py (registers, spills and residency per real layer shape against what
-the table asks for). Imports Triton: only where it is installed.
+Used by tests/kernels/test_compile_sm90.py (CI builds the LoRA kernels and the base model's for an
+H100). Imports Triton: only where it is installed.
 """
 
 from __future__ import annotations

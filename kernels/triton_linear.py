@@ -1,16 +1,15 @@
 """The base model's linear layers at decode batch sizes: a Triton skinny GEMM beside cuBLAS.
 
 At 1-64 tokens a layer's GEMM is a weight read: y [M, N] = x [M, K] @ W[N, K].T moves N*K*2
-bytes and does little arithmetic. In the ninth pass's profile of the decode graph (docs/BENCHMARKS.md,
-"Ninth pass") cuBLAS read the wide gate/up projection at ~95% of the copy bandwidth but q/k/v, o
-and down at ~82-85% (too few CTAs for the shape, or a split K plus a reduce kernel); timed alone
-over cold weights (`benchmarks/bench_skinny.py`, "Tenth pass") it took 1.09-1.64x the bytes'
+bytes and does little arithmetic. In a decode graph on an H100, cuBLAS reads the wide gate/up
+projection at ~95% of the copy bandwidth but q/k/v, o and down at ~82-85% (too few CTAs for the
+shape, or a split K plus a reduce kernel); alone over cold weights it takes 1.09-1.64x the bytes'
 time. Here each program owns BLOCK_N output columns for every token and streams their rows of W through the
 whole reduction: N / BLOCK_N programs, each several stages of loads in flight, no second kernel.
 
 Used only where this GPU's table (kernels/configs/<gpu>.json, op "skinny", written by
-`benchmarks/bench_skinny.py --table-out`) holds an entry for the exact (N, K) that beat cuBLAS
-when it was measured (in bf16; fp16 layers of that shape take the same entries, unmeasured);
+`benchmarks/bench_skinny.py --table-out`) holds an entry for the exact (N, K) where this kernel
+beats cuBLAS (timed in bf16; fp16 layers of that shape take the same entries);
 every other shape or token count, and float32, stays on F.linear (kernels/tuning.py
 `skinny_config`). Nothing is tuned while serving.
 """

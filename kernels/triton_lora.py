@@ -32,10 +32,6 @@ from .meta import LoraMeta, shrink_output
 from .tuning import DECODE_MAX_TOKENS, expand_config, num_sms, shrink_config
 
 _DTYPES = (torch.float16, torch.bfloat16)
-# The narrow tiles for adapters of lower rank than their slots (_shrink_tile, _expand_tile), on
-# unless a benchmark turns them off to measure what they change (benchmarks/bench_ranks.py --narrow).
-NARROW_SHRINK = True
-NARROW_EXPAND = True
 _MAX_SLICES_PER_LAUNCH = 4
 
 
@@ -422,18 +418,18 @@ def _cdiv(a: int, b: int) -> int:
 
 def _narrow_shrink(cfg, rank: int) -> bool:
     """Narrow tiles for low-rank blocks (_shrink_tile): with the K split (buf zeroed first),
-    column blocks inside one slice, at least 32 of them, and decode tiles (16 token rows: they
-    were measured at decode only, and a prefill tile's 4x longer x rows cost shared memory)."""
+    column blocks inside one slice, at least 32 of them, and decode tiles (16 token rows: a
+    prefill tile's 4x longer x rows would cost shared memory; prefill is not tuned for them)."""
     return cfg.split_k > 1 and cfg.block_n >= 32 and rank % cfg.block_n == 0 and cfg.block_m <= 16
 
 
 def _narrow_expand(cfg, rank: int) -> bool:
     """Narrow tiles for low-rank blocks (_expand_tile): a slot rank of 32 or more, decode tiles
-    (16 token rows: measured at decode only; a prefill tile's widened steps would hold 4x the
-    accumulator), and at most 1,024 threads per SM asked for. The narrow variants' code raises the kernel's registers per
+    (16 token rows: a prefill tile's widened steps would hold 4x the accumulator), and at most
+    1,024 threads per SM asked for. The narrow variants' code raises the kernel's registers per
     thread; a config that packs 16 CTAs of 4 warps per SM (32 registers each at most) would then
-    hold fewer CTAs resident, and lost more than the narrow tiles saved (o and down projections
-    on an H100, docs/BENCHMARKS.md "Sixth pass")."""
+    hold fewer CTAs resident, which costs more than the narrow tiles save (o and down projections
+    on an H100)."""
     return _block_r(rank) >= 32 and cfg.ctas_per_sm * cfg.num_warps <= 32 and cfg.block_m <= 16
 
 
@@ -453,8 +449,8 @@ def _pdl_capable(device: torch.device) -> bool:
 
 
 def _pdl(pdl: bool, device: torch.device, one_tile: bool, num_tokens: int) -> bool:
-    """Launch as a programmatic dependent: asked for, at decode token counts (measured there
-    only), one tile per program (no loop over the list: a grid that leaves room on the SMs for the
+    """Launch as a programmatic dependent: asked for, at decode token counts (what it is tuned
+    for), one tile per program (no loop over the list: a grid that leaves room on the SMs for the
     next kernel's programs), and a GPU that has it."""
     return (
         pdl
@@ -506,7 +502,7 @@ def lora_shrink(
         num_tokens, num_slots, in_features, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(2),
         RANK=rank, SR=sr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         N_BLOCKS=col_blocks, SPLIT_K=cfg.split_k, EVEN_K=in_features % cfg.block_k == 0,
-        RANKED=ranked, NARROW=ranked and NARROW_SHRINK and _narrow_shrink(cfg, rank),
+        RANKED=ranked, NARROW=ranked and _narrow_shrink(cfg, rank),
         ONE_TILE=tiles <= programs, PDL=follow, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **_regs(cfg), **({"launch_pdl": True} if follow else {}),
     )
@@ -537,8 +533,8 @@ def lora_expand(
     packed:        (ranked) each slot holds its B packed at its own rank: the slot's
                    first N * r8 elements are B [N, r8], r8 = meta.slot_ranks[slot] rounded up to 8,
                    rows contiguous (a low-rank adapter's rows are then not short pieces of the
-                   slot's R-wide rows): the slots of an executor with LoraSpec.packed_b
-                   (executor/lora.py writes them so).
+                   slot's R-wide rows): the dense layers' slots of a CUDA executor
+                   (executor/slot_layout.py's layout).
     """
     if packed and (not ranked or meta.slot_ranks is None):
         raise ValueError("a packed B is read at each slot's rank: ranked, with LoraMeta.slot_ranks")
@@ -562,7 +558,7 @@ def lora_expand(
             *offsets,
             NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
-            RANKED=ranked, NARROW=ranked and NARROW_EXPAND and _narrow_expand(cfg, rank),
+            RANKED=ranked, NARROW=ranked and _narrow_expand(cfg, rank),
             WIDE2=math.gcd(2, cfg.n_iters), WIDE4=math.gcd(4, cfg.n_iters), ONE_TILE=tiles <= programs,
             PDL=follow, PACKED=packed, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **_regs(cfg), **({"launch_pdl": True} if follow else {}),

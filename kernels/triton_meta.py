@@ -1,6 +1,6 @@
 """A decode step's token grouping (kernels/meta.py) in one Triton program instead of ~35 small
-torch ops: in a captured decode graph those were ~30 kernel nodes, ~75 us of every step with
-adapters on an H100 (docs/BENCHMARKS.md, "Ninth pass"), ahead of the first layer.
+torch ops: in a captured decode graph those are ~30 kernel nodes, ~75 us of every step with
+adapters on an H100, ahead of the first layer.
 
 One program sees the whole step: tokens are sorted by (slot, index) with tl.sort, the groups'
 counts and starts come from a [groups, tokens] comparison, and the block list of one tile height

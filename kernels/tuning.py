@@ -1,7 +1,7 @@
 """Block sizes for the Triton kernels, looked up by GPU and shape: nothing is autotuned at serve time.
 
 Tables live in kernels/configs/<gpu>.json, written by the tuners (`benchmarks/bench_kernels.py
---tune-out` on the hidden-size grid, `benchmarks/tune_kernels.py` on the real layer shapes of
+--tune-out` on the hidden-size grid, `tools/tune_kernels.py` on the real layer shapes of
 kernels/model_shapes.py). They are keyed by what each kernel sees:
 
   shrink  "<in>x<slices>x<rank>"          -> tokens -> ShrinkConfig
@@ -40,9 +40,8 @@ import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 SAME_SHAPE_TOKENS_RATIO = 4.0  # rule 1 takes the same shape's entry if tuned within this factor of T
-# Decode token counts take decode entries only: without this, a shape with no decode entry of its
-# own took a 1,024-token prefill entry (tiles of 64 token rows) from ~47 tokens up by rule 2
-# (docs/BENCHMARKS.md, "Kernels on the real layer shapes", eleventh pass)
+# Decode token counts take decode entries only: otherwise a shape with no decode entry of its own
+# would take a 1,024-token prefill entry (tiles of 64 token rows) from ~47 tokens up by rule 2
 DECODE_MAX_TOKENS = 256
 
 
@@ -90,14 +89,13 @@ def _default_shrink(num_tokens: int, in_features: int, sr: int) -> ShrinkConfig:
 
     Decode is every decode token count (<= DECODE_MAX_TOKENS), as the tables' rule has it: a batch of
     128-256 sequences over a few dozen adapters is a few tokens per adapter, and 64-row tiles there
-    (the mid tiles, as these defaults had from 65 tokens) made an H200's decode step with 40
-    adapters 12-20% slower than the decode tiles do (docs/BENCHMARKS.md, "Twenty-first pass").
+    make an H200's decode step with 40 adapters 12-20% slower than the decode tiles do.
 
     Prefill too: its tiles are (token blocks x column blocks), a few dozen to a few hundred for
-    1,000-4,000 tokens over a few adapters, and unsplit each looped over the whole input (64 steps
-    for 4,096, 224 for a down projection's 14,336): the shrink took 48-113 us per layer on an
-    H200 where its bytes and FLOPs allow ~10; split, 18% less on one host (docs/BENCHMARKS.md "Seventh
-    pass"). The split's partial sums add atomically: the last bits can vary from run to run."""
+    1,000-4,000 tokens over a few adapters, and unsplit each would loop over the whole input (64
+    steps for 4,096, 224 for a down projection's 14,336): 48-113 us per layer on an H200 where its
+    bytes and FLOPs allow ~10; split, 18% less. The split's partial sums add atomically: the last
+    bits can vary from run to run."""
     if num_tokens <= DECODE_MAX_TOKENS:  # decode: few rows per slot; split K so one adapter still fills the GPU
         return ShrinkConfig(16, min(_pow2(sr), 64), 64, pow2_split(in_features, 64, 256), 4, 4, 8)
     if num_tokens <= 512:
@@ -107,8 +105,7 @@ def _default_shrink(num_tokens: int, in_features: int, sr: int) -> ShrinkConfig:
 
 def _default_expand(num_tokens: int, n: int, rank: int) -> ExpandConfig:
     """No table: at decode (<= DECODE_MAX_TOKENS, as _default_shrink), 16-row tiles of 128 columns
-    (on an H200 without a table, Llama-3-8B layers at 64 tokens / 40 adapters: 12-29% faster than
-    64 columns, docs/BENCHMARKS.md "Sixth pass")."""
+    (on an H200, Llama-3-8B layers at 64 tokens / 40 adapters: 12-29% faster than 64 columns)."""
     if num_tokens <= DECODE_MAX_TOKENS:
         return ExpandConfig(16, 128, 1, 4, 1, 8)
     if num_tokens <= 512:
@@ -275,12 +272,12 @@ def skinny_config(device: torch.device, num_tokens: int, n: int, k: int) -> Skin
 def _skinny_config(key: str, num_tokens: int, n: int, k: int) -> SkinnyConfig | None:
     by_tokens = _table(key).get("skinny", {}).get(skinny_key(n, k), {})
     tuned = sorted(int(t) for t in by_tokens if int(t) >= num_tokens)
-    entry = by_tokens[str(tuned[0])] if tuned else None  # null: measured, cuBLAS was faster
+    entry = by_tokens[str(tuned[0])] if tuned else None  # null: cuBLAS is faster there
     return SkinnyConfig(**entry) if entry else None
 
 
 def as_dict(config) -> dict:
-    """A config as a table entry (no register cap: the key left out, as in the tables before it)."""
+    """A config as a table entry (no register cap: the key left out, as tables without caps have it)."""
     entry = asdict(config)
     if not entry.get("maxnreg", 1):
         del entry["maxnreg"]

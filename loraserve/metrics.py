@@ -178,7 +178,7 @@ class _ExecutorState:
         used = total - e.allocator.num_free
         adapters = list(s._adapters.values())
         in_slots = [a for a in adapters if a.slot >= 0]
-        cpu = [a for a in adapters if a.tensors is not None]
+        cpu_adapters, cpu_bytes = s.cpu_cache_state()
         yield _gauge("loraserve_executor_running_sequences", "Sequences in the running batch", len(running))
         yield _gauge("loraserve_executor_waiting_sequences", "Sequences waiting for their first step (or preempted)", len(waiting))
         yield _gauge("loraserve_executor_kv_cache_blocks_used", "KV cache blocks held by sequences", used)
@@ -187,8 +187,8 @@ class _ExecutorState:
         yield _gauge("loraserve_executor_lora_slots_used", "GPU slots holding an adapter", len(in_slots))
         yield _gauge("loraserve_executor_lora_slots_total", "GPU slots (max_loras)", self.max_loras)
         yield _gauge("loraserve_executor_lora_slots_pinned", "GPU slots holding a pinned adapter", sum(a.pinned for a in in_slots))
-        yield _gauge("loraserve_executor_cpu_cache_bytes", "Bytes of packed adapter shards in host memory", sum(a.nbytes for a in cpu))
-        yield _gauge("loraserve_executor_cpu_cache_adapters", "Adapters in the host memory cache", len(cpu))
+        yield _gauge("loraserve_executor_cpu_cache_bytes", "Bytes of packed adapter shards in host memory", cpu_bytes)
+        yield _gauge("loraserve_executor_cpu_cache_adapters", "Adapters in the host memory cache", cpu_adapters)
         yield self._lora_info(running, waiting, adapters)
         yield from self._steps(dict(e.step_totals))
         yield self._slow_steps(e.slow_steps)
@@ -197,7 +197,7 @@ class _ExecutorState:
 
     @staticmethod
     def _steps(totals: dict):
-        """Forward steps by kind (engine.STEP_KINDS, StepTotals): decode-graph and mixed-graph (replayed
+        """Forward steps by kind (executor/engine/step_stats.py: STEP_KINDS, StepTotals): decode-graph and mixed-graph (replayed
         CUDA graphs; mixed: a prefill chunk in it), decode and mixed (eager). Their share says how often admissions take
         the eager path; launch seconds near step seconds say the host, not the GPU, sets the pace."""
         out = [CounterMetricFamily("loraserve_executor_steps", "Forward steps collected, by kind", labels=["kind"]),
@@ -211,8 +211,8 @@ class _ExecutorState:
 
     @staticmethod
     def _slow_steps(slow) -> CounterMetricFamily:
-        """Steps far slower than their kind's recent median (executor/engine/slow_steps.py), each logged."""
-        from loraserve.executor.engine.slow_steps import RULE
+        """Steps far slower than their kind's recent median (executor/diagnostics/slow_steps.py), each logged."""
+        from loraserve.executor.diagnostics.slow_steps import RULE
 
         family = CounterMetricFamily("loraserve_executor_slow_steps", f"Forward steps {RULE}, by kind", labels=["kind"])
         for kind, count in sorted(slow.counts.items()):
@@ -221,7 +221,7 @@ class _ExecutorState:
 
     @staticmethod
     def _builds(builds):
-        """Triton kernels built after start-up (executor/engine/builds.py): each held its step.
+        """Triton kernels built after start-up (executor/diagnostics/builds.py): each held its step.
         None (an engine without Triton: CPU): 0, so dashboards find the series everywhere."""
         count, seconds = (builds.count, builds.seconds) if builds is not None else (0, 0.0)
         return [CounterMetricFamily("loraserve_executor_kernel_builds",
@@ -231,7 +231,7 @@ class _ExecutorState:
 
     @staticmethod
     def _gc_pauses(pauses) -> CounterMetricFamily:
-        """The garbage collector's time (executor/engine/gc_pauses.py): the event loop waits it out."""
+        """The garbage collector's time (executor/diagnostics/gc_pauses.py): the event loop waits it out."""
         family = CounterMetricFamily("loraserve_executor_gc_pause_seconds",
                                      "Seconds Python's garbage collector ran (the event loop waited), by generation",
                                      labels=["generation"])

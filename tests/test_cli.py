@@ -211,19 +211,3 @@ def test_a_negative_max_stream_wait_is_refused_with_its_value(tmp_path):
     bad = cli("store", "--max-stream-wait-s", "-0.5", "--data-dir", str(tmp_path / "store"), check=False)
     assert bad.returncode == 1 and "error: --max-stream-wait-s must be 0 or more seconds, got -0.5" in bad.stderr
     assert not (tmp_path / "store").exists()
-
-
-def test_packed_lora_b_auto_packs_on_cuda_only(capsys):
-    """--packed-lora-b (ExecutorConfig.packed_lora_b): auto packs each slot's B on CUDA, where the
-    Triton expand reads it, and not on the CPU, whose reference path would unpack it every step."""
-    from loraserve.cli import build_parser
-    from loraserve.executor.cli import executor_config
-
-    for flag, on_cpu, on_cuda in (("auto", False, True), ("on", True, True), ("off", False, False)):
-        cfg = executor_config(build_parser().parse_args(["executor", "--device", "cpu", "--packed-lora-b", flag]))
-        assert cfg.packs_lora_b is on_cpu, flag
-        cfg.device = "cuda"
-        assert cfg.packs_lora_b is on_cuda, flag
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["executor", "--packed-lora-b", "yes"])
-    assert "argument --packed-lora-b: invalid choice: 'yes'" in capsys.readouterr().err

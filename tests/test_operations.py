@@ -201,6 +201,33 @@ def test_lora_affinity_gauge_names_the_adapter_of_a_running_request(served):
     assert value(running[0], "loraserve_executor_kv_cache_blocks_used") >= 1
 
 
+def test_lora_affinity_gauge_names_the_adapter_a_request_waits_for(served):
+    """Two slots held by running streams: a request for a third adapter waits for a slot, and the
+    gauge lists it as waiting (and the two others as running)."""
+    executor, parts, store = served["executor"], served["parts"], served["store"]
+    for name in ("qv8", "o2", "mlp4"):
+        store.register(name, str(served["adapters"] / name))
+    streams = [executor.stub.GenerateStream(token_request(name, 400, first=50 + i), timeout=60)
+               for i, name in enumerate(("qv8", "o2"))]
+    try:
+        for s in streams:
+            next(s)  # both slots are held by running sequences now
+        third = executor.stub.GenerateStream(token_request("mlp4", 4, first=70), timeout=60)
+        seen = []
+        for _ in range(20):
+            seen.append(scrape(parts.metrics_server.port))
+            if any(value(s, "loraserve_lora_requests_info", running_lora_adapters="o2,qv8",
+                         waiting_lora_adapters="mlp4", max_lora="2") > 0 for s in seen):
+                break
+    finally:
+        for s in streams:
+            s.cancel()
+    assert any(value(s, "loraserve_lora_requests_info", running_lora_adapters="o2,qv8",
+                     waiting_lora_adapters="mlp4", max_lora="2") > 0 for s in seen), \
+        "no scrape saw mlp4 waiting beside qv8 and o2 running"
+    assert [r.finish_reason for r in third][-1] == epb.LENGTH  # it ran once a slot was free
+
+
 # ---- TLS and mutual TLS -------------------------------------------------------------------
 
 

@@ -190,10 +190,11 @@ def up_process(tiny_chat_llama, chat_adapters, tmp_path_factory, free_port):
     for name in ("qv8", "o2"):
         shutil.copytree(chat_adapters / name, demo / name)
     base = tiny_chat_llama[1]
-    sport, eport = free_port(), free_port()
+    sport, eport, hport = free_port(), free_port(), free_port()
     p = Proc("up", "--model", str(base), "--base-model", "tiny", "--base-model-path", str(base),
              "--demo-adapters", str(demo), "--admin-token", "T", "--listen", f"127.0.0.1:{sport}",
-             "--executor-listen", f"127.0.0.1:{eport}", "--data-dir", str(tmp_path_factory.mktemp("up-data")),
+             "--executor-listen", f"127.0.0.1:{eport}", "--http-port", str(hport),
+             "--data-dir", str(tmp_path_factory.mktemp("up-data")),
              "--cache-dir", "", "--max-lora-rank", "8")
     try:
         p.wait_for("loraserve is up", 120)

@@ -1,12 +1,11 @@
 """CUDA graphs of the decode step: the whole forward and the logits, one graph per batch bucket.
 
 A decode step launches dozens of kernels per layer; eagerly, the host's launch time per
-kernel exceeds the GPU's time at small batches, so the step is host-bound (docs/BENCHMARKS.md).
-Replaying a captured graph launches them all at once.
+kernel exceeds the GPU's time at small batches, so the step is host-bound. Replaying a captured
+graph launches them all at once.
 
-Every per-step input lives in one static int32 device buffer that the graphs read, filled from
-one pinned host buffer per step by a kernel reading that buffer through its device mapping
-(INPUTS_BY_KERNEL, the default; or by one host->device copy where the mapping is refused):
+Every per-step input lives in one static int32 device buffer that the graphs read, staged from
+a pinned host buffer each step (staging.py: read by a kernel through the buffer's device mapping):
 
     [ids | positions | slot mapping | seq_lens | LoRA slots | sources]  each max_batch long, then
     [slot ranks]                                                        max_loras, then
@@ -25,13 +24,13 @@ has two graphs: the base model alone (no LoRA kernels at all) and with LoRA (Lor
 shrink/expand kernels of every layer; all slots' full-rank buffers, nothing skipped on the host).
 The LoRA graph's step builds its LoraMeta with the block list of 16-row decode tiles (one Triton
 program on CUDA, kernels/triton_meta.py) and zeroes one workspace for every layer's shrink output
-(a split-K shrink adds into zeros; each layer zeroing its own was a memset node per layer).
+(a split-K shrink adds into zeros; one memset for all layers, not one node per layer).
 
 Mixed steps (prefill chunks, with or without decode rows) replay graphs too (MixedGraphs): one per
 token bucket (64, 128, 256, then every 256 up to max_num_batched_tokens), base and LoRA, in a memory
-pool of their own. Eagerly such a step was host-bound: ~2,700 Python-level operations
-(~420 kernel launches for an 8B model with LoRA, ~1,350 tokens) took 65-83 ms of host time through
-gRPC where the device was busy 41 ms (docs/BENCHMARKS.md, "Eighth pass"). A mixed graph reads its tokens, sequences,
+pool of their own. Eagerly such a step is host-bound: ~2,700 Python-level operations (~420 kernel
+launches for an 8B model with LoRA, ~1,350 tokens) take longer on the host than the step on the
+device. A mixed graph reads its tokens, sequences,
 block tables and the prefill attention's work list (kernels/attention_plan.py: the grid is fixed by
 the bucket, each program takes its sequence and query block from the list) from one static buffer;
 padding tokens write only the scratch block (their attention rows are never written: whatever
@@ -41,7 +40,6 @@ sequences have no queries, and the logits are those of up to min(max_num_seqs, b
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -55,6 +53,7 @@ from loraserve.kernels.meta import FULL_RANK, ShrinkWorkspace
 
 from ..lora import LinearWithLoRA, lora_modules
 from .kv_cache import AttentionMetadata, KVCache, place_tokens
+from .staging import StagedInputs
 
 log = logging.getLogger(__name__)
 
@@ -96,49 +95,7 @@ def shrink_floats_per_token(model) -> int:
     return sum(m.lora_a.shape[1] * m.lora_a.shape[2] for m in lora_modules(model).values() if isinstance(m, LinearWithLoRA))
 
 
-class _StagedInputs:
-    """A step's int32 inputs: two pinned host buffers filled in turn (the engine stages step N+1
-    while step N's read of its buffer may still be queued; step N+2 reuses N's buffer only after
-    N's tokens were collected) and the one device buffer they are uploaded to, in stream order."""
-
-    device: torch.device
-    _hosts: list[torch.Tensor]
-    _mapped: dict[int, torch.Tensor] | None = None  # INPUTS_BY_KERNEL: each host buffer's device view
-
-    def _stage_buffers(self, size: int) -> None:
-        cuda = self.device.type == "cuda"
-        # pinned under the device's own context: a device view of the buffer must be on that device
-        with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
-            self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
-        self._host, self._host_np = self._hosts[0], self._hosts[0].numpy()
-        self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
-
-    def _swap_hosts(self) -> None:
-        self._host = self._hosts[1] if self._host is self._hosts[0] else self._hosts[0]
-        self._host_np = self._host.numpy()
-
-    def _upload(self, used: int) -> None:
-        """The step's first `used` inputs host -> device. With INPUTS_BY_KERNEL (the default) an
-        elementwise kernel reads the pinned buffer through its device mapping: a copy-engine
-        transfer would queue behind a slot load's copy (on one CUDA host, a 16 KiB input copy
-        beside a 320 MiB load's ended with the load, 6.1 ms; read by a kernel, 0.15 ms), so a step
-        beside a cold load took one load longer (docs/BENCHMARKS.md, thirty-second pass). Where the
-        mapping is refused, and on the CPU, a copy."""
-        mapped = self._mapped
-        if mapped is None and INPUTS_BY_KERNEL and self.device.type == "cuda":
-            try:
-                mapped = {h.data_ptr(): _device_view(h, self._dev.device) for h in self._hosts}
-            except Exception as e:  # noqa: BLE001 - no device view of pinned memory here: copy as before
-                log.warning("%s copies its inputs: its pinned buffers have no device view (%s)", type(self).__name__, e)
-                mapped = {}
-            self._mapped = mapped
-        if INPUTS_BY_KERNEL and mapped:
-            torch.add(mapped[self._host.data_ptr()][:used], 0, out=self._dev[:used])
-        else:
-            self._dev[:used].copy_(self._host[:used], non_blocking=True)
-
-
-class _StepGraphs(_StagedInputs):
+class _StepGraphs(StagedInputs):
     """What decode and mixed graphs share: replaying a captured (bucket, LoRA) graph, and their
     staged inputs."""
 
@@ -150,55 +107,6 @@ class _StepGraphs(_StagedInputs):
         else:
             with torch.cuda.device(self.device):
                 self._graphs[(bucket, lora)].replay()
-
-
-class SamplingInputs(_StagedInputs):
-    """A sampling step's per-row temperature, top-k and top-p on the device, staged as a graph
-    step's inputs are (read by a kernel from pinned memory on CUDA): built with `torch.tensor(...,
-    device=)` they were host -> device copies that queued behind a cold load's copy, as the graph
-    inputs' did. One int32 buffer: [temperature (float32 bits) | top_k | top_p (float32 bits)]."""
-
-    def __init__(self, max_rows: int, device):
-        self.device, self.max_rows = torch.device(device), max_rows
-        self._stage_buffers(3 * max_rows)
-
-    def stage(self, temperature, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(temperature float32, top_k int64, top_p float32) [rows] on the device, valid for work
-        queued after this call on the current stream until the next `stage`; None past max_rows."""
-        n = len(temperature)
-        if n > self.max_rows:
-            return None
-        self._swap_hosts()
-        h = self._host_np
-        h[:n].view(np.float32)[:] = temperature
-        h[n : 2 * n] = top_k  # top_k <= the vocab size (sampler.validate_request)
-        h[2 * n : 3 * n].view(np.float32)[:] = top_p
-        self._upload(3 * n)
-        d = self._dev
-        return d[:n].view(torch.float32), d[n : 2 * n].long(), d[2 * n : 3 * n].view(torch.float32)
-
-
-INPUTS_BY_KERNEL = True  # a step's inputs read by a kernel from their pinned buffer, not copied (see _StagedInputs._upload)
-
-
-def _device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Page-locked int32 `host` as a tensor of `device` over the same memory (unified addressing).
-    ValueError unless it is that: torch would copy a view it places on another GPU, and a copy
-    would hold the first step's inputs for ever."""
-    if host.dtype != torch.int32:
-        raise ValueError(f"the step inputs' host buffer is {host.dtype}, not int32")
-
-    class Mapped:
-        __cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i4", "data": (host.data_ptr(), False),
-                                    "version": 3, "strides": None}
-
-    mapped = Mapped()
-    mapped.host = host  # the view's deleter holds `mapped`: the buffer outlives the view
-    view = torch.as_tensor(mapped)
-    if view.data_ptr() != host.data_ptr() or view.device != device:
-        raise ValueError(f"the pinned buffer's view is at {view.data_ptr():#x} on {view.device}, not at "
-                         f"{host.data_ptr():#x} on {device}")
-    return view
 
 
 class DecodeGraphs(_StepGraphs):

@@ -1,6 +1,6 @@
 """One eager step's forward on one rank: the code every tensor-parallel rank runs with the same inputs.
 
-Rank 0 builds StepInputs from the scheduler's plan (the engine's _Batch has the same fields) and
+Rank 0 builds StepInputs from the scheduler's plan (batch.Batch has the same fields) and
 sends them to ranks 1..N-1 (executor/ranks.py) before it runs this same function itself.
 """
 

@@ -5,24 +5,25 @@ LoRA kernels' values follow the step's token count (the block sizes and split-K 
 tables pick for it, kernels/tuning.py; whether a launch fits in one wave). Steps replay CUDA
 graphs captured at start (whose captures build their kernels), but whatever runs eagerly (every
 step without graphs; decode batches past the largest graph; float32 and MoE prefill) meets
-whatever token count the arrivals make, so a fresh process compiled kernels while its first streams waited: on a CUDA
-host, 64 gRPC streams ran at 13-88% of the engine-alone rate in four runs (a compile takes
-~0.1-1 s and holds the whole step). Warming up moves that to start, where it is logged and timed,
-and Triton's disk cache makes it short on the next start.
+whatever token count the arrivals make, and a compile takes ~0.1-1 s and holds the whole step
+(and every stream in it). Warming up moves that to start, where it is logged and timed, and
+Triton's disk cache makes it short on the next start.
 
-The engine also runs the sampler's greedy kernel (kernels.greedy) on each step's logits, and the
-lm_head at every sampled-row count of `token_ladder(max_num_seqs)`.
+`warm_up_engine` runs the steps below through the engine's eager forward, then the sampler's greedy
+kernel (kernels.greedy) on each step's logits, and the lm_head at every sampled-row count of
+`token_ladder(max_num_seqs)`.
 
 The steps: one sequence's prefill first (its KV is then written, so later steps' decode row reads
 only what was written), then, for every token count T of `token_ladder`, one step of T tokens:
 that sequence's decode row plus a T - 1 token prefill chunk cut into sequences of at most
 max_model_len. Every other token uses LoRA slot 0 (all zeros at start), and the steps run every
 LoRA module's kernels over whole slots as a captured graph does (`StepInputs.every_slot`: slot 0
-targets no module yet, so a normal step would skip them all), on every rank alike. The engine then
-zeroes slot 0 through the slot-load kernel (kernels/triton_copy.py) at each word width it may move
-(lora.warm_slot_scatter), which builds it before the first adapter load; the attention kernels are not specialised on what varies with a step's
-sequences (table width, their count), so the ladder's steps cover every step's variant. What the steps leave in the KV cache is what any freed block holds: never
-read (a sequence reads only the positions it wrote).
+targets no module yet, so a normal step would skip them all), on every rank alike. Then slot 0 is
+zeroed through the slot-load kernel (kernels/triton_copy.py) at each word width it may move
+(slot_load.warm_slot_scatter), which builds it before the first adapter load; the attention kernels are
+not specialised on what varies with a step's sequences (table width, their count), so the ladder's
+steps cover every step's variant. What the steps leave in the KV cache is what any freed block
+holds: never read (a sequence reads only the positions it wrote).
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ from collections.abc import Callable
 
 import torch
 
-from .step import StepInputs
+from loraserve.kernels.tuning import tuned_token_counts
+
+from ..config import ExecutorConfig
+from ..lora import lora_modules
+from ..slot_load import warm_slot_scatter
+from .kv_cache import KVCache
+from .sampler import greedy
+from .step import StepInputs, forward_step
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +65,7 @@ def warm_up_steps(max_tokens: int, max_model_len: int, block_size: int, num_bloc
                   vocab_size: int, tuned: tuple[int, ...] = (), packed_rank: int = 0) -> list[StepInputs]:
     """The warm-up's steps (see the module docstring); token counts that do not fit the KV cache
     (num_blocks) or max_model_len are left out. packed_rank: the slot rank, for slots whose B is
-    packed (LoraSpec.packed_b): their expand reads each slot at the rank the step gives it, here
+    packed (slot_layout.packs_b_on): their expand reads each slot at the rank the step gives it, here
     the whole slot (slot 0 holds zeros)."""
     slot = 0 if max_loras else -1
     ranks = [packed_rank] * max_loras if packed_rank and max_loras else None
@@ -105,4 +113,44 @@ def warm_up(run_step: Callable[[StepInputs], object], steps: list[StepInputs], d
     seconds = time.perf_counter() - t0
     log.info("warmed up the kernels: %d eager steps of 1-%d tokens in %.1fs", len(steps),
              max(len(s.input_ids) for s in steps), seconds)
+    return seconds
+
+
+def warm_up_engine(model, kv: KVCache, config: ExecutorConfig, max_loras: int, device: torch.device,
+                   ranks=None) -> float | None:
+    """Builds an engine's eager-step Triton kernels before its first request (see the module
+    docstring): on CUDA, on every rank (`ranks`: executor/ranks.py's TPRanks, or None); the seconds
+    it took, None off CUDA."""
+    if device.type != "cuda":
+        return None
+    spec = getattr(model, "lora_spec", None)
+    steps = warm_up_steps(config.max_num_batched_tokens, config.max_model_len, kv.block_size, kv.num_blocks,
+                          max_loras, model.cfg.vocab_size, tuned_token_counts(device),
+                          packed_rank=spec.max_rank if spec is not None else 0)  # B packed on CUDA
+
+    def run(step: StepInputs) -> None:
+        if ranks is not None:
+            ranks.step(step)
+        with torch.cuda.device(device):
+            logits = forward_step(model, kv, step, max_loras, device)
+            if logits is not None:
+                greedy(logits)  # the sampler's fused greedy kernel (kernels.greedy) too
+
+    seconds = warm_up(run, steps, device)
+    if ranks is None:  # (under TP, compute_logits gathers across ranks: their steps warm it)
+        # the lm_head (a skinny GEMM at up to 64 rows, kernels/triton_linear.py) at every
+        # sampled-row count an eager step may bring: the ladder's steps sample 1-2 rows (the
+        # greedy kernel above is built once for any row count)
+        rows = token_ladder(config.max_num_seqs)
+        hidden = torch.zeros(rows[-1], model.cfg.hidden_size, dtype=model.dtype, device=device)
+        with torch.cuda.device(device):
+            for n in rows:
+                model.compute_logits(hidden[:n], None)
+            torch.cuda.synchronize(device)
+    modules = lora_modules(model).values()
+    if max_loras and modules:  # the slot-load kernel too, each word width (slot 0 holds nothing yet:
+        # zeroing it changes nothing)
+        with torch.cuda.device(device):
+            warm_slot_scatter(modules, 0)
+            torch.cuda.synchronize(device)
     return seconds

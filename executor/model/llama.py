@@ -17,8 +17,9 @@ from loraserve import kernels
 from loraserve.kernels import LoraMeta
 
 from ..engine.kv_cache import AttentionMetadata, KVCache, paged_attention
-from ..lora import LinearWithLoRA, LoraSpec, VocabEmbeddingWithLoRA
+from ..lora import LinearWithLoRA, VocabEmbeddingWithLoRA
 from ..parallel import TPGroup
+from ..slot_layout import LoraSpec
 from .config import ModelConfig
 
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ..lora import LoraSpec
 from ..parallel import TPGroup
+from ..slot_layout import LoraSpec
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .moe import build_causal_lm

@@ -3,7 +3,7 @@
 Attention, norms, RoPE, embeddings and lm_head are llama.py's; only the feed-forward block of
 each sparse layer (cfg.moe_layers) changes. T = tokens of the step, E = experts, K = experts
 per token, H = hidden, I = expert intermediate size. Module paths are part of the LoRA layout
-(executor/lora.py's declare_layout): experts.gate_up_proj (MOE_W13), experts.down_proj (MOE_W2),
+(executor/layout.py's declare_layout): experts.gate_up_proj (MOE_W13), experts.down_proj (MOE_W2),
 and shared_expert.* (Qwen2-MoE) as dense LoRA layers.
 
 Under expert parallelism (`ep`, executor/parallel.py) a rank holds experts [first, first + E / ep)
@@ -22,8 +22,9 @@ from torch import nn
 from loraserve import kernels
 from loraserve.kernels import LoraMeta
 
-from ..lora import ExpertsWithLoRA, LoraSpec
+from ..lora import ExpertsWithLoRA
 from ..parallel import TPGroup, ep_size_error, tp_size_error
+from ..slot_layout import LoraSpec
 from .config import ModelConfig
 from .llama import MLP, LlamaForCausalLM
 

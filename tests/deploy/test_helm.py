@@ -22,8 +22,7 @@ NON_DEFAULT = {
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}, "executorPort": 9400},
     "redis": {"enabled": False, "url": "redis://redis.example:6379/1"},
     "executor": {"replicaCount": 4, "gpu": {"count": 0}, "dtype": "bfloat16", "service": {"headless": True},
-                 "httpPort": 0, "enforceEager": True, "mixedGraphs": False, "tpSize": 2, "fullyShardedLoras": True,
-                 "packedLoraB": False},
+                 "httpPort": 0, "enforceEager": True, "tpSize": 2, "fullyShardedLoras": True},
     "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "path": "/models/llama", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
     "auth": {"storeAdminToken": "s", "executorAdminToken": "e"},
     "s3": {"existingSecret": "aws", "endpointUrl": "http://minio:9000"},
@@ -153,10 +152,6 @@ def test_schema_refuses_wrong_values():
         render({"store": {"replicaCount": 0}})
     with pytest.raises(helm.HelmRenderError, match="tls.enabled needs tls.existingSecret"):
         render({"tls": {"enabled": True}})
-    with pytest.raises(helm.HelmValuesError, match="at '/executor/packedLoraB': value must be one of 'auto', true, false"):
-        render({"executor": {"packedLoraB": "yes"}})
-    for value, flag in ((True, "on"), ("on", "on"), ("off", "off"), (None, "auto")):
-        assert f"--packed-lora-b={flag}" in container(render({"executor": {"packedLoraB": value}}), "executor")["args"]
     with pytest.raises(helm.HelmValuesError, match="at '/executor/epSize': minimum: got 0, want 1"):
         render({"executor": {"epSize": 0}})
     with pytest.raises(helm.HelmRenderError, match=r"executor.epSize > 1 needs executor.tpSize 1"):
@@ -181,14 +176,11 @@ def test_executor_http_port_and_eager_flag(manifests):
     if which == "default":
         assert pod_ports["http"] == 8000 and "http" in svc_ports
         assert "--http-port=8000" in executor["args"] and "--enforce-eager" not in executor["args"]
-        assert "--no-mixed-graphs" not in executor["args"]
         assert "--tp-size=1" in executor["args"] and "--fully-sharded-loras" not in executor["args"]
-        assert "--ep-size=1" in executor["args"] and "--packed-lora-b=auto" in executor["args"]
+        assert "--ep-size=1" in executor["args"]
     else:
-        assert "--packed-lora-b=off" in executor["args"]
         assert "http" not in pod_ports and "http" not in svc_ports
         assert "--http-port=0" in executor["args"] and "--enforce-eager" in executor["args"]
-        assert "--no-mixed-graphs" in executor["args"]
         assert "--tp-size=2" in executor["args"] and "--fully-sharded-loras" in executor["args"]
 
 

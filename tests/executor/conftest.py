@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import re
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -17,19 +19,31 @@ import torch
 from loraserve.client import ExecutorClient
 from loraserve.executor.engine.kv_cache import AttentionMetadata, BlockAllocator, KVCache
 from loraserve.kernels import make_lora_meta
-from loraserve.executor.lora import lora_modules, written_rank
+from loraserve.executor import lora
+from loraserve.executor.lora import lora_modules
+from loraserve.executor.slot_layout import written_rank
 from loraserve.v1 import executor_pb2 as epb
 
 @pytest.fixture(autouse=True)
 def _nothing_frozen_after_a_test():
     """An engine a test started and never stopped leaves start-up's objects frozen out of the garbage
-    collector's walks (executor/engine/gc_pauses.py) and the switch interval short (gil_handoff.py):
+    collector's walks (executor/diagnostics/gc_pauses.py) and the switch interval short (gil_handoff.py):
     both put back after each test."""
     yield
-    from loraserve.executor.engine import gc_pauses, gil_handoff
+    from loraserve.executor.diagnostics import gc_pauses, gil_handoff
 
     gc_pauses.reset()
     gil_handoff.reset()
+
+
+@contextlib.contextmanager
+def b_packed(on: bool = True):
+    """Dense LoRA layers built inside keep each slot's B packed at the slot's rank (on) or in [N, R]
+    rows (off), whatever their device. The executor packs on CUDA only (slot_layout.packs_b_on); the
+    writers of a packed B and the reference's reads of it are the same on every device, which the
+    CPU tests check this way."""
+    with mock.patch.object(lora, "packs_b_on", lambda device: on):
+        yield
 
 
 # Small enough for milliseconds per forward on 2 CPU cores; GQA (4 q heads over 2 kv heads).
@@ -265,7 +279,7 @@ def device(request):
     """Each test that takes it runs on the CPU and, on a CUDA host, on the GPU path (Triton
     kernels, decode graphs, slot copies on a side stream, pinned host memory)."""
     if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
+        pytest.skip("needs CUDA: no CUDA device here (run benchmarks/gpu.sh OUT test on a CUDA host)")
     return request.param
 
 
@@ -323,7 +337,7 @@ def need_cuda_devices(n: int) -> None:
     """Skips (with the reason) unless this host has n CUDA devices."""
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < n:
-        pytest.skip(f"needs {n} CUDA devices, {have} here: run benchmarks/gpu_executor.sh OUT parallel on a "
+        pytest.skip(f"needs {n} CUDA devices, {have} here: run benchmarks/gpu.sh OUT parallel on a "
                     f"CUDA host with {n} GPUs")
 
 
@@ -377,14 +391,6 @@ def run_group(client: ExecutorClient, group: list[str], max_tokens: int = 6):
     jobs = [(name, prompt_ids(i)) for i, name in enumerate(group)]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         return jobs, list(pool.map(lambda j: generate(client, *j, max_tokens), jobs))
-
-
-def check_groups_against_references(client: ExecutorClient, groups, references: dict) -> None:
-    """Each group run at once (run_group); every row scored like its own adapter's reference."""
-    for group in groups:
-        jobs, resps = run_group(client, group)
-        for (name, ids), resp in zip(jobs, resps):
-            check_against_reference(references[name], ids, resp)
 
 
 class ParallelExecutorProcess:

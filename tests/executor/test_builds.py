@@ -1,4 +1,4 @@
-"""Triton builds while serving (executor/engine/builds.py): counted and logged once armed, Triton's
+"""Triton builds while serving (executor/diagnostics/builds.py): counted and logged once armed, Triton's
 hooks chained, exported to /metrics. Triton is not needed: its hooks are called as Triton calls them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from loraserve.executor.engine import builds
+from loraserve.executor.diagnostics import builds
 from loraserve.metrics import _ExecutorState
 
 
@@ -30,7 +30,7 @@ def test_builds_count_only_once_armed_and_each_is_logged(caplog):
     build(watch, "_shrink_kernel")  # the warm-up's builds: expected, not counted
     assert (watch.count, watch.seconds) == (0, 0.0)
     watch.armed = True
-    with caplog.at_level(logging.WARNING, logger="loraserve.executor.engine.builds"):
+    with caplog.at_level(logging.WARNING, logger="loraserve.executor.diagnostics.builds"):
         build(watch, "_expand_kernel", key=("other", "opts"))
     assert watch.count == 1 and watch.seconds > 0
     assert watch.recent == ["_expand_kernel: _expand_kernel[num_warps=4]"]  # the warm-up's build is not in it
@@ -86,7 +86,7 @@ def test_a_fault_in_the_counter_does_not_fail_the_build(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(knobs=types.SimpleNamespace(runtime=runtime)))
     monkeypatch.setattr(builds, "_BUILDS", builds.KernelBuilds())
     builds.watch_builds()
-    with caplog.at_level(logging.ERROR, logger="loraserve.executor.engine.builds"):
+    with caplog.at_level(logging.ERROR, logger="loraserve.executor.diagnostics.builds"):
         assert runtime.jit_cache_hook(key=("k",), fn=None) is None  # fn.name fails inside the counter
     assert "kernel build counter failed" in caplog.text
 

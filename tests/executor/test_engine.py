@@ -13,14 +13,19 @@ import torch
 
 from loraserve.errors import StatusError, not_found
 from loraserve.executor.config import ExecutorConfig
-from loraserve.executor.engine import slow_steps
-from loraserve.executor.engine.engine import Engine, GenerationRequest
+from loraserve.executor.diagnostics import gil_handoff, slow_steps
+from loraserve.executor.engine import engine as engine_mod
+from loraserve.executor.engine.batch import step_kind
+from loraserve.executor.engine.engine import Engine
 from loraserve.executor.engine.graphs import DecodeGraphs
 from loraserve.executor.engine.kv_cache import KVCache
+from loraserve.executor.engine.requests import GenerationRequest
 from loraserve.executor.engine.sampler import SamplingParams, make_generator, sample
-from loraserve.executor.lora import LoraSpec, load_shard_into_slot, lora_modules
+from loraserve.executor.lora import lora_modules
 from loraserve.executor.model.loader import load_model
 from loraserve.executor.model.tokenizer import Tokenizer
+from loraserve.executor.slot_layout import LoraSpec
+from loraserve.executor.slot_load import load_shard_into_slot
 from loraserve.executor.slots import SlotManager
 
 CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,!?'-:;()"
@@ -187,12 +192,12 @@ async def test_concurrent_greedy_requests_match_transformers_generate(tiny, make
 
 
 async def test_every_collected_step_goes_through_the_slow_step_watch(tiny, make_engine, caplog):
-    """Engine._collect hands each step to engine.slow_steps (executor/engine/slow_steps.py): with a
+    """Engine._collect hands each step to engine.slow_steps (executor/diagnostics/slow_steps.py): with a
     floor of 0 s and a factor of 0, every step past the warm-up count is slow and logged."""
     engine = make_engine()
     engine.slow_steps.reset_longest()
     watch = engine.slow_steps
-    with caplog.at_level(logging.WARNING, logger="loraserve.executor.engine.slow_steps"):
+    with caplog.at_level(logging.WARNING, logger="loraserve.executor.diagnostics.slow_steps"):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(slow_steps, "MIN_SECONDS", 0.0)
             mp.setattr(slow_steps, "FACTOR", 0.0)
@@ -239,35 +244,26 @@ async def test_the_engine_freezes_start_up_objects_and_puts_them_back_when_the_l
 
 
 async def test_a_serving_engine_shortens_the_switch_interval_and_the_last_to_stop_puts_it_back(tiny):
-    """While an engine serves, a helper thread waits at most switch_interval_us for the GIL
-    (gil_handoff.py): the first engine sets it, a second one leaves it, the last to stop puts back
-    the interval it found; 0 leaves Python's own."""
+    """While an engine serves, a helper thread waits at most gil_handoff.SWITCH_INTERVAL_US for the
+    GIL: the first engine sets it, a second one leaves it, the last to stop puts back the interval
+    it found (here one the process had set itself)."""
     import sys
 
     found = sys.getswitchinterval()
-    first, second = _engine(tiny[1], switch_interval_us=150), _engine(tiny[1], switch_interval_us=300)
-    first.start()
+    sys.setswitchinterval(0.003)
+    first, second = _engine(tiny[1]), _engine(tiny[1])
     try:
-        assert sys.getswitchinterval() == pytest.approx(150e-6)
-        second.start()
-        assert sys.getswitchinterval() == pytest.approx(150e-6)  # the first one's stands
-        await second.stop()
-        assert sys.getswitchinterval() == pytest.approx(150e-6)  # the first still serves
+        first.start()
+        try:
+            assert sys.getswitchinterval() == pytest.approx(gil_handoff.SWITCH_INTERVAL_US / 1e6)
+            second.start()
+            await second.stop()
+            assert sys.getswitchinterval() == pytest.approx(gil_handoff.SWITCH_INTERVAL_US / 1e6)  # the first still serves
+        finally:
+            await first.stop()
+        assert sys.getswitchinterval() == pytest.approx(0.003)
     finally:
-        await first.stop()
-    assert sys.getswitchinterval() == found
-    untouched = _engine(tiny[1], switch_interval_us=0)
-    untouched.start()
-    try:
-        assert sys.getswitchinterval() == found
-    finally:
-        await untouched.stop()
-    assert sys.getswitchinterval() == found
-
-
-def test_a_negative_switch_interval_is_refused_with_its_value():
-    with pytest.raises(ValueError, match=r"switch_interval_us must be 0 \(Python's own\) or more, got -1"):
-        ExecutorConfig(switch_interval_us=-1)
+        sys.setswitchinterval(found)
 
 
 async def test_admission_pacing_holds_a_late_request_back_only_with_graphs_and_keeps_outputs(tiny, make_engine):
@@ -290,11 +286,10 @@ async def test_the_engine_paces_admissions_only_when_it_has_graphs(tiny, monkeyp
     engine = _engine(tiny[1], admit_ratio=0.5)  # on CPU: no graphs captured, every step eager
     assert engine.graphs is None and engine.scheduler.admit_ratio == 0.0
 
-    def graphs(self):  # as if captured: the static-buffer steps, largest graph of 4
-        return DecodeGraphs(self.model, self.kv_cache, 4, self.config.max_model_len, self.max_loras,
-                            self.config.torch_device)
+    def graphs(model, kv_cache, config, max_loras, device, ranks=None):
+        return DecodeGraphs(model, kv_cache, 4, config.max_model_len, max_loras, device)  # as if captured: largest 4
 
-    monkeypatch.setattr(Engine, "_capture_graphs", graphs)
+    monkeypatch.setattr(engine_mod, "capture_decode_graphs", graphs)
     engine = _engine(tiny[1], admit_ratio=0.5)
     assert engine.scheduler.admit_ratio == 0.5 and engine.scheduler.pace_max_running == engine.graphs.max_batch == 4
 
@@ -392,8 +387,8 @@ async def test_seeded_sampling_is_reproducible_across_batches(make_engine, monke
     SamplingInputs (on CUDA read by a kernel from pinned memory, not copied), the greedy rows of a
     batch with them: temperature 0, top_k 0, top_p 1."""
     engine = make_engine()
-    staged, stage = [], engine.sampling_inputs.stage
-    monkeypatch.setattr(engine.sampling_inputs, "stage", lambda *rows: staged.append(rows) or stage(*rows))
+    staged, stage = [], engine.runner.sampling_inputs.stage
+    monkeypatch.setattr(engine.runner.sampling_inputs, "stage", lambda *rows: staged.append(rows) or stage(*rows))
     req = dict(prompt_token_ids=_prompt(7, 5), sampling=SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=42))
     alone, _, _ = await _collect(engine, GenerationRequest(**req))
     assert len(staged) == 10 and all(list(rows) == [[1.0], [0], [0.9]] for rows in staged)
@@ -680,7 +675,7 @@ async def test_a_resident_adapters_request_runs_within_steps_while_cold_loads_ho
 
 
 def test_step_kind_picks_a_graph_only_where_one_takes_the_step():
-    """Engine._step_kind: decode batches up to the largest decode graph replay it; steps with a
+    """batch.step_kind: decode batches up to the largest decode graph replay it; steps with a
     prefill chunk replay a mixed graph when one fits their tokens and sequences and no token is a
     placeholder of the previous step; everything else runs eagerly (and without graphs, all)."""
     from types import SimpleNamespace
@@ -694,13 +689,13 @@ def test_step_kind_picks_a_graph_only_where_one_takes_the_step():
         return SimpleNamespace(is_decode=all(q == 1 for q in query_lens), query_lens=query_lens,
                                input_ids=[0] * n, sources=sources or [-1] * n)
 
-    graphed = SimpleNamespace(graphs=SimpleNamespace(max_batch=4), mixed_graphs=Fits())
-    kind = lambda engine, b: Engine._step_kind(engine, b)  # noqa: E731
+    graphed = (SimpleNamespace(max_batch=4), Fits())
+    kind = lambda graphs, b: step_kind(b, *graphs)  # noqa: E731
     assert kind(graphed, batch([1, 1, 1])) == "decode-graph"
     assert kind(graphed, batch([1] * 5)) == "decode"  # past the largest decode graph
     assert kind(graphed, batch([1, 7, 30])) == "mixed-graph"
     assert kind(graphed, batch([1, 95, 1])) == "mixed"  # 97 tokens: past the largest bucket
     assert kind(graphed, batch([1, 2, 3, 4, 5])) == "mixed"  # more sequences than the graphs hold
     assert kind(graphed, batch([1, 7], [2, -1, -1, -1, -1, -1, -1, -1])) == "mixed"  # a placeholder id
-    eager = SimpleNamespace(graphs=None, mixed_graphs=None)
+    eager = (None, None)
     assert kind(eager, batch([1, 1])) == "decode" and kind(eager, batch([1, 7])) == "mixed"

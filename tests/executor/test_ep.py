@@ -23,15 +23,15 @@ from safetensors.torch import save_file
 
 from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.layout import layout_for_model, model_config
-from loraserve.executor.lora import LoraSpec, lora_modules
+from loraserve.executor.lora import lora_modules
 from loraserve.executor.model.loader import load_model
 from loraserve.executor.parallel import TPGroup, ep_size_error
 from loraserve.executor.ranks import local_experts, shard_checksum
 from loraserve.executor.service import build_executor
+from loraserve.executor.slot_layout import LoraSpec
 
-from .conftest import (LORASERVE, TINY_MOE, Cluster, ParallelExecutorProcess, check_against_reference,
-                       check_groups_against_references, generate, merge_per_expert_adapter, need_cuda_devices,
-                       prompt_ids, run_group)
+from .conftest import (LORASERVE, TINY_MOE, Cluster, ParallelExecutorProcess, check_against_reference, generate,
+                       merge_per_expert_adapter, need_cuda_devices, prompt_ids, run_group)
 
 BOS, EOS, VOCAB = 256, 257, 260  # the byte ids of conftest.prompt_ids
 # experts only (PEFT's target_parameters), attention only, one expert projection + dense modules,
@@ -103,23 +103,6 @@ def test_ep2_mixed_batches_match_transformers_peft_and_ep1(cluster, references, 
                                            atol=1e-5, rtol=0)
     finally:
         one.close()
-
-
-def test_ep2_with_packed_b_slots_matches_transformers_peft(module_loop_thread, base, adapter_dirs, references, tmp_path):
-    """ExecutorConfig.packed_lora_b under expert parallelism (the default on CUDA): the replicated
-    dense layers' B packed at each slot's rank on both ranks, the experts' kept in rows; adapters of
-    ranks 2-8 (experts only, attention only, both) through two slots match PEFT, and each rank's
-    slots agree with rank 0's ranks (a rank whose packed shard loaded at another would end the run)."""
-    c = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store", NAMES, ep_size=2, cpu_threads=1,
-                tp_timeout_s=60.0, packed_lora_b=True)
-    try:
-        packed = {(type(m).__name__, m.packed_b) for m in c.parts.engine.model.modules()
-                  if getattr(m, "lora_a", None) is not None}
-        assert packed == {("LinearWithLoRA", True), ("ExpertsWithLoRA", False)}, packed
-        check_groups_against_references(c.client(), GROUPS, references)
-    finally:
-        c.close()
-    assert [p.exitcode for p in c.parts.ranks._procs] == [0]
 
 
 @pytest.mark.gpu

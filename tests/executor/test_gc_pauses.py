@@ -1,4 +1,4 @@
-"""Python's garbage collector (executor/engine/gc_pauses.py): every collection timed, start-up's
+"""Python's garbage collector (executor/diagnostics/gc_pauses.py): every collection timed, start-up's
 objects frozen out of later walks (and a dropped engine's cycles collected by the next freeze), the
 time named in the slow-step line and exported to /metrics by generation."""
 
@@ -8,8 +8,8 @@ import gc
 import logging
 import weakref
 
-from loraserve.executor.engine import gc_pauses, slow_steps
-from loraserve.executor.engine.engine import STEP_KINDS, StepTime
+from loraserve.executor.diagnostics import gc_pauses, slow_steps
+from loraserve.executor.engine.step_stats import STEP_KINDS, StepTime
 from loraserve.metrics import _ExecutorState
 
 
@@ -86,7 +86,7 @@ def test_only_the_first_running_engine_freezes_and_only_the_last_one_to_stop_tha
 def test_a_failing_timing_is_logged_once_and_never_raises(caplog):
     pauses = gc_pauses.GcPauses()
     pauses.seconds_by_generation = None  # the next 'stop' fails inside the callback
-    with caplog.at_level(logging.WARNING, logger="loraserve.executor.engine.gc_pauses"):
+    with caplog.at_level(logging.WARNING, logger="loraserve.executor.diagnostics.gc_pauses"):
         for _ in range(3):
             pauses("start", {"generation": 2})
             pauses("stop", {"generation": 2})
@@ -99,7 +99,7 @@ def test_the_slow_step_line_names_the_collectors_time_since_the_previous_step(ca
     for _ in range(slow_steps.WARMUP_STEPS):
         watch.observe(StepTime("decode-graph", 8, 8, 0.011, at + 0.011, at, False, 0.002, 0.010), gc_pauses=(40, 0.05))
         at += 0.011
-    with caplog.at_level(logging.WARNING, logger="loraserve.executor.engine.slow_steps"):
+    with caplog.at_level(logging.WARNING, logger="loraserve.executor.diagnostics.slow_steps"):
         assert watch.observe(StepTime("decode-graph", 8, 8, 0.33, at + 0.33, at, False, 0.002, 0.010),
                              gc_pauses=(41, 0.371))
     assert "Python's garbage collector: 321.0 ms in 1 collection since the previous step" in caplog.text

@@ -9,16 +9,18 @@ import pytest
 import torch
 
 from loraserve.executor.engine import graphs as graphs_mod
+from loraserve.executor.engine import staging
 from loraserve.executor.engine.graphs import (
     DecodeBatch,
     DecodeGraphs,
-    SamplingInputs,
     batch_buckets,
     shrink_floats_per_token,
 )
 from loraserve.executor.engine.kv_cache import AttentionMetadata, BlockAllocator, KVCache
-from loraserve.executor.lora import LinearWithLoRA, LoraSpec, lora_modules
+from loraserve.executor.engine.staging import SamplingInputs
+from loraserve.executor.lora import LinearWithLoRA, lora_modules
 from loraserve.executor.model.loader import load_hf_checkpoint
+from loraserve.executor.slot_layout import LoraSpec
 from loraserve.kernels import make_lora_meta
 from loraserve.kernels.meta import ShrinkWorkspace
 
@@ -54,7 +56,7 @@ def test_static_buffer_step_equals_the_eager_step_on_cpu(hf_model, family, monke
     for slots in ([-1, -1, -1], [2, -1, 0]):
         ids = torch.randint(0, cfg.vocab_size, (3,), generator=gen).tolist()
         attn = AttentionMetadata.build([1] * 3, lens, tables, BLOCK, "cpu")
-        meta = make_lora_meta(torch.tensor(slots), MAX_LORAS, frozenset(s for s in slots if s >= 0))
+        meta = _meta(torch.tensor(slots))
         want = model.compute_logits(model.forward(torch.tensor(ids), attn.positions, attn, kv, meta), meta)
         bucket, lora = graphs.stage(DecodeBatch(ids, lens, tables, slots))
         assert (bucket, lora) == (4, max(slots) >= 0)
@@ -84,7 +86,7 @@ def shrink_layers(model):
 
 def _cuda_or_skip():
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
+        pytest.skip("needs CUDA: no CUDA device here (run benchmarks/gpu.sh OUT test on a CUDA host)")
 
 
 MAX_LORAS, RANK, BLOCK = 4, 8, 4
@@ -105,13 +107,24 @@ def _model(hf_model, dtype, device="cuda"):
     return _random_slots(load_hf_checkpoint(path, dtype, device, lora=LoraSpec(MAX_LORAS, RANK, dtype)))
 
 
+def _meta(slots: torch.Tensor):
+    """The step's LoraMeta as the engine makes it: every slot's adapter at RANK (a packed B is read at it)."""
+    ranks = torch.full((MAX_LORAS,), RANK, dtype=torch.int32, device=slots.device)
+    return make_lora_meta(slots, MAX_LORAS, frozenset(s for s in slots.tolist() if s >= 0), slot_ranks=ranks)
+
+
 def _eager_decode(model, kv, ids, positions, tables, slots):
     attn = AttentionMetadata.build([1] * len(ids), positions, tables, BLOCK, "cuda")
     meta = None
     if max(slots) >= 0:
-        meta = make_lora_meta(torch.tensor(slots, device="cuda"), MAX_LORAS, frozenset(s for s in slots if s >= 0))
+        meta = _meta(torch.tensor(slots, device="cuda"))
     hidden = model.forward(torch.tensor(ids, device="cuda"), attn.positions, attn, kv, meta)
     return model.compute_logits(hidden, meta)
+
+
+def _without_device_views(monkeypatch) -> None:
+    """As on a platform whose pinned memory has no device view: staged inputs are copied."""
+    monkeypatch.setattr(staging, "device_view", lambda host, device: (_ for _ in ()).throw(RuntimeError("no UVA")))
 
 
 @pytest.mark.gpu
@@ -120,9 +133,11 @@ def _eager_decode(model, kv, ids, positions, tables, slots):
 def test_graph_replay_equals_the_eager_step(hf_model, dtype, tol, by_kernel, monkeypatch):
     """Ragged contexts across block boundaries, batches padded to their bucket, base rows and
     adapter rows mixed, and base-only batches (the graph without LoRA): logits as the eager step's.
-    by_kernel: the step's inputs read from their pinned buffers by a kernel (graphs.INPUTS_BY_KERNEL)."""
+    by_kernel: the step's inputs read from their pinned buffers by a kernel (staging.py); else as
+    where pinned memory has no device view: copied."""
     _cuda_or_skip()
-    monkeypatch.setattr(graphs_mod, "INPUTS_BY_KERNEL", by_kernel)
+    if not by_kernel:
+        _without_device_views(monkeypatch)
     model = _model(hf_model, dtype)
     cfg = model.cfg
     kv = KVCache(cfg.num_layers, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype, "cuda")
@@ -169,26 +184,25 @@ def test_graph_replay_equals_the_eager_step(hf_model, dtype, tol, by_kernel, mon
 
 
 def test_a_device_view_of_a_buffer_not_int32_is_refused():
-    """graphs._device_view maps only the step inputs' int32 buffers (a view read as another dtype
+    """staging.device_view maps only the step inputs' int32 buffers (a view read as another dtype
     would feed the graphs wrong ids); its other refusal, a view torch places on another GPU or at
     other memory, needs a CUDA host: the GPU graph tests check their views are the buffers themselves."""
     with pytest.raises(ValueError, match="host buffer is torch.int64, not int32"):
-        graphs_mod._device_view(torch.zeros(4, dtype=torch.int64), torch.device("cuda", 0))
+        staging.device_view(torch.zeros(4, dtype=torch.int64), torch.device("cuda", 0))
 
 
-def test_inputs_by_kernel_falls_back_to_the_copy_where_pinned_memory_has_no_device_view(hf_model, monkeypatch, caplog):
-    """graphs.INPUTS_BY_KERNEL on a host whose pinned input buffers cannot be viewed from the device
-    (here: no CUDA at all, the graphs told they are on one): one warning, and each step's inputs
-    are copied as before, every value arriving."""
+def test_inputs_are_copied_where_pinned_memory_has_no_device_view(hf_model, monkeypatch, caplog):
+    """Staged inputs on a host whose pinned input buffers cannot be viewed from the device (here:
+    no CUDA at all, the graphs told they are on one): one warning, and each step's inputs are
+    copied, every value arriving."""
     _, path = hf_model("llama")
     model = load_hf_checkpoint(path, lora=LoraSpec(MAX_LORAS, RANK, torch.float32))
     cfg = model.cfg
     kv = KVCache(cfg.num_layers, 32, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     graphs = DecodeGraphs(model, kv, max_batch=8, max_model_len=32, max_loras=MAX_LORAS, device="cpu")
-    monkeypatch.setattr(graphs_mod, "INPUTS_BY_KERNEL", True)
-    monkeypatch.setattr(graphs_mod, "_device_view", lambda host, device: (_ for _ in ()).throw(RuntimeError("no UVA")))
+    _without_device_views(monkeypatch)
     graphs.device = torch.device("cuda")  # where the mapping is tried
-    with caplog.at_level("WARNING", logger=graphs_mod.__name__):
+    with caplog.at_level("WARNING", logger=staging.__name__):
         for step in range(2):  # the second step neither retries nor warns again
             graphs._swap_hosts()
             graphs._host.copy_(torch.arange(graphs._host.numel(), dtype=torch.int32) + step)
@@ -293,11 +307,10 @@ def test_lora_shrink_on_the_side_stream_equals_one_stream(hf_model, monkeypatch,
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(tokens, layer.in_features, device="cuda", dtype=torch.bfloat16, generator=gen)
     slots = torch.randint(-1, MAX_LORAS, (tokens,), device="cuda", generator=gen)
-    meta = make_lora_meta(slots, MAX_LORAS, frozenset(range(MAX_LORAS)))
-    forked = layer(x, meta)
+    forked = layer(x, _meta(slots))
     torch.cuda.synchronize()
     monkeypatch.setattr(lora_mod, "_side_stream", lambda device: None)
-    one_stream = layer(x, make_lora_meta(slots, MAX_LORAS, frozenset(range(MAX_LORAS))))
+    one_stream = layer(x, _meta(slots))
     torch.testing.assert_close(forked, one_stream, atol=0, rtol=0)
 
 
@@ -315,7 +328,8 @@ def test_mixed_graph_step_equals_the_eager_step(hf_model, device, max_seqs, by_k
 
     if device == "cuda":
         _cuda_or_skip()
-    monkeypatch.setattr(graphs_mod, "INPUTS_BY_KERNEL", by_kernel)  # (CUDA only: the CPU copies)
+    if not by_kernel:  # as where pinned memory has no device view (the CPU copies either way)
+        _without_device_views(monkeypatch)
     dtype, tol = (torch.bfloat16, 3e-2) if device == "cuda" else (torch.float32, 1e-4)
     model = _model(hf_model, dtype, device)
     cfg = model.cfg

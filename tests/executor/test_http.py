@@ -186,6 +186,21 @@ def test_stop_seed_top_k_and_request_id(served):
     assert r.id.startswith("cmpl-") and len(r.id) > 10 and r.object == "text_completion"
 
 
+def test_default_temperature_is_one_over_http_and_greedy_over_grpc(served):
+    ids = prompt_ids(2)
+    params = dict(max_tokens=10, seed=11)
+    greedy = grpc_generate(served, "all4", epb.GenerateRequest(
+        token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(max_tokens=10, temperature=0)))
+    sampled = grpc_generate(served, "all4", epb.GenerateRequest(
+        token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(temperature=1.0, **params)))
+    assert sampled.text != greedy.text, "the seeded draw at temperature 1 must differ from greedy for this test to tell them apart"
+    # OpenAI's default (no temperature sent) is 1: the same seeded draw as gRPC at temperature 1.
+    assert served.openai.completions.create(model="all4", prompt=ids, **params).choices[0].text == sampled.text
+    # gRPC's default (no temperature set) is greedy, seed or not.
+    unset = grpc_generate(served, "all4", epb.GenerateRequest(token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(**params)))
+    assert unset.text == greedy.text
+
+
 def test_models_lists_the_base_model_and_the_stores_adapters_marking_loaded(served):
     served.grpc.load("qv8")
     cards = {m.id: m for m in served.openai.models.list()}

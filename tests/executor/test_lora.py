@@ -8,10 +8,15 @@ import math
 import pytest
 import torch
 
-from loraserve.executor.lora import (LoraSpec, _slot_targets, declare_layout, load_shard_into_slot, lora_modules, queued_load,
-                                     shard_signature)
+from loraserve.executor.layout import declare_layout
+from loraserve.executor.lora import lora_modules
 from loraserve.executor.model.loader import load_hf_checkpoint
+from loraserve.executor.shard_tensors import shard_signature
+from loraserve.executor.slot_layout import LoraSpec, packs_b_on
+from loraserve.executor.slot_load import _slot_targets, load_shard_into_slot, queued_load
 from loraserve.v1 import common_pb2
+
+from .conftest import b_packed
 
 peft = pytest.importorskip("peft")
 
@@ -85,9 +90,10 @@ def _reference(ref, adapter, ids):
 
 
 def _model(path, targets_embeddings=False, max_loras=3, max_rank=8, packed_b=False):
-    spec = LoraSpec(max_loras=max_loras, max_rank=max_rank, dtype=torch.float32, targets_embeddings=targets_embeddings,
-                    packed_b=packed_b)
-    return load_hf_checkpoint(path, lora=spec), spec
+    """packed_b: the dense layers' B packed at each slot's rank, CUDA's layout, here on the CPU."""
+    spec = LoraSpec(max_loras=max_loras, max_rank=max_rank, dtype=torch.float32, targets_embeddings=targets_embeddings)
+    with b_packed(packed_b):
+        return load_hf_checkpoint(path, lora=spec), spec
 
 
 def _prompt(n, seed):
@@ -96,7 +102,7 @@ def _prompt(n, seed):
 
 @pytest.mark.parametrize("packed_b", [False, True], ids=["b-rows", "b-packed"])
 def test_mixed_batch_rows_match_their_own_adapter(setup, paged_runner, packed_b):
-    """packed_b: the dense layers' B packed at each slot's rank (LoraSpec.packed_b)."""
+    """packed_b: the dense layers' B packed at each slot's rank (CUDA's layout)."""
     ref, path = setup
     model, spec = _model(path, max_rank=16, packed_b=packed_b)  # slots wider than r8: packed rows differ from [N, R]
     from loraserve.executor.lora import LinearWithLoRA
@@ -119,6 +125,24 @@ def test_mixed_batch_rows_match_their_own_adapter(setup, paged_runner, packed_b)
     outs = run.step([("base", [nxt["base"]]), ("b", [nxt["b"]]), ("a", [nxt["a"]])], slots=[-1, 2, 0])
     for out, adapter, ids in zip(outs, [None, "r8", "r4"], [pbase + [nxt["base"]], pb + [nxt["b"]], pa + [nxt["a"]]]):
         torch.testing.assert_close(out, _reference(ref, adapter, ids)[-1:], atol=ATOL, rtol=1e-4)
+
+
+def test_dense_layers_pack_b_on_cuda_only(hf_model):
+    """The executor packs each dense layer's B at the slot's rank where the slot buffers are on CUDA
+    (the Triton expand reads a low-rank adapter's B in whole sectors), never on the CPU (the reference
+    would unpack every slot each step); where it packs, only the dense layers whose rank dim is whole
+    and a multiple of 8 do."""
+    from loraserve.executor.lora import LinearWithLoRA
+
+    assert packs_b_on(torch.device("cuda")) and packs_b_on(torch.device("cuda", 1))
+    assert not packs_b_on(torch.device("cpu"))
+    _, path = hf_model("llama")
+    cpu, _ = _model(path, max_rank=16)
+    assert not any(m.packed_b for m in lora_modules(cpu).values())
+    packed, _ = _model(path, max_rank=16, packed_b=True)
+    assert all(m.packed_b for m in lora_modules(packed).values() if isinstance(m, LinearWithLoRA))
+    odd, _ = _model(path, max_rank=12, packed_b=True)
+    assert not any(m.packed_b for m in lora_modules(odd).values())
 
 
 def test_base_rows_equal_the_model_without_lora(setup, paged_runner):
@@ -287,13 +311,13 @@ def test_a_shard_in_one_pinned_buffer_loads_with_one_copy_and_equals_per_tensor_
 
 
 def test_a_packed_b_is_written_alike_by_the_scatter_plan_and_by_per_tensor_copies(setup, paged_runner, monkeypatch):
-    """LoraSpec.packed_b: a slot's B holds [N, r8] rows from its start, r8 the adapter's rank rounded
+    """A packed B (CUDA's layout): a slot's B holds [N, r8] rows from its start, r8 the adapter's rank rounded
     up to 8. A shard in one storage takes the scatter plan (here its PyTorch oracle, the Triton
     kernel's test reference), separate tensors take per-tensor copies: both write the same rows,
     zeros past each module's own rank, over a slot that held a higher rank; the rows read back as
     PEFT's B, and the layer's output is the adapter's."""
     from loraserve.executor import store_client
-    from loraserve.executor.lora import packed_rows
+    from loraserve.executor.slot_layout import packed_rows
     from loraserve.kernels.copy_reference import slot_scatter
 
     monkeypatch.setattr(store_client, "host_buffer", lambda n, pin_memory: torch.empty(n, dtype=torch.uint8))

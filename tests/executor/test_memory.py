@@ -6,10 +6,11 @@ import torch
 
 from loraserve.executor import memory
 from loraserve.executor.config import ExecutorConfig
-from loraserve.executor.lora import LoraSpec, lora_modules
+from loraserve.executor.lora import lora_modules
 from loraserve.executor.model.config import ModelConfig
 from loraserve.executor.model.llama import LlamaForCausalLM
-from loraserve.executor.service import resolve_adapter_memory
+from loraserve.executor.build import resolve_adapter_memory
+from loraserve.executor.slot_layout import LoraSpec
 
 GIB = 2**30
 

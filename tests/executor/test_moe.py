@@ -14,8 +14,10 @@ from peft import PeftModel
 
 from loraserve.adapter_store import pack, validate
 from loraserve.adapter_store.base_model import from_hf_dir
-from loraserve.executor.lora import LoraSpec, declare_layout, load_shard_into_slot
+from loraserve.executor.layout import declare_layout
 from loraserve.executor.model.loader import load_model
+from loraserve.executor.slot_layout import LoraSpec
+from loraserve.executor.slot_load import load_shard_into_slot
 from loraserve.v1 import common_pb2 as pb
 
 from .conftest import TINY_MOE, merge_per_expert_adapter

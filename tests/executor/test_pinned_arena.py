@@ -80,22 +80,20 @@ def test_an_adopted_block_comes_back_when_the_shard_is_dropped():
     assert int(held[0]) == 0x07070707  # a view kept past the shard reads the arena (its bytes now unowned)
 
 
-def test_an_arena_of_no_bytes_and_a_negative_setting_are_refused():
+def test_an_arena_of_no_bytes_is_refused():
     with pytest.raises(ValueError, match="pinned arena of 0 bytes: must be > 0"):
         PinnedArena(0, pin_memory=False)
-    with pytest.raises(ValueError, match="pinned_arena_bytes must be -1 \\(automatic\\), 0 \\(off\\) or more, got -2"):
-        ExecutorConfig(model="m", pinned_arena_bytes=-2)
 
 
-def test_the_automatic_arena_holds_the_cpu_cache_and_leaves_a_quarter_of_the_host():
-    from loraserve.executor.memory import ARENA_CACHE_SHARE, default_pinned_arena_bytes
+def test_the_arena_holds_the_cpu_cache_and_leaves_a_quarter_of_the_host():
+    from loraserve.executor.memory import ARENA_CACHE_SHARE, arena_bytes
 
     gib = 1 << 30
-    arena = default_pinned_arena_bytes(14 * gib, 100 * gib)
+    arena = arena_bytes(14 * gib, 100 * gib)
     assert arena == 16 * gib and int(arena * ARENA_CACHE_SHARE) == 14 * gib  # the cache keeps its whole budget
-    assert default_pinned_arena_bytes(60 * gib, 64 * gib) == 48 * gib  # at most 3/4 of what is available
-    assert default_pinned_arena_bytes(gib + 12345, 100 * gib) % (2 << 20) == 0  # whole huge pages
-    assert default_pinned_arena_bytes(gib, 0) == 0  # nothing available: none
+    assert arena_bytes(60 * gib, 64 * gib) == 48 * gib  # at most 3/4 of what is available
+    assert arena_bytes(gib + 12345, 100 * gib) % (2 << 20) == 0  # whole huge pages
+    assert arena_bytes(gib, 0) == 0  # nothing available: none
 
 
 def test_a_prefaulted_arena_hands_out_zeroed_memory_and_times_its_set_up():
@@ -104,58 +102,35 @@ def test_a_prefaulted_arena_hands_out_zeroed_memory_and_times_its_set_up():
     assert int(a.allocate(8 * ALIGN).sum()) == 0
 
 
-def test_the_cli_flag_reaches_the_config_and_a_cpu_executor_makes_a_host_arena(caplog, monkeypatch):
-    """On the CPU the arena is never page-locked: a given size is touched at start and holds the CPU
-    cache to its share; the automatic one (-1, the default) is sized as on CUDA, nothing of it is
-    touched until shards land in it, the cache keeps its budget, and a refused mapping means none;
-    more than the host has is refused; 0 is off."""
-    from loraserve.cli import build_parser
-    from loraserve.executor import memory, service
-    from loraserve.executor.cli import executor_config
-    from loraserve.executor.service import pinned_arena
+def test_a_cpu_executor_makes_an_untouched_host_arena_sized_for_its_cache(caplog, monkeypatch):
+    """On the CPU the arena is never page-locked: sized as on CUDA, nothing of it is touched until
+    shards land in it, the cache keeps its budget, and a refused mapping or no memory left means none."""
+    from loraserve.executor import build, memory
 
-    args = build_parser().parse_args(["executor", "--device", "cpu", "--pinned-arena-bytes", str(1 << 20),
-                                      "--cpu-cache-bytes", str(4 << 20)])
-    cfg = executor_config(args)
-    assert cfg.pinned_arena_bytes == 1 << 20
-    with caplog.at_level("INFO", logger="loraserve.executor.service"):
-        arena = pinned_arena(cfg)
-    assert arena is not None and arena.nbytes == 1 << 20 and int(arena.allocate(1 << 20).sum()) == 0
-    assert "host arena: 0.0 GiB touched in" in caplog.text and "(on cpu: not page-locked)" in caplog.text
-    assert cfg.cpu_cache_bytes == arena.cache_budget(4 << 20) < 4 << 20  # held to its share of the arena
-    assert "CPU cache held to 7/8 of the arena" in caplog.text
-    with pytest.raises(ValueError, match="is more than the .* bytes of host memory available now: lower it"):
-        pinned_arena(ExecutorConfig(model="m", device="cpu", pinned_arena_bytes=1 << 60))
-    caplog.clear()
     mib = 1 << 20
     made = []
-    monkeypatch.setattr(service, "PinnedArena", lambda *a, **kw: made.append(kw) or PinnedArena(*a, **kw))
+    monkeypatch.setattr(build, "PinnedArena", lambda *a, **kw: made.append(kw) or PinnedArena(*a, **kw))
     cfg = ExecutorConfig(model="m", device="cpu", cpu_cache_bytes=7 * mib)
-    with caplog.at_level("INFO", logger="loraserve.executor.service"):
-        arena = pinned_arena(cfg)  # -1 (automatic)
-        assert pinned_arena(ExecutorConfig(model="m", device="cpu", pinned_arena_bytes=0)) is None  # 0: off
+    with caplog.at_level("INFO", logger="loraserve.executor.build"):
+        arena = build.pinned_arena(cfg)
     assert made == [{"pin_memory": False, "prefault": False}]  # nothing touched at start
     assert arena.nbytes == 8 * mib and cfg.cpu_cache_bytes == 7 * mib  # sized for the cache, which keeps its budget
-    assert cfg.pinned_arena_bytes == -1  # still automatic: a second build from this config sizes it again
     assert "host arena: 0.0 GiB of address space (on cpu: not page-locked, pages touched as fetched shards land" in caplog.text
-    assert build_parser().parse_args(["executor"]).pinned_arena_bytes == -1
     big = ExecutorConfig(model="m", device="cpu", cpu_cache_bytes=1 << 30)
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 1 << 30)
-    assert pinned_arena(big).nbytes == 3 << 28 and big.cpu_cache_bytes == 1 << 30  # 3/4 of what is free; cache not cut
+    assert build.pinned_arena(big).nbytes == 3 << 28 and big.cpu_cache_bytes == 1 << 30  # 3/4 of what is free; cache not cut
     caplog.clear()
 
     def refused(*a, **kw):
         raise OSError(12, "Cannot allocate memory")
-    monkeypatch.setattr(service, "PinnedArena", refused)
-    with caplog.at_level("INFO", logger="loraserve.executor.service"):
-        assert pinned_arena(ExecutorConfig(model="m", device="cpu", cpu_cache_bytes=mib)) is None
-        with pytest.raises(OSError, match="Cannot allocate memory"):  # a size asked for is not quietly dropped
-            pinned_arena(ExecutorConfig(model="m", device="cpu", pinned_arena_bytes=mib))
+    monkeypatch.setattr(build, "PinnedArena", refused)
+    with caplog.at_level("INFO", logger="loraserve.executor.build"):
+        assert build.pinned_arena(ExecutorConfig(model="m", device="cpu", cpu_cache_bytes=mib)) is None
     assert "host arena off: mapping 0.0 GiB failed ([Errno 12] Cannot allocate memory); fetched shards land in fresh host buffers" in caplog.text
     caplog.clear()
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 0)
-    with caplog.at_level("INFO", logger="loraserve.executor.service"):
-        assert pinned_arena(ExecutorConfig(model="m", device="cpu", cpu_cache_bytes=mib)) is None
+    with caplog.at_level("INFO", logger="loraserve.executor.build"):
+        assert build.pinned_arena(ExecutorConfig(model="m", device="cpu", cpu_cache_bytes=mib)) is None
     assert "no host memory left for a host arena: fetched shards land in fresh host buffers" in caplog.text
 
 
@@ -182,32 +157,35 @@ def test_a_release_from_inside_the_arenas_own_lock_does_not_deadlock():
     assert a.live_blocks() == 0 and a.free_bytes() == 16 * ALIGN
 
 
-def test_a_cuda_executors_automatic_arena_is_sized_for_its_cache_and_falls_back_when_pinning_fails(monkeypatch, caplog):
-    """service.pinned_arena on a CUDA config, with page-locking stubbed (no GPU here)."""
-    from loraserve.executor import service
+def test_a_cuda_executors_arena_is_sized_for_its_cache_holds_it_and_falls_back_when_pinning_fails(monkeypatch, caplog):
+    """build.pinned_arena on a CUDA config, with page-locking stubbed (no GPU here)."""
+    from loraserve.executor import build
 
     mib = 1 << 20
-    monkeypatch.setattr(service.memory, "available_host_bytes", lambda: 1 << 30)
-    monkeypatch.setattr(service, "PinnedArena", lambda n: PinnedArena(n, pin_memory=False))
+    made = []
+    monkeypatch.setattr(build.memory, "available_host_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(build, "PinnedArena", lambda n, **kw: made.append(kw) or PinnedArena(n, pin_memory=False))
     cfg = ExecutorConfig(model="m", device="cuda", cpu_cache_bytes=7 * mib)
-    arena = service.pinned_arena(cfg, adapter_bytes=mib)
-    assert arena.nbytes == cfg.pinned_arena_bytes == 8 * mib and cfg.cpu_cache_bytes == 7 * mib  # cache kept whole
+    arena = build.pinned_arena(cfg, adapter_bytes=mib)
+    assert made == [{"pin_memory": True, "prefault": True}]  # page-locked at start, its pages touched first
+    assert arena.nbytes == 8 * mib and cfg.cpu_cache_bytes == 7 * mib  # cache kept whole
     # at most max_cpu_adapters (+ the fetches in flight) adapters: the arena is not sized for 700 MiB
     cfg = ExecutorConfig(model="m", device="cuda", cpu_cache_bytes=700 * mib, max_cpu_adapters=2, max_concurrent_loads=4)
-    assert service.pinned_arena(cfg, adapter_bytes=mib).nbytes == 8 * mib  # 6 MiB / (7/8), whole huge pages
-    with pytest.raises(ValueError, match="--pinned-arena-bytes 2147483648 is more than the 1073741824 bytes of host memory"):
-        service.pinned_arena(ExecutorConfig(model="m", device="cuda", cpu_cache_bytes=mib, pinned_arena_bytes=2 << 30))
+    assert build.pinned_arena(cfg, adapter_bytes=mib).nbytes == 8 * mib  # 6 MiB / (7/8), whole huge pages
+    cfg = ExecutorConfig(model="m", device="cuda", cpu_cache_bytes=1 << 30)
+    with caplog.at_level("WARNING", logger="loraserve.executor.build"):
+        arena = build.pinned_arena(cfg)  # at most 3/4 of the host memory: the cache is held to 7/8 of that
+    assert arena.nbytes == 768 * mib and cfg.cpu_cache_bytes == 672 * mib
+    assert "CPU cache held to 7/8 of the arena" in caplog.text
 
-    def refuse(n):
+    def refuse(n, **kw):
         raise RuntimeError("page-locking the pinned arena's bytes failed (cudaHostRegister error 2)")
 
-    monkeypatch.setattr(service, "PinnedArena", refuse)
+    monkeypatch.setattr(build, "PinnedArena", refuse)
     cfg = ExecutorConfig(model="m", device="cuda", cpu_cache_bytes=7 * mib)
-    with caplog.at_level("WARNING", logger="loraserve.executor.service"):
-        assert service.pinned_arena(cfg) is None and cfg.pinned_arena_bytes == 0
+    with caplog.at_level("WARNING", logger="loraserve.executor.build"):
+        assert build.pinned_arena(cfg) is None and cfg.cpu_cache_bytes == 7 * mib
     assert "pinned arena off: page-locking the pinned arena's bytes failed" in caplog.text
-    with pytest.raises(RuntimeError, match="cudaHostRegister error 2"):  # a size asked for: its failure stops the start
-        service.pinned_arena(ExecutorConfig(model="m", device="cuda", cpu_cache_bytes=mib, pinned_arena_bytes=8 * mib))
 
 
 def test_a_closed_arena_hands_out_nothing_and_refuses_to_close_under_live_blocks():

@@ -340,7 +340,7 @@ def test_bf16_on_cuda_applies_each_rows_adapter(loop_thread, base, adapter_dirs,
     """bf16 on the GPU runs the Triton kernels: each row's tokens must be scored like its own
     adapter's reference (float32 PEFT), and clearly unlike the base model's."""
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
+        pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu.sh OUT test on a CUDA host)")
     c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", "cuda", dtype="bfloat16")
     try:
         client = c.client()
@@ -358,41 +358,22 @@ def test_bf16_on_cuda_applies_each_rows_adapter(loop_thread, base, adapter_dirs,
         c.close()
 
 
-def test_packed_lora_b_on_that_packs_nothing_is_said_at_start(loop_thread, base, adapter_dirs, tmp_path, caplog):
-    """--packed-lora-b on with slots of a rank no multiple of 8: no layer can pack its B, and the
-    executor says so (with the reason) rather than serve in rows silently; its ready line says
-    how B is held either way."""
-    caplog.set_level(logging.INFO, logger="loraserve.executor.service")
-    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "s1", "cpu", max_rank=12, packed_lora_b=True)
-    c.close()
-    assert ("--packed-lora-b on: no layer's B is packed (it needs --max-lora-rank a multiple of 8, got 12; "
-            "fully sharded layers, embeddings and experts keep [N, R] rows)") in caplog.messages
-    assert any("slots of rank 12 (B in rows)" in m for m in caplog.messages)
-    caplog.clear()
-    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "s2", "cpu", packed_lora_b=True)
-    c.close()
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert any("slots of rank 16 (B packed at each slot's rank)" in m for m in caplog.messages)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("packed", [True, False], ids=["b-packed", "b-rows"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_slot_reloads_on_cuda_serve_each_rows_adapter(loop_thread, base, adapter_dirs, tmp_path, references, dtype, packed):
+def test_slot_reloads_on_cuda_serve_each_rows_adapter(loop_thread, base, adapter_dirs, tmp_path, references, dtype):
     """Five adapters of ranks 2-16 through two rank-16 slots on the GPU, so slots are reloaded at
     other ranks (16 over 4, 8 over 16, ...) by the Triton scatter and read in the step's graphs: every
     row is scored like its own adapter's PEFT reference (float32 exactly, bf16 within its tolerance).
-    packed: ExecutorConfig.packed_lora_b (the default on CUDA), the dense layers' B slots hold [N, r8]
-    rows read by the packed expand; else [N, R] rows."""
+    On CUDA the dense layers' B slots hold [N, r8] rows, read by the packed expand."""
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
+        pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu.sh OUT test on a CUDA host)")
     from loraserve.executor.lora import LinearWithLoRA
 
-    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", "cuda", dtype=dtype, packed_lora_b=packed)
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", "cuda", dtype=dtype)
     try:
         engine = c.parts.engine
         dense = [m.packed_b for m in engine.model.modules() if isinstance(m, LinearWithLoRA) and m.lora_a is not None]
-        assert dense and dense == [packed] * len(dense)
+        assert dense and all(dense)
         client = c.client()
         rounds = [["mlp16", "all4", ""], ["qv8", "o2", "kd8"], ["all4", "mlp16", "qv8", ""]]
         for i, names in enumerate(rounds):

@@ -1,7 +1,7 @@
 """Slot loads through the one-launch scatter (kernels.slot_scatter) against the per-tensor copies.
 
-A shard in one host buffer is staged (in STAGE_CHUNK_BYTES pieces) and scattered by a plan cached per layout
-(executor/lora.py); a shard of separate tensors goes through SlotWrites, one copy per tensor.
+A shard in one host buffer is staged (one copy) and scattered by a plan cached per layout
+(executor/slot_load.py); a shard of separate tensors goes through SlotWrites, one copy per tensor.
 Both must leave the same bytes in every slot buffer: copies, rank tails zeroed, untargeted
 modules zeroed. The modules cover every slot buffer shape: fused and plain linear layers, a fully
 sharded column layer (B's rank in 2 parts) and row layer, an embedding and MoE experts.
@@ -18,12 +18,15 @@ import pytest
 import torch
 from torch import nn
 
-from loraserve.executor import lora
-from loraserve.executor.lora import (
-    ExpertsWithLoRA, LinearWithLoRA, LoraSpec, VocabEmbeddingWithLoRA, clear_slot, load_shard_into_slot, lora_modules,
-)  # fmt: skip
+from loraserve.executor import slot_load
+from loraserve.executor.lora import ExpertsWithLoRA, LinearWithLoRA, VocabEmbeddingWithLoRA, lora_modules
 from loraserve.executor.parallel import TPGroup
+from loraserve.executor.shard_tensors import shard_signature
+from loraserve.executor.slot_layout import LoraSpec, written_rank
+from loraserve.executor.slot_load import clear_slot, load_shard_into_slot
 from loraserve.kernels import copy_reference
+
+from .conftest import b_packed
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.bfloat16, torch.float32]
@@ -36,16 +39,18 @@ STEPS = [(0, 4, ()), (2, 8, ("o",)), (1, 6, ()), (2, 4, ("experts",)), (3, 4, ()
 
 
 def _modules(dtype, device, packed_b=False) -> nn.Module:
-    spec = LoraSpec(max_loras=4, max_rank=16, dtype=dtype, fully_sharded=True, packed_b=packed_b)
+    """packed_b: the dense layers' B packed at each slot's rank (CUDA's layout) on any device."""
+    spec = LoraSpec(max_loras=4, max_rank=16, dtype=dtype, fully_sharded=True)
     tp2 = TPGroup(size=2, rank=0)  # only the slot buffers' shapes are used: no process group needed
-    model = nn.ModuleDict({
-        "qkv": LinearWithLoRA(24, (20, 12, 12), False, spec, dtype, device),
-        "o": LinearWithLoRA(20, (24,), False, spec, dtype, device, row_parallel=True),
-        "sharded_col": LinearWithLoRA(24, (14, 14), False, spec, dtype, device, tp=tp2),  # rank_parts 2
-        "sharded_row": LinearWithLoRA(24, (14,), False, spec, dtype, device, tp=tp2, row_parallel=True),
-        "embed": VocabEmbeddingWithLoRA(37, 24, spec, dtype, device),
-        "experts": ExpertsWithLoRA(3, 24, (10, 10), spec, dtype, device),
-    })  # fmt: skip
+    with b_packed(packed_b):
+        model = nn.ModuleDict({
+            "qkv": LinearWithLoRA(24, (20, 12, 12), False, spec, dtype, device),
+            "o": LinearWithLoRA(20, (24,), False, spec, dtype, device, row_parallel=True),
+            "sharded_col": LinearWithLoRA(24, (14, 14), False, spec, dtype, device, tp=tp2),  # rank_parts 2
+            "sharded_row": LinearWithLoRA(24, (14,), False, spec, dtype, device, tp=tp2, row_parallel=True),
+            "embed": VocabEmbeddingWithLoRA(37, 24, spec, dtype, device),
+            "experts": ExpertsWithLoRA(3, 24, (10, 10), spec, dtype, device),
+        })  # fmt: skip
     assert model["sharded_col"].rank_parts == 2
     assert [m.packed_b for m in model.values() if isinstance(m, LinearWithLoRA)] == [packed_b, packed_b, False, False]
     torch.manual_seed(0)
@@ -94,7 +99,7 @@ def _assert_same(got, want):
 
 def _check_against_per_tensor_copies(scatter, dtype, device, packed_b=False):
     """Every STEP into `new` (one buffer, scattered) and `old` (separate tensors, per-tensor copies).
-    packed_b: q/k/v's and o's B packed at each slot's rank (LoraSpec.packed_b); the stale contents
+    packed_b: q/k/v's and o's B packed at each slot's rank (CUDA's layout); the stale contents
     past their packed rows must be left alike too."""
     new, old = _modules(dtype, device, packed_b), _modules(dtype, device, packed_b)
     pin = torch.device(device).type == "cuda"
@@ -104,7 +109,7 @@ def _check_against_per_tensor_copies(scatter, dtype, device, packed_b=False):
         load_shard_into_slot(old, slot, {k: v.to(device) for k, v in shard.items()})
         _assert_same(new, old)
         _assert_written_ranks(new)
-    targets = lora._slot_targets(new)
+    targets = slot_load._slot_targets(new)
     assert len(targets.layouts) == len(STEPS) - 1  # step 5 reused step 1's layout (checks and plan)
     assert all(layout.plan is not None for layout in targets.layouts.values())
 
@@ -123,9 +128,9 @@ def _check_against_per_tensor_copies(scatter, dtype, device, packed_b=False):
 def _assert_written_ranks(model):
     """The slot targets' written rank (read on a cold load's path from their own slot-rank lists)
     is the modules' own, in every slot (a fully sharded module counting its parts)."""
-    targets = lora._slot_targets(model)
+    targets = slot_load._slot_targets(model)
     for slot in range(len(next(iter(targets.modules.values())).slot_ranks)):
-        assert targets.written_rank(slot) == lora.written_rank(targets.modules.values(), slot), slot
+        assert targets.written_rank(slot) == written_rank(targets.modules.values(), slot), slot
 
 
 @pytest.mark.parametrize("packed_b", [False, True], ids=["b-rows", "b-packed"])
@@ -149,16 +154,14 @@ def test_triton_scatter_matches_per_tensor_copies_interpreted(dtype, packed_b):
 @pytest.mark.parametrize("packed_b", [False, True], ids=["b-rows", "b-packed"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_slot_loads_are_one_scatter_and_match_per_tensor_copies(dtype, packed_b, monkeypatch):
-    """On CUDA the default path, its staging cut in pieces: a pinned shard staged in non-blocking
-    copies (1,000 bytes each here, so every load takes several; one copy by default), then
+    """On CUDA the default path: a pinned shard staged in one non-blocking copy, then
     kernels.slot_scatter (Triton), once per load and once per clear; equal to per-tensor copies
-    (packed_b: B at each slot's rank)."""
+    (packed_b: B at each slot's rank, the CUDA default; rows: as where the slot rank is no multiple of 8)."""
     if not torch.cuda.is_available() or INTERPRET:
-        pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu_executor.sh on a CUDA host)")
+        pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu.sh OUT test on a CUDA host)")
     pytest.importorskip("triton", reason="needs CUDA + Triton: triton is not installed")
     from loraserve import kernels
 
-    monkeypatch.setattr(lora, "STAGE_CHUNK_BYTES", 1000)
     calls = []
     scatter = kernels.slot_scatter
     monkeypatch.setattr(kernels, "slot_scatter", lambda *args: calls.append(args[2]) or scatter(*args))
@@ -182,9 +185,9 @@ def test_resizing_the_slots_drops_the_cached_plans_that_hold_the_old_buffers():
     load_shard_into_slot(model, 1, _one_buffer(_shard(model, 4), False), scatter=copy_reference.slot_scatter)
     clear_slot(lora_modules(model).values(), 2, scatter=copy_reference.slot_scatter)
     old = weakref.ref(model["qkv"].lora_a)
-    assert lora._TARGETS.get(model) is not None
+    assert slot_load._TARGETS_ATTR in vars(model)
     resize_slots(model, lora_modules(model), 3)
-    assert lora._TARGETS.get(model) is None and old() is None  # freed at once
+    assert slot_load._TARGETS_ATTR not in vars(model) and old() is None  # freed at once
     load_shard_into_slot(model, 2, _one_buffer(_shard(model, 4), False), scatter=copy_reference.slot_scatter)
     assert model["qkv"].lora_a.shape[0] == 3 and model["qkv"].slot_ranks[2] == 4
 
@@ -234,14 +237,14 @@ def test_a_shards_signature_is_worked_out_once_and_its_layout_key_shared():
 
     model = _modules(torch.float32, "cpu")
     one, two = (ShardTensors(_one_buffer(_shard(model, 4, seed=s), False)) for s in (0, 1))
-    sig = lora.shard_signature(one)
-    assert one.signature is sig and lora.shard_signature(one) is sig
-    assert lora.shard_signature(two)[0] is sig[0]  # same layout: the same key object
+    sig = shard_signature(one)
+    assert one.signature is sig and shard_signature(one) is sig
+    assert shard_signature(two)[0] is sig[0]  # same layout: the same key object
     load_shard_into_slot(model, 1, one, scatter=copy_reference.slot_scatter)
     load_shard_into_slot(model, 2, two, scatter=copy_reference.slot_scatter)
-    assert len(lora._slot_targets(model).layouts) == 1
+    assert len(slot_load._slot_targets(model).layouts) == 1
     plain = _one_buffer(_shard(model, 4, seed=2), False)  # a plain dict: worked out on each load, nothing kept
-    assert lora.shard_signature(plain)[0] is sig[0] and not hasattr(plain, "signature")
+    assert shard_signature(plain)[0] is sig[0] and not hasattr(plain, "signature")
 
 
 def test_a_changed_or_copied_shard_does_not_keep_its_signature():
@@ -255,7 +258,7 @@ def test_a_changed_or_copied_shard_does_not_keep_its_signature():
 
     model, ref = _modules(torch.float32, "cpu"), _modules(torch.float32, "cpu")
     shard = ShardTensors(_one_buffer(_shard(model, 4, seed=0), False))
-    lora.shard_signature(shard)
+    shard_signature(shard)
     shard.pinned = True  # as the CPU cache marks a CUDA executor's shard
     for other in (copy.copy(shard), copy.deepcopy(shard), pickle.loads(pickle.dumps(shard))):
         assert type(other) is ShardTensors and other.keys() == shard.keys()
@@ -266,34 +269,28 @@ def test_a_changed_or_copied_shard_does_not_keep_its_signature():
     load_shard_into_slot(ref, 1, dict(deep))
     _assert_same(model, ref)
     changed = ShardTensors(_one_buffer(_shard(model, 4, seed=1), False))
-    lora.shard_signature(changed)
+    shard_signature(changed)
     changed.pinned = True
     changed["qkv.lora_a"] = changed["qkv.lora_a"].clone()
     assert not hasattr(changed, "signature") and not hasattr(changed, "pinned")
-    lora.shard_signature(deep)
+    shard_signature(deep)
     deep.pinned = True
-    assert not lora.queued_load(model, 1, deep)  # CPU slot buffers: the copy is host work
+    assert not slot_load.queued_load(model, 1, deep)  # CPU slot buffers: the copy is host work
     with pytest.raises(ValueError, match="not inside their host buffer"):
-        lora._staged(torch.empty(16, dtype=torch.uint8).untyped_storage(), 0, 16, torch.device("cpu"), torch.uint8)
+        slot_load._staged(torch.empty(16, dtype=torch.uint8).untyped_storage(), 0, 16, torch.device("cpu"), torch.uint8)
 
 
-def test_a_staged_shard_is_copied_in_pieces_and_arrives_whole(monkeypatch):
-    """lora._staged copies a shard's bytes to the device in STAGE_CHUNK_BYTES pieces where it is set
-    (a benchmark's setting: serve.py --stage-piece-mib): every byte of [lo, lo + nbytes) arrives,
-    the last piece short, none from outside it; 0 (the default) is one copy."""
-    monkeypatch.setattr(lora, "STAGE_CHUNK_BYTES", 7)
+def test_a_staged_shard_arrives_whole_in_one_copy(monkeypatch):
+    """slot_load._staged copies a shard's bytes to the device in one copy: every byte of
+    [lo, lo + nbytes) arrives, none from outside it, viewed as the shard's dtype."""
     host = torch.arange(64, dtype=torch.uint8)
     storage = host.untyped_storage()
-    pieces, copy = [], torch.Tensor.copy_
-    monkeypatch.setattr(torch.Tensor, "copy_", lambda dst, src, **kw: pieces.append(src.numel()) or copy(dst, src, **kw))
-    got = lora._staged(storage, storage.data_ptr() + 5, 30, torch.device("cpu"), torch.uint8)
-    assert got.tolist() == list(range(5, 35)) and pieces == [7, 7, 7, 7, 2]
-    halves = lora._staged(storage, storage.data_ptr() + 4, 32, torch.device("cpu"), torch.float16)
+    copies, copy = [], torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda dst, src, **kw: copies.append(src.numel()) or copy(dst, src, **kw))
+    got = slot_load._staged(storage, storage.data_ptr() + 5, 30, torch.device("cpu"), torch.uint8)
+    assert got.tolist() == list(range(5, 35)) and copies == [30]
+    halves = slot_load._staged(storage, storage.data_ptr() + 4, 32, torch.device("cpu"), torch.float16)
     assert halves.shape == (16,) and halves.view(torch.uint8).tolist() == list(range(4, 36))
-    monkeypatch.setattr(lora, "STAGE_CHUNK_BYTES", 0)  # 0: one copy (the probe's --stage-piece-mib 0)
-    pieces.clear()
-    whole = lora._staged(storage, storage.data_ptr() + 3, 40, torch.device("cpu"), torch.uint8)
-    assert whole.tolist() == list(range(3, 43)) and pieces == [40]
 
 
 @pytest.mark.parametrize("one_buffer", [True, False], ids=["scatter-plan", "per-tensor"])

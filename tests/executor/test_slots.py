@@ -10,7 +10,8 @@ import torch
 
 from loraserve.errors import StatusError, not_found, unavailable
 from loraserve.executor.config import ExecutorConfig
-from loraserve.executor.slots import SlotManager, SlotObserver
+from loraserve.executor.slot_reports import SlotObserver
+from loraserve.executor.slots import SlotManager
 
 NAMES = [f"adapter-{i}" for i in range(5)]
 
@@ -87,7 +88,7 @@ class Slots:
 
 def queued_by(copy, when=lambda tensors: True):
     """A queued_copy for `copy`: where when(tensors), the copy begun (nothing to begin here) as the
-    function that does it, as executor/lora.py `queued_load` returns one; else None."""
+    function that does it, as executor/slot_load.py `queued_load` returns one; else None."""
     return lambda slot, tensors: (lambda: copy(slot, tensors)) if when(tensors) else None
 
 
@@ -492,7 +493,7 @@ async def test_refresh_of_a_pinned_adapter_keeps_its_slot_under_slot_pressure(st
 async def test_refresh_of_a_pinned_adapter_with_the_store_down_keeps_the_old_version(store, slots):
     mgr = _manager(store, slots)
     slot = (await mgr.pin("adapter-0")).slot
-    mgr.cpu.drop(mgr._adapters["adapter-0"])  # only the slot holds it now
+    mgr.cpu.drop(mgr._adapters["adapter-0"].host)  # only the slot holds it now
     new = store.register_again("adapter-0")
     store.down = True
     assert await mgr.refresh("adapter-0", new)
@@ -712,7 +713,7 @@ async def test_an_adapter_waiting_for_a_slot_is_fetched_meanwhile(store, slots, 
 async def test_cpu_cache_is_bounded_in_bytes(store, slots):
     shard_bytes = 1 * 2 * 4 * 4  # Store's shards: one float32 tensor of [1, 2, 4]
     mgr = _manager(store, slots, max_cpu_adapters=None)
-    mgr.cpu_cache_bytes = 2 * shard_bytes
+    mgr.cpu.budget_bytes = 2 * shard_bytes
     for name in NAMES:
         mgr.release(await mgr.acquire(name))
     assert mgr.cpu_cache_state() == (2, 2 * shard_bytes)
@@ -722,7 +723,7 @@ async def test_cpu_cache_is_bounded_in_bytes(store, slots):
 async def test_cpu_cache_drops_copies_no_request_waits_on_first(store, slots, until):
     shard_bytes = 1 * 2 * 4 * 4
     mgr = _manager(store, slots, max_loras=1, max_cpu_adapters=None)
-    mgr.cpu_cache_bytes = 2 * shard_bytes
+    mgr.cpu.budget_bytes = 2 * shard_bytes
     running = await mgr.acquire("adapter-0")
     waiting = asyncio.create_task(mgr.acquire("adapter-1"))  # fetched, then waits for the slot
     await until(lambda: _cached(mgr, "adapter-1"), what="the waiting adapter's fetch")
@@ -806,67 +807,3 @@ async def test_a_fetched_shard_lands_with_its_signature_worked_out(store, slots)
     lease = await mgr.acquire("adapter-0")
     mgr.release(lease)
     assert seen and seen[0][0] is not None and seen[0][0][0].parts[0] == ("layer.lora_a",) and seen[0][1] is False
-
-
-async def test_a_cancelled_wait_for_the_copy_thread_ends_only_after_the_threads_call(store, slots):
-    """A thread's call cannot be stopped: a caller cancelled while waiting for a copy or clear there
-    (a shutdown), even twice, gets its cancellation only once the call has ended, so what it then
-    frees (a slot) is not being written any more."""
-    import threading
-
-    mgr = _manager(store, slots)
-    started, release, ended = threading.Event(), threading.Event(), []
-
-    def slow_clear():
-        started.set()
-        release.wait(10)
-        ended.append(True)
-
-    waiting = asyncio.ensure_future(mgr._on_copy_thread(slow_clear))
-    await asyncio.to_thread(started.wait, 10)
-    threading.Timer(0.3, release.set).start()
-    waiting.cancel()
-    await asyncio.sleep(0.05)
-    waiting.cancel()  # again (a shutdown after a client's cancel): still after the call only
-    with pytest.raises(asyncio.CancelledError):
-        await waiting
-    assert ended == [True]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the slot copy stream")
-def test_a_loop_queued_copy_runs_on_the_copy_stream_and_puts_back_every_devices_stream_and_the_device():
-    """A copy queued from the loop is begun (`queued_copy`: its staging copy queued) and finished on
-    the copy stream; after it the loop thread's current device and each device's current stream are
-    as they were: with slots on the last GPU while device 0 is current (a multi-GPU host), and on the
-    current device itself. A copy that is not queued leaves them too, and runs on the copy thread."""
-    seen = []
-
-    def queued(slot, tensors):
-        seen.append(("begun", torch.cuda.current_device(), torch.cuda.current_stream()))
-        if tensors.get("host work"):
-            return None
-
-        def finish():
-            seen.append(("finished", torch.cuda.current_device(), torch.cuda.current_stream()))
-            return 8
-        return finish
-
-    def copy(slot, tensors):
-        seen.append(("thread", torch.cuda.current_device(), torch.cuda.current_stream()))
-        return 4
-
-    for index in sorted({0, torch.cuda.device_count() - 1}):
-        torch.cuda.set_device(0)
-        slots = SlotManager(Store().fetch, copy, lambda slot: None, max_loras=1, device=torch.device("cuda", index),
-                            queued_copy=queued)
-        before = [torch.cuda.current_stream(d) for d in range(torch.cuda.device_count())]
-        for tensors, rank, steps in (({}, 8, ("begun", "finished")), ({"host work": True}, 4, ("begun", "thread"))):
-            seen.clear()
-            event = asyncio.run(slots._copy_in(0, tensors))
-            assert seen == [(step, index, slots.copy_stream) for step in steps]
-            assert torch.cuda.current_device() == 0
-            assert [torch.cuda.current_stream(d) for d in range(torch.cuda.device_count())] == before
-            assert slots.slot_ranks[0] == rank and event is not None
-            event.synchronize()
-        slots.close()

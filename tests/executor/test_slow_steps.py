@@ -1,4 +1,4 @@
-"""Steps far slower than their kind's recent ones (executor/engine/slow_steps.py): flagged only past
+"""Steps far slower than their kind's recent ones (executor/diagnostics/slow_steps.py): flagged only past
 the warm-up count, over FACTOR x the median of their kind and size and over MIN_SECONDS, each kind and
 size on its own, a stall once however many steps were in flight behind it; logged with the step's
 parts, counted, exported to /metrics; every step the engine collects goes through it."""
@@ -9,11 +9,11 @@ import logging
 
 import pytest
 
-from loraserve.executor.engine import slow_steps
-from loraserve.executor.engine.engine import STEP_KINDS, StepTime
+from loraserve.executor.diagnostics import slow_steps
+from loraserve.executor.engine.step_stats import STEP_KINDS, StepTime
 from loraserve.metrics import _ExecutorState
 
-LOGGER = "loraserve.executor.engine.slow_steps"
+LOGGER = "loraserve.executor.diagnostics.slow_steps"
 
 
 def step(kind: str, seconds: float, at: float, device: float | None = None, tokens: int = 8,

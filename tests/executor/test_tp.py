@@ -25,8 +25,8 @@ from loraserve.defaults import smollm2_gguf_path
 
 from loraserve.v1 import executor_pb2 as epb
 
-from .conftest import (LORASERVE, Cluster, ParallelExecutorProcess, check_against_reference, check_bf16_rows,
-                       check_groups_against_references, generate, need_cuda_devices, prompt_ids, run_group)
+from .conftest import (LORASERVE, Cluster, ParallelExecutorProcess, check_against_reference, check_bf16_rows, generate,
+                       need_cuda_devices, prompt_ids, run_group)
 
 # (family, tp_size, fully sharded LoRA, config overrides): Llama with biases on o_proj and down_proj
 # (added once, after the reduce), Qwen2 with q/k/v biases and tied embeddings (vocab-parallel both
@@ -129,23 +129,6 @@ def test_mixed_batches_match_transformers_peft_and_tp1(cluster, references, base
                 assert list(resp.token_ids) == outputs[(name, tuple(ids))], name
     finally:
         one.close()
-
-
-def test_packed_b_slots_serve_mixed_batches_like_peft_under_tp(case, module_loop_thread, base, adapter_dirs,
-                                                              references, tmp_path):
-    """ExecutorConfig.packed_lora_b (each dense layer's B packed at its slot's rank): every rank
-    writes its slots so and its column and row layers read them so; rows match PEFT as above."""
-    _, tp, sharded, _ = case
-    if sharded or tp != 2:
-        pytest.skip("packed B slots: checked on the tp 2 cases (a fully sharded layer keeps [N, R] rows)")
-    c = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store", ADAPTERS, tp_size=tp,
-                lora_embeddings=True, cpu_threads=1, tp_timeout_s=60.0, packed_lora_b=True)
-    try:
-        assert any(getattr(m, "packed_b", False) for m in c.parts.engine.model.modules())
-        check_groups_against_references(c.client(), GROUPS, references)
-    finally:
-        c.close()
-    assert [p.exitcode for p in c.parts.ranks._procs] == [0] * (tp - 1)
 
 
 @pytest.mark.gpu

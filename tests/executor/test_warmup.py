@@ -11,8 +11,11 @@ from loraserve import kernels
 from loraserve.executor.engine.kv_cache import KVCache
 from loraserve.executor.engine.step import StepInputs, forward_step
 from loraserve.executor.engine.warmup import token_ladder, warm_up, warm_up_steps
-from loraserve.executor.lora import LoraSpec, lora_modules
+from loraserve.executor.lora import lora_modules
 from loraserve.executor.model.loader import load_model
+from loraserve.executor.slot_layout import LoraSpec
+
+from .conftest import b_packed
 
 
 def test_the_ladder_has_two_token_counts_per_octave_the_tuned_ones_and_the_largest():
@@ -98,11 +101,12 @@ def test_the_warm_up_runs_every_lora_module_s_kernels_though_no_slot_holds_an_ad
 
 
 def test_the_warm_up_reads_packed_b_slots_at_the_slot_rank(hf_model, monkeypatch):
-    """With LoraSpec.packed_b the expand reads each slot at the rank the step gives it: the warm-up's
+    """With B packed (CUDA's layout) the expand reads each slot at the rank the step gives it: the warm-up's
     steps give every slot the slot rank (packed_rank), so the packed expand runs (and on CUDA is
     built) before serving; without the ranks it would have none to read at."""
     _, path = hf_model("llama")
-    model = load_model(path, lora=LoraSpec(max_loras=2, max_rank=16, dtype=torch.float32, packed_b=True))
+    with b_packed():
+        model = load_model(path, lora=LoraSpec(max_loras=2, max_rank=16, dtype=torch.float32))
     cfg = model.cfg
     kv = KVCache(cfg.num_layers, 24, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     packed = []

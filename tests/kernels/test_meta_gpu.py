@@ -15,18 +15,14 @@ from .gpu_skip import DEV, INTERPRET, skip_unless_cuda_and_triton
 
 skip_unless_cuda_and_triton(interpreter=INTERPRET)
 
-from loraserve.kernels import make_lora_meta, meta as meta_mod, triton_meta  # noqa: E402
+from loraserve.kernels import make_lora_meta, triton_meta  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
 def _torch_grouping(slots, max_loras, ranks, block_m):
-    meta_mod_fused = meta_mod.FUSED
-    meta_mod.FUSED = False
-    try:
-        meta = make_lora_meta(slots, max_loras, slot_ranks=ranks)
-    finally:
-        meta_mod.FUSED = meta_mod_fused
+    """make_lora_meta's torch ops: without block_m it builds no block list in the one program."""
+    meta = make_lora_meta(slots, max_loras, slot_ranks=ranks)
     return meta, meta.block_list(block_m)
 
 

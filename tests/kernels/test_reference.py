@@ -259,7 +259,7 @@ def test_shrink_workspace_hands_out_zeroed_views_in_call_order_until_full():
 
 
 def test_a_packed_b_unpacks_at_each_slot_s_rank_and_whole_where_the_rank_is_not_known():
-    """reference.unpacked (a packed B on the reference path, LoraSpec.packed_b): slot rank 4 reads the
+    """reference.unpacked (a packed B on the reference path, a CUDA executor's layout): slot rank 4 reads the
     slot's first N x 8 elements as rows, FULL_RANK (a slot whose rank is not known, e.g. never
     loaded) the whole slot as [N, R], rank 0 nothing; never past the slot."""
     lora_b = torch.randn(3, 5, 16)

@@ -3,7 +3,7 @@
 Runs on a CUDA GPU (skips elsewhere). With TRITON_INTERPRET=1 and no GPU it runs the same
 kernels on CPU tensors through Triton's interpreter (slow: small shapes only there), so the
 split paths can be checked without a GPU; graph capture is skipped in that mode.
-Run: pytest -m gpu tests/kernels/test_split_k_gpu.py -s  (benchmarks/gpu_kernels.sh does).
+Run: pytest -m gpu tests/kernels/test_split_k_gpu.py -s  (benchmarks/gpu.sh OUT test does).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ With TRITON_INTERPRET=1 and no GPU the same kernels run on CPU tensors through T
 interpreter, with the H100's table: fp16 only (NumPy has no bfloat16) and shapes scaled down (it
 runs one program at a time), prefill token counts included; the benchmark grid, graph capture and
 the CUDA-only checks skip there. `make test` runs that mode.
-Run: pytest -m gpu tests/kernels/test_triton_gpu.py -s  (benchmarks/gpu_kernels.sh does).
+Run: pytest -m gpu tests/kernels/test_triton_gpu.py -s  (benchmarks/gpu.sh OUT test does).
 """
 
 from __future__ import annotations

@@ -3,14 +3,13 @@
 A full collection (generation 2) walks every container object the process holds, and holds the
 GIL while it does: the engine's event loop launches and collects no step meanwhile. With torch,
 the model code and the tokenizer imported, a process holds ~400,000 such objects, and a full walk
-takes a few hundred ms (160 ms on a 2-core host; the serve benchmark logged steps of 332 and
-408 ms on a CUDA host with no build, no pinning and 7-11 ms of device time, and none once frozen).
-Almost all of those objects live as long as the process, so when the first engine of the process
-starts serving (after imports, model, warm-up, graphs) they are moved out of the collector's reach
+takes 0.1-0.4 s, for which a step of a few ms is held. Almost all of those objects live as long as
+the process, so when the first engine of the process starts serving (after imports, model,
+warm-up, graphs) they are moved out of the collector's reach
 (`engine_started`: gc.collect, then gc.freeze); later collections walk only what was made while
 serving. When the last running engine stops they are put back (`engine_stopped`), so a dropped
-engine's reference cycles are freed by the next collection. Reference counting frees every object
-as before; only cycles that pass through frozen objects wait until then. Tensor- and
+engine's reference cycles are freed by the next collection. Reference counting still frees every
+object; only cycles that pass through frozen objects wait until then. Tensor- and
 expert-parallel worker ranks (executor/ranks.py) freeze once their shard of the model is loaded
 and serve until their process exits (a full collection on one rank holds every rank's collective);
 their state reply names the frozen count and the collector's time.

@@ -1,7 +1,7 @@
 """Triton kernel builds while serving: counted, timed and logged.
 
 Triton builds a kernel the first time a launch meets a new set of compile-time values (block
-sizes, token-count-dependent flags, dtypes). The warm-up (warmup.py) builds the ones a serving
+sizes, token-count-dependent flags, dtypes). The warm-up (engine/warmup.py) builds the ones a serving
 process is expected to meet; a build after it holds its whole step (0.1-1 s; milliseconds when
 Triton's disk cache has it). So once the engine is ready, every build is logged with its kernel
 and time and counted (`/metrics`: loraserve_executor_kernel_builds_total and

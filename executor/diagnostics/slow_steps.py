@@ -30,7 +30,7 @@ RULE = f"over {FACTOR:g}x the recent median of their kind and size, and over {MI
 
 
 class SlowSteps:
-    """The steps (engine.StepTime) compared with the recent median of their kind and size."""
+    """The steps (engine/step_stats.py, StepTime) compared with the recent median of their kind and size."""
 
     def __init__(self, kinds=()) -> None:
         self.counts: Counter[str] = Counter({k: 0 for k in kinds})  # slow steps by kind, since start (every kind listed)

@@ -1,0 +1,167 @@
+"""Wiring a loaded model into a serving executor: its KV cache, the memory its adapters get, the host
+arena, the store client, the slot manager and the engine (`build_engine`). The one assembly the
+service (executor/service.py `build_executor`, which loads the model and spawns any ranks) and the
+benchmarks (random-weight models, in-process fetches) share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from loraserve.metrics import ExecutorMetrics, MetricsServer
+
+from . import memory
+from .config import ExecutorConfig
+from .cpu_cache import FetchShard
+from .engine.engine import Engine
+from .engine.kv_cache import KVCache
+from .engine.requests import GenerationRequest
+from .layout import declare_layout
+from .lora import lora_modules
+from .pinned_arena import PinnedArena, stream_fence
+from .ranks import TPRanks
+from .slot_copies import CopyIntoSlot, QueuedCopy
+from .slot_load import clear_slot, load_shard_into_slot, queued_load
+from .slot_reports import SlotObserver
+from .slots import SlotManager
+from .store_client import StoreClient
+
+if TYPE_CHECKING:
+    from .http import HttpFront  # the OpenAI front (fastapi) is imported only where it is served
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExecutorParts:
+    engine: Engine
+    slots: SlotManager
+    store: StoreClient
+    config: ExecutorConfig
+    refresher: asyncio.Task | None = None  # executor/refresh.py's loop, started by serve()
+    store_watch: asyncio.Task | None = None  # StoreClient.watch, started by serve()
+    http: HttpFront | None = None  # the OpenAI-compatible front, started by serve() when config.http_listen
+    metrics: ExecutorMetrics | None = None
+    metrics_server: MetricsServer | None = None  # /metrics, started by serve() when config.metrics_listen
+    ranks: TPRanks | None = None  # tensor- or expert-parallel ranks 1..N-1 (config.world_size > 1)
+    arena: PinnedArena | None = None  # where the store client lands fetched shards (`pinned_arena`)
+
+    def generate(self, req: GenerationRequest):
+        """Engine.generate, counted in the metrics (off the step loop: in the caller's task)."""
+        outputs = self.engine.generate(req)
+        return self.metrics.track(outputs, req.adapter) if self.metrics is not None else outputs
+
+
+def slot_writers(model) -> tuple[CopyIntoSlot, QueuedCopy, Callable[[int], None]]:
+    """How shards reach `model`'s LoRA slots (executor/slot_load.py), as the slot manager takes them:
+    (copy_into_slot, queued_copy, clear_slot)."""
+    modules = lora_modules(model)
+    return (lambda slot, tensors: load_shard_into_slot(model, slot, tensors),
+            lambda slot, tensors: queued_load(model, slot, tensors),
+            lambda slot: clear_slot(modules.values(), slot))
+
+
+def build_engine(cfg: ExecutorConfig, model, tokenizer, *, ranks: TPRanks | None = None,
+                 fetch: FetchShard | None = None, observer: SlotObserver | None = None,
+                 writers: tuple[CopyIntoSlot, QueuedCopy, Callable[[int], None]] | None = None,
+                 trace: Callable[[str], None] | None = None) -> ExecutorParts:
+    """The executor around `model` (its LoRA slot buffers built; with max_loras 0, one slot until the
+    KV cache is in place): KV cache, max_loras and CPU cache bytes resolved (`resolve_adapter_memory`),
+    host arena, store client, slot manager, engine. fetch: the slot manager's fetch function
+    (default: the store client's; under `ranks`, every rank's shard of each version). observer: told
+    of slot events (default: the executor's metrics, which then also count requests in
+    ExecutorParts.generate). writers: `slot_writers(model)` or wrappers of them. trace: SlotManager's."""
+    mc = model.cfg
+    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads, mc.head_dim, cfg.torch_dtype,
+                 cfg.device)
+    modules = lora_modules(model)
+    resolve_adapter_memory(cfg, model, modules)
+    arena = pinned_arena(cfg, memory.lora_bytes_per_slot(modules))
+    store = StoreClient(cfg.store_address, declare_layout(mc, model.lora_spec, cfg.base_model, cfg.tp_size, cfg.ep_size),
+                        timeout_s=cfg.store_timeout_s, tls=cfg.store_tls, pin_memory=cfg.torch_device.type == "cuda",
+                        arena=arena)
+    metrics = ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters) if observer is None else None
+    fetch = fetch or store.fetch_shard
+    copy_into_slot, queued_copy, clear = writers or slot_writers(model)
+    slots = SlotManager(
+        fetch if ranks is None else ranks.fetching(fetch), copy_into_slot, clear,
+        max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters or None, cpu_cache_bytes=cfg.cpu_cache_bytes,
+        device=cfg.torch_device, slot_wait_timeout_s=cfg.slot_wait_timeout_s,
+        max_concurrent_loads=cfg.max_concurrent_loads, observer=metrics or observer, queued_copy=queued_copy,
+        trace=trace,
+    )
+    if arena is not None and slots.copy_stream is not None:  # a released block is reused once earlier slot copies ran
+        arena.fence = stream_fence(slots.copy_stream)
+    if ranks is not None:
+        ranks.wait_ready()  # before the engine's warm-up steps reach them
+    engine = Engine(model, tokenizer, kv, slots, cfg, ranks)
+    if metrics is not None:
+        metrics.attach(engine, slots, cfg.max_loras)
+    return ExecutorParts(engine, slots, store, cfg, metrics=metrics, ranks=ranks, arena=arena)
+
+
+def resolve_adapter_memory(cfg: ExecutorConfig, model, modules) -> None:
+    """Fills in max_loras and cpu_cache_bytes left at 0 (automatic), from the memory free now: the
+    model is loaded with one slot per module and, on CUDA, re-created with as many as fit."""
+    if cfg.cpu_cache_bytes == 0:
+        cfg.cpu_cache_bytes = memory.default_cpu_cache_bytes(memory.available_host_bytes())
+    if cfg.max_loras == 0:
+        if cfg.torch_device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(cfg.torch_device)
+            cfg.max_loras = memory.default_max_loras(free, memory.lora_bytes_per_slot(modules))
+        else:
+            cfg.max_loras = memory.CPU_MAX_LORAS
+        memory.resize_slots(model, modules, cfg.max_loras)
+    log.info("adapters: %d GPU slots, CPU cache of %.1f GiB%s", cfg.max_loras, cfg.cpu_cache_bytes / 2**30,
+             f" or {cfg.max_cpu_adapters} adapters" if cfg.max_cpu_adapters else "")
+
+
+def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | None:
+    """The arena rank 0's fetched shards land in (executor/pinned_arena.py), sized for the CPU
+    cache's budget (cfg.cpu_cache_bytes, resolved; under max_cpu_adapters no more than that many
+    adapters of adapter_bytes, a slot's bytes, plus the fetches in flight), at most a share of the
+    host memory available now (executor/memory.py). None, with a warning, where no memory is left or
+    the host refuses the memory: shards then land in fresh buffers.
+
+    On CUDA page-locked now (pages touched first), and the CPU cache held to its share of it, so a
+    cold fetch never page-locks while steps run (that holds the CUDA driver: every step waits). On
+    the CPU never page-locked and not touched now: the first shards that land fault its pages in and
+    later ones reuse them instead of faulting in a fresh buffer's; the CPU cache is not held to it
+    (a full arena only means fresh buffers)."""
+    cuda = cfg.torch_device.type == "cuda"
+    kind = "pinned" if cuda else "host"
+    cache = cfg.cpu_cache_bytes
+    if cfg.max_cpu_adapters and adapter_bytes:  # the cache never holds more than that many adapters
+        cache = min(cache, (cfg.max_cpu_adapters + cfg.max_concurrent_loads) * adapter_bytes)
+    size = memory.arena_bytes(cache, memory.available_host_bytes())
+    if size == 0:
+        log.warning("no host memory left for a %s arena: fetched shards land in fresh %s buffers", kind, kind)
+        return None
+    if cuda:
+        log.info("pinned arena: page-locking %.1f GiB of host memory", size / 2**30)
+    try:
+        arena = PinnedArena(size, pin_memory=cuda, prefault=cuda)
+    except (RuntimeError, OSError) as exc:  # page-locking refused, or the mapping itself
+        if cuda:
+            log.warning("pinned arena off: %s; fetched shards land in fresh pinned buffers (each pin stalls the steps)", exc)
+        else:  # strict overcommit, an address-space limit
+            log.warning("host arena off: mapping %.1f GiB failed (%s); fetched shards land in fresh host buffers",
+                        size / 2**30, exc)
+        return None
+    if not cuda:
+        log.info("host arena: %.1f GiB of address space (on %s: not page-locked, pages touched as fetched shards "
+                 "land in them and kept for the next ones)", arena.nbytes / 2**30, cfg.device)
+        return arena
+    log.info("pinned arena: %.1f GiB page-locked in %.1fs (pages touched in %.1fs)", arena.nbytes / 2**30,
+             arena.pin_seconds, arena.fault_seconds)
+    if arena.cache_budget(cfg.cpu_cache_bytes) < cfg.cpu_cache_bytes:
+        log.warning("CPU cache held to 7/8 of the arena: %.1f GiB (asked: %.1f GiB)",
+                    arena.cache_budget(cfg.cpu_cache_bytes) / 2**30, cfg.cpu_cache_bytes / 2**30)
+        cfg.cpu_cache_bytes = arena.cache_budget(cfg.cpu_cache_bytes)
+    return arena

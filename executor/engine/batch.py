@@ -1,0 +1,82 @@
+"""A planned step flattened into the host-side lists its launch takes (Batch), and which of
+STEP_KINDS it runs as (step_kind)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..slots import SlotLease, SlotManager
+from .scheduler import SchedulePlan
+
+PENDING = -1  # a token id the previous step is still sampling (on the device)
+
+
+@dataclass
+class Batch:
+    """One step's host-side inputs, copied out of the scheduler's state (the launch may run in a
+    worker thread). Has StepInputs' fields (step.py), so eager steps pass it to `forward_step`."""
+
+    input_ids: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    token_slots: list[int]
+    sample_rows: list[int]  # index of the last token of each sequence that samples
+    sample_slots: list[int]
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    generators: list[torch.Generator | None]
+    leases: list[SlotLease]  # those whose slot copy the step waits for
+    sources: list[int]  # per token: -1, or the previous step's sample row its id comes from (PENDING)
+    slot_adapters: dict[int, tuple[str, str]] = field(default_factory=dict)  # TP only: slot -> (adapter, digest)
+    slot_ranks: list[int] | None = None  # each slot's adapter rank (SlotManager.slot_ranks), None: no LoRA in the step
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+def flatten(plan: SchedulePlan, runs: dict, prev_rows: dict, slots: SlotManager, tensor_parallel: bool) -> Batch:
+    """plan's sequences as one Batch. runs: seq_id -> delivery.Run of each sequence; prev_rows: the
+    previous step's sample row of each sequence, where a placeholder (PENDING, only ever a
+    sequence's last token) takes its id from; tensor_parallel: also name each slot's adapter
+    (the other ranks load what rank 0 has in each slot of the step)."""
+    b = Batch([], [], [], [], [], [], [], [], [], [], [], [], [])
+    for s in plan.seqs:
+        seq = s.seq
+        ids = s.query_token_ids
+        b.input_ids += ids
+        b.sources += [-1] * (len(ids) - 1) + [prev_rows[seq] if ids[-1] == PENDING else -1]
+        b.query_lens.append(s.num_tokens)
+        b.context_lens.append(s.context_len)
+        b.block_tables.append(list(seq.block_table))
+        b.token_slots += [seq.slot] * s.num_tokens
+        run = runs[seq.seq_id]
+        if run.lease is not None and run.lease.ready is not None:
+            b.leases.append(run.lease)
+        if s.needs_sample:
+            b.sample_rows.append(len(b.input_ids) - 1)
+            b.sample_slots.append(seq.slot)
+            b.temperature.append(run.params.temperature)
+            b.top_k.append(run.params.top_k)
+            b.top_p.append(run.params.top_p)
+            b.generators.append(run.generator)
+    if max(b.token_slots, default=-1) >= 0:  # the kernels read each slot up to its adapter's rank
+        b.slot_ranks = list(slots.slot_ranks)
+    if tensor_parallel:
+        b.slot_adapters = {slot: slots.slot_version(slot) for slot in set(b.token_slots) if slot >= 0}
+    return b
+
+
+def step_kind(b: Batch, graphs, mixed_graphs) -> str:
+    """Which of STEP_KINDS (step_stats.py) the batch runs as: a decode batch up to the largest
+    decode graph replays it (`graphs`: DecodeGraphs or None); a step with a prefill chunk replays a
+    mixed graph (`mixed_graphs`: MixedGraphs or None) when one fits its tokens and sequences and no
+    token is a placeholder; everything else runs eagerly."""
+    if b.is_decode:
+        return "decode-graph" if graphs is not None and len(b.query_lens) <= graphs.max_batch else "decode"
+    graphed = mixed_graphs is not None and mixed_graphs.fits(len(b.input_ids), len(b.query_lens))
+    return "mixed-graph" if graphed and max(b.sources, default=-1) < 0 else "mixed"
