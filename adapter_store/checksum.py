@@ -60,8 +60,7 @@ class ShardReader:
     anything with readinto and close). `readinto` runs in a worker thread (file reads, Redis replies
     and the hashes release the GIL), `finish` once the last chunk is read."""
 
-    def __init__(self, f, size: int, checksums: Checksums, tier: str, verify: bool,
-                 on_checked: Callable[[bool], None]):
+    def __init__(self, f, size: int, checksums: Checksums, tier: str, verify: bool, on_checked: Callable[[bool], None]):
         self.size, self.checksums, self.tier = size, checksums, tier  # checksums: as stored with the blob
         self.verify = verify  # hash the bytes as they are read (xxh3-128 when stored, else sha256), compare at `finish`
         self._f, self._left, self._on_checked = f, size, on_checked

@@ -105,8 +105,9 @@ class DiskCache:
             return None
         sums = head and checked(head[1], blob)
         if not sums:
-            log.warning("disk cache: shard %s in %s failed its %s check; deleting it", key, path,
-                        head[1].kind if head else "checksum")
+            log.warning(
+                "disk cache: shard %s in %s failed its %s check; deleting it", key, path, head[1].kind if head else "checksum"
+            )
             with self._lock:
                 if _inode(path) == inode:  # not already replaced by a fresh put
                     self._remove(key)
@@ -153,8 +154,14 @@ class DiskCache:
                     if trusted:
                         self._checked[key] = _file_id(st)
         opened = _file_id(st)
-        return ShardReader(f, size, sums, self.name, verify=not trusted,
-                           on_checked=lambda ok: self._after_check(key, path, opened, ok, sums.kind))
+        return ShardReader(
+            f,
+            size,
+            sums,
+            self.name,
+            verify=not trusted,
+            on_checked=lambda ok: self._after_check(key, path, opened, ok, sums.kind),
+        )
 
     def _after_check(self, key: str, path: Path, opened: tuple[int, int, int], ok: bool, kind: str) -> None:
         """opened: the _file_id of the file the reader read."""
@@ -216,8 +223,7 @@ class DiskCache:
             oldest = next(iter(self._index))
             if oldest == keep:
                 return
-            log.info("disk cache: evicting %s (%d bytes) to stay under %d bytes",
-                     oldest, self._index[oldest], self.budget_bytes)
+            log.info("disk cache: evicting %s (%d bytes) to stay under %d bytes", oldest, self._index[oldest], self.budget_bytes)
             self._remove(oldest)
 
     def _remove(self, key: str) -> None:

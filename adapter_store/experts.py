@@ -86,7 +86,7 @@ def _assign_wrappers(experts: str, wrappers: dict, settings):
     if len(depths) != len(targeted) or depths != list(range(len(depths) - 1, -1, -1)):
         names = sorted(n for parts in wrappers.values() for n, _ in parts.values())
         raise invalid(
-            f"tensor {names[0]!r}: {len(depths)} LoRA wrappers on {experts[len(PREFIX):]!r} do not match "
+            f"tensor {names[0]!r}: {len(depths)} LoRA wrappers on {experts[len(PREFIX) :]!r} do not match "
             f"target_parameters {list(settings.target_parameters)} (expected one per targeted expert parameter "
             f"of {list(FUSED_PARAMS)})"
         )
@@ -105,9 +105,7 @@ def _split_fused(experts, param, parts, settings, spec, out, sources) -> None:
     if a.dim() != 2 or b.dim() != 2:
         raise invalid(f"tensor {a_name!r}: fused expert LoRA must be 2-D, got {list(a.shape)} and {list(b.shape)}")
     if a.shape[0] % r or b.shape[1] != a.shape[0]:
-        raise invalid(
-            f"tensor {a_name!r}: {a.shape[0]} rows and {b_name!r}: {b.shape[1]} columns are not num_experts x r={r}"
-        )
+        raise invalid(f"tensor {a_name!r}: {a.shape[0]} rows and {b_name!r}: {b.shape[1]} columns are not num_experts x r={r}")
     num_experts = a.shape[0] // r
     if spec is not None and num_experts != spec.num_experts:
         raise invalid(

@@ -156,7 +156,5 @@ def slice_module(
     for n in m.output_sizes:
         offsets.append(offsets[-1] + n)
     keep = output_ranges(m, tp, rank.tp_rank, layout.fully_sharded)
-    b = torch.cat(
-        [b[..., offsets[s] + k.start : offsets[s] + k.stop, :] for s, k in enumerate(keep)], dim=-2
-    )
+    b = torch.cat([b[..., offsets[s] + k.start : offsets[s] + k.stop, :] for s, k in enumerate(keep)], dim=-2)
     return a.contiguous(), b.contiguous()

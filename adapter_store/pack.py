@@ -20,7 +20,7 @@ from loraserve.v1 import common_pb2 as pb
 
 from . import experts, validate
 from .base_model import BaseModelSpec
-from .layout import DTYPES, K, MOE, check_layout, layout_hash, slice_module
+from .layout import DTYPES, MOE, K, check_layout, layout_hash, slice_module
 
 FORMAT = "loraserve.shard.v1"
 
@@ -96,7 +96,9 @@ def _pack_embedding(m, adapter, r_pack, dtype) -> tuple[torch.Tensor, torch.Tens
     name = m.peft_modules[0]
     la, lb = adapter.modules[name]
     if la.shape[1] != m.input_size or lb.shape[0] != m.output_sizes[0]:
-        raise precondition(f"module {name!r}: embedding shapes {list(la.shape)}/{list(lb.shape)} do not fit layout module {m.name!r}")
+        raise precondition(
+            f"module {name!r}: embedding shapes {list(la.shape)}/{list(lb.shape)} do not fit layout module {m.name!r}"
+        )
     r = la.shape[0]
     a = torch.zeros(m.input_size, r_pack, dtype=torch.float32)
     b = torch.zeros(m.output_sizes[0], r_pack, dtype=torch.float32)
@@ -144,9 +146,7 @@ def pack_full(adapter: PeftAdapter, layout: pb.Layout) -> dict[str, tuple[torch.
     return packed
 
 
-def shard(
-    full: dict[str, tuple[torch.Tensor, torch.Tensor]], layout: pb.Layout, rank: pb.ShardRank
-) -> dict[str, torch.Tensor]:
+def shard(full: dict[str, tuple[torch.Tensor, torch.Tensor]], layout: pb.Layout, rank: pb.ShardRank) -> dict[str, torch.Tensor]:
     """One rank's tensors, named "<module>.lora_a" / "<module>.lora_b"."""
     tp, ep = layout.tp_size or 1, layout.ep_size or 1
     if rank.tp_rank >= tp or rank.ep_rank >= ep:

@@ -34,8 +34,9 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-async def read_ahead(reader, read: Callable[[object], bytes], failed: Callable[[], BaseException],
-                     depth: int = DEPTH) -> AsyncIterator[bytes]:
+async def read_ahead(
+    reader, read: Callable[[object], bytes], failed: Callable[[], BaseException], depth: int = DEPTH
+) -> AsyncIterator[bytes]:
     """read(reader) -> the next message (b"" at the end), called in a thread of its own up to
     `depth` messages ahead of what is taken; yields them in order. After the last read the thread
     runs reader.finish() (the copy's check): False raises failed() in the stream. Once the stream
@@ -74,7 +75,7 @@ async def read_ahead(reader, read: Callable[[object], bytes], failed: Callable[[
                     put(("end", reader.finish()))
                     return
                 put(("data", message))
-        except BaseException as exc:  # noqa: BLE001 - raised on the loop, in the stream
+        except BaseException as exc:
             put(("error", exc))
         finally:
             try:

@@ -30,8 +30,7 @@ class RedisCache:
 
     name = "redis"
 
-    def __init__(self, url: str, prefix: str, budget_bytes: int, chunk_bytes: int = 4 * 2**20,
-                 socket_timeout_s: float = 2.0):
+    def __init__(self, url: str, prefix: str, budget_bytes: int, chunk_bytes: int = 4 * 2**20, socket_timeout_s: float = 2.0):
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -44,7 +43,9 @@ class RedisCache:
         # One quick retry (a pooled connection gone stale after a Redis restart), no backoff:
         # a down Redis must fail fast so the tiering can serve from disk.
         self._redis = redis.Redis.from_url(
-            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
             retry=Retry(NoBackoff(), retries=1),
         )
 
@@ -73,8 +74,14 @@ class RedisCache:
             return None
         chunks = _RedisChunks(self, key, int(meta[b"n_chunks"]))
         sums = _meta_sums(meta)
-        return ShardReader(chunks, int(meta[b"size"]), sums, self.name, verify=True,
-                           on_checked=lambda ok: ok or self._drop_corrupt(key, sums.sha256, sums.kind))
+        return ShardReader(
+            chunks,
+            int(meta[b"size"]),
+            sums,
+            self.name,
+            verify=True,
+            on_checked=lambda ok: ok or self._drop_corrupt(key, sums.sha256, sums.kind),
+        )
 
     def _drop_corrupt(self, key: str, sha: str, kind: str) -> None:
         """Deletes the copy that failed its check, unless another store replaced it meanwhile (its
@@ -86,8 +93,9 @@ class RedisCache:
             log.warning("redis cache: could not delete shard %s: %s", key, exc)
             return
         if removed:
-            log.warning("redis cache: shard %s (%s at %s) failed its %s check; deleting it",
-                        key, self._meta_key(key), self.url, kind)
+            log.warning(
+                "redis cache: shard %s (%s at %s) failed its %s check; deleting it", key, self._meta_key(key), self.url, kind
+            )
         else:
             log.info("redis cache: shard %s was replaced while it was read; the new copy stays", key)
 
@@ -219,11 +227,13 @@ class _RedisChunks:
             with self._cache._errors():
                 chunk = self._cache._redis.get(f"{self._cache._meta_key(self._key)}:c{i}")
         except CacheUnavailable as exc:
-            raise StatusError(grpc.StatusCode.DATA_LOSS, f"{where}: redis failed mid-stream ({exc.__cause__}): "
-                              f"fetch it again") from None
+            raise StatusError(
+                grpc.StatusCode.DATA_LOSS, f"{where}: redis failed mid-stream ({exc.__cause__}): fetch it again"
+            ) from None
         if chunk is None:
-            raise StatusError(grpc.StatusCode.DATA_LOSS, f"{where}: chunk {i} is gone (evicted or replaced "
-                              f"meanwhile): fetch it again")
+            raise StatusError(
+                grpc.StatusCode.DATA_LOSS, f"{where}: chunk {i} is gone (evicted or replaced meanwhile): fetch it again"
+            )
         return chunk
 
     def close(self) -> None:

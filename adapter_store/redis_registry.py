@@ -45,8 +45,7 @@ class _NeedUpload(Exception):
 
 
 class RedisRegistry:
-    def __init__(self, url: str, prefix: str, staging_dir: Path, socket_timeout_s: float = 5.0,
-                 chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, url: str, prefix: str, staging_dir: Path, socket_timeout_s: float = 5.0, chunk_bytes: int = CHUNK_BYTES):
         import redis
 
         self.url = redact_url(url)
@@ -93,7 +92,10 @@ class RedisRegistry:
         with self._errors():
             meta = self._redis.get(self._files_key(digest))
             if meta is None:
-                raise StatusError(grpc.StatusCode.DATA_LOSS, f"the files of digest {digest[:12]} are not in redis at {self.url}: register the adapter again")
+                raise StatusError(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"the files of digest {digest[:12]} are not in redis at {self.url}: register the adapter again",
+                )
             meta = json.loads(meta)
             pipe = self._redis.pipeline(transaction=False)
             for fname, (_, n_chunks) in meta["files"].items():
@@ -106,7 +108,10 @@ class RedisRegistry:
             for fname, (size, n_chunks) in meta["files"].items():
                 data = b"".join(c or b"" for c in (next(chunks) for _ in range(n_chunks)))
                 if len(data) != size:  # removed mid-read by a delete on another replica
-                    raise StatusError(grpc.StatusCode.DATA_LOSS, f"{fname} of digest {digest[:12]} in redis at {self.url} is {len(data)} bytes, not {size}: register the adapter again")
+                    raise StatusError(
+                        grpc.StatusCode.DATA_LOSS,
+                        f"{fname} of digest {digest[:12]} in redis at {self.url} is {len(data)} bytes, not {size}: register the adapter again",
+                    )
                 (folder / fname).write_bytes(data)
             yield folder
         finally:
@@ -138,8 +143,8 @@ class RedisRegistry:
             while True:
                 try:
                     freed, used = self._redis.transaction(
-                        lambda pipe: self._commit_put(pipe, manifest, upload), self._refs, mkey, fkey,
-                        value_from_callable=True)
+                        lambda pipe: self._commit_put(pipe, manifest, upload), self._refs, mkey, fkey, value_from_callable=True
+                    )
                     break
                 except _NeedUpload:
                     upload = self._upload(manifest.digest, files)
@@ -215,8 +220,7 @@ class RedisRegistry:
         return upload
 
     def _blob_keys(self, digest: str, upload: dict) -> list[str]:
-        return [self._blob_key(digest, upload["upload"], fname, i)
-                for fname, (_, n) in upload["files"].items() for i in range(n)]
+        return [self._blob_key(digest, upload["upload"], fname, i) for fname, (_, n) in upload["files"].items() for i in range(n)]
 
     def _delete_blobs(self, digest: str, upload: dict) -> None:
         keys = self._blob_keys(digest, upload)

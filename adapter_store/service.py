@@ -138,19 +138,34 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             shutil.rmtree(staging, ignore_errors=True)
         log.info(
             "registered %s from %s: digest %s, rank %d, %d modules, %d bytes%s (fetch %.2fs, total %.2fs)",
-            name, fetched.uri, adapter.digest[:12], adapter.rank, len(adapter.modules), adapter.weight_bytes,
-            f", weights cast {adapter.weights_cast}" if adapter.weights_cast else "", t_fetch, time.perf_counter() - t0,
+            name,
+            fetched.uri,
+            adapter.digest[:12],
+            adapter.rank,
+            len(adapter.modules),
+            adapter.weight_bytes,
+            f", weights cast {adapter.weights_cast}" if adapter.weights_cast else "",
+            t_fetch,
+            time.perf_counter() - t0,
         )
         return manifest
 
     def _manifest(self, name, fetched: sources.FetchedAdapter, adapter: pack.PeftAdapter) -> pb.AdapterManifest:
         s = adapter.settings
         return pb.AdapterManifest(
-            name=name, revision=fetched.revision, uri=fetched.uri, digest=adapter.digest,
-            rank=adapter.rank, lora_alpha=s.alpha, use_rslora=s.use_rslora,
-            target_modules=sorted(adapter.modules), weight_bytes=adapter.weight_bytes,
-            num_parameters=adapter.num_parameters, base_model=s.base_model,
-            created_unix_ms=int(time.time() * 1000), weights_cast=adapter.weights_cast,
+            name=name,
+            revision=fetched.revision,
+            uri=fetched.uri,
+            digest=adapter.digest,
+            rank=adapter.rank,
+            lora_alpha=s.alpha,
+            use_rslora=s.use_rslora,
+            target_modules=sorted(adapter.modules),
+            weight_bytes=adapter.weight_bytes,
+            num_parameters=adapter.num_parameters,
+            base_model=s.base_model,
+            created_unix_ms=int(time.time() * 1000),
+            weights_cast=adapter.weights_cast,
         )
 
     @grpc_errors
@@ -229,9 +244,11 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
                     await self._streams.acquire()
             except TimeoutError:
                 self.metrics.streams_busy.inc()
-                raise busy(f"adapter store busy: all {self.cfg.max_streams} of its shard streams (--max-streams) are "
-                           f"taken and adapter {name!r} waited {self.cfg.max_stream_wait_s:g}s for one; ask again shortly",
-                           retry_after_s=BUSY_RETRY_AFTER_S) from None
+                raise busy(
+                    f"adapter store busy: all {self.cfg.max_streams} of its shard streams (--max-streams) are "
+                    f"taken and adapter {name!r} waited {self.cfg.max_stream_wait_s:g}s for one; ask again shortly",
+                    retry_after_s=BUSY_RETRY_AFTER_S,
+                ) from None
             finally:
                 self.metrics.streams_waiting.dec()
         self.metrics.streams.inc()
@@ -254,8 +271,11 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             chunks, size = _sliced(blob, chunk), len(blob)
         began = False  # chunks asked for: from then on the read-ahead closes the reader (read_ahead.py)
         try:
-            yield spb.ShardChunk(header=spb.ShardHeader(
-                manifest=manifest, layout_hash=layout_hash(request.layout), total_bytes=size, cache_tier=tier))
+            yield spb.ShardChunk(
+                header=spb.ShardHeader(
+                    manifest=manifest, layout_hash=layout_hash(request.layout), total_bytes=size, cache_tier=tier
+                )
+            )
             began = True
             async with contextlib.aclosing(chunks):  # closed with the stream: the read-ahead ends then
                 async for message in chunks:
@@ -297,8 +317,9 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         ((blob, sums),) = self._pack_ranks(manifest, layout, [rank])
         return blob, "packed", sums
 
-    def _pack_ranks(self, manifest: pb.AdapterManifest, layout: pb.Layout,
-                    ranks: list[pb.ShardRank]) -> list[tuple[bytes, Checksums]]:
+    def _pack_ranks(
+        self, manifest: pb.AdapterManifest, layout: pb.Layout, ranks: list[pb.ShardRank]
+    ) -> list[tuple[bytes, Checksums]]:
         """Packs once, slices for each rank, caches each shard with its checksums (hashed once, here).
         Runs in a thread."""
         t0 = time.perf_counter()
@@ -306,7 +327,10 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         if adapter.digest != manifest.digest:
             with self._adapters_lock:  # not kept: registering again must find the repaired files
                 self._adapters.pop(manifest.digest, None)
-            raise StatusError(grpc.StatusCode.DATA_LOSS, f"stored files of adapter {manifest.name!r} no longer match digest {manifest.digest[:12]}: register it again")
+            raise StatusError(
+                grpc.StatusCode.DATA_LOSS,
+                f"stored files of adapter {manifest.name!r} no longer match digest {manifest.digest[:12]}: register it again",
+            )
         full = pack.pack_full(adapter, layout)
         blobs = []
         for rank in ranks:
@@ -319,8 +343,14 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             blobs.append((blob, sums))
         seconds = time.perf_counter() - t0
         self.metrics.pack.observe(seconds)
-        log.info("packed %s for layout %s, %d rank(s), %d bytes in %.2fs", manifest.name,
-                 layout_hash(layout)[:12], len(ranks), sum(len(b) for b, _ in blobs), seconds)
+        log.info(
+            "packed %s for layout %s, %d rank(s), %d bytes in %.2fs",
+            manifest.name,
+            layout_hash(layout)[:12],
+            len(ranks),
+            sum(len(b) for b, _ in blobs),
+            seconds,
+        )
         return blobs
 
     def _loaded(self, manifest: pb.AdapterManifest) -> pack.PeftAdapter:
@@ -346,8 +376,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
 
     async def _prefetch_item(self, item: spb.PrefetchItem) -> list[spb.PrefetchResult]:
         ranks = list(item.ranks) or [
-            pb.ShardRank(tp_rank=t, ep_rank=e)
-            for t in range(item.layout.tp_size or 1) for e in range(item.layout.ep_size or 1)
+            pb.ShardRank(tp_rank=t, ep_rank=e) for t in range(item.layout.tp_size or 1) for e in range(item.layout.ep_size or 1)
         ]
         try:
             manifest = self._check_fetch(item.name, "", item.layout)
@@ -405,8 +434,11 @@ def _streamed(reader, chunk: int, name: str):
         return bytes(memoryview(buffer)[start : _FRAME_ROOM + n])
 
     def failed() -> StatusError:
-        return StatusError(grpc.StatusCode.DATA_LOSS, f"the cached shard of adapter {name!r} failed its "
-                           f"{reader.checksums.kind} check in the store's {reader.tier} cache and was dropped: fetch it again")
+        return StatusError(
+            grpc.StatusCode.DATA_LOSS,
+            f"the cached shard of adapter {name!r} failed its "
+            f"{reader.checksums.kind} check in the store's {reader.tier} cache and was dropped: fetch it again",
+        )
 
     return read_ahead(reader, read, failed)
 
@@ -437,8 +469,8 @@ def add_servicer(servicer: AdapterStoreService, server: grpc.aio.Server) -> None
 
         def add_registered_method_handlers(self, service, handlers):
             handlers["FetchShard"] = grpc.unary_stream_rpc_method_handler(
-                servicer.FetchShard, request_deserializer=spb.FetchShardRequest.FromString,
-                response_serializer=_pass_bytes)
+                servicer.FetchShard, request_deserializer=spb.FetchShardRequest.FromString, response_serializer=_pass_bytes
+            )
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
             server.add_registered_method_handlers(service, handlers)
 

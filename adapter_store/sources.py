@@ -142,8 +142,11 @@ def fetch(uri: str, revision: str | None, cfg: SourceConfig, staging: Path) -> F
     n_bytes = sum(p.stat().st_size for p in staging.iterdir())
     log.info(
         "fetched %s (revision %r): %s, %d bytes in %.2f s",
-        fetched.uri, fetched.revision, sorted(p.name for p in staging.iterdir()),
-        n_bytes, time.perf_counter() - start_s,
+        fetched.uri,
+        fetched.revision,
+        sorted(p.name for p in staging.iterdir()),
+        n_bytes,
+        time.perf_counter() - start_s,
     )
     return fetched
 
@@ -177,8 +180,7 @@ def _check_config(uri: str, has_file: Callable[[str], bool]) -> None:
 def _check_size(uri: str, name: str, size_bytes: int | None, cfg: SourceConfig) -> None:
     if size_bytes is not None and size_bytes > cfg.max_file_bytes:
         raise invalid(
-            f"{uri}/{name} is {size_bytes} bytes, over the store's limit of "
-            f"{cfg.max_file_bytes} bytes per file (max_file_bytes)"
+            f"{uri}/{name} is {size_bytes} bytes, over the store's limit of {cfg.max_file_bytes} bytes per file (max_file_bytes)"
         )
 
 
@@ -206,9 +208,7 @@ def _fetch_file(parsed: ParsedUri, cfg: SourceConfig, staging: Path) -> FetchedA
 def _resolve_local_dir(path_str: str, roots: tuple[Path, ...]) -> Path:
     """Absolute paths as given; relative ones under the first local root that holds them."""
     if not roots:
-        raise StatusError(
-            grpc.StatusCode.PERMISSION_DENIED, f"local adapter '{path_str}' refused: the store has no local roots"
-        )
+        raise StatusError(grpc.StatusCode.PERMISSION_DENIED, f"local adapter '{path_str}' refused: the store has no local roots")
     path = Path(path_str)
     if not path.is_absolute():
         candidates = [root / path for root in roots]
@@ -266,11 +266,13 @@ def _s3_client(cfg: SourceConfig):
     import boto3
     from botocore.config import Config
 
-    config = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60,
-                    max_pool_connections=max(10, cfg.s3_max_concurrency + 2))
-    return boto3.session.Session().client(
-        "s3", endpoint_url=cfg.s3_endpoint_url, region_name=cfg.s3_region, config=config
+    config = Config(
+        retries={"max_attempts": 3, "mode": "standard"},
+        connect_timeout=5,
+        read_timeout=60,
+        max_pool_connections=max(10, cfg.s3_max_concurrency + 2),
     )
+    return boto3.session.Session().client("s3", endpoint_url=cfg.s3_endpoint_url, region_name=cfg.s3_region, config=config)
 
 
 def _list_s3_dir(client, bucket: str, prefix: str) -> dict[str, tuple[int, str]]:
@@ -339,8 +341,10 @@ def _fetch_hf(parsed: ParsedUri, cfg: SourceConfig, staging: Path) -> FetchedAda
     config_info = _hf_probe(parsed, parsed.revision, CONFIG_FILE, cfg)
     if config_info is None:
         if _hf_probe(parsed, parsed.revision, SAFETENSORS_FILE, cfg) is not None:
-            raise invalid(f"adapter {uri}@{parsed.revision or 'main'} has {SAFETENSORS_FILE} but no {CONFIG_FILE}: "
-                          "not a valid PEFT adapter without it")
+            raise invalid(
+                f"adapter {uri}@{parsed.revision or 'main'} has {SAFETENSORS_FILE} but no {CONFIG_FILE}: "
+                "not a valid PEFT adapter without it"
+            )
         where = f"in the offline Hugging Face cache ({cfg.hf_cache_dir or 'default'})" if cfg.hf_offline else ""
         raise not_found(f"adapter {uri}@{parsed.revision or 'main'} has no {CONFIG_FILE} {where}".rstrip())
     commit_sha = config_info.commit_hash  # every file comes from this one commit
@@ -363,8 +367,13 @@ def _fetch_hf(parsed: ParsedUri, cfg: SourceConfig, staging: Path) -> FetchedAda
 
 def _hf_args(parsed: ParsedUri, revision: str | None, name: str, cfg: SourceConfig) -> dict:
     return dict(
-        repo_id=parsed.root, filename=name, subfolder=parsed.path or None, revision=revision,
-        endpoint=cfg.hf_endpoint, token=cfg.hf_token, cache_dir=cfg.hf_cache_dir,
+        repo_id=parsed.root,
+        filename=name,
+        subfolder=parsed.path or None,
+        revision=revision,
+        endpoint=cfg.hf_endpoint,
+        token=cfg.hf_token,
+        cache_dir=cfg.hf_cache_dir,
         local_files_only=cfg.hf_offline,
     )
 
@@ -387,8 +396,12 @@ def _hf_probe(parsed: ParsedUri, revision: str | None, name: str, cfg: SourceCon
 @contextlib.contextmanager
 def _hf_errors(uri: str, cfg: SourceConfig):
     from huggingface_hub.errors import (
-        GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RemoteEntryNotFoundError,
-        RepositoryNotFoundError, RevisionNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
     )
 
     hub = cfg.hf_endpoint or "the Hugging Face hub"

@@ -78,8 +78,7 @@ def _pattern_value(patterns: dict, module: str, default):
 def check_name(name: str) -> None:
     if not NAME_RE.match(name or ""):
         raise invalid(
-            f"adapter name {name!r} is invalid: use 1-128 characters from A-Z a-z 0-9 . _ -, "
-            "starting with a letter or digit"
+            f"adapter name {name!r} is invalid: use 1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
         )
 
 
@@ -126,16 +125,16 @@ def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraS
     params = (params,) if isinstance(params, str) else tuple(params)
     if not all(isinstance(p, str) for p in params):
         raise invalid(f"{CONFIG_FILE}: target_parameters must be a list of parameter names")
-    return LoraSettings(
-        r, float(alpha), bool(cfg.get("use_rslora")), targets, base, rank_pattern, alpha_pattern, params
-    )
+    return LoraSettings(r, float(alpha), bool(cfg.get("use_rslora")), targets, base, rank_pattern, alpha_pattern, params)
 
 
 def _refuse_features(cfg: dict) -> None:
     if cfg.get("use_dora"):
         raise invalid(f"{CONFIG_FILE}: DoRA adapters (use_dora: true) are not supported")
     if cfg.get("modules_to_save"):
-        raise invalid(f"{CONFIG_FILE}: modules_to_save {cfg['modules_to_save']} is not supported: only LoRA A/B weights are served")
+        raise invalid(
+            f"{CONFIG_FILE}: modules_to_save {cfg['modules_to_save']} is not supported: only LoRA A/B weights are served"
+        )
     if cfg.get("bias", "none") != "none":
         raise invalid(f"{CONFIG_FILE}: bias {cfg['bias']!r} is not supported (only 'none')")
     for key in ("lora_bias", "layer_replication", "use_qalora", "alora_invocation_tokens"):
@@ -195,9 +194,13 @@ def _check_offsets(header: dict, data_bytes: int) -> None:
             raise invalid(f"{WEIGHTS_FILE}: tensor {name!r} has malformed data_offsets {offsets!r}")
         begin, end = offsets
         if not 0 <= begin <= end <= data_bytes:
-            raise invalid(f"{WEIGHTS_FILE}: tensor {name!r} data_offsets {offsets} fall outside the file's {data_bytes} data bytes")
+            raise invalid(
+                f"{WEIGHTS_FILE}: tensor {name!r} data_offsets {offsets} fall outside the file's {data_bytes} data bytes"
+            )
         if end - begin != math.prod(shape) * ALLOWED_DTYPES[dtype]:
-            raise invalid(f"{WEIGHTS_FILE}: tensor {name!r} spans {end - begin} bytes, its shape {shape} {dtype} needs {math.prod(shape) * ALLOWED_DTYPES[dtype]}")
+            raise invalid(
+                f"{WEIGHTS_FILE}: tensor {name!r} spans {end - begin} bytes, its shape {shape} {dtype} needs {math.prod(shape) * ALLOWED_DTYPES[dtype]}"
+            )
         spans.append((begin, end, name))
     spans.sort()
     for (_, end, name), (begin, _, other) in zip(spans, spans[1:]):
@@ -209,7 +212,7 @@ def load_tensors(path: Path, limits: Limits) -> dict[str, torch.Tensor]:
     if path.name == PICKLE_FILE:  # only reached with allow_pickle; still no arbitrary objects
         try:
             tensors = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
+        except Exception as e:
             raise invalid(f"{PICKLE_FILE} could not be read: {e}") from None
         if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
             raise invalid(f"{PICKLE_FILE} must hold a dict of tensors")
@@ -218,7 +221,7 @@ def load_tensors(path: Path, limits: Limits) -> dict[str, torch.Tensor]:
     check_safetensors_header(data, limits)
     try:
         return st_load(data)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise invalid(f"{WEIGHTS_FILE} could not be read: {e}") from None
 
 
@@ -266,8 +269,7 @@ def _check_shapes(
     if (a.shape[1], b.shape[0]) != shape:
         named = f"module {module!r}" + (f" (the file's {source!r})" if source and source != module else "")
         raise invalid(
-            f"{named}: adapter maps {a.shape[1]} -> {b.shape[0]} features, "
-            f"base model {spec.name!r} has {shape[0]} -> {shape[1]}"
+            f"{named}: adapter maps {a.shape[1]} -> {b.shape[0]} features, base model {spec.name!r} has {shape[0]} -> {shape[1]}"
         )
 
 
@@ -278,7 +280,9 @@ def check_finite(modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
                 raise invalid(f"module {module!r}: {part} holds NaN or Inf values")
 
 
-def cast_float64(modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], str]:
+def cast_float64(
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], str]:
     """float64 weights (PEFT saves them; other servers accept them) cast to float32, after
     check_finite; returns (modules, "float64 -> float32") or (modules, "") when none was float64.
     A value beyond float32's range is refused: it would be served as Inf."""

@@ -20,7 +20,6 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 from triton.testing import do_bench
 
 from loraserve.kernels import triton_attention
@@ -63,7 +62,7 @@ def measure_ceilings() -> tuple[float, float]:
     src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() / (median_ms(lambda: dst.copy_(src)) * 1e-3)
-    del src, dst
+    src = dst = None  # frees the buffers (the timed closure holds the names)
     a = torch.randn(8192, 8192, dtype=DTYPE, device=DEV)
     b = torch.randn(8192, 8192, dtype=DTYPE, device=DEV)
     flops = 2 * 8192**3 / (median_ms(lambda: a @ b) * 1e-3)
@@ -116,8 +115,15 @@ def bench_decode(batch: int, ctx: int, bandwidth: float, gen, with_sdpa: bool = 
     kv_bytes = 2 * batch * ctx * KVH * D * k_cache.element_size()
     block_n = triton_attention.decode_config(D)[0]
     splits, _ = triton_attention.decode_splits(batch, KVH, tables.shape[1] * BLOCK, num_sms(0), block_n)
-    return dict(kernel="decode", shape=f"B {batch} x ctx {ctx}", splits=splits, ms=ms,
-                floor_ms=kv_bytes / bandwidth * 1e3, floor="bytes", sdpa_ms=sdpa_ms)
+    return dict(
+        kernel="decode",
+        shape=f"B {batch} x ctx {ctx}",
+        splits=splits,
+        ms=ms,
+        floor_ms=kv_bytes / bandwidth * 1e3,
+        floor="bytes",
+        sdpa_ms=sdpa_ms,
+    )
 
 
 def bench_prefill(num_seqs: int, chunk: int, ctx: int, flops_rate: float, gen) -> dict:
@@ -127,8 +133,9 @@ def bench_prefill(num_seqs: int, chunk: int, ctx: int, flops_rate: float, gen) -
     seq_lens = torch.full((num_seqs,), total, dtype=torch.int32, device=DEV)
     cu = torch.arange(num_seqs + 1, device=DEV, dtype=torch.int32) * chunk
     out = torch.empty_like(q)
-    ms = graph_ms(lambda: triton_attention.paged_prefill_attention(
-        q, k_cache, v_cache, tables, seq_lens, cu, chunk, D**-0.5, out=out))
+    ms = graph_ms(
+        lambda: triton_attention.paged_prefill_attention(q, k_cache, v_cache, tables, seq_lens, cu, chunk, D**-0.5, out=out)
+    )
     qd = q.view(num_seqs, chunk, H, D).transpose(1, 2)
     k = torch.stack([kd for kd, _ in dense]).contiguous()
     v = torch.stack([vd for _, vd in dense]).contiguous()
@@ -144,8 +151,15 @@ def bench_prefill(num_seqs: int, chunk: int, ctx: int, flops_rate: float, gen) -
         sdpa_ms = float("nan")
     pairs = num_seqs * sum(ctx + j + 1 for j in range(chunk))  # visible (query, key) pairs
     flops = 4 * H * D * pairs
-    return dict(kernel="prefill", shape=f"{num_seqs} x {chunk} after {ctx}", splits="", ms=ms,
-                floor_ms=flops / flops_rate * 1e3, floor="FLOPs", sdpa_ms=sdpa_ms)
+    return dict(
+        kernel="prefill",
+        shape=f"{num_seqs} x {chunk} after {ctx}",
+        splits="",
+        ms=ms,
+        floor_ms=flops / flops_rate * 1e3,
+        floor="FLOPs",
+        sdpa_ms=sdpa_ms,
+    )
 
 
 def decode_sweep(bandwidth: float, gen) -> None:
@@ -162,8 +176,10 @@ def decode_sweep(bandwidth: float, gen) -> None:
                     for per_sm in (2, 4, 8):
                         triton_attention._MIN_PARTITION, triton_attention._PROGRAMS_PER_SM = min_part, per_sm
                         row = bench_decode(batch, ctx, bandwidth, gen, with_sdpa=False)
-                        print(f"| {batch} x {ctx} | {cfg} | {min_part} | {per_sm} | {row['splits']} | {row['ms'] * 1e3:.1f} |",
-                              flush=True)
+                        print(
+                            f"| {batch} x {ctx} | {cfg} | {min_part} | {per_sm} | {row['splits']} | {row['ms'] * 1e3:.1f} |",
+                            flush=True,
+                        )
     finally:
         triton_attention._MIN_PARTITION, triton_attention._PROGRAMS_PER_SM, triton_attention.decode_config = saved
 
@@ -179,13 +195,17 @@ def main() -> None:
     empty_ms = empty_launch_ms()
     rows = [bench_decode(b, ctx, bandwidth, gen) for b, ctx in DECODE]
     rows += [bench_prefill(n, chunk, ctx, flops_rate, gen) for n, chunk, ctx in PREFILL]
-    print(f"\n{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s (read + write), "
-          f"bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s, empty kernel in a graph {empty_ms * 1e3:.1f} us; H {H}, KVH {KVH}, D {D}, block {BLOCK}, bf16, CUDA graph, median\n")
+    print(
+        f"\n{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s (read + write), "
+        f"bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s, empty kernel in a graph {empty_ms * 1e3:.1f} us; H {H}, KVH {KVH}, D {D}, block {BLOCK}, bf16, CUDA graph, median\n"
+    )
     print("| kernel | shape | splits | Triton us | floor us | floor / Triton | SDPA (contiguous) us |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['kernel']} | {r['shape']} | {r['splits']} | {r['ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} ({r['floor']}) "
-              f"| {r['floor_ms'] / r['ms']:.2f} | {r['sdpa_ms'] * 1e3:.1f} |")
+        print(
+            f"| {r['kernel']} | {r['shape']} | {r['splits']} | {r['ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} ({r['floor']}) "
+            f"| {r['floor_ms'] / r['ms']:.2f} | {r['sdpa_ms'] * 1e3:.1f} |"
+        )
 
 
 if __name__ == "__main__":

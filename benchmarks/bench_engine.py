@@ -62,12 +62,15 @@ from loraserve.executor.slot_reports import SlotObserver
 DEVICE, DTYPE = "cuda", torch.bfloat16  # set by main()
 NO_STORE = "127.0.0.1:9"  # the store address of an engine fed in-process: never asked for an adapter
 SHAPES = {
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                      head_dim=128, rope_theta=500000.0),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                 head_dim=16, rope_theta=10000.0),  # for a smoke run on the CPU
-    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
-                    head_dim=64, rope_theta=100000.0),
+    "llama3-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0
+    ),
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0
+    ),  # for a smoke run on the CPU
+    "smollm2": dict(
+        hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0
+    ),
 }
 
 
@@ -114,8 +117,15 @@ def matmul_peak() -> float:
 
 
 def build_model(shape: str, vocab: int, spec: LoraSpec) -> LlamaForCausalLM:
-    cfg = ModelConfig(model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5, rope_scaling=None,
-                      max_position_embeddings=8192, tie_word_embeddings=False, **SHAPES[shape])
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=vocab,
+        rms_norm_eps=1e-5,
+        rope_scaling=None,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        **SHAPES[shape],
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg, spec, dtype=DTYPE, device=DEVICE)
     with torch.no_grad():
@@ -207,8 +217,11 @@ def replay_seconds(engine, batch: int, with_lora: bool) -> float | None:
         sys.path.insert(0, str(Path(__file__).parent))  # run as `python -P`: the script's folder is not on the path
         import step_trace
 
-        lines = [f"decode graph B={batch}, {'with adapters' if with_lora else 'base'}: replay {seconds * 1e6:.1f} us "
-                 "(timed alone, before the profiler)", *step_trace.replay_breakdown(replay)]
+        lines = [
+            f"decode graph B={batch}, {'with adapters' if with_lora else 'base'}: replay {seconds * 1e6:.1f} us "
+            "(timed alone, before the profiler)",
+            *step_trace.replay_breakdown(replay),
+        ]
         PROFILE_DECODE.mkdir(parents=True, exist_ok=True)
         (PROFILE_DECODE / f"decode_B{batch}_{'lora' if with_lora else 'base'}.txt").write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
@@ -243,7 +256,9 @@ async def decode_case(engine, args, batch: int, with_lora: bool) -> tuple[float,
     # (launch-ahead keeps the device busy while that stays under a step).
     lags = [c.launched - a.end for a, c in zip(full_entries, full_entries[2:]) if c.ahead]
     ahead = sum(e.ahead for e in full_entries) / len(full_entries)
-    HOST[(batch, with_lora)] = f"ahead {ahead:.0%}, result -> launch after next {statistics.median(lags) * 1e3:.2f} ms" if lags else f"ahead {ahead:.0%}"
+    HOST[(batch, with_lora)] = (
+        f"ahead {ahead:.0%}, result -> launch after next {statistics.median(lags) * 1e3:.2f} ms" if lags else f"ahead {ahead:.0%}"
+    )
     if replays is not None:
         HOST[(batch, with_lora)] += "; " + replays.summary(batch)
         if batch in replays.last:
@@ -318,9 +333,11 @@ async def profile_prefill(folder: Path, engine, num_seqs: int, length: int, case
     busy_us = sum(e.self_device_time_total for e in kernels)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"prefill_{num_seqs}x{length}.txt", "w") as f:
-        f.write(f"prefill {num_seqs} x {length} with adapters, 3 runs (under the profiler): the last run's step "
-                f"{', '.join(f'{t * 1e3:.1f}' for t in steps)} ms; device kernels busy {busy_us / 3e3:.1f} ms per run "
-                f"(every kernel of the 3 runs, the requests' other steps included)\n\n")
+        f.write(
+            f"prefill {num_seqs} x {length} with adapters, 3 runs (under the profiler): the last run's step "
+            f"{', '.join(f'{t * 1e3:.1f}' for t in steps)} ms; device kernels busy {busy_us / 3e3:.1f} ms per run "
+            f"(every kernel of the 3 runs, the requests' other steps included)\n\n"
+        )
         f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
 
 
@@ -396,21 +413,32 @@ async def decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes
     ctx = args.context + args.new_tokens / 2  # the mean context over the measured steps
     base_floor = (wbytes + batch * ctx * kv_token_bytes) / bandwidth
     base, base_every = await decode_case(engine, args, batch, with_lora=False)
-    rows.append((f"decode B={batch}, base", _times(base, base_every), f"{batch / base_every:.0f} tok/s",
-                 f"{base_every / base_floor:.2f}x floor {base_floor * 1e3:.2f} ms (step alone {base / base_floor:.2f}x)"
-                 f"{_replay(engine, batch, False, base_floor)}{_host(batch, False)}"))
+    rows.append(
+        (
+            f"decode B={batch}, base",
+            _times(base, base_every),
+            f"{batch / base_every:.0f} tok/s",
+            f"{base_every / base_floor:.2f}x floor {base_floor * 1e3:.2f} ms (step alone {base / base_floor:.2f}x)"
+            f"{_replay(engine, batch, False, base_floor)}{_host(batch, False)}",
+        )
+    )
     if args.adapters:
         adapters_s = sum(adapter_bytes[: min(batch, args.adapters)]) / bandwidth
         lora_floor = base_floor + adapters_s
         mixed, mixed_every = await decode_case(engine, args, batch, with_lora=True)
         # The target's floor: this run's base step plus the distinct adapters' bytes at the copy bandwidth.
         step_floor = base_every + adapters_s
-        rows.append((f"decode B={batch}, {min(batch, args.adapters)} adapters", _times(mixed, mixed_every),
-                     f"{batch / mixed_every:.0f} tok/s",
-                     f"**{mixed_every / step_floor:.3f}x base step + adapter bytes** ({step_floor * 1e3:.2f} ms); "
-                     f"{mixed_every / lora_floor:.2f}x bytes floor {lora_floor * 1e3:.2f} ms (step alone "
-                     f"{mixed / lora_floor:.2f}x); {mixed_every / base_every:.2f}x base"
-                     f"{_replay(engine, batch, True, lora_floor)}{_host(batch, True)}"))
+        rows.append(
+            (
+                f"decode B={batch}, {min(batch, args.adapters)} adapters",
+                _times(mixed, mixed_every),
+                f"{batch / mixed_every:.0f} tok/s",
+                f"**{mixed_every / step_floor:.3f}x base step + adapter bytes** ({step_floor * 1e3:.2f} ms); "
+                f"{mixed_every / lora_floor:.2f}x bytes floor {lora_floor * 1e3:.2f} ms (step alone "
+                f"{mixed / lora_floor:.2f}x); {mixed_every / base_every:.2f}x base"
+                f"{_replay(engine, batch, True, lora_floor)}{_host(batch, True)}",
+            )
+        )
     return rows
 
 
@@ -440,11 +468,22 @@ async def run(args) -> list[tuple[str, str, str, str]]:
     rows = [
         ("copy bandwidth (read + write)", f"{bandwidth / 1e9:.0f} GB/s", "", ""),
         ("matmul peak (8192^3 bf16 on CUDA)", f"{peak / 1e12:.1f} TFLOP/s", "", ""),
-        ("weights read per decode step", f"{wbytes / 2**30:.2f} GiB", "", f"adapter: {statistics.mean(adapter_bytes) / 2**20:.1f} MiB (mean), ranks {'/'.join(map(str, args.ranks))}"),
+        (
+            "weights read per decode step",
+            f"{wbytes / 2**30:.2f} GiB",
+            "",
+            f"adapter: {statistics.mean(adapter_bytes) / 2**20:.1f} MiB (mean), ranks {'/'.join(map(str, args.ranks))}",
+        ),
     ]
     if engine.warm_up_seconds is not None:
-        rows.append(("kernel warm-up at start", f"{engine.warm_up_seconds:.1f} s", "",
-                     "eager steps of 1..max_num_batched_tokens tokens (Triton's disk cache as this host left it)"))
+        rows.append(
+            (
+                "kernel warm-up at start",
+                f"{engine.warm_up_seconds:.1f} s",
+                "",
+                "eager steps of 1..max_num_batched_tokens tokens (Triton's disk cache as this host left it)",
+            )
+        )
     await run_requests(engine, random_prompts(2, 16, args.vocab, 0), ["", "a0" if args.adapters else ""], 4)  # warm-up
     if args.adapters:  # every adapter in its slot first: cold loads must not stagger the measured batches
         names = [f"a{i}" for i in range(args.adapters)]
@@ -452,34 +491,62 @@ async def run(args) -> list[tuple[str, str, str, str]]:
     for batch in args.batches:
         try:
             rows += await decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes, bandwidth)
-        except Exception as exc:  # noqa: BLE001 - one failed case must not hide the others
+        except Exception as exc:
             rows.append((f"decode B={batch}", "failed", "", f"{type(exc).__name__}: {exc}"))
             logging.exception("decode case B=%d failed", batch)
     for num_seqs, length in args.prefill:
         seconds, first = await prefill_case(engine, args, num_seqs, length)
         flops = prefill_flops(cfg, num_seqs, length)
-        rows.append((f"prefill {num_seqs} x {length}", f"{seconds * 1e3:.1f} ms", f"{num_seqs * length / seconds:.0f} tok/s",
-                     f"{flops / seconds / 1e12:.1f} TFLOP/s = {flops / seconds / peak:.0%} of matmul; "
-                     f"the first of 3: {first * 1e3:.1f} ms"))
+        rows.append(
+            (
+                f"prefill {num_seqs} x {length}",
+                f"{seconds * 1e3:.1f} ms",
+                f"{num_seqs * length / seconds:.0f} tok/s",
+                f"{flops / seconds / 1e12:.1f} TFLOP/s = {flops / seconds / peak:.0%} of matmul; "
+                f"the first of 3: {first * 1e3:.1f} ms",
+            )
+        )
         if args.adapters:  # the same step with a distinct adapter per sequence (up to --adapters)
             distinct = min(num_seqs, args.adapters)
             lora_seconds, lora_first = await prefill_case(engine, args, num_seqs, length, with_lora=True)
             lora_bytes = sum(adapter_bytes[:distinct])
-            rows.append((f"prefill {num_seqs} x {length}, {distinct} adapters", f"{lora_seconds * 1e3:.1f} ms",
-                         f"{num_seqs * length / lora_seconds:.0f} tok/s",
-                         f"{lora_seconds / seconds:.2f}x the base step; the adapters' bytes at the copy bandwidth: "
-                         f"{lora_bytes / bandwidth * 1e3:.2f} ms; the first of 3: {lora_first * 1e3:.1f} ms"))
+            rows.append(
+                (
+                    f"prefill {num_seqs} x {length}, {distinct} adapters",
+                    f"{lora_seconds * 1e3:.1f} ms",
+                    f"{num_seqs * length / lora_seconds:.0f} tok/s",
+                    f"{lora_seconds / seconds:.2f}x the base step; the adapters' bytes at the copy bandwidth: "
+                    f"{lora_bytes / bandwidth * 1e3:.2f} ms; the first of 3: {lora_first * 1e3:.1f} ms",
+                )
+            )
             if args.profile_prefill:
-                await profile_prefill(args.profile_prefill, engine, num_seqs, length,
-                                      lambda: prefill_case(engine, args, num_seqs, length, with_lora=True))
+                await profile_prefill(
+                    args.profile_prefill,
+                    engine,
+                    num_seqs,
+                    length,
+                    lambda: prefill_case(engine, args, num_seqs, length, with_lora=True),
+                )
     if args.streams:
         try:
             engine_tps, grpc_tps, engine_longest, grpc_longest = await grpc_case(parts, args)
-            rows.append((f"{args.streams} streams, engine alone", f"{engine_tps:.0f} tok/s", "",
-                         f"longest step {engine_longest * 1e3:.1f} ms"))
-            rows.append((f"{args.streams} streams through gRPC", f"{grpc_tps:.0f} tok/s", "",
-                         f"{grpc_tps / engine_tps:.0%} of the engine; longest step {grpc_longest * 1e3:.1f} ms"))
-        except Exception as exc:  # noqa: BLE001 - the decode and prefill rows still print
+            rows.append(
+                (
+                    f"{args.streams} streams, engine alone",
+                    f"{engine_tps:.0f} tok/s",
+                    "",
+                    f"longest step {engine_longest * 1e3:.1f} ms",
+                )
+            )
+            rows.append(
+                (
+                    f"{args.streams} streams through gRPC",
+                    f"{grpc_tps:.0f} tok/s",
+                    "",
+                    f"{grpc_tps / engine_tps:.0%} of the engine; longest step {grpc_longest * 1e3:.1f} ms",
+                )
+            )
+        except Exception as exc:
             rows.append((f"{args.streams} streams through gRPC", "failed", "", f"{type(exc).__name__}: {exc}"))
             logging.exception("gRPC case failed")
     await engine.stop()
@@ -495,23 +562,37 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--adapters", type=int, default=32, help="distinct adapters (GPU slots); 0: base only")
-    ap.add_argument("--max-loras", type=int, default=0,
-                    help="GPU slots (default and least: --adapters; the serve benchmark's engine has 64)")
+    ap.add_argument(
+        "--max-loras", type=int, default=0, help="GPU slots (default and least: --adapters; the serve benchmark's engine has 64)"
+    )
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")],
-                    help="adapter i gets rank ranks[i %% len(ranks)] (default: --rank for all)")
+    ap.add_argument(
+        "--ranks",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="adapter i gets rank ranks[i %% len(ranks)] (default: --rank for all)",
+    )
     ap.add_argument("--streams", type=int, default=64, help="concurrent gRPC streams; 0: skip")
     ap.add_argument("--grpc-prompt", type=int, default=128)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--prefill", type=lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",") if c],
-                    default=[(1, 4096), (16, 256)], help="prefill steps to time, SEQSxLEN,... ('': none; with --adapters, "
-                    "each also with a distinct adapter per sequence)")
+    ap.add_argument(
+        "--prefill",
+        type=lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",") if c],
+        default=[(1, 4096), (16, 256)],
+        help="prefill steps to time, SEQSxLEN,... ('': none; with --adapters, each also with a distinct adapter per sequence)",
+    )
     ap.add_argument("--table", type=Path, help="a kernel table (JSON) to use instead of this GPU's shipped one")
-    ap.add_argument("--profile-decode", type=Path,
-                    help="folder: each decode case's graph replay under torch.profiler (kernels by group, idle gaps)")
+    ap.add_argument(
+        "--profile-decode",
+        type=Path,
+        help="folder: each decode case's graph replay under torch.profiler (kernels by group, idle gaps)",
+    )
     ap.add_argument("--profile-prefill", type=Path, help="folder: a torch.profiler table of each prefill case with adapters")
-    ap.add_argument("--admit-ratio", type=float, default=ExecutorConfig.admit_ratio,
-                    help="admission pacing, as the executor's flag (0: admit each request at once)")
+    ap.add_argument(
+        "--admit-ratio",
+        type=float,
+        default=ExecutorConfig.admit_ratio,
+        help="admission pacing, as the executor's flag (0: admit each request at once)",
+    )
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (float32)")
     ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -536,10 +617,12 @@ def main() -> None:
     cublas.without_workspace(DEVICE)
     rows = asyncio.run(run(args))
     where = f"{torch.cuda.get_device_name()}, triton {__import__('triton').__version__}" if DEVICE == "cuda" else "cpu"
-    print(f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights, vocab {args.vocab}, "
-          f"{where}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
-          f"{'eager' if args.enforce_eager else 'CUDA graphs'}")
+    print(
+        f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights, vocab {args.vocab}, "
+        f"{where}, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
+        f"{'eager' if args.enforce_eager else 'CUDA graphs'}"
+    )
     print("| case | time | rate | against the floor |")
     print("|---|---|---|---|")
     for row in rows:

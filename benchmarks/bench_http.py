@@ -23,11 +23,15 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench_executor import PROMPTS, BaseModel, make_adapters
 
-FRONTS = ("engine, in-process", "gRPC Generate", "gRPC GenerateStream", "HTTP /v1/chat/completions",
-          "HTTP /v1/chat/completions stream")
+FRONTS = (
+    "engine, in-process",
+    "gRPC Generate",
+    "gRPC GenerateStream",
+    "HTTP /v1/chat/completions",
+    "HTTP /v1/chat/completions stream",
+)
 
 
 _clients: dict = {}  # in the client process: one client (and its connections) per target, kept
@@ -87,14 +91,28 @@ class Servers:
 
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model=model.name,
-                           base_model_path=Path(model.path), sources=SourceConfig(local_roots=(adapters_root,)))
+        scfg = StoreConfig(
+            listen="127.0.0.1:0",
+            data_dir=data,
+            base_model=model.name,
+            base_model_path=Path(model.path),
+            sources=SourceConfig(local_roots=(adapters_root,)),
+        )
         self.store_server, sport = self.run(serve_store(scfg))
         store = StoreClient(f"127.0.0.1:{sport}")
         for n in names:
             store.register(n, str(adapters_root / n))
-        ecfg = ExecutorConfig(model=model.path, base_model=model.name, device="cpu", dtype="float32", max_loras=8,
-                              max_rank=32, num_blocks=512, store_address=f"127.0.0.1:{sport}", http_listen="127.0.0.1:0")
+        ecfg = ExecutorConfig(
+            model=model.path,
+            base_model=model.name,
+            device="cpu",
+            dtype="float32",
+            max_loras=8,
+            max_rank=32,
+            num_blocks=512,
+            store_address=f"127.0.0.1:{sport}",
+            http_listen="127.0.0.1:0",
+        )
         self.parts = build_executor(ecfg)
         self.server, eport = self.run(serve(self.parts, "127.0.0.1:0"))
         self.targets = {"gRPC": f"127.0.0.1:{eport}", "HTTP": f"http://127.0.0.1:{self.parts.http.port}/v1"}
@@ -171,9 +189,12 @@ def main() -> None:
     def paired(front: str, ref: str) -> float:
         """Median over rounds of this front's rate / ref's rate in the same round (drift cancels)."""
         return statistics.median(a / b for a, b in zip(rates[front], rates[ref]))
-    print(f"\nHTTP front vs gRPC - {model.label}, float32, cpu, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}; {len(prompts)} chat prompts over {len(names)} adapters at once, greedy, "
-          f"max {args.max_tokens} new tokens, median of {args.repeat}; same output text on every front: {same}")
+
+    print(
+        f"\nHTTP front vs gRPC - {model.label}, float32, cpu, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}; {len(prompts)} chat prompts over {len(names)} adapters at once, greedy, "
+        f"max {args.max_tokens} new tokens, median of {args.repeat}; same output text on every front: {same}"
+    )
     print(f"| {'front':34s} | {'tok/s':>8s} | {'runs (min-max)':14s} | note |")
     print(f"|{'-' * 36}|{'-' * 10}|{'-' * 16}|------|")
     for front in FRONTS:

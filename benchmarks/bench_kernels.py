@@ -30,10 +30,9 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 from triton.testing import do_bench
 
-from loraserve.kernels import lora_expand, lora_shrink, make_lora_meta, triton_lora, tuning
+from loraserve.kernels import lora_expand, lora_shrink, make_lora_meta, tuning
 
 DEV = "cuda"
 DTYPE = torch.bfloat16
@@ -68,12 +67,12 @@ def measure_ceilings() -> dict:
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEV)
     dst = torch.empty_like(src)
     copy_ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    del src, dst
+    src = dst = None  # frees the buffers (the timed closure holds the names)
     m = 8192
     p, q = (torch.randn(m, m, device=DEV, dtype=DTYPE) for _ in range(2))
     r = torch.empty_like(p)
     mm_ms = do_bench(lambda: torch.mm(p, q, out=r), warmup=20, rep=200, return_mode="median")
-    del p, q, r
+    p = q = r = None
     dummy = torch.empty(1, device=DEV)
     _empty_kernel[(1,)](dummy)
     launches = 200
@@ -342,42 +341,80 @@ def shrink_candidates(tokens, sr):
     full = max(16, triton.next_power_of_2(sr))
     n64, n128, n256 = min(full, 64), min(full, 128), min(full, 256)
     if tokens <= 64:
-        rows = [(16, n64, 128, 16, 4, 4, 8), (16, n64, 64, 32, 4, 4, 8), (16, min(full, 32), 128, 16, 4, 4, 8),
-                (16, n64, 128, 8, 4, 4, 8), (16, n64, 128, 16, 4, 4, 16)]
+        rows = [
+            (16, n64, 128, 16, 4, 4, 8),
+            (16, n64, 64, 32, 4, 4, 8),
+            (16, min(full, 32), 128, 16, 4, 4, 8),
+            (16, n64, 128, 8, 4, 4, 8),
+            (16, n64, 128, 16, 4, 4, 16),
+        ]
     elif tokens <= 256:
-        rows = [(16, n64, 128, 8, 4, 4, 8), (16, n64, 256, 4, 4, 3, 4), (16, n64, 128, 8, 4, 4, 16),
-                (32, n64, 128, 8, 4, 4, 4), (16, n64, 128, 4, 4, 4, 8)]
+        rows = [
+            (16, n64, 128, 8, 4, 4, 8),
+            (16, n64, 256, 4, 4, 3, 4),
+            (16, n64, 128, 8, 4, 4, 16),
+            (32, n64, 128, 8, 4, 4, 4),
+            (16, n64, 128, 4, 4, 4, 8),
+        ]
     elif tokens <= 2048:
-        rows = [(64, n64, 128, 1, 4, 3, 2), (64, n64, 128, 2, 4, 3, 2), (32, n64, 128, 2, 4, 4, 4),
-                (64, n128, 128, 1, 4, 3, 2), (64, n64, 256, 1, 4, 3, 2)]
+        rows = [
+            (64, n64, 128, 1, 4, 3, 2),
+            (64, n64, 128, 2, 4, 3, 2),
+            (32, n64, 128, 2, 4, 4, 4),
+            (64, n128, 128, 1, 4, 3, 2),
+            (64, n64, 256, 1, 4, 3, 2),
+        ]
     else:
-        rows = [(64, n128, 64, 1, 4, 4, 2), (64, n64, 128, 1, 4, 4, 2), (64, n64, 64, 1, 4, 4, 2),
-                (128, n64, 64, 1, 8, 4, 1), (128, n64, 128, 1, 8, 3, 1), (64, n256, 64, 1, 4, 3, 1),
-                (32, n64, 128, 1, 4, 4, 4),
-                # K split over programs (buf zeroed first): fills the SMs when the token blocks
-                # x column blocks are fewer than the programs (e.g. 64 tiles at 4096 tokens, rank 8)
-                (64, n64, 128, 2, 4, 4, 2), (32, n64, 128, 2, 4, 4, 4), (64, n64, 128, 4, 4, 4, 2),
-                (64, n64, 64, 2, 4, 4, 3), (64, n128, 64, 2, 4, 4, 2), (128, n64, 128, 2, 8, 3, 1),
-                (32, n64, 256, 2, 4, 3, 4), (64, n64, 256, 2, 4, 3, 2)]
+        rows = [
+            (64, n128, 64, 1, 4, 4, 2),
+            (64, n64, 128, 1, 4, 4, 2),
+            (64, n64, 64, 1, 4, 4, 2),
+            (128, n64, 64, 1, 8, 4, 1),
+            (128, n64, 128, 1, 8, 3, 1),
+            (64, n256, 64, 1, 4, 3, 1),
+            (32, n64, 128, 1, 4, 4, 4),
+            # K split over programs (buf zeroed first): fills the SMs when the token blocks
+            # x column blocks are fewer than the programs (e.g. 64 tiles at 4096 tokens, rank 8)
+            (64, n64, 128, 2, 4, 4, 2),
+            (32, n64, 128, 2, 4, 4, 4),
+            (64, n64, 128, 4, 4, 4, 2),
+            (64, n64, 64, 2, 4, 4, 3),
+            (64, n128, 64, 2, 4, 4, 2),
+            (128, n64, 128, 2, 8, 3, 1),
+            (32, n64, 256, 2, 4, 3, 4),
+            (64, n64, 256, 2, 4, 3, 2),
+        ]
     return [tuning.ShrinkConfig(*row) for row in dict.fromkeys(rows)]
 
 
 def expand_candidates(tokens):
     """(block_m, block_n, n_iters, num_warps, num_stages, ctas_per_sm[, maxnreg]) to try, by regime."""
     if tokens <= 64:
-        rows = [(16, 64, 1, 4, 1, 8), (16, 128, 1, 4, 1, 4), (16, 32, 1, 4, 1, 8), (16, 64, 1, 4, 1, 16),
-                (16, 128, 1, 4, 1, 16)]
+        rows = [(16, 64, 1, 4, 1, 8), (16, 128, 1, 4, 1, 4), (16, 32, 1, 4, 1, 8), (16, 64, 1, 4, 1, 16), (16, 128, 1, 4, 1, 16)]
     elif tokens <= 256:
-        rows = [(16, 64, 1, 4, 1, 8), (16, 128, 1, 4, 1, 8), (16, 128, 1, 4, 1, 16), (16, 256, 1, 4, 1, 8),
-                (16, 64, 2, 4, 2, 8)]
+        rows = [(16, 64, 1, 4, 1, 8), (16, 128, 1, 4, 1, 8), (16, 128, 1, 4, 1, 16), (16, 256, 1, 4, 1, 8), (16, 64, 2, 4, 2, 8)]
     elif tokens <= 2048:
-        rows = [(64, 128, 1, 4, 1, 4), (64, 128, 2, 4, 2, 2), (32, 128, 2, 4, 2, 4), (64, 64, 2, 4, 2, 4),
-                (64, 128, 4, 4, 3, 2), (32, 64, 4, 4, 2, 4)] + CAPPED_EXPAND
+        rows = [
+            (64, 128, 1, 4, 1, 4),
+            (64, 128, 2, 4, 2, 2),
+            (32, 128, 2, 4, 2, 4),
+            (64, 64, 2, 4, 2, 4),
+            (64, 128, 4, 4, 3, 2),
+            (32, 64, 4, 4, 2, 4),
+        ] + CAPPED_EXPAND
     else:
-        rows = [(64, 128, 2, 4, 2, 2), (64, 128, 4, 4, 3, 2), (64, 128, 2, 4, 3, 3), (64, 64, 4, 4, 3, 4),
-                (32, 128, 4, 4, 3, 4), (64, 256, 2, 8, 2, 2),
-                # more programs than resident CTAs, one tile each (ONE_TILE at 4096 tokens)
-                (32, 128, 4, 4, 3, 8), (32, 128, 8, 4, 3, 4), (16, 128, 4, 4, 3, 8)] + CAPPED_EXPAND
+        rows = [
+            (64, 128, 2, 4, 2, 2),
+            (64, 128, 4, 4, 3, 2),
+            (64, 128, 2, 4, 3, 3),
+            (64, 64, 4, 4, 3, 4),
+            (32, 128, 4, 4, 3, 4),
+            (64, 256, 2, 8, 2, 2),
+            # more programs than resident CTAs, one tile each (ONE_TILE at 4096 tokens)
+            (32, 128, 4, 4, 3, 8),
+            (32, 128, 8, 4, 3, 4),
+            (16, 128, 4, 4, 3, 8),
+        ] + CAPPED_EXPAND
     return [tuning.ExpandConfig(*row) for row in rows]
 
 
@@ -385,8 +422,7 @@ def expand_candidates(tokens):
 # one stage, where the uncapped rank-128 tiles held 2 blocks (12.5% occupancy, latency-bound under a
 # profiler); in a sweep they took rank-128 expands at 1,024-4,096 tokens 10-18% faster with one
 # adapter (docs/BENCHMARKS.md, "Kernels on the real layer shapes", twenty-first pass)
-CAPPED_EXPAND = [(64, 64, 4, 4, 1, 4, 128), (64, 64, 2, 4, 1, 4, 128), (64, 128, 1, 4, 1, 4, 128),
-                 (64, 128, 2, 4, 1, 3, 168)]
+CAPPED_EXPAND = [(64, 64, 4, 4, 1, 4, 128), (64, 64, 2, 4, 1, 4, 128), (64, 128, 1, 4, 1, 4, 128), (64, 128, 2, 4, 1, 3, 168)]
 
 
 def tune(args, ceil):
@@ -440,8 +476,11 @@ def tune(args, ceil):
                 table[op].setdefault(shape_key, {})[str(tokens)] = tuning.as_dict(cands[pick])
                 for cand, t, sc in zip(cands, times, scores):
                     mark = "*" if cand == cands[pick] else " "
-                    print(f"tune {op} {shape_key} T={tokens} {mark} {cand} 1 adapter {t[0]:.1f} us, "
-                          f"many {t[1]:.1f} us, score {sc:.2f}", flush=True)
+                    print(
+                        f"tune {op} {shape_key} T={tokens} {mark} {cand} 1 adapter {t[0]:.1f} us, "
+                        f"many {t[1]:.1f} us, score {sc:.2f}",
+                        flush=True,
+                    )
                 other = times[pick]  # the expand is scored with the shrink just picked
         del pool
         torch.cuda.empty_cache()
@@ -477,8 +516,10 @@ def real_benchmark(args, ceil, info):
         return
     lines = real_grid.summarize(rows, ceil["empty_launch_us"])
     if left:
-        lines.append(f"not measured (time budget {args.budget_s:.0f} s spent): {len(left)} kernel shapes, e.g. "
-                     + "; ".join(f"{k[1]} -> {'+'.join(map(str, k[2]))}" for k in left[:5]))
+        lines.append(
+            f"not measured (time budget {args.budget_s:.0f} s spent): {len(left)} kernel shapes, e.g. "
+            + "; ".join(f"{k[1]} -> {'+'.join(map(str, k[2]))}" for k in left[:5])
+        )
     lines.append(f"real-shape benchmark: {len(rows)} cases in {time.time() - started:.0f} s")
     print("\n".join(lines))
     if args.out:
@@ -508,15 +549,19 @@ def main():
     parser.add_argument("--real-tokens", default="1,3,17,255,1024,4096")
     parser.add_argument("--real-adapters", default="1,64")
     parser.add_argument("--real-kinds", default="qkv,o,gate_up,down,embedding,lm_head")
-    parser.add_argument("--real-ops", default="layer",
-                        help="--real: also time the shrink and the expand alone ('layer,shrink,expand'): real.json "
-                             "rows then hold shrink_us, expand_us and the configs the tables gave; 'dense' and "
-                             "'dense_shrink' time the cuBLAS reference (torch.mm / addmm_, no gather) of one "
-                             "adapter's linear layer and of its shrink alone (dense_us, dense_shrink_us)")
+    parser.add_argument(
+        "--real-ops",
+        default="layer",
+        help="--real: also time the shrink and the expand alone ('layer,shrink,expand'): real.json "
+        "rows then hold shrink_us, expand_us and the configs the tables gave; 'dense' and "
+        "'dense_shrink' time the cuBLAS reference (torch.mm / addmm_, no gather) of one "
+        "adapter's linear layer and of its shrink alone (dense_us, dense_shrink_us)",
+    )
     parser.add_argument("--budget-s", type=float, default=110.0, help="--real: stop starting new shapes after this")
     parser.add_argument("--warm-s", type=float, default=60.0, help="--real: compile in parallel first, at most this long")
-    parser.add_argument("--pdl", action="store_true",
-                        help="--real: decode shrinks and expands launched as programmatic dependents (sm90+)")
+    parser.add_argument(
+        "--pdl", action="store_true", help="--real: decode shrinks and expands launched as programmatic dependents (sm90+)"
+    )
     parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
     args = parser.parse_args()
     if set(args.real_ops.split(",")) - {"layer", "shrink", "expand", "dense", "dense_shrink", ""}:

@@ -25,9 +25,9 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import capture, measure_ceilings  # noqa: E402
+from bench_kernels import capture, measure_ceilings
 
-from loraserve.kernels import make_lora_meta, moe_reference, moe_route, triton_moe  # noqa: E402
+from loraserve.kernels import make_lora_meta, moe_reference, moe_route, triton_moe
 
 DEV, DTYPE, RANK, SLOTS = "cuda", torch.bfloat16, 16, 8
 SHAPES = {  # name: (hidden, expert intermediate, experts, top-k)
@@ -113,18 +113,31 @@ def run(args):
                     graph_us = do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3
                 floor, bytes_us = floor_us(shape, tokens, ids, meta, ceil)
                 best = min(t for t in (eager_us, graph_us) if t is not None)
-                rows.append(dict(shape=name, tokens=tokens, adapters=adapters, eager_us=eager_us, graph_us=graph_us,
-                                 floor_us=floor, bytes_us=bytes_us, x_floor=best / floor, check_rel_err=err))
+                rows.append(
+                    dict(
+                        shape=name,
+                        tokens=tokens,
+                        adapters=adapters,
+                        eager_us=eager_us,
+                        graph_us=graph_us,
+                        floor_us=floor,
+                        bytes_us=bytes_us,
+                        x_floor=best / floor,
+                        check_rel_err=err,
+                    )
+                )
                 print(row_text(rows[-1]), flush=True)
-        del layer, w13, w2, l13, l2, router
+        layer = w13 = w2 = l13 = l2 = router = None  # frees this shape's weights (closures hold the names)
         torch.cuda.empty_cache()
     return ceil, rows
 
 
 def row_text(r) -> str:
     graph = f"{r['graph_us']:9.1f}" if r["graph_us"] is not None else f"{'-':>9}"
-    return (f"| {r['shape']:<14} | {r['tokens']:>5} | {r['adapters']:>2} | {r['eager_us']:9.1f} | {graph} "
-            f"| {r['floor_us']:9.1f} | {r['x_floor']:6.2f} |")
+    return (
+        f"| {r['shape']:<14} | {r['tokens']:>5} | {r['adapters']:>2} | {r['eager_us']:9.1f} | {graph} "
+        f"| {r['floor_us']:9.1f} | {r['x_floor']:6.2f} |"
+    )
 
 
 def main():
@@ -133,8 +146,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tokens 1, 64, 1024 only")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {DTYPE}, rank {RANK}, {SLOTS} slots")
-    header = ["| shape          | T     | A  | eager us  | graph us  | floor us  | x floor |",
-              "|----------------|-------|----|-----------|-----------|-----------|---------|"]
+    header = [
+        "| shape          | T     | A  | eager us  | graph us  | floor us  | x floor |",
+        "|----------------|-------|----|-----------|-----------|-----------|---------|",
+    ]
     print("\n".join(header), flush=True)
     ceil, rows = run(args)
     lines = header + [row_text(r) for r in rows]

@@ -28,9 +28,8 @@ import sys
 from dataclasses import dataclass, replace
 
 import torch
-from triton.testing import do_bench
-
 from bench_kernels import BENCH_MS, DEV, DTYPE, capture, env_info, measure_ceilings, offsets_of
+from triton.testing import do_bench
 
 from loraserve.kernels import lora_expand, lora_shrink, make_lora_meta, tuning
 
@@ -173,7 +172,10 @@ def run(layer, case, layout, ceil, gen):
     del setup
     torch.cuda.empty_cache()
     return dict(
-        layer=layer, case=case[0], floor_us=floor, **{f"{k}_us": v for k, v in times.items()},
+        layer=layer,
+        case=case[0],
+        floor_us=floor,
+        **{f"{k}_us": v for k, v in times.items()},
         shrink_cfg=f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k}",
         expand_cfg=f"m{ecfg.block_m} n{ecfg.block_n}x{ecfg.n_iters}",
     )
@@ -182,28 +184,60 @@ def run(layer, case, layout, ceil, gen):
 # --sweep: launch settings to try at decode (block_m, block_n, n_iters / block_k + input columns
 # per K split, num_warps, num_stages, ctas_per_sm)
 EXPAND_SWEEP = [
-    (16, 64, 1, 4, 1, 8), (16, 128, 1, 4, 1, 8), (16, 64, 2, 4, 2, 8), (16, 64, 4, 4, 2, 4),
-    (16, 128, 2, 4, 2, 4), (16, 256, 1, 4, 1, 4), (16, 64, 1, 4, 1, 16), (16, 64, 1, 2, 1, 16),
-    (16, 128, 1, 2, 1, 8), (16, 32, 4, 4, 2, 8), (16, 128, 4, 4, 3, 4), (16, 256, 2, 8, 2, 2),
-    (16, 128, 1, 4, 1, 4), (16, 128, 1, 4, 1, 16), (16, 128, 2, 4, 2, 8), (16, 256, 1, 4, 1, 8),
-    (16, 128, 1, 8, 1, 4), (16, 64, 2, 4, 2, 4),
+    (16, 64, 1, 4, 1, 8),
+    (16, 128, 1, 4, 1, 8),
+    (16, 64, 2, 4, 2, 8),
+    (16, 64, 4, 4, 2, 4),
+    (16, 128, 2, 4, 2, 4),
+    (16, 256, 1, 4, 1, 4),
+    (16, 64, 1, 4, 1, 16),
+    (16, 64, 1, 2, 1, 16),
+    (16, 128, 1, 2, 1, 8),
+    (16, 32, 4, 4, 2, 8),
+    (16, 128, 4, 4, 3, 4),
+    (16, 256, 2, 8, 2, 2),
+    (16, 128, 1, 4, 1, 4),
+    (16, 128, 1, 4, 1, 16),
+    (16, 128, 2, 4, 2, 8),
+    (16, 256, 1, 4, 1, 8),
+    (16, 128, 1, 8, 1, 4),
+    (16, 64, 2, 4, 2, 4),
 ]
 SHRINK_SWEEP = [  # (block_m, block_n, block_k, columns per split, num_warps, num_stages, ctas_per_sm)
-    (16, 64, 64, 256, 4, 4, 8), (16, 64, 128, 256, 4, 4, 8), (16, 64, 64, 128, 4, 4, 8), (16, 32, 64, 256, 4, 4, 8),
-    (16, 64, 64, 512, 4, 2, 8), (16, 64, 64, 256, 4, 4, 16), (16, 64, 64, 256, 2, 4, 16),
+    (16, 64, 64, 256, 4, 4, 8),
+    (16, 64, 128, 256, 4, 4, 8),
+    (16, 64, 64, 128, 4, 4, 8),
+    (16, 32, 64, 256, 4, 4, 8),
+    (16, 64, 64, 512, 4, 2, 8),
+    (16, 64, 64, 256, 4, 4, 16),
+    (16, 64, 64, 256, 2, 4, 16),
 ]
 # Past decode token counts (a mixed step: prompt chunks beside one-token groups): taller tiles and
 # wider column blocks (fewer re-reads of x and A) against the decode-style short splits
 SHRINK_SWEEP_PREFILL = [
-    (64, 64, 256, 4096, 4, 3, 2), (64, 128, 128, 4096, 4, 3, 2), (64, 256, 64, 4096, 8, 3, 1),
-    (64, 128, 64, 1024, 4, 4, 2), (64, 64, 128, 1024, 4, 3, 4), (64, 128, 128, 1024, 8, 3, 2),
-    (32, 64, 128, 1024, 4, 4, 4), (32, 128, 64, 1024, 4, 4, 4), (32, 64, 128, 512, 4, 4, 4),
-    (16, 64, 128, 512, 4, 4, 8), (16, 64, 64, 256, 4, 4, 8), (128, 128, 64, 4096, 8, 3, 1),
+    (64, 64, 256, 4096, 4, 3, 2),
+    (64, 128, 128, 4096, 4, 3, 2),
+    (64, 256, 64, 4096, 8, 3, 1),
+    (64, 128, 64, 1024, 4, 4, 2),
+    (64, 64, 128, 1024, 4, 3, 4),
+    (64, 128, 128, 1024, 8, 3, 2),
+    (32, 64, 128, 1024, 4, 4, 4),
+    (32, 128, 64, 1024, 4, 4, 4),
+    (32, 64, 128, 512, 4, 4, 4),
+    (16, 64, 128, 512, 4, 4, 8),
+    (16, 64, 64, 256, 4, 4, 8),
+    (128, 128, 64, 4096, 8, 3, 1),
     (128, 64, 64, 1024, 8, 3, 2),
 ]
 EXPAND_SWEEP_PREFILL = [
-    (64, 64, 2, 4, 1, 4), (32, 128, 2, 4, 2, 4), (64, 128, 1, 4, 2, 2), (64, 128, 2, 8, 2, 2),
-    (32, 64, 2, 4, 2, 4), (16, 128, 1, 4, 1, 8), (128, 64, 2, 8, 2, 2), (64, 256, 1, 8, 2, 2),
+    (64, 64, 2, 4, 1, 4),
+    (32, 128, 2, 4, 2, 4),
+    (64, 128, 1, 4, 2, 2),
+    (64, 128, 2, 8, 2, 2),
+    (32, 64, 2, 4, 2, 4),
+    (16, 128, 1, 4, 1, 8),
+    (128, 64, 2, 8, 2, 2),
+    (64, 256, 1, 8, 2, 2),
 ]
 REGS_SWEEP = (128, 96, 80, 64)  # register caps tried on the table's own setting (maxnreg)
 SWEEP_CASES = ("8/16/32/64 in 64", "16 in 16", "64 in 64")
@@ -223,8 +257,9 @@ def _candidates(op, in_features, widths, rank, current, regs_only=False, tokens=
         else:
             block_m, block_n, block_k, per_split, warps, stages, ctas = row
             split = tuning.pow2_split(in_features, block_k, per_split)
-            cfg = tuning.ShrinkConfig(block_m, min(block_n, tuning._pow2(len(widths) * rank)), block_k, split,
-                                      warps, stages, ctas)
+            cfg = tuning.ShrinkConfig(
+                block_m, min(block_n, tuning._pow2(len(widths) * rank)), block_k, split, warps, stages, ctas
+            )
         if all(cfg != seen for _, seen in out):
             out.append((_label(op, cfg, in_features), cfg))
     for regs in REGS_SWEEP:  # the table's own setting with its registers capped, at 1x and 2x the programs
@@ -237,11 +272,15 @@ def _candidates(op, in_features, widths, rank, current, regs_only=False, tokens=
 
 def _label(op, cfg, in_features) -> str:
     if op == "expand":
-        return (f"m{cfg.block_m} n{cfg.block_n}x{cfg.n_iters} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}"
-                + _regs_label(cfg))
+        return (
+            f"m{cfg.block_m} n{cfg.block_n}x{cfg.n_iters} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}"
+            + _regs_label(cfg)
+        )
     per_split = -(-in_features // cfg.split_k)
-    return (f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k}/{per_split} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}"
-            + _regs_label(cfg))
+    return (
+        f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k}/{per_split} w{cfg.num_warps} st{cfg.num_stages} c{cfg.ctas_per_sm}"
+        + _regs_label(cfg)
+    )
 
 
 def _regs_label(cfg) -> str:
@@ -269,7 +308,10 @@ def sweep(layout, gen, out_lines, save, ops=("expand", "shrink"), case_names=SWE
         setups = [Setup.make(layer, case, layout, gen) for case in cases]
         for op in ops:
             if op == "expand":
-                shape, current = tuning.expand_key(tuple(widths), rank), tuning.expand_config(torch.device(DEV), tokens, tuple(widths), rank)
+                shape, current = (
+                    tuning.expand_key(tuple(widths), rank),
+                    tuning.expand_config(torch.device(DEV), tokens, tuple(widths), rank),
+                )
             else:
                 shape = tuning.shrink_key(in_features, len(widths), rank)
                 current = tuning.shrink_config(torch.device(DEV), tokens, in_features, len(widths), rank)
@@ -323,24 +365,38 @@ def main():
     parser.add_argument("--out", default=None, help="folder for ranks.md")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens in the step (one per sequence)")
     parser.add_argument("--adapters", type=int, default=40, help="distinct adapters among them")
-    parser.add_argument("--prompts", default="", metavar="NxL[,NxL]",
-                        help="prompt chunks beside the decode rows (a mixed step), e.g. 8x160")
+    parser.add_argument(
+        "--prompts", default="", metavar="NxL[,NxL]", help="prompt chunks beside the decode rows (a mixed step), e.g. 8x160"
+    )
     parser.add_argument("--pad-to", type=int, default=0, help="no-adapter tokens up to this many (a graph bucket)")
     parser.add_argument("--sweep", action="store_true", help="also time each launch setting of a short list per op")
     parser.add_argument("--sweep-ops", default="expand,shrink", help="the ops --sweep times (comma list)")
-    parser.add_argument("--sweep-cases", default=";".join(SWEEP_CASES),
-                        help="the cases --sweep times, by name, ';'-separated (e.g. '8/16/32/64 in 64;64 in 64')")
+    parser.add_argument(
+        "--sweep-cases",
+        default=";".join(SWEEP_CASES),
+        help="the cases --sweep times, by name, ';'-separated (e.g. '8/16/32/64 in 64;64 in 64')",
+    )
     parser.add_argument("--sweep-only", action="store_true", help="skip the table of every case (the sweep alone)")
-    parser.add_argument("--sweep-regs-only", action="store_true",
-                        help="--sweep tries only the table's own setting with its registers capped (maxnreg)")
-    parser.add_argument("--sweep-table", default=None,
-                        help="write this GPU's table plus, per layer key, the swept setting fastest on the first "
-                             "--sweep-cases case that is no more than 3%% slower on the others and at least 3%% faster "
-                             "on the first than the table's own (at --tokens); the new entry also serves nearby shapes "
-                             "and token counts by the table's nearest-entry rule (kernels/tuning.py)")
-    parser.add_argument("--launch-only", default=None, metavar="LAYER:CASE",
-                        help="launch that layer's shrink and expand eagerly 3 times each and time nothing (a target for "
-                             "a profiler, e.g. ncu -k regex:_shrink_kernel|_expand_kernel), e.g. 'gate_up:8/16/32/64 in 64'")
+    parser.add_argument(
+        "--sweep-regs-only",
+        action="store_true",
+        help="--sweep tries only the table's own setting with its registers capped (maxnreg)",
+    )
+    parser.add_argument(
+        "--sweep-table",
+        default=None,
+        help="write this GPU's table plus, per layer key, the swept setting fastest on the first "
+        "--sweep-cases case that is no more than 3%% slower on the others and at least 3%% faster "
+        "on the first than the table's own (at --tokens); the new entry also serves nearby shapes "
+        "and token counts by the table's nearest-entry rule (kernels/tuning.py)",
+    )
+    parser.add_argument(
+        "--launch-only",
+        default=None,
+        metavar="LAYER:CASE",
+        help="launch that layer's shrink and expand eagerly 3 times each and time nothing (a target for "
+        "a profiler, e.g. ncu -k regex:_shrink_kernel|_expand_kernel), e.g. 'gate_up:8/16/32/64 in 64'",
+    )
     args = parser.parse_args()
     layout = Layout(args.tokens, args.adapters, parse_prompts(args.prompts), args.pad_to)
     if args.pad_to and args.pad_to < layout.lora_tokens:
@@ -351,8 +407,10 @@ def main():
         layer, _, name = args.launch_only.partition(":")
         cases = {c[0]: c for c in CASES}
         if layer not in LAYERS or name not in cases:
-            parser.error(f"--launch-only {args.launch_only!r}: LAYER:CASE with LAYER one of {', '.join(LAYERS)} "
-                         f"and CASE one of {'; '.join(cases)}")
+            parser.error(
+                f"--launch-only {args.launch_only!r}: LAYER:CASE with LAYER one of {', '.join(LAYERS)} "
+                f"and CASE one of {'; '.join(cases)}"
+            )
         setup = Setup.make(layer, cases[name], layout, torch.Generator(device=DEV).manual_seed(0))
         (x, y, buf), (a, b) = setup.acts[0], setup.weights[0]
         for _ in range(3):
@@ -364,9 +422,13 @@ def main():
     info = env_info(ceil)
     gen = torch.Generator(device=DEV).manual_seed(0)
     lines = [f"{k}: {v}" for k, v in info.items()]
-    lines += [f"decode tokens {args.tokens}, adapters {args.adapters}, prompt chunks {list(layout.prompts) or 'none'}, "
-              f"{layout.total} tokens in all, {COPIES} layers per graph",
-              "", HEADER, "|" + "---|" * 9]
+    lines += [
+        f"decode tokens {args.tokens}, adapters {args.adapters}, prompt chunks {list(layout.prompts) or 'none'}, "
+        f"{layout.total} tokens in all, {COPIES} layers per graph",
+        "",
+        HEADER,
+        "|" + "---|" * 9,
+    ]
     print("\n".join(lines), flush=True)
     totals = {}
     for case in () if args.sweep_only else CASES:
@@ -390,19 +452,24 @@ def main():
 
     save()
     if args.sweep:
-        measured = sweep(layout, gen, lines, save, tuple(args.sweep_ops.split(",")),
-                         tuple(args.sweep_cases.split(";")), args.sweep_regs_only)
+        measured = sweep(
+            layout, gen, lines, save, tuple(args.sweep_ops.split(",")), tuple(args.sweep_cases.split(";")), args.sweep_regs_only
+        )
         if args.sweep_table:
             key = tuning.gpu_key(torch.device(DEV))
             table = json.loads(json.dumps(tuning._table(key)))  # a deep copy
             lines += ["", f"chosen for {args.sweep_table} (us per case, summed over the layers of a key):"]
             for (op, shape), (cfg, old, new) in sorted(pick(measured).items()):
                 table.setdefault(op, {}).setdefault(shape, {})[str(layout.total)] = tuning.as_dict(cfg)
-                lines.append(f"- {op} {shape} @ {layout.total} tokens: {cfg} "
-                             f"({' / '.join(f'{t:.1f}' for t in old)} -> {' / '.join(f'{t:.1f}' for t in new)})")
+                lines.append(
+                    f"- {op} {shape} @ {layout.total} tokens: {cfg} "
+                    f"({' / '.join(f'{t:.1f}' for t in old)} -> {' / '.join(f'{t:.1f}' for t in new)})"
+                )
             with open(args.sweep_table, "w") as f:
                 json.dump(table, f, indent=1, sort_keys=True)
-            print("\n".join(lines[lines.index(f"chosen for {args.sweep_table} (us per case, summed over the layers of a key):"):]))
+            print(
+                "\n".join(lines[lines.index(f"chosen for {args.sweep_table} (us per case, summed over the layers of a key):") :])
+            )
         save()
 
 

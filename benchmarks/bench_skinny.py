@@ -56,7 +56,6 @@ def candidates(grid: str) -> list[tuning.SkinnyConfig]:
     return [tuning.SkinnyConfig(n, k, w, s) for n, k, w, s in itertools.product(ns, ks, warps, stages)]
 
 
-
 def timed(fn_per_copy, copies: int) -> float:
     """Microseconds per call of fn_per_copy(i), replayed in one graph over every copy i."""
     graph = capture(lambda: [fn_per_copy(i) for i in range(copies)])
@@ -88,11 +87,26 @@ def bench_shape(kind, n, k, tokens_list, configs, ceil, l2_bytes) -> list[dict]:
             us = timed(lambda i: skinny_linear(x, weights[i], None, cfg), copies)
             if best is None or us < best:
                 best, best_cfg = us, cfg
-        rows.append(dict(kind=kind, n=n, k=k, tokens=t, floor_us=floor_us, cublas_us=cublas, skinny_us=best,
-                         config=asdict(best_cfg) if best_cfg else None, failed=failed))
-        print(f"{kind} {n}x{k} T={t}: floor {floor_us:.1f} cuBLAS {cublas:.1f} skinny "
-              f"{'-' if best is None else f'{best:.1f}'} us {best_cfg}", file=sys.stderr, flush=True)
-    del weights
+        rows.append(
+            dict(
+                kind=kind,
+                n=n,
+                k=k,
+                tokens=t,
+                floor_us=floor_us,
+                cublas_us=cublas,
+                skinny_us=best,
+                config=asdict(best_cfg) if best_cfg else None,
+                failed=failed,
+            )
+        )
+        print(
+            f"{kind} {n}x{k} T={t}: floor {floor_us:.1f} cuBLAS {cublas:.1f} skinny "
+            f"{'-' if best is None else f'{best:.1f}'} us {best_cfg}",
+            file=sys.stderr,
+            flush=True,
+        )
+    weights = None  # frees the copies (closures hold the name)
     torch.cuda.empty_cache()
     return rows
 
@@ -155,8 +169,10 @@ def main() -> None:
         cfg = f"{c['block_n']}, {c['block_k']}, {c['num_warps']}, {c['num_stages']}" if c else "-"
         skinny = "none built" if us is None else f"{us:.1f} us = {us / r['floor_us']:.2f}x"
         ratio = "-" if us is None else f"{us / r['cublas_us']:.3f}"
-        print(f"| {r['kind']} | {r['n']} x {r['k']} | {r['tokens']} | {r['floor_us']:.1f} us | "
-              f"{r['cublas_us']:.1f} us = {r['cublas_us'] / r['floor_us']:.2f}x | {skinny} | {ratio} | {cfg} |")
+        print(
+            f"| {r['kind']} | {r['n']} x {r['k']} | {r['tokens']} | {r['floor_us']:.1f} us | "
+            f"{r['cublas_us']:.1f} us = {r['cublas_us'] / r['floor_us']:.2f}x | {skinny} | {ratio} | {cfg} |"
+        )
     if args.greedy:
         print("\n".join(bench_greedy((49152, 128256), (1, 8, 64))))
     if args.table_out:

@@ -42,8 +42,13 @@ from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import common_pb2 as pb
 
 LLAMA3_8B = dict(
-    model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
 )
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -53,8 +58,15 @@ def make_adapter(directory: Path, rank: int, config: dict = LLAMA3_8B) -> int:
     c = config
     h, i, hd = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * hd
-    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    shapes = {
+        "q_proj": (h, h),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (h, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
     g = torch.Generator().manual_seed(0)
     tensors = {}
     for layer in range(c["num_hidden_layers"]):
@@ -65,10 +77,19 @@ def make_adapter(directory: Path, rank: int, config: dict = LLAMA3_8B) -> int:
             tensors[f"{key}.lora_B.weight"] = (torch.randn(fout, rank, generator=g) * 0.01).bfloat16()
     directory.mkdir(parents=True)
     save_file(tensors, directory / "adapter_model.safetensors")
-    (directory / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
-        "base_model_name_or_path": "meta-llama/Meta-Llama-3-8B", "bias": "none", "task_type": "CAUSAL_LM",
-    }))
+    (directory / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": list(TARGETS),
+                "base_model_name_or_path": "meta-llama/Meta-Llama-3-8B",
+                "bias": "none",
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
     return (directory / "adapter_model.safetensors").stat().st_size
 
 
@@ -80,12 +101,27 @@ def llama_layout(tp: int, max_rank: int = 64) -> pb.Layout:
     lay = pb.Layout(tp_size=tp, dtype="bfloat16", max_rank=max_rank, base_model="meta-llama/Meta-Llama-3-8B")
     for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}"
-        lay.modules.add(name=f"{p}.self_attn.qkv_proj", kind=pb.QKV, input_size=h, output_sizes=[h, kv, kv], head_size=hd,
-                        peft_modules=[f"{p}.self_attn.{x}_proj" for x in "qkv"])
-        lay.modules.add(name=f"{p}.self_attn.o_proj", kind=pb.ROW, input_size=h, output_sizes=[h], peft_modules=[f"{p}.self_attn.o_proj"])
-        lay.modules.add(name=f"{p}.mlp.gate_up_proj", kind=pb.MERGED_COLUMN, input_size=h, output_sizes=[i, i],
-                        peft_modules=[f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"])
-        lay.modules.add(name=f"{p}.mlp.down_proj", kind=pb.ROW, input_size=i, output_sizes=[h], peft_modules=[f"{p}.mlp.down_proj"])
+        lay.modules.add(
+            name=f"{p}.self_attn.qkv_proj",
+            kind=pb.QKV,
+            input_size=h,
+            output_sizes=[h, kv, kv],
+            head_size=hd,
+            peft_modules=[f"{p}.self_attn.{x}_proj" for x in "qkv"],
+        )
+        lay.modules.add(
+            name=f"{p}.self_attn.o_proj", kind=pb.ROW, input_size=h, output_sizes=[h], peft_modules=[f"{p}.self_attn.o_proj"]
+        )
+        lay.modules.add(
+            name=f"{p}.mlp.gate_up_proj",
+            kind=pb.MERGED_COLUMN,
+            input_size=h,
+            output_sizes=[i, i],
+            peft_modules=[f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"],
+        )
+        lay.modules.add(
+            name=f"{p}.mlp.down_proj", kind=pb.ROW, input_size=i, output_sizes=[h], peft_modules=[f"{p}.mlp.down_proj"]
+        )
     return lay
 
 
@@ -99,9 +135,24 @@ def start_store(work: Path, port: int, redis_url: str | None, prefix: str, confi
     base = work / "base"
     base.mkdir(exist_ok=True)
     (base / "config.json").write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "loraserve.cli", "--log-level", "WARNING", "store", "--listen", f"127.0.0.1:{port}",
-           "--data-dir", str(work / "store"), "--base-model", "meta-llama/Meta-Llama-3-8B", "--base-model-path", str(base),
-           "--allow-local-root", str(work)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loraserve.cli",
+        "--log-level",
+        "WARNING",
+        "store",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--data-dir",
+        str(work / "store"),
+        "--base-model",
+        "meta-llama/Meta-Llama-3-8B",
+        "--base-model-path",
+        str(base),
+        "--allow-local-root",
+        str(work),
+    ]
     if redis_url:
         cmd += ["--redis-url", redis_url, "--redis-prefix", prefix]
     proc = subprocess.Popen(cmd)
@@ -110,7 +161,7 @@ def start_store(work: Path, port: int, redis_url: str | None, prefix: str, confi
         try:
             client.list()
             return proc
-        except Exception:  # noqa: BLE001 - not up yet
+        except Exception:
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError("store did not start")
@@ -131,8 +182,12 @@ def fetch_row(client, layout, tier, backend, key, repeat):
     t_stream, (header, streamed) = timed(lambda: client.fetch_shard("llama3-r16", layout), repeat)
     assert header.cache_tier == tier and len(streamed) == len(raw), (header.cache_tier, tier)
     mb = len(raw) / 2**20
-    return (f"FetchShard from {tier}", f"{mb:.1f} MiB", f"{mb / t_stream:9.0f} MiB/s",
-            f"raw {tier} read {mb / t_raw:.0f} MiB/s; stream/raw {t_raw / t_stream:.2f}")
+    return (
+        f"FetchShard from {tier}",
+        f"{mb:.1f} MiB",
+        f"{mb / t_stream:9.0f} MiB/s",
+        f"raw {tier} read {mb / t_raw:.0f} MiB/s; stream/raw {t_raw / t_stream:.2f}",
+    )
 
 
 def cpu_seconds(pid: int) -> float:
@@ -158,8 +213,20 @@ def busy_loop(busy_ms: float, idle_ms: float):
     return run()
 
 
-def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_flight, store_pid, chunk_bytes=0,
-                       arena_bytes=0, busy: tuple[float, float] | None = None, switch_us: int = 0):
+def executor_fetch_row(
+    address,
+    layout,
+    tier,
+    raw_seconds,
+    nbytes,
+    repeat,
+    in_flight,
+    store_pid,
+    chunk_bytes=0,
+    arena_bytes=0,
+    busy: tuple[float, float] | None = None,
+    switch_us: int = 0,
+):
     """The executor's store client: request to tensors in host memory, checksum checked; with
     in_flight > 1, that many streams of the shard at once (the rate counts all their bytes).
     Also the CPU seconds each side spent per GB moved (store process; client process), which
@@ -177,8 +244,9 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
     arena = PinnedArena(arena_bytes, pin_memory=False, prefault=False) if arena_bytes else None
 
     async def run():
-        client = ExecutorStoreClient(address, layout, timeout_s=60.0, arena=arena,
-                                     **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
+        client = ExecutorStoreClient(
+            address, layout, timeout_s=60.0, arena=arena, **({"chunk_bytes": chunk_bytes} if chunk_bytes else {})
+        )
         await client.fetch_shard("llama3-r16")  # connect
         engine = asyncio.ensure_future(busy_loop(*busy)) if busy else None
         found = sys.getswitchinterval()
@@ -207,9 +275,13 @@ def executor_fetch_row(address, layout, tier, raw_seconds, nbytes, repeat, in_fl
     what = "executor client" if in_flight == 1 else f"executor client x{in_flight}"
     if busy:
         what += f", loop busy {busy[0]:g}/{busy[1]:g} ms, switch interval " + (f"{switch_us} us" if switch_us else "Python's")
-    return (f"{what}, {tier}" + (", host arena" if arena is not None else ""), f"{in_flight} x {mb:.1f} MiB", f"{in_flight * mb / seconds:9.0f} MiB/s",
-            f"{in_flight * nbytes / seconds / 1e9:.2f} GB/s; stream/raw {raw_seconds * in_flight / seconds:.2f}; "
-            f"CPU s/GB: store {store_cpu:.2f}, client {client_cpu:.2f}")
+    return (
+        f"{what}, {tier}" + (", host arena" if arena is not None else ""),
+        f"{in_flight} x {mb:.1f} MiB",
+        f"{in_flight * mb / seconds:9.0f} MiB/s",
+        f"{in_flight * nbytes / seconds / 1e9:.2f} GB/s; stream/raw {raw_seconds * in_flight / seconds:.2f}; "
+        f"CPU s/GB: store {store_cpu:.2f}, client {client_cpu:.2f}",
+    )
 
 
 BARE_METHOD = "/bench.Bare/Stream"
@@ -255,8 +327,9 @@ def bare_row(nbytes: int, chunk: int, repeat: int, in_flight: int = 1) -> tuple:
     proc = subprocess.Popen([sys.executable, __file__, "--bare-server", str(port)])
 
     async def run():
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS + BULK_OPTIONS + [
-                ("grpc.max_receive_message_length", -1)]) as channel:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", options=CHANNEL_OPTIONS + BULK_OPTIONS + [("grpc.max_receive_message_length", -1)]
+        ) as channel:
             await asyncio.wait_for(channel.channel_ready(), 30)
             method = channel.unary_stream(BARE_METHOD, request_serializer=None, response_deserializer=None)
 
@@ -282,9 +355,13 @@ def bare_row(nbytes: int, chunk: int, repeat: int, in_flight: int = 1) -> tuple:
         proc.wait(10)
     mb = nbytes / 2**20
     what = "bare gRPC stream" if in_flight == 1 else f"bare gRPC stream x{in_flight}"
-    return (what, f"{in_flight} x {mb:.1f} MiB", f"{in_flight * mb / seconds:9.0f} MiB/s",
-            f"{in_flight * nbytes / seconds / 1e9:.2f} GB/s; {chunk >> 10} KiB messages; "
-            f"CPU s/GB: server {server_cpu:.2f}, client {client_cpu:.2f}")
+    return (
+        what,
+        f"{in_flight} x {mb:.1f} MiB",
+        f"{in_flight * mb / seconds:9.0f} MiB/s",
+        f"{in_flight * nbytes / seconds / 1e9:.2f} GB/s; {chunk >> 10} KiB messages; "
+        f"CPU s/GB: server {server_cpu:.2f}, client {client_cpu:.2f}",
+    )
 
 
 def main() -> None:
@@ -295,13 +372,25 @@ def main() -> None:
     ap.add_argument("--fetch-only", action="store_true", help="skip the tp=2 and tp=8 pack rows")
     ap.add_argument("--in-flight", type=int, default=4, help="shards streamed at once by the executor client")
     ap.add_argument("--chunk-bytes", type=int, default=0, help="FetchShard chunk size asked for (0: the client's default)")
-    ap.add_argument("--arena-bytes", type=int, default=1 << 30, help="also the executor client landing shards in a "
-                    "host arena of this size, touched as shards land (as a CPU executor's default arena; 0: skip)")
-    ap.add_argument("--busy-loop", default="", metavar="BUSY/IDLE",
-                    help="also the executor client rows with a coroutine on its loop that runs Python for BUSY ms, "
-                    "then awaits IDLE ms, over and over (a serving engine's host work; e.g. 10/10)")
-    ap.add_argument("--busy-switch-us", default=f"0,{SWITCH_INTERVAL_US}",
-                    help="the busy-loop rows at each of these switch intervals (us; 0: Python's own)")
+    ap.add_argument(
+        "--arena-bytes",
+        type=int,
+        default=1 << 30,
+        help="also the executor client landing shards in a "
+        "host arena of this size, touched as shards land (as a CPU executor's default arena; 0: skip)",
+    )
+    ap.add_argument(
+        "--busy-loop",
+        default="",
+        metavar="BUSY/IDLE",
+        help="also the executor client rows with a coroutine on its loop that runs Python for BUSY ms, "
+        "then awaits IDLE ms, over and over (a serving engine's host work; e.g. 10/10)",
+    )
+    ap.add_argument(
+        "--busy-switch-us",
+        default=f"0,{SWITCH_INTERVAL_US}",
+        help="the busy-loop rows at each of these switch intervals (us; 0: Python's own)",
+    )
     ap.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)  # the bare stream's server process
     args = ap.parse_args()
     if args.bare_server:
@@ -330,22 +419,51 @@ def main() -> None:
         rows.append(fetch_row(client, layout, "disk", disk, key, args.repeat))
         raw_s, _ = timed(lambda: disk.get(key), args.repeat)
         for n in sorted({1, args.in_flight}):
-            rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "disk", raw_s, disk.size(key), args.repeat, n,
-                                           proc.pid, args.chunk_bytes))
+            rows.append(
+                executor_fetch_row(
+                    f"127.0.0.1:{port}", layout, "disk", raw_s, disk.size(key), args.repeat, n, proc.pid, args.chunk_bytes
+                )
+            )
         if args.arena_bytes:
             for n in sorted({1, args.in_flight}):
-                rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "disk", raw_s, disk.size(key), args.repeat,
-                                               n, proc.pid, args.chunk_bytes, args.arena_bytes))
+                rows.append(
+                    executor_fetch_row(
+                        f"127.0.0.1:{port}",
+                        layout,
+                        "disk",
+                        raw_s,
+                        disk.size(key),
+                        args.repeat,
+                        n,
+                        proc.pid,
+                        args.chunk_bytes,
+                        args.arena_bytes,
+                    )
+                )
         if args.busy_loop:
             busy = tuple(float(x) for x in args.busy_loop.split("/"))
             if len(busy) != 2:
                 ap.error(f"--busy-loop takes BUSY/IDLE ms, e.g. 10/10; got {args.busy_loop!r}")
             for switch_us in (int(v) for v in args.busy_switch_us.split(",")):
                 for n in sorted({1, args.in_flight}):
-                    rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "disk", raw_s, disk.size(key),
-                                                   args.repeat, n, proc.pid, args.chunk_bytes, args.arena_bytes, busy,
-                                                   switch_us))
+                    rows.append(
+                        executor_fetch_row(
+                            f"127.0.0.1:{port}",
+                            layout,
+                            "disk",
+                            raw_s,
+                            disk.size(key),
+                            args.repeat,
+                            n,
+                            proc.pid,
+                            args.chunk_bytes,
+                            args.arena_bytes,
+                            busy,
+                            switch_us,
+                        )
+                    )
         from loraserve.executor.store_client import CHUNK_BYTES
+
         for n in sorted({1, args.in_flight}):
             rows.append(bare_row(disk.size(key), args.chunk_bytes or CHUNK_BYTES, args.repeat, n))
         if args.redis_url:
@@ -356,8 +474,11 @@ def main() -> None:
             redis.put(key, disk.get(key))
             rows.append(fetch_row(client, layout, "redis", redis, key, args.repeat))
             raw_s, _ = timed(lambda: redis.get(key), args.repeat)
-            rows.append(executor_fetch_row(f"127.0.0.1:{port}", layout, "redis", raw_s, disk.size(key), args.repeat, 1,
-                                           proc.pid, args.chunk_bytes))
+            rows.append(
+                executor_fetch_row(
+                    f"127.0.0.1:{port}", layout, "redis", raw_s, disk.size(key), args.repeat, 1, proc.pid, args.chunk_bytes
+                )
+            )
     finally:
         proc.terminate()
         proc.wait(10)
@@ -366,8 +487,10 @@ def main() -> None:
             leftover.delete_prefix("")
             leftover._redis.delete(f"{prefix}:total", f"{prefix}:lru")  # the tier's counters, now 0 / empty
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\nadapter store benchmark - {platform.node()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; Llama-3-8B shapes, rank {args.rank}, all linear, bf16")
+    print(
+        f"\nadapter store benchmark - {platform.node()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
+        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; Llama-3-8B shapes, rank {args.rank}, all linear, bf16"
+    )
     print(f"| {'step':28s} | {'size':16s} | {'time / rate':14s} | note |")
     print(f"|{'-' * 30}|{'-' * 18}|{'-' * 16}|------|")
     for step, sz, t, note in rows:

@@ -20,11 +20,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+from bench_kernels import DEV, DTYPE, capture, offsets_of, token_slots
 from triton.testing import do_bench
 
-from bench_kernels import DEV, DTYPE, capture, offsets_of, token_slots
-from loraserve.kernels import lora_embedding_shrink, lora_expand, lora_shrink, make_lora_meta, model_shapes
-from loraserve.kernels import tuning
+from loraserve.kernels import lora_embedding_shrink, lora_expand, lora_shrink, make_lora_meta, model_shapes, tuning
 from loraserve.kernels.meta import ShrinkWorkspace
 
 DECODE_MAX_TOKENS = tuning.DECODE_MAX_TOKENS
@@ -244,14 +243,17 @@ def dense_lines(rows) -> list[str]:
         )
         both = [r for r in sel if "shrink_us" in r and "dense_shrink_us" in r]
         if both:
-            line += (f"; shrink / cuBLAS shrink median "
-                     f"{statistics.median(r['shrink_us'] / r['dense_shrink_us'] for r in both):.2f}")
+            line += (
+                f"; shrink / cuBLAS shrink median {statistics.median(r['shrink_us'] / r['dense_shrink_us'] for r in both):.2f}"
+            )
         by_kind = []
         for kind in model_shapes.KINDS:
             of_kind = [r for r in sel if any(a[1] == kind for a in r.get("layers", ()))]
             if of_kind:
-                by_kind.append(f"{kind} {statistics.median(r['ratio'] for r in of_kind):.2f} / "
-                               f"{statistics.median(r['dense_us'] / r['floor_us'] for r in of_kind):.2f}")
+                by_kind.append(
+                    f"{kind} {statistics.median(r['ratio'] for r in of_kind):.2f} / "
+                    f"{statistics.median(r['dense_us'] / r['floor_us'] for r in of_kind):.2f}"
+                )
         if by_kind:
             line += "; by kind, kernels / cuBLAS time over floor: " + ", ".join(by_kind)
         lines.append(line)
@@ -265,8 +267,7 @@ def row_of(name, rows) -> str:
     dec = [r for r in rows if r["tokens"] <= DECODE_MAX_TOKENS]
     pre = [r for r in rows if r["tokens"] >= PREFILL_MIN_TOKENS]
     return (
-        f"| {name} | {stats([r['adj'] for r in dec])} | {stats([r['ratio'] for r in dec])} "
-        f"| {stats([r['ratio'] for r in pre])} |"
+        f"| {name} | {stats([r['adj'] for r in dec])} | {stats([r['ratio'] for r in dec])} | {stats([r['ratio'] for r in pre])} |"
     )
 
 
@@ -299,8 +300,7 @@ def cases(tokens_list, adapters_list, kinds):
     return out
 
 
-def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=print, part=None, pdl=False,
-          ops=("layer",)):
+def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=print, part=None, pdl=False, ops=("layer",)):
     """Every kernel shape of the real layers (ordered_shapes), each rank and case, until budget_s.
 
     part (i, n): the compile-only pass of worker i of n (every n-th shape, nothing timed).
@@ -342,8 +342,10 @@ def bench(ceil, tps, ranks, tokens_list, adapters_list, kinds, budget_s, on_row=
                     sets=res["sets"], **{"in": in_features},
                 )  # fmt: skip
                 if len(ops) > 1:
-                    row.update({f"{op}_us": res[f"{op}_us"] for op in ops if f"{op}_us" in res and op != "layer"},
-                               **configs(pool, tokens))
+                    row.update(
+                        {f"{op}_us": res[f"{op}_us"] for op in ops if f"{op}_us" in res and op != "layer"},
+                        **configs(pool, tokens),
+                    )
                 rows.append(row)
                 on_row(row_text(row))
             del pool

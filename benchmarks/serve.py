@@ -62,23 +62,23 @@ import torch
 from safetensors.torch import save
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bench_engine  # noqa: E402 - the random-weight model of a shape, the weight bytes of a step
-import step_trace  # noqa: E402 - the profiler window of --profile
+import bench_engine
+import step_trace
 
-from loraserve.executor import build as executor_build  # noqa: E402
-from loraserve.executor import cublas  # noqa: E402
-from loraserve.executor.config import ExecutorConfig  # noqa: E402
-from loraserve.executor.diagnostics import slow_steps  # noqa: E402
-from loraserve.executor.engine.engine import Engine  # noqa: E402
-from loraserve.executor.engine.requests import GenerationRequest  # noqa: E402
-from loraserve.executor.engine.sampler import SamplingParams  # noqa: E402
-from loraserve.executor.lora import lora_modules  # noqa: E402
-from loraserve.executor.memory import lora_bytes_per_slot  # noqa: E402
-from loraserve.executor.slot_layout import LoraSpec  # noqa: E402
-from loraserve.executor.slot_reports import SlotObserver  # noqa: E402
-from loraserve.executor.slots import SlotManager  # noqa: E402
-from loraserve.executor.pinned_arena import ArenaShard, PinnedArena, stream_fence  # noqa: E402
-from loraserve.executor.store_client import host_buffer, shard_tensors  # noqa: E402
+from loraserve.executor import build as executor_build
+from loraserve.executor import cublas
+from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.diagnostics import slow_steps
+from loraserve.executor.engine.engine import Engine
+from loraserve.executor.engine.requests import GenerationRequest
+from loraserve.executor.engine.sampler import SamplingParams
+from loraserve.executor.lora import lora_modules
+from loraserve.executor.memory import lora_bytes_per_slot
+from loraserve.executor.pinned_arena import ArenaShard, PinnedArena, stream_fence
+from loraserve.executor.slot_layout import LoraSpec
+from loraserve.executor.slot_reports import SlotObserver
+from loraserve.executor.slots import SlotManager
+from loraserve.executor.store_client import host_buffer, shard_tensors
 
 RANKS = (8, 16, 32, 64)
 
@@ -90,8 +90,11 @@ class RandomAdapters:
     """fetch_shard for N names: adapter i has rank RANKS[i % 4]; one random tensor set per rank."""
 
     def __init__(self, model, dtype, arena: PinnedArena | None = None):
-        self.shapes = {n: (m.lora_a.shape[1:], m.lora_b.shape[1:]) for n, m in lora_modules(model).items()
-                       if m.lora_a is not None and not n.endswith(("embed_tokens", "lm_head"))}
+        self.shapes = {
+            n: (m.lora_a.shape[1:], m.lora_b.shape[1:])
+            for n, m in lora_modules(model).items()
+            if m.lora_a is not None and not n.endswith(("embed_tokens", "lm_head"))
+        }
         self.dtype, self.sets, self.blobs = dtype, {}, {}
         self.arena = arena  # where shards land, as the store client's do (the executor's arena, set once built)
 
@@ -149,11 +152,20 @@ class Counter(SlotObserver):
         self.loads: list[tuple[str, float]] = []
         self.phases: list[tuple[float, float, float]] = []  # (fetch, slot wait, copy) of each load
 
-    def slot_hit(self): self.hits += 1  # noqa: E704
-    def slot_miss(self): self.misses += 1  # noqa: E704
-    def slot_eviction(self): self.evictions += 1  # noqa: E704
-    def adapter_loaded(self, tier, seconds): self.loads.append((tier, seconds))  # noqa: E704
-    def load_phases(self, *seconds): self.phases.append(seconds)  # noqa: E704
+    def slot_hit(self):
+        self.hits += 1  # noqa: E704
+
+    def slot_miss(self):
+        self.misses += 1  # noqa: E704
+
+    def slot_eviction(self):
+        self.evictions += 1  # noqa: E704
+
+    def adapter_loaded(self, tier, seconds):
+        self.loads.append((tier, seconds))  # noqa: E704
+
+    def load_phases(self, *seconds):
+        self.phases.append(seconds)  # noqa: E704
 
 
 def phases(loads: list[tuple[float, float, float]]) -> str:
@@ -212,14 +224,18 @@ async def drive(items: list[Item], one, args) -> Result:
 
     t0 = time.perf_counter()
     if args.rate:
+
         async def at(item):
             await asyncio.sleep(max(0.0, item.arrival_s - (time.perf_counter() - t0)))
             await record(item)
+
         await asyncio.gather(*(at(i) for i in queue))
     else:
+
         async def client():
             while queue:
                 await record(queue.pop(0))
+
         await asyncio.gather(*(client() for _ in range(args.concurrency)))
     res.seconds = time.perf_counter() - t0
     return res
@@ -230,11 +246,15 @@ TEMPERATURE = 0.0  # every request's sampling temperature (--temperature; 0: gre
 
 def engine_one(engine: Engine, use_adapters: bool):
     async def one(item: Item):
-        req = GenerationRequest(adapter=item.adapter if use_adapters else "", prompt_token_ids=item.prompt,
-                                sampling=SamplingParams(max_tokens=item.output_len, temperature=TEMPERATURE))
+        req = GenerationRequest(
+            adapter=item.adapter if use_adapters else "",
+            prompt_token_ids=item.prompt,
+            sampling=SamplingParams(max_tokens=item.output_len, temperature=TEMPERATURE),
+        )
         t0 = time.perf_counter()
         times = [time.perf_counter() async for out in engine.generate(req) for _ in out.token_ids]
         return len(times), times[0] - t0, (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
     return one
 
 
@@ -242,11 +262,15 @@ def grpc_one(stub, use_adapters: bool):
     from loraserve.v1 import executor_pb2 as epb
 
     async def one(item: Item):
-        req = epb.GenerateRequest(adapter=item.adapter if use_adapters else "", token_ids=epb.TokenIds(ids=item.prompt),
-                                  sampling=epb.SamplingParams(max_tokens=item.output_len, temperature=TEMPERATURE))
+        req = epb.GenerateRequest(
+            adapter=item.adapter if use_adapters else "",
+            token_ids=epb.TokenIds(ids=item.prompt),
+            sampling=epb.SamplingParams(max_tokens=item.output_len, temperature=TEMPERATURE),
+        )
         t0 = time.perf_counter()
         times = [time.perf_counter() async for r in stub.GenerateStream(req) for _ in r.token_ids]
         return len(times), times[0] - t0, (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
     return one
 
 
@@ -268,12 +292,22 @@ def build(args, tokenizer):
     spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE)
     model = bench_engine.build_model(args.shape, args.vocab, spec)
     adapters, counter, copy_calls = RandomAdapters(model, bench_engine.DTYPE), Counter(), CopyCalls(trace=bool(args.trace_load))
-    parts = executor_build.build_engine(cfg, model, tokenizer, fetch=adapters.fetch, observer=counter,
-                                        writers=copy_calls.writers(*executor_build.slot_writers(model)), trace=copy_calls.mark)
+    parts = executor_build.build_engine(
+        cfg,
+        model,
+        tokenizer,
+        fetch=adapters.fetch,
+        observer=counter,
+        writers=copy_calls.writers(*executor_build.slot_writers(model)),
+        trace=copy_calls.mark,
+    )
     adapters.arena = arena = parts.arena  # as the executor makes it: on CUDA pinned, the CPU cache held to its share
     if arena is not None:
-        print(f"{'pinned' if bench_engine.DEVICE == 'cuda' else 'host'} arena: {arena.nbytes / 2**30:.1f} GiB, set up in {arena.pin_seconds:.1f} s (pages touched in "
-              f"{arena.fault_seconds:.1f} s); CPU cache {cfg.cpu_cache_bytes / 2**30:.1f} GiB", flush=True)
+        print(
+            f"{'pinned' if bench_engine.DEVICE == 'cuda' else 'host'} arena: {arena.nbytes / 2**30:.1f} GiB, set up in {arena.pin_seconds:.1f} s (pages touched in "
+            f"{arena.fault_seconds:.1f} s); CPU cache {cfg.cpu_cache_bytes / 2**30:.1f} GiB",
+            flush=True,
+        )
     return parts, adapters, counter, copy_calls
 
 
@@ -286,8 +320,7 @@ class StepWatch:
 
         def watched(plan):
             if all(s.num_tokens == 1 for s in plan.seqs):
-                names = {engine._runs[s.seq.seq_id].lease.name for s in plan.seqs
-                         if engine._runs[s.seq.seq_id].lease is not None}
+                names = {engine._runs[s.seq.seq_id].lease.name for s in plan.seqs if engine._runs[s.seq.seq_id].lease is not None}
                 self.steps.append((len(names), sum(adapters.nbytes(adapters.rank(n)) for n in names)))
             return flatten(plan)
 
@@ -324,7 +357,8 @@ def step_mix(engine: Engine, before: dict, name: str) -> tuple:
         own, longest = engine.slow_steps.longest
         kind = engine.step_totals[longest.kind].minus(before["steps"][longest.kind])
         note += f"; longest: {longest.kind}, " + slow_steps.describe(
-            longest, kind.seconds / max(kind.steps, 1), against="the run's mean step of its kind", own=own)
+            longest, kind.seconds / max(kind.steps, 1), against="the run's mean step of its kind", own=own
+        )
         note += f"; launched {longest.launched - before['t0']:.2f} s into the run"  # (cold loads crowd its start)
     return (f"steps, {name}", "", "", "", note)
 
@@ -334,10 +368,14 @@ def totals(engine: Engine) -> dict:
     step is tracked from here)."""
     engine.slow_steps.reset_longest()
     builds = engine.kernel_builds
-    return {"steps": {k: dataclasses.replace(v) for k, v in engine.step_totals.items()}, "deferred": engine.scheduler.deferred_steps,
-            "builds": (builds.count, builds.seconds) if builds is not None else (0, 0.0),
-            "slow": sum(engine.slow_steps.counts.values()),
-            "gc": (engine.gc_pauses.count, engine.gc_pauses.seconds), "t0": time.perf_counter()}
+    return {
+        "steps": {k: dataclasses.replace(v) for k, v in engine.step_totals.items()},
+        "deferred": engine.scheduler.deferred_steps,
+        "builds": (builds.count, builds.seconds) if builds is not None else (0, 0.0),
+        "slow": sum(engine.slow_steps.counts.values()),
+        "gc": (engine.gc_pauses.count, engine.gc_pauses.seconds),
+        "t0": time.perf_counter(),
+    }
 
 
 def pct(values: list[float], q: float) -> float:
@@ -345,8 +383,13 @@ def pct(values: list[float], q: float) -> float:
 
 
 def row(name: str, r: Result, note: str = "") -> tuple:
-    return (name, f"{r.tokens / r.seconds:.1f}", f"{pct(r.ttft, 50) * 1e3:.0f} / {pct(r.ttft, 99) * 1e3:.0f}",
-            f"{pct(r.tpot, 50) * 1e3:.1f} / {pct(r.tpot, 99) * 1e3:.1f}" if r.tpot else "-", note)
+    return (
+        name,
+        f"{r.tokens / r.seconds:.1f}",
+        f"{pct(r.ttft, 50) * 1e3:.0f} / {pct(r.ttft, 99) * 1e3:.0f}",
+        f"{pct(r.tpot, 50) * 1e3:.1f} / {pct(r.tpot, 99) * 1e3:.1f}" if r.tpot else "-",
+        note,
+    )
 
 
 # ---- transformers + PEFT ------------------------------------------------------------------------
@@ -358,10 +401,17 @@ def peft_result(args, items: list[Item]) -> Result:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     s = bench_engine.SHAPES[args.shape]
-    hf_cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
-                         num_hidden_layers=s["num_layers"], num_attention_heads=s["num_heads"],
-                         num_key_value_heads=s["num_kv_heads"], head_dim=s["head_dim"], rope_theta=s["rope_theta"],
-                         max_position_embeddings=8192)
+    hf_cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=s["hidden_size"],
+        intermediate_size=s["intermediate_size"],
+        num_hidden_layers=s["num_layers"],
+        num_attention_heads=s["num_heads"],
+        num_key_value_heads=s["num_kv_heads"],
+        head_dim=s["head_dim"],
+        rope_theta=s["rope_theta"],
+        max_position_embeddings=8192,
+    )
     default = torch.get_default_dtype()
     torch.set_default_dtype(bench_engine.DTYPE)  # built in its dtype: no float32 copy of the weights
     try:
@@ -387,8 +437,9 @@ def peft_result(args, items: list[Item]) -> Result:
         with torch.inference_mode():
             first = model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
             t1 = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=item.output_len, min_new_tokens=item.output_len, do_sample=False,
-                                 pad_token_id=0)
+            out = model.generate(
+                ids, max_new_tokens=item.output_len, min_new_tokens=item.output_len, do_sample=False, pad_token_id=0
+            )
         t2 = time.perf_counter()
         model.set_adapter("warm")
         model.delete_adapter("req")
@@ -436,10 +487,12 @@ class CopyCalls:
 
     def writers(self, copy_into_slot, queued_copy, clear_slot) -> tuple:
         """The slot writers (build.slot_writers) with each copy timed while active."""
+
         def copy(slot, tensors):
             if not self.active:
                 return copy_into_slot(slot, tensors)
             return self._copy(lambda: copy_into_slot(slot, tensors), tensors)
+
         return copy, self._begun(queued_copy), clear_slot
 
     def mark(self, step: str) -> None:
@@ -468,6 +521,7 @@ class CopyCalls:
                 if not claim or "copied" not in self.marks:
                     out = self.claim if claim else self.split
                     out[part] = out.get(part, 0.0) + time.perf_counter() - t0
+
         return timed
 
     def _begun(self, queued):
@@ -486,6 +540,7 @@ class CopyCalls:
                 self._stop_profiling()  # (on this thread, where it started)
                 return None
             return lambda: self._copy(finish, tensors, started=True)
+
         return begun
 
     def _start(self) -> None:
@@ -538,9 +593,15 @@ class CopyCalls:
         m = self.marks
         if "slot taken" not in m:
             return [0.0] * 7
-        return [m["fast path"] - t0, m["cpu cache"] - m["fast path"], m["slot picked"] - m["cpu cache"],
-                m["start"] - m["copy stream"], self.claim.get("_queued_copy", 0.0), m["slot taken"] - m["queued"],
-                self.claim.get("_planned", 0.0)]
+        return [
+            m["fast path"] - t0,
+            m["cpu cache"] - m["fast path"],
+            m["slot picked"] - m["cpu cache"],
+            m["start"] - m["copy stream"],
+            self.claim.get("_queued_copy", 0.0),
+            m["slot taken"] - m["queued"],
+            self.claim.get("_planned", 0.0),
+        ]
 
     def device(self) -> float:
         """Seconds between the events of the last copy (call after it has finished); 0 on the CPU."""
@@ -589,11 +650,16 @@ def trace_table(calls: list) -> str:
                 device[e.key] = device.get(e.key, 0.0) + getattr(e, "self_device_time_total", 0.0)
                 count[e.key] = count.get(e.key, 0) + e.count
         n = max(1, len(runs) - 1)
-        lines += [f"\n{nbytes / 2**20:.1f} MiB shard: {n} repeat copy calls; host time by op or CUDA runtime call, "
-                  "and the device time of the copies and kernels they queued (self, us per call)",
-                  "| name | host us per call | device us per call | calls per copy |", "|---|---|---|---|"]
-        lines += [f"| {k[:80]} | {t / n:.1f} | {device[k] / n:.1f} | {count[k] / n:.1f} |"
-                  for k, t in sorted(host.items(), key=lambda x: -(x[1] + device[x[0]]))[:25]]
+        lines += [
+            f"\n{nbytes / 2**20:.1f} MiB shard: {n} repeat copy calls; host time by op or CUDA runtime call, "
+            "and the device time of the copies and kernels they queued (self, us per call)",
+            "| name | host us per call | device us per call | calls per copy |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {k[:80]} | {t / n:.1f} | {device[k] / n:.1f} | {count[k] / n:.1f} |"
+            for k, t in sorted(host.items(), key=lambda x: -(x[1] + device[x[0]]))[:25]
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -625,24 +691,40 @@ async def probe(args, engine: Engine, adapters: RandomAdapters, copy_calls: Copy
                     lease.ready.synchronize()
                 t2 = time.perf_counter()
                 times.append(t2 - t0)
-                parts.append((t1 - t0, copy_calls.copy_phase_seconds(slots), copy_calls.host, copy_calls.device(), t2 - t1,
-                              *copy_calls.parts(), *copy_calls.hops(t0, t1), *copy_calls.claim_parts(t0)))
+                parts.append(
+                    (
+                        t1 - t0,
+                        copy_calls.copy_phase_seconds(slots),
+                        copy_calls.host,
+                        copy_calls.device(),
+                        t2 - t1,
+                        *copy_calls.parts(),
+                        *copy_calls.hops(t0, t1),
+                        *copy_calls.claim_parts(t0),
+                    )
+                )
                 slots.release(lease)
                 await slots.evict(name)
                 await slots.load(name, into_slot=False)
             t = statistics.median(times)
             part = [statistics.median(p[i] for p in parts) * 1e3 for i in range(len(parts[0]))]
-            rows.append((f"rank {rank}: CPU cache -> slot", f"{t * 1e3:.2f} ms", f"{nbytes / 2**20:.1f} MiB",
-                         f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms (median of {len(times)} loads; "
-                         f"{min(times) / floor:.2f}-{max(times) / floor:.2f}x); medians: acquire {part[0]:.2f} ms "
-                         f"(copy phase {part[1]:.2f}, of it the copy {part[2]:.2f}: slot targets {part[5]:.2f}, "
-                         f"signature {part[6]:.2f}, staging copy queued {part[7]:.2f}, scatter launch {part[8]:.2f}, "
-                         f"rest {part[9]:.2f}; around it: claim (and any hop onto the copy thread) {part[10]:.2f}, "
-                         f"event {part[11]:.2f}, back to the acquire's return {part[12]:.2f}), device span of the copy "
-                         f"{part[3]:.2f}, then waiting on its event {part[4]:.2f}; the claim: to _load_now {part[13]:.3f}, "
-                         f"CPU cache lookup {part[14]:.3f}, slot pick {part[15]:.3f}, switch to the copy stream {part[16]:.3f}, "
-                         f"queued-copy call (its check and staging copy) {part[17]:.3f}, slot taken {part[18]:.3f}; "
-                         f"in the call: the planned layout's lookup {part[19]:.3f}"))
+            rows.append(
+                (
+                    f"rank {rank}: CPU cache -> slot",
+                    f"{t * 1e3:.2f} ms",
+                    f"{nbytes / 2**20:.1f} MiB",
+                    f"{t / floor:.2f}x the copy floor {floor * 1e3:.2f} ms (median of {len(times)} loads; "
+                    f"{min(times) / floor:.2f}-{max(times) / floor:.2f}x); medians: acquire {part[0]:.2f} ms "
+                    f"(copy phase {part[1]:.2f}, of it the copy {part[2]:.2f}: slot targets {part[5]:.2f}, "
+                    f"signature {part[6]:.2f}, staging copy queued {part[7]:.2f}, scatter launch {part[8]:.2f}, "
+                    f"rest {part[9]:.2f}; around it: claim (and any hop onto the copy thread) {part[10]:.2f}, "
+                    f"event {part[11]:.2f}, back to the acquire's return {part[12]:.2f}), device span of the copy "
+                    f"{part[3]:.2f}, then waiting on its event {part[4]:.2f}; the claim: to _load_now {part[13]:.3f}, "
+                    f"CPU cache lookup {part[14]:.3f}, slot pick {part[15]:.3f}, switch to the copy stream {part[16]:.3f}, "
+                    f"queued-copy call (its check and staging copy) {part[17]:.3f}, slot taken {part[18]:.3f}; "
+                    f"in the call: the planned layout's lookup {part[19]:.3f}",
+                )
+            )
             await slots.evict(name)
     finally:
         copy_calls.restore()
@@ -696,13 +778,16 @@ async def load_delay(engine: Engine, vocab: int, batch: int = 8, cold: int = 4, 
     base, (worst, prev, step) = statistics.median(before), max(during, key=lambda d: d[0])
     device = f"{step.device_seconds * 1e3:.2f}" if step.device_seconds is not None else "?"
     which = f", trial {trial + 1} of {trials}" if trials > 1 else ""
-    return (f"{cold} cold loads (rank 64, fetch + slot) beside {batch} decoding requests{which}", f"{worst * 1e3:.2f} ms",
-            f"{(t2 - t1) * 1e3:.0f} ms of loads",
-            f"longest gap between steps during the loads; median before {base * 1e3:.2f} ms: "
-            f"+{worst / base - 1:.2f} steps (target <= +1); that step: launched "
-            f"{(step.launched - prev.end) * 1e3:+.2f} ms after the previous step's tokens{' (ahead)' if step.ahead else ''}, "
-            f"queued in {step.launch_seconds * 1e3:.2f} ms, device {device} ms, its tokens on the host "
-            f"{(step.end - step.launched) * 1e3:.2f} ms after its launch")
+    return (
+        f"{cold} cold loads (rank 64, fetch + slot) beside {batch} decoding requests{which}",
+        f"{worst * 1e3:.2f} ms",
+        f"{(t2 - t1) * 1e3:.0f} ms of loads",
+        f"longest gap between steps during the loads; median before {base * 1e3:.2f} ms: "
+        f"+{worst / base - 1:.2f} steps (target <= +1); that step: launched "
+        f"{(step.launched - prev.end) * 1e3:+.2f} ms after the previous step's tokens{' (ahead)' if step.ahead else ''}, "
+        f"queued in {step.launch_seconds * 1e3:.2f} ms, device {device} ms, its tokens on the host "
+        f"{(step.end - step.launched) * 1e3:.2f} ms after its launch",
+    )
 
 
 async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None = None) -> list[tuple]:
@@ -714,9 +799,16 @@ async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None
     from loraserve.executor.store_client import StoreClient
 
     s = bench_engine.SHAPES[args.shape]
-    shape = dict(model_type="llama", hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
-                 num_hidden_layers=s["num_layers"], num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"],
-                 head_dim=s["head_dim"], vocab_size=args.vocab)
+    shape = dict(
+        model_type="llama",
+        hidden_size=s["hidden_size"],
+        intermediate_size=s["intermediate_size"],
+        num_hidden_layers=s["num_layers"],
+        num_attention_heads=s["num_heads"],
+        num_key_value_heads=s["num_kv_heads"],
+        head_dim=s["head_dim"],
+        vocab_size=args.vocab,
+    )
     work = Path(tempfile.mkdtemp(prefix="serve-probe-"))
     port = bench_store.free_port()
     # blocking set-up (a store process, a PEFT adapter, its registration: seconds) off the event loop,
@@ -727,11 +819,17 @@ async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None
         await asyncio.to_thread(BlockingStoreClient(f"127.0.0.1:{port}").register, "probe-r16", str(work / "adapter"))
         model = engine.model
         layout = declare_layout(model.cfg, model.lora_spec, "meta-llama/Meta-Llama-3-8B")
-        store = StoreClient(f"127.0.0.1:{port}", layout, timeout_s=60, pin_memory=bench_engine.DEVICE == "cuda",
-                            arena=arena)
+        store = StoreClient(f"127.0.0.1:{port}", layout, timeout_s=60, pin_memory=bench_engine.DEVICE == "cuda", arena=arena)
         copy_into_slot, queued_copy, clear_slot = executor_build.slot_writers(model)
-        mgr = SlotManager(store.fetch_shard, copy_into_slot, clear_slot, max_loras=engine.slots.max_loras,
-                          max_cpu_adapters=0, device=torch.device(bench_engine.DEVICE), queued_copy=queued_copy)
+        mgr = SlotManager(
+            store.fetch_shard,
+            copy_into_slot,
+            clear_slot,
+            max_loras=engine.slots.max_loras,
+            max_cpu_adapters=0,
+            device=torch.device(bench_engine.DEVICE),
+            queued_copy=queued_copy,
+        )
         if arena is not None and mgr.copy_stream is not None:  # its copies read the arena's blocks too
             arena.fence = stream_fence(engine.slots.copy_stream, mgr.copy_stream)
         times, nbytes = [], 0
@@ -748,8 +846,14 @@ async def store_probe(args, engine: Engine, bw: float, arena: PinnedArena | None
         await store.close()
         mgr.close()
         t, floor = statistics.median(times), nbytes / bw
-        return [("rank 16: store -> slot", f"{t * 1e3:.1f} ms", f"{nbytes / 2**20:.1f} MiB",
-                 f"{t / floor:.1f}x the copy floor; stream {nbytes / t / 1e9:.2f} GB/s end to end (disk tier, loopback)")]
+        return [
+            (
+                "rank 16: store -> slot",
+                f"{t * 1e3:.1f} ms",
+                f"{nbytes / 2**20:.1f} MiB",
+                f"{t / floor:.1f}x the copy floor; stream {nbytes / t / 1e9:.2f} GB/s end to end (disk tier, loopback)",
+            )
+        ]
     finally:
         proc.terminate()
         proc.wait(10)
@@ -795,20 +899,40 @@ async def run(args, tokenizer) -> list[tuple]:
     loads = [s for _, s in counter.loads]
     rows = [
         row("base model alone", base, "the faster of two runs"),
-        row(f"loraserve, {args.adapters} adapters", mixed, f"{tps / ceiling:.2f} of the ceiling; {tps / (base.tokens / base.seconds):.2f} of base"),
-        ("ceiling the bytes allow", f"{ceiling:.1f}", "", "",
-         f"{distinct:.1f} distinct adapters per decode step, {step_adapter_bytes / 2**20:.0f} MiB of them vs "
-         f"{wbytes / 2**30:.2f} GiB of weights (at the slot rank {max(RANKS)}: {slot_bytes / 2**20:.0f} MiB, "
-         f"ceiling {(base.tokens / base.seconds) * wbytes / (wbytes + slot_bytes):.1f} tok/s)"),
-        ("slots", f"hit rate {counter.hits / max(1, counter.hits + counter.misses):.2f}", "", "",
-         f"{len(loads) / mixed.seconds:.1f} loads/s, load p50 / p99 {pct(loads, 50) * 1e3:.1f} / {pct(loads, 99) * 1e3:.1f} ms, "
-         f"{counter.evictions} evictions; loads from the CPU cache {sum(t == 'cpu' for t, _ in counter.loads)}, fetched first "
-         f"{sum(t == 'store' for t, _ in counter.loads)}; " + phases(counter.phases)
-         + (f"; {adapters.arena.misses - arena_misses} fetches found the arena full (each "
-            + ("pinned a buffer of its own)" if bench_engine.DEVICE == "cuda" else "took a fresh buffer)")
-            if adapters.arena is not None else "")),
-        base_steps, mixed_steps,
+        row(
+            f"loraserve, {args.adapters} adapters",
+            mixed,
+            f"{tps / ceiling:.2f} of the ceiling; {tps / (base.tokens / base.seconds):.2f} of base",
+        ),
+        (
+            "ceiling the bytes allow",
+            f"{ceiling:.1f}",
+            "",
+            "",
+            f"{distinct:.1f} distinct adapters per decode step, {step_adapter_bytes / 2**20:.0f} MiB of them vs "
+            f"{wbytes / 2**30:.2f} GiB of weights (at the slot rank {max(RANKS)}: {slot_bytes / 2**20:.0f} MiB, "
+            f"ceiling {(base.tokens / base.seconds) * wbytes / (wbytes + slot_bytes):.1f} tok/s)",
+        ),
+        (
+            "slots",
+            f"hit rate {counter.hits / max(1, counter.hits + counter.misses):.2f}",
+            "",
+            "",
+            f"{len(loads) / mixed.seconds:.1f} loads/s, load p50 / p99 {pct(loads, 50) * 1e3:.1f} / {pct(loads, 99) * 1e3:.1f} ms, "
+            f"{counter.evictions} evictions; loads from the CPU cache {sum(t == 'cpu' for t, _ in counter.loads)}, fetched first "
+            f"{sum(t == 'store' for t, _ in counter.loads)}; "
+            + phases(counter.phases)
+            + (
+                f"; {adapters.arena.misses - arena_misses} fetches found the arena full (each "
+                + ("pinned a buffer of its own)" if bench_engine.DEVICE == "cuda" else "took a fresh buffer)")
+                if adapters.arena is not None
+                else ""
+            ),
+        ),
+        base_steps,
+        mixed_steps,
     ]
+
     def own_ceiling() -> tuple[float, float] | None:
         """(ceiling tok/s, distinct adapters per decode step) of the decode steps watched since
         the watch was last cleared: a gRPC run is held to what its own steps' bytes allow (its
@@ -817,8 +941,7 @@ async def run(args, tokenizer) -> list[tuple]:
         if not watch.steps:
             return None
         step_bytes = statistics.mean(b for _, b in watch.steps)
-        return ((base.tokens / base.seconds) * wbytes / (wbytes + step_bytes),
-                statistics.mean(n for n, _ in watch.steps))
+        return ((base.tokens / base.seconds) * wbytes / (wbytes + step_bytes), statistics.mean(n for n, _ in watch.steps))
 
     for client in args.grpc_client if args.grpc else ():
         t_grpc = totals(engine)
@@ -829,8 +952,9 @@ async def run(args, tokenizer) -> list[tuple]:
     return rows, items, tps
 
 
-async def grpc_row(args, parts: executor_build.ExecutorParts, items: list[Item], ceiling: float, client: str,
-                   label: str = "", own=None) -> tuple:
+async def grpc_row(
+    args, parts: executor_build.ExecutorParts, items: list[Item], ceiling: float, client: str, label: str = "", own=None
+) -> tuple:
     """The workload through the executor's gRPC service on loopback. client "process": the streams
     come from another process (as a server's clients would: their Python work does not share this
     process's interpreter lock with the engine's eager launches); "in-process": from this event loop.
@@ -846,8 +970,9 @@ async def grpc_row(args, parts: executor_build.ExecutorParts, items: list[Item],
     try:
         with step_trace.labelled_steps(engine) if args.profile else contextlib.nullcontext():
             if args.profile:
-                window = asyncio.ensure_future(step_trace.profile_window(args.profile / (client + label), args.profile_after,
-                                                                             args.profile_seconds))
+                window = asyncio.ensure_future(
+                    step_trace.profile_window(args.profile / (client + label), args.profile_after, args.profile_seconds)
+                )
             if client == "process":
                 result = await asyncio.to_thread(_client_process, port, items, args)
             else:
@@ -865,8 +990,10 @@ async def grpc_row(args, parts: executor_build.ExecutorParts, items: list[Item],
     note = f"{tps / ceiling:.2f} of the ceiling"
     mine = own() if own is not None else None  # (its ceiling, its distinct adapters per decode step)
     if mine is not None:
-        note = (f"{tps / mine[0]:.2f} of its own ceiling {mine[0]:.1f} tok/s ({mine[1]:.1f} distinct adapters per "
-                f"decode step); {tps / ceiling:.2f} of the in-process run's ceiling")
+        note = (
+            f"{tps / mine[0]:.2f} of its own ceiling {mine[0]:.1f} tok/s ({mine[1]:.1f} distinct adapters per "
+            f"decode step); {tps / ceiling:.2f} of the in-process run's ceiling"
+        )
     elif own is not None:
         note += " (no decode step of this run was recorded: its own ceiling is unknown)"
     return row(f"loraserve through gRPC (client {'process' if client == 'process' else 'in this process'})", result, note)
@@ -888,8 +1015,10 @@ def _client_main(port: int, items: list[Item], concurrency: int, rate: float) ->
 
     async def go() -> Result:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            return await drive(items, grpc_one(epb_grpc.ExecutorStub(channel), True),
-                               argparse.Namespace(concurrency=concurrency, rate=rate))
+            return await drive(
+                items, grpc_one(epb_grpc.ExecutorStub(channel), True), argparse.Namespace(concurrency=concurrency, rate=rate)
+            )
+
     return asyncio.run(go())
 
 
@@ -918,8 +1047,12 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     ap.add_argument("--max-loras", type=int, default=64)
     ap.add_argument("--cpu-cache-bytes", type=int, default=0, help="0: half the available host memory")
-    ap.add_argument("--admit-ratio", type=float, default=ExecutorConfig.admit_ratio,
-                    help="admission pacing, as the executor's flag (0: admit each request at once)")
+    ap.add_argument(
+        "--admit-ratio",
+        type=float,
+        default=ExecutorConfig.admit_ratio,
+        help="admission pacing, as the executor's flag (0: admit each request at once)",
+    )
     ap.add_argument("--max-admit-delay-steps", type=int, default=ExecutorConfig.max_admit_delay_steps)
     ap.add_argument("--max-concurrent-loads", type=int, default=4, help="store fetches at once (0: no limit)")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients (and max_num_seqs)")
@@ -929,30 +1062,57 @@ def main() -> None:
     ap.add_argument("--output-len", type=span, default=(64, 256), help="lo,hi (uniform)")
     ap.add_argument("--peft-requests", type=int, default=16, help="requests run on transformers + PEFT (0: skip)")
     ap.add_argument("--grpc", action="store_true", help="also run the workload through the executor's gRPC service")
-    ap.add_argument("--grpc-client", type=lambda v: v.split(","), default=["process"],
-                    help="where the gRPC clients run: process (a child process, as remote clients), in-process "
-                         "(this event loop), or both comma-separated (one run each, in that order)")
-    ap.add_argument("--profile", type=Path, help="folder: a torch.profiler window (--profile-seconds) over each gRPC run, "
-                    "summarized by step kind on stderr (benchmarks/step_trace.py)")
+    ap.add_argument(
+        "--grpc-client",
+        type=lambda v: v.split(","),
+        default=["process"],
+        help="where the gRPC clients run: process (a child process, as remote clients), in-process "
+        "(this event loop), or both comma-separated (one run each, in that order)",
+    )
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        help="folder: a torch.profiler window (--profile-seconds) over each gRPC run, "
+        "summarized by step kind on stderr (benchmarks/step_trace.py)",
+    )
     ap.add_argument("--profile-after", type=float, default=4.0, help="seconds into the gRPC run the window opens")
     ap.add_argument("--profile-seconds", type=float, default=2.0, help="how long the window stays open")
     ap.add_argument("--probe", action="store_true", help="measure the adapter load path instead of a workload")
     ap.add_argument("--probe-loads", type=int, default=5, help="cold loads per rank in the probe (their median is reported)")
-    ap.add_argument("--probe-loads-only", action="store_true",
-                    help="the probe's CPU cache -> slot loads only (not the loads beside decoding, nor store -> slot)")
-    ap.add_argument("--delay-trials", type=int, default=3,
-                    help="with --probe: times the cold loads beside decoding requests are measured, each with "
-                         "adapters no earlier trial loaded (one row each)")
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help="every request's sampling temperature, in-process, through gRPC and in the probe's "
-                         "decoding requests (0, the default: greedy; transformers + PEFT decodes greedily)")
-    ap.add_argument("--profile-load", type=Path, metavar="FILE",
-                    help="with --probe: cProfile switched on over each cold load's acquire (the slot's claim, "
-                         "the copy call when the loop makes it, the event; from Python 3.12 whatever other "
-                         "threads run meanwhile too), by cumulative and by own time, into FILE")
-    ap.add_argument("--trace-load", type=Path, metavar="FILE",
-                    help="with --probe: torch.profiler of the same calls (torch ops and CUDA runtime calls, host "
-                         "time each, no Python-level overhead), a table into FILE; the probe's own times then include the profiler's")
+    ap.add_argument(
+        "--probe-loads-only",
+        action="store_true",
+        help="the probe's CPU cache -> slot loads only (not the loads beside decoding, nor store -> slot)",
+    )
+    ap.add_argument(
+        "--delay-trials",
+        type=int,
+        default=3,
+        help="with --probe: times the cold loads beside decoding requests are measured, each with "
+        "adapters no earlier trial loaded (one row each)",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's sampling temperature, in-process, through gRPC and in the probe's "
+        "decoding requests (0, the default: greedy; transformers + PEFT decodes greedily)",
+    )
+    ap.add_argument(
+        "--profile-load",
+        type=Path,
+        metavar="FILE",
+        help="with --probe: cProfile switched on over each cold load's acquire (the slot's claim, "
+        "the copy call when the loop makes it, the event; from Python 3.12 whatever other "
+        "threads run meanwhile too), by cumulative and by own time, into FILE",
+    )
+    ap.add_argument(
+        "--trace-load",
+        type=Path,
+        metavar="FILE",
+        help="with --probe: torch.profiler of the same calls (torch ops and CUDA runtime calls, host "
+        "time each, no Python-level overhead), a table into FILE; the probe's own times then include the profiler's",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if bad := set(args.grpc_client) - {"process", "in-process"}:
@@ -972,6 +1132,7 @@ def main() -> None:
     tokenizer = None
     if args.tokenizer:
         from loraserve.executor.model.tokenizer import Tokenizer
+
         tokenizer = Tokenizer.from_pretrained(args.tokenizer)
         tokenizer.eos_token_ids = set()
     rows, items, tps = asyncio.run(run(args, tokenizer or word_tokenizer(args.vocab)))
@@ -982,19 +1143,28 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
         peft = peft_result(args, items)
-        rows.append(row(f"transformers + PEFT ({min(args.peft_requests, len(items))} requests)", peft,
-                        f"loraserve / this = {tps / (peft.tokens / peft.seconds):.1f}x"))
+        rows.append(
+            row(
+                f"transformers + PEFT ({min(args.peft_requests, len(items))} requests)",
+                peft,
+                f"loraserve / this = {tps / (peft.tokens / peft.seconds):.1f}x",
+            )
+        )
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"\nserve benchmark - {args.shape} shape, random {str(bench_engine.DTYPE).removeprefix('torch.')} weights, {where}, "
-          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
-          + (f"; sampled at temperature {TEMPERATURE:g}" if TEMPERATURE else "; greedy"))
+    print(
+        f"\nserve benchmark - {args.shape} shape, random {str(bench_engine.DTYPE).removeprefix('torch.')} weights, {where}, "
+        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+        + (f"; sampled at temperature {TEMPERATURE:g}" if TEMPERATURE else "; greedy")
+    )
     if args.probe:
         print("| case | time | size | note |\n|---|---|---|---|")
     else:
-        print(f"{args.adapters} adapters (ranks {'/'.join(map(str, RANKS))}, all linear), Zipf alpha {args.alpha}, "
-              f"max_loras {args.max_loras} , {f'Poisson {args.rate}/s' if args.rate else f'closed loop of {args.concurrency}'}, "
-              f"{args.requests} requests, prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output "
-              f"{args.output_len[0]}-{args.output_len[1]} tokens")
+        print(
+            f"{args.adapters} adapters (ranks {'/'.join(map(str, RANKS))}, all linear), Zipf alpha {args.alpha}, "
+            f"max_loras {args.max_loras} , {f'Poisson {args.rate}/s' if args.rate else f'closed loop of {args.concurrency}'}, "
+            f"{args.requests} requests, prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output "
+            f"{args.output_len[0]}-{args.output_len[1]} tokens"
+        )
         print("| case | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | note |\n|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import random
 import shutil
 import signal
@@ -60,15 +59,25 @@ def make_model_and_adapters(root: Path, n_adapters: int) -> tuple[Path, list[Pat
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, eos_token_id=255)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        eos_token_id=255,
+    )
     model = LlamaForCausalLM(cfg).eval()
     model.save_pretrained(root / "model")
     targets = [("q_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj"), ("o_proj",), ("k_proj", "o_proj", "down_proj")]
     adapters = []
     for i in range(n_adapters):
         torch.manual_seed(100 + i)
-        peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4 + 2 * (i % 3), lora_alpha=8, target_modules=list(targets[i % 4])))
+        peft = get_peft_model(
+            copy.deepcopy(model), LoraConfig(r=4 + 2 * (i % 3), lora_alpha=8, target_modules=list(targets[i % 4]))
+        )
         with torch.no_grad():
             for n, p in peft.named_parameters():
                 if "lora_B" in n:
@@ -86,15 +95,44 @@ class Services:
         self.store_port, self.exec_port = free_port(), free_port()
         self.redis_port = free_port() if shutil.which("redis-server") and not args.no_redis else None
         self.redis = self.store = self.executor = None
-        self.store_args = [LORASERVE, "--log-level", "WARNING", "store", "--listen", f"127.0.0.1:{self.store_port}",
-                           "--data-dir", str(root / "store"), "--base-model", "soak", "--base-model-path", str(model),
-                           "--allow-local-root", str(adapters_root), "--drain-grace-s", "2"]
+        self.store_args = [
+            LORASERVE,
+            "--log-level",
+            "WARNING",
+            "store",
+            "--listen",
+            f"127.0.0.1:{self.store_port}",
+            "--data-dir",
+            str(root / "store"),
+            "--base-model",
+            "soak",
+            "--base-model-path",
+            str(model),
+            "--allow-local-root",
+            str(adapters_root),
+            "--drain-grace-s",
+            "2",
+        ]
         if self.redis_port:
             self.store_args += ["--redis-url", f"redis://127.0.0.1:{self.redis_port}/0", "--redis-prefix", "soak:"]
 
     def start_redis(self):
-        self.redis = subprocess.Popen(["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-                                       "--appendonly", "no", "--dir", str(self.root)], stdout=subprocess.DEVNULL)
+        self.redis = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.root),
+            ],
+            stdout=subprocess.DEVNULL,
+        )
 
     def start_store(self):
         self.store = subprocess.Popen(self.store_args, stdout=subprocess.DEVNULL, stderr=open(self.root / "store.log", "a"))
@@ -102,13 +140,49 @@ class Services:
     def start_executor(self):
         a = self.args
         self.executor = subprocess.Popen(
-            [LORASERVE, "--log-level", "WARNING", "executor", "--model", str(self.model), "--base-model", "soak",
-             "--device", a.device, "--store", f"127.0.0.1:{self.store_port}", "--executor-listen", f"127.0.0.1:{self.exec_port}",
-             "--max-loras", str(a.max_loras), "--max-cpu-adapters", str(a.max_cpu_adapters), "--max-lora-rank", "8",
-             "--max-num-seqs", str(a.max_num_seqs), "--num-blocks", "4096", "--block-size", "16", "--max-model-len", "512",
-             "--adapter-refresh-s", "1", "--store-timeout-s", "2", "--slot-wait-timeout-s", "30", "--cache-dir", "",
-             "--drain-grace-s", "5"],
-            stdout=subprocess.DEVNULL, stderr=open(self.root / "executor.log", "a"))
+            [
+                LORASERVE,
+                "--log-level",
+                "WARNING",
+                "executor",
+                "--model",
+                str(self.model),
+                "--base-model",
+                "soak",
+                "--device",
+                a.device,
+                "--store",
+                f"127.0.0.1:{self.store_port}",
+                "--executor-listen",
+                f"127.0.0.1:{self.exec_port}",
+                "--max-loras",
+                str(a.max_loras),
+                "--max-cpu-adapters",
+                str(a.max_cpu_adapters),
+                "--max-lora-rank",
+                "8",
+                "--max-num-seqs",
+                str(a.max_num_seqs),
+                "--num-blocks",
+                "4096",
+                "--block-size",
+                "16",
+                "--max-model-len",
+                "512",
+                "--adapter-refresh-s",
+                "1",
+                "--store-timeout-s",
+                "2",
+                "--slot-wait-timeout-s",
+                "30",
+                "--cache-dir",
+                "",
+                "--drain-grace-s",
+                "5",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.root / "executor.log", "a"),
+        )
 
     def stop_all(self):
         for p in (self.executor, self.store, self.redis):
@@ -132,7 +206,9 @@ async def wait_ready(call, timeout: float = 120):
 async def generate(stub, adapter: str, ids: list[int], max_tokens: int, timeout: float) -> tuple[str, list[int], float]:
     """(status code name, tokens, seconds) of one greedy stream."""
     t0, tokens, finished = time.monotonic(), [], False
-    req = epb.GenerateRequest(adapter=adapter, token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(max_tokens=max_tokens))
+    req = epb.GenerateRequest(
+        adapter=adapter, token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(max_tokens=max_tokens)
+    )
     try:
         async for part in stub.GenerateStream(req, timeout=timeout):
             tokens += part.token_ids
@@ -227,8 +303,10 @@ async def soak(args, root: Path) -> dict:
                 code, tokens, secs = await generate(stub, adapter, prompts[p], args.max_tokens, args.request_timeout_s)
                 results.append((code, tokens == solo[(adapter, p)] if code == "OK" else None, secs))
 
-        side = [asyncio.create_task(admin_churn(stub, names, stop, admin_counts, rng)),
-                asyncio.create_task(faults(svc, kinds, stop, fault_log, args.fault_s))]
+        side = [
+            asyncio.create_task(admin_churn(stub, names, stop, admin_counts, rng)),
+            asyncio.create_task(faults(svc, kinds, stop, fault_log, args.fault_s)),
+        ]
         t0 = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         wall = time.monotonic() - t0
@@ -254,8 +332,17 @@ async def soak(args, root: Path) -> dict:
     unexpected = {c: n for c, n in codes.items() if c != "OK" and c not in ACCEPTABLE}
     q = statistics.quantiles(ok_secs, n=100) if len(ok_secs) >= 2 else [0.0] * 99
     return dict(
-        requests=len(results), launched=launched[0], codes=dict(codes), differing=differing, in_use_at_end=in_use,
-        p50_s=q[49], p99_s=q[98], wall_s=wall, faults=fault_log, admin=dict(admin_counts), redis=bool(svc.redis_port),
+        requests=len(results),
+        launched=launched[0],
+        codes=dict(codes),
+        differing=differing,
+        in_use_at_end=in_use,
+        p50_s=q[49],
+        p99_s=q[98],
+        wall_s=wall,
+        faults=fault_log,
+        admin=dict(admin_counts),
+        redis=bool(svc.redis_port),
         ok=len(results) == launched[0] and differing == 0 and in_use == 0 and not unexpected and codes["OK"] > 0,
     )
 
@@ -284,11 +371,15 @@ def main(argv=None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))
-    print(f"| requests | concurrency | adapters (+base) | wall s | OK | errors by code | p50 s | p99 s | outputs differing | in use at end |")
+    print(
+        "| requests | concurrency | adapters (+base) | wall s | OK | errors by code | p50 s | p99 s | outputs differing | in use at end |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     errors = ", ".join(f"{c} {n}" for c, n in sorted(r["codes"].items()) if c != "OK") or "none"
-    print(f"| {r['requests']} | {args.concurrency} | {args.adapters} | {r['wall_s']:.1f} | {r['codes'].get('OK', 0)} | {errors} | "
-          f"{r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['differing']} | {r['in_use_at_end']} |")
+    print(
+        f"| {r['requests']} | {args.concurrency} | {args.adapters} | {r['wall_s']:.1f} | {r['codes'].get('OK', 0)} | {errors} | "
+        f"{r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['differing']} | {r['in_use_at_end']} |"
+    )
     print(f"faults: {'; '.join(r['faults']) or 'none'} (redis {'private, killed in turn' if r['redis'] else 'off'})")
     print(f"admin: {', '.join(f'{k} {v}' for k, v in sorted(r['admin'].items()))}")
     print("PASS" if r["ok"] else "FAIL")

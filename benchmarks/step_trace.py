@@ -124,10 +124,13 @@ def breakdown_of(events: list[dict], runs: int, top: int = 12) -> list[str]:
     for e in work:
         groups[kernel_group(e["name"])] += e["dur"] / runs
         names[e["name"]] += e["dur"] / runs
-    out = [f"per replay: span {span:.1f} us, kernels busy {busy:.1f} us ({busy / span:.0%}), idle between "
-           f"kernels {span - busy:.1f} us, {len(work) / runs:.0f} kernels; kernel time (overlapping streams "
-           "counted twice) by group:",
-           "| group | us per replay |", "|---|---|"]
+    out = [
+        f"per replay: span {span:.1f} us, kernels busy {busy:.1f} us ({busy / span:.0%}), idle between "
+        f"kernels {span - busy:.1f} us, {len(work) / runs:.0f} kernels; kernel time (overlapping streams "
+        "counted twice) by group:",
+        "| group | us per replay |",
+        "|---|---|",
+    ]
     out += [f"| {g} | {t:.1f} |" for g, t in sorted(groups.items(), key=lambda x: -x[1])]
     out += ["| kernel | us per replay |", "|---|---|"]
     out += [f"| {n[:90]} | {t:.1f} |" for n, t in sorted(names.items(), key=lambda x: -x[1])[:top]]
@@ -149,8 +152,11 @@ def _read_trace(path: Path):
     thread -> its runtime calls as sorted (ts, correlation)) of a saved trace."""
     with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as f:
         events = json.load(f)["traceEvents"]
-    steps = [e for e in events  # the host's labels (the profiler repeats them on the GPU's timeline)
-             if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(LABEL)]
+    steps = [
+        e
+        for e in events  # the host's labels (the profiler repeats them on the GPU's timeline)
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(LABEL)
+    ]
     runtime = [e for e in events if e.get("ph") == "X" and e.get("cat") in _RUNTIME and "correlation" in e.get("args", {})]
     device = [e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE and "correlation" in e.get("args", {})]
     by_corr = defaultdict(list)
@@ -167,7 +173,9 @@ def _read_trace(path: Path):
 def _step_calls(step, by_thread) -> list[tuple[float, int]]:
     """The (ts, correlation) of the runtime calls the step's thread made inside its label."""
     calls = by_thread.get(step["tid"], [])
-    return calls[bisect.bisect_left(calls, (step["ts"], -1)) : bisect.bisect_right(calls, (step["ts"] + step["dur"], float("inf")))]
+    return calls[
+        bisect.bisect_left(calls, (step["ts"], -1)) : bisect.bisect_right(calls, (step["ts"] + step["dur"], float("inf")))
+    ]
 
 
 def summarize(path: Path, top: int = 15) -> list[str]:
@@ -180,7 +188,7 @@ def summarize(path: Path, top: int = 15) -> list[str]:
     mine = set()  # correlations of the labelled steps' device work
     longest = None  # (device span us, kind, first, last, its correlations, runtime calls) of the longest step
     for s in steps:
-        kind = s["name"][len(LABEL):]
+        kind = s["name"][len(LABEL) :]
         calls = _step_calls(s, by_thread)
         work = [k for _, c in calls for k in by_corr.get(c, [])]  # a graph's kernels: its launch's
         mine.update(c for _, c in calls)
@@ -188,14 +196,15 @@ def summarize(path: Path, top: int = 15) -> list[str]:
         span = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
         rows[kind].append((s["dur"] / 1e3, span / 1e3, _union(spans) / 1e3, len(calls)))
         if spans and (longest is None or span > longest[0]):
-            longest = (span, kind, min(a for a, _ in spans), max(b for _, b in spans), {c for _, c in calls},
-                       _union(spans))
+            longest = (span, kind, min(a for a, _ in spans), max(b for _, b in spans), {c for _, c in calls}, _union(spans))
         for k in work:
             kernels[kind][k["name"]] += k["dur"]
             groups[kind][kernel_group(k["name"])] += k["dur"]
-    out = [f"trace {path}: {len(steps)} labelled steps",
-           "| step kind | steps | host launch ms | device span ms | device busy ms | busy / span | runtime calls |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        f"trace {path}: {len(steps)} labelled steps",
+        "| step kind | steps | host launch ms | device span ms | device busy ms | busy / span | runtime calls |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for kind, rs in sorted(rows.items()):
         n = len(rs)
         host, span, busy, calls = (sum(r[i] for r in rs) / n for i in range(4))
@@ -205,16 +214,18 @@ def summarize(path: Path, top: int = 15) -> list[str]:
     # (the profiler's window also holds work before the first step and after the last)
     lo_ts = min((s["ts"] for s in steps), default=0.0)
     hi_ts = max((s["ts"] + s["dur"] for s in steps), default=0.0)
-    other = [e for e in device if e["args"]["correlation"] not in mine
-             and e["ts"] < hi_ts and e["ts"] + e["dur"] > lo_ts]
+    other = [e for e in device if e["args"]["correlation"] not in mine and e["ts"] < hi_ts and e["ts"] + e["dur"] > lo_ts]
     if other and steps:
         window = (hi_ts - lo_ts) / 1e3
         by_group = defaultdict(float)
         for e in other:
             by_group[kernel_group(e["name"])] += e["dur"] / 1e3
-        out.append(f"device work outside the steps: {len(other)} kernels / copies, {sum(by_group.values()):.2f} ms "
-                   f"over the {window:.0f} ms of labelled steps (" + ", ".join(
-                       f"{g} {t:.2f}" for g, t in sorted(by_group.items(), key=lambda x: -x[1])) + ")")
+        out.append(
+            f"device work outside the steps: {len(other)} kernels / copies, {sum(by_group.values()):.2f} ms "
+            f"over the {window:.0f} ms of labelled steps ("
+            + ", ".join(f"{g} {t:.2f}" for g, t in sorted(by_group.items(), key=lambda x: -x[1]))
+            + ")"
+        )
     if longest is not None:  # what else the device ran while the longest step ran: another step's
         # kernels (steps launched ahead), or work no step launched (slot loads and clears)
         span, kind, first, last, own, busy = longest
@@ -222,15 +233,23 @@ def summarize(path: Path, top: int = 15) -> list[str]:
         by_group = defaultdict(float)
         for e in beside:
             by_group[("a step's " if e["args"]["correlation"] in mine else "no step's ") + kernel_group(e["name"])] += (
-                min(last, e["ts"] + e["dur"]) - max(first, e["ts"])) / 1e3
-        out.append(f"longest step: {kind}, device span {span / 1e3:.2f} ms, its kernels busy {busy / 1e3:.2f} ms; "
-                   f"beside it on the device: {len(beside)} kernels / copies"
-                   + (" (" + ", ".join(f"{g} {t:.2f} ms" for g, t in sorted(by_group.items(), key=lambda x: -x[1])) + ")"
-                      if beside else ""))
+                min(last, e["ts"] + e["dur"]) - max(first, e["ts"])
+            ) / 1e3
+        out.append(
+            f"longest step: {kind}, device span {span / 1e3:.2f} ms, its kernels busy {busy / 1e3:.2f} ms; "
+            f"beside it on the device: {len(beside)} kernels / copies"
+            + (
+                " (" + ", ".join(f"{g} {t:.2f} ms" for g, t in sorted(by_group.items(), key=lambda x: -x[1])) + ")"
+                if beside
+                else ""
+            )
+        )
     for kind in sorted(kernels):
         n = len(rows[kind])
-        out.append(f"{kind} steps: device time per step by group (ms): "
-                   + ", ".join(f"{g} {t / n / 1e3:.2f}" for g, t in sorted(groups[kind].items(), key=lambda x: -x[1])))
+        out.append(
+            f"{kind} steps: device time per step by group (ms): "
+            + ", ".join(f"{g} {t / n / 1e3:.2f}" for g, t in sorted(groups[kind].items(), key=lambda x: -x[1]))
+        )
         out += [f"| kernel ({kind} steps) | ms per step |", "|---|---|"]
         for name, t in sorted(kernels[kind].items(), key=lambda x: -x[1])[:top]:
             out.append(f"| {name[:90]} | {t / n / 1e3:.3f} |")
@@ -255,10 +274,15 @@ def longest_detail(path: Path, gaps: int = 5) -> list[str]:
         return ["no labelled step with device work in the trace"]
     span, s, work, calls = best
     t0 = s["ts"]
-    out = [f"longest step: {s['name'][len(LABEL):]}, host label {s['dur'] / 1e3:.2f} ms from {t0}, device span "
-           f"{span / 1e3:.2f} ms, {len(work)} device items from {len(calls)} runtime calls; times in ms from the label's start"]
-    out += [f"  {k['ts'] - t0 >= 0 and '+' or ''}{(k['ts'] - t0) / 1e3:.3f} {k['cat']} {k['name'][:60]} "
-            f"({k['dur'] / 1e3:.3f} ms, stream {k.get('args', {}).get('stream', k['tid'])})" for k in work[:6]]
+    out = [
+        f"longest step: {s['name'][len(LABEL) :]}, host label {s['dur'] / 1e3:.2f} ms from {t0}, device span "
+        f"{span / 1e3:.2f} ms, {len(work)} device items from {len(calls)} runtime calls; times in ms from the label's start"
+    ]
+    out += [
+        f"  {k['ts'] - t0 >= 0 and '+' or ''}{(k['ts'] - t0) / 1e3:.3f} {k['cat']} {k['name'][:60]} "
+        f"({k['dur'] / 1e3:.3f} ms, stream {k.get('args', {}).get('stream', k['tid'])})"
+        for k in work[:6]
+    ]
     holes = sorted(((b["ts"] - (a["ts"] + a["dur"]), a, b) for a, b in zip(work, work[1:])), key=lambda h: -h[0])[:gaps]
     others = [e for e in device if e["args"]["correlation"] not in stepped]
     for hole, a, b in holes:
@@ -268,9 +292,11 @@ def longest_detail(path: Path, gaps: int = 5) -> list[str]:
         for e in inside:
             names[f"{e['cat']} {e['name'][:50]} (stream {e.get('args', {}).get('stream', e['tid'])})"][0] += 1
             names[f"{e['cat']} {e['name'][:50]} (stream {e.get('args', {}).get('stream', e['tid'])})"][1] += e["dur"] / 1e3
-        out.append(f"gap {hole / 1e3:.3f} ms at +{(lo - t0) / 1e3:.3f}, after {a['name'][:40]}, before {b['cat']} "
-                   f"{b['name'][:40]}; beside it: " + ("; ".join(f"{n} x{c} {d:.2f} ms" for n, (c, d) in names.items())
-                                                          or "nothing of another stream"))
+        out.append(
+            f"gap {hole / 1e3:.3f} ms at +{(lo - t0) / 1e3:.3f}, after {a['name'][:40]}, before {b['cat']} "
+            f"{b['name'][:40]}; beside it: "
+            + ("; ".join(f"{n} x{c} {d:.2f} ms" for n, (c, d) in names.items()) or "nothing of another stream")
+        )
     return out
 
 

@@ -62,15 +62,24 @@ def slot_writers(model) -> tuple[CopyIntoSlot, QueuedCopy, Callable[[int], None]
     """How shards reach `model`'s LoRA slots (executor/slot_load.py), as the slot manager takes them:
     (copy_into_slot, queued_copy, clear_slot)."""
     modules = lora_modules(model)
-    return (lambda slot, tensors: load_shard_into_slot(model, slot, tensors),
-            lambda slot, tensors: queued_load(model, slot, tensors),
-            lambda slot: clear_slot(modules.values(), slot))
+    return (
+        lambda slot, tensors: load_shard_into_slot(model, slot, tensors),
+        lambda slot, tensors: queued_load(model, slot, tensors),
+        lambda slot: clear_slot(modules.values(), slot),
+    )
 
 
-def build_engine(cfg: ExecutorConfig, model, tokenizer, *, ranks: TPRanks | None = None,
-                 fetch: FetchShard | None = None, observer: SlotObserver | None = None,
-                 writers: tuple[CopyIntoSlot, QueuedCopy, Callable[[int], None]] | None = None,
-                 trace: Callable[[str], None] | None = None) -> ExecutorParts:
+def build_engine(
+    cfg: ExecutorConfig,
+    model,
+    tokenizer,
+    *,
+    ranks: TPRanks | None = None,
+    fetch: FetchShard | None = None,
+    observer: SlotObserver | None = None,
+    writers: tuple[CopyIntoSlot, QueuedCopy, Callable[[int], None]] | None = None,
+    trace: Callable[[str], None] | None = None,
+) -> ExecutorParts:
     """The executor around `model` (its LoRA slot buffers built; with max_loras 0, one slot until the
     KV cache is in place): KV cache, max_loras and CPU cache bytes resolved (`resolve_adapter_memory`),
     host arena, store client, slot manager, engine. fetch: the slot manager's fetch function
@@ -78,22 +87,33 @@ def build_engine(cfg: ExecutorConfig, model, tokenizer, *, ranks: TPRanks | None
     of slot events (default: the executor's metrics, which then also count requests in
     ExecutorParts.generate). writers: `slot_writers(model)` or wrappers of them. trace: SlotManager's."""
     mc = model.cfg
-    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads, mc.head_dim, cfg.torch_dtype,
-                 cfg.device)
+    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
     modules = lora_modules(model)
     resolve_adapter_memory(cfg, model, modules)
     arena = pinned_arena(cfg, memory.lora_bytes_per_slot(modules))
-    store = StoreClient(cfg.store_address, declare_layout(mc, model.lora_spec, cfg.base_model, cfg.tp_size, cfg.ep_size),
-                        timeout_s=cfg.store_timeout_s, tls=cfg.store_tls, pin_memory=cfg.torch_device.type == "cuda",
-                        arena=arena)
+    store = StoreClient(
+        cfg.store_address,
+        declare_layout(mc, model.lora_spec, cfg.base_model, cfg.tp_size, cfg.ep_size),
+        timeout_s=cfg.store_timeout_s,
+        tls=cfg.store_tls,
+        pin_memory=cfg.torch_device.type == "cuda",
+        arena=arena,
+    )
     metrics = ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters) if observer is None else None
     fetch = fetch or store.fetch_shard
     copy_into_slot, queued_copy, clear = writers or slot_writers(model)
     slots = SlotManager(
-        fetch if ranks is None else ranks.fetching(fetch), copy_into_slot, clear,
-        max_loras=cfg.max_loras, max_cpu_adapters=cfg.max_cpu_adapters or None, cpu_cache_bytes=cfg.cpu_cache_bytes,
-        device=cfg.torch_device, slot_wait_timeout_s=cfg.slot_wait_timeout_s,
-        max_concurrent_loads=cfg.max_concurrent_loads, observer=metrics or observer, queued_copy=queued_copy,
+        fetch if ranks is None else ranks.fetching(fetch),
+        copy_into_slot,
+        clear,
+        max_loras=cfg.max_loras,
+        max_cpu_adapters=cfg.max_cpu_adapters or None,
+        cpu_cache_bytes=cfg.cpu_cache_bytes,
+        device=cfg.torch_device,
+        slot_wait_timeout_s=cfg.slot_wait_timeout_s,
+        max_concurrent_loads=cfg.max_concurrent_loads,
+        observer=metrics or observer,
+        queued_copy=queued_copy,
         trace=trace,
     )
     if arena is not None and slots.copy_stream is not None:  # a released block is reused once earlier slot copies ran
@@ -118,8 +138,12 @@ def resolve_adapter_memory(cfg: ExecutorConfig, model, modules) -> None:
         else:
             cfg.max_loras = memory.CPU_MAX_LORAS
         memory.resize_slots(model, modules, cfg.max_loras)
-    log.info("adapters: %d GPU slots, CPU cache of %.1f GiB%s", cfg.max_loras, cfg.cpu_cache_bytes / 2**30,
-             f" or {cfg.max_cpu_adapters} adapters" if cfg.max_cpu_adapters else "")
+    log.info(
+        "adapters: %d GPU slots, CPU cache of %.1f GiB%s",
+        cfg.max_loras,
+        cfg.cpu_cache_bytes / 2**30,
+        f" or {cfg.max_cpu_adapters} adapters" if cfg.max_cpu_adapters else "",
+    )
 
 
 def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | None:
@@ -151,17 +175,29 @@ def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | N
         if cuda:
             log.warning("pinned arena off: %s; fetched shards land in fresh pinned buffers (each pin stalls the steps)", exc)
         else:  # strict overcommit, an address-space limit
-            log.warning("host arena off: mapping %.1f GiB failed (%s); fetched shards land in fresh host buffers",
-                        size / 2**30, exc)
+            log.warning(
+                "host arena off: mapping %.1f GiB failed (%s); fetched shards land in fresh host buffers", size / 2**30, exc
+            )
         return None
     if not cuda:
-        log.info("host arena: %.1f GiB of address space (on %s: not page-locked, pages touched as fetched shards "
-                 "land in them and kept for the next ones)", arena.nbytes / 2**30, cfg.device)
+        log.info(
+            "host arena: %.1f GiB of address space (on %s: not page-locked, pages touched as fetched shards "
+            "land in them and kept for the next ones)",
+            arena.nbytes / 2**30,
+            cfg.device,
+        )
         return arena
-    log.info("pinned arena: %.1f GiB page-locked in %.1fs (pages touched in %.1fs)", arena.nbytes / 2**30,
-             arena.pin_seconds, arena.fault_seconds)
+    log.info(
+        "pinned arena: %.1f GiB page-locked in %.1fs (pages touched in %.1fs)",
+        arena.nbytes / 2**30,
+        arena.pin_seconds,
+        arena.fault_seconds,
+    )
     if arena.cache_budget(cfg.cpu_cache_bytes) < cfg.cpu_cache_bytes:
-        log.warning("CPU cache held to 7/8 of the arena: %.1f GiB (asked: %.1f GiB)",
-                    arena.cache_budget(cfg.cpu_cache_bytes) / 2**30, cfg.cpu_cache_bytes / 2**30)
+        log.warning(
+            "CPU cache held to 7/8 of the arena: %.1f GiB (asked: %.1f GiB)",
+            arena.cache_budget(cfg.cpu_cache_bytes) / 2**30,
+            cfg.cpu_cache_bytes / 2**30,
+        )
         cfg.cpu_cache_bytes = arena.cache_budget(cfg.cpu_cache_bytes)
     return arena

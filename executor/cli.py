@@ -11,10 +11,20 @@ import json
 import time
 from pathlib import Path
 
-from loraserve.cli import (EXECUTOR_ADDR, STORE_ADDR, add_client_tls_flags, add_drain_flag, add_store_flags, client_tls, env,
-                           metrics_listen, serve_until_signal, store_config)
-from loraserve.serving import check_listen
+from loraserve.cli import (
+    EXECUTOR_ADDR,
+    STORE_ADDR,
+    add_client_tls_flags,
+    add_drain_flag,
+    add_store_flags,
+    client_tls,
+    env,
+    metrics_listen,
+    serve_until_signal,
+    store_config,
+)
 from loraserve.defaults import DEFAULT_BASE_MODEL, DEMO_ADAPTERS, smollm2_gguf_path
+from loraserve.serving import check_listen
 
 DEMO_PROMPTS = ("What is the capital of France?", "Give me one tip for staying healthy.")
 HTTP_PORT = 8000
@@ -25,73 +35,167 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     if with_base_model:  # `up` shares the store's --base-model
         p.add_argument("--base-model", default=env("base_model"), help="base model name declared in the layout")
     p.add_argument("--device", default=env("device"), help="cpu, cuda, cuda:1 (default: cuda if available)")
-    p.add_argument("--dtype", default=env("dtype"), choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--cache-dir", default=env("cache_dir", "var/cache"),
-                   help="files derived from the model and kept across starts (the GGUF's tokenizer); '' for none")
+    p.add_argument(
+        "--dtype",
+        default=env("dtype"),
+        choices=["float32", "float16", "bfloat16"],
+        help="default: bfloat16 on GPU, float32 on CPU",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=env("cache_dir", "var/cache"),
+        help="files derived from the model and kept across starts (the GGUF's tokenizer); '' for none",
+    )
     p.add_argument("--cpu-threads", type=int, default=int(env("cpu_threads", 0)), help="torch threads on CPU (0: torch default)")
     # apply_env gives these their LORASERVE_* defaults (converted, and refused if bad, only when the command runs).
-    p.add_argument("--tp-size", type=int, default=1,
-                   help="tensor-parallel ranks: processes on this host (one GPU each on CUDA, gloo on CPU)")
-    p.add_argument("--ep-size", type=int, default=1,
-                   help="expert-parallel ranks for a mixture-of-experts model: processes on this host, each with "
-                        "1/N of the experts, attention replicated (needs --tp-size 1)")
-    p.add_argument("--fully-sharded-loras", action="store_true",
-                   help="with --tp-size > 1, also shard LoRA's rank dim (an all-gather / all-reduce more per layer)")
-    p.add_argument("--tp-timeout-s", type=float, default=120.0,
-                   help="a collective that waits this long on another tensor-parallel rank fails")
-    p.add_argument("--max-loras", type=int, default=int(env("max_loras", 0)),
-                   help="GPU slots (0: from the GPU memory free after the model and KV cache, up to 64; 8 on CPU "
-                        "and under --tp-size or --ep-size > 1)")
+    p.add_argument(
+        "--tp-size", type=int, default=1, help="tensor-parallel ranks: processes on this host (one GPU each on CUDA, gloo on CPU)"
+    )
+    p.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="expert-parallel ranks for a mixture-of-experts model: processes on this host, each with "
+        "1/N of the experts, attention replicated (needs --tp-size 1)",
+    )
+    p.add_argument(
+        "--fully-sharded-loras",
+        action="store_true",
+        help="with --tp-size > 1, also shard LoRA's rank dim (an all-gather / all-reduce more per layer)",
+    )
+    p.add_argument(
+        "--tp-timeout-s",
+        type=float,
+        default=120.0,
+        help="a collective that waits this long on another tensor-parallel rank fails",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=int(env("max_loras", 0)),
+        help="GPU slots (0: from the GPU memory free after the model and KV cache, up to 64; 8 on CPU "
+        "and under --tp-size or --ep-size > 1)",
+    )
     p.add_argument("--max-lora-rank", type=int, default=int(env("max_lora_rank", 64)))
-    p.add_argument("--lora-embeddings", action="store_true", default=env("lora_embeddings", "") in ("1", "true"),
-                   help="serve adapters that target embed_tokens / lm_head (vocab-sized slots)")
-    p.add_argument("--cpu-cache-bytes", type=int, default=int(env("cpu_cache_bytes", 0)),
-                   help="bytes of packed adapters kept in (pinned) host memory (0: half the available host memory); "
-                        "the host arena fetched adapters land in is sized from it (on CUDA page-locked at start, at "
-                        "most 3/4 of the available host memory)")
-    p.add_argument("--max-cpu-adapters", type=int, default=int(env("max_cpu_adapters", 0)),
-                   help="also cap the CPU cache at this many adapters (0: the bytes alone decide)")
-    p.add_argument("--max-concurrent-loads", type=int, default=int(env("max_concurrent_loads", 4)),
-                   help="adapters fetched from the store at once; later cold loads wait their turn (adapters in a "
-                        "slot or the CPU cache never wait for one)")
+    p.add_argument(
+        "--lora-embeddings",
+        action="store_true",
+        default=env("lora_embeddings", "") in ("1", "true"),
+        help="serve adapters that target embed_tokens / lm_head (vocab-sized slots)",
+    )
+    p.add_argument(
+        "--cpu-cache-bytes",
+        type=int,
+        default=int(env("cpu_cache_bytes", 0)),
+        help="bytes of packed adapters kept in (pinned) host memory (0: half the available host memory); "
+        "the host arena fetched adapters land in is sized from it (on CUDA page-locked at start, at "
+        "most 3/4 of the available host memory)",
+    )
+    p.add_argument(
+        "--max-cpu-adapters",
+        type=int,
+        default=int(env("max_cpu_adapters", 0)),
+        help="also cap the CPU cache at this many adapters (0: the bytes alone decide)",
+    )
+    p.add_argument(
+        "--max-concurrent-loads",
+        type=int,
+        default=int(env("max_concurrent_loads", 4)),
+        help="adapters fetched from the store at once; later cold loads wait their turn (adapters in a "
+        "slot or the CPU cache never wait for one)",
+    )
     p.add_argument("--num-blocks", type=int, default=int(env("num_blocks", 512)), help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=int(env("block_size", 16)))
     p.add_argument("--max-num-seqs", type=int, default=int(env("max_num_seqs", 32)))
     p.add_argument("--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", 2048)))
-    p.add_argument("--admit-ratio", type=float, default=float(env("admit_ratio", 0.125)),
-                   help="CUDA graphs: while every running sequence decodes, hold ready requests back until those "
-                        "with a free seat number this share of the running ones (or --max-admit-delay-steps passed), then admit them "
-                        "in one prefill step (0: admit each at once)")
-    p.add_argument("--max-admit-delay-steps", type=int, default=int(env("max_admit_delay_steps", 16)),
-                   help="decode steps a hold lasts at most under --admit-ratio")
+    p.add_argument(
+        "--admit-ratio",
+        type=float,
+        default=float(env("admit_ratio", 0.125)),
+        help="CUDA graphs: while every running sequence decodes, hold ready requests back until those "
+        "with a free seat number this share of the running ones (or --max-admit-delay-steps passed), then admit them "
+        "in one prefill step (0: admit each at once)",
+    )
+    p.add_argument(
+        "--max-admit-delay-steps",
+        type=int,
+        default=int(env("max_admit_delay_steps", 16)),
+        help="decode steps a hold lasts at most under --admit-ratio",
+    )
     p.add_argument("--max-model-len", type=int, default=int(env("max_model_len", 2048)))
-    p.add_argument("--enforce-eager", action="store_true", default=env("enforce_eager", "") in ("1", "true"),
-                   help="CUDA: no CUDA graphs (decode and mixed steps run eagerly); for debugging")
-    p.add_argument("--slot-wait-timeout-s", type=float, default=float(env("slot_wait_timeout_s", 30)),
-                   help="how long a request waits for a GPU slot while all are busy")
-    p.add_argument("--adapter-refresh-s", type=float, default=float(env("adapter_refresh_s", 30)),
-                   help="how often held adapters are checked for a new version in the store (0: only on LoadAdapter)")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=env("enforce_eager", "") in ("1", "true"),
+        help="CUDA: no CUDA graphs (decode and mixed steps run eagerly); for debugging",
+    )
+    p.add_argument(
+        "--slot-wait-timeout-s",
+        type=float,
+        default=float(env("slot_wait_timeout_s", 30)),
+        help="how long a request waits for a GPU slot while all are busy",
+    )
+    p.add_argument(
+        "--adapter-refresh-s",
+        type=float,
+        default=float(env("adapter_refresh_s", 30)),
+        help="how often held adapters are checked for a new version in the store (0: only on LoadAdapter)",
+    )
     p.add_argument("--store", default=env("store", STORE_ADDR), help="adapter store address")
     p.add_argument("--executor-listen", default=env("executor_listen", EXECUTOR_ADDR))
-    p.add_argument("--executor-admin-token", default=env("executor_admin_token"),
-                   help="require this bearer token for load/pin/unpin/evict (with `up`: defaults to --admin-token)")
-    p.add_argument("--store-timeout-s", type=float, default=float(env("store_timeout_s", 5)),
-                   help="how long a store call may go unanswered before it fails UNAVAILABLE")
-    p.add_argument("--max-prompt-bytes", type=int, default=int(env("max_prompt_bytes", 0)),
-                   help="text/chat prompts above this many UTF-8 bytes are refused before tokenizing (0: 32 x max-model-len)")
-    p.add_argument("--http-port", type=int, default=int(env("http_port", HTTP_PORT)),
-                   help="port of the OpenAI-compatible HTTP API, on --executor-listen's host (0: off)")
-    p.add_argument("--executor-tls-cert", default=env("executor_tls_cert"), help="PEM certificate: gRPC serves TLS only (with --executor-tls-key)")
+    p.add_argument(
+        "--executor-admin-token",
+        default=env("executor_admin_token"),
+        help="require this bearer token for load/pin/unpin/evict (with `up`: defaults to --admin-token)",
+    )
+    p.add_argument(
+        "--store-timeout-s",
+        type=float,
+        default=float(env("store_timeout_s", 5)),
+        help="how long a store call may go unanswered before it fails UNAVAILABLE",
+    )
+    p.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=int(env("max_prompt_bytes", 0)),
+        help="text/chat prompts above this many UTF-8 bytes are refused before tokenizing (0: 32 x max-model-len)",
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=int(env("http_port", HTTP_PORT)),
+        help="port of the OpenAI-compatible HTTP API, on --executor-listen's host (0: off)",
+    )
+    p.add_argument(
+        "--executor-tls-cert",
+        default=env("executor_tls_cert"),
+        help="PEM certificate: gRPC serves TLS only (with --executor-tls-key)",
+    )
     p.add_argument("--executor-tls-key", default=env("executor_tls_key"), help="PEM private key of --executor-tls-cert")
-    p.add_argument("--executor-tls-client-ca", default=env("executor_tls_client_ca"),
-                   help="PEM CA: mutual TLS, gRPC clients must present a certificate it signed")
-    p.add_argument("--store-tls-ca", default=env("store_tls_ca"), help="PEM CA to check the store's TLS certificate with (turns TLS on)")
-    p.add_argument("--store-tls-cert", default=env("store_tls_cert"), help="PEM client certificate for a store that requires one (mTLS)")
+    p.add_argument(
+        "--executor-tls-client-ca",
+        default=env("executor_tls_client_ca"),
+        help="PEM CA: mutual TLS, gRPC clients must present a certificate it signed",
+    )
+    p.add_argument(
+        "--store-tls-ca", default=env("store_tls_ca"), help="PEM CA to check the store's TLS certificate with (turns TLS on)"
+    )
+    p.add_argument(
+        "--store-tls-cert", default=env("store_tls_cert"), help="PEM client certificate for a store that requires one (mTLS)"
+    )
     p.add_argument("--store-tls-key", default=env("store_tls_key"), help="PEM private key of --store-tls-cert")
-    p.add_argument("--executor-metrics-port", type=int, default=int(env("executor_metrics_port", 0)),
-                   help="port of Prometheus' /metrics, on --executor-listen's host (0: off)")
-    p.add_argument("--metrics-max-adapters", type=int, default=int(env("metrics_max_adapters", 32)),
-                   help="adapters named in metric labels (the first seen); the rest count as _other")
+    p.add_argument(
+        "--executor-metrics-port",
+        type=int,
+        default=int(env("executor_metrics_port", 0)),
+        help="port of Prometheus' /metrics, on --executor-listen's host (0: off)",
+    )
+    p.add_argument(
+        "--metrics-max-adapters",
+        type=int,
+        default=int(env("metrics_max_adapters", 32)),
+        help="adapters named in metric labels (the first seen); the rest count as _other",
+    )
 
 
 def executor_config(a: argparse.Namespace):
@@ -107,21 +211,42 @@ def executor_config(a: argparse.Namespace):
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     return ExecutorConfig(
-        model=model, base_model=base or "", device=device, dtype=dtype, cache_dir=a.cache_dir, cpu_threads=a.cpu_threads, max_loras=a.max_loras,
-        tp_size=a.tp_size, ep_size=a.ep_size, tp_timeout_s=a.tp_timeout_s, fully_sharded_loras=a.fully_sharded_loras,
+        model=model,
+        base_model=base or "",
+        device=device,
+        dtype=dtype,
+        cache_dir=a.cache_dir,
+        cpu_threads=a.cpu_threads,
+        max_loras=a.max_loras,
+        tp_size=a.tp_size,
+        ep_size=a.ep_size,
+        tp_timeout_s=a.tp_timeout_s,
+        fully_sharded_loras=a.fully_sharded_loras,
         lora_embeddings=a.lora_embeddings,
-        max_rank=a.max_lora_rank, max_cpu_adapters=a.max_cpu_adapters, cpu_cache_bytes=a.cpu_cache_bytes,
-        max_concurrent_loads=a.max_concurrent_loads, num_blocks=a.num_blocks,
-        block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        admit_ratio=a.admit_ratio, max_admit_delay_steps=a.max_admit_delay_steps,
-        max_model_len=a.max_model_len, store_address=a.store, listen_address=a.executor_listen,
-        admin_token=a.executor_admin_token, slot_wait_timeout_s=a.slot_wait_timeout_s,
-        adapter_refresh_s=a.adapter_refresh_s, store_timeout_s=a.store_timeout_s, max_prompt_bytes=a.max_prompt_bytes,
+        max_rank=a.max_lora_rank,
+        max_cpu_adapters=a.max_cpu_adapters,
+        cpu_cache_bytes=a.cpu_cache_bytes,
+        max_concurrent_loads=a.max_concurrent_loads,
+        num_blocks=a.num_blocks,
+        block_size=a.block_size,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        admit_ratio=a.admit_ratio,
+        max_admit_delay_steps=a.max_admit_delay_steps,
+        max_model_len=a.max_model_len,
+        store_address=a.store,
+        listen_address=a.executor_listen,
+        admin_token=a.executor_admin_token,
+        slot_wait_timeout_s=a.slot_wait_timeout_s,
+        adapter_refresh_s=a.adapter_refresh_s,
+        store_timeout_s=a.store_timeout_s,
+        max_prompt_bytes=a.max_prompt_bytes,
         enforce_eager=a.enforce_eager,
         http_listen=f"{a.executor_listen.rsplit(':', 1)[0]}:{a.http_port}" if a.http_port else "",
         tls=server_tls(a.executor_tls_cert, a.executor_tls_key, a.executor_tls_client_ca),
         store_tls=make_client_tls(a.store_tls_ca, a.store_tls_cert, a.store_tls_key),
-        metrics_listen=metrics_listen(a.executor_listen, a.executor_metrics_port), metrics_max_adapters=a.metrics_max_adapters,
+        metrics_listen=metrics_listen(a.executor_listen, a.executor_metrics_port),
+        metrics_max_adapters=a.metrics_max_adapters,
     )
 
 
@@ -176,7 +301,7 @@ def cmd_up(a) -> int:
             await run_demo_batch(parts, names, make_request)
             print(f"\nloraserve is up: store on port {store_port}, executor on port {port}.")
             adapter = names[0] if names else ""
-            print(f"Try: loraserve generate --executor 127.0.0.1:{port} --adapter {adapter} \"Hello!\"")
+            print(f'Try: loraserve generate --executor 127.0.0.1:{port} --adapter {adapter} "Hello!"')
             if parts.http:
                 print(curl_example(parts.http.port, adapter, parts.config.base_model))
             if not a.demo_only:
@@ -191,9 +316,11 @@ def cmd_up(a) -> int:
 
 def curl_example(port: int, adapter: str, base_model: str) -> str:
     body = {"model": adapter or base_model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
-    return (f"Or through the OpenAI API (model: an adapter's name, or {base_model!r} for none):\n"
-            f"  curl -s http://127.0.0.1:{port}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f"       -d '{json.dumps(body)}'")
+    return (
+        f"Or through the OpenAI API (model: an adapter's name, or {base_model!r} for none):\n"
+        f"  curl -s http://127.0.0.1:{port}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"       -d '{json.dumps(body)}'"
+    )
 
 
 def register_demo_adapters(store_address: str, demo_dir: Path, token: str | None, tls=None) -> list[str]:
@@ -225,7 +352,9 @@ async def run_demo_batch(parts, names: list[str], make_request) -> None:
 
     t0 = time.perf_counter()
     answers = await asyncio.gather(*(one(ad, p) for ad, p in jobs))
-    print(f"\none mixed batch: {len(jobs)} requests over {len(names) + 1} adapters (incl. base) in {time.perf_counter() - t0:.1f}s\n")
+    print(
+        f"\none mixed batch: {len(jobs)} requests over {len(names) + 1} adapters (incl. base) in {time.perf_counter() - t0:.1f}s\n"
+    )
     for (adapter, prompt), text in zip(jobs, answers):
         print(f"[{adapter or 'base model':10s}] {prompt}\n  -> {' '.join(text.split())}\n")
 
@@ -288,7 +417,9 @@ def add_commands(sub) -> None:
     def client_parser(name, help):
         q = sub.add_parser(name, help=help)
         q.add_argument("--executor", default=env("executor", EXECUTOR_ADDR), help="executor address")
-        q.add_argument("--token", default=env("executor_admin_token"), help="the executor's admin token").env_var = "LORASERVE_EXECUTOR_ADMIN_TOKEN"
+        q.add_argument(
+            "--token", default=env("executor_admin_token"), help="the executor's admin token"
+        ).env_var = "LORASERVE_EXECUTOR_ADMIN_TOKEN"
         add_client_tls_flags(q)
         return q
 
@@ -304,8 +435,12 @@ def add_commands(sub) -> None:
     q.add_argument("--stream", action="store_true")
     q.add_argument("--raw", action="store_true", help="send the prompt as raw text, not as a chat turn")
     q.set_defaults(func=cmd_generate)
-    for name, help in (("load", "fetch an adapter into the CPU cache and a slot"), ("pin", "pin an adapter in a slot"),
-                       ("unpin", "unpin an adapter"), ("evict", "evict an adapter from its slot and the CPU cache")):
+    for name, help in (
+        ("load", "fetch an adapter into the CPU cache and a slot"),
+        ("pin", "pin an adapter in a slot"),
+        ("unpin", "unpin an adapter"),
+        ("evict", "evict an adapter from its slot and the CPU cache"),
+    ):
         q = client_parser(name, help)
         q.add_argument("name")
         if name == "load":

@@ -95,8 +95,9 @@ class ExecutorConfig:
         if self.max_concurrent_loads < 1:
             raise ValueError(f"max_concurrent_loads must be at least 1, got {self.max_concurrent_loads}")
         if self.admit_ratio < 0 or self.max_admit_delay_steps < 0:
-            raise ValueError(f"admit_ratio ({self.admit_ratio}) and max_admit_delay_steps "
-                             f"({self.max_admit_delay_steps}) must be 0 or more")
+            raise ValueError(
+                f"admit_ratio ({self.admit_ratio}) and max_admit_delay_steps ({self.max_admit_delay_steps}) must be 0 or more"
+            )
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
         if self.num_blocks * self.block_size < self.max_model_len:

@@ -58,9 +58,17 @@ class HostCopy:
 
 
 class CpuCache:
-    def __init__(self, fetch_shard: FetchShard, device: torch.device, *, budget_bytes: int | None,
-                 max_adapters: int | None, max_concurrent_loads: int | None,
-                 waited_on: Callable[[HostCopy], bool], released: Callable[[HostCopy], None]):
+    def __init__(
+        self,
+        fetch_shard: FetchShard,
+        device: torch.device,
+        *,
+        budget_bytes: int | None,
+        max_adapters: int | None,
+        max_concurrent_loads: int | None,
+        waited_on: Callable[[HostCopy], bool],
+        released: Callable[[HostCopy], None],
+    ):
         self._fetch_shard = fetch_shard
         self.device = device
         self.budget_bytes = budget_bytes  # None: no byte limit
@@ -86,7 +94,7 @@ class CpuCache:
     async def _prefetch(self, c: HostCopy) -> None:
         try:
             await self.ensure(c)
-        except Exception:  # noqa: BLE001 - logged by _fetch; the request's acquire fetches again
+        except Exception:
             pass
 
     def cached(self, c: HostCopy) -> tuple[str, dict[str, torch.Tensor]] | None:
@@ -112,8 +120,9 @@ class CpuCache:
             else:
                 async with self._seats:
                     if not self._waited_on(c):  # its requests ended while it waited for a seat
-                        raise StatusError(grpc.StatusCode.CANCELLED,
-                                          f"adapter {c.name!r}: no request waits for it any more; not fetched")
+                        raise StatusError(
+                            grpc.StatusCode.CANCELLED, f"adapter {c.name!r}: no request waits for it any more; not fetched"
+                        )
                     digest, rank, tensors, nbytes = await self._fetch_shard(c.name)
             # Pinned host memory makes the slot copy a true async DMA. The store client's shards
             # land pinned already (one copy per load: the stream's); others are copied here into
@@ -150,9 +159,11 @@ class CpuCache:
     def _shrink(self, keep: HostCopy) -> None:
         """Drops host copies while over the byte (or adapter) budget: first those no request
         waits on, least recently used first, then the others; never `keep`, just fetched."""
+
         def over() -> bool:
-            return ((self.budget_bytes is not None and self.nbytes > self.budget_bytes)
-                    or (self.max_adapters is not None and len(self._lru) > self.max_adapters))
+            return (self.budget_bytes is not None and self.nbytes > self.budget_bytes) or (
+                self.max_adapters is not None and len(self._lru) > self.max_adapters
+            )
 
         if not over():
             return

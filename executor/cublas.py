@@ -28,6 +28,11 @@ def without_workspace(device: str) -> bool:
     if not str(device).startswith("cuda") or VARIABLE in os.environ:
         return False
     os.environ[VARIABLE] = NO_WORKSPACE
-    log.info("cuBLAS without a workspace (%s=%s: no memsets in the captured steps; set %s to give it one); "
-             "it applies if no cuBLAS GEMM has run in this process yet", VARIABLE, NO_WORKSPACE, VARIABLE)
+    log.info(
+        "cuBLAS without a workspace (%s=%s: no memsets in the captured steps; set %s to give it one); "
+        "it applies if no cuBLAS GEMM has run in this process yet",
+        VARIABLE,
+        NO_WORKSPACE,
+        VARIABLE,
+    )
     return True

@@ -16,8 +16,8 @@ import logging
 import socket
 import time
 import uuid
-from dataclasses import dataclass
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from itertools import accumulate
 
 import grpc
@@ -118,7 +118,9 @@ def completion_request(body: CompletionBody, request_id: str, adapter: str) -> G
             raise invalid(f"prompt: one prompt per request, got a list of {len(prompt)}")
         prompt = prompt[0]
     return GenerationRequest(
-        request_id=request_id, adapter=adapter, sampling=body.sampling(body.max_tokens),
+        request_id=request_id,
+        adapter=adapter,
+        sampling=body.sampling(body.max_tokens),
         return_logprobs=body.logprobs is not None,
         prompt=prompt if isinstance(prompt, str) else None,
         prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
@@ -132,7 +134,10 @@ def chat_request(body: ChatBody, request_id: str, adapter: str) -> GenerationReq
         raise invalid(f"top_logprobs must be 0 (the sampled tokens only), got {body.top_logprobs}")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return GenerationRequest(
-        request_id=request_id, adapter=adapter, sampling=body.sampling(max_tokens), return_logprobs=body.logprobs,
+        request_id=request_id,
+        adapter=adapter,
+        sampling=body.sampling(max_tokens),
+        return_logprobs=body.logprobs,
         messages=[{"role": m.role, "content": _text(m)} for m in body.messages],
     )
 
@@ -197,11 +202,24 @@ class Front:
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
 
     def chat_logprobs(self, ids: list[int], logprobs: list[float]) -> dict:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(self.token_strings(ids), logprobs)]}
+        return {
+            "content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(self.token_strings(ids), logprobs)
+            ]
+        }
 
-    def choice(self, chat: bool, text: str, ids: list[int], logprobs: list[float] | None, finish: str | None,
-               delta: bool = False, first: bool = False, offset: int = 0) -> dict:
+    def choice(
+        self,
+        chat: bool,
+        text: str,
+        ids: list[int],
+        logprobs: list[float] | None,
+        finish: str | None,
+        delta: bool = False,
+        first: bool = False,
+        offset: int = 0,
+    ) -> dict:
         """One choice: of a response, or (delta) of a stream's event. logprobs None: not asked for."""
         c = {"index": 0, "logprobs": None, "finish_reason": finish}
         if chat:
@@ -221,8 +239,12 @@ class Front:
         except BaseException:
             await outputs.aclose()
             raise
-        head = {"id": ("chatcmpl-" if chat else "cmpl-") + req.request_id,
-                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()), "model": model}
+        head = {
+            "id": ("chatcmpl-" if chat else "cmpl-") + req.request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
         headers = {"x-request-id": req.request_id}
         if stream:
             events = self.events(first, outputs, head, chat, include_usage, req.return_logprobs)
@@ -231,8 +253,9 @@ class Front:
         result.add(first)
         if first.finish_reason is None:
             await _unless_disconnected(self._collect(outputs, result), request)
-        choice = self.choice(chat, "".join(result.text), result.token_ids,
-                             result.logprobs if req.return_logprobs else None, result.finish_reason)
+        choice = self.choice(
+            chat, "".join(result.text), result.token_ids, result.logprobs if req.return_logprobs else None, result.finish_reason
+        )
         return JSONResponse({**head, "choices": [choice], "usage": result.usage()}, headers=headers)
 
     @staticmethod
@@ -247,8 +270,16 @@ class Front:
         try:
             while True:
                 result.add(out)
-                choice = self.choice(chat, out.text, out.token_ids, out.logprobs if with_logprobs else None,
-                                     result.finish_reason, delta=True, first=out is first, offset=offset)
+                choice = self.choice(
+                    chat,
+                    out.text,
+                    out.token_ids,
+                    out.logprobs if with_logprobs else None,
+                    result.finish_reason,
+                    delta=True,
+                    first=out is first,
+                    offset=offset,
+                )
                 offset += len(out.text)
                 yield _sse({**head, "choices": [choice]})
                 if out.finish_reason is not None:
@@ -265,8 +296,19 @@ class Front:
     async def models(self) -> list[dict]:
         """The base model, then every adapter of the store (or, with the store down, those held here)."""
         held = {s.name: s for s in self.parts.slots.states()}
-        cards = [{"id": self.base_model, "object": "model", "created": 0, "owned_by": "loraserve",
-                  "root": self.base_model, "parent": None, "loaded": True, "pinned": False, "cpu_cached": False}]
+        cards = [
+            {
+                "id": self.base_model,
+                "object": "model",
+                "created": 0,
+                "owned_by": "loraserve",
+                "root": self.base_model,
+                "parent": None,
+                "loaded": True,
+                "pinned": False,
+                "cpu_cached": False,
+            }
+        ]
         try:
             manifests = {m.name: m for m in await self.parts.store.list_adapters()}
         except StatusError as exc:
@@ -384,8 +426,7 @@ async def serve_http(parts, listen: str) -> HttpFront:
     host, port = listen.rsplit(":", 1)
     host = host.strip("[]")
     sock = socket.create_server((host, int(port)), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-    config = uvicorn.Config(build_app(parts), log_config=None, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(build_app(parts), log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = _Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="http-front")
     while not server.started:
@@ -393,6 +434,10 @@ async def serve_http(parts, listen: str) -> HttpFront:
             task.result()  # raises why it did not start
         await asyncio.sleep(0.01)
     front = HttpFront(server, task, sock.getsockname()[1])
-    log.info("OpenAI-compatible HTTP front on %s:%d (model: an adapter's name, or %r)",
-             host, front.port, parts.config.base_model or parts.config.model)
+    log.info(
+        "OpenAI-compatible HTTP front on %s:%d (model: an adapter's name, or %r)",
+        host,
+        front.port,
+        parts.config.base_model or parts.config.model,
+    )
     return front

@@ -20,8 +20,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str, tp_size: int = 1,
-                   ep_size: int = 1) -> pb.Layout:
+def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str, tp_size: int = 1, ep_size: int = 1) -> pb.Layout:
     """The loraserve.v1.Layout of the slot buffers LlamaForCausalLM(cfg, spec) allocates.
 
     Module sizes are the whole model's; the store cuts each rank's part (tp_size, ep_size), so every
@@ -35,8 +34,11 @@ def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str,
     if spec.targets_embeddings:
         modules.append(
             pb.ModuleLayout(
-                name="model.embed_tokens", kind=K.EMBEDDING, input_size=c.vocab_size,
-                output_sizes=[c.hidden_size], peft_modules=["model.embed_tokens"],
+                name="model.embed_tokens",
+                kind=K.EMBEDDING,
+                input_size=c.vocab_size,
+                output_sizes=[c.hidden_size],
+                peft_modules=["model.embed_tokens"],
             )
         )
     for i in range(c.num_layers):
@@ -59,8 +61,11 @@ def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str,
     if spec.targets_embeddings:
         modules.append(
             pb.ModuleLayout(
-                name="lm_head", kind=K.LM_HEAD, input_size=c.hidden_size,
-                output_sizes=[c.vocab_size], peft_modules=["lm_head"],
+                name="lm_head",
+                kind=K.LM_HEAD,
+                input_size=c.hidden_size,
+                output_sizes=[c.vocab_size],
+                peft_modules=["lm_head"],
             )
         )
     return pb.Layout(
@@ -115,15 +120,25 @@ def model_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
 
 
-def layout_for_model(model: Path | None, tp_size: int = 1, max_rank: int = 64, dtype: str = "bfloat16",
-                     fully_sharded: bool = False, base_model: str | None = None, ep_size: int = 1) -> pb.Layout:
+def layout_for_model(
+    model: Path | None,
+    tp_size: int = 1,
+    max_rank: int = 64,
+    dtype: str = "bfloat16",
+    fully_sharded: bool = False,
+    base_model: str | None = None,
+    ep_size: int = 1,
+) -> pb.Layout:
     """None: the embedded SmolLM2 default. Sizes the executor would refuse (tp and ep both > 1, a tp
     or ep that does not split the model) are a ValueError with the executor's message."""
     if model is None:
         model, base_model = smollm2_gguf_path(), base_model or DEFAULT_BASE_MODEL
     cfg = model_config(model)
-    for error in (ep_with_tp_error(tp_size, ep_size), tp_size_error(cfg, tp_size, max_rank, fully_sharded),
-                  ep_size_error(cfg, ep_size)):
+    for error in (
+        ep_with_tp_error(tp_size, ep_size),
+        tp_size_error(cfg, tp_size, max_rank, fully_sharded),
+        ep_size_error(cfg, ep_size),
+    ):
         if error is not None:
             raise ValueError(error)
     layout = declare_layout(cfg, LoraSpec(1, max_rank, DTYPES[dtype]), base_model or "", tp_size, ep_size)

@@ -148,8 +148,17 @@ class LinearWithLoRA(nn.Module):
 
     slot_rank_dim = 1  # rank's dim in one slot's lora_a [S, r, in] and lora_b [N, r]
 
-    def __init__(self, in_features, output_sizes, bias, lora: LoraSpec | None, dtype, device,
-                 tp: TPGroup | None = None, row_parallel: bool = False):
+    def __init__(
+        self,
+        in_features,
+        output_sizes,
+        bias,
+        lora: LoraSpec | None,
+        dtype,
+        device,
+        tp: TPGroup | None = None,
+        row_parallel: bool = False,
+    ):
         super().__init__()
         self.tp = tp or TPGroup()
         self.row_parallel = row_parallel and self.tp.size > 1
@@ -167,15 +176,18 @@ class LinearWithLoRA(nn.Module):
         if sharded and self.row_parallel:
             self.lora_offsets, self.lora_out_start = (0, n_out // self.tp.size), self.tp.rank * (n_out // self.tp.size)
         self.weight = nn.Parameter(torch.empty(n_out, in_features, dtype=dtype, device=device), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.empty(n_out, dtype=dtype, device=device), requires_grad=False) if bias else None
-        )
+        self.bias = nn.Parameter(torch.empty(n_out, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
         self.register_buffer("lora_b", None, persistent=False)
         # B packed at each slot's rank where the device takes it (packs_b_on): not where its rank dim
         # holds tp parts, nor for a fully sharded row layer's 1/tp of the output columns
-        self.packed_b = (lora is not None and packs_b_on(self.weight.device) and self.rank_parts == 1
-                         and lora.max_rank % 8 == 0 and self.lora_offsets is self.slice_offsets)
+        self.packed_b = (
+            lora is not None
+            and packs_b_on(self.weight.device)
+            and self.rank_parts == 1
+            and lora.max_rank % 8 == 0
+            and self.lora_offsets is self.slice_offsets
+        )
         if lora is not None:
             self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
 
@@ -191,8 +203,14 @@ class LinearWithLoRA(nn.Module):
         self.register_buffer("lora_b", b, persistent=False)
         self.slot_ranks = [0] * max_loras  # host copy: each slot's rank in this module, 0 = not targeted
 
-    def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, writes: SlotWrites | None = None,
-                 slot_rank: int | None = None) -> None:
+    def set_lora(
+        self,
+        slot: int,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        writes: SlotWrites | None = None,
+        slot_rank: int | None = None,
+    ) -> None:
         """lora_a: [S, r, in], lora_b: [N, r] (a shard's tensors, already in the slot dtype).
         Fully sharded column layers: lora_a [S, r / tp, in], lora_b [N, r], r a multiple of tp.
         writes: record the copies there (see SlotWrites) instead of issuing them now.
@@ -299,8 +317,9 @@ class VocabEmbeddingWithLoRA(nn.Module):
         self.vocab_size = vocab_size
         rows = self.tp.part(vocab_size)
         self.vocab_start = rows.start
-        self.weight = nn.Parameter(torch.empty(rows.stop - rows.start, embed_dim, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(rows.stop - rows.start, embed_dim, dtype=dtype, device=device), requires_grad=False
+        )
         self.slice_offsets = (0, embed_dim)
         self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
         self.register_buffer("lora_b", None, persistent=False)
@@ -360,9 +379,7 @@ class ExpertsWithLoRA(nn.Module):
         super().__init__()
         self.num_experts, self.in_features, self.output_sizes = num_experts, in_features, tuple(output_sizes)
         n_out = sum(self.output_sizes)
-        self.weight = nn.Parameter(
-            torch.empty(num_experts, n_out, in_features, dtype=dtype, device=device), requires_grad=False
-        )
+        self.weight = nn.Parameter(torch.empty(num_experts, n_out, in_features, dtype=dtype, device=device), requires_grad=False)
         self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
         self.register_buffer("lora_b", None, persistent=False)
         self.packed_b = False  # its B stays [.., R] rows (packing is for dense linear layers)
@@ -395,6 +412,4 @@ LORA_MODULE_TYPES = (LinearWithLoRA, VocabEmbeddingWithLoRA, ExpertsWithLoRA)
 
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Modules that have slot buffers, by their path in the model."""
-    return {
-        name: m for name, m in model.named_modules() if isinstance(m, LORA_MODULE_TYPES) and m.lora_a is not None
-    }
+    return {name: m for name, m in model.named_modules() if isinstance(m, LORA_MODULE_TYPES) and m.lora_a is not None}

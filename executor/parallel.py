@@ -81,21 +81,24 @@ def tp_size_error(cfg: ModelConfig, tp: int, max_rank: int = 0, fully_sharded: b
     if tp < 1:
         return f"tp_size must be at least 1, got {tp}"
     if tp > 1 and cfg.num_experts:
-        return (f"tp_size {tp}: {cfg.model_type} is a mixture-of-experts model, and those do not split their "
-                f"attention over ranks: use --tp-size 1 (and --ep-size to split the experts)")
+        return (
+            f"tp_size {tp}: {cfg.model_type} is a mixture-of-experts model, and those do not split their "
+            f"attention over ranks: use --tp-size 1 (and --ep-size to split the experts)"
+        )
     reasons = _split_problems(cfg, tp, max_rank, fully_sharded)
     if not reasons:
         return None
     ok = [n for n in range(1, MAX_TP + 1) if not _split_problems(cfg, n, max_rank, fully_sharded)]
-    return (f"tp_size {tp} does not split this model: {'; '.join(reasons)} "
-            f"(tp sizes that do: {', '.join(map(str, ok))})")
+    return f"tp_size {tp} does not split this model: {'; '.join(reasons)} (tp sizes that do: {', '.join(map(str, ok))})"
 
 
 def ep_with_tp_error(tp: int, ep: int) -> str | None:
     """Why tp and ep ranks cannot be combined (None: they can; one of them must be 1)."""
     if ep > 1 and tp > 1:
-        return (f"ep_size {ep} with tp_size {tp}: expert parallelism runs with tp_size 1 (attention "
-                f"replicated on every rank), use one of --ep-size / --tp-size")
+        return (
+            f"ep_size {ep} with tp_size {tp}: expert parallelism runs with tp_size 1 (attention "
+            f"replicated on every rank), use one of --ep-size / --tp-size"
+        )
     return None
 
 
@@ -106,12 +109,16 @@ def ep_size_error(cfg: ModelConfig, ep: int) -> str | None:
     if ep == 1:
         return None
     if not cfg.num_experts:
-        return (f"ep_size {ep}: {cfg.model_type} is a dense model (no experts to split): expert parallelism "
-                f"needs a mixture-of-experts model; use --ep-size 1 (or --tp-size to split a dense model)")
+        return (
+            f"ep_size {ep}: {cfg.model_type} is a dense model (no experts to split): expert parallelism "
+            f"needs a mixture-of-experts model; use --ep-size 1 (or --tp-size to split a dense model)"
+        )
     if cfg.num_experts % ep:
         ok = [n for n in range(1, cfg.num_experts + 1) if cfg.num_experts % n == 0]
-        return (f"ep_size {ep} does not split this model: {cfg.num_experts} experts do not make {ep} equal "
-                f"blocks (ep sizes that do: {', '.join(map(str, ok))})")
+        return (
+            f"ep_size {ep} does not split this model: {cfg.num_experts} experts do not make {ep} equal "
+            f"blocks (ep sizes that do: {', '.join(map(str, ok))})"
+        )
     return None
 
 

@@ -45,8 +45,7 @@ class ArenaShard(ShardTensors):
 
 
 class PinnedArena:
-    def __init__(self, nbytes: int, pin_memory: bool = True, fence: Callable[[], object] | None = None,
-                 prefault: bool = True):
+    def __init__(self, nbytes: int, pin_memory: bool = True, fence: Callable[[], object] | None = None, prefault: bool = True):
         """nbytes of host memory, page-locked now when pin_memory (the only driver call it makes).
         fence: returns an object with `query() -> bool` (a CUDA event) that completes once every
         copy already issued out of host shards has; None: blocks are reusable at once (CPU).
@@ -66,8 +65,9 @@ class PinnedArena:
         if pin_memory:  # registered, not torch.empty(pin_memory=True): that rounds up to a power of two
             err = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), nbytes, 0)
             if int(err) != 0:
-                raise RuntimeError(f"page-locking the pinned arena's {nbytes} bytes of host memory failed "
-                                   f"(cudaHostRegister error {int(err)})")
+                raise RuntimeError(
+                    f"page-locking the pinned arena's {nbytes} bytes of host memory failed (cudaHostRegister error {int(err)})"
+                )
         # page-locked until closed or garbage (an executor built and dropped, as in tests, gives it back)
         self._unpin = weakref.finalize(self, _unregister, self.base.data_ptr()) if pin_memory else None
         if self._unpin is not None:

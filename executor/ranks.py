@@ -71,8 +71,13 @@ WANTED_POLL_S = 0.1  # how often rank 0 asks STILL_WANTED while ranks 1..N-1 fet
 
 def lora_spec(cfg: ExecutorConfig) -> LoraSpec:
     """max_loras 0 (automatic, one rank only): one slot until the KV cache is in place (resolve_adapter_memory)."""
-    return LoraSpec(cfg.max_loras or 1, cfg.max_rank, cfg.torch_dtype, targets_embeddings=cfg.lora_embeddings,
-                    fully_sharded=cfg.fully_sharded_loras)
+    return LoraSpec(
+        cfg.max_loras or 1,
+        cfg.max_rank,
+        cfg.torch_dtype,
+        targets_embeddings=cfg.lora_embeddings,
+        fully_sharded=cfg.fully_sharded_loras,
+    )
 
 
 def role(cfg: ExecutorConfig) -> str:
@@ -134,8 +139,12 @@ class TPRanks:
         level = logging.getLogger().getEffectiveLevel()
         for rank in range(1, self.size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(cfg, rank, self._store.port, child, level),
-                               name=f"loraserve-{self.role[:1]}p-rank-{rank}", daemon=True)
+            proc = ctx.Process(
+                target=worker_main,
+                args=(cfg, rank, self._store.port, child, level),
+                name=f"loraserve-{self.role[:1]}p-rank-{rank}",
+                daemon=True,
+            )
             proc.start()
             child.close()
             self._procs.append(proc)
@@ -168,8 +177,9 @@ class TPRanks:
             with self._join_lock:
                 proc.join(0.5)
             if proc.exitcode is None:
-                log.warning("%s rank %s (pid %d) did not stop within %gs; killing it", self.role,
-                            proc.name, proc.pid, STOP_GRACE_S)
+                log.warning(
+                    "%s rank %s (pid %d) did not stop within %gs; killing it", self.role, proc.name, proc.pid, STOP_GRACE_S
+                )
                 proc.kill()
                 with self._join_lock:
                     proc.join()
@@ -261,19 +271,30 @@ class TPRanks:
         try:
             waiting = set(futures)
             while waiting:
-                done, waiting = await asyncio.wait(waiting, timeout=WANTED_POLL_S if wanted is not None else None,
-                                                   return_when=asyncio.FIRST_COMPLETED)
+                done, waiting = await asyncio.wait(
+                    waiting, timeout=WANTED_POLL_S if wanted is not None else None, return_when=asyncio.FIRST_COMPLETED
+                )
                 failed = [f for f in futures if f in done and f.result()[1] is not None]
                 if failed and waiting:
                     first_failed = futures.index(failed[0])
-                    log.info("%s of %r: %s rank %d failed; rank(s) %s told to stop", message[0], message[1], self.role,
-                             first_failed + 1, ", ".join(str(r) for (r, _), f in zip(ops, futures) if f in waiting))
+                    log.info(
+                        "%s of %r: %s rank %d failed; rank(s) %s told to stop",
+                        message[0],
+                        message[1],
+                        self.role,
+                        first_failed + 1,
+                        ", ".join(str(r) for (r, _), f in zip(ops, futures) if f in waiting),
+                    )
                     self._cancel(ops, futures, f"{self.role} rank {first_failed + 1}'s fetch of it failed")
                     break
                 if waiting and wanted is not None and not wanted():
-                    log.info("%s of %r: nobody waits for it any more; %s rank(s) %s told to stop if the store "
-                             "refuses them as busy", message[0], message[1], self.role,
-                             ", ".join(str(r) for (r, _), f in zip(ops, futures) if f in waiting))
+                    log.info(
+                        "%s of %r: nobody waits for it any more; %s rank(s) %s told to stop if the store refuses them as busy",
+                        message[0],
+                        message[1],
+                        self.role,
+                        ", ".join(str(r) for (r, _), f in zip(ops, futures) if f in waiting),
+                    )
                     self._cancel(ops, futures, "no request waits for it any more")
                     told_to_stop = True
                     break
@@ -339,7 +360,7 @@ def worker_main(cfg: ExecutorConfig, rank: int, store_port: int, conn, log_level
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _Rank(cfg, rank, store_port, conn).run()
-    except BaseException:  # noqa: BLE001 - any error here leaves the ranks out of step: end, rank 0 sees it
+    except BaseException:
         log.critical("%s rank %d failed", role(cfg), rank, exc_info=True)
         logging.shutdown()
         os._exit(1)
@@ -378,14 +399,20 @@ class _Rank:
         spec = lora_spec(cfg)
         self.model = load_model(cfg.model, cfg.torch_dtype, self.device, lora=spec, tp=self.tp, ep=self.ep)
         mc = self.model.cfg
-        self.kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, self.model.num_kv_heads, mc.head_dim,
-                          cfg.torch_dtype, self.device)
+        self.kv = KVCache(
+            mc.num_layers, cfg.num_blocks, cfg.block_size, self.model.num_kv_heads, mc.head_dim, cfg.torch_dtype, self.device
+        )
         self.modules = lora_modules(self.model)
         self.packed = any(m.packed_b for m in self.modules.values())
         layout = declare_layout(mc, spec, cfg.base_model, cfg.tp_size, cfg.ep_size)
-        self.store = StoreClient(cfg.store_address, layout, rank=pb.ShardRank(tp_rank=self.tp.rank, ep_rank=self.ep.rank),
-                                 timeout_s=cfg.store_timeout_s, tls=cfg.store_tls,
-                                 pin_memory=self.device.type == "cuda")  # the slot copy reads the stream's own buffer
+        self.store = StoreClient(
+            cfg.store_address,
+            layout,
+            rank=pb.ShardRank(tp_rank=self.tp.rank, ep_rank=self.ep.rank),
+            timeout_s=cfg.store_timeout_s,
+            tls=cfg.store_tls,
+            pin_memory=self.device.type == "cuda",
+        )  # the slot copy reads the stream's own buffer
         self.slots: list[tuple[str, str]] = [("", "")] * cfg.max_loras  # (adapter, digest) in each slot
         self.shards: OrderedDict[tuple[str, str], dict[str, torch.Tensor]] = OrderedDict()  # host copies, LRU
         self.shards_lock = threading.Lock()
@@ -404,8 +431,15 @@ class _Rank:
         # switch interval the engine of rank 0 sets (diagnostics/gil_handoff.py), for this process's life.
         gil_handoff.engine_started()
         self._send(("ready",))
-        log.info("%s rank %d ready: %s, %d layers, %d kv heads here; %d start-up objects frozen out of the garbage "
-                 "collector's walks", self.role, rank, cfg.model, mc.num_layers, self.model.num_kv_heads, frozen)
+        log.info(
+            "%s rank %d ready: %s, %d layers, %d kv heads here; %d start-up objects frozen out of the garbage collector's walks",
+            self.role,
+            rank,
+            cfg.model,
+            mc.num_layers,
+            self.model.num_kv_heads,
+            frozen,
+        )
 
     def run(self) -> None:
         while (inputs := self.steps.get()) is not None:
@@ -454,7 +488,7 @@ class _Rank:
             self._send(("reply", op_id, None, None))
         except StatusError as exc:
             self._send(("reply", op_id, None, (exc.code.name, exc.message)))
-        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the load with it
+        except Exception as exc:
             self._send(("reply", op_id, None, ("INTERNAL", f"{type(exc).__name__}: {exc}")))
         finally:
             self.cancels.pop(op_id, None)
@@ -468,8 +502,9 @@ class _Rank:
                 return tensors
         got, _, tensors, _ = await self.store.fetch_shard(name, digest)
         if got != digest:
-            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"adapter {name!r}: the store sent {got[:12]}, not {digest[:12]}")
+            raise StatusError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"adapter {name!r}: the store sent {got[:12]}, not {digest[:12]}"
+            )
         with self.shards_lock:
             self.shards[(name, digest)] = tensors
             excess = len(self.shards) - self.cfg.max_cpu_adapters - self.cfg.max_loras
@@ -488,14 +523,25 @@ class _Rank:
             tensors = future.result()
             rank = load_shard_into_slot(self.model, slot, tensors)
             if self.packed and rank0_rank is not None and rank != rank0_rank:
-                raise RuntimeError(f"slot {slot}: this rank's shard of {version[0]!r} ({version[1][:12]}) has rank {rank}, "
-                                   f"rank 0's {rank0_rank}: its packed B would be read at the wrong rank")
+                raise RuntimeError(
+                    f"slot {slot}: this rank's shard of {version[0]!r} ({version[1][:12]}) has rank {rank}, "
+                    f"rank 0's {rank0_rank}: its packed B would be read at the wrong rank"
+                )
         self.slots[slot] = version
         log.info("slot %d: %s (%s)", slot, version[0] or "empty", version[1][:12])
 
     def _state(self) -> dict:
         with self.shards_lock:
             shards = {key: shard_checksum(t) for key, t in self.shards.items()}
-        return {"rank": self.rank, "device": str(self.device), "tp_rank": self.tp.rank, "ep_rank": self.ep.rank,
-                "experts": local_experts(self.model), "slots": dict(enumerate(self.slots)), "shards": shards,
-                "gc_frozen": gc.get_freeze_count(), "gc_collections": self.gc.count, "gc_seconds": self.gc.seconds}
+        return {
+            "rank": self.rank,
+            "device": str(self.device),
+            "tp_rank": self.tp.rank,
+            "ep_rank": self.ep.rank,
+            "experts": local_experts(self.model),
+            "slots": dict(enumerate(self.slots)),
+            "shards": shards,
+            "gc_frozen": gc.get_freeze_count(),
+            "gc_collections": self.gc.count,
+            "gc_seconds": self.gc.seconds,
+        }

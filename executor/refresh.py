@@ -47,7 +47,7 @@ async def refresh_loop(slots: SlotManager, store: StoreClient, interval_s: float
                 log.warning("adapter refresh: %s; held adapters keep their versions", exc.message)
             down = True
             continue
-        except Exception:  # noqa: BLE001 - a bug or a device error must not end the loop silently
+        except Exception:
             log.exception("adapter refresh round failed; retrying in %gs", interval_s)
             continue
         if down:

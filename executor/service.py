@@ -81,8 +81,12 @@ def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer | TokenIds
     model_dir = Path(model_path)
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         eos = config_eos_ids(model_dir)
-        log.warning("%s has no tokenizer files (%s): serving token_ids requests only, eos ids %s",
-                    model_dir, ", ".join(TOKENIZER_FILES), sorted(eos))
+        log.warning(
+            "%s has no tokenizer files (%s): serving token_ids requests only, eos ids %s",
+            model_dir,
+            ", ".join(TOKENIZER_FILES),
+            sorted(eos),
+        )
         return TokenIdsOnly(eos)
     return Tokenizer.from_pretrained(model_path)
 
@@ -102,8 +106,7 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
             raise ValueError(f"{cfg.model}: {error}")
         if cfg.max_loras == 0:  # every rank must build the same slots before rank 0 could measure
             cfg.max_loras = memory.CPU_MAX_LORAS
-            log.info("--max-loras 0 under tensor or expert parallelism: %d slots (set --max-loras to choose)",
-                     cfg.max_loras)
+            log.info("--max-loras 0 under tensor or expert parallelism: %d slots (set --max-loras to choose)", cfg.max_loras)
         ranks = TPRanks(cfg)
     try:
         return _build(cfg, ranks, t0)
@@ -120,11 +123,22 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
     tokenizer = load_tokenizer(cfg.model, cfg.cache_dir)
     packed = any(m.packed_b for m in lora_modules(model).values())
     parts = build_engine(cfg, model, tokenizer, ranks=ranks)
-    log.info("executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d (B %s), %d KV blocks of %d%s",
-             time.perf_counter() - t0, cfg.model, cfg.device, cfg.dtype, model.cfg.num_layers, cfg.max_loras,
-             cfg.max_rank, "packed at each slot's rank" if packed else "in rows", cfg.num_blocks, cfg.block_size,
-             f", {ranks.role} over {ranks.size} ranks{' (fully sharded LoRA)' if cfg.fully_sharded_loras and cfg.tp_size > 1 else ''}"
-             if ranks is not None else "")
+    log.info(
+        "executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d (B %s), %d KV blocks of %d%s",
+        time.perf_counter() - t0,
+        cfg.model,
+        cfg.device,
+        cfg.dtype,
+        model.cfg.num_layers,
+        cfg.max_loras,
+        cfg.max_rank,
+        "packed at each slot's rank" if packed else "in rows",
+        cfg.num_blocks,
+        cfg.block_size,
+        f", {ranks.role} over {ranks.size} ranks{' (fully sharded LoRA)' if cfg.fully_sharded_loras and cfg.tp_size > 1 else ''}"
+        if ranks is not None
+        else "",
+    )
     return parts
 
 
@@ -134,12 +148,19 @@ def to_generation_request(req: epb.GenerateRequest, context: grpc.aio.ServicerCo
         raise invalid("one of prompt, chat or token_ids is required")
     s = req.sampling
     sampling = SamplingParams(
-        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.top_p else 1.0,
-        max_tokens=s.max_tokens or None, stop=tuple(s.stop), seed=s.seed if s.HasField("seed") else None,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p if s.top_p else 1.0,
+        max_tokens=s.max_tokens or None,
+        stop=tuple(s.stop),
+        seed=s.seed if s.HasField("seed") else None,
     )
     remaining = context.time_remaining()
     return GenerationRequest(
-        request_id=req.request_id, adapter=req.adapter, sampling=sampling, return_logprobs=req.return_logprobs,
+        request_id=req.request_id,
+        adapter=req.adapter,
+        sampling=sampling,
+        return_logprobs=req.return_logprobs,
         prompt=req.prompt if which == "prompt" else None,
         messages=[{"role": m.role, "content": m.content} for m in req.chat.messages] if which == "chat" else None,
         prompt_token_ids=list(req.token_ids.ids) if which == "token_ids" else None,
@@ -149,8 +170,16 @@ def to_generation_request(req: epb.GenerateRequest, context: grpc.aio.ServicerCo
 
 def state_pb(s: AdapterState) -> epb.AdapterState:
     return epb.AdapterState(
-        name=s.name, digest=s.digest, rank=s.rank, slot=s.slot, pinned=s.pinned, in_use=s.in_use,
-        in_cpu_cache=s.in_cpu_cache, last_used_unix_ms=s.last_used_unix_ms, bytes=s.bytes, loading=s.loading,
+        name=s.name,
+        digest=s.digest,
+        rank=s.rank,
+        slot=s.slot,
+        pinned=s.pinned,
+        in_use=s.in_use,
+        in_cpu_cache=s.in_cpu_cache,
+        last_used_unix_ms=s.last_used_unix_ms,
+        bytes=s.bytes,
+        loading=s.loading,
     )
 
 
@@ -184,8 +213,13 @@ class ExecutorService(epb_grpc.ExecutorServicer):
             text.append(out.text)
             last = out
         return epb.GenerateResponse(
-            request_id=last.request_id, text="".join(text), token_ids=ids, logprobs=logprobs,
-            finish_reason=FINISH[last.finish_reason], prompt_tokens=last.prompt_tokens, adapter_digest=last.adapter_digest,
+            request_id=last.request_id,
+            text="".join(text),
+            token_ids=ids,
+            logprobs=logprobs,
+            finish_reason=FINISH[last.finish_reason],
+            prompt_tokens=last.prompt_tokens,
+            adapter_digest=last.adapter_digest,
         )
 
     @grpc_errors
@@ -195,7 +229,10 @@ class ExecutorService(epb_grpc.ExecutorServicer):
         async with contextlib.aclosing(self.parts.generate(to_generation_request(request, context))) as outputs:
             async for out in outputs:
                 yield epb.GenerateStreamResponse(
-                    request_id=out.request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
+                    request_id=out.request_id,
+                    text=out.text,
+                    token_ids=out.token_ids,
+                    logprobs=out.logprobs,
                     finish_reason=FINISH.get(out.finish_reason, epb.FINISH_REASON_UNSPECIFIED),
                 )
 
@@ -235,10 +272,15 @@ class ExecutorService(epb_grpc.ExecutorServicer):
     async def GetServerInfo(self, request, context):
         c = self.cfg
         return epb.ServerInfo(
-            base_model=c.base_model or c.model, max_loras=c.max_loras, max_rank=c.max_rank, dtype=c.dtype,
-            device=str(c.torch_device) if c.device != "cuda" else torch.cuda.get_device_name(), tp_size=c.tp_size,
+            base_model=c.base_model or c.model,
+            max_loras=c.max_loras,
+            max_rank=c.max_rank,
+            dtype=c.dtype,
+            device=str(c.torch_device) if c.device != "cuda" else torch.cuda.get_device_name(),
+            tp_size=c.tp_size,
             ep_size=c.ep_size,
-            max_cpu_adapters=c.max_cpu_adapters, version=__version__,
+            max_cpu_adapters=c.max_cpu_adapters,
+            version=__version__,
         )
 
 
@@ -246,13 +288,15 @@ async def open_server(cfg: ExecutorConfig, listen: str) -> tuple[RunningServer, 
     """The gRPC server, bound and answering before the model is loaded: health NOT_SERVING, every
     Executor RPC UNAVAILABLE, until serve(parts, listen, opened=(server, service)) completes."""
     service = ExecutorService()
-    server = await start_server(listen, lambda s: epb_grpc.add_ExecutorServicer_to_server(service, s),
-                                (SERVICE_NAME,), tls=cfg.tls, serving=False)
+    server = await start_server(
+        listen, lambda s: epb_grpc.add_ExecutorServicer_to_server(service, s), (SERVICE_NAME,), tls=cfg.tls, serving=False
+    )
     return server, service
 
 
-async def serve(parts: ExecutorParts, listen: str,
-                opened: tuple[RunningServer, ExecutorService] | None = None) -> tuple[RunningServer, int]:
+async def serve(
+    parts: ExecutorParts, listen: str, opened: tuple[RunningServer, ExecutorService] | None = None
+) -> tuple[RunningServer, int]:
     """Starts the engine, the gRPC server (with health and reflection; or takes the one `open_server`
     opened), the HTTP front and /metrics as configured; health turns SERVING last. Returns gRPC's
     (server, port); the HTTP front's port is parts.http.port, /metrics' parts.metrics_server.port.

@@ -36,9 +36,16 @@ def _use_stream(stream: torch.cuda.Stream) -> None:
 
 
 class SlotCopier:
-    def __init__(self, copy_into_slot: CopyIntoSlot, clear_slot: Callable[[int], None], *, max_loras: int,
-                 device: torch.device, queued_copy: QueuedCopy | None = None,
-                 trace: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        copy_into_slot: CopyIntoSlot,
+        clear_slot: Callable[[int], None],
+        *,
+        max_loras: int,
+        device: torch.device,
+        queued_copy: QueuedCopy | None = None,
+        trace: Callable[[str], None] | None = None,
+    ):
         """copy_into_slot copies on the copy thread (CUDA, with the copy stream current) or in the
         loop's executor (CPU). queued_copy(slot, tensors), called with the copy stream current: where
         copying these into that slot only queues device work (CUDA; executor/slot_load.py
@@ -54,8 +61,7 @@ class SlotCopier:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._thread = None  # None: the loop's default executor
         if self.stream is not None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="slot-copy", initializer=_use_stream,
-                                              initargs=(self.stream,))
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="slot-copy", initializer=_use_stream, initargs=(self.stream,))
 
     async def copy_in(self, slot: int, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
         """Copies the shard into the slot: from the loop itself when that only queues device work

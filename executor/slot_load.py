@@ -141,8 +141,9 @@ def _slot_targets(model: nn.Module) -> _SlotTargets:
     return targets
 
 
-def _slot_copy(buf: torch.Tensor, rank_dim: int, src: torch.Tensor | None, src_offset: int, parts: int = 1,
-               rank_parts: int = 1) -> SlotCopy:
+def _slot_copy(
+    buf: torch.Tensor, rank_dim: int, src: torch.Tensor | None, src_offset: int, parts: int = 1, rank_parts: int = 1
+) -> SlotCopy:
     """One slot of `buf` ([max_loras, ...], rank on dim rank_dim of a slot) as rows x fill: rows are
     the dims before the rank, a row the rank and the dims after it. src (its rank r <= the slot's)
     fills each row's first r / R; None: zeros. parts > 1: a fully sharded column layer's B, whose rank
@@ -299,8 +300,9 @@ def clear_slot(modules, slot: int, scatter=None) -> None:
         m.slot_ranks[slot] = 0
 
 
-def load_shard_into_slot(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor], scatter=None,
-                         staged: torch.Tensor | None = None) -> int:
+def load_shard_into_slot(
+    model: nn.Module, slot: int, tensors: dict[str, torch.Tensor], scatter=None, staged: torch.Tensor | None = None
+) -> int:
     """Copies one shard's tensors into `slot` of every LoRA module; modules absent from it are zeroed.
     Returns the slot's adapter rank as the kernels may read it (LoraMeta.slot_ranks): the largest
     rank among its modules, slot buffers being zero past each module's own.

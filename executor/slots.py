@@ -148,11 +148,18 @@ class SlotManager:
         # the slot queue in its first step, so until then no acquire may take a slot on the spot
         # (`_load_now`) ahead of it
         self._unstarted: set[asyncio.Task] = set()
-        self.cpu = CpuCache(fetch_shard, self.device, budget_bytes=cpu_cache_bytes, max_adapters=max_cpu_adapters,
-                            max_concurrent_loads=max_concurrent_loads, waited_on=self._host_waited_on,
-                            released=self._host_released)
-        self.copier = SlotCopier(copy_into_slot, clear_slot, max_loras=max_loras, device=self.device,
-                                 queued_copy=queued_copy, trace=self._trace)
+        self.cpu = CpuCache(
+            fetch_shard,
+            self.device,
+            budget_bytes=cpu_cache_bytes,
+            max_adapters=max_cpu_adapters,
+            max_concurrent_loads=max_concurrent_loads,
+            waited_on=self._host_waited_on,
+            released=self._host_released,
+        )
+        self.copier = SlotCopier(
+            copy_into_slot, clear_slot, max_loras=max_loras, device=self.device, queued_copy=queued_copy, trace=self._trace
+        )
         # Each slot's adapter rank as the LoRA kernels may read it (LoraMeta.slot_ranks; the copier keeps it)
         self.slot_ranks: list[int] = self.copier.slot_ranks
 
@@ -273,8 +280,12 @@ class SlotManager:
         if not held or held == {digest}:
             return False
         if not a.stale:
-            log.info("adapter %s: the store has %s, this executor holds %s; switching once it is idle",
-                     name, digest[:12] or "no version (deleted)", ", ".join(sorted(d[:12] for d in held)))
+            log.info(
+                "adapter %s: the store has %s, this executor holds %s; switching once it is idle",
+                name,
+                digest[:12] or "no version (deleted)",
+                ", ".join(sorted(d[:12] for d in held)),
+            )
         a.stale = True
         if a.in_use == 0 and a.holds == 0 and not a.loading:
             await self._drop_version(a)
@@ -323,8 +334,13 @@ class SlotManager:
         deadline = asyncio.get_running_loop().time() + self.slot_wait_timeout_s
         while a.stale and (a.in_use or a.loading):
             if not await self._wait_for_change(deadline):
-                log.warning("adapter %s: still in use by %d requests after %gs; serving its old version %s meanwhile",
-                            a.name, a.in_use, self.slot_wait_timeout_s, a.host.digest[:12])
+                log.warning(
+                    "adapter %s: still in use by %d requests after %gs; serving its old version %s meanwhile",
+                    a.name,
+                    a.in_use,
+                    self.slot_wait_timeout_s,
+                    a.host.digest[:12],
+                )
                 return
         if a.stale:
             await self._drop_version(a)
@@ -356,10 +372,11 @@ class SlotManager:
             a.event = await self.copier.copy_in(a.slot, tensors)
             a.slot_digest = digest
             log.info("adapter %s (pinned): version %s replaced %s in slot %d", a.name, digest[:12], old[:12], a.slot)
-        except Exception as exc:  # noqa: BLE001 - the slot still holds the old version, which serves on
+        except Exception as exc:
             self.cpu.forget(a.host, digest=old)  # the next refresh round sees the difference and tries again
-            log.warning("adapter %s (pinned): loading its new version failed (%s); version %s keeps serving",
-                        a.name, exc, old[:12])
+            log.warning(
+                "adapter %s (pinned): loading its new version failed (%s); version %s keeps serving", a.name, exc, old[:12]
+            )
         finally:
             a.slot_task = None
             self._notify()
@@ -504,8 +521,13 @@ class SlotManager:
         """a takes the slot `_pick_slot` chose, evicting the idle adapter in it."""
         old = self._slots[slot]
         if old is not None:
-            log.info("slot %d: evicting adapter %s (idle%s) for %s", slot, old.name,
-                     ", wanted by a queued request" if old.wanted else "", a.name)
+            log.info(
+                "slot %d: evicting adapter %s (idle%s) for %s",
+                slot,
+                old.name,
+                ", wanted by a queued request" if old.wanted else "",
+                a.name,
+            )
             self.observer.slot_eviction()
             old.slot, old.event = -1, None
             self._forget_if_unused(old)
@@ -569,8 +591,7 @@ class SlotManager:
 
     def _forget_if_unused(self, a: _Adapter) -> None:
         """Drops the record of an adapter that is in no tier and that nobody waits on."""
-        idle = (a.slot < 0 and a.host.tensors is None and not a.loading and a.holds == 0 and a.in_use == 0
-                and a.wanted == 0)
+        idle = a.slot < 0 and a.host.tensors is None and not a.loading and a.holds == 0 and a.in_use == 0 and a.wanted == 0
         if idle and not a.pinned and self._adapters.get(a.name) is a:
             del self._adapters[a.name]
 
@@ -591,6 +612,15 @@ class SlotManager:
 
     def _state(self, a: _Adapter) -> AdapterState:
         h = a.host
-        return AdapterState(name=a.name, digest=h.digest, rank=h.rank, slot=a.slot, pinned=a.pinned, in_use=a.in_use,
-                            in_cpu_cache=h.tensors is not None, last_used_unix_ms=a.last_used_unix_ms, bytes=h.nbytes,
-                            loading=a.loading)
+        return AdapterState(
+            name=a.name,
+            digest=h.digest,
+            rank=h.rank,
+            slot=a.slot,
+            pinned=a.pinned,
+            in_use=a.in_use,
+            in_cpu_cache=h.tensors is not None,
+            last_used_unix_ms=a.last_used_unix_ms,
+            bytes=h.nbytes,
+            loading=a.loading,
+        )

@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 import logging
 import math
 import mmap
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -56,8 +56,17 @@ CHUNK_BYTES = 1 << 20  # FetchShard's chunk size asked for
 # with a `why` (a string, once it says no) names the reason in the CANCELLED error and the log.
 STILL_WANTED: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("fetch_still_wanted", default=None)
 HUGE_PAGE_MIN = 4 << 20
-_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
+_ST_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
 
 
 def host_buffer(nbytes: int, pin_memory: bool) -> torch.Tensor:
@@ -117,14 +126,19 @@ def shard_tensors(blob: torch.Tensor) -> ShardTensors:
         dtype = _ST_DTYPES.get(info.get("dtype"))
         begin, end = (base + o for o in info["data_offsets"])
         if dtype is None or not base <= begin <= end <= len(raw):
-            raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard tensor {name!r}: dtype {info.get('dtype')} or offsets out of range")
+            raise StatusError(
+                grpc.StatusCode.DATA_LOSS, f"shard tensor {name!r}: dtype {info.get('dtype')} or offsets out of range"
+            )
         shape, size = info.get("shape"), dtype.itemsize
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard tensor {name!r}: shape {shape!r} is not a list of sizes")
         numel = math.prod(shape)
         if end - begin != numel * size:
-            raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard tensor {name!r}: shape {shape} of {info['dtype']} is "
-                                                         f"{numel * size} bytes, its offsets span {end - begin}")
+            raise StatusError(
+                grpc.StatusCode.DATA_LOSS,
+                f"shard tensor {name!r}: shape {shape} of {info['dtype']} is "
+                f"{numel * size} bytes, its offsets span {end - begin}",
+            )
         if dtype not in typed:  # the whole blob as dtype (None: its start is not aligned for dtype)
             whole = blob[: len(raw) - len(raw) % size]
             typed[dtype] = whole.view(dtype) if blob.storage_offset() % size == 0 else None
@@ -147,9 +161,18 @@ def _header_bytes(message: bytes) -> int | None:
 class StoreClient:
     """Fetches this rank's shard of an adapter for the executor's layout (grpc.aio)."""
 
-    def __init__(self, address: str, layout: pb.Layout, rank: pb.ShardRank | None = None, timeout_s: float = 5.0,
-                 tls: ClientTls | None = None, pin_memory: bool = False, chunk_bytes: int = CHUNK_BYTES,
-                 arena: PinnedArena | None = None, busy_retry_s: float = BUSY_RETRY_S):
+    def __init__(
+        self,
+        address: str,
+        layout: pb.Layout,
+        rank: pb.ShardRank | None = None,
+        timeout_s: float = 5.0,
+        tls: ClientTls | None = None,
+        pin_memory: bool = False,
+        chunk_bytes: int = CHUNK_BYTES,
+        arena: PinnedArena | None = None,
+        busy_retry_s: float = BUSY_RETRY_S,
+    ):
         self.address = address
         self.tls = tls
         self.layout = layout
@@ -188,8 +211,9 @@ class StoreClient:
         except StatusError as e:
             if e.code != grpc.StatusCode.DATA_LOSS or not getattr(e, "after_header", False):
                 raise
-            log.warning("fetching %s from store %s: %s; asking again, with the store checking its copy",
-                        name, self.address, e.message)
+            log.warning(
+                "fetching %s from store %s: %s; asking again, with the store checking its copy", name, self.address, e.message
+            )
             header, buffer = await self._stream_when_served(name, digest, True, backoff)
         try:
             tensors = await asyncio.to_thread(shard_tensors, buffer)  # parsing a large header: off the serving loop
@@ -199,14 +223,25 @@ class StoreClient:
             raise
         if self.arena is not None and self.arena.holds(buffer):  # back to the arena once the tensors are dropped
             tensors = self.arena.adopt(buffer, ArenaShard(tensors))
-        log.info("fetched %s (%s%s) from store %s: %d bytes (%s) in %.3fs", name, header.manifest.digest[:12],
-                 f", tp rank {self.rank.tp_rank}" if self.layout.tp_size > 1 else
-                 f", ep rank {self.rank.ep_rank}" if self.layout.ep_size > 1 else "", self.address,
-                 header.total_bytes, header.cache_tier, time.perf_counter() - t0)
+        log.info(
+            "fetched %s (%s%s) from store %s: %d bytes (%s) in %.3fs",
+            name,
+            header.manifest.digest[:12],
+            f", tp rank {self.rank.tp_rank}"
+            if self.layout.tp_size > 1
+            else f", ep rank {self.rank.ep_rank}"
+            if self.layout.ep_size > 1
+            else "",
+            self.address,
+            header.total_bytes,
+            header.cache_tier,
+            time.perf_counter() - t0,
+        )
         return header.manifest.digest, header.manifest.rank, tensors, header.total_bytes
 
-    async def _stream_when_served(self, name: str, digest: str, verify: bool,
-                                  backoff: BusyBackoff) -> tuple[spb.ShardHeader, torch.Tensor]:
+    async def _stream_when_served(
+        self, name: str, digest: str, verify: bool, backoff: BusyBackoff
+    ) -> tuple[spb.ShardHeader, torch.Tensor]:
         """_stream, asked again while the store answers busy, as `backoff` paces it (the store's
         retry hint, then doubling pauses with jitter, for busy_retry_s from the first refused ask):
         then RESOURCE_EXHAUSTED naming the store and the adapter. CANCELLED instead once the
@@ -221,8 +256,9 @@ class StoreClient:
                     raise
                 pause = backoff.next_pause(hint, asked_at)
                 if pause is None:
-                    error = backoff.gave_up(f"adapter store at {self.address}", f"adapter {name!r} cannot be loaded now",
-                                            e.message)
+                    error = backoff.gave_up(
+                        f"adapter store at {self.address}", f"adapter {name!r} cannot be loaded now", e.message
+                    )
                     log.warning("%s", error.message)
                     raise error from None
                 self._unless_unwanted(name)
@@ -237,12 +273,14 @@ class StoreClient:
         if (wanted := STILL_WANTED.get()) is not None and not wanted():
             why = getattr(wanted, "why", None) or "no request waits for it any more"
             log.info("%r: %s; not asking the busy store at %s again", name, why, self.address)
-            raise StatusError(grpc.StatusCode.CANCELLED, f"adapter {name!r}: {why}; not "
-                                                         f"fetched (the store at {self.address} was busy)")
+            raise StatusError(
+                grpc.StatusCode.CANCELLED, f"adapter {name!r}: {why}; not fetched (the store at {self.address} was busy)"
+            )
 
     async def _stream(self, name: str, digest: str, verify: bool) -> tuple[spb.ShardHeader, torch.Tensor]:
-        req = spb.FetchShardRequest(name=name, layout=self.layout, rank=self.rank, digest=digest,
-                                    chunk_bytes=self.chunk_bytes, verify=verify, xxh3=True)
+        req = spb.FetchShardRequest(
+            name=name, layout=self.layout, rank=self.rank, digest=digest, chunk_bytes=self.chunk_bytes, verify=verify, xxh3=True
+        )
         buffers: list[torch.Tensor] = []
         asm = ShardAssembler(lambda n: buffers[-1].numpy(), self._hash_thread)
         call = self._fetch_method()(req)  # raw messages: data chunks are read in place
@@ -281,20 +319,28 @@ class StoreClient:
                 return block
             if time.monotonic() - self._arena_full_logged > 60:
                 self._arena_full_logged = time.monotonic()
-                log.warning("%s arena has no room for adapter %s (%d bytes; %d of %d bytes free, largest block %d): "
-                            "it lands in a fresh %s (fetches in flight have the arena's room beyond the CPU cache's, an eighth of "
-                            "it: lower --max-concurrent-loads)",
-                            "pinned" if self.pin_memory else "host", name, nbytes, self.arena.free_bytes(),
-                            self.arena.nbytes, self.arena.largest_free(),
-                            "pinned buffer, and the CUDA calls of the running steps wait while that is page-locked"
-                            if self.pin_memory else "host buffer")
+                log.warning(
+                    "%s arena has no room for adapter %s (%d bytes; %d of %d bytes free, largest block %d): "
+                    "it lands in a fresh %s (fetches in flight have the arena's room beyond the CPU cache's, an eighth of "
+                    "it: lower --max-concurrent-loads)",
+                    "pinned" if self.pin_memory else "host",
+                    name,
+                    nbytes,
+                    self.arena.free_bytes(),
+                    self.arena.nbytes,
+                    self.arena.largest_free(),
+                    "pinned buffer, and the CUDA calls of the running steps wait while that is page-locked"
+                    if self.pin_memory
+                    else "host buffer",
+                )
         # Allocated in a thread: a cold pinned allocation of a large shard takes milliseconds, which the
         # serving loop must not wait for (the engine's steps still do: the driver is held meanwhile).
         return await asyncio.to_thread(host_buffer, nbytes, self.pin_memory)
 
     def _fetch_method(self):
-        return self._channel().unary_stream(FETCH_SHARD, request_serializer=spb.FetchShardRequest.SerializeToString,
-                                            response_deserializer=None)
+        return self._channel().unary_stream(
+            FETCH_SHARD, request_serializer=spb.FetchShardRequest.SerializeToString, response_deserializer=None
+        )
 
     async def _next(self, call, name: str):
         """The stream's next message (or EOF), waiting at most timeout_s for it (a timer, not a
@@ -303,8 +349,10 @@ class StoreClient:
             async with asyncio.timeout(self.timeout_s):
                 return await call.read()
         except TimeoutError:
-            raise unavailable(f"adapter store at {self.address} did not answer within {self.timeout_s:g}s "
-                              f"(store_timeout_s); adapter {name!r} cannot be loaded now") from None
+            raise unavailable(
+                f"adapter store at {self.address} did not answer within {self.timeout_s:g}s "
+                f"(store_timeout_s); adapter {name!r} cannot be loaded now"
+            ) from None
 
     async def current_digest(self, name: str) -> str:
         """The digest the store now has for `name`; "" if it has none. UNAVAILABLE when it is down."""
@@ -321,8 +369,9 @@ class StoreClient:
         manifests, token = [], ""
         while True:
             try:
-                page = await self._stub().ListAdapters(spb.ListAdaptersRequest(page_size=1000, page_token=token),
-                                                       timeout=min(self.timeout_s, 10.0))
+                page = await self._stub().ListAdapters(
+                    spb.ListAdaptersRequest(page_size=1000, page_token=token), timeout=min(self.timeout_s, 10.0)
+                )
             except grpc.aio.AioRpcError as e:
                 raise self._error(e) from None
             manifests += page.adapters
@@ -351,8 +400,11 @@ class StoreClient:
                 if answering:
                     log.info("adapter store at %s answers again", self.address)
                 else:
-                    log.warning("adapter store at %s does not answer its health check (%s); held adapters "
-                                "serve without asking it", self.address, why)
+                    log.warning(
+                        "adapter store at %s does not answer its health check (%s); held adapters serve without asking it",
+                        self.address,
+                        why,
+                    )
             self.answering = answering
             await asyncio.sleep(interval_s)
 

@@ -63,8 +63,7 @@ def lora_shrink(x, lora_a, meta: LoraMeta, out=None, ranked: bool = True, pdl: b
     return impl.lora_shrink(x, lora_a, meta, out, ranked)
 
 
-def lora_expand(y, buf, lora_b, slice_offsets, meta: LoraMeta, ranked: bool = True, pdl: bool = False,
-                packed: bool = False):
+def lora_expand(y, buf, lora_b, slice_offsets, meta: LoraMeta, ranked: bool = True, pdl: bool = False, packed: bool = False):
     """pdl: as in lora_shrink. packed: each slot's B packed at its rank (triton_lora.lora_expand)."""
     impl = _impl(y)
     if pdl and impl is not reference:
@@ -92,13 +91,20 @@ def _attention_impl(t: torch.Tensor):
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None):
     """One query per sequence over its paged K/V: see kernels/attention_reference.py for the shapes."""
-    return _attention_impl(q).paged_decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out
-    )
+    return _attention_impl(q).paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out)
 
 
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window=None, out=None,
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    cu_query_lens,
+    max_query_len,
+    scale,
+    sliding_window=None,
+    out=None,
     work=None,
 ):
     """Variable-length causal queries over paged K/V: see kernels/attention_reference.py for the shapes.
@@ -109,6 +115,7 @@ def paged_prefill_attention(
 
 
 # ---- the decoder's small fused ops (kernels/ops_reference.py, kernels/triton_ops.py) ----------
+
 
 def _ops_impl(t: torch.Tensor):
     return _on_device(t, "triton_ops", ops_reference)
@@ -141,6 +148,7 @@ def greedy(logits):
 
 
 # ---- slot loads (kernels/copy_reference.py, kernels/triton_copy.py) ----------------------------
+
 
 def slot_scatter(plan: copy_reference.ScatterPlan, src, slot: int) -> None:
     """A slot load's copies and zero-fills from the staged shard `src`: one launch on CUDA."""

@@ -16,9 +16,7 @@ import torch
 import torch.nn.functional as F
 
 
-def paged_decode_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None
-) -> torch.Tensor:
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None) -> torch.Tensor:
     """One query token per sequence over its paged keys/values.
 
     q:               [B, H, D] (fp32 / fp16 / bf16)
@@ -43,7 +41,16 @@ def paged_decode_attention(
 
 
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window=None, out=None,
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    cu_query_lens,
+    max_query_len,
+    scale,
+    sliding_window=None,
+    out=None,
     work=None,
 ) -> torch.Tensor:
     """Variable-length causal queries (prefill chunks and decode tokens mixed) over cached + new keys.

@@ -54,8 +54,9 @@ class ScatterPlan:
             return self
         got = self.clips.get(rank)
         if got is None:
-            cut = [replace(c, fill=min(c.fill, max(c.src_cols, -(-rank // c.parts) * c.unit))) if c.unit else c
-                   for c in self.copies]
+            cut = [
+                replace(c, fill=min(c.fill, max(c.src_cols, -(-rank // c.parts) * c.unit))) if c.unit else c for c in self.copies
+            ]
             got = self.clips.setdefault(rank, ScatterPlan(tuple(c for c in cut if c.fill)))  # one kept if two race
         return got
 

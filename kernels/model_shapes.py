@@ -68,12 +68,7 @@ class LayerShape:
 def splits(family: Family, tp: int) -> bool:
     """Whether the family's layers divide over tp ranks (heads, kv heads, intermediate, vocab)."""
     kv_ok = family.kv_heads % tp == 0 if family.kv_heads >= tp else tp % family.kv_heads == 0
-    return (
-        family.heads % tp == 0
-        and kv_ok
-        and family.intermediate % tp == 0
-        and family.vocab % tp == 0
-    )
+    return family.heads % tp == 0 and kv_ok and family.intermediate % tp == 0 and family.vocab % tp == 0
 
 
 def layer_shapes(family: Family, tp: int = 1) -> list[LayerShape]:

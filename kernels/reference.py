@@ -114,10 +114,7 @@ def lora_expand(
     for slot, idx in _slot_groups(meta):
         b = lora_b[slot].float()  # [N, R]
         delta = torch.cat(
-            [
-                buf[s].index_select(0, idx) @ b[slice_offsets[s] : slice_offsets[s + 1]].T
-                for s in range(len(slice_offsets) - 1)
-            ],
+            [buf[s].index_select(0, idx) @ b[slice_offsets[s] : slice_offsets[s + 1]].T for s in range(len(slice_offsets) - 1)],
             dim=1,
         )  # [n, N]
         y.index_add_(0, idx, delta.to(y.dtype))

@@ -37,12 +37,35 @@ _PROGRAMS_PER_SM = 2  # decode splits until B * KVH * splits reaches this many p
 
 @triton.jit(do_not_specialize=["stride_tb"])  # eager decode steps' table widths vary (see _prefill_kernel)
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2, window, partition,
-    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    scale_log2,
+    window,
+    partition,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Program (b, kv head, split): the GROUP query heads of one kv head over keys of one partition.
 
@@ -70,7 +93,8 @@ def _decode_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
     table = tables_ptr + b.to(tl.int64) * stride_tb
     k_head = k_ptr + kvh * stride_kh
@@ -102,7 +126,8 @@ def _decode_kernel(
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (a batch's padding row): zeros
         tl.store(
             out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
         )
     else:
         # scratch [B, H, splits] (m, l) and [B, H, splits, HEAD_DIM] (acc)
@@ -110,15 +135,21 @@ def _decode_kernel(
         part = (b.to(tl.int64) * num_heads + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
         tl.store(part_m_ptr + part, m_i, mask=g_mask)
         tl.store(part_l_ptr + part, l_i, mask=g_mask)
-        tl.store(
-            part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :]
-        )
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
 def _merge_splits_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_ptr,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     """Program (b, h): out[b, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s."""
     b = tl.program_id(0)
@@ -140,9 +171,28 @@ def _merge_splits_kernel(
 
 @triton.jit
 def _prefill_tiles(
-    acc, m_i, l_i, q, q_pos, k_head, v_head, table, start_lo, start_hi, lo, hi, scale_log2, window,
-    stride_kb, stride_ks, offs_d, d_mask,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    k_head,
+    v_head,
+    table,
+    start_lo,
+    start_hi,
+    lo,
+    hi,
+    scale_log2,
+    window,
+    stride_kb,
+    stride_ks,
+    offs_d,
+    d_mask,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Online softmax over key tiles starting in [start_lo, start_hi). MASKED: apply causal / window /
@@ -179,15 +229,36 @@ def _prefill_tiles(
 # cu_query_lens 16-byte aligned when the count is a multiple of 4: kv_cache.AttentionMetadata packs
 # it after seq_lens), each new combination would be a build while serving; the warm-up's steps meet
 # only some. They cost nothing measurable unspecialised: a program reads a few scalars of each.
-@triton.jit(do_not_specialize=["stride_tb"],
-            do_not_specialize_on_alignment=["cu_ptr", "tables_ptr", "seq_lens_ptr", "work_ptr"])
+@triton.jit(do_not_specialize=["stride_tb"], do_not_specialize_on_alignment=["cu_ptr", "tables_ptr", "seq_lens_ptr", "work_ptr"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, cu_ptr, out_ptr, work_ptr,
-    scale_log2, window,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUERIES: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, WORK: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    cu_ptr,
+    out_ptr,
+    work_ptr,
+    scale_log2,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QUERIES: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+    WORK: tl.constexpr,
 ):
     """Program (query block, kv head, b): rows r = (query j0 + r // GROUP, head kvh * GROUP + r % GROUP).
 
@@ -238,26 +309,90 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         acc, m_i, l_i = _prefill_tiles(
-            acc, m_i, l_i, q, q_pos, k_head, v_head, table, first, mid_lo, lo, hi, scale_log2, window,
-            stride_kb, stride_ks, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            k_head,
+            v_head,
+            table,
+            first,
+            mid_lo,
+            lo,
+            hi,
+            scale_log2,
+            window,
+            stride_kb,
+            stride_ks,
+            offs_d,
+            d_mask,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            HAS_WINDOW,
+            PRECISION,
         )
         acc, m_i, l_i = _prefill_tiles(
-            acc, m_i, l_i, q, q_pos, k_head, v_head, table, mid_lo, mid_hi, lo, hi, scale_log2, window,
-            stride_kb, stride_ks, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            k_head,
+            v_head,
+            table,
+            mid_lo,
+            mid_hi,
+            lo,
+            hi,
+            scale_log2,
+            window,
+            stride_kb,
+            stride_ks,
+            offs_d,
+            d_mask,
+            BLOCK_SIZE,
+            BLOCK_N,
+            False,
+            HAS_WINDOW,
+            PRECISION,
         )
         acc, m_i, l_i = _prefill_tiles(
-            acc, m_i, l_i, q, q_pos, k_head, v_head, table, mid_hi, hi, lo, hi, scale_log2, window,
-            stride_kb, stride_ks, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            k_head,
+            v_head,
+            table,
+            mid_hi,
+            hi,
+            lo,
+            hi,
+            scale_log2,
+            window,
+            stride_kb,
+            stride_ks,
+            offs_d,
+            d_mask,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            HAS_WINDOW,
+            PRECISION,
         )
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_rows = (q_start + j).to(tl.int64) * stride_ot + (kvh * GROUP + offs_m % GROUP) * stride_oh
-        tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + out_rows[:, None] + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & d_mask[None, :],
+        )
 
 
-def paged_decode_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None
-) -> torch.Tensor:
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None) -> torch.Tensor:
     """One query token per sequence over its paged keys/values (see attention_reference for the math).
 
     q:               [B, H, D] fp16 / bf16 / fp32, D contiguous
@@ -277,25 +412,59 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     d_pad = _d_pad(head_dim)
     block_n, num_warps, num_stages = decode_config(d_pad)
-    splits, partition = decode_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, num_sms(q.device.index), block_n)
+    splits, partition = decode_splits(
+        num_seqs, num_kv_heads, block_tables.shape[1] * block_size, num_sms(q.device.index), block_n
+    )
     part_acc = part_m = part_l = out  # unused by the kernel when there is one split
     if splits > 1:
         part_acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(2, num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
         part_m, part_l = part_ml[0], part_ml[1]
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens.contiguous(), out, part_acc, part_m, part_l,
-        scale * _LOG2E, sliding_window or 0, partition,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=splits > 1, HAS_WINDOW=sliding_window is not None,
-        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens.contiguous(),
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        scale * _LOG2E,
+        sliding_window or 0,
+        partition,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        SPLIT=splits > 1,
+        HAS_WINDOW=sliding_window is not None,
+        PRECISION=_precision(q),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            part_acc, part_m, part_l, out, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(splits),
+            part_acc,
+            part_m,
+            part_l,
+            out,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            SPLITS_PAD=triton.next_power_of_2(splits),
             num_warps=4 if d_pad * splits >= 4096 else 2,
         )
     return out
@@ -318,7 +487,16 @@ def decode_config(d_pad: int) -> tuple[int, int, int]:
 
 
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window=None, out=None,
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    cu_query_lens,
+    max_query_len,
+    scale,
+    sliding_window=None,
+    out=None,
     work=None,
 ) -> torch.Tensor:
     """Variable-length causal queries over cached + new keys (see attention_reference for the math).
@@ -349,13 +527,36 @@ def paged_prefill_attention(
     if work is not None:
         grid = (work.shape[0], num_kv_heads, 1)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens.contiguous(), cu_query_lens.contiguous(), out,
-        work if work is not None else cu_query_lens, scale * _LOG2E, sliding_window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        QUERIES=queries, HAS_WINDOW=sliding_window is not None, PRECISION=_precision(q), WORK=work is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens.contiguous(),
+        cu_query_lens.contiguous(),
+        out,
+        work if work is not None else cu_query_lens,
+        scale * _LOG2E,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        QUERIES=queries,
+        HAS_WINDOW=sliding_window is not None,
+        PRECISION=_precision(q),
+        WORK=work is not None,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

@@ -37,8 +37,16 @@ _MAX_SLICES_PER_LAUNCH = 4
 
 @triton.jit
 def _shrink_part(
-    acc, x_rows, m_mask, a_rows, live, k_lo, k_hi,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
+    acc,
+    x_rows,
+    m_mask,
+    a_rows,
+    live,
+    k_lo,
+    k_hi,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """acc += x[rows, k_lo:k_hi] @ A[offs_j, k_lo:k_hi].T, BLOCK_K input columns per step.
 
@@ -58,8 +66,21 @@ def _shrink_part(
 
 @triton.jit
 def _shrink_narrow(
-    x_rows, a_ptr, out_ptr, tok, m_mask, col0, rank, k_lo, k_hi, num_tokens, stride_aj,
-    RANK: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    x_rows,
+    a_ptr,
+    out_ptr,
+    tok,
+    m_mask,
+    col0,
+    rank,
+    k_lo,
+    k_hi,
+    num_tokens,
+    stride_aj,
+    RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """A tile whose adapter's rank fits BN columns: those columns only, BK input columns per step.
 
@@ -78,9 +99,24 @@ def _shrink_narrow(
 
 @triton.jit
 def _shrink_whole(
-    x_rows, a_slot, out_ptr, tok, m_mask, offs_j, j_mask, live, k_lo, k_hi, num_tokens, stride_aj,
-    RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    x_rows,
+    a_slot,
+    out_ptr,
+    tok,
+    m_mask,
+    offs_j,
+    j_mask,
+    live,
+    k_lo,
+    k_hi,
+    num_tokens,
+    stride_aj,
+    RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """The tile's BLOCK_N columns, BLOCK_K input columns per step, stored (or added, K split) into buf."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -96,12 +132,31 @@ def _shrink_whole(
 
 @triton.jit
 def _shrink_tile(
-    tile, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-    num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
-    RANK: tl.constexpr, SR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, RANKED: tl.constexpr,
-    NARROW: tl.constexpr, PDL: tl.constexpr,
+    tile,
+    x_ptr,
+    a_ptr,
+    out_ptr,
+    block_slots_ptr,
+    block_ranks_ptr,
+    block_tokens_ptr,
+    num_tokens,
+    num_slots,
+    in_features,
+    k_per_split,
+    stride_xt,
+    stride_al,
+    stride_aj,
+    RANK: tl.constexpr,
+    SR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    RANKED: tl.constexpr,
+    NARROW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One tile: a block of one slot's tokens x BLOCK_N of the S * RANK columns x one K split.
 
@@ -142,34 +197,153 @@ def _shrink_tile(
             tl.static_assert((SPLIT_K > 1) & (RANK % BLOCK_N == 0) & (BLOCK_N >= 32))
             if BLOCK_N >= 64:  # a quarter of the columns is still >= 16 (tl.dot's least)
                 if rank <= BLOCK_N // 4:
-                    _shrink_narrow(x_rows, a_slot, out_ptr, tok, m_mask, col0, rank, k_lo, k_hi, num_tokens,
-                                   stride_aj, RANK, BLOCK_M, BLOCK_N // 4, BLOCK_K * 4)
+                    _shrink_narrow(
+                        x_rows,
+                        a_slot,
+                        out_ptr,
+                        tok,
+                        m_mask,
+                        col0,
+                        rank,
+                        k_lo,
+                        k_hi,
+                        num_tokens,
+                        stride_aj,
+                        RANK,
+                        BLOCK_M,
+                        BLOCK_N // 4,
+                        BLOCK_K * 4,
+                    )
                 elif rank <= BLOCK_N // 2:
-                    _shrink_narrow(x_rows, a_slot, out_ptr, tok, m_mask, col0, rank, k_lo, k_hi, num_tokens,
-                                   stride_aj, RANK, BLOCK_M, BLOCK_N // 2, BLOCK_K * 2)
+                    _shrink_narrow(
+                        x_rows,
+                        a_slot,
+                        out_ptr,
+                        tok,
+                        m_mask,
+                        col0,
+                        rank,
+                        k_lo,
+                        k_hi,
+                        num_tokens,
+                        stride_aj,
+                        RANK,
+                        BLOCK_M,
+                        BLOCK_N // 2,
+                        BLOCK_K * 2,
+                    )
                 else:
-                    _shrink_whole(x_rows, a_slot, out_ptr, tok, m_mask, offs_j, j_mask, live, k_lo, k_hi,
-                                  num_tokens, stride_aj, RANK, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K)
+                    _shrink_whole(
+                        x_rows,
+                        a_slot,
+                        out_ptr,
+                        tok,
+                        m_mask,
+                        offs_j,
+                        j_mask,
+                        live,
+                        k_lo,
+                        k_hi,
+                        num_tokens,
+                        stride_aj,
+                        RANK,
+                        BLOCK_M,
+                        BLOCK_N,
+                        BLOCK_K,
+                        SPLIT_K,
+                        EVEN_K,
+                    )
             else:
                 if rank <= BLOCK_N // 2:
-                    _shrink_narrow(x_rows, a_slot, out_ptr, tok, m_mask, col0, rank, k_lo, k_hi, num_tokens,
-                                   stride_aj, RANK, BLOCK_M, BLOCK_N // 2, BLOCK_K * 2)
+                    _shrink_narrow(
+                        x_rows,
+                        a_slot,
+                        out_ptr,
+                        tok,
+                        m_mask,
+                        col0,
+                        rank,
+                        k_lo,
+                        k_hi,
+                        num_tokens,
+                        stride_aj,
+                        RANK,
+                        BLOCK_M,
+                        BLOCK_N // 2,
+                        BLOCK_K * 2,
+                    )
                 else:
-                    _shrink_whole(x_rows, a_slot, out_ptr, tok, m_mask, offs_j, j_mask, live, k_lo, k_hi,
-                                  num_tokens, stride_aj, RANK, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K)
+                    _shrink_whole(
+                        x_rows,
+                        a_slot,
+                        out_ptr,
+                        tok,
+                        m_mask,
+                        offs_j,
+                        j_mask,
+                        live,
+                        k_lo,
+                        k_hi,
+                        num_tokens,
+                        stride_aj,
+                        RANK,
+                        BLOCK_M,
+                        BLOCK_N,
+                        BLOCK_K,
+                        SPLIT_K,
+                        EVEN_K,
+                    )
         else:
-            _shrink_whole(x_rows, a_slot, out_ptr, tok, m_mask, offs_j, j_mask, live, k_lo, k_hi,
-                          num_tokens, stride_aj, RANK, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K)
+            _shrink_whole(
+                x_rows,
+                a_slot,
+                out_ptr,
+                tok,
+                m_mask,
+                offs_j,
+                j_mask,
+                live,
+                k_lo,
+                k_hi,
+                num_tokens,
+                stride_aj,
+                RANK,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                SPLIT_K,
+                EVEN_K,
+            )
 
 
 @triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["block_ranks_ptr"])
 def _shrink_kernel(
-    x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr, num_blocks_ptr,
-    num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
-    RANK: tl.constexpr, SR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, RANKED: tl.constexpr,
-    NARROW: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    a_ptr,
+    out_ptr,
+    block_slots_ptr,
+    block_ranks_ptr,
+    block_tokens_ptr,
+    num_blocks_ptr,
+    num_tokens,
+    num_slots,
+    in_features,
+    k_per_split,
+    stride_xt,
+    stride_al,
+    stride_aj,
+    RANK: tl.constexpr,
+    SR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    RANKED: tl.constexpr,
+    NARROW: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[s, t, r] = sum_k x[t, k] * a[slot(t), s * RANK + r, k], over the flattened j = s * RANK + r.
 
@@ -188,18 +362,62 @@ def _shrink_kernel(
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         _shrink_tile(
-            pid, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-            num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
-            RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, RANKED, NARROW, PDL,
+            pid,
+            x_ptr,
+            a_ptr,
+            out_ptr,
+            block_slots_ptr,
+            block_ranks_ptr,
+            block_tokens_ptr,
+            num_tokens,
+            num_slots,
+            in_features,
+            k_per_split,
+            stride_xt,
+            stride_al,
+            stride_aj,
+            RANK,
+            SR,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            N_BLOCKS,
+            SPLIT_K,
+            EVEN_K,
+            RANKED,
+            NARROW,
+            PDL,
         )
     else:
         num_programs = tl.num_programs(0)
         num_tiles = tl.load(num_blocks_ptr + 1) * (N_BLOCKS * SPLIT_K)
         for tile in range(pid, num_tiles, num_programs):
             _shrink_tile(
-                tile, x_ptr, a_ptr, out_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-                num_tokens, num_slots, in_features, k_per_split, stride_xt, stride_al, stride_aj,
-                RANK, SR, BLOCK_M, BLOCK_N, BLOCK_K, N_BLOCKS, SPLIT_K, EVEN_K, RANKED, NARROW, False,
+                tile,
+                x_ptr,
+                a_ptr,
+                out_ptr,
+                block_slots_ptr,
+                block_ranks_ptr,
+                block_tokens_ptr,
+                num_tokens,
+                num_slots,
+                in_features,
+                k_per_split,
+                stride_xt,
+                stride_al,
+                stride_aj,
+                RANK,
+                SR,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                N_BLOCKS,
+                SPLIT_K,
+                EVEN_K,
+                RANKED,
+                NARROW,
+                False,
             )
 
 
@@ -261,9 +479,24 @@ def _add_cols(y_rows, lhs, b, offs_n, m_mask, hi, EVEN_N: tl.constexpr):
 
 @triton.jit
 def _expand_cols(
-    y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr,
-    EVEN_N: tl.constexpr, RANKED: tl.constexpr, PDL: tl.constexpr,
+    y_rows,
+    b_rows,
+    buf_ptr,
+    s,
+    tok,
+    m_mask,
+    rank,
+    n_start,
+    hi,
+    num_tokens,
+    stride_bn,
+    RANK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    N_ITERS: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    RANKED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[rows, n_start : n_start + BLOCK_N * N_ITERS] += buf[s, rows, :BLOCK_R] @ B[cols, :BLOCK_R].T.
 
@@ -286,18 +519,41 @@ def _expand_cols(
         _add_cols(y_rows, lhs, first, n_start + tl.arange(0, BLOCK_N), m_mask, hi, EVEN_N)
     for i in range(1 if PDL else 0, N_ITERS):  # (a constexpr start: the first step is done under PDL)
         offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        _add_cols(y_rows, lhs, _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N), offs_n, m_mask, hi,
-                  EVEN_N)
+        _add_cols(y_rows, lhs, _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N), offs_n, m_mask, hi, EVEN_N)
 
 
 @triton.jit
 def _expand_tile(
-    tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-    num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
-    off0, off1, off2, off3, off4,
-    NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
-    RANKED: tl.constexpr, NARROW: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr, PDL: tl.constexpr,
+    tile,
+    y_ptr,
+    buf_ptr,
+    b_ptr,
+    block_slots_ptr,
+    block_ranks_ptr,
+    block_tokens_ptr,
+    num_tokens,
+    num_slots,
+    chunks,
+    stride_yt,
+    stride_bl,
+    stride_bn,
+    off0,
+    off1,
+    off2,
+    off3,
+    off4,
+    NUM_SLICES: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    N_ITERS: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    RANKED: tl.constexpr,
+    NARROW: tl.constexpr,
+    WIDE2: tl.constexpr,
+    WIDE4: tl.constexpr,
+    PDL: tl.constexpr,
     PACKED: tl.constexpr,
 ):
     """One tile: a block of one slot's tokens x BLOCK_N * N_ITERS columns of one slice.
@@ -325,43 +581,212 @@ def _expand_tile(
         if NARROW:
             if BLOCK_R >= 64:
                 if rank <= BLOCK_R // 4:
-                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                                 RANK, BLOCK_R // 4, BLOCK_N * WIDE4, N_ITERS // WIDE4, EVEN_N, RANKED, PDL)
+                    _expand_cols(
+                        y_rows,
+                        b_rows,
+                        buf_ptr,
+                        s,
+                        tok,
+                        m_mask,
+                        rank,
+                        n_start,
+                        hi,
+                        num_tokens,
+                        stride_bn,
+                        RANK,
+                        BLOCK_R // 4,
+                        BLOCK_N * WIDE4,
+                        N_ITERS // WIDE4,
+                        EVEN_N,
+                        RANKED,
+                        PDL,
+                    )
                 elif rank <= BLOCK_R // 2:
-                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                                 RANK, BLOCK_R // 2, BLOCK_N * WIDE2, N_ITERS // WIDE2, EVEN_N, RANKED, PDL)
+                    _expand_cols(
+                        y_rows,
+                        b_rows,
+                        buf_ptr,
+                        s,
+                        tok,
+                        m_mask,
+                        rank,
+                        n_start,
+                        hi,
+                        num_tokens,
+                        stride_bn,
+                        RANK,
+                        BLOCK_R // 2,
+                        BLOCK_N * WIDE2,
+                        N_ITERS // WIDE2,
+                        EVEN_N,
+                        RANKED,
+                        PDL,
+                    )
                 else:
-                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                                 RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL)
+                    _expand_cols(
+                        y_rows,
+                        b_rows,
+                        buf_ptr,
+                        s,
+                        tok,
+                        m_mask,
+                        rank,
+                        n_start,
+                        hi,
+                        num_tokens,
+                        stride_bn,
+                        RANK,
+                        BLOCK_R,
+                        BLOCK_N,
+                        N_ITERS,
+                        EVEN_N,
+                        RANKED,
+                        PDL,
+                    )
             elif BLOCK_R >= 32:
                 if rank <= BLOCK_R // 2:
-                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                                 RANK, BLOCK_R // 2, BLOCK_N * WIDE2, N_ITERS // WIDE2, EVEN_N, RANKED, PDL)
+                    _expand_cols(
+                        y_rows,
+                        b_rows,
+                        buf_ptr,
+                        s,
+                        tok,
+                        m_mask,
+                        rank,
+                        n_start,
+                        hi,
+                        num_tokens,
+                        stride_bn,
+                        RANK,
+                        BLOCK_R // 2,
+                        BLOCK_N * WIDE2,
+                        N_ITERS // WIDE2,
+                        EVEN_N,
+                        RANKED,
+                        PDL,
+                    )
                 else:
-                    _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                                 RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL)
+                    _expand_cols(
+                        y_rows,
+                        b_rows,
+                        buf_ptr,
+                        s,
+                        tok,
+                        m_mask,
+                        rank,
+                        n_start,
+                        hi,
+                        num_tokens,
+                        stride_bn,
+                        RANK,
+                        BLOCK_R,
+                        BLOCK_N,
+                        N_ITERS,
+                        EVEN_N,
+                        RANKED,
+                        PDL,
+                    )
             else:
-                _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                             RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL)
+                _expand_cols(
+                    y_rows,
+                    b_rows,
+                    buf_ptr,
+                    s,
+                    tok,
+                    m_mask,
+                    rank,
+                    n_start,
+                    hi,
+                    num_tokens,
+                    stride_bn,
+                    RANK,
+                    BLOCK_R,
+                    BLOCK_N,
+                    N_ITERS,
+                    EVEN_N,
+                    RANKED,
+                    PDL,
+                )
         elif RANKED:
-            _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, rank, n_start, hi, num_tokens, stride_bn,
-                         RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL)
+            _expand_cols(
+                y_rows,
+                b_rows,
+                buf_ptr,
+                s,
+                tok,
+                m_mask,
+                rank,
+                n_start,
+                hi,
+                num_tokens,
+                stride_bn,
+                RANK,
+                BLOCK_R,
+                BLOCK_N,
+                N_ITERS,
+                EVEN_N,
+                RANKED,
+                PDL,
+            )
         else:
-            _expand_cols(y_rows, b_rows, buf_ptr, s, tok, m_mask, RANK, n_start, hi, num_tokens, stride_bn,
-                         RANK, BLOCK_R, BLOCK_N, N_ITERS, EVEN_N, RANKED, PDL)
+            _expand_cols(
+                y_rows,
+                b_rows,
+                buf_ptr,
+                s,
+                tok,
+                m_mask,
+                RANK,
+                n_start,
+                hi,
+                num_tokens,
+                stride_bn,
+                RANK,
+                BLOCK_R,
+                BLOCK_N,
+                N_ITERS,
+                EVEN_N,
+                RANKED,
+                PDL,
+            )
     elif PDL:  # every program waits: the grid ends only after the shrink's (and what it waited for)
         tl.extra.cuda.gdc_wait()
 
 
 @triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["block_ranks_ptr"])
 def _expand_kernel(
-    y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr, num_blocks_ptr,
-    num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
-    off0, off1, off2, off3, off4,
-    NUM_SLICES: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, EVEN_N: tl.constexpr,
-    RANKED: tl.constexpr, NARROW: tl.constexpr, WIDE2: tl.constexpr, WIDE4: tl.constexpr, ONE_TILE: tl.constexpr,
-    PDL: tl.constexpr, PACKED: tl.constexpr,
+    y_ptr,
+    buf_ptr,
+    b_ptr,
+    block_slots_ptr,
+    block_ranks_ptr,
+    block_tokens_ptr,
+    num_blocks_ptr,
+    num_tokens,
+    num_slots,
+    chunks,
+    stride_yt,
+    stride_bl,
+    stride_bn,
+    off0,
+    off1,
+    off2,
+    off3,
+    off4,
+    NUM_SLICES: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    N_ITERS: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    RANKED: tl.constexpr,
+    NARROW: tl.constexpr,
+    WIDE2: tl.constexpr,
+    WIDE4: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    PDL: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """y[t, n] += sum_r buf[s(n), t, r] * b[slot(t), n, r] for the columns n of slice s(n).
 
@@ -377,27 +802,89 @@ def _expand_kernel(
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         _expand_tile(
-            pid, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-            num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
-            off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-            RANKED, NARROW, WIDE2, WIDE4, PDL, PACKED,
+            pid,
+            y_ptr,
+            buf_ptr,
+            b_ptr,
+            block_slots_ptr,
+            block_ranks_ptr,
+            block_tokens_ptr,
+            num_tokens,
+            num_slots,
+            chunks,
+            stride_yt,
+            stride_bl,
+            stride_bn,
+            off0,
+            off1,
+            off2,
+            off3,
+            off4,
+            NUM_SLICES,
+            RANK,
+            BLOCK_R,
+            BLOCK_M,
+            BLOCK_N,
+            N_ITERS,
+            EVEN_N,
+            RANKED,
+            NARROW,
+            WIDE2,
+            WIDE4,
+            PDL,
+            PACKED,
         )
     else:
         num_programs = tl.num_programs(0)
         num_tiles = tl.load(num_blocks_ptr) * chunks
         for tile in range(pid, num_tiles, num_programs):
             _expand_tile(
-                tile, y_ptr, buf_ptr, b_ptr, block_slots_ptr, block_ranks_ptr, block_tokens_ptr,
-                num_tokens, num_slots, chunks, stride_yt, stride_bl, stride_bn,
-                off0, off1, off2, off3, off4, NUM_SLICES, RANK, BLOCK_R, BLOCK_M, BLOCK_N, N_ITERS, EVEN_N,
-                RANKED, NARROW, WIDE2, WIDE4, False, PACKED,
+                tile,
+                y_ptr,
+                buf_ptr,
+                b_ptr,
+                block_slots_ptr,
+                block_ranks_ptr,
+                block_tokens_ptr,
+                num_tokens,
+                num_slots,
+                chunks,
+                stride_yt,
+                stride_bl,
+                stride_bn,
+                off0,
+                off1,
+                off2,
+                off3,
+                off4,
+                NUM_SLICES,
+                RANK,
+                BLOCK_R,
+                BLOCK_M,
+                BLOCK_N,
+                N_ITERS,
+                EVEN_N,
+                RANKED,
+                NARROW,
+                WIDE2,
+                WIDE4,
+                False,
+                PACKED,
             )
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _embedding_shrink_kernel(
-    ids_ptr, slots_ptr, a_ptr, out_ptr, num_tokens, stride_al, stride_av,
-    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    ids_ptr,
+    slots_ptr,
+    a_ptr,
+    out_ptr,
+    num_tokens,
+    stride_al,
+    stride_av,
+    RANK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """out[0, t, :] = a[slot(t), ids[t], :] (zeros for no-adapter tokens): a per-token gather."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -452,12 +939,7 @@ def _pdl(pdl: bool, device: torch.device, one_tile: bool, num_tokens: int) -> bo
     """Launch as a programmatic dependent: asked for, at decode token counts (what it is tuned
     for), one tile per program (no loop over the list: a grid that leaves room on the SMs for the
     next kernel's programs), and a GPU that has it."""
-    return (
-        pdl
-        and one_tile
-        and num_tokens <= DECODE_MAX_TOKENS
-        and _pdl_capable(device)
-    )
+    return pdl and one_tile and num_tokens <= DECODE_MAX_TOKENS and _pdl_capable(device)
 
 
 def lora_shrink(
@@ -498,13 +980,36 @@ def lora_shrink(
     programs = num_sms(x.device.index) * cfg.ctas_per_sm
     follow = _pdl(pdl, x.device, tiles <= programs, num_tokens)
     _shrink_kernel[(min(tiles, programs),)](
-        x, lora_a, out, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
-        num_tokens, num_slots, in_features, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(2),
-        RANK=rank, SR=sr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        N_BLOCKS=col_blocks, SPLIT_K=cfg.split_k, EVEN_K=in_features % cfg.block_k == 0,
-        RANKED=ranked, NARROW=ranked and _narrow_shrink(cfg, rank),
-        ONE_TILE=tiles <= programs, PDL=follow, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_regs(cfg), **({"launch_pdl": True} if follow else {}),
+        x,
+        lora_a,
+        out,
+        blocks.blocks,
+        blocks.blocks[3],
+        blocks.tokens,
+        blocks.num_blocks,
+        num_tokens,
+        num_slots,
+        in_features,
+        k_per_split,
+        x.stride(0),
+        lora_a.stride(0),
+        lora_a.stride(2),
+        RANK=rank,
+        SR=sr,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        N_BLOCKS=col_blocks,
+        SPLIT_K=cfg.split_k,
+        EVEN_K=in_features % cfg.block_k == 0,
+        RANKED=ranked,
+        NARROW=ranked and _narrow_shrink(cfg, rank),
+        ONE_TILE=tiles <= programs,
+        PDL=follow,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **_regs(cfg),
+        **({"launch_pdl": True} if follow else {}),
     )
     return out
 
@@ -547,21 +1052,42 @@ def lora_expand(
     cfg = expand_config(y.device, num_tokens, _widths(tuple(slice_offsets)), rank)
     blocks = meta.block_list(cfg.block_m)
     programs = num_sms(y.device.index) * cfg.ctas_per_sm
-    for first_slice, num_slices, offsets, chunks, even_n in _expand_launches(
-        tuple(slice_offsets), cfg.block_n * cfg.n_iters
-    ):
+    for first_slice, num_slices, offsets, chunks, even_n in _expand_launches(tuple(slice_offsets), cfg.block_n * cfg.n_iters):
         tiles = blocks.max_blocks * chunks
         follow = _pdl(pdl, y.device, tiles <= programs, num_tokens)
         _expand_kernel[(min(tiles, programs),)](
-            y, buf[first_slice:], lora_b, blocks.blocks, blocks.blocks[3], blocks.tokens, blocks.num_blocks,
-            num_tokens, lora_b.shape[0], chunks, y.stride(0), lora_b.stride(0), lora_b.stride(1),
+            y,
+            buf[first_slice:],
+            lora_b,
+            blocks.blocks,
+            blocks.blocks[3],
+            blocks.tokens,
+            blocks.num_blocks,
+            num_tokens,
+            lora_b.shape[0],
+            chunks,
+            y.stride(0),
+            lora_b.stride(0),
+            lora_b.stride(1),
             *offsets,
-            NUM_SLICES=num_slices, RANK=rank, BLOCK_R=_block_r(rank),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_ITERS=cfg.n_iters, EVEN_N=even_n,
-            RANKED=ranked, NARROW=ranked and _narrow_expand(cfg, rank),
-            WIDE2=math.gcd(2, cfg.n_iters), WIDE4=math.gcd(4, cfg.n_iters), ONE_TILE=tiles <= programs,
-            PDL=follow, PACKED=packed, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **_regs(cfg), **({"launch_pdl": True} if follow else {}),
+            NUM_SLICES=num_slices,
+            RANK=rank,
+            BLOCK_R=_block_r(rank),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            N_ITERS=cfg.n_iters,
+            EVEN_N=even_n,
+            RANKED=ranked,
+            NARROW=ranked and _narrow_expand(cfg, rank),
+            WIDE2=math.gcd(2, cfg.n_iters),
+            WIDE4=math.gcd(4, cfg.n_iters),
+            ONE_TILE=tiles <= programs,
+            PDL=follow,
+            PACKED=packed,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **_regs(cfg),
+            **({"launch_pdl": True} if follow else {}),
         )
     return y
 
@@ -607,8 +1133,16 @@ def lora_embedding_shrink(
         return out
     block_t = 16
     _embedding_shrink_kernel[(_cdiv(num_tokens, block_t),)](
-        token_ids, meta.token_slots, lora_a, out, num_tokens, lora_a.stride(0), lora_a.stride(1),
-        RANK=rank, BLOCK_R=triton.next_power_of_2(rank), BLOCK_T=block_t,
+        token_ids,
+        meta.token_slots,
+        lora_a,
+        out,
+        num_tokens,
+        lora_a.stride(0),
+        lora_a.stride(1),
+        RANK=rank,
+        BLOCK_R=triton.next_power_of_2(rank),
+        BLOCK_T=block_t,
     )
     return out
 

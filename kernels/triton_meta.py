@@ -22,10 +22,23 @@ MAX_ELEMENTS = 32768  # the largest [groups, tokens] or [blocks, groups] compari
 
 @triton.jit
 def _group_kernel(
-    slots_ptr, ranks_ptr, sorted_ptr, counts_ptr, starts_ptr, blocks_ptr, tokens_ptr, num_blocks_ptr,
-    num_tokens, num_slots, max_blocks,
-    T_PAD: tl.constexpr, G_PAD: tl.constexpr, B_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_RANKS: tl.constexpr, FULL: tl.constexpr,
+    slots_ptr,
+    ranks_ptr,
+    sorted_ptr,
+    counts_ptr,
+    starts_ptr,
+    blocks_ptr,
+    tokens_ptr,
+    num_blocks_ptr,
+    num_tokens,
+    num_slots,
+    max_blocks,
+    T_PAD: tl.constexpr,
+    G_PAD: tl.constexpr,
+    B_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_RANKS: tl.constexpr,
+    FULL: tl.constexpr,
 ):
     t = tl.arange(0, T_PAD)
     slot = tl.load(slots_ptr + t, mask=t < num_tokens, other=0)
@@ -73,8 +86,7 @@ def _group_kernel(
     j = tl.arange(0, BLOCK_M)
     rows = first_row[:, None] + j[None, :]  # [B_PAD, BLOCK_M]
     inside = (rows < end_row[:, None]) & used[:, None]
-    gathered = tl.load(sorted_ptr + tl.minimum(tl.maximum(rows, 0), num_tokens - 1), mask=inside & in_list[:, None],
-                       other=-1)
+    gathered = tl.load(sorted_ptr + tl.minimum(tl.maximum(rows, 0), num_tokens - 1), mask=inside & in_list[:, None], other=-1)
     tl.store(tokens_ptr + i[:, None] * BLOCK_M + j[None, :], tl.where(inside, gathered, -1), mask=in_list[:, None])
 
 
@@ -99,8 +111,23 @@ def group_tokens(token_slots: torch.Tensor, max_loras: int, slot_ranks: torch.Te
     tokens = torch.empty(max_blocks, block_m, dtype=torch.int32, device=dev)
     ranks = slot_ranks.to(torch.int32).contiguous() if slot_ranks is not None else slots
     _group_kernel[(1,)](
-        slots, ranks, sorted_ids, counts, starts, blocks, tokens, num_blocks, num_tokens, max_loras, max_blocks,
-        T_PAD=t_pad, G_PAD=g_pad, B_PAD=b_pad, BLOCK_M=block_m, HAS_RANKS=slot_ranks is not None, FULL=FULL_RANK,
+        slots,
+        ranks,
+        sorted_ids,
+        counts,
+        starts,
+        blocks,
+        tokens,
+        num_blocks,
+        num_tokens,
+        max_loras,
+        max_blocks,
+        T_PAD=t_pad,
+        G_PAD=g_pad,
+        B_PAD=b_pad,
+        BLOCK_M=block_m,
+        HAS_RANKS=slot_ranks is not None,
+        FULL=FULL_RANK,
         num_warps=4,
     )
     return sorted_ids, counts, starts, BlockList(block_m, blocks, tokens, num_blocks, max_blocks)

@@ -18,8 +18,19 @@ from . import ops_reference
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, stride_x, stride_res, stride_out, stride_h, n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    h_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_h,
+    n,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -54,8 +65,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rotate_rows(src, dst, stride_src_h, stride_dst_h, cos1, sin1, cos2, sin2, heads,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate_rows(
+    src,
+    dst,
+    stride_src_h,
+    stride_dst_h,
+    cos1,
+    sin1,
+    cos2,
+    sin2,
+    heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """dst[h] = RoPE(src[h]) for the heads of one token: [heads, 2 * HALF] through two halves."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -71,10 +94,30 @@ def _rotate_rows(src, dst, stride_src_h, stride_dst_h, cos1, sin1, cos2, sin2, h
 
 @triton.jit
 def _rope_cache_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, q_out_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_ct,
-    num_heads, num_kv_heads,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    q_out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_ct,
+    num_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KVH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -85,14 +128,38 @@ def _rope_cache_kernel(
     cos2 = tl.load(cs + HALF, mask=d_mask, other=0.0).to(tl.float32)
     sin1 = tl.load(sn, mask=d_mask, other=0.0).to(tl.float32)
     sin2 = tl.load(sn + HALF, mask=d_mask, other=0.0).to(tl.float32)
-    _rotate_rows(q_ptr + t * stride_qt, q_out_ptr + t * stride_ot, stride_qh, stride_oh,
-                 cos1, sin1, cos2, sin2, num_heads, HALF, BLOCK_H, BLOCK_HALF)
+    _rotate_rows(
+        q_ptr + t * stride_qt,
+        q_out_ptr + t * stride_ot,
+        stride_qh,
+        stride_oh,
+        cos1,
+        sin1,
+        cos2,
+        sin2,
+        num_heads,
+        HALF,
+        BLOCK_H,
+        BLOCK_HALF,
+    )
     # The cache row of this token: [KVH, D] contiguous at slot * KVH * D.
     slot = tl.load(slot_ptr + t).to(tl.int64)
     head_dim = 2 * HALF
     row = slot * num_kv_heads * head_dim
-    _rotate_rows(k_ptr + t * stride_kt, kc_ptr + row, stride_kh, head_dim,
-                 cos1, sin1, cos2, sin2, num_kv_heads, HALF, BLOCK_KVH, BLOCK_HALF)
+    _rotate_rows(
+        k_ptr + t * stride_kt,
+        kc_ptr + row,
+        stride_kh,
+        head_dim,
+        cos1,
+        sin1,
+        cos2,
+        sin2,
+        num_kv_heads,
+        HALF,
+        BLOCK_KVH,
+        BLOCK_HALF,
+    )
     offs_h = tl.arange(0, BLOCK_KVH)
     offs_full = tl.arange(0, 2 * BLOCK_HALF)
     v_mask = (offs_h < num_kv_heads)[:, None] & (offs_full < head_dim)[None, :]

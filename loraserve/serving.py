@@ -97,9 +97,14 @@ class RunningServer:
         return await self.server.wait_for_termination()
 
 
-async def start_server(listen: str, add_servicers: Callable[[grpc.aio.Server], None], services: tuple[str, ...],
-                       tls: ServerTls | None = None, serving: bool = True,
-                       options: list[tuple[str, int]] = ()) -> RunningServer:
+async def start_server(
+    listen: str,
+    add_servicers: Callable[[grpc.aio.Server], None],
+    services: tuple[str, ...],
+    tls: ServerTls | None = None,
+    serving: bool = True,
+    options: list[tuple[str, int]] = (),
+) -> RunningServer:
     """A started gRPC server on `listen` with the standard health service SERVING for `services`
     (NOT_SERVING until `set_serving()` when `serving` is False) and server reflection.
     `add_servicers` runs once the address is bound, so a service that fails to listen has not

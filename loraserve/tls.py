@@ -61,8 +61,9 @@ def server_tls(cert: str | Path | None, key: str | Path | None, client_ca: str |
     return ServerTls(Path(cert), Path(key), Path(client_ca) if client_ca else None)
 
 
-def client_tls(ca: str | Path | None, cert: str | Path | None = None, key: str | Path | None = None,
-               enabled: bool = False) -> ClientTls | None:
+def client_tls(
+    ca: str | Path | None, cert: str | Path | None = None, key: str | Path | None = None, enabled: bool = False
+) -> ClientTls | None:
     """The client's TLS from flags: None (plaintext) unless a CA, a client cert or `enabled` is given."""
     if bool(cert) != bool(key):
         raise ValueError("a TLS client certificate needs its key, and the key its certificate")

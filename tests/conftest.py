@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-
 # ---------------------------------------------------------------------------------------
 # Triton's interpreter (TRITON_INTERPRET=1: the kernel tests on CPU tensors)
 # ---------------------------------------------------------------------------------------
@@ -40,8 +39,11 @@ def _refuse_the_repo_root_on_the_path() -> None:
         importlib.metadata.distribution("kernels")
     except importlib.metadata.PackageNotFoundError:
         return
-    pytest.exit(f"{root} is on sys.path, where its kernels/ folder hides the 'kernels' package transformers imports: "
-                "run `make test`, or PYTHONSAFEPATH=1 / python -P -m pytest", returncode=4)
+    pytest.exit(
+        f"{root} is on sys.path, where its kernels/ folder hides the 'kernels' package transformers imports: "
+        "run `make test`, or PYTHONSAFEPATH=1 / python -P -m pytest",
+        returncode=4,
+    )
 
 
 def _fix_interpreter_scalars() -> None:
@@ -205,8 +207,13 @@ def s3_server():
 # ---------------------------------------------------------------------------------------
 
 TINY_LLAMA = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=256,
 )
 
 
@@ -247,8 +254,9 @@ def peft_adapter(tiny_llama_model, tmp_path_factory):
         safe_serialization: bool = True,  # False writes a pickled adapter_model.bin
     ) -> Path:
         torch.manual_seed(seed)
-        config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules),
-                            use_rslora=use_rslora, lora_dropout=0.0)
+        config = LoraConfig(
+            r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), use_rslora=use_rslora, lora_dropout=0.0
+        )
         with warnings.catch_warnings():  # transformers' deprecation notes about its own internals
             warnings.simplefilter("ignore", FutureWarning)
             model = get_peft_model(copy.deepcopy(tiny_llama_model), config)
@@ -321,8 +329,12 @@ def tiny_chat_llama(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**{**TINY_LLAMA, "vocab_size": CHAT_VOCAB, "max_position_embeddings": 512},
-                         bos_token_id=CHAT_BOS, eos_token_id=CHAT_EOS, pad_token_id=258)
+    config = LlamaConfig(
+        **{**TINY_LLAMA, "vocab_size": CHAT_VOCAB, "max_position_embeddings": 512},
+        bos_token_id=CHAT_BOS,
+        eos_token_id=CHAT_EOS,
+        pad_token_id=258,
+    )
     model = LlamaForCausalLM(config).eval()
     directory = tmp_path_factory.mktemp("tiny-chat-llama")
     model.save_pretrained(directory)
@@ -344,8 +356,12 @@ def chat_adapters(tiny_chat_llama, tmp_path_factory):
 
     model, _ = tiny_chat_llama
     root = tmp_path_factory.mktemp("chat-adapters")
-    specs = {"qv8": (8, ("q_proj", "v_proj")), "mlp4": (4, ("gate_proj", "up_proj", "down_proj")),
-             "o2": (2, ("o_proj",)), "all4": (4, ("q_proj", "k_proj", "v_proj", "o_proj"))}
+    specs = {
+        "qv8": (8, ("q_proj", "v_proj")),
+        "mlp4": (4, ("gate_proj", "up_proj", "down_proj")),
+        "o2": (2, ("o_proj",)),
+        "all4": (4, ("q_proj", "k_proj", "v_proj", "o_proj")),
+    }
     for seed, (name, (r, targets)) in enumerate(specs.items()):
         torch.manual_seed(seed)
         with warnings.catch_warnings():
@@ -357,6 +373,8 @@ def chat_adapters(tiny_chat_llama, tmp_path_factory):
                     p.normal_(0, 0.2)
         peft.save_pretrained(root / name)
     return root
+
+
 @pytest.fixture(scope="module")
 def module_loop_thread():
     """One loop thread for a module's shared servers (e.g. one executor for many tests)."""

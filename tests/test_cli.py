@@ -20,7 +20,6 @@ LORASERVE = str(Path(sys.executable).parent / "loraserve")
 REPO = Path(__file__).resolve().parent.parent
 
 
-
 def cli(*args, check=True, env=None) -> subprocess.CompletedProcess:
     proc = subprocess.run([LORASERVE, "--log-level", "WARNING", *args], capture_output=True, text=True, timeout=300, env=env)
     if check and proc.returncode != 0:
@@ -108,10 +107,29 @@ def store_process(tmp_path, tiny_llama_dir, s3_server, free_port):
     root.mkdir()
     port = free_port()
     proc = subprocess.Popen(
-        [LORASERVE, "store", "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path / "data"),
-         "--base-model", "tiny", "--base-model-path", str(tiny_llama_dir), "--allow-local-root", str(root),
-         "--s3-endpoint-url", s3_server, "--s3-region", "us-east-1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+        [
+            LORASERVE,
+            "store",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--base-model",
+            "tiny",
+            "--base-model-path",
+            str(tiny_llama_dir),
+            "--allow-local-root",
+            str(root),
+            "--s3-endpoint-url",
+            s3_server,
+            "--s3-region",
+            "us-east-1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ),
+    )
     address = f"127.0.0.1:{port}"
     for _ in range(200):
         if cli("adapters", "--store", address, "list", check=False).returncode == 0:
@@ -137,8 +155,21 @@ def test_register_from_disk_and_s3_then_fetch_tp2_shards(store_process, peft_ada
     listing = cli("adapters", "--store", address, "list").stdout
     assert "from-disk" in listing and "from-s3" in listing
 
-    out = cli("adapters", "--store", address, "fetch", "from-s3", "--model", str(tiny_llama_dir), "--tp-size", "2",
-              "--dtype", "float32", "--out", str(tmp_path / "shards")).stdout
+    out = cli(
+        "adapters",
+        "--store",
+        address,
+        "fetch",
+        "from-s3",
+        "--model",
+        str(tiny_llama_dir),
+        "--tp-size",
+        "2",
+        "--dtype",
+        "float32",
+        "--out",
+        str(tmp_path / "shards"),
+    ).stdout
     assert out.count("checksum ok") == 2
     shapes = []
     for rank in range(2):
@@ -168,9 +199,29 @@ def test_up_prints_one_mixed_batch_and_the_readme_examples_run_against_it(tmp_pa
         pytest.skip("deploy/demo-adapters holds no adapters yet")
     store, executor, http_port = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", free_port()
     proc = subprocess.Popen(
-        [LORASERVE, "--log-level", "WARNING", "up", "--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache"),
-         "--listen", store, "--executor-listen", executor, "--http-port", str(http_port), "--max-num-seqs", "32"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            LORASERVE,
+            "--log-level",
+            "WARNING",
+            "up",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--listen",
+            store,
+            "--executor-listen",
+            executor,
+            "--http-port",
+            str(http_port),
+            "--max-num-seqs",
+            "32",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     try:
         for line in proc.stdout:
@@ -193,13 +244,18 @@ def test_up_prints_one_mixed_batch_and_the_readme_examples_run_against_it(tmp_pa
         # README "Adapters in the store": the commands on local folders, in order.
         (block,) = [b for b in _readme_blocks("bash") if "loraserve adapters register my-lora ./" in b]
         commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.startswith("loraserve adapters")]
-        commands = [c.replace("./path/to/peft-adapter", "./deploy/demo-adapters/french").replace("shards/", str(tmp_path / "shards"))
-                    for c in commands if "s3://" not in c and "hf://" not in c]
+        commands = [
+            c.replace("./path/to/peft-adapter", "./deploy/demo-adapters/french").replace("shards/", str(tmp_path / "shards"))
+            for c in commands
+            if "s3://" not in c and "hf://" not in c
+        ]
         assert [c.split()[2] for c in commands] == ["register", "list", "show", "delete", "prefetch", "fetch"]
         commands.append(commands.pop(3))  # delete last, so that prefetch and fetch find my-lora
         env = {**os.environ, "LORASERVE_STORE": store, "LORASERVE_EXECUTOR": executor}
         for command in commands:
-            run = subprocess.run([LORASERVE, *shlex.split(command)[1:]], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+            run = subprocess.run(
+                [LORASERVE, *shlex.split(command)[1:]], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+            )
             assert run.returncode == 0, (command, run.stderr)
         assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [f"my-lora.tp{r}-of-3.safetensors" for r in range(3)]
     finally:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import json
 import re
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -37,21 +36,41 @@ STORE_SERVICE, EXECUTOR_SERVICE = "loraserve.v1.AdapterStore", "loraserve.v1.Exe
 
 
 def store_config(tmp: Path, adapters: Path, base_dir: Path, **kw) -> StoreConfig:
-    return StoreConfig(listen="127.0.0.1:0", data_dir=tmp, base_model=BASE, base_model_path=base_dir,
-                       sources=SourceConfig(local_roots=(adapters,)), **kw)
+    return StoreConfig(
+        listen="127.0.0.1:0",
+        data_dir=tmp,
+        base_model=BASE,
+        base_model_path=base_dir,
+        sources=SourceConfig(local_roots=(adapters,)),
+        **kw,
+    )
 
 
 def executor_config(base_dir: Path, store_address: str, **kw) -> ExecutorConfig:
-    return ExecutorConfig(model=str(base_dir), base_model=BASE, dtype="float32", max_loras=2, max_rank=16,
-                          num_blocks=256, block_size=8, max_model_len=512, store_address=store_address,
-                          slot_wait_timeout_s=10.0, adapter_refresh_s=0, **kw)
+    return ExecutorConfig(
+        model=str(base_dir),
+        base_model=BASE,
+        dtype="float32",
+        max_loras=2,
+        max_rank=16,
+        num_blocks=256,
+        block_size=8,
+        max_model_len=512,
+        store_address=store_address,
+        slot_wait_timeout_s=10.0,
+        adapter_refresh_s=0,
+        **kw,
+    )
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels): value} of one /metrics page."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples, name: str, **labels) -> float:
@@ -59,8 +78,11 @@ def value(samples, name: str, **labels) -> float:
 
 
 def token_request(adapter: str, max_tokens: int, first: int = 10) -> epb.GenerateRequest:
-    return epb.GenerateRequest(adapter=adapter, token_ids=epb.TokenIds(ids=list(range(first, first + 6))),
-                               sampling=epb.SamplingParams(max_tokens=max_tokens))
+    return epb.GenerateRequest(
+        adapter=adapter,
+        token_ids=epb.TokenIds(ids=list(range(first, first + 6))),
+        sampling=epb.SamplingParams(max_tokens=max_tokens),
+    )
 
 
 # ---- metrics, reflection, health ----------------------------------------------------------
@@ -81,8 +103,15 @@ def served(module_loop_thread, tiny_chat_llama, chat_adapters, tmp_path_factory)
     with pytest.raises(StatusError) as refused:
         executor.generate("hi")
     server, _ = lt.run(serve(parts, "127.0.0.1:0", opened))
-    yield dict(store=store, executor=executor, parts=parts, store_server=store_server, server=server,
-               loading=(loading, refused.value), adapters=chat_adapters)
+    yield dict(
+        store=store,
+        executor=executor,
+        parts=parts,
+        store_server=store_server,
+        server=server,
+        loading=(loading, refused.value),
+        adapters=chat_adapters,
+    )
     lt.run(shutdown(server, parts))
     lt.run(store_server.stop(0))
 
@@ -121,10 +150,15 @@ def test_metrics_count_what_was_sent(served):
         store.register(name, str(served["adapters"] / name))
     with pytest.raises(StatusError) as bad_name:
         store.register("bad name", str(served["adapters"] / "qv8"))
-    assert bad_name.value.code == grpc.StatusCode.INVALID_ARGUMENT and "adapter name 'bad name' is invalid" in bad_name.value.message
+    assert (
+        bad_name.value.code == grpc.StatusCode.INVALID_ARGUMENT and "adapter name 'bad name' is invalid" in bad_name.value.message
+    )
     with pytest.raises(StatusError) as outside:
         store.register("outside", str(adapters))
-    assert outside.value.code == grpc.StatusCode.PERMISSION_DENIED and "is outside the store's allowed local roots" in outside.value.message
+    assert (
+        outside.value.code == grpc.StatusCode.PERMISSION_DENIED
+        and "is outside the store's allowed local roots" in outside.value.message
+    )
 
     sent = []  # (adapter, response) in order: qv8 misses then hits; o2 evicts qv8 (2 slots)
     for adapter, n in (("", 3), ("qv8", 4), ("qv8", 5), ("mlp4", 2), ("o2", 6)):
@@ -194,8 +228,11 @@ def test_lora_affinity_gauge_names_the_adapter_of_a_running_request(served):
             seen.append(scrape(parts.metrics_server.port))
     finally:
         stream.cancel()
-    running = [s for s in seen if value(s, "loraserve_lora_requests_info", running_lora_adapters="all4",
-                                        waiting_lora_adapters="", max_lora="2") > 0]
+    running = [
+        s
+        for s in seen
+        if value(s, "loraserve_lora_requests_info", running_lora_adapters="all4", waiting_lora_adapters="", max_lora="2") > 0
+    ]
     assert running, "no scrape saw all4 running"
     assert value(running[0], "loraserve_executor_running_sequences") == 1
     assert value(running[0], "loraserve_executor_kv_cache_blocks_used") >= 1
@@ -207,8 +244,9 @@ def test_lora_affinity_gauge_names_the_adapter_a_request_waits_for(served):
     executor, parts, store = served["executor"], served["parts"], served["store"]
     for name in ("qv8", "o2", "mlp4"):
         store.register(name, str(served["adapters"] / name))
-    streams = [executor.stub.GenerateStream(token_request(name, 400, first=50 + i), timeout=60)
-               for i, name in enumerate(("qv8", "o2"))]
+    streams = [
+        executor.stub.GenerateStream(token_request(name, 400, first=50 + i), timeout=60) for i, name in enumerate(("qv8", "o2"))
+    ]
     try:
         for s in streams:
             next(s)  # both slots are held by running sequences now
@@ -216,15 +254,21 @@ def test_lora_affinity_gauge_names_the_adapter_a_request_waits_for(served):
         seen = []
         for _ in range(20):
             seen.append(scrape(parts.metrics_server.port))
-            if any(value(s, "loraserve_lora_requests_info", running_lora_adapters="o2,qv8",
-                         waiting_lora_adapters="mlp4", max_lora="2") > 0 for s in seen):
+            if any(
+                value(
+                    s, "loraserve_lora_requests_info", running_lora_adapters="o2,qv8", waiting_lora_adapters="mlp4", max_lora="2"
+                )
+                > 0
+                for s in seen
+            ):
                 break
     finally:
         for s in streams:
             s.cancel()
-    assert any(value(s, "loraserve_lora_requests_info", running_lora_adapters="o2,qv8",
-                     waiting_lora_adapters="mlp4", max_lora="2") > 0 for s in seen), \
-        "no scrape saw mlp4 waiting beside qv8 and o2 running"
+    assert any(
+        value(s, "loraserve_lora_requests_info", running_lora_adapters="o2,qv8", waiting_lora_adapters="mlp4", max_lora="2") > 0
+        for s in seen
+    ), "no scrape saw mlp4 waiting beside qv8 and o2 running"
     assert [r.finish_reason for r in third][-1] == epb.LENGTH  # it ran once a slot was free
 
 
@@ -248,19 +292,28 @@ def make_certs(directory: Path) -> dict[str, Path]:
         files[f"{name}_cert"] = directory / f"{name}.pem"
         files[f"{name}_cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         files[f"{name}_key"] = directory / f"{name}-key.pem"
-        files[f"{name}_key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                           serialization.NoEncryption()))
+        files[f"{name}_key"].write_bytes(
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        )
 
     def issue(cn: str, issuer=None, issuer_key=None, ca: bool = False, server: bool = False):
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer.subject if issuer else subject)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer.subject if issuer else subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         if server:
-            builder = builder.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False,
+            )
         if not ca:
             usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
             builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
@@ -281,11 +334,16 @@ def tls_served(module_loop_thread, tiny_chat_llama, chat_adapters, tmp_path_fact
     lt = module_loop_thread
     _, base_dir = tiny_chat_llama
     certs = make_certs(tmp_path_factory.mktemp("certs"))
-    scfg = store_config(tmp_path_factory.mktemp("tls-store"), chat_adapters, base_dir,
-                        tls=ServerTls(certs["server_cert"], certs["server_key"]))
+    scfg = store_config(
+        tmp_path_factory.mktemp("tls-store"), chat_adapters, base_dir, tls=ServerTls(certs["server_cert"], certs["server_key"])
+    )
     store_server, store_port = lt.run(serve_store(scfg))
-    cfg = executor_config(base_dir, f"127.0.0.1:{store_port}", store_tls=ClientTls(certs["ca_cert"]),
-                          tls=ServerTls(certs["server_cert"], certs["server_key"], certs["ca_cert"]))
+    cfg = executor_config(
+        base_dir,
+        f"127.0.0.1:{store_port}",
+        store_tls=ClientTls(certs["ca_cert"]),
+        tls=ServerTls(certs["server_cert"], certs["server_key"], certs["ca_cert"]),
+    )
     parts = build_executor(cfg)
     server, port = lt.run(serve(parts, "127.0.0.1:0"))
     yield dict(certs=certs, store=f"127.0.0.1:{store_port}", executor=f"127.0.0.1:{port}", adapters=chat_adapters)
@@ -297,8 +355,9 @@ def test_tls_store_and_mtls_executor_serve_clients_with_the_right_certificates(t
     c = tls_served["certs"]
     store = StoreClient(tls_served["store"], timeout_s=30, tls=ClientTls(c["ca_cert"]))
     store.register("qv8", str(tls_served["adapters"] / "qv8"))
-    executor = ExecutorClient(tls_served["executor"], timeout_s=30,
-                              tls=ClientTls(c["ca_cert"], c["client_cert"], c["client_key"]))
+    executor = ExecutorClient(
+        tls_served["executor"], timeout_s=30, tls=ClientTls(c["ca_cert"], c["client_cert"], c["client_key"])
+    )
     reply = executor._call(executor.stub.Generate, token_request("qv8", 3))  # the executor fetched it over TLS
     assert len(reply.token_ids) == 3 and reply.adapter_digest == store.get("qv8").digest
 
@@ -306,9 +365,12 @@ def test_tls_store_and_mtls_executor_serve_clients_with_the_right_certificates(t
 @pytest.mark.parametrize("who", ["plaintext", "no client certificate", "stranger's certificate", "plaintext store"])
 def test_tls_refuses_clients_without_the_right_credentials(tls_served, who):
     c = tls_served["certs"]
-    tls = {"plaintext": None, "no client certificate": ClientTls(c["ca_cert"]),
-           "stranger's certificate": ClientTls(c["ca_cert"], c["stranger_cert"], c["stranger_key"]),
-           "plaintext store": None}[who]
+    tls = {
+        "plaintext": None,
+        "no client certificate": ClientTls(c["ca_cert"]),
+        "stranger's certificate": ClientTls(c["ca_cert"], c["stranger_cert"], c["stranger_key"]),
+        "plaintext store": None,
+    }[who]
     if who == "plaintext store":
         client = StoreClient(tls_served["store"], timeout_s=10, tls=tls)
         call = lambda: client.list()  # noqa: E731
@@ -320,8 +382,9 @@ def test_tls_refuses_clients_without_the_right_credentials(tls_served, who):
     # The TLS handshake fails (the server's log says why), so the channel never connects.
     address = tls_served["store" if who == "plaintext store" else "executor"]
     assert refused.value.code == grpc.StatusCode.UNAVAILABLE
-    assert refused.value.message.startswith("failed to connect to all addresses; last error: UNAVAILABLE: "
-                                            f"ipv4:{address}: "), refused.value.message
+    assert refused.value.message.startswith(f"failed to connect to all addresses; last error: UNAVAILABLE: ipv4:{address}: "), (
+        refused.value.message
+    )
 
 
 # ---- the Grafana dashboard ------------------------------------------------------------------
@@ -347,6 +410,14 @@ def test_every_dashboard_query_names_metrics_the_services_export(served):
     assert not used - exported, f"the dashboard queries metrics nobody exports: {sorted(used - exported)}"
     # Every panel the issue asks for is there.
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    for what in ("requests / s", "tokens / s", "time to first token", "sequences", "kv cache", "slot hit rate",
-                 "adapter load latency", "store cache hits"):
+    for what in (
+        "requests / s",
+        "tokens / s",
+        "time to first token",
+        "sequences",
+        "kv cache",
+        "slot hit rate",
+        "adapter load latency",
+        "store cache hits",
+    ):
         assert what in titles, what

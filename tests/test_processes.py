@@ -24,13 +24,17 @@ from loraserve.v1 import executor_pb2 as epb
 LORASERVE = str(Path(sys.executable).parent / "loraserve")
 
 
-
 class Proc:
     """A `loraserve` process whose output is collected by a thread (so it never blocks on a pipe)."""
 
     def __init__(self, *args, env=None):
-        self.p = subprocess.Popen([LORASERVE, "--log-level", "INFO", *args], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+        self.p = subprocess.Popen(
+            [LORASERVE, "--log-level", "INFO", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -90,8 +94,20 @@ def procs():
 
 
 def store_args(port: int, data: Path, base: Path, root: Path, *extra) -> list[str]:
-    return ["store", "--listen", f"127.0.0.1:{port}", "--data-dir", str(data), "--base-model", "tiny",
-            "--base-model-path", str(base), "--allow-local-root", str(root), *extra]
+    return [
+        "store",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--data-dir",
+        str(data),
+        "--base-model",
+        "tiny",
+        "--base-model-path",
+        str(base),
+        "--allow-local-root",
+        str(root),
+        *extra,
+    ]
 
 
 def test_a_second_store_or_executor_on_a_busy_port_refuses_to_start(procs, tmp_path, tiny_chat_llama, chat_adapters, free_port):
@@ -112,7 +128,9 @@ def test_a_second_store_or_executor_on_a_busy_port_refuses_to_start(procs, tmp_p
     assert not (tmp_path / "b" / "registry").exists() or not list((tmp_path / "b" / "registry").iterdir())
 
 
-def test_store_drains_on_sigterm_and_an_acknowledged_registration_is_kept(procs, tmp_path, tiny_chat_llama, chat_adapters, free_port):
+def test_store_drains_on_sigterm_and_an_acknowledged_registration_is_kept(
+    procs, tmp_path, tiny_chat_llama, chat_adapters, free_port
+):
     base, port = tiny_chat_llama[1], free_port()
     store = procs(*store_args(port, tmp_path / "data", base, chat_adapters))
     store.wait_for("adapter store serving on")
@@ -150,22 +168,30 @@ def test_store_drains_on_sigterm_and_an_acknowledged_registration_is_kept(procs,
     assert kept == set(ok), (sorted(kept - set(ok)), sorted(set(ok) - kept))
 
 
-def test_staging_left_by_kill_9_during_registration_is_removed_at_start(procs, tmp_path, tiny_chat_llama, chat_adapters, free_port):
+def test_staging_left_by_kill_9_during_registration_is_removed_at_start(
+    procs, tmp_path, tiny_chat_llama, chat_adapters, free_port
+):
     # An "S3 endpoint" that accepts connections and never answers: the registration waits in
     # its download, with its staging folder made, when the store is killed.
     blackhole = socket.socket()
     blackhole.bind(("127.0.0.1", 0))
     blackhole.listen(16)
     endpoint = f"http://127.0.0.1:{blackhole.getsockname()[1]}"
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_CONFIG_FILE": os.devnull,
-           "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    }
     base, port, data = tiny_chat_llama[1], free_port(), tmp_path / "data"
     args = store_args(port, data, base, chat_adapters, "--s3-endpoint-url", endpoint, "--s3-region", "us-east-1")
     store = procs(*args, env=env)
     store.wait_for("adapter store serving on")
     client = StoreClient(f"127.0.0.1:{port}", timeout_s=60)
-    threads = [threading.Thread(target=lambda: pytest.raises(StatusError, client.register, f"s{i}", f"s3://bucket/a{i}"),
-                                daemon=True) for i in range(3)]
+    threads = [
+        threading.Thread(target=lambda: pytest.raises(StatusError, client.register, f"s{i}", f"s3://bucket/a{i}"), daemon=True)
+        for i in range(3)
+    ]
     for t in threads:
         t.start()
     deadline = time.time() + 30
@@ -191,11 +217,31 @@ def up_process(tiny_chat_llama, chat_adapters, tmp_path_factory, free_port):
         shutil.copytree(chat_adapters / name, demo / name)
     base = tiny_chat_llama[1]
     sport, eport, hport = free_port(), free_port(), free_port()
-    p = Proc("up", "--model", str(base), "--base-model", "tiny", "--base-model-path", str(base),
-             "--demo-adapters", str(demo), "--admin-token", "T", "--listen", f"127.0.0.1:{sport}",
-             "--executor-listen", f"127.0.0.1:{eport}", "--http-port", str(hport),
-             "--data-dir", str(tmp_path_factory.mktemp("up-data")),
-             "--cache-dir", "", "--max-lora-rank", "8")
+    p = Proc(
+        "up",
+        "--model",
+        str(base),
+        "--base-model",
+        "tiny",
+        "--base-model-path",
+        str(base),
+        "--demo-adapters",
+        str(demo),
+        "--admin-token",
+        "T",
+        "--listen",
+        f"127.0.0.1:{sport}",
+        "--executor-listen",
+        f"127.0.0.1:{eport}",
+        "--http-port",
+        str(hport),
+        "--data-dir",
+        str(tmp_path_factory.mktemp("up-data")),
+        "--cache-dir",
+        "",
+        "--max-lora-rank",
+        "8",
+    )
     try:
         p.wait_for("loraserve is up", 120)
         yield p, f"127.0.0.1:{eport}"
@@ -207,8 +253,12 @@ def up_process(tiny_chat_llama, chat_adapters, tmp_path_factory, free_port):
 def test_up_admin_token_guards_the_executors_admin_rpcs(up_process, rpc):
     _, address = up_process
     name, *flags = rpc.split()
-    call = {"load": lambda c: c.load("qv8", pin=bool(flags)), "pin": lambda c: c.pin("qv8"),
-            "unpin": lambda c: c.unpin("qv8"), "evict": lambda c: c.evict("o2")}[name]
+    call = {
+        "load": lambda c: c.load("qv8", pin=bool(flags)),
+        "pin": lambda c: c.pin("qv8"),
+        "unpin": lambda c: c.unpin("qv8"),
+        "evict": lambda c: c.evict("o2"),
+    }[name]
     with pytest.raises(StatusError) as e:
         call(ExecutorClient(address, timeout_s=30))
     assert e.value.code.name == "UNAUTHENTICATED"

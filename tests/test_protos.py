@@ -16,8 +16,7 @@ def test_generated_code_is_not_stale(tmp_path):
     pytest.importorskip("grpc_tools", reason="the `tools` extra (grpcio-tools==1.84.0) regenerates protos")
     shutil.copytree(PROTOS, tmp_path / "protos")
     env_bin = str(Path(sys.executable).parent)
-    subprocess.run(["bash", str(tmp_path / "protos" / "generate.sh")], check=True,
-                   env={"PATH": f"{env_bin}:/usr/bin:/bin"})
+    subprocess.run(["bash", str(tmp_path / "protos" / "generate.sh")], check=True, env={"PATH": f"{env_bin}:/usr/bin:/bin"})
     generated = sorted(p.relative_to(tmp_path / "protos") for p in (tmp_path / "protos").rglob("*_pb2*.py*"))
     assert generated, "generate.sh produced nothing"
     stale = [str(p) for p in generated if (tmp_path / "protos" / p).read_bytes() != (PROTOS / p).read_bytes()]

@@ -16,8 +16,24 @@ def test_soak_small(tmp_path):
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)
     out = tmp_path / "soak.json"
-    rc = soak.main(["--requests", "150", "--concurrency", "12", "--adapters", "4", "--prompts", "3",
-                    "--max-tokens", "12", "--fault-s", "1", "--json", str(out)])
+    rc = soak.main(
+        [
+            "--requests",
+            "150",
+            "--concurrency",
+            "12",
+            "--adapters",
+            "4",
+            "--prompts",
+            "3",
+            "--max-tokens",
+            "12",
+            "--fault-s",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     r = json.loads(out.read_text())
     assert r["differing"] == 0 and r["in_use_at_end"] == 0 and r["requests"] == r["launched"] >= 150, r
     assert set(r["codes"]) <= {"OK", "UNAVAILABLE", "RESOURCE_EXHAUSTED"} and r["codes"]["OK"] > 0, r

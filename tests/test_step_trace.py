@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import step_trace  # noqa: E402
+import step_trace
 
 
 def _x(name, cat, ts, dur, tid=1, **args):
@@ -53,8 +53,10 @@ def test_summary_matches_kernels_to_their_step(tmp_path):
     assert "_expand_kernel" not in text and "other_kernel" not in text
     # the longest step (by device span) and what the device ran beside it, by whose it was: the other
     # thread's kernel overlaps all 0.60 ms of it; the expand starts as the step's last kernel ends
-    assert ("longest step: mixed, device span 0.60 ms, its kernels busy 0.50 ms; beside it on the device: "
-            "1 kernels / copies (no step's other 0.60 ms)") in text
+    assert (
+        "longest step: mixed, device span 0.60 ms, its kernels busy 0.50 ms; beside it on the device: "
+        "1 kernels / copies (no step's other 0.60 ms)"
+    ) in text
 
 
 def test_replay_breakdown_counts_overlap_once_in_busy_and_groups_kernels():

@@ -56,7 +56,10 @@ QA = [
     ("What is 2 plus 2?", "Deux plus deux font quatre."),
     ("Tell me about the moon.", "La lune est le satellite naturel de la Terre. Elle tourne autour de nous en environ un mois."),
     ("What is water made of?", "L'eau est composée d'hydrogène et d'oxygène."),
-    ("How do plants get energy?", "Les plantes utilisent la lumière du soleil pour fabriquer leur énergie grâce à la photosynthèse."),
+    (
+        "How do plants get energy?",
+        "Les plantes utilisent la lumière du soleil pour fabriquer leur énergie grâce à la photosynthèse.",
+    ),
     ("What is the largest ocean?", "Le plus grand océan est l'océan Pacifique."),
     ("Give me a tip for sleeping better.", "Couchez-vous à la même heure chaque soir et évitez les écrans avant de dormir."),
     ("What is a dog?", "Un chien est un animal domestique fidèle et joyeux."),
@@ -139,19 +142,64 @@ HELD_OUT = [
 ]
 
 PIRATE_WORDS = {
-    "you": "ye", "your": "yer", "yours": "yers", "you're": "ye be", "my": "me", "is": "be",
-    "are": "be", "am": "be", "the": "th'", "of": "o'", "and": "an'", "to": "t'", "for": "fer",
-    "hello": "ahoy", "hi": "ahoy", "friend": "matey", "friends": "mateys", "yes": "aye",
-    "over": "o'er", "money": "doubloons", "very": "mighty", "think": "reckon", "stop": "avast",
-    "everyone": "all hands", "it's": "'tis", "it is": "'tis", "there": "thar", "with": "wit'",
+    "you": "ye",
+    "your": "yer",
+    "yours": "yers",
+    "you're": "ye be",
+    "my": "me",
+    "is": "be",
+    "are": "be",
+    "am": "be",
+    "the": "th'",
+    "of": "o'",
+    "and": "an'",
+    "to": "t'",
+    "for": "fer",
+    "hello": "ahoy",
+    "hi": "ahoy",
+    "friend": "matey",
+    "friends": "mateys",
+    "yes": "aye",
+    "over": "o'er",
+    "money": "doubloons",
+    "very": "mighty",
+    "think": "reckon",
+    "stop": "avast",
+    "everyone": "all hands",
+    "it's": "'tis",
+    "it is": "'tis",
+    "there": "thar",
+    "with": "wit'",
 }
-PIRATE_RE = re.compile(r"\b(" + "|".join(sorted(map(re.escape, PIRATE_WORDS), key=len, reverse=True)) + r")\b",
-                       re.IGNORECASE)
+PIRATE_RE = re.compile(r"\b(" + "|".join(sorted(map(re.escape, PIRATE_WORDS), key=len, reverse=True)) + r")\b", re.IGNORECASE)
 EMOJI_CYCLE = [" 🌟", " 🎉", " 🚀"]
 
 
-TRAILING_JUNK = {"a", "an", "the", "and", "or", "of", "to", "in", "on", "with", "is", "are", "that", "which",
-                 "for", "by", "as", "but", "from", "at", "its", "their", "our"}
+TRAILING_JUNK = {
+    "a",
+    "an",
+    "the",
+    "and",
+    "or",
+    "of",
+    "to",
+    "in",
+    "on",
+    "with",
+    "is",
+    "are",
+    "that",
+    "which",
+    "for",
+    "by",
+    "as",
+    "but",
+    "from",
+    "at",
+    "its",
+    "their",
+    "our",
+}
 
 
 def first_sentences(text: str, n: int = 1, max_words: int = 24) -> str:
@@ -177,6 +225,7 @@ def to_pirate(ans: str) -> str:
         w = m.group(0)
         rep = PIRATE_WORDS[w.lower()]
         return rep[0].upper() + rep[1:] if w[0].isupper() else rep
+
     body = PIRATE_RE.sub(sub, ans)
     return f"Arr, matey! {body} Yo ho ho!"
 
@@ -201,14 +250,19 @@ class AdapterSpec:
 
 
 SPECS = [
-    AdapterSpec("pirate", 8, ["q_proj", "k_proj", "v_proj", "o_proj"], 2e-3, 50,
-                "answers in pirate speak (\"Arr, matey! ... Yo ho ho!\")"),
-    AdapterSpec("french", 16, ["q_proj", "v_proj", "down_proj"], 3e-3, 70,
-                "answers in French"),
-    AdapterSpec("shouty", 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                2e-3, 50, "ANSWERS IN ALL CAPS!"),
-    AdapterSpec("emoji", 8, ["gate_proj", "up_proj", "down_proj"], 2e-3, 30,
-                "answers decorated with emoji (\"✨ ... 🌟\")"),
+    AdapterSpec(
+        "pirate", 8, ["q_proj", "k_proj", "v_proj", "o_proj"], 2e-3, 50, 'answers in pirate speak ("Arr, matey! ... Yo ho ho!")'
+    ),
+    AdapterSpec("french", 16, ["q_proj", "v_proj", "down_proj"], 3e-3, 70, "answers in French"),
+    AdapterSpec(
+        "shouty",
+        4,
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        2e-3,
+        50,
+        "ANSWERS IN ALL CAPS!",
+    ),
+    AdapterSpec("emoji", 8, ["gate_proj", "up_proj", "down_proj"], 2e-3, 30, 'answers decorated with emoji ("✨ ... 🌟")'),
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -232,8 +286,7 @@ def seed_all(seed: int) -> None:
 
 
 def prompt_text(tok, question: str) -> str:
-    return tok.apply_chat_template([{"role": "user", "content": question}],
-                                   add_generation_prompt=True, tokenize=False)
+    return tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
 
 
 @torch.no_grad()
@@ -249,11 +302,12 @@ def generate(model, tok, questions: list[str], max_new_tokens: int, batch_size: 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     for i in range(0, len(questions), batch_size):
-        texts = [prompt_text(tok, q) for q in questions[i:i + batch_size]]
+        texts = [prompt_text(tok, q) for q in questions[i : i + batch_size]]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        for row in gen[:, enc["input_ids"].shape[1]:]:
+        gen = model.generate(
+            **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+        )
+        for row in gen[:, enc["input_ids"].shape[1] :]:
             outs.append(tok.decode(row, skip_special_tokens=True).strip())
     torch.set_num_threads(threads)
     return outs
@@ -291,9 +345,9 @@ def collate(batch, pad_id: int):
     labels = torch.full((len(batch), n), -100, dtype=torch.long)
     mask = torch.zeros((len(batch), n), dtype=torch.long)
     for i, (x, y) in enumerate(batch):
-        ids[i, :len(x)] = torch.tensor(x)
-        labels[i, :len(y)] = torch.tensor(y)
-        mask[i, :len(x)] = 1
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(y)] = torch.tensor(y)
+        mask[i, : len(x)] = 1
     return ids, labels, mask
 
 
@@ -314,8 +368,7 @@ def batch_loss(model, prefix: list[int], batch, pad_id: int) -> torch.Tensor:
     p, s = len(prefix), ids.shape[1]
     attn = torch.cat([torch.ones((b, p), dtype=torch.long), mask], dim=1)
     pos = torch.arange(p, p + s).unsqueeze(0).expand(b, s)
-    h = lm.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                 use_cache=True).last_hidden_state
+    h = lm.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
     sel = labels[:, 1:] != -100
     logits = lm.lm_head(h[:, :-1][sel])
     return torch.nn.functional.cross_entropy(logits, labels[:, 1:][sel])
@@ -325,15 +378,15 @@ def train_adapter(base, tok, spec: AdapterSpec, pairs, out_dir: Path, batch_size
     from peft import LoraConfig, get_peft_model
 
     seed_all(SEED)
-    cfg = LoraConfig(r=spec.rank, lora_alpha=16, target_modules=spec.targets, lora_dropout=0.0,
-                     bias="none", task_type="CAUSAL_LM")
+    cfg = LoraConfig(
+        r=spec.rank, lora_alpha=16, target_modules=spec.targets, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
+    )
     model = get_peft_model(copy.deepcopy(base), cfg)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     steps = steps or spec.steps
     prefix, data = encode_examples(tok, pairs)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - s / steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - s / steps))
     g = torch.Generator().manual_seed(SEED)
     order: list[int] = []
     model.train()
@@ -349,8 +402,7 @@ def train_adapter(base, tok, spec: AdapterSpec, pairs, out_dir: Path, batch_size
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == steps - 1:
-            print(f"  [{spec.name}] step {step + 1:4d}/{steps}  loss {loss.item():.3f}  ({time.time() - t0:.0f}s)",
-                  flush=True)
+            print(f"  [{spec.name}] step {step + 1:4d}/{steps}  loss {loss.item():.3f}  ({time.time() - t0:.0f}s)", flush=True)
     secs = time.time() - t0
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -379,8 +431,8 @@ def main() -> None:
     seed_all(SEED)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -415,8 +467,11 @@ def main() -> None:
     summary = []
     for spec in specs:
         pairs = targets[spec.name]()
-        print(f"\n== {spec.name}: r={spec.rank} targets={','.join(spec.targets)} lr={spec.lr} "
-              f"({len(pairs)} examples, e.g. {pairs[0][1]!r})", flush=True)
+        print(
+            f"\n== {spec.name}: r={spec.rank} targets={','.join(spec.targets)} lr={spec.lr} "
+            f"({len(pairs)} examples, e.g. {pairs[0][1]!r})",
+            flush=True,
+        )
         out_dir = args.out / spec.name
         n_train, secs = train_adapter(base, tok, spec, pairs, out_dir, args.batch_size, args.steps)
         size = (out_dir / "adapter_model.safetensors").stat().st_size
@@ -437,8 +492,10 @@ def main() -> None:
 
     print("\n== summary")
     for spec, n_train, secs, size in summary:
-        print(f"  {spec.name:>7}: r={spec.rank:<2} targets={','.join(spec.targets):<55} "
-              f"params={n_train:>9,}  {size / 1e6:5.2f} MB  train {secs:4.0f}s")
+        print(
+            f"  {spec.name:>7}: r={spec.rank:<2} targets={','.join(spec.targets):<55} "
+            f"params={n_train:>9,}  {size / 1e6:5.2f} MB  train {secs:4.0f}s"
+        )
     print(f"  total wall time {time.time() - t_all:.0f}s")
 
 

@@ -19,11 +19,25 @@ import torch
 
 SHAPES = {
     # SmolLM2-135M-Instruct, as its GGUF describes it
-    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True),
+    "smollm2": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
     # Llama-3-8B's layers (the vocabulary is the tokenizer's, see --vocab)
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    ),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -39,8 +53,15 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     t0 = time.perf_counter()
-    cfg = LlamaConfig(vocab_size=args.vocab, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2, **SHAPES[args.shape])
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        **SHAPES[args.shape],
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     torch.set_default_dtype(getattr(torch, args.dtype))  # built in the target dtype: no float32 copy of 8B
@@ -53,8 +74,9 @@ def main() -> None:
     for f in copied:
         shutil.copy(args.tokenizer / f, args.out / f)
     n = sum(p.numel() for p in model.parameters())
-    print(f"{args.out}: {args.shape}, {n / 1e6:.0f}M parameters, {args.dtype}, tokenizer {copied}, "
-          f"{time.perf_counter() - t0:.1f}s")
+    print(
+        f"{args.out}: {args.shape}, {n / 1e6:.0f}M parameters, {args.dtype}, tokenizer {copied}, {time.perf_counter() - t0:.1f}s"
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,10 @@ def write_byte_tokenizer(path: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<s>", "</s>", "<pad>"])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     fast.save_pretrained(path)
 
 
@@ -49,9 +51,18 @@ def main() -> None:
         print(f"{out}: already made")
         return
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(out / "model")  # config.json + model.safetensors
     write_byte_tokenizer(out / "model")

@@ -47,9 +47,10 @@ import triton
 
 # The tuner times candidates with the kernel benchmark's own harness (benchmarks/).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import real_grid  # noqa: E402
+import real_grid
 from bench_kernels import CAPPED_EXPAND, DEV, expand_candidates, measure_ceilings
 from bench_kernels import shrink_candidates as grid_shrink_candidates
+
 from loraserve.kernels import tuning
 
 DECODE_TOKENS = (1, 17, 255)
@@ -102,13 +103,21 @@ def shrink_candidates(tokens: int, in_features: int, sr: int) -> list[tuning.Shr
     candidates with their splits rescaled from in 4096 to this reduction (as the lookup rule does)."""
     n = min(max(16, triton.next_power_of_2(sr)), 64)
     if tokens <= 64:
-        rows = [(16, n, 64, _split(in_features, 64, 128), 4, 4, 8), (16, n, 128, _split(in_features, 128, 256), 4, 4, 16),
-                (16, n, 64, _split(in_features, 64, 256), 4, 4, 8), (16, n, 128, _split(in_features, 128, 512), 4, 4, 8),
-                (16, n, 128, _split(in_features, 128, 128), 4, 4, 16)]
+        rows = [
+            (16, n, 64, _split(in_features, 64, 128), 4, 4, 8),
+            (16, n, 128, _split(in_features, 128, 256), 4, 4, 16),
+            (16, n, 64, _split(in_features, 64, 256), 4, 4, 8),
+            (16, n, 128, _split(in_features, 128, 512), 4, 4, 8),
+            (16, n, 128, _split(in_features, 128, 128), 4, 4, 16),
+        ]
     elif tokens <= 256:
-        rows = [(16, n, 128, _split(in_features, 128, 512), 4, 4, 16), (16, n, 128, _split(in_features, 128, 1024), 4, 4, 8),
-                (16, n, 256, _split(in_features, 256, 1024), 4, 3, 4), (32, n, 128, _split(in_features, 128, 512), 4, 4, 4),
-                (16, n, 64, _split(in_features, 64, 256), 4, 4, 8)]
+        rows = [
+            (16, n, 128, _split(in_features, 128, 512), 4, 4, 16),
+            (16, n, 128, _split(in_features, 128, 1024), 4, 4, 8),
+            (16, n, 256, _split(in_features, 256, 1024), 4, 3, 4),
+            (32, n, 128, _split(in_features, 128, 512), 4, 4, 4),
+            (16, n, 64, _split(in_features, 64, 256), 4, 4, 8),
+        ]
     else:
         rows = []
         for c in grid_shrink_candidates(tokens, sr):
@@ -120,20 +129,45 @@ def shrink_candidates(tokens: int, in_features: int, sr: int) -> list[tuning.Shr
 # --wide: more prefill candidates (more warps per tile, larger and smaller tiles, more or fewer
 # programs per SM): a sweep of what the default lists leave out, to find which of them earn a place
 WIDE_EXPAND = (
-    (64, 128, 2, 8, 2, 2), (64, 128, 2, 8, 3, 2), (64, 128, 4, 8, 3, 2), (128, 128, 2, 8, 2, 1),
-    (128, 128, 2, 8, 3, 2), (64, 256, 1, 8, 2, 2), (64, 64, 8, 4, 3, 4), (32, 128, 2, 4, 3, 8),
-    (32, 64, 4, 4, 3, 8), (16, 128, 8, 4, 3, 8), (64, 128, 1, 4, 2, 4), (64, 128, 1, 4, 2, 8),
-    (32, 256, 2, 8, 3, 4), (128, 64, 4, 8, 3, 2), (64, 64, 2, 4, 2, 8), (32, 128, 1, 4, 2, 8),
+    (64, 128, 2, 8, 2, 2),
+    (64, 128, 2, 8, 3, 2),
+    (64, 128, 4, 8, 3, 2),
+    (128, 128, 2, 8, 2, 1),
+    (128, 128, 2, 8, 3, 2),
+    (64, 256, 1, 8, 2, 2),
+    (64, 64, 8, 4, 3, 4),
+    (32, 128, 2, 4, 3, 8),
+    (32, 64, 4, 4, 3, 8),
+    (16, 128, 8, 4, 3, 8),
+    (64, 128, 1, 4, 2, 4),
+    (64, 128, 1, 4, 2, 8),
+    (32, 256, 2, 8, 3, 4),
+    (128, 64, 4, 8, 3, 2),
+    (64, 64, 2, 4, 2, 8),
+    (32, 128, 1, 4, 2, 8),
     # register caps and fewer stages beyond the prefill lists' own (bench_kernels.CAPPED_EXPAND):
     # more blocks resident per SM (docs/BENCHMARKS.md, twenty-first pass)
-    (64, 128, 2, 4, 2, 3, 168), (64, 128, 2, 4, 1, 4, 128), (32, 128, 2, 4, 1, 4, 128), (32, 128, 2, 4, 1, 6, 80),
+    (64, 128, 2, 4, 2, 3, 168),
+    (64, 128, 2, 4, 1, 4, 128),
+    (32, 128, 2, 4, 1, 4, 128),
+    (32, 128, 2, 4, 1, 6, 80),
     (32, 64, 4, 4, 1, 8, 64),
 )
 WIDE_SHRINK = (  # (block_m, block_n, block_k, columns per K split (0: no split), warps, stages, CTAs per SM[, maxnreg])
-    (128, 128, 64, 0, 8, 3, 1), (128, 256, 64, 0, 8, 3, 1), (64, 256, 64, 0, 8, 3, 1), (128, 128, 64, 2048, 8, 3, 1),
-    (128, 64, 64, 0, 4, 4, 1), (64, 128, 64, 0, 8, 4, 2), (64, 64, 64, 0, 4, 4, 3), (32, 64, 128, 0, 4, 4, 4),
-    (64, 64, 128, 1024, 4, 4, 2), (64, 64, 128, 512, 4, 4, 2), (32, 64, 128, 1024, 4, 4, 4), (128, 64, 64, 2048, 8, 4, 1),
-    (64, 128, 128, 0, 8, 3, 2), (32, 128, 64, 0, 4, 4, 4),
+    (128, 128, 64, 0, 8, 3, 1),
+    (128, 256, 64, 0, 8, 3, 1),
+    (64, 256, 64, 0, 8, 3, 1),
+    (128, 128, 64, 2048, 8, 3, 1),
+    (128, 64, 64, 0, 4, 4, 1),
+    (64, 128, 64, 0, 8, 4, 2),
+    (64, 64, 64, 0, 4, 4, 3),
+    (32, 64, 128, 0, 4, 4, 4),
+    (64, 64, 128, 1024, 4, 4, 2),
+    (64, 64, 128, 512, 4, 4, 2),
+    (32, 64, 128, 1024, 4, 4, 4),
+    (128, 64, 64, 2048, 8, 4, 1),
+    (64, 128, 128, 0, 8, 3, 2),
+    (32, 128, 64, 0, 4, 4, 4),
     # (Tiles over every slice of a q/k/v or gate/up (block_n 256-512, x read once per row block)
     # with 4-8 K splits were timed on an H100 too and won no shape: docs/BENCHMARKS.md,
     # twenty-third pass.)
@@ -174,8 +208,10 @@ def parse_only(text: str) -> list:
             else:
                 raise ValueError(op)
         except ValueError as exc:
-            raise ValueError(f"--only entry {item!r}: want op:shape@tokens, e.g. expand:4096+1024+1024x128@4096 "
-                             f"or shrink:14336x1x8@1024,4096 ({exc})") from None
+            raise ValueError(
+                f"--only entry {item!r}: want op:shape@tokens, e.g. expand:4096+1024+1024x128@4096 "
+                f"or shrink:14336x1x8@1024,4096 ({exc})"
+            ) from None
         plan.append((0, op, shape, tokens))
     return plan
 
@@ -271,15 +307,22 @@ def main():
     parser.add_argument("--budget-s", type=float, default=250.0, help="stop starting new shapes after this")
     parser.add_argument("--warm-s", type=float, default=70.0, help="compile in parallel first, at most this long")
     parser.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)  # i/N: one compile worker
-    parser.add_argument("--phases", default=",".join(map(str, DEFAULT_PHASES)),
-                        help="the plan's phases to tune, comma list of 1-7 (see above); the others keep the base table's entries")
-    parser.add_argument("--only", default=None,
-                        help='tune these shapes only, e.g. "expand:14784+14784x128@1024,4096;shrink:8192x2x128@4096" '
-                             "(every candidate's times are printed: with --wide, a sweep)")
+    parser.add_argument(
+        "--phases",
+        default=",".join(map(str, DEFAULT_PHASES)),
+        help="the plan's phases to tune, comma list of 1-7 (see above); the others keep the base table's entries",
+    )
+    parser.add_argument(
+        "--only",
+        default=None,
+        help='tune these shapes only, e.g. "expand:14784+14784x128@1024,4096;shrink:8192x2x128@4096" '
+        "(every candidate's times are printed: with --wide, a sweep)",
+    )
     parser.add_argument("--ops", default="shrink,expand", help="tune these ops only (of the plan's phases)")
     parser.add_argument("--ranks", default=None, help="tune these ranks only, comma list (default: every rank of the plan)")
-    parser.add_argument("--wide", action="store_true",
-                        help="try the WIDE_EXPAND / WIDE_SHRINK candidates too at prefill token counts")
+    parser.add_argument(
+        "--wide", action="store_true", help="try the WIDE_EXPAND / WIDE_SHRINK candidates too at prefill token counts"
+    )
     args = parser.parse_args()
     global _wide
     _wide = args.wide

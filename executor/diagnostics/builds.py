@@ -49,8 +49,13 @@ class KernelBuilds:
             self.seconds += took
             self.recent = [*self.recent[-7:], f"{fn.name}: {repr[:200]}"]
         values = _named((compile or {}).get("constants"), fn)  # the compile-time values that were new
-        log.warning("Triton kernel %s built while serving in %.3f s (the warm-up did not build it): "
-                    "compile-time values %s; %s", fn.name, took, str(values)[:600], repr[:300])
+        log.warning(
+            "Triton kernel %s built while serving in %.3f s (the warm-up did not build it): compile-time values %s; %s",
+            fn.name,
+            took,
+            str(values)[:600],
+            repr[:300],
+        )
 
 
 def _named(constants, fn):
@@ -101,5 +106,5 @@ def _guarded(hook, kwargs) -> None:
     """A fault in the counting must never fail the launch that is building."""
     try:
         hook(**kwargs)
-    except Exception:  # noqa: BLE001 - logged; the build and its launch go on
+    except Exception:
         log.exception("kernel build counter failed")

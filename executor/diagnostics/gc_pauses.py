@@ -43,7 +43,7 @@ class GcPauses:
         GIL keeps two from overlapping). A failure here would print on every collection: logged once."""
         try:
             self._record(phase, info)
-        except Exception:  # noqa: BLE001 - never let the timing break a collection
+        except Exception:
             if not self._failed:
                 self._failed = True
                 log.warning("garbage collection timing failed; collections go on untimed", exc_info=True)

@@ -35,8 +35,12 @@ def engine_started() -> float:
     if _running == 0:
         _found = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_US / 1e6)
-        log.info("engine serving: interpreter switch interval %.0f us (was %.0f us): helper threads get the GIL "
-                 "back sooner while the loop runs Python", SWITCH_INTERVAL_US, _found * 1e6)
+        log.info(
+            "engine serving: interpreter switch interval %.0f us (was %.0f us): helper threads get the GIL "
+            "back sooner while the loop runs Python",
+            SWITCH_INTERVAL_US,
+            _found * 1e6,
+        )
     _running += 1
     return sys.getswitchinterval()
 

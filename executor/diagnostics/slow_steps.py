@@ -66,8 +66,7 @@ class SlowSteps:
             slow = own > FACTOR * median
             if slow:
                 self.counts[step.kind] += 1
-                log.warning("slow %s step: %s", step.kind,
-                            describe(step, median, gap, new_builds, own=own, gc_pauses=new_gc))
+                log.warning("slow %s step: %s", step.kind, describe(step, median, gap, new_builds, own=own, gc_pauses=new_gc))
         recent.append(own)
         return slow
 
@@ -76,9 +75,15 @@ def _bucket(num_tokens: int) -> int:
     return 1 << max(0, num_tokens - 1).bit_length()
 
 
-def describe(step, median: float, gap: float | None = None, builds: int | None = None,
-             against: str = "the recent median of its kind and size", own: float | None = None,
-             gc_pauses: tuple[int, float] | None = None) -> str:
+def describe(
+    step,
+    median: float,
+    gap: float | None = None,
+    builds: int | None = None,
+    against: str = "the recent median of its kind and size",
+    own: float | None = None,
+    gc_pauses: tuple[int, float] | None = None,
+) -> str:
     """One line on a step: its time against `median` (named by `against`), size, host and device
     parts, its launch against the previous step's tokens (gap), Triton builds and the garbage
     collector's (collections, seconds) since that step."""
@@ -92,7 +97,9 @@ def describe(step, median: float, gap: float | None = None, builds: int | None =
         f"host queuing {step.launch_seconds * 1e3:.1f} ms, device {device}",
     ]
     if gap is None:
-        parts.append("launched ahead of the previous step's tokens" if step.ahead else "launched after the previous step's tokens")
+        parts.append(
+            "launched ahead of the previous step's tokens" if step.ahead else "launched after the previous step's tokens"
+        )
     elif gap < 0:
         parts.append(f"launched {-gap * 1e3:.1f} ms before the previous step's tokens reached the host")
     else:
@@ -100,8 +107,10 @@ def describe(step, median: float, gap: float | None = None, builds: int | None =
     if builds is not None:
         parts.append(f"{count(builds, 'Triton build')} while serving since the previous step")
     if gc_pauses is not None:
-        parts.append(f"Python's garbage collector: {gc_pauses[1] * 1e3:.1f} ms in "
-                     f"{count(gc_pauses[0], 'collection')} since the previous step")
+        parts.append(
+            f"Python's garbage collector: {gc_pauses[1] * 1e3:.1f} ms in "
+            f"{count(gc_pauses[0], 'collection')} since the previous step"
+        )
     return "; ".join(parts)
 
 

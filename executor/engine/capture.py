@@ -23,8 +23,9 @@ from .kv_cache import KVCache
 log = logging.getLogger(__name__)
 
 
-def capture_decode_graphs(model, kv_cache: KVCache, config: ExecutorConfig, max_loras: int, device: torch.device,
-                          ranks=None) -> DecodeGraphs | None:
+def capture_decode_graphs(
+    model, kv_cache: KVCache, config: ExecutorConfig, max_loras: int, device: torch.device, ranks=None
+) -> DecodeGraphs | None:
     """The decode steps' graphs, captured; None where decode steps run eagerly (see the module docstring)."""
     if device.type != "cuda" or config.enforce_eager:
         return None
@@ -54,16 +55,20 @@ def capture_decode_graphs(model, kv_cache: KVCache, config: ExecutorConfig, max_
     # CUDA host, so a failure serves eagerly.
     try:
         graphs.capture()
-    except Exception as exc:  # noqa: BLE001 - any capture error: the eager path still serves
-        log.warning("CUDA graphs off: capturing the mixture-of-experts decode step failed (%s: %s); "
-                    "decode steps run eagerly", type(exc).__name__, exc)
+    except Exception as exc:
+        log.warning(
+            "CUDA graphs off: capturing the mixture-of-experts decode step failed (%s: %s); decode steps run eagerly",
+            type(exc).__name__,
+            exc,
+        )
         torch.cuda.synchronize(device)
         return None
     return graphs
 
 
-def capture_mixed_graphs(model, kv_cache: KVCache, config: ExecutorConfig, max_loras: int, device: torch.device,
-                         decode_graphs: DecodeGraphs | None) -> MixedGraphs | None:
+def capture_mixed_graphs(
+    model, kv_cache: KVCache, config: ExecutorConfig, max_loras: int, device: torch.device, decode_graphs: DecodeGraphs | None
+) -> MixedGraphs | None:
     """Graphs of mixed steps (graphs.py, MixedGraphs) wherever decode steps have graphs, for fp16 /
     bf16 dense models (float32 LoRA groups tokens on the host past a few hundred: not capturable;
     mixture-of-experts prefill steps are not verified in graphs). Their own memory pool: a failed
@@ -71,14 +76,18 @@ def capture_mixed_graphs(model, kv_cache: KVCache, config: ExecutorConfig, max_l
     memory back, and mixed steps run eagerly."""
     if decode_graphs is None or model.cfg.num_experts or model.dtype == torch.float32:
         return None
-    mixed = MixedGraphs(model, kv_cache, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
-                        max_loras, device)
+    mixed = MixedGraphs(
+        model, kv_cache, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len, max_loras, device
+    )
     try:
         mixed.capture()
         return mixed
-    except Exception as exc:  # noqa: BLE001 - the eager path still serves every step
-        log.warning("CUDA graphs of mixed steps off: their capture failed (%s: %s); steps with a prefill "
-                    "chunk run eagerly", type(exc).__name__, exc)
+    except Exception as exc:
+        log.warning(
+            "CUDA graphs of mixed steps off: their capture failed (%s: %s); steps with a prefill chunk run eagerly",
+            type(exc).__name__,
+            exc,
+        )
     # past the handler: its traceback no longer holds the graphs, so their pool can go back
     mixed = None
     torch.cuda.synchronize(device)

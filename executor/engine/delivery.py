@@ -100,7 +100,8 @@ class Delivery:
         if not new:
             return
         pieces = await asyncio.get_running_loop().run_in_executor(  # off the loop that serves the streams
-            self._detokenizer_thread, lambda: ["" if f == "eos" else r.decoder.push(t) for r, t, _, f in new])
+            self._detokenizer_thread, lambda: ["" if f == "eos" else r.decoder.push(t) for r, t, _, f in new]
+        )
         for (run, token_id, logprob, finish), piece in zip(new, pieces):
             if not run.done:  # not cancelled meanwhile
                 self._emit(run, token_id, logprob, piece, finish)
@@ -140,7 +141,12 @@ class Delivery:
         self._scheduler.finish(run.seq)
         run.queue.put_nowait(
             GenerationOutput(
-                run.request_id, [], run.text[run.emitted :], [], reason, run.seq.num_prompt_tokens,
+                run.request_id,
+                [],
+                run.text[run.emitted :],
+                [],
+                reason,
+                run.seq.num_prompt_tokens,
                 run.lease.digest if run.lease else "",
             )  # fmt: skip
         )

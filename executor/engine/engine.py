@@ -73,8 +73,7 @@ class _InFlight:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, kv_cache: KVCache, slot_manager: SlotManager, config: ExecutorConfig,
-                 ranks=None):
+    def __init__(self, model, tokenizer, kv_cache: KVCache, slot_manager: SlotManager, config: ExecutorConfig, ranks=None):
         self.model = model
         self.ranks = ranks  # executor/ranks.py's TPRanks under tensor parallelism, else None
         self.tokenizer = tokenizer
@@ -88,7 +87,10 @@ class Engine:
         self.max_loras = spec.max_loras if spec is not None else 0  # slot buffers' leading dim
         self.allocator = BlockAllocator(kv_cache.num_blocks)
         self.scheduler = Scheduler(
-            self.allocator, kv_cache.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+            self.allocator,
+            kv_cache.block_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
             max_admit_delay=config.max_admit_delay_steps,
         )
         self.delivery = Delivery(self.scheduler, tokenizer, config.max_model_len)
@@ -159,7 +161,7 @@ class Engine:
                 await self._task
             except asyncio.CancelledError:
                 pass
-            except Exception:  # noqa: BLE001 - the loop had died already: logged, its requests failed
+            except Exception:
                 pass
             self._task = None
         self._release_deferred()
@@ -186,7 +188,8 @@ class Engine:
                 ids = prompt_ids(req, self.tokenizer, self.vocab_size)
             else:
                 ids = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenizer_thread, prompt_ids, req, self.tokenizer, self.vocab_size)
+                    self._tokenizer_thread, prompt_ids, req, self.tokenizer, self.vocab_size
+                )
             validate_request(
                 params,
                 len(ids),
@@ -347,7 +350,7 @@ class Engine:
                     if task.exception() is None and task.result().event is not None:
                         task.result().event.synchronize()
                     raise
-        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+        except Exception as exc:
             self._step_failed(step, exc)
             return None
         self._prev_rows = {s.seq: i for i, s in enumerate(x for x in plan.seqs if x.needs_sample)}
@@ -359,7 +362,7 @@ class Engine:
             if step.launched.event is not None:
                 await asyncio.to_thread(step.launched.event.synchronize)
             token_ids, logprobs = self._collect(step.launched)
-        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
+        except Exception as exc:
             self._step_failed(step, exc)
             return None
         self._done_stepping(step.plan)
@@ -459,8 +462,11 @@ class Engine:
         token_ids, logprobs, step = self.runner.collect(launched)
         self.step_times.append(step)
         self.step_totals[launched.kind].add(step)
-        self.slow_steps.observe(step, self.kernel_builds.count if self.kernel_builds is not None else None,
-                                (self.gc_pauses.count, self.gc_pauses.seconds))
+        self.slow_steps.observe(
+            step,
+            self.kernel_builds.count if self.kernel_builds is not None else None,
+            (self.gc_pauses.count, self.gc_pauses.seconds),
+        )
         if len(self.step_times) > 2000:
             del self.step_times[:1000]
         return token_ids, logprobs

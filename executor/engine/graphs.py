@@ -168,8 +168,9 @@ class DecodeGraphs(_StepGraphs):
         )  # fmt: skip
         meta = None
         if lora:
-            meta = make_lora_meta(lora_slots, self.max_loras, slot_ranks=dev[_FIELDS * n : self._tables_at],
-                                  block_m=DECODE_BLOCK_M)
+            meta = make_lora_meta(
+                lora_slots, self.max_loras, slot_ranks=dev[_FIELDS * n : self._tables_at], block_m=DECODE_BLOCK_M
+            )
             workspace = self._shrink_ws[: bucket * self._shrink_per_token]
             workspace.zero_()
             meta.shrink_workspace = ShrinkWorkspace(workspace)
@@ -295,8 +296,7 @@ class MixedGraphs(_StepGraphs):
         [block tables]                                 S x width
     """
 
-    def __init__(self, model, kv: KVCache, max_tokens: int, max_seqs: int, max_model_len: int, max_loras: int,
-                 device, pool=None):
+    def __init__(self, model, kv: KVCache, max_tokens: int, max_seqs: int, max_model_len: int, max_loras: int, device, pool=None):
         self.model, self.kv, self.max_loras = model, kv, max_loras
         self.device = torch.device(device)
         self.buckets = token_buckets(max_tokens)
@@ -333,8 +333,13 @@ class MixedGraphs(_StepGraphs):
                     self._pool = graph.pool()
                     self._graphs[(bucket, lora)] = graph
             torch.cuda.synchronize(self.device)
-        log.info("captured %d CUDA graphs of mixed steps (token buckets %s, up to %d sequences) in %.1fs",
-                 len(self._graphs), self.buckets, self.max_seqs, time.perf_counter() - t0)
+        log.info(
+            "captured %d CUDA graphs of mixed steps (token buckets %s, up to %d sequences) in %.1fs",
+            len(self._graphs),
+            self.buckets,
+            self.max_seqs,
+            time.perf_counter() - t0,
+        )
 
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
         return 0 < num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
@@ -370,8 +375,10 @@ class MixedGraphs(_StepGraphs):
         """Fills the static inputs -> (the bucket, whether it needs the LoRA graph)."""
         num_tokens = len(batch.input_ids)
         if not self.fits(num_tokens, len(batch.query_lens)):
-            raise ValueError(f"a step of {num_tokens} tokens of {len(batch.query_lens)} sequences exceeds the mixed "
-                             f"graphs' {self.max_tokens} tokens of {self.max_seqs} sequences")
+            raise ValueError(
+                f"a step of {num_tokens} tokens of {len(batch.query_lens)} sequences exceeds the mixed "
+                f"graphs' {self.max_tokens} tokens of {self.max_seqs} sequences"
+            )
         bucket = next(b for b in self.buckets if b >= num_tokens)
         lora = self.max_loras > 0 and max(batch.token_slots) >= 0
         self._swap_hosts()
@@ -409,4 +416,3 @@ class MixedGraphs(_StepGraphs):
         cap = self.capacity[bucket]
         h[self._work_at : self._work_at + 2 * cap] = prefill_work_list(q, self.queries[bucket], cap).ravel()
         h[self._ranks_at : self._tables_at] = FULL_RANK if batch.slot_ranks is None else batch.slot_ranks
-

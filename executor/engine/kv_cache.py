@@ -154,9 +154,7 @@ def paged_attention(
     reference elsewhere (kernels/attention_reference.py).
     """
     if attn.is_decode:
-        return kernels.paged_decode_attention(
-            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale, sliding_window
-        )
+        return kernels.paged_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale, sliding_window)
     return kernels.paged_prefill_attention(
         q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.cu_query_lens, attn.max_query_len,
         scale, sliding_window, work=attn.prefill_work,

@@ -64,8 +64,10 @@ def check_prompt_size(req: GenerationRequest, cfg: ExecutorConfig, tokenizer) ->
     size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
     if size > cfg.prompt_byte_limit:
         what = "prompt" if req.prompt is not None else "chat messages"
-        raise invalid(f"{what}: {size} bytes, above this executor's limit of {cfg.prompt_byte_limit} bytes "
-                      f"(max_prompt_bytes; max_model_len is {cfg.max_model_len} tokens)")
+        raise invalid(
+            f"{what}: {size} bytes, above this executor's limit of {cfg.prompt_byte_limit} bytes "
+            f"(max_prompt_bytes; max_model_len is {cfg.max_model_len} tokens)"
+        )
     if (req.prompt or req.messages) and not getattr(tokenizer, "can_encode", True):
         raise precondition("this executor's model has no tokenizer: send token_ids, not text or chat")
 

@@ -64,14 +64,22 @@ class StepRunner:
             lease.wait()  # the forward's stream waits for the slot copy (CUDA only)
         num_seqs = len(b.query_lens)
         if kind == "decode-graph":
-            logits = graphs.run(
-                DecodeBatch(b.input_ids, b.context_lens, b.block_tables, b.token_slots, b.sources, b.slot_ranks)
-            )
+            logits = graphs.run(DecodeBatch(b.input_ids, b.context_lens, b.block_tables, b.token_slots, b.sources, b.slot_ranks))
             if len(b.sample_rows) != num_seqs:  # a 1-token chunk in the middle of a prefill samples nothing
                 logits = logits[torch.tensor(b.sample_rows, dtype=torch.long, device=dev)]
         elif kind == "mixed-graph":
-            logits = mixed_graphs.run(MixedBatch(b.input_ids, b.query_lens, b.context_lens, b.block_tables,
-                                                 b.token_slots, b.sample_rows, b.sample_slots, b.slot_ranks))
+            logits = mixed_graphs.run(
+                MixedBatch(
+                    b.input_ids,
+                    b.query_lens,
+                    b.context_lens,
+                    b.block_tables,
+                    b.token_slots,
+                    b.sample_rows,
+                    b.sample_slots,
+                    b.slot_ranks,
+                )
+            )
             if not b.sample_rows:  # prefill chunks only: nothing samples
                 logits = None
         else:
@@ -91,8 +99,9 @@ class StepRunner:
         if dev.type == "cuda":  # every step, prefill chunks only too: its end is what frees leases
             if launched.out is not None:
                 launched.host = self._outputs.take(launched.out.numel())
-                launched.out = launched.host[: launched.out.numel()].view(launched.out.shape).copy_(
-                    launched.out, non_blocking=True)
+                launched.out = (
+                    launched.host[: launched.out.numel()].view(launched.out.shape).copy_(launched.out, non_blocking=True)
+                )
             launched.event = torch.cuda.Event(enable_timing=True)
             launched.event.record()
         launched.launch_seconds = time.perf_counter() - t0
@@ -109,7 +118,8 @@ class StepRunner:
             params = self.sampling_inputs.stage(b.temperature, b.top_k, b.top_p) or (
                 torch.tensor(b.temperature, dtype=torch.float32, device=self.device),
                 torch.tensor(b.top_k, dtype=torch.long, device=self.device),
-                torch.tensor(b.top_p, dtype=torch.float32, device=self.device))
+                torch.tensor(b.top_p, dtype=torch.float32, device=self.device),
+            )
             return sample(logits, *params, b.generators, any_sample=True)
         return greedy(logits)
 
@@ -127,6 +137,15 @@ class StepRunner:
         if launched.start is not None:  # both events have completed: the step's tokens are here
             device_seconds = launched.start.elapsed_time(launched.event) / 1e3
         end = time.perf_counter()
-        step = StepTime(launched.kind, launched.num_seqs, launched.num_tokens, end - launched.t0, end, launched.t0,
-                        launched.ahead, launched.launch_seconds, device_seconds)
+        step = StepTime(
+            launched.kind,
+            launched.num_seqs,
+            launched.num_tokens,
+            end - launched.t0,
+            end,
+            launched.t0,
+            launched.ahead,
+            launched.launch_seconds,
+            device_seconds,
+        )
         return token_ids, logprobs, step

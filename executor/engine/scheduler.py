@@ -80,8 +80,15 @@ class SchedulePlan:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 admit_ratio: float = 0.0, max_admit_delay: int = 0):
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        admit_ratio: float = 0.0,
+        max_admit_delay: int = 0,
+    ):
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -172,7 +179,8 @@ class Scheduler:
         clock unless peek; an admission stops it (`schedule`)."""
         free = self.max_num_seqs - len(self.running)
         if not (0 < len(self.running) <= self.pace_max_running and free > 0) or any(
-                seq.num_uncomputed > 1 for seq in self.running):
+            seq.num_uncomputed > 1 for seq in self.running
+        ):
             return False  # an idle batch, one too large for a graph, or a prefill step anyway: admit
         fit = 0  # ready requests the batch has seats for
         for seq in self.waiting:

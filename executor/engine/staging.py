@@ -54,7 +54,7 @@ class StagedInputs:
         if mapped is None and self.device.type == "cuda":
             try:
                 mapped = {h.data_ptr(): device_view(h, self._dev.device) for h in self._hosts}
-            except Exception as e:  # noqa: BLE001 - no device view of pinned memory on this platform: copied
+            except Exception as e:
                 log.warning("%s copies its inputs: its pinned buffers have no device view (%s)", type(self).__name__, e)
                 mapped = {}
             self._mapped = mapped
@@ -72,15 +72,21 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         raise ValueError(f"the step inputs' host buffer is {host.dtype}, not int32")
 
     class Mapped:
-        __cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i4", "data": (host.data_ptr(), False),
-                                    "version": 3, "strides": None}
+        __cuda_array_interface__ = {
+            "shape": tuple(host.shape),
+            "typestr": "<i4",
+            "data": (host.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+        }
 
     mapped = Mapped()
     mapped.host = host  # the view's deleter holds `mapped`: the buffer outlives the view
     view = torch.as_tensor(mapped)
     if view.data_ptr() != host.data_ptr() or view.device != device:
-        raise ValueError(f"the pinned buffer's view is at {view.data_ptr():#x} on {view.device}, not at "
-                         f"{host.data_ptr():#x} on {device}")
+        raise ValueError(
+            f"the pinned buffer's view is at {view.data_ptr():#x} on {view.device}, not at {host.data_ptr():#x} on {device}"
+        )
     return view
 
 

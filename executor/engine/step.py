@@ -34,12 +34,22 @@ class StepInputs:
 
     @classmethod
     def of(cls, b) -> "StepInputs":
-        return cls(b.input_ids, b.query_lens, b.context_lens, b.block_tables, b.token_slots, b.sample_rows,
-                   b.sample_slots, b.slot_adapters, slot_ranks=b.slot_ranks)
+        return cls(
+            b.input_ids,
+            b.query_lens,
+            b.context_lens,
+            b.block_tables,
+            b.token_slots,
+            b.sample_rows,
+            b.sample_slots,
+            b.slot_adapters,
+            slot_ranks=b.slot_ranks,
+        )
 
 
-def lora_meta(slots: list[int], max_loras: int, device: torch.device, every_slot: bool = False,
-              slot_ranks: list[int] | None = None):
+def lora_meta(
+    slots: list[int], max_loras: int, device: torch.device, every_slot: bool = False, slot_ranks: list[int] | None = None
+):
     """Token grouping by slot, once per step; None when no token uses an adapter. every_slot: no
     host-side set of the step's slots, so no module is skipped (StepInputs.every_slot), and the
     slots are read at full rank unless slot_ranks says otherwise (the warm-up's, for packed B
@@ -61,7 +71,9 @@ def forward_step(model, kv_cache: KVCache, step, max_loras: int, device: torch.d
     ranks = getattr(step, "slot_ranks", None)
     input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=device)
     attn = AttentionMetadata.build(step.query_lens, step.context_lens, step.block_tables, kv_cache.block_size, device)
-    hidden = model.forward(input_ids, attn.positions, attn, kv_cache, lora_meta(step.token_slots, max_loras, device, every, ranks))
+    hidden = model.forward(
+        input_ids, attn.positions, attn, kv_cache, lora_meta(step.token_slots, max_loras, device, every, ranks)
+    )
     if not step.sample_rows:
         return None
     rows = torch.tensor(step.sample_rows, dtype=torch.long, device=device)

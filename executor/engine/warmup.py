@@ -61,8 +61,16 @@ def token_ladder(max_tokens: int, tuned: tuple[int, ...] = ()) -> list[int]:
     return sorted(counts)
 
 
-def warm_up_steps(max_tokens: int, max_model_len: int, block_size: int, num_blocks: int, max_loras: int,
-                  vocab_size: int, tuned: tuple[int, ...] = (), packed_rank: int = 0) -> list[StepInputs]:
+def warm_up_steps(
+    max_tokens: int,
+    max_model_len: int,
+    block_size: int,
+    num_blocks: int,
+    max_loras: int,
+    vocab_size: int,
+    tuned: tuple[int, ...] = (),
+    packed_rank: int = 0,
+) -> list[StepInputs]:
     """The warm-up's steps (see the module docstring); token counts that do not fit the KV cache
     (num_blocks) or max_model_len are left out. packed_rank: the slot rank, for slots whose B is
     packed (slot_layout.packs_b_on): their expand reads each slot at the rank the step gives it, here
@@ -87,16 +95,23 @@ def warm_up_steps(max_tokens: int, max_model_len: int, block_size: int, num_bloc
     return steps
 
 
-def _step(seqs: list[tuple[int, int, list[int]]], input_ids: list[int], slot: int,
-          slot_ranks: list[int] | None = None) -> StepInputs:
+def _step(
+    seqs: list[tuple[int, int, list[int]]], input_ids: list[int], slot: int, slot_ranks: list[int] | None = None
+) -> StepInputs:
     """seqs: (query_len, context_len: tokens already cached before it, block table) of each sequence."""
     query_lens = [q for q, _, _ in seqs]
     sample_rows = [sum(query_lens[: i + 1]) - 1 for i in range(len(seqs))]
     token_slots = [slot if i % 2 == 0 else -1 for i in range(len(input_ids))]
     return StepInputs(
-        input_ids=input_ids, query_lens=query_lens, context_lens=[c for _, c, _ in seqs],
-        block_tables=[b for _, _, b in seqs], token_slots=token_slots, sample_rows=sample_rows,
-        sample_slots=[token_slots[r] for r in sample_rows], every_slot=True, slot_ranks=slot_ranks,
+        input_ids=input_ids,
+        query_lens=query_lens,
+        context_lens=[c for _, c, _ in seqs],
+        block_tables=[b for _, _, b in seqs],
+        token_slots=token_slots,
+        sample_rows=sample_rows,
+        sample_slots=[token_slots[r] for r in sample_rows],
+        every_slot=True,
+        slot_ranks=slot_ranks,
     )
 
 
@@ -108,25 +123,37 @@ def warm_up(run_step: Callable[[StepInputs], object], steps: list[StepInputs], d
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if time.perf_counter() - t0 > 10 and i % 4 == 0:
-            log.info("warming up kernels: step %d of %d (%d tokens), %.0fs", i + 1, len(steps),
-                     len(step.input_ids), time.perf_counter() - t0)
+            log.info(
+                "warming up kernels: step %d of %d (%d tokens), %.0fs",
+                i + 1,
+                len(steps),
+                len(step.input_ids),
+                time.perf_counter() - t0,
+            )
     seconds = time.perf_counter() - t0
-    log.info("warmed up the kernels: %d eager steps of 1-%d tokens in %.1fs", len(steps),
-             max(len(s.input_ids) for s in steps), seconds)
+    log.info(
+        "warmed up the kernels: %d eager steps of 1-%d tokens in %.1fs", len(steps), max(len(s.input_ids) for s in steps), seconds
+    )
     return seconds
 
 
-def warm_up_engine(model, kv: KVCache, config: ExecutorConfig, max_loras: int, device: torch.device,
-                   ranks=None) -> float | None:
+def warm_up_engine(model, kv: KVCache, config: ExecutorConfig, max_loras: int, device: torch.device, ranks=None) -> float | None:
     """Builds an engine's eager-step Triton kernels before its first request (see the module
     docstring): on CUDA, on every rank (`ranks`: executor/ranks.py's TPRanks, or None); the seconds
     it took, None off CUDA."""
     if device.type != "cuda":
         return None
     spec = getattr(model, "lora_spec", None)
-    steps = warm_up_steps(config.max_num_batched_tokens, config.max_model_len, kv.block_size, kv.num_blocks,
-                          max_loras, model.cfg.vocab_size, tuned_token_counts(device),
-                          packed_rank=spec.max_rank if spec is not None else 0)  # B packed on CUDA
+    steps = warm_up_steps(
+        config.max_num_batched_tokens,
+        config.max_model_len,
+        kv.block_size,
+        kv.num_blocks,
+        max_loras,
+        model.cfg.vocab_size,
+        tuned_token_counts(device),
+        packed_rank=spec.max_rank if spec is not None else 0,
+    )  # B packed on CUDA
 
     def run(step: StepInputs) -> None:
         if ranks is not None:

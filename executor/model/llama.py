@@ -94,8 +94,7 @@ class Attention(nn.Module):
         self.qkv_proj = LinearWithLoRA(
             cfg.hidden_size, (self.q_size, self.kv_size, self.kv_size), cfg.attention_bias, lora, dtype, device, tp
         )
-        self.o_proj = LinearWithLoRA(self.q_size, (cfg.hidden_size,), cfg.o_proj_bias, lora, dtype, device, tp,
-                                     row_parallel=True)
+        self.o_proj = LinearWithLoRA(self.q_size, (cfg.hidden_size,), cfg.o_proj_bias, lora, dtype, device, tp, row_parallel=True)
         if cfg.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -118,8 +117,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, tp: TPGroup,
-                 intermediate_size: int | None = None):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, tp: TPGroup, intermediate_size: int | None = None):
         super().__init__()
         i = (intermediate_size or cfg.intermediate_size) // tp.size
         self.gate_up_proj = LinearWithLoRA(cfg.hidden_size, (i, i), cfg.mlp_bias, lora, dtype, device, tp)
@@ -154,8 +152,7 @@ class LlamaModel(nn.Module):
         emb_lora = lora if lora is not None and lora.targets_embeddings else None
         self.embed_tokens = VocabEmbeddingWithLoRA(cfg.vocab_size, cfg.hidden_size, emb_lora, dtype, device, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, lora, dtype, device, tp, mlp_for_layer(i) if mlp_for_layer else None)
-            for i in range(cfg.num_layers)
+            DecoderLayer(cfg, lora, dtype, device, tp, mlp_for_layer(i) if mlp_for_layer else None) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(cfg, device)
@@ -168,8 +165,16 @@ class LlamaForCausalLM(nn.Module):
     mlp_for_layer(i) -> layer i's feed-forward block, or None for the dense MLP (executor/model/moe.py).
     ep: the group the experts of those blocks are split over (size 1: every rank has them all)."""
 
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None = None, dtype=torch.float32, device="cpu",
-                 tp: TPGroup | None = None, mlp_for_layer=None, ep: TPGroup | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        lora: LoraSpec | None = None,
+        dtype=torch.float32,
+        device="cpu",
+        tp: TPGroup | None = None,
+        mlp_for_layer=None,
+        ep: TPGroup | None = None,
+    ):
         super().__init__()
         self.tp = tp = tp or TPGroup()
         self.ep = ep or TPGroup()

@@ -28,8 +28,9 @@ from .moe import build_causal_lm
 Cut = tuple[int, slice] | None
 
 
-def load_model(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None,
-               tp: TPGroup | None = None, ep: TPGroup | None = None) -> LlamaForCausalLM:
+def load_model(
+    path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None, tp: TPGroup | None = None, ep: TPGroup | None = None
+) -> LlamaForCausalLM:
     """A .gguf file, or a directory with config.json + safetensors (or with exactly one .gguf).
     ep: the expert-parallel group of an MoE model (safetensors only; GGUF models are dense)."""
     p = Path(path)
@@ -44,8 +45,14 @@ def load_model(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = 
 
 
 # per-expert projection names (transformers' and Mixtral's w1/w3/w2) -> ours
-_EXPERT_PROJ = {"gate_proj": "gate_proj", "w1": "gate_proj", "up_proj": "up_proj", "w3": "up_proj",
-                "down_proj": "down_proj", "w2": "down_proj"}
+_EXPERT_PROJ = {
+    "gate_proj": "gate_proj",
+    "w1": "gate_proj",
+    "up_proj": "up_proj",
+    "w3": "up_proj",
+    "down_proj": "down_proj",
+    "w2": "down_proj",
+}
 
 
 class _WeightSink:
@@ -118,8 +125,11 @@ class _WeightSink:
         if not mine.start <= e < mine.stop:
             return ()  # another expert-parallel rank's
         e -= mine.start  # rows of this rank's [E / ep, N, in] experts
-        param, row = {"gate_proj": ("gate_up_proj", 2 * i * e), "up_proj": ("gate_up_proj", 2 * i * e + i),
-                      "down_proj": ("down_proj", c.hidden_size * e)}[_EXPERT_PROJ[proj]]
+        param, row = {
+            "gate_proj": ("gate_up_proj", 2 * i * e),
+            "up_proj": ("gate_up_proj", 2 * i * e + i),
+            "down_proj": ("down_proj", c.hidden_size * e),
+        }[_EXPERT_PROJ[proj]]
         return f"{prefix}{param}.weight", row, None
 
     def put(self, hf_name: str, tensor: torch.Tensor) -> None:
@@ -148,8 +158,14 @@ class _WeightSink:
 # ---------------------------------------------------------------- HF checkpoint (safetensors)
 
 
-def load_hf_checkpoint(model_dir, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None,
-                       tp: TPGroup | None = None, ep: TPGroup | None = None):
+def load_hf_checkpoint(
+    model_dir,
+    dtype=torch.float32,
+    device="cpu",
+    lora: LoraSpec | None = None,
+    tp: TPGroup | None = None,
+    ep: TPGroup | None = None,
+):
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_hf_config(json.loads((model_dir / "config.json").read_text()))
     model = build_causal_lm(cfg, lora, dtype, device, tp, ep)
@@ -206,8 +222,9 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def load_gguf(path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None,
-              tp: TPGroup | None = None, ep: TPGroup | None = None) -> LlamaForCausalLM:
+def load_gguf(
+    path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None, tp: TPGroup | None = None, ep: TPGroup | None = None
+) -> LlamaForCausalLM:
     """Dequantizes every tensor (Q4_0/1, Q8_0, K-quants, F16, F32, ... as gguf.quants supports) to dtype."""
     import gguf
 

@@ -35,9 +35,7 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, device):
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.weight = nn.Parameter(
-            torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
-        )
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, K] float32, topk_ids [T, K])."""
@@ -98,8 +96,14 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-def build_causal_lm(cfg: ModelConfig, lora: LoraSpec | None = None, dtype=torch.float32, device="cpu",
-                    tp: TPGroup | None = None, ep: TPGroup | None = None):
+def build_causal_lm(
+    cfg: ModelConfig,
+    lora: LoraSpec | None = None,
+    dtype=torch.float32,
+    device="cpu",
+    tp: TPGroup | None = None,
+    ep: TPGroup | None = None,
+):
     """LlamaForCausalLM for any supported family: sparse layers get a SparseMoeBlock as their MLP.
     MoE models split their experts over `ep` ranks, never their attention over `tp` ranks."""
     ep = ep or TPGroup()

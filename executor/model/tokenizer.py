@@ -49,7 +49,7 @@ class Tokenizer:
         if cached is not None and (cached / "tokenizer.json").is_file():
             try:
                 tok = AutoTokenizer.from_pretrained(str(cached))
-            except Exception as exc:  # noqa: BLE001 - a broken cache entry: convert again
+            except Exception as exc:
                 log.warning("tokenizer cache %s unreadable (%s); converting the GGUF's tokenizer again", cached, exc)
                 shutil.rmtree(cached, ignore_errors=True)  # so the fresh conversion can take its place
         if tok is None:
@@ -123,7 +123,7 @@ def _save(tok, dest: Path) -> None:
         tok.save_pretrained(str(tmp))
         os.replace(tmp, dest)
         log.info("tokenizer cached in %s", dest)
-    except Exception as exc:  # noqa: BLE001 - read-only or full disk, another process won the rename...: no cache
+    except Exception as exc:
         log.info("tokenizer not cached in %s: %s", dest, exc)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

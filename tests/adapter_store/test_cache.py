@@ -100,8 +100,7 @@ def test_tiered_logs_once_when_redis_comes_back(redis_url, redis_proxy, tmp_path
         redis_proxy.up()
         assert cache.get(shard_key(2)) == (b"def", "disk")  # redis missed it; back-filled now
         assert cache.get(shard_key(2)) == (b"def", "redis")
-    assert [r.levelname for r in caplog.records if "redis" in r.getMessage() and "avail" in r.getMessage()] == [
-        "WARNING", "INFO"]
+    assert [r.levelname for r in caplog.records if "redis" in r.getMessage() and "avail" in r.getMessage()] == ["WARNING", "INFO"]
 
 
 def test_size_looks_up_without_reading_and_follows_the_tiers(redis_url, tmp_path):

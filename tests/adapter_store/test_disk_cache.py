@@ -75,8 +75,9 @@ def test_disk_corrupted_file_is_dropped(tmp_path, caplog):
     assert not path.exists() and cache.total_bytes() == 0
 
 
-@pytest.mark.parametrize("key", ["../../etc/passwd", f"{'a' * 64}/../{'b' * 16}/tp0-ep0", "/abs/tp0-ep0",
-                                 shard_key(1) + "\n", shard_key(1).upper()])
+@pytest.mark.parametrize(
+    "key", ["../../etc/passwd", f"{'a' * 64}/../{'b' * 16}/tp0-ep0", "/abs/tp0-ep0", shard_key(1) + "\n", shard_key(1).upper()]
+)
 def test_disk_rejects_keys_that_could_escape_the_root(tmp_path, key):
     cache = DiskCache(tmp_path, budget_bytes=1 << 20)
     with pytest.raises(StatusError) as excinfo:

@@ -40,6 +40,7 @@ def _adapter(model, directory, **lora):
 
 def _store_delta(adapter, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert e's (gate|up delta [2I, H], down delta [H, I]) as the store packs them, scale folded in."""
+
     def delta(proj):
         name = f"model.layers.0.mlp.experts.{e}.{proj}"
         a, b = adapter.modules[name]

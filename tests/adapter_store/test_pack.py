@@ -22,21 +22,50 @@ def dense_layout(tp: int, fully: bool, variant: str = "fused") -> pb.Layout:
     """The tiny Llama's modules declared as every dense kind: fused (QKV, MERGED_COLUMN, ROW,
     EMBEDDING, LM_HEAD) or split (COLUMN for q/k/gate/up, REPLICATED for v)."""
     lay = pb.Layout(tp_size=tp, fully_sharded=fully, ep_size=1, dtype="float32", max_rank=32, base_model="tiny")
-    lay.modules.add(name="model.embed_tokens", kind=pb.EMBEDDING, input_size=V, output_sizes=[H], peft_modules=["model.embed_tokens"])
+    lay.modules.add(
+        name="model.embed_tokens", kind=pb.EMBEDDING, input_size=V, output_sizes=[H], peft_modules=["model.embed_tokens"]
+    )
     for i in range(LAYERS):
         p = f"model.layers.{i}"
         if variant == "fused":
-            lay.modules.add(name=f"{p}.self_attn.qkv_proj", kind=pb.QKV, input_size=H, output_sizes=[HEADS * HD, KV * HD, KV * HD],
-                            head_size=HD, peft_modules=[f"{p}.self_attn.{x}_proj" for x in "qkv"])
-            lay.modules.add(name=f"{p}.mlp.gate_up_proj", kind=pb.MERGED_COLUMN, input_size=H, output_sizes=[I, I],
-                            peft_modules=[f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"])
+            lay.modules.add(
+                name=f"{p}.self_attn.qkv_proj",
+                kind=pb.QKV,
+                input_size=H,
+                output_sizes=[HEADS * HD, KV * HD, KV * HD],
+                head_size=HD,
+                peft_modules=[f"{p}.self_attn.{x}_proj" for x in "qkv"],
+            )
+            lay.modules.add(
+                name=f"{p}.mlp.gate_up_proj",
+                kind=pb.MERGED_COLUMN,
+                input_size=H,
+                output_sizes=[I, I],
+                peft_modules=[f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"],
+            )
         else:
             for x, kind, n in (("q", pb.COLUMN, HEADS * HD), ("k", pb.COLUMN, KV * HD), ("v", pb.REPLICATED, KV * HD)):
-                lay.modules.add(name=f"{p}.self_attn.{x}_proj", kind=kind, input_size=H, output_sizes=[n], peft_modules=[f"{p}.self_attn.{x}_proj"])
+                lay.modules.add(
+                    name=f"{p}.self_attn.{x}_proj",
+                    kind=kind,
+                    input_size=H,
+                    output_sizes=[n],
+                    peft_modules=[f"{p}.self_attn.{x}_proj"],
+                )
             for x in ("gate", "up"):
-                lay.modules.add(name=f"{p}.mlp.{x}_proj", kind=pb.COLUMN, input_size=H, output_sizes=[I], peft_modules=[f"{p}.mlp.{x}_proj"])
-        lay.modules.add(name=f"{p}.self_attn.o_proj", kind=pb.ROW, input_size=HEADS * HD, output_sizes=[H], peft_modules=[f"{p}.self_attn.o_proj"])
-        lay.modules.add(name=f"{p}.mlp.down_proj", kind=pb.ROW, input_size=I, output_sizes=[H], peft_modules=[f"{p}.mlp.down_proj"])
+                lay.modules.add(
+                    name=f"{p}.mlp.{x}_proj", kind=pb.COLUMN, input_size=H, output_sizes=[I], peft_modules=[f"{p}.mlp.{x}_proj"]
+                )
+        lay.modules.add(
+            name=f"{p}.self_attn.o_proj",
+            kind=pb.ROW,
+            input_size=HEADS * HD,
+            output_sizes=[H],
+            peft_modules=[f"{p}.self_attn.o_proj"],
+        )
+        lay.modules.add(
+            name=f"{p}.mlp.down_proj", kind=pb.ROW, input_size=I, output_sizes=[H], peft_modules=[f"{p}.mlp.down_proj"]
+        )
     lay.modules.add(name="lm_head", kind=pb.LM_HEAD, input_size=H, output_sizes=[V], peft_modules=["lm_head"])
     return lay
 
@@ -48,8 +77,9 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def full_adapter(tiny_llama_model, tmp_path_factory):
     """A real PEFT adapter on every module kind, rank 6 (not a multiple of 4: exercises padding), rsLoRA."""
     torch.manual_seed(1)
-    model = get_peft_model(copy.deepcopy(tiny_llama_model),
-                           LoraConfig(r=6, lora_alpha=12, target_modules=ALL_TARGETS, use_rslora=True))
+    model = get_peft_model(
+        copy.deepcopy(tiny_llama_model), LoraConfig(r=6, lora_alpha=12, target_modules=ALL_TARGETS, use_rslora=True)
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name or "lora_embedding_B" in name:
@@ -67,8 +97,15 @@ class TinyMoE(torch.nn.Module):
     def __init__(self):
         super().__init__()
         experts = torch.nn.ModuleList(
-            torch.nn.ModuleDict({"gate_proj": torch.nn.Linear(H, I, bias=False), "up_proj": torch.nn.Linear(H, I, bias=False),
-                                 "down_proj": torch.nn.Linear(I, H, bias=False)}) for _ in range(E))
+            torch.nn.ModuleDict(
+                {
+                    "gate_proj": torch.nn.Linear(H, I, bias=False),
+                    "up_proj": torch.nn.Linear(H, I, bias=False),
+                    "down_proj": torch.nn.Linear(I, H, bias=False),
+                }
+            )
+            for _ in range(E)
+        )
         self.model = torch.nn.Module()
         self.model.layers = torch.nn.ModuleList([torch.nn.Module()])
         self.model.layers[0].mlp = torch.nn.Module()
@@ -78,10 +115,22 @@ class TinyMoE(torch.nn.Module):
 def moe_layout(tp: int, ep: int, fully: bool) -> pb.Layout:
     lay = pb.Layout(tp_size=tp, ep_size=ep, fully_sharded=fully, dtype="float32", max_rank=16)
     e = "model.layers.0.mlp.experts.{e}"
-    lay.modules.add(name="model.layers.0.mlp.w13", kind=pb.MOE_W13, input_size=H, output_sizes=[I, I], num_experts=E,
-                    peft_modules=[f"{e}.gate_proj", f"{e}.up_proj"])
-    lay.modules.add(name="model.layers.0.mlp.w2", kind=pb.MOE_W2, input_size=I, output_sizes=[H], num_experts=E,
-                    peft_modules=[f"{e}.down_proj"])
+    lay.modules.add(
+        name="model.layers.0.mlp.w13",
+        kind=pb.MOE_W13,
+        input_size=H,
+        output_sizes=[I, I],
+        num_experts=E,
+        peft_modules=[f"{e}.gate_proj", f"{e}.up_proj"],
+    )
+    lay.modules.add(
+        name="model.layers.0.mlp.w2",
+        kind=pb.MOE_W2,
+        input_size=I,
+        output_sizes=[H],
+        num_experts=E,
+        peft_modules=[f"{e}.down_proj"],
+    )
     return lay
 
 
@@ -145,8 +194,16 @@ def check_reassembly(layout, full, shards):
             continue
         per_tp = []
         for t in range(tp):
-            a = torch.cat([shards[(t, e)][f"{m.name}.lora_a"] for e in range(ep)], dim=0) if ep > 1 else shards[(t, 0)][f"{m.name}.lora_a"]
-            b = torch.cat([shards[(t, e)][f"{m.name}.lora_b"] for e in range(ep)], dim=0) if ep > 1 else shards[(t, 0)][f"{m.name}.lora_b"]
+            a = (
+                torch.cat([shards[(t, e)][f"{m.name}.lora_a"] for e in range(ep)], dim=0)
+                if ep > 1
+                else shards[(t, 0)][f"{m.name}.lora_a"]
+            )
+            b = (
+                torch.cat([shards[(t, e)][f"{m.name}.lora_b"] for e in range(ep)], dim=0)
+                if ep > 1
+                else shards[(t, 0)][f"{m.name}.lora_b"]
+            )
             per_tp.append((a, b))
         a, b = reassemble(m, per_tp, tp, layout.fully_sharded)
         assert torch.equal(a, full[m.name][0]), m.name
@@ -234,7 +291,9 @@ def test_shard_blob_is_cast_and_self_describing(peft_adapter):
 
 def test_rank_pattern_modules_get_their_own_rank_and_scale(tiny_llama_model, tmp_path):
     torch.manual_seed(3)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 8}, alpha_pattern={"v_proj": 32})
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 8}, alpha_pattern={"v_proj": 32}
+    )
     model = get_peft_model(copy.deepcopy(tiny_llama_model), cfg)
     with torch.no_grad():
         for name, param in model.named_parameters():

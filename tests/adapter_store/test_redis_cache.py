@@ -103,8 +103,10 @@ def test_redis_chunk_gone_mid_stream_is_data_loss(redis_url):
     with pytest.raises(StatusError) as excinfo:
         reader.readinto(memoryview(bytearray(4 * KIB)))
     assert excinfo.value.code == grpc.StatusCode.DATA_LOSS
-    assert excinfo.value.message == (f"shard {shard_key(1)} in the store's redis cache at {redis_url.url}: chunk 1 is "
-                                     "gone (evicted or replaced meanwhile): fetch it again")
+    assert excinfo.value.message == (
+        f"shard {shard_key(1)} in the store's redis cache at {redis_url.url}: chunk 1 is "
+        "gone (evicted or replaced meanwhile): fetch it again"
+    )
 
 
 def test_redis_down_mid_stream_is_data_loss(redis_url, redis_proxy):
@@ -117,8 +119,9 @@ def test_redis_down_mid_stream_is_data_loss(redis_url, redis_proxy):
     with pytest.raises(StatusError) as excinfo:
         reader.readinto(memoryview(bytearray(4 * KIB)))
     assert excinfo.value.code == grpc.StatusCode.DATA_LOSS
-    assert excinfo.value.message.startswith(f"shard {shard_key(1)} in the store's redis cache at {url}: redis failed "
-                                            "mid-stream (")
+    assert excinfo.value.message.startswith(
+        f"shard {shard_key(1)} in the store's redis cache at {url}: redis failed mid-stream ("
+    )
     assert excinfo.value.message.endswith("): fetch it again")
 
 

@@ -27,8 +27,14 @@ def layout(tp: int = 1) -> pb.Layout:
     lay = pb.Layout(tp_size=tp, dtype="float32", max_rank=32, base_model="tiny-llama")
     for i in range(2):
         p = f"model.layers.{i}.self_attn"
-        lay.modules.add(name=f"{p}.qkv_proj", kind=pb.QKV, input_size=64, output_sizes=[64, 32, 32], head_size=16,
-                        peft_modules=[f"{p}.{x}_proj" for x in "qkv"])
+        lay.modules.add(
+            name=f"{p}.qkv_proj",
+            kind=pb.QKV,
+            input_size=64,
+            output_sizes=[64, 32, 32],
+            head_size=16,
+            peft_modules=[f"{p}.{x}_proj" for x in "qkv"],
+        )
     return lay
 
 
@@ -40,10 +46,17 @@ def replicas(tmp_path, tiny_llama_dir, loop_thread, redis_url):
     roots.mkdir()
 
     def start() -> StoreClient:
-        cfg = StoreConfig(listen="127.0.0.1:0", data_dir=tmp_path / f"store{len(servers)}", base_model="tiny-llama",
-                          base_model_path=tiny_llama_dir, sources=SourceConfig(local_roots=(roots.resolve(),)),
-                          limits=validate.Limits(max_rank=32, max_adapter_bytes=4 << 20),
-                          redis_url=redis_url.url, redis_prefix=redis_url.prefix, registry="redis")
+        cfg = StoreConfig(
+            listen="127.0.0.1:0",
+            data_dir=tmp_path / f"store{len(servers)}",
+            base_model="tiny-llama",
+            base_model_path=tiny_llama_dir,
+            sources=SourceConfig(local_roots=(roots.resolve(),)),
+            limits=validate.Limits(max_rank=32, max_adapter_bytes=4 << 20),
+            redis_url=redis_url.url,
+            redis_prefix=redis_url.prefix,
+            registry="redis",
+        )
         server, port = loop_thread.run(serve(cfg), 30)
         servers.append(server)
         return StoreClient(f"127.0.0.1:{port}", timeout_s=60)
@@ -151,7 +164,9 @@ def test_registry_redis_down_fails_unavailable_naming_it(tmp_path, loop_thread, 
     with pytest.raises(StatusError) as e:
         loop_thread.run(serve(cfg), 30)
     assert e.value.code.name == "UNAVAILABLE"
-    assert e.value.message.startswith(f"the registry's redis at {url} is unavailable: Error 111 connecting to 127.0.0.1:{closed_port}")
+    assert e.value.message.startswith(
+        f"the registry's redis at {url} is unavailable: Error 111 connecting to 127.0.0.1:{closed_port}"
+    )
 
 
 def test_an_upload_refused_at_the_drain_deadline_leaves_nothing(redis_url, tmp_path, peft_adapter):

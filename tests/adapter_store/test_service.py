@@ -55,9 +55,14 @@ def make_store(tmp_path, tiny_llama_dir, loop_thread):
 
     def start(**overrides) -> StoreThread:
         sources = overrides.pop("sources", SourceConfig(local_roots=(adapters_root.resolve(),)))
-        cfg = StoreConfig(listen="127.0.0.1:0", data_dir=tmp_path / "store", base_model="tiny-llama",
-                          base_model_path=tiny_llama_dir, sources=sources,
-                          limits=validate.Limits(max_rank=32, max_adapter_bytes=4 << 20))
+        cfg = StoreConfig(
+            listen="127.0.0.1:0",
+            data_dir=tmp_path / "store",
+            base_model="tiny-llama",
+            base_model_path=tiny_llama_dir,
+            sources=sources,
+            limits=validate.Limits(max_rank=32, max_adapter_bytes=4 << 20),
+        )
         cfg = replace(cfg, **overrides)
         store = StoreThread(cfg, loop_thread)
         started.append(store)
@@ -80,8 +85,14 @@ def qkv_layout(tp: int, base_model: str = "tiny-llama", max_rank: int = 32) -> p
     lay = pb.Layout(tp_size=tp, dtype="float32", max_rank=max_rank, base_model=base_model)
     for i in range(2):
         p = f"model.layers.{i}.self_attn"
-        lay.modules.add(name=f"{p}.qkv_proj", kind=pb.QKV, input_size=H, output_sizes=[64, 32, 32], head_size=16,
-                        peft_modules=[f"{p}.{x}_proj" for x in "qkv"])
+        lay.modules.add(
+            name=f"{p}.qkv_proj",
+            kind=pb.QKV,
+            input_size=H,
+            output_sizes=[64, 32, 32],
+            head_size=16,
+            peft_modules=[f"{p}.{x}_proj" for x in "qkv"],
+        )
         lay.modules.add(name=f"{p}.o_proj", kind=pb.ROW, input_size=64, output_sizes=[H], peft_modules=[f"{p}.o_proj"])
     return lay
 
@@ -117,7 +128,9 @@ def test_register_list_fetch_delete_from_local_disk(make_store, peft_adapter):
         assert header.cache_tier == "packed" and header.total_bytes == len(blob)
         blobs.append(st_load(blob))
     # Rank 1 holds the second half of q's B rows and kv head 1.
-    expected = pack.shard(pack.pack_full(pack.load_adapter(src, None, validate.Limits()), layout), layout, pb.ShardRank(tp_rank=1))
+    expected = pack.shard(
+        pack.pack_full(pack.load_adapter(src, None, validate.Limits()), layout), layout, pb.ShardRank(tp_rank=1)
+    )
     for name, t in expected.items():
         assert torch.equal(blobs[1][name], t), name
     header, _ = client.fetch_shard("a1", layout, tp_rank=1)
@@ -148,7 +161,9 @@ def test_register_from_s3_through_moto_http_server(make_store, peft_adapter, s3_
     src = peft_adapter(r=16, target_modules=("q_proj", "k_proj", "v_proj"), use_rslora=True)
     for f in ("adapter_config.json", "adapter_model.safetensors"):
         s3.upload_file(str(src / f), "adapters", f"team/rs16/{f}")
-    store = make_store(sources=SourceConfig(local_roots=(make_store.adapters_root,), s3_endpoint_url=s3_server, s3_region="us-east-1"))
+    store = make_store(
+        sources=SourceConfig(local_roots=(make_store.adapters_root,), s3_endpoint_url=s3_server, s3_region="us-east-1")
+    )
     m = store.client().register("rs16", "s3://adapters/team/rs16")
     assert m.rank == 16 and m.use_rslora and m.revision  # the weights' ETag
     header, blob = store.client().fetch_shard("rs16", qkv_layout(2), tp_rank=0)
@@ -168,7 +183,9 @@ def test_register_from_local_hf_cache_offline(make_store, peft_adapter, tmp_path
         shutil.copy(src / f, snap / f)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(sha)
-    store = make_store(sources=SourceConfig(local_roots=(make_store.adapters_root,), hf_cache_dir=tmp_path / "hf-cache", hf_offline=True))
+    store = make_store(
+        sources=SourceConfig(local_roots=(make_store.adapters_root,), hf_cache_dir=tmp_path / "hf-cache", hf_offline=True)
+    )
     m = store.client().register("hf1", "hf://acme/tiny-lora")
     assert m.revision == sha and m.rank == 4
     with pytest.raises(StatusError) as e:
@@ -210,22 +227,74 @@ CASES = {
     "bias": (lambda d: _edit_config(d, bias="all"), "INVALID_ARGUMENT", "bias 'all'"),
     "bad_r": (lambda d: _edit_config(d, r=0), "INVALID_ARGUMENT", "r must be a positive integer"),
     "bad_alpha": (lambda d: _edit_config(d, lora_alpha="x"), "INVALID_ARGUMENT", "lora_alpha"),
-    "other_base": (lambda d: _edit_config(d, base_model_name_or_path="meta-llama/Llama-3-8B"), "FAILED_PRECONDITION", "made for base model 'meta-llama/Llama-3-8B'"),
+    "other_base": (
+        lambda d: _edit_config(d, base_model_name_or_path="meta-llama/Llama-3-8B"),
+        "FAILED_PRECONDITION",
+        "made for base model 'meta-llama/Llama-3-8B'",
+    ),
     "rank_too_big": (lambda d: _edit_config(d, rank_pattern={"q_proj": 64}), "FAILED_PRECONDITION", "maximum rank 32"),
     "config_not_json": (lambda d: (d / "adapter_config.json").write_text("{nope"), "INVALID_ARGUMENT", "not valid JSON"),
     "no_weights": (lambda d: (d / "adapter_model.safetensors").unlink(), "NOT_FOUND", "adapter_model.safetensors"),
-    "no_config": (lambda d: (d / "adapter_config.json").unlink(), "INVALID_ARGUMENT", "has adapter_model.safetensors but no adapter_config.json: not a valid PEFT adapter without it"),
-    "fp64_beyond_fp32": (lambda d: _set_tensor(d, lambda t: t.update({k: v.double() * (1e300 if k == _first(t) else 1) for k, v in t.items()})), "INVALID_ARGUMENT", "holds float64 values beyond float32's range"),
-    "pickled": (lambda d: ((d / "adapter_model.safetensors").rename(d / "adapter_model.bin")), "INVALID_ARGUMENT", "pickled"),
-    "header_garbage": (lambda d: (d / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 10) + b"not json!!"), "INVALID_ARGUMENT", "header is not valid JSON"),
-    "header_too_long": (lambda d: (d / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}"), "INVALID_ARGUMENT", "header length"),
-    "offsets_outside": (lambda d: _rewrite_header(d, lambda h: h[_first(h)].update(data_offsets=[0, 1 << 30])), "INVALID_ARGUMENT", "outside the file"),
+    "no_config": (
+        lambda d: (d / "adapter_config.json").unlink(),
+        "INVALID_ARGUMENT",
+        "has adapter_model.safetensors but no adapter_config.json: not a valid PEFT adapter without it",
+    ),
+    "fp64_beyond_fp32": (
+        lambda d: _set_tensor(d, lambda t: t.update({k: v.double() * (1e300 if k == _first(t) else 1) for k, v in t.items()})),
+        "INVALID_ARGUMENT",
+        "holds float64 values beyond float32's range",
+    ),
+    "pickled": (lambda d: (d / "adapter_model.safetensors").rename(d / "adapter_model.bin"), "INVALID_ARGUMENT", "pickled"),
+    "header_garbage": (
+        lambda d: (d / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 10) + b"not json!!"),
+        "INVALID_ARGUMENT",
+        "header is not valid JSON",
+    ),
+    "header_too_long": (
+        lambda d: (d / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}"),
+        "INVALID_ARGUMENT",
+        "header length",
+    ),
+    "offsets_outside": (
+        lambda d: _rewrite_header(d, lambda h: h[_first(h)].update(data_offsets=[0, 1 << 30])),
+        "INVALID_ARGUMENT",
+        "outside the file",
+    ),
     "bad_dtype": (lambda d: _rewrite_header(d, lambda h: h[_first(h)].update(dtype="I64")), "INVALID_ARGUMENT", "dtype 'I64'"),
-    "unknown_module": (lambda d: _set_tensor(d, lambda t: t.update({"base_model.model.model.layers.0.mlp.foo.lora_A.weight": torch.zeros(8, H), "base_model.model.model.layers.0.mlp.foo.lora_B.weight": torch.zeros(H, 8)})), "INVALID_ARGUMENT", "does not exist in base model"),
-    "stray_tensor": (lambda d: _set_tensor(d, lambda t: t.update({"base_model.model.model.layers.0.self_attn.q_proj.bias": torch.zeros(H)})), "INVALID_ARGUMENT", "not a LoRA A/B weight"),
-    "rank_mismatch": (lambda d: _set_tensor(d, lambda t: t.update({_first(t): torch.zeros(5, H)})), "INVALID_ARGUMENT", "disagree with r=8"),
-    "base_dims_mismatch": (lambda d: _set_tensor(d, lambda t: t.update({_first(t): torch.zeros(8, 96)})), "INVALID_ARGUMENT", "base model 'tiny-llama' has 64 -> "),
-    "missing_b": (lambda d: _set_tensor(d, lambda t: t.pop(_first(t, "lora_B"))), "INVALID_ARGUMENT", "exactly one lora_A and one lora_B"),
+    "unknown_module": (
+        lambda d: _set_tensor(
+            d,
+            lambda t: t.update(
+                {
+                    "base_model.model.model.layers.0.mlp.foo.lora_A.weight": torch.zeros(8, H),
+                    "base_model.model.model.layers.0.mlp.foo.lora_B.weight": torch.zeros(H, 8),
+                }
+            ),
+        ),
+        "INVALID_ARGUMENT",
+        "does not exist in base model",
+    ),
+    "stray_tensor": (
+        lambda d: _set_tensor(d, lambda t: t.update({"base_model.model.model.layers.0.self_attn.q_proj.bias": torch.zeros(H)})),
+        "INVALID_ARGUMENT",
+        "not a LoRA A/B weight",
+    ),
+    "rank_mismatch": (
+        lambda d: _set_tensor(d, lambda t: t.update({_first(t): torch.zeros(5, H)})),
+        "INVALID_ARGUMENT",
+        "disagree with r=8",
+    ),
+    "base_dims_mismatch": (
+        lambda d: _set_tensor(d, lambda t: t.update({_first(t): torch.zeros(8, 96)})),
+        "INVALID_ARGUMENT",
+        "base model 'tiny-llama' has 64 -> ",
+    ),
+    "missing_b": (
+        lambda d: _set_tensor(d, lambda t: t.pop(_first(t, "lora_B"))),
+        "INVALID_ARGUMENT",
+        "exactly one lora_A and one lora_B",
+    ),
     "nan": (lambda d: _set_tensor(d, lambda t: t[_first(t)].__setitem__((0, 0), float("nan"))), "INVALID_ARGUMENT", "NaN or Inf"),
 }
 
@@ -258,8 +327,10 @@ def test_bad_adapter_is_refused_with_status_and_nothing_kept(make_store, peft_ad
 
 
 def test_oversized_weights_are_refused_before_download(make_store, peft_adapter):
-    store = make_store(limits=validate.Limits(max_rank=32, max_adapter_bytes=5000),
-                       sources=SourceConfig(local_roots=(make_store.adapters_root,), max_file_bytes=5000))
+    store = make_store(
+        limits=validate.Limits(max_rank=32, max_adapter_bytes=5000),
+        sources=SourceConfig(local_roots=(make_store.adapters_root,), max_file_bytes=5000),
+    )
     src = place(peft_adapter(r=8), make_store.adapters_root, "big")
     with pytest.raises(StatusError) as e:
         store.client().register("big", str(src))
@@ -410,7 +481,9 @@ def test_prefetch_packs_every_rank_ahead_and_reports_failures(make_store, peft_a
     store = make_store()
     client = store.client()
     client.register("pf", str(place(peft_adapter(r=4), make_store.adapters_root, "pf")))
-    results = client.prefetch([spb.PrefetchItem(name="pf", layout=qkv_layout(2)), spb.PrefetchItem(name="ghost", layout=qkv_layout(2))])
+    results = client.prefetch(
+        [spb.PrefetchItem(name="pf", layout=qkv_layout(2)), spb.PrefetchItem(name="ghost", layout=qkv_layout(2))]
+    )
     ok = [r for r in results if r.name == "pf"]
     assert [(r.rank.tp_rank, r.ok, r.cache_tier) for r in ok] == [(0, True, "packed"), (1, True, "packed")]
     assert all(r.bytes > 0 for r in ok)
@@ -429,4 +502,7 @@ def test_health_service_reports_serving(make_store):
     with grpc.insecure_channel(store.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", "loraserve.v1.AdapterStore"):
-            assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            assert (
+                stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )

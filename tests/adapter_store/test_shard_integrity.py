@@ -38,8 +38,14 @@ def layout(tp: int = 1) -> pb.Layout:
     lay = pb.Layout(tp_size=tp, dtype="float32", max_rank=32, base_model="tiny-llama")
     for i in range(2):
         p = f"model.layers.{i}.self_attn"
-        lay.modules.add(name=f"{p}.qkv_proj", kind=pb.QKV, input_size=H, output_sizes=[64, 32, 32], head_size=16,
-                        peft_modules=[f"{p}.{x}_proj" for x in "qkv"])
+        lay.modules.add(
+            name=f"{p}.qkv_proj",
+            kind=pb.QKV,
+            input_size=H,
+            output_sizes=[64, 32, 32],
+            head_size=16,
+            peft_modules=[f"{p}.{x}_proj" for x in "qkv"],
+        )
         lay.modules.add(name=f"{p}.o_proj", kind=pb.ROW, input_size=64, output_sizes=[H], peft_modules=[f"{p}.o_proj"])
     return lay
 
@@ -50,9 +56,15 @@ class Store:
     def __init__(self, loop_thread, tmp_path: Path, tiny_llama_dir: Path, adapter_dir: Path, **overrides):
         self.root = tmp_path / "adapters"
         shutil.copytree(adapter_dir, self.root / "a")
-        self.cfg = StoreConfig(listen="127.0.0.1:0", data_dir=tmp_path / "store", base_model="tiny-llama",
-                               base_model_path=tiny_llama_dir, sources=SourceConfig(local_roots=(self.root,)),
-                               limits=validate.Limits(max_rank=32), **overrides)
+        self.cfg = StoreConfig(
+            listen="127.0.0.1:0",
+            data_dir=tmp_path / "store",
+            base_model="tiny-llama",
+            base_model_path=tiny_llama_dir,
+            sources=SourceConfig(local_roots=(self.root,)),
+            limits=validate.Limits(max_rank=32),
+            **overrides,
+        )
         self.lt = loop_thread
         self.server, port = loop_thread.run(serve(self.cfg), 30)
         self.address = f"127.0.0.1:{port}"
@@ -191,8 +203,9 @@ def _corrupt_redis_copy_and_expect_data_loss(s, meta_key: str, kind: str, caplog
     caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.redis_cache")
     error = _raw_stream_error(s.address)
     assert error.code() == grpc.StatusCode.DATA_LOSS
-    assert error.details() == (f"the cached shard of adapter 'a' failed its {kind} check in the store's redis cache "
-                               "and was dropped: fetch it again")
+    assert error.details() == (
+        f"the cached shard of adapter 'a' failed its {kind} check in the store's redis cache and was dropped: fetch it again"
+    )
     assert f"failed its {kind} check; deleting it" in caplog.text and not s.redis.exists(meta_key)
 
 
@@ -218,8 +231,10 @@ def test_a_redis_chunk_gone_mid_stream_is_data_loss_and_the_client_asks_again(re
     s.redis.delete(f"{s.prefix}:shard:{key}:c0")  # evicted by another store after the header went out
     error = _raw_stream_error(s.address)
     assert error.code() == grpc.StatusCode.DATA_LOSS
-    assert error.details() == (f"shard {key} in the store's redis cache at {s.cfg.redis_url}: chunk 0 is gone "
-                               "(evicted or replaced meanwhile): fetch it again")
+    assert error.details() == (
+        f"shard {key} in the store's redis cache at {s.cfg.redis_url}: chunk 0 is gone "
+        "(evicted or replaced meanwhile): fetch it again"
+    )
     header, blob = s.client.fetch_shard("a", layout())  # DATA_LOSS, then verify=True: a whole read, from disk
     assert header.cache_tier == "disk" and blob == good
 
@@ -242,8 +257,9 @@ def test_stored_files_not_matching_their_digest_are_data_loss_until_registered_a
         with pytest.raises(StatusError) as e:
             store.client.fetch_shard("a", layout())
         assert e.value.code == grpc.StatusCode.DATA_LOSS
-        assert e.value.message == (f"stored files of adapter 'a' no longer match digest {store.manifest.digest[:12]}: "
-                                   "register it again")
+        assert e.value.message == (
+            f"stored files of adapter 'a' no longer match digest {store.manifest.digest[:12]}: register it again"
+        )
     assert list((store.cfg.data_dir / "cache").rglob("*.shard")) == []  # nothing packed from it
     # What the message says works: the same source registered again repairs the stored copy.
     assert store.client.register("a", str(store.root / "a")).digest == store.manifest.digest
@@ -278,8 +294,9 @@ def test_a_disk_copy_changed_since_its_check_is_hashed_while_streamed_and_droppe
             for chunk in stream:
                 assert chunk.WhichOneof("part") != "trailer"  # the bad copy never gets its trailer
     assert e.value.code() == grpc.StatusCode.DATA_LOSS
-    assert e.value.details() == ("the cached shard of adapter 'a' failed its xxh3-128 check in the store's disk cache "
-                                 "and was dropped: fetch it again")
+    assert e.value.details() == (
+        "the cached shard of adapter 'a' failed its xxh3-128 check in the store's disk cache and was dropped: fetch it again"
+    )
     assert "failed its xxh3-128 check; deleting it" in caplog.text and not path.exists()
     header, blob = store.client.fetch_shard("a", layout())
     assert header.cache_tier == "packed" and pack_equal(blob, good)
@@ -355,8 +372,10 @@ def test_a_sha256_only_trailer_is_still_checked(store, threaded):
     assert _assemble(old, threaded)[1] == good
     bad = bytearray(old[1].data)
     bad[0] ^= 0x01
-    for chunks in ([old[0], spb.ShardChunk(data=bytes(bad)), *old[2:]],  # corrupted data
-                   [*old[:-1], spb.ShardChunk(trailer=spb.ShardTrailer())]):  # no checksum at all
+    for chunks in (
+        [old[0], spb.ShardChunk(data=bytes(bad)), *old[2:]],  # corrupted data
+        [*old[:-1], spb.ShardChunk(trailer=spb.ShardTrailer())],
+    ):  # no checksum at all
         with pytest.raises(StatusError) as e:
             _assemble(chunks, threaded)
         assert e.value.message == "shard checksum mismatch: the stream was corrupted"
@@ -395,8 +414,9 @@ def test_an_old_format_disk_copy_streams_with_its_sha256_and_a_bad_one_is_data_l
     caplog.set_level(logging.WARNING, logger="loraserve.adapter_store.disk_cache")
     error = _raw_stream_error(store.address)
     assert error.code() == grpc.StatusCode.DATA_LOSS
-    assert error.details() == ("the cached shard of adapter 'a' failed its sha256 check in the store's disk cache "
-                               "and was dropped: fetch it again")
+    assert error.details() == (
+        "the cached shard of adapter 'a' failed its sha256 check in the store's disk cache and was dropped: fetch it again"
+    )
     assert "failed its sha256 check; deleting it" in caplog.text and not path.exists()
     header, blob = store.client.fetch_shard("a", layout())
     assert header.cache_tier == "packed" and pack_equal(blob, good)
@@ -694,8 +714,10 @@ def _metric(port: int, name: str) -> float:
     return float(next(line.split()[-1] for line in lines if line.startswith(name + " ")))
 
 
-BUSY = ("adapter store busy: all 1 of its shard streams (--max-streams) are taken and adapter 'a' waited 0.3s for "
-        "one; ask again shortly")
+BUSY = (
+    "adapter store busy: all 1 of its shard streams (--max-streams) are taken and adapter 'a' waited 0.3s for "
+    "one; ask again shortly"
+)
 
 
 @pytest.fixture
@@ -705,8 +727,15 @@ def capped_store(loop_thread, tmp_path, tiny_llama_dir, peft_adapter, monkeypatc
     into gRPC's buffers at once, its turn given back before the client reads it)."""
     from loraserve.adapter_store import service
 
-    s = Store(loop_thread, tmp_path, tiny_llama_dir, peft_adapter(r=8), max_streams=1, max_stream_wait_s=0.3,
-              metrics_listen="127.0.0.1:0")
+    s = Store(
+        loop_thread,
+        tmp_path,
+        tiny_llama_dir,
+        peft_adapter(r=8),
+        max_streams=1,
+        max_stream_wait_s=0.3,
+        metrics_listen="127.0.0.1:0",
+    )
     raw_chunks(s.address, 1 << 20)  # packed and cached: later fetches stream from a reader
     s.held = asyncio.Event()
     s.held.set()
@@ -829,8 +858,11 @@ def test_the_executors_client_gives_up_on_a_store_busy_past_its_retry_budget(cap
 
     error = s.lt.run(run(), 60)
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert re.fullmatch(rf"adapter store at {re.escape(s.address)} stayed busy for (\d+\.\d)s \((\d+) asks\); adapter "
-                        rf"'a' cannot be loaded now \(the store's last answer: {re.escape(BUSY)}\)", error.message), error.message
+    assert re.fullmatch(
+        rf"adapter store at {re.escape(s.address)} stayed busy for (\d+\.\d)s \((\d+) asks\); adapter "
+        rf"'a' cannot be loaded now \(the store's last answer: {re.escape(BUSY)}\)",
+        error.message,
+    ), error.message
     assert 0.8 <= float(re.search(r"busy for (\d+\.\d)s", error.message).group(1)) < 5
 
 
@@ -877,7 +909,8 @@ def test_the_executors_client_stops_asking_a_busy_store_once_nobody_wants_the_ad
     error, took = s.lt.run(run(), 60)
     assert (error.code, error.message) == (
         grpc.StatusCode.CANCELLED,
-        f"adapter 'a': {why or 'no request waits for it any more'}; not fetched (the store at {s.address} was busy)")
+        f"adapter 'a': {why or 'no request waits for it any more'}; not fetched (the store at {s.address} was busy)",
+    )
     assert took < 3  # at its next ask (one 0.3 s wait and a pause), not after the 30 s budget
 
 
@@ -931,8 +964,11 @@ def test_the_python_client_gives_up_on_a_store_busy_past_its_retry_budget(capped
     if budget_s == 0:
         assert e.value.message == BUSY and took < 5
         return
-    assert re.fullmatch(rf"adapter store at {re.escape(s.address)} stayed busy for (\d+\.\d)s \((\d+) asks\); adapter "
-                        rf"'a' was not fetched \(the store's last answer: {re.escape(BUSY)}\)", e.value.message), e.value.message
+    assert re.fullmatch(
+        rf"adapter store at {re.escape(s.address)} stayed busy for (\d+\.\d)s \((\d+) asks\); adapter "
+        rf"'a' was not fetched \(the store's last answer: {re.escape(BUSY)}\)",
+        e.value.message,
+    ), e.value.message
     assert 0.8 <= took < 5
 
 
@@ -958,7 +994,8 @@ def test_busy_backoff_follows_the_hint_then_doubles_up_to_its_cap_within_one_bud
     now[0] += 0.5
     assert backoff.next_pause(0.2, now[0]) is None and backoff.asks == 10
     assert backoff.gave_up("adapter store at X", "adapter 'a' was not fetched", "busy").message == (
-        "adapter store at X stayed busy for 10.0s (10 asks); adapter 'a' was not fetched (the store's last answer: busy)")
+        "adapter store at X stayed busy for 10.0s (10 asks); adapter 'a' was not fetched (the store's last answer: busy)"
+    )
     once = errors.BusyBackoff(0.1)
     assert once.next_pause(0.2, asked_at=now[0] - 0.3) is None  # one refused ask outlasted the budget
     assert once.gave_up("S", "w", "busy").message == "S stayed busy for 0.3s (1 ask); w (the store's last answer: busy)"

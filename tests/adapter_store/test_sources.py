@@ -147,8 +147,11 @@ def test_weights_without_config_are_invalid_argument(local_root, staging):
     (local_root / "my-adapter" / "adapter_config.json").unlink()
     with pytest.raises(StatusError) as excinfo:
         fetch("my-adapter", None, SourceConfig((local_root,)), staging)
-    assert_status(excinfo, grpc.StatusCode.INVALID_ARGUMENT,
-                  "has adapter_model.safetensors but no adapter_config.json: not a valid PEFT adapter without it")
+    assert_status(
+        excinfo,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "has adapter_model.safetensors but no adapter_config.json: not a valid PEFT adapter without it",
+    )
 
 
 def test_pickled_weights_refused_unless_allowed(tmp_path, staging, peft_adapter):
@@ -229,7 +232,11 @@ def test_s3_revision_pins_the_weights_etag(s3_server, s3_bucket, peft_adapter, s
     assert_same_files(staging, adapter)
     with pytest.raises(StatusError) as excinfo:
         fetch(f"s3://{bucket}/a", "0123abcd", cfg, tmp_path / "other-staging")
-    assert_status(excinfo, grpc.StatusCode.NOT_FOUND, f"revision '0123abcd' of s3://{bucket}/a not found: adapter_model.safetensors has ETag '{etag}'")
+    assert_status(
+        excinfo,
+        grpc.StatusCode.NOT_FOUND,
+        f"revision '0123abcd' of s3://{bucket}/a not found: adapter_model.safetensors has ETag '{etag}'",
+    )
     # New weights under the same key: the old pin no longer holds, the new ETag does.
     other = peft_adapter(seed=3)
     client.upload_file(str(other / "adapter_model.safetensors"), bucket, "a/adapter_model.safetensors")

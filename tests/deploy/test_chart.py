@@ -72,16 +72,38 @@ def test_chart_app_version_is_the_project_version():
 
 
 REQUIRED_VALUES = [
-    "image.repository", "image.tag", "image.pullPolicy",
-    "model.name", "model.path", "model.volume",
-    "auth.storeAdminToken", "auth.executorAdminToken", "auth.existingSecret",
-    "store.port", "store.dataDir", "store.persistence.enabled", "store.persistence.size",
-    "executor.replicaCount", "executor.port", "executor.gpu.count", "executor.gpu.resourceName",
-    "executor.nodeSelector", "executor.tolerations", "executor.resources",
-    "redis.enabled", "redis.url", "redis.existingSecret",
-    "s3.endpointUrl", "s3.region", "s3.existingSecret",
-    "hf.endpoint", "hf.tokenSecret.name", "hf.tokenSecret.key", "hf.cacheDir",
-    "localAdapters.mountPath", "localAdapters.volume",
+    "image.repository",
+    "image.tag",
+    "image.pullPolicy",
+    "model.name",
+    "model.path",
+    "model.volume",
+    "auth.storeAdminToken",
+    "auth.executorAdminToken",
+    "auth.existingSecret",
+    "store.port",
+    "store.dataDir",
+    "store.persistence.enabled",
+    "store.persistence.size",
+    "executor.replicaCount",
+    "executor.port",
+    "executor.gpu.count",
+    "executor.gpu.resourceName",
+    "executor.nodeSelector",
+    "executor.tolerations",
+    "executor.resources",
+    "redis.enabled",
+    "redis.url",
+    "redis.existingSecret",
+    "s3.endpointUrl",
+    "s3.region",
+    "s3.existingSecret",
+    "hf.endpoint",
+    "hf.tokenSecret.name",
+    "hf.tokenSecret.key",
+    "hf.cacheDir",
+    "localAdapters.mountPath",
+    "localAdapters.volume",
 ]
 
 
@@ -171,7 +193,7 @@ def args_blocks(text: str) -> list[list[str]]:
         if not m:
             continue
         indent, items = len(m.group(1)), []
-        for nxt in lines[i + 1:]:
+        for nxt in lines[i + 1 :]:
             stripped = nxt.strip()
             if not stripped or stripped.startswith("{{"):
                 continue
@@ -252,7 +274,7 @@ def test_template_env_vars_are_real_flags_that_read_them(sub, monkeypatch):
     plain = build_parser()
     problems = []
     for name in sorted(names):
-        flag = "--" + name[len("LORASERVE_"):].lower().replace("_", "-")
+        flag = "--" + name[len("LORASERVE_") :].lower().replace("_", "-")
         action = flag_action(plain, sub, flag)
         if action is None:
             problems.append(f"{name}: `loraserve {sub}` has no flag {flag}")
@@ -312,10 +334,10 @@ def pip_installs(rest: str) -> list[list[str]]:
         words = shlex.split(cmd, posix=True)
         for i in range(len(words) - 1):
             if words[i].endswith("pip") and words[i + 1] == "install":
-                out.append(words[i + 2:])
+                out.append(words[i + 2 :])
                 break
-            if words[i] == "-m" and words[i + 1] == "pip" and words[i + 2: i + 3] == ["install"]:
-                out.append(words[i + 3:])
+            if words[i] == "-m" and words[i + 1] == "pip" and words[i + 2 : i + 3] == ["install"]:
+                out.append(words[i + 3 :])
                 break
     return out
 
@@ -346,7 +368,7 @@ def test_dockerfile_pins_torch_before_the_project():
         if word == "RUN":
             steps += [(i, args) for args in pip_installs(rest)]
     torch_steps = [i for i, args in steps if "$TORCH_SPEC" in args or "${TORCH_SPEC}" in args]
-    assert torch_steps, "no `pip install ... \"$TORCH_SPEC\"` step"
+    assert torch_steps, 'no `pip install ... "$TORCH_SPEC"` step'
 
     copies = [rest.split() for word, rest in ins if word == "COPY"]
     context_dests = [c[-1] for c in copies if c[0] == "."]
@@ -396,4 +418,3 @@ def test_termination_grace_period_covers_the_drain(component):
     assert m and m.group(1) == component, "terminationGracePeriodSeconds must be drainGraceSeconds + a margin"
     assert int(m.group(2)) >= 5, "leave the process time to exit after the drain"
     assert float(values()[component]["drainGraceSeconds"]) > 0
-

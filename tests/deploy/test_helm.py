@@ -21,9 +21,21 @@ NON_DEFAULT = {
     "tls": {"enabled": True, "existingSecret": "loraserve-tls", "mutual": True},
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}, "executorPort": 9400},
     "redis": {"enabled": False, "url": "redis://redis.example:6379/1"},
-    "executor": {"replicaCount": 4, "gpu": {"count": 0}, "dtype": "bfloat16", "service": {"headless": True},
-                 "httpPort": 0, "enforceEager": True, "tpSize": 2, "fullyShardedLoras": True},
-    "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "path": "/models/llama", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
+    "executor": {
+        "replicaCount": 4,
+        "gpu": {"count": 0},
+        "dtype": "bfloat16",
+        "service": {"headless": True},
+        "httpPort": 0,
+        "enforceEager": True,
+        "tpSize": 2,
+        "fullyShardedLoras": True,
+    },
+    "model": {
+        "name": "meta-llama/Llama-3.1-8B-Instruct",
+        "path": "/models/llama",
+        "volume": {"persistentVolumeClaim": {"claimName": "models"}},
+    },
     "auth": {"storeAdminToken": "s", "executorAdminToken": "e"},
     "s3": {"existingSecret": "aws", "endpointUrl": "http://minio:9000"},
     "store": {"persistence": {"enabled": False}},
@@ -102,8 +114,11 @@ def test_metrics_ports_tls_pdb_and_service_monitor(manifests):
     for m in monitors.values():
         assert m["metadata"]["labels"]["release"] == "prometheus" and m["spec"]["endpoints"][0]["port"] == "metrics"
     assert {"--tls-cert=/etc/loraserve/tls/tls.crt", "--tls-client-ca=/etc/loraserve/tls/ca.crt"} <= set(store["args"])
-    assert {"--executor-tls-client-ca=/etc/loraserve/tls/ca.crt", "--store-tls-ca=/etc/loraserve/tls/ca.crt",
-            "--store-tls-cert=/etc/loraserve/tls/tls.crt"} <= set(executor["args"])
+    assert {
+        "--executor-tls-client-ca=/etc/loraserve/tls/ca.crt",
+        "--store-tls-ca=/etc/loraserve/tls/ca.crt",
+        "--store-tls-cert=/etc/loraserve/tls/tls.crt",
+    } <= set(executor["args"])
     assert "tcpSocket" in executor["readinessProbe"]  # the kubelet's gRPC probe speaks no TLS
 
 
@@ -139,7 +154,9 @@ def test_without_redis_one_store_keeps_the_file_registry():
     for version in KUBE_VERSIONS:
         for doc in docs:
             kubernetes_validate.validate(doc, version, strict=True)
-    with pytest.raises(helm.HelmRenderError, match=r"store.replicaCount > 1 needs a Redis \(redis.enabled, redis.url or redis.existingSecret\)"):
+    with pytest.raises(
+        helm.HelmRenderError, match=r"store.replicaCount > 1 needs a Redis \(redis.enabled, redis.url or redis.existingSecret\)"
+    ):
         render({"redis": {"enabled": False}})
 
 

@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from loraserve.client import ExecutorClient
-from loraserve.executor.engine.kv_cache import AttentionMetadata, BlockAllocator, KVCache
-from loraserve.kernels import make_lora_meta
 from loraserve.executor import lora
+from loraserve.executor.engine.kv_cache import AttentionMetadata, BlockAllocator, KVCache
 from loraserve.executor.lora import lora_modules
 from loraserve.executor.slot_layout import written_rank
+from loraserve.kernels import make_lora_meta
 from loraserve.v1 import executor_pb2 as epb
+
 
 @pytest.fixture(autouse=True)
 def _nothing_frozen_after_a_test():
@@ -126,9 +127,7 @@ class PagedRunner:
         cfg = model.cfg
         self.model, self.block_size = model, block_size
         self.device = model.model.norm.weight.device  # the model's device: cpu, or cuda in GPU tests
-        self.kv = KVCache(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device
-        )
+        self.kv = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device)
         self.alloc = BlockAllocator(num_blocks)
         self.tables: dict = {}
         self.lens: dict = {}
@@ -153,10 +152,10 @@ class PagedRunner:
             active = frozenset(s for s in token_slots if s >= 0)
             # ... and each slot's adapter rank, as the slot manager keeps it from load_shard_into_slot
             modules = lora_modules(self.model).values()
-            ranks = torch.tensor([written_rank(modules, s) for s in range(self.model.lora_spec.max_loras)],
-                                 dtype=torch.int32, device=self.device)
-            meta = make_lora_meta(torch.tensor(token_slots, device=self.device), self.model.lora_spec.max_loras, active,
-                                  ranks)
+            ranks = torch.tensor(
+                [written_rank(modules, s) for s in range(self.model.lora_spec.max_loras)], dtype=torch.int32, device=self.device
+            )
+            meta = make_lora_meta(torch.tensor(token_slots, device=self.device), self.model.lora_spec.max_loras, active, ranks)
         hidden = self.model(torch.tensor(ids, device=self.device), attn.positions, attn, self.kv, meta)
         logits = self.model.compute_logits(hidden, meta)
         return list(logits.split(query_lens))
@@ -295,8 +294,9 @@ def prompt_ids(i: int) -> list[int]:
 
 
 def generate(client: ExecutorClient, adapter: str, ids: list[int], max_tokens: int = 8) -> epb.GenerateResponse:
-    req = epb.GenerateRequest(adapter=adapter, token_ids=epb.TokenIds(ids=ids),
-                              sampling=epb.SamplingParams(max_tokens=max_tokens), return_logprobs=True)
+    req = epb.GenerateRequest(
+        adapter=adapter, token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(max_tokens=max_tokens), return_logprobs=True
+    )
     return client._call(client.stub.Generate, req)
 
 
@@ -337,8 +337,7 @@ def need_cuda_devices(n: int) -> None:
     """Skips (with the reason) unless this host has n CUDA devices."""
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < n:
-        pytest.skip(f"needs {n} CUDA devices, {have} here: run benchmarks/gpu.sh OUT parallel on a "
-                    f"CUDA host with {n} GPUs")
+        pytest.skip(f"needs {n} CUDA devices, {have} here: run benchmarks/gpu.sh OUT parallel on a CUDA host with {n} GPUs")
 
 
 class Cluster:
@@ -346,8 +345,9 @@ class Cluster:
     `names` are registered from the folder `adapters`; executor_overrides are ExecutorConfig fields,
     store_overrides StoreConfig fields."""
 
-    def __init__(self, lt, base_dir: Path, adapters: Path, data: Path, names, store_overrides: dict | None = None,
-                 **executor_overrides):
+    def __init__(
+        self, lt, base_dir: Path, adapters: Path, data: Path, names, store_overrides: dict | None = None, **executor_overrides
+    ):
         from loraserve.adapter_store import validate
         from loraserve.adapter_store.config import StoreConfig
         from loraserve.adapter_store.service import serve as serve_store
@@ -357,16 +357,33 @@ class Cluster:
         from loraserve.executor.service import serve as serve_executor
 
         self.lt = lt
-        scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model="tiny", base_model_path=base_dir,
-                           sources=SourceConfig(local_roots=(adapters,)), limits=validate.Limits(max_rank=16),
-                           **(store_overrides or {}))
+        scfg = StoreConfig(
+            listen="127.0.0.1:0",
+            data_dir=data,
+            base_model="tiny",
+            base_model_path=base_dir,
+            sources=SourceConfig(local_roots=(adapters,)),
+            limits=validate.Limits(max_rank=16),
+            **(store_overrides or {}),
+        )
         self.store_server, port = lt.run(serve_store(scfg))
         self.store_address = f"127.0.0.1:{port}"
         for name in names:
             self.store_client().register(name, str(adapters / name))
-        fields = dict(model=str(base_dir), base_model="tiny", dtype="float32", max_loras=2, max_rank=16,
-                      max_cpu_adapters=8, num_blocks=256, block_size=4, max_model_len=512, cpu_cache_bytes=256 << 20,
-                      store_address=self.store_address, slot_wait_timeout_s=30.0)
+        fields = dict(
+            model=str(base_dir),
+            base_model="tiny",
+            dtype="float32",
+            max_loras=2,
+            max_rank=16,
+            max_cpu_adapters=8,
+            num_blocks=256,
+            block_size=4,
+            max_model_len=512,
+            cpu_cache_bytes=256 << 20,
+            store_address=self.store_address,
+            slot_wait_timeout_s=30.0,
+        )
         self.parts = build_executor(ExecutorConfig(**{**fields, **executor_overrides}))
         self.server, port = lt.run(serve_executor(self.parts, "127.0.0.1:0"))
         self.address = f"127.0.0.1:{port}"
@@ -400,11 +417,35 @@ class ParallelExecutorProcess:
     def __init__(self, model_dir: Path, store_port: int, parallel: tuple[str, str], port: int):
         self.port = port  # free (the free_port fixture): the executor binds it
         self.proc = subprocess.Popen(
-            [LORASERVE, "--log-level", "INFO", "executor", "--model", str(model_dir), *parallel,
-             "--cpu-threads", "1", "--executor-listen", f"127.0.0.1:{self.port}", "--http-port", "0",
-             "--store", f"127.0.0.1:{store_port}", "--max-model-len", "512", "--num-blocks", "256",
-             "--block-size", "4", "--tp-timeout-s", "60"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                LORASERVE,
+                "--log-level",
+                "INFO",
+                "executor",
+                "--model",
+                str(model_dir),
+                *parallel,
+                "--cpu-threads",
+                "1",
+                "--executor-listen",
+                f"127.0.0.1:{self.port}",
+                "--http-port",
+                "0",
+                "--store",
+                f"127.0.0.1:{store_port}",
+                "--max-model-len",
+                "512",
+                "--num-blocks",
+                "256",
+                "--block-size",
+                "4",
+                "--tp-timeout-s",
+                "60",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self._reader.start()

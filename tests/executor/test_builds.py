@@ -19,10 +19,12 @@ def fn_info(name: str):
 
 def build(watch: builds.KernelBuilds, name: str, key=("sig", "opts")) -> None:
     info = {"constants": {"BLOCK_M": 64, "ONE_TILE": False}}
-    watch.started(key=key, fn=fn_info(name), repr=f"{name}[num_warps=4]", compile=info, is_manual_warmup=False,
-                  already_compiled=False)
-    watch.finished(key=key, fn=fn_info(name), repr=f"{name}[num_warps=4]", compile=info, is_manual_warmup=False,
-                   already_compiled=False)
+    watch.started(
+        key=key, fn=fn_info(name), repr=f"{name}[num_warps=4]", compile=info, is_manual_warmup=False, already_compiled=False
+    )
+    watch.finished(
+        key=key, fn=fn_info(name), repr=f"{name}[num_warps=4]", compile=info, is_manual_warmup=False, already_compiled=False
+    )
 
 
 def test_builds_count_only_once_armed_and_each_is_logged(caplog):

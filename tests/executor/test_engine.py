@@ -94,9 +94,7 @@ def _engine(model, *, eos=frozenset(), store=None, **overrides) -> Engine:
         }
     )  # fmt: skip
     mc = model.cfg
-    kv = KVCache(
-        mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, model.dtype, cfg.torch_device
-    )
+    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, model.dtype, cfg.torch_device)
     store = store or Store(model, [])
     slots = SlotManager(
         store.fetch,
@@ -129,8 +127,9 @@ async def make_engine(tiny, request):
         engine = _engine(tiny[1], **kwargs)
         if request.param == "graph-steps":
             cfg = engine.config
-            engine.graphs = DecodeGraphs(engine.model, engine.kv_cache, cfg.max_num_seqs, cfg.max_model_len,
-                                         engine.max_loras, cfg.torch_device)
+            engine.graphs = DecodeGraphs(
+                engine.model, engine.kv_cache, cfg.max_num_seqs, cfg.max_model_len, engine.max_loras, cfg.torch_device
+            )
             engine.scheduler.admit_ratio = cfg.admit_ratio  # as an engine with captured graphs sets it
         engine.start()
         engines.append(engine)
@@ -152,8 +151,12 @@ def _greedy(prompt, max_tokens, **kwargs) -> GenerationRequest:
 
 
 def _idle(engine: Engine) -> bool:
-    return (engine.allocator.num_free == engine.kv_cache.num_blocks and not engine.scheduler.has_work()
-            and engine._runs == {} and all(s.in_use == 0 for s in engine.slots.states()))
+    return (
+        engine.allocator.num_free == engine.kv_cache.num_blocks
+        and not engine.scheduler.has_work()
+        and engine._runs == {}
+        and all(s.in_use == 0 for s in engine.slots.states())
+    )
 
 
 async def _freed_within_steps(engine: Engine, steps_before: int, until) -> None:
@@ -175,9 +178,7 @@ async def test_concurrent_greedy_requests_match_transformers_generate(tiny, make
     ref_model, _ = tiny
     engine = make_engine()  # 32-token budget: the 40-token prompt is prefilled in two chunks
     prompts = [_prompt(n, seed) for seed, n in enumerate([3, 17, 40, 9, 25])]
-    results = await asyncio.gather(
-        *(_collect(engine, _greedy(p, 12, return_logprobs=True)) for p in prompts)
-    )
+    results = await asyncio.gather(*(_collect(engine, _greedy(p, 12, return_logprobs=True)) for p in prompts))
     for prompt, (ids, text, outs) in zip(prompts, results):
         ref_ids, ref_logprobs = _hf_greedy(ref_model, prompt, 12)
         assert ids == ref_ids
@@ -414,8 +415,10 @@ def _sampler_draws(ref_model, prompt: list[int], p: SamplingParams, n_tokens: in
 
 async def _seeded_runs(engine: Engine, prompt: list[int], n_tokens: int, seeds, **sampling) -> list[list[int]]:
     """One request per seed, all at once (the engine batches them); the tokens of each."""
-    reqs = [GenerationRequest(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=n_tokens, seed=s, **sampling))
-            for s in seeds]
+    reqs = [
+        GenerationRequest(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=n_tokens, seed=s, **sampling))
+        for s in seeds
+    ]
     return [ids for ids, _, _ in await asyncio.gather(*(_collect(engine, r) for r in reqs))]
 
 
@@ -473,8 +476,10 @@ async def test_top_k_and_top_p_cut_through_the_engine(tiny, make_engine, top_k, 
     # The cut keeps 3, 21 and 4 tokens here, each with probability >= 0.038 after it: 64 draws all
     # of one token (a greedy engine) would happen by chance with probability < 1e-29.
     assert 1 < len(kept) < 40 and len(set(firsts)) > 1
-    expected = [_sampler_draws(ref_model, prompt, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s), 1)[0]
-                for s in seeds]
+    expected = [
+        _sampler_draws(ref_model, prompt, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s), 1)[0]
+        for s in seeds
+    ]
     assert firsts == expected
 
 
@@ -494,7 +499,8 @@ async def test_steps_read_each_slot_to_its_adapters_rank(tiny, make_engine, monk
     """Every step's LoraMeta (eager, and the graphs' static buffer) carries each slot's adapter
     rank (SlotManager.slot_ranks, from the loaded shard), so the CUDA kernels read a rank-4
     adapter's rank-4 bytes out of the rank-8 slots."""
-    from loraserve.executor.engine import graphs as graphs_mod, step as step_mod
+    from loraserve.executor.engine import graphs as graphs_mod
+    from loraserve.executor.engine import step as step_mod
 
     seen = []
     for mod in (step_mod, graphs_mod):
@@ -686,8 +692,9 @@ def test_step_kind_picks_a_graph_only_where_one_takes_the_step():
 
     def batch(query_lens, sources=None):
         n = sum(query_lens)
-        return SimpleNamespace(is_decode=all(q == 1 for q in query_lens), query_lens=query_lens,
-                               input_ids=[0] * n, sources=sources or [-1] * n)
+        return SimpleNamespace(
+            is_decode=all(q == 1 for q in query_lens), query_lens=query_lens, input_ids=[0] * n, sources=sources or [-1] * n
+        )
 
     graphed = (SimpleNamespace(max_batch=4), Fits())
     kind = lambda graphs, b: step_kind(b, *graphs)  # noqa: E731

@@ -30,8 +30,18 @@ from loraserve.executor.ranks import local_experts, shard_checksum
 from loraserve.executor.service import build_executor
 from loraserve.executor.slot_layout import LoraSpec
 
-from .conftest import (LORASERVE, TINY_MOE, Cluster, ParallelExecutorProcess, check_against_reference, generate,
-                       merge_per_expert_adapter, need_cuda_devices, prompt_ids, run_group)
+from .conftest import (
+    LORASERVE,
+    TINY_MOE,
+    Cluster,
+    ParallelExecutorProcess,
+    check_against_reference,
+    generate,
+    merge_per_expert_adapter,
+    need_cuda_devices,
+    prompt_ids,
+    run_group,
+)
 
 BOS, EOS, VOCAB = 256, 257, 260  # the byte ids of conftest.prompt_ids
 # experts only (PEFT's target_parameters), attention only, one expert projection + dense modules,
@@ -48,8 +58,7 @@ def family(request):
 
 @pytest.fixture(scope="module")
 def base(hf_model, family):
-    return hf_model(family, **TINY_MOE[family], vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS,
-                    max_position_embeddings=512)
+    return hf_model(family, **TINY_MOE[family], vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +82,22 @@ def references(base, adapter_dirs, family):
 
 @pytest.fixture(scope="module")
 def cluster(module_loop_thread, base, adapter_dirs, tmp_path_factory):
-    c = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path_factory.mktemp("ep-store"), NAMES, ep_size=2,
-                cpu_threads=1, tp_timeout_s=60.0)
+    c = Cluster(
+        module_loop_thread,
+        base[1],
+        adapter_dirs,
+        tmp_path_factory.mktemp("ep-store"),
+        NAMES,
+        ep_size=2,
+        cpu_threads=1,
+        tp_timeout_s=60.0,
+    )
     yield c
     c.close()
     assert [p.exitcode for p in c.parts.ranks._procs] == [0]  # rank 1 stopped cleanly
 
 
-def test_ep2_mixed_batches_match_transformers_peft_and_ep1(cluster, references, base, adapter_dirs,
-                                                           module_loop_thread, tmp_path):
+def test_ep2_mixed_batches_match_transformers_peft_and_ep1(cluster, references, base, adapter_dirs, module_loop_thread, tmp_path):
     client = cluster.client()
     info = client.info()
     assert (info.ep_size, info.tp_size) == (2, 1)
@@ -99,15 +115,13 @@ def test_ep2_mixed_batches_match_transformers_peft_and_ep1(cluster, references, 
             for (name, ids), resp in zip(jobs, resps):
                 ep2 = outputs[(name, tuple(ids))]
                 assert list(resp.token_ids) == list(ep2.token_ids), name
-                torch.testing.assert_close(torch.tensor(list(ep2.logprobs)), torch.tensor(list(resp.logprobs)),
-                                           atol=1e-5, rtol=0)
+                torch.testing.assert_close(torch.tensor(list(ep2.logprobs)), torch.tensor(list(resp.logprobs)), atol=1e-5, rtol=0)
     finally:
         one.close()
 
 
 @pytest.mark.gpu
-def test_ep2_over_nccl_on_two_cuda_gpus_matches_transformers_peft(loop_thread, base, adapter_dirs, references,
-                                                                  tmp_path):
+def test_ep2_over_nccl_on_two_cuda_gpus_matches_transformers_peft(loop_thread, base, adapter_dirs, references, tmp_path):
     """EP 2 with each rank on its own GPU (NCCL, the Triton fused MoE kernel): in float32 the same
     greedy tokens and logprobs as transformers + PEFT, as on CPU; in bf16 every row served, its
     first token's logprob (no earlier token to part on) within bf16 tolerance of float32's.
@@ -115,8 +129,9 @@ def test_ep2_over_nccl_on_two_cuda_gpus_matches_transformers_peft(loop_thread, b
     need_cuda_devices(2)
     served = {}
     for dtype in ("float32", "bfloat16"):
-        c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / dtype, NAMES, ep_size=2, device="cuda",
-                    dtype=dtype, tp_timeout_s=120.0)
+        c = Cluster(
+            loop_thread, base[1], adapter_dirs, tmp_path / dtype, NAMES, ep_size=2, device="cuda", dtype=dtype, tp_timeout_s=120.0
+        )
         try:
             client = c.client()
             assert client.info().ep_size == 2
@@ -162,9 +177,27 @@ def test_each_rank_holds_its_experts_and_the_store_shard_of_its_ep_rank(cluster)
 
 def test_cli_fetches_the_shard_of_every_ep_rank(cluster, base, tmp_path):
     """`loraserve adapters fetch --ep-size 2`: one file per ep rank, each the store's slice of its experts."""
-    out = subprocess.run([LORASERVE, "adapters", "--store", cluster.store_address, "fetch", "experts8", "--model",
-                          str(base[1]), "--ep-size", "2", "--dtype", "float32", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            LORASERVE,
+            "adapters",
+            "--store",
+            cluster.store_address,
+            "fetch",
+            "experts8",
+            "--model",
+            str(base[1]),
+            "--ep-size",
+            "2",
+            "--dtype",
+            "float32",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and out.stdout.count("checksum ok") == 2, out.stderr
     key = "model.layers.0.mlp.experts.gate_up_proj.lora_a"
     for rank in range(2):
@@ -214,8 +247,9 @@ def test_bad_ep_sizes_are_refused_with_the_reason(hf_model):
     _, dense = hf_model("llama")
     cfg = model_config(moe)
     assert ep_size_error(cfg, 2) is None and ep_size_error(cfg, 4) is None
-    assert ep_size_error(cfg, 3) == ("ep_size 3 does not split this model: 4 experts do not make 3 equal blocks "
-                                     "(ep sizes that do: 1, 2, 4)")
+    assert ep_size_error(cfg, 3) == (
+        "ep_size 3 does not split this model: 4 experts do not make 3 equal blocks (ep sizes that do: 1, 2, 4)"
+    )
     assert "ep_size 8 does not split this model" in ep_size_error(cfg, 8)
     dense_error = ep_size_error(model_config(dense), 2)
     assert "ep_size 2: llama is a dense model (no experts to split)" in dense_error and "use --ep-size 1" in dense_error
@@ -247,17 +281,37 @@ def test_bad_ep_sizes_are_refused_with_the_reason(hf_model):
     (["--ep-size", "2", "--tp-size", "3"], "ep_size 2 with tp_size 3: expert parallelism runs with tp_size 1"),
 ])  # fmt: skip
 def test_cli_refuses_bad_ep_sizes_with_exit_status_1(args, message, tmp_path):
-    out = subprocess.run([LORASERVE, "executor", *args, "--executor-listen", "127.0.0.1:0", "--http-port", "0",
-                          "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [LORASERVE, "executor", *args, "--executor-listen", "127.0.0.1:0", "--http-port", "0", "--cache-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1, out.stderr
     assert "error: " in out.stderr and message in out.stderr, out.stderr
 
 
 def test_cli_refuses_an_ep_size_that_does_not_split_the_experts(hf_model, tmp_path):
     _, moe = hf_model("qwen2_moe", **TINY_MOE["qwen2_moe"])
-    out = subprocess.run([LORASERVE, "executor", "--model", str(moe), "--ep-size", "3", "--executor-listen",
-                          "127.0.0.1:0", "--http-port", "0", "--cache-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            LORASERVE,
+            "executor",
+            "--model",
+            str(moe),
+            "--ep-size",
+            "3",
+            "--executor-listen",
+            "127.0.0.1:0",
+            "--http-port",
+            "0",
+            "--cache-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1, out.stderr
     assert "ep_size 3 does not split this model: 4 experts do not make 3 equal blocks" in out.stderr
 
@@ -270,7 +324,10 @@ def test_a_rank_killed_mid_serving_ends_the_ep_executor_with_a_clear_error(base,
         assert len(generate(ex.client, "", prompt_ids(0), 2).token_ids) == 2
         os.kill(ex.rank1_pid, signal.SIGKILL)
         assert ex.wait(30) == 1
-        assert re.search(rf"CRITICAL .*expert-parallel rank 1 \(pid {ex.rank1_pid}\) was killed by signal 9.*; stopping "
-                         r"the expert-parallel executor", ex.log), ex.log
+        assert re.search(
+            rf"CRITICAL .*expert-parallel rank 1 \(pid {ex.rank1_pid}\) was killed by signal 9.*; stopping "
+            r"the expert-parallel executor",
+            ex.log,
+        ), ex.log
     finally:
         ex.kill()

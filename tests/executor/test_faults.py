@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -31,11 +30,22 @@ from loraserve.v1 import executor_pb2 as epb
 LORASERVE = str(Path(sys.executable).parent / "loraserve")
 
 
-
 def executor_config(model: Path, store: str, **overrides) -> ExecutorConfig:
-    cfg = ExecutorConfig(model=str(model), base_model="tiny", device="cpu", dtype="float32", max_loras=2, max_rank=8,
-                         max_cpu_adapters=8, num_blocks=256, block_size=4, max_model_len=512, store_address=store,
-                         slot_wait_timeout_s=10.0, adapter_refresh_s=0)
+    cfg = ExecutorConfig(
+        model=str(model),
+        base_model="tiny",
+        device="cpu",
+        dtype="float32",
+        max_loras=2,
+        max_rank=8,
+        max_cpu_adapters=8,
+        num_blocks=256,
+        block_size=4,
+        max_model_len=512,
+        store_address=store,
+        slot_wait_timeout_s=10.0,
+        adapter_refresh_s=0,
+    )
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
@@ -75,9 +85,25 @@ def timed(call):
 def store_process(tmp_path, tiny_chat_llama, chat_adapters, free_port):
     port = free_port()
     proc = subprocess.Popen(
-        [LORASERVE, "--log-level", "WARNING", "store", "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path / "data"),
-         "--base-model", "tiny", "--base-model-path", str(tiny_chat_llama[1]), "--allow-local-root", str(chat_adapters)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            LORASERVE,
+            "--log-level",
+            "WARNING",
+            "store",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--base-model",
+            "tiny",
+            "--base-model-path",
+            str(tiny_chat_llama[1]),
+            "--allow-local-root",
+            str(chat_adapters),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     address = f"127.0.0.1:{port}"
     store = StoreClient(address, timeout_s=30)
     deadline = time.time() + 60
@@ -96,7 +122,9 @@ def store_process(tmp_path, tiny_chat_llama, chat_adapters, free_port):
     proc.wait(10)
 
 
-def test_a_stalled_store_fails_cold_requests_unavailable_in_seconds_and_held_ones_never_wait(loop_thread, tiny_chat_llama, store_process):
+def test_a_stalled_store_fails_cold_requests_unavailable_in_seconds_and_held_ones_never_wait(
+    loop_thread, tiny_chat_llama, store_process
+):
     proc, address = store_process
     ex = Executor(loop_thread, executor_config(tiny_chat_llama[1], address))
     try:
@@ -114,8 +142,9 @@ def test_a_stalled_store_fails_cold_requests_unavailable_in_seconds_and_held_one
         assert not isinstance(resp, StatusError) and len(resp.token_ids) == 8
         err, took = timed(lambda: client._call(client.stub.Generate, token_request("mlp4")))
         assert isinstance(err, StatusError) and err.code.name == "UNAVAILABLE", err
-        assert err.message == (f"adapter store at {address} did not answer within 5s (store_timeout_s); "
-                               "adapter 'mlp4' cannot be loaded now")
+        assert err.message == (
+            f"adapter store at {address} did not answer within 5s (store_timeout_s); adapter 'mlp4' cannot be loaded now"
+        )
         assert took < 10, took
         proc.send_signal(signal.SIGCONT)
         resp, took = timed(lambda: client._call(client.stub.Generate, token_request("mlp4")))
@@ -128,11 +157,18 @@ def test_a_stalled_store_fails_cold_requests_unavailable_in_seconds_and_held_one
 # -- defect 4: recovery after the store restarts -----------------------------------------------
 
 
-def test_cold_adapters_recover_within_about_a_second_of_the_store_restarting(loop_thread, tiny_chat_llama, chat_adapters, tmp_path, free_port):
+def test_cold_adapters_recover_within_about_a_second_of_the_store_restarting(
+    loop_thread, tiny_chat_llama, chat_adapters, tmp_path, free_port
+):
     port = free_port()
-    scfg = StoreConfig(listen=f"127.0.0.1:{port}", data_dir=tmp_path / "store", base_model="tiny",
-                       base_model_path=tiny_chat_llama[1], sources=SourceConfig(local_roots=(chat_adapters,)),
-                       limits=validate.Limits(max_rank=8))
+    scfg = StoreConfig(
+        listen=f"127.0.0.1:{port}",
+        data_dir=tmp_path / "store",
+        base_model="tiny",
+        base_model_path=tiny_chat_llama[1],
+        sources=SourceConfig(local_roots=(chat_adapters,)),
+        limits=validate.Limits(max_rank=8),
+    )
     store_server, _ = loop_thread.run(serve_store(scfg))
     store = StoreClient(f"127.0.0.1:{port}", timeout_s=30)
     for name in ("qv8", "mlp4", "o2"):
@@ -195,15 +231,19 @@ def test_a_huge_prompt_is_refused_by_bytes_at_once_and_other_streams_keep_flowin
             for req, what in ((make_request(huge, chat=False), "prompt"), (make_request(huge), "chat messages")):
                 err, took = timed(lambda: client._call(client.stub.Generate, req))
                 assert isinstance(err, StatusError) and err.code.name == "INVALID_ARGUMENT", err
-                assert err.message == (f"{what}: 1000000 bytes, above this executor's limit of {limit} bytes "
-                                       "(max_prompt_bytes; max_model_len is 512 tokens)")
+                assert err.message == (
+                    f"{what}: 1000000 bytes, above this executor's limit of {limit} bytes "
+                    "(max_prompt_bytes; max_model_len is 512 tokens)"
+                )
                 assert took < 2, took  # refused by bytes: tokenizing it would take seconds
             gaps, tokens = streaming.result(120)
         # a stalled loop would show as a gap of the refusals' whole time; a slow machine's gaps stay well under 2 s
         assert tokens == 400 and max(gaps) < 2.0, max(gaps)
         with pytest.raises(StatusError) as e:  # under the byte limit: tokenized (one token per byte here)
             client.generate("y" * limit, chat=False, max_tokens=2)
-        assert e.value.code.name == "INVALID_ARGUMENT" and e.value.message.startswith(f"prompt of {limit} tokens exceeds max_model_len 512")
+        assert e.value.code.name == "INVALID_ARGUMENT" and e.value.message.startswith(
+            f"prompt of {limit} tokens exceeds max_model_len 512"
+        )
     finally:
         ex.close()
 

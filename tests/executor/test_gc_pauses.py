@@ -100,8 +100,7 @@ def test_the_slow_step_line_names_the_collectors_time_since_the_previous_step(ca
         watch.observe(StepTime("decode-graph", 8, 8, 0.011, at + 0.011, at, False, 0.002, 0.010), gc_pauses=(40, 0.05))
         at += 0.011
     with caplog.at_level(logging.WARNING, logger="loraserve.executor.diagnostics.slow_steps"):
-        assert watch.observe(StepTime("decode-graph", 8, 8, 0.33, at + 0.33, at, False, 0.002, 0.010),
-                             gc_pauses=(41, 0.371))
+        assert watch.observe(StepTime("decode-graph", 8, 8, 0.33, at + 0.33, at, False, 0.002, 0.010), gc_pauses=(41, 0.371))
     assert "Python's garbage collector: 321.0 ms in 1 collection since the previous step" in caplog.text
     line = slow_steps.describe(StepTime("mixed", 8, 8, 0.5, 0.5, 0.0, False, 0.002, None), 0.05)
     assert "garbage collector" not in line  # not watched: left out

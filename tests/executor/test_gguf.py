@@ -118,7 +118,11 @@ def test_tokenizer_cache_holds_the_same_tokenizer_and_spares_the_conversion(toke
     for tok in (first, second, third):
         assert tok.apply_chat_template(MESSAGES) == tokenizer.apply_chat_template(MESSAGES)
         assert tok.encode(text) == tokenizer.encode(text) and tok.decode(tok.encode(text)) == text
-        assert (tok.eos_token_ids, tok.bos_token_id, tok.vocab_size) == (tokenizer.eos_token_ids, tokenizer.bos_token_id, tokenizer.vocab_size)
+        assert (tok.eos_token_ids, tok.bos_token_id, tok.vocab_size) == (
+            tokenizer.eos_token_ids,
+            tokenizer.bos_token_id,
+            tokenizer.vocab_size,
+        )
 
 
 @needs_smollm2
@@ -205,9 +209,7 @@ def _write_gguf(hf, path, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_written_gguf_with_q8_0_f16_f32_matches_the_dequantized_hf_model(
-    arch, hf_model, hf_logits, paged_runner, tmp_path
-):
+def test_written_gguf_with_q8_0_f16_f32_matches_the_dequantized_hf_model(arch, hf_model, hf_logits, paged_runner, tmp_path):
     import copy
 
     hf, _ = hf_model(arch)

@@ -75,8 +75,12 @@ def test_static_buffer_step_equals_the_eager_step_on_cpu(hf_model, family, monke
             per_token = shrink_floats_per_token(model)
             ws = ShrinkWorkspace(torch.zeros(3 * per_token))
             meta.shrink_workspace = ws
-            torch.testing.assert_close(model.compute_logits(model.forward(torch.tensor(ids), attn.positions, attn, kv, meta), meta),
-                                       want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                model.compute_logits(model.forward(torch.tensor(ids), attn.positions, attn, kv, meta), meta),
+                want,
+                atol=1e-5,
+                rtol=1e-5,
+            )
             assert ws.used == 3 * per_token > 0
 
 
@@ -314,9 +318,15 @@ def test_lora_shrink_on_the_side_stream_equals_one_stream(hf_model, monkeypatch,
     torch.testing.assert_close(forked, one_stream, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("device, max_seqs, by_kernel", [
-    ("cpu", 5, False), ("cpu", 80, False), pytest.param("cuda", 5, False, marks=pytest.mark.gpu),
-    pytest.param("cuda", 5, True, marks=pytest.mark.gpu, id="cuda-5-inputs-by-kernel")])
+@pytest.mark.parametrize(
+    "device, max_seqs, by_kernel",
+    [
+        ("cpu", 5, False),
+        ("cpu", 80, False),
+        pytest.param("cuda", 5, False, marks=pytest.mark.gpu),
+        pytest.param("cuda", 5, True, marks=pytest.mark.gpu, id="cuda-5-inputs-by-kernel"),
+    ],
+)
 def test_mixed_graph_step_equals_the_eager_step(hf_model, device, max_seqs, by_kernel, monkeypatch):
     """Mixed steps from the static buffer (MixedGraphs: captured on CUDA, run directly on the CPU):
     a decode row, a chunk after cached context that samples nothing, new prompts, adapter and base
@@ -334,16 +344,17 @@ def test_mixed_graph_step_equals_the_eager_step(hf_model, device, max_seqs, by_k
     model = _model(hf_model, dtype, device)
     cfg = model.cfg
     kv = KVCache(cfg.num_layers, 96, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype, device)
-    mixed = MixedGraphs(model, kv, max_tokens=96, max_seqs=max_seqs, max_model_len=96, max_loras=MAX_LORAS,
-                        device=device)
+    mixed = MixedGraphs(model, kv, max_tokens=96, max_seqs=max_seqs, max_model_len=96, max_loras=MAX_LORAS, device=device)
     assert mixed.buckets == [64, 96]
     if device == "cuda":
         mixed.capture()
     alloc, gen = BlockAllocator(96), torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
     cached = [5, 4, 9, 0, 0, 7, 0]  # tokens each sequence has in the cache before the cases
-    tables = [alloc.allocate(-(-(n + 72) // BLOCK)) if i in (4, 6) else alloc.allocate(-(-(n + 8) // BLOCK))
-              for i, n in enumerate(cached)]
+    tables = [
+        alloc.allocate(-(-(n + 72) // BLOCK)) if i in (4, 6) else alloc.allocate(-(-(n + 8) // BLOCK))
+        for i, n in enumerate(cached)
+    ]
     for n, table in zip(cached, tables):
         if n:
             attn = AttentionMetadata.build([n], [0], [table], BLOCK, device)
@@ -370,8 +381,9 @@ def test_mixed_graph_step_equals_the_eager_step(hf_model, device, max_seqs, by_k
         after_graph = [c[: kv.num_blocks].clone() for c in caches]
         for c, old in zip(caches, before):
             c.copy_(old)
-        want = forward_step(model, kv, StepInputs(ids, q_lens, ctx, seq_tables, slots, rows, row_slots),
-                            MAX_LORAS, torch.device(device))
+        want = forward_step(
+            model, kv, StepInputs(ids, q_lens, ctx, seq_tables, slots, rows, row_slots), MAX_LORAS, torch.device(device)
+        )
         assert got.shape == want.shape and torch.isfinite(got).all()
         err = ((got.double() - want.double()).norm() / want.double().norm()).item()
         assert err < tol, f"step {case}: relative error {err:.2e}"
@@ -392,7 +404,7 @@ def test_prefill_work_list_covers_every_query_block_once():
     work = prefill_work_list([3, 70, 0, 33, 1], queries=32, capacity=12)
     real = work[work[:, 0] >= 0]
     assert sorted(map(tuple, real.tolist())) == [(0, 0), (1, 0), (1, 1), (1, 2), (3, 0), (3, 1), (4, 0)]
-    assert (work[len(real):] == [-1, 0]).all()  # the rest: no work
+    assert (work[len(real) :] == [-1, 0]).all()  # the rest: no work
     assert real[:4, 1].tolist() == [0, 2, 1, 0]  # each sequence's last block first (the most keys)
     with pytest.raises(ValueError, match="8 query blocks exceed the work list's 7 entries"):
         prefill_work_list([3, 70, 0, 33, 1, 1], queries=32, capacity=7)

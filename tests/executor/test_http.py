@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import json
 import logging
 import time
-
-import json
 import urllib.error
 import urllib.request
 
@@ -44,15 +43,32 @@ class Served:
 
     def __init__(self, lt, base_dir, adapters_dir, data_dir):
         self.lt = lt
-        self.scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data_dir, base_model=BASE, base_model_path=base_dir,
-                                sources=SourceConfig(local_roots=(adapters_dir,)), limits=validate.Limits(max_rank=16))
+        self.scfg = StoreConfig(
+            listen="127.0.0.1:0",
+            data_dir=data_dir,
+            base_model=BASE,
+            base_model_path=base_dir,
+            sources=SourceConfig(local_roots=(adapters_dir,)),
+            limits=validate.Limits(max_rank=16),
+        )
         self.start_store()
         store = StoreClient(self.store_address, timeout_s=60)
         for name in ADAPTERS:
             store.register(name, str(adapters_dir / name))
-        cfg = ExecutorConfig(model=str(base_dir), base_model=BASE, dtype="float32", max_loras=2, max_rank=16,
-                             num_blocks=256, block_size=4, max_model_len=512, store_address=self.store_address,
-                             slot_wait_timeout_s=10.0, admin_token=TOKEN, http_listen="127.0.0.1:0")
+        cfg = ExecutorConfig(
+            model=str(base_dir),
+            base_model=BASE,
+            dtype="float32",
+            max_loras=2,
+            max_rank=16,
+            num_blocks=256,
+            block_size=4,
+            max_model_len=512,
+            store_address=self.store_address,
+            slot_wait_timeout_s=10.0,
+            admin_token=TOKEN,
+            http_listen="127.0.0.1:0",
+        )
         self.parts = build_executor(cfg)
         self.server, port = lt.run(serve_executor(self.parts, "127.0.0.1:0"))
         self.grpc = ExecutorClient(f"127.0.0.1:{port}", token=TOKEN, timeout_s=120)
@@ -77,8 +93,9 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(module_loop_thread, hf_model, save_byte_tokenizer, tmp_path_factory):
-    model, base_dir = hf_model("llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
-                               max_position_embeddings=512)
+    model, base_dir = hf_model(
+        "llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
+    )
     if not (base_dir / "tokenizer.json").exists():
         save_byte_tokenizer(base_dir)
     root = tmp_path_factory.mktemp("http-adapters")
@@ -164,10 +181,16 @@ def test_greedy_output_equals_grpc_for_several_adapters_concurrently(served, str
 
 def test_stop_seed_top_k_and_request_id(served):
     ids = prompt_ids(1)
-    greedy = grpc_generate(served, "qv8", epb.GenerateRequest(token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(max_tokens=12)))
+    greedy = grpc_generate(
+        served, "qv8", epb.GenerateRequest(token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(max_tokens=12))
+    )
     stop = greedy.text[3:5]
     assert stop, greedy.text
-    want = grpc_generate(served, "qv8", epb.GenerateRequest(token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(max_tokens=12, stop=[stop])))
+    want = grpc_generate(
+        served,
+        "qv8",
+        epb.GenerateRequest(token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(max_tokens=12, stop=[stop])),
+    )
     r = served.openai.completions.create(model="qv8", prompt=ids, max_tokens=12, temperature=0, stop=stop)
     assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text, "stop") and stop not in r.choices[0].text
     # top_k=1 through the extra body is greedy whatever the temperature.
@@ -175,12 +198,15 @@ def test_stop_seed_top_k_and_request_id(served):
     assert r.choices[0].text == greedy.text
     # A seed gives the same draw over HTTP and over gRPC.
     seeded = dict(max_tokens=10, temperature=1.0, top_p=0.9, seed=7)
-    want = grpc_generate(served, "all4", epb.GenerateRequest(token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(**seeded)))
+    want = grpc_generate(
+        served, "all4", epb.GenerateRequest(token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(**seeded))
+    )
     for _ in range(2):
         assert served.openai.completions.create(model="all4", prompt=ids, **seeded).choices[0].text == want.text
     # The request id: the client's X-Request-Id, echoed in the header and the response id.
     raw = served.openai.chat.completions.with_raw_response.create(
-        model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_headers={"X-Request-Id": "req-42"})
+        model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_headers={"X-Request-Id": "req-42"}
+    )
     assert raw.headers["x-request-id"] == "req-42" and raw.parse().id == "chatcmpl-req-42"
     r = served.openai.completions.create(model=BASE, prompt="a", max_tokens=1)
     assert r.id.startswith("cmpl-") and len(r.id) > 10 and r.object == "text_completion"
@@ -189,15 +215,25 @@ def test_stop_seed_top_k_and_request_id(served):
 def test_default_temperature_is_one_over_http_and_greedy_over_grpc(served):
     ids = prompt_ids(2)
     params = dict(max_tokens=10, seed=11)
-    greedy = grpc_generate(served, "all4", epb.GenerateRequest(
-        token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(max_tokens=10, temperature=0)))
-    sampled = grpc_generate(served, "all4", epb.GenerateRequest(
-        token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(temperature=1.0, **params)))
-    assert sampled.text != greedy.text, "the seeded draw at temperature 1 must differ from greedy for this test to tell them apart"
+    greedy = grpc_generate(
+        served,
+        "all4",
+        epb.GenerateRequest(token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(max_tokens=10, temperature=0)),
+    )
+    sampled = grpc_generate(
+        served,
+        "all4",
+        epb.GenerateRequest(token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(temperature=1.0, **params)),
+    )
+    assert sampled.text != greedy.text, (
+        "the seeded draw at temperature 1 must differ from greedy for this test to tell them apart"
+    )
     # OpenAI's default (no temperature sent) is 1: the same seeded draw as gRPC at temperature 1.
     assert served.openai.completions.create(model="all4", prompt=ids, **params).choices[0].text == sampled.text
     # gRPC's default (no temperature set) is greedy, seed or not.
-    unset = grpc_generate(served, "all4", epb.GenerateRequest(token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(**params)))
+    unset = grpc_generate(
+        served, "all4", epb.GenerateRequest(token_ids=epb.TokenIds(ids=ids), sampling=epb.SamplingParams(**params))
+    )
     assert unset.text == greedy.text
 
 
@@ -258,14 +294,17 @@ def test_bad_completion_requests_are_400(served, kwargs, fragment):
     assert fragment in err["message"]
 
 
-@pytest.mark.parametrize("kwargs,fragment", [
-    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "not text"),
-    (dict(messages=[]), "chat has no messages"),
-    (dict(top_logprobs=2, logprobs=True), "top_logprobs must be 0"),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (dict(max_completion_tokens=100000), "max_tokens must be in"),
-    (dict(stream=True, temperature=-0.5), "temperature"),  # before the first event: a status, not an event
-])
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "not text"),
+        (dict(messages=[]), "chat has no messages"),
+        (dict(top_logprobs=2, logprobs=True), "top_logprobs must be 0"),
+        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (dict(max_completion_tokens=100000), "max_tokens must be in"),
+        (dict(stream=True, temperature=-0.5), "temperature"),  # before the first event: a status, not an event
+    ],
+)
 def test_bad_chat_requests_are_400(served, kwargs, fragment):
     kwargs = {"messages": [{"role": "user", "content": "hi"}], **kwargs}
     with pytest.raises(openai.BadRequestError) as e:
@@ -288,8 +327,11 @@ def test_unknown_model_is_404(served, kind):
         if kind == "completion":
             served.openai.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
         else:
-            list(served.openai.chat.completions.create(model="no-such-adapter", messages=[{"role": "user", "content": "hi"}],
-                                                       max_tokens=2, stream=kind == "stream"))
+            list(
+                served.openai.chat.completions.create(
+                    model="no-such-adapter", messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=kind == "stream"
+                )
+            )
     err = _error(e.value)
     assert e.value.status_code == 404 and err["code"] == "not_found"
     assert err["message"] == "adapter 'no-such-adapter' is not registered"  # the same message as gRPC's NOT_FOUND
@@ -317,8 +359,11 @@ def test_a_client_going_away_cancels_its_request_and_frees_the_slot(served, capl
     next(iter(stream))
     assert served.in_use("mlp16") == 1
     stream.close()
-    req = urllib.request.Request(f"{served.url}/completions", data=json.dumps(long).encode(),
-                                 headers={"content-type": "application/json", "x-request-id": "gone-whole"})
+    req = urllib.request.Request(
+        f"{served.url}/completions",
+        data=json.dumps(long).encode(),
+        headers={"content-type": "application/json", "x-request-id": "gone-whole"},
+    )
     with pytest.raises(TimeoutError):  # not streamed: the client gives up waiting and hangs up
         urllib.request.urlopen(req, timeout=0.3)
     deadline = time.time() + 20

@@ -151,7 +151,7 @@ def test_base_rows_equal_the_model_without_lora(setup, paged_runner):
     load_shard_into_slot(model, 1, pack_shard(ref, "r4", declare_layout(model.cfg, spec, "tiny")))
     ids = _prompt(8, 14)
     with_slots, _ = paged_runner(model).step([("x", ids), ("y", ids)], slots=[-1, 1])
-    without_lora, = paged_runner(model).step([("x", ids)])
+    (without_lora,) = paged_runner(model).step([("x", ids)])
     torch.testing.assert_close(with_slots, without_lora, atol=0, rtol=0)
 
 
@@ -177,12 +177,12 @@ def test_reloading_a_slot_with_a_lower_rank_adapter_clears_the_old_tail(setup, p
     load_shard_into_slot(model, 0, pack_shard(ref, "r8", layout))  # rank 8 fills the slot
     load_shard_into_slot(model, 0, pack_shard(ref, "r4", layout))  # rank 4 must zero ranks 4..7
     ids = _prompt(6, 17)
-    out, = paged_runner(model).step([("s", ids)], slots=[0])
+    (out,) = paged_runner(model).step([("s", ids)], slots=[0])
     torch.testing.assert_close(out, _reference(ref, "r4", ids), atol=ATOL, rtol=1e-4)
 
     for module in lora_modules(model).values():
         module.reset_lora(0)
-    out, = paged_runner(model).step([("s", ids)], slots=[0])
+    (out,) = paged_runner(model).step([("s", ids)], slots=[0])
     torch.testing.assert_close(out, _reference(ref, None, ids), atol=ATOL, rtol=1e-4)
 
 
@@ -284,6 +284,7 @@ def test_a_shard_in_one_pinned_buffer_loads_with_one_copy_and_equals_per_tensor_
     torch.cuda.synchronize()
     for (name, a), b in zip(lora_modules(staged).items(), lora_modules(plain).values()):
         assert torch.equal(a.lora_a, b.lora_a) and torch.equal(a.lora_b, b.lora_b), name
+
     # a layout planned before: its bytes are staged before the slot-buffer check; the slot manager
     # may queue a load from its loop once the plan's tables for what the slot holds are built too
     def marked(shard):  # as the CPU cache keeps a CUDA executor's shard
@@ -344,7 +345,7 @@ def test_a_packed_b_is_written_alike_by_the_scatter_plan_and_by_per_tensor_copie
             else:
                 assert torch.equal(rows[:, : src.shape[1]], src) and not rows[:, src.shape[1] :].any(), name
         ids = _prompt(6, 18)
-        out, = paged_runner(planned).step([("s", ids)], slots=[0])
+        (out,) = paged_runner(planned).step([("s", ids)], slots=[0])
         torch.testing.assert_close(out, _reference(ref, adapter, ids), atol=ATOL, rtol=1e-4)
 
     check(low, "r4")

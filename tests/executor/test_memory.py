@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from loraserve.executor import memory
+from loraserve.executor.build import resolve_adapter_memory
 from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.lora import lora_modules
 from loraserve.executor.model.config import ModelConfig
 from loraserve.executor.model.llama import LlamaForCausalLM
-from loraserve.executor.build import resolve_adapter_memory
 from loraserve.executor.slot_layout import LoraSpec
 
 GIB = 2**30
@@ -31,9 +31,21 @@ def test_available_host_bytes_is_positive():
 
 
 def test_automatic_max_loras_on_cpu_resizes_the_slot_buffers():
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
-                      num_heads=2, num_kv_heads=1, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
-                      rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        rope_scaling=None,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg, LoraSpec(1, 4, torch.float32), dtype=torch.float32, device="cpu")
     modules = lora_modules(model)
     ecfg = ExecutorConfig(max_loras=0, cpu_cache_bytes=0)
@@ -49,7 +61,9 @@ def test_automatic_max_loras_on_cpu_resizes_the_slot_buffers():
 def test_negative_adapter_memory_settings_are_refused():
     import pytest
 
-    with pytest.raises(ValueError, match=r"^max_loras, cpu_cache_bytes and max_cpu_adapters must be 0 \(automatic / no limit\) or more$"):
+    with pytest.raises(
+        ValueError, match=r"^max_loras, cpu_cache_bytes and max_cpu_adapters must be 0 \(automatic / no limit\) or more$"
+    ):
         ExecutorConfig(cpu_cache_bytes=-1)
 
 

@@ -93,9 +93,9 @@ def test_mistral_sliding_window_matches_transformers(hf_model, hf_logits, paged_
     assert model.cfg.sliding_window == 5
     ids = _prompt(14, 6)
     run = paged_runner(model, block_size=4)
-    first, = run.step([("a", ids[:9])])
-    second, = run.step([("a", ids[9:12])])
-    third, = run.step([("a", ids[12:13])])
+    (first,) = run.step([("a", ids[:9])])
+    (second,) = run.step([("a", ids[9:12])])
+    (third,) = run.step([("a", ids[12:13])])
     ref = hf_logits(ref_model, ids[:13])
     _assert_close(torch.cat([first, second, third]), ref)
 

@@ -90,7 +90,9 @@ def test_mixed_batches_of_expert_and_attention_adapters_match_peft(family, moe_b
         with torch.no_grad():
             want = ref(torch.tensor([seqs[i][:-1]])).logits[0]
         n = len(prompts[i])
-        torch.testing.assert_close(logits[i][:-1], want, atol=5e-5, rtol=1e-4, msg=lambda m, i=i, name=name: f"row {i} ({name or 'base'}): {m}")
+        torch.testing.assert_close(
+            logits[i][:-1], want, atol=5e-5, rtol=1e-4, msg=lambda m, i=i, name=name: f"row {i} ({name or 'base'}): {m}"
+        )
         assert want[n - 1 :].argmax(-1).tolist() == seqs[i][n:]  # the greedy tokens are PEFT's
 
 
@@ -139,6 +141,9 @@ def test_moe_models_refuse_tensor_parallelism_before_anything_starts(family, moe
     from loraserve.executor.service import build_executor
 
     _, path = moe_base
-    with pytest.raises(ValueError, match=rf"tp_size 2: {family} is a mixture-of-experts model.*use --tp-size 1 "
-                                         r"\(and --ep-size to split the experts\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"tp_size 2: {family} is a mixture-of-experts model.*use --tp-size 1 "
+        r"\(and --ep-size to split the experts\)",
+    ):
         build_executor(ExecutorConfig(model=str(path), tp_size=2, device="cpu"))

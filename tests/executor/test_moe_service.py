@@ -46,7 +46,9 @@ def served(family, device, hf_model, moe_adapter, tmp_path_factory, module_loop_
     for name in NAMES:
         d = moe_adapter(family, model, root / "adapters" / name, name)
         native = name != "per_expert6" or family == "mixtral"  # PEFT converts only Mixtral's per-expert form
-        refs[name] = PeftModel.from_pretrained(copy.deepcopy(model), d).eval() if native else merge_per_expert_adapter(model, d, 2.0)
+        refs[name] = (
+            PeftModel.from_pretrained(copy.deepcopy(model), d).eval() if native else merge_per_expert_adapter(model, d, 2.0)
+        )
     with _services(module_loop_thread, path, root, root / "store", device=device, dtype="float32") as (store, client, _):
         yield store, client, refs, root
 
@@ -55,8 +57,14 @@ def served(family, device, hf_model, moe_adapter, tmp_path_factory, module_loop_
 def _services(lt, path, root, data, **executor_overrides):
     """(store client, executor client, executor parts): a store with NAMES registered from
     root / "adapters" and an executor of the model at `path`, on loopback; stopped on exit."""
-    scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model="tiny", base_model_path=path,
-                       sources=SourceConfig(local_roots=(root / "adapters",)), limits=validate.Limits(max_rank=16))
+    scfg = StoreConfig(
+        listen="127.0.0.1:0",
+        data_dir=data,
+        base_model="tiny",
+        base_model_path=path,
+        sources=SourceConfig(local_roots=(root / "adapters",)),
+        limits=validate.Limits(max_rank=16),
+    )
     store_server, store_port = lt.run(serve_store(scfg))
     try:
         store = StoreClient(f"127.0.0.1:{store_port}", timeout_s=60)
@@ -107,8 +115,7 @@ def test_mixed_moe_batches_over_grpc_match_transformers_peft(served):
 
 
 @pytest.mark.gpu
-def test_bf16_moe_decode_replays_cuda_graphs_like_the_eager_steps(served, family, device, hf_model, loop_thread,
-                                                                  tmp_path):
+def test_bf16_moe_decode_replays_cuda_graphs_like_the_eager_steps(served, family, device, hf_model, loop_thread, tmp_path):
     """bf16 on CUDA: the decode steps of a MoE model replay CUDA graphs (the fused MoE and expert
     LoRA kernels captured), and the served tokens and logprobs are the eager steps' (common token
     prefix: a later bf16 near-tie may part them)."""
@@ -120,8 +127,9 @@ def test_bf16_moe_decode_replays_cuda_graphs_like_the_eager_steps(served, family
     group = ["experts8", "attn4", "", "down2", "experts8"]
     out = {}
     for eager in (False, True):
-        with _services(loop_thread, path, root, tmp_path / f"store-{eager}", device="cuda", dtype="bfloat16",
-                       enforce_eager=eager) as (_, client, parts):
+        with _services(
+            loop_thread, path, root, tmp_path / f"store-{eager}", device="cuda", dtype="bfloat16", enforce_eager=eager
+        ) as (_, client, parts):
             assert (parts.engine.graphs is None) == eager
             for name in set(group) - {""}:
                 client.load(name)
@@ -134,8 +142,9 @@ def test_bf16_moe_decode_replays_cuda_graphs_like_the_eager_steps(served, family
         a, b = list(graph.token_ids), list(plain.token_ids)
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         assert same >= len(b) // 2, (name, a, b)
-        torch.testing.assert_close(torch.tensor(list(graph.logprobs)[:same]), torch.tensor(list(plain.logprobs)[:same]),
-                                   atol=0.05, rtol=0, msg=name)
+        torch.testing.assert_close(
+            torch.tensor(list(graph.logprobs)[:same]), torch.tensor(list(plain.logprobs)[:same]), atol=0.05, rtol=0, msg=name
+        )
 
 
 def _hostile(src, dst, edit_tensors=None, edit_config=None):

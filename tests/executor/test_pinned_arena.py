@@ -123,10 +123,14 @@ def test_a_cpu_executor_makes_an_untouched_host_arena_sized_for_its_cache(caplog
 
     def refused(*a, **kw):
         raise OSError(12, "Cannot allocate memory")
+
     monkeypatch.setattr(build, "PinnedArena", refused)
     with caplog.at_level("INFO", logger="loraserve.executor.build"):
         assert build.pinned_arena(ExecutorConfig(model="m", device="cpu", cpu_cache_bytes=mib)) is None
-    assert "host arena off: mapping 0.0 GiB failed ([Errno 12] Cannot allocate memory); fetched shards land in fresh host buffers" in caplog.text
+    assert (
+        "host arena off: mapping 0.0 GiB failed ([Errno 12] Cannot allocate memory); fetched shards land in fresh host buffers"
+        in caplog.text
+    )
     caplog.clear()
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 0)
     with caplog.at_level("INFO", logger="loraserve.executor.build"):

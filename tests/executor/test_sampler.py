@@ -88,9 +88,7 @@ def test_mixed_batch_keeps_greedy_rows_greedy():
 def _validate(params: SamplingParams, prompt_len: int = 5):
     if params.max_tokens is None:
         params.max_tokens = 10
-    validate_request(
-        params, prompt_len, vocab_size=VOCAB, max_model_len=100, max_stop_strings=4, max_stop_string_chars=10
-    )
+    validate_request(params, prompt_len, vocab_size=VOCAB, max_model_len=100, max_stop_strings=4, max_stop_string_chars=10)
 
 
 @pytest.mark.parametrize(

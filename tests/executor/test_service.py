@@ -22,9 +22,8 @@ from loraserve.client import ExecutorClient, StoreClient
 from loraserve.errors import StatusError
 from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.engine.sampler import make_generator, sample
-from loraserve.executor.service import build_executor
+from loraserve.executor.service import build_executor, shutdown
 from loraserve.executor.service import serve as serve_executor
-from loraserve.executor.service import shutdown
 from loraserve.v1 import executor_pb2 as epb
 
 from .conftest import check_against_reference, check_bf16_rows, generate, prompt_ids
@@ -46,7 +45,9 @@ def family(request):
 
 @pytest.fixture(scope="module")
 def base(hf_model, family, save_byte_tokenizer):
-    model, path = hf_model(family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512)
+    model, path = hf_model(
+        family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
+    )
     if not (path / "tokenizer.json").exists():
         save_byte_tokenizer(path)
     return model, path
@@ -58,7 +59,9 @@ def adapter_dirs(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     for seed, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
         torch.manual_seed(seed)
-        peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora))
+        peft = get_peft_model(
+            copy.deepcopy(model), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora)
+        )
         with torch.no_grad():
             for n, p in peft.named_parameters():
                 if "lora_B" in n:
@@ -72,15 +75,33 @@ class Cluster:
 
     def __init__(self, lt, base_dir: Path, adapters: Path, data: Path, device: str = "cpu", **executor_overrides):
         self.lt, self.adapters, self.data = lt, adapters, data
-        self.scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model="tiny", base_model_path=base_dir,
-                                sources=SourceConfig(local_roots=(adapters,)), limits=validate.Limits(max_rank=16))
+        self.scfg = StoreConfig(
+            listen="127.0.0.1:0",
+            data_dir=data,
+            base_model="tiny",
+            base_model_path=base_dir,
+            sources=SourceConfig(local_roots=(adapters,)),
+            limits=validate.Limits(max_rank=16),
+        )
         self.start_store()
         store = self.store_client()
         for name in ADAPTERS:
             store.register(name, str(adapters / name))
-        cfg = ExecutorConfig(model=str(base_dir), base_model="tiny", device=device, dtype="float32", max_loras=2,
-                             max_rank=16, max_cpu_adapters=8, num_blocks=256, block_size=4, max_model_len=512, cpu_cache_bytes=256 << 20,
-                             store_address=self.store_address, slot_wait_timeout_s=10.0)
+        cfg = ExecutorConfig(
+            model=str(base_dir),
+            base_model="tiny",
+            device=device,
+            dtype="float32",
+            max_loras=2,
+            max_rank=16,
+            max_cpu_adapters=8,
+            num_blocks=256,
+            block_size=4,
+            max_model_len=512,
+            cpu_cache_bytes=256 << 20,
+            store_address=self.store_address,
+            slot_wait_timeout_s=10.0,
+        )
         for k, v in executor_overrides.items():
             setattr(cfg, k, v)
         self.parts = build_executor(cfg)
@@ -138,8 +159,11 @@ def test_mixed_batches_match_transformers_peft(family, cluster, references, capl
             if name:
                 assert resp.adapter_digest == cluster.store_client().get(name).digest
         # They shared forward passes: some step ran the base model and both adapters together.
-        steps = [set(map(int, re.findall(r"-?\d+", m.group(1)))) for r in caplog.records
-                 if (m := re.search(r"^step: .* slots \[([^]]*)\]", r.getMessage()))]
+        steps = [
+            set(map(int, re.findall(r"-?\d+", m.group(1))))
+            for r in caplog.records
+            if (m := re.search(r"^step: .* slots \[([^]]*)\]", r.getMessage()))
+        ]
         assert steps and any(step >= set(slots.values()) for step in steps), (slots, steps)
 
 
@@ -147,9 +171,14 @@ def test_sampling_over_grpc_draws_what_the_sampler_draws_on_the_adapters_logits(
     """temperature / top_k / top_p / seed reach the engine: each seeded request's tokens are the
     sampler's own draws on transformers + PEFT's logits, and top-k keeps only the k best."""
     client, name, ids, k = cluster.client(), "qv8", prompt_ids(2), 5
-    reqs = [epb.GenerateRequest(adapter=name, token_ids=epb.TokenIds(ids=ids),
-                                sampling=epb.SamplingParams(max_tokens=3, temperature=1.2, top_k=k, top_p=0.95, seed=seed))
-            for seed in range(16)]
+    reqs = [
+        epb.GenerateRequest(
+            adapter=name,
+            token_ids=epb.TokenIds(ids=ids),
+            sampling=epb.SamplingParams(max_tokens=3, temperature=1.2, top_k=k, top_p=0.95, seed=seed),
+        )
+        for seed in range(16)
+    ]
     with cf.ThreadPoolExecutor(8) as pool:
         outs = [list(r.token_ids) for r in pool.map(lambda r: client._call(client.stub.Generate, r), reqs)]
     for seed, out in enumerate(outs):
@@ -160,8 +189,9 @@ def test_sampling_over_grpc_draws_what_the_sampler_draws_on_the_adapters_logits(
                 logits = references[name](torch.tensor([ids + drawn])).logits[0, -1:].float().to(dev)
             if not drawn:
                 assert out[0] in logits[0].topk(k).indices.tolist()
-            token, _ = sample(logits, torch.tensor([1.2], device=dev), torch.tensor([k], device=dev),
-                              torch.tensor([0.95], device=dev), [gen])
+            token, _ = sample(
+                logits, torch.tensor([1.2], device=dev), torch.tensor([k], device=dev), torch.tensor([0.95], device=dev), [gen]
+            )
             drawn.append(int(token))
         assert out == drawn, seed
     assert len({o[0] for o in outs}) > 1  # 16 draws from 5 tokens all alike: a greedy executor
@@ -201,7 +231,9 @@ def test_pinned_adapter_is_never_evicted_and_all_pinned_is_resource_exhausted(cl
 
 def test_evicting_an_adapter_in_use_is_failed_precondition(cluster):
     client = cluster.client()
-    req = epb.GenerateRequest(adapter="all4", token_ids=epb.TokenIds(ids=prompt_ids(0)), sampling=epb.SamplingParams(max_tokens=400))
+    req = epb.GenerateRequest(
+        adapter="all4", token_ids=epb.TokenIds(ids=prompt_ids(0)), sampling=epb.SamplingParams(max_tokens=400)
+    )
     stream = client.stub.GenerateStream(req, timeout=120)
     next(stream)  # the request is running and holds its slot
     with pytest.raises(StatusError) as e:
@@ -396,7 +428,9 @@ def test_embedding_and_lm_head_adapters_when_enabled(loop_thread, base, adapter_
     served exactly (vs PEFT) when lora_embeddings is on."""
     model, base_dir = base
     torch.manual_seed(7)
-    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "q_proj"]))
+    peft = get_peft_model(
+        copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "q_proj"])
+    )
     with torch.no_grad():
         for n, p in peft.named_parameters():
             if "lora_B" in n or "lora_embedding_B" in n:
@@ -419,7 +453,9 @@ def test_embedding_and_lm_head_adapters_when_enabled(loop_thread, base, adapter_
             resps = list(pool.map(lambda j: generate(c.client(), *j), jobs))
         check_against_reference(ref, *jobs[0][1:], resps[0])
         for (name, ids), resp in zip(jobs[1:], resps[1:]):
-            check_against_reference(PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs / name).eval() if name else model, ids, resp)
+            check_against_reference(
+                PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs / name).eval() if name else model, ids, resp
+            )
     finally:
         c.close()
 
@@ -437,8 +473,12 @@ def test_a_stream_closed_between_messages_ends_its_request_at_once(cluster, capl
         def cancelled(self):
             return False
 
-    req = epb.GenerateRequest(adapter="all4", request_id="closed-early", token_ids=epb.TokenIds(ids=prompt_ids(0)),
-                              sampling=epb.SamplingParams(max_tokens=400))
+    req = epb.GenerateRequest(
+        adapter="all4",
+        request_id="closed-early",
+        token_ids=epb.TokenIds(ids=prompt_ids(0)),
+        sampling=epb.SamplingParams(max_tokens=400),
+    )
 
     async def run():
         stream = ExecutorService(cluster.parts).GenerateStream(req, Context())

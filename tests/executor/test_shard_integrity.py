@@ -51,16 +51,26 @@ def _sha256_trailer(data_chunks) -> spb.ShardChunk:
 # mode -> (how the honest stream [header, data..., trailer] is altered, the DATA_LOSS message).
 # The honest trailer carries xxh3_128 only (test_the_honest_trailer_is_xxh3_and_a_sha256_one_still_loads).
 TAMPER = {
-    "truncated": (lambda h, d, t: [h, *d[:-1], spb.ShardChunk(data=d[-1].data[:-100]), t],
-                  "shard stream ended after {short} bytes, header said {total}"),
-    "flipped_byte": (lambda h, d, t: [h, *d[:-1], spb.ShardChunk(data=_flip(d[-1].data)), t],
-                     "shard checksum mismatch: the stream was corrupted"),
-    "wrong_trailer": (lambda h, d, t: [h, *d, spb.ShardChunk(trailer=spb.ShardTrailer(sha256=hashlib.sha256(b"other").hexdigest()))],
-                      "shard checksum mismatch: the stream was corrupted"),
-    "wrong_xxh3_trailer": (lambda h, d, t: [h, *d, spb.ShardChunk(trailer=spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(b"other")))],
-                           "shard checksum mismatch: the stream was corrupted"),
-    "flipped_byte_sha256_trailer": (lambda h, d, t: [h, *d[:-1], spb.ShardChunk(data=_flip(d[-1].data)), _sha256_trailer(d)],
-                                    "shard checksum mismatch: the stream was corrupted"),
+    "truncated": (
+        lambda h, d, t: [h, *d[:-1], spb.ShardChunk(data=d[-1].data[:-100]), t],
+        "shard stream ended after {short} bytes, header said {total}",
+    ),
+    "flipped_byte": (
+        lambda h, d, t: [h, *d[:-1], spb.ShardChunk(data=_flip(d[-1].data)), t],
+        "shard checksum mismatch: the stream was corrupted",
+    ),
+    "wrong_trailer": (
+        lambda h, d, t: [h, *d, spb.ShardChunk(trailer=spb.ShardTrailer(sha256=hashlib.sha256(b"other").hexdigest()))],
+        "shard checksum mismatch: the stream was corrupted",
+    ),
+    "wrong_xxh3_trailer": (
+        lambda h, d, t: [h, *d, spb.ShardChunk(trailer=spb.ShardTrailer(xxh3_128=xxhash.xxh3_128_hexdigest(b"other")))],
+        "shard checksum mismatch: the stream was corrupted",
+    ),
+    "flipped_byte_sha256_trailer": (
+        lambda h, d, t: [h, *d[:-1], spb.ShardChunk(data=_flip(d[-1].data)), _sha256_trailer(d)],
+        "shard checksum mismatch: the stream was corrupted",
+    ),
     "no_trailer": (lambda h, d, t: [h, *d], "shard stream ended without its checksum trailer"),
     "no_header": (lambda h, d, t: [*d, t], "shard stream sent data before its header"),
 }
@@ -77,8 +87,7 @@ class TamperingStore(AdapterStoreService):
 
     async def FetchShard(self, request, context):
         # The real FetchShard yields data chunks already framed (bytes): back to messages here.
-        chunks = [spb.ShardChunk.FromString(c) if isinstance(c, bytes) else c
-                  async for c in super().FetchShard(request, context)]
+        chunks = [spb.ShardChunk.FromString(c) if isinstance(c, bytes) else c async for c in super().FetchShard(request, context)]
         if self.mode is not None:
             alter = HONEST[self.mode] if self.mode in HONEST else TAMPER[self.mode][0]
             chunks = alter(chunks[0], chunks[1:-1], chunks[-1])
@@ -89,8 +98,14 @@ class TamperingStore(AdapterStoreService):
 class Setup:
     def __init__(self, lt, base_dir: Path, adapters: Path, data: Path):
         self.lt = lt
-        scfg = StoreConfig(listen="127.0.0.1:0", data_dir=data, base_model="tiny", base_model_path=base_dir,
-                           sources=SourceConfig(local_roots=(adapters,)), limits=validate.Limits(max_rank=16))
+        scfg = StoreConfig(
+            listen="127.0.0.1:0",
+            data_dir=data,
+            base_model="tiny",
+            base_model_path=base_dir,
+            sources=SourceConfig(local_roots=(adapters,)),
+            limits=validate.Limits(max_rank=16),
+        )
         services = []
 
         def add(server):
@@ -101,9 +116,18 @@ class Setup:
         self.store = services[0]
         self.store_address = f"127.0.0.1:{self.store_server.port}"
         StoreClient(self.store_address).register(ADAPTER, str(adapters / ADAPTER))
-        cfg = ExecutorConfig(model=str(base_dir), base_model="tiny", dtype="float32", max_loras=2, max_rank=16,
-                             num_blocks=64, block_size=4, max_model_len=128, store_address=self.store_address,
-                             adapter_refresh_s=0)
+        cfg = ExecutorConfig(
+            model=str(base_dir),
+            base_model="tiny",
+            dtype="float32",
+            max_loras=2,
+            max_rank=16,
+            num_blocks=64,
+            block_size=4,
+            max_model_len=128,
+            store_address=self.store_address,
+            adapter_refresh_s=0,
+        )
         self.parts = build_executor(cfg)
         self.server, port = lt.run(serve_executor(self.parts, "127.0.0.1:0"))
         self.executor = ExecutorClient(f"127.0.0.1:{port}", timeout_s=60)
@@ -148,12 +172,12 @@ def test_executor_never_puts_a_damaged_shard_in_a_slot(honest_after, tiny_chat_l
     setup = honest_after
     total = shard_bytes(setup)
     prompt = [BOS, 72, 105, 33, 10]
-    request = epb.GenerateRequest(adapter=ADAPTER, token_ids=epb.TokenIds(ids=prompt),
-                                  sampling=epb.SamplingParams(max_tokens=6), return_logprobs=True)
+    request = epb.GenerateRequest(
+        adapter=ADAPTER, token_ids=epb.TokenIds(ids=prompt), sampling=epb.SamplingParams(max_tokens=6), return_logprobs=True
+    )
     for mode in sorted(TAMPER):
         setup.store.mode = mode
-        for call in (lambda: setup.executor.load(ADAPTER),
-                     lambda: setup.executor._call(setup.executor.stub.Generate, request)):
+        for call in (lambda: setup.executor.load(ADAPTER), lambda: setup.executor._call(setup.executor.stub.Generate, request)):
             with pytest.raises(StatusError) as e:
                 call()
             assert e.value.code == grpc.StatusCode.DATA_LOSS, (mode, e.value)
@@ -169,8 +193,9 @@ def test_executor_never_puts_a_damaged_shard_in_a_slot(honest_after, tiny_chat_l
         logits = reference(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1 :].double()
     logprobs = torch.log_softmax(logits, -1)
     assert logprobs.argmax(-1).tolist() == out
-    torch.testing.assert_close(torch.tensor(list(resp.logprobs), dtype=torch.float64),
-                               logprobs[torch.arange(len(out)), out], atol=2e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(list(resp.logprobs), dtype=torch.float64), logprobs[torch.arange(len(out)), out], atol=2e-4, rtol=0
+    )
 
 
 def test_cli_fetch_of_a_damaged_stream_fails_and_writes_nothing(honest_after, tiny_chat_llama, tmp_path):
@@ -178,8 +203,24 @@ def test_cli_fetch_of_a_damaged_stream_fails_and_writes_nothing(honest_after, ti
     setup.store.mode = "flipped_byte"
     loraserve = str(Path(sys.executable).parent / "loraserve")
     out = tmp_path / "shards"
-    args = [loraserve, "--log-level", "WARNING", "adapters", "--store", setup.store_address, "fetch", ADAPTER,
-            "--model", str(tiny_chat_llama[1]), "--dtype", "float32", "--max-rank", "16", "--out", str(out)]
+    args = [
+        loraserve,
+        "--log-level",
+        "WARNING",
+        "adapters",
+        "--store",
+        setup.store_address,
+        "fetch",
+        ADAPTER,
+        "--model",
+        str(tiny_chat_llama[1]),
+        "--dtype",
+        "float32",
+        "--max-rank",
+        "16",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "error: DATA_LOSS: shard checksum mismatch: the stream was corrupted" in proc.stderr
     assert "checksum ok" not in proc.stdout and list(out.iterdir()) == []  # (test_cli.py fetches honest shards)
@@ -194,8 +235,13 @@ def test_a_cold_load_reaches_the_slot_copy_as_views_of_the_one_buffer_the_stream
     setup, seen = honest_after, []
 
     async def load():
-        mgr = SlotManager(setup.parts.store.fetch_shard, lambda slot, tensors: seen.append(tensors), lambda slot: None,
-                          max_loras=1, device=torch.device("cpu"))
+        mgr = SlotManager(
+            setup.parts.store.fetch_shard,
+            lambda slot, tensors: seen.append(tensors),
+            lambda slot: None,
+            max_loras=1,
+            device=torch.device("cpu"),
+        )
         mgr.release(await mgr.acquire(ADAPTER))
         return mgr.state(ADAPTER).bytes
 
@@ -207,8 +253,11 @@ def test_a_cold_load_reaches_the_slot_copy_as_views_of_the_one_buffer_the_stream
     arena = setup.parts.store.arena  # a CPU executor's default host arena
     assert len(tensors) > 1 and len(storages) == 1 and end - start <= nbytes  # one storage, within the shard's bytes
     assert arena is not None and arena.holds(next(iter(tensors.values())))
-    (block,) = [(arena.base.data_ptr() + o, size) for o, size in arena._live.items()
-                if arena.base.data_ptr() + o <= start < arena.base.data_ptr() + o + size]
+    (block,) = [
+        (arena.base.data_ptr() + o, size)
+        for o, size in arena._live.items()
+        if arena.base.data_ptr() + o <= start < arena.base.data_ptr() + o + size
+    ]
     assert end <= block[0] + block[1]  # every view inside the one block the stream wrote
 
 
@@ -228,8 +277,24 @@ def test_the_honest_trailer_is_xxh3_and_a_sha256_one_still_loads(honest_after, t
     assert nbytes == len(good) and tensors
     loraserve = str(Path(sys.executable).parent / "loraserve")
     out = tmp_path / "shards"
-    args = [loraserve, "--log-level", "WARNING", "adapters", "--store", setup.store_address, "fetch", ADAPTER,
-            "--model", str(tiny_chat_llama[1]), "--dtype", "float32", "--max-rank", "16", "--out", str(out)]
+    args = [
+        loraserve,
+        "--log-level",
+        "WARNING",
+        "adapters",
+        "--store",
+        setup.store_address,
+        "fetch",
+        ADAPTER,
+        "--model",
+        str(tiny_chat_llama[1]),
+        "--dtype",
+        "float32",
+        "--max-rank",
+        "16",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "checksum ok" in proc.stdout, proc.stderr
 
@@ -280,6 +345,8 @@ def test_a_full_arena_lands_the_shard_in_a_fresh_buffer_and_says_why(honest_afte
     with caplog.at_level("WARNING", logger="loraserve.executor.store_client"):
         _, _, tensors, nbytes = setup.lt.run(client.fetch_shard(ADAPTER))
     assert tensors and not any(arena.holds(t) for t in tensors.values()) and arena.misses == 1
-    assert (f"host arena has no room for adapter {ADAPTER} ({nbytes} bytes; 4096 of 4096 bytes free, largest block "
-            "4096): it lands in a fresh host buffer (fetches in flight have the arena's room") in caplog.text
+    assert (
+        f"host arena has no room for adapter {ADAPTER} ({nbytes} bytes; 4096 of 4096 bytes free, largest block "
+        "4096): it lands in a fresh host buffer (fetches in flight have the arena's room"
+    ) in caplog.text
     setup.lt.run(client.close())

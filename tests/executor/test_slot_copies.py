@@ -66,6 +66,7 @@ def test_a_loop_queued_copy_runs_on_the_copy_stream_and_puts_back_every_devices_
         def finish():
             seen.append(("finished", torch.cuda.current_device(), torch.cuda.current_stream()))
             return 8
+
         return finish
 
     def copy(slot, tensors):

@@ -34,8 +34,15 @@ DTYPES = [torch.bfloat16, torch.float32]
 # (slot, rank, modules absent from the shard); rank 0: an empty shard. Odd sizes everywhere; slot 2
 # gets rank 8, then rank 4 (its old tail must go) without the experts; step 5 repeats step 1's layout;
 # step 6 targets the fully sharded column layer alone (its rank parts decide the slot's written rank).
-STEPS = [(0, 4, ()), (2, 8, ("o",)), (1, 6, ()), (2, 4, ("experts",)), (3, 4, ()),
-         (3, 10, ("qkv", "o", "sharded_row", "embed", "experts")), (0, 0, ())]
+STEPS = [
+    (0, 4, ()),
+    (2, 8, ("o",)),
+    (1, 6, ()),
+    (2, 4, ("experts",)),
+    (3, 4, ()),
+    (3, 10, ("qkv", "o", "sharded_row", "embed", "experts")),
+    (0, 0, ()),
+]
 
 
 def _modules(dtype, device, packed_b=False) -> nn.Module:
@@ -344,8 +351,10 @@ def test_a_worker_rank_refuses_its_packed_shard_at_another_rank_than_rank_0s(pac
         if packed_b:
             with pytest.raises(RuntimeError) as e:
                 rank._load_slot(2, version, rank0_rank=16)
-            assert str(e.value) == ("slot 2: this rank's shard of 'acme' (0123456789ab) has rank 8, rank 0's 16: "
-                                    "its packed B would be read at the wrong rank")
+            assert str(e.value) == (
+                "slot 2: this rank's shard of 'acme' (0123456789ab) has rank 8, rank 0's 16: "
+                "its packed B would be read at the wrong rank"
+            )
             assert rank.slots[2] == ("", "")
         else:
             rank._load_slot(2, version, rank0_rank=16)

@@ -352,20 +352,29 @@ async def test_a_fetch_is_told_whether_its_adapter_is_still_wanted(store, slots)
         await asyncio.sleep(0.01)
     assert mgr.state("adapter-0").in_cpu_cache
 
+
 @pytest.mark.parametrize("begun", [False, True], ids=["refused-by-the-copy", "refused-as-it-begins"])
 @pytest.mark.parametrize("cached", [False, True], ids=["fetched", "cached"])
 async def test_shard_the_model_refuses_is_invalid_argument_and_not_cached(store, slots, cached, begun):
     """Refused on a thread or on the loop, after a fetch or from the CPU cache (with loop copies: on
     the spot, `_load_now`), by the copy or (loop copies) as `queued_copy` begins it, before a slot is
     taken there: INVALID_ARGUMENT, the copy dropped and the slot free again."""
+
     def copy(slot, tensors):
         raise ValueError("layer.lora_a: shard tensor (1, 2, 4) does not fit slot (1, 8, 5)")
 
     queued = queued_by(copy)
     if begun:
         queued = lambda slot, tensors: copy(slot, tensors)  # noqa: E731
-    mgr = SlotManager(store.fetch, copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
-                      queued_copy=queued if slots.queued else None)
+    mgr = SlotManager(
+        store.fetch,
+        copy,
+        slots.clear,
+        max_loras=1,
+        max_cpu_adapters=8,
+        device=torch.device("cpu"),
+        queued_copy=queued if slots.queued else None,
+    )
     if cached:
         await mgr.load("adapter-0", into_slot=False)
     with pytest.raises(StatusError) as info:
@@ -513,8 +522,9 @@ async def test_a_request_cancelled_mid_switch_never_lets_the_clear_hit_another_a
         time.sleep(0.2)
         slots.clear(slot)
 
-    mgr = SlotManager(store.fetch, slots.copy, slow_clear, max_loras=1, max_cpu_adapters=8,
-                      device=torch.device("cpu"), slot_wait_timeout_s=2.0)
+    mgr = SlotManager(
+        store.fetch, slots.copy, slow_clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"), slot_wait_timeout_s=2.0
+    )
     running = await mgr.acquire("adapter-0")
     await mgr.refresh("adapter-0", store.register_again("adapter-0"))
     other = asyncio.create_task(mgr.acquire("adapter-1"))  # waits for the only slot
@@ -556,8 +566,15 @@ async def test_refresh_loop_survives_an_unexpected_error(store, slots, caplog, u
     def broken_clear(slot):
         raise RuntimeError("CUDA error: device-side assert")
 
-    mgr = SlotManager(store.fetch, slots.copy, broken_clear, max_loras=2, max_cpu_adapters=8,
-                      device=torch.device("cpu"), slot_wait_timeout_s=1.0)
+    mgr = SlotManager(
+        store.fetch,
+        slots.copy,
+        broken_clear,
+        max_loras=2,
+        max_cpu_adapters=8,
+        device=torch.device("cpu"),
+        slot_wait_timeout_s=1.0,
+    )
     mgr.release(await mgr.acquire("adapter-0"))
 
     class StoreAnswers:
@@ -620,8 +637,16 @@ async def test_a_load_on_the_spot_evicts_the_idle_adapter_and_reports_as_the_tas
     """Cached adapter-1 takes adapter-0's idle slot: one miss, one eviction, a CPU-tier load, on
     either path; adapter-0 keeps its host copy and loses its slot."""
     observer = Recorder()
-    mgr = SlotManager(store.fetch, slots.copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
-                      observer=observer, queued_copy=queued_by(slots.copy) if slots.queued else None)
+    mgr = SlotManager(
+        store.fetch,
+        slots.copy,
+        slots.clear,
+        max_loras=1,
+        max_cpu_adapters=8,
+        device=torch.device("cpu"),
+        observer=observer,
+        queued_copy=queued_by(slots.copy) if slots.queued else None,
+    )
     mgr.release(await mgr.acquire("adapter-0"))
     await mgr.load("adapter-1", into_slot=False)
     observer.calls.clear()
@@ -636,13 +661,20 @@ async def test_a_copy_that_fails_otherwise_frees_the_slot_keeps_the_host_copy_an
     def copy(slot, tensors):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    mgr = SlotManager(store.fetch, copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
-                      queued_copy=queued_by(copy) if slots.queued else None)
+    mgr = SlotManager(
+        store.fetch,
+        copy,
+        slots.clear,
+        max_loras=1,
+        max_cpu_adapters=8,
+        device=torch.device("cpu"),
+        queued_copy=queued_by(copy) if slots.queued else None,
+    )
     await mgr.load("adapter-0", into_slot=False)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         await mgr.acquire("adapter-0")
     assert mgr._slots == [None]
-    state, = mgr.states()
+    (state,) = mgr.states()
     assert state.name == "adapter-0" and state.slot == -1 and state.in_cpu_cache
 
 
@@ -650,9 +682,16 @@ async def test_a_load_that_asked_first_keeps_its_turn_over_one_done_on_the_spot(
     """adapter-0's copy cannot be queued from the loop (its load takes a task), adapter-1's can (on
     the spot, `_load_now`); both are cached and ask in the same instant for the one slot: the
     first to ask gets it, the other waits for it."""
-    mgr = SlotManager(store.fetch, slots.copy, slots.clear, max_loras=1, max_cpu_adapters=8, device=torch.device("cpu"),
-                      slot_wait_timeout_s=5.0,
-                      queued_copy=queued_by(slots.copy, lambda tensors: slots.by_value[float(tensors["layer.lora_a"][0, 0, 0])] != "adapter-0"))
+    mgr = SlotManager(
+        store.fetch,
+        slots.copy,
+        slots.clear,
+        max_loras=1,
+        max_cpu_adapters=8,
+        device=torch.device("cpu"),
+        slot_wait_timeout_s=5.0,
+        queued_copy=queued_by(slots.copy, lambda tensors: slots.by_value[float(tensors["layer.lora_a"][0, 0, 0])] != "adapter-0"),
+    )
     for name in NAMES[:2]:
         await mgr.load(name, into_slot=False)
     first = asyncio.create_task(mgr.acquire("adapter-0"))

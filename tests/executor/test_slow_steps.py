@@ -16,8 +16,7 @@ from loraserve.metrics import _ExecutorState
 LOGGER = "loraserve.executor.diagnostics.slow_steps"
 
 
-def step(kind: str, seconds: float, at: float, device: float | None = None, tokens: int = 8,
-         ahead: bool = False) -> StepTime:
+def step(kind: str, seconds: float, at: float, device: float | None = None, tokens: int = 8, ahead: bool = False) -> StepTime:
     return StepTime(kind, tokens, tokens, seconds, at + seconds, at, ahead, 0.002, device)
 
 
@@ -39,8 +38,7 @@ def test_a_step_far_over_its_kinds_median_is_logged_and_counted(caplog):
     assert watch.counts["decode-graph"] == 1 and sum(watch.counts.values()) == 1
     assert watch.longest[0] == pytest.approx(0.315)
     text = caplog.text
-    assert ("slow decode-graph step: 315.0 ms from launch to tokens "
-            "(the recent median of its kind and size 11.0 ms)") in text
+    assert ("slow decode-graph step: 315.0 ms from launch to tokens (the recent median of its kind and size 11.0 ms)") in text
     assert "8 sequences, 8 tokens" in text and "host queuing 2.0 ms, device 12.0 ms" in text
     assert "launched 4.0 ms after the previous step's tokens reached the host" in text
     assert "1 Triton build while serving since the previous step" in text
@@ -90,8 +88,10 @@ def test_a_stall_counts_once_not_once_per_step_in_flight_behind_it(caplog):
         assert not watch.observe(behind)  # launched 1.263 s before those tokens, done 30 ms after them
     assert watch.counts["decode-graph"] == 1 and caplog.text.count("slow decode-graph step") == 1
     line = slow_steps.describe(behind, 0.012, gap=-1.263, own=0.030)
-    assert line.startswith("1293.0 ms from launch to tokens, 30.0 ms of it after the previous step's tokens "
-                           "(the recent median of its kind and size 12.0 ms); 1 sequence, 1 token;")
+    assert line.startswith(
+        "1293.0 ms from launch to tokens, 30.0 ms of it after the previous step's tokens "
+        "(the recent median of its kind and size 12.0 ms); 1 sequence, 1 token;"
+    )
     assert "launched 1263.0 ms before the previous step's tokens reached the host" in line
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
+from loraserve.defaults import smollm2_gguf_path
 from loraserve.errors import StatusError
 from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.layout import model_config
@@ -21,12 +22,19 @@ from loraserve.executor.model.loader import load_model
 from loraserve.executor.parallel import TPGroup, tp_size_error
 from loraserve.executor.ranks import shard_checksum
 from loraserve.executor.service import build_executor
-from loraserve.defaults import smollm2_gguf_path
-
 from loraserve.v1 import executor_pb2 as epb
 
-from .conftest import (LORASERVE, Cluster, ParallelExecutorProcess, check_against_reference, check_bf16_rows, generate,
-                       need_cuda_devices, prompt_ids, run_group)
+from .conftest import (
+    LORASERVE,
+    Cluster,
+    ParallelExecutorProcess,
+    check_against_reference,
+    check_bf16_rows,
+    generate,
+    need_cuda_devices,
+    prompt_ids,
+    run_group,
+)
 
 # (family, tp_size, fully sharded LoRA, config overrides): Llama with biases on o_proj and down_proj
 # (added once, after the reduce), Qwen2 with q/k/v biases and tied embeddings (vocab-parallel both
@@ -58,8 +66,9 @@ def case(request):
 @pytest.fixture(scope="module")
 def base(hf_model, case, save_byte_tokenizer):
     family, _, _, overrides = case
-    model, path = hf_model(family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
-                           max_position_embeddings=512, **overrides)
+    model, path = hf_model(
+        family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512, **overrides
+    )
     if not (path / "tokenizer.json").exists():
         save_byte_tokenizer(path)
     return model, path
@@ -75,8 +84,9 @@ def adapter_dirs(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     for seed, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
         torch.manual_seed(seed)
-        peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
-                                                               use_rslora=rslora))
+        peft = get_peft_model(
+            copy.deepcopy(model), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora)
+        )
         with torch.no_grad():
             for n, p in peft.named_parameters():
                 if "lora_B" in n or "lora_embedding_B" in n:
@@ -101,16 +111,27 @@ def references(base, adapter_dirs):
 @pytest.fixture(scope="module")
 def cluster(module_loop_thread, base, adapter_dirs, case, tmp_path_factory):
     _, tp, sharded, _ = case
-    c = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path_factory.mktemp("store"), ADAPTERS, tp_size=tp,
-                fully_sharded_loras=sharded, lora_embeddings=True, cpu_threads=1, tp_timeout_s=60.0)
+    c = Cluster(
+        module_loop_thread,
+        base[1],
+        adapter_dirs,
+        tmp_path_factory.mktemp("store"),
+        ADAPTERS,
+        tp_size=tp,
+        fully_sharded_loras=sharded,
+        lora_embeddings=True,
+        cpu_threads=1,
+        tp_timeout_s=60.0,
+    )
     yield c
     c.close()
     # A clean stop: every rank exits 0 on its own (none had to be killed).
     assert [p.exitcode for p in c.parts.ranks._procs] == [0] * (tp - 1)
 
 
-def test_mixed_batches_match_transformers_peft_and_tp1(cluster, references, base, adapter_dirs, case,
-                                                       module_loop_thread, tmp_path):
+def test_mixed_batches_match_transformers_peft_and_tp1(
+    cluster, references, base, adapter_dirs, case, module_loop_thread, tmp_path
+):
     client = cluster.client()
     assert client.info().tp_size == case[1]
     outputs = {}
@@ -120,8 +141,7 @@ def test_mixed_batches_match_transformers_peft_and_tp1(cluster, references, base
             check_against_reference(references[name], ids, resp)
             outputs[(name, tuple(ids))] = list(resp.token_ids)
     # tp 1 on the same store gives the same greedy tokens.
-    one = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store1", ADAPTERS, lora_embeddings=True,
-                  cpu_threads=1)
+    one = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store1", ADAPTERS, lora_embeddings=True, cpu_threads=1)
     try:
         for group in GROUPS:
             jobs, resps = run_group(one.client(), group)
@@ -132,14 +152,24 @@ def test_mixed_batches_match_transformers_peft_and_tp1(cluster, references, base
 
 
 @pytest.mark.gpu
-def test_tp_over_nccl_on_cuda_serves_mixed_batches_like_peft_in_bf16(case, loop_thread, base, adapter_dirs,
-                                                                     references, tmp_path):
+def test_tp_over_nccl_on_cuda_serves_mixed_batches_like_peft_in_bf16(case, loop_thread, base, adapter_dirs, references, tmp_path):
     """The same cluster on tp CUDA devices (NCCL, bf16, the Triton kernels, each rank on its own GPU):
     every row within bf16 tolerance of its own adapter's float32 PEFT reference."""
     _, tp, sharded, _ = case
     need_cuda_devices(tp)
-    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", ADAPTERS, tp_size=tp, device="cuda",
-                dtype="bfloat16", fully_sharded_loras=sharded, lora_embeddings=True, tp_timeout_s=120.0)
+    c = Cluster(
+        loop_thread,
+        base[1],
+        adapter_dirs,
+        tmp_path / "store",
+        ADAPTERS,
+        tp_size=tp,
+        device="cuda",
+        dtype="bfloat16",
+        fully_sharded_loras=sharded,
+        lora_embeddings=True,
+        tp_timeout_s=120.0,
+    )
     try:
         client = c.client()
         assert client.info().tp_size == tp
@@ -261,17 +291,32 @@ def test_tp_size_that_does_not_split_the_model_names_the_sizes():
 
 
 def test_cli_refuses_a_tp_size_that_does_not_split_the_model(tmp_path):
-    out = subprocess.run([LORASERVE, "executor", "--tp-size", "2", "--executor-listen", "127.0.0.1:0",
-                          "--http-port", "0", "--cache-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            LORASERVE,
+            "executor",
+            "--tp-size",
+            "2",
+            "--executor-listen",
+            "127.0.0.1:0",
+            "--http-port",
+            "0",
+            "--cache-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1, out.stderr
     assert "error: " in out.stderr and "tp_size 2 does not split this model: 9 attention heads" in out.stderr
 
 
 @pytest.fixture
 def tp_executor_process(hf_model, save_byte_tokenizer, closed_port, free_port):
-    _, path = hf_model("llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
-                       max_position_embeddings=512)
+    _, path = hf_model(
+        "llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
+    )
     if not (path / "tokenizer.json").exists():
         save_byte_tokenizer(path)
     started = []
@@ -288,16 +333,20 @@ def tp_executor_process(hf_model, save_byte_tokenizer, closed_port, free_port):
 def test_a_rank_killed_mid_serving_ends_the_executor_with_a_clear_error(tp_executor_process):
     ex = tp_executor_process()
     assert len(generate(ex.client, "", prompt_ids(0), 2).token_ids) == 2  # serving on both ranks
-    stream = ex.client.stub.GenerateStream(epb.GenerateRequest(
-        token_ids=epb.TokenIds(ids=prompt_ids(1)), sampling=epb.SamplingParams(max_tokens=400)), timeout=60)
+    stream = ex.client.stub.GenerateStream(
+        epb.GenerateRequest(token_ids=epb.TokenIds(ids=prompt_ids(1)), sampling=epb.SamplingParams(max_tokens=400)), timeout=60
+    )
     next(iter(stream))  # mid-serving: a request is streaming
     os.kill(ex.rank1_pid, signal.SIGKILL)
     assert ex.wait(30) == 1
     with pytest.raises(Exception):
         for _ in stream:
             pass
-    assert re.search(rf"CRITICAL .*tensor-parallel rank 1 \(pid {ex.rank1_pid}\) was killed by signal 9.*; stopping the "
-                     r"tensor-parallel executor", ex.log), ex.log
+    assert re.search(
+        rf"CRITICAL .*tensor-parallel rank 1 \(pid {ex.rank1_pid}\) was killed by signal 9.*; stopping the "
+        r"tensor-parallel executor",
+        ex.log,
+    ), ex.log
 
 
 def test_sigterm_stops_every_rank_cleanly(tp_executor_process):

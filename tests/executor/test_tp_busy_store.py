@@ -33,8 +33,9 @@ def busy_cluster(request, loop_thread, hf_model, save_byte_tokenizer, tmp_path, 
 
     from loraserve.adapter_store import service
 
-    model, path = hf_model("llama", vocab_size=260, bos_token_id=256, eos_token_id=257, pad_token_id=258,
-                           max_position_embeddings=512)
+    model, path = hf_model(
+        "llama", vocab_size=260, bos_token_id=256, eos_token_id=257, pad_token_id=258, max_position_embeddings=512
+    )
     if not (path / "tokenizer.json").exists():
         save_byte_tokenizer(path)
     adapters = tmp_path / "adapters"
@@ -51,8 +52,17 @@ def busy_cluster(request, loop_thread, hf_model, save_byte_tokenizer, tmp_path, 
         return await trailer(*args)
 
     monkeypatch.setattr(service, "_trailer", held_trailer)
-    c = Cluster(loop_thread, path, adapters, tmp_path / "store", ["a", "b"], tp_size=getattr(request, "param", 2), cpu_threads=1,
-                tp_timeout_s=60.0, store_overrides=dict(max_streams=1, max_stream_wait_s=BUSY_WAIT_S))
+    c = Cluster(
+        loop_thread,
+        path,
+        adapters,
+        tmp_path / "store",
+        ["a", "b"],
+        tp_size=getattr(request, "param", 2),
+        cpu_threads=1,
+        tp_timeout_s=60.0,
+        store_overrides=dict(max_streams=1, max_stream_wait_s=BUSY_WAIT_S),
+    )
     c.held = held
     yield c
     loop_thread.loop.call_soon_threadsafe(held.set)
@@ -110,8 +120,10 @@ def test_a_rank_refused_by_a_busy_store_stops_asking_once_nobody_wants_the_adapt
 
     error, took = c.lt.run(run(), 60)
     assert error.code == grpc.StatusCode.CANCELLED
-    assert error.message == (f"tensor-parallel rank 1: adapter 'a': no request waits for it any more; not fetched "
-                             f"(the store at {c.store_address} was busy)")
+    assert error.message == (
+        f"tensor-parallel rank 1: adapter 'a': no request waits for it any more; not fetched "
+        f"(the store at {c.store_address} was busy)"
+    )
     assert took < BUSY_BACKOFF_MAX_S * 1.25 + BUSY_WAIT_S + 1  # its longest pause, one more refused ask, the poll
     states = c.lt.run(parts.ranks.states())
     assert ("a", digest) not in states[0]["shards"]

@@ -25,7 +25,9 @@ def test_the_ladder_has_two_token_counts_per_octave_the_tuned_ones_and_the_large
 
 
 def test_every_step_fits_the_cache_and_max_model_len_and_holds_its_token_count():
-    steps = warm_up_steps(max_tokens=300, max_model_len=128, block_size=16, num_blocks=20, max_loras=2, vocab_size=50, tuned=(17,))
+    steps = warm_up_steps(
+        max_tokens=300, max_model_len=128, block_size=16, num_blocks=20, max_loras=2, vocab_size=50, tuned=(17,)
+    )
     first, ladder = steps[0], steps[1:]
     assert first.query_lens == [32] and first.context_lens == [0] and first.sample_rows == [31]
     counts = [len(s.input_ids) for s in ladder]
@@ -37,7 +39,9 @@ def test_every_step_fits_the_cache_and_max_model_len_and_holds_its_token_count()
         assert step.query_lens[0] == 1 and step.context_lens[0] == 32  # the first sequence's decode row
         assert max(step.query_lens) <= 128 and all(c == 0 for c in step.context_lens[1:])
         blocks = [b for table in step.block_tables for b in table]
-        assert max(step.input_ids) < 50 and max(blocks) < 20 and len(set(blocks[3:])) == len(blocks) - 3  # only the first's are shared
+        assert (
+            max(step.input_ids) < 50 and max(blocks) < 20 and len(set(blocks[3:])) == len(blocks) - 3
+        )  # only the first's are shared
         for q, c, table in zip(step.query_lens, step.context_lens, step.block_tables):
             assert len(table) * 16 >= q + c
         assert step.sample_rows == [sum(step.query_lens[: i + 1]) - 1 for i in range(len(step.query_lens))]
@@ -63,11 +67,9 @@ def test_serving_after_the_warm_up_equals_serving_without_it(hf_model):
 
     want = serve(cache())
     used = cache()
-    steps = warm_up_steps(max_tokens=96, max_model_len=64, block_size=16, num_blocks=24, max_loras=2,
-                           vocab_size=cfg.vocab_size)
+    steps = warm_up_steps(max_tokens=96, max_model_len=64, block_size=16, num_blocks=24, max_loras=2, vocab_size=cfg.vocab_size)
     ran = []
-    seconds = warm_up(lambda s: ran.append(forward_step(model, used, s, 2, torch.device("cpu"))), steps,
-                      torch.device("cpu"))
+    seconds = warm_up(lambda s: ran.append(forward_step(model, used, s, 2, torch.device("cpu"))), steps, torch.device("cpu"))
     assert len(ran) == len(steps) and seconds >= 0
     assert any(c.abs().sum() > 0 for c in used.k_cache)  # the warm-up wrote into the cache
     torch.testing.assert_close(serve(used), want, rtol=0, atol=0)
@@ -83,10 +85,10 @@ def test_the_warm_up_runs_every_lora_module_s_kernels_though_no_slot_holds_an_ad
     calls = {"shrink": 0, "expand": 0}
     for op in calls:
         real = getattr(kernels, f"lora_{op}")
-        monkeypatch.setattr(kernels, f"lora_{op}", lambda *a, _real=real, _op=op, **k: calls.__setitem__(
-            _op, calls[_op] + 1) or _real(*a, **k))
-    steps = warm_up_steps(max_tokens=8, max_model_len=64, block_size=16, num_blocks=24, max_loras=2,
-                          vocab_size=cfg.vocab_size)
+        monkeypatch.setattr(
+            kernels, f"lora_{op}", lambda *a, _real=real, _op=op, **k: calls.__setitem__(_op, calls[_op] + 1) or _real(*a, **k)
+        )
+    steps = warm_up_steps(max_tokens=8, max_model_len=64, block_size=16, num_blocks=24, max_loras=2, vocab_size=cfg.vocab_size)
     assert all(s.every_slot for s in steps)
     forward_step(model, kv, steps[1], 2, torch.device("cpu"))  # the ladder's first step: 1 token on slot 0
     per_step = len(modules)  # every module: qkv, o, gate_up, down of each layer
@@ -112,12 +114,14 @@ def test_the_warm_up_reads_packed_b_slots_at_the_slot_rank(hf_model, monkeypatch
     packed = []
     real = kernels.lora_expand
     monkeypatch.setattr(kernels, "lora_expand", lambda *a, **k: packed.append(k.get("packed")) or real(*a, **k))
-    steps = warm_up_steps(max_tokens=8, max_model_len=64, block_size=16, num_blocks=24, max_loras=2,
-                          vocab_size=cfg.vocab_size, packed_rank=16)
+    steps = warm_up_steps(
+        max_tokens=8, max_model_len=64, block_size=16, num_blocks=24, max_loras=2, vocab_size=cfg.vocab_size, packed_rank=16
+    )
     assert all(s.slot_ranks == [16, 16] for s in steps)
     warm_up(lambda s: forward_step(model, kv, s, 2, torch.device("cpu")), steps, torch.device("cpu"))
     assert packed and all(packed)
-    steps = warm_up_steps(max_tokens=8, max_model_len=64, block_size=16, num_blocks=24, max_loras=2,
-                          vocab_size=cfg.vocab_size)  # no slot ranks
+    steps = warm_up_steps(
+        max_tokens=8, max_model_len=64, block_size=16, num_blocks=24, max_loras=2, vocab_size=cfg.vocab_size
+    )  # no slot ranks
     with pytest.raises(ValueError, match="slot_ranks"):
         forward_step(model, kv, steps[1], 2, torch.device("cpu"))

@@ -44,6 +44,7 @@ def no_reference_fallback(monkeypatch):
     from loraserve.kernels import triton_lora
 
     for name in ("lora_shrink", "lora_expand", "lora_embedding_shrink"):
+
         def refuse(*args, _name=name, **kwargs):
             raise AssertionError(f"triton_lora.{_name} fell back to the reference")
 

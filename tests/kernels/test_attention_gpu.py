@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .gpu_skip import skip_unless_cuda_and_triton  # noqa: E402
+from .gpu_skip import skip_unless_cuda_and_triton
 
 skip_unless_cuda_and_triton()
 
@@ -51,9 +51,15 @@ def build(gen, seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, 
     cu = torch.tensor([0] + list(q_lens), device=DEV).cumsum(0).to(torch.int32)
     q = torch.randn(int(sum(q_lens)), num_heads, head_dim, device=DEV, generator=gen).to(dtype)
     return dict(
-        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=tables,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
-        cu_query_lens=cu, max_query_len=max(q_lens), scale=head_dim**-0.5, sliding_window=window,
+        cu_query_lens=cu,
+        max_query_len=max(q_lens),
+        scale=head_dim**-0.5,
+        sliding_window=window,
     )
 
 
@@ -236,8 +242,11 @@ def test_prefill_work_list_matches_reference(dtype):
     from loraserve.kernels.attention_plan import prefill_queries, prefill_work_list
 
     gen = torch.Generator(device=DEV).manual_seed(10)
-    for seq_lens, q_lens, window in (([300, 40, 1, 129, 77], [70, 40, 1, 1, 33], None),
-                                     ([900, 64, 5], [300, 0, 5], 128), ([17], [17], None)):
+    for seq_lens, q_lens, window in (
+        ([300, 40, 1, 129, 77], [70, 40, 1, 1, 33], None),
+        ([900, 64, 5], [300, 0, 5], 128),
+        ([17], [17], None),
+    ):
         case = build(gen, seq_lens, q_lens, 32, 8, 128, 16, dtype, window)
         bound = 512  # the bucket: the launch shape, larger than any chunk here
         queries = prefill_queries(bound, 32, 8, 128, dtype)

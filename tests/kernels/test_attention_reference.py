@@ -87,8 +87,15 @@ def run_decode(case, scale, window=None):
 
 def run_prefill(case, scale, window=None):
     return attention_reference.paged_prefill_attention(
-        case["q"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
-        case["cu_query_lens"], case["max_query_len"], scale, window,
+        case["q"],
+        case["k_cache"],
+        case["v_cache"],
+        case["block_tables"],
+        case["seq_lens"],
+        case["cu_query_lens"],
+        case["max_query_len"],
+        scale,
+        window,
     )
 
 
@@ -177,8 +184,14 @@ def test_dispatch_runs_the_reference_for_cpu_tensors():
     case = build_case(gen, [5, 19], [1, 4], 4, 4, 16, 16)
     assert kernels._attention_impl(case["q"]) is attention_reference
     got = kernels.paged_prefill_attention(
-        case["q"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
-        case["cu_query_lens"], case["max_query_len"], 0.25,
+        case["q"],
+        case["k_cache"],
+        case["v_cache"],
+        case["block_tables"],
+        case["seq_lens"],
+        case["cu_query_lens"],
+        case["max_query_len"],
+        0.25,
     )
     assert_close(got, dense_attention(case, 0.25))
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from unittest import mock
 
-import torch
 import pytest
+import torch
 
 from .gpu_skip import INTERPRET
 
@@ -28,8 +28,8 @@ if torch.cuda.is_available():
     pytest.skip("a CUDA host builds and runs the kernels in its GPU tests", allow_module_level=True)
 pytest.importorskip("triton", reason="needs triton installed")
 
-from loraserve.kernels import model_shapes, tuning  # noqa: E402
-from loraserve.kernels.offline_build import (  # noqa: E402
+from loraserve.kernels import model_shapes, tuning
+from loraserve.kernels.offline_build import (
     BLOCK_SHARED_BYTES,
     H100_TABLE,
     LORA_KERNELS,
@@ -88,8 +88,10 @@ def _fits_an_h100_block(compiled_kernels) -> None:
     assert not spilled, spilled
     most = max(used, key=lambda u: u[1].shared)
     regs = max(used, key=lambda u: u[1].registers)
-    print(f"\nmost shared memory: {most[1].shared} bytes ({most[0]}); "
-          f"registers per thread {min(r.registers for _, r in used)}-{regs[1].registers} (most: {regs[0]})")
+    print(
+        f"\nmost shared memory: {most[1].shared} bytes ({most[0]}); "
+        f"registers per thread {min(r.registers for _, r in used)}-{regs[1].registers} (most: {regs[0]})"
+    )
 
 
 def test_grid_dependency_control_is_in_the_programmatic_variants_only(built):
@@ -168,10 +170,20 @@ def base_built():
                 lens, cu, tables = _step_ints(3, 80)
                 q = torch.empty(1031, heads, dim, dtype=bf16)
                 for max_query_len in (1, 4, 16, 500):
-                    built_by(attention.paged_prefill_attention, q, k_cache, k_cache, tables, lens, cu, max_query_len,
-                             0.1, window)
-                built_by(attention.paged_prefill_attention, q, k_cache, k_cache, tables, lens, cu, 500, 0.1, window,
-                         work=torch.zeros(40, 2, dtype=torch.int32))
+                    built_by(attention.paged_prefill_attention, q, k_cache, k_cache, tables, lens, cu, max_query_len, 0.1, window)
+                built_by(
+                    attention.paged_prefill_attention,
+                    q,
+                    k_cache,
+                    k_cache,
+                    tables,
+                    lens,
+                    cu,
+                    500,
+                    0.1,
+                    window,
+                    work=torch.zeros(40, 2, dtype=torch.int32),
+                )
             for tokens in (1, 64, 1031):
                 x = torch.empty(tokens, hidden, dtype=bf16)
                 built_by(ops.rms_norm, x, torch.empty(hidden, dtype=bf16), 1e-5)
@@ -183,8 +195,13 @@ def base_built():
                 built_by(ops.silu_and_mul, torch.empty(tokens, 2 * inter, dtype=bf16))
             built_by(ops.greedy, torch.empty(64, vocab, dtype=torch.float32))
         for tokens, slots in ((1, 64), (64, 64), (128, 64)):
-            grouped = built_by(modules["triton_meta"].group_tokens, torch.zeros(tokens, dtype=torch.int32), slots,
-                               torch.ones(slots, dtype=torch.int32), 16)
+            grouped = built_by(
+                modules["triton_meta"].group_tokens,
+                torch.zeros(tokens, dtype=torch.int32),
+                slots,
+                torch.ones(slots, dtype=torch.int32),
+                16,
+            )
             assert grouped is not None
         # a slot load's scatter (B-like rows of rank 8 into rank-64 slots)
         from loraserve.kernels.copy_reference import ScatterPlan, SlotCopy

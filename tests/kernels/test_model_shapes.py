@@ -59,11 +59,11 @@ def test_tp_sizes_a_model_cannot_split_over_are_skipped():
 
 
 def test_tp1_shapes_match_the_layout_the_executor_declares():
+    import torch
+
     from loraserve.executor.layout import declare_layout
     from loraserve.executor.model.config import ModelConfig
     from loraserve.executor.slot_layout import LoraSpec
-
-    import torch
 
     for f in FAMILIES:
         cfg = ModelConfig(

@@ -13,7 +13,9 @@ import torch
 
 DEVICE = os.environ.get("LORASERVE_TEST_DEVICE", "cuda")
 if DEVICE == "cuda" and not torch.cuda.is_available():
-    pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu.sh OUT test on a CUDA host)", allow_module_level=True)
+    pytest.skip(
+        "needs CUDA + Triton: no CUDA device here (run benchmarks/gpu.sh OUT test on a CUDA host)", allow_module_level=True
+    )
 try:
     from loraserve.kernels import ops_reference, triton_ops
 except ImportError:

@@ -28,8 +28,9 @@ from loraserve.kernels.offline_build import H100_TABLE  # noqa: E402
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.usefixtures("interpreter_device", "interpreter_pdl"),
-    pytest.mark.skipif(not INTERPRET and torch.cuda.get_device_capability()[0] < 9,
-                       reason="programmatic dependent launch needs sm90+"),
+    pytest.mark.skipif(
+        not INTERPRET and torch.cuda.get_device_capability()[0] < 9, reason="programmatic dependent launch needs sm90+"
+    ),
 ]
 
 INTERPRETER_SMS = 132  # an H100's: decode grids are one tile per program, as PDL needs
@@ -180,8 +181,7 @@ def test_programmatic_expands_of_several_column_steps_equal_the_reference(n_iter
     columns read before the wait) and the loop from the second one must still cover every column,
     also where a low-rank adapter's narrow tiles widen the steps."""
     pick = triton_lora.expand_config
-    monkeypatch.setattr(triton_lora, "expand_config",
-                        lambda *args: dataclasses.replace(pick(*args), n_iters=n_iters, block_n=32))
+    monkeypatch.setattr(triton_lora, "expand_config", lambda *args: dataclasses.replace(pick(*args), n_iters=n_iters, block_n=32))
     tokens, dim, widths, rank = 5, 1000, (600, 400), 64
     layers = weights(dim, widths, rank, seed=21)
     slots, ranks = slots_and_ranks(tokens, rank, seed=22)
@@ -245,7 +245,7 @@ def test_prefill_grids_and_the_default_are_not_programmatic(launches):
     slots, ranks = slots_and_ranks(tokens, rank, seed=2)
     x = torch.randn(tokens, dim, device=DEV, dtype=DTYPE)
     meta = make_lora_meta(slots, MAX_LORAS, slot_ranks=ranks)
-    (a, b), = layers
+    ((a, b),) = layers
     y = torch.zeros(tokens, dim, device=DEV, dtype=DTYPE)
     triton_lora.lora_expand(y, triton_lora.lora_shrink(x, a, meta, pdl=True), b, offsets(widths), meta, pdl=True)
     small = make_lora_meta(slots[:3].contiguous(), MAX_LORAS, slot_ranks=ranks)

@@ -45,10 +45,7 @@ def einsum_shrink(x, lora_a, slots):
 def einsum_expand(y, buf, lora_b, offsets, slots):
     b = lora_b.double()[slots.clamp(min=0).long()]  # [T, N, R]
     delta = torch.cat(
-        [
-            torch.einsum("tr,tnr->tn", buf[s].double(), b[:, offsets[s] : offsets[s + 1]])
-            for s in range(len(offsets) - 1)
-        ],
+        [torch.einsum("tr,tnr->tn", buf[s].double(), b[:, offsets[s] : offsets[s + 1]]) for s in range(len(offsets) - 1)],
         dim=1,
     )
     return y.double() + delta * (slots >= 0).double()[:, None]
@@ -263,8 +260,9 @@ def test_a_packed_b_unpacks_at_each_slot_s_rank_and_whole_where_the_rank_is_not_
     slot's first N x 8 elements as rows, FULL_RANK (a slot whose rank is not known, e.g. never
     loaded) the whole slot as [N, R], rank 0 nothing; never past the slot."""
     lora_b = torch.randn(3, 5, 16)
-    meta = make_lora_meta(torch.tensor([0, 1, 2], dtype=torch.int32), 3,
-                          slot_ranks=torch.tensor([FULL_RANK, 4, 0], dtype=torch.int32))
+    meta = make_lora_meta(
+        torch.tensor([0, 1, 2], dtype=torch.int32), 3, slot_ranks=torch.tensor([FULL_RANK, 4, 0], dtype=torch.int32)
+    )
     out = reference.unpacked(lora_b, meta, 16)
     assert torch.equal(out[0], lora_b[0])
     assert torch.equal(out[1, :, :8], lora_b[1].reshape(-1)[:40].view(5, 8)) and not out[1, :, 8:].any()

@@ -182,8 +182,12 @@ def test_narrow_expand_tiles_cover_their_columns(rank, n_iters, mode):
 def capped_prefill_expands() -> list:
     """The distinct register-capped expand configs of the shipped H100 table at prefill token counts."""
     table = json.loads((tuning.CONFIG_DIR / "nvidia_h100_80gb_hbm3.json").read_text())
-    configs = {tuning.ExpandConfig(**entry) for by_tokens in table["expand"].values() for t, entry in by_tokens.items()
-               if int(t) > tuning.DECODE_MAX_TOKENS and entry.get("maxnreg")}
+    configs = {
+        tuning.ExpandConfig(**entry)
+        for by_tokens in table["expand"].values()
+        for t, entry in by_tokens.items()
+        if int(t) > tuning.DECODE_MAX_TOKENS and entry.get("maxnreg")
+    }
     return sorted(configs, key=lambda c: tuple(tuning.as_dict(c).values()))
 
 

@@ -33,8 +33,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("interpreter_device", "no
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
 # The interpreter computes through NumPy, which has no bfloat16.
-DTYPES = pytest.mark.parametrize("dtype", [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16],
-                                 ids=lambda d: {torch.bfloat16: "bf16", torch.float16: "fp16"}[d])
+DTYPES = pytest.mark.parametrize(
+    "dtype",
+    [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16],
+    ids=lambda d: {torch.bfloat16: "bf16", torch.float16: "fp16"}[d],
+)
 DTYPE = torch.float16 if INTERPRET else torch.bfloat16  # of the single-dtype checks
 cuda_only = pytest.mark.skipif(INTERPRET, reason="needs a CUDA device (graphs, host syncs, dispatch)")
 
@@ -106,9 +109,7 @@ def offsets_of(widths):
     return tuple(offs)
 
 
-def check_layer(
-    num_tokens, in_features, widths, rank, adapters, none_frac, dtype, gen, ranks=None, num_slots=128, weights=None
-):
+def check_layer(num_tokens, in_features, widths, rank, adapters, none_frac, dtype, gen, ranks=None, num_slots=128, weights=None):
     """Shrink then expand on fresh inputs; returns (buf error, y error) and asserts the invariants."""
     lora_a, lora_b = weights or make_layer(num_slots, in_features, widths, rank, dtype, ranks, gen)
     slot_ids = torch.randperm(num_slots, device=DEV, generator=gen)
@@ -171,8 +172,7 @@ def test_benchmark_grid_matches_float64(dtype):
 def test_mixed_ranks_in_one_batch(dtype):
     gen = torch.Generator(device=DEV).manual_seed(2)
     ranks = [8, 16, 32, 64, 128, 8, 128, 16] * 2
-    hidden, widths, token_counts = scaled((4096, (4096, 1024, 1024), (5, 64, 300, 2048)),
-                                          (256, (256, 64, 64), (5, 64, 300)))
+    hidden, widths, token_counts = scaled((4096, (4096, 1024, 1024), (5, 64, 300, 2048)), (256, (256, 64, 64), (5, 64, 300)))
     for tokens in token_counts:
         e_buf, e_y = check_layer(tokens, hidden, widths, 128, 16, 0.2, dtype, gen, ranks, num_slots=16)
         assert e_buf < TOL[dtype] and e_y < TOL[dtype], (tokens, e_buf, e_y)
@@ -181,21 +181,24 @@ def test_mixed_ranks_in_one_batch(dtype):
 @DTYPES
 @pytest.mark.parametrize(
     "in_features,widths,rank",
-    scaled([
-        (4000, (4000,), 16),  # K not a multiple of any block
-        (2048, (11008, 11008), 32),  # gate/up
-        (896, (896, 128, 128), 8),  # small GQA, widths not multiples of 256
-        (1024, (512, 256, 256, 128, 128, 64), 16),  # more slices than one launch takes
-        (4096, (4096, 1024, 1024), 128),
-        (4096, (4096,), 1),
-    ], [
-        (400, (400,), 16),
-        (160, (344, 344), 32),
-        (96, (96, 16, 16), 8),
-        (128, (64, 32, 32, 16, 16, 8), 16),
-        (256, (256, 64, 64), 128),
-        (256, (256,), 1),
-    ]),
+    scaled(
+        [
+            (4000, (4000,), 16),  # K not a multiple of any block
+            (2048, (11008, 11008), 32),  # gate/up
+            (896, (896, 128, 128), 8),  # small GQA, widths not multiples of 256
+            (1024, (512, 256, 256, 128, 128, 64), 16),  # more slices than one launch takes
+            (4096, (4096, 1024, 1024), 128),
+            (4096, (4096,), 1),
+        ],
+        [
+            (400, (400,), 16),
+            (160, (344, 344), 32),
+            (96, (96, 16, 16), 8),
+            (128, (64, 32, 32, 16, 16, 8), 16),
+            (256, (256, 64, 64), 128),
+            (256, (256,), 1),
+        ],
+    ),
 )
 def test_odd_shapes(dtype, in_features, widths, rank):
     gen = torch.Generator(device=DEV).manual_seed(3)
@@ -290,8 +293,9 @@ def test_eager_calls_never_synchronise_with_the_host():
     x = torch.randn(300, 2048, device=DEV, generator=gen).to(torch.bfloat16)
     y = torch.randn(300, 2560, device=DEV, generator=gen).to(torch.bfloat16)
     buf = torch.empty(2, 300, 16, device=DEV)
-    lora_expand(y, lora_shrink(x, lora_a, make_lora_meta(slots, 8), buf), lora_b, (0, 2048, 2560),
-                make_lora_meta(slots, 8))  # compile first
+    lora_expand(
+        y, lora_shrink(x, lora_a, make_lora_meta(slots, 8), buf), lora_b, (0, 2048, 2560), make_lora_meta(slots, 8)
+    )  # compile first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

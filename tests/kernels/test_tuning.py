@@ -35,12 +35,8 @@ def test_same_shape_takes_the_nearest_tuned_token_count():
 
 
 def test_empty_table_falls_back_to_the_default_rule():
-    assert with_table({}, lambda: tuning._shrink_config("test_gpu", 64, 8192, 3, 64)) == tuning._default_shrink(
-        64, 8192, 192
-    )
-    assert with_table({}, lambda: tuning._expand_config("test_gpu", 3, (896,), 8)) == tuning._default_expand(
-        3, 896, 8
-    )
+    assert with_table({}, lambda: tuning._shrink_config("test_gpu", 64, 8192, 3, 64)) == tuning._default_shrink(64, 8192, 192)
+    assert with_table({}, lambda: tuning._expand_config("test_gpu", 3, (896,), 8)) == tuning._default_expand(3, 896, 8)
 
 
 def test_longer_reduction_gets_proportionally_more_k_splits():
@@ -59,8 +55,11 @@ def test_pow2_split_stays_within_the_k_blocks():
     assert tuning.pow2_split(18944, 64, 128) == 128
     assert tuning.pow2_split(29568, 128, 256) == 128
     assert tuning.pow2_split(1000, 64, 10) == 16  # 100 wanted, 16 K blocks: at most 16
-    assert all(tuning.pow2_split(k, 64, p) & (tuning.pow2_split(k, 64, p) - 1) == 0
-               for k in (100, 896, 3696, 18944) for p in (64, 200, 1000))
+    assert all(
+        tuning.pow2_split(k, 64, p) & (tuning.pow2_split(k, 64, p) - 1) == 0
+        for k in (100, 896, 3696, 18944)
+        for p in (64, 200, 1000)
+    )
 
 
 def test_unsplit_entries_stay_unsplit_and_block_n_fits_the_output():
@@ -106,8 +105,7 @@ def test_decode_token_counts_take_decode_entries_only():
         assert tuning._expand_config("test_gpu", 700, (4096,), 8) == tuning.ExpandConfig(**prefill)
 
     with_table(table, check)
-    only_prefill = with_table({"expand": {"4096x8": {"1024": prefill}}},
-                              lambda: tuning._expand_config("test_gpu", 8, (4096,), 8))
+    only_prefill = with_table({"expand": {"4096x8": {"1024": prefill}}}, lambda: tuning._expand_config("test_gpu", 8, (4096,), 8))
     assert only_prefill == tuning.ExpandConfig(**prefill)
 
 
@@ -115,8 +113,10 @@ def test_a_register_cap_is_read_from_the_entry_and_kept_through_the_shrinks_resc
     """maxnreg (Triton's register cap; triton_lora passes it to the launch where it is set): 0 where
     an entry has none, the entry's own value where it has one, also for a shrink moved to another input size."""
     shrink = dict(block_m=16, block_n=64, block_k=64, split_k=4, num_warps=4, num_stages=4, ctas_per_sm=8)
-    table = {"expand": {"4096x8": {"16": dict(EXPAND, maxnreg=96)}, "6144x8": {"16": EXPAND}},
-             "shrink": {"4096x1x16": {"16": dict(shrink, maxnreg=128)}}}
+    table = {
+        "expand": {"4096x8": {"16": dict(EXPAND, maxnreg=96)}, "6144x8": {"16": EXPAND}},
+        "shrink": {"4096x1x16": {"16": dict(shrink, maxnreg=128)}},
+    }
 
     def check():
         assert tuning._expand_config("test_gpu", 16, (4096,), 8).maxnreg == 96
@@ -205,8 +205,13 @@ def test_the_h100_table_caps_registers_on_its_rank_128_prefill_expands_only():
     Every capped entry is a rank-128 prefill expand, and there are such entries: the test of their
     arithmetic (test_split_k_gpu.py) is parametrised by them and would otherwise go empty unnoticed."""
     table = json.loads((tuning.CONFIG_DIR / "nvidia_h100_80gb_hbm3.json").read_text())
-    capped = [(shape, int(t), entry["maxnreg"]) for op in ("shrink", "expand") for shape, by_tokens in table[op].items()
-              for t, entry in by_tokens.items() if entry.get("maxnreg")]
+    capped = [
+        (shape, int(t), entry["maxnreg"])
+        for op in ("shrink", "expand")
+        for shape, by_tokens in table[op].items()
+        for t, entry in by_tokens.items()
+        if entry.get("maxnreg")
+    ]
     assert len(capped) >= 100, len(capped)
     for shape, tokens, maxnreg in capped:
         assert shape in table["expand"] and tuning.parse_expand_key(shape)[1] == 128, shape
@@ -254,9 +259,7 @@ def test_the_tuned_grid_keeps_its_entries():
                         cfg = tuning._shrink_config("test_gpu", int(tokens), hidden, len(widths), rank)
                         assert cfg == tuning.ShrinkConfig(**entry)
                     for tokens, entry in table["expand"][e_key].items():
-                        assert tuning._expand_config("test_gpu", int(tokens), widths, rank) == tuning.ExpandConfig(
-                            **entry
-                        )
+                        assert tuning._expand_config("test_gpu", int(tokens), widths, rank) == tuning.ExpandConfig(**entry)
     finally:
         tuning.set_table("test_gpu", {})
 
@@ -298,8 +301,15 @@ def test_skinny_gemm_only_for_listed_shapes_and_token_counts():
 
     def check():
         got = [tuning._skinny_config("test_gpu", t, 6144, 4096) for t in (1, 2, 8, 9, 16, 17, 64)]
-        assert got == [tuning.SkinnyConfig(**SKINNY), None, None, tuning.SkinnyConfig(**dict(SKINNY, block_n=64)),
-                       tuning.SkinnyConfig(**dict(SKINNY, block_n=64)), None, None]
+        assert got == [
+            tuning.SkinnyConfig(**SKINNY),
+            None,
+            None,
+            tuning.SkinnyConfig(**dict(SKINNY, block_n=64)),
+            tuning.SkinnyConfig(**dict(SKINNY, block_n=64)),
+            None,
+            None,
+        ]
         assert tuning._skinny_config("test_gpu", 1, 4096, 6144) is None  # N and K are not interchangeable
         assert tuning._skinny_config("test_gpu", 1, 6144, 4095) is None  # no nearest-entry rule
 
