@@ -500,7 +500,7 @@ async def serve(cfg: StoreConfig) -> tuple[RunningServer, int]:
         services.append(AdapterStoreService(cfg))
         add_servicer(services[0], server)
 
-    server = await start_server(cfg.listen, add, (SERVICE_NAME,), tls=cfg.tls, options=BULK_OPTIONS)
+    server = await start_server(cfg.listen, add, (SERVICE_NAME,), tls=cfg.tls, options=BULK_OPTIONS, name="adapter store")
     server.on_drain.append(services[0].drain)
     metrics_server = serve_metrics(services[0].metrics.registry, cfg.metrics_listen)
     if metrics_server is not None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures as cf
+import copy
+import json
 import multiprocessing
 import os
 import statistics
@@ -23,7 +25,72 @@ import time
 from pathlib import Path
 
 import torch
-from bench_executor import PROMPTS, BaseModel, make_adapters
+
+from loraserve.defaults import DEFAULT_BASE_MODEL, smollm2_gguf_path
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "How many legs does a spider have?",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "What is the boiling point of water?",
+    "Who wrote Romeo and Juliet?",
+    "What is the largest planet?",
+]
+ADAPTERS = [  # (rank, targets)
+    (8, ["q_proj", "v_proj"]),
+    (16, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    (4, ["gate_proj", "up_proj", "down_proj"]),
+    (8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    (32, ["q_proj", "v_proj"]),
+    (8, ["o_proj", "down_proj"]),
+    (16, ["gate_proj", "up_proj"]),
+    (4, ["q_proj", "k_proj", "v_proj"]),
+]
+
+
+class BaseModel:
+    """The model under test: the embedded GGUF, or a Hugging Face directory."""
+
+    def __init__(self, model_dir: str | None):
+        if model_dir:
+            self.path, self.name = str(Path(model_dir).resolve()), "bench-model"
+            self.label = f"{Path(model_dir).name} (HF safetensors)"
+        else:
+            self.path, self.name = str(smollm2_gguf_path()), DEFAULT_BASE_MODEL
+            self.label = "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)"
+
+    def load_hf(self, dtype: torch.dtype, device: str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        p = Path(self.path)
+        kw = dict(gguf_file=p.name) if p.suffix == ".gguf" else {}
+        where = p.parent if p.suffix == ".gguf" else p
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).to(device).eval()
+        return model, AutoTokenizer.from_pretrained(where, **kw)
+
+
+def make_adapters(base, model: BaseModel, root: Path) -> list[str]:
+    from peft import LoraConfig, get_peft_model
+
+    names = []
+    for i, (r, targets) in enumerate(ADAPTERS):
+        torch.manual_seed(i)
+        peft = get_peft_model(copy.deepcopy(base), LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets))
+        with torch.no_grad():
+            for n, p in peft.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.01)
+        name = f"bench{i}-r{r}"
+        peft.save_pretrained(root / name)
+        cfg_path = root / name / "adapter_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["base_model_name_or_path"] = model.name
+        cfg_path.write_text(json.dumps(cfg))
+        names.append(name)
+    return names
+
 
 FRONTS = (
     "engine, in-process",

@@ -152,6 +152,8 @@ def start_store(work: Path, port: int, redis_url: str | None, prefix: str, confi
         str(base),
         "--allow-local-root",
         str(work),
+        "--metrics-port",
+        "0",
     ]
     if redis_url:
         cmd += ["--redis-url", redis_url, "--redis-prefix", prefix]

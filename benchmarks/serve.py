@@ -149,6 +149,7 @@ class RandomAdapters:
 class Counter(SlotObserver):
     def __init__(self):
         self.hits = self.misses = self.evictions = 0
+        self.evicted: dict[str, int] = {}  # adapter name -> times it was taken out of a slot
         self.loads: list[tuple[str, float]] = []
         self.phases: list[tuple[float, float, float]] = []  # (fetch, slot wait, copy) of each load
 
@@ -158,14 +159,22 @@ class Counter(SlotObserver):
     def slot_miss(self):
         self.misses += 1  # noqa: E704
 
-    def slot_eviction(self):
-        self.evictions += 1  # noqa: E704
+    def slot_eviction(self, name):
+        self.evictions += 1
+        self.evicted[name] = self.evicted.get(name, 0) + 1
 
     def adapter_loaded(self, tier, seconds):
         self.loads.append((tier, seconds))  # noqa: E704
 
     def load_phases(self, *seconds):
         self.phases.append(seconds)  # noqa: E704
+
+
+def hottest_evictions(counter: Counter, max_loras: int) -> str:
+    """Evictions of the workload's hottest adapters (adapter-k is the k-th most asked for): each of
+    the top 3, and all of the top max_loras (the set the slots could hold for good)."""
+    top = [counter.evicted.get(f"adapter-{k}", 0) for k in range(max(3, max_loras))]
+    return f"{' / '.join(map(str, top[:3]))} (top 3), {sum(top[:max_loras])} (top {max_loras})"
 
 
 def phases(loads: list[tuple[float, float, float]]) -> str:
@@ -919,7 +928,8 @@ async def run(args, tokenizer) -> list[tuple]:
             "",
             "",
             f"{len(loads) / mixed.seconds:.1f} loads/s, load p50 / p99 {pct(loads, 50) * 1e3:.1f} / {pct(loads, 99) * 1e3:.1f} ms, "
-            f"{counter.evictions} evictions; loads from the CPU cache {sum(t == 'cpu' for t, _ in counter.loads)}, fetched first "
+            f"{counter.evictions} evictions, of the hottest adapters {hottest_evictions(counter, args.max_loras)}; "
+            f"loads from the CPU cache {sum(t == 'cpu' for t, _ in counter.loads)}, fetched first "
             f"{sum(t == 'store' for t, _ in counter.loads)}; "
             + phases(counter.phases)
             + (

@@ -112,6 +112,8 @@ class Services:
             str(adapters_root),
             "--drain-grace-s",
             "2",
+            "--metrics-port",
+            "0",
         ]
         if self.redis_port:
             self.store_args += ["--redis-url", f"redis://127.0.0.1:{self.redis_port}/0", "--redis-prefix", "soak:"]
@@ -179,6 +181,8 @@ class Services:
                 "",
                 "--drain-grace-s",
                 "5",
+                "--executor-metrics-port",
+                "0",
             ],
             stdout=subprocess.DEVNULL,
             stderr=open(self.root / "executor.log", "a"),

@@ -24,6 +24,7 @@ from .engine.kv_cache import KVCache
 from .engine.requests import GenerationRequest
 from .layout import declare_layout
 from .lora import lora_modules
+from .model.config import ModelConfig
 from .pinned_arena import PinnedArena, stream_fence
 from .ranks import TPRanks
 from .slot_copies import CopyIntoSlot, QueuedCopy
@@ -87,6 +88,7 @@ def build_engine(
     of slot events (default: the executor's metrics, which then also count requests in
     ExecutorParts.generate). writers: `slot_writers(model)` or wrappers of them. trace: SlotManager's."""
     mc = model.cfg
+    resolve_max_model_len(cfg, mc)
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
     modules = lora_modules(model)
     resolve_adapter_memory(cfg, model, modules)
@@ -124,6 +126,29 @@ def build_engine(
     if metrics is not None:
         metrics.attach(engine, slots, cfg.max_loras)
     return ExecutorParts(engine, slots, store, cfg, metrics=metrics, ranks=ranks, arena=arena)
+
+
+def resolve_max_model_len(cfg: ExecutorConfig, mc: ModelConfig) -> None:
+    """Fills in max_model_len left at 0 with the positions the model covers (ModelConfig.max_context_len),
+    at most the KV cache's num_blocks x block_size tokens (one sequence must fit alone); refuses a given
+    one above the model's positions (ValueError naming both). Idempotent: a resolved config passes."""
+    covered = mc.max_context_len
+    if cfg.max_model_len > covered:
+        scaling = mc.rope_scaling or {}
+        rope = f", rope_scaling {mc.rope_type} factor {scaling['factor']:g}" if scaling.get("factor") else ""
+        raise ValueError(
+            f"{cfg.model}: max_model_len {cfg.max_model_len} (--max-model-len) is above the {covered} positions "
+            f"the model covers (max_position_embeddings {mc.max_position_embeddings}{rope}); "
+            f"give {covered} or less, or 0 for the model's"
+        )
+    if cfg.max_model_len == 0:
+        cfg.max_model_len = min(covered, cfg.num_blocks * cfg.block_size)
+        log.info(
+            "max_model_len %d: the model's %d positions%s",
+            cfg.max_model_len,
+            covered,
+            f", held to the KV cache's {cfg.num_blocks} blocks of {cfg.block_size} tokens" if cfg.max_model_len < covered else "",
+        )
 
 
 def resolve_adapter_memory(cfg: ExecutorConfig, model, modules) -> None:

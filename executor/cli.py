@@ -13,10 +13,13 @@ from pathlib import Path
 
 from loraserve.cli import (
     EXECUTOR_ADDR,
+    EXECUTOR_METRICS_PORT,
     STORE_ADDR,
+    DefaultPort,
     add_client_tls_flags,
     add_drain_flag,
     add_store_flags,
+    check_metrics_listen,
     client_tls,
     env,
     metrics_listen,
@@ -122,7 +125,13 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
         default=int(env("max_admit_delay_steps", 16)),
         help="decode steps a hold lasts at most under --admit-ratio",
     )
-    p.add_argument("--max-model-len", type=int, default=int(env("max_model_len", 2048)))
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=int(env("max_model_len", 0)),
+        help="prompt + output tokens of one sequence (0: the model's max_position_embeddings, extended by its "
+        "RoPE scaling, at most --num-blocks x --block-size); more than the model's positions is refused",
+    )
     p.add_argument(
         "--enforce-eager",
         action="store_true",
@@ -187,8 +196,8 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     p.add_argument(
         "--executor-metrics-port",
         type=int,
-        default=int(env("executor_metrics_port", 0)),
-        help="port of Prometheus' /metrics, on --executor-listen's host (0: off)",
+        default=DefaultPort(EXECUTOR_METRICS_PORT),
+        help=f"port of Prometheus' /metrics, on --executor-listen's host ({EXECUTOR_METRICS_PORT} as in the Helm chart; 0: off)",
     )
     p.add_argument(
         "--metrics-max-adapters",
@@ -255,6 +264,7 @@ def cmd_executor(a) -> int:
 
     cfg = executor_config(a)
     check_listen(cfg.listen_address)  # before the model is loaded
+    check_metrics_listen(cfg.metrics_listen, "--executor-metrics-port")
 
     async def main():
         # The port answers at once (health NOT_SERVING, RPCs UNAVAILABLE) while the model loads.
@@ -290,6 +300,8 @@ def cmd_up(a) -> int:
         ecfg.admin_token = scfg.admin_token
     check_listen(scfg.listen)
     check_listen(ecfg.listen_address)
+    check_metrics_listen(scfg.metrics_listen, "--metrics-port")
+    check_metrics_listen(ecfg.metrics_listen, "--executor-metrics-port")
 
     async def main():
         store_server, store_port = await serve_store(scfg)
@@ -300,6 +312,13 @@ def cmd_up(a) -> int:
         try:
             await run_demo_batch(parts, names, make_request)
             print(f"\nloraserve is up: store on port {store_port}, executor on port {port}.")
+            metrics = [
+                f"{who} http://{where}/metrics"
+                for who, where in (("store", scfg.metrics_listen), ("executor", ecfg.metrics_listen))
+                if where
+            ]
+            if metrics:
+                print(f"Prometheus metrics: {', '.join(metrics)}")
             adapter = names[0] if names else ""
             print(f'Try: loraserve generate --executor 127.0.0.1:{port} --adapter {adapter} "Hello!"')
             if parts.http:

@@ -54,7 +54,9 @@ class ExecutorConfig:
     block_size: int = 16
     max_num_seqs: int = 32  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens (prefill + decode) in one step
-    max_model_len: int = 2048  # prompt + output tokens of one sequence
+    max_model_len: int = 0  # prompt + output tokens of one sequence; 0: the model's positions
+    # (ModelConfig.max_context_len), at most num_blocks x block_size. Set to the resolved length at start
+    # (executor/build.py `resolve_max_model_len`), where one above the model's positions is refused.
     # Admission pacing (executor/engine/scheduler.py), CUDA graphs only: while every running
     # sequence decodes, ready requests wait until those with a free seat number admit_ratio x the
     # running ones or the hold has lasted max_admit_delay_steps steps, so that one eager (prefill) step admits
@@ -100,6 +102,8 @@ class ExecutorConfig:
             )
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be 0 (the model's) or more, got {self.max_model_len}")
         if self.num_blocks * self.block_size < self.max_model_len:
             # One sequence of max_model_len tokens must fit alone, or it could never finish.
             raise ValueError(

@@ -4,8 +4,9 @@
 
 Each adapter's entry is a `HostCopy` record: the version last fetched and its host tensors. Its
 holder (the slot manager) makes it and passes it to every call; only this module writes it, and it
-knows nothing of slots. What it needs from above it asks through two callbacks given at
-construction: `waited_on(copy)`, whether anyone still waits for that adapter, and
+knows nothing of slots. What it needs from above it asks through callbacks given at
+construction: `waited_on(copy)`, whether anyone still waits for that adapter, `heat(copy)`, how hot
+the adapter is (executor/eviction.py: its holder's decayed count of requests for it), and
 `released(copy)`, told when the adapter's fetch has ended or its host copy was dropped here.
 
 Rules this module guarantees:
@@ -16,8 +17,9 @@ Rules this module guarantees:
   adapter already held here never waits for a seat: a hot adapter's request is not queued behind
   cold loads.
 - A failed fetch leaves nothing behind (the caller's waiters get the error; the next call retries).
-- The cache is bounded in bytes (and optionally in adapters); over budget it drops first the copies
-  no request waits on, least recently used first, never the one just fetched.
+- The cache is bounded in bytes (and optionally in adapters); over budget it drops copies by
+  executor/eviction.py's rule: first those no request waits on, the coldest first (the lowest
+  `heat`; the least recently used of equals), never the one just fetched.
 - One host copy per load: a shard lands where the store client streamed it (pinned on CUDA); only
   tensors that arrive unpinned are copied into pinned memory, so the slot copy is a true async DMA.
 """
@@ -67,6 +69,7 @@ class CpuCache:
         max_adapters: int | None,
         max_concurrent_loads: int | None,
         waited_on: Callable[[HostCopy], bool],
+        heat: Callable[[HostCopy], float],
         released: Callable[[HostCopy], None],
     ):
         self._fetch_shard = fetch_shard
@@ -78,7 +81,7 @@ class CpuCache:
         # Store fetches in flight at once (None: no limit). Many cold loads at once share the host's
         # cores and memory bandwidth, so each ends later; in turn, the first asked land first.
         self._seats = asyncio.Semaphore(max_concurrent_loads) if max_concurrent_loads else None
-        self._waited_on, self._released = waited_on, released
+        self._waited_on, self._heat, self._released = waited_on, heat, released
         self._tasks: set[asyncio.Task] = set()
 
     def state(self) -> tuple[int, int]:
@@ -157,8 +160,8 @@ class CpuCache:
         c.digest, c.rank, c.nbytes = digest, 0, 0
 
     def _shrink(self, keep: HostCopy) -> None:
-        """Drops host copies while over the byte (or adapter) budget: first those no request
-        waits on, least recently used first, then the others; never `keep`, just fetched."""
+        """Drops host copies while over the byte (or adapter) budget, by executor/eviction.py's rule:
+        first those no request waits on, the coldest first, then the others; never `keep`, just fetched."""
 
         def over() -> bool:
             return (self.budget_bytes is not None and self.nbytes > self.budget_bytes) or (
@@ -167,7 +170,8 @@ class CpuCache:
 
         if not over():
             return
-        for c in sorted(self._lru.values(), key=self._waited_on):  # stable: LRU within
+        # stable: the least recently used first of equal heats
+        for c in sorted(self._lru.values(), key=lambda c: (self._waited_on(c), self._heat(c))):
             if not over():
                 break
             if c is keep:

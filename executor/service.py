@@ -17,14 +17,14 @@ import torch
 
 from loraserve import __version__
 from loraserve.auth import require_admin
-from loraserve.errors import StatusError, grpc_errors, invalid, unavailable
+from loraserve.errors import grpc_errors, invalid, unavailable
 from loraserve.metrics import serve_metrics
 from loraserve.serving import RunningServer, start_server
 from loraserve.v1 import executor_pb2 as epb
 from loraserve.v1 import executor_pb2_grpc as epb_grpc
 
 from . import cublas, memory
-from .build import ExecutorParts, build_engine
+from .build import ExecutorParts, build_engine, resolve_max_model_len
 from .config import ExecutorConfig
 from .engine.requests import GenerationOutput, GenerationRequest
 from .engine.sampler import SamplingParams
@@ -35,7 +35,7 @@ from .model.loader import load_model
 from .model.tokenizer import Tokenizer
 from .parallel import ep_size_error, roles, tp_size_error
 from .ranks import TPRanks, lora_spec
-from .refresh import refresh_loop, refresh_one
+from .refresh import LoadChecks, refresh_loop
 from .slot_reports import AdapterState
 from .slots import SlotManager
 
@@ -93,14 +93,16 @@ def load_tokenizer(model_path: str, cache_dir: str = "") -> Tokenizer | TokenIds
 
 def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     """Loads the model with slot buffers, and wires slot manager, store client and engine.
-    With cfg.tp_size or cfg.ep_size > 1 this process is rank 0 and spawns ranks 1..N-1 (executor/ranks.py)."""
+    With cfg.tp_size or cfg.ep_size > 1 this process is rank 0 and spawns ranks 1..N-1 (executor/ranks.py).
+    cfg.max_model_len is resolved from the model's config first (a ValueError if above its positions)."""
     t0 = time.perf_counter()
     if cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
     cublas.without_workspace(cfg.device)  # before the first GEMM, and before the ranks are spawned (they inherit it)
+    mc = model_config(cfg.model)
+    resolve_max_model_len(cfg, mc)  # before the ranks are spawned: they get rank 0's length
     ranks = None
     if cfg.world_size > 1:
-        mc = model_config(cfg.model)
         error = tp_size_error(mc, cfg.tp_size, cfg.max_rank, cfg.fully_sharded_loras) or ep_size_error(mc, cfg.ep_size)
         if error is not None:
             raise ValueError(f"{cfg.model}: {error}")
@@ -188,6 +190,7 @@ class ExecutorService(epb_grpc.ExecutorServicer):
 
     def __init__(self, parts: ExecutorParts | None = None):
         self._parts = parts
+        self._load_checks: LoadChecks | None = None  # LoadAdapter's version checks, made with the parts
 
     @property
     def parts(self) -> ExecutorParts:
@@ -239,14 +242,9 @@ class ExecutorService(epb_grpc.ExecutorServicer):
     @grpc_errors
     async def LoadAdapter(self, request, context):
         require_admin(context, self.cfg.admin_token)
-        store = self.parts.store
-        if not store.answering:  # a held adapter never waits on a store that does not answer
-            log.info("LoadAdapter %s: the store at %s does not answer; its version is not checked", request.name, store.address)
-        else:
-            try:  # an explicit load brings the store's current version if it changed
-                await refresh_one(self.slots, store, request.name)
-            except StatusError as exc:  # store down: load what this executor holds
-                log.info("LoadAdapter %s: could not check the store's version: %s", request.name, exc.message)
+        if self._load_checks is None:
+            self._load_checks = LoadChecks(self.slots, self.parts.store)
+        await self._load_checks.check(request.name)  # the store's new version, if it answers at once
         return state_pb(await self.slots.load(request.name, into_slot=request.into_slot, pin=request.pin))
 
     @grpc_errors
@@ -289,7 +287,12 @@ async def open_server(cfg: ExecutorConfig, listen: str) -> tuple[RunningServer, 
     Executor RPC UNAVAILABLE, until serve(parts, listen, opened=(server, service)) completes."""
     service = ExecutorService()
     server = await start_server(
-        listen, lambda s: epb_grpc.add_ExecutorServicer_to_server(service, s), (SERVICE_NAME,), tls=cfg.tls, serving=False
+        listen,
+        lambda s: epb_grpc.add_ExecutorServicer_to_server(service, s),
+        (SERVICE_NAME,),
+        tls=cfg.tls,
+        serving=False,
+        name="executor",
     )
     return server, service
 

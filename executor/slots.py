@@ -2,7 +2,7 @@
 
 Adapters live in three tiers, each calling only the one below:
 
-    GPU slot (this module: LRU over `max_loras` slots, pins, in-use counts, versions)
+    GPU slot (this module: `max_loras` slots, the coldest idle one evicted, pins, in-use counts, versions)
       -> CPU cache (executor/cpu_cache.py: packed shards in host memory, pinned on CUDA, bounded in
          bytes; at most `max_concurrent_loads` fetches at once)
       -> store client (executor/store_client.py)
@@ -16,9 +16,13 @@ Rules this module guarantees:
   order they started waiting: an adapter never waits behind one that asked after it.
 - A request announces its adapter as soon as it arrives (`want`): the adapter's CPU copy is
   fetched from then on (prefetch), and slot eviction picks an idle adapter that no queued
-  request wants before one that some request does (then the least recently used). The CPU
-  cache's own rules (bounded bytes, fetch seats in turn) are in cpu_cache.py; an adapter in a
-  slot or in the CPU cache never waits for a fetch seat.
+  request wants before one that some request does, then the coldest: the lowest count of
+  references (acquires and admin loads), each halved every 16 x max_loras references since
+  (executor/eviction.py). So a hot adapter keeps its slot through a burst of one-off adapters.
+  The CPU cache drops copies by the same rule, asking this module for each adapter's heat; its
+  own rules (bounded bytes, fetch seats in turn) are in cpu_cache.py; an adapter in a slot or in
+  the CPU cache never waits for a fetch seat. An adapter's count lives on its record, so it is
+  lost once the adapter is in no tier.
 - A failed fetch leaves nothing behind; every waiter gets the error; the next acquire retries.
 - Adapters already in a slot or in the CPU cache keep serving when the store is down.
 - Loading never blocks the forward passes of other adapters (executor/slot_copies.py): the
@@ -44,6 +48,7 @@ import torch
 from loraserve.errors import exhausted, invalid, not_found, precondition
 
 from .cpu_cache import CpuCache, FetchShard, HostCopy
+from .eviction import COLD, HALF_LIFE_PER_SLOT, bumped, coldest
 from .slot_copies import CopyIntoSlot, QueuedCopy, SlotCopier
 from .slot_reports import AdapterState, SlotObserver
 
@@ -88,7 +93,7 @@ class _Adapter:
     wanted: int = 0  # requests queued for it that hold no lease yet (`want`)
     in_use: int = 0  # leases held by running requests
     holds: int = 0  # acquire/load calls in flight: keep the adapter in place meanwhile
-    lru_tick: int = 0
+    heat: float = COLD  # its decayed count of references (executor/eviction.py)
     last_used_unix_ms: int = 0
     slot_task: asyncio.Task | None = None
     stale: bool = False  # the store has another version: drop this one once nobody uses it
@@ -141,7 +146,8 @@ class SlotManager:
         self._adapters: dict[str, _Adapter] = {}
         self._slots: list[_Adapter | None] = [None] * max_loras
         self._clearing: set[int] = set()  # slots being zeroed after an evict
-        self._ticks = itertools.count(1)
+        self._references = itertools.count(1)  # the eviction clock: acquires and admin loads
+        self._half_life = HALF_LIFE_PER_SLOT * max(1, max_loras)  # in references
         self._changed = asyncio.Event()  # set (and replaced) whenever a slot may have become free
         self._tasks: set[asyncio.Task] = set()
         # Load tasks spawned that have not started yet: one of a cached adapter reaches its place in
@@ -155,6 +161,7 @@ class SlotManager:
             max_adapters=max_cpu_adapters,
             max_concurrent_loads=max_concurrent_loads,
             waited_on=self._host_waited_on,
+            heat=self._host_heat,
             released=self._host_released,
         )
         self.copier = SlotCopier(
@@ -220,7 +227,7 @@ class SlotManager:
         lease.released = True
         a = self._adapters[lease.name]  # in_use > 0 kept the record and its slot
         a.in_use -= 1
-        self._touch(a)
+        a.last_used_unix_ms = int(time.time() * 1000)
         if a.in_use == 0:
             self._notify()
             if a.stale and a.holds == 0:
@@ -528,7 +535,7 @@ class SlotManager:
                 ", wanted by a queued request" if old.wanted else "",
                 a.name,
             )
-            self.observer.slot_eviction()
+            self.observer.slot_eviction(old.name)
             old.slot, old.event = -1, None
             self._forget_if_unused(old)
         self._slots[slot], a.slot = a, slot
@@ -550,8 +557,9 @@ class SlotManager:
         return True
 
     def _pick_slot(self, a: _Adapter) -> int | None:
-        """For the first adapter waiting (FIFO: later ones wait their turn): a free slot, else an
-        idle one, preferring adapters no queued request wants, then the least recently used."""
+        """For the first adapter waiting (FIFO: later ones wait their turn): a free slot, else the
+        idle one to evict by executor/eviction.py's rule (not wanted by a queued request first, then
+        the coldest); None when every slot is pinned, in use, loading or being cleared."""
         if self._slot_queue and self._slot_queue[0] is not a:
             return None
         idle = []
@@ -561,8 +569,8 @@ class SlotManager:
             if s is None:
                 return i
             if s.evictable_from_slot:
-                idle.append((s.wanted > 0, s.lru_tick, i))
-        return min(idle)[2] if idle else None
+                idle.append((i, s.wanted > 0, s.heat))
+        return coldest(idle)
 
     # ---- bookkeeping ----------------------------------------------------------------------
 
@@ -582,6 +590,11 @@ class SlotManager:
         a = self._adapters.get(host.name)
         return a is not None and a.host is host and a.waited_on
 
+    def _host_heat(self, host: HostCopy) -> float:
+        """The CPU cache's question: how hot is this host copy's adapter (executor/eviction.py)?"""
+        a = self._adapters.get(host.name)
+        return a.heat if a is not None and a.host is host else COLD
+
     def _host_released(self, host: HostCopy) -> None:
         """The CPU cache's report: the adapter's fetch has ended or its host copy was dropped."""
         a = self._adapters.get(host.name)
@@ -596,7 +609,8 @@ class SlotManager:
             del self._adapters[a.name]
 
     def _touch(self, a: _Adapter) -> None:
-        a.lru_tick = next(self._ticks)
+        """One reference to the adapter (an acquire or an admin load): its heat goes up by one."""
+        a.heat = bumped(a.heat, next(self._references), self._half_life)
         a.last_used_unix_ms = int(time.time() * 1000)
 
     def _notify(self) -> None:

@@ -25,6 +25,14 @@ from loraserve.serving import DEFAULT_DRAIN_GRACE_S, ListenError, check_listen, 
 
 STORE_ADDR = "127.0.0.1:50061"
 EXECUTOR_ADDR = "127.0.0.1:50051"
+# /metrics of every command that serves (store, executor, up): on by default, at the Helm chart's
+# ports (deploy/helm/loraserve/values.yaml metrics.storePort / executorPort); 0 turns it off.
+STORE_METRICS_PORT = 9091
+EXECUTOR_METRICS_PORT = 9090
+
+
+class DefaultPort(int):
+    """A port flag's value when neither the flag nor its environment variable (apply_env) gave one."""
 
 
 def env(flag: str, default=None):
@@ -84,7 +92,8 @@ def add_drain_flag(p: argparse.ArgumentParser) -> None:
         "--drain-grace-s",
         type=float,
         default=float(env("drain_grace_s", DEFAULT_DRAIN_GRACE_S)),
-        help="on SIGTERM or Ctrl-C: seconds in-flight requests get to finish before they are cancelled",
+        help="on SIGTERM or Ctrl-C: seconds in-flight requests get to finish; those still running then end "
+        "UNAVAILABLE, saying the service is shutting down",
     )
 
 
@@ -168,8 +177,8 @@ def add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-port",
         type=int,
-        default=int(env("metrics_port", 0)),
-        help="port of Prometheus' /metrics, on --listen's host (0: off)",
+        default=DefaultPort(STORE_METRICS_PORT),
+        help=f"port of Prometheus' /metrics, on --listen's host ({STORE_METRICS_PORT} as in the Helm chart; 0: off)",
     )
 
 
@@ -187,8 +196,31 @@ def client_tls(a: argparse.Namespace):
 
 
 def metrics_listen(listen: str, port: int) -> str:
-    """host:port of /metrics: the service's host, the given port; "" when port is 0 (off)."""
-    return f"{listen.rsplit(':', 1)[0]}:{port}" if port else ""
+    """host:port of /metrics: the service's host, the given port; "" when port is 0 (off). A default
+    port (DefaultPort: no flag or variable named one) that another process holds turns /metrics off
+    with a warning, so a second service on one host still starts; a port given and taken fails the
+    start (check_metrics_listen)."""
+    if not port:
+        return ""
+    address = f"{listen.rsplit(':', 1)[0]}:{port}"
+    if isinstance(port, DefaultPort):
+        try:
+            check_listen(address)
+        except ListenError as e:
+            logging.getLogger("loraserve.cli").warning("/metrics off: %s (the default port; give another with its flag)", e)
+            return ""
+    return address
+
+
+def check_metrics_listen(listen: str, flag: str) -> None:
+    """Fails early (before loading a model), naming `flag`, when /metrics' address cannot be bound;
+    "" (off) always passes."""
+    if not listen:
+        return
+    try:
+        check_listen(listen)
+    except ListenError as e:
+        raise ListenError(f"{e} (/metrics, {flag}: give another port, or 0 for none)") from None
 
 
 def store_config(a: argparse.Namespace):
@@ -252,6 +284,7 @@ def cmd_store(a) -> int:
 
     cfg = store_config(a)
     check_listen(cfg.listen)
+    check_metrics_listen(cfg.metrics_listen, "--metrics-port")
 
     async def main():
         server, port = await serve(cfg)

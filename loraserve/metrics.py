@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loraserve.errors import StatusError
+from loraserve.serving import ListenError
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class ExecutorMetrics:
             "loraserve_executor_slot_misses", "Requests whose adapter had to be loaded into a slot", registry=r
         )
         self.slot_evictions = Counter(
-            "loraserve_executor_slot_evictions", "Adapters taken out of a slot (least recently used) for another", registry=r
+            "loraserve_executor_slot_evictions", "Adapters taken out of a slot (the coldest idle one) for another", registry=r
         )
         self.adapter_load = Histogram(
             "loraserve_executor_adapter_load_seconds",
@@ -172,7 +173,7 @@ class ExecutorMetrics:
     def slot_miss(self) -> None:
         self.slot_misses.inc()
 
-    def slot_eviction(self) -> None:
+    def slot_eviction(self, name: str) -> None:
         self.slot_evictions.inc()
 
     def adapter_loaded(self, tier: str, seconds: float) -> None:
@@ -384,10 +385,14 @@ class MetricsServer:
 
 
 def serve_metrics(registry: CollectorRegistry, listen: str) -> MetricsServer | None:
-    """Serves `registry` on host:port; None when listen is "" (metrics off)."""
+    """Serves `registry` on host:port; None when listen is "" (metrics off). A port that cannot be
+    bound (e.g. taken since the command checked it) fails with ListenError naming the address."""
     if not listen:
         return None
     host, _, port = listen.rpartition(":")
-    server = MetricsServer(registry, host.strip("[]") or "0.0.0.0", int(port))
+    try:
+        server = MetricsServer(registry, host.strip("[]") or "0.0.0.0", int(port))
+    except OSError as e:
+        raise ListenError(f"could not listen on {listen} for /metrics: {e.strerror or e}") from None
     log.info("metrics on http://%s:%d/metrics", host or "0.0.0.0", server.port)
     return server

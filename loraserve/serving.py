@@ -9,7 +9,10 @@
 - Health reports NOT_SERVING until `RunningServer.set_serving()` when the server is started
   with `serving=False` (the executor, while its model loads), and again from the drain on.
 - `RunningServer.drain(grace_s)` is the one way to stop: health goes NOT_SERVING, new RPCs are
-  refused, in-flight ones get `grace_s` to finish, then are cancelled.
+  refused, in-flight ones get `grace_s` to finish; those still running then end UNAVAILABLE with a
+  message that names the service, the grace and what to do ("the executor is shutting down: this
+  stream was cut at the end of its 30 s drain grace; retry on another replica"), not with gRPC's
+  bare "Cancelling all calls".
 - `wait_for_stop_signal` turns SIGTERM (Kubernetes) and SIGINT (Ctrl-C) into that same drain.
 - `outlast_cancellation(future)`: cleanup that must wait for a thread's call (which cannot be
   stopped) even while the task doing it is cancelled (a client gone, a shutdown); the
@@ -19,7 +22,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import inspect
 import logging
 import signal
 import socket
@@ -47,6 +52,10 @@ BULK_OPTIONS = [
     ("grpc.experimental.tcp_max_read_chunk_size", 4 << 20),
 ]
 DEFAULT_DRAIN_GRACE_S = 20.0  # deploy/helm's terminationGracePeriodSeconds leaves room beyond it
+# A call cut at the end of a drain's grace has this long to end (its handler's clean-up, and its
+# status reaching the client behind any responses the client has not read yet) before gRPC's own
+# stop cancels whatever still runs ("Cancelling all calls").
+CUT_MARGIN_S = 1.0
 
 
 class ListenError(RuntimeError):
@@ -69,6 +78,66 @@ def check_listen(listen: str) -> None:
         raise ListenError(f"could not listen on {listen}: not a host:port address") from None
 
 
+@dataclass(eq=False)
+class _Call:
+    task: asyncio.Task  # the one gRPC runs the call's handler in
+    kind: str  # "call" (a unary response) or "stream"
+    cut: str = ""  # the UNAVAILABLE message, once a drain has cut the call
+
+
+class InFlight(grpc.aio.ServerInterceptor):
+    """The calls a server is running (every method of every service), so that a drain can end
+    those still running at the end of its grace with UNAVAILABLE and a message of its own."""
+
+    def __init__(self):
+        self.calls: set[_Call] = set()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        kind = "stream" if handler.response_streaming else "call"
+        for field_name in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+            behavior = getattr(handler, field_name)
+            if inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior):
+                return handler._replace(**{field_name: self._tracked(behavior, kind)})
+        return handler  # a method run in a thread (none here): gRPC's stop cancels it
+
+    def cut(self, message: Callable[[str], str]) -> int:
+        """Ends every call in flight with UNAVAILABLE and message(kind), kind "call" or "stream"
+        (the handler is cancelled at the await it is at; its clean-up runs); returns how many."""
+        calls = [c for c in self.calls if not c.cut]
+        for call in calls:
+            call.cut = message(call.kind)
+            call.task.cancel(call.cut)
+        return len(calls)
+
+    def _tracked(self, behavior, kind: str):
+        """`behavior` as a coroutine that registers its call while it runs and turns a drain's cut
+        into its status. A streamed response's generator is written out here (context.write), not
+        by gRPC: so a cut that finds the call waiting to send (flow control) lands in this frame too."""
+        streamed = inspect.isasyncgenfunction(behavior)
+
+        async def tracked(request, context):
+            call = _Call(asyncio.current_task(), kind)
+            self.calls.add(call)
+            try:
+                if not streamed:
+                    return await behavior(request, context)
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        await context.write(response)
+            except asyncio.CancelledError:
+                if not call.cut or context.cancelled():  # the client left, or a cancellation not ours
+                    raise
+                call.task.uncancel()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, call.cut)
+            finally:
+                self.calls.discard(call)
+
+        return tracked
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
@@ -77,17 +146,34 @@ class RunningServer:
     services: tuple[str, ...] = ()
     metrics_port: int = 0  # the /metrics port, when the service serves one
     on_drain: list[Callable[[float], None]] = field(default_factory=list)  # told the grace first
+    name: str = "server"  # what a client is told is shutting down ("executor", "adapter store")
+    in_flight: InFlight = field(default_factory=InFlight)  # the interceptor of `server`
 
     async def set_serving(self) -> None:
         for name in ("", *self.services):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     async def drain(self, grace_s: float) -> None:
-        """Stops accepting RPCs and gives the in-flight ones `grace_s` seconds before cancelling them."""
+        """Stops accepting RPCs and gives the in-flight ones `grace_s` seconds; those still running
+        then end UNAVAILABLE ("the NAME is shutting down: this stream was cut at the end of its
+        GRACE s drain grace; retry on another replica"). Returns once every call has ended."""
         await self.health.enter_graceful_shutdown()
         for hook in self.on_drain:
             hook(grace_s)
-        await self.server.stop(grace_s)
+        stopping = asyncio.ensure_future(self.server.stop(grace_s + CUT_MARGIN_S))
+        await asyncio.wait([stopping], timeout=grace_s)
+        if not stopping.done():
+            cut = self.in_flight.cut(
+                lambda kind: (
+                    f"the {self.name} is shutting down: this {kind} was cut at the end of its "
+                    f"{grace_s:g} s drain grace; retry on another replica"
+                )
+            )
+            if cut:
+                log.info(
+                    "%s: %d call(s) still running at the end of the %g s drain grace: cut (UNAVAILABLE)", self.name, cut, grace_s
+                )
+        await stopping
 
     # The grpc.aio.Server calls tests and callers use.
     async def stop(self, grace_s: float | None) -> None:
@@ -104,12 +190,15 @@ async def start_server(
     tls: ServerTls | None = None,
     serving: bool = True,
     options: list[tuple[str, int]] = (),
+    name: str = "server",
 ) -> RunningServer:
     """A started gRPC server on `listen` with the standard health service SERVING for `services`
-    (NOT_SERVING until `set_serving()` when `serving` is False) and server reflection.
+    (NOT_SERVING until `set_serving()` when `serving` is False) and server reflection; `name` is
+    what its drain tells the clients it cuts is shutting down.
     `add_servicers` runs once the address is bound, so a service that fails to listen has not
     touched its data yet (the store cleans its staging folder when it is built)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS + list(options))
+    in_flight = InFlight()
+    server = grpc.aio.server(options=SERVER_OPTIONS + list(options), interceptors=[in_flight])
     credentials = tls.credentials() if tls is not None else None  # a bad file fails before the bind
     try:
         port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
@@ -123,7 +212,7 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     await server.start()
-    running = RunningServer(server, port, health_servicer, tuple(services))
+    running = RunningServer(server, port, health_servicer, tuple(services), name=name, in_flight=in_flight)
     if serving:
         await running.set_serving()
     else:

@@ -95,6 +95,48 @@ def test_every_flag_reads_its_environment_variable_and_help_names_it(monkeypatch
     assert build_parser().parse_args(["adapters", "list"]).token == "store-secret"  # other commands unaffected
 
 
+def test_metrics_are_on_by_default_at_the_charts_ports_in_every_serving_command(monkeypatch):
+    """One default for store, executor and up: /metrics on, at the Helm chart's ports (store 9091,
+    executor 9090), on the service's host; 0 turns it off."""
+    import yaml
+
+    from loraserve.cli import build_parser, metrics_listen
+
+    for name in ("LORASERVE_METRICS_PORT", "LORASERVE_EXECUTOR_METRICS_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    chart = yaml.safe_load((REPO / "deploy" / "helm" / "loraserve" / "values.yaml").read_text())["metrics"]
+    assert (chart["storePort"], chart["executorPort"]) == (9091, 9090)
+    parser = build_parser()
+    store, executor, up = (parser.parse_args([command]) for command in ("store", "executor", "up"))
+    assert store.metrics_port == up.metrics_port == chart["storePort"]
+    assert executor.executor_metrics_port == up.executor_metrics_port == chart["executorPort"]
+    assert metrics_listen(up.listen, up.metrics_port) == "127.0.0.1:9091"
+    assert metrics_listen(up.executor_listen, up.executor_metrics_port) == "127.0.0.1:9090"
+    off = parser.parse_args(["up", "--metrics-port", "0", "--executor-metrics-port", "0"])
+    assert metrics_listen(off.listen, off.metrics_port) == metrics_listen(off.executor_listen, off.executor_metrics_port) == ""
+
+
+def test_a_busy_default_metrics_port_turns_metrics_off_a_busy_given_one_fails(caplog):
+    """A second service on one host finds the default /metrics port taken: it starts without
+    /metrics and says so; a port given by flag or variable that is taken fails the start."""
+    import socket
+
+    from loraserve.cli import DefaultPort, check_metrics_listen, metrics_listen
+    from loraserve.serving import ListenError
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        taken = busy.getsockname()[1]
+        with caplog.at_level("WARNING", logger="loraserve.cli"):
+            assert metrics_listen("127.0.0.1:50061", DefaultPort(taken)) == ""
+        assert f"/metrics off: could not listen on 127.0.0.1:{taken}: address in use" in caplog.text
+        given = metrics_listen("127.0.0.1:50061", taken)
+        assert given == f"127.0.0.1:{taken}"
+        with pytest.raises(ListenError, match=r"address in use \(/metrics, --metrics-port: give another port, or 0 for none\)"):
+            check_metrics_listen(given, "--metrics-port")
+
+
 def test_a_negative_max_streams_is_refused_with_its_value(tmp_path):
     bad = cli("store", "--max-streams", "-1", "--data-dir", str(tmp_path / "store"), check=False)
     assert bad.returncode == 1 and "error: --max-streams must be 0 (no cap) or more, got -1" in bad.stderr
@@ -124,6 +166,8 @@ def store_process(tmp_path, tiny_llama_dir, s3_server, free_port):
             s3_server,
             "--s3-region",
             "us-east-1",
+            "--metrics-port",
+            "0",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -192,12 +236,13 @@ def _readme_blocks(language: str) -> list[str]:
 def test_up_prints_one_mixed_batch_and_the_readme_examples_run_against_it(tmp_path, free_port):
     """`loraserve up` as `make up` starts it (from the repository root, default allowed roots),
     then the README's store examples as written: only the addresses (to free ports, through
-    LORASERVE_STORE / LORASERVE_EXECUTOR) and the placeholder adapter path differ."""
+    LORASERVE_STORE / LORASERVE_EXECUTOR; /metrics too) and the placeholder adapter path differ."""
     demo = REPO / "deploy" / "demo-adapters"
     names = sorted(p.name for p in demo.iterdir() if (p / "adapter_config.json").is_file()) if demo.is_dir() else []
     if not names:
         pytest.skip("deploy/demo-adapters holds no adapters yet")
     store, executor, http_port = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", free_port()
+    store_metrics, executor_metrics = free_port(), free_port()
     proc = subprocess.Popen(
         [
             LORASERVE,
@@ -214,6 +259,10 @@ def test_up_prints_one_mixed_batch_and_the_readme_examples_run_against_it(tmp_pa
             executor,
             "--http-port",
             str(http_port),
+            "--metrics-port",
+            str(store_metrics),
+            "--executor-metrics-port",
+            str(executor_metrics),
             "--max-num-seqs",
             "32",
         ],

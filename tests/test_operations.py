@@ -160,7 +160,7 @@ def test_metrics_count_what_was_sent(served):
         and "is outside the store's allowed local roots" in outside.value.message
     )
 
-    sent = []  # (adapter, response) in order: qv8 misses then hits; o2 evicts qv8 (2 slots)
+    sent = []  # (adapter, response) in order: qv8 misses then hits; o2 evicts mlp4, the colder (2 slots)
     for adapter, n in (("", 3), ("qv8", 4), ("qv8", 5), ("mlp4", 2), ("o2", 6)):
         sent.append((adapter, executor._call(executor.stub.Generate, token_request(adapter, n))))
     with pytest.raises(StatusError) as missing:
@@ -180,7 +180,7 @@ def test_metrics_count_what_was_sent(served):
     assert value(ex, "loraserve_executor_requests_total", adapter="_other", code="NOT_FOUND") == 1
     assert value(ex, "loraserve_executor_slot_hits_total") == 1  # the second qv8
     assert value(ex, "loraserve_executor_slot_misses_total") == 4  # qv8, mlp4, o2, missing
-    assert value(ex, "loraserve_executor_slot_evictions_total") == 1  # qv8 (least recently used) for o2
+    assert value(ex, "loraserve_executor_slot_evictions_total") == 1  # mlp4 (asked for once; qv8 twice) for o2
     assert value(ex, "loraserve_executor_adapter_load_seconds_count", tier="store") == 3
     for phase in ("fetch", "slot_wait", "copy"):  # each load's time, split
         assert value(ex, "loraserve_executor_adapter_load_phase_seconds_count", phase=phase) == 3
@@ -211,8 +211,8 @@ def test_metrics_count_what_was_sent(served):
     assert shard_bytes > 0 and value(st, "loraserve_store_fetch_seconds_count", tier="packed") == 3
     assert value(st, "loraserve_store_cache_bytes", tier="disk") == shard_bytes  # every packed shard was kept
 
-    # qv8 again: its shard comes from the executor's CPU cache into a slot (no store fetch).
-    executor._call(executor.stub.Generate, token_request("qv8", 2))
+    # mlp4 again: its shard comes from the executor's CPU cache into a slot (no store fetch).
+    executor._call(executor.stub.Generate, token_request("mlp4", 2))
     ex = scrape(parts.metrics_server.port)
     assert value(ex, "loraserve_executor_adapter_load_seconds_count", tier="cpu") == 1
 

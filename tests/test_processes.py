@@ -13,8 +13,10 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 
 from loraserve.client import ExecutorClient, StoreClient
@@ -106,6 +108,8 @@ def store_args(port: int, data: Path, base: Path, root: Path, *extra) -> list[st
         str(base),
         "--allow-local-root",
         str(root),
+        "--metrics-port",
+        "0",
         *extra,
     ]
 
@@ -118,7 +122,17 @@ def test_a_second_store_or_executor_on_a_busy_port_refuses_to_start(procs, tmp_p
     second = procs(*store_args(port, tmp_path / "b", base, chat_adapters))
     assert second.wait(30) == 1, second.output
     assert f"error: could not listen on 127.0.0.1:{port}: address in use" in second.output
-    executor = procs("executor", "--model", str(base), "--executor-listen", f"127.0.0.1:{port}", "--cache-dir", "")
+    executor = procs(
+        "executor",
+        "--model",
+        str(base),
+        "--executor-listen",
+        f"127.0.0.1:{port}",
+        "--executor-metrics-port",
+        "0",
+        "--cache-dir",
+        "",
+    )
     assert executor.wait(60) == 1, executor.output
     assert f"error: could not listen on 127.0.0.1:{port}: address in use" in executor.output
     store = StoreClient(f"127.0.0.1:{port}", timeout_s=30)
@@ -126,6 +140,31 @@ def test_a_second_store_or_executor_on_a_busy_port_refuses_to_start(procs, tmp_p
         store.register(f"a{i}", str(chat_adapters / "qv8"))
     assert [m.name for m in store.list()] == [f"a{i}" for i in range(6)]
     assert not (tmp_path / "b" / "registry").exists() or not list((tmp_path / "b" / "registry").iterdir())
+
+
+def test_a_busy_metrics_port_is_refused_at_start_naming_the_flag(procs, tmp_path, tiny_chat_llama, chat_adapters, free_port):
+    """A /metrics port given and taken (another service on the host): the command exits 1 at once,
+    naming the address and the flag, before loading anything."""
+    base = tiny_chat_llama[1]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        taken = busy.getsockname()[1]
+        store = procs(*store_args(free_port(), tmp_path / "data", base, chat_adapters, "--metrics-port", str(taken)))
+        assert store.wait(30) == 1, store.output
+        assert (
+            f"error: could not listen on 127.0.0.1:{taken}: address in use (/metrics, --metrics-port: give another port, "
+            "or 0 for none)"
+        ) in store.output
+        port = free_port()
+        args = ("--executor-listen", f"127.0.0.1:{port}", "--executor-metrics-port", str(taken), "--cache-dir", "")
+        executor = procs("executor", "--model", str(base), *args)
+        assert executor.wait(60) == 1, executor.output
+        assert (
+            f"error: could not listen on 127.0.0.1:{taken}: address in use (/metrics, --executor-metrics-port: give "
+            "another port, or 0 for none)"
+        ) in executor.output
+        assert "executor ready" not in executor.output
 
 
 def test_store_drains_on_sigterm_and_an_acknowledged_registration_is_kept(
@@ -209,14 +248,96 @@ def test_staging_left_by_kill_9_during_registration_is_removed_at_start(
     assert "staging: removed 3 folder(s) left by an earlier run" in again.output
 
 
+def test_calls_still_running_at_the_end_of_the_executors_drain_grace_end_unavailable_saying_why(
+    procs, tiny_chat_llama, free_port
+):
+    """SIGTERM with --drain-grace-s 1: a stream and a unary Generate still running when the grace
+    ends (each waits for its cold adapter from a "store" that takes every call and answers none)
+    end UNAVAILABLE naming the executor's shutdown, the grace and what to do, not with gRPC's bare
+    "Cancelling all calls"; the process then exits 0."""
+    released = threading.Event()
+
+    def hang(request, context):
+        released.wait(120)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the silent store is closing")
+
+    def hang_stream(request, context):
+        yield hang(request, context)
+
+    class Silent(grpc.GenericRpcHandler):
+        def service(self, details):
+            if details.method.endswith("/FetchShard"):
+                return grpc.unary_stream_rpc_method_handler(hang_stream)
+            return grpc.unary_unary_rpc_method_handler(hang)
+
+    silent_store = grpc.server(cf.ThreadPoolExecutor(8), handlers=[Silent()])
+    store_port = silent_store.add_insecure_port("127.0.0.1:0")
+    silent_store.start()
+    port = free_port()
+    executor = procs(
+        "executor",
+        "--model",
+        str(tiny_chat_llama[1]),
+        "--executor-listen",
+        f"127.0.0.1:{port}",
+        "--store",
+        f"127.0.0.1:{store_port}",
+        "--store-timeout-s",
+        "120",
+        "--drain-grace-s",
+        "1",
+        "--http-port",
+        "0",
+        "--executor-metrics-port",
+        "0",
+        "--cache-dir",
+        "",
+        "--max-lora-rank",
+        "8",
+    )
+    executor.wait_for("executor serving gRPC on port")
+    client = ExecutorClient(f"127.0.0.1:{port}", timeout_s=60)
+    errors: dict[str, StatusError] = {}
+
+    def call(kind: str, adapter: str):
+        try:
+            if kind == "stream":
+                list(client.generate_stream("hello", adapter=adapter, max_tokens=8))
+            else:
+                client.generate("hello", adapter=adapter, max_tokens=8)
+        except StatusError as e:
+            errors[kind] = e
+
+    threads = [threading.Thread(target=call, args=args) for args in (("stream", "qv8"), ("call", "o2"))]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 30
+    while {s.name for s in client.list() if s.loading} != {"qv8", "o2"}:  # both in flight, waiting on the store
+        assert time.time() < deadline, executor.output
+        time.sleep(0.05)
+    executor.p.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(30)
+    assert executor.wait(30) == 0, executor.output
+    released.set()
+    silent_store.stop(0)
+    for kind in ("stream", "call"):
+        assert (errors[kind].code.name, errors[kind].message) == (
+            "UNAVAILABLE",
+            f"the executor is shutting down: this {kind} was cut at the end of its 1 s drain grace; retry on another replica",
+        ), executor.output
+
+
 @pytest.fixture(scope="module")
 def up_process(tiny_chat_llama, chat_adapters, tmp_path_factory, free_port):
-    """`loraserve up --admin-token T` on the tiny chat model, with two demo adapters."""
+    """`loraserve up --admin-token T` on the tiny chat model, with two demo adapters: (process, the
+    executor's address, {"store": its /metrics port, "executor": its /metrics port})."""
     demo = tmp_path_factory.mktemp("demo")
     for name in ("qv8", "o2"):
         shutil.copytree(chat_adapters / name, demo / name)
     base = tiny_chat_llama[1]
     sport, eport, hport = free_port(), free_port(), free_port()
+    metrics = {"store": free_port(), "executor": free_port()}
     p = Proc(
         "up",
         "--model",
@@ -235,6 +356,10 @@ def up_process(tiny_chat_llama, chat_adapters, tmp_path_factory, free_port):
         f"127.0.0.1:{eport}",
         "--http-port",
         str(hport),
+        "--metrics-port",
+        str(metrics["store"]),
+        "--executor-metrics-port",
+        str(metrics["executor"]),
         "--data-dir",
         str(tmp_path_factory.mktemp("up-data")),
         "--cache-dir",
@@ -244,14 +369,14 @@ def up_process(tiny_chat_llama, chat_adapters, tmp_path_factory, free_port):
     )
     try:
         p.wait_for("loraserve is up", 120)
-        yield p, f"127.0.0.1:{eport}"
+        yield p, f"127.0.0.1:{eport}", metrics
     finally:
         p.stop()
 
 
 @pytest.mark.parametrize("rpc", ["load", "load --pin", "pin", "unpin", "evict"])
 def test_up_admin_token_guards_the_executors_admin_rpcs(up_process, rpc):
-    _, address = up_process
+    _, address, _ = up_process
     name, *flags = rpc.split()
     call = {
         "load": lambda c: c.load("qv8", pin=bool(flags)),
@@ -271,9 +396,26 @@ def test_up_admin_token_guards_the_executors_admin_rpcs(up_process, rpc):
     call(ExecutorClient(address, token="T", timeout_s=30))
 
 
+def test_up_serves_both_services_metrics_on_the_given_ports(up_process):
+    """/metrics is on by default in every serving command: `up` serves the store's and the
+    executor's Prometheus metrics on --metrics-port and --executor-metrics-port, and says where."""
+    proc, address, metrics = up_process
+    ExecutorClient(address, timeout_s=30).generate("hi", max_tokens=2)
+    scraped = {}
+    for who, port in metrics.items():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            scraped[who] = reply.read().decode().splitlines()
+    assert "loraserve_store_registrations_total 2.0" in scraped["store"]  # the two demo adapters
+    assert any(line.startswith('loraserve_executor_requests_total{adapter="_base",code="OK"}') for line in scraped["executor"])
+    assert (
+        f"Prometheus metrics: store http://127.0.0.1:{metrics['store']}/metrics, "
+        f"executor http://127.0.0.1:{metrics['executor']}/metrics"
+    ) in proc.output
+
+
 def test_up_drains_on_sigterm_a_running_stream_finishes(up_process):
     """Last in this module: it stops the `up` process."""
-    proc, address = up_process
+    proc, address, _ = up_process
     client = ExecutorClient(address, timeout_s=60)
     stream = client.generate_stream("hello", adapter="qv8", max_tokens=300)
     parts = [next(stream)]

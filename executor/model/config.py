@@ -59,6 +59,24 @@ class ModelConfig:
     def rope_type(self) -> str:
         return self.rope_scaling["rope_type"] if self.rope_scaling else "default"
 
+    @property
+    def max_context_len(self) -> int:
+        """Positions (prompt + output tokens of one sequence) the model covers, by how transformers
+        defines each RoPE type:
+        - no scaling: max_position_embeddings;
+        - llama3, longrope: max_position_embeddings, already the scaled length (Llama 3.2: 131,072,
+          where its original 8,192 x factor 32 would say 262,144);
+        - linear (positions divided by factor), dynamic (NTK: the base grows past max_position_embeddings),
+          yarn: the pretraining length stretched by factor, max(max_position_embeddings, original x factor),
+          original being original_max_position_embeddings or else max_position_embeddings (the max keeps a
+          yarn config whose max_position_embeddings already states the product)."""
+        scaling = self.rope_scaling or {}
+        factor = scaling.get("factor")
+        if not factor or self.rope_type in ("llama3", "longrope"):
+            return self.max_position_embeddings
+        original = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+        return max(self.max_position_embeddings, int(original * factor))
+
     @staticmethod
     def from_hf_config(cfg: dict[str, Any]) -> "ModelConfig":
         """From a transformers config.json dict (v4 `rope_scaling`/`rope_theta` or v5 `rope_parameters`)."""

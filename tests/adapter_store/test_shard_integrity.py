@@ -787,6 +787,28 @@ def test_a_stream_that_waits_past_max_stream_wait_s_is_refused_busy_with_a_retry
     assert _metric(server.metrics_port, "loraserve_store_streams_waiting") == 0
 
 
+def test_a_stream_still_running_at_the_end_of_the_drain_grace_ends_unavailable_saying_why(capped_store):
+    """Over real gRPC: a drain gives the streams in flight its grace; one still running then ends
+    UNAVAILABLE naming the store's shutdown, the grace and what to do (not with gRPC's bare
+    "Cancelling all calls", which says neither why nor what to do)."""
+    s = capped_store
+    s.lt.loop.call_soon_threadsafe(s.held.clear)
+    with grpc.insecure_channel(s.address) as channel:
+        req = spb.FetchShardRequest(name="a", layout=layout(), xxh3=True)
+        stream = spb_grpc.AdapterStoreStub(channel).FetchShard(req, timeout=60)
+        assert next(stream).HasField("header")  # running: held before its trailer
+        t0 = time.monotonic()
+        s.lt.run(s.server.drain(0.5), 30)
+        drained_s = time.monotonic() - t0
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream)
+    assert (e.value.code(), e.value.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "the adapter store is shutting down: this stream was cut at the end of its 0.5 s drain grace; retry on another replica",
+    )
+    assert 0.5 <= drained_s < 5
+
+
 def _refused(s, times: int, within_s: float = 30.0) -> None:
     """Waits until the store has refused `times` streams as busy (its /metrics), for at most within_s."""
     deadline = time.monotonic() + within_s

@@ -122,6 +122,15 @@ def test_metrics_ports_tls_pdb_and_service_monitor(manifests):
     assert "tcpSocket" in executor["readinessProbe"]  # the kubelet's gRPC probe speaks no TLS
 
 
+def test_metrics_disabled_turns_them_off_in_both_services():
+    """metrics.enabled false: the flags say 0 (the CLI's default is on), and no metrics port is declared."""
+    docs = render({"metrics": {"enabled": False}})
+    store, executor = container(docs, "store"), container(docs, "executor")
+    assert "--metrics-port=0" in store["args"] and "--executor-metrics-port=0" in executor["args"]
+    for c in (store, executor):
+        assert "metrics" not in {p["name"] for p in c["ports"]}
+
+
 def deployment(docs, component: str) -> dict:
     return next(d for d in kinds(docs)["Deployment"] if d["metadata"]["name"] == f"lora-loraserve-{component}")
 

@@ -431,6 +431,8 @@ class ParallelExecutorProcess:
                 f"127.0.0.1:{self.port}",
                 "--http-port",
                 "0",
+                "--executor-metrics-port",
+                "0",
                 "--store",
                 f"127.0.0.1:{store_port}",
                 "--max-model-len",

@@ -282,7 +282,8 @@ def test_bad_ep_sizes_are_refused_with_the_reason(hf_model):
 ])  # fmt: skip
 def test_cli_refuses_bad_ep_sizes_with_exit_status_1(args, message, tmp_path):
     out = subprocess.run(
-        [LORASERVE, "executor", *args, "--executor-listen", "127.0.0.1:0", "--http-port", "0", "--cache-dir", str(tmp_path)],
+        [LORASERVE, "executor", *args, "--executor-listen", "127.0.0.1:0", "--http-port", "0", "--executor-metrics-port", "0"]
+        + ["--cache-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -304,6 +305,8 @@ def test_cli_refuses_an_ep_size_that_does_not_split_the_experts(hf_model, tmp_pa
             "--executor-listen",
             "127.0.0.1:0",
             "--http-port",
+            "0",
+            "--executor-metrics-port",
             "0",
             "--cache-dir",
             str(tmp_path),

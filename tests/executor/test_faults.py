@@ -4,7 +4,9 @@ passes, a model folder without tokenizer files."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
+import json
 import logging
 import shutil
 import signal
@@ -100,6 +102,8 @@ def store_process(tmp_path, tiny_chat_llama, chat_adapters, free_port):
             str(tiny_chat_llama[1]),
             "--allow-local-root",
             str(chat_adapters),
+            "--metrics-port",
+            "0",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -149,6 +153,65 @@ def test_a_stalled_store_fails_cold_requests_unavailable_in_seconds_and_held_one
         proc.send_signal(signal.SIGCONT)
         resp, took = timed(lambda: client._call(client.stub.Generate, token_request("mlp4")))
         assert not isinstance(resp, StatusError) and len(resp.token_ids) == 8, resp
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        ex.close()
+
+
+async def _pause_health_watch(parts) -> None:
+    """Stops the executor's store health watch: `answering` stays True, which holds open the window
+    (up to 2 s on a real executor) between the store stalling and the watch noticing."""
+    parts.store_watch.cancel()
+    await asyncio.gather(parts.store_watch, return_exceptions=True)
+
+
+def test_adapters_held_in_a_slot_or_the_cpu_cache_never_wait_on_a_store_stalled_a_moment_ago(
+    loop_thread, tiny_chat_llama, store_process
+):
+    proc, address = store_process
+    ex = Executor(loop_thread, executor_config(tiny_chat_llama[1], address, max_loras=1, store_timeout_s=5.0))
+    try:
+        client = ex.client(timeout_s=15)
+        before = {name: client._call(client.stub.Generate, token_request(name)) for name in ("qv8", "mlp4")}
+        states = {s.name: s for s in client.list()}  # one slot: mlp4 took it, qv8 is in the CPU cache only
+        assert states["mlp4"].slot == 0 and states["qv8"].slot == -1 and states["qv8"].in_cpu_cache, states
+        loop_thread.run(_pause_health_watch(ex.parts))
+        proc.send_signal(signal.SIGSTOP)
+        for name, where in (("mlp4", "a slot"), ("qv8", "the CPU cache")):
+            state, took = timed(lambda: client.load(name))
+            assert not isinstance(state, StatusError) and state.slot == 0, state
+            assert state.digest == before[name].adapter_digest
+            assert took < 1, f"LoadAdapter of {name} (held in {where}) waited {took:.1f}s on the stalled store"
+            resp, took = timed(lambda: client._call(client.stub.Generate, token_request(name)))
+            assert not isinstance(resp, StatusError), resp
+            assert took < 1, f"Generate with {name} (held in {where}) waited {took:.1f}s on the stalled store"
+            assert list(resp.token_ids) == list(before[name].token_ids)
+            assert resp.adapter_digest == before[name].adapter_digest
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        ex.close()
+
+
+def test_a_version_check_the_stalled_store_answers_late_still_brings_the_new_version(
+    loop_thread, tiny_chat_llama, chat_adapters, store_process
+):
+    proc, address = store_process
+    ex = Executor(loop_thread, executor_config(tiny_chat_llama[1], address, store_timeout_s=5.0))  # no refresh loop
+    try:
+        client = ex.client(timeout_s=15)
+        old = client._call(client.stub.Generate, token_request("qv8")).adapter_digest
+        new = StoreClient(address, timeout_s=30).register("qv8", str(chat_adapters / "o2")).digest
+        assert new != old
+        loop_thread.run(_pause_health_watch(ex.parts))
+        proc.send_signal(signal.SIGSTOP)
+        state, took = timed(lambda: client.load("qv8"))  # its check asked, not yet answered: the held version
+        assert not isinstance(state, StatusError) and state.digest == old, state
+        assert took < 1, took
+        proc.send_signal(signal.SIGCONT)  # the store answers the check it was sent (5 s to answer)
+        deadline = time.monotonic() + 10
+        while (resp := client._call(client.stub.Generate, token_request("qv8"))).adapter_digest != new:
+            assert resp.adapter_digest == old and time.monotonic() < deadline, resp
+            time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGCONT)
         ex.close()
@@ -248,10 +311,20 @@ def test_a_huge_prompt_is_refused_by_bytes_at_once_and_other_streams_keep_flowin
         ex.close()
 
 
-def test_prompts_are_tokenized_off_the_event_loop(loop_thread, tiny_chat_llama):
+@pytest.fixture(scope="module")
+def long_chat_llama(tiny_chat_llama, tmp_path_factory) -> Path:
+    """tiny_chat_llama's folder with 4,096 positions in its config (its stream of 3,000 tokens fits them)."""
+    path = tmp_path_factory.mktemp("long-chat-llama") / "model"
+    shutil.copytree(tiny_chat_llama[1], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    return path
+
+
+def test_prompts_are_tokenized_off_the_event_loop(loop_thread, long_chat_llama):
     """A prompt the byte limit lets through but that takes seconds to tokenize (this tokenizer
     has no merges: one token per byte) must not stop other streams meanwhile."""
-    cfg = executor_config(tiny_chat_llama[1], "127.0.0.1:1", max_prompt_bytes=2 << 20, max_model_len=4096, num_blocks=1100)
+    cfg = executor_config(long_chat_llama, "127.0.0.1:1", max_prompt_bytes=2 << 20, max_model_len=4096, num_blocks=1100)
     ex = Executor(loop_thread, cfg)
     try:
         client = ex.client()

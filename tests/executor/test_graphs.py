@@ -377,12 +377,17 @@ def test_mixed_graph_step_equals_the_eager_step(hf_model, device, max_seqs, by_k
                 rows.append(len(ids) - 1)
                 row_slots.append(slot)
         before = [c.clone() for c in caches]
-        got = mixed.run(MixedBatch(ids, q_lens, ctx, seq_tables, slots, rows, row_slots)).clone()
+        ranks = [RANK] * MAX_LORAS  # each slot's adapter rank, as the engine passes them (a packed B is read at it)
+        got = mixed.run(MixedBatch(ids, q_lens, ctx, seq_tables, slots, rows, row_slots, ranks)).clone()
         after_graph = [c[: kv.num_blocks].clone() for c in caches]
         for c, old in zip(caches, before):
             c.copy_(old)
         want = forward_step(
-            model, kv, StepInputs(ids, q_lens, ctx, seq_tables, slots, rows, row_slots), MAX_LORAS, torch.device(device)
+            model,
+            kv,
+            StepInputs(ids, q_lens, ctx, seq_tables, slots, rows, row_slots, slot_ranks=ranks),
+            MAX_LORAS,
+            torch.device(device),
         )
         assert got.shape == want.shape and torch.isfinite(got).all()
         err = ((got.double() - want.double()).norm() / want.double().norm()).item()

@@ -200,7 +200,7 @@ def test_sampling_over_grpc_draws_what_the_sampler_draws_on_the_adapters_logits(
 def test_five_adapters_over_two_slots_in_turn_and_concurrently(cluster, references):
     client = cluster.client()
     names = list(ADAPTERS)
-    for i, name in enumerate(names):  # in turn: every load evicts the least recently used
+    for i, name in enumerate(names):  # in turn: every load evicts the coldest (each asked once: the least recently used)
         check_against_reference(references[name], prompt_ids(i), generate(client, name, prompt_ids(i)))
     jobs = [(names[i % 5], prompt_ids(i)) for i in range(10)]
     with cf.ThreadPoolExecutor(10) as pool:  # concurrently: requests wait for slots, none corrupts another

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import grpc
 import pytest
@@ -623,8 +624,8 @@ class Recorder(SlotObserver):
     def slot_miss(self) -> None:
         self.calls.append(("miss",))
 
-    def slot_eviction(self) -> None:
-        self.calls.append(("eviction",))
+    def slot_eviction(self, name: str) -> None:
+        self.calls.append(("eviction", name))
 
     def adapter_loaded(self, tier: str, seconds: float) -> None:
         self.calls.append(("loaded", tier))
@@ -651,7 +652,7 @@ async def test_a_load_on_the_spot_evicts_the_idle_adapter_and_reports_as_the_tas
     await mgr.load("adapter-1", into_slot=False)
     observer.calls.clear()
     mgr.release(await mgr.acquire("adapter-1"))
-    assert observer.calls == [("miss",), ("eviction",), ("loaded", "cpu"), ("phases", True)]
+    assert observer.calls == [("miss",), ("eviction", "adapter-0"), ("loaded", "cpu"), ("phases", True)]
     assert slots.content == {0: "adapter-1"}
     states = {s.name: s for s in mgr.states()}
     assert states["adapter-1"].slot == 0 and states["adapter-0"].slot == -1 and states["adapter-0"].in_cpu_cache
@@ -715,6 +716,68 @@ async def test_slot_eviction_prefers_adapters_no_queued_request_wants(store, slo
     mgr.release(lease)
     mgr.release(await mgr.acquire("adapter-3"))  # nobody wants adapter-0 now: LRU again
     assert {s.name for s in mgr.states() if s.slot >= 0} == {"adapter-2", "adapter-3"}
+
+
+def _zipf(names: list[str], n: int, alpha: float = 1.0, seed: int = 0) -> list[str]:
+    """n requests: names[k] asked with probability proportional to 1 / (k + 1)^alpha (benchmarks/serve.py's workload)."""
+    return random.Random(seed).choices(names, [1.0 / (k + 1) ** alpha for k in range(len(names))], k=n)
+
+
+async def test_the_hottest_adapters_keep_their_slots_under_a_zipf_workload(slots):
+    """1,000 adapters under Zipf 1.0 through 8 slots, one request at a time: once each of the three
+    hottest (~13%, ~7% and ~4% of requests) has been asked for a few times, none is evicted again."""
+    names = [f"adapter-{i}" for i in range(1000)]
+    store = Store(names)
+    content, observer = Slots(store, slots.queued), Recorder()
+    mgr = SlotManager(
+        store.fetch,
+        content.copy,
+        content.clear,
+        max_loras=8,
+        device=torch.device("cpu"),
+        observer=observer,
+        queued_copy=queued_by(content.copy) if content.queued else None,
+    )
+    evicted_at: dict[str, list[int]] = {}
+    for i, name in enumerate(_zipf(names, 600)):
+        before = len(observer.calls)
+        mgr.release(await mgr.acquire(name))
+        for call in observer.calls[before:]:
+            if call[0] == "eviction":
+                evicted_at.setdefault(call[1], []).append(i)
+    hottest = names[:3]
+    assert {n: [i for i in evicted_at.get(n, []) if i >= 100] for n in hottest} == {n: [] for n in hottest}
+    assert all(mgr.state(n).slot >= 0 for n in hottest)
+    assert sum(len(v) for v in evicted_at.values()) > 300  # the cold tail churned the other slots meanwhile
+
+
+async def test_a_burst_of_one_off_adapters_cannot_flush_the_hot_set(slots):
+    names = [f"adapter-{i}" for i in range(40)]
+    store = Store(names)
+    content = Slots(store, slots.queued)
+    mgr = _manager(store, content, max_loras=4, max_cpu_adapters=None)
+    hot = names[:3]
+    for _ in range(10):
+        for name in hot:
+            mgr.release(await mgr.acquire(name))
+    for name in names[10:40]:  # 30 adapters asked for once each, in a row
+        mgr.release(await mgr.acquire(name))
+    assert all(mgr.state(n).slot >= 0 for n in hot)
+    assert [w for w in content.writes if w[1] in hot] == [(i, n) for i, n in enumerate(hot)]  # each copied in once
+    assert len(content.writes) == 3 + 30  # the one-offs took turns in the fourth slot
+
+
+async def test_the_cpu_cache_keeps_a_hot_adapter_through_a_burst_of_one_offs(store, slots):
+    """One slot, room for 3 host copies: adapter-0, asked 5 times, loses its slot to each one-off
+    but keeps its host copy (the one-offs' copies go first), so it is never fetched again."""
+    mgr = _manager(store, slots, max_loras=1, max_cpu_adapters=3)
+    for _ in range(5):
+        mgr.release(await mgr.acquire("adapter-0"))
+    for name in NAMES[1:]:
+        mgr.release(await mgr.acquire(name))
+    assert mgr.state("adapter-0").in_cpu_cache and mgr.state("adapter-0").slot == -1
+    mgr.release(await mgr.acquire("adapter-0"))
+    assert store.fetches == {n: 1 for n in NAMES}
 
 
 def _cached(mgr, *names) -> bool:

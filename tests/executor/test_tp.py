@@ -301,6 +301,8 @@ def test_cli_refuses_a_tp_size_that_does_not_split_the_model(tmp_path):
             "127.0.0.1:0",
             "--http-port",
             "0",
+            "--executor-metrics-port",
+            "0",
             "--cache-dir",
             str(tmp_path),
         ],
