@@ -67,7 +67,7 @@ PREFILL_TOKEN_S = 98.0e-3 / (16 * 256)
 CPU_TO_SLOT_S = 1.27 * 80 * MIB / 54.7e9
 STORE_TO_SLOT_S = 80 * MIB / 1.42e9
 FETCH_S = STORE_TO_SLOT_S - CPU_TO_SLOT_S
-# The scheduling profile's weights in deploy/helm/loraserve/templates/_epp.tpl (tests/test_fleet_sim.py checks).
+# The scheduling profile's weights in deploy/helm/loraserve/templates/_epp.tpl (tests/deploy/test_helm.py checks).
 EPP_WEIGHTS = {"queue-scorer": 1.0, "kv-cache-utilization-scorer": 1.0, "lora-affinity-scorer": 2.0}
 POLICIES = ("random", "least-queue", "affinity-vllm", "affinity", "residency")
 

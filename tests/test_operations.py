@@ -81,10 +81,13 @@ def lora_info(samples, name: str = "loraserve_lora_requests_info") -> tuple[list
     """(running_lora_adapters, waiting_lora_adapters, max_lora, value) of the one LoRA-info sample of a scrape."""
     found = [(dict(labels), v) for (n, labels), v in samples.items() if n == name]
     assert len(found) == 1, found
-    labels, v = found[0]
+    return lora_lists(*found[0])
+
+
+def lora_lists(labels: dict, value: float) -> tuple[list[str], list[str], str, float]:
     assert set(labels) == {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}, labels
     split = lambda text: text.split(",") if text else []  # noqa: E731
-    return split(labels["running_lora_adapters"]), split(labels["waiting_lora_adapters"]), labels["max_lora"], v
+    return split(labels["running_lora_adapters"]), split(labels["waiting_lora_adapters"]), labels["max_lora"], value
 
 
 def token_request(adapter: str, max_tokens: int, first: int = 10) -> epb.GenerateRequest:
@@ -384,10 +387,7 @@ def test_the_engine_configs_fields_on_the_http_port_while_requests_wait_for_slot
 
 
 def lora_info_of(sample) -> tuple[list[str], list[str], str, float]:
-    labels = sample.labels
-    assert set(labels) == {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}, labels
-    split = lambda text: text.split(",") if text else []  # noqa: E731
-    return split(labels["running_lora_adapters"]), split(labels["waiting_lora_adapters"]), labels["max_lora"], sample.value
+    return lora_lists(sample.labels, sample.value)
 
 
 def test_an_unknown_metrics_compat_is_refused():
