@@ -101,7 +101,9 @@ def build_engine(
         pin_memory=cfg.torch_device.type == "cuda",
         arena=arena,
     )
-    metrics = ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters) if observer is None else None
+    metrics = (
+        ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters, compat=cfg.metrics_compat) if observer is None else None
+    )
     fetch = fetch or store.fetch_shard
     copy_into_slot, queued_copy, clear = writers or slot_writers(model)
     slots = SlotManager(
@@ -124,7 +126,7 @@ def build_engine(
         ranks.wait_ready()  # before the engine's warm-up steps reach them
     engine = Engine(model, tokenizer, kv, slots, cfg, ranks)
     if metrics is not None:
-        metrics.attach(engine, slots, cfg.max_loras)
+        metrics.attach(engine, slots, cfg.max_loras, model_name=cfg.base_model or cfg.model)
     return ExecutorParts(engine, slots, store, cfg, metrics=metrics, ranks=ranks, arena=arena)
 
 

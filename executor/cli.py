@@ -27,6 +27,7 @@ from loraserve.cli import (
     store_config,
 )
 from loraserve.defaults import DEFAULT_BASE_MODEL, DEMO_ADAPTERS, smollm2_gguf_path
+from loraserve.metrics import METRICS_COMPAT
 from loraserve.serving import check_listen
 
 DEMO_PROMPTS = ("What is the capital of France?", "Give me one tip for staying healthy.")
@@ -205,6 +206,12 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
         default=int(env("metrics_max_adapters", 32)),
         help="adapters named in metric labels (the first seen); the rest count as _other",
     )
+    p.add_argument(
+        "--metrics-compat",
+        choices=METRICS_COMPAT,
+        default=env("metrics_compat", "none"),
+        help="vllm: /metrics also serves the routing readings under vLLM's names (vllm:num_requests_waiting, ...)",
+    )
 
 
 def executor_config(a: argparse.Namespace):
@@ -256,6 +263,7 @@ def executor_config(a: argparse.Namespace):
         store_tls=make_client_tls(a.store_tls_ca, a.store_tls_cert, a.store_tls_key),
         metrics_listen=metrics_listen(a.executor_listen, a.executor_metrics_port),
         metrics_max_adapters=a.metrics_max_adapters,
+        metrics_compat=a.metrics_compat,
     )
 
 

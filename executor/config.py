@@ -82,6 +82,7 @@ class ExecutorConfig:
     store_tls: ClientTls | None = None  # how to reach a store that serves TLS; None: plaintext
     metrics_listen: str = ""  # host:port of Prometheus' /metrics (loraserve/metrics.py); "": off
     metrics_max_adapters: int = DEFAULT_MAX_ADAPTER_LABELS  # adapters named in metric labels; the rest: "_other"
+    metrics_compat: str = "none"  # "vllm": /metrics also serves vLLM's names of the routing readings (loraserve/metrics.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions, /v1/models.
+"""The OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions, /v1/models (and /metrics).
 
 Translation only, as executor/service.py is for gRPC: a request becomes a GenerationRequest,
 Engine.generate runs it, its outputs become OpenAI's JSON or server-sent events. `model` is an
@@ -25,6 +25,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
@@ -399,6 +400,15 @@ def build_app(parts) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
+
+    if parts.metrics is not None:
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            """The executor's Prometheus metrics on the HTTP port too: the endpoint picker of the
+            Gateway API inference extension scrapes the port it routes to."""
+            body = await asyncio.to_thread(generate_latest, parts.metrics.registry)
+            return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -35,3 +35,14 @@ class AdapterState:
     last_used_unix_ms: int
     bytes: int
     loading: bool
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Where one adapter is now, for routing metrics (`SlotManager.residency`)."""
+
+    name: str
+    tier: str  # "gpu": ready in a slot; "cpu": in the CPU cache only; "store": in neither (being fetched)
+    pinned: bool
+    rank: int  # 0: not known yet (never fetched)
+    waited_for: bool  # a request (or admin load) waits for it and it is not ready in a slot

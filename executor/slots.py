@@ -50,7 +50,7 @@ from loraserve.errors import exhausted, invalid, not_found, precondition
 from .cpu_cache import CpuCache, FetchShard, HostCopy
 from .eviction import COLD, HALF_LIFE_PER_SLOT, bumped, coldest
 from .slot_copies import CopyIntoSlot, QueuedCopy, SlotCopier
-from .slot_reports import AdapterState, SlotObserver
+from .slot_reports import AdapterState, Residency, SlotObserver
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +328,16 @@ class SlotManager:
 
     def state(self, name: str) -> AdapterState:
         return self._state(self._known(name))
+
+    def residency(self) -> list[Residency]:
+        """Every adapter this executor knows and where it is: a snapshot another thread may take
+        (/metrics; the record dict is copied first, each field read once)."""
+        out = []
+        for a in list(self._adapters.values()):
+            ready = a.slot >= 0 and a.slot_task is None
+            tier = "gpu" if ready else "cpu" if a.host.tensors is not None else "store"
+            out.append(Residency(a.name, tier, a.pinned, a.host.rank, (a.wanted > 0 or a.holds > 0) and not ready))
+        return out
 
     def cpu_cache_state(self) -> tuple[int, int]:
         """(adapters, bytes) held in the CPU cache."""

@@ -10,8 +10,14 @@ Nothing here runs on the executor's step loop:
   request's own task (the front's coroutine), one observation per output;
 - slot hits / misses / evictions and adapter load times come from the slot manager, on the
   event loop, when an adapter is acquired or loaded (`SlotObserver`);
-- queue depth, KV blocks, slot occupancy, CPU cache bytes and the LoRA affinity gauge are read
-  from the engine's state when Prometheus scrapes (`_ExecutorState.collect`), never pushed.
+- queue depth, KV blocks, slot occupancy, CPU cache bytes, adapter residency and the LoRA
+  affinity gauge are read from the engine's and slot manager's snapshots when Prometheus scrapes
+  (`_ExecutorState.collect`), never pushed.
+
+The model-server protocol (what the Gateway API inference extension's endpoint picker reads for
+queue, running, KV use, LoRA affinity and cache shape) is `ENGINE_CONFIG`: the engine config of
+an executor pod labelled `ENGINE_TYPE_LABEL: loraserve` (deploy/helm ships it). With
+`compat="vllm"` the same readings are also served under vLLM's names (`VLLM_ENGINE_CONFIG`).
 
 The adapter label is bounded: the first `max_adapter_labels` adapters seen keep their names,
 later ones count as OTHER; the base model (no adapter) is BASE. Adapter names start with a
@@ -39,9 +45,29 @@ log = logging.getLogger(__name__)
 BASE = "_base"
 OTHER = "_other"
 DEFAULT_MAX_ADAPTER_LABELS = 32
-# The Gateway API inference extension's endpoint picker reads this gauge for LoRA affinity
-# (vLLM's `vllm:lora_requests_info`, same labels); point its --lora-info-metric here.
-LORA_INFO = "loraserve_lora_requests_info"
+LORA_INFO = "loraserve_lora_requests_info"  # vLLM's lora_requests_info labels; lists the RESIDENT adapters
+ENGINE_TYPE = "loraserve"
+ENGINE_TYPE_LABEL = "llm-d.ai/engine-type"  # the pod label the endpoint picker picks an engine config by
+# The endpoint picker's core-metrics-extractor engineConfigs entry for loraserve (spec strings: PromQL selectors).
+ENGINE_CONFIG = {
+    "name": ENGINE_TYPE,
+    "queuedRequestsSpec": "loraserve_executor_waiting_sequences",
+    "runningRequestsSpec": "loraserve_executor_running_sequences",
+    "kvUsageSpec": "loraserve_executor_kv_cache_usage_ratio",
+    "loraSpec": LORA_INFO,
+    "cacheInfoSpec": "loraserve_executor_cache_config_info",
+}
+# vLLM's names of the same readings (the picker's built-in "vllm" engine config), served with compat="vllm".
+VLLM_ENGINE_CONFIG = {
+    "name": "vllm",
+    "queuedRequestsSpec": "vllm:num_requests_waiting",
+    "runningRequestsSpec": "vllm:num_requests_running",
+    "kvUsageSpec": "vllm:kv_cache_usage_perc",
+    "loraSpec": "vllm:lora_requests_info",
+    "cacheInfoSpec": "vllm:cache_config_info",
+}
+METRICS_COMPAT = ("none", "vllm")
+TIERS = ("gpu", "cpu", "store")  # where an adapter is: a GPU slot, the CPU cache only, or neither (being fetched)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
@@ -71,7 +97,15 @@ class AdapterLabels:
 class ExecutorMetrics:
     """The executor's metrics; `attach(engine, slots)` adds the ones read at scrape time."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, max_adapter_labels: int = DEFAULT_MAX_ADAPTER_LABELS):
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        max_adapter_labels: int = DEFAULT_MAX_ADAPTER_LABELS,
+        compat: str = "none",
+    ):
+        if compat not in METRICS_COMPAT:
+            raise ValueError(f"metrics compat must be one of {', '.join(METRICS_COMPAT)}, got {compat!r}")
+        self.compat = compat
         self.registry = registry or CollectorRegistry()
         self.adapters = AdapterLabels(max_adapter_labels)
         r = self.registry
@@ -126,8 +160,8 @@ class ExecutorMetrics:
             registry=r,
         )
 
-    def attach(self, engine, slots, max_loras: int) -> None:
-        self.registry.register(_ExecutorState(engine, slots, max_loras))
+    def attach(self, engine, slots, max_loras: int, model_name: str = "") -> None:
+        self.registry.register(_ExecutorState(engine, slots, max_loras, self.adapters, self.compat, model_name))
 
     async def track(self, outputs: AsyncIterator, adapter: str) -> AsyncIterator:
         """Yields `outputs` (Engine.generate's) and counts the request when it ends, however it ends."""
@@ -187,44 +221,98 @@ class ExecutorMetrics:
 class _ExecutorState:
     """Gauges read from the engine and slot manager at scrape time (a Prometheus custom collector).
 
-    It runs on the metrics server's thread and only reads: lengths of the scheduler's queues
-    and snapshots (list(...)) of dicts the event loop owns, which CPython copies atomically."""
+    It runs on the metrics server's thread (or the HTTP front's /metrics) and only reads the
+    engine's and slot manager's snapshots (`Engine.load`, `SlotManager.residency`)."""
 
-    def __init__(self, engine, slots, max_loras: int):
+    def __init__(self, engine, slots, max_loras: int, adapters: AdapterLabels, compat: str = "none", model_name: str = ""):
         self.engine, self.slots, self.max_loras = engine, slots, max_loras
+        self.adapters, self.compat, self.model_name = adapters, compat, model_name
 
     def describe(self):
         return []  # collected at scrape time only: nothing to check at registration
 
     def collect(self):
-        e, s = self.engine, self.slots
-        running, waiting = list(e.scheduler.running), list(e.scheduler.waiting)
-        total = e.allocator.num_blocks
-        used = total - e.allocator.num_free
-        adapters = list(s._adapters.values())
-        in_slots = [a for a in adapters if a.slot >= 0]
-        cpu_adapters, cpu_bytes = s.cpu_cache_state()
-        yield _gauge("loraserve_executor_running_sequences", "Sequences in the running batch", len(running))
+        e = self.engine
+        load = e.load()
+        residency = self.slots.residency()
+        in_slots = [r for r in residency if r.tier == "gpu"]
+        cpu_adapters, cpu_bytes = self.slots.cpu_cache_state()
+        usage = load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0
+        yield _gauge("loraserve_executor_running_sequences", "Sequences in the running batch", load.running)
         yield _gauge(
-            "loraserve_executor_waiting_sequences", "Sequences waiting for their first step (or preempted)", len(waiting)
+            "loraserve_executor_waiting_sequences",
+            "Sequences waiting for their first step (for their adapter, for KV blocks) or preempted",
+            load.waiting,
         )
-        yield _gauge("loraserve_executor_kv_cache_blocks_used", "KV cache blocks held by sequences", used)
-        yield _gauge("loraserve_executor_kv_cache_blocks_total", "KV cache blocks", total)
-        yield _gauge(
-            "loraserve_executor_kv_cache_usage_ratio", "Used / total KV cache blocks (0..1)", used / total if total else 0.0
+        yield _gauge("loraserve_executor_kv_cache_blocks_used", "KV cache blocks held by sequences", load.kv_blocks_used)
+        yield _gauge("loraserve_executor_kv_cache_blocks_total", "KV cache blocks", load.kv_blocks_total)
+        yield _gauge("loraserve_executor_kv_cache_usage_ratio", "Used / total KV cache blocks (0..1)", usage)
+        yield _info(
+            ENGINE_CONFIG["cacheInfoSpec"],
+            "The KV cache's shape (value 1): tokens per block, blocks",
+            block_size=str(load.block_size),
+            num_gpu_blocks=str(load.kv_blocks_total),
         )
-        yield _gauge("loraserve_executor_lora_slots_used", "GPU slots holding an adapter", len(in_slots))
+        yield _gauge("loraserve_executor_lora_slots_used", "GPU slots holding an adapter ready to run", len(in_slots))
         yield _gauge("loraserve_executor_lora_slots_total", "GPU slots (max_loras)", self.max_loras)
         yield _gauge(
-            "loraserve_executor_lora_slots_pinned", "GPU slots holding a pinned adapter", sum(a.pinned for a in in_slots)
+            "loraserve_executor_lora_slots_pinned", "GPU slots holding a pinned adapter", sum(r.pinned for r in in_slots)
         )
         yield _gauge("loraserve_executor_cpu_cache_bytes", "Bytes of packed adapter shards in host memory", cpu_bytes)
         yield _gauge("loraserve_executor_cpu_cache_adapters", "Adapters in the host memory cache", cpu_adapters)
-        yield self._lora_info(running, waiting, adapters)
+        yield self._residency(residency)
+        resident, waiting = lora_lists(residency)
+        now = time.time()
+        yield self._lora_info(LORA_INFO, resident, waiting, now)
+        if self.compat == "vllm":
+            yield from self._vllm(load, usage, resident, waiting, now)
         yield from self._steps(dict(e.step_totals))
         yield self._slow_steps(e.slow_steps)
         yield from self._builds(e.kernel_builds)
         yield self._gc_pauses(getattr(e, "gc_pauses", None))
+
+    def _residency(self, residency) -> GaugeMetricFamily:
+        """Adapters by where they are, pinned or not, and rank: 1 per named adapter (the adapter
+        label's limit: beyond it they add up under _other)."""
+        g = GaugeMetricFamily(
+            "loraserve_executor_adapter_residency",
+            "Adapters this executor knows, by tier (gpu: ready in a slot, cpu: host cache only, store: being fetched), "
+            "pinned and rank (0: not fetched yet)",
+            labels=["adapter", "tier", "pinned", "rank"],
+        )
+        counts: dict[tuple, int] = {}
+        for r in residency:
+            key = (self.adapters(r.name), r.tier, str(r.pinned).lower(), str(r.rank))
+            counts[key] = counts.get(key, 0) + 1
+        for key, n in sorted(counts.items()):
+            g.add_metric(list(key), n)
+        return g
+
+    def _lora_info(self, name: str, resident: list[str], waiting: list[str], now: float) -> GaugeMetricFamily:
+        """vLLM's `lora_requests_info` shape: one sample, its value the time of this reading (the
+        newest series wins), labels: the adapters ready in GPU slots (running_lora_adapters: resident,
+        with requests or not), those requests wait for (waiting_lora_adapters), max_lora (the slots)."""
+        g = GaugeMetricFamily(
+            name,
+            "Adapters resident in GPU slots and adapters requests wait for, comma-separated; value: the reading's Unix time",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        g.add_metric([",".join(resident), ",".join(waiting), str(self.max_loras)], now)
+        return g
+
+    def _vllm(self, load, usage: float, resident: list[str], waiting: list[str], now: float):
+        """The same readings under vLLM's names (`VLLM_ENGINE_CONFIG`), for pickers and dashboards that know only vLLM."""
+        model = {"model_name": self.model_name}
+        yield _gauge(VLLM_ENGINE_CONFIG["queuedRequestsSpec"], "Requests waiting to be processed", load.waiting, **model)
+        yield _gauge(VLLM_ENGINE_CONFIG["runningRequestsSpec"], "Requests in model execution batches", load.running, **model)
+        yield _gauge(VLLM_ENGINE_CONFIG["kvUsageSpec"], "KV-cache usage. 1 means 100 percent usage", usage, **model)
+        yield self._lora_info(VLLM_ENGINE_CONFIG["loraSpec"], resident, waiting, now)
+        yield _info(
+            VLLM_ENGINE_CONFIG["cacheInfoSpec"],
+            "Information of the KV cache config (value 1)",
+            block_size=str(load.block_size),
+            num_gpu_blocks=str(load.kv_blocks_total),
+        )
 
     @staticmethod
     def _steps(totals: dict):
@@ -286,33 +374,23 @@ class _ExecutorState:
             family.add_metric([str(generation)], seconds)
         return family
 
-    def _lora_info(self, running, waiting, adapters) -> GaugeMetricFamily:
-        """vLLM's `lora_requests_info` shape: one sample whose labels list the adapters of running
-        and of waiting requests, and max_lora; its value is the time of this reading."""
-        runs = dict(self.engine._runs)  # seq_id -> the request's engine state
 
-        def names(seqs) -> set[str]:
-            out = set()
-            for seq in seqs:
-                run = runs.get(seq.seq_id)
-                if run is not None and run.lease is not None:
-                    out.add(run.lease.name)
-            return out
-
-        run_names = names(running)
-        # Requests whose adapter is still being fetched or copied wait for it too.
-        wait_names = names(waiting) | {a.name for a in adapters if a.loading and a.holds} - run_names
-        g = GaugeMetricFamily(
-            LORA_INFO,
-            "Adapters of running and waiting requests (for LoRA-affinity routing)",
-            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
-        )
-        g.add_metric([",".join(sorted(run_names)), ",".join(sorted(wait_names)), str(self.max_loras)], time.time())
-        return g
+def lora_lists(residency) -> tuple[list[str], list[str]]:
+    """(resident, waiting), sorted: adapters ready in GPU slots, and adapters requests wait for that are not."""
+    resident = sorted(r.name for r in residency if r.tier == "gpu")
+    waiting = sorted(r.name for r in residency if r.waited_for)
+    return resident, waiting
 
 
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
+def _gauge(name: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=list(labels))
+    g.add_metric(list(labels.values()), value)
+    return g
+
+
+def _info(name: str, doc: str, **labels: str) -> GaugeMetricFamily:
+    """An info-style gauge: value 1, the facts in its labels."""
+    return _gauge(name, doc, 1, **labels)
 
 
 class StoreMetrics:

@@ -77,6 +77,19 @@ def value(samples, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def lora_info(samples, name: str = "loraserve_lora_requests_info") -> tuple[list[str], list[str], str, float]:
+    """(running_lora_adapters, waiting_lora_adapters, max_lora, value) of the one LoRA-info sample of a scrape."""
+    found = [(dict(labels), v) for (n, labels), v in samples.items() if n == name]
+    assert len(found) == 1, found
+    return lora_lists(*found[0])
+
+
+def lora_lists(labels: dict, value: float) -> tuple[list[str], list[str], str, float]:
+    assert set(labels) == {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}, labels
+    split = lambda text: text.split(",") if text else []  # noqa: E731
+    return split(labels["running_lora_adapters"]), split(labels["waiting_lora_adapters"]), labels["max_lora"], value
+
+
 def token_request(adapter: str, max_tokens: int, first: int = 10) -> epb.GenerateRequest:
     return epb.GenerateRequest(
         adapter=adapter,
@@ -190,7 +203,9 @@ def test_metrics_count_what_was_sent(served):
     held = {s.name: s.bytes for s in executor.list() if s.in_cpu_cache}
     assert set(held) == {"qv8", "mlp4", "o2"}
     assert value(ex, "loraserve_executor_cpu_cache_bytes") == sum(held.values())
-    assert value(ex, "loraserve_lora_requests_info", running_lora_adapters="", waiting_lora_adapters="", max_lora="2") > 0
+    # idle now: the affinity gauge lists the adapters resident in the 2 slots (qv8, o2), none running
+    assert value(ex, "loraserve_lora_requests_info", running_lora_adapters="o2,qv8", waiting_lora_adapters="", max_lora="2") > 0
+    assert value(ex, "loraserve_executor_running_sequences") == 0
     # steps by kind (on CPU every step is eager: the prompts' "mixed" ones and "decode" ones, no graphs)
     totals = parts.engine.step_totals
     assert totals["mixed"].steps >= 3 and totals["decode"].steps >= 1 and totals["decode-graph"].steps == 0
@@ -228,12 +243,9 @@ def test_lora_affinity_gauge_names_the_adapter_of_a_running_request(served):
             seen.append(scrape(parts.metrics_server.port))
     finally:
         stream.cancel()
-    running = [
-        s
-        for s in seen
-        if value(s, "loraserve_lora_requests_info", running_lora_adapters="all4", waiting_lora_adapters="", max_lora="2") > 0
-    ]
+    running = [s for s in seen if value(s, "loraserve_executor_running_sequences") == 1 and "all4" in lora_info(s)[0]]
     assert running, "no scrape saw all4 running"
+    assert lora_info(running[0])[2] == "2"
     assert value(running[0], "loraserve_executor_running_sequences") == 1
     assert value(running[0], "loraserve_executor_kv_cache_blocks_used") >= 1
 
@@ -270,6 +282,122 @@ def test_lora_affinity_gauge_names_the_adapter_a_request_waits_for(served):
         for s in seen
     ), "no scrape saw mlp4 waiting beside qv8 and o2 running"
     assert [r.finish_reason for r in third][-1] == epb.LENGTH  # it ran once a slot was free
+
+
+# ---- the model-server protocol the endpoint picker reads (ENGINE_CONFIG), on the HTTP port ---
+
+
+@pytest.fixture(scope="module", params=["none", "vllm"])
+def routed(request, module_loop_thread, tiny_chat_llama, chat_adapters, tmp_path_factory):
+    """A store and an executor (2 slots, the HTTP front on) with --metrics-compat none / vllm."""
+    lt = module_loop_thread
+    _, base_dir = tiny_chat_llama
+    store_server, store_port = lt.run(serve_store(store_config(tmp_path_factory.mktemp("routed"), chat_adapters, base_dir)))
+    store = StoreClient(f"127.0.0.1:{store_port}", timeout_s=60)
+    for name in ("qv8", "o2", "mlp4", "all4"):
+        store.register(name, str(chat_adapters / name))
+    cfg = executor_config(base_dir, f"127.0.0.1:{store_port}", http_listen="127.0.0.1:0", metrics_compat=request.param)
+    parts = build_executor(cfg)
+    server, port = lt.run(serve(parts, "127.0.0.1:0"))
+    yield dict(executor=ExecutorClient(f"127.0.0.1:{port}", timeout_s=60), parts=parts, compat=request.param)
+    lt.run(shutdown(server, parts))
+    lt.run(store_server.stop(0))
+
+
+def scrape_families(port: int) -> dict:
+    """{family name: family} of one /metrics page, by prometheus_client's text parser."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def one_sample(families: dict, spec: str):
+    """The sample the endpoint picker would take for `spec` (a name without label matchers, as
+    ENGINE_CONFIG's are): for a LoRA-info gauge the newest (highest value); others must have one."""
+    family = families[spec]
+    samples = family.samples
+    assert samples, spec
+    if "lora_requests_info" in spec:
+        return max(samples, key=lambda s: s.value)
+    assert len(samples) == 1, (spec, samples)
+    return samples[0]
+
+
+def test_the_engine_configs_fields_on_the_http_port_while_requests_wait_for_slots(routed):
+    """Two adapters hold both slots with running streams, two more are asked for (more adapters than
+    slots): every field ENGINE_CONFIG names (and, with compat vllm, VLLM_ENGINE_CONFIG) is on the HTTP
+    port's /metrics with the documented labels: running = resident, waiting = asked for and not in a
+    slot, max_lora = slots, the LoRA-info value the reading's time; residency by tier with ranks."""
+    import time
+
+    from loraserve.metrics import ENGINE_CONFIG, VLLM_ENGINE_CONFIG
+
+    executor, parts = routed["executor"], routed["parts"]
+    port = parts.http.port
+    configs = [ENGINE_CONFIG] + ([VLLM_ENGINE_CONFIG] if routed["compat"] == "vllm" else [])
+    streams = [
+        executor.stub.GenerateStream(token_request(name, 400, first=50 + i), timeout=60) for i, name in enumerate(("qv8", "o2"))
+    ]
+    waiting = []
+    try:
+        for s in streams:
+            next(s)  # both slots are held by running sequences now
+        waiting = [
+            executor.stub.GenerateStream(token_request(name, 4, first=80 + i), timeout=60)
+            for i, name in enumerate(("mlp4", "all4"))
+        ]
+        seen = None
+        for _ in range(40):
+            families = scrape_families(port)
+            running, asked, _, _ = lora_info_of(one_sample(families, ENGINE_CONFIG["loraSpec"]))
+            if running == ["o2", "qv8"] and asked == ["all4", "mlp4"]:
+                seen = families
+                break
+        assert seen is not None, "no scrape saw qv8 and o2 resident while mlp4 and all4 waited"
+        later = scrape_families(port)
+    finally:
+        for s in streams:
+            s.cancel()
+    for cfg in configs:
+        queued = one_sample(seen, cfg["queuedRequestsSpec"])
+        assert queued.value >= 2, cfg["name"]  # mlp4's and all4's requests (queued at arrival)
+        assert one_sample(seen, cfg["runningRequestsSpec"]).value == 2
+        assert 0 < one_sample(seen, cfg["kvUsageSpec"]).value <= 1
+        info = one_sample(seen, cfg["loraSpec"])
+        assert lora_info_of(info)[:3] == (["o2", "qv8"], ["all4", "mlp4"], "2")
+        assert abs(info.value - time.time()) < 60  # the reading's Unix time ...
+        assert one_sample(later, cfg["loraSpec"]).value > info.value  # ... so the newest reading wins
+        cache = one_sample(seen, cfg["cacheInfoSpec"])
+        assert cache.value == 1 and (cache.labels["block_size"], cache.labels["num_gpu_blocks"]) == ("8", "256")
+    assert any(n.startswith("vllm:") for n in seen) == (routed["compat"] == "vllm")
+    if routed["compat"] == "vllm":
+        assert one_sample(seen, "vllm:num_requests_running").labels == {"model_name": BASE}
+    tiers = {s.labels["adapter"]: s.labels for s in seen["loraserve_executor_adapter_residency"].samples}
+    assert {n: t["tier"] for n, t in tiers.items() if t["tier"] == "gpu"} == {"qv8": "gpu", "o2": "gpu"}
+    assert (tiers["qv8"]["rank"], tiers["o2"]["rank"], tiers["qv8"]["pinned"]) == ("8", "2", "false")
+    assert tiers["mlp4"]["tier"] in ("cpu", "store") and tiers["all4"]["tier"] in ("cpu", "store")
+    assert one_sample(seen, "loraserve_executor_lora_slots_used").value == 2
+    assert one_sample(seen, "loraserve_executor_lora_slots_total").value == 2
+    for w in waiting:
+        assert [r.finish_reason for r in w][-1] == epb.LENGTH  # each ran once a slot was free
+    # idle: no request runs, and the gauge still lists the two adapters resident in the slots
+    idle = scrape_families(port)
+    running, asked, max_lora, _ = lora_info_of(one_sample(idle, ENGINE_CONFIG["loraSpec"]))
+    assert one_sample(idle, ENGINE_CONFIG["runningRequestsSpec"]).value == 0
+    assert len(running) == 2 and set(running) <= {"qv8", "o2", "mlp4", "all4"} and asked == [] and max_lora == "2"
+
+
+def lora_info_of(sample) -> tuple[list[str], list[str], str, float]:
+    return lora_lists(sample.labels, sample.value)
+
+
+def test_an_unknown_metrics_compat_is_refused():
+    from loraserve.cli import build_parser
+    from loraserve.metrics import ExecutorMetrics
+
+    with pytest.raises(ValueError, match="metrics compat must be one of none, vllm, got 'sglang'"):
+        ExecutorMetrics(compat="sglang")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["executor", "--metrics-compat", "sglang"])
 
 
 # ---- TLS and mutual TLS -------------------------------------------------------------------

@@ -366,10 +366,12 @@ def up_process(tiny_chat_llama, chat_adapters, tmp_path_factory, free_port):
         "",
         "--max-lora-rank",
         "8",
+        "--metrics-compat",
+        "vllm",
     )
     try:
         p.wait_for("loraserve is up", 120)
-        yield p, f"127.0.0.1:{eport}", metrics
+        yield p, f"127.0.0.1:{eport}", {**metrics, "http": hport}
     finally:
         p.stop()
 
@@ -407,6 +409,10 @@ def test_up_serves_both_services_metrics_on_the_given_ports(up_process):
             scraped[who] = reply.read().decode().splitlines()
     assert "loraserve_store_registrations_total 2.0" in scraped["store"]  # the two demo adapters
     assert any(line.startswith('loraserve_executor_requests_total{adapter="_base",code="OK"}') for line in scraped["executor"])
+    # --metrics-compat vllm: vLLM's names too; the HTTP port serves the executor's metrics (the endpoint picker scrapes there)
+    assert any(line.startswith('vllm:num_requests_running{model_name="tiny"}') for line in scraped["executor"])
+    assert any(line.startswith("loraserve_lora_requests_info{") for line in scraped["http"])
+    assert any(line.startswith("vllm:lora_requests_info{") for line in scraped["http"])
     assert (
         f"Prometheus metrics: store http://127.0.0.1:{metrics['store']}/metrics, "
         f"executor http://127.0.0.1:{metrics['executor']}/metrics"

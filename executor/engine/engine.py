@@ -32,6 +32,7 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -70,6 +71,14 @@ def _not_landed() -> bool:
 class _InFlight:
     plan: SchedulePlan
     launched: Launched | None
+
+
+class EngineLoad(NamedTuple):
+    running: int  # sequences in the running batch
+    waiting: int  # sequences queued (for their adapter, for blocks, or preempted)
+    kv_blocks_used: int
+    kv_blocks_total: int
+    block_size: int
 
 
 class Engine:
@@ -127,6 +136,17 @@ class Engine:
         self.slow_steps = SlowSteps(STEP_KINDS)  # steps far slower than their kind's recent ones: logged, counted
         self.steps_ahead = 0  # steps launched before the previous step's tokens reached the host
         self.runner = StepRunner(model, kv_cache, self.max_loras, self.device, config.max_num_seqs, ranks)
+
+    def load(self) -> EngineLoad:
+        """The queue and KV cache now: lengths and counters only, so another thread (/metrics) may read it."""
+        total = self.allocator.num_blocks
+        return EngineLoad(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            total - self.allocator.num_free,
+            total,
+            self.kv_cache.block_size,
+        )
 
     # ---- lifecycle ------------------------------------------------------------------------
 

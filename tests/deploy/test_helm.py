@@ -4,6 +4,7 @@ two Kubernetes versions, with default and non-default values."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import helm_python as helm
@@ -226,3 +227,130 @@ def test_executor_kernel_cache_is_an_emptydir_named_by_triton_cache_dir(manifest
     assert "kernel-cache" not in {m["name"] for m in off.get("volumeMounts", [])}
     with pytest.raises(helm.HelmValuesError, match="at '/executor/kernelCacheDir': 'relative/path' does not match"):
         render({"executor": {"kernelCacheDir": "relative/path"}})
+
+
+# ---- adapter-aware routing: the InferencePool and the endpoint picker's configuration -------
+
+POOL = {"inferencePool": {"enabled": True}, "metrics": {"compat": "vllm"}}
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")  # the CRD's matchLabels value pattern
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def check_inference_pool_v1(pool: dict) -> None:
+    """The fields of inference.networking.k8s.io/v1 InferencePool (the Gateway API inference
+    extension's CRD, api/v1/inferencepool_types.go) one by one: no unknown field, required ones
+    present, enums, ranges and patterns as its OpenAPI schema has them."""
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["kind"] == "InferencePool"
+    assert set(pool) <= {"apiVersion", "kind", "metadata", "spec"}
+    assert DNS_LABEL.match(pool["metadata"]["name"]) and len(pool["metadata"]["name"]) <= 63
+    spec = pool["spec"]
+    assert set(spec) <= {"selector", "targetPorts", "appProtocol", "endpointPickerRef"}
+    assert {"selector", "targetPorts"} <= set(spec)
+    assert set(spec["selector"]) == {"matchLabels"}
+    labels = spec["selector"]["matchLabels"]
+    assert 1 <= len(labels) <= 64 and all(isinstance(v, str) and LABEL_VALUE.match(v) and len(v) <= 63 for v in labels.values())
+    ports = spec["targetPorts"]
+    assert 1 <= len(ports) <= 8 and len({p["number"] for p in ports}) == len(ports)
+    for p in ports:
+        assert set(p) == {"number"} and isinstance(p["number"], int) and 1 <= p["number"] <= 65535
+    assert spec.get("appProtocol", "http") in ("http", "kubernetes.io/h2c")
+    ref = spec["endpointPickerRef"]
+    assert set(ref) <= {"group", "kind", "name", "port", "failureMode"}
+    assert 1 <= len(ref["name"]) <= 253
+    if ref.get("kind", "Service") == "Service":
+        assert set(ref["port"]) == {"number"} and 1 <= ref["port"]["number"] <= 65535
+    assert ref.get("failureMode", "FailClose") in ("FailOpen", "FailClose")
+
+
+def pod_labels(docs, component: str) -> dict:
+    return deployment(docs, component)["spec"]["template"]["metadata"]["labels"]
+
+
+def test_inference_pool_selects_the_executors_http_port_through_the_endpoint_picker():
+    from loraserve.metrics import ENGINE_TYPE, ENGINE_TYPE_LABEL
+
+    docs = render(POOL)
+    k = kinds(docs)
+    [pool] = k["InferencePool"]
+    check_inference_pool_v1(pool)
+    labels = pool["spec"]["selector"]["matchLabels"]
+    assert labels.items() <= pod_labels(docs, "executor").items() and labels[ENGINE_TYPE_LABEL] == ENGINE_TYPE
+    assert not labels.items() <= pod_labels(docs, "store").items()
+    http = next(p["containerPort"] for p in container(docs, "executor")["ports"] if p["name"] == "http")
+    assert pool["spec"]["targetPorts"] == [{"number": http}]
+    assert pool["metadata"]["name"] == "lora-loraserve"
+    assert pool["spec"]["endpointPickerRef"] == {
+        "kind": "Service",
+        "name": "lora-router-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
+    assert "--metrics-compat=vllm" in container(docs, "executor")["args"]
+    for version in KUBE_VERSIONS:  # the ConfigMap and the rest; the InferencePool (a CRD) is checked above
+        for doc in docs:
+            if doc["apiVersion"] not in CRDS | {"inference.networking.k8s.io/v1"}:
+                kubernetes_validate.validate(doc, version, strict=True)
+    report = helm.lint(CHART, POOL, strict=True)
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
+    named = render(
+        {"inferencePool": {"enabled": True, "name": "adapters", "endpointPicker": {"service": "epp", "failureMode": "FailOpen"}}}
+    )
+    [pool] = kinds(named)["InferencePool"]
+    check_inference_pool_v1(pool)
+    assert pool["metadata"]["name"] == "adapters" and pool["spec"]["endpointPickerRef"]["name"] == "epp"
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+
+
+def test_the_endpoint_picker_config_reads_loraserves_engine_config():
+    """The EndpointPickerConfig the chart ships: the engine config is loraserve/metrics.py's
+    ENGINE_CONFIG (which tests/test_operations.py scrapes from a live executor), the pods' label
+    picks it, the scorer weights are those fleet_sim simulates; the llm-d router chart's values
+    carry the same file and point its EPP at this pool."""
+    import sys
+
+    from loraserve.metrics import ENGINE_CONFIG, ENGINE_TYPE_LABEL
+
+    sys.path.insert(0, str(CHART.parents[2] / "benchmarks"))
+    import fleet_sim
+
+    docs = render(POOL)
+    [cm] = [c for c in kinds(docs)["ConfigMap"] if c["metadata"]["name"] == "lora-loraserve-epp"]
+    cfg = yaml.safe_load(cm["data"]["loraserve-plugins.yaml"])
+    assert cfg["apiVersion"] == "llm-d.ai/v1alpha1" and cfg["kind"] == "EndpointPickerConfig"
+    plugins = {p.get("name", p["type"]): p for p in cfg["plugins"]}
+    extractor = plugins["core-metrics-extractor"]["parameters"]
+    assert extractor["engineLabelKey"] == ENGINE_TYPE_LABEL and extractor["engineConfigs"] == [ENGINE_CONFIG]
+    assert plugins["metrics-data-source"]["parameters"] == {"scheme": "http", "path": "/metrics"}
+    [profile] = cfg["schedulingProfiles"]
+    assert {p["pluginRef"]: p["weight"] for p in profile["plugins"]} == fleet_sim.EPP_WEIGHTS
+    refs = [p["pluginRef"] for p in profile["plugins"]]
+    for source in cfg["dataLayer"]["sources"]:
+        refs += [source["pluginRef"]] + [e["pluginRef"] for e in source["extractors"]]
+    assert set(refs) <= set(plugins)  # every reference names a declared plugin
+    router = yaml.safe_load(cm["data"]["llm-d-router-values.yaml"])
+    ext = router["inferenceExtension"]
+    assert yaml.safe_load(ext["pluginsCustomConfig"][ext["pluginsConfigFile"]]) == cfg
+    [pool] = kinds(docs)["InferencePool"]
+    assert ext["flags"]["pool-name"] == pool["metadata"]["name"]
+    assert router["inferencePool"]["modelServers"]["matchLabels"] == pool["spec"]["selector"]["matchLabels"]
+    assert router["inferencePool"]["targetPorts"] == pool["spec"]["targetPorts"]
+    assert ext["extProcPort"] == pool["spec"]["endpointPickerRef"]["port"]["number"]
+
+
+def test_without_the_pool_the_executors_still_carry_the_engine_type_label(manifests):
+    which, docs = manifests
+    k = kinds(docs)
+    assert "InferencePool" not in k and not any(c["metadata"]["name"].endswith("-epp") for c in k.get("ConfigMap", []))
+    assert pod_labels(docs, "executor")["llm-d.ai/engine-type"] == "loraserve"
+    assert "--metrics-compat=none" in container(docs, "executor")["args"]
+
+
+def test_the_pool_needs_the_http_port_and_known_values():
+    with pytest.raises(helm.HelmRenderError, match="inferencePool.enabled needs executor.httpPort"):
+        render({"inferencePool": {"enabled": True}, "executor": {"httpPort": 0}})
+    with pytest.raises(helm.HelmValuesError, match="at '/inferencePool/endpointPicker/failureMode'"):
+        render({"inferencePool": {"enabled": True, "endpointPicker": {"failureMode": "Sometimes"}}})
+    with pytest.raises(helm.HelmValuesError, match="at '/metrics/compat'"):
+        render({"metrics": {"compat": "sglang"}})
+    with pytest.raises(helm.HelmValuesError, match="at '/inferencePool/name'"):
+        render({"inferencePool": {"enabled": True, "name": "Not_A_Name"}})

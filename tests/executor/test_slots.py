@@ -909,3 +909,28 @@ async def test_a_fetched_shard_lands_with_its_signature_worked_out(store, slots)
     lease = await mgr.acquire("adapter-0")
     mgr.release(lease)
     assert seen and seen[0][0] is not None and seen[0][0][0].parts[0] == ("layer.lora_a",) and seen[0][1] is False
+
+
+async def test_residency_says_where_each_adapter_is_and_what_requests_wait_for(store, slots):
+    """/metrics' snapshot: gpu (ready in a slot), cpu (host copy only), store (being fetched, an
+    acquire waiting on it); pinned; rank from the fetched shard (0 before it lands)."""
+    mgr = _manager(store, slots)
+    await mgr.pin("adapter-0")
+    mgr.release(await mgr.acquire("adapter-1"))
+    mgr.release(await mgr.acquire("adapter-2"))  # adapter-1 leaves its slot (adapter-0 is pinned)
+    store.gates["adapter-3"] = asyncio.Event()
+    unwant = mgr.want("adapter-3")
+    waiting = asyncio.create_task(mgr.acquire("adapter-3"))
+    await asyncio.sleep(0.01)
+    where = {r.name: r for r in mgr.residency()}
+    assert {n: (r.tier, r.pinned, r.rank, r.waited_for) for n, r in where.items()} == {
+        "adapter-0": ("gpu", True, 8, False),
+        "adapter-1": ("cpu", False, 8, False),
+        "adapter-2": ("gpu", False, 8, False),
+        "adapter-3": ("store", False, 0, True),
+    }
+    store.gates["adapter-3"].set()
+    lease = await waiting
+    unwant()
+    assert {r.name: (r.tier, r.waited_for) for r in mgr.residency()}["adapter-3"] == ("gpu", False)
+    mgr.release(lease)

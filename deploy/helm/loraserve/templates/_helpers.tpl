@@ -91,7 +91,23 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
 {{- fail "tls.enabled needs tls.existingSecret: a Secret with tls.crt, tls.key and ca.crt" }}
 {{- end }}
+{{- if and .Values.inferencePool.enabled (not (int .Values.executor.httpPort)) }}
+{{- fail "inferencePool.enabled needs executor.httpPort: the gateway routes to, and the endpoint picker scrapes /metrics on, the executors' HTTP port" }}
+{{- end }}
 {{- if and (gt (int .Values.store.replicaCount) 1) (not (include "loraserve.storeRedis" .)) }}
 {{- fail "store.replicaCount > 1 needs a Redis (redis.enabled, redis.url or redis.existingSecret): the stores share their registry there" }}
 {{- end }}
+{{- end }}
+
+{{/* The label the endpoint picker chooses an engine config by (loraserve/metrics.py ENGINE_TYPE_LABEL). */}}
+{{- define "loraserve.engineTypeLabel" -}}
+llm-d.ai/engine-type: loraserve
+{{- end }}
+
+{{- define "loraserve.inferencePoolName" -}}
+{{- .Values.inferencePool.name | default (include "loraserve.fullname" .) }}
+{{- end }}
+
+{{- define "loraserve.endpointPickerService" -}}
+{{- .Values.inferencePool.endpointPicker.service | default (printf "%s-epp" (printf "%s-router" .Release.Name | lower | trunc 40)) }}
 {{- end }}
