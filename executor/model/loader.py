@@ -79,6 +79,33 @@ class _WeightSink:
         self.row_parallel = {"o": tp.part(c.q_size), "down": i_rows}  # input columns this rank keeps
         self.vocab_rows = vocab_rows
 
+    def reads(self, hf_name: str, rows: int) -> list[tuple[str, Cut]]:
+        """What to read of checkpoint tensor hf_name (`rows` rows): [(the HF name to put it as, the part
+        of the tensor to read)], empty for tensors we drop. A fused q|k|v (`self_attn.qkv_proj`) or
+        gate|up (`mlp.gate_up_proj`) tensor, as Phi-3 checkpoints store them, is read as its q, k, v
+        or gate, up rows, each cut for this rank as the unfused tensor would be."""
+        m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)", hf_name)
+        if m is None:
+            target = self.target(hf_name)
+            return [] if target is None else [(hf_name, target[2])]
+        prefix, fused, kind = m.groups()
+        c = self.cfg
+        if fused == "mlp.gate_up_proj":
+            parts = [("mlp.gate", c.intermediate_size), ("mlp.up", c.intermediate_size)]
+        else:
+            parts = [("self_attn.q", c.q_size), ("self_attn.k", c.kv_size), ("self_attn.v", c.kv_size)]
+        if rows != sum(n for _, n in parts):
+            sizes = " + ".join(f"{n} ({p.split('.')[-1]})" for p, n in parts)
+            raise ValueError(f"checkpoint tensor {hf_name!r} has {rows} rows, expected {sizes}")
+        out, start = [], 0
+        for part, n in parts:
+            name = f"{prefix}{part}_proj.{kind}"
+            cut = self.target(name)[2]
+            keep = slice(0, n) if cut is None else cut[1]
+            out.append((name, (0, slice(start + keep.start, start + keep.stop))))
+            start += n
+        return out
+
     def target(self, hf_name: str) -> tuple[str, int, Cut] | None:
         """(our parameter, first row, the part of the tensor this rank keeps) for an HF tensor name;
         None for tensors we drop."""
@@ -173,15 +200,12 @@ def load_hf_checkpoint(
     for file in _safetensors_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                target = sink.target(name)
-                if target is None:
-                    continue
-                cut = target[2]
-                if cut is None:
-                    sink.put(name, f.get_tensor(name))
-                else:  # reads only this rank's rows or columns from the file
-                    part = f.get_slice(name)
-                    sink.put(name, part[cut[1]] if cut[0] == 0 else part[:, cut[1]])
+                tensor = f.get_slice(name)
+                for part_name, cut in sink.reads(name, (tensor.get_shape() or [0])[0]):
+                    if cut is None:
+                        sink.put(part_name, f.get_tensor(name))
+                    else:  # reads only this rank's rows or columns from the file
+                        sink.put(part_name, tensor[cut[1]] if cut[0] == 0 else tensor[:, cut[1]])
     sink.check_complete()
     return model.eval()
 
@@ -234,23 +258,20 @@ def load_gguf(
     sink = _WeightSink(model)
     permute = _gguf_field(reader, "general.architecture") == "llama"
     for t in reader.tensors:
-        hf_name = _hf_name(t.name)
-        target = sink.target(hf_name)
-        if target is None:
-            continue
-        cut, data = target[2], t.data  # data: [rows, bytes of a row] when quantized, a row = whole blocks
-        shape = tuple(reversed(t.shape.tolist()))
-        if cut is not None and cut[0] == 0:  # this rank's rows, cut before dequantizing (most of the work)
-            data = data[cut[1]]
-            shape = (data.shape[0], *shape[1:])
-        w = gguf.quants.dequantize(data, t.tensor_type).reshape(shape)
-        if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            # Per head: a rank's rows are whole heads, so unpermuting them alone is the same.
-            w = _unpermute_rope(w, w.shape[0] // cfg.head_dim)
-        if cut is not None and cut[0] == 1:  # this rank's columns
-            w = w[:, cut[1]]
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        sink.put(hf_name, torch.from_numpy(w if w.flags.writeable else w.copy()))  # F32 data is a read-only memmap
+        full_shape = tuple(reversed(t.shape.tolist()))
+        for hf_name, cut in sink.reads(_hf_name(t.name), full_shape[0]):
+            data, shape = t.data, full_shape  # data: [rows, bytes of a row] when quantized, a row = whole blocks
+            if cut is not None and cut[0] == 0:  # this rank's rows, cut before dequantizing (most of the work)
+                data = data[cut[1]]
+                shape = (data.shape[0], *shape[1:])
+            w = gguf.quants.dequantize(data, t.tensor_type).reshape(shape)
+            if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                # Per head: a rank's rows are whole heads, so unpermuting them alone is the same.
+                w = _unpermute_rope(w, w.shape[0] // cfg.head_dim)
+            if cut is not None and cut[0] == 1:  # this rank's columns
+                w = w[:, cut[1]]
+            w = np.ascontiguousarray(w, dtype=np.float32)
+            sink.put(hf_name, torch.from_numpy(w if w.flags.writeable else w.copy()))  # F32 data is a read-only memmap
     sink.check_complete()
     return model.eval()
 
