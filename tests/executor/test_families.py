@@ -149,7 +149,9 @@ def test_fused_checkpoint_tensor_of_the_wrong_size_is_refused(hf_model, tmp_path
     name = "model.layers.1.self_attn.qkv_proj.weight"
     tensors[name] = tensors[name][:-16]  # one kv head short
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"'model.layers.1.self_attn.qkv_proj.weight' has 112 rows, expected 64 \(q\) \+ 32 \(k\) \+ 32 \(v\)"):
+    with pytest.raises(
+        ValueError, match=r"'model.layers.1.self_attn.qkv_proj.weight' has 112 rows, expected 64 \(q\) \+ 32 \(k\) \+ 32 \(v\)"
+    ):
         load_hf_checkpoint(tmp_path)
 
 
@@ -188,7 +190,9 @@ def test_published_phi_configs_read_as_transformers_reads_them():
     assert cfg.rope_type == "longrope" and cfg.rope_scaling["original_max_position_embeddings"] == 4096
     assert cfg.fused_projections and cfg.sliding_window == 262144 and cfg.max_context_len == 131072
     rope = RotaryEmbedding(cfg, "cpu")
-    assert rope.cos_sin_scale[0].item() == pytest.approx((1 + torch.log(torch.tensor(32.0)) / torch.log(torch.tensor(4096.0))) ** 0.5)
+    assert rope.cos_sin_scale[0].item() == pytest.approx(
+        (1 + torch.log(torch.tensor(32.0)) / torch.log(torch.tensor(4096.0))) ** 0.5
+    )
     su = ModelConfig.from_hf_config({**phi35, "rope_scaling": {**phi35["rope_scaling"], "type": "su"}})
     assert su.rope_type == "longrope"
     phi4_mini = dict(
@@ -252,7 +256,9 @@ def served_adapters(served_base, served, tmp_path_factory):
     refs = {"": model}
     for seed, (name, (r, alpha, targets, rslora, ranks, alphas)) in enumerate(ADAPTERS[served[0]].items()):
         torch.manual_seed(seed)
-        cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, rank_pattern=ranks, alpha_pattern=alphas)
+        cfg = LoraConfig(
+            r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, rank_pattern=ranks, alpha_pattern=alphas
+        )
         peft = get_peft_model(copy.deepcopy(model), cfg)
         with torch.no_grad():
             for n, p in peft.named_parameters():
@@ -263,11 +269,22 @@ def served_adapters(served_base, served, tmp_path_factory):
     return root, refs
 
 
-def test_served_adapters_alone_and_mixed_match_transformers_peft(served, served_base, served_adapters, module_loop_thread, tmp_path):
+def test_served_adapters_alone_and_mixed_match_transformers_peft(
+    served, served_base, served_adapters, module_loop_thread, tmp_path
+):
     family, _, tp = served
     root, refs = served_adapters
     extra = dict(tp_size=tp, tp_timeout_s=60.0) if tp > 1 else {}
-    c = Cluster(module_loop_thread, served_base[1], root, tmp_path / "store", ADAPTERS[family], lora_embeddings=True, cpu_threads=1, **extra)
+    c = Cluster(
+        module_loop_thread,
+        served_base[1],
+        root,
+        tmp_path / "store",
+        ADAPTERS[family],
+        lora_embeddings=True,
+        cpu_threads=1,
+        **extra,
+    )
     try:
         client = c.client()
         assert client.info().tp_size == tp
