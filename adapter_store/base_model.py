@@ -112,7 +112,7 @@ def from_hf_dir(path: Path, name: str | None = None) -> BaseModelSpec:
 
 
 def from_gguf(path: Path, name: str) -> BaseModelSpec:
-    """Reads only the GGUF metadata (llama architecture keys)."""
+    """Reads only the GGUF metadata (`<arch>.*` keys; phi3's modules are fused as in its HF form)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -130,6 +130,7 @@ def from_gguf(path: Path, name: str) -> BaseModelSpec:
         "hidden_size": value(f"{arch}.embedding_length"),
         "num_attention_heads": value(f"{arch}.attention.head_count"),
         "num_key_value_heads": value(f"{arch}.attention.head_count_kv"),
+        "head_dim": value(f"{arch}.attention.key_length"),  # where it is not hidden / heads (Qwen3)
         "num_hidden_layers": value(f"{arch}.block_count"),
         "intermediate_size": value(f"{arch}.feed_forward_length"),
         "vocab_size": value(f"{arch}.vocab_size") or (len(vocab_field.data) if vocab_field else 0),

@@ -239,11 +239,16 @@ _GGUF_LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: fused q|k|v
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+_GGUF_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # phi3's LongRoPE: read into the config
 
 
 def load_gguf(
@@ -258,8 +263,10 @@ def load_gguf(
     sink = _WeightSink(model)
     permute = _gguf_field(reader, "general.architecture") == "llama"
     for t in reader.tensors:
+        if t.name in _GGUF_ROPE_FACTORS:
+            continue
         full_shape = tuple(reversed(t.shape.tolist()))
-        for hf_name, cut in sink.reads(_hf_name(t.name), full_shape[0]):
+        for hf_name, cut in sink.reads(_hf_name(t.name, cfg.fused_projections), full_shape[0]):
             data, shape = t.data, full_shape  # data: [rows, bytes of a row] when quantized, a row = whole blocks
             if cut is not None and cut[0] == 0:  # this rank's rows, cut before dequantizing (most of the work)
                 data = data[cut[1]]
@@ -277,11 +284,14 @@ def load_gguf(
 
 
 def gguf_config(reader) -> ModelConfig:
-    """ModelConfig from GGUF metadata (`<arch>.*` keys, token ids from `tokenizer.ggml.*`)."""
+    """ModelConfig from GGUF metadata (`<arch>.*` keys, token ids from `tokenizer.ggml.*`) as llama.cpp's
+    converter writes it. phi3: fused attn_qkv and ffn_up (gate|up), rope.dimension_count the rotary
+    dims (partial RoPE), LongRoPE's factors as the rope_factors_short / rope_factors_long tensors."""
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2")
-    tensor_names = {t.name for t in reader.tensors}
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHS)}")
+    tensors = {t.name: t for t in reader.tensors}
+    tensor_names = set(tensors)
     if "rope_freqs.weight" in tensor_names:
         raise ValueError("GGUF with rope_freqs (Llama 3.1 rope scaling) is not supported yet")
 
@@ -294,6 +304,18 @@ def gguf_config(reader) -> ModelConfig:
     if scaling_type not in ("none", "linear"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
     rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")} if scaling_type == "linear" else None
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
+    rotary_dim, window = head_dim, None
+    if arch == "phi3":
+        head_dim = get("attention.key_length") or hidden // heads
+        rotary_dim, window = get("rope.dimension_count") or head_dim, get("attention.sliding_window") or None
+    if _GGUF_ROPE_FACTORS[1] in tensor_names:
+        short, long = (np.asarray(tensors[n].data, dtype=np.float32).tolist() for n in _GGUF_ROPE_FACTORS)
+        rope_scaling = {
+            "rope_type": "longrope", "short_factor": short, "long_factor": long,
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "attention_factor": get("rope.scaling.attn_factor"),
+        }  # fmt: skip
     eos = [_gguf_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return ModelConfig(
         model_type=arch,
@@ -303,13 +325,17 @@ def gguf_config(reader) -> ModelConfig:
         num_layers=get("block_count"),
         num_heads=heads,
         num_kv_heads=get("attention.head_count_kv", heads),
-        head_dim=get("attention.key_length") or get("rope.dimension_count") or hidden // heads,
+        head_dim=head_dim,
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=get("rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
         max_position_embeddings=get("context_length", 2048),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        sliding_window=window,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        fused_projections=arch == "phi3",
+        partial_rotary_factor=rotary_dim / head_dim,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
     )
@@ -320,11 +346,13 @@ def _gguf_field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, fused: bool = False) -> str:
+    """fused: phi3, whose ffn_up holds gate|up (HF's mlp.gate_up_proj)."""
     base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{kind}"
+        module = "mlp.gate_up_proj" if fused and m.group(2) == "ffn_up" else _GGUF_LAYER_NAMES[m.group(2)]
+        return f"model.layers.{m.group(1)}.{module}.{kind}"
     if base in _GGUF_GLOBAL_NAMES:
         return f"{_GGUF_GLOBAL_NAMES[base]}.{kind}"
     raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
