@@ -173,7 +173,7 @@ def test_malformed_fused_adapters_are_refused_by_validation(phi3, fused_adapter,
     assert e.value.code.name == "INVALID_ARGUMENT"
     assert f"adapter maps {H} -> {Q + 2 * KVS + 2} features, base model 'tiny-phi3' has {H} -> {Q + 2 * KVS}" in e.value.message
     # q/k/v names (a Llama-style adapter) against the fused base model: refused, naming the fused module
-    unfused = _edit(fused_adapter[0], tmp_path / "q", _as_q_proj, lambda c: c.update(rank_pattern={"q_proj": 4}))
+    unfused = _edit(fused_adapter[0], tmp_path / "q", _as_q_proj, lambda c: c.update(rank_pattern={"qkv_proj": 4, "q_proj": 4}))
     with pytest.raises(StatusError, match="fuses q_proj into 'model.layers.0.self_attn.qkv_proj'"):
         pack.load_adapter(unfused, spec, limits)
 
@@ -185,6 +185,11 @@ def test_without_a_base_model_the_layout_refuses_wrong_fused_rows(phi3, fused_ad
         pack.pack_full(bad, _layout(phi3, 2, False))
     assert e.value.code.name == "FAILED_PRECONDITION"
     assert "layout module 'model.layers.0.self_attn.qkv_proj' expects 64 -> 128" in e.value.message
+    # q/k/v names: the phi3 executor's layout serves only the fused module
+    edit = lambda c: c.update(rank_pattern={"qkv_proj": 4, "q_proj": 4})  # noqa: E731
+    unfused = pack.load_adapter(_edit(fused_adapter[0], tmp_path / "q", _as_q_proj, edit), None, validate.Limits())
+    with pytest.raises(StatusError, match=r"the executor's layout does not serve: \['model.layers.0.self_attn.q_proj'\]"):
+        pack.pack_full(unfused, _layout(phi3, 1, False))
 
 
 def test_layout_refuses_a_fused_name_on_slices_apart(phi3):
