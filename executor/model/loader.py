@@ -313,7 +313,7 @@ def gguf_config(reader) -> ModelConfig:
         short, long = (np.asarray(tensors[n].data, dtype=np.float32).tolist() for n in _GGUF_ROPE_FACTORS)
         rope_scaling = {
             "rope_type": "longrope", "short_factor": short, "long_factor": long,
-            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length") or get("context_length"),
             "attention_factor": get("rope.scaling.attn_factor"),
         }  # fmt: skip
     eos = [_gguf_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
