@@ -2,7 +2,9 @@
 
 Adapters are checked against it at registration: every tensor must map to one of these
 modules and agree with its (in_features, out_features). Built from a Hugging Face
-config.json (Llama, Mistral, Qwen2, SmolLM2, Mixtral, Qwen2/3-MoE) or from a GGUF's metadata.
+config.json (Llama, Mistral, Qwen2/3, SmolLM2, Phi-3/4, Mixtral, Qwen2/3-MoE) or from a GGUF's metadata.
+Phi-3 (model_type phi3) has the fused modules its checkpoints and PEFT name: self_attn.qkv_proj
+(q | k | v rows) and mlp.gate_up_proj (gate | up rows), no q/k/v or gate/up of their own.
 """
 
 from __future__ import annotations
@@ -13,6 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 EXPERT = re.compile(r"\.experts\.(\d+)\.")
+# Families whose checkpoints and PEFT adapters name fused q|k|v and gate|up modules (as the executor's config.py)
+FUSED_MODEL_TYPES = ("phi3",)
+# unfused PEFT names -> the fused module that holds them in those families
+FUSED_NAMES = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 
 
 @dataclass(frozen=True)
@@ -50,13 +62,20 @@ def from_hf_config(name: str, cfg: dict, aliases: tuple[str, ...] = ()) -> BaseM
     vocab = cfg["vocab_size"]
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
     mods: dict[str, tuple[int, int]] = {"model.embed_tokens": (vocab, hidden), "lm_head": (hidden, vocab)}
+    fused = cfg.get("model_type") in FUSED_MODEL_TYPES
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        mods[f"{p}.self_attn.q_proj"] = (hidden, heads * head_dim)
-        mods[f"{p}.self_attn.k_proj"] = (hidden, kv_heads * head_dim)
-        mods[f"{p}.self_attn.v_proj"] = (hidden, kv_heads * head_dim)
+        if fused:
+            mods[f"{p}.self_attn.qkv_proj"] = (hidden, (heads + 2 * kv_heads) * head_dim)
+        else:
+            mods[f"{p}.self_attn.q_proj"] = (hidden, heads * head_dim)
+            mods[f"{p}.self_attn.k_proj"] = (hidden, kv_heads * head_dim)
+            mods[f"{p}.self_attn.v_proj"] = (hidden, kv_heads * head_dim)
         mods[f"{p}.self_attn.o_proj"] = (heads * head_dim, hidden)
-        if experts and _is_sparse_layer(cfg, i):
+        if fused:
+            inter = cfg["intermediate_size"]
+            mods.update({f"{p}.mlp.gate_up_proj": (hidden, 2 * inter), f"{p}.mlp.down_proj": (inter, hidden)})
+        elif experts and _is_sparse_layer(cfg, i):
             mods.update(_moe_modules(p, cfg, hidden))
         else:
             mods.update(_mlp_modules(f"{p}.mlp", hidden, cfg["intermediate_size"]))
@@ -93,7 +112,7 @@ def from_hf_dir(path: Path, name: str | None = None) -> BaseModelSpec:
 
 
 def from_gguf(path: Path, name: str) -> BaseModelSpec:
-    """Reads only the GGUF metadata (llama architecture keys)."""
+    """Reads only the GGUF metadata (`<arch>.*` keys; phi3's modules are fused as in its HF form)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -111,6 +130,7 @@ def from_gguf(path: Path, name: str) -> BaseModelSpec:
         "hidden_size": value(f"{arch}.embedding_length"),
         "num_attention_heads": value(f"{arch}.attention.head_count"),
         "num_key_value_heads": value(f"{arch}.attention.head_count_kv"),
+        "head_dim": value(f"{arch}.attention.key_length"),  # where it is not hidden / heads (Qwen3)
         "num_hidden_layers": value(f"{arch}.block_count"),
         "intermediate_size": value(f"{arch}.feed_forward_length"),
         "vocab_size": value(f"{arch}.vocab_size") or (len(vocab_field.data) if vocab_field else 0),

@@ -64,6 +64,9 @@ def check_layout(layout: pb.Layout) -> None:
             raise invalid(f"{where}: MERGED_COLUMN needs >= 2 output_sizes")
         if len(m.peft_modules) != len(m.output_sizes):
             raise invalid(f"{where}: {len(m.peft_modules)} peft_modules for {len(m.output_sizes)} slices")
+        spans = [name for name, _, _ in peft_spans(m.peft_modules, m.output_sizes)]
+        if len(spans) != len(set(spans)):
+            raise invalid(f"{where}: a PEFT module named for several slices must name consecutive ones: {list(m.peft_modules)}")
         if m.input_size < 1 or any(n < 1 for n in m.output_sizes):
             raise invalid(f"{where}: input_size and output_sizes must be >= 1")
         if m.kind in MOE:
@@ -72,6 +75,22 @@ def check_layout(layout: pb.Layout) -> None:
             if any("{e}" not in p for p in m.peft_modules):
                 raise invalid(f"{where}: MoE peft_modules need an '{{e}}' expert placeholder")
         _check_divisible(m, tp, where)
+
+
+def peft_spans(peft_modules, output_sizes) -> list[tuple[str, slice, slice]]:
+    """(PEFT module, its slices, its rows of the packed B) for each run of equal consecutive
+    peft_modules: a module named for several slices is one fused PEFT module spanning them (Phi-3's
+    qkv_proj over q, k, v), its A packed into each and its B's rows split over them in order."""
+    spans: list[tuple[str, slice, slice]] = []
+    row = 0
+    for s, (name, n) in enumerate(zip(peft_modules, output_sizes)):
+        if spans and spans[-1][0] == name:
+            _, slices, rows = spans[-1]
+            spans[-1] = (name, slice(slices.start, s + 1), slice(rows.start, row + n))
+        else:
+            spans.append((name, slice(s, s + 1), slice(row, row + n)))
+        row += n
+    return spans
 
 
 def _check_divisible(m: pb.ModuleLayout, tp: int, where: str) -> None:

@@ -20,7 +20,7 @@ from loraserve.v1 import common_pb2 as pb
 
 from . import experts, validate
 from .base_model import BaseModelSpec
-from .layout import DTYPES, MOE, K, check_layout, layout_hash, slice_module
+from .layout import DTYPES, MOE, K, check_layout, layout_hash, peft_spans, slice_module
 
 FORMAT = "loraserve.shard.v1"
 
@@ -72,22 +72,22 @@ def _module_names(m: pb.ModuleLayout, e: int | None) -> list[str]:
 
 
 def _pack_linear(m, names, adapter, r_pack, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """a: [S, r_pack, in], b: [N, r_pack], zeros where a slice is not targeted."""
+    """a: [S, r_pack, in], b: [N, r_pack], zeros where a slice is not targeted. A fused PEFT module
+    (named for several slices, layout.peft_spans) puts its A into each of them and its B's rows
+    across them, with its own scale."""
     a = torch.zeros(len(names), r_pack, m.input_size, dtype=dtype)  # A is only cast: no float32 detour
     b = torch.zeros(sum(m.output_sizes), r_pack, dtype=torch.float32)  # B is scaled in float32
-    offset = 0
-    for s, (name, n) in enumerate(zip(names, m.output_sizes)):
+    for name, slices, rows in peft_spans(names, m.output_sizes):
         if name in adapter.modules:
             la, lb = adapter.modules[name]
-            r = la.shape[0]
+            r, n = la.shape[0], rows.stop - rows.start
             if la.shape[1] != m.input_size or lb.shape[0] != n:
                 raise precondition(
                     f"module {name!r}: adapter maps {la.shape[1]} -> {lb.shape[0]} features, "
                     f"the executor's layout module {m.name!r} expects {m.input_size} -> {n}"
                 )
-            a[s, :r] = la
-            b[offset : offset + n, :r] = lb.float() * adapter.settings.module_scale(name)
-        offset += n
+            a[slices, :r] = la
+            b[rows, :r] = lb.float() * adapter.settings.module_scale(name)
     return a, b.to(dtype)
 
 

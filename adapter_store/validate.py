@@ -19,7 +19,7 @@ from safetensors.torch import load as st_load
 
 from loraserve.errors import invalid, precondition
 
-from .base_model import BaseModelSpec
+from .base_model import FUSED_NAMES, BaseModelSpec
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -265,6 +265,13 @@ def _check_shapes(
         return
     shape = spec.module_shape(module)
     if shape is None:
+        parent, _, proj = module.rpartition(".")
+        fused = f"{parent}.{FUSED_NAMES.get(proj)}"
+        if spec.module_shape(fused) is not None:
+            raise invalid(
+                f"module {module!r} does not exist in base model {spec.name!r}: it fuses {proj} into {fused!r}, "
+                f"the module its PEFT adapters target"
+            )
         raise invalid(f"module {module!r} does not exist in base model {spec.name!r}")
     if (a.shape[1], b.shape[0]) != shape:
         named = f"module {module!r}" + (f" (the file's {source!r})" if source and source != module else "")

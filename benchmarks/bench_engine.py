@@ -5,8 +5,10 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
     python benchmarks/bench_engine.py --tokenizer DIR [--shape llama3-8b] [--batches 1,8,32,64]
 
 - The model is built on the GPU with random bf16 weights (speed does not depend on the values):
-  Llama-3-8B's layers with the tokenizer's vocabulary (--tokenizer: a folder with tokenizer.json,
-  e.g. the executor's converted SmolLM2 tokenizer under var/cache/tokenizers/).
+  the layers of `--shape` (Llama-3-8B by default; every whole-model family of kernels/model_shapes.py,
+  e.g. qwen3-8b, mistral-7b, phi-3-mini, llama-3.2-3b, qwen2.5-14b) with the tokenizer's vocabulary
+  (--tokenizer: a folder with tokenizer.json, e.g. the executor's converted SmolLM2 tokenizer under
+  var/cache/tokenizers/; --vocab its size), not the family's own.
 - Ceilings measured in the same run: device-to-device copy bandwidth (bytes read + written) and
   the bf16 matmul rate (8192^3).
 - Decode: B requests with `--context` random prompt tokens each, run through `Engine.generate`;
@@ -58,20 +60,31 @@ from loraserve.executor.model.llama import LlamaForCausalLM
 from loraserve.executor.model.tokenizer import Tokenizer
 from loraserve.executor.slot_layout import LoraSpec
 from loraserve.executor.slot_reports import SlotObserver
+from loraserve.kernels import model_shapes
 
 DEVICE, DTYPE = "cuda", torch.bfloat16  # set by main()
 NO_STORE = "127.0.0.1:9"  # the store address of an engine fed in-process: never asked for an adapter
+
+
+def _model_shape(f: model_shapes.Family) -> dict:
+    """A whole-model family of kernels/model_shapes.py as ModelConfig fields (its vocabulary aside: --vocab)."""
+    return dict(
+        model_type=f.model_type, hidden_size=f.hidden, intermediate_size=f.intermediate, num_layers=f.layers,
+        num_heads=f.heads, num_kv_heads=f.kv_heads, head_dim=f.head_dim, rope_theta=f.rope_theta,
+        tie_word_embeddings=f.tied, qk_norm=f.model_type == "qwen3", fused_projections=f.model_type == "phi3",
+        partial_rotary_factor=f.partial_rotary_factor,
+    )  # fmt: skip
+
+
+# --shape NAME: every whole-model family of kernels/model_shapes.py, two older names for two of them,
+# and "tiny" for a smoke run on the CPU.
 SHAPES = {
-    "llama3-8b": dict(
-        hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0
-    ),
+    **{f.name: _model_shape(f) for f in model_shapes.FAMILIES if f.layers},
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0
-    ),  # for a smoke run on the CPU
-    "smollm2": dict(
-        hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0
     ),
 }
+SHAPES.update({"llama3-8b": SHAPES["llama-3-8b"], "smollm2": SHAPES["smollm2-135m"]})
 
 
 # ---- ceilings ---------------------------------------------------------------------------------
@@ -117,15 +130,8 @@ def matmul_peak() -> float:
 
 
 def build_model(shape: str, vocab: int, spec: LoraSpec) -> LlamaForCausalLM:
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=vocab,
-        rms_norm_eps=1e-5,
-        rope_scaling=None,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-        **SHAPES[shape],
-    )
+    fields = {"model_type": "llama", "tie_word_embeddings": False, **SHAPES[shape]}
+    cfg = ModelConfig(vocab_size=vocab, rms_norm_eps=1e-5, rope_scaling=None, max_position_embeddings=8192, **fields)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg, spec, dtype=DTYPE, device=DEVICE)
     with torch.no_grad():

@@ -27,6 +27,8 @@ def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str,
     rank declares the same layout and names its own ShardRank when it fetches.
 
     Module names are the executor's; peft_modules are the PEFT names packed into each, in slice order.
+    A family whose PEFT adapters target fused modules (Phi-3's qkv_proj, gate_up_proj) names the
+    fused module for each of its slices: the store splits its B's rows over them (adapter_store/pack.py).
     """
     c = model_cfg
     K = pb.ModuleKind
@@ -43,11 +45,11 @@ def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str,
         )
     for i in range(c.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        qkv = [f"{attn}.qkv_proj"] * 3 if c.fused_projections else [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"]
         modules += [
             pb.ModuleLayout(
                 name=f"{attn}.qkv_proj", kind=K.QKV, input_size=c.hidden_size,
-                output_sizes=[c.q_size, c.kv_size, c.kv_size], head_size=c.head_dim,
-                peft_modules=[f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
+                output_sizes=[c.q_size, c.kv_size, c.kv_size], head_size=c.head_dim, peft_modules=qkv,
             ),
             pb.ModuleLayout(
                 name=f"{attn}.o_proj", kind=K.ROW, input_size=c.q_size,
@@ -57,7 +59,7 @@ def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str,
         if c.is_moe_layer(i):
             modules += _moe_layout(c, mlp)
         else:
-            modules += _mlp_layout(mlp, c.hidden_size, c.intermediate_size)
+            modules += _mlp_layout(mlp, c.hidden_size, c.intermediate_size, c.fused_projections)
     if spec.targets_embeddings:
         modules.append(
             pb.ModuleLayout(
@@ -74,12 +76,13 @@ def declare_layout(model_cfg: ModelConfig, spec: LoraSpec, base_model_name: str,
     )  # fmt: skip
 
 
-def _mlp_layout(mlp: str, hidden: int, inter: int) -> list:
+def _mlp_layout(mlp: str, hidden: int, inter: int, fused: bool = False) -> list:
     K = pb.ModuleKind
+    gate_up = [f"{mlp}.gate_up_proj"] * 2 if fused else [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
     return [
         pb.ModuleLayout(
             name=f"{mlp}.gate_up_proj", kind=K.MERGED_COLUMN, input_size=hidden, output_sizes=[inter, inter],
-            peft_modules=[f"{mlp}.gate_proj", f"{mlp}.up_proj"],
+            peft_modules=gate_up,
         ),
         pb.ModuleLayout(
             name=f"{mlp}.down_proj", kind=K.ROW, input_size=inter, output_sizes=[hidden],

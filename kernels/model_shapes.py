@@ -2,7 +2,8 @@
 
 A pure table + function, used by the kernel tuner (tools/tune_kernels.py) and benchmark
 (benchmarks/bench_kernels.py --real) so the tuned tables cover the shapes the kernels really see,
-and by tests.
+by benchmarks/bench_engine.py --shape NAME (a random-weight model of a family's whole shape), and
+by tests.
 
 Per rank, as the adapter store slices them (adapter_store/layout.py) and the layers compute:
   qkv      column (fused q|k|v): in hidden,             out (q/tp, kv/tp, kv/tp); kv heads
@@ -31,22 +32,39 @@ class Family:
     kv_heads: int
     head_dim: int
     vocab: int
+    # the rest describe the whole model (bench_engine.py builds it): 0 layers = not a whole-model shape
+    layers: int = 0
+    rope_theta: float = 10000.0
+    model_type: str = "llama"
+    tied: bool = False  # tie_word_embeddings
+    partial_rotary_factor: float = 1.0
 
 
-# From each model's config.json (Qwen2 and Qwen2.5 share these sizes at 0.5B/7B/72B).
+# From each model's config.json (Qwen2 and Qwen2.5 share these sizes at 0.5B/7B/72B; Mistral-7B is v0.3).
 FAMILIES = (
-    Family("llama-3-8b", 4096, 14336, 32, 8, 128, 128256),
-    Family("llama-3-70b", 8192, 28672, 64, 8, 128, 128256),
-    Family("llama-3.2-1b", 2048, 8192, 32, 8, 64, 128256),
-    Family("llama-3.2-3b", 3072, 8192, 24, 8, 128, 128256),
-    Family("mistral-7b", 4096, 14336, 32, 8, 128, 32768),
-    Family("qwen2.5-0.5b", 896, 4864, 14, 2, 64, 151936),
-    Family("qwen2.5-7b", 3584, 18944, 28, 4, 128, 152064),
-    Family("qwen2.5-14b", 5120, 13824, 40, 8, 128, 152064),
-    Family("qwen2.5-72b", 8192, 29568, 64, 8, 128, 152064),
-    Family("smollm2-135m", 576, 1536, 9, 3, 64, 49152),
-    Family("smollm2-360m", 960, 2560, 15, 5, 64, 49152),
-    Family("smollm2-1.7b", 2048, 8192, 32, 32, 64, 49152),
+    Family("llama-3-8b", 4096, 14336, 32, 8, 128, 128256, 32, 500000.0),
+    Family("llama-3-70b", 8192, 28672, 64, 8, 128, 128256, 80, 500000.0),
+    Family("llama-3.2-1b", 2048, 8192, 32, 8, 64, 128256, 16, 500000.0, tied=True),
+    Family("llama-3.2-3b", 3072, 8192, 24, 8, 128, 128256, 28, 500000.0, tied=True),
+    Family("mistral-7b", 4096, 14336, 32, 8, 128, 32768, 32, 1000000.0, "mistral"),
+    Family("qwen2.5-0.5b", 896, 4864, 14, 2, 64, 151936, 24, 1000000.0, "qwen2", tied=True),
+    Family("qwen2.5-7b", 3584, 18944, 28, 4, 128, 152064, 28, 1000000.0, "qwen2"),
+    Family("qwen2.5-14b", 5120, 13824, 40, 8, 128, 152064, 48, 1000000.0, "qwen2"),
+    Family("qwen2.5-72b", 8192, 29568, 64, 8, 128, 152064, 80, 1000000.0, "qwen2"),
+    Family("smollm2-135m", 576, 1536, 9, 3, 64, 49152, 30, 100000.0, tied=True),
+    Family("smollm2-360m", 960, 2560, 15, 5, 64, 49152, 32, 100000.0, tied=True),
+    Family("smollm2-1.7b", 2048, 8192, 32, 32, 64, 49152, 24, 130000.0, tied=True),
+    # Qwen3: head_dim 128 at every size (heads x head_dim may exceed hidden), q/k norm
+    Family("qwen3-0.6b", 1024, 3072, 16, 8, 128, 151936, 28, 1000000.0, "qwen3", tied=True),
+    Family("qwen3-1.7b", 2048, 6144, 16, 8, 128, 151936, 28, 1000000.0, "qwen3", tied=True),
+    Family("qwen3-4b", 2560, 9728, 32, 8, 128, 151936, 36, 1000000.0, "qwen3", tied=True),
+    Family("qwen3-8b", 4096, 12288, 32, 8, 128, 151936, 36, 1000000.0, "qwen3"),
+    Family("qwen3-14b", 5120, 17408, 40, 8, 128, 151936, 40, 1000000.0, "qwen3"),
+    Family("qwen3-32b", 5120, 25600, 64, 8, 128, 151936, 64, 1000000.0, "qwen3"),
+    # Phi-3-mini (4k and 128k, and Phi-3.5-mini: the same sizes), Phi-3-medium, Phi-4-mini (partial RoPE)
+    Family("phi-3-mini", 3072, 8192, 32, 32, 96, 32064, 32, 10000.0, "phi3"),
+    Family("phi-3-medium", 5120, 17920, 40, 10, 128, 32064, 40, 10000.0, "phi3"),
+    Family("phi-4-mini", 3072, 8192, 24, 8, 128, 200064, 32, 10000.0, "phi3", tied=True, partial_rotary_factor=0.75),
 )
 
 

@@ -8,8 +8,18 @@ from typing import Any
 # Families that share the Llama block (RMSNorm, RoPE, GQA, SiLU-gated MLP). SmolLM2 ships as "llama".
 # The MoE families swap the MLP of their sparse layers for routed experts (executor/model/moe.py).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", *MOE_MODEL_TYPES)
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+# Phi-3 / Phi-3.5 / Phi-4 (mini): the same block with q|k|v and gate|up fused in the checkpoint and in PEFT.
+FUSED_MODEL_TYPES = ("phi3",)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *FUSED_MODEL_TYPES, *MOE_MODEL_TYPES)
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+# Families near the supported ones whose blocks differ: why each is refused.
+UNSUPPORTED_MODEL_TYPES = {
+    "phimoe": "Phi-3.5-MoE's sparsemixer-routed experts and LayerNorm blocks are not supported (dense phi3 models are)",
+    "phi3small": "Phi-3-small's block-sparse attention and GeGELU MLP are not supported (phi3 models are)",
+    "phi3_v": "Phi-3-vision's image encoder is not supported (text-only phi3 models are)",
+    "phi4mm": "Phi-4-multimodal's vision and audio encoders are not supported (text-only phi3 models are)",
+    "phi": "Phi-1/Phi-2's LayerNorm, parallel attention/MLP block and GELU MLP are not supported",
+}
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    # Phi-3: checkpoints and PEFT adapters name the fused self_attn.qkv_proj and mlp.gate_up_proj
+    fused_projections: bool = False
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE turns only the first rotary_dim dims of each head
     # Mixture of experts (0 experts: a dense model). Layers in moe_layers route each token to its
     # top-k of num_experts SiLU-gated experts of moe_intermediate_size; the others keep the dense MLP.
     num_experts: int = 0
@@ -51,6 +64,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -81,6 +98,8 @@ class ModelConfig:
     def from_hf_config(cfg: dict[str, Any]) -> "ModelConfig":
         """From a transformers config.json dict (v4 `rope_scaling`/`rope_theta` or v5 `rope_parameters`)."""
         model_type = cfg.get("model_type", "llama")
+        if model_type in UNSUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}: {UNSUPPORTED_MODEL_TYPES[model_type]}")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
         if cfg.get("hidden_act", "silu") != "silu":
@@ -88,19 +107,29 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         max_pos = cfg.get("max_position_embeddings", 2048)
-        rope_theta, rope_scaling = _rope_from_hf(cfg, max_pos)
+        rope_theta, rope_scaling, partial = _rope_from_hf(cfg, max_pos, model_type)
+        rotary_dim = int(head_dim * partial)
+        if partial != 1.0 and (model_type not in FUSED_MODEL_TYPES or rotary_dim % 2 or rotary_dim < 2):
+            raise ValueError(
+                f"partial_rotary_factor {partial} (RoPE on {rotary_dim} of {head_dim} dims per head) is supported "
+                f"for {FUSED_MODEL_TYPES} models with an even rotary_dim only, not {model_type}"
+            )
+        if rope_scaling and rope_scaling["rope_type"] == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(rope_scaling.get(key) or ()) != rotary_dim // 2:
+                    raise ValueError(f"longrope {key} must hold rotary_dim / 2 = {rotary_dim // 2} numbers")
 
-        if model_type in ("qwen2", "qwen2_moe", "qwen3_moe"):
+        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             if cfg.get("use_sliding_window"):
                 raise ValueError(f"{model_type} sliding-window layers (use_sliding_window=true) are not supported")
             window = None
-            if model_type == "qwen3_moe":
+            if model_type in ("qwen3", "qwen3_moe"):
                 qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             else:
                 qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
-            window = cfg.get("sliding_window") if model_type in ("mistral", "mixtral") else None
+            window = cfg.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3") else None
 
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -124,7 +153,9 @@ class ModelConfig:
             sliding_window=window,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=model_type == "qwen3_moe",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            fused_projections=model_type in FUSED_MODEL_TYPES,
+            partial_rotary_factor=partial,
             **_moe_from_hf(model_type, cfg),
         )
 
@@ -149,22 +180,28 @@ def _moe_from_hf(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def _rope_from_hf(cfg: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) the way transformers v5 standardizes them.
+def _rope_from_hf(cfg: dict[str, Any], max_pos: int, model_type: str) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, rope_scaling, partial_rotary_factor) the way transformers v5 standardizes them.
 
-    v5 writes `rope_parameters` = {"rope_type", "rope_theta", <scaling keys>}; v4 wrote `rope_theta`
-    at the top level and `rope_scaling` = {"type" or "rope_type", <scaling keys>} (or null).
+    v5 writes `rope_parameters` = {"rope_type", "rope_theta", "partial_rotary_factor", <scaling keys>};
+    v4 wrote `rope_theta` and `partial_rotary_factor` at the top level and `rope_scaling` = {"type" or
+    "rope_type", <scaling keys>} (or null). Phi-3's top-level original_max_position_embeddings wins
+    over the one in the rope dict, and its old "su" / "yarn" types mean longrope (as in transformers).
     """
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if params.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if model_type in FUSED_MODEL_TYPES and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
+    partial = float(params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {ROPE_TYPES}")
     if rope_type == "default":
-        return theta, None
+        return theta, None, partial
     if rope_type == "llama3":
         params.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings", max_pos))
-    return theta, {"rope_type": rope_type, **params}
+    if rope_type == "longrope":
+        top = cfg.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = top or params.get("original_max_position_embeddings") or max_pos
+    return theta, {"rope_type": rope_type, **params}, partial

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flattened batch and a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM2, Phi-3/4) over a flattened batch and a paged KV cache.
 
 T = tokens of all sequences in the step (prefill chunks and decode tokens mixed), H = query heads,
 KVH = kv heads, D = head_dim. q/k/v and gate/up are fused; module paths are part of the LoRA layout.
@@ -35,8 +35,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None, device=None) -> torch.Tensor:
-    """[D/2] float32 inverse frequencies of RoPE with cfg's scaling (transformers' rope init functions)."""
-    dim = cfg.head_dim
+    """[rotary_dim/2] float32 inverse frequencies of RoPE with cfg's scaling (transformers' rope init
+    functions). longrope: the short factors' unless seq_len passes original_max_position_embeddings."""
+    dim = cfg.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     scaling = cfg.rope_scaling or {}
     rope_type = cfg.rope_type
@@ -47,12 +48,29 @@ def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None, device=None) -> 
         seq_len = max(seq_len or max_pos, max_pos)
         factor = scaling["factor"]
         base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+    if rope_type == "longrope":
+        long = seq_len is not None and seq_len > scaling["original_max_position_embeddings"]
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+        return 1.0 / (ext * base**exponents)
     inv_freq = 1.0 / (base**exponents)
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
     return inv_freq
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """longrope's scale of cos and sin: attention_factor, else sqrt(1 + ln(factor) / ln(original)) with
+    factor = max_position_embeddings / original unless given (1 when factor <= 1); 1 for other types."""
+    s = cfg.rope_scaling or {}
+    if cfg.rope_type != "longrope":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    original = s["original_max_position_embeddings"]
+    factor = s.get("factor") or cfg.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -68,20 +86,62 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """[D] head dims in the order that makes the RoPE kernels' pairing (d, d + D/2) rotate the pairs
+    (d, d + rotary_dim/2), d < rotary_dim/2, of partial RoPE: those pairs first in each half, the
+    rotary_dim.. pass-through dims after them (cos 1, sin 0 there). q and k take the same order, so
+    their dot products, and with them attention, are unchanged."""
+    half, rh = head_dim // 2, rotary_dim // 2
+    passes = torch.arange(rotary_dim, head_dim)
+    first, second = passes[: half - rh], passes[half - rh :]
+    return torch.cat([torch.arange(rh), first, torch.arange(rh, rotary_dim), second])
+
+
 class RotaryEmbedding(nn.Module):
+    """cos/sin [T, D] per token position, laid out for kernels.rope_and_cache (each half-split pair
+    (d, d + D/2) turned by one angle).
+
+    longrope: a token at a position below original_max_position_embeddings turns by the short
+    factors' frequencies, one at or past it by the long factors', and cos/sin carry the attention
+    factor. Per token, so a row never depends on its batch (docs/ARCHITECTURE.md, Model).
+    Partial RoPE (rotary_dim < D): q and k are reordered by `order` before the kernel, and the
+    pass-through dims get cos 1 and sin 0."""
+
     def __init__(self, cfg: ModelConfig, device):
         super().__init__()
         self.cfg = cfg
-        self.register_buffer("inv_freq", rope_inv_freq(cfg, device=device), persistent=False)  # [D/2]
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, device=device), persistent=False)  # [rotary_dim/2]
+        self.original_max, long_inv = None, None
+        if cfg.rope_type == "longrope":
+            self.original_max = cfg.rope_scaling["original_max_position_embeddings"]
+            long_inv = rope_inv_freq(cfg, self.original_max + 1, device=device)
+        self.register_buffer("long_inv_freq", long_inv, persistent=False)  # longrope's long factors, else None
+        # [D] longrope's attention factor on the rotated dims (transformers scales no pass-through dim), else None
+        scale, factor = None, rope_attention_factor(cfg)
+        if factor != 1.0:
+            scale = torch.ones(cfg.head_dim, device=device)
+            scale.view(2, -1)[:, : cfg.rotary_dim // 2] = factor
+        self.register_buffer("cos_sin_scale", scale, persistent=False)
+        order = partial_rotary_order(cfg.head_dim, cfg.rotary_dim).to(device) if cfg.rotary_dim < cfg.head_dim else None
+        self.register_buffer("order", order, persistent=False)  # [D] partial RoPE's order of q and k dims, else None
 
     def forward(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, D] in dtype (computed in float32, as transformers does)."""
+        c = self.cfg
         inv_freq = self.inv_freq
-        if self.cfg.rope_type == "dynamic":  # depends on the step's longest sequence: a host sync
-            inv_freq = rope_inv_freq(self.cfg, int(positions.max()) + 1, device=positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+        if c.rope_type == "dynamic":  # depends on the step's longest sequence: a host sync
+            inv_freq = rope_inv_freq(c, int(positions.max()) + 1, device=positions.device)
+        if self.long_inv_freq is not None:  # [T, rotary_dim/2]: each token's factors by its position
+            inv_freq = torch.where((positions >= self.original_max)[:, None], self.long_inv_freq, inv_freq)
+        freqs = positions.float()[:, None] * inv_freq  # [T, rotary_dim/2]
+        pad = (c.head_dim - c.rotary_dim) // 2
+        if pad:  # pass-through dims: angle 0
+            freqs = torch.nn.functional.pad(freqs, (0, pad))
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.cos_sin_scale is not None:
+            cos, sin = cos * self.cos_sin_scale, sin * self.cos_sin_scale
+        return cos.to(dtype), sin.to(dtype)
 
 
 class Attention(nn.Module):
@@ -100,7 +160,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, cos, sin, attn: AttentionMetadata, k_cache, v_cache, lora_meta):
+    def forward(self, x, cos, sin, attn: AttentionMetadata, k_cache, v_cache, lora_meta, rotary_order=None):
+        """rotary_order: partial RoPE's order of head dims (RotaryEmbedding.order), or None."""
         c = self.cfg
         qkv = self.qkv_proj(x, lora_meta)  # [T, q + 2 * kv]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -108,6 +169,8 @@ class Attention(nn.Module):
         if c.qk_norm:  # the norm kernels take rows: one per head
             q = self.q_norm(q.reshape(-1, c.head_dim))[0].view(-1, self.num_heads, c.head_dim)
             k = self.k_norm(k.reshape(-1, c.head_dim))[0].view(-1, self.num_kv_heads, c.head_dim)
+        if rotary_order is not None:  # the cache holds k in this order too: scores are unchanged
+            q, k = q[..., rotary_order], k[..., rotary_order]
         # RoPE on q and k, k and v into the cache, in one kernel on CUDA.
         q = kernels.rope_and_cache(
             q, k, v.view(-1, self.num_kv_heads, c.head_dim), cos, sin, k_cache, v_cache, attn.slot_mapping,
@@ -137,11 +200,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = mlp if mlp is not None else MLP(cfg, lora, dtype, device, tp)
 
-    def forward(self, x, residual, cos, sin, attn, k_cache, v_cache, lora_meta):
+    def forward(self, x, residual, cos, sin, attn, k_cache, v_cache, lora_meta, rotary_order=None):
         """x: the previous layer's output, residual: the stream before it (None at layer 0).
         Returns this layer's (output, residual); their sum is the residual stream after it."""
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, attn, k_cache, v_cache, lora_meta)
+        x = self.self_attn(x, cos, sin, attn, k_cache, v_cache, lora_meta, rotary_order)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x, lora_meta), residual
 
@@ -198,9 +261,9 @@ class LlamaForCausalLM(nn.Module):
         """-> [T, hidden]: final-normed hidden states of every token of the step."""
         h = self.model.embed_tokens(input_ids, lora_meta)  # [T, hidden]
         cos, sin = self.model.rotary_emb(positions, h.dtype)  # [T, D]
-        residual = None
+        residual, order = None, self.model.rotary_emb.order
         for i, layer in enumerate(self.model.layers):
-            h, residual = layer(h, residual, cos, sin, attn, kv.k_cache[i], kv.v_cache[i], lora_meta)
+            h, residual = layer(h, residual, cos, sin, attn, kv.k_cache[i], kv.v_cache[i], lora_meta, order)
         return self.model.norm(h, residual)[0]
 
     @torch.inference_mode()

@@ -79,6 +79,33 @@ class _WeightSink:
         self.row_parallel = {"o": tp.part(c.q_size), "down": i_rows}  # input columns this rank keeps
         self.vocab_rows = vocab_rows
 
+    def reads(self, hf_name: str, rows: int) -> list[tuple[str, Cut]]:
+        """What to read of checkpoint tensor hf_name (`rows` rows): [(the HF name to put it as, the part
+        of the tensor to read)], empty for tensors we drop. A fused q|k|v (`self_attn.qkv_proj`) or
+        gate|up (`mlp.gate_up_proj`) tensor, as Phi-3 checkpoints store them, is read as its q, k, v
+        or gate, up rows, each cut for this rank as the unfused tensor would be."""
+        m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)", hf_name)
+        if m is None:
+            target = self.target(hf_name)
+            return [] if target is None else [(hf_name, target[2])]
+        prefix, fused, kind = m.groups()
+        c = self.cfg
+        if fused == "mlp.gate_up_proj":
+            parts = [("mlp.gate", c.intermediate_size), ("mlp.up", c.intermediate_size)]
+        else:
+            parts = [("self_attn.q", c.q_size), ("self_attn.k", c.kv_size), ("self_attn.v", c.kv_size)]
+        if rows != sum(n for _, n in parts):
+            sizes = " + ".join(f"{n} ({p.split('.')[-1]})" for p, n in parts)
+            raise ValueError(f"checkpoint tensor {hf_name!r} has {rows} rows, expected {sizes}")
+        out, start = [], 0
+        for part, n in parts:
+            name = f"{prefix}{part}_proj.{kind}"
+            cut = self.target(name)[2]
+            keep = slice(0, n) if cut is None else cut[1]
+            out.append((name, (0, slice(start + keep.start, start + keep.stop))))
+            start += n
+        return out
+
     def target(self, hf_name: str) -> tuple[str, int, Cut] | None:
         """(our parameter, first row, the part of the tensor this rank keeps) for an HF tensor name;
         None for tensors we drop."""
@@ -173,15 +200,12 @@ def load_hf_checkpoint(
     for file in _safetensors_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                target = sink.target(name)
-                if target is None:
-                    continue
-                cut = target[2]
-                if cut is None:
-                    sink.put(name, f.get_tensor(name))
-                else:  # reads only this rank's rows or columns from the file
-                    part = f.get_slice(name)
-                    sink.put(name, part[cut[1]] if cut[0] == 0 else part[:, cut[1]])
+                tensor = f.get_slice(name)
+                for part_name, cut in sink.reads(name, (tensor.get_shape() or [0])[0]):
+                    if cut is None:
+                        sink.put(part_name, f.get_tensor(name))
+                    else:  # reads only this rank's rows or columns from the file
+                        sink.put(part_name, tensor[cut[1]] if cut[0] == 0 else tensor[:, cut[1]])
     sink.check_complete()
     return model.eval()
 
@@ -215,11 +239,16 @@ _GGUF_LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: fused q|k|v
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+_GGUF_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # phi3's LongRoPE: read into the config
 
 
 def load_gguf(
@@ -234,33 +263,35 @@ def load_gguf(
     sink = _WeightSink(model)
     permute = _gguf_field(reader, "general.architecture") == "llama"
     for t in reader.tensors:
-        hf_name = _hf_name(t.name)
-        target = sink.target(hf_name)
-        if target is None:
+        if t.name in _GGUF_ROPE_FACTORS:
             continue
-        cut, data = target[2], t.data  # data: [rows, bytes of a row] when quantized, a row = whole blocks
-        shape = tuple(reversed(t.shape.tolist()))
-        if cut is not None and cut[0] == 0:  # this rank's rows, cut before dequantizing (most of the work)
-            data = data[cut[1]]
-            shape = (data.shape[0], *shape[1:])
-        w = gguf.quants.dequantize(data, t.tensor_type).reshape(shape)
-        if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            # Per head: a rank's rows are whole heads, so unpermuting them alone is the same.
-            w = _unpermute_rope(w, w.shape[0] // cfg.head_dim)
-        if cut is not None and cut[0] == 1:  # this rank's columns
-            w = w[:, cut[1]]
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        sink.put(hf_name, torch.from_numpy(w if w.flags.writeable else w.copy()))  # F32 data is a read-only memmap
+        full_shape = tuple(reversed(t.shape.tolist()))
+        for hf_name, cut in sink.reads(_hf_name(t.name, cfg.fused_projections), full_shape[0]):
+            data, shape = t.data, full_shape  # data: [rows, bytes of a row] when quantized, a row = whole blocks
+            if cut is not None and cut[0] == 0:  # this rank's rows, cut before dequantizing (most of the work)
+                data = data[cut[1]]
+                shape = (data.shape[0], *shape[1:])
+            w = gguf.quants.dequantize(data, t.tensor_type).reshape(shape)
+            if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                # Per head: a rank's rows are whole heads, so unpermuting them alone is the same.
+                w = _unpermute_rope(w, w.shape[0] // cfg.head_dim)
+            if cut is not None and cut[0] == 1:  # this rank's columns
+                w = w[:, cut[1]]
+            w = np.ascontiguousarray(w, dtype=np.float32)
+            sink.put(hf_name, torch.from_numpy(w if w.flags.writeable else w.copy()))  # F32 data is a read-only memmap
     sink.check_complete()
     return model.eval()
 
 
 def gguf_config(reader) -> ModelConfig:
-    """ModelConfig from GGUF metadata (`<arch>.*` keys, token ids from `tokenizer.ggml.*`)."""
+    """ModelConfig from GGUF metadata (`<arch>.*` keys, token ids from `tokenizer.ggml.*`) as llama.cpp's
+    converter writes it. phi3: fused attn_qkv and ffn_up (gate|up), rope.dimension_count the rotary
+    dims (partial RoPE), LongRoPE's factors as the rope_factors_short / rope_factors_long tensors."""
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2")
-    tensor_names = {t.name for t in reader.tensors}
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHS)}")
+    tensors = {t.name: t for t in reader.tensors}
+    tensor_names = set(tensors)
     if "rope_freqs.weight" in tensor_names:
         raise ValueError("GGUF with rope_freqs (Llama 3.1 rope scaling) is not supported yet")
 
@@ -273,6 +304,18 @@ def gguf_config(reader) -> ModelConfig:
     if scaling_type not in ("none", "linear"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
     rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")} if scaling_type == "linear" else None
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
+    rotary_dim, window = head_dim, None
+    if arch == "phi3":
+        head_dim = get("attention.key_length") or hidden // heads
+        rotary_dim, window = get("rope.dimension_count") or head_dim, get("attention.sliding_window") or None
+    if _GGUF_ROPE_FACTORS[1] in tensor_names:
+        short, long = (np.asarray(tensors[n].data, dtype=np.float32).tolist() for n in _GGUF_ROPE_FACTORS)
+        rope_scaling = {
+            "rope_type": "longrope", "short_factor": short, "long_factor": long,
+            "original_max_position_embeddings": get("rope.scaling.original_context_length") or get("context_length"),
+            "attention_factor": get("rope.scaling.attn_factor"),
+        }  # fmt: skip
     eos = [_gguf_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return ModelConfig(
         model_type=arch,
@@ -282,13 +325,17 @@ def gguf_config(reader) -> ModelConfig:
         num_layers=get("block_count"),
         num_heads=heads,
         num_kv_heads=get("attention.head_count_kv", heads),
-        head_dim=get("attention.key_length") or get("rope.dimension_count") or hidden // heads,
+        head_dim=head_dim,
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=get("rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
         max_position_embeddings=get("context_length", 2048),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        sliding_window=window,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        fused_projections=arch == "phi3",
+        partial_rotary_factor=rotary_dim / head_dim,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
     )
@@ -299,11 +346,13 @@ def _gguf_field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, fused: bool = False) -> str:
+    """fused: phi3, whose ffn_up holds gate|up (HF's mlp.gate_up_proj)."""
     base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{kind}"
+        module = "mlp.gate_up_proj" if fused and m.group(2) == "ffn_up" else _GGUF_LAYER_NAMES[m.group(2)]
+        return f"model.layers.{m.group(1)}.{module}.{kind}"
     if base in _GGUF_GLOBAL_NAMES:
         return f"{_GGUF_GLOBAL_NAMES[base]}.{kind}"
     raise ValueError(f"unknown GGUF tensor {gguf_name!r}")

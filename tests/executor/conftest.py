@@ -67,6 +67,8 @@ def _hf_classes(family: str):
     return {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),

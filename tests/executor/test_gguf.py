@@ -149,6 +149,8 @@ _LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3: fused
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # qwen3
 }  # fmt: skip
 
 
@@ -182,6 +184,18 @@ def _write_gguf(hf, path, arch):
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_eos_token_id(2)
+    if arch == "qwen3":  # head_dim is not hidden / heads
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    if arch == "phi3":  # as llama.cpp's Phi3MiniModel writes it
+        rope = c.rope_parameters
+        w.add_rope_dimension_count(int(c.hidden_size // c.num_attention_heads * rope.get("partial_rotary_factor", 1.0)))
+        w.add_sliding_window(c.sliding_window or 0)
+        if rope.get("rope_type") == "longrope":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            w.add_rope_scaling_attn_factors(rope["attention_factor"])
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     rounded = {}
     for name, t in hf.state_dict().items():
         a = t.float().numpy()
@@ -223,3 +237,62 @@ def test_written_gguf_with_q8_0_f16_f32_matches_the_dequantized_hf_model(arch, h
     ids = list(range(5, 17))
     (logits,) = paged_runner(ours).step([("p", ids)])
     torch.testing.assert_close(logits, hf_logits(ref, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("qwen3", dict(head_dim=24)),
+        ("phi3", dict(
+            pad_token_id=None, partial_rotary_factor=0.75, sliding_window=6, max_position_embeddings=128,
+            original_max_position_embeddings=16,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                             "long_factor": [2.0 + 0.3 * i for i in range(6)], "attention_factor": 1.1},
+        )),
+    ],
+    ids=["qwen3", "phi3"],
+)  # fmt: skip
+def test_written_qwen3_and_phi3_ggufs_match_the_dequantized_hf_model(
+    arch, overrides, hf_model, hf_logits, paged_runner, tmp_path
+):
+    """llama.cpp's qwen3 (q/k norms, head_dim as key_length) and phi3 (fused attn_qkv and ffn_up,
+    partial RoPE as rope.dimension_count, LongRoPE factors as tensors) architectures."""
+    import copy
+
+    hf, _ = hf_model(arch, **overrides)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    rounded = _write_gguf(hf, path, arch)
+    ref = copy.deepcopy(hf)
+    ref.load_state_dict(rounded)
+    ours = load_model(path)
+    c = ours.cfg
+    assert c.model_type == arch and c.qk_norm == (arch == "qwen3") and c.fused_projections == (arch == "phi3")
+    if arch == "phi3":
+        assert (c.rotary_dim, c.sliding_window, c.rope_type) == (12, 6, "longrope")
+        assert c.rope_scaling["original_max_position_embeddings"] == 16 and c.rope_scaling["attention_factor"] == pytest.approx(
+            1.1
+        )
+    else:
+        assert c.head_dim == 24
+    ids = list(range(5, 17))
+    (logits,) = paged_runner(ours).step([("p", ids)])
+    torch.testing.assert_close(logits, hf_logits(ref, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_phi3_gguf_is_cut_per_tp_rank_and_its_store_spec_has_the_fused_modules(hf_model, tmp_path):
+    from loraserve.adapter_store import base_model
+    from loraserve.executor.model.loader import load_gguf
+    from loraserve.executor.parallel import TPGroup
+
+    hf, _ = hf_model("phi3", pad_token_id=None)
+    path = tmp_path / "tiny-phi3.gguf"
+    _write_gguf(hf, path, "phi3")
+    whole = load_gguf(path)
+    for rank in range(2):
+        part = load_gguf(path, tp=TPGroup(2, rank))
+        qkv, mine = whole.model.layers[0].self_attn.qkv_proj.weight, part.model.layers[0].self_attn.qkv_proj.weight
+        q, kv = slice(rank * 32, (rank + 1) * 32), slice(rank * 16, (rank + 1) * 16)
+        assert torch.equal(mine, torch.cat([qkv[:64][q], qkv[64:96][kv], qkv[96:][kv]]))
+    spec = base_model.from_gguf(path, "tiny-phi3")
+    assert spec.module_shape("model.layers.0.self_attn.qkv_proj") == (64, 128)
+    assert spec.module_shape("model.layers.0.mlp.gate_up_proj") == (64, 224)

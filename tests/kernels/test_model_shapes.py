@@ -83,5 +83,35 @@ def test_tp1_shapes_match_the_layout_the_executor_declares():
 def test_kernel_shapes_group_layers_of_equal_shape():
     groups = model_shapes.kernel_shapes(real_shapes())
     same = groups[("linear", 4096, (4096, 1024, 1024))]
-    assert {(s.model, s.kind) for s in same} == {("llama-3-8b", "qkv"), ("mistral-7b", "qkv")}
+    assert {(s.model, s.kind) for s in same} == {("llama-3-8b", "qkv"), ("mistral-7b", "qkv"), ("qwen3-8b", "qkv")}
     assert ("embedding", 128256, (4096,)) in groups
+
+
+def test_whole_model_families_build_the_engine_shapes_bench_engine_names():
+    """bench_engine.py --shape NAME builds a ModelConfig from each whole-model family (its config.json
+    sizes); Qwen3 keeps head_dim 128 with q/k norm, Phi-4-mini turns 96 of its 128 dims."""
+    import sys
+    from pathlib import Path
+
+    from loraserve.executor.model.config import ModelConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_engine
+
+    for name in ("qwen3-8b", "mistral-7b", "phi-3-mini", "llama-3.2-3b", "qwen2.5-14b", "llama3-8b", "tiny"):
+        assert name in bench_engine.SHAPES, name
+    for f in FAMILIES:
+        assert f.layers > 0, f.name
+        fields = {"model_type": "llama", "tie_word_embeddings": False, **bench_engine.SHAPES[f.name]}
+        cfg = ModelConfig(vocab_size=f.vocab, rms_norm_eps=1e-5, rope_scaling=None, max_position_embeddings=8192, **fields)
+        assert (cfg.q_size, cfg.kv_size) == (f.heads * f.head_dim, f.kv_heads * f.head_dim)
+    qwen3 = bench_engine.SHAPES["qwen3-8b"]
+    assert (qwen3["hidden_size"], qwen3["num_heads"], qwen3["head_dim"], qwen3["num_layers"], qwen3["qk_norm"]) == (
+        4096,
+        32,
+        128,
+        36,
+        True,
+    )
+    assert bench_engine.SHAPES["phi-4-mini"]["partial_rotary_factor"] == 0.75
+    assert by_kind("phi-3-mini", 2)["qkv"].widths == (1536, 1536, 1536)  # 32 kv heads: MHA
