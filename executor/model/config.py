@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraserve.adapter_store.base_model import gemma3_text_config
+
 # Families that share the Llama block (RMSNorm, RoPE, GQA, SiLU-gated MLP). SmolLM2 ships as "llama".
 # The MoE families swap the MLP of their sparse layers for routed experts (executor/model/moe.py).
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -110,7 +112,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
         if model_type == "gemma3":
-            cfg, model_type = _gemma3_text_config(cfg), "gemma3_text"
+            cfg, model_type = gemma3_text_config(cfg), "gemma3_text"
         gemma = _gemma_from_hf(model_type, cfg) if model_type in GEMMA_MODEL_TYPES else {}
         if not gemma and cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu")
@@ -177,19 +179,6 @@ def _moe_from_hf(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0,
         moe_layers=tuple(i for i in layers if experts > 0 and i not in dense and (i + 1) % step == 0),
     )  # fmt: skip
-
-
-def _gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal Gemma 3 config.json -> its language model's (text_config), with the token ids and
-    tie_word_embeddings the top level holds. The loader refuses a checkpoint with the vision tower."""
-    text = cfg.get("text_config")
-    if not isinstance(text, dict):
-        raise ValueError("gemma3 config without a text_config: nothing to serve (only Gemma 3's language model is supported)")
-    out = {**text, "model_type": "gemma3_text"}
-    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):
-        if key in cfg and key not in text:
-            out[key] = cfg[key]
-    return out
 
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
