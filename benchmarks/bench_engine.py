@@ -5,8 +5,10 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
     python benchmarks/bench_engine.py --tokenizer DIR [--shape llama3-8b] [--batches 1,8,32,64]
 
 - The model is built on the GPU with random bf16 weights (speed does not depend on the values):
-  Llama-3-8B's layers with the tokenizer's vocabulary (--tokenizer: a folder with tokenizer.json,
-  e.g. the executor's converted SmolLM2 tokenizer under var/cache/tokenizers/).
+  the layers of --shape (SHAPES: Llama-3-8B by default; gemma2-9b, gemma3-12b: those models' layers,
+  sliding-window pattern, soft-caps and two RoPE bases, from kernels/model_shapes.py) with the
+  tokenizer's vocabulary (--tokenizer: a folder with tokenizer.json, e.g. the executor's converted
+  SmolLM2 tokenizer under var/cache/tokenizers/; --vocab its size).
 - Ceilings measured in the same run: device-to-device copy bandwidth (bytes read + written) and
   the bf16 matmul rate (8192^3).
 - Decode: B requests with `--context` random prompt tokens each, run through `Engine.generate`;
@@ -55,9 +57,11 @@ from loraserve.executor.engine.sampler import SamplingParams
 from loraserve.executor.lora import lora_modules
 from loraserve.executor.model.config import ModelConfig
 from loraserve.executor.model.llama import LlamaForCausalLM
+from loraserve.executor.model.moe import build_causal_lm
 from loraserve.executor.model.tokenizer import Tokenizer
 from loraserve.executor.slot_layout import LoraSpec
 from loraserve.executor.slot_reports import SlotObserver
+from loraserve.kernels import model_shapes
 
 DEVICE, DTYPE = "cuda", torch.bfloat16  # set by main()
 NO_STORE = "127.0.0.1:9"  # the store address of an engine fed in-process: never asked for an adapter
@@ -72,6 +76,24 @@ SHAPES = {
         hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0
     ),
 }
+
+
+def _gemma_shape(family: str, model_type: str, **extra) -> dict:
+    """ModelConfig fields of a Gemma model of kernels/model_shapes.py's `family` (layers, heads, window pattern)."""
+    f = next(f for f in model_shapes.FAMILIES if f.name == family)
+    return dict(
+        model_type=model_type, hidden_size=f.hidden, intermediate_size=f.intermediate, num_layers=f.layers,
+        num_heads=f.heads, num_kv_heads=f.kv_heads, head_dim=f.head_dim, layer_windows=f.layer_windows(),
+        hidden_act="gelu_tanh", norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True, tie_word_embeddings=True,
+        query_pre_attn_scalar=256, **extra,
+    )  # fmt: skip
+
+
+SHAPES["gemma2-9b"] = _gemma_shape("gemma-2-9b", "gemma2", rope_theta=10000.0, attn_logit_softcap=50.0, final_logit_softcap=30.0)
+SHAPES["gemma3-12b"] = _gemma_shape(
+    "gemma-3-12b", "gemma3_text", rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0},
+    rope_local_theta=10000.0, qk_norm=True,
+)  # fmt: skip
 
 
 # ---- ceilings ---------------------------------------------------------------------------------
@@ -117,20 +139,14 @@ def matmul_peak() -> float:
 
 
 def build_model(shape: str, vocab: int, spec: LoraSpec) -> LlamaForCausalLM:
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=vocab,
-        rms_norm_eps=1e-5,
-        rope_scaling=None,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-        **SHAPES[shape],
-    )
+    defaults = dict(model_type="llama", rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False)
+    cfg = ModelConfig(vocab_size=vocab, rms_norm_eps=1e-5, **{**defaults, **SHAPES[shape]})
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg, spec, dtype=DTYPE, device=DEVICE)
+    model = build_causal_lm(cfg, spec, dtype=DTYPE, device=DEVICE)
+    norm = 0.0 if cfg.norm_unit_offset else 1.0  # a unit norm scale either way (Gemma's is 1 + weight)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+            p.fill_(norm) if "norm" in name else p.normal_(0, 0.02)
     return model
 
 

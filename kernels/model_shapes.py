@@ -31,6 +31,18 @@ class Family:
     kv_heads: int
     head_dim: int
     vocab: int
+    # Whole-model facts for the engine benchmark's random models (benchmarks/bench_engine.py --shape);
+    # 0 / None where unused. window: sliding window of the local layers; global_every: every n-th
+    # layer attends globally (Gemma 2: 2, Gemma 3: 6), the others locally.
+    layers: int = 0
+    window: int | None = None
+    global_every: int = 0
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: global), as transformers lays out Gemma's layer_types."""
+        if not self.global_every:
+            return ()
+        return tuple(None if (i + 1) % self.global_every == 0 else self.window for i in range(self.layers))
 
 
 # From each model's config.json (Qwen2 and Qwen2.5 share these sizes at 0.5B/7B/72B).
@@ -47,6 +59,15 @@ FAMILIES = (
     Family("smollm2-135m", 576, 1536, 9, 3, 64, 49152),
     Family("smollm2-360m", 960, 2560, 15, 5, 64, 49152),
     Family("smollm2-1.7b", 2048, 8192, 32, 32, 64, 49152),
+    # Gemma 2 (local/global alternating, window 4096) and Gemma 3 (5 local : 1 global, window 1024;
+    # its 1B: window 512, vocab 262144); the LoRA layers' shapes are Llama's names with Gemma's sizes.
+    Family("gemma-2-2b", 2304, 9216, 8, 4, 256, 256000, layers=26, window=4096, global_every=2),
+    Family("gemma-2-9b", 3584, 14336, 16, 8, 256, 256000, layers=42, window=4096, global_every=2),
+    Family("gemma-2-27b", 4608, 36864, 32, 16, 128, 256000, layers=46, window=4096, global_every=2),
+    Family("gemma-3-1b", 1152, 6912, 4, 1, 256, 262144, layers=26, window=512, global_every=6),
+    Family("gemma-3-4b", 2560, 10240, 8, 4, 256, 262208, layers=34, window=1024, global_every=6),
+    Family("gemma-3-12b", 3840, 15360, 16, 8, 256, 262208, layers=48, window=1024, global_every=6),
+    Family("gemma-3-27b", 5376, 21504, 32, 16, 128, 262208, layers=62, window=1024, global_every=6),
 )
 
 

@@ -85,3 +85,15 @@ def test_kernel_shapes_group_layers_of_equal_shape():
     same = groups[("linear", 4096, (4096, 1024, 1024))]
     assert {(s.model, s.kind) for s in same} == {("llama-3-8b", "qkv"), ("mistral-7b", "qkv")}
     assert ("embedding", 128256, (4096,)) in groups
+
+
+def test_gemma_shapes_and_window_patterns():
+    """Gemma-2-9B: 16 q / 8 kv heads of 256 (q 4096 wider than hidden 3584), local/global alternating
+    from a local layer; Gemma-3-12B: five local layers of window 1024 to each global one."""
+    s = by_kind("gemma-2-9b", 2)
+    assert s["qkv"].widths == (2048, 1024, 1024) and (s["o"].in_features, s["o"].widths) == (2048, (3584,))
+    assert s["lm_head"].widths == (128000,)
+    g2, g3 = family("gemma-2-9b").layer_windows(), family("gemma-3-12b").layer_windows()
+    assert len(g2) == 42 and g2[:3] == (4096, None, 4096) and g2.count(None) == 21
+    assert len(g3) == 48 and g3[:6] == (1024,) * 5 + (None,) and g3.count(None) == 8
+    assert family("llama-3-8b").layer_windows() == ()
