@@ -15,13 +15,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraserve.adapter_store import base_model
+from loraserve.errors import StatusError
 from loraserve.executor.layout import declare_layout
 from loraserve.executor.model.config import ModelConfig
 from loraserve.executor.model.loader import load_hf_checkpoint
 from loraserve.executor.slot_layout import LoraSpec
 from loraserve.executor.slot_load import load_shard_into_slot
 
-from .conftest import Cluster, check_against_reference, check_bf16_rows, generate, prompt_ids, run_group
+from .conftest import Cluster, check_against_reference, check_bf16_rows, run_group
 from .test_lora import pack_shard
 
 peft = pytest.importorskip("peft")
@@ -249,8 +250,28 @@ def test_served_at_tp2_match_transformers_peft(family, gemma, adapter_dirs, modu
             jobs, resps = run_group(client, group, max_tokens=8)
             for (name, ids), resp in zip(jobs, resps):
                 check_against_reference(refs[name], ids, resp)
+        # the store refuses what the Gemma base model does not have: a vision tower's module, and the
+        # other Gemma generation's attention (Gemma 2's heads of 64 against Gemma 3's of 32, and back)
+        other = adapter_dirs["gemma3" if family == "gemma2" else "gemma2"] / "all4"
+        for name, src, extra, words in (
+            ("vision", adapter_dirs[family] / "all4", _vision_lora(), "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj' does not exist"),
+            ("other-generation", other, {}, "self_attn.k_proj': adapter maps 64 -> "),
+        ):  # fmt: skip
+            bad = adapter_dirs[family] / f"hostile-{name}"  # under the store's allowed root
+            bad.mkdir(exist_ok=True)
+            (bad / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+            save_file({**load_file(str(src / "adapter_model.safetensors")), **extra}, str(bad / "adapter_model.safetensors"))
+            with pytest.raises(StatusError) as e:
+                c.store_client().register(f"hostile-{name}", str(bad))
+            assert e.value.code.name == "INVALID_ARGUMENT" and words in e.value.message, e.value
     finally:
         c.close()
+
+
+def _vision_lora() -> dict:
+    """LoRA tensors (PEFT's names) on a SigLIP vision tower's first attention layer."""
+    key = "base_model.model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj"
+    return {f"{key}.lora_A.weight": torch.randn(4, 32), f"{key}.lora_B.weight": torch.randn(32, 4)}
 
 
 @pytest.mark.gpu
