@@ -93,14 +93,15 @@ class ModelConfig:
         defines each RoPE type:
         - no scaling: max_position_embeddings;
         - llama3, longrope: max_position_embeddings, already the scaled length (Llama 3.2: 131,072,
-          where its original 8,192 x factor 32 would say 262,144);
+          where its original 8,192 x factor 32 would say 262,144); so for Gemma 3 (131,072 with linear
+          factor 8 on its global layers);
         - linear (positions divided by factor), dynamic (NTK: the base grows past max_position_embeddings),
           yarn: the pretraining length stretched by factor, max(max_position_embeddings, original x factor),
           original being original_max_position_embeddings or else max_position_embeddings (the max keeps a
           yarn config whose max_position_embeddings already states the product)."""
         scaling = self.rope_scaling or {}
         factor = scaling.get("factor")
-        if not factor or self.rope_type in ("llama3", "longrope"):
+        if not factor or self.rope_type in ("llama3", "longrope") or self.rope_local_theta is not None:
             return self.max_position_embeddings
         original = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
         return max(self.max_position_embeddings, int(original * factor))

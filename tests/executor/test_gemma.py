@@ -395,3 +395,4 @@ def test_published_v4_configs_read_as_their_models():
     assert g3.layer_windows[:6] == (1024,) * 5 + (None,) and g3.layer_windows.count(None) == 8
     assert (g3.rope_theta, g3.rope_local_theta, g3.rope_scaling) == (1e6, 1e4, {"rope_type": "linear", "factor": 8.0})
     assert g3.qk_norm and g3.attention_scale == 256**-0.5 and g3.tie_word_embeddings
+    assert g3.max_context_len == 131072 and g2.max_context_len == 8192  # Gemma 3's is the scaled length already
