@@ -209,7 +209,7 @@ def _gemma_from_hf(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     window = cfg.get("sliding_window")
     fields.update(
         sandwich_norms=True,
-        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") or None,
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),  # transformers' default where a config has none
         attn_logit_softcap=cfg.get("attn_logit_softcapping") or None,
         final_logit_softcap=cfg.get("final_logit_softcapping") or None,
         layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
@@ -226,8 +226,8 @@ def _gemma3_rope(cfg: dict[str, Any]) -> dict[str, Any]:
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:
         local = dict(params.get("sliding_attention") or {})
-        if local.get("rope_type", "default") != "default":
-            raise ValueError(f"gemma3_text local-layer rope_type {local['rope_type']!r} is not supported; only default")
+        if local.get("rope_type", "default") != "default" or set(local) - {"rope_type", "rope_theta"}:
+            raise ValueError(f"gemma3_text local-layer RoPE {local} is not supported; only rope_type default with rope_theta")
         return dict(
             global_rope={"rope_parameters": params.get("full_attention") or {"rope_type": "default", "rope_theta": 1e6}},
             rope_local_theta=float(local.get("rope_theta", 10000.0)),

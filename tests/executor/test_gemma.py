@@ -362,7 +362,7 @@ REFUSED = {
     "layer-count": ("gemma3", dict(layer_types=["full_attention"] * 3), "layer_types must name 4 layers"),
     "local-rope": ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                                    "sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
-                   "local-layer rope_type 'linear'"),
+                   "local-layer RoPE .*'linear'"),
     "global-rope": ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0},
                                                     "sliding_attention": {"rope_type": "default"}}), "rope_type 'yarn'"),
     "no-text-config": ("gemma3", dict(model_type="gemma3", text_config=None), "without a text_config"),
