@@ -6,9 +6,10 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
 
 - The model is built on the GPU with random bf16 weights (speed does not depend on the values):
   the layers of --shape (SHAPES: Llama-3-8B by default; gemma2-9b, gemma3-12b: those models' layers,
-  sliding-window pattern, soft-caps and two RoPE bases, from kernels/model_shapes.py) with the
-  tokenizer's vocabulary (--tokenizer: a folder with tokenizer.json, e.g. the executor's converted
-  SmolLM2 tokenizer under var/cache/tokenizers/; --vocab its size).
+  sliding-window pattern, soft-caps, two RoPE bases and vocabulary, from kernels/model_shapes.py)
+  with the tokenizer's vocabulary where the shape has none (--tokenizer: a folder with tokenizer.json,
+  e.g. the executor's converted SmolLM2 tokenizer under var/cache/tokenizers/; --vocab its size:
+  prompts are drawn from it, and generated ids past it decode to nothing).
 - Ceilings measured in the same run: device-to-device copy bandwidth (bytes read + written) and
   the bf16 matmul rate (8192^3).
 - Decode: B requests with `--context` random prompt tokens each, run through `Engine.generate`;
@@ -83,7 +84,7 @@ def _gemma_shape(family: str, model_type: str, **extra) -> dict:
     f = next(f for f in model_shapes.FAMILIES if f.name == family)
     return dict(
         model_type=model_type, hidden_size=f.hidden, intermediate_size=f.intermediate, num_layers=f.layers,
-        num_heads=f.heads, num_kv_heads=f.kv_heads, head_dim=f.head_dim, layer_windows=f.layer_windows(),
+        num_heads=f.heads, num_kv_heads=f.kv_heads, head_dim=f.head_dim, vocab_size=f.vocab, layer_windows=f.layer_windows(),
         hidden_act="gelu_tanh", norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True, tie_word_embeddings=True,
         query_pre_attn_scalar=256, **extra,
     )  # fmt: skip
@@ -139,8 +140,11 @@ def matmul_peak() -> float:
 
 
 def build_model(shape: str, vocab: int, spec: LoraSpec) -> LlamaForCausalLM:
-    defaults = dict(model_type="llama", rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False)
-    cfg = ModelConfig(vocab_size=vocab, rms_norm_eps=1e-5, **{**defaults, **SHAPES[shape]})
+    """A shape without its own vocab_size (the Gemma ones have the model's) takes `vocab`, the tokenizer's."""
+    defaults = dict(
+        vocab_size=vocab, model_type="llama", rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False
+    )
+    cfg = ModelConfig(rms_norm_eps=1e-5, **{**defaults, **SHAPES[shape]})
     torch.manual_seed(0)
     model = build_causal_lm(cfg, spec, dtype=DTYPE, device=DEVICE)
     norm = 0.0 if cfg.norm_unit_offset else 1.0  # a unit norm scale either way (Gemma's is 1 + weight)
@@ -634,7 +638,8 @@ def main() -> None:
     rows = asyncio.run(run(args))
     where = f"{torch.cuda.get_device_name()}, triton {__import__('triton').__version__}" if DEVICE == "cuda" else "cpu"
     print(
-        f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights, vocab {args.vocab}, "
+        f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights, "
+        f"vocab {SHAPES[args.shape].get('vocab_size', args.vocab)}, "
         f"{where}, torch {torch.__version__}, "
         f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
         f"{'eager' if args.enforce_eager else 'CUDA graphs'}"
