@@ -30,7 +30,7 @@ peft = pytest.importorskip("peft")
 ATOL = 1e-4  # float32, logits of magnitude ~1-10
 BOS, EOS, PAD, VOCAB = 256, 257, 258, 260  # a byte tokenizer's ids
 TINY = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
+    vocab_size=VOCAB, hidden_size=48, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1,
     bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
 )  # fmt: skip
@@ -119,6 +119,24 @@ def test_chunked_prefill_and_decode_match_transformers(family, gemma, paged_runn
     outs = _chunked(paged_runner(model, block_size=4), prompts)
     for name, ids in prompts.items():
         torch.testing.assert_close(outs[name], _hf_logits(ref, ids), atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_rounds_as_transformers_does(family, gemma, paged_runner):
+    """bf16 on the CPU: our logits lie far closer to transformers' bf16 run than bf16 lies to float32
+    (sqrt(48) cast to bf16: 6.9375, the norms' (1 + weight) in float32 and rounded once, as there)."""
+    import transformers
+
+    _, path = gemma(family)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ref32 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = load_hf_checkpoint(path, dtype=torch.bfloat16)
+    assert model.embed_scale.dtype == torch.bfloat16
+    ids = _prompt(13, 1)
+    (logits,) = paged_runner(model, block_size=4).step([("a", ids)])
+    want, want32 = _hf_logits(ref, ids), _hf_logits(ref32, ids)
+    bf16_error = (want - want32).abs().max()
+    assert bf16_error > 0.01 and (logits - want).abs().max() < 0.5 * bf16_error
 
 
 TURN_OFF = {
@@ -255,7 +273,7 @@ def test_served_at_tp2_match_transformers_peft(family, gemma, adapter_dirs, modu
         other = adapter_dirs["gemma3" if family == "gemma2" else "gemma2"] / "all4"
         for name, src, extra, words in (
             ("vision", adapter_dirs[family] / "all4", _vision_lora(), "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj' does not exist"),
-            ("other-generation", other, {}, "self_attn.k_proj': adapter maps 64 -> "),
+            ("other-generation", other, {}, "self_attn.k_proj': adapter maps 48 -> "),
         ):  # fmt: skip
             bad = adapter_dirs[family] / f"hostile-{name}"  # under the store's allowed root
             bad.mkdir(exist_ok=True)
@@ -345,8 +363,8 @@ def test_multimodal_gemma3_is_refused_naming_the_vision_tower_and_its_language_m
         torch.testing.assert_close(logits, want, atol=ATOL, rtol=1e-4, msg=naming)
     # the store validates adapters against the language model's modules
     spec = base_model.from_hf_dir(text_only, "gemma3-mm")
-    assert spec.module_shape("model.layers.3.self_attn.q_proj") == (64, 4 * 32)
-    assert spec.module_shape("model.layers.0.mlp.down_proj") == (112, 64) and spec.vocab_size == VOCAB
+    assert spec.module_shape("model.layers.3.self_attn.q_proj") == (48, 4 * 32)
+    assert spec.module_shape("model.layers.0.mlp.down_proj") == (112, 48) and spec.vocab_size == VOCAB
 
 
 def _config(family, **overrides) -> dict:
