@@ -66,6 +66,7 @@ fi
 if has parallel; then
   # To a file as it comes: rank 0 ends its process when a rank dies, which would take pytest's summary with it.
   pytest_q -m gpu tests/executor/test_tp.py tests/executor/test_ep.py >"$OUT/parallel.log" 2>&1
+  pytest_q -m gpu tests/executor/test_gemma.py -k nccl >>"$OUT/parallel.log" 2>&1
   tail -12 "$OUT/parallel.log"
 fi
 if has engine; then

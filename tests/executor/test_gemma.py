@@ -22,7 +22,7 @@ from loraserve.executor.model.loader import load_hf_checkpoint
 from loraserve.executor.slot_layout import LoraSpec
 from loraserve.executor.slot_load import load_shard_into_slot
 
-from .conftest import Cluster, check_against_reference, check_bf16_rows, run_group
+from .conftest import Cluster, check_against_reference, check_bf16_rows, need_cuda_devices, run_group
 from .test_lora import pack_shard
 
 peft = pytest.importorskip("peft")
@@ -312,6 +312,25 @@ def test_bf16_on_cuda_graphs_serve_each_rows_adapter(family, gemma, adapter_dirs
         assert engine.kernel_builds.count == 0, engine.kernel_builds.recent  # the warm-up built every variant
     finally:
         c.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_tp2_over_nccl_serves_each_rows_adapter_in_bf16(family, gemma, adapter_dirs, loop_thread, tmp_path):
+    """The tp 2 cluster on two CUDA devices (NCCL, bf16, the Triton kernels with windows and soft-caps):
+    every row within bf16 tolerance of its own adapter's float32 PEFT reference."""
+    need_cuda_devices(2)
+    model, path = gemma(family)
+    refs = {"": model, **{n: peft.PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs[family] / n).eval()
+                          for n in ADAPTERS}}  # fmt: skip
+    c = Cluster(loop_thread, path, adapter_dirs[family], tmp_path / "store", ADAPTERS, tp_size=2, device="cuda",
+                dtype="bfloat16", lora_embeddings=True, tp_timeout_s=120.0)  # fmt: skip
+    try:
+        for group in (["all4", "", "qvgd8"], ["emb6", "all4", ""]):
+            check_bf16_rows(refs, *run_group(c.client(), group, max_tokens=12))
+    finally:
+        c.close()
+    assert [p.exitcode for p in c.parts.ranks._procs] == [0]
 
 
 # ---- what is refused ---------------------------------------------------------------------------------
