@@ -2,7 +2,8 @@
 
 Adapters are checked against it at registration: every tensor must map to one of these
 modules and agree with its (in_features, out_features). Built from a Hugging Face
-config.json (Llama, Mistral, Qwen2/3, SmolLM2, Phi-3/4, Mixtral, Qwen2/3-MoE) or from a GGUF's metadata.
+config.json (Llama, Mistral, Qwen2/3, SmolLM2, Phi-3/4, Mixtral, Qwen2/3-MoE, Gemma 1/2/3: a multimodal
+Gemma 3 config's text_config, its language model's modules) or from a GGUF's metadata.
 Phi-3 (model_type phi3) has the fused modules its checkpoints and PEFT name: self_attn.qkv_proj
 (q | k | v rows) and mlp.gate_up_proj (gate | up rows), no q/k/v or gate/up of their own.
 """
@@ -54,7 +55,30 @@ class BaseModelSpec:
         return None
 
 
+# Gemma3TextConfig's defaults: a multimodal Gemma 3 config.json (transformers 4) writes in its
+# text_config only the values that differ from them.
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6, rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+)  # fmt: skip
+
+
+def gemma3_text_config(cfg: dict) -> dict:
+    """A multimodal Gemma 3 config.json ("gemma3") -> its language model's config ("gemma3_text"): the
+    text_config over Gemma3TextConfig's defaults, with the top level's token ids and tie_word_embeddings.
+    ValueError without a text_config."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError("gemma3 config without a text_config: only Gemma 3's language model is served")
+    top = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in cfg}
+    return {**GEMMA3_TEXT_DEFAULTS, **top, **text, "model_type": "gemma3_text"}
+
+
 def from_hf_config(name: str, cfg: dict, aliases: tuple[str, ...] = ()) -> BaseModelSpec:
+    if cfg.get("model_type") == "gemma3":
+        cfg = gemma3_text_config(cfg)  # the language model is what the executor serves (and adapters target)
     hidden = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads

@@ -6,9 +6,11 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
 
 - The model is built on the GPU with random bf16 weights (speed does not depend on the values):
   the layers of `--shape` (Llama-3-8B by default; every whole-model family of kernels/model_shapes.py,
-  e.g. qwen3-8b, mistral-7b, phi-3-mini, llama-3.2-3b, qwen2.5-14b) with the tokenizer's vocabulary
-  (--tokenizer: a folder with tokenizer.json, e.g. the executor's converted SmolLM2 tokenizer under
-  var/cache/tokenizers/; --vocab its size), not the family's own.
+  e.g. qwen3-8b, mistral-7b, phi-3-mini, llama-3.2-3b, qwen2.5-14b, gemma2-9b, gemma3-12b) with the
+  tokenizer's vocabulary (--tokenizer: a folder with tokenizer.json, e.g. the executor's converted SmolLM2
+  tokenizer under var/cache/tokenizers/; --vocab its size), not the family's own; the Gemma shapes keep
+  their own vocabulary (prompts are drawn from the tokenizer's, and generated ids past it decode to
+  nothing), sliding-window pattern, soft-caps and two RoPE bases.
 - Ceilings measured in the same run: device-to-device copy bandwidth (bytes read + written) and
   the bf16 matmul rate (8192^3).
 - Decode: B requests with `--context` random prompt tokens each, run through `Engine.generate`;
@@ -57,6 +59,7 @@ from loraserve.executor.engine.sampler import SamplingParams
 from loraserve.executor.lora import lora_modules
 from loraserve.executor.model.config import ModelConfig
 from loraserve.executor.model.llama import LlamaForCausalLM
+from loraserve.executor.model.moe import build_causal_lm
 from loraserve.executor.model.tokenizer import Tokenizer
 from loraserve.executor.slot_layout import LoraSpec
 from loraserve.executor.slot_reports import SlotObserver
@@ -68,11 +71,29 @@ NO_STORE = "127.0.0.1:9"  # the store address of an engine fed in-process: never
 
 def _model_shape(f: model_shapes.Family) -> dict:
     """A whole-model family of kernels/model_shapes.py as ModelConfig fields (its vocabulary aside: --vocab)."""
+    if f.model_type.startswith("gemma"):
+        return _gemma_shape(f)
     return dict(
         model_type=f.model_type, hidden_size=f.hidden, intermediate_size=f.intermediate, num_layers=f.layers,
         num_heads=f.heads, num_kv_heads=f.kv_heads, head_dim=f.head_dim, rope_theta=f.rope_theta,
         tie_word_embeddings=f.tied, qk_norm=f.model_type == "qwen3", fused_projections=f.model_type == "phi3",
         partial_rotary_factor=f.partial_rotary_factor,
+    )  # fmt: skip
+
+
+def _gemma_shape(f: model_shapes.Family) -> dict:
+    """ModelConfig fields of a Gemma family: its layers, window pattern, soft-caps (Gemma 2), two RoPE bases
+    (Gemma 3; linear factor 8 on the global layers above 1B) and its own vocabulary."""
+    if f.model_type == "gemma2":
+        extra = dict(attn_logit_softcap=50.0, final_logit_softcap=30.0)
+    else:
+        scaling = None if f.name.endswith("-1b") else {"rope_type": "linear", "factor": 8.0}
+        extra = dict(rope_scaling=scaling, rope_local_theta=10000.0, qk_norm=True)
+    return dict(
+        model_type=f.model_type, hidden_size=f.hidden, intermediate_size=f.intermediate, num_layers=f.layers,
+        num_heads=f.heads, num_kv_heads=f.kv_heads, head_dim=f.head_dim, vocab_size=f.vocab, rope_theta=f.rope_theta,
+        layer_windows=f.layer_windows(), hidden_act="gelu_tanh", norm_unit_offset=True, scale_embeddings=True,
+        sandwich_norms=True, tie_word_embeddings=True, query_pre_attn_scalar=256, **extra,
     )  # fmt: skip
 
 
@@ -84,7 +105,14 @@ SHAPES = {
         hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0
     ),
 }
-SHAPES.update({"llama3-8b": SHAPES["llama-3-8b"], "smollm2": SHAPES["smollm2-135m"]})
+SHAPES.update(
+    {
+        "llama3-8b": SHAPES["llama-3-8b"],
+        "smollm2": SHAPES["smollm2-135m"],
+        "gemma2-9b": SHAPES["gemma-2-9b"],
+        "gemma3-12b": SHAPES["gemma-3-12b"],
+    }
+)
 
 
 # ---- ceilings ---------------------------------------------------------------------------------
@@ -130,13 +158,17 @@ def matmul_peak() -> float:
 
 
 def build_model(shape: str, vocab: int, spec: LoraSpec) -> LlamaForCausalLM:
-    fields = {"model_type": "llama", "tie_word_embeddings": False, **SHAPES[shape]}
-    cfg = ModelConfig(vocab_size=vocab, rms_norm_eps=1e-5, rope_scaling=None, max_position_embeddings=8192, **fields)
+    """A shape without its own vocab_size (the Gemma ones have the model's) takes `vocab`, the tokenizer's."""
+    defaults = dict(
+        vocab_size=vocab, model_type="llama", rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False
+    )
+    cfg = ModelConfig(rms_norm_eps=1e-5, **{**defaults, **SHAPES[shape]})
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg, spec, dtype=DTYPE, device=DEVICE)
+    model = build_causal_lm(cfg, spec, dtype=DTYPE, device=DEVICE)
+    norm = 0.0 if cfg.norm_unit_offset else 1.0  # a unit norm scale either way (Gemma's is 1 + weight)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+            p.fill_(norm) if "norm" in name else p.normal_(0, 0.02)
     return model
 
 
@@ -624,7 +656,8 @@ def main() -> None:
     rows = asyncio.run(run(args))
     where = f"{torch.cuda.get_device_name()}, triton {__import__('triton').__version__}" if DEVICE == "cuda" else "cpu"
     print(
-        f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights, vocab {args.vocab}, "
+        f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights, "
+        f"vocab {SHAPES[args.shape].get('vocab_size', args.vocab)}, "
         f"{where}, torch {torch.__version__}, "
         f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
         f"{'eager' if args.enforce_eager else 'CUDA graphs'}"

@@ -8,7 +8,7 @@
 #   e.g. "--prefill= --streams 0" for the decode rows alone)
 #
 #   test:     every single-GPU test (-m gpu and the CUDA cases of the service tests): kernels, attention,
-#             graphs, slot loads, the service on CUDA, MoE
+#             graphs, slot loads, the service on CUDA, MoE, Gemma
 #   parallel: the tensor- and expert-parallel tests (NCCL, one GPU per rank; tp 4 needs 4 GPUs)
 #   engine:   bench_engine.py: decode / prefill / gRPC against the floors (Llama-3-8B shape); needs
 #             var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF
@@ -58,7 +58,7 @@ need_tok() { [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run 'make up' 
 
 if has test; then
   { pytest_q -m gpu tests/kernels tests/executor/test_graphs.py tests/executor/test_cublas.py tests/executor/test_lora.py \
-      tests/executor/test_slot_scatter.py tests/executor/test_moe.py tests/executor/test_families.py
+      tests/executor/test_slot_scatter.py tests/executor/test_moe.py tests/executor/test_families.py tests/executor/test_gemma.py
     pytest_q tests/executor/test_service.py tests/executor/test_moe_service.py -k "cuda or bf16"
   } >"$OUT/test.log" 2>&1
   grep -E "passed|failed|error" "$OUT/test.log" | tail -4
@@ -67,6 +67,7 @@ if has parallel; then
   # To a file as it comes: rank 0 ends its process when a rank dies, which would take pytest's summary with it.
   { pytest_q -m gpu tests/executor/test_tp.py tests/executor/test_ep.py
     pytest_q -m gpu tests/executor/test_families.py -k tp2
+    pytest_q -m gpu tests/executor/test_gemma.py -k nccl
   } >"$OUT/parallel.log" 2>&1
   tail -12 "$OUT/parallel.log"
 fi

@@ -27,6 +27,7 @@ __all__ = [
     "rms_norm",
     "rope_and_cache",
     "silu_and_mul",
+    "gelu_and_mul",
     "linear",
     "greedy",
     "slot_scatter",
@@ -89,9 +90,12 @@ def _attention_impl(t: torch.Tensor):
     return _on_device(t, "triton_attention", attention_reference)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None):
-    """One query per sequence over its paged K/V: see kernels/attention_reference.py for the shapes."""
-    return _attention_impl(q).paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out)
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None, softcap=None):
+    """One query per sequence over its paged K/V: see kernels/attention_reference.py for the shapes.
+    sliding_window, softcap: the layer's (host constants: a captured graph bakes them in)."""
+    return _attention_impl(q).paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out, softcap=softcap
+    )
 
 
 def paged_prefill_attention(
@@ -106,12 +110,14 @@ def paged_prefill_attention(
     sliding_window=None,
     out=None,
     work=None,
+    softcap=None,
 ):
     """Variable-length causal queries over paged K/V: see kernels/attention_reference.py for the shapes.
     work: the Triton kernel's work list (kernels/attention_plan.py), for captured steps."""
     return _attention_impl(q).paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window, out, work
-    )
+        q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window, out, work,
+        softcap=softcap,
+    )  # fmt: skip
 
 
 # ---- the decoder's small fused ops (kernels/ops_reference.py, kernels/triton_ops.py) ----------
@@ -121,8 +127,11 @@ def _ops_impl(t: torch.Tensor):
     return _on_device(t, "triton_ops", ops_reference)
 
 
-def rms_norm(x, weight, eps: float, residual=None):
-    """(norm(x + residual) * weight, x + residual): see kernels/ops_reference.py."""
+def rms_norm(x, weight, eps: float, residual=None, unit_offset: bool = False):
+    """(norm(x + residual) * weight, x + residual): see kernels/ops_reference.py.
+    unit_offset: Gemma's norm, norm(h) * (1 + weight) in float32, rounded once."""
+    if unit_offset:
+        return _ops_impl(x).rms_norm(x, weight, eps, residual, unit_offset=True)
     return _ops_impl(x).rms_norm(x, weight, eps, residual)
 
 
@@ -134,6 +143,11 @@ def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
 def silu_and_mul(gate_up):
     """[T, 2I] gate | up -> silu(gate) * up [T, I]."""
     return _ops_impl(gate_up).silu_and_mul(gate_up)
+
+
+def gelu_and_mul(gate_up):
+    """[T, 2I] gate | up -> gelu_tanh(gate) * up [T, I] (Gemma's GeGLU)."""
+    return _ops_impl(gate_up).gelu_and_mul(gate_up)
 
 
 def linear(x, weight, bias=None):

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None) -> torch.Tensor:
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None, softcap=None
+) -> torch.Tensor:
     """One query token per sequence over its paged keys/values.
 
     q:               [B, H, D] (fp32 / fp16 / bf16)
@@ -26,6 +28,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, s
                      0 marks a padding row (e.g. of a captured batch size), whose output is zeros
     sliding_window:  None or W: the query at p = seq_len - 1 sees keys at positions (p - W, p]
     out:             optional [B, H, D]
+    softcap:         None or c: each score s = q.k * scale becomes c * tanh(s / c) before the softmax (Gemma 2)
     -> out [B, H, D], dtype of q
     """
     if out is None:
@@ -36,7 +39,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, s
             continue
         first = 0 if sliding_window is None else max(0, seq_len - sliding_window)
         k, v = _gather(k_cache, v_cache, block_tables[b], first, seq_len)  # [KVH, L, D]
-        out[b] = _attend(q[b][None], k, v, None, scale)[0]
+        out[b] = _attend(q[b][None], k, v, None, scale, softcap)[0]
     return out
 
 
@@ -52,6 +55,7 @@ def paged_prefill_attention(
     sliding_window=None,
     out=None,
     work=None,
+    softcap=None,
 ) -> torch.Tensor:
     """Variable-length causal queries (prefill chunks and decode tokens mixed) over cached + new keys.
 
@@ -61,6 +65,7 @@ def paged_prefill_attention(
     cu_query_lens: [B + 1] int32, sequence b owns q rows [cu[b], cu[b + 1])
     max_query_len: host int, the longest chunk (unused here: the Triton grid is sized by it)
     work:          the Triton kernel's work list (unused here)
+    softcap:       as in paged_decode_attention
     Query j of sequence b sits at p = seq_len_b - q_len_b + j and sees keys at positions <= p
     (and > p - W with a sliding window W). Sequences with q_len 0 produce nothing.
     -> out [T, H, D], dtype of q
@@ -81,7 +86,7 @@ def paged_prefill_attention(
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-        out[start:end] = _attend(q[start:end], k, v, mask, scale)
+        out[start:end] = _attend(q[start:end], k, v, mask, scale, softcap)
     return out
 
 
@@ -94,11 +99,13 @@ def _gather(k_cache, v_cache, table, first: int, last: int):
     return k_cache[blocks, rows].transpose(0, 1), v_cache[blocks, rows].transpose(0, 1)
 
 
-def _attend(q, k, v, mask, scale):
+def _attend(q, k, v, mask, scale, softcap=None):
     """q [n, H, D] over k, v [KVH, L, D]; mask None or [n, L] bool -> [n, H, D].
 
     The H / KVH query heads of a kv head become rows of one SDPA query ([1, KVH, group * n, D],
     row = g * n + i), so K/V are used as they are; 4-D inputs (3-D ones take a slow CPU path).
+    With a softcap the scores are computed explicitly (SDPA has no soft-capping), as transformers'
+    eager attention does: capped in q's dtype, softmax in float32, cast back before V.
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[0]
@@ -106,5 +113,11 @@ def _attend(q, k, v, mask, scale):
     qg = q.reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * n, head_dim)
     if mask is not None:
         mask = mask.repeat(group, 1)  # [group * n, L], the same for every head of the group
-    o = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=mask, scale=scale)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=mask, scale=scale)
+    else:
+        scores = torch.tanh(qg @ k[None].transpose(-1, -2) * scale / softcap) * softcap  # [1, KVH, group * n, L]
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        o = scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v[None]
     return o.reshape(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)

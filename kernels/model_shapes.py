@@ -32,12 +32,22 @@ class Family:
     kv_heads: int
     head_dim: int
     vocab: int
-    # the rest describe the whole model (bench_engine.py builds it): 0 layers = not a whole-model shape
+    # the rest describe the whole model (bench_engine.py builds it): 0 layers = not a whole-model shape.
+    # window: sliding window of the local layers; global_every: every n-th layer attends globally
+    # (Gemma 2: 2, Gemma 3: 6), the others locally.
     layers: int = 0
     rope_theta: float = 10000.0
     model_type: str = "llama"
     tied: bool = False  # tie_word_embeddings
     partial_rotary_factor: float = 1.0
+    window: int | None = None
+    global_every: int = 0
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: global), as transformers lays out Gemma's layer_types."""
+        if not self.global_every:
+            return ()
+        return tuple(None if (i + 1) % self.global_every == 0 else self.window for i in range(self.layers))
 
 
 # From each model's config.json (Qwen2 and Qwen2.5 share these sizes at 0.5B/7B/72B; Mistral-7B is v0.3).
@@ -65,6 +75,113 @@ FAMILIES = (
     Family("phi-3-mini", 3072, 8192, 32, 32, 96, 32064, 32, 10000.0, "phi3"),
     Family("phi-3-medium", 5120, 17920, 40, 10, 128, 32064, 40, 10000.0, "phi3"),
     Family("phi-4-mini", 3072, 8192, 24, 8, 128, 200064, 32, 10000.0, "phi3", tied=True, partial_rotary_factor=0.75),
+    # Gemma 2 (local/global alternating, window 4096) and Gemma 3 (5 local : 1 global, window 1024;
+    # its 1B: window 512, vocab 262144); the LoRA layers' shapes are Llama's names with Gemma's sizes.
+    Family(
+        "gemma-2-2b",
+        2304,
+        9216,
+        8,
+        4,
+        256,
+        256000,
+        rope_theta=10000.0,
+        model_type="gemma2",
+        tied=True,
+        layers=26,
+        window=4096,
+        global_every=2,
+    ),
+    Family(
+        "gemma-2-9b",
+        3584,
+        14336,
+        16,
+        8,
+        256,
+        256000,
+        rope_theta=10000.0,
+        model_type="gemma2",
+        tied=True,
+        layers=42,
+        window=4096,
+        global_every=2,
+    ),
+    Family(
+        "gemma-2-27b",
+        4608,
+        36864,
+        32,
+        16,
+        128,
+        256000,
+        rope_theta=10000.0,
+        model_type="gemma2",
+        tied=True,
+        layers=46,
+        window=4096,
+        global_every=2,
+    ),
+    Family(
+        "gemma-3-1b",
+        1152,
+        6912,
+        4,
+        1,
+        256,
+        262144,
+        rope_theta=1000000.0,
+        model_type="gemma3_text",
+        tied=True,
+        layers=26,
+        window=512,
+        global_every=6,
+    ),
+    Family(
+        "gemma-3-4b",
+        2560,
+        10240,
+        8,
+        4,
+        256,
+        262208,
+        rope_theta=1000000.0,
+        model_type="gemma3_text",
+        tied=True,
+        layers=34,
+        window=1024,
+        global_every=6,
+    ),
+    Family(
+        "gemma-3-12b",
+        3840,
+        15360,
+        16,
+        8,
+        256,
+        262208,
+        rope_theta=1000000.0,
+        model_type="gemma3_text",
+        tied=True,
+        layers=48,
+        window=1024,
+        global_every=6,
+    ),
+    Family(
+        "gemma-3-27b",
+        5376,
+        21504,
+        32,
+        16,
+        128,
+        262208,
+        rope_theta=1000000.0,
+        model_type="gemma3_text",
+        tied=True,
+        layers=62,
+        window=1024,
+        global_every=6,
+    ),
 )
 
 

@@ -11,14 +11,18 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, unit_offset: bool = False):
     """(norm(h) * weight, h) with h = x + residual (or x alone when residual is None).
 
     x, residual: [T, hidden]; weight: [hidden]. The returned h is the next residual stream.
+    unit_offset (Gemma): norm(h) * (1 + weight), all in float32 and rounded once, as transformers'
+    Gemma RMSNorm does; otherwise norm(h) is rounded to h's dtype before the weight (Llama's).
     """
     h = x if residual is None else x + residual
     hf = h.float()
     hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (hf * (1.0 + weight.float())).to(h.dtype), h
     return weight * hf.to(h.dtype), h
 
 
@@ -46,6 +50,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 * I] (gate | up) -> silu(gate) * up, [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * I] (gate | up) -> gelu(gate, tanh approximation) * up, [T, I] (GeGLU)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,7 +14,9 @@ fills G rows, not 1), and tiles that no row needs masked skip the mask.
 
 Launch grids and scratch depend only on shapes, max_query_len and the SM count: no host
 synchronisation, so both capture in a CUDA graph. Softmax runs in base 2 with the scale
-folded in; accumulation is fp32, output in q's dtype.
+folded in; accumulation is fp32, output in q's dtype. A layer's sliding window and score
+soft-cap (Gemma 2) are host constants: each (window or not, soft-cap or not) is a variant of
+the kernel, the values are scalar arguments.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ _MAX_SPLITS = 64
 _PROGRAMS_PER_SM = 2  # decode splits until B * KVH * splits reaches this many programs per SM
 
 
+@triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap): scores in base 2 with the cap in base 2 too (cap * log2 e), which is
+    the natural-base soft-cap scaled by log2 e. tanh as 1 - 2 / (e^2x + 1): exact at both ends."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
+
+
 @triton.jit(do_not_specialize=["stride_tb"])  # eager decode steps' table widths vary (see _prefill_kernel)
 def _decode_kernel(
     q_ptr,
@@ -48,6 +57,7 @@ def _decode_kernel(
     part_l_ptr,
     scale_log2,
     window,
+    softcap_log2,
     partition,
     stride_qb,
     stride_qh,
@@ -65,6 +75,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Program (b, kv head, split): the GROUP query heads of one kv head over keys of one partition.
@@ -113,6 +124,8 @@ def _decode_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_head + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
+        if SOFTCAP:
+            s = _soft_cap(s, softcap_log2)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -185,6 +198,7 @@ def _prefill_tiles(
     hi,
     scale_log2,
     window,
+    softcap_log2,
     stride_kb,
     stride_ks,
     offs_d,
@@ -193,6 +207,7 @@ def _prefill_tiles(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Online softmax over key tiles starting in [start_lo, start_hi). MASKED: apply causal / window /
@@ -209,6 +224,8 @@ def _prefill_tiles(
         rows = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks
         k = tl.load(k_head + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            s = _soft_cap(s, softcap_log2)
         if MASKED:
             visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
@@ -241,6 +258,7 @@ def _prefill_kernel(
     work_ptr,
     scale_log2,
     window,
+    softcap_log2,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -257,6 +275,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     QUERIES: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     WORK: tl.constexpr,
 ):
@@ -323,6 +342,7 @@ def _prefill_kernel(
             hi,
             scale_log2,
             window,
+            softcap_log2,
             stride_kb,
             stride_ks,
             offs_d,
@@ -331,6 +351,7 @@ def _prefill_kernel(
             BLOCK_N,
             True,
             HAS_WINDOW,
+            SOFTCAP,
             PRECISION,
         )
         acc, m_i, l_i = _prefill_tiles(
@@ -348,6 +369,7 @@ def _prefill_kernel(
             hi,
             scale_log2,
             window,
+            softcap_log2,
             stride_kb,
             stride_ks,
             offs_d,
@@ -356,6 +378,7 @@ def _prefill_kernel(
             BLOCK_N,
             False,
             HAS_WINDOW,
+            SOFTCAP,
             PRECISION,
         )
         acc, m_i, l_i = _prefill_tiles(
@@ -373,6 +396,7 @@ def _prefill_kernel(
             hi,
             scale_log2,
             window,
+            softcap_log2,
             stride_kb,
             stride_ks,
             offs_d,
@@ -381,6 +405,7 @@ def _prefill_kernel(
             BLOCK_N,
             True,
             HAS_WINDOW,
+            SOFTCAP,
             PRECISION,
         )
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -392,7 +417,9 @@ def _prefill_kernel(
         )
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None) -> torch.Tensor:
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None, softcap=None
+) -> torch.Tensor:
     """One query token per sequence over its paged keys/values (see attention_reference for the math).
 
     q:               [B, H, D] fp16 / bf16 / fp32, D contiguous
@@ -400,11 +427,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, s
     block_tables:    [B, max_blocks] int32
     seq_lens:        [B] int32, the current token's k/v already cached (0: a padding row, gets zeros)
     out:             optional [B, H, D], dtype of q
+    sliding_window, softcap: host constants of the layer (None: off), compiled into the kernel's variant
     """
     if out is None:
         out = torch.empty_like(q)
     if not _supported(q, k_cache, v_cache, out):
-        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out)
+        return reference.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out, softcap=softcap
+        )
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_seqs == 0:
@@ -432,6 +462,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, s
         part_l,
         scale * _LOG2E,
         sliding_window or 0,
+        (softcap or 0.0) * _LOG2E,
         partition,
         q.stride(0),
         q.stride(1),
@@ -449,6 +480,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, s
         BLOCK_N=block_n,
         SPLIT=splits > 1,
         HAS_WINDOW=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         PRECISION=_precision(q),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -498,6 +530,7 @@ def paged_prefill_attention(
     sliding_window=None,
     out=None,
     work=None,
+    softcap=None,
 ) -> torch.Tensor:
     """Variable-length causal queries over cached + new keys (see attention_reference for the math).
 
@@ -507,13 +540,15 @@ def paged_prefill_attention(
     max_query_len: host int >= every q_len (sizes the grid)
     work:          optional [N, 2] int32 work list (prefill_work_list, with prefill_queries of this
                    launch): N programs per kv head instead of one per (query block, sequence)
+    softcap:       as in paged_decode_attention
     """
     if out is None:
         out = torch.empty_like(q)
     if not _supported(q, k_cache, v_cache, out):
         return reference.paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window, out
-        )
+            q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window, out,
+            softcap=softcap,
+        )  # fmt: skip
     num_heads, head_dim = q.shape[1], q.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -537,6 +572,7 @@ def paged_prefill_attention(
         work if work is not None else cu_query_lens,
         scale * _LOG2E,
         sliding_window or 0,
+        (softcap or 0.0) * _LOG2E,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -553,6 +589,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         QUERIES=queries,
         HAS_WINDOW=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         PRECISION=_precision(q),
         WORK=work is not None,
         num_warps=num_warps,

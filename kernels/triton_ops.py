@@ -30,6 +30,7 @@ def _rms_norm_kernel(
     n,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -42,15 +43,18 @@ def _rms_norm_kernel(
         tl.store(h_ptr + row * stride_h + offs, x, mask=mask)
     hf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / n + eps)
-    normed = (hf * rstd).to(x.dtype)  # cast back before the weight, as transformers does
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:  # Gemma: norm * (1 + w) in float32, rounded once
+        y = hf * rstd * (1.0 + w)
+    else:
+        y = w * (hf * rstd).to(x.dtype).to(tl.float32)  # cast back before the weight, as transformers does
+    tl.store(out_ptr + row * stride_out + offs, y.to(x.dtype), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, unit_offset: bool = False):
     """(norm(h) * weight, h), h = x + residual: see ops_reference.rms_norm."""
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1) or x.dim() != 2:
-        return ops_reference.rms_norm(x, weight, eps, residual)
+        return ops_reference.rms_norm(x, weight, eps, residual, unit_offset)
     rows, n = x.shape
     out = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else x
@@ -59,7 +63,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](
             x, res, weight, out, h, x.stride(0), res.stride(0), out.stride(0), h.stride(0), n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block, num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
     return out, h
 
@@ -212,6 +216,32 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         block = 1024
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _gelu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
+    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 (exp's inf / 0) without NaN
+    tl.store(out_ptr + row * stride_out + offs, (0.5 * g * (1.0 + tanh) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up: see ops_reference.gelu_and_mul."""
+    if gate_up.dim() != 2 or gate_up.stride(1) != 1:
+        return ops_reference.gelu_and_mul(gate_up)
+    rows, n2 = gate_up.shape
+    n = n2 // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = 1024
+        _gelu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
     return out
 
 

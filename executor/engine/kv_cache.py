@@ -144,18 +144,22 @@ def paged_attention(
     attn: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attends each sequence's queries to its whole context in the cache (the step's keys included:
     `kernels.rope_and_cache` wrote them).
 
     q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] -> [T, H, D]
+    sliding_window, softcap: the layer's (None: off), host constants that a captured graph bakes in.
     A decode-only step is one paged decode call per layer; any other step (prefill chunks, mixed
     with decode tokens or not) one variable-length prefill call. Triton on CUDA, the plain-PyTorch
     reference elsewhere (kernels/attention_reference.py).
     """
     if attn.is_decode:
-        return kernels.paged_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale, sliding_window)
+        return kernels.paged_decode_attention(
+            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale, sliding_window, softcap=softcap
+        )
     return kernels.paged_prefill_attention(
         q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.cu_query_lens, attn.max_query_len,
-        scale, sliding_window, work=attn.prefill_work,
+        scale, sliding_window, work=attn.prefill_work, softcap=softcap,
     )  # fmt: skip

@@ -24,14 +24,15 @@ from .config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype, device):
+    def __init__(self, dim: int, eps: float, dtype, device, unit_offset: bool = False):
+        """unit_offset: Gemma's norm, scaled by (1 + weight) (kernels.rms_norm)."""
         super().__init__()
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h) * weight, h) with h = x + residual: the residual add is fused into the norm."""
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+        return kernels.rms_norm(x, self.weight, self.eps, residual, self.unit_offset)
 
 
 def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None, device=None) -> torch.Tensor:
@@ -145,7 +146,8 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, tp: TPGroup, layer: int = 0):
+        """layer: its index, for the per-layer sliding window (cfg.layer_window)."""
         super().__init__()
         self.cfg = cfg
         # This rank's heads (all of them at tp 1).
@@ -155,10 +157,12 @@ class Attention(nn.Module):
             cfg.hidden_size, (self.q_size, self.kv_size, self.kv_size), cfg.attention_bias, lora, dtype, device, tp
         )
         self.o_proj = LinearWithLoRA(self.q_size, (cfg.hidden_size,), cfg.o_proj_bias, lora, dtype, device, tp, row_parallel=True)
-        if cfg.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
-        self.scale = cfg.head_dim**-0.5
+        if cfg.qk_norm:  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
+        self.scale = cfg.attention_scale
+        # host constants of this layer's attention kernels (captured graphs bake them in)
+        self.sliding_window, self.softcap = cfg.layer_window(layer), cfg.attn_logit_softcap
 
     def forward(self, x, cos, sin, attn: AttentionMetadata, k_cache, v_cache, lora_meta, rotary_order=None):
         """rotary_order: partial RoPE's order of head dims (RotaryEmbedding.order), or None."""
@@ -175,7 +179,7 @@ class Attention(nn.Module):
         q = kernels.rope_and_cache(
             q, k, v.view(-1, self.num_kv_heads, c.head_dim), cos, sin, k_cache, v_cache, attn.slot_mapping,
         )  # [T, H, D]  # fmt: skip
-        o = paged_attention(q, k_cache, v_cache, attn, self.scale, c.sliding_window)  # [T, H, D]
+        o = paged_attention(q, k_cache, v_cache, attn, self.scale, self.sliding_window, self.softcap)  # [T, H, D]
         return self.o_proj(o.reshape(-1, self.q_size), lora_meta)  # [T, hidden]
 
 
@@ -185,19 +189,23 @@ class MLP(nn.Module):
         i = (intermediate_size or cfg.intermediate_size) // tp.size
         self.gate_up_proj = LinearWithLoRA(cfg.hidden_size, (i, i), cfg.mlp_bias, lora, dtype, device, tp)
         self.down_proj = LinearWithLoRA(i, (cfg.hidden_size,), cfg.mlp_bias, lora, dtype, device, tp, row_parallel=True)
+        self.act_and_mul = kernels.gelu_and_mul if cfg.hidden_act == "gelu_tanh" else kernels.silu_and_mul
 
     def forward(self, x, lora_meta):
-        act = kernels.silu_and_mul(self.gate_up_proj(x, lora_meta))  # [T, 2I] -> [T, I]
+        act = self.act_and_mul(self.gate_up_proj(x, lora_meta))  # [T, 2I] -> [T, I]
         return self.down_proj(act, lora_meta)  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, tp: TPGroup, mlp: nn.Module | None = None):
-        """mlp: the feed-forward block (MoE families pass their expert block); the dense MLP if None."""
+    def __init__(
+        self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, tp: TPGroup, mlp: nn.Module | None = None, layer: int = 0
+    ):
+        """mlp: the feed-forward block (MoE families pass their expert block); the dense MLP if None.
+        layer: its index in the model."""
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, lora, dtype, device, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
+        self.self_attn = Attention(cfg, lora, dtype, device, tp, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
         self.mlp = mlp if mlp is not None else MLP(cfg, lora, dtype, device, tp)
 
     def forward(self, x, residual, cos, sin, attn, k_cache, v_cache, lora_meta, rotary_order=None):
@@ -210,14 +218,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, tp: TPGroup, mlp_for_layer=None):
+    def __init__(
+        self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, tp: TPGroup, mlp_for_layer=None, layer_class=DecoderLayer
+    ):
         super().__init__()
         emb_lora = lora if lora is not None and lora.targets_embeddings else None
         self.embed_tokens = VocabEmbeddingWithLoRA(cfg.vocab_size, cfg.hidden_size, emb_lora, dtype, device, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, lora, dtype, device, tp, mlp_for_layer(i) if mlp_for_layer else None) for i in range(cfg.num_layers)
+            layer_class(cfg, lora, dtype, device, tp, mlp_for_layer(i) if mlp_for_layer else None, layer=i)
+            for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
         self.rotary_emb = RotaryEmbedding(cfg, device)
 
 
@@ -227,6 +238,8 @@ class LlamaForCausalLM(nn.Module):
     tp: this rank's TPGroup (None: one rank); the loader fills each rank's share of the weights.
     mlp_for_layer(i) -> layer i's feed-forward block, or None for the dense MLP (executor/model/moe.py).
     ep: the group the experts of those blocks are split over (size 1: every rank has them all)."""
+
+    layer_class = DecoderLayer  # the decoder block (a family's subclass may name its own)
 
     def __init__(
         self,
@@ -243,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
         self.ep = ep or TPGroup()
         self.cfg, self.lora_spec, self.dtype = cfg, lora, dtype
         self.num_kv_heads = tp.kv_heads(cfg.num_kv_heads)  # this rank's: its KV cache's heads
-        self.model = LlamaModel(cfg, lora, dtype, device, tp, mlp_for_layer)
+        self.model = LlamaModel(cfg, lora, dtype, device, tp, mlp_for_layer, self.layer_class)
         head_lora = lora if lora is not None and lora.targets_embeddings else None
         self.lm_head = LinearWithLoRA(cfg.hidden_size, (cfg.vocab_size // tp.size,), False, head_lora, dtype, device, tp)
         if cfg.tie_word_embeddings:

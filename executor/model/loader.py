@@ -114,6 +114,16 @@ class _WeightSink:
             return None  # some checkpoints store the tied copy too
         if hf_name.endswith("rotary_emb.inv_freq"):
             return None  # recomputed from the config
+        if re.match(r"(model\.)?(vision_tower|multi_modal_projector)\.", hf_name):
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} belongs to a vision tower: multimodal checkpoints are not supported, "
+                f"only the language model (a checkpoint that holds just its tensors, e.g. Gemma3ForCausalLM's)"
+            )
+        # a multimodal checkpoint's language model (Gemma 3): transformers 5 and 4 names -> the text model's
+        hf_name = re.sub(r"^(model\.language_model\.|language_model\.model\.)", "model.", hf_name)
+        hf_name = re.sub(r"^language_model\.lm_head\.", "lm_head.", hf_name)
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            return None
         hf_name = re.sub(r"^(model\.layers\.\d+\.)block_sparse_moe\.", r"\1mlp.", hf_name)  # Mixtral's old block name
         if (expert := self._expert_target(hf_name)) is not None:
             return expert or None  # (): another expert-parallel rank's expert, dropped

@@ -25,7 +25,8 @@ from loraserve.kernels import LoraMeta
 from ..lora import ExpertsWithLoRA
 from ..parallel import TPGroup, ep_size_error, tp_size_error
 from ..slot_layout import LoraSpec
-from .config import ModelConfig
+from .config import GEMMA_MODEL_TYPES, ModelConfig
+from .gemma import gemma_for_causal_lm
 from .llama import MLP, LlamaForCausalLM
 
 
@@ -104,11 +105,14 @@ def build_causal_lm(
     tp: TPGroup | None = None,
     ep: TPGroup | None = None,
 ):
-    """LlamaForCausalLM for any supported family: sparse layers get a SparseMoeBlock as their MLP.
+    """LlamaForCausalLM for any supported family: sparse layers get a SparseMoeBlock as their MLP;
+    Gemma's subclasses (executor/model/gemma.py) for the Gemma families.
     MoE models split their experts over `ep` ranks, never their attention over `tp` ranks."""
     ep = ep or TPGroup()
     if (error := ep_size_error(cfg, ep.size)) is not None:  # a dense model, or experts that do not split
         raise ValueError(error)
+    if cfg.model_type in GEMMA_MODEL_TYPES:
+        return gemma_for_causal_lm(cfg, lora, dtype, device, tp)
     if not cfg.num_experts:
         return LlamaForCausalLM(cfg, lora, dtype, device, tp)
     if tp is not None and tp.size > 1:

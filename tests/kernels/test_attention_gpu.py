@@ -64,7 +64,8 @@ def build(gen, seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, 
 
 
 def decode_args(case):
-    return {k: case[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "scale", "sliding_window")}
+    keys = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "scale", "sliding_window", "softcap")
+    return {k: case[k] for k in keys if k in case}
 
 
 def as_float64(args):
@@ -290,3 +291,59 @@ def test_decode_padding_rows_of_length_zero_give_zeros(num_seqs, length):
     assert (out[1] == 0).all()
     assert not out.isnan().any()
     assert rel_err(out, want) < TOL[torch.bfloat16]
+
+
+# Gemma's attention per rank: Gemma-2-9B / Gemma-3-12B (16 q, 8 kv heads of 256) at tp 1 and 2,
+# Gemma-2-27B (32 q, 16 kv heads of 128); Gemma 2's soft-cap 50 and a low one that saturates.
+GEMMA_HEADS = [((16, 8), 256), ((8, 4), 256), ((32, 16), 128)]
+
+
+def gemma_cases(gen, dtype, q_lens=None):
+    seq_lens = [1, 15, 16, 17, 300, 1000, 77] if q_lens is None else [15, 16, 300, 64, 1000, 5, 700]
+    q_lens = q_lens or [1] * len(seq_lens)
+    for (h, kvh), d in GEMMA_HEADS:
+        for window, softcap in ((None, 50.0), (7, 50.0), (100, 1.0), (5000, None), (100, 20.0)):
+            case = build(gen, seq_lens, q_lens, h, kvh, d, 16, dtype, window)
+            case["scale"] = 4 * d**-0.5  # scores large enough for the caps to bend them
+            case["softcap"] = softcap
+            yield f"H{h}/KVH{kvh} D{d} W{window} cap{softcap}", case
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_softcap_and_window_match_reference(dtype):
+    """Per-layer soft-cap and window (Gemma 2/3) at head_dim 256 and 128: decode (one split and
+    several), prefill chunks after context and the work-list grid of captured mixed steps."""
+    from loraserve.kernels.attention_plan import prefill_queries, prefill_work_list
+
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    run_cases(check_decode, list(gemma_cases(gen, dtype)), dtype)
+    q_lens = [15, 16, 40, 1, 257, 0, 33]
+    prefill = list(gemma_cases(gen, dtype, q_lens))
+    run_cases(check_prefill, prefill, dtype)
+    for name, case in prefill[:5]:  # the (16, 8) x 256 cases through a work list sized for 512 tokens
+        h, kvh, d = case["q"].shape[1], case["k_cache"].shape[2], case["q"].shape[2]
+        queries = prefill_queries(512, h, kvh, d, dtype)
+        work = torch.from_numpy(prefill_work_list(q_lens, queries, 512 // queries + len(q_lens) + 3)).to(DEV)
+        out = torch.full_like(case["q"], float("nan"))
+        triton_attention.paged_prefill_attention(**{**case, "max_query_len": 512}, out=out, work=work)
+        want = attention_reference.paged_prefill_attention(**as_float64(case))
+        assert not out.isnan().any() and rel_err(out, want) < TOL[dtype], name
+
+
+def test_softcap_and_window_decode_in_a_cuda_graph():
+    """Window and soft-cap are constants of the captured launch: replays with new lengths match."""
+    gen = torch.Generator(device=DEV).manual_seed(12)
+    dtype, num_seqs, max_len = torch.bfloat16, 8, 1024
+    static = build(gen, [max_len] * num_seqs, [1] * num_seqs, 16, 8, 256, 16, dtype, window=100)
+    static["softcap"] = 1.0
+    static["scale"] = 4 * 256**-0.5
+    out = torch.empty_like(static["q"])
+    graph = _capture(lambda: triton_attention.paged_decode_attention(**decode_args(static), out=out))
+    for step in range(3):
+        lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen, device=DEV).tolist()
+        load_into(static, build(gen, lens, [1] * num_seqs, 16, 8, 256, 16, dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = attention_reference.paged_decode_attention(**as_float64(decode_args(static)))
+        assert not out.isnan().any() and rel_err(out, want) < TOL[dtype], (step, lens)

@@ -57,8 +57,9 @@ def build_case(gen, seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_s
     )
 
 
-def dense_attention(case, scale, window=None) -> torch.Tensor:
-    """float64 [T, H, D]: softmax(q K^T * scale + causal/window mask) V, one sequence and head at a time."""
+def dense_attention(case, scale, window=None, softcap=None) -> torch.Tensor:
+    """float64 [T, H, D]: softmax(s + causal/window mask) V, s = q K^T * scale (soft-capped to
+    c * tanh(s / c) with a softcap c), one sequence and head at a time."""
     q = case["q"].double()
     out = torch.zeros_like(q)
     num_heads = q.shape[1]
@@ -74,18 +75,20 @@ def dense_attention(case, scale, window=None) -> torch.Tensor:
         for h in range(num_heads):
             kv = h * k.shape[1] // num_heads  # the kv head of query head h
             scores = q[start:end, h] @ k[:, kv].double().T * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
             weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             out[start:end, h] = weights @ v[:, kv].double()
     return out
 
 
-def run_decode(case, scale, window=None):
+def run_decode(case, scale, window=None, softcap=None):
     return attention_reference.paged_decode_attention(
-        case["q"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], scale, window
+        case["q"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], scale, window, softcap=softcap
     )
 
 
-def run_prefill(case, scale, window=None):
+def run_prefill(case, scale, window=None, softcap=None):
     return attention_reference.paged_prefill_attention(
         case["q"],
         case["k_cache"],
@@ -96,6 +99,7 @@ def run_prefill(case, scale, window=None):
         case["max_query_len"],
         scale,
         window,
+        softcap=softcap,
     )
 
 
@@ -204,3 +208,31 @@ def test_decode_padding_rows_of_length_zero_give_zeros():
     assert (out[1] == 0).all()
     want = dense_attention(case, 0.25)
     assert_close(out[[0, 2]], want[[0, 2]])
+
+
+TOL = 5e-5
+
+
+@pytest.mark.parametrize("window", [None, 3, 16, 1000])
+@pytest.mark.parametrize("softcap", [None, 1.0, 50.0])
+@pytest.mark.parametrize("head_dim", [32, 256])
+def test_softcap_and_window_match_dense(window, softcap, head_dim):
+    """Gemma's per-layer attention: scores soft-capped (c * tanh(s / c)) before the mask and softmax,
+    with and without a sliding window, at Gemma's head_dim 256; decode, prefill and mixed rows.
+    Large scores (4x the usual scale) so a cap of 1 saturates them and 50 barely bends them; float32
+    sums over 256 dims of such scores round to a few 1e-5."""
+    gen = torch.Generator().manual_seed(head_dim + (window or 0) + int(softcap or 0))
+    pairs = [(30, 30), (50, 20), (17, 1), (5, 0), (70, 33)]
+    case = build_case(gen, [s for s, _ in pairs], [q for _, q in pairs], 8, 2, head_dim, 16, window)
+    case["q"] = case["q"] * 2
+    scale = head_dim**-0.5 * 4
+    want = dense_attention(case, scale, window, softcap)
+    assert_close(run_prefill(case, scale, window, softcap), want, TOL)
+    if softcap == 1.0:  # the cap changes the output: the comparison above sees it
+        assert (dense_attention(case, scale, window) - want).abs().max() > 0.1
+    lens = [1, 15, 16, 17, 33, 90]
+    dec = build_case(gen, lens, [1] * len(lens), 8, 2, head_dim, 16, window)
+    assert_close(run_decode(dec, scale, window, softcap), dense_attention(dec, scale, window, softcap), TOL)
+    assert_close(kernels.paged_decode_attention(dec["q"], dec["k_cache"], dec["v_cache"], dec["block_tables"],
+                                                dec["seq_lens"], scale, window, softcap=softcap),
+                 dense_attention(dec, scale, window, softcap), TOL)  # fmt: skip

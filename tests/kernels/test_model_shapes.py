@@ -102,8 +102,8 @@ def test_whole_model_families_build_the_engine_shapes_bench_engine_names():
         assert name in bench_engine.SHAPES, name
     for f in FAMILIES:
         assert f.layers > 0, f.name
-        fields = {"model_type": "llama", "tie_word_embeddings": False, **bench_engine.SHAPES[f.name]}
-        cfg = ModelConfig(vocab_size=f.vocab, rms_norm_eps=1e-5, rope_scaling=None, max_position_embeddings=8192, **fields)
+        defaults = dict(vocab_size=f.vocab, rope_scaling=None, max_position_embeddings=8192, model_type="llama")
+        cfg = ModelConfig(rms_norm_eps=1e-5, **{**defaults, "tie_word_embeddings": False, **bench_engine.SHAPES[f.name]})
         assert (cfg.q_size, cfg.kv_size) == (f.heads * f.head_dim, f.kv_heads * f.head_dim)
     qwen3 = bench_engine.SHAPES["qwen3-8b"]
     assert (qwen3["hidden_size"], qwen3["num_heads"], qwen3["head_dim"], qwen3["num_layers"], qwen3["qk_norm"]) == (
@@ -115,3 +115,15 @@ def test_whole_model_families_build_the_engine_shapes_bench_engine_names():
     )
     assert bench_engine.SHAPES["phi-4-mini"]["partial_rotary_factor"] == 0.75
     assert by_kind("phi-3-mini", 2)["qkv"].widths == (1536, 1536, 1536)  # 32 kv heads: MHA
+
+
+def test_gemma_shapes_and_window_patterns():
+    """Gemma-2-9B: 16 q / 8 kv heads of 256 (q 4096 wider than hidden 3584), local/global alternating
+    from a local layer; Gemma-3-12B: five local layers of window 1024 to each global one."""
+    s = by_kind("gemma-2-9b", 2)
+    assert s["qkv"].widths == (2048, 1024, 1024) and (s["o"].in_features, s["o"].widths) == (2048, (3584,))
+    assert s["lm_head"].widths == (128000,)
+    g2, g3 = family("gemma-2-9b").layer_windows(), family("gemma-3-12b").layer_windows()
+    assert len(g2) == 42 and g2[:3] == (4096, None, 4096) and g2.count(None) == 21
+    assert len(g3) == 48 and g3[:6] == (1024,) * 5 + (None,) and g3.count(None) == 8
+    assert family("llama-3-8b").layer_windows() == ()

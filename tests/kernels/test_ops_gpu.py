@@ -79,3 +79,33 @@ def test_silu_and_mul_matches_reference(dtype, inter):
     out = triton_ops.silu_and_mul(x)
     assert torch.isfinite(out).all()
     assert _rel(out, ops_reference.silu_and_mul(x)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 256, 3584])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma_rms_norm_matches_reference_and_transformers(dtype, hidden, with_residual):
+    """unit_offset: norm(h) * (1 + weight) in float32, rounded once (Gemma's RMSNorm in transformers);
+    hidden 256 is also Gemma 3's per-head q/k norm."""
+    torch.manual_seed(3)
+    x = torch.randn(7, hidden, device=DEVICE, dtype=dtype)
+    res = torch.randn(7, hidden, device=DEVICE, dtype=dtype) if with_residual else None
+    w = (0.3 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    out, h = triton_ops.rms_norm(x, w, 1e-6, res, unit_offset=True)
+    ref_out, ref_h = ops_reference.rms_norm(x, w, 1e-6, res, unit_offset=True)
+    assert _rel(out, ref_out) < TOL[dtype] and _rel(h, ref_h) < TOL[dtype]
+    hf = ref_h.float()  # transformers' Gemma2RMSNorm.forward, inline
+    want = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())).to(dtype)
+    assert _rel(out, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [112, 14336, 15360])
+def test_gelu_and_mul_matches_reference(dtype, inter):
+    """GeGLU (gelu tanh approximation); large gates saturate the tanh without NaN."""
+    torch.manual_seed(4)
+    x = torch.randn(5, 2 * inter, device=DEVICE, dtype=dtype) * 3
+    x[0, :8] = torch.tensor([-80.0, -20.0, -5.0, 0.0, 1e-3, 5.0, 20.0, 80.0], dtype=dtype)
+    out = triton_ops.gelu_and_mul(x)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ops_reference.gelu_and_mul(x)) < TOL[dtype]

@@ -1,0 +1,436 @@
+"""Gemma 1, 2 and 3 (text) against transformers + PEFT: tiny random models of transformers' own
+classes, prompts longer than their sliding windows (so the local/global pattern, the two RoPE
+bases and the soft-caps all shape the logits), PEFT adapters on attention, MLP and embeddings in
+mixed batches with base rows, tp 2 over gloo through a real store; the configs and checkpoints the
+executor cannot serve refused with their reasons."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loraserve.adapter_store import base_model
+from loraserve.errors import StatusError
+from loraserve.executor.layout import declare_layout
+from loraserve.executor.model.config import ModelConfig
+from loraserve.executor.model.loader import load_hf_checkpoint
+from loraserve.executor.slot_layout import LoraSpec
+from loraserve.executor.slot_load import load_shard_into_slot
+
+from .conftest import Cluster, check_against_reference, check_bf16_rows, need_cuda_devices, run_group
+from .test_lora import pack_shard
+
+peft = pytest.importorskip("peft")
+
+ATOL = 1e-4  # float32, logits of magnitude ~1-10
+BOS, EOS, PAD, VOCAB = 256, 257, 258, 260  # a byte tokenizer's ids
+TINY = dict(
+    vocab_size=VOCAB, hidden_size=48, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1,
+    bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+)  # fmt: skip
+# Gemma 2: windows of 4 on layers 0 and 2, both soft-caps low enough to bite, head_dim 64 != hidden / heads.
+# Gemma 3: windows of 5 on layers 0 and 2, a local RoPE base far from the global one, linear scaling on the global.
+FAMILIES = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(hidden_act="gelu_pytorch_tanh")),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=64, sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        sliding_window=5, sliding_window_pattern=2, query_pre_attn_scalar=24, rope_local_base_freq=100.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+}  # fmt: skip
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {
+    "all4": dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
+    "qvgd8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], use_rslora=True),
+    "emb6": dict(r=6, lora_alpha=6, target_modules=["embed_tokens", "lm_head", "q_proj"]),
+}
+
+
+def _hf(family: str, **overrides):
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**TINY, **extra, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # transformers starts Gemma's (1 + weight) norms at weight 0: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """gemma(family) -> (transformers model, its safetensors dir), built once per module."""
+    cache = {}
+
+    def make(family: str):
+        if family not in cache:
+            model = _hf(family)
+            path = tmp_path_factory.mktemp(family)
+            model.save_pretrained(path)
+            cache[family] = (model, path)
+        return cache[family]
+
+    return make
+
+
+def _prompt(n, seed):
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _chunked(run, prompts):
+    """Each prompt in three steps (a prefill longer than the windows, a chunk on top of its
+    context, one decode token), the prompts side by side in every step: logits per prompt."""
+    cuts = [(0, 9), (9, 12), (12, 13)]
+    outs = {name: [] for name in prompts}
+    for lo, hi in cuts:
+        for name, logits in zip(prompts, run.step([(name, ids[lo:hi]) for name, ids in prompts.items()])):
+            outs[name].append(logits)
+    return {name: torch.cat(parts) for name, parts in outs.items()}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_chunked_prefill_and_decode_match_transformers(family, gemma, paged_runner):
+    ref, path = gemma(family)
+    model = load_hf_checkpoint(path)
+    c = model.cfg
+    assert (c.hidden_act, c.norm_unit_offset, c.scale_embeddings) == ("gelu_tanh", True, True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+    if family == "gemma2":
+        assert c.layer_windows == (4, None, 4, None) and (c.attn_logit_softcap, c.final_logit_softcap) == (2.0, 3.0)
+        assert c.attention_scale == 24**-0.5
+    if family == "gemma3":
+        assert c.layer_windows == (5, None, 5, None) and c.qk_norm and c.rope_local_theta == 100.0
+        assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0} and [c.local_rope(i) for i in range(4)] == [1, 0, 1, 0]
+    prompts = {"a": _prompt(13, 1), "b": _prompt(13, 2)}
+    outs = _chunked(paged_runner(model, block_size=4), prompts)
+    for name, ids in prompts.items():
+        torch.testing.assert_close(outs[name], _hf_logits(ref, ids), atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_rounds_as_transformers_does(family, gemma, paged_runner):
+    """bf16 on the CPU: our logits lie far closer to transformers' bf16 run than bf16 lies to float32
+    (sqrt(48) cast to bf16: 6.9375, the norms' (1 + weight) in float32 and rounded once, as there)."""
+    import transformers
+
+    _, path = gemma(family)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ref32 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = load_hf_checkpoint(path, dtype=torch.bfloat16)
+    assert model.embed_scale.dtype == torch.bfloat16
+    ids = _prompt(13, 1)
+    (logits,) = paged_runner(model, block_size=4).step([("a", ids)])
+    want, want32 = _hf_logits(ref, ids), _hf_logits(ref32, ids)
+    bf16_error = (want - want32).abs().max()
+    assert bf16_error > 0.01 and (logits - want).abs().max() < 0.5 * bf16_error
+
+
+TURN_OFF = {
+    # what each check switches off in our model: the comparison must then fail (the tiny config exercises it)
+    "windows": lambda m: [setattr(layer.self_attn, "sliding_window", None) for layer in m.model.layers],
+    "attn-softcap": lambda m: [setattr(layer.self_attn, "softcap", None) for layer in m.model.layers],
+    "final-softcap": lambda m: setattr(m, "cfg", dataclasses.replace(m.cfg, final_logit_softcap=None)),
+    "local-rope": lambda m: setattr(m, "local_layers", [False] * len(m.local_layers)),
+    "embed-scale": lambda m: m.embed_scale.fill_(1.0),
+}
+
+
+@pytest.mark.parametrize(
+    "family, feature",
+    [("gemma2", "windows"), ("gemma2", "attn-softcap"), ("gemma2", "final-softcap"), ("gemma3", "windows"),
+     ("gemma3", "local-rope"), ("gemma", "embed-scale")],
+)  # fmt: skip
+def test_each_gemma_feature_changes_the_logits(family, feature, gemma, paged_runner):
+    """Without the feature our logits leave transformers': the equality above depends on each."""
+    ref, path = gemma(family)
+    model = load_hf_checkpoint(path)
+    TURN_OFF[feature](model)
+    ids = _prompt(13, 1)
+    (logits,) = paged_runner(model, block_size=4).step([("a", ids)])
+    assert (logits - _hf_logits(ref, ids)).abs().max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def peft_ref(gemma):
+    """peft_ref(family) -> (PeftModel holding every adapter of ADAPTERS, the base dir)."""
+    cache = {}
+
+    def make(family: str):
+        if family not in cache:
+            base, path = gemma(family)
+            ref = None
+            for name, kwargs in ADAPTERS.items():
+                cfg = peft.LoraConfig(**kwargs)
+                if ref is None:
+                    ref = peft.get_peft_model(copy.deepcopy(base), cfg, adapter_name=name)
+                else:
+                    ref.add_adapter(name, cfg)
+            torch.manual_seed(1)
+            with torch.no_grad():
+                for pname, p in ref.named_parameters():
+                    if "lora_" in pname:  # PEFT starts B (and the embedding's A) at zero
+                        p.normal_(0, 0.2)
+            cache[family] = (ref.eval(), path)
+        return cache[family]
+
+    return make
+
+
+def _peft_logits(ref, adapter, ids):
+    with torch.no_grad():
+        if adapter is None:
+            with ref.disable_adapter():
+                return ref(torch.tensor([ids])).logits[0]
+        ref.set_adapter(adapter)
+        return ref(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_adapters_in_a_mixed_batch_decode_greedily_like_peft(family, peft_ref, paged_runner):
+    """Three adapters (every linear layer; q/v/gate/down with rsLoRA; embeddings, lm_head and q) and
+    a base row in one batch: a prefill step, then greedy decode steps past the windows. Each row's
+    tokens are PEFT's argmax for its own adapter, its logits and logprobs PEFT's within float32."""
+    ref, path = peft_ref(family)
+    spec = LoraSpec(max_loras=3, max_rank=8, dtype=torch.float32, targets_embeddings=True)
+    model = load_hf_checkpoint(path, lora=spec)
+    layout = declare_layout(model.cfg, spec, family)
+    for slot, name in enumerate(ADAPTERS):
+        load_shard_into_slot(model, slot, pack_shard(ref, name, layout))
+    rows = {"all4": 0, "base": -1, "qvgd8": 1, "emb6": 2}
+    seqs = {name: _prompt(6 + 2 * i, 20 + i) for i, name in enumerate(rows)}
+    run = paged_runner(model, block_size=4)
+    outs = run.step([(name, ids) for name, ids in seqs.items()], slots=list(rows.values()))
+    for step in range(6):
+        for (name, ids), out in zip(seqs.items(), outs):
+            want = _peft_logits(ref, None if name == "base" else name, ids)[-1]
+            got = out[-1]
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4, msg=f"{name}, step {step}")
+            token = int(got.argmax())
+            assert token == int(want.argmax()), (name, step)
+            torch.testing.assert_close(torch.log_softmax(got, -1)[token], torch.log_softmax(want, -1)[token], atol=ATOL, rtol=0)
+            ids.append(token)
+        outs = run.step([(name, ids[-1:]) for name, ids in seqs.items()], slots=list(rows.values()))
+
+
+# ---- served: a store validating the adapters against the Gemma base model, tp 2 over gloo ----------
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(gemma, tmp_path_factory):
+    """{family: folder of PEFT adapter dirs} made on the family's base model."""
+    dirs = {}
+    for family in ("gemma2", "gemma3"):
+        model, _ = gemma(family)
+        root = tmp_path_factory.mktemp(f"{family}-adapters")
+        for seed, (name, kwargs) in enumerate(ADAPTERS.items()):
+            torch.manual_seed(seed)
+            p = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(**kwargs))
+            with torch.no_grad():
+                for n, t in p.named_parameters():
+                    if "lora_B" in n or "lora_embedding_B" in n:
+                        t.normal_(0, 0.2)
+            p.save_pretrained(root / name)
+        dirs[family] = root
+    return dirs
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_served_at_tp2_match_transformers_peft(family, gemma, adapter_dirs, module_loop_thread, tmp_path):
+    """The store checks each PEFT adapter against the Gemma base model's modules and cuts it per rank;
+    the executor splits heads, MLP and vocabulary over 2 gloo ranks: every row of mixed batches is
+    PEFT's greedy output with its logprobs."""
+    model, path = gemma(family)
+    refs = {"": model}
+    for name in ADAPTERS:
+        refs[name] = peft.PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs[family] / name).eval()
+    c = Cluster(
+        module_loop_thread, path, adapter_dirs[family], tmp_path / "store", ADAPTERS, tp_size=2, lora_embeddings=True,
+        cpu_threads=1, tp_timeout_s=60.0,
+    )  # fmt: skip
+    try:
+        client = c.client()
+        assert client.info().tp_size == 2
+        for group in (["all4", "", "qvgd8"], ["emb6", "all4", ""]):  # two slots: a load and an eviction between
+            jobs, resps = run_group(client, group, max_tokens=8)
+            for (name, ids), resp in zip(jobs, resps):
+                check_against_reference(refs[name], ids, resp)
+        # the store refuses what the Gemma base model does not have: a vision tower's module, and the
+        # other Gemma generation's attention (Gemma 2's heads of 64 against Gemma 3's of 32, and back)
+        other = adapter_dirs["gemma3" if family == "gemma2" else "gemma2"] / "all4"
+        for name, src, extra, words in (
+            ("vision", adapter_dirs[family] / "all4", _vision_lora(), "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj' does not exist"),
+            ("other-generation", other, {}, "self_attn.k_proj': adapter maps 48 -> "),
+        ):  # fmt: skip
+            bad = adapter_dirs[family] / f"hostile-{name}"  # under the store's allowed root
+            bad.mkdir(exist_ok=True)
+            (bad / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+            save_file({**load_file(str(src / "adapter_model.safetensors")), **extra}, str(bad / "adapter_model.safetensors"))
+            with pytest.raises(StatusError) as e:
+                c.store_client().register(f"hostile-{name}", str(bad))
+            assert e.value.code.name == "INVALID_ARGUMENT" and words in e.value.message, e.value
+    finally:
+        c.close()
+
+
+def _vision_lora() -> dict:
+    """LoRA tensors (PEFT's names) on a SigLIP vision tower's first attention layer."""
+    key = "base_model.model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj"
+    return {f"{key}.lora_A.weight": torch.randn(4, 32), f"{key}.lora_B.weight": torch.randn(32, 4)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_bf16_on_cuda_graphs_serve_each_rows_adapter(family, gemma, adapter_dirs, loop_thread, tmp_path):
+    """bf16 on CUDA: windows and soft-caps inside the Triton attention of captured decode and mixed
+    graphs; each row within bf16 tolerance of its own adapter's float32 PEFT reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA + Triton: no CUDA device here (run benchmarks/gpu.sh OUT test on a CUDA host)")
+    model, path = gemma(family)
+    refs = {"": model, **{n: peft.PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs[family] / n).eval()
+                          for n in ADAPTERS}}  # fmt: skip
+    c = Cluster(loop_thread, path, adapter_dirs[family], tmp_path / "store", ADAPTERS, device="cuda", dtype="bfloat16",
+                lora_embeddings=True)  # fmt: skip
+    try:
+        engine = c.parts.engine
+        assert engine.graphs is not None and engine.mixed_graphs is not None
+        check_bf16_rows(refs, *run_group(c.client(), ["all4", "", "qvgd8"], max_tokens=12))
+        assert engine.step_totals["decode-graph"].steps > 0 and engine.step_totals["mixed-graph"].steps > 0
+        assert engine.kernel_builds.count == 0, engine.kernel_builds.recent  # the warm-up built every variant
+    finally:
+        c.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_tp2_over_nccl_serves_each_rows_adapter_in_bf16(family, gemma, adapter_dirs, loop_thread, tmp_path):
+    """The tp 2 cluster on two CUDA devices (NCCL, bf16, the Triton kernels with windows and soft-caps):
+    every row within bf16 tolerance of its own adapter's float32 PEFT reference."""
+    need_cuda_devices(2)
+    model, path = gemma(family)
+    refs = {"": model, **{n: peft.PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs[family] / n).eval()
+                          for n in ADAPTERS}}  # fmt: skip
+    c = Cluster(loop_thread, path, adapter_dirs[family], tmp_path / "store", ADAPTERS, tp_size=2, device="cuda",
+                dtype="bfloat16", lora_embeddings=True, tp_timeout_s=120.0)  # fmt: skip
+    try:
+        for group in (["all4", "", "qvgd8"], ["emb6", "all4", ""]):
+            check_bf16_rows(refs, *run_group(c.client(), group, max_tokens=12))
+    finally:
+        c.close()
+    assert [p.exitcode for p in c.parts.ranks._procs] == [0]
+
+
+# ---- what is refused ---------------------------------------------------------------------------------
+
+
+def _multimodal(tmp_path):
+    """A tiny Gemma3ForConditionalGeneration (a SigLIP vision tower + the text model) saved to tmp_path."""
+    import transformers as tf
+
+    text = {**TINY, **FAMILIES["gemma3"][2]}
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=259,
+                          boi_token_index=256, eoi_token_index=257)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and "language_model" in name:
+                p.normal_(0, 0.2)
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def test_multimodal_gemma3_is_refused_naming_the_vision_tower_and_its_language_model_alone_served(tmp_path, paged_runner):
+    model = _multimodal(tmp_path / "mm")
+    with pytest.raises(ValueError, match="vision tower: multimodal checkpoints are not supported"):
+        load_hf_checkpoint(tmp_path / "mm")
+    # the same checkpoint holding just the language model: served, equal to the multimodal model on
+    # text, under the names transformers 4 writes (language_model.model.*) and those of 5 (model.language_model.*)
+    tensors = load_file(str(tmp_path / "mm" / "model.safetensors"))
+    kept = {k: v for k, v in tensors.items() if "vision_tower" not in k and "multi_modal_projector" not in k}
+    assert len(kept) < len(tensors) and all(k.startswith(("language_model.", "model.language_model.")) for k in kept)
+    ids = _prompt(12, 3)
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([ids])).logits[0]
+    for naming, (old, new) in {
+        "v4": ("model.language_model.", "language_model.model."),
+        "v5": ("language_model.model.", "model.language_model."),
+    }.items():
+        text_only = tmp_path / naming
+        text_only.mkdir()
+        (text_only / "config.json").write_text((tmp_path / "mm" / "config.json").read_text())
+        save_file(
+            {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in kept.items()}, str(text_only / "model.safetensors")
+        )
+        ours = load_hf_checkpoint(text_only)
+        assert ours.cfg.model_type == "gemma3_text" and ours.cfg.layer_windows == (5, None, 5, None)
+        (logits,) = paged_runner(ours, block_size=4).step([("a", ids)])
+        torch.testing.assert_close(logits, want, atol=ATOL, rtol=1e-4, msg=naming)
+    # the store validates adapters against the language model's modules
+    spec = base_model.from_hf_dir(text_only, "gemma3-mm")
+    assert spec.module_shape("model.layers.3.self_attn.q_proj") == (48, 4 * 32)
+    assert spec.module_shape("model.layers.0.mlp.down_proj") == (112, 48) and spec.vocab_size == VOCAB
+
+
+def _config(family, **overrides) -> dict:
+    cfg = json.loads(_hf(family).config.to_json_string())
+    return {**cfg, **overrides}
+
+
+REFUSED = {
+    # name: (family, config edits, words of the message)
+    "bidirectional": ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    "relu": ("gemma2", dict(hidden_activation="relu"), "hidden activation 'relu'"),
+    "layer-type": ("gemma2", dict(layer_types=["sliding_attention", "chunked_attention"] * 2), "layer_types must name 4 layers"),
+    "layer-count": ("gemma3", dict(layer_types=["full_attention"] * 3), "layer_types must name 4 layers"),
+    "local-rope": ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                   "sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+                   "local-layer RoPE .*'linear'"),
+    "global-rope": ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0},
+                                                    "sliding_attention": {"rope_type": "default"}}), "rope_type 'yarn'"),
+    "no-text-config": ("gemma3", dict(model_type="gemma3", text_config=None), "without a text_config"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_options_the_executor_cannot_serve_are_refused(case):
+    family, edits, words = REFUSED[case]
+    with pytest.raises(ValueError, match=words):
+        ModelConfig.from_hf_config(_config(family, **edits))
+
+
+def test_published_v4_configs_read_as_their_models():
+    """transformers 4 config.json forms: Gemma-2-9B (no layer_types: alternating, local first) and a
+    multimodal Gemma-3 whose text_config holds only the values off Gemma3TextConfig's defaults."""
+    g2 = ModelConfig.from_hf_config(dict(
+        model_type="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        rope_theta=10000.0, max_position_embeddings=8192,
+    ))  # fmt: skip
+    assert g2.layer_windows[:3] == (4096, None, 4096) and g2.layer_windows.count(None) == 21
+    assert (g2.attn_logit_softcap, g2.final_logit_softcap, g2.rope_local_theta) == (50.0, 30.0, None)
+    g3 = ModelConfig.from_hf_config(dict(
+        model_type="gemma3", eos_token_id=[1, 106], vision_config={"hidden_size": 1152},
+        text_config=dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                         num_key_value_heads=8, sliding_window=1024, rope_scaling={"factor": 8.0, "rope_type": "linear"}),
+    ))  # fmt: skip
+    assert (g3.model_type, g3.head_dim, g3.vocab_size, g3.eos_token_ids) == ("gemma3_text", 256, 262208, (1, 106))
+    assert g3.layer_windows[:6] == (1024,) * 5 + (None,) and g3.layer_windows.count(None) == 8
+    assert (g3.rope_theta, g3.rope_local_theta, g3.rope_scaling) == (1e6, 1e4, {"rope_type": "linear", "factor": 8.0})
+    assert g3.qk_norm and g3.attention_scale == 256**-0.5 and g3.tie_word_embeddings
+    assert g3.max_context_len == 131072 and g2.max_context_len == 8192  # Gemma 3's is the scaled length already
