@@ -168,19 +168,25 @@ class _Result:
 
     def __init__(self):
         self.text, self.token_ids, self.logprobs = [], [], []
-        self.finish_reason, self.prompt_tokens = None, 0
+        self.finish_reason, self.prompt_tokens, self.cached_tokens = None, 0, 0
 
     def add(self, out: GenerationOutput) -> None:
         self.text.append(out.text)
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
         self.prompt_tokens = out.prompt_tokens
+        self.cached_tokens = out.cached_tokens
         if out.finish_reason is not None:
             self.finish_reason = FINISH[out.finish_reason]
 
     def usage(self) -> dict:
         n = len(self.token_ids)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": self.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
 
 class Front:

@@ -103,6 +103,19 @@ class ExecutorMetrics:
             "loraserve_executor_prompt_tokens", "Prompt tokens of requests that produced output", ["adapter"], registry=r
         )
         self.generation_tokens = Counter("loraserve_executor_generation_tokens", "Output tokens sent", ["adapter"], registry=r)
+        self.prefix_cache_queries = Counter(
+            "loraserve_executor_prefix_cache_queries",
+            "Prompt tokens of admitted requests looked up in the prefix cache (caching on), by adapter",
+            ["adapter"],
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "loraserve_executor_prefix_cache_hits",
+            "Prompt tokens whose KV came from the prefix cache, by adapter",
+            ["adapter"],
+            registry=r,
+        )
+        self.prefix_caching = False  # the engine's setting, from `attach`
         self.slot_hits = Counter("loraserve_executor_slot_hits", "Requests whose adapter was already in a GPU slot", registry=r)
         self.slot_misses = Counter(
             "loraserve_executor_slot_misses", "Requests whose adapter had to be loaded into a slot", registry=r
@@ -127,6 +140,7 @@ class ExecutorMetrics:
         )
 
     def attach(self, engine, slots, max_loras: int) -> None:
+        self.prefix_caching = engine.config.prefix_caching
         self.registry.register(_ExecutorState(engine, slots, max_loras))
 
     async def track(self, outputs: AsyncIterator, adapter: str) -> AsyncIterator:
@@ -134,7 +148,7 @@ class ExecutorMetrics:
         label = self.adapters(adapter)
         start = time.monotonic()
         first = last = None
-        tokens = prompt_tokens = 0
+        tokens = prompt_tokens = cached_tokens = 0
         code = "OK"
         try:
             async with contextlib.aclosing(outputs):
@@ -143,7 +157,7 @@ class ExecutorMetrics:
                     if first is None and out.token_ids:
                         first = last
                     tokens += len(out.token_ids)
-                    prompt_tokens = out.prompt_tokens
+                    prompt_tokens, cached_tokens = out.prompt_tokens, out.cached_tokens
                     yield out
         except StatusError as exc:
             code = exc.code.name
@@ -163,6 +177,9 @@ class ExecutorMetrics:
                     self.tpot.labels(label).observe((last - first) / (tokens - 1))
             if prompt_tokens:
                 self.prompt_tokens.labels(label).inc(prompt_tokens)
+                if self.prefix_caching:
+                    self.prefix_cache_queries.labels(label).inc(prompt_tokens)
+                    self.prefix_cache_hits.labels(label).inc(cached_tokens)
             if tokens:
                 self.generation_tokens.labels(label).inc(tokens)
 
@@ -210,6 +227,11 @@ class _ExecutorState:
         )
         yield _gauge("loraserve_executor_kv_cache_blocks_used", "KV cache blocks held by sequences", used)
         yield _gauge("loraserve_executor_kv_cache_blocks_total", "KV cache blocks", total)
+        yield _gauge(
+            "loraserve_executor_prefix_cache_blocks",
+            "KV cache blocks filed in the prefix cache, held by sequences or kept for reuse",
+            e.allocator.num_cached,
+        )
         yield _gauge(
             "loraserve_executor_kv_cache_usage_ratio", "Used / total KV cache blocks (0..1)", used / total if total else 0.0
         )

@@ -56,6 +56,7 @@ class BlockAllocator:
         self._refs = [0] * num_blocks  # sequences holding each block
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        self.evictions = 0  # cached blocks taken for another use (their keys dropped)
 
     @property
     def num_free(self) -> int:
@@ -83,6 +84,7 @@ class BlockAllocator:
             else:  # evict the least recently freed cached block
                 b, _ = self._cached_free.popitem(last=False)
                 del self._block_of[self._key_of.pop(b)]
+                self.evictions += 1
             self._refs[b] = 1
             blocks.append(b)
         return blocks
