@@ -232,6 +232,11 @@ class _ExecutorState:
             "KV cache blocks filed in the prefix cache, held by sequences or kept for reuse",
             e.allocator.num_cached,
         )
+        yield CounterMetricFamily(
+            "loraserve_executor_prefix_cache_evictions",
+            "Prefix-cached KV blocks nobody held, taken for other sequences (their prefixes computed again if asked)",
+            value=e.allocator.evictions,
+        )
         yield _gauge(
             "loraserve_executor_kv_cache_usage_ratio", "Used / total KV cache blocks (0..1)", used / total if total else 0.0
         )
