@@ -44,9 +44,16 @@ def extend_keys(keys: list[bytes], seed: bytes, token_ids: list[int], block_size
     """Appends to `keys` (those of a sequence's first len(keys) blocks) the keys of its blocks up
     to `num_blocks`, stopping early at a block not yet full or holding a placeholder (a negative id:
     a token still being sampled on the device)."""
+    start = len(keys)
     num_blocks = min(num_blocks, len(token_ids) // block_size)
-    for i in range(len(keys), num_blocks):
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        if min(block) < 0:
-            return
-        keys.append(_hash(keys[-1] if keys else seed, np.asarray(block, dtype=np.int64).tobytes()))
+    if num_blocks <= start:
+        return
+    ids = np.asarray(token_ids[start * block_size : num_blocks * block_size], dtype=np.int64)
+    placeholders = np.flatnonzero(ids < 0)
+    if len(placeholders):
+        num_blocks = start + int(placeholders[0]) // block_size
+    data, width = ids.tobytes(), 8 * block_size
+    parent = keys[-1] if keys else seed
+    for i in range(num_blocks - start):
+        parent = _hash(parent, data[i * width : (i + 1) * width])
+        keys.append(parent)
