@@ -276,6 +276,7 @@ def _error(exc: openai.APIStatusError) -> dict:
 
 BAD_COMPLETIONS = [
     (dict(n=2), "n must be 1"),
+    (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs is not supported: the executor computes no outputs at prompt"),
     (dict(temperature=-1), "temperature must be a finite number >= 0"),
     (dict(temperature="hot"), "temperature: Input should be a valid number"),
     (dict(top_p=1.5), "top_p must be in [0, 1]"),
@@ -307,6 +308,7 @@ def test_bad_completion_requests_are_400(served, kwargs, fragment):
     [
         (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "not text"),
         (dict(messages=[]), "chat has no messages"),
+        (dict(extra_body={"prompt_logprobs": 0}), "prompt_logprobs is not supported"),
         (dict(top_logprobs=2, logprobs=True), "top_logprobs must be 0"),
         (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
         (dict(max_completion_tokens=100000), "max_tokens must be in"),

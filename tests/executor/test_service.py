@@ -367,11 +367,11 @@ def test_refresh_loop_follows_re_registration_and_deletion_in_the_store(loop_thr
         c.close()
 
 
-def test_prefix_cache_reuses_a_prompts_kv_per_adapter_version_only(loop_thread, base, adapter_dirs, tmp_path, references):
+def test_prefix_cache_reuses_a_prompts_kv_per_adapter_version_only(loop_thread, base, adapter_dirs, tmp_path, references, device):
     """A repeated prompt reuses its prefix's KV under the same adapter version only: other adapters
     and the base model on the same prompt start cold, so does a re-registered version, and every
     output matches transformers + PEFT."""
-    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", adapter_refresh_s=0)
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", device, adapter_refresh_s=0)
     try:
         client, store = c.client(), c.store_client()
         assert client.info().prefix_caching
