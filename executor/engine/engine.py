@@ -263,7 +263,8 @@ class Engine:
 
     def _cache_seed(self, adapter: str, digest: str) -> bytes | None:
         """The prefix cache's key chain seed of a sequence of this adapter version ("", "": the base
-        model); None, never cached: caching off, or an adapter version without a content digest."""
+        model); None, never cached: caching off (config.prefix_caching, read as each request
+        arrives), or an adapter version without a content digest."""
         if not self.config.prefix_caching or (adapter and not digest):
             return None
         model = f"{self.config.model}|{self.config.base_model}"

@@ -727,7 +727,7 @@ async def test_prefix_caching_keeps_greedy_outputs_of_the_base_model_and_adapter
     cases = [(p, a) for p in prompts for a in ("", "a1", "a2")]
     want = [(await _collect(cold, _greedy(p, 6, adapter=a)))[0] for p, a in cases]
     assert [w for w, (p, a) in zip(want, cases) if not a] == [_hf_greedy(ref_model, p, 6)[0] for p in prompts]
-    assert cold.allocator.num_cached == 0
+    assert cold.allocator.num_cached == 0 and cold._cache_seed("", "") is None
     await cold.stop()  # the engines share the model's slot buffers: one at a time
 
     engine = make_engine(store=store)
@@ -743,6 +743,7 @@ async def test_prefix_caching_keeps_greedy_outputs_of_the_base_model_and_adapter
     assert all(o.cached_tokens == outs[-1].cached_tokens for _, _, outs in together for o in outs)
     _assert_idle(engine)
     assert _no_block_held(engine) and engine.allocator.num_cached > 0
+    assert engine._cache_seed("a1", "") is None  # a version without a content digest is never cached
 
 
 async def test_prefix_caching_under_eviction_and_preemption_keeps_outputs(tiny, make_engine, caplog):
