@@ -172,7 +172,7 @@ def build(args) -> Engine:
     blocks = -(-longest // 16)
     cfg = ExecutorConfig(
         model="random", base_model="random", device=bench_engine.DEVICE, dtype=str(bench_engine.DTYPE).removeprefix("torch."),
-        max_loras=args.max_loras or args.adapters, max_rank=args.rank, max_cpu_adapters=args.adapters,
+        max_loras=args.max_loras or min(args.adapters, 64), max_rank=args.rank, max_cpu_adapters=args.adapters,
         max_concurrent_loads=args.adapters, block_size=16,
         num_blocks=args.num_blocks or args.concurrency * blocks + args.adapters * -(-args.system_len[1] // 16) + 64,
         max_num_seqs=max(args.concurrency, 8), max_num_batched_tokens=args.max_num_batched_tokens,
@@ -200,7 +200,7 @@ async def run(args) -> list[tuple[str, ...]]:
         chat = Chat(args)
         engine.config.prefix_caching = False  # the warm-up caches nothing
         rng, warm_up = random.Random(args.seed + 3), Run("warm-up")
-        for a in range(min(args.adapters, args.max_loras or args.adapters)):  # every adapter in its slot, kernels built
+        for a in range(engine.max_loras):  # adapters in every slot, kernels built
             await ask(engine, warm_up, f"a{a}", chat.tokens(rng, 32), 2)
         rows = []
         engine.config.prefix_caching = True
@@ -250,7 +250,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=100)
     ap.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of the conversations' adapters")
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--max-loras", type=int, default=0, help="GPU slots (0: one per adapter)")
+    ap.add_argument("--max-loras", type=int, default=0, help="GPU slots (0: one per adapter, at most 64)")
     ap.add_argument("--conversations", type=int, default=256)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-len", type=span, default=(1024, 2048), help="LO,HI tokens of an adapter's system prompt")

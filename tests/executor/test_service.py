@@ -427,6 +427,14 @@ def test_bf16_on_cuda_applies_each_rows_adapter(loop_thread, base, adapter_dirs,
         assert engine.kernel_builds.count == 0, engine.kernel_builds.recent
         # and the prompts' steps replayed the mixed-step graphs (a failed capture would run them eagerly)
         assert engine.mixed_graphs is not None and engine.step_totals["mixed-graph"].steps > 0
+        # Again: each prompt's full blocks short of its last token come from the prefix cache, the rest
+        # is prefilled over that cached context, and every row is still scored as its own adapter's.
+        mixed = engine.step_totals["mixed-graph"].steps
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            again = list(pool.map(lambda j: generate(client, *j, 12), jobs))
+        assert [r.cached_tokens for r in again] == [(len(ids) - 1) // 4 * 4 for _, ids in jobs]
+        check_bf16_rows(references, jobs, again)
+        assert engine.step_totals["mixed-graph"].steps > mixed
     finally:
         c.close()
 
