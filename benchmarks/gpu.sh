@@ -15,6 +15,8 @@
 #   serve:    serve.py: 1,000 adapters, Zipf 1.0, 64 slots, 64 clients, against the base model alone,
 #             the bytes ceiling and transformers + PEFT, in-process and through gRPC; then serve.py
 #             --probe: cold loads against their floor and the delay they put on other requests
+#   prefix:   bench_prefix.py: a chat workload of 100 adapters (Llama-3-8B shape), prefix caching off and on,
+#             and the time to first token of a cached 2,048-token prefix
 #   kernels:  bench_kernels.py on the real layer shapes, bench_skinny.py, bench_attention.py, bench_moe.py
 #   tune:     tools/tune_kernels.py: a LoRA kernel table for this GPU (OUT_DIR/tuned.json; copy it into
 #             kernels/configs/ to ship it)
@@ -82,6 +84,10 @@ if has serve; then
     2>"$OUT/serve.err" | tee "$OUT/serve.log" | tail -14 || tail -30 "$OUT/serve.err"
   python3 benchmarks/serve.py ${tok:+--tokenizer $tok} --shape llama3-8b --max-loras 64 --probe --cpu-cache-bytes $((16 << 30)) \
     2>"$OUT/probe.err" | tee "$OUT/probe.log" | tail -12 || tail -30 "$OUT/probe.err"
+fi
+if has prefix; then
+  python3 benchmarks/bench_prefix.py --shape llama3-8b 2>"$OUT/prefix.err" | tee "$OUT/prefix.log" | tail -12 \
+    || tail -30 "$OUT/prefix.err"
 fi
 if has kernels; then
   { python3 benchmarks/bench_kernels.py --real --out "$OUT/kernels"

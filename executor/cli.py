@@ -140,6 +140,13 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
         help="CUDA: no CUDA graphs (decode and mixed steps run eagerly); for debugging",
     )
     p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        default=env("no_prefix_caching", "") in ("1", "true"),
+        help="prefill every prompt whole: no reuse of the KV of prefixes earlier requests of the same adapter "
+        "version computed (prefix caching is on by default)",
+    )
+    p.add_argument(
         "--slot-wait-timeout-s",
         type=float,
         default=float(env("slot_wait_timeout_s", 30)),
@@ -258,6 +265,7 @@ def executor_config(a: argparse.Namespace):
         store_timeout_s=a.store_timeout_s,
         max_prompt_bytes=a.max_prompt_bytes,
         enforce_eager=a.enforce_eager,
+        prefix_caching=not a.no_prefix_caching,
         http_listen=f"{a.executor_listen.rsplit(':', 1)[0]}:{a.http_port}" if a.http_port else "",
         tls=server_tls(a.executor_tls_cert, a.executor_tls_key, a.executor_tls_client_ca),
         store_tls=make_client_tls(a.store_tls_ca, a.store_tls_cert, a.store_tls_key),

@@ -64,6 +64,9 @@ class ExecutorConfig:
     admit_ratio: float = 0.125
     max_admit_delay_steps: int = 16
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying CUDA graphs
+    # Reuse the KV of full blocks across requests with the same prefix under the same adapter
+    # version (executor/engine/prefix_cache.py); False: every request prefills its whole prompt.
+    prefix_caching: bool = True
 
     # Request limits and defaults.
     max_prompt_bytes: int = 0  # text/chat prompts above this many UTF-8 bytes are refused before

@@ -69,12 +69,18 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra field: refused (no outputs at prompt positions)
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         if self.n not in (None, 1):
             raise invalid(f"n must be 1 (one choice per request), got {self.n}")
         if self.presence_penalty or self.frequency_penalty or self.logit_bias:
             raise invalid("presence_penalty, frequency_penalty and logit_bias are not supported")
+        if self.prompt_logprobs is not None:
+            raise invalid(
+                "prompt_logprobs is not supported: the executor computes no outputs at prompt positions "
+                "(a prefix found in the prefix cache is not computed at all)"
+            )
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         top_k = 0 if self.top_k in (None, -1) else self.top_k  # -1: off, as in vLLM
         temperature = 1.0 if self.temperature is None else self.temperature
@@ -169,19 +175,25 @@ class _Result:
 
     def __init__(self):
         self.text, self.token_ids, self.logprobs = [], [], []
-        self.finish_reason, self.prompt_tokens = None, 0
+        self.finish_reason, self.prompt_tokens, self.cached_tokens = None, 0, 0
 
     def add(self, out: GenerationOutput) -> None:
         self.text.append(out.text)
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
         self.prompt_tokens = out.prompt_tokens
+        self.cached_tokens = out.cached_tokens
         if out.finish_reason is not None:
             self.finish_reason = FINISH[out.finish_reason]
 
     def usage(self) -> dict:
         n = len(self.token_ids)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": self.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
 
 class Front:

@@ -223,6 +223,7 @@ class ExecutorService(epb_grpc.ExecutorServicer):
             finish_reason=FINISH[last.finish_reason],
             prompt_tokens=last.prompt_tokens,
             adapter_digest=last.adapter_digest,
+            cached_tokens=last.cached_tokens,
         )
 
     @grpc_errors
@@ -279,6 +280,7 @@ class ExecutorService(epb_grpc.ExecutorServicer):
             ep_size=c.ep_size,
             max_cpu_adapters=c.max_cpu_adapters,
             version=__version__,
+            prefix_caching=c.prefix_caching,
         )
 
 

@@ -137,6 +137,19 @@ class ExecutorMetrics:
             "loraserve_executor_prompt_tokens", "Prompt tokens of requests that produced output", ["adapter"], registry=r
         )
         self.generation_tokens = Counter("loraserve_executor_generation_tokens", "Output tokens sent", ["adapter"], registry=r)
+        self.prefix_cache_queries = Counter(
+            "loraserve_executor_prefix_cache_queries",
+            "Prompt tokens of admitted requests looked up in the prefix cache (caching on), by adapter",
+            ["adapter"],
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "loraserve_executor_prefix_cache_hits",
+            "Prompt tokens whose KV came from the prefix cache, by adapter",
+            ["adapter"],
+            registry=r,
+        )
+        self.prefix_caching = False  # the engine's setting, from `attach`
         self.slot_hits = Counter("loraserve_executor_slot_hits", "Requests whose adapter was already in a GPU slot", registry=r)
         self.slot_misses = Counter(
             "loraserve_executor_slot_misses", "Requests whose adapter had to be loaded into a slot", registry=r
@@ -161,6 +174,7 @@ class ExecutorMetrics:
         )
 
     def attach(self, engine, slots, max_loras: int, model_name: str = "") -> None:
+        self.prefix_caching = engine.config.prefix_caching
         self.registry.register(_ExecutorState(engine, slots, max_loras, self.adapters, self.compat, model_name))
 
     async def track(self, outputs: AsyncIterator, adapter: str) -> AsyncIterator:
@@ -168,7 +182,7 @@ class ExecutorMetrics:
         label = self.adapters(adapter)
         start = time.monotonic()
         first = last = None
-        tokens = prompt_tokens = 0
+        tokens = prompt_tokens = cached_tokens = 0
         code = "OK"
         try:
             async with contextlib.aclosing(outputs):
@@ -177,7 +191,7 @@ class ExecutorMetrics:
                     if first is None and out.token_ids:
                         first = last
                     tokens += len(out.token_ids)
-                    prompt_tokens = out.prompt_tokens
+                    prompt_tokens, cached_tokens = out.prompt_tokens, out.cached_tokens
                     yield out
         except StatusError as exc:
             code = exc.code.name
@@ -197,6 +211,9 @@ class ExecutorMetrics:
                     self.tpot.labels(label).observe((last - first) / (tokens - 1))
             if prompt_tokens:
                 self.prompt_tokens.labels(label).inc(prompt_tokens)
+                if self.prefix_caching:
+                    self.prefix_cache_queries.labels(label).inc(prompt_tokens)
+                    self.prefix_cache_hits.labels(label).inc(cached_tokens)
             if tokens:
                 self.generation_tokens.labels(label).inc(tokens)
 
@@ -247,6 +264,16 @@ class _ExecutorState:
         yield _gauge("loraserve_executor_kv_cache_blocks_used", "KV cache blocks held by sequences", load.kv_blocks_used)
         yield _gauge("loraserve_executor_kv_cache_blocks_total", "KV cache blocks", load.kv_blocks_total)
         yield _gauge("loraserve_executor_kv_cache_usage_ratio", "Used / total KV cache blocks (0..1)", usage)
+        yield _gauge(
+            "loraserve_executor_prefix_cache_blocks",
+            "KV cache blocks filed in the prefix cache, held by sequences or kept for reuse",
+            e.allocator.num_cached,
+        )
+        yield CounterMetricFamily(
+            "loraserve_executor_prefix_cache_evictions",
+            "Prefix-cached KV blocks nobody held, taken for other sequences (their prefixes computed again if asked)",
+            value=e.allocator.evictions,
+        )
         yield _info(
             ENGINE_CONFIG["cacheInfoSpec"],
             "The KV cache's shape (value 1): tokens per block, blocks",

@@ -95,6 +95,17 @@ def test_every_flag_reads_its_environment_variable_and_help_names_it(monkeypatch
     assert build_parser().parse_args(["adapters", "list"]).token == "store-secret"  # other commands unaffected
 
 
+def test_prefix_caching_is_on_unless_no_prefix_caching_is_given(monkeypatch):
+    from loraserve.cli import build_parser
+    from loraserve.executor.cli import executor_config
+
+    monkeypatch.delenv("LORASERVE_NO_PREFIX_CACHING", raising=False)
+    parser = build_parser()
+    for command in ("executor", "up"):
+        assert executor_config(parser.parse_args([command, "--device", "cpu"])).prefix_caching
+        assert not executor_config(parser.parse_args([command, "--device", "cpu", "--no-prefix-caching"])).prefix_caching
+
+
 def test_metrics_are_on_by_default_at_the_charts_ports_in_every_serving_command(monkeypatch):
     """One default for store, executor and up: /metrics on, at the Helm chart's ports (store 9091,
     executor 9090), on the service's host; 0 turns it off."""

@@ -90,10 +90,10 @@ def lora_lists(labels: dict, value: float) -> tuple[list[str], list[str], str, f
     return split(labels["running_lora_adapters"]), split(labels["waiting_lora_adapters"]), labels["max_lora"], value
 
 
-def token_request(adapter: str, max_tokens: int, first: int = 10) -> epb.GenerateRequest:
+def token_request(adapter: str, max_tokens: int, first: int = 10, length: int = 6) -> epb.GenerateRequest:
     return epb.GenerateRequest(
         adapter=adapter,
-        token_ids=epb.TokenIds(ids=list(range(first, first + 6))),
+        token_ids=epb.TokenIds(ids=list(range(first, first + length))),
         sampling=epb.SamplingParams(max_tokens=max_tokens),
     )
 
@@ -174,8 +174,10 @@ def test_metrics_count_what_was_sent(served):
     )
 
     sent = []  # (adapter, response) in order: qv8 misses then hits; o2 evicts mlp4, the colder (2 slots)
-    for adapter, n in (("", 3), ("qv8", 4), ("qv8", 5), ("mlp4", 2), ("o2", 6)):
-        sent.append((adapter, executor._call(executor.stub.Generate, token_request(adapter, n))))
+    # qv8's second request finds the 2 full blocks of its 18-token prompt in the prefix cache
+    for adapter, n, length in (("", 3, 6), ("qv8", 4, 18), ("qv8", 5, 18), ("mlp4", 2, 6), ("o2", 6, 6)):
+        sent.append((adapter, executor._call(executor.stub.Generate, token_request(adapter, n, length=length))))
+    assert [r.cached_tokens for _, r in sent] == [0, 0, 16, 0, 0]
     with pytest.raises(StatusError) as missing:
         executor._call(executor.stub.Generate, token_request("missing", 3))
     assert missing.value.code == grpc.StatusCode.NOT_FOUND and missing.value.message == "adapter 'missing' is not registered"
@@ -187,6 +189,8 @@ def test_metrics_count_what_was_sent(served):
         assert value(ex, "loraserve_executor_requests_total", adapter=lab, code="OK") == len(mine), lab
         assert value(ex, "loraserve_executor_generation_tokens_total", adapter=lab) == sum(len(r.token_ids) for r in mine)
         assert value(ex, "loraserve_executor_prompt_tokens_total", adapter=lab) == sum(r.prompt_tokens for r in mine)
+        assert value(ex, "loraserve_executor_prefix_cache_queries_total", adapter=lab) == sum(r.prompt_tokens for r in mine)
+        assert value(ex, "loraserve_executor_prefix_cache_hits_total", adapter=lab) == sum(r.cached_tokens for r in mine)
         assert value(ex, "loraserve_executor_time_to_first_token_seconds_count", adapter=lab) == len(mine)
         failed = lab == "_other"  # "missing" counts there too: every request ends, whatever its outcome
         assert value(ex, "loraserve_executor_request_duration_seconds_count", adapter=lab) == len(mine) + failed
@@ -200,6 +204,8 @@ def test_metrics_count_what_was_sent(served):
     assert value(ex, "loraserve_executor_adapter_load_phase_seconds_sum", phase="fetch") > 0
     assert value(ex, "loraserve_executor_lora_slots_total") == 2 and value(ex, "loraserve_executor_lora_slots_used") == 2
     assert value(ex, "loraserve_executor_kv_cache_blocks_total") == 256
+    assert value(ex, "loraserve_executor_prefix_cache_blocks") == parts.engine.allocator.num_cached > 0
+    assert value(ex, "loraserve_executor_prefix_cache_evictions_total") == 0
     held = {s.name: s.bytes for s in executor.list() if s.in_cpu_cache}
     assert set(held) == {"qv8", "mlp4", "o2"}
     assert value(ex, "loraserve_executor_cpu_cache_bytes") == sum(held.values())

@@ -125,6 +125,7 @@ class Delivery:
             finish_reason=finish,
             prompt_tokens=seq.num_prompt_tokens,
             adapter_digest=run.lease.digest if run.lease else "",
+            cached_tokens=seq.num_cached_tokens or 0,
         )
         run.emitted = end
         run.emitted_tokens += 1
@@ -148,6 +149,7 @@ class Delivery:
                 reason,
                 run.seq.num_prompt_tokens,
                 run.lease.digest if run.lease else "",
+                run.seq.num_cached_tokens or 0,
             )  # fmt: skip
         )
 

@@ -49,6 +49,7 @@ from .batch import PENDING, Batch, flatten, step_kind
 from .capture import capture_decode_graphs, capture_mixed_graphs
 from .delivery import Delivery, NewToken, Run
 from .kv_cache import BlockAllocator, KVCache
+from .prefix_cache import chain_seed
 from .requests import GenerationOutput, GenerationRequest, check_prompt_size, prompt_ids, resolve_sampling, within
 from .runner import Launched, StepRunner
 from .sampler import make_generator, validate_request
@@ -235,6 +236,8 @@ class Engine:
             seq = Sequence(next(self._seq_ids), list(ids), len(ids))
             if req.adapter:
                 seq.is_ready = _not_landed
+            else:
+                seq.cache_seed = self._cache_seed("", "")
             run = Run(
                 request_id=request_id,
                 seq=seq,
@@ -253,6 +256,7 @@ class Engine:
                 finally:
                     self._acquiring -= 1
                     unwant()
+                seq.cache_seed = self._cache_seed(lease.name, lease.digest)  # before it can be admitted
                 run.lease, seq.slot, seq.is_ready = lease, lease.slot, lease.is_ready
             self._wakeup.set()
             while True:
@@ -276,6 +280,15 @@ class Engine:
                 "request %s: finished (%s), %d output tokens in %.3fs",
                 request_id, reason, run.emitted_tokens if run else 0, time.monotonic() - started,
             )  # fmt: skip
+
+    def _cache_seed(self, adapter: str, digest: str) -> bytes | None:
+        """The prefix cache's key chain seed of a sequence of this adapter version ("", "": the base
+        model); None, never cached: caching off (config.prefix_caching, read as each request
+        arrives), or an adapter version without a content digest."""
+        if not self.config.prefix_caching or (adapter and not digest):
+            return None
+        model = f"{self.config.model}|{self.config.base_model}"
+        return chain_seed(model, str(self.kv_cache.dtype), self.kv_cache.block_size, adapter, digest)
 
     def _close(self, run: Run | None, lease: SlotLease | None) -> None:
         """Frees what a request holds, however it ended. The lease waits for the step in flight."""
@@ -385,6 +398,7 @@ class Engine:
         except Exception as exc:
             self._step_failed(step, exc)
             return None
+        self.scheduler.cache_computed(step.plan)  # its blocks' KV is written; before its tokens extend the sequences
         self._done_stepping(step.plan)
         return self.delivery.append(step.plan, token_ids, logprobs)
 

@@ -6,7 +6,7 @@ cache slot `block_table[p // block_size] * block_size + p % block_size`.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +27,7 @@ class KVCache:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype
         self.scratch_block = num_blocks
         shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -40,31 +41,95 @@ class KVCache:
 
 
 class BlockAllocator:
-    """Hands out free block ids; the scheduler owns which sequence holds which blocks."""
+    """Hands out block ids by reference count; the scheduler owns which sequence holds which blocks.
+
+    Prefix caching (executor/engine/prefix_cache.py): a full block whose keys and values are
+    computed may carry a key (`cache`); sequences with the same prefix then hold it together
+    (`share`), and once nobody holds it, it stays findable (`lookup`) until `allocate` needs it for
+    something else: blocks that carry no key go first, then cached ones, least recently freed first.
+    """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self._free: deque[int] = deque(range(num_blocks))  # held by nobody, no key
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # held by nobody, with a key: LRU first
+        self._refs = [0] * num_blocks  # sequences holding each block
+        self._key_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self.evictions = 0  # cached blocks taken for another use (their keys dropped)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks held by no sequence (cached ones included: `allocate` takes them when it must)."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks that carry a key, held or not."""
+        return len(self._key_of)
+
+    @property
+    def num_held(self) -> int:
+        """Blocks some sequence holds (a reference count above 0)."""
+        return self.num_blocks - self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        """n free blocks, or StatusError(RESOURCE_EXHAUSTED) leaving the allocator unchanged."""
-        if n > len(self._free):
-            raise exhausted(f"KV cache: {n} blocks wanted, {len(self._free)} free of {self.num_blocks}")
-        blocks = [self._free.popleft() for _ in range(n)]
-        self._used.update(blocks)
+        """n blocks held once each, or StatusError(RESOURCE_EXHAUSTED) leaving the allocator unchanged."""
+        if n > self.num_free:
+            raise exhausted(f"KV cache: {n} blocks wanted, {self.num_free} free of {self.num_blocks}")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:  # evict the least recently freed cached block
+                b, _ = self._cached_free.popitem(last=False)
+                del self._block_of[self._key_of.pop(b)]
+                self.evictions += 1
+            self._refs[b] = 1
+            blocks.append(b)
         return blocks
 
     def free(self, blocks) -> None:
-        for b in blocks:
-            if b not in self._used:
+        """Drops one hold on each block. A chain's later blocks are freed first, so they are
+        evicted before the earlier ones their keys depend on."""
+        for b in reversed(blocks):
+            if self._refs[b] <= 0:
                 raise ValueError(f"block {b} freed but not allocated")
-            self._used.remove(b)
-            self._free.append(b)
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if b in self._key_of:
+                    self._cached_free[b] = None
+                else:
+                    self._free.append(b)
+
+    def lookup(self, key: bytes) -> int | None:
+        """The block cached under key, held or not; None if none is."""
+        return self._block_of.get(key)
+
+    def num_unheld(self, blocks) -> int:
+        """How many of these (cached) blocks nobody holds: `share` takes them out of `num_free`."""
+        return sum(self._refs[b] == 0 for b in blocks)
+
+    def share(self, blocks) -> None:
+        """One more hold on each of these cached blocks (found by `lookup`)."""
+        for b in blocks:
+            if self._refs[b] == 0:
+                del self._cached_free[b]
+            self._refs[b] += 1
+
+    def cache(self, block: int, key: bytes) -> None:
+        """Files a held block, whose keys and values are computed, under key. A key already filed
+        (another block computed the same prefix meanwhile) keeps its block: this one stays unkeyed."""
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} cached but not allocated")
+        if key in self._block_of or block in self._key_of:
+            return
+        self._key_of[block] = key
+        self._block_of[key] = block
+
+    def refs(self, block: int) -> int:
+        """Sequences holding the block now."""
+        return self._refs[block]
 
 
 def place_tokens(q_lens: np.ndarray, ctx: np.ndarray, block_tables, tables: np.ndarray, block_size: int):

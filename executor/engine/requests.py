@@ -48,6 +48,7 @@ class GenerationOutput:
     finish_reason: str | None  # one of FINISH_REASONS, on the last output only
     prompt_tokens: int
     adapter_digest: str
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (engine/prefix_cache.py)
 
 
 def resolve_sampling(p: SamplingParams, default_max_tokens: int) -> SamplingParams:

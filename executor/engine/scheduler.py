@@ -17,6 +17,13 @@ when a hold starts and stops at every admission, so a backlog does not use it up
 admitted together, one eager step for all of them. Decode steps run a little smaller meanwhile (decode is bound by reading the
 weights, so a step of 56 costs about what one of 64 does).
 
+Prefix caching (prefix_cache.py), for sequences that carry a key chain seed: an admitted
+sequence first takes the longest run of its full blocks that the allocator has cached (held by
+reference, never written) and computes only the rest; the token budget counts only what it
+computes. Blocks a completed step filled are filed under their keys (`cache_computed`); a
+preempted or finished sequence's blocks keep them until the allocator needs the blocks, so a
+preempted sequence usually finds its own prefix again when it comes back.
+
 The scheduler only decides; it never runs the model. The engine turns a `SchedulePlan`
 into input_ids / positions / attention metadata and reports sampled tokens back through
 `append_token`.
@@ -29,6 +36,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from .prefix_cache import extend_keys
 
 if TYPE_CHECKING:
     from .kv_cache import BlockAllocator
@@ -46,6 +55,12 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     finished: bool = False
+    preemptions: int = 0
+    # Prefix caching (prefix_cache.py): the key chain's seed, None: never cached nor looked up
+    cache_seed: bytes | None = None
+    block_keys: list[bytes] = field(default_factory=list)  # keys of its first full blocks
+    num_keyed_blocks: int = 0  # leading blocks of block_table found in or filed into the cache
+    num_cached_tokens: int | None = None  # prompt tokens found cached at its first admission; None: not admitted yet
 
     @property
     def num_uncomputed(self) -> int:
@@ -62,6 +77,7 @@ class ScheduledSeq:
     context_len: int  # tokens already in the cache = position of the first query token
     num_tokens: int  # query tokens this step
     needs_sample: bool  # the chunk reaches the end: sample the next token from its last row
+    preemptions: int = 0  # the sequence's count when planned (a later preemption voids the plan's blocks)
 
     @property
     def query_token_ids(self) -> list[int]:
@@ -158,8 +174,8 @@ class Scheduler:
                 break
             if seq in plan.preempted or not seq.is_ready():
                 continue
-            n = min(seq.num_uncomputed, budget)
-            if not self._grow(seq, seq.num_computed + n):
+            n = self._take_blocks(seq, budget)
+            if n is None:
                 break  # out of blocks: admit later, when running sequences free some
             self.waiting.remove(seq)
             self.running.append(seq)
@@ -197,10 +213,59 @@ class Scheduler:
             self._hold_since = self.steps
         return holds
 
+    def cache_computed(self, plan: SchedulePlan) -> None:
+        """Files the full blocks that `plan`'s completed step computed under their keys (prefix
+        caching), for sequences still holding the blocks it was planned with. Call it after the
+        step's device work is done and before its sampled tokens are appended."""
+        bs = self.block_size
+        for s in plan.seqs:
+            seq = s.seq
+            if seq.cache_seed is None or seq.finished or seq.preemptions != s.preemptions:
+                continue
+            full = min((s.context_len + s.num_tokens) // bs, len(seq.block_table))
+            if full <= seq.num_keyed_blocks:
+                continue
+            extend_keys(seq.block_keys, seq.cache_seed, seq.token_ids, bs, full)
+            full = min(full, len(seq.block_keys))
+            for i in range(seq.num_keyed_blocks, full):
+                self.allocator.cache(seq.block_table[i], seq.block_keys[i])
+            seq.num_keyed_blocks = max(seq.num_keyed_blocks, full)
+
     def _plan_one(self, seq: Sequence, n: int) -> ScheduledSeq:
         context_len = seq.num_computed
         seq.num_computed += n
-        return ScheduledSeq(seq, context_len, n, needs_sample=seq.num_computed == len(seq.token_ids))
+        return ScheduledSeq(seq, context_len, n, seq.num_computed == len(seq.token_ids), seq.preemptions)
+
+    def _take_blocks(self, seq: Sequence, budget: int) -> int | None:
+        """Gives a waiting sequence (no blocks, nothing computed) its cached prefix and the blocks
+        for its next chunk; the chunk's token count, or None (nothing changed) if the blocks are not there."""
+        hits = self._cached_prefix(seq)
+        reused = len(hits) * self.block_size
+        n = min(len(seq.token_ids) - reused, budget)
+        needed = -(-(reused + n) // self.block_size) - len(hits)
+        if self.allocator.num_free - self.allocator.num_unheld(hits) < needed:
+            return None
+        self.allocator.share(hits)
+        seq.block_table = hits + self.allocator.allocate(needed)
+        seq.num_computed = reused
+        seq.num_keyed_blocks = len(hits)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = min(reused, seq.num_prompt_tokens)
+        return n
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks of seq's longest cached run of full blocks, short of its last token."""
+        if seq.cache_seed is None:
+            return []
+        limit = (len(seq.token_ids) - 1) // self.block_size
+        extend_keys(seq.block_keys, seq.cache_seed, seq.token_ids, self.block_size, limit)
+        hits = []
+        for key in seq.block_keys[:limit]:
+            block = self.allocator.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Makes seq's block table cover num_tokens tokens; False if the blocks are not there."""
@@ -216,6 +281,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.num_computed = 0
+        seq.preemptions += 1
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)
         log.info("preempted seq %d (%d tokens) for lack of KV blocks", seq.seq_id, len(seq.token_ids))
@@ -224,3 +290,4 @@ class Scheduler:
         if seq.block_table:
             self.allocator.free(seq.block_table)
             seq.block_table = []
+        seq.num_keyed_blocks = 0

@@ -29,6 +29,7 @@ NON_DEFAULT = {
         "service": {"headless": True},
         "httpPort": 0,
         "enforceEager": True,
+        "prefixCaching": False,
         "tpSize": 2,
         "fullyShardedLoras": True,
     },
@@ -203,11 +204,13 @@ def test_executor_http_port_and_eager_flag(manifests):
     if which == "default":
         assert pod_ports["http"] == 8000 and "http" in svc_ports
         assert "--http-port=8000" in executor["args"] and "--enforce-eager" not in executor["args"]
+        assert "--no-prefix-caching" not in executor["args"]
         assert "--tp-size=1" in executor["args"] and "--fully-sharded-loras" not in executor["args"]
         assert "--ep-size=1" in executor["args"]
     else:
         assert "http" not in pod_ports and "http" not in svc_ports
         assert "--http-port=0" in executor["args"] and "--enforce-eager" in executor["args"]
+        assert "--no-prefix-caching" in executor["args"]
         assert "--tp-size=2" in executor["args"] and "--fully-sharded-loras" in executor["args"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 import grpc
@@ -706,3 +707,91 @@ def test_step_kind_picks_a_graph_only_where_one_takes_the_step():
     assert kind(graphed, batch([1, 7], [2, -1, -1, -1, -1, -1, -1, -1])) == "mixed"  # a placeholder id
     eager = (None, None)
     assert kind(eager, batch([1, 1])) == "decode" and kind(eager, batch([1, 7])) == "mixed"
+
+
+# ---- prefix caching (engine/prefix_cache.py) ----------------------------------------------------
+
+SYSTEM = _prompt(13, 90)  # a shared prefix: 3 full blocks of 4, and a token more
+
+
+def _no_block_held(engine: Engine) -> bool:
+    alloc = engine.allocator
+    return alloc.num_held == 0 and all(alloc.refs(b) == 0 for b in range(alloc.num_blocks))
+
+
+async def test_prefix_caching_keeps_greedy_outputs_of_the_base_model_and_adapters_alone_and_mixed(tiny, make_engine):
+    ref_model, model = tiny
+    store = Store(model, ["a1", "a2"])
+    cold = make_engine(store=store, prefix_caching=False)
+    prompts = [SYSTEM + _prompt(n, 30 + n) for n in (1, 3, 7)] + [SYSTEM[:12]]  # the last: exactly 3 blocks
+    cases = [(p, a) for p in prompts for a in ("", "a1", "a2")]
+    want = [(await _collect(cold, _greedy(p, 6, adapter=a)))[0] for p, a in cases]
+    assert [w for w, (p, a) in zip(want, cases) if not a] == [_hf_greedy(ref_model, p, 6)[0] for p in prompts]
+    assert cold.allocator.num_cached == 0 and cold._cache_seed("", "") is None
+    await cold.stop()  # the engines share the model's slot buffers: one at a time
+
+    engine = make_engine(store=store)
+    alone = [(await _collect(engine, _greedy(p, 6, adapter=a))) for p, a in cases]
+    assert [ids for ids, _, _ in alone] == want
+    cached = [outs[-1].cached_tokens for _, _, outs in alone]
+    # The same prompt under another adapter (or the base model) shares nothing; the shared system
+    # prefix is found under the same adapter; the block-aligned prompt computes its last block.
+    assert cached == [0, 0, 0] + [12, 12, 12] * 2 + [8, 8, 8]
+    together = await asyncio.gather(*(_collect(engine, _greedy(p, 6, adapter=a)) for p, a in cases))
+    assert [ids for ids, _, _ in together] == want
+    assert [outs[-1].cached_tokens for _, _, outs in together] == [(len(p) - 1) // 4 * 4 for p, _ in cases]
+    assert all(o.cached_tokens == outs[-1].cached_tokens for _, _, outs in together for o in outs)
+    _assert_idle(engine)
+    assert _no_block_held(engine) and engine.allocator.num_cached > 0
+    assert engine._cache_seed("a1", "") is None  # a version without a content digest is never cached
+
+
+async def test_prefix_caching_under_eviction_and_preemption_keeps_outputs(tiny, make_engine, caplog):
+    ref_model, model = tiny
+    # 16 blocks of 4: six 10 + 8 token sequences at once preempt; 12 prefixes cannot all stay cached.
+    engine = make_engine(num_blocks=16, max_model_len=64)
+    prompts = [_prompt(8, 50 + i % 6) + _prompt(2, 60 + i) for i in range(12)]  # pairs share an 8-token prefix
+    want = [_hf_greedy(ref_model, p, 8)[0] for p in prompts]
+    for _ in range(2):
+        results = await asyncio.gather(*(_collect(engine, _greedy(p, 8)) for p in prompts))
+        assert [ids for ids, _, _ in results] == want
+    assert any("preempted seq" in r.getMessage() for r in caplog.records)
+    assert any(outs[-1].cached_tokens for _, _, outs in results)
+    assert engine.allocator.evictions > 0
+    _assert_idle(engine)
+    assert _no_block_held(engine)
+
+
+async def test_a_thousand_short_requests_cancelled_preempted_or_not_leave_no_block_held(tiny, make_engine, caplog, until):
+    engine = make_engine(store=Store(tiny[1], ["a1"]), num_blocks=12, max_model_len=40)
+    rng = random.Random(1)
+    prefixes = [_prompt(8, 70 + i) for i in range(4)]
+    gate = asyncio.Semaphore(16)
+    hits = cancelled = 0
+
+    async def one(i: int) -> None:
+        nonlocal hits, cancelled
+        prompt = rng.choice(prefixes) + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 6))]
+        req = _greedy(prompt, rng.randrange(1, 5), adapter=rng.choice(["", "a1"]))
+        how = rng.choice(["whole", "whole", "after-first", "at-once"])
+        async with gate:
+            if how == "at-once":  # cancelled before (or just after) its admission
+                task = asyncio.ensure_future(_collect(engine, req))
+                await asyncio.sleep(0)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                cancelled += 1
+                return
+            stream = engine.generate(req)
+            async for out in stream:
+                if how == "after-first":
+                    cancelled += 1
+                    break
+            hits += bool(out.cached_tokens)  # the request's count, on each of its outputs
+            await stream.aclose()
+
+    await asyncio.gather(*(one(i) for i in range(1000)))
+    await until(lambda: _idle(engine))
+    assert hits > 100 and cancelled > 100
+    assert any("preempted seq" in r.getMessage() for r in caplog.records)
+    assert _no_block_held(engine) and engine.allocator.num_free == 12

@@ -176,7 +176,15 @@ def test_greedy_output_equals_grpc_for_several_adapters_concurrently(served, str
         assert logprobs == pytest.approx(list(w.logprobs), abs=1e-4), job
         assert finish == GRPC_FINISH[w.finish_reason], job
         n = len(w.token_ids)
-        assert usage == {"prompt_tokens": w.prompt_tokens, "completion_tokens": n, "total_tokens": w.prompt_tokens + n}
+        # the prompt's full blocks before its last token were cached by the gRPC request before it
+        cached = (w.prompt_tokens - 1) // served.parts.config.block_size * served.parts.config.block_size
+        assert w.cached_tokens in (0, cached), job  # the "stream" run's gRPC requests come after the "whole" run's
+        assert usage == {
+            "prompt_tokens": w.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": w.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }, job
 
 
 def test_stop_seed_top_k_and_request_id(served):
@@ -268,6 +276,7 @@ def _error(exc: openai.APIStatusError) -> dict:
 
 BAD_COMPLETIONS = [
     (dict(n=2), "n must be 1"),
+    (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs is not supported: the executor computes no outputs at prompt"),
     (dict(temperature=-1), "temperature must be a finite number >= 0"),
     (dict(temperature="hot"), "temperature: Input should be a valid number"),
     (dict(top_p=1.5), "top_p must be in [0, 1]"),
@@ -299,6 +308,7 @@ def test_bad_completion_requests_are_400(served, kwargs, fragment):
     [
         (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "not text"),
         (dict(messages=[]), "chat has no messages"),
+        (dict(extra_body={"prompt_logprobs": 0}), "prompt_logprobs is not supported"),
         (dict(top_logprobs=2, logprobs=True), "top_logprobs must be 0"),
         (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
         (dict(max_completion_tokens=100000), "max_tokens must be in"),

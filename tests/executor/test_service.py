@@ -367,6 +367,47 @@ def test_refresh_loop_follows_re_registration_and_deletion_in_the_store(loop_thr
         c.close()
 
 
+def test_prefix_cache_reuses_a_prompts_kv_per_adapter_version_only(loop_thread, base, adapter_dirs, tmp_path, references, device):
+    """A repeated prompt reuses its prefix's KV under the same adapter version only: other adapters
+    and the base model on the same prompt start cold, so does a re-registered version, and every
+    output matches transformers + PEFT."""
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", device, adapter_refresh_s=0)
+    try:
+        client, store = c.client(), c.store_client()
+        assert client.info().prefix_caching
+        ids = prompt_ids(6)  # 16 tokens: 3 full blocks of 4 before the last one
+        first = {name: generate(client, name, ids) for name in ("", "qv8", "all4")}
+        assert [r.cached_tokens for r in first.values()] == [0, 0, 0]
+        for name, resp in first.items():
+            again = generate(client, name, ids)
+            assert again.cached_tokens == 12 and list(again.token_ids) == list(resp.token_ids)
+            check_against_reference(references[name], ids, again)
+        new = store.register("qv8", str(adapter_dirs / "mlp16"))  # other weights under the same name
+        assert client.load("qv8").digest == new.digest
+        cold = generate(client, "qv8", ids)
+        assert cold.cached_tokens == 0 and cold.adapter_digest == new.digest
+        check_against_reference(references["mlp16"], ids, cold)
+        warm = generate(client, "qv8", ids)
+        assert warm.cached_tokens == 12 and list(warm.token_ids) == list(cold.token_ids)
+    finally:
+        c.close()
+
+
+def test_without_prefix_caching_every_prompt_is_prefilled_whole(loop_thread, base, adapter_dirs, tmp_path, references):
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", prefix_caching=False)
+    try:
+        client = c.client()
+        assert not client.info().prefix_caching
+        ids = prompt_ids(6)
+        for _ in range(2):
+            resp = generate(client, "qv8", ids)
+            assert resp.cached_tokens == 0
+            check_against_reference(references["qv8"], ids, resp)
+        assert c.parts.engine.allocator.num_cached == 0
+    finally:
+        c.close()
+
+
 @pytest.mark.gpu
 def test_bf16_on_cuda_applies_each_rows_adapter(loop_thread, base, adapter_dirs, tmp_path, references):
     """bf16 on the GPU runs the Triton kernels: each row's tokens must be scored like its own
@@ -386,6 +427,14 @@ def test_bf16_on_cuda_applies_each_rows_adapter(loop_thread, base, adapter_dirs,
         assert engine.kernel_builds.count == 0, engine.kernel_builds.recent
         # and the prompts' steps replayed the mixed-step graphs (a failed capture would run them eagerly)
         assert engine.mixed_graphs is not None and engine.step_totals["mixed-graph"].steps > 0
+        # Again: each prompt's full blocks short of its last token come from the prefix cache, the rest
+        # is prefilled over that cached context, and every row is still scored as its own adapter's.
+        mixed = engine.step_totals["mixed-graph"].steps
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            again = list(pool.map(lambda j: generate(client, *j, 12), jobs))
+        assert [r.cached_tokens for r in again] == [(len(ids) - 1) // 4 * 4 for _, ids in jobs]
+        check_bf16_rows(references, jobs, again)
+        assert engine.step_totals["mixed-graph"].steps > mixed
     finally:
         c.close()
 

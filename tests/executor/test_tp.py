@@ -140,6 +140,13 @@ def test_mixed_batches_match_transformers_peft_and_tp1(
         for (name, ids), resp in zip(jobs, resps):
             check_against_reference(references[name], ids, resp)
             outputs[(name, tuple(ids))] = list(resp.token_ids)
+    # Again, adapters reloaded into slots: each prompt's full blocks short of its last token come from
+    # the prefix cache (rank 0 decides; every rank holds its heads' KV in those blocks), same tokens.
+    jobs, resps = run_group(client, GROUPS[0])
+    for (name, ids), resp in zip(jobs, resps):
+        assert resp.cached_tokens == (len(ids) - 1) // 4 * 4, name
+        assert list(resp.token_ids) == outputs[(name, tuple(ids))], name
+    assert sum(r.cached_tokens for r in resps) > 0
     # tp 1 on the same store gives the same greedy tokens.
     one = Cluster(module_loop_thread, base[1], adapter_dirs, tmp_path / "store1", ADAPTERS, lora_embeddings=True, cpu_threads=1)
     try:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bloraserve/v1/executor.proto\x12\x0cloraserve.v1\"\x81\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xf3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.loraserve.v1.ChatMessagesH\x00\x12+\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x16.loraserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.loraserve.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x07 \x01(\x08\x42\x07\n\x05input\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.loraserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x16\n\x0e\x61\x64\x61pter_digest\x18\x07 \x01(\t\"\x92\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\"\x1a\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\"B\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tinto_slot\x18\x02 \x01(\x08\x12\x0b\n\x03pin\x18\x03 \x01(\x08\"\xb9\x01\n\x0c\x41\x64\x61pterState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x0e\n\x06in_use\x18\x06 \x01(\r\x12\x14\n\x0cin_cpu_cache\x18\x07 \x01(\x08\x12\x19\n\x11last_used_unix_ms\x18\x08 \x01(\x03\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x0f\n\x07loading\x18\n \x01(\x08\"\x13\n\x11ListLoadedRequest\"B\n\x12ListLoadedResponse\x12,\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1a.loraserve.v1.AdapterState\"\x13\n\x11ServerInfoRequest\"\xb1\x01\n\nServerInfo\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x11\n\tmax_loras\x18\x02 \x01(\r\x12\x10\n\x08max_rank\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x18\n\x10max_cpu_adapters\x18\x07 \x01(\r\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x0f\n\x07\x65p_size\x18\t \x01(\r*[\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x12\r\n\tCANCELLED\x10\x04\x32\xea\x04\n\x08\x45xecutor\x12I\n\x08Generate\x12\x1d.loraserve.v1.GenerateRequest\x1a\x1e.loraserve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.loraserve.v1.GenerateRequest\x1a$.loraserve.v1.GenerateStreamResponse0\x01\x12K\n\x0bLoadAdapter\x12 .loraserve.v1.LoadAdapterRequest\x1a\x1a.loraserve.v1.AdapterState\x12\x42\n\nPinAdapter\x12\x18.loraserve.v1.AdapterRef\x1a\x1a.loraserve.v1.AdapterState\x12\x44\n\x0cUnpinAdapter\x12\x18.loraserve.v1.AdapterRef\x1a\x1a.loraserve.v1.AdapterState\x12\x44\n\x0c\x45victAdapter\x12\x18.loraserve.v1.AdapterRef\x1a\x1a.loraserve.v1.AdapterState\x12Q\n\x0cListAdapters\x12\x1f.loraserve.v1.ListLoadedRequest\x1a .loraserve.v1.ListLoadedResponse\x12J\n\rGetServerInfo\x12\x1f.loraserve.v1.ServerInfoRequest\x1a\x18.loraserve.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bloraserve/v1/executor.proto\x12\x0cloraserve.v1\"\x81\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xf3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.loraserve.v1.ChatMessagesH\x00\x12+\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x16.loraserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.loraserve.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x07 \x01(\x08\x42\x07\n\x05input\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.loraserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x16\n\x0e\x61\x64\x61pter_digest\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\"\x92\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\"\x1a\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\"B\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tinto_slot\x18\x02 \x01(\x08\x12\x0b\n\x03pin\x18\x03 \x01(\x08\"\xb9\x01\n\x0c\x41\x64\x61pterState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x0e\n\x06in_use\x18\x06 \x01(\r\x12\x14\n\x0cin_cpu_cache\x18\x07 \x01(\x08\x12\x19\n\x11last_used_unix_ms\x18\x08 \x01(\x03\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x0f\n\x07loading\x18\n \x01(\x08\"\x13\n\x11ListLoadedRequest\"B\n\x12ListLoadedResponse\x12,\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1a.loraserve.v1.AdapterState\"\x13\n\x11ServerInfoRequest\"\xc9\x01\n\nServerInfo\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x11\n\tmax_loras\x18\x02 \x01(\r\x12\x10\n\x08max_rank\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x18\n\x10max_cpu_adapters\x18\x07 \x01(\r\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x0f\n\x07\x65p_size\x18\t \x01(\r\x12\x16\n\x0eprefix_caching\x18\x0c \x01(\x08*[\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x12\r\n\tCANCELLED\x10\x04\x32\xea\x04\n\x08\x45xecutor\x12I\n\x08Generate\x12\x1d.loraserve.v1.GenerateRequest\x1a\x1e.loraserve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.loraserve.v1.GenerateRequest\x1a$.loraserve.v1.GenerateStreamResponse0\x01\x12K\n\x0bLoadAdapter\x12 .loraserve.v1.LoadAdapterRequest\x1a\x1a.loraserve.v1.AdapterState\x12\x42\n\nPinAdapter\x12\x18.loraserve.v1.AdapterRef\x1a\x1a.loraserve.v1.AdapterState\x12\x44\n\x0cUnpinAdapter\x12\x18.loraserve.v1.AdapterRef\x1a\x1a.loraserve.v1.AdapterState\x12\x44\n\x0c\x45victAdapter\x12\x18.loraserve.v1.AdapterRef\x1a\x1a.loraserve.v1.AdapterState\x12Q\n\x0cListAdapters\x12\x1f.loraserve.v1.ListLoadedRequest\x1a .loraserve.v1.ListLoadedResponse\x12J\n\rGetServerInfo\x12\x1f.loraserve.v1.ServerInfoRequest\x1a\x18.loraserve.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loraserve.v1.executor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1468
-  _globals['_FINISHREASON']._serialized_end=1559
+  _globals['_FINISHREASON']._serialized_start=1515
+  _globals['_FINISHREASON']._serialized_end=1606
   _globals['_SAMPLINGPARAMS']._serialized_start=46
   _globals['_SAMPLINGPARAMS']._serialized_end=175
   _globals['_GENERATEREQUEST']._serialized_start=178
@@ -44,23 +44,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=530
   _globals['_TOKENIDS']._serialized_end=553
   _globals['_GENERATERESPONSE']._serialized_start=556
-  _globals['_GENERATERESPONSE']._serialized_end=743
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=746
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=892
-  _globals['_ADAPTERREF']._serialized_start=894
-  _globals['_ADAPTERREF']._serialized_end=920
-  _globals['_LOADADAPTERREQUEST']._serialized_start=922
-  _globals['_LOADADAPTERREQUEST']._serialized_end=988
-  _globals['_ADAPTERSTATE']._serialized_start=991
-  _globals['_ADAPTERSTATE']._serialized_end=1176
-  _globals['_LISTLOADEDREQUEST']._serialized_start=1178
-  _globals['_LISTLOADEDREQUEST']._serialized_end=1197
-  _globals['_LISTLOADEDRESPONSE']._serialized_start=1199
-  _globals['_LISTLOADEDRESPONSE']._serialized_end=1265
-  _globals['_SERVERINFOREQUEST']._serialized_start=1267
-  _globals['_SERVERINFOREQUEST']._serialized_end=1286
-  _globals['_SERVERINFO']._serialized_start=1289
-  _globals['_SERVERINFO']._serialized_end=1466
-  _globals['_EXECUTOR']._serialized_start=1562
-  _globals['_EXECUTOR']._serialized_end=2180
+  _globals['_GENERATERESPONSE']._serialized_end=766
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=769
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=915
+  _globals['_ADAPTERREF']._serialized_start=917
+  _globals['_ADAPTERREF']._serialized_end=943
+  _globals['_LOADADAPTERREQUEST']._serialized_start=945
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1011
+  _globals['_ADAPTERSTATE']._serialized_start=1014
+  _globals['_ADAPTERSTATE']._serialized_end=1199
+  _globals['_LISTLOADEDREQUEST']._serialized_start=1201
+  _globals['_LISTLOADEDREQUEST']._serialized_end=1220
+  _globals['_LISTLOADEDRESPONSE']._serialized_start=1222
+  _globals['_LISTLOADEDRESPONSE']._serialized_end=1288
+  _globals['_SERVERINFOREQUEST']._serialized_start=1290
+  _globals['_SERVERINFOREQUEST']._serialized_end=1309
+  _globals['_SERVERINFO']._serialized_start=1312
+  _globals['_SERVERINFO']._serialized_end=1513
+  _globals['_EXECUTOR']._serialized_start=1609
+  _globals['_EXECUTOR']._serialized_end=2227
 # @@protoc_insertion_point(module_scope)

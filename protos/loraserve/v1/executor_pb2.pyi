@@ -75,7 +75,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "adapter_digest")
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "adapter_digest", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -90,7 +91,8 @@ class GenerateResponse(_message.Message):
     finish_reason: FinishReason
     prompt_tokens: int
     adapter_digest: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., adapter_digest: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., adapter_digest: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason")
@@ -161,7 +163,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("base_model", "max_loras", "max_rank", "dtype", "device", "tp_size", "max_cpu_adapters", "version", "ep_size")
+    __slots__ = ("base_model", "max_loras", "max_rank", "dtype", "device", "tp_size", "max_cpu_adapters", "version", "ep_size", "prefix_caching")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +173,7 @@ class ServerInfo(_message.Message):
     MAX_CPU_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     max_loras: int
     max_rank: int
@@ -180,4 +183,5 @@ class ServerInfo(_message.Message):
     max_cpu_adapters: int
     version: str
     ep_size: int
-    def __init__(self, base_model: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_cpu_adapters: _Optional[int] = ..., version: _Optional[str] = ..., ep_size: _Optional[int] = ...) -> None: ...
+    prefix_caching: bool
+    def __init__(self, base_model: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_cpu_adapters: _Optional[int] = ..., version: _Optional[str] = ..., ep_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...

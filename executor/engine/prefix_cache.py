@@ -1,0 +1,59 @@
+"""Automatic prefix caching: the keys under which full KV blocks are filed and found again.
+
+A block's keys and values depend on every token up to its end, on the weights that computed them
+(the base model and the request's adapter version) and on how they are stored (the KV dtype, the
+block size). So a block's key is a hash chain:
+
+    seed      = H(model, kv dtype, block size, adapter name, adapter content digest)  ("", "": base model)
+    key[0]    = H(seed, token ids of block 0)
+    key[i]    = H(key[i - 1], token ids of block i)
+
+Two requests share block i only if everything before its end is the same, under the same adapter
+version: the store's digest is a sha256 over the adapter's config and weights, so a re-registered
+adapter (new content) starts a new chain and never meets the old version's blocks; a deleted
+one's blocks are never looked up again and age out of the allocator (kv_cache.BlockAllocator).
+Under tensor parallelism rank 0 alone schedules: every rank holds its own heads' keys and values
+in the same block ids, so one key stands for the block on every rank.
+
+Only full blocks are filed, once a step that computed them has completed (Scheduler.cache_computed),
+and a sequence's prefill starts after its longest cached run of them, never past its next-to-last
+token: the last one is always computed, so the step has its logits, and a sequence never writes
+into a block it shares.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+KEY_BYTES = 16
+
+
+def _hash(parent: bytes, payload: bytes) -> bytes:
+    return hashlib.blake2b(parent + payload, digest_size=KEY_BYTES).digest()
+
+
+def chain_seed(model: str, kv_dtype: str, block_size: int, adapter: str = "", digest: str = "") -> bytes:
+    """The chain's seed for one model's KV cache and one adapter version ("", "": the base model)."""
+    fields = (model, kv_dtype, str(block_size), adapter, digest)
+    return _hash(b"loraserve-kv-v1", "\0".join(fields).encode("utf-8", "surrogatepass"))
+
+
+def extend_keys(keys: list[bytes], seed: bytes, token_ids: list[int], block_size: int, num_blocks: int) -> None:
+    """Appends to `keys` (those of a sequence's first len(keys) blocks) the keys of its blocks up
+    to `num_blocks`, stopping early at a block not yet full or holding a placeholder (a negative id:
+    a token still being sampled on the device)."""
+    start = len(keys)
+    num_blocks = min(num_blocks, len(token_ids) // block_size)
+    if num_blocks <= start:
+        return
+    ids = np.asarray(token_ids[start * block_size : num_blocks * block_size], dtype=np.int64)
+    placeholders = np.flatnonzero(ids < 0)
+    if len(placeholders):
+        num_blocks = start + int(placeholders[0]) // block_size
+    data, width = ids.tobytes(), 8 * block_size
+    parent = keys[-1] if keys else seed
+    for i in range(num_blocks - start):
+        parent = _hash(parent, data[i * width : (i + 1) * width])
+        keys.append(parent)
