@@ -121,7 +121,7 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
 def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorParts:
     # max_loras 0 (automatic): one slot until the KV cache is in place, then as many as fit
     tp, ep = roles(ranks.start(), cfg.ep_size) if ranks is not None else (None, None)
-    model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=lora_spec(cfg), tp=tp, ep=ep)
+    model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=lora_spec(cfg), tp=tp, ep=ep, quantization=cfg.quantization)
     tokenizer = load_tokenizer(cfg.model, cfg.cache_dir)
     packed = any(m.packed_b for m in lora_modules(model).values())
     parts = build_engine(cfg, model, tokenizer, ranks=ranks)

@@ -43,6 +43,9 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a sigmoid-gated dense expert every token sees
     moe_layers: tuple[int, ...] = ()
+    # The dense linear layers but lm_head hold FP8 weights with per-output-row scales and compute in FP8
+    # (executor/model/fp8.py); set by the loader for the device it loads onto, never read from config.json.
+    fp8_linears: bool = False
 
     @property
     def q_size(self) -> int:
