@@ -31,6 +31,7 @@ from .engine.sampler import SamplingParams
 from .http import serve_http
 from .layout import model_config
 from .lora import lora_modules
+from .model import fp8
 from .model.loader import load_model
 from .model.tokenizer import Tokenizer
 from .parallel import ep_size_error, roles, tp_size_error
@@ -279,6 +280,8 @@ class ExecutorService(epb_grpc.ExecutorServicer):
             ep_size=c.ep_size,
             max_cpu_adapters=c.max_cpu_adapters,
             version=__version__,
+            weight_dtype=fp8.weight_dtype(self.parts.engine.model),
+            kv_cache_dtype=fp8.dtype_name(self.parts.engine.kv_cache.k_cache[0].dtype),
         )
 
 

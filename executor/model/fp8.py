@@ -354,6 +354,16 @@ def _check_values(name: str, value: torch.Tensor, numel: int | None = None) -> N
 # ---------------------------------------------------------------- where FP8 runs
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def weight_dtype(model) -> str:
+    """The dtype of the model's base linear layers' weights: float8_e4m3fn where they hold FP8, else the model's."""
+    return dtype_name(FP8) if model.cfg.fp8_linears else dtype_name(model.dtype)
+
+
 def fp8_compute_error(device, dtype: torch.dtype) -> str | None:
     """Why the linear layers cannot compute in FP8 on `device` at `dtype`; None where they can
     (a CUDA GPU of compute capability 8.9 or more, bfloat16 activations)."""
@@ -364,7 +374,7 @@ def fp8_compute_error(device, dtype: torch.dtype) -> str | None:
     if capability < (8, 9):
         return f"{device} is compute capability {capability[0]}.{capability[1]}, without FP8 (8.9+ has it)"
     if dtype != torch.bfloat16:
-        return f"FP8 linear layers compute in bfloat16, not {str(dtype).removeprefix('torch.')}"
+        return f"FP8 linear layers compute in bfloat16, not {dtype_name(dtype)}"
     return None
 
 
@@ -387,7 +397,7 @@ def plan(scheme: Fp8Scheme | None, quantization: str | None, device, dtype: torc
             "%s: %s checkpoint dequantized to %s at load (%s)",
             source,
             scheme.describe(),
-            str(dtype).removeprefix("torch."),
+            dtype_name(dtype),
             error,
         )
         return False

@@ -240,9 +240,7 @@ def load_hf_checkpoint(
 
 def _log_dequantized_experts(cfg: ModelConfig, fp8_linears: bool, dtype: torch.dtype) -> None:
     if fp8_linears and cfg.num_experts:
-        log.info(
-            "MoE experts held in %s (no FP8 fused-MoE kernel); the dense linear layers in FP8", str(dtype).removeprefix("torch.")
-        )
+        log.info("MoE experts held in %s (no FP8 fused-MoE kernel); the dense linear layers in FP8", fp8.dtype_name(dtype))
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
