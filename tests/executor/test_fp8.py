@@ -205,13 +205,18 @@ PROMPT = [5, 17, 99, 3, 42, 7, 200, 31, 64]
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_fp8_checkpoint_serves_like_transformers_and_peft_on_its_dequantized_weights(family, fmt, fp8_checkpoint, paged_runner):
-    """Every parameter is the dequantized weight exactly; a PEFT adapter's rows and the base rows
-    give transformers' logits (1e-4) and its greedy tokens."""
+def test_fp8_checkpoint_serves_like_transformers_and_peft_on_its_dequantized_weights(
+    family, fmt, fp8_checkpoint, paged_runner, caplog
+):
+    """Every parameter is the dequantized weight exactly (one log line says so); a PEFT adapter's
+    rows and the base rows give transformers' logits (1e-4) and its greedy tokens."""
     overrides = dict(attention_bias=True) if family == "llama" else {}
     path, ref_dir = fp8_checkpoint(family, fmt, overrides)
     spec = LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32)
-    ours = load_model(path, lora=spec)
+    with caplog.at_level("INFO", logger="loraserve.executor.model.fp8"):
+        ours = load_model(path, lora=spec)
+    said = [r.getMessage() for r in caplog.records if "dequantized to float32 at load" in r.getMessage()]
+    assert len(said) == 1 and "cpu has no FP8 compute" in said[0] and str(path) in said[0]
     _assert_same_params(ours, load_model(ref_dir, lora=spec))
     assert not ours.cfg.fp8_linears  # the CPU computes in float32: nothing is held in FP8
 
@@ -269,7 +274,23 @@ def test_each_tp_rank_dequantizes_its_own_cut_with_its_scales(fmt, fp8_checkpoin
             torch.testing.assert_close(p, expected_part(name, params[name], tp, whole.cfg), rtol=0, atol=0, msg=name)
 
 
-def test_static_input_scales_are_checked_and_activations_quantized_per_token(fp8_checkpoint):
+def test_a_sharded_fp8_checkpoint_finds_each_scale_in_another_file(fp8_checkpoint, tmp_path):
+    """Weights and their scales in different files of a model.safetensors.index.json."""
+    path, ref_dir = fp8_checkpoint("llama", "block")
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    shutil.copy(path / "config.json", sharded)
+    weight_map = {n: f"model-0000{1 + n.endswith('_scale_inv')}-of-00002.safetensors" for n in tensors}
+    for file in set(weight_map.values()):
+        save_file({n: t for n, t in tensors.items() if weight_map[n] == file}, str(sharded / file))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    _assert_same_params(load_model(sharded), load_model(ref_dir))
+
+
+def test_a_checkpoint_with_static_input_scales_loads(fp8_checkpoint):
+    """Static per-tensor input_scale (checked, one value, finite): the weights load as the dequantized ones."""
     path, ref_dir = fp8_checkpoint("llama", "ct-tensor", static_input=True)
     _assert_same_params(load_model(path), load_model(ref_dir))
 
@@ -297,7 +318,7 @@ def refuses(monkeypatch):
 def _edited(path, tmp_path, config=None, tensors=None):
     """A copy of checkpoint `path` with config.json's quantization_config edited by config(dict) and
     its tensors by tensors(dict)."""
-    dst = tmp_path / "edited"
+    dst = tmp_path / f"edited{len(list(tmp_path.iterdir()))}"
     shutil.copytree(path, dst, ignore=shutil.ignore_patterns("reference"))
     if config:
         cfg = json.loads((dst / "config.json").read_text())
@@ -390,9 +411,16 @@ def test_malformed_scales_are_refused_naming_the_tensor(fmt, edit, match, fp8_ch
     refuses(_edited(path, tmp_path, tensors=edit), match)
 
 
-def test_missing_static_input_scale_and_fp8_without_a_config_are_refused(fp8_checkpoint, refuses, tmp_path):
+def test_missing_or_malformed_input_scales_and_fp8_without_a_config_are_refused(fp8_checkpoint, refuses, tmp_path):
     path, _ = fp8_checkpoint("llama", "ct-tensor", static_input=True)
     refuses(_edited(path, tmp_path, tensors=lambda t: t.pop(f"{Q}.input_scale")), f"'{Q}.input_scale' is missing")
+    refuses(
+        _edited(path, tmp_path, tensors=_set(f"{Q}.input_scale", torch.tensor([float("nan")]))), f"'{Q}.input_scale' holds NaN"
+    )
+    refuses(
+        _edited(path, tmp_path, tensors=_set(f"{Q}.input_scale", torch.ones(2))),
+        rf"'{Q}.input_scale' is \[2\]; expected one value",
+    )
     path, _ = fp8_checkpoint("llama", "ct-channel")
     no_config = tmp_path / "no-config"
     shutil.copytree(path, no_config, ignore=shutil.ignore_patterns("reference"))
