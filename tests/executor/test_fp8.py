@@ -446,15 +446,24 @@ def test_quantization_fp8_is_refused_without_fp8_compute(hf_model, refuses):
     refuses(path, r"quantization 'int4' is not supported", quantization="int4")
 
 
-def test_executor_cli_refuses_quantization_fp8_on_cpu_at_start(hf_model, tmp_path):
-    _, path = hf_model("llama")
+@pytest.mark.parametrize("case", ["quantization-on-cpu", "gptq-checkpoint"])
+def test_executor_cli_exits_at_start_naming_the_refusal(case, hf_model, fp8_checkpoint, tmp_path):
+    if case == "quantization-on-cpu":
+        model, flags, message = (
+            hf_model("llama")[1],
+            ["--quantization", "fp8"],
+            "--quantization fp8 needs FP8 compute: cpu has no",
+        )
+    else:
+        model = _edited(fp8_checkpoint("llama", "ct-channel")[0], tmp_path, config=lambda q: q.update(quant_method="gptq"))
+        flags, message = [], "quantization_config quant_method 'gptq' is not supported"
     out = subprocess.run(
-        [LORASERVE, "executor", "--model", str(path), "--device", "cpu", "--quantization", "fp8", "--executor-listen",
-         "127.0.0.1:0", "--http-port", "0", "--executor-metrics-port", "0", "--cache-dir", str(tmp_path)],
+        [LORASERVE, "executor", "--model", str(model), "--device", "cpu", *flags, "--executor-listen", "127.0.0.1:0",
+         "--http-port", "0", "--executor-metrics-port", "0", "--cache-dir", str(tmp_path / "cache")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 1, out.stderr
-    assert "error: " in out.stderr and "--quantization fp8 needs FP8 compute: cpu has no FP8 compute" in out.stderr
+    assert "error: " in out.stderr and message in out.stderr
 
 
 # ---- the FP8 linear layer (the reference math the CUDA path is held to) --------------------------
