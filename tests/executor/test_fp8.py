@@ -533,3 +533,22 @@ def test_quantization_fp8_quantizes_linear_layers_per_row_and_keeps_lm_head(hf_m
     logits = paged_runner(ours, block_size=4).step([("s", PROMPT)])[0]
     torch.testing.assert_close(logits, hf_logits(ref, PROMPT), atol=1e-4, rtol=1e-4)
     assert (logits - hf_logits(model, PROMPT)).abs().max() > 1e-3  # and FP8 is not float: the check can fail
+
+
+def test_the_cuda_paths_scaled_mm_call_on_the_cpu_matches_float32():
+    """kernels/triton_fp8.scaled_mm's torch._scaled_mm call (row-wise scales, the weight's transpose as
+    the column-major operand), run where torch has it on the CPU: the float32 result rounded to bf16."""
+    pytest.importorskip("triton")
+    from loraserve.kernels import triton_fp8
+
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 64, dtype=torch.bfloat16), torch.randn(48, 64)
+    wq, ws = fp8.quantize_rows(w)
+    q, s = fp8_reference.quantize_per_token(x)
+    try:
+        y = triton_fp8.scaled_mm(q, s, wq, ws, torch.bfloat16)
+    except (NotImplementedError, RuntimeError) as exc:
+        pytest.skip(f"this torch has no row-wise FP8 _scaled_mm on the CPU: {exc}")
+    want = fp8_reference.scaled_mm(q, s, wq, ws, torch.float32)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want, rtol=2**-7, atol=1e-5 * want.abs().max().item())
