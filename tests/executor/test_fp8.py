@@ -552,3 +552,16 @@ def test_the_cuda_paths_scaled_mm_call_on_the_cpu_matches_float32():
     want = fp8_reference.scaled_mm(q, s, wq, ws, torch.float32)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), want, rtol=2**-7, atol=1e-5 * want.abs().max().item())
+
+
+def test_fp8_compute_needs_compute_capability_8_9_and_bfloat16(monkeypatch):
+    """Where the linear layers may run in FP8 (the GPU's capability as CUDA reports it, patched here)."""
+    capability = {"cuda:0": (8, 0), "cuda:1": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability[str(device)])
+    assert fp8.fp8_compute_error("cuda:0", torch.bfloat16) == "cuda:0 is compute capability 8.0, without FP8 (8.9+ has it)"
+    assert fp8.fp8_compute_error("cuda:1", torch.float16) == "FP8 linear layers compute in bfloat16, not float16"
+    assert fp8.fp8_compute_error("cuda:1", torch.bfloat16) is None
+    with pytest.raises(ValueError, match="--quantization fp8 needs FP8 compute: cuda:0 is compute capability 8.0"):
+        fp8.plan(None, "fp8", "cuda:0", torch.bfloat16, "model")
+    scheme = fp8.checkpoint_scheme({"quantization_config": quantization_config("block")})
+    assert fp8.plan(scheme, "", "cuda:1", torch.bfloat16, "model") and not fp8.plan(scheme, "", "cuda:0", torch.bfloat16, "model")
