@@ -509,20 +509,24 @@ def test_fp8_layer_runs_lora_on_its_unquantized_input(paged_runner):
     assert not LinearWithLoRA(64, (40,), False, None, torch.float32, "cpu", fp8=True).weight.dtype == E4M3  # N % 16 != 0
 
 
-def test_quantization_fp8_quantizes_linear_layers_per_row_and_keeps_lm_head(hf_model, hf_logits, paged_runner, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_quantization_fp8_quantizes_linear_layers_per_row_and_runs_lora_beside_them(family, hf_model, paged_runner, monkeypatch):
     """--quantization fp8 with the FP8 hardware check passed (the CPU then runs the reference math):
     each linear layer's weight is the per-row quantization of the checkpoint's, lm_head and
-    embeddings stay float, and the logits are those of transformers with each of those layers
-    replaced by the same FP8 math (per-row weight scales, per-token activation scales)."""
+    embeddings stay float; a mixed batch (a PEFT adapter's row, a base row) gives the logits of
+    transformers + PEFT with each of those layers' base replaced by the same FP8 math (per-row weight
+    scales, per-token activation scales) and the adapter's LoRA on the layer's unquantized input."""
     monkeypatch.setattr(fp8, "fp8_compute_error", lambda device, dtype: None)
-    model, path = hf_model("llama")
-    ours = load_model(path, quantization="fp8")
+    model, path = hf_model(family)
+    spec = LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32)
+    ours = load_model(path, lora=spec, quantization="fp8")
     assert ours.cfg.fp8_linears
     down = ours.model.layers[1].mlp.down_proj
     q, s = fp8.quantize_rows(model.model.layers[1].mlp.down_proj.weight)
     assert down.weight.dtype == E4M3 and torch.equal(down.weight.view(torch.uint8), q.view(torch.uint8))
     torch.testing.assert_close(down.weight_scale, s, rtol=0, atol=0)
     assert ours.lm_head.weight.dtype == torch.float32 and ours.lm_head.weight_scale is None
+
     ref = copy.deepcopy(model)
     for name, m in ref.named_modules():
         if isinstance(m, torch.nn.Linear) and QUANTIZED.fullmatch(f"{name}.weight"):
@@ -530,9 +534,24 @@ def test_quantization_fp8_quantizes_linear_layers_per_row_and_keeps_lm_head(hf_m
             m.forward = lambda x, wq=wq, ws=ws, b=m.bias: fp8_reference.fp8_linear(x.flatten(0, -2), wq, ws, b).view(
                 *x.shape[:-1], -1
             )
-    logits = paged_runner(ours, block_size=4).step([("s", PROMPT)])[0]
-    torch.testing.assert_close(logits, hf_logits(ref, PROMPT), atol=1e-4, rtol=1e-4)
-    assert (logits - hf_logits(model, PROMPT)).abs().max() > 1e-3  # and FP8 is not float: the check can fail
+    torch.manual_seed(5)
+    ref = peft.get_peft_model(ref, peft.LoraConfig(**ADAPTERS["r4"]), adapter_name="r4")  # its base layers: the FP8 math
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    ref.eval()
+    load_shard_into_slot(ours, 1, pack_shard(ref, "r4", declare_layout(ours.cfg, spec, "tiny")))
+    lora_out, base_out = paged_runner(ours, block_size=4).step([("a", PROMPT), ("b", PROMPT[:5])], slots=[1, -1])
+    with torch.no_grad():
+        want_lora = ref(torch.tensor([PROMPT])).logits[0]
+        with ref.disable_adapter():
+            want_base = ref(torch.tensor([PROMPT[:5]])).logits[0]
+            plain = model(torch.tensor([PROMPT[:5]])).logits[0]
+    torch.testing.assert_close(lora_out, want_lora, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(base_out, want_base, atol=1e-4, rtol=1e-4)
+    assert (base_out - plain).abs().max() > 1e-3  # and FP8 is not float: the check can fail
+    assert (lora_out[:5] - base_out).abs().max() > 1e-2  # nor is the adapter's row the base row
 
 
 def test_the_cuda_paths_scaled_mm_call_on_the_cpu_matches_float32():
