@@ -102,6 +102,8 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     cublas.without_workspace(cfg.device)  # before the first GEMM, and before the ranks are spawned (they inherit it)
     mc = model_config(cfg.model)
     resolve_max_model_len(cfg, mc)  # before the ranks are spawned: they get rank 0's length
+    if (error := fp8.quantization_error(cfg.quantization, cfg.device, cfg.torch_dtype)) is not None:
+        raise ValueError(error)  # before the ranks are spawned too
     ranks = None
     if cfg.world_size > 1:
         error = tp_size_error(mc, cfg.tp_size, cfg.max_rank, cfg.fully_sharded_loras) or ep_size_error(mc, cfg.ep_size)

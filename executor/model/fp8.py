@@ -378,15 +378,23 @@ def fp8_compute_error(device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def quantization_error(quantization: str | None, device, dtype: torch.dtype) -> str | None:
+    """Why `--quantization quantization` cannot run on device at dtype; None where it can (or is off)."""
+    if not quantization:
+        return None
+    if quantization not in QUANTIZATIONS:
+        return f"quantization {quantization!r} is not supported; supported: {QUANTIZATIONS}"
+    error = fp8_compute_error(device, dtype)
+    return None if error is None else f"--quantization {quantization} needs FP8 compute: {error}"
+
+
 def plan(scheme: Fp8Scheme | None, quantization: str | None, device, dtype: torch.dtype, source: str) -> bool:
     """Whether the model's linear layers hold FP8 weights; logs the choice. ValueError for a
     --quantization this device cannot run (before any weight is loaded)."""
-    if quantization and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization {quantization!r} is not supported; supported: {QUANTIZATIONS}")
+    if (refused := quantization_error(quantization, device, dtype)) is not None:
+        raise ValueError(refused)
     error = fp8_compute_error(device, dtype)
     if quantization:
-        if error is not None:
-            raise ValueError(f"--quantization {quantization} needs FP8 compute: {error}")
         what = f"{scheme.describe()} checkpoint" if scheme else "weights"
         log.info("%s: linear layers in FP8 (%s quantized per output channel at load where not already)", source, what)
         return True

@@ -584,3 +584,16 @@ def test_fp8_compute_needs_compute_capability_8_9_and_bfloat16(monkeypatch):
         fp8.plan(None, "fp8", "cuda:0", torch.bfloat16, "model")
     scheme = fp8.checkpoint_scheme({"quantization_config": quantization_config("block")})
     assert fp8.plan(scheme, "", "cuda:1", torch.bfloat16, "model") and not fp8.plan(scheme, "", "cuda:0", torch.bfloat16, "model")
+
+
+def test_quantization_fp8_without_fp8_compute_is_refused_before_tp_ranks_are_spawned(hf_model, monkeypatch):
+    from loraserve.executor import service
+    from loraserve.executor.config import ExecutorConfig
+
+    def never(*a, **k):
+        raise AssertionError("ranks were spawned before the refusal")
+
+    monkeypatch.setattr(service, "TPRanks", never)
+    cfg = ExecutorConfig(model=str(hf_model("llama")[1]), tp_size=2, quantization="fp8")
+    with pytest.raises(ValueError, match="--quantization fp8 needs FP8 compute: cpu has no FP8 compute"):
+        service.build_executor(cfg)
