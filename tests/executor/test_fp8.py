@@ -38,7 +38,7 @@ peft = pytest.importorskip("peft")
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 QUANTIZED = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight$")  # every linear layer but lm_head and routers
-FORMATS = ("ct-channel", "ct-tensor", "block")
+FORMATS = ("ct-channel", "ct-tensor", "ct-block", "block")  # compressed-tensors' three strategies, block-wise fp8
 
 
 # ---- the tests' own quantizer and checkpoint writer ----------------------------------------------
@@ -76,7 +76,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, strategy: str, block=(16, 1
 def write_fp8(src, dst, fmt: str, block=(16, 16), fuse_experts: bool = False, static_input: bool = False):
     """Writes src (a save_pretrained dir) as an FP8 checkpoint in `fmt` at dst, and its dequantized
     weights as a float checkpoint at dst/reference; returns that reference dir."""
-    strategy = {"ct-channel": "channel", "ct-tensor": "tensor", "block": "block"}[fmt]
+    strategy = {"ct-channel": "channel", "ct-tensor": "tensor", "ct-block": "block", "block": "block"}[fmt]
     with safe_open(str(src / "model.safetensors"), "pt") as f:
         tensors = {n: f.get_tensor(n) for n in f.keys()}
     out, ref = {}, dict(tensors)
@@ -125,6 +125,8 @@ def quantization_config(fmt: str, block=(16, 16), static_input: bool = False) ->
     if static_input:
         inputs.update(dynamic=False, strategy="tensor")
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": fmt.removeprefix("ct-")}
+    if fmt == "ct-block":
+        weights["block_structure"] = list(block)
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
