@@ -23,8 +23,10 @@ ADAPTERS = {  # name: (r, alpha, targets)
     "all4": (4, 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
 }
 # FP8 activations (per-token scales, 3 mantissa bits) on top of bf16: each row's logprobs within this
-# of its adapter's float32 reference on the same dequantized weights (bf16 alone is held to 0.1).
-FP8_LOGPROB_TOL = 0.25
+# of its adapter's float32 reference on the same dequantized weights. The FP8 activations alone (the
+# reference math in float32 on the CPU) move this model's greedy logprobs on prompt_ids(0..2) by up to
+# 0.12; bf16 alone is held to 0.1.
+FP8_LOGPROB_TOL = 0.3
 
 
 @pytest.fixture(scope="module")
