@@ -48,7 +48,7 @@ test: lint
 		PYTHONSAFEPATH=1 TRITON_INTERPRET=1 $(PY) -m pytest -m gpu tests/kernels tests/executor/test_slot_scatter.py; fi
 
 protos: install
-	bash protos/generate.sh
+	PATH=$(VENV)/bin:$$PATH bash protos/generate.sh
 
 bench-store: install
 	$(PY) benchmarks/bench_store.py

@@ -35,6 +35,10 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
   time, and the device's busy time beside the step's wall time).
 - gRPC: `--streams` concurrent GenerateStream calls from a client in another process, against
   the same requests through `Engine.generate` in-process.
+- `--quantization fp8` (a GPU of compute capability 8.9+): the random bf16 weights of every linear
+  layer but lm_head quantized to FP8 at load (per output channel), so the bytes floor is the FP8
+  weights' + K/V; a bf16 engine of the same shape runs its base decode and prefill cases first, and
+  the FP8 rows give its tokens/s and FLOP rate beside theirs.
 EOS is ignored (random weights would end rows at random).
 """
 
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import statistics
@@ -57,6 +62,7 @@ from loraserve.executor.engine.engine import Engine
 from loraserve.executor.engine.requests import GenerationRequest
 from loraserve.executor.engine.sampler import SamplingParams
 from loraserve.executor.lora import lora_modules
+from loraserve.executor.model import fp8
 from loraserve.executor.model.config import ModelConfig
 from loraserve.executor.model.llama import LlamaForCausalLM
 from loraserve.executor.model.moe import build_causal_lm
@@ -157,18 +163,25 @@ def matmul_peak() -> float:
 # ---- the model and the engine -----------------------------------------------------------------
 
 
-def build_model(shape: str, vocab: int, spec: LoraSpec) -> LlamaForCausalLM:
-    """A shape without its own vocab_size (the Gemma ones have the model's) takes `vocab`, the tokenizer's."""
+def build_model(shape: str, vocab: int, spec: LoraSpec, fp8_linears: bool = False) -> LlamaForCausalLM:
+    """A shape without its own vocab_size (the Gemma ones have the model's) takes `vocab`, the tokenizer's.
+    fp8_linears: the linear layers but lm_head hold FP8, their random bf16 weights quantized per row."""
     defaults = dict(
         vocab_size=vocab, model_type="llama", rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False
     )
-    cfg = ModelConfig(rms_norm_eps=1e-5, **{**defaults, **SHAPES[shape]})
+    cfg = ModelConfig(rms_norm_eps=1e-5, fp8_linears=fp8_linears, **{**defaults, **SHAPES[shape]})
     torch.manual_seed(0)
     model = build_causal_lm(cfg, spec, dtype=DTYPE, device=DEVICE)
     norm = 0.0 if cfg.norm_unit_offset else 1.0  # a unit norm scale either way (Gemma's is 1 + weight)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.fill_(norm) if "norm" in name else p.normal_(0, 0.02)
+            if p.dtype != fp8.FP8:
+                p.fill_(norm) if "norm" in name else p.normal_(0, 0.02)
+        for m in model.modules():
+            if getattr(m, "weight_scale", None) is not None:
+                q, scale = fp8.quantize_rows(torch.empty(m.weight.shape, dtype=DTYPE, device=DEVICE).normal_(0, 0.02))
+                m.weight.copy_(q)
+                m.weight_scale.copy_(scale)
     return model
 
 
@@ -194,9 +207,9 @@ def random_shard_fetcher(model, ranks: list[int]):
     return fetch, nbytes
 
 
-def build_engine(args, tokenizer: Tokenizer) -> tuple[build.ExecutorParts, list[int]]:
-    """The executor's parts (executor/build.py) around a random-weight model, fed by an in-process
-    fetch; -> (parts, bytes of each adapter a0, a1, ...)."""
+def build_engine(args, tokenizer: Tokenizer, quantization: str = "") -> tuple[build.ExecutorParts, list[int]]:
+    """The executor's parts (executor/build.py) around a random-weight model (quantization "fp8":
+    its linear layers in FP8), fed by an in-process fetch; -> (parts, bytes of each adapter a0, a1, ...)."""
     max_tokens_per_seq = args.context + args.new_tokens + 16
     max_model_len = max(4096 + 16, max_tokens_per_seq)
     cfg = ExecutorConfig(
@@ -206,10 +219,10 @@ def build_engine(args, tokenizer: Tokenizer) -> tuple[build.ExecutorParts, list[
         block_size=16, num_blocks=max(args.batches) * -(-max_tokens_per_seq // 16) + 4096 // 16 + 64,
         max_num_seqs=max(*args.batches, args.streams, 16), max_num_batched_tokens=4096,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, admit_ratio=args.admit_ratio,
-        store_address=NO_STORE, adapter_refresh_s=0,
+        store_address=NO_STORE, adapter_refresh_s=0, quantization=quantization,
     )  # fmt: skip
     spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE)
-    model = build_model(args.shape, args.vocab, spec)
+    model = build_model(args.shape, args.vocab, spec, fp8_linears=quantization == "fp8")
     fetch, by_rank = random_shard_fetcher(model, args.ranks)
     adapter_bytes = [by_rank[args.ranks[i % len(args.ranks)]] for i in range(max(1, args.adapters))]  # of a0, a1, ...
     t0 = time.perf_counter()
@@ -457,6 +470,7 @@ async def decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes
             _times(base, base_every),
             f"{batch / base_every:.0f} tok/s",
             f"{base_every / base_floor:.2f}x floor {base_floor * 1e3:.2f} ms (step alone {base / base_floor:.2f}x)"
+            f"{_against_bf16(('decode', batch), batch / base_every, 'tok/s')}"
             f"{_replay(engine, batch, False, base_floor)}{_host(batch, False)}",
         )
     )
@@ -480,6 +494,36 @@ async def decode_rows(engine, args, batch, wbytes, kv_token_bytes, adapter_bytes
     return rows
 
 
+def _against_bf16(case: tuple, rate: float, unit: str) -> str:
+    """With --quantization fp8: the bf16 engine's rate of the same case, and this one's against it."""
+    bf16 = BF16_RATES.get(case)
+    return "" if bf16 is None else f"; bf16 engine {bf16:.4g} {unit}, this {rate / bf16:.2f}x"
+
+
+async def bf16_rates(args, tokenizer: Tokenizer) -> None:
+    """BF16_RATES: the bf16 engine's base decode tokens/s per batch size and prefill FLOP/s per case,
+    measured before the FP8 engine is built (the engine then freed)."""
+    parts, _ = build_engine(args, tokenizer)
+    engine = parts.engine
+    engine.start()
+    await run_requests(engine, random_prompts(2, 16, args.vocab, 0), ["", ""], 4)  # warm-up
+    for batch in args.batches:
+        _, every = await decode_case(engine, args, batch, with_lora=False)
+        BF16_RATES[("decode", batch)] = batch / every
+    for num_seqs, length in args.prefill:
+        seconds, _ = await prefill_case(engine, args, num_seqs, length)
+        BF16_RATES[("prefill", num_seqs, length)] = prefill_flops(engine.model.cfg, num_seqs, length) / seconds / 1e12
+    await engine.stop()
+    HOST.clear()
+    LAST_FULL.clear()
+    del parts, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+BF16_RATES: dict[tuple, float] = {}  # --quantization fp8: the bf16 engine's rates (`bf16_rates`)
+
+
 def _host(batch: int, with_lora: bool) -> str:
     return f"; {HOST[(batch, with_lora)]}" if HOST.get((batch, with_lora)) else ""
 
@@ -497,7 +541,9 @@ async def run(args) -> list[tuple[str, str, str, str]]:
     bandwidth, peak = copy_bandwidth(), matmul_peak()
     tokenizer = Tokenizer.from_pretrained(args.tokenizer)
     tokenizer.eos_token_ids = set()  # random weights: run every row to max_tokens
-    parts, adapter_bytes = build_engine(args, tokenizer)
+    if args.quantization:
+        await bf16_rates(args, tokenizer)
+    parts, adapter_bytes = build_engine(args, tokenizer, args.quantization)
     engine = parts.engine
     engine.start()
     cfg = engine.model.cfg
@@ -541,7 +587,8 @@ async def run(args) -> list[tuple[str, str, str, str]]:
                 f"{seconds * 1e3:.1f} ms",
                 f"{num_seqs * length / seconds:.0f} tok/s",
                 f"{flops / seconds / 1e12:.1f} TFLOP/s = {flops / seconds / peak:.0%} of matmul; "
-                f"the first of 3: {first * 1e3:.1f} ms",
+                f"the first of 3: {first * 1e3:.1f} ms"
+                f"{_against_bf16(('prefill', num_seqs, length), flops / seconds / 1e12, 'TFLOP/s')}",
             )
         )
         if args.adapters:  # the same step with a distinct adapter per sequence (up to --adapters)
@@ -632,6 +679,12 @@ def main() -> None:
         help="admission pacing, as the executor's flag (0: admit each request at once)",
     )
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (float32)")
+    ap.add_argument(
+        "--quantization",
+        choices=["", "fp8"],
+        default="",
+        help="fp8: the linear layers in FP8 (quantized at load), beside a bf16 engine's rates of the same run",
+    )
     ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.ranks = args.ranks or [args.rank]
@@ -643,6 +696,8 @@ def main() -> None:
     DEVICE, DTYPE = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_engine.py needs a CUDA host (--device cpu: a smoke run of the script)")
+    if args.quantization and (error := fp8.fp8_compute_error(DEVICE, DTYPE)) is not None:
+        raise SystemExit(f"--quantization {args.quantization} needs FP8 compute: {error}")
     if args.table is not None and DEVICE == "cuda":
         from loraserve.kernels import tuning
 
@@ -656,7 +711,8 @@ def main() -> None:
     rows = asyncio.run(run(args))
     where = f"{torch.cuda.get_device_name()}, triton {__import__('triton').__version__}" if DEVICE == "cuda" else "cpu"
     print(
-        f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights, "
+        f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights"
+        f"{' quantized to FP8 at load (lm_head and embeddings not)' if args.quantization else ''}, "
         f"vocab {SHAPES[args.shape].get('vocab_size', args.vocab)}, "
         f"{where}, torch {torch.__version__}, "
         f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "

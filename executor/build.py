@@ -24,6 +24,7 @@ from .engine.kv_cache import KVCache
 from .engine.requests import GenerationRequest
 from .layout import declare_layout
 from .lora import lora_modules
+from .model import fp8
 from .model.config import ModelConfig
 from .pinned_arena import PinnedArena, stream_fence
 from .ranks import TPRanks
@@ -127,6 +128,7 @@ def build_engine(
     engine = Engine(model, tokenizer, kv, slots, cfg, ranks)
     if metrics is not None:
         metrics.attach(engine, slots, cfg.max_loras, model_name=cfg.base_model or cfg.model)
+        metrics.dtypes(fp8.weight_dtype(model), fp8.dtype_name(kv.k_cache[0].dtype))
     return ExecutorParts(engine, slots, store, cfg, metrics=metrics, ranks=ranks, arena=arena)
 
 

@@ -46,6 +46,13 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
         help="default: bfloat16 on GPU, float32 on CPU",
     )
     p.add_argument(
+        "--quantization",
+        default=env("quantization", ""),
+        choices=["", "fp8"],
+        help="fp8: the linear layers in FP8, quantized per output channel at load (needs a CUDA GPU of compute "
+        "capability 8.9+ and bfloat16); FP8 checkpoints need no flag",
+    )
+    p.add_argument(
         "--cache-dir",
         default=env("cache_dir", "var/cache"),
         help="files derived from the model and kept across starts (the GGUF's tokenizer); '' for none",
@@ -238,6 +245,7 @@ def executor_config(a: argparse.Namespace):
         base_model=base or "",
         device=device,
         dtype=dtype,
+        quantization=a.quantization,
         cache_dir=a.cache_dir,
         cpu_threads=a.cpu_threads,
         max_loras=a.max_loras,

@@ -27,6 +27,7 @@ class ExecutorConfig:
     base_model: str = ""  # the name adapters must have been trained on; part of the layout
     device: str = "cpu"  # "cpu", "cuda", "cuda:1"
     dtype: str = "float32"  # "float32" | "float16" | "bfloat16"
+    quantization: str = ""  # "fp8": the linear layers in FP8 (executor/model/fp8.py; FP8 GPUs only); "": as the checkpoint
     tp_size: int = 1  # tensor-parallel ranks (processes; one GPU each on CUDA): executor/ranks.py
     tp_timeout_s: float = 120.0  # a collective waiting this long on another rank fails (a hung rank)
     ep_size: int = 1  # expert-parallel ranks (MoE models; tp_size 1): the same processes, experts split
@@ -90,6 +91,8 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in ("", "fp8"):
+            raise ValueError(f"quantization must be '' or 'fp8', got {self.quantization!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be at least 1, got {self.tp_size}")
         if self.ep_size < 1:

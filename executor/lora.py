@@ -144,6 +144,11 @@ class LinearWithLoRA(nn.Module):
     B's columns sit in tp parts of max_rank / tp, rank part p's rows of A at part p) and, on a
     row layer, B's outputs (lora_b: [max_loras, N / tp, max_rank]; the shrink output is
     all-reduced, the expand adds into this rank's 1/tp of the output columns).
+
+    fp8: the base weight is float8_e4m3fn with `weight_scale` [N] float32, one scale per output row
+    (executor/model/fp8.py fills both), and the base GEMM is kernels.fp8_linear (activations quantized
+    per token); shapes the FP8 GEMM does not take (in or N not a multiple of 16) stay in dtype. LoRA is
+    unchanged: it reads the layer's input in dtype and adds into the GEMM's output.
     """
 
     slot_rank_dim = 1  # rank's dim in one slot's lora_a [S, r, in] and lora_b [N, r]
@@ -158,9 +163,11 @@ class LinearWithLoRA(nn.Module):
         device,
         tp: TPGroup | None = None,
         row_parallel: bool = False,
+        fp8: bool = False,
     ):
         super().__init__()
         self.tp = tp or TPGroup()
+        self.compute_dtype = dtype
         self.row_parallel = row_parallel and self.tp.size > 1
         sharded = lora is not None and lora.fully_sharded and self.tp.size > 1
         self.rank_parts = self.tp.size if sharded and not self.row_parallel else 1  # parts of A's rank over ranks
@@ -175,7 +182,10 @@ class LinearWithLoRA(nn.Module):
         self.lora_offsets, self.lora_out_start = self.slice_offsets, 0
         if sharded and self.row_parallel:
             self.lora_offsets, self.lora_out_start = (0, n_out // self.tp.size), self.tp.rank * (n_out // self.tp.size)
-        self.weight = nn.Parameter(torch.empty(n_out, in_features, dtype=dtype, device=device), requires_grad=False)
+        fp8 = fp8 and in_features % 16 == 0 and n_out % 16 == 0
+        weight_dtype = torch.float8_e4m3fn if fp8 else dtype
+        self.weight = nn.Parameter(torch.empty(n_out, in_features, dtype=weight_dtype, device=device), requires_grad=False)
+        self.register_buffer("weight_scale", torch.ones(n_out, device=device) if fp8 else None, persistent=False)
         self.bias = nn.Parameter(torch.empty(n_out, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
         self.register_buffer("lora_b", None, persistent=False)
@@ -192,7 +202,7 @@ class LinearWithLoRA(nn.Module):
             self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
 
     def create_lora_weights(self, max_loras: int, max_rank: int, dtype: torch.dtype | None = None) -> None:
-        dtype = dtype or self.weight.dtype
+        dtype = dtype or self.compute_dtype
         dev = self.weight.device
         n_slices, n_out = len(self.output_sizes), self.lora_offsets[-1]
         if max_rank % self.rank_parts:
@@ -252,17 +262,24 @@ class LinearWithLoRA(nn.Module):
             writes.flush()
         self.slot_ranks[slot] = 0
 
+    def _base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W.T (+ bias) [T, N] in x's dtype: the FP8 GEMM where the layer holds FP8 weights, else
+        kernels.linear (cuBLAS, or the skinny GEMM where the GPU's table picks it)."""
+        if self.weight_scale is not None:
+            return kernels.fp8_linear(x, self.weight, self.weight_scale, bias)
+        return kernels.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None = None) -> torch.Tensor:
         if self.row_parallel:
             return self._forward_row_parallel(x, lora_meta)
         weights = _step_weights(self, lora_meta, x.device)
         if weights is None:
-            return kernels.linear(x, self.weight, self.bias)  # [T, N]
+            return self._base(x, self.bias)  # [T, N]
         lora_a, lora_b = weights
         ranked = self.rank_parts == 1  # a fully sharded column layer's rank dim holds tp parts
         side = _side_stream(x.device)
         if side is None:
-            y = kernels.linear(x, self.weight, self.bias)
+            y = self._base(x, self.bias)
             buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)  # [S, T, rank] float32
             if self.rank_parts > 1:
                 buf = self.tp.all_gather(buf)  # [S, T, max_rank]: every rank part of x @ A.T
@@ -276,7 +293,7 @@ class LinearWithLoRA(nn.Module):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)
-        y = kernels.linear(x, self.weight, self.bias)
+        y = self._base(x, self.bias)
         main.wait_stream(side)
         if self.rank_parts > 1:
             buf = self.tp.all_gather(buf)
@@ -285,7 +302,7 @@ class LinearWithLoRA(nn.Module):
     def _forward_row_parallel(self, x: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
         """x: [T, in / tp], this rank's input columns. Every term before the all-reduce is a
         partial sum over them, LoRA's included (expand is linear in the shrink output)."""
-        y = kernels.linear(x, self.weight)  # [T, N], partial
+        y = self._base(x, None)  # [T, N], partial
         weights = _step_weights(self, lora_meta, x.device)
         if weights is not None:
             lora_a, lora_b = weights

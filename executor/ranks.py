@@ -397,7 +397,9 @@ class _Rank:
         group = make_group(store, rank, cfg.world_size, backend(cfg.device), cfg.tp_timeout_s)
         self.tp, self.ep = roles(group, cfg.ep_size)
         spec = lora_spec(cfg)
-        self.model = load_model(cfg.model, cfg.torch_dtype, self.device, lora=spec, tp=self.tp, ep=self.ep)
+        self.model = load_model(
+            cfg.model, cfg.torch_dtype, self.device, lora=spec, tp=self.tp, ep=self.ep, quantization=cfg.quantization
+        )
         mc = self.model.cfg
         self.kv = KVCache(
             mc.num_layers, cfg.num_blocks, cfg.block_size, self.model.num_kv_heads, mc.head_dim, cfg.torch_dtype, self.device

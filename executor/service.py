@@ -31,6 +31,7 @@ from .engine.sampler import SamplingParams
 from .http import serve_http
 from .layout import model_config
 from .lora import lora_modules
+from .model import fp8
 from .model.loader import load_model
 from .model.tokenizer import Tokenizer
 from .parallel import ep_size_error, roles, tp_size_error
@@ -101,6 +102,8 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     cublas.without_workspace(cfg.device)  # before the first GEMM, and before the ranks are spawned (they inherit it)
     mc = model_config(cfg.model)
     resolve_max_model_len(cfg, mc)  # before the ranks are spawned: they get rank 0's length
+    if (error := fp8.quantization_error(cfg.quantization, cfg.device, cfg.torch_dtype)) is not None:
+        raise ValueError(error)  # before the ranks are spawned too
     ranks = None
     if cfg.world_size > 1:
         error = tp_size_error(mc, cfg.tp_size, cfg.max_rank, cfg.fully_sharded_loras) or ep_size_error(mc, cfg.ep_size)
@@ -121,7 +124,7 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
 def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorParts:
     # max_loras 0 (automatic): one slot until the KV cache is in place, then as many as fit
     tp, ep = roles(ranks.start(), cfg.ep_size) if ranks is not None else (None, None)
-    model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=lora_spec(cfg), tp=tp, ep=ep)
+    model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=lora_spec(cfg), tp=tp, ep=ep, quantization=cfg.quantization)
     tokenizer = load_tokenizer(cfg.model, cfg.cache_dir)
     packed = any(m.packed_b for m in lora_modules(model).values())
     parts = build_engine(cfg, model, tokenizer, ranks=ranks)
@@ -281,6 +284,8 @@ class ExecutorService(epb_grpc.ExecutorServicer):
             max_cpu_adapters=c.max_cpu_adapters,
             version=__version__,
             prefix_caching=c.prefix_caching,
+            weight_dtype=fp8.weight_dtype(self.parts.engine.model),
+            kv_cache_dtype=fp8.dtype_name(self.parts.engine.kv_cache.k_cache[0].dtype),
         )
 
 

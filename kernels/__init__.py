@@ -11,7 +11,7 @@ import importlib
 
 import torch
 
-from . import attention_reference, copy_reference, moe_reference, ops_reference, reference
+from . import attention_reference, copy_reference, fp8_reference, moe_reference, ops_reference, reference
 from .meta import LoraMeta, make_lora_meta
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "silu_and_mul",
     "gelu_and_mul",
     "linear",
+    "fp8_linear",
     "greedy",
     "slot_scatter",
 ]
@@ -154,6 +155,13 @@ def linear(x, weight, bias=None):
     """F.linear; on CUDA at 1-64 tokens the skinny GEMM where the GPU's table lists the shape
     (kernels/triton_linear.py)."""
     return _on_device(x, "triton_linear", ops_reference).linear(x, weight, bias)
+
+
+def fp8_linear(x, weight, weight_scale, bias=None):
+    """x [T, K] @ an FP8 weight [N, K].T with per-row weight_scale [N] float32 (+ bias), in x's dtype: x
+    quantized per token, float32 accumulation (kernels/fp8_reference.py); on CUDA torch._scaled_mm
+    (kernels/triton_fp8.py)."""
+    return _on_device(x, "triton_fp8", fp8_reference).fp8_linear(x, weight, weight_scale, bias)
 
 
 def greedy(logits):

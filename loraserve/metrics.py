@@ -177,6 +177,17 @@ class ExecutorMetrics:
         self.prefix_caching = engine.config.prefix_caching
         self.registry.register(_ExecutorState(engine, slots, max_loras, self.adapters, self.compat, model_name))
 
+    def dtypes(self, weight_dtype: str, kv_cache_dtype: str) -> None:
+        """loraserve_executor_dtype_info{weight_dtype, kv_cache_dtype} = 1: what the base model's linear
+        layers and the KV cache hold (e.g. float8_e4m3fn, bfloat16)."""
+        info = Gauge(
+            "loraserve_executor_dtype_info",
+            "The dtypes of the base model's linear-layer weights and of the KV cache (value 1)",
+            ["weight_dtype", "kv_cache_dtype"],
+            registry=self.registry,
+        )
+        info.labels(weight_dtype, kv_cache_dtype).set(1)
+
     async def track(self, outputs: AsyncIterator, adapter: str) -> AsyncIterator:
         """Yields `outputs` (Engine.generate's) and counts the request when it ends, however it ends."""
         label = self.adapters(adapter)

@@ -154,9 +154,12 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, tp.kv_heads(cfg.num_kv_heads)
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = LinearWithLoRA(
-            cfg.hidden_size, (self.q_size, self.kv_size, self.kv_size), cfg.attention_bias, lora, dtype, device, tp
+            cfg.hidden_size, (self.q_size, self.kv_size, self.kv_size), cfg.attention_bias, lora, dtype, device, tp,
+            fp8=cfg.fp8_linears,
+        )  # fmt: skip
+        self.o_proj = LinearWithLoRA(
+            self.q_size, (cfg.hidden_size,), cfg.o_proj_bias, lora, dtype, device, tp, row_parallel=True, fp8=cfg.fp8_linears
         )
-        self.o_proj = LinearWithLoRA(self.q_size, (cfg.hidden_size,), cfg.o_proj_bias, lora, dtype, device, tp, row_parallel=True)
         if cfg.qk_norm:  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
@@ -187,8 +190,10 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, tp: TPGroup, intermediate_size: int | None = None):
         super().__init__()
         i = (intermediate_size or cfg.intermediate_size) // tp.size
-        self.gate_up_proj = LinearWithLoRA(cfg.hidden_size, (i, i), cfg.mlp_bias, lora, dtype, device, tp)
-        self.down_proj = LinearWithLoRA(i, (cfg.hidden_size,), cfg.mlp_bias, lora, dtype, device, tp, row_parallel=True)
+        self.gate_up_proj = LinearWithLoRA(cfg.hidden_size, (i, i), cfg.mlp_bias, lora, dtype, device, tp, fp8=cfg.fp8_linears)
+        self.down_proj = LinearWithLoRA(
+            i, (cfg.hidden_size,), cfg.mlp_bias, lora, dtype, device, tp, row_parallel=True, fp8=cfg.fp8_linears
+        )
         self.act_and_mul = kernels.gelu_and_mul if cfg.hidden_act == "gelu_tanh" else kernels.silu_and_mul
 
     def forward(self, x, lora_meta):

@@ -6,11 +6,17 @@ Under tensor parallelism each rank reads only its rows or columns of each tensor
 slices lazily; a GGUF rank dequantizes only its rows, or, for a column cut, one tensor at a time
 before cutting it), never the whole model. Under expert parallelism each rank reads only its
 block of experts (per-expert tensors of other experts are skipped, fused [E, ...] ones sliced).
+FP8 checkpoints (executor/model/fp8.py) are checked, scales included, before any weight is read;
+their weights reach `_WeightSink` with their scales cut to the rank's part, and go into FP8
+linear layers as they are or dequantized into the others.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -20,27 +26,38 @@ from safetensors import safe_open
 
 from ..parallel import TPGroup
 from ..slot_layout import LoraSpec
+from . import fp8
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .moe import build_causal_lm
+
+log = logging.getLogger(__name__)
 
 # (dim, slice) of a checkpoint tensor that one TP rank keeps; None: all of it
 Cut = tuple[int, slice] | None
 
 
 def load_model(
-    path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None, tp: TPGroup | None = None, ep: TPGroup | None = None
+    path,
+    dtype=torch.float32,
+    device="cpu",
+    lora: LoraSpec | None = None,
+    tp: TPGroup | None = None,
+    ep: TPGroup | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """A .gguf file, or a directory with config.json + safetensors (or with exactly one .gguf).
-    ep: the expert-parallel group of an MoE model (safetensors only; GGUF models are dense)."""
+    ep: the expert-parallel group of an MoE model (safetensors only; GGUF models are dense).
+    quantization: "fp8" to hold the linear layers in FP8 (fp8.plan: FP8 hardware only); an FP8
+    checkpoint's layers are held in FP8 where the device computes in it, dequantized elsewhere."""
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        return load_gguf(p, dtype, device, lora, tp, ep)
+        return load_gguf(p, dtype, device, lora, tp, ep, quantization)
     if (p / "config.json").is_file():
-        return load_hf_checkpoint(p, dtype, device, lora, tp, ep)
+        return load_hf_checkpoint(p, dtype, device, lora, tp, ep, quantization)
     ggufs = sorted(p.glob("*.gguf")) if p.is_dir() else []
     if len(ggufs) == 1:
-        return load_gguf(ggufs[0], dtype, device, lora, tp, ep)
+        return load_gguf(ggufs[0], dtype, device, lora, tp, ep, quantization)
     raise FileNotFoundError(f"{p}: neither a .gguf file nor a directory with config.json or one .gguf")
 
 
@@ -63,6 +80,10 @@ class _WeightSink:
         self.experts = model.ep.part(self.cfg.num_experts)  # the block of experts this rank keeps
         # tied lm_head appears once, as embed_tokens; experts' [E, N, in] weights are filled as [E * N, in] rows
         self.params = {n: p.data.flatten(0, -2) if p.dim() == 3 else p.data for n, p in model.named_parameters()}
+        # FP8 linear layers: their weight's per-output-row scales, filled row for row with it
+        self.row_scales = {
+            f"{n}.weight": m.weight_scale.data for n, m in model.named_modules() if getattr(m, "weight_scale", None) is not None
+        }
         self.rows_filled = {name: 0 for name in self.params}
         c, tp = self.cfg, self.tp
         q_rows, kv_rows, _ = tp.qkv_rows(c)
@@ -169,8 +190,10 @@ class _WeightSink:
         }[_EXPERT_PROJ[proj]]
         return f"{prefix}{param}.weight", row, None
 
-    def put(self, hf_name: str, tensor: torch.Tensor) -> None:
-        """tensor: the checkpoint's tensor, already cut to this rank's part (`target`)."""
+    def put(self, hf_name: str, tensor: torch.Tensor | fp8.Quantized) -> None:
+        """tensor: the checkpoint's tensor, already cut to this rank's part (`target`); an FP8 one
+        (fp8.Quantized) goes into an FP8 layer with its scales, else dequantized to the model's dtype.
+        Float weights of an FP8 layer are quantized per output row."""
         target = self.target(hf_name)
         if target is None:
             return
@@ -178,12 +201,19 @@ class _WeightSink:
         param = self.params.get(name)
         if param is None:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model (as {name!r})")
+        scales = None
+        if name in self.row_scales:
+            tensor, scales = fp8.to_rows(tensor)
+        elif isinstance(tensor, fp8.Quantized):
+            tensor = tensor.dequantize(param.dtype)
         if tensor.dim() == 3 and param.dim() == 2:  # fused experts [E, N, in] into our flattened rows
             tensor = tensor.flatten(0, 1)
         dst = param[row : row + tensor.shape[0]]
         if dst.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor {hf_name!r} is {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(tensor)
+        if scales is not None:
+            self.row_scales[name][row : row + tensor.shape[0]].copy_(scales)
         self.rows_filled[name] += tensor.shape[0]
 
     def check_complete(self) -> None:
@@ -202,22 +232,53 @@ def load_hf_checkpoint(
     lora: LoraSpec | None = None,
     tp: TPGroup | None = None,
     ep: TPGroup | None = None,
+    quantization: str | None = None,
 ):
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    model = build_causal_lm(cfg, lora, dtype, device, tp, ep)
-    sink = _WeightSink(model)
-    for file in _safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    cfg = ModelConfig.from_hf_config(hf_config)
+    scheme = fp8.checkpoint_scheme(hf_config)  # an unsupported quantization_config is refused here
+    with contextlib.ExitStack() as files:
+        opened = [files.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in _safetensors_files(model_dir)]
+        where = {}  # tensor -> its file
+        for f in opened:
             for name in f.keys():
-                tensor = f.get_slice(name)
-                for part_name, cut in sink.reads(name, (tensor.get_shape() or [0])[0]):
-                    if cut is None:
-                        sink.put(part_name, f.get_tensor(name))
-                    else:  # reads only this rank's rows or columns from the file
-                        sink.put(part_name, tensor[cut[1]] if cut[0] == 0 else tensor[:, cut[1]])
+                if name in where:
+                    raise ValueError(f"checkpoint tensor {name!r} is in two of the model's safetensors files")
+                where[name] = f
+        meta = {name: (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape()) for name, f in where.items()}
+        fp8_linears = fp8.plan(scheme, quantization, device, dtype, str(model_dir))
+        checkpoint = None
+        if scheme is not None:  # every scale checked before any weight is read
+            checkpoint = fp8.Fp8Checkpoint(scheme, meta, lambda name: where[name].get_tensor(name))
+        elif (fp8_name := next((n for n, (d, _) in meta.items() if d.startswith("F8_")), None)) is not None:
+            raise ValueError(f"checkpoint tensor {fp8_name!r} is {meta[fp8_name][0]} but config.json has no quantization_config")
+        _log_dequantized_experts(cfg, fp8_linears, dtype)
+        model = build_causal_lm(dataclasses.replace(cfg, fp8_linears=fp8_linears), lora, dtype, device, tp, ep)
+        sink = _WeightSink(model)
+        for name, f in where.items():
+            if checkpoint is not None and checkpoint.is_scale(name):
+                continue
+
+            def read(cut: Cut, name=name, f=f) -> torch.Tensor:
+                if cut is None:
+                    return f.get_tensor(name)
+                part = f.get_slice(name)  # reads only this rank's rows or columns from the file
+                return part[cut[1]] if cut[0] == 0 else part[:, cut[1]]
+
+            # a fused q|k|v or gate|up tensor (Phi-3) is read as its parts, each with its rows' scales
+            for part_name, cut in sink.reads(name, (meta[name][1] or [0])[0]):
+                if checkpoint is not None and checkpoint.is_quantized(name):
+                    sink.put(part_name, checkpoint.read(name, meta[name][1], read, cut))
+                else:
+                    sink.put(part_name, read(cut))
     sink.check_complete()
     return model.eval()
+
+
+def _log_dequantized_experts(cfg: ModelConfig, fp8_linears: bool, dtype: torch.dtype) -> None:
+    if fp8_linears and cfg.num_experts:
+        log.info("MoE experts held in %s (no FP8 fused-MoE kernel); the dense linear layers in FP8", fp8.dtype_name(dtype))
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -262,13 +323,21 @@ _GGUF_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  
 
 
 def load_gguf(
-    path, dtype=torch.float32, device="cpu", lora: LoraSpec | None = None, tp: TPGroup | None = None, ep: TPGroup | None = None
+    path,
+    dtype=torch.float32,
+    device="cpu",
+    lora: LoraSpec | None = None,
+    tp: TPGroup | None = None,
+    ep: TPGroup | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """Dequantizes every tensor (Q4_0/1, Q8_0, K-quants, F16, F32, ... as gguf.quants supports) to dtype."""
+    """Dequantizes every tensor (Q4_0/1, Q8_0, K-quants, F16, F32, ... as gguf.quants supports) to dtype
+    (quantization "fp8": the linear layers' weights then to FP8 per output row)."""
     import gguf
 
+    fp8_linears = fp8.plan(None, quantization, device, dtype, str(path))
     reader = gguf.GGUFReader(str(path))
-    cfg = gguf_config(reader)
+    cfg = dataclasses.replace(gguf_config(reader), fp8_linears=fp8_linears)
     model = build_causal_lm(cfg, lora, dtype, device, tp, ep)  # GGUF models are dense: ep > 1 is refused
     sink = _WeightSink(model)
     permute = _gguf_field(reader, "general.architecture") == "llama"

@@ -26,6 +26,7 @@ NON_DEFAULT = {
         "replicaCount": 4,
         "gpu": {"count": 0},
         "dtype": "bfloat16",
+        "quantization": "fp8",
         "service": {"headless": True},
         "httpPort": 0,
         "enforceEager": True,

@@ -1,4 +1,4 @@
-"""The LoRA kernels, and the base model's (skinny GEMM, attention, fused ops, token grouping, slot-load scatter),
+"""The LoRA kernels, and the base model's (skinny GEMM, attention, fused ops, FP8 quantization, token grouping, slot-load scatter),
 compiled for an H100 (sm90) by Triton's own compiler, on a machine without a GPU.
 
 The wrappers (kernels/triton_lora.py) run as when serving, with the shipped H100 table, on two
@@ -113,6 +113,7 @@ BASE_KERNELS = {
     "triton_ops": ("_rms_norm_kernel", "_rope_cache_kernel", "_silu_mul_kernel", "_greedy_kernel"),
     "triton_meta": ("_group_kernel",),
     "triton_copy": ("_slot_scatter_kernel",),
+    "triton_fp8": ("_quantize_per_token_kernel",),
 }
 # (heads, kv heads, head dim, hidden, intermediate, vocab): Llama-3-8B, SmolLM2-135M
 ATTENTION_SHAPES = ((32, 8, 128, 4096, 14336, 128256), (9, 3, 64, 576, 1536, 49152))
@@ -133,7 +134,7 @@ def base_built():
     decode attention with and without a window (several splits and their merge, and one split),
     prefill attention at query lengths that pick each row tile, per query block and from a work
     list, with and without a window; the norm (hidden and per head), RoPE + cache write,
-    SiLU-and-mul, greedy pick, the token grouping and the slot-load scatter. Each call must launch a kernel (a wrapper
+    SiLU-and-mul, greedy pick, an FP8 layer's per-token quantization, the token grouping and the slot-load scatter. Each call must launch a kernel (a wrapper
     that fell back to its reference would build nothing): returns the Built launches."""
     import importlib
 
@@ -193,6 +194,8 @@ def base_built():
                 cos = torch.empty(tokens, dim, dtype=bf16)  # the engine's cos / sin rows: [T, head dim]
                 built_by(ops.rope_and_cache, q, kv, kv, cos, cos, k_cache, k_cache, torch.zeros(tokens, dtype=torch.int64))
                 built_by(ops.silu_and_mul, torch.empty(tokens, 2 * inter, dtype=bf16))
+                for width in (hidden, inter):  # an FP8 layer's input, per token
+                    built_by(modules["triton_fp8"].quantize_per_token, torch.empty(tokens, width, dtype=bf16))
             built_by(ops.greedy, torch.empty(64, vocab, dtype=torch.float32))
         for tokens, slots in ((1, 64), (64, 64), (128, 64)):
             grouped = built_by(

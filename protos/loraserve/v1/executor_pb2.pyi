@@ -163,7 +163,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("base_model", "max_loras", "max_rank", "dtype", "device", "tp_size", "max_cpu_adapters", "version", "ep_size", "prefix_caching")
+    __slots__ = ("base_model", "max_loras", "max_rank", "dtype", "device", "tp_size", "max_cpu_adapters", "version", "ep_size", "weight_dtype", "kv_cache_dtype", "prefix_caching")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,8 @@ class ServerInfo(_message.Message):
     MAX_CPU_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     max_loras: int
@@ -183,5 +185,7 @@ class ServerInfo(_message.Message):
     max_cpu_adapters: int
     version: str
     ep_size: int
+    weight_dtype: str
+    kv_cache_dtype: str
     prefix_caching: bool
-    def __init__(self, base_model: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_cpu_adapters: _Optional[int] = ..., version: _Optional[str] = ..., ep_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    def __init__(self, base_model: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_cpu_adapters: _Optional[int] = ..., version: _Optional[str] = ..., ep_size: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,70 @@
+"""The FP8 linear layer on CUDA (compute capability 8.9+): per-token activation quantization in one
+Triton kernel, then cuBLASLt's FP8 GEMM through torch._scaled_mm with row-wise scales (float32
+accumulation, bf16 out). The math is kernels/fp8_reference.py's; nothing here syncs with the host,
+so captured CUDA graphs hold it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_reference import FP8, FP8_MAX, MIN_AMAX
+
+BLOCK_K = 1024  # columns of a row per pass (two passes: the row's max, then the quantized values)
+
+
+@triton.jit
+def _quantize_per_token_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, MIN_AMAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        mask = k0 + offs < K
+        x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (unit column stride) -> (q [T, K] float8_e4m3fn, scale [T, 1] float32)."""
+    t, k = x.shape
+    q = torch.empty((t, k), dtype=FP8, device=x.device)
+    scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    if t:
+        _quantize_per_token_kernel[(t,)](
+            x,
+            q,
+            scale,
+            k,
+            x.stride(0),
+            q.stride(0),
+            MIN_AMAX=MIN_AMAX,
+            FP8_MAX=FP8_MAX,
+            BLOCK=min(BLOCK_K, triton.next_power_of_2(k)),
+        )
+    return q, scale
+
+
+def scaled_mm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, dtype) -> torch.Tensor:
+    """(q [T, K] @ weight [N, K].T) * x_scale [T, 1] * weight_scale [N]: cuBLASLt FP8, float32 accumulation."""
+    return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, K] bf16 -> [T, N] bf16 (row-wise scaled FP8 GEMMs take bf16 out only)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q, s = quantize_per_token(x)
+    y = scaled_mm(q, s, weight, weight_scale, x.dtype)
+    return y if bias is None else y.add_(bias)
