@@ -56,8 +56,8 @@ def applies(m: nn.Module, meta) -> bool:
 
 def apply(m: nn.Module, y: torch.Tensor, meta, bias: torch.Tensor | None) -> torch.Tensor:
     """g[slot of each token] * y (+ bias): y [T, N] is the base output and LoRA delta, without bias."""
-    y = y * m.dora_scale[meta.token_slots]  # slot -1 reads the last row: ones
-    return y if bias is None else y + bias
+    g = m.dora_scale[meta.token_slots]  # [T, N]; slot -1 reads the last row: ones
+    return y * g if bias is None else torch.addcmul(bias, y, g)
 
 
 def split(tensors: dict) -> tuple[dict, dict[str, torch.Tensor]]:

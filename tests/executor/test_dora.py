@@ -89,13 +89,13 @@ def references(base, adapter_dirs):
     return refs
 
 
-def cluster_of(lt, base, adapter_dirs, data, tp: int, **overrides) -> Cluster:
+def cluster_of(lt, base, adapter_dirs, data, tp: int, names=ADAPTERS, **overrides) -> Cluster:
     return Cluster(
         lt,
         base[1],
         adapter_dirs,
         data,
-        ADAPTERS,
+        names,
         store_overrides=dict(limits=validate.Limits(max_rank=32)),
         tp_size=tp,
         max_rank=32,
@@ -137,5 +137,40 @@ def test_dora_rows_on_cuda_through_the_graphs_in_bf16(case, references, base, ad
         for group in GROUPS:
             jobs, resps = run_group(c.client(), group)
             check_bf16_rows(references, jobs, resps)
+    finally:
+        c.close()
+
+
+def test_dora_with_fully_sharded_lora_is_refused_through_the_executor(
+    hf_model, save_byte_tokenizer, module_loop_thread, tmp_path
+):
+    """Fully sharded LoRA cuts a column layer's A over the ranks, so no rank could work out the norm:
+    the store refuses the DoRA adapter's shards with FAILED_PRECONDITION, which Generate returns;
+    plain LoRA rows are served as before."""
+    from loraserve.errors import StatusError
+
+    from .conftest import generate, prompt_ids
+
+    model, path = hf_model(
+        "llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
+    )
+    if not (path / "tokenizer.json").exists():
+        save_byte_tokenizer(path)
+    names = {"dora4": ADAPTERS["dora4"], "lora8": ADAPTERS["lora8"]}
+    for seed, (name, spec) in enumerate(names.items()):
+        make_adapter(model, tmp_path / "adapters" / name, seed, *spec)
+    c = cluster_of(
+        module_loop_thread, (model, path), tmp_path / "adapters", tmp_path / "store", 2, names, fully_sharded_loras=True
+    )
+    try:
+        client = c.client()
+        with pytest.raises(StatusError) as e:
+            generate(client, "dora4", prompt_ids(0))
+        assert e.value.code.name == "FAILED_PRECONDITION", e.value
+        assert "DoRA adapters are not served with fully sharded LoRA" in e.value.message
+        from peft import PeftModel
+
+        ref = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "adapters" / "lora8").eval()
+        check_against_reference(ref, prompt_ids(1), generate(client, "lora8", prompt_ids(1)))
     finally:
         c.close()
