@@ -5,6 +5,7 @@ each adapter between the two slots; the layers' DoRA scale applied only where a 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -174,3 +175,110 @@ def test_dora_with_fully_sharded_lora_is_refused_through_the_executor(
         check_against_reference(ref, prompt_ids(1), generate(client, "lora8", prompt_ids(1)))
     finally:
         c.close()
+
+
+# ---- the slots' DoRA scale, loaded from the store's own shards into a model on the CPU ----
+
+
+@pytest.fixture(scope="module")
+def slot_setup(hf_model, tmp_path_factory):
+    """(base dir, {name: (PeftModel reference, the store's tp-1 shard)}) for a DoRA, an rsLoRA DoRA
+    and a plain adapter of a Llama with biases."""
+    from peft import PeftModel
+
+    from loraserve.adapter_store import pack
+    from loraserve.executor.layout import declare_layout, model_config
+    from loraserve.executor.slot_layout import LoraSpec
+    from loraserve.v1 import common_pb2 as pb
+
+    model, path = hf_model("llama", attention_bias=True, mlp_bias=True)
+    root = tmp_path_factory.mktemp("slot-adapters")
+    spec = LoraSpec(max_loras=3, max_rank=16, dtype=torch.float32)
+    layout = declare_layout(model_config(path), spec, "tiny")
+    out = {}
+    for seed, name in enumerate(("dora4", "dora16rs", "lora8")):
+        make_adapter(model, root / name, seed, *ADAPTERS[name])
+        adapter = pack.load_adapter(root / name, None, validate.Limits())
+        shard = pack.shard(pack.pack_full(adapter, layout), layout, pb.ShardRank(), pack.pack_magnitudes(adapter, layout))
+        out[name] = (PeftModel.from_pretrained(copy.deepcopy(model), root / name).eval(), shard)
+    return path, spec, out
+
+
+def _served(path, spec, packed_b: bool):
+    from loraserve.executor.model.loader import load_hf_checkpoint
+
+    from .conftest import b_packed
+
+    with b_packed(packed_b):
+        return load_hf_checkpoint(path, lora=spec)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("packed_b", [False, True], ids=["b-rows", "b-packed"])
+def test_slot_rows_match_peft_and_the_scale_follows_what_each_slot_holds(slot_setup, paged_runner, packed_b):
+    from loraserve.executor.lora import LinearWithLoRA, lora_modules
+    from loraserve.executor.slot_load import clear_slot, load_shard_into_slot
+
+    path, spec, adapters = slot_setup
+    model = _served(path, spec, packed_b)
+    for slot, name in enumerate(("dora4", "lora8", "dora16rs")):
+        load_shard_into_slot(model, slot, adapters[name][1])
+    run = paged_runner(model, block_size=4)
+    prompts = [_ids(7 + i, i) for i in range(4)]
+    outs = run.step([(i, p) for i, p in enumerate(prompts)], slots=[0, 1, -1, 2])
+    for out, name, ids in zip(outs, ("dora4", "lora8", "", "dora16rs"), prompts):
+        ref = adapters[name][0] if name else adapters["lora8"][0].get_base_model()
+        with torch.no_grad(), adapters["lora8"][0].disable_adapter() if not name else contextlib.nullcontext():
+            want = ref(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(out, want, atol=2e-4, rtol=1e-4)
+
+    dense = [m for m in lora_modules(model).values() if isinstance(m, LinearWithLoRA)]
+    assert all(m.dora_slots == [True, False, True] for m in dense)  # both DoRA adapters target every dense layer
+    assert all((m.dora_scale[1] == 1).all() and (m.dora_scale[-1] == 1).all() for m in dense)
+    assert any((m.dora_scale[0] != 1).any() for m in dense)
+    load_shard_into_slot(model, 0, adapters["lora8"][1])  # a plain adapter over a DoRA one: scale 1 again
+    clear_slot(lora_modules(model).values(), 2)
+    assert all(m.dora_slots == [False] * 3 and (m.dora_scale == 1).all() for m in dense)
+
+
+def test_the_scale_applies_alike_with_and_without_the_step_slots_on_the_host(slot_setup):
+    """A captured graph's LoraMeta has no host_slots: every dense layer then applies the scale
+    (1 for plain LoRA and base rows), which gives what the eager step gives."""
+    from loraserve.executor.slot_load import load_shard_into_slot
+    from loraserve.kernels import make_lora_meta
+
+    path, spec, adapters = slot_setup
+    model = _served(path, spec, False)
+    load_shard_into_slot(model, 0, adapters["dora4"][1])
+    load_shard_into_slot(model, 1, adapters["lora8"][1])
+    for layer in (model.model.layers[0].self_attn.qkv_proj, model.model.layers[1].mlp.down_proj):
+        x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(0))
+        slots = torch.tensor([0, 1, -1, 0, 1], dtype=torch.int32)
+        eager = layer(x, make_lora_meta(slots, spec.max_loras, frozenset({0, 1})))
+        graph = layer(x, make_lora_meta(slots, spec.max_loras, None))
+        torch.testing.assert_close(eager, graph, atol=1e-6, rtol=1e-6)
+        plain = layer(x[1:3], make_lora_meta(slots[1:3], spec.max_loras, frozenset({1})))  # no DoRA slot: no scale
+        torch.testing.assert_close(plain, eager[1:3], atol=1e-6, rtol=1e-6)
+
+
+def test_bad_dora_shards_are_refused_before_any_slot_changes(slot_setup):
+    from loraserve.executor.slot_load import load_shard_into_slot
+
+    path, spec, adapters = slot_setup
+    model = _served(path, spec, False)
+    shard = adapters["dora4"][1]
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    bad = {
+        "for no dense LoRA layer": {**shard, "model.embed_tokens.dora_m": torch.ones(64)},
+        "but no model.layers.0.self_attn.qkv_proj.lora_a": {
+            k: v for k, v in shard.items() if not k.startswith("model.layers.0.self_attn.qkv_proj.lora_")
+        },
+        r"shape \(3,\), the layer has": {**shard, "model.layers.0.mlp.down_proj.dora_m": torch.ones(3)},
+    }
+    for message, tensors in bad.items():
+        with pytest.raises(ValueError, match=message):
+            load_shard_into_slot(model, 0, tensors)
+    assert not qkv.lora_a.any() and not qkv.dora_slots[0] and (qkv.dora_scale == 1).all()
