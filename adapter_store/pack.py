@@ -18,7 +18,7 @@ from safetensors.torch import save as st_save
 from loraserve.errors import invalid, precondition
 from loraserve.v1 import common_pb2 as pb
 
-from . import dora, experts, validate
+from . import dora, experts, trainable_tokens, validate
 from .base_model import BaseModelSpec
 from .layout import DTYPES, MOE, K, check_layout, layout_hash, slice_module
 
@@ -35,11 +35,13 @@ class PeftAdapter:
     weight_bytes: int
     weights_cast: str = ""  # e.g. "float64 -> float32" (validate.cast_float64)
     magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)  # DoRA: module -> m [out] float32
+    # trainable tokens: "embed" | "lm_head" -> (token ids, rows [K, hidden]) (adapter_store/trainable_tokens.py)
+    tokens: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
-        """ "dora" or "lora": what AdapterManifest.kind reports."""
-        return "dora" if self.magnitudes else "lora"
+        """What AdapterManifest.kind reports: "lora" or "dora", with "+tokens" for trainable tokens."""
+        return ("dora" if self.magnitudes else "lora") + ("+tokens" if self.tokens else "")
 
     @property
     def rank(self) -> int:
@@ -47,7 +49,11 @@ class PeftAdapter:
 
     @property
     def num_parameters(self) -> int:
-        return sum(a.numel() + b.numel() for a, b in self.modules.values()) + sum(m.numel() for m in self.magnitudes.values())
+        return (
+            sum(a.numel() + b.numel() for a, b in self.modules.values())
+            + sum(m.numel() for m in self.magnitudes.values())
+            + sum(rows.numel() for _, rows in self.tokens.values())
+        )
 
 
 def content_digest(config: dict, weights: bytes) -> str:
@@ -64,14 +70,16 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     settings = validate.check_config(config, spec, limits)
     path = validate.check_weights_file(directory, limits)
     tensors, magnitudes = dora.split_magnitudes(validate.load_tensors(path, limits))
+    tensors, token_rows = trainable_tokens.split(tensors)
     tensors, settings = experts.canonical_tensors(tensors, settings, spec)
     modules = validate.group_modules(tensors, settings, spec)
     experts.check_complete(modules, spec)
     validate.check_finite(modules)
     modules, cast = validate.cast_float64(modules)
     magnitudes = dora.check_magnitudes(settings.use_dora, magnitudes, modules)
+    tokens = trainable_tokens.check(config, token_rows, spec, modules)
     weights = path.read_bytes()
-    return PeftAdapter(settings, modules, content_digest(config, weights), len(weights), cast, magnitudes)
+    return PeftAdapter(settings, modules, content_digest(config, weights), len(weights), cast, magnitudes, tokens)
 
 
 def _module_names(m: pb.ModuleLayout, e: int | None) -> list[str]:

@@ -27,7 +27,7 @@ from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
 
-from . import base_model, pack, sources
+from . import base_model, pack, sources, trainable_tokens
 from .cache import TieredCache
 from .checksum import Checksums
 from .config import StoreConfig
@@ -336,7 +336,8 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         magnitudes = pack.pack_magnitudes(adapter, layout)
         blobs = []
         for rank in ranks:
-            blob = pack.shard_blob(adapter, pack.shard(full, layout, rank, magnitudes), layout, rank)
+            tensors = {**pack.shard(full, layout, rank, magnitudes), **trainable_tokens.shard_tensors(adapter.tokens)}
+            blob = pack.shard_blob(adapter, tensors, layout, rank)
             sums = Checksums.of(blob)
             try:
                 self.cache.put(pack.shard_key(manifest.digest, layout, rank), blob, sums)

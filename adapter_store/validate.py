@@ -142,8 +142,6 @@ def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraS
 def _refuse_features(cfg: dict) -> None:
     if cfg.get("use_dora") and cfg.get("target_parameters"):
         raise invalid(f"{CONFIG_FILE}: DoRA (use_dora: true) on target_parameters (MoE expert parameters) is not served")
-    if cfg.get("trainable_token_indices"):
-        raise invalid(f"{CONFIG_FILE}: trainable_token_indices (PEFT trainable tokens) is not supported")
     if cfg.get("modules_to_save"):
         raise invalid(
             f"{CONFIG_FILE}: modules_to_save {cfg['modules_to_save']} is not supported: only LoRA A/B weights are served"
