@@ -129,11 +129,6 @@ REFUSALS = {
         "INVALID_ARGUMENT",
         "DoRA (use_dora: true) on target_parameters",
     ),
-    "trainable_tokens": (
-        dict(config={"trainable_token_indices": [5, 6]}),
-        "INVALID_ARGUMENT",
-        "trainable_token_indices (PEFT trainable tokens) is not supported",
-    ),
 }
 
 

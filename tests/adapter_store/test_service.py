@@ -230,7 +230,7 @@ CASES = {
     "trainable_tokens": (
         lambda d: _edit_config(d, trainable_token_indices={"embed_tokens": [3, 4]}),
         "INVALID_ARGUMENT",
-        "trainable_token_indices (PEFT trainable tokens) is not supported",
+        "trainable_token_indices is set but the weights hold no trainable_tokens_delta",
     ),
     "modules_to_save": (lambda d: _edit_config(d, modules_to_save=["score"]), "INVALID_ARGUMENT", "modules_to_save"),
     "bias": (lambda d: _edit_config(d, bias="all"), "INVALID_ARGUMENT", "bias 'all'"),
