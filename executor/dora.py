@@ -30,6 +30,7 @@ from torch import nn
 SUFFIX = ".dora_m"
 _PENDING_ATTR = "_dora_pending"  # rank 0's model: slots whose row-parallel norms await their reduce
 _LOCK = threading.Lock()
+_BLOCK = 1 << 24  # float32 elements of W + B A worked on at once (64 MiB)
 
 
 def create(m: nn.Module, max_loras: int) -> None:
@@ -129,10 +130,12 @@ def _row_squares(m: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
     dev = m.weight.device
     a, b = a.to(dev, torch.float32), b.to(dev, torch.float32)
     out = torch.empty(m.weight.shape[0], dtype=torch.float32, device=dev)
+    step = max(1, _BLOCK // m.weight.shape[1])  # rows at a time: a bounded float32 temporary
     for s in range(len(m.output_sizes)):
-        lo, hi = m.slice_offsets[s], m.slice_offsets[s + 1]
-        w = m.weight[lo:hi].float() + b[lo:hi] @ a[s]
-        out[lo:hi] = w.square().sum(1)
+        for lo in range(m.slice_offsets[s], m.slice_offsets[s + 1], step):
+            hi = min(lo + step, m.slice_offsets[s + 1])
+            w = torch.addmm(m.weight[lo:hi].float(), b[lo:hi], a[s])  # out of place: float() of float32 is W itself
+            out[lo:hi] = w.square().sum(1)
     return out
 
 

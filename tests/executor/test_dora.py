@@ -282,3 +282,22 @@ def test_bad_dora_shards_are_refused_before_any_slot_changes(slot_setup):
         with pytest.raises(ValueError, match=message):
             load_shard_into_slot(model, 0, tensors)
     assert not qkv.lora_a.any() and not qkv.dora_slots[0] and (qkv.dora_scale == 1).all()
+
+
+def test_the_norm_worked_out_in_row_blocks_equals_one_pass(slot_setup, monkeypatch):
+    """The load's norm pass bounds its float32 temporary by working on blocks of rows."""
+    from loraserve.executor import dora
+    from loraserve.executor.slot_load import load_shard_into_slot
+
+    path, spec, adapters = slot_setup
+    whole = _served(path, spec, False)
+    load_shard_into_slot(whole, 0, adapters["dora16rs"][1])
+    monkeypatch.setattr(dora, "_BLOCK", 3 * 64)  # a few rows at a time
+    blocks = _served(path, spec, False)
+    load_shard_into_slot(blocks, 0, adapters["dora16rs"][1])
+    fresh = _served(path, spec, False)
+    for a, b, c in zip(whole.modules(), blocks.modules(), fresh.modules()):
+        if getattr(a, "dora_scale", None) is not None:
+            torch.testing.assert_close(a.dora_scale, b.dora_scale, atol=1e-6, rtol=1e-6)
+            assert (a.dora_scale[0] != 1).any()
+            assert torch.equal(a.weight, c.weight) and torch.equal(b.weight, c.weight)  # the pass leaves W as it was
