@@ -147,3 +147,33 @@ def test_trainable_token_rows_that_do_not_fit_are_refused_before_any_slot_change
     assert rows.slots == [False, True] and rows.table[1, :3].tolist() == [-1, 0, 1]
     load_shard_into_slot(model, 1, {})  # a shard without trainable tokens: the slot holds none again
     assert rows.slots == [False, False] and (rows.table == -1).all()
+
+
+@pytest.mark.gpu
+def test_token_rows_on_cuda_through_the_graphs_in_bf16(case, base, adapter_dirs, references, loop_thread, tmp_path):
+    """The same batches on CUDA in bf16 (decode steps replay the CUDA graphs, which always apply
+    the slots' token rows): every row within bf16 tolerance of its own float32 PEFT reference."""
+    from .conftest import check_bf16_rows, need_cuda_devices
+
+    _, tp, _ = case
+    need_cuda_devices(tp)
+    c = Cluster(
+        loop_thread,
+        base[1],
+        adapter_dirs,
+        tmp_path / "store",
+        ADAPTERS,
+        tp_size=tp,
+        device="cuda",
+        dtype="bfloat16",
+        tp_timeout_s=120.0,
+    )
+    try:
+        client = c.client()
+        for group in GROUPS:
+            jobs = [(name, prompt(i)) for i, name in enumerate(group)]
+            with cf.ThreadPoolExecutor(len(jobs)) as pool:
+                resps = list(pool.map(lambda j: generate(client, *j, 6), jobs))
+            check_bf16_rows(references, jobs, resps)
+    finally:
+        c.close()
