@@ -100,6 +100,11 @@ def read_config(directory: Path) -> dict:
 
 def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraSettings:
     """The config is a plain PEFT LoRA config this server can apply."""
+    if cfg.get("peft_type") == "TRAINABLE_TOKENS":
+        raise invalid(
+            f"{CONFIG_FILE}: trainable tokens alone (peft_type 'TRAINABLE_TOKENS') are not served; "
+            "trainable tokens beside LoRA (LoraConfig's trainable_token_indices) are"
+        )
     if cfg.get("peft_type") != "LORA":
         raise invalid(f"{CONFIG_FILE}: peft_type is {cfg.get('peft_type')!r}, only 'LORA' adapters are served")
     _refuse_features(cfg)

@@ -106,3 +106,13 @@ def test_lora_and_trainable_tokens_on_one_embedding_are_refused(tiny_llama_model
         load(directory, spec)
     assert e.value.code.name == "INVALID_ARGUMENT"
     assert "module 'model.embed_tokens' has both LoRA and trainable tokens: not served" in e.value.message
+
+
+def test_trainable_tokens_alone_are_refused_naming_what_is_served(tiny_llama_model, tmp_path, spec):
+    from peft import TrainableTokensConfig
+
+    get_peft_model(copy.deepcopy(tiny_llama_model), TrainableTokensConfig(token_indices=[3, 7])).save_pretrained(tmp_path / "a")
+    with pytest.raises(StatusError) as e:
+        load(tmp_path / "a", spec)
+    assert e.value.code.name == "INVALID_ARGUMENT"
+    assert "trainable tokens alone (peft_type 'TRAINABLE_TOKENS') are not served" in e.value.message
