@@ -177,3 +177,30 @@ def test_token_rows_on_cuda_through_the_graphs_in_bf16(case, base, adapter_dirs,
             check_bf16_rows(references, jobs, resps)
     finally:
         c.close()
+
+
+def test_token_rows_apply_alike_with_and_without_the_step_slots_on_the_host(hf_model):
+    """A captured graph's LoraMeta has no host_slots: the token rows then always apply, which gives
+    what the eager step gives; base rows and other slots' rows keep the base embedding and logits."""
+    from loraserve.executor.model.loader import load_hf_checkpoint
+    from loraserve.executor.slot_layout import LoraSpec
+    from loraserve.executor.slot_load import load_shard_into_slot
+    from loraserve.kernels import make_lora_meta
+
+    _, path = hf_model("llama")
+    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
+    hidden = model.cfg.hidden_size
+    rows = torch.randn(2, hidden, generator=torch.Generator().manual_seed(0))
+    load_shard_into_slot(model, 1, {"tokens.lm_head.ids": torch.tensor([4, 9], dtype=torch.int32), "tokens.lm_head.rows": rows})
+    load_shard_into_slot(model, 0, {"tokens.embed.ids": torch.tensor([9], dtype=torch.int32), "tokens.embed.rows": rows[:1]})
+    ids, slots = torch.tensor([9, 9, 9, 4]), torch.tensor([0, 1, -1, 1], dtype=torch.int32)
+    base = model.model.embed_tokens(ids)
+    h = torch.randn(4, hidden, generator=torch.Generator().manual_seed(1))
+    plain = model.tp.all_gather(model.lm_head(h).float())
+    for meta in (make_lora_meta(slots, 2, frozenset({0, 1})), make_lora_meta(slots, 2, None)):
+        emb = model.token_rows.embed_rows(ids, base, meta)
+        assert torch.equal(emb[0], rows[0]) and torch.equal(emb[1:], base[1:])  # slot 1 has no embedding rows
+        logits = model.token_rows.logits(h, plain, meta)
+        want = plain.clone()
+        want[[1, 3], 4], want[[1, 3], 9] = h[[1, 3]] @ rows[0], h[[1, 3]] @ rows[1]
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
