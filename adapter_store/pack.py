@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,7 +18,7 @@ from safetensors.torch import save as st_save
 from loraserve.errors import invalid, precondition
 from loraserve.v1 import common_pb2 as pb
 
-from . import experts, validate
+from . import dora, experts, trainable_tokens, validate
 from .base_model import BaseModelSpec
 from .layout import DTYPES, MOE, K, check_layout, layout_hash, peft_spans, slice_module
 
@@ -34,6 +34,14 @@ class PeftAdapter:
     digest: str
     weight_bytes: int
     weights_cast: str = ""  # e.g. "float64 -> float32" (validate.cast_float64)
+    magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)  # DoRA: module -> m [out] float32
+    # trainable tokens: "embed" | "lm_head" -> (token ids, rows [K, hidden]) (adapter_store/trainable_tokens.py)
+    tokens: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """What AdapterManifest.kind reports: "lora" or "dora", with "+tokens" for trainable tokens."""
+        return ("dora" if self.magnitudes else "lora") + ("+tokens" if self.tokens else "")
 
     @property
     def rank(self) -> int:
@@ -41,7 +49,11 @@ class PeftAdapter:
 
     @property
     def num_parameters(self) -> int:
-        return sum(a.numel() + b.numel() for a, b in self.modules.values())
+        return (
+            sum(a.numel() + b.numel() for a, b in self.modules.values())
+            + sum(m.numel() for m in self.magnitudes.values())
+            + sum(rows.numel() for _, rows in self.tokens.values())
+        )
 
 
 def content_digest(config: dict, weights: bytes) -> str:
@@ -57,14 +69,17 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     config = validate.read_config(directory)
     settings = validate.check_config(config, spec, limits)
     path = validate.check_weights_file(directory, limits)
-    tensors = validate.load_tensors(path, limits)
+    tensors, magnitudes = dora.split_magnitudes(validate.load_tensors(path, limits))
+    tensors, token_rows = trainable_tokens.split(tensors)
     tensors, settings = experts.canonical_tensors(tensors, settings, spec)
     modules = validate.group_modules(tensors, settings, spec)
     experts.check_complete(modules, spec)
     validate.check_finite(modules)
     modules, cast = validate.cast_float64(modules)
+    magnitudes = dora.check_magnitudes(settings.use_dora, magnitudes, modules)
+    tokens = trainable_tokens.check(config, token_rows, spec, modules)
     weights = path.read_bytes()
-    return PeftAdapter(settings, modules, content_digest(config, weights), len(weights), cast)
+    return PeftAdapter(settings, modules, content_digest(config, weights), len(weights), cast, magnitudes, tokens)
 
 
 def _module_names(m: pb.ModuleLayout, e: int | None) -> list[str]:
@@ -146,8 +161,19 @@ def pack_full(adapter: PeftAdapter, layout: pb.Layout) -> dict[str, tuple[torch.
     return packed
 
 
-def shard(full: dict[str, tuple[torch.Tensor, torch.Tensor]], layout: pb.Layout, rank: pb.ShardRank) -> dict[str, torch.Tensor]:
-    """One rank's tensors, named "<module>.lora_a" / "<module>.lora_b"."""
+def pack_magnitudes(adapter: PeftAdapter, layout: pb.Layout) -> dict[str, torch.Tensor]:
+    """A DoRA adapter's unsliced packed magnitudes ({} for plain LoRA): adapter_store/dora.py."""
+    return dora.pack_magnitudes(adapter.magnitudes, layout, lambda m: _module_names(m, None))
+
+
+def shard(
+    full: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    layout: pb.Layout,
+    rank: pb.ShardRank,
+    magnitudes: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """One rank's tensors, named "<module>.lora_a" / "<module>.lora_b", and "<module>.dora_m"
+    (float32) for each of `magnitudes` (pack_magnitudes)."""
     tp, ep = layout.tp_size or 1, layout.ep_size or 1
     if rank.tp_rank >= tp or rank.ep_rank >= ep:
         raise invalid(f"rank tp={rank.tp_rank} ep={rank.ep_rank} is outside tp_size {tp} x ep_size {ep}")
@@ -156,6 +182,8 @@ def shard(full: dict[str, tuple[torch.Tensor, torch.Tensor]], layout: pb.Layout,
         if m.name in full:
             a, b = slice_module(m, *full[m.name], layout, rank)
             out[f"{m.name}.lora_a"], out[f"{m.name}.lora_b"] = a, b
+        if magnitudes and m.name in magnitudes:
+            out[f"{m.name}.dora_m"] = dora.slice_magnitude(m, magnitudes[m.name], layout, rank.tp_rank)
     return out
 
 

@@ -27,7 +27,7 @@ from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
 
-from . import base_model, pack, sources
+from . import base_model, pack, sources, trainable_tokens
 from .cache import TieredCache
 from .checksum import Checksums
 from .config import StoreConfig
@@ -166,6 +166,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             base_model=s.base_model,
             created_unix_ms=int(time.time() * 1000),
             weights_cast=adapter.weights_cast,
+            kind=adapter.kind,
         )
 
     @grpc_errors
@@ -332,9 +333,11 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
                 f"stored files of adapter {manifest.name!r} no longer match digest {manifest.digest[:12]}: register it again",
             )
         full = pack.pack_full(adapter, layout)
+        magnitudes = pack.pack_magnitudes(adapter, layout)
         blobs = []
         for rank in ranks:
-            blob = pack.shard_blob(adapter, pack.shard(full, layout, rank), layout, rank)
+            tensors = {**pack.shard(full, layout, rank, magnitudes), **trainable_tokens.shard_tensors(adapter.tokens)}
+            blob = pack.shard_blob(adapter, tensors, layout, rank)
             sums = Checksums.of(blob)
             try:
                 self.cache.put(pack.shard_key(manifest.digest, layout, rank), blob, sums)

@@ -56,6 +56,7 @@ class LoraSettings:
     # canonical per-expert module -> the name the adapter file gave it (a fused expert parameter,
     # or Mixtral's old per-expert name): rank_pattern / alpha_pattern keys match the latter.
     module_sources: dict = field(default_factory=dict)
+    use_dora: bool = False  # DoRA: a magnitude vector per module (adapter_store/dora.py)
 
     def module_rank(self, module: str) -> int:
         return int(_pattern_value(self.rank_pattern, self.module_sources.get(module, module), self.r))
@@ -99,6 +100,11 @@ def read_config(directory: Path) -> dict:
 
 def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraSettings:
     """The config is a plain PEFT LoRA config this server can apply."""
+    if cfg.get("peft_type") == "TRAINABLE_TOKENS":
+        raise invalid(
+            f"{CONFIG_FILE}: trainable tokens alone (peft_type 'TRAINABLE_TOKENS') are not served; "
+            "trainable tokens beside LoRA (LoraConfig's trainable_token_indices) are"
+        )
     if cfg.get("peft_type") != "LORA":
         raise invalid(f"{CONFIG_FILE}: peft_type is {cfg.get('peft_type')!r}, only 'LORA' adapters are served")
     _refuse_features(cfg)
@@ -125,12 +131,22 @@ def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraS
     params = (params,) if isinstance(params, str) else tuple(params)
     if not all(isinstance(p, str) for p in params):
         raise invalid(f"{CONFIG_FILE}: target_parameters must be a list of parameter names")
-    return LoraSettings(r, float(alpha), bool(cfg.get("use_rslora")), targets, base, rank_pattern, alpha_pattern, params)
+    return LoraSettings(
+        r,
+        float(alpha),
+        bool(cfg.get("use_rslora")),
+        targets,
+        base,
+        rank_pattern,
+        alpha_pattern,
+        params,
+        use_dora=bool(cfg.get("use_dora")),
+    )
 
 
 def _refuse_features(cfg: dict) -> None:
-    if cfg.get("use_dora"):
-        raise invalid(f"{CONFIG_FILE}: DoRA adapters (use_dora: true) are not supported")
+    if cfg.get("use_dora") and cfg.get("target_parameters"):
+        raise invalid(f"{CONFIG_FILE}: DoRA (use_dora: true) on target_parameters (MoE expert parameters) is not served")
     if cfg.get("modules_to_save"):
         raise invalid(
             f"{CONFIG_FILE}: modules_to_save {cfg['modules_to_save']} is not supported: only LoRA A/B weights are served"

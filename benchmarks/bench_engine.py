@@ -185,10 +185,12 @@ def build_model(shape: str, vocab: int, spec: LoraSpec, fp8_linears: bool = Fals
     return model
 
 
-def random_shard_fetcher(model, ranks: list[int]):
+def random_shard_fetcher(model, ranks: list[int], dora: bool = False):
     """An in-process stand-in for the store's FetchShard: adapter "a{i}" is a rank-ranks[i % len]
-    adapter on every linear layer. -> (fetch, bytes of each rank)."""
-    shapes = {name: (m.lora_a.shape[1:], m.lora_b.shape[1:]) for name, m in lora_modules(model).items()}
+    adapter on every linear layer (dora: a DoRA one, a magnitude per dense layer's output row).
+    -> (fetch, bytes of each rank)."""
+    modules = lora_modules(model)
+    shapes = {name: (m.lora_a.shape[1:], m.lora_b.shape[1:]) for name, m in modules.items()}
     gen = torch.Generator().manual_seed(1)
     by_rank = {}
     for rank in sorted(set(ranks)):
@@ -197,6 +199,8 @@ def random_shard_fetcher(model, ranks: list[int]):
             a = (a_shape[0], rank, *a_shape[2:])
             tensors[f"{name}.lora_a"] = (torch.randn(a, generator=gen) * 0.02).to(DTYPE)
             tensors[f"{name}.lora_b"] = (torch.randn(b_shape[0], rank, generator=gen) * 0.02).to(DTYPE)
+            if dora and getattr(modules[name], "dora_scale", None) is not None:
+                tensors[f"{name}.dora_m"] = 0.5 + torch.rand(b_shape[0], generator=gen)
         by_rank[rank] = tensors
     nbytes = {r: sum(t.numel() * t.element_size() for t in ts.values()) for r, ts in by_rank.items()}
 
@@ -223,7 +227,7 @@ def build_engine(args, tokenizer: Tokenizer, quantization: str = "") -> tuple[bu
     )  # fmt: skip
     spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE)
     model = build_model(args.shape, args.vocab, spec, fp8_linears=quantization == "fp8")
-    fetch, by_rank = random_shard_fetcher(model, args.ranks)
+    fetch, by_rank = random_shard_fetcher(model, args.ranks, args.dora)
     adapter_bytes = [by_rank[args.ranks[i % len(args.ranks)]] for i in range(max(1, args.adapters))]  # of a0, a1, ...
     t0 = time.perf_counter()
     parts = build.build_engine(cfg, model, tokenizer, fetch=fetch, observer=SlotObserver())
@@ -651,6 +655,7 @@ def main() -> None:
         "--max-loras", type=int, default=0, help="GPU slots (default and least: --adapters; the serve benchmark's engine has 64)"
     )
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--dora", action="store_true", help="DoRA adapters (executor/dora.py) instead of plain LoRA")
     ap.add_argument(
         "--ranks",
         type=lambda s: [int(x) for x in s.split(",")],
@@ -716,7 +721,7 @@ def main() -> None:
         f"vocab {SHAPES[args.shape].get('vocab_size', args.vocab)}, "
         f"{where}, torch {torch.__version__}, "
         f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
-        f"{'eager' if args.enforce_eager else 'CUDA graphs'}"
+        f"{'eager' if args.enforce_eager else 'CUDA graphs'}{', DoRA adapters' if args.dora else ''}"
     )
     print("| case | time | rate | against the floor |")
     print("|---|---|---|---|")

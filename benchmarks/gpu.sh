@@ -61,14 +61,14 @@ need_tok() { [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run 'make up' 
 if has test; then
   { pytest_q -m gpu tests/kernels tests/executor/test_graphs.py tests/executor/test_cublas.py tests/executor/test_lora.py \
       tests/executor/test_slot_scatter.py tests/executor/test_moe.py tests/executor/test_families.py tests/executor/test_gemma.py \
-      tests/executor/test_fp8_service.py
+      tests/executor/test_fp8_service.py tests/executor/test_dora.py tests/executor/test_trainable_tokens.py
     pytest_q tests/executor/test_service.py tests/executor/test_moe_service.py -k "cuda or bf16"
   } >"$OUT/test.log" 2>&1
   grep -E "passed|failed|error" "$OUT/test.log" | tail -4
 fi
 if has parallel; then
   # To a file as it comes: rank 0 ends its process when a rank dies, which would take pytest's summary with it.
-  { pytest_q -m gpu tests/executor/test_tp.py tests/executor/test_ep.py
+  { pytest_q -m gpu tests/executor/test_tp.py tests/executor/test_ep.py tests/executor/test_dora.py tests/executor/test_trainable_tokens.py
     pytest_q -m gpu tests/executor/test_families.py -k tp2
     pytest_q -m gpu tests/executor/test_gemma.py -k nccl
   } >"$OUT/parallel.log" 2>&1

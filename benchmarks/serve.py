@@ -89,12 +89,14 @@ RANKS = (8, 16, 32, 64)
 class RandomAdapters:
     """fetch_shard for N names: adapter i has rank RANKS[i % 4]; one random tensor set per rank."""
 
-    def __init__(self, model, dtype, arena: PinnedArena | None = None):
+    def __init__(self, model, dtype, arena: PinnedArena | None = None, dora: bool = False):
         self.shapes = {
             n: (m.lora_a.shape[1:], m.lora_b.shape[1:])
             for n, m in lora_modules(model).items()
             if m.lora_a is not None and not n.endswith(("embed_tokens", "lm_head"))
         }
+        # dora: DoRA adapters, a magnitude per output row of each dense layer (executor/dora.py)
+        self.dora = {n for n, m in lora_modules(model).items() if dora and getattr(m, "dora_scale", None) is not None}
         self.dtype, self.sets, self.blobs = dtype, {}, {}
         self.arena = arena  # where shards land, as the store client's do (the executor's arena, set once built)
 
@@ -108,6 +110,8 @@ class RandomAdapters:
             for n, (a, b) in self.shapes.items():
                 made[f"{n}.lora_a"] = (torch.randn(a[0], rank, *a[2:], generator=g) * 0.02).to(self.dtype)
                 made[f"{n}.lora_b"] = (torch.randn(b[0], rank, generator=g) * 0.02).to(self.dtype)
+                if n in self.dora:
+                    made[f"{n}.dora_m"] = 0.5 + torch.rand(b[0], generator=g)
             blob = torch.frombuffer(bytearray(save(made)), dtype=torch.uint8)
             self.blobs[rank], self.sets[rank] = blob, shard_tensors(blob)
         return self.sets[rank]
@@ -300,7 +304,8 @@ def build(args, tokenizer):
     )  # fmt: skip
     spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE)
     model = bench_engine.build_model(args.shape, args.vocab, spec)
-    adapters, counter, copy_calls = RandomAdapters(model, bench_engine.DTYPE), Counter(), CopyCalls(trace=bool(args.trace_load))
+    adapters = RandomAdapters(model, bench_engine.DTYPE, dora=args.dora)
+    counter, copy_calls = Counter(), CopyCalls(trace=bool(args.trace_load))
     parts = executor_build.build_engine(
         cfg,
         model,
@@ -1088,6 +1093,9 @@ def main() -> None:
     ap.add_argument("--profile-after", type=float, default=4.0, help="seconds into the gRPC run the window opens")
     ap.add_argument("--profile-seconds", type=float, default=2.0, help="how long the window stays open")
     ap.add_argument("--probe", action="store_true", help="measure the adapter load path instead of a workload")
+    ap.add_argument(
+        "--dora", action="store_true", help="DoRA adapters (their loads work out each slot's norm) instead of plain LoRA"
+    )
     ap.add_argument("--probe-loads", type=int, default=5, help="cold loads per rank in the probe (their median is reported)")
     ap.add_argument(
         "--probe-loads-only",
@@ -1165,6 +1173,7 @@ def main() -> None:
         f"\nserve benchmark - {args.shape} shape, random {str(bench_engine.DTYPE).removeprefix('torch.')} weights, {where}, "
         f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
         + (f"; sampled at temperature {TEMPERATURE:g}" if TEMPERATURE else "; greedy")
+        + ("; DoRA adapters" if args.dora else "")
     )
     if args.probe:
         print("| case | time | size | note |\n|---|---|---|---|")

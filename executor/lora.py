@@ -19,6 +19,7 @@ from torch import nn
 from loraserve import kernels
 from loraserve.kernels import LoraMeta
 
+from . import dora
 from .parallel import TPGroup
 from .slot_layout import LoraSpec, packed_rows, packs_b_on, slot_fit_error
 
@@ -212,6 +213,7 @@ class LinearWithLoRA(nn.Module):
         self.register_buffer("lora_a", a, persistent=False)
         self.register_buffer("lora_b", b, persistent=False)
         self.slot_ranks = [0] * max_loras  # host copy: each slot's rank in this module, 0 = not targeted
+        dora.create(self, max_loras)  # each slot's DoRA output scale (executor/dora.py)
 
     def set_lora(
         self,
@@ -277,9 +279,15 @@ class LinearWithLoRA(nn.Module):
             return self._base(x, self.bias)  # [T, N]
         lora_a, lora_b = weights
         ranked = self.rank_parts == 1  # a fully sharded column layer's rank dim holds tp parts
+        if dora.applies(self, lora_meta):  # DoRA's scale goes between the LoRA sum and the bias
+            return dora.apply(self, self._lora_sum(x, lora_a, lora_b, lora_meta, ranked, None), lora_meta, self.bias)
+        return self._lora_sum(x, lora_a, lora_b, lora_meta, ranked, self.bias)
+
+    def _lora_sum(self, x, lora_a, lora_b, lora_meta, ranked: bool, bias) -> torch.Tensor:
+        """x @ W.T (+ bias) + the per-token LoRA delta."""
         side = _side_stream(x.device)
         if side is None:
-            y = self._base(x, self.bias)
+            y = self._base(x, bias)
             buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)  # [S, T, rank] float32
             if self.rank_parts > 1:
                 buf = self.tp.all_gather(buf)  # [S, T, max_rank]: every rank part of x @ A.T
@@ -293,7 +301,7 @@ class LinearWithLoRA(nn.Module):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)
-        y = self._base(x, self.bias)
+        y = self._base(x, bias)
         main.wait_stream(side)
         if self.rank_parts > 1:
             buf = self.tp.all_gather(buf)
@@ -314,6 +322,8 @@ class LinearWithLoRA(nn.Module):
                 out = y.narrow(1, self.lora_out_start, self.lora_offsets[-1])
                 kernels.lora_expand(out, buf, lora_b, self.lora_offsets, lora_meta)
         y = self.tp.all_reduce(y)
+        if weights is not None and dora.applies(self, lora_meta):
+            return dora.apply(self, y, lora_meta, self.bias)
         return y if self.bias is None else y + self.bias
 
 

@@ -97,3 +97,5 @@ def resize_slots(model, modules, max_loras: int) -> None:
             m.lora_a = m.lora_b = None  # free the old buffers before the new ones are allocated
             m.create_lora_weights(max_loras, spec.max_rank, spec.dtype)
     model.lora_spec = dataclasses.replace(spec, max_loras=max_loras)
+    if getattr(model, "token_rows", None) is not None:
+        model.token_rows.allocate(max_loras)

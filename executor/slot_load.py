@@ -29,6 +29,7 @@ from torch import nn
 from loraserve import kernels
 from loraserve.kernels.copy_reference import ScatterPlan, SlotCopy
 
+from . import dora
 from .lora import LORA_MODULE_TYPES, SlotWrites
 from .shard_tensors import LayoutKey, shard_signature
 from .slot_layout import packed_rank, slot_fit_error, written_rank
@@ -203,6 +204,8 @@ def queued_load(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -
     signature = getattr(tensors, "signature", None)
     if not getattr(tensors, "pinned", False) or signature is None or signature[2] is None:
         return None
+    if dora.split(tensors)[1] or any(k.startswith("tokens.") for k in tensors):
+        return None  # a DoRA shard (its scales are worked out) or one with trainable tokens: load_shard_into_slot
     planned = _planned(model, signature[0])
     if planned is None:
         return None
@@ -288,6 +291,7 @@ def clear_slot(modules, slot: int, scatter=None) -> None:
     one go: on CUDA one launch, over the rank positions its adapter wrote only. scatter: as in
     load_shard_into_slot."""
     modules = list(modules)
+    dora.clear(modules, slot)
     scatter, plan = _clearing(modules, scatter)
     if plan is None:
         writes = SlotWrites()
@@ -313,11 +317,17 @@ def load_shard_into_slot(
     (default: kernels.slot_scatter on CUDA, one launch; None on the CPU: per-tensor copies there).
     staged: the shard's bytes on the device already (`queued_load`), else staged here.
     """
+    rows = getattr(model, "token_rows", None)  # trainable tokens: executor/token_rows.py
+    tensors, tokens = rows.split(tensors) if rows is not None else (tensors, {})
+    tensors, magnitudes = dora.split(tensors)  # a DoRA shard's magnitudes: executor/dora.py
     key, offsets, storage, lo = shard_signature(tensors)
     if staged is None:
         staged = _staged_early(model, key, storage, lo, tensors)
     targets = _slot_targets(model)
     layout = targets.layout(tensors, key, offsets)
+    dora.check(targets.modules, tensors, magnitudes)
+    if rows is not None:
+        rows.check(tokens)
     scatter = scatter or _default_scatter(targets.device)
     if scatter is not None and layout.plan is not None:
         dtype = next(iter(tensors.values())).dtype if tensors else torch.uint8
@@ -336,4 +346,7 @@ def load_shard_into_slot(
         writes.flush()
     for ranks, r in layout.ranks:
         ranks[slot] = r
+    dora.load(model, targets.modules, slot, tensors, magnitudes)
+    if rows is not None:
+        rows.load(slot, tokens)
     return layout.max_rank

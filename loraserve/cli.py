@@ -321,7 +321,9 @@ def cmd_adapters(a) -> int:
         _print_manifest(store.register(a.name, a.uri, a.revision or ""))
     elif a.action == "list":
         for m in store.list():
-            print(f"{m.name:32s} rank {m.rank:4d}  {m.weight_bytes / 2**20:8.2f} MiB  {m.digest[:12]}  {m.uri}")
+            print(
+                f"{m.name:32s} {m.kind or 'lora':4s} rank {m.rank:4d}  {m.weight_bytes / 2**20:8.2f} MiB  {m.digest[:12]}  {m.uri}"
+            )
     elif a.action == "show":
         _print_manifest(store.get(a.name))
     elif a.action == "delete":

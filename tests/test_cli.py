@@ -209,6 +209,7 @@ def test_register_from_disk_and_s3_then_fetch_tp2_shards(store_process, peft_ada
     cli("adapters", "--store", address, "register", "from-s3", "s3://cli-bucket/loras/mine")
     listing = cli("adapters", "--store", address, "list").stdout
     assert "from-disk" in listing and "from-s3" in listing
+    assert all(" lora rank " in line for line in listing.splitlines() if line.startswith("from-"))  # the adapter kind
 
     out = cli(
         "adapters",

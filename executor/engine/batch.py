@@ -33,6 +33,7 @@ class Batch:
     sources: list[int]  # per token: -1, or the previous step's sample row its id comes from (PENDING)
     slot_adapters: dict[int, tuple[str, str]] = field(default_factory=dict)  # TP only: slot -> (adapter, digest)
     slot_ranks: list[int] | None = None  # each slot's adapter rank (SlotManager.slot_ranks), None: no LoRA in the step
+    dora_reduce: list[int] = field(default_factory=list)  # TP only: slots whose DoRA norms the ranks sum (executor/dora.py)
 
     @property
     def is_decode(self) -> bool:

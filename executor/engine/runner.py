@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import dora
 from .batch import Batch
 from .graphs import DecodeBatch, DecodeGraphs, MixedBatch, MixedGraphs
 from .kv_cache import KVCache
@@ -86,6 +87,7 @@ class StepRunner:
             if max(b.sources, default=-1) >= 0:
                 raise RuntimeError("an eager step got placeholder tokens: only graph steps read ids from the device")
             if self.ranks is not None:  # ranks 1..N-1 run the same step on their shards
+                b.dora_reduce = dora.take_pending(self.model, b.slot_adapters)
                 self.ranks.step(StepInputs.of(b))
             logits = forward_step(self.model, self.kv_cache, b, self.max_loras, dev)
         launched = Launched(kind, num_seqs, len(b.input_ids), t0, None, start=start)

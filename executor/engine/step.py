@@ -12,6 +12,7 @@ import torch
 
 from loraserve.kernels import make_lora_meta
 
+from .. import dora
 from .kv_cache import AttentionMetadata, KVCache
 
 
@@ -31,6 +32,7 @@ class StepInputs:
     # adapter in the step targets the module (the start-up warm-up: its slot 0 is empty).
     every_slot: bool = False
     slot_ranks: list[int] | None = None  # [max_loras] each slot's adapter rank (LoraMeta.slot_ranks); None: full
+    dora_reduce: list[int] = field(default_factory=list)  # slots whose DoRA norms every rank sums first (executor/dora.py)
 
     @classmethod
     def of(cls, b) -> "StepInputs":
@@ -44,6 +46,7 @@ class StepInputs:
             b.sample_slots,
             b.slot_adapters,
             slot_ranks=b.slot_ranks,
+            dora_reduce=b.dora_reduce,
         )
 
 
@@ -69,6 +72,7 @@ def forward_step(model, kv_cache: KVCache, step, max_loras: int, device: torch.d
     the rows that sample (None when none does). `step`: StepInputs or anything with its fields."""
     every = getattr(step, "every_slot", False)  # the engine's own batches never set it
     ranks = getattr(step, "slot_ranks", None)
+    dora.reduce_pending(model, getattr(step, "dora_reduce", ()))
     input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=device)
     attn = AttentionMetadata.build(step.query_lens, step.context_lens, step.block_tables, kv_cache.block_size, device)
     hidden = model.forward(

@@ -20,6 +20,7 @@ from ..engine.kv_cache import AttentionMetadata, KVCache, paged_attention
 from ..lora import LinearWithLoRA, VocabEmbeddingWithLoRA
 from ..parallel import TPGroup
 from ..slot_layout import LoraSpec
+from ..token_rows import TokenRows
 from .config import ModelConfig
 
 
@@ -266,6 +267,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LinearWithLoRA(cfg.hidden_size, (cfg.vocab_size // tp.size,), False, head_lora, dtype, device, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # LoRA slots stay separate
+        # each slot's trainable-token rows (executor/token_rows.py)
+        self.token_rows = (
+            None
+            if lora is None
+            else TokenRows(lora.max_loras, cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings, dtype, device)
+        )
 
     @torch.inference_mode()
     def forward(
@@ -278,6 +285,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """-> [T, hidden]: final-normed hidden states of every token of the step."""
         h = self.model.embed_tokens(input_ids, lora_meta)  # [T, hidden]
+        if self.token_rows is not None:
+            h = self.token_rows.embed_rows(input_ids, h, lora_meta)
         cos, sin = self.model.rotary_emb(positions, h.dtype)  # [T, D]
         residual, order = None, self.model.rotary_emb.order
         for i, layer in enumerate(self.model.layers):
@@ -291,4 +300,5 @@ class LlamaForCausalLM(nn.Module):
         lora_meta describes the B rows (for lm_head LoRA); it is ignored when lm_head has no slots.
         Under TP each rank computes its vocab slice and every rank gets all of them.
         """
-        return self.tp.all_gather(self.lm_head(hidden, lora_meta).float())
+        logits = self.tp.all_gather(self.lm_head(hidden, lora_meta).float())
+        return logits if self.token_rows is None else self.token_rows.logits(hidden, logits, lora_meta)

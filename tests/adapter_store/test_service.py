@@ -222,7 +222,16 @@ def _first(tensors, part="lora_A"):
 
 CASES = {
     "not_lora": (lambda d: _edit_config(d, peft_type="PREFIX_TUNING"), "INVALID_ARGUMENT", "only 'LORA'"),
-    "dora": (lambda d: _edit_config(d, use_dora=True), "INVALID_ARGUMENT", "DoRA"),
+    "dora_without_magnitudes": (
+        lambda d: _edit_config(d, use_dora=True),
+        "INVALID_ARGUMENT",
+        "DoRA adapter (use_dora: true): module 'model.layers.0.self_attn.",
+    ),
+    "trainable_tokens": (
+        lambda d: _edit_config(d, trainable_token_indices={"embed_tokens": [3, 4]}),
+        "INVALID_ARGUMENT",
+        "trainable_token_indices is set but the weights hold no trainable_tokens_delta",
+    ),
     "modules_to_save": (lambda d: _edit_config(d, modules_to_save=["score"]), "INVALID_ARGUMENT", "modules_to_save"),
     "bias": (lambda d: _edit_config(d, bias="all"), "INVALID_ARGUMENT", "bias 'all'"),
     "bad_r": (lambda d: _edit_config(d, r=0), "INVALID_ARGUMENT", "r must be a positive integer"),

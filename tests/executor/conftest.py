@@ -365,8 +365,7 @@ class Cluster:
             base_model="tiny",
             base_model_path=base_dir,
             sources=SourceConfig(local_roots=(adapters,)),
-            limits=validate.Limits(max_rank=16),
-            **(store_overrides or {}),
+            **{"limits": validate.Limits(max_rank=16), **(store_overrides or {})},
         )
         self.store_server, port = lt.run(serve_store(scfg))
         self.store_address = f"127.0.0.1:{port}"

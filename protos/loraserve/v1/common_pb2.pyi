@@ -75,7 +75,7 @@ class ShardRank(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., ep_rank: _Optional[int] = ...) -> None: ...
 
 class AdapterManifest(_message.Message):
-    __slots__ = ("name", "revision", "uri", "digest", "rank", "lora_alpha", "use_rslora", "target_modules", "weight_bytes", "num_parameters", "base_model", "created_unix_ms", "weights_cast")
+    __slots__ = ("name", "revision", "uri", "digest", "rank", "lora_alpha", "use_rslora", "target_modules", "weight_bytes", "num_parameters", "base_model", "created_unix_ms", "weights_cast", "kind")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class AdapterManifest(_message.Message):
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_CAST_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     name: str
     revision: str
     uri: str
@@ -102,4 +103,5 @@ class AdapterManifest(_message.Message):
     base_model: str
     created_unix_ms: int
     weights_cast: str
-    def __init__(self, name: _Optional[str] = ..., revision: _Optional[str] = ..., uri: _Optional[str] = ..., digest: _Optional[str] = ..., rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., num_parameters: _Optional[int] = ..., base_model: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., weights_cast: _Optional[str] = ...) -> None: ...
+    kind: str
+    def __init__(self, name: _Optional[str] = ..., revision: _Optional[str] = ..., uri: _Optional[str] = ..., digest: _Optional[str] = ..., rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., num_parameters: _Optional[int] = ..., base_model: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., weights_cast: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...

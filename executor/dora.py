@@ -1,0 +1,175 @@
+"""DoRA in the slots: each dense LoRA layer's per-slot output scale, worked out when an adapter enters a slot.
+
+PEFT's DoRA layer is y = bias + g * (W x + s B A x), g = m / ||W + s B A||_row (the norm over the
+whole input dim, one per output row; s is folded into the shard's B). A shard of a DoRA adapter
+carries "<module>.dora_m" [N] float32 beside lora_a / lora_b (NaN on rows of slices the adapter
+does not target: their g is 1). Each LinearWithLoRA with slots keeps
+
+    dora_scale:  [max_loras + 1, N] in the layer's dtype: g of each slot, 1 for plain LoRA slots
+                 and empty ones; the last row (what slot -1, the base model, indexes) is all 1
+    dora_slots:  host list, whether each slot holds a DoRA adapter in this module (eager steps
+                 skip the scale when none of theirs does; captured graphs always apply it)
+
+and, when row-parallel under TP (each rank holds 1/tp of the input dim), dora_m and dora_sq
+[max_loras, N] float32: m and this rank's partial sum of squares. The norm is computed in one
+pass over the slot's weight on its device as the shard is loaded (`load`); a column-parallel
+layer's rows are whole on every rank, so g is final then. A row-parallel layer's partial sums are
+summed over the ranks by `reduce_pending` at the first step that uses the slot: rank 0 names the
+slots to reduce in the step (StepInputs.dora_reduce, from `take_pending`), so every rank meets in
+the same all-reduce. The layer's forward applies `apply`: one gather of g by each token's slot and
+one multiply-add over the layer's [T, N] output (bias added after the scale, as PEFT does).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+SUFFIX = ".dora_m"
+_PENDING_ATTR = "_dora_pending"  # rank 0's model: slots whose row-parallel norms await their reduce
+_LOCK = threading.Lock()
+_BLOCK = 1 << 24  # float32 elements of W + B A worked on at once (64 MiB)
+
+
+def create(m: nn.Module, max_loras: int) -> None:
+    """The DoRA buffers of a LinearWithLoRA (called from its create_lora_weights)."""
+    n, dev = m.lora_offsets[-1], m.weight.device
+    m.register_buffer("dora_scale", torch.ones(max_loras + 1, n, dtype=m.weight.dtype, device=dev), persistent=False)
+    m.dora_slots = [False] * max_loras
+    if m.row_parallel:
+        m.register_buffer("dora_m", torch.full((max_loras, n), float("nan"), device=dev), persistent=False)
+        m.register_buffer("dora_sq", torch.zeros(max_loras, n, device=dev), persistent=False)
+    else:
+        m.dora_m = m.dora_sq = None
+
+
+def applies(m: nn.Module, meta) -> bool:
+    """Whether this step scales m's output: some slot of the step holds DoRA for m (always in a
+    captured graph, which knows no slots on the host)."""
+    if getattr(m, "dora_scale", None) is None or meta is None:
+        return False
+    if meta.host_slots is None:
+        return True
+    return any(m.dora_slots[s] for s in meta.host_slots)
+
+
+def apply(m: nn.Module, y: torch.Tensor, meta, bias: torch.Tensor | None) -> torch.Tensor:
+    """g[slot of each token] * y (+ bias): y [T, N] is the base output and LoRA delta, without bias."""
+    g = m.dora_scale[meta.token_slots]  # [T, N]; slot -1 reads the last row: ones
+    return y * g if bias is None else torch.addcmul(bias, y, g)
+
+
+def split(tensors: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(the shard's lora_a / lora_b tensors, module -> its dora_m); the shard itself when it has none."""
+    if not any(k.endswith(SUFFIX) for k in tensors):
+        return tensors, {}
+    rest = {k: v for k, v in tensors.items() if not k.endswith(SUFFIX)}
+    return rest, {k[: -len(SUFFIX)]: v for k, v in tensors.items() if k.endswith(SUFFIX)}
+
+
+def check(modules: dict[str, nn.Module], tensors: dict, magnitudes: dict[str, torch.Tensor]) -> None:
+    """ValueError unless every magnitude belongs to a dense LoRA layer the shard targets and fits it."""
+    for name, vec in magnitudes.items():
+        m = modules.get(name)
+        if m is None or getattr(m, "dora_scale", None) is None:
+            raise ValueError(f"shard has {name}{SUFFIX} for no dense LoRA layer of this model")
+        if f"{name}.lora_a" not in tensors:
+            raise ValueError(f"shard has {name}{SUFFIX} but no {name}.lora_a / lora_b")
+        if m.rank_parts > 1 or m.lora_offsets is not m.slice_offsets:
+            raise ValueError(f"{name}: DoRA is not served with fully sharded LoRA")
+        if vec.dim() != 1 or vec.shape[0] != m.dora_scale.shape[1]:
+            raise ValueError(f"{name}{SUFFIX}: shape {tuple(vec.shape)}, the layer has {m.dora_scale.shape[1]} output rows")
+
+
+def load(model: nn.Module, modules: dict[str, nn.Module], slot: int, tensors: dict, magnitudes: dict[str, torch.Tensor]) -> None:
+    """Sets `slot`'s scale in every dense LoRA layer, after its A and B were written: g from the
+    shard's magnitudes (the norm over the layer's weight on its device), 1 where it has none.
+    Row-parallel layers under TP keep m and their partial sums and leave g to `reduce_pending`."""
+    pending = False
+    for name, m in modules.items():
+        if getattr(m, "dora_scale", None) is None:
+            continue
+        vec = magnitudes.get(name)
+        if vec is None:
+            if m.dora_slots[slot]:
+                _reset(m, slot)
+            continue
+        vec = vec.to(m.dora_scale.device, torch.float32)
+        sq = _row_squares(m, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"])
+        if m.dora_m is not None:
+            m.dora_m[slot].copy_(vec)
+            m.dora_sq[slot].copy_(sq)
+            pending = True
+        else:
+            m.dora_scale[slot].copy_(_scale(vec, sq))
+        m.dora_slots[slot] = True
+    if pending:
+        with _LOCK:
+            model.__dict__.setdefault(_PENDING_ATTR, set()).add(slot)
+
+
+def clear(modules, slot: int) -> None:
+    """`slot` back to scale 1 in every layer (a cleared slot)."""
+    for m in modules:
+        if getattr(m, "dora_scale", None) is not None and m.dora_slots[slot]:
+            _reset(m, slot)
+
+
+def _reset(m: nn.Module, slot: int) -> None:
+    m.dora_scale[slot].fill_(1)
+    if m.dora_m is not None:
+        m.dora_m[slot].fill_(float("nan"))
+    m.dora_slots[slot] = False
+
+
+def _row_squares(m: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Sum over this rank's input columns of (W + B A)^2, per output row, in float32: [N].
+    a: [S, r, in], b: [N, r] (scaled), as the shard has them."""
+    dev = m.weight.device
+    a, b = a.to(dev, torch.float32), b.to(dev, torch.float32)
+    out = torch.empty(m.weight.shape[0], dtype=torch.float32, device=dev)
+    step = max(1, _BLOCK // m.weight.shape[1])  # rows at a time: a bounded float32 temporary
+    for s in range(len(m.output_sizes)):
+        for lo in range(m.slice_offsets[s], m.slice_offsets[s + 1], step):
+            hi = min(lo + step, m.slice_offsets[s + 1])
+            w = torch.addmm(m.weight[lo:hi].float(), b[lo:hi], a[s])  # out of place: float() of float32 is W itself
+            out[lo:hi] = w.square().sum(1)
+    return out
+
+
+def _scale(vec: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
+    """g = m / ||.||, 1 where m is NaN (a slice the adapter does not target)."""
+    return torch.where(torch.isnan(vec), torch.ones_like(vec), vec / sq.sqrt())
+
+
+def take_pending(model: nn.Module, slots) -> list[int]:
+    """Rank 0: the step's slots (an iterable) whose row-parallel norms are still to be summed, no
+    longer pending once named here (the step that names them reduces them on every rank)."""
+    with _LOCK:
+        pending = model.__dict__.get(_PENDING_ATTR)
+        if not pending:
+            return []
+        due = sorted(pending.intersection(slots))
+        pending.difference_update(due)
+    return due
+
+
+def reduce_pending(model: nn.Module, slots: list[int]) -> None:
+    """Every rank, before the step's forward: sums the listed slots' partial squares of every
+    row-parallel layer over the ranks (one all-reduce) and sets their g."""
+    if not slots:
+        return
+    layers = [m for m in model.modules() if getattr(m, "dora_sq", None) is not None]
+    if not layers:
+        return
+    index = torch.tensor(slots, dtype=torch.long, device=layers[0].dora_sq.device)
+    flat = torch.cat([m.dora_sq.index_select(0, index).reshape(-1) for m in layers])
+    flat = layers[0].tp.all_reduce(flat)
+    offset = 0
+    for m in layers:
+        n = len(slots) * m.dora_sq.shape[1]
+        total = flat[offset : offset + n].view(len(slots), -1)
+        offset += n
+        m.dora_scale.index_copy_(0, index, _scale(m.dora_m.index_select(0, index), total).to(m.dora_scale.dtype))

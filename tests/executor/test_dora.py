@@ -1,0 +1,303 @@
+"""DoRA adapters served beside plain LoRA: real store and executor on loopback (tp 1 and tp 2 on
+CPU gloo), adapters made by peft with use_dora=True, every row of batches mixing DoRA, plain LoRA
+and base rows checked against transformers + PEFT alone, through loads and evictions that move
+each adapter between the two slots; the layers' DoRA scale applied only where a slot holds DoRA."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from loraserve.adapter_store import validate
+
+from .conftest import Cluster, check_against_reference, check_bf16_rows, run_group
+
+# (family, tp_size, config overrides): Llama with biases on every projection (o_proj and down_proj
+# are row-parallel under tp 2: their bias is added after the DoRA scale, after the reduce), Qwen2
+# with q/k/v biases and tied embeddings.
+CASES = {
+    "llama-tp1": ("llama", 1, dict(attention_bias=True, mlp_bias=True)),
+    "llama-tp2": ("llama", 2, dict(attention_bias=True, mlp_bias=True)),
+    "qwen2-tp2": ("qwen2", 2, dict(tie_word_embeddings=True)),
+}
+BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
+ATTN, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+ADAPTERS = {  # name: (r, alpha, targets, rslora, dora)
+    "dora4": (4, 8, ATTN + MLP, False, True),
+    "dora16rs": (16, 16, ATTN + MLP, True, True),
+    "dora32qv": (32, 16, ("q_proj", "v_proj", "down_proj"), False, True),
+    "dora8mlp": (8, 8, MLP, True, True),
+    "lora8": (8, 16, ("q_proj", "v_proj", "o_proj", "down_proj"), False, False),
+}
+# Two slots: every group loads and evicts, so each adapter lands in another slot than before.
+GROUPS = (["dora4", "lora8", "", "dora16rs"], ["dora32qv", "", "dora4", "dora8mlp"], ["dora16rs", "lora8", "dora4", ""])
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    return CASES[request.param]
+
+
+@pytest.fixture(scope="module")
+def base(hf_model, case, save_byte_tokenizer):
+    family, _, overrides = case
+    model, path = hf_model(
+        family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512, **overrides
+    )
+    if not (path / "tokenizer.json").exists():
+        save_byte_tokenizer(path)
+    return model, path
+
+
+def make_adapter(model, directory, seed: int, r: int, alpha: float, targets, rslora: bool, use_dora: bool):
+    """A peft adapter with random B and (DoRA) magnitudes moved off their init value ||W||."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft = get_peft_model(
+        copy.deepcopy(model),
+        LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora, use_dora=use_dora),
+    )
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+            elif "lora_magnitude_vector" in n:
+                p.mul_(0.5 + torch.rand_like(p))
+    peft.save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(base, tmp_path_factory):
+    model, _ = base
+    root = tmp_path_factory.mktemp("adapters")
+    for seed, (name, spec) in enumerate(ADAPTERS.items()):
+        make_adapter(model, root / name, seed, *spec)
+    return root
+
+
+@pytest.fixture(scope="module")
+def references(base, adapter_dirs):
+    from peft import PeftModel
+
+    model, _ = base
+    refs = {"": model}
+    for name in ADAPTERS:
+        refs[name] = PeftModel.from_pretrained(copy.deepcopy(model), adapter_dirs / name).eval()
+    return refs
+
+
+def cluster_of(lt, base, adapter_dirs, data, tp: int, names=ADAPTERS, **overrides) -> Cluster:
+    return Cluster(
+        lt,
+        base[1],
+        adapter_dirs,
+        data,
+        names,
+        store_overrides=dict(limits=validate.Limits(max_rank=32)),
+        tp_size=tp,
+        max_rank=32,
+        cpu_threads=1,
+        tp_timeout_s=60.0,
+        **overrides,
+    )
+
+
+def test_dora_rows_match_transformers_peft_in_mixed_batches_across_slots(
+    case, references, base, adapter_dirs, module_loop_thread, tmp_path
+):
+    _, tp, _ = case
+    c = cluster_of(module_loop_thread, base, adapter_dirs, tmp_path / "store", tp)
+    try:
+        kinds = {m.name: m.kind for m in c.store_client().list()}
+        assert kinds == {n: "dora" if spec[4] else "lora" for n, spec in ADAPTERS.items()}
+        client = c.client()
+        assert client.info().tp_size == tp
+        for group in GROUPS:
+            jobs, resps = run_group(client, group)
+            for (name, ids), resp in zip(jobs, resps):
+                check_against_reference(references[name], ids, resp)
+    finally:
+        c.close()
+
+
+@pytest.mark.gpu
+def test_dora_rows_on_cuda_through_the_graphs_in_bf16(case, references, base, adapter_dirs, loop_thread, tmp_path):
+    """The same batches on CUDA in bf16 (the Triton kernels; decode steps replay the CUDA graphs,
+    whose DoRA scale reads the slots' device buffers): every row within bf16 tolerance of its own
+    adapter's float32 PEFT reference."""
+    from .conftest import need_cuda_devices
+
+    _, tp, _ = case
+    need_cuda_devices(tp)
+    c = cluster_of(loop_thread, base, adapter_dirs, tmp_path / "store", tp, device="cuda", dtype="bfloat16")
+    try:
+        for group in GROUPS:
+            jobs, resps = run_group(c.client(), group)
+            check_bf16_rows(references, jobs, resps)
+    finally:
+        c.close()
+
+
+def test_dora_with_fully_sharded_lora_is_refused_through_the_executor(
+    hf_model, save_byte_tokenizer, module_loop_thread, tmp_path
+):
+    """Fully sharded LoRA cuts a column layer's A over the ranks, so no rank could work out the norm:
+    the store refuses the DoRA adapter's shards with FAILED_PRECONDITION, which Generate returns;
+    plain LoRA rows are served as before."""
+    from loraserve.errors import StatusError
+
+    from .conftest import generate, prompt_ids
+
+    model, path = hf_model(
+        "llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
+    )
+    if not (path / "tokenizer.json").exists():
+        save_byte_tokenizer(path)
+    names = {"dora4": ADAPTERS["dora4"], "lora8": ADAPTERS["lora8"]}
+    for seed, (name, spec) in enumerate(names.items()):
+        make_adapter(model, tmp_path / "adapters" / name, seed, *spec)
+    c = cluster_of(
+        module_loop_thread, (model, path), tmp_path / "adapters", tmp_path / "store", 2, names, fully_sharded_loras=True
+    )
+    try:
+        client = c.client()
+        with pytest.raises(StatusError) as e:
+            generate(client, "dora4", prompt_ids(0))
+        assert e.value.code.name == "FAILED_PRECONDITION", e.value
+        assert "DoRA adapters are not served with fully sharded LoRA" in e.value.message
+        from peft import PeftModel
+
+        ref = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "adapters" / "lora8").eval()
+        check_against_reference(ref, prompt_ids(1), generate(client, "lora8", prompt_ids(1)))
+    finally:
+        c.close()
+
+
+# ---- the slots' DoRA scale, loaded from the store's own shards into a model on the CPU ----
+
+
+@pytest.fixture(scope="module")
+def slot_setup(hf_model, tmp_path_factory):
+    """(base dir, {name: (PeftModel reference, the store's tp-1 shard)}) for a DoRA, an rsLoRA DoRA
+    and a plain adapter of a Llama with biases."""
+    from peft import PeftModel
+
+    from loraserve.adapter_store import pack
+    from loraserve.executor.layout import declare_layout, model_config
+    from loraserve.executor.slot_layout import LoraSpec
+    from loraserve.v1 import common_pb2 as pb
+
+    model, path = hf_model("llama", attention_bias=True, mlp_bias=True)
+    root = tmp_path_factory.mktemp("slot-adapters")
+    spec = LoraSpec(max_loras=3, max_rank=16, dtype=torch.float32)
+    layout = declare_layout(model_config(path), spec, "tiny")
+    out = {}
+    for seed, name in enumerate(("dora4", "dora16rs", "lora8")):
+        make_adapter(model, root / name, seed, *ADAPTERS[name])
+        adapter = pack.load_adapter(root / name, None, validate.Limits())
+        shard = pack.shard(pack.pack_full(adapter, layout), layout, pb.ShardRank(), pack.pack_magnitudes(adapter, layout))
+        out[name] = (PeftModel.from_pretrained(copy.deepcopy(model), root / name).eval(), shard)
+    return path, spec, out
+
+
+def _served(path, spec, packed_b: bool):
+    from loraserve.executor.model.loader import load_hf_checkpoint
+
+    from .conftest import b_packed
+
+    with b_packed(packed_b):
+        return load_hf_checkpoint(path, lora=spec)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("packed_b", [False, True], ids=["b-rows", "b-packed"])
+def test_slot_rows_match_peft_and_the_scale_follows_what_each_slot_holds(slot_setup, paged_runner, packed_b):
+    from loraserve.executor.lora import LinearWithLoRA, lora_modules
+    from loraserve.executor.slot_load import clear_slot, load_shard_into_slot
+
+    path, spec, adapters = slot_setup
+    model = _served(path, spec, packed_b)
+    for slot, name in enumerate(("dora4", "lora8", "dora16rs")):
+        load_shard_into_slot(model, slot, adapters[name][1])
+    run = paged_runner(model, block_size=4)
+    prompts = [_ids(7 + i, i) for i in range(4)]
+    outs = run.step([(i, p) for i, p in enumerate(prompts)], slots=[0, 1, -1, 2])
+    for out, name, ids in zip(outs, ("dora4", "lora8", "", "dora16rs"), prompts):
+        ref = adapters[name][0] if name else adapters["lora8"][0].get_base_model()
+        with torch.no_grad(), adapters["lora8"][0].disable_adapter() if not name else contextlib.nullcontext():
+            want = ref(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(out, want, atol=2e-4, rtol=1e-4)
+
+    dense = [m for m in lora_modules(model).values() if isinstance(m, LinearWithLoRA)]
+    assert all(m.dora_slots == [True, False, True] for m in dense)  # both DoRA adapters target every dense layer
+    assert all((m.dora_scale[1] == 1).all() and (m.dora_scale[-1] == 1).all() for m in dense)
+    assert any((m.dora_scale[0] != 1).any() for m in dense)
+    load_shard_into_slot(model, 0, adapters["lora8"][1])  # a plain adapter over a DoRA one: scale 1 again
+    clear_slot(lora_modules(model).values(), 2)
+    assert all(m.dora_slots == [False] * 3 and (m.dora_scale == 1).all() for m in dense)
+
+
+def test_the_scale_applies_alike_with_and_without_the_step_slots_on_the_host(slot_setup):
+    """A captured graph's LoraMeta has no host_slots: every dense layer then applies the scale
+    (1 for plain LoRA and base rows), which gives what the eager step gives."""
+    from loraserve.executor.slot_load import load_shard_into_slot
+    from loraserve.kernels import make_lora_meta
+
+    path, spec, adapters = slot_setup
+    model = _served(path, spec, False)
+    load_shard_into_slot(model, 0, adapters["dora4"][1])
+    load_shard_into_slot(model, 1, adapters["lora8"][1])
+    for layer in (model.model.layers[0].self_attn.qkv_proj, model.model.layers[1].mlp.down_proj):
+        x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(0))
+        slots = torch.tensor([0, 1, -1, 0, 1], dtype=torch.int32)
+        eager = layer(x, make_lora_meta(slots, spec.max_loras, frozenset({0, 1})))
+        graph = layer(x, make_lora_meta(slots, spec.max_loras, None))
+        torch.testing.assert_close(eager, graph, atol=1e-6, rtol=1e-6)
+        plain = layer(x[1:3], make_lora_meta(slots[1:3], spec.max_loras, frozenset({1})))  # no DoRA slot: no scale
+        torch.testing.assert_close(plain, eager[1:3], atol=1e-6, rtol=1e-6)
+
+
+def test_bad_dora_shards_are_refused_before_any_slot_changes(slot_setup):
+    from loraserve.executor.slot_load import load_shard_into_slot
+
+    path, spec, adapters = slot_setup
+    model = _served(path, spec, False)
+    shard = adapters["dora4"][1]
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    bad = {
+        "for no dense LoRA layer": {**shard, "model.embed_tokens.dora_m": torch.ones(64)},
+        "but no model.layers.0.self_attn.qkv_proj.lora_a": {
+            k: v for k, v in shard.items() if not k.startswith("model.layers.0.self_attn.qkv_proj.lora_")
+        },
+        r"shape \(3,\), the layer has": {**shard, "model.layers.0.mlp.down_proj.dora_m": torch.ones(3)},
+    }
+    for message, tensors in bad.items():
+        with pytest.raises(ValueError, match=message):
+            load_shard_into_slot(model, 0, tensors)
+    assert not qkv.lora_a.any() and not qkv.dora_slots[0] and (qkv.dora_scale == 1).all()
+
+
+def test_the_norm_worked_out_in_row_blocks_equals_one_pass(slot_setup, monkeypatch):
+    """The load's norm pass bounds its float32 temporary by working on blocks of rows."""
+    from loraserve.executor import dora
+    from loraserve.executor.slot_load import load_shard_into_slot
+
+    path, spec, adapters = slot_setup
+    whole = _served(path, spec, False)
+    load_shard_into_slot(whole, 0, adapters["dora16rs"][1])
+    monkeypatch.setattr(dora, "_BLOCK", 3 * 64)  # a few rows at a time
+    blocks = _served(path, spec, False)
+    load_shard_into_slot(blocks, 0, adapters["dora16rs"][1])
+    fresh = _served(path, spec, False)
+    for a, b, c in zip(whole.modules(), blocks.modules(), fresh.modules()):
+        if getattr(a, "dora_scale", None) is not None:
+            torch.testing.assert_close(a.dora_scale, b.dora_scale, atol=1e-6, rtol=1e-6)
+            assert (a.dora_scale[0] != 1).any()
+            assert torch.equal(a.weight, c.weight) and torch.equal(b.weight, c.weight)  # the pass leaves W as it was

@@ -1,0 +1,206 @@
+"""Trainable tokens (PEFT's trainable_token_indices) served beside LoRA and DoRA: real store and
+executor on loopback (Llama with its own lm_head at tp 1, Qwen2 with tied embeddings at tp 2), each
+row of batches mixing trainable-token, DoRA, plain LoRA and base rows checked against
+transformers + PEFT alone, through loads and evictions; bad token ids refused with their status."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+
+import pytest
+import torch
+
+from loraserve.errors import StatusError
+
+from .conftest import Cluster, check_against_reference, generate
+
+CASES = {"llama-tp1": ("llama", 1, {}), "qwen2-tp2": ("qwen2", 2, dict(tie_word_embeddings=True))}
+BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
+TOKENS = [5, 17, 200, 259]  # 259: past the byte tokenizer's ids, as a chat format's new token is
+ADAPTERS = {  # name: LoraConfig fields
+    "tok": dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], trainable_token_indices=TOKENS),
+    "dora_tok": dict(r=8, lora_alpha=8, target_modules=["v_proj", "o_proj"], use_dora=True, trainable_token_indices=[17, 42]),
+    "lora": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+}
+GROUPS = (["tok", "lora", "", "dora_tok"], ["dora_tok", "", "tok", "lora"])
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    return CASES[request.param]
+
+
+@pytest.fixture(scope="module")
+def base(hf_model, case, save_byte_tokenizer):
+    family, _, overrides = case
+    model, path = hf_model(
+        family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512, **overrides
+    )
+    if not (path / "tokenizer.json").exists():
+        save_byte_tokenizer(path)
+    return model, path
+
+
+def make_adapter(model, directory, seed: int, **config):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft = get_peft_model(copy.deepcopy(model), LoraConfig(**config))
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+            elif "lora_magnitude_vector" in n:
+                p.mul_(0.5 + torch.rand_like(p))
+            elif "trainable_tokens_delta" in n:
+                p.normal_(0, 1.0)
+    peft.save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    for seed, (name, config) in enumerate(ADAPTERS.items()):
+        make_adapter(base[0], root / name, seed, **config)
+    return root
+
+
+@pytest.fixture(scope="module")
+def references(base, adapter_dirs):
+    from peft import PeftModel
+
+    refs = {"": base[0]}
+    for name in ADAPTERS:
+        refs[name] = PeftModel.from_pretrained(copy.deepcopy(base[0]), adapter_dirs / name).eval()
+    return refs
+
+
+def prompt(i: int) -> list[int]:
+    """Bytes with the trainable tokens among them."""
+    g = torch.Generator().manual_seed(200 + i)
+    return [BOS, *torch.randint(0, 256, (3 + i,), generator=g).tolist(), 5, 17, 259, 42, 200]
+
+
+def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
+    case, base, adapter_dirs, references, module_loop_thread, tmp_path
+):
+    _, tp, _ = case
+    c = Cluster(
+        module_loop_thread,
+        base[1],
+        adapter_dirs,
+        tmp_path / "store",
+        ADAPTERS,
+        tp_size=tp,
+        cpu_threads=1,
+        tp_timeout_s=60.0,
+    )
+    try:
+        kinds = {m.name: m.kind for m in c.store_client().list()}
+        assert kinds == {"tok": "lora+tokens", "dora_tok": "dora+tokens", "lora": "lora"}
+        client = c.client()
+        for group in GROUPS:
+            jobs = [(name, prompt(i)) for i, name in enumerate(group)]
+            with cf.ThreadPoolExecutor(len(jobs)) as pool:
+                resps = list(pool.map(lambda j: generate(client, *j, 6), jobs))
+            for (name, ids), resp in zip(jobs, resps):
+                check_against_reference(references[name], ids, resp)
+        # a token id past the base vocabulary: refused at registration, naming it
+        make_adapter(base[0], adapter_dirs / "beyond", 9, r=4, target_modules=["q_proj"], trainable_token_indices=[3])
+        cfg = adapter_dirs / "beyond" / "adapter_config.json"
+        cfg.write_text(
+            cfg.read_text().replace('"trainable_token_indices": [\n    3\n  ]', '"trainable_token_indices": [\n    300\n  ]')
+        )
+        with pytest.raises(StatusError) as e:
+            c.store_client().register("beyond", str(adapter_dirs / "beyond"))
+        assert e.value.code.name == "INVALID_ARGUMENT"
+        assert "token id 300 is beyond base model 'tiny''s vocabulary of 260" in e.value.message
+    finally:
+        c.close()
+
+
+def test_trainable_token_rows_that_do_not_fit_are_refused_before_any_slot_changes(hf_model):
+    from loraserve.executor.model.loader import load_hf_checkpoint
+    from loraserve.executor.slot_layout import LoraSpec
+    from loraserve.executor.slot_load import load_shard_into_slot
+
+    _, path = hf_model("llama")
+    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
+    rows, hidden, vocab = model.token_rows, model.cfg.hidden_size, model.cfg.vocab_size
+    ok = {"tokens.embed.ids": torch.tensor([1, 2], dtype=torch.int32), "tokens.embed.rows": torch.ones(2, hidden)}
+    bad = {
+        "token ids must lie in the vocabulary": {**ok, "tokens.embed.ids": torch.tensor([1, vocab], dtype=torch.int32)},
+        "only one of tokens.embed.ids": {"tokens.embed.ids": ok["tokens.embed.ids"]},
+        "a slot holds at most 64": {
+            "tokens.embed.ids": torch.arange(65, dtype=torch.int32),
+            "tokens.embed.rows": torch.ones(65, hidden),
+        },
+        "for hidden size": {**ok, "tokens.embed.rows": torch.ones(2, hidden + 1)},
+        "unknown trainable-token tensors": {**ok, "tokens.wte.ids": ok["tokens.embed.ids"]},
+    }
+    for message, tensors in bad.items():
+        with pytest.raises(ValueError, match=message):
+            load_shard_into_slot(model, 0, tensors)
+    assert rows.slots == [False, False] and (rows.table == -1).all()
+    load_shard_into_slot(model, 1, ok)
+    assert rows.slots == [False, True] and rows.table[1, :3].tolist() == [-1, 0, 1]
+    load_shard_into_slot(model, 1, {})  # a shard without trainable tokens: the slot holds none again
+    assert rows.slots == [False, False] and (rows.table == -1).all()
+
+
+@pytest.mark.gpu
+def test_token_rows_on_cuda_through_the_graphs_in_bf16(case, base, adapter_dirs, references, loop_thread, tmp_path):
+    """The same batches on CUDA in bf16 (decode steps replay the CUDA graphs, which always apply
+    the slots' token rows): every row within bf16 tolerance of its own float32 PEFT reference."""
+    from .conftest import check_bf16_rows, need_cuda_devices
+
+    _, tp, _ = case
+    need_cuda_devices(tp)
+    c = Cluster(
+        loop_thread,
+        base[1],
+        adapter_dirs,
+        tmp_path / "store",
+        ADAPTERS,
+        tp_size=tp,
+        device="cuda",
+        dtype="bfloat16",
+        tp_timeout_s=120.0,
+    )
+    try:
+        client = c.client()
+        for group in GROUPS:
+            jobs = [(name, prompt(i)) for i, name in enumerate(group)]
+            with cf.ThreadPoolExecutor(len(jobs)) as pool:
+                resps = list(pool.map(lambda j: generate(client, *j, 6), jobs))
+            check_bf16_rows(references, jobs, resps)
+    finally:
+        c.close()
+
+
+def test_token_rows_apply_alike_with_and_without_the_step_slots_on_the_host(hf_model):
+    """A captured graph's LoraMeta has no host_slots: the token rows then always apply, which gives
+    what the eager step gives; base rows and other slots' rows keep the base embedding and logits."""
+    from loraserve.executor.model.loader import load_hf_checkpoint
+    from loraserve.executor.slot_layout import LoraSpec
+    from loraserve.executor.slot_load import load_shard_into_slot
+    from loraserve.kernels import make_lora_meta
+
+    _, path = hf_model("llama")
+    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
+    hidden = model.cfg.hidden_size
+    rows = torch.randn(2, hidden, generator=torch.Generator().manual_seed(0))
+    load_shard_into_slot(model, 1, {"tokens.lm_head.ids": torch.tensor([4, 9], dtype=torch.int32), "tokens.lm_head.rows": rows})
+    load_shard_into_slot(model, 0, {"tokens.embed.ids": torch.tensor([9], dtype=torch.int32), "tokens.embed.rows": rows[:1]})
+    ids, slots = torch.tensor([9, 9, 9, 4]), torch.tensor([0, 1, -1, 1], dtype=torch.int32)
+    base = model.model.embed_tokens(ids)
+    h = torch.randn(4, hidden, generator=torch.Generator().manual_seed(1))
+    plain = model.tp.all_gather(model.lm_head(h).float())
+    for meta in (make_lora_meta(slots, 2, frozenset({0, 1})), make_lora_meta(slots, 2, None)):
+        emb = model.token_rows.embed_rows(ids, base, meta)
+        assert torch.equal(emb[0], rows[0]) and torch.equal(emb[1:], base[1:])  # slot 1 has no embedding rows
+        logits = model.token_rows.logits(h, plain, meta)
+        want = plain.clone()
+        want[[1, 3], 4], want[[1, 3], 9] = h[[1, 3]] @ rows[0], h[[1, 3]] @ rows[1]
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
