@@ -126,6 +126,10 @@ class ExecutorConfig:
                 raise ValueError(error)
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if self.kv_events_endpoint and not self.prefix_caching:
+            raise ValueError(
+                "--kv-events-endpoint needs prefix caching: the events are the prefix cache's (drop --no-prefix-caching)"
+            )
         if self.num_blocks * self.block_size < self.max_model_len:
             # One sequence of max_model_len tokens must fit alone, or it could never finish.
             raise ValueError(

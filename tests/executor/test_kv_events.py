@@ -208,6 +208,7 @@ async def test_an_endpoint_in_use_fails_the_engine_start_naming_the_flag(model):
         ({"kv_events_endpoint": "tcp://"}, "--kv-events-endpoint 'tcp://': want a ZMQ endpoint"),
         ({"kv_events_endpoint": "tcp://*:5557", "kv_events_replay_endpoint": "5558"}, "--kv-events-replay-endpoint '5558'"),
         ({"kv_events_replay_endpoint": "tcp://*:5558"}, "--kv-events-replay-endpoint needs --kv-events-endpoint"),
+        ({"kv_events_endpoint": "tcp://*:5557", "prefix_caching": False}, "--kv-events-endpoint needs prefix caching"),
     ],
 )
 def test_bad_endpoints_are_refused_by_the_config(fields, message):
