@@ -366,11 +366,7 @@ def test_kv_events_publish_on_a_pod_port_under_the_indexers_topic():
     with the llm-d indexer's topic kv@<pod ip>@<model> (POD_IP from the downward API)."""
     off = container(render({}), "executor")
     assert not [a for a in off["args"] if a.startswith("--kv-events")] and "kv-events" not in {p["name"] for p in off["ports"]}
-    values = {
-        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
-        "executor": {"kvEvents": {"enabled": True, "replayPort": 5558}},
-    }
-    docs = render(values)
+    docs = render({"executor": {"kvEvents": {"enabled": True, "replayPort": 5558}}})
     executor = container(docs, "executor")
     assert "--kv-events-endpoint=tcp://*:5557" in executor["args"]
     assert f"--kv-events-topic=kv@$(POD_IP)@{DEFAULT_BASE_MODEL}" in executor["args"]  # the embedded model's name
