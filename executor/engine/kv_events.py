@@ -2,8 +2,9 @@
 in vLLM's KV-event wire format so that a KV-cache indexer (the llm-d KV-cache manager's) can score
 executors by the prompt prefixes they hold.
 
-Wire format (vLLM's `vllm/distributed/kv_events.py`, the positional msgspec encoding every
-vLLM-compatible consumer decodes): a ZMQ PUB socket sends one multipart message per batch,
+Wire format (vLLM's `vllm/distributed/kv_events.py` in its positional form: msgspec array-like
+tagged structs, as vLLM encoded events before it moved to maps; the llm-d KV-cache indexer decodes
+it in every version): a ZMQ PUB socket sends one multipart message per batch,
 
     [topic (UTF-8), sequence number (8 bytes, big-endian, from 0), payload (msgpack)]
     payload = [ts (float, Unix seconds), [event, ...], data_parallel_rank (0)]
