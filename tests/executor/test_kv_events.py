@@ -6,6 +6,9 @@ vLLM-compatible consumer declares them), and the stream is checked against the a
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -214,3 +217,19 @@ async def test_an_endpoint_in_use_fails_the_engine_start_naming_the_flag(model):
 def test_bad_endpoints_are_refused_by_the_config(fields, message):
     with pytest.raises(ValueError, match=message.replace("*", r"\*")):
         ExecutorConfig(**fields)
+
+
+def test_the_executor_command_refuses_a_bad_endpoint_before_loading_anything():
+    loraserve = str(Path(sys.executable).parent / "loraserve")
+    args = [
+        loraserve,
+        "--log-level",
+        "WARNING",
+        "executor",
+        "--kv-events-endpoint",
+        "localhost:5557",
+        "--executor-listen",
+        "127.0.0.1:0",
+    ]
+    bad = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "error: --kv-events-endpoint 'localhost:5557': want a ZMQ endpoint" in bad.stderr, bad.stderr
