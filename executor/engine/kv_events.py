@@ -113,6 +113,7 @@ class KVEventPublisher:
         self._events: list[list] = []
         self._batches: queue.SimpleQueue = queue.SimpleQueue()
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
+        self.flushed = 0  # batches handed to the thread so far
         self.published = 0  # batches sent so far (the next one's sequence number)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
@@ -124,10 +125,13 @@ class KVEventPublisher:
         self, block_hashes: list[bytes], parent: bytes | None, token_ids: list[int], lora_name: str | None, lora: int | None
     ):
         """Blocks filed under these keys, in chain order; `token_ids`: their tokens, block_size each."""
-        self._events.append(["BlockStored", block_hashes, parent, token_ids, self.block_size, lora, self.medium, lora_name])
+        if not self._closed:
+            self._events.append(["BlockStored", block_hashes, parent, token_ids, self.block_size, lora, self.medium, lora_name])
 
     def removed(self, block_hash: bytes) -> None:
         """A filed block evicted (its key dropped); runs of removals share one event."""
+        if self._closed:
+            return
         last = self._events[-1] if self._events else None
         if last is not None and last[0] == "BlockRemoved":
             last[1].append(block_hash)
@@ -138,6 +142,7 @@ class KVEventPublisher:
         """Publishes the events since the last flush as one batch (nothing if there are none)."""
         if self._events and not self._closed:
             self._batches.put([time.time(), self._events, 0])
+            self.flushed += 1
             self._events = []
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ import torch
 import zmq
 
 from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.engine.graphs import DecodeGraphs
 from loraserve.executor.engine.prefix_cache import extend_keys
 from loraserve.executor.model.loader import load_model
 from loraserve.executor.slot_layout import LoraSpec
@@ -105,13 +106,19 @@ def _chain_ok(parent: bytes | None, seed: bytes, hashes: list[bytes], tokens: li
     return keys[len(keys) - len(hashes) :] == hashes
 
 
-async def test_the_event_stream_matches_the_prefix_cache_under_two_adapters_the_base_model_and_eviction(model, until):
+@pytest.mark.parametrize("steps", ["eager", "graph-steps"])
+async def test_the_event_stream_matches_the_prefix_cache_under_two_adapters_the_base_model_and_eviction(model, until, steps):
     store = Store(model, ["a1", "a2"])
     # 20 blocks of 4: the requests below cannot all stay cached, so cached blocks are evicted.
     engine = _engine(
         model, store=store, num_blocks=20, max_model_len=48,
         kv_events_endpoint="tcp://127.0.0.1:*", kv_events_topic=TOPIC, kv_events_replay_endpoint="tcp://127.0.0.1:*",
     )  # fmt: skip
+    if steps == "graph-steps":  # decode steps launched ahead: a step is planned before the previous one is filed
+        cfg = engine.config
+        engine.graphs = DecodeGraphs(
+            model, engine.kv_cache, cfg.max_num_seqs, cfg.max_model_len, engine.max_loras, cfg.torch_device
+        )
     pub = engine.kv_events
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -127,6 +134,7 @@ async def test_the_event_stream_matches_the_prefix_cache_under_two_adapters_the_
             await asyncio.gather(*(_collect(engine, _greedy(p, 4, adapter=a)) for p, a in cases))
             _drain(sub, got)
         await until(lambda: _idle(engine))
+        await until(lambda: pub.published == pub.flushed, what="every batch sent")
         sent = pub.published
 
         def last_received() -> bool:
