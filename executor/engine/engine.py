@@ -422,8 +422,6 @@ class Engine:
             self._step_failed(step, exc)
             return None
         self.scheduler.cache_computed(step.plan)  # its blocks' KV is written; before its tokens extend the sequences
-        if self.kv_events is not None:
-            self.kv_events.flush()  # the blocks filed and evicted since the last step's: one batch
         self._done_stepping(step.plan)
         return self.delivery.append(step.plan, token_ids, logprobs)
 
@@ -437,6 +435,8 @@ class Engine:
     def _done_stepping(self, plan: SchedulePlan) -> None:
         """The step's device work is over: leases of requests closed meanwhile go back, unless a
         step still in flight uses them."""
+        if self.kv_events is not None:
+            self.kv_events.flush()  # the blocks filed and evicted since the last step ended: one batch
         for s in plan.seqs:
             left = self._stepping.pop(s.seq, 1) - 1
             if left > 0:

@@ -4,7 +4,7 @@ executors by the prompt prefixes they hold.
 
 Wire format (vLLM's `vllm/distributed/kv_events.py` in its positional form: msgspec array-like
 tagged structs, as vLLM encoded events before it moved to maps; the llm-d KV-cache indexer decodes
-it in every version): a ZMQ PUB socket sends one multipart message per batch,
+it, its older versions only it): a ZMQ PUB socket sends one multipart message per batch,
 
     [topic (UTF-8), sequence number (8 bytes, big-endian, from 0), payload (msgpack)]
     payload = [ts (float, Unix seconds), [event, ...], data_parallel_rank (0)]
