@@ -226,6 +226,22 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
         default=env("metrics_compat", "none"),
         help="vllm: /metrics also serves the routing readings under vLLM's names (vllm:num_requests_waiting, ...)",
     )
+    p.add_argument(
+        "--kv-events-endpoint",
+        default=env("kv_events_endpoint", ""),
+        help="publish KV-block events (stored/removed) for prefix-aware routing in vLLM's ZMQ format: "
+        "tcp://*:5557 binds, tcp://host:port connects (default: off)",
+    )
+    p.add_argument(
+        "--kv-events-topic",
+        default=env("kv_events_topic", ""),
+        help="topic of the KV-event messages (the llm-d KV-cache indexer reads kv@<pod>@<model>)",
+    )
+    p.add_argument(
+        "--kv-events-replay-endpoint",
+        default=env("kv_events_replay_endpoint", ""),
+        help="ROUTER endpoint answering replay requests for missed KV-event batches, e.g. tcp://*:5558 (default: none)",
+    )
 
 
 def executor_config(a: argparse.Namespace):
@@ -280,6 +296,9 @@ def executor_config(a: argparse.Namespace):
         metrics_listen=metrics_listen(a.executor_listen, a.executor_metrics_port),
         metrics_max_adapters=a.metrics_max_adapters,
         metrics_compat=a.metrics_compat,
+        kv_events_endpoint=a.kv_events_endpoint,
+        kv_events_topic=a.kv_events_topic,
+        kv_events_replay_endpoint=a.kv_events_replay_endpoint,
     )
 
 

@@ -12,6 +12,7 @@ import torch
 from loraserve.metrics import DEFAULT_MAX_ADAPTER_LABELS
 from loraserve.tls import ClientTls, ServerTls
 
+from .engine.kv_events import endpoint_error
 from .parallel import ep_with_tp_error
 
 # Tokens of real vocabularies rarely exceed 16 bytes; twice that leaves room for chat markup
@@ -87,6 +88,12 @@ class ExecutorConfig:
     metrics_listen: str = ""  # host:port of Prometheus' /metrics (loraserve/metrics.py); "": off
     metrics_max_adapters: int = DEFAULT_MAX_ADAPTER_LABELS  # adapters named in metric labels; the rest: "_other"
     metrics_compat: str = "none"  # "vllm": /metrics also serves vLLM's names of the routing readings (loraserve/metrics.py)
+    # KV-block events for prefix-aware routing (executor/engine/kv_events.py), vLLM's ZMQ format:
+    # the PUB endpoint ("": off; tcp://*:5557 binds, tcp://host:port connects), its topic, and an
+    # optional ROUTER endpoint answering replay requests
+    kv_events_endpoint: str = ""
+    kv_events_topic: str = ""
+    kv_events_replay_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -111,6 +118,18 @@ class ExecutorConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be 0 (the model's) or more, got {self.max_model_len}")
+        for value, flag in (
+            (self.kv_events_endpoint, "--kv-events-endpoint"),
+            (self.kv_events_replay_endpoint, "--kv-events-replay-endpoint"),
+        ):
+            if value and (error := endpoint_error(value, flag)):
+                raise ValueError(error)
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if self.kv_events_endpoint and not self.prefix_caching:
+            raise ValueError(
+                "--kv-events-endpoint needs prefix caching: the events are the prefix cache's (drop --no-prefix-caching)"
+            )
         if self.num_blocks * self.block_size < self.max_model_len:
             # One sequence of max_model_len tokens must fit alone, or it could never finish.
             raise ValueError(

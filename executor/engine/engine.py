@@ -49,6 +49,7 @@ from .batch import PENDING, Batch, flatten, step_kind
 from .capture import capture_decode_graphs, capture_mixed_graphs
 from .delivery import Delivery, NewToken, Run
 from .kv_cache import BlockAllocator, KVCache
+from .kv_events import KVEventPublisher, lora_id
 from .prefix_cache import chain_seed
 from .requests import GenerationOutput, GenerationRequest, check_prompt_size, prompt_ids, resolve_sampling, within
 from .runner import Launched, StepRunner
@@ -82,6 +83,19 @@ class EngineLoad(NamedTuple):
     block_size: int
 
 
+def kv_events_publisher(config: ExecutorConfig, kv_cache: KVCache) -> KVEventPublisher | None:
+    """The KV-event publisher config.kv_events_endpoint asks for (None: off); ValueError if it cannot bind."""
+    if not config.kv_events_endpoint:
+        return None
+    return KVEventPublisher(
+        config.kv_events_endpoint,
+        block_size=kv_cache.block_size,
+        medium="GPU" if kv_cache.k_cache[0].device.type == "cuda" else "CPU",
+        topic=config.kv_events_topic,
+        replay_endpoint=config.kv_events_replay_endpoint,
+    )
+
+
 class Engine:
     def __init__(self, model, tokenizer, kv_cache: KVCache, slot_manager: SlotManager, config: ExecutorConfig, ranks=None):
         self.model = model
@@ -103,6 +117,12 @@ class Engine:
             config.max_num_batched_tokens,
             max_admit_delay=config.max_admit_delay_steps,
         )
+        # KV-block events for prefix-aware routing (kv_events.py): bound before the warm-up, so a
+        # bad endpoint fails the start at once
+        self.kv_events = kv_events_publisher(config, kv_cache)
+        if self.kv_events is not None:
+            self.allocator.on_evict = self.kv_events.removed
+            self.scheduler.kv_events = self.kv_events
         self.delivery = Delivery(self.scheduler, tokenizer, config.max_model_len)
         self._runs: dict[int, Run] = self.delivery.runs  # seq_id -> run
         self._seq_ids = itertools.count()
@@ -188,6 +208,8 @@ class Engine:
         self._release_deferred()
         for run in list(self._runs.values()):
             self.delivery.finish(run, "cancelled")
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self._serving:  # the last serving engine puts start-up's objects and the interval back
             self._serving = False
             gc_pauses.engine_stopped()
@@ -257,6 +279,7 @@ class Engine:
                     self._acquiring -= 1
                     unwant()
                 seq.cache_seed = self._cache_seed(lease.name, lease.digest)  # before it can be admitted
+                seq.adapter = (lease.name, lora_id(lease.name, lease.digest))
                 run.lease, seq.slot, seq.is_ready = lease, lease.slot, lease.is_ready
             self._wakeup.set()
             while True:
@@ -412,6 +435,8 @@ class Engine:
     def _done_stepping(self, plan: SchedulePlan) -> None:
         """The step's device work is over: leases of requests closed meanwhile go back, unless a
         step still in flight uses them."""
+        if self.kv_events is not None:
+            self.kv_events.flush()  # the blocks filed and evicted since the last step ended: one batch
         for s in plan.seqs:
             left = self._stepping.pop(s.seq, 1) - 1
             if left > 0:

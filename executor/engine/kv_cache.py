@@ -7,6 +7,7 @@ cache slot `block_table[p // block_size] * block_size + p % block_size`.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +58,7 @@ class BlockAllocator:
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self.evictions = 0  # cached blocks taken for another use (their keys dropped)
+        self.on_evict: Callable[[bytes], None] | None = None  # told each dropped key (kv_events.py); None: nobody
 
     @property
     def num_free(self) -> int:
@@ -83,8 +85,11 @@ class BlockAllocator:
                 b = self._free.popleft()
             else:  # evict the least recently freed cached block
                 b, _ = self._cached_free.popitem(last=False)
-                del self._block_of[self._key_of.pop(b)]
+                key = self._key_of.pop(b)
+                del self._block_of[key]
                 self.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(key)
             self._refs[b] = 1
             blocks.append(b)
         return blocks
@@ -117,15 +122,21 @@ class BlockAllocator:
                 del self._cached_free[b]
             self._refs[b] += 1
 
-    def cache(self, block: int, key: bytes) -> None:
-        """Files a held block, whose keys and values are computed, under key. A key already filed
-        (another block computed the same prefix meanwhile) keeps its block: this one stays unkeyed."""
+    def cache(self, block: int, key: bytes) -> bool:
+        """Files a held block, whose keys and values are computed, under key; True if it was filed.
+        A key already filed (another block computed the same prefix meanwhile) keeps its block:
+        this one stays unkeyed (False), as does a block already filed (False)."""
         if self._refs[block] <= 0:
             raise ValueError(f"block {block} cached but not allocated")
         if key in self._block_of or block in self._key_of:
-            return
+            return False
         self._key_of[block] = key
         self._block_of[key] = block
+        return True
+
+    def filed_keys(self) -> set[bytes]:
+        """Every key filed now (held blocks' and free cached blocks')."""
+        return set(self._block_of)
 
     def refs(self, block: int) -> int:
         """Sequences holding the block now."""

@@ -22,7 +22,8 @@ sequence first takes the longest run of its full blocks that the allocator has c
 reference, never written) and computes only the rest; the token budget counts only what it
 computes. Blocks a completed step filled are filed under their keys (`cache_computed`); a
 preempted or finished sequence's blocks keep them until the allocator needs the blocks, so a
-preempted sequence usually finds its own prefix again when it comes back.
+preempted sequence usually finds its own prefix again when it comes back. With `kv_events` set
+(kv_events.py), each run of blocks it files is told to it with the run's tokens and adapter.
 
 The scheduler only decides; it never runs the model. The engine turns a `SchedulePlan`
 into input_ids / positions / attention metadata and reports sampled tokens back through
@@ -41,6 +42,7 @@ from .prefix_cache import extend_keys
 
 if TYPE_CHECKING:
     from .kv_cache import BlockAllocator
+    from .kv_events import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class Sequence:
     preemptions: int = 0
     # Prefix caching (prefix_cache.py): the key chain's seed, None: never cached nor looked up
     cache_seed: bytes | None = None
+    adapter: tuple[str | None, int | None] = (None, None)  # its adapter's (name, kv_events.lora_id); base: (None, None)
     block_keys: list[bytes] = field(default_factory=list)  # keys of its first full blocks
     num_keyed_blocks: int = 0  # leading blocks of block_table found in or filed into the cache
     num_cached_tokens: int | None = None  # prompt tokens found cached at its first admission; None: not admitted yet
@@ -117,6 +120,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.steps = 0  # schedule() calls
         self.deferred_steps = 0  # steps planned while pacing held ready requests back (planned-ahead ones too)
+        self.kv_events: KVEventPublisher | None = None  # told of each run of filed blocks; None: nobody
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -227,9 +231,21 @@ class Scheduler:
                 continue
             extend_keys(seq.block_keys, seq.cache_seed, seq.token_ids, bs, full)
             full = min(full, len(seq.block_keys))
-            for i in range(seq.num_keyed_blocks, full):
-                self.allocator.cache(seq.block_table[i], seq.block_keys[i])
+            filed = [i for i in range(seq.num_keyed_blocks, full) if self.allocator.cache(seq.block_table[i], seq.block_keys[i])]
+            if self.kv_events is not None and filed:
+                self._tell_filed(seq, filed)
             seq.num_keyed_blocks = max(seq.num_keyed_blocks, full)
+
+    def _tell_filed(self, seq: Sequence, filed: list[int]) -> None:
+        """One event per run of consecutive filed blocks (a block whose key another block holds breaks a run)."""
+        bs, keys, (name, lora) = self.block_size, seq.block_keys, seq.adapter
+        start = filed[0]
+        for j, i in enumerate(filed):
+            if j + 1 == len(filed) or filed[j + 1] != i + 1:
+                parent = keys[start - 1] if start else None
+                self.kv_events.stored(keys[start : i + 1], parent, seq.token_ids[start * bs : (i + 1) * bs], name, lora)
+                if j + 1 < len(filed):
+                    start = filed[j + 1]
 
     def _plan_one(self, seq: Sequence, n: int) -> ScheduledSeq:
         context_len = seq.num_computed

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from loraserve.cli import build_parser
+from loraserve.defaults import DEFAULT_BASE_MODEL
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "loraserve"
 KUBE_VERSIONS = ("1.27.0", "1.33.0")  # the chart needs >= 1.24 (gRPC probes)
@@ -358,3 +359,37 @@ def test_the_pool_needs_the_http_port_and_known_values():
         render({"metrics": {"compat": "sglang"}})
     with pytest.raises(helm.HelmValuesError, match="at '/inferencePool/name'"):
         render({"inferencePool": {"enabled": True, "name": "Not_A_Name"}})
+
+
+def test_kv_events_publish_on_a_pod_port_under_the_indexers_topic():
+    """Off by default; enabled, the executor binds the PUB (and replay) port, named on the pod,
+    with the llm-d indexer's topic kv@<pod ip>@<model> (POD_IP from the downward API)."""
+    off = container(render({}), "executor")
+    assert not [a for a in off["args"] if a.startswith("--kv-events")] and "kv-events" not in {p["name"] for p in off["ports"]}
+    docs = render({"executor": {"kvEvents": {"enabled": True, "replayPort": 5558}}})
+    executor = container(docs, "executor")
+    assert "--kv-events-endpoint=tcp://*:5557" in executor["args"]
+    assert f"--kv-events-topic=kv@$(POD_IP)@{DEFAULT_BASE_MODEL}" in executor["args"]  # the embedded model's name
+    assert "--kv-events-replay-endpoint=tcp://*:5558" in executor["args"]
+    assert {p["name"]: p["containerPort"] for p in executor["ports"]}.items() >= {"kv-events": 5557, "kv-replay": 5558}.items()
+    pod_ip = next(e for e in executor["env"] if e["name"] == "POD_IP")
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert build_parser().parse_args(executor["args"]).kv_events_endpoint == "tcp://*:5557"
+    for version in KUBE_VERSIONS:
+        for doc in docs:
+            if doc["apiVersion"] not in CRDS:
+                kubernetes_validate.validate(doc, version, strict=True)
+    named = {
+        "name": "meta-llama/Llama-3.1-8B-Instruct",
+        "path": "/models/llama",
+        "volume": {"persistentVolumeClaim": {"claimName": "m"}},
+    }
+    args = container(render({"model": named, "executor": {"kvEvents": {"enabled": True}}}), "executor")["args"]
+    assert "--kv-events-topic=kv@$(POD_IP)@meta-llama/Llama-3.1-8B-Instruct" in args
+    assert not [a for a in args if a.startswith("--kv-events-replay")]
+    topic = container(render({"executor": {"kvEvents": {"enabled": True, "topic": "kv@x@y"}}}), "executor")["args"]
+    assert "--kv-events-topic=kv@x@y" in topic
+    with pytest.raises(helm.HelmRenderError, match=r"executor.kvEvents.enabled needs executor.prefixCaching"):
+        render({"executor": {"kvEvents": {"enabled": True}, "prefixCaching": False}})
+    with pytest.raises(helm.HelmValuesError, match="additional properties 'endpoint' not allowed"):
+        render({"executor": {"kvEvents": {"endpoint": "tcp://*:5557"}}})
