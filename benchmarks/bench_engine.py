@@ -223,9 +223,9 @@ def build_engine(args, tokenizer: Tokenizer, quantization: str = "") -> tuple[bu
         block_size=16, num_blocks=max(args.batches) * -(-max_tokens_per_seq // 16) + 4096 // 16 + 64,
         max_num_seqs=max(*args.batches, args.streams, 16), max_num_batched_tokens=4096,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, admit_ratio=args.admit_ratio,
-        store_address=NO_STORE, adapter_refresh_s=0, quantization=quantization,
+        store_address=NO_STORE, adapter_refresh_s=0, quantization=quantization, enable_dora=args.dora,
     )  # fmt: skip
-    spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE)
+    spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE, dora=cfg.enable_dora)  # --dora: slots with DoRA scales
     model = build_model(args.shape, args.vocab, spec, fp8_linears=quantization == "fp8")
     fetch, by_rank = random_shard_fetcher(model, args.ranks, args.dora)
     adapter_bytes = [by_rank[args.ranks[i % len(args.ranks)]] for i in range(max(1, args.adapters))]  # of a0, a1, ...
@@ -655,7 +655,11 @@ def main() -> None:
         "--max-loras", type=int, default=0, help="GPU slots (default and least: --adapters; the serve benchmark's engine has 64)"
     )
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--dora", action="store_true", help="DoRA adapters (executor/dora.py) instead of plain LoRA")
+    ap.add_argument(
+        "--dora",
+        action="store_true",
+        help="DoRA adapters (executor/dora.py) instead of plain LoRA, the slots made with DoRA (--enable-dora)",
+    )
     ap.add_argument(
         "--ranks",
         type=lambda s: [int(x) for x in s.split(",")],

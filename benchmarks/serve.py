@@ -301,8 +301,9 @@ def build(args, tokenizer):
         max_num_batched_tokens=max(2048, longest), max_model_len=longest, adapter_refresh_s=0,
         max_concurrent_loads=args.max_concurrent_loads or max(1, args.adapters),  # 0: as many as there are adapters
         admit_ratio=args.admit_ratio, max_admit_delay_steps=args.max_admit_delay_steps, store_address=bench_engine.NO_STORE,
+        enable_dora=args.dora,
     )  # fmt: skip
-    spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE)
+    spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE, dora=cfg.enable_dora)  # --dora: slots with DoRA scales
     model = bench_engine.build_model(args.shape, args.vocab, spec)
     adapters = RandomAdapters(model, bench_engine.DTYPE, dora=args.dora)
     counter, copy_calls = Counter(), CopyCalls(trace=bool(args.trace_load))
@@ -1094,7 +1095,10 @@ def main() -> None:
     ap.add_argument("--profile-seconds", type=float, default=2.0, help="how long the window stays open")
     ap.add_argument("--probe", action="store_true", help="measure the adapter load path instead of a workload")
     ap.add_argument(
-        "--dora", action="store_true", help="DoRA adapters (their loads work out each slot's norm) instead of plain LoRA"
+        "--dora",
+        action="store_true",
+        help="DoRA adapters (their loads work out each slot's norm) instead of plain LoRA, the slots made with DoRA "
+        "(--enable-dora)",
     )
     ap.add_argument("--probe-loads", type=int, default=5, help="cold loads per rank in the probe (their median is reported)")
     ap.add_argument(

@@ -101,6 +101,7 @@ def build_engine(
         tls=cfg.store_tls,
         pin_memory=cfg.torch_device.type == "cuda",
         arena=arena,
+        dora=model.lora_spec.dora,
     )
     metrics = (
         ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters, compat=cfg.metrics_compat) if observer is None else None

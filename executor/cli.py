@@ -95,6 +95,12 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
         help="serve adapters that target embed_tokens / lm_head (vocab-sized slots)",
     )
     p.add_argument(
+        "--enable-dora",
+        action="store_true",
+        help="serve DoRA adapters (use_dora): each dense LoRA layer keeps a per-slot output scale, applied "
+        "in every decode step; off, DoRA adapters are refused with FAILED_PRECONDITION",
+    )
+    p.add_argument(
         "--cpu-cache-bytes",
         type=int,
         default=int(env("cpu_cache_bytes", 0)),
@@ -270,6 +276,7 @@ def executor_config(a: argparse.Namespace):
         tp_timeout_s=a.tp_timeout_s,
         fully_sharded_loras=a.fully_sharded_loras,
         lora_embeddings=a.lora_embeddings,
+        enable_dora=a.enable_dora,
         max_rank=a.max_lora_rank,
         max_cpu_adapters=a.max_cpu_adapters,
         cpu_cache_bytes=a.cpu_cache_bytes,

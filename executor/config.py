@@ -42,6 +42,8 @@ class ExecutorConfig:
     # model and KV cache are in place (executor/memory.py), 8 on CPU. Set to the resolved count at start.
     max_rank: int = 64  # slot rank; larger adapters are refused by the store
     lora_embeddings: bool = False  # also give embed_tokens and lm_head slots (vocab-sized: costly)
+    enable_dora: bool = False  # serve DoRA adapters (executor/dora.py): a per-slot output scale in every dense
+    # LoRA layer, applied in every captured decode step; off, DoRA adapters are refused with FAILED_PRECONDITION
     cpu_cache_bytes: int = 0  # packed shards kept in (pinned) host memory, in bytes; 0: half the host
     # memory available at start (executor/memory.py). Set to the resolved budget at start. The host arena
     # fetched shards land in is sized from it (executor/build.py `pinned_arena`).

@@ -3,7 +3,10 @@
 PEFT's DoRA layer is y = bias + g * (W x + s B A x), g = m / ||W + s B A||_row (the norm over the
 whole input dim, one per output row; s is folded into the shard's B). A shard of a DoRA adapter
 carries "<module>.dora_m" [N] float32 beside lora_a / lora_b (NaN on rows of slices the adapter
-does not target: their g is 1). Each LinearWithLoRA with slots keeps
+does not target: their g is 1). DoRA is a capability the slots are made with (LoraSpec.dora, the
+executor's --enable-dora): without it no layer holds the buffers below and no step does DoRA work,
+and a DoRA shard is refused (`check`; the store client refuses a DoRA adapter's fetch before that).
+Each LinearWithLoRA with slots made with DoRA keeps
 
     dora_scale:  [max_loras + 1, N] in the layer's dtype: g of each slot, 1 for plain LoRA slots
                  and empty ones; the last row (what slot -1, the base model, indexes) is all 1
@@ -34,7 +37,7 @@ _BLOCK = 1 << 24  # float32 elements of W + B A worked on at once (64 MiB)
 
 
 def create(m: nn.Module, max_loras: int) -> None:
-    """The DoRA buffers of a LinearWithLoRA (called from its create_lora_weights)."""
+    """The DoRA buffers of a LinearWithLoRA whose slots serve DoRA (called from its create_lora_weights)."""
     n, dev = m.lora_offsets[-1], m.weight.device
     m.register_buffer("dora_scale", torch.ones(max_loras + 1, n, dtype=m.weight.dtype, device=dev), persistent=False)
     m.dora_slots = [False] * max_loras
@@ -46,8 +49,9 @@ def create(m: nn.Module, max_loras: int) -> None:
 
 
 def applies(m: nn.Module, meta) -> bool:
-    """Whether this step scales m's output: some slot of the step holds DoRA for m (always in a
-    captured graph, which knows no slots on the host)."""
+    """Whether this step scales m's output: m's slots serve DoRA and some slot of the step holds
+    DoRA for m (always in a captured graph, which knows no slots on the host); never where the
+    slots were made without DoRA (LoraSpec.dora)."""
     if getattr(m, "dora_scale", None) is None or meta is None:
         return False
     if meta.host_slots is None:
@@ -73,6 +77,8 @@ def check(modules: dict[str, nn.Module], tensors: dict, magnitudes: dict[str, to
     """ValueError unless every magnitude belongs to a dense LoRA layer the shard targets and fits it."""
     for name, vec in magnitudes.items():
         m = modules.get(name)
+        if m is not None and getattr(m, "serves_dora", None) is False:
+            raise ValueError(f"shard has {name}{SUFFIX}, but this model's slots were made without DoRA (LoraSpec.dora)")
         if m is None or getattr(m, "dora_scale", None) is None:
             raise ValueError(f"shard has {name}{SUFFIX} for no dense LoRA layer of this model")
         if f"{name}.lora_a" not in tensors:

@@ -199,6 +199,7 @@ class LinearWithLoRA(nn.Module):
             and lora.max_rank % 8 == 0
             and self.lora_offsets is self.slice_offsets
         )
+        self.serves_dora = lora is not None and lora.dora  # the slots hold DoRA scales (LoraSpec.dora, executor/dora.py)
         if lora is not None:
             self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
 
@@ -213,7 +214,8 @@ class LinearWithLoRA(nn.Module):
         self.register_buffer("lora_a", a, persistent=False)
         self.register_buffer("lora_b", b, persistent=False)
         self.slot_ranks = [0] * max_loras  # host copy: each slot's rank in this module, 0 = not targeted
-        dora.create(self, max_loras)  # each slot's DoRA output scale (executor/dora.py)
+        if self.serves_dora:
+            dora.create(self, max_loras)  # each slot's DoRA output scale (executor/dora.py)
 
     def set_lora(
         self,

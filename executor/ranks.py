@@ -77,6 +77,7 @@ def lora_spec(cfg: ExecutorConfig) -> LoraSpec:
         cfg.torch_dtype,
         targets_embeddings=cfg.lora_embeddings,
         fully_sharded=cfg.fully_sharded_loras,
+        dora=cfg.enable_dora,
     )
 
 
@@ -414,6 +415,7 @@ class _Rank:
             timeout_s=cfg.store_timeout_s,
             tls=cfg.store_tls,
             pin_memory=self.device.type == "cuda",
+            dora=spec.dora,
         )  # the slot copy reads the stream's own buffer
         self.slots: list[tuple[str, str]] = [("", "")] * cfg.max_loras  # (adapter, digest) in each slot
         self.shards: OrderedDict[tuple[str, str], dict[str, torch.Tensor]] = OrderedDict()  # host copies, LRU

@@ -28,6 +28,7 @@ class LoraSpec:
     dtype: torch.dtype
     targets_embeddings: bool = False  # also allocate slots for embed_tokens and lm_head (vocab-sized: costly)
     fully_sharded: bool = False  # under TP, also cut the adapter rank (column layers) / B's outputs (row layers)
+    dora: bool = False  # dense layers also hold each slot's DoRA scale (executor/dora.py); off: no DoRA buffers, no step work
 
 
 def packs_b_on(device: torch.device) -> bool:

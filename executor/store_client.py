@@ -27,7 +27,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraserve.client import ShardAssembler
-from loraserve.errors import BUSY_RETRY_S, BusyBackoff, StatusError, retry_after_s, unavailable
+from loraserve.errors import BUSY_RETRY_S, BusyBackoff, StatusError, precondition, retry_after_s, unavailable
 from loraserve.serving import BULK_OPTIONS
 from loraserve.tls import ClientTls, secure_or_insecure_channel
 from loraserve.v1 import adapter_store_pb2 as spb
@@ -172,8 +172,10 @@ class StoreClient:
         chunk_bytes: int = CHUNK_BYTES,
         arena: PinnedArena | None = None,
         busy_retry_s: float = BUSY_RETRY_S,
+        dora: bool = False,
     ):
         self.address = address
+        self.dora = dora  # DoRA adapters served (the executor's --enable-dora); False: their fetch is refused
         self.tls = tls
         self.layout = layout
         self.rank = rank or pb.ShardRank()
@@ -287,14 +289,17 @@ class StoreClient:
         done = False
         try:
             while (message := await self._next(call, name)) is not grpc.aio.EOF:
-                if asm.header is None and not buffers and (n := _header_bytes(message)) is not None:
+                first = asm.header is None
+                if first and not buffers and (n := _header_bytes(message)) is not None:
                     buffers.append(await self._landing(n, name))
-                if asm.header is not None and message[:1] != b"\x12":
+                if not first and message[:1] != b"\x12":
                     # the trailer, checked off the serving loop: a sha256-only one (a copy the store
                     # cached before xxh3-128 was kept) costs a sha256 pass over the whole shard
                     await asyncio.to_thread(asm.add_raw, message)
                 else:
                     asm.add_raw(message)
+                if first and asm.header is not None:
+                    self._check_kind(name, asm.header.manifest)  # before the shard's bytes are streamed
             header, _ = asm.result()
             done = True
         except grpc.aio.AioRpcError as e:
@@ -310,6 +315,12 @@ class StoreClient:
             if not done and buffers and self.arena is not None:
                 self.arena.give_back(buffers[-1])  # a broken stream's block
         return header, buffers[-1]
+
+    def _check_kind(self, name: str, manifest: pb.AdapterManifest) -> None:
+        """FAILED_PRECONDITION for an adapter this executor does not serve the kind of (manifest.kind):
+        a DoRA adapter where DoRA is off."""
+        if manifest.kind.startswith("dora") and not self.dora:
+            raise precondition(f"adapter {name!r} is a DoRA adapter (use_dora): this executor was started without --enable-dora")
 
     async def _landing(self, nbytes: int, name: str) -> torch.Tensor:
         """Where a shard of nbytes lands: a block of the pinned arena, else a fresh host buffer."""

@@ -106,6 +106,23 @@ def test_prefix_caching_is_on_unless_no_prefix_caching_is_given(monkeypatch):
         assert not executor_config(parser.parse_args([command, "--device", "cpu", "--no-prefix-caching"])).prefix_caching
 
 
+def test_dora_is_off_unless_enable_dora_is_given(monkeypatch):
+    """--enable-dora (or LORASERVE_ENABLE_DORA) turns DoRA serving on: the config's enable_dora and
+    the slots' LoraSpec.dora."""
+    from loraserve.cli import build_parser
+    from loraserve.executor.cli import executor_config
+    from loraserve.executor.ranks import lora_spec
+
+    monkeypatch.delenv("LORASERVE_ENABLE_DORA", raising=False)
+    for command in ("executor", "up"):
+        off = executor_config(build_parser().parse_args([command, "--device", "cpu"]))
+        assert not off.enable_dora and not lora_spec(off).dora
+        on = executor_config(build_parser().parse_args([command, "--device", "cpu", "--enable-dora"]))
+        assert on.enable_dora and lora_spec(on).dora
+    monkeypatch.setenv("LORASERVE_ENABLE_DORA", "true")
+    assert executor_config(build_parser().parse_args(["executor", "--device", "cpu"])).enable_dora
+
+
 def test_metrics_are_on_by_default_at_the_charts_ports_in_every_serving_command(monkeypatch):
     """One default for store, executor and up: /metrics on, at the Helm chart's ports (store 9091,
     executor 9090), on the service's host; 0 turns it off."""

@@ -91,6 +91,8 @@ def references(base, adapter_dirs):
 
 
 def cluster_of(lt, base, adapter_dirs, data, tp: int, names=ADAPTERS, **overrides) -> Cluster:
+    """A store and an executor started with DoRA on (enable_dora; overrides may turn it off)."""
+    overrides = {"enable_dora": True, **overrides}
     return Cluster(
         lt,
         base[1],
@@ -142,9 +144,26 @@ def test_dora_rows_on_cuda_through_the_graphs_in_bf16(case, references, base, ad
         c.close()
 
 
-def test_dora_with_fully_sharded_lora_is_refused_through_the_executor(
-    hf_model, save_byte_tokenizer, module_loop_thread, tmp_path
-):
+PAIR = {"dora4": ADAPTERS["dora4"], "lora8": ADAPTERS["lora8"]}
+
+
+@pytest.fixture(scope="module")
+def pair(hf_model, save_byte_tokenizer, tmp_path_factory):
+    """(base, adapters dir, lora8's PeftModel reference): a plain Llama with a DoRA and a plain adapter."""
+    from peft import PeftModel
+
+    model, path = hf_model(
+        "llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
+    )
+    if not (path / "tokenizer.json").exists():
+        save_byte_tokenizer(path)
+    root = tmp_path_factory.mktemp("pair-adapters")
+    for seed, (name, spec) in enumerate(PAIR.items()):
+        make_adapter(model, root / name, seed, *spec)
+    return (model, path), root, PeftModel.from_pretrained(copy.deepcopy(model), root / "lora8").eval()
+
+
+def test_dora_with_fully_sharded_lora_is_refused_through_the_executor(pair, module_loop_thread, tmp_path):
     """Fully sharded LoRA cuts a column layer's A over the ranks, so no rank could work out the norm:
     the store refuses the DoRA adapter's shards with FAILED_PRECONDITION, which Generate returns;
     plain LoRA rows are served as before."""
@@ -152,27 +171,49 @@ def test_dora_with_fully_sharded_lora_is_refused_through_the_executor(
 
     from .conftest import generate, prompt_ids
 
-    model, path = hf_model(
-        "llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
-    )
-    if not (path / "tokenizer.json").exists():
-        save_byte_tokenizer(path)
-    names = {"dora4": ADAPTERS["dora4"], "lora8": ADAPTERS["lora8"]}
-    for seed, (name, spec) in enumerate(names.items()):
-        make_adapter(model, tmp_path / "adapters" / name, seed, *spec)
-    c = cluster_of(
-        module_loop_thread, (model, path), tmp_path / "adapters", tmp_path / "store", 2, names, fully_sharded_loras=True
-    )
+    base, adapters, ref = pair
+    c = cluster_of(module_loop_thread, base, adapters, tmp_path / "store", 2, PAIR, fully_sharded_loras=True)
     try:
         client = c.client()
         with pytest.raises(StatusError) as e:
             generate(client, "dora4", prompt_ids(0))
         assert e.value.code.name == "FAILED_PRECONDITION", e.value
         assert "DoRA adapters are not served with fully sharded LoRA" in e.value.message
-        from peft import PeftModel
-
-        ref = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "adapters" / "lora8").eval()
         check_against_reference(ref, prompt_ids(1), generate(client, "lora8", prompt_ids(1)))
+    finally:
+        c.close()
+
+
+def test_without_enable_dora_dora_adapters_are_refused_and_no_layer_holds_a_scale(pair, module_loop_thread, tmp_path):
+    """An executor started without --enable-dora makes no DoRA buffers (no layer's step applies a
+    scale, a captured graph's included) and refuses a DoRA adapter through LoadAdapter and Generate
+    with FAILED_PRECONDITION naming the flag, keeping nothing of it; plain LoRA rows are served."""
+    from loraserve.errors import StatusError
+    from loraserve.executor import dora
+    from loraserve.executor.lora import LinearWithLoRA, lora_modules
+    from loraserve.kernels import make_lora_meta
+
+    from .conftest import generate, prompt_ids
+
+    base, adapters, ref = pair
+    c = cluster_of(module_loop_thread, base, adapters, tmp_path / "store", 1, PAIR, enable_dora=False)
+    try:
+        model = c.parts.engine.model
+        dense = [m for m in lora_modules(model).values() if isinstance(m, LinearWithLoRA)]
+        assert dense and not any(hasattr(m, "dora_scale") or m.serves_dora for m in dense)
+        graph_meta = make_lora_meta(torch.tensor([0, -1], dtype=torch.int32), 2, None)  # no host slots, as in a graph
+        assert not any(dora.applies(m, graph_meta) for m in dense)
+
+        client = c.client()
+        want = "adapter 'dora4' is a DoRA adapter (use_dora): this executor was started without --enable-dora"
+        for call in (lambda: client.load("dora4"), lambda: generate(client, "dora4", prompt_ids(0))):
+            with pytest.raises(StatusError) as e:
+                call()
+            assert e.value.code.name == "FAILED_PRECONDITION", e.value
+            assert e.value.message == want
+        check_against_reference(ref, prompt_ids(1), generate(client, "lora8", prompt_ids(1)))
+        held = {a.name: a for a in client.list()}
+        assert "dora4" not in held or (held["dora4"].slot < 0 and not held["dora4"].in_cpu_cache), held
     finally:
         c.close()
 
@@ -193,7 +234,7 @@ def slot_setup(hf_model, tmp_path_factory):
 
     model, path = hf_model("llama", attention_bias=True, mlp_bias=True)
     root = tmp_path_factory.mktemp("slot-adapters")
-    spec = LoraSpec(max_loras=3, max_rank=16, dtype=torch.float32)
+    spec = LoraSpec(max_loras=3, max_rank=16, dtype=torch.float32, dora=True)
     layout = declare_layout(model_config(path), spec, "tiny")
     out = {}
     for seed, name in enumerate(("dora4", "dora16rs", "lora8")):
@@ -282,6 +323,29 @@ def test_bad_dora_shards_are_refused_before_any_slot_changes(slot_setup):
         with pytest.raises(ValueError, match=message):
             load_shard_into_slot(model, 0, tensors)
     assert not qkv.lora_a.any() and not qkv.dora_slots[0] and (qkv.dora_scale == 1).all()
+
+
+def test_slots_made_without_dora_hold_no_scale_and_refuse_a_dora_shard(slot_setup):
+    """LoraSpec.dora off: no dense layer has DoRA buffers or applies a scale (a graph-style meta
+    included); a DoRA shard loaded straight into the model is refused before any slot changes,
+    and a plain one loads."""
+    import dataclasses
+
+    from loraserve.executor import dora
+    from loraserve.executor.lora import LinearWithLoRA, lora_modules
+    from loraserve.executor.slot_load import load_shard_into_slot
+    from loraserve.kernels import make_lora_meta
+
+    path, spec, adapters = slot_setup
+    model = _served(path, dataclasses.replace(spec, dora=False), False)
+    dense = [m for m in lora_modules(model).values() if isinstance(m, LinearWithLoRA)]
+    assert dense and not any(hasattr(m, "dora_scale") or hasattr(m, "dora_slots") for m in dense)
+    meta = make_lora_meta(torch.tensor([0, 1, -1], dtype=torch.int32), spec.max_loras, None)
+    assert not any(dora.applies(m, meta) for m in dense)
+    with pytest.raises(ValueError, match=r"dora_m, but this model's slots were made without DoRA \(LoraSpec.dora\)"):
+        load_shard_into_slot(model, 0, adapters["dora4"][1])
+    assert all(not m.lora_a[0].any() and m.slot_ranks[0] == 0 for m in dense)
+    assert load_shard_into_slot(model, 0, adapters["lora8"][1]) == 8
 
 
 def test_the_norm_worked_out_in_row_blocks_equals_one_pass(slot_setup, monkeypatch):

@@ -95,6 +95,7 @@ def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
         tp_size=tp,
         cpu_threads=1,
         tp_timeout_s=60.0,
+        enable_dora=True,
     )
     try:
         kinds = {m.name: m.kind for m in c.store_client().list()}
@@ -167,6 +168,7 @@ def test_token_rows_on_cuda_through_the_graphs_in_bf16(case, base, adapter_dirs,
         device="cuda",
         dtype="bfloat16",
         tp_timeout_s=120.0,
+        enable_dora=True,
     )
     try:
         client = c.client()
