@@ -265,3 +265,25 @@ def test_peft_adapter_served_on_a_gguf_gemma_base(variant, module_loop_thread, t
             check_against_reference(refs[name], ids, resp)
     finally:
         c.close()
+
+
+def test_gemma_gguf_is_cut_per_tp_rank(variant):
+    """Each of 2 ranks reads its heads' q|k|v rows, its MLP rows and vocabulary rows from the GGUF, and
+    the whole norms (1 taken off them as on one rank)."""
+    from loraserve.executor.model.loader import load_gguf
+    from loraserve.executor.parallel import TPGroup
+
+    _, _, path = variant("gemma2")
+    whole = load_gguf(path)
+    c = whole.cfg
+    for rank in range(2):
+        part = load_gguf(path, tp=TPGroup(2, rank))
+        qkv, mine = whole.model.layers[1].self_attn.qkv_proj.weight, part.model.layers[1].self_attn.qkv_proj.weight
+        q, kv = slice(rank * c.q_size // 2, (rank + 1) * c.q_size // 2), slice(rank * c.kv_size // 2, (rank + 1) * c.kv_size // 2)
+        assert torch.equal(
+            mine, torch.cat([qkv[: c.q_size][q], qkv[c.q_size : c.q_size + c.kv_size][kv], qkv[c.q_size + c.kv_size :][kv]])
+        )
+        for norm in ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            assert torch.equal(getattr(part.model.layers[1], norm).weight, getattr(whole.model.layers[1], norm).weight)
+        vocab = slice(rank * c.vocab_size // 2, (rank + 1) * c.vocab_size // 2)
+        assert torch.equal(part.model.embed_tokens.weight, whole.model.embed_tokens.weight[vocab])
