@@ -366,8 +366,8 @@ def load_gguf(
             if cut is not None and cut[0] == 1:  # this rank's columns
                 w = w[:, cut[1]]
             if cfg.norm_unit_offset and t.name.endswith("norm.weight"):
-                # llama.cpp's Gemma converters add 1 to every norm weight; in float32 (1 + w) - 1 is
-                # exact for |w| < 1, so 1 + weight in our norm is the stored value bit for bit
+                # llama.cpp's Gemma converters add 1 to every norm weight. In float32 1 + (s - 1) is s
+                # exactly for a stored s in [0.5, 2] (Sterbenz): our norm's 1 + weight is the file's value
                 w = np.asarray(w, dtype=np.float32) - 1.0
             w = np.ascontiguousarray(w, dtype=np.float32)
             sink.put(hf_name, torch.from_numpy(w if w.flags.writeable else w.copy()))  # F32 data is a read-only memmap

@@ -88,9 +88,6 @@ def write_gemma_gguf(hf, path, pattern=None, swa_base=True, omit_keys=(), drop=(
             keys["rope.freq_base_swa"] = (w.add_rope_freq_base_swa, rope["sliding_attention"]["rope_theta"])
         if pattern is not None:
             keys["attention.sliding_window_pattern"] = (w.add_sliding_window_pattern, pattern)
-    for key, (add, value) in keys.items():
-        if key not in omit_keys:
-            add(value)
     if tokenizer:
         specials = ["<bos>", "<eos>", "<pad>", "<unk>"]
         w.add_tokenizer_model("llama")
@@ -102,8 +99,11 @@ def write_gemma_gguf(hf, path, pattern=None, swa_base=True, omit_keys=(), drop=(
         w.add_pad_token_id(c.pad_token_id)
         w.add_unk_token_id(259)
     else:
-        w.add_vocab_size(c.vocab_size)
         w.add_eos_token_id(c.eos_token_id)
+        keys["vocab_size"] = (w.add_vocab_size, c.vocab_size)
+    for key, (add, value) in keys.items():
+        if key not in omit_keys:
+            add(value)
     sandwich = arch != "gemma"
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight":
@@ -221,6 +221,8 @@ REFUSED = {
     "no-post-ffw-norm": ("gemma2", dict(drop=("blk.1.post_ffw_norm.weight",)),
                          r"unfilled .*model\.layers\.1\.post_feedforward_layernorm\.weight"),
     "no-q-norm": ("gemma3", dict(pattern=2, drop=("blk.0.attn_q_norm.weight",)), r"unfilled .*layers\.0\.self_attn\.q_norm"),
+    "no-vocab": ("gemma", dict(omit_keys=("vocab_size",)), "neither gemma.vocab_size nor tokenizer.ggml.tokens"),
+    "pattern-period": ("gemma3", dict(pattern=0), "sliding_window_pattern 0: a positive period or one bool per layer"),
     "pattern-length": ("gemma3", dict(pattern=[True, False]), "sliding_window_pattern names 2 layers, the model has 4"),
 }  # fmt: skip
 
