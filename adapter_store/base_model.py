@@ -3,7 +3,7 @@
 Adapters are checked against it at registration: every tensor must map to one of these
 modules and agree with its (in_features, out_features). Built from a Hugging Face
 config.json (Llama, Mistral, Qwen2/3, SmolLM2, Phi-3/4, Mixtral, Qwen2/3-MoE, Gemma 1/2/3: a multimodal
-Gemma 3 config's text_config, its language model's modules) or from a GGUF's metadata.
+Gemma 3 config's text_config, its language model's modules) or from a GGUF's metadata (gemma3: the same).
 Phi-3 (model_type phi3) has the fused modules its checkpoints and PEFT name: self_attn.qkv_proj
 (q | k | v rows) and mlp.gate_up_proj (gate | up rows), no q/k/v or gate/up of their own.
 """
@@ -136,7 +136,8 @@ def from_hf_dir(path: Path, name: str | None = None) -> BaseModelSpec:
 
 
 def from_gguf(path: Path, name: str) -> BaseModelSpec:
-    """Reads only the GGUF metadata (`<arch>.*` keys; phi3's modules are fused as in its HF form)."""
+    """Reads only the GGUF metadata (`<arch>.*` keys; phi3's modules are fused as in its HF form; a
+    gemma3 GGUF holds Gemma 3's language model, whose modules are gemma3_text's)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -150,7 +151,7 @@ def from_gguf(path: Path, name: str) -> BaseModelSpec:
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     vocab_field = reader.fields.get("tokenizer.ggml.tokens")
     cfg = {
-        "model_type": arch,
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "hidden_size": value(f"{arch}.embedding_length"),
         "num_attention_heads": value(f"{arch}.attention.head_count"),
         "num_key_value_heads": value(f"{arch}.attention.head_count_kv"),

@@ -317,8 +317,16 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 2/3's norms around attention and MLP: their ffn_norm is the pre-feed-forward norm, not
+# the post-attention norm it is in the Llama block
+_GGUF_SANDWICH_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+_GGUF_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", *_GGUF_GEMMA_ARCHS)
 _GGUF_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # phi3's LongRoPE: read into the config
 
 
@@ -332,7 +340,8 @@ def load_gguf(
     quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Dequantizes every tensor (Q4_0/1, Q8_0, K-quants, F16, F32, ... as gguf.quants supports) to dtype
-    (quantization "fp8": the linear layers' weights then to FP8 per output row)."""
+    (quantization "fp8": the linear layers' weights then to FP8 per output row). Gemma's norm weights
+    are stored as (1 + weight), as its RMSNorm scales: 1 is taken off them for our (1 + weight) norm."""
     import gguf
 
     fp8_linears = fp8.plan(None, quantization, device, dtype, str(path))
@@ -345,7 +354,7 @@ def load_gguf(
         if t.name in _GGUF_ROPE_FACTORS:
             continue
         full_shape = tuple(reversed(t.shape.tolist()))
-        for hf_name, cut in sink.reads(_hf_name(t.name, cfg.fused_projections), full_shape[0]):
+        for hf_name, cut in sink.reads(_hf_name(t.name, cfg.fused_projections, cfg.sandwich_norms), full_shape[0]):
             data, shape = t.data, full_shape  # data: [rows, bytes of a row] when quantized, a row = whole blocks
             if cut is not None and cut[0] == 0:  # this rank's rows, cut before dequantizing (most of the work)
                 data = data[cut[1]]
@@ -356,6 +365,10 @@ def load_gguf(
                 w = _unpermute_rope(w, w.shape[0] // cfg.head_dim)
             if cut is not None and cut[0] == 1:  # this rank's columns
                 w = w[:, cut[1]]
+            if cfg.norm_unit_offset and t.name.endswith("norm.weight"):
+                # llama.cpp's Gemma converters add 1 to every norm weight. In float32 1 + (s - 1) is s
+                # exactly for a stored s in [0.5, 2] (Sterbenz): our norm's 1 + weight is the file's value
+                w = np.asarray(w, dtype=np.float32) - 1.0
             w = np.ascontiguousarray(w, dtype=np.float32)
             sink.put(hf_name, torch.from_numpy(w if w.flags.writeable else w.copy()))  # F32 data is a read-only memmap
     sink.check_complete()
@@ -365,7 +378,8 @@ def load_gguf(
 def gguf_config(reader) -> ModelConfig:
     """ModelConfig from GGUF metadata (`<arch>.*` keys, token ids from `tokenizer.ggml.*`) as llama.cpp's
     converter writes it. phi3: fused attn_qkv and ffn_up (gate|up), rope.dimension_count the rotary
-    dims (partial RoPE), LongRoPE's factors as the rope_factors_short / rope_factors_long tensors."""
+    dims (partial RoPE), LongRoPE's factors as the rope_factors_short / rope_factors_long tensors.
+    gemma, gemma2, gemma3: see _gemma_from_gguf. ValueError for a GGUF without the keys every model needs."""
     arch = _gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHS)}")
@@ -377,8 +391,17 @@ def gguf_config(reader) -> ModelConfig:
     def get(key, default=None):
         return _gguf_field(reader, f"{arch}.{key}", default)
 
+    required = ["embedding_length", "block_count", "feed_forward_length", "attention.head_count"]
+    if arch in _GGUF_GEMMA_ARCHS:
+        required.append("attention.layer_norm_rms_epsilon")  # llama.cpp requires it of these archs
+    missing = [f"{arch}.{k}" for k in required if get(k) is None]
+    if missing:
+        raise ValueError(f"GGUF ({arch}) lacks metadata the model needs: {', '.join(missing)}")
     hidden, heads = get("embedding_length"), get("attention.head_count")
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError(f"GGUF ({arch}) has neither {arch}.vocab_size nor tokenizer.ggml.tokens: its vocabulary size is unknown")
     scaling_type = get("rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
@@ -395,9 +418,12 @@ def gguf_config(reader) -> ModelConfig:
             "original_max_position_embeddings": get("rope.scaling.original_context_length") or get("context_length"),
             "attention_factor": get("rope.scaling.attn_factor"),
         }  # fmt: skip
+    gemma = {}
+    if arch in _GGUF_GEMMA_ARCHS:
+        gemma = _gemma_from_gguf(arch, get, hidden, heads, head_dim)  # gemma3's rope_scaling: its global layers'
     eos = [_gguf_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return ModelConfig(
-        model_type=arch,
+        model_type="gemma3_text" if arch == "gemma3" else arch,  # as from_hf_config names Gemma 3's language model
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
@@ -412,11 +438,58 @@ def gguf_config(reader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         sliding_window=window,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        qk_norm=arch == "gemma3" or "blk.0.attn_q_norm.weight" in tensor_names,  # a gemma3 without them is refused
         fused_projections=arch == "phi3",
         partial_rotary_factor=rotary_dim / head_dim,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
+        **gemma,
+    )
+
+
+# llama.cpp's layer counts of the 27B models (Gemma 2, Gemma 3): the one size whose attention scale is
+# (hidden / heads) ** -0.5, not head_dim ** -0.5 (their query_pre_attn_scalar: 144, 168)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_from_gguf(arch: str, get, hidden: int, heads: int, head_dim: int) -> dict:
+    """The Gemma fields of ModelConfig from a llama.cpp GGUF. Where a key is absent, llama.cpp's default:
+    - query_pre_attn_scalar: never written; llama.cpp derives it from the layer count (_GEMMA_27B_LAYERS),
+      head_dim for every other size, as Gemma's configs have it;
+    - gemma2: every other layer local from layer 0, window 4096, soft-caps 50 (attention) and 30 (logits);
+    - gemma3: no sliding_window (or 0): every layer global; else one global layer of each
+      attention.sliding_window_pattern (6; an array of per-layer bools, true = local), the local
+      layers' RoPE base rope.freq_base_swa (10000, unscaled), no final soft-cap; no attention soft-cap.
+    Gemma 1: no windows, no soft-caps, head_dim as the scalar."""
+    fields: dict = dict(hidden_act="gelu_tanh", norm_unit_offset=True, scale_embeddings=True)
+    if arch == "gemma":
+        return fields
+    layers = get("block_count")
+    scalar = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
+    fields.update(sandwich_norms=True, query_pre_attn_scalar=scalar)
+    if arch == "gemma2":
+        window = get("attention.sliding_window", 4096)
+        return dict(
+            fields,
+            attn_logit_softcap=get("attn_logit_softcapping", 50.0) or None,
+            final_logit_softcap=get("final_logit_softcapping", 30.0) or None,
+            layer_windows=tuple(window if i % 2 == 0 else None for i in range(layers)),
+        )
+    window = get("attention.sliding_window") or None
+    pattern = get("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(f"gemma3.attention.sliding_window_pattern names {len(pattern)} layers, the model has {layers}")
+        local = [bool(p) for p in pattern]
+    elif not isinstance(pattern, int) or pattern < 1:
+        raise ValueError(f"gemma3.attention.sliding_window_pattern {pattern!r}: a positive period or one bool per layer")
+    else:
+        local = [i % pattern < pattern - 1 for i in range(layers)]  # llama.cpp's set_swa_pattern: the last of each period global
+    return dict(
+        fields,
+        final_logit_softcap=get("final_logit_softcapping") or None,
+        layer_windows=tuple(window if is_local and window else None for is_local in local),
+        rope_local_theta=float(get("rope.freq_base_swa", 10000.0)),
     )
 
 
@@ -425,12 +498,13 @@ def _gguf_field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _hf_name(gguf_name: str, fused: bool = False) -> str:
-    """fused: phi3, whose ffn_up holds gate|up (HF's mlp.gate_up_proj)."""
+def _hf_name(gguf_name: str, fused: bool = False, sandwich: bool = False) -> str:
+    """fused: phi3, whose ffn_up holds gate|up (HF's mlp.gate_up_proj); sandwich: Gemma 2/3's four norms a layer."""
     base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        module = "mlp.gate_up_proj" if fused and m.group(2) == "ffn_up" else _GGUF_LAYER_NAMES[m.group(2)]
+    names = {**_GGUF_LAYER_NAMES, **_GGUF_SANDWICH_NAMES} if sandwich else _GGUF_LAYER_NAMES
+    if m and m.group(2) in names:
+        module = "mlp.gate_up_proj" if fused and m.group(2) == "ffn_up" else names[m.group(2)]
         return f"model.layers.{m.group(1)}.{module}.{kind}"
     if base in _GGUF_GLOBAL_NAMES:
         return f"{_GGUF_GLOBAL_NAMES[base]}.{kind}"
