@@ -1,12 +1,14 @@
-"""Trainable tokens (PEFT's trainable_token_indices) served beside LoRA and DoRA: real store and
-executor on loopback (Llama with its own lm_head at tp 1, Qwen2 with tied embeddings at tp 2), each
-row of batches mixing trainable-token, DoRA, plain LoRA and base rows checked against
-transformers + PEFT alone, through loads and evictions; bad token ids refused with their status."""
+"""Trainable tokens served beside LoRA and DoRA (PEFT's trainable_token_indices) and alone (peft_type
+TRAINABLE_TOKENS): real store and executor on loopback (Llama with its own lm_head at tp 1, Qwen2
+with tied embeddings at tp 2), each row of batches mixing trainable-token, DoRA, plain LoRA and base
+rows checked against transformers + PEFT alone, through loads and evictions; bad token ids and
+malformed adapters refused with their status."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import json
 
 import pytest
 import torch
@@ -16,6 +18,16 @@ from loraserve.errors import StatusError
 from .conftest import Cluster, check_against_reference, generate
 
 CASES = {"llama-tp1": ("llama", 1, {}), "qwen2-tp2": ("qwen2", 2, dict(tie_word_embeddings=True))}
+# trainable tokens alone, TrainableTokensConfig fields per case: the untied Llama's embedding with its
+# own lm_head rows, and its embedding only (its lm_head keeps the base rows); the tied Qwen2's
+# embedding (PEFT ties the lm_head's rows to it) and its lm_head only (the embedding keeps the base rows)
+ALONE = {
+    "llama-tp1": {
+        "alone": dict(target_modules=["embed_tokens", "lm_head"], token_indices=[17, 200, 259]),
+        "alone2": dict(token_indices=[5, 42]),
+    },
+    "qwen2-tp2": {"alone": dict(token_indices=[17, 200, 259]), "alone2": dict(target_modules=["lm_head"], token_indices=[5, 42])},
+}
 BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
 TOKENS = [5, 17, 200, 259]  # 259: past the byte tokenizer's ids, as a chat format's new token is
 ADAPTERS = {  # name: LoraConfig fields
@@ -23,12 +35,22 @@ ADAPTERS = {  # name: LoraConfig fields
     "dora_tok": dict(r=8, lora_alpha=8, target_modules=["v_proj", "o_proj"], use_dora=True, trainable_token_indices=[17, 42]),
     "lora": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
 }
-GROUPS = (["tok", "lora", "", "dora_tok"], ["dora_tok", "", "tok", "lora"])
+GROUPS = (["tok", "lora", "", "dora_tok"], ["dora_tok", "", "tok", "lora"], ["alone", "lora", "alone2", "", "dora_tok", "alone"])
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request):
-    return CASES[request.param]
+def case_name(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def case(case_name):
+    return CASES[case_name]
+
+
+@pytest.fixture(scope="module")
+def alone(case_name):
+    return ALONE[case_name]
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +65,13 @@ def base(hf_model, case, save_byte_tokenizer):
 
 
 def make_adapter(model, directory, seed: int, **config):
-    from peft import LoraConfig, get_peft_model
+    """A PEFT adapter with random trained values: LoraConfig's fields, or TrainableTokensConfig's
+    (token_indices: trainable tokens alone)."""
+    from peft import LoraConfig, TrainableTokensConfig, get_peft_model
 
     torch.manual_seed(seed)
-    peft = get_peft_model(copy.deepcopy(model), LoraConfig(**config))
+    peft_config = TrainableTokensConfig(**config) if "token_indices" in config else LoraConfig(**config)
+    peft = get_peft_model(copy.deepcopy(model), peft_config)
     with torch.no_grad():
         for n, p in peft.named_parameters():
             if "lora_B" in n:
@@ -59,19 +84,19 @@ def make_adapter(model, directory, seed: int, **config):
 
 
 @pytest.fixture(scope="module")
-def adapter_dirs(base, tmp_path_factory):
+def adapter_dirs(base, alone, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
-    for seed, (name, config) in enumerate(ADAPTERS.items()):
+    for seed, (name, config) in enumerate({**ADAPTERS, **alone}.items()):
         make_adapter(base[0], root / name, seed, **config)
     return root
 
 
 @pytest.fixture(scope="module")
-def references(base, adapter_dirs):
+def references(base, alone, adapter_dirs):
     from peft import PeftModel
 
     refs = {"": base[0]}
-    for name in ADAPTERS:
+    for name in [*ADAPTERS, *alone]:
         refs[name] = PeftModel.from_pretrained(copy.deepcopy(base[0]), adapter_dirs / name).eval()
     return refs
 
@@ -83,7 +108,7 @@ def prompt(i: int) -> list[int]:
 
 
 def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
-    case, base, adapter_dirs, references, module_loop_thread, tmp_path
+    case, base, alone, adapter_dirs, references, module_loop_thread, tmp_path
 ):
     _, tp, _ = case
     c = Cluster(
@@ -91,14 +116,20 @@ def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
         base[1],
         adapter_dirs,
         tmp_path / "store",
-        ADAPTERS,
+        [*ADAPTERS, *alone],
         tp_size=tp,
         cpu_threads=1,
         tp_timeout_s=60.0,
     )
     try:
-        kinds = {m.name: m.kind for m in c.store_client().list()}
-        assert kinds == {"tok": "lora+tokens", "dora_tok": "dora+tokens", "lora": "lora"}
+        listed = {m.name: (m.kind, m.rank) for m in c.store_client().list()}
+        assert listed == {
+            "tok": ("lora+tokens", 4),
+            "dora_tok": ("dora+tokens", 8),
+            "lora": ("lora", 8),
+            "alone": ("tokens", 0),
+            "alone2": ("tokens", 0),
+        }
         client = c.client()
         for group in GROUPS:
             jobs = [(name, prompt(i)) for i, name in enumerate(group)]
@@ -116,8 +147,44 @@ def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
             c.store_client().register("beyond", str(adapter_dirs / "beyond"))
         assert e.value.code.name == "INVALID_ARGUMENT"
         assert "token id 300 is beyond base model 'tiny''s vocabulary of 260" in e.value.message
+        # trainable tokens alone: an id past the vocabulary, and malformed files, refused naming the fault
+        for edit, message in ALONE_REFUSALS:
+            make_adapter(base[0], adapter_dirs / "bad", 9, token_indices=[3, 7])
+            edit(adapter_dirs / "bad")
+            with pytest.raises(StatusError) as e:
+                c.store_client().register("bad", str(adapter_dirs / "bad"))
+            assert e.value.code.name == "INVALID_ARGUMENT" and message in e.value.message, e.value.message
     finally:
         c.close()
+
+
+def _set_config(**fields):
+    def edit(directory):
+        path = directory / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+    return edit
+
+
+def _add_tensor(name, t):
+    def edit(directory):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(directory / "adapter_model.safetensors")
+        save_file({**tensors, name: t}, directory / "adapter_model.safetensors")
+
+    return edit
+
+
+ALONE_REFUSALS = [
+    (_set_config(token_indices=[3, 300]), "token_indices: token id 300 is beyond base model 'tiny''s vocabulary of 260"),
+    (_set_config(token_indices=None), "token_indices of a TRAINABLE_TOKENS adapter must be a non-empty list"),
+    (_set_config(token_indices=[3]), "trainable_tokens_delta has shape [2, 64], token_indices lists 1 ids"),
+    (
+        _add_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(4, 64)),
+        "a TRAINABLE_TOKENS adapter holds only trainable_tokens_delta rows",
+    ),
+]
 
 
 def test_trainable_token_rows_that_do_not_fit_are_refused_before_any_slot_changes(hf_model):
@@ -149,8 +216,40 @@ def test_trainable_token_rows_that_do_not_fit_are_refused_before_any_slot_change
     assert rows.slots == [False, False] and (rows.table == -1).all()
 
 
+@pytest.mark.parametrize("scatter", ["per_tensor", "one_scatter"])
+def test_a_tokens_only_shard_leaves_the_slots_lora_buffers_zero(hf_model, scatter):
+    """Trainable tokens alone: a shard of token rows only, loaded over a LoRA adapter's slot (per-tensor
+    copies as on the CPU, or the one scatter a CUDA load runs), zeroes the slot's A and B in every
+    module, reads rank 0 and holds the rows."""
+    from loraserve.executor.lora import lora_modules
+    from loraserve.executor.model.loader import load_hf_checkpoint
+    from loraserve.executor.slot_layout import LoraSpec
+    from loraserve.executor.slot_load import load_shard_into_slot
+    from loraserve.kernels import copy_reference
+
+    _, path = hf_model("llama")
+    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
+    kw = {"scatter": copy_reference.slot_scatter} if scatter == "one_scatter" else {}
+    modules = lora_modules(model)
+    gen = torch.Generator().manual_seed(0)
+    lora = {}
+    for name, m in modules.items():
+        for part, buf in (("lora_a", m.lora_a), ("lora_b", m.lora_b)):
+            shape = list(buf.shape[1:])
+            shape[m.slot_rank_dim] = 8
+            lora[f"{name}.{part}"] = torch.randn(shape, generator=gen)
+    assert load_shard_into_slot(model, 1, lora, **kw) == 8
+    assert all(m.lora_a[1].abs().sum() > 0 for m in modules.values())
+    rows = torch.randn(2, model.cfg.hidden_size, generator=gen)
+    tokens = {"tokens.embed.ids": torch.tensor([3, 7], dtype=torch.int32), "tokens.embed.rows": rows}
+    assert load_shard_into_slot(model, 1, tokens, **kw) == 0
+    for m in modules.values():
+        assert not m.lora_a[1].any() and not m.lora_b[1].any() and m.slot_ranks[1] == 0
+    assert model.token_rows.slots == [False, True] and torch.equal(model.token_rows.embed[1, :2], rows)
+
+
 @pytest.mark.gpu
-def test_token_rows_on_cuda_through_the_graphs_in_bf16(case, base, adapter_dirs, references, loop_thread, tmp_path):
+def test_token_rows_on_cuda_through_the_graphs_in_bf16(case, base, alone, adapter_dirs, references, loop_thread, tmp_path):
     """The same batches on CUDA in bf16 (decode steps replay the CUDA graphs, which always apply
     the slots' token rows): every row within bf16 tolerance of its own float32 PEFT reference."""
     from .conftest import check_bf16_rows, need_cuda_devices
@@ -162,7 +261,7 @@ def test_token_rows_on_cuda_through_the_graphs_in_bf16(case, base, adapter_dirs,
         base[1],
         adapter_dirs,
         tmp_path / "store",
-        ADAPTERS,
+        [*ADAPTERS, *alone],
         tp_size=tp,
         device="cuda",
         dtype="bfloat16",
