@@ -154,6 +154,20 @@ def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
             with pytest.raises(StatusError) as e:
                 c.store_client().register("bad", str(adapter_dirs / "bad"))
             assert e.value.code.name == "INVALID_ARGUMENT" and message in e.value.message, e.value.message
+        # refused as they enter a slot, Generate saying why: more token ids than a slot holds, and
+        # (tied model) lm_head rows unlike the embedding rows PEFT ties them to
+        make_adapter(base[0], adapter_dirs / "wide", 9, token_indices=list(range(65)))
+        refusals = {"wide": "a slot holds at most 64"}
+        if case[2].get("tie_word_embeddings"):
+            make_adapter(base[0], adapter_dirs / "untied_rows", 9, token_indices=[3, 7])
+            _set_tensor(HEAD_DELTA, torch.zeros(2, 64))(adapter_dirs / "untied_rows")
+            refusals["untied_rows"] = "the model ties lm_head to the embedding, but the shard's lm_head token ids / rows differ"
+        for name, message in refusals.items():
+            c.store_client().register(name, str(adapter_dirs / name))
+            with pytest.raises(StatusError) as e:
+                generate(client, name, prompt(0), 2)
+            assert e.value.code.name == "INVALID_ARGUMENT" and message in e.value.message, e.value.message
+        check_against_reference(references["alone"], prompt(1), generate(client, "alone", prompt(1), 4))  # still served
     finally:
         c.close()
 
@@ -166,7 +180,7 @@ def _set_config(**fields):
     return edit
 
 
-def _add_tensor(name, t):
+def _set_tensor(name, t):
     def edit(directory):
         from safetensors.torch import load_file, save_file
 
@@ -176,12 +190,15 @@ def _add_tensor(name, t):
     return edit
 
 
+HEAD_DELTA = "base_model.model.lm_head.trainable_tokens_delta"
+
+
 ALONE_REFUSALS = [
     (_set_config(token_indices=[3, 300]), "token_indices: token id 300 is beyond base model 'tiny''s vocabulary of 260"),
     (_set_config(token_indices=None), "token_indices of a TRAINABLE_TOKENS adapter must be a non-empty list"),
     (_set_config(token_indices=[3]), "trainable_tokens_delta has shape [2, 64], token_indices lists 1 ids"),
     (
-        _add_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(4, 64)),
+        _set_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(4, 64)),
         "a TRAINABLE_TOKENS adapter holds only trainable_tokens_delta rows",
     ),
 ]
