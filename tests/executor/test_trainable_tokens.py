@@ -35,7 +35,16 @@ ADAPTERS = {  # name: LoraConfig fields
     "dora_tok": dict(r=8, lora_alpha=8, target_modules=["v_proj", "o_proj"], use_dora=True, trainable_token_indices=[17, 42]),
     "lora": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
 }
-GROUPS = (["tok", "lora", "", "dora_tok"], ["dora_tok", "", "tok", "lora"], ["alone", "lora", "alone2", "", "dora_tok", "alone"])
+# Four slots: the last two groups hold more adapters than slots, so adapters load, are evicted and
+# move between slots within a group, and a batch holds trainable tokens alone beside LoRA with
+# tokens, DoRA with tokens, plain LoRA and base rows.
+SLOTS = 4
+GROUPS = (
+    ["tok", "lora", "", "dora_tok"],
+    ["alone", "tok", "", "dora_tok", "alone2"],
+    ["lora", "alone2", "", "alone", "dora_tok", "tok"],
+    ["dora_tok", "", "alone", "lora", "tok", "alone2"],
+)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -120,6 +129,7 @@ def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
         tp_size=tp,
         cpu_threads=1,
         tp_timeout_s=60.0,
+        max_loras=SLOTS,
     )
     try:
         listed = {m.name: (m.kind, m.rank) for m in c.store_client().list()}
@@ -283,6 +293,7 @@ def test_token_rows_on_cuda_through_the_graphs_in_bf16(case, base, alone, adapte
         device="cuda",
         dtype="bfloat16",
         tp_timeout_s=120.0,
+        max_loras=SLOTS,
     )
     try:
         client = c.client()
