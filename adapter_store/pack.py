@@ -27,7 +27,7 @@ FORMAT = "loraserve.shard.v1"
 
 @dataclass(frozen=True)
 class PeftAdapter:
-    """A validated PEFT LoRA adapter: module -> (A [r, in], B [out, r]) in PEFT's layout."""
+    """A validated PEFT adapter: LoRA module -> (A [r, in], B [out, r]) in PEFT's layout ({} for trainable tokens alone)."""
 
     settings: validate.LoraSettings
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -40,12 +40,16 @@ class PeftAdapter:
 
     @property
     def kind(self) -> str:
-        """What AdapterManifest.kind reports: "lora" or "dora", with "+tokens" for trainable tokens."""
+        """What AdapterManifest.kind reports: "lora" or "dora", with "+tokens" for trainable tokens;
+        "tokens" for trainable tokens alone."""
+        if not self.modules:
+            return "tokens"
         return ("dora" if self.magnitudes else "lora") + ("+tokens" if self.tokens else "")
 
     @property
     def rank(self) -> int:
-        return max(self.settings.module_rank(m) for m in self.modules)
+        """The largest LoRA rank of its modules; 0 for trainable tokens alone."""
+        return max((self.settings.module_rank(m) for m in self.modules), default=0)
 
     @property
     def num_parameters(self) -> int:
@@ -70,7 +74,7 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     settings = validate.check_config(config, spec, limits)
     path = validate.check_weights_file(directory, limits)
     tensors, magnitudes = dora.split_magnitudes(validate.load_tensors(path, limits))
-    tensors, token_rows = trainable_tokens.split(tensors)
+    tensors, token_rows = trainable_tokens.split(tensors, alone=settings.tokens_only)
     tensors, settings = experts.canonical_tensors(tensors, settings, spec)
     modules = validate.group_modules(tensors, settings, spec)
     experts.check_complete(modules, spec)

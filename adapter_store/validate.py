@@ -57,6 +57,7 @@ class LoraSettings:
     # or Mixtral's old per-expert name): rank_pattern / alpha_pattern keys match the latter.
     module_sources: dict = field(default_factory=dict)
     use_dora: bool = False  # DoRA: a magnitude vector per module (adapter_store/dora.py)
+    tokens_only: bool = False  # peft_type TRAINABLE_TOKENS: token rows, no LoRA (r is 0; adapter_store/trainable_tokens.py)
 
     def module_rank(self, module: str) -> int:
         return int(_pattern_value(self.rank_pattern, self.module_sources.get(module, module), self.r))
@@ -99,14 +100,14 @@ def read_config(directory: Path) -> dict:
 
 
 def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraSettings:
-    """The config is a plain PEFT LoRA config this server can apply."""
+    """The config is a plain PEFT LoRA config this server can apply, or a TRAINABLE_TOKENS one
+    (token rows alone: settings with r 0, tokens_only)."""
     if cfg.get("peft_type") == "TRAINABLE_TOKENS":
-        raise invalid(
-            f"{CONFIG_FILE}: trainable tokens alone (peft_type 'TRAINABLE_TOKENS') are not served; "
-            "trainable tokens beside LoRA (LoraConfig's trainable_token_indices) are"
-        )
+        return LoraSettings(0, 0.0, False, (), _base_model(cfg, spec), tokens_only=True)
     if cfg.get("peft_type") != "LORA":
-        raise invalid(f"{CONFIG_FILE}: peft_type is {cfg.get('peft_type')!r}, only 'LORA' adapters are served")
+        raise invalid(
+            f"{CONFIG_FILE}: peft_type is {cfg.get('peft_type')!r}, only 'LORA' and 'TRAINABLE_TOKENS' adapters are served"
+        )
     _refuse_features(cfg)
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
@@ -124,9 +125,7 @@ def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraS
         raise precondition(f"adapter rank {max(ranks)} is above this store's maximum rank {limits.max_rank}")
     targets = cfg.get("target_modules") or ()
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    base = cfg.get("base_model_name_or_path") or ""
-    if spec is not None and base and not spec.matches(base):
-        raise precondition(f"adapter was made for base model {base!r}, this store serves {spec.name!r}")
+    base = _base_model(cfg, spec)
     params = cfg.get("target_parameters") or ()
     params = (params,) if isinstance(params, str) else tuple(params)
     if not all(isinstance(p, str) for p in params):
@@ -142,6 +141,14 @@ def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraS
         params,
         use_dora=bool(cfg.get("use_dora")),
     )
+
+
+def _base_model(cfg: dict, spec: BaseModelSpec | None) -> str:
+    """The config's base_model_name_or_path ("" if unset), which must name the store's base model."""
+    base = cfg.get("base_model_name_or_path") or ""
+    if spec is not None and base and not spec.matches(base):
+        raise precondition(f"adapter was made for base model {base!r}, this store serves {spec.name!r}")
+    return base
 
 
 def _refuse_features(cfg: dict) -> None:
@@ -246,17 +253,22 @@ def group_modules(
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Maps every tensor to a module's (A, B) and checks the shapes against r and the base model.
 
-    Linear: A [r, in], B [out, r]. Embedding: A [r, vocab], B [dim, r] (PEFT's names).
+    Linear: A [r, in], B [out, r]. Embedding: A [r, vocab], B [dim, r] (PEFT's names). A
+    TRAINABLE_TOKENS adapter has none ({}) and may hold no other tensor.
     """
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
         if SAVED_EMBEDDING_RE.match(name):
             continue
+        if settings.tokens_only:
+            raise invalid(f"tensor {name!r}: a TRAINABLE_TOKENS adapter holds only trainable_tokens_delta rows")
         m = TENSOR_RE.match(name)
         if not m or not name.startswith(PREFIX):
             raise invalid(f"tensor {name!r} is not a LoRA A/B weight of a known module")
         parts.setdefault(m["module"][len(PREFIX) :], {})[m["part"]] = t
     if not parts:
+        if settings.tokens_only:
+            return {}
         raise invalid(f"{WEIGHTS_FILE} holds no LoRA tensors")
     modules = {}
     for module, p in sorted(parts.items()):

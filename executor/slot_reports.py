@@ -44,5 +44,5 @@ class Residency:
     name: str
     tier: str  # "gpu": ready in a slot; "cpu": in the CPU cache only; "store": in neither (being fetched)
     pinned: bool
-    rank: int  # 0: not known yet (never fetched)
+    rank: int  # 0: not known yet (never fetched), or trainable tokens alone (no LoRA)
     waited_for: bool  # a request (or admin load) waits for it and it is not ready in a slot

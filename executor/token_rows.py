@@ -77,7 +77,8 @@ class TokenRows(nn.Module):
         }
 
     def check(self, tokens: dict[str, torch.Tensor]) -> None:
-        """ValueError unless the shard's trainable tokens fit the slots."""
+        """ValueError unless the shard's trainable tokens fit the slots (a tied model's lm_head rows,
+        where the shard has them, are its embedding rows)."""
         unknown = sorted(set(tokens) - {f"{PREFIX}{t}.{p}" for t in ("embed", "lm_head") for p in ("ids", "rows")})
         if unknown:
             raise ValueError(f"shard has unknown trainable-token tensors {unknown}")
@@ -95,6 +96,13 @@ class TokenRows(nn.Module):
                 raise ValueError(f"{PREFIX}{target}: {ids.shape[0]} trainable tokens, a slot holds at most {self.max_tokens}")
             if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.vocab:
                 raise ValueError(f"{PREFIX}{target}: token ids must lie in the vocabulary of {self.vocab}")
+        embed, head = tokens.get(f"{PREFIX}embed.ids"), tokens.get(f"{PREFIX}lm_head.ids")
+        if self.tied and embed is not None and head is not None:  # PEFT ties them: one set of rows
+            same = torch.equal(embed, head) and torch.equal(tokens[f"{PREFIX}embed.rows"], tokens[f"{PREFIX}lm_head.rows"])
+            if not same:
+                raise ValueError(
+                    "the model ties lm_head to the embedding, but the shard's lm_head token ids / rows differ from its embedding's"
+                )
 
     def load(self, slot: int, tokens: dict[str, torch.Tensor]) -> None:
         """Sets `slot`'s rows from the shard's trainable tokens (none: the slot holds none)."""

@@ -315,7 +315,7 @@ class _ExecutorState:
         g = GaugeMetricFamily(
             "loraserve_executor_adapter_residency",
             "Adapters this executor knows, by tier (gpu: ready in a slot, cpu: host cache only, store: being fetched), "
-            "pinned and rank (0: not fetched yet)",
+            "pinned and rank (0: not fetched yet, or trainable tokens alone)",
             labels=["adapter", "tier", "pinned", "rank"],
         )
         counts: dict[tuple, int] = {}

@@ -3,9 +3,9 @@
 What the config turns on in llama.py's modules (executor/model/config.py, the Gemma fields):
 GeGLU MLP (gelu-tanh gate), RMSNorm scaled by (1 + weight) in float32, attention scaled by
 query_pre_attn_scalar ** -0.5, each layer's own sliding window, attention soft-capping (Gemma 2)
-and per-head q/k norms (Gemma 3). What this module adds: embeddings (and their LoRA) times
-sqrt(hidden_size) cast to the model dtype, as transformers and PEFT scale them; Gemma 2/3's
-decoder block with a norm on both sides of attention and of the MLP; Gemma 3's second RoPE
+and per-head q/k norms (Gemma 3). What this module adds: embeddings (their LoRA and trainable
+tokens' rows too) times sqrt(hidden_size) cast to the model dtype, as transformers and PEFT scale
+them; Gemma 2/3's decoder block with a norm on both sides of attention and of the MLP; Gemma 3's second RoPE
 (an unscaled local base for the sliding-window layers); final logit soft-capping (Gemma 2).
 Module paths are llama.py's, so the LoRA layout, the loader and tensor parallelism are shared.
 """
@@ -79,7 +79,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
         lora_meta: LoraMeta | None,
     ) -> torch.Tensor:
         """-> [T, hidden]: final-normed hidden states of every token of the step."""
-        h = self.model.embed_tokens(input_ids, lora_meta) * self.embed_scale  # [T, hidden]
+        h = self.model.embed_tokens(input_ids, lora_meta)  # [T, hidden]
+        if self.token_rows is not None:  # trainable tokens' own rows, scaled as the base rows are (as PEFT does)
+            h = self.token_rows.embed_rows(input_ids, h, lora_meta)
+        h = h * self.embed_scale
         rope = self.model.rotary_emb(positions, h.dtype)  # [T, D] cos, sin
         local = self.model.rotary_emb_local(positions, h.dtype) if any(self.local_layers) else rope
         residual = None

@@ -1,5 +1,6 @@
-"""Trainable tokens in the store: PEFT's trainable_tokens_delta rows read with their token ids,
-shipped whole to every rank, and every malformed or unserved form refused naming the fault."""
+"""Trainable tokens in the store, beside LoRA and alone (peft_type TRAINABLE_TOKENS): PEFT's
+trainable_tokens_delta rows read with their token ids, shipped whole to every rank, and every
+malformed or unserved form refused naming the fault."""
 
 from __future__ import annotations
 
@@ -108,11 +109,108 @@ def test_lora_and_trainable_tokens_on_one_embedding_are_refused(tiny_llama_model
     assert "module 'model.embed_tokens' has both LoRA and trainable tokens: not served" in e.value.message
 
 
-def test_trainable_tokens_alone_are_refused_naming_what_is_served(tiny_llama_model, tmp_path, spec):
+ALONE_DELTA = "base_model.model.model.embed_tokens.trainable_tokens_delta"
+HEAD_DELTA = "base_model.model.lm_head.trainable_tokens_delta"
+
+
+def make_alone(model, directory, ids=(3, 7, 100), **config):
+    """A TRAINABLE_TOKENS adapter (no LoRA) with random rows."""
     from peft import TrainableTokensConfig
 
-    get_peft_model(copy.deepcopy(tiny_llama_model), TrainableTokensConfig(token_indices=[3, 7])).save_pretrained(tmp_path / "a")
+    torch.manual_seed(5)
+    peft = get_peft_model(copy.deepcopy(model), TrainableTokensConfig(token_indices=list(ids), **config))
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "trainable_tokens_delta" in n:
+                p.normal_()
+    peft.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("targets", [None, ["embed_tokens", "lm_head"]])
+def test_trainable_tokens_alone_are_read_as_rank_0_and_shipped_without_lora(tiny_llama_model, tmp_path, spec, targets):
+    from loraserve.v1 import common_pb2 as pb
+
+    from .test_pack import dense_layout
+
+    directory = make_alone(tiny_llama_model, tmp_path / "a", target_modules=targets)
+    adapter = load(directory, spec)
+    assert (adapter.kind, adapter.rank, adapter.modules) == ("tokens", 0, {})
+    saved = load_file(directory / "adapter_model.safetensors")
+    assert adapter.tokens["embed"][0] == [3, 7, 100] and torch.equal(adapter.tokens["embed"][1], saved[ALONE_DELTA])
+    if targets:  # the untied lm_head's own rows
+        assert adapter.tokens["lm_head"][0] == [3, 7, 100] and torch.equal(adapter.tokens["lm_head"][1], saved[HEAD_DELTA])
+    else:
+        assert "lm_head" not in adapter.tokens
+    assert adapter.num_parameters == sum(rows.numel() for _, rows in adapter.tokens.values())
+    layout = dense_layout(2, False)
+    full = pack.pack_full(adapter, layout)
+    assert full == {} and pack.pack_magnitudes(adapter, layout) == {}
+    for r in range(2):
+        tensors = {**pack.shard(full, layout, pb.ShardRank(tp_rank=r)), **trainable_tokens.shard_tensors(adapter.tokens)}
+        assert set(tensors) == {f"tokens.{t}.{p}" for t in adapter.tokens for p in ("ids", "rows")}
+        blob = pack.shard_blob(adapter, tensors, layout, pb.ShardRank(tp_rank=r))
+        assert safe_open_metadata(blob)["rank"] == "0"
+
+
+def safe_open_metadata(blob: bytes) -> dict:
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8 : 8 + n])["__metadata__"]
+
+
+ALONE_REFUSALS = {
+    "beyond_vocab": (dict(config={"token_indices": [3, 7, 128]}), "token_indices: token id 128 is beyond base model 'tiny''s"),
+    "no_indices": (dict(config={"token_indices": None}), "token_indices of a TRAINABLE_TOKENS adapter must be a non-empty list"),
+    "empty_indices": (dict(config={"token_indices": []}), "token_indices of a TRAINABLE_TOKENS adapter must be a non-empty list"),
+    "dict_indices": (
+        dict(config={"token_indices": {"embed_tokens": [3, 7, 100]}}),
+        "token_indices of a TRAINABLE_TOKENS adapter must be a non-empty list",
+    ),
+    "count_mismatch": (dict(config={"token_indices": [3, 7]}), "token_indices lists 2 ids"),
+    "duplicate_id": (
+        dict(config={"token_indices": [3, 3, 7]}),
+        "token_indices of module 'model.embed_tokens' lists a token id twice",
+    ),
+    "bool_id": (dict(config={"token_indices": [3, True, 7]}), "must be a non-empty list of token ids >= 0"),
+    "nan_rows": (dict(tensors=lambda t: t.update({ALONE_DELTA: t[ALONE_DELTA] * float("nan")})), "holds NaN or Inf"),
+    "wide_rows": (dict(tensors=lambda t: t.update({ALONE_DELTA: torch.zeros(3, 65)})), "trainable token rows of 65 features"),
+    "no_rows": (
+        dict(tensors=lambda t: t.pop(ALONE_DELTA)),
+        "token_indices is set but the weights hold no trainable_tokens_delta",
+    ),
+    "other_module": (
+        dict(tensors=lambda t: t.update({"base_model.model.model.norm.trainable_tokens_delta": t.pop(ALONE_DELTA)})),
+        "trainable tokens on module 'model.norm' are not served",
+    ),
+    "lora_tensor": (
+        dict(tensors=lambda t: t.update({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64)})),
+        "tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight': "
+        "a TRAINABLE_TOKENS adapter holds only trainable_tokens_delta rows",
+    ),
+    "lora_style_name": (  # rows named as beside LoRA: not the embedding module PEFT's TRAINABLE_TOKENS writes
+        dict(tensors=lambda t: t.update({DELTA: t.pop(ALONE_DELTA)})),
+        "trainable tokens on module 'model.embed_tokens.token_adapter' are not served",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ALONE_REFUSALS))
+def test_bad_trainable_tokens_alone_are_invalid_argument_naming_the_fault(tiny_llama_model, tmp_path, spec, case):
+    edit, message = ALONE_REFUSALS[case]
+    directory = make_alone(tiny_llama_model, tmp_path / "a")
+    _edit(directory, **edit)
+    with pytest.raises(StatusError) as e:
+        load(directory, spec)
+    assert e.value.code.name == "INVALID_ARGUMENT" and message in e.value.message, e.value.message
+
+
+def test_other_peft_types_are_refused_naming_what_is_served(tiny_llama_model, tmp_path, spec):
+    from peft import IA3Config
+
+    get_peft_model(copy.deepcopy(tiny_llama_model), IA3Config(target_modules=["q_proj"], feedforward_modules=[])).save_pretrained(
+        tmp_path / "a"
+    )
     with pytest.raises(StatusError) as e:
         load(tmp_path / "a", spec)
     assert e.value.code.name == "INVALID_ARGUMENT"
-    assert "trainable tokens alone (peft_type 'TRAINABLE_TOKENS') are not served" in e.value.message
+    assert "peft_type is 'IA3', only 'LORA' and 'TRAINABLE_TOKENS' adapters are served" in e.value.message

@@ -365,3 +365,58 @@ def test_the_norm_worked_out_in_row_blocks_equals_one_pass(slot_setup, monkeypat
             torch.testing.assert_close(a.dora_scale, b.dora_scale, atol=1e-6, rtol=1e-6)
             assert (a.dora_scale[0] != 1).any()
             assert torch.equal(a.weight, c.weight) and torch.equal(b.weight, c.weight)  # the pass leaves W as it was
+
+
+def test_dora_on_a_moe_models_shared_expert_is_served_and_on_routed_experts_refused(
+    hf_model, save_byte_tokenizer, module_loop_thread, tmp_path
+):
+    """Qwen2-MoE: PEFT writes DoRA for the shared expert's (dense) Linear layers, served exactly beside
+    plain LoRA and base rows. It writes none for the routed experts (transformers holds them as fused
+    parameters and PEFT's ParamWrapper refuses use_dora); the per-expert form PEFT wrote while experts
+    were nn.Linear is refused at registration naming the module."""
+    import json
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    from loraserve.errors import StatusError
+
+    from .conftest import TINY_MOE, _per_expert_adapter
+
+    model, path = hf_model(
+        "qwen2_moe", **TINY_MOE["qwen2_moe"], vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+        max_position_embeddings=512,
+    )  # fmt: skip
+    if not (path / "tokenizer.json").exists():
+        save_byte_tokenizer(path)
+    with pytest.raises(ValueError, match="does not work with use_dora=True"):
+        get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"], use_dora=True))
+    root = tmp_path / "adapters"
+    shared = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
+    make_adapter(model, root / "dshared", 0, 8, 16, ("q_proj", "v_proj", *shared), True, True)
+    make_adapter(model, root / "lora8", 1, 8, 16, ("q_proj", "o_proj"), False, False)
+    assert any(
+        "shared_expert.down_proj.lora_magnitude_vector" in k for k in load_file(root / "dshared" / "adapter_model.safetensors")
+    )
+    per_expert = _per_expert_adapter("qwen2_moe", model, root / "dexperts", r=4, alpha=8)
+    tensors = load_file(per_expert / "adapter_model.safetensors")
+    for k, t in list(tensors.items()):
+        if k.endswith(".lora_B.weight"):
+            tensors[k.replace(".lora_B.weight", ".lora_magnitude_vector")] = torch.rand(t.shape[0]) + 0.5
+    save_file(tensors, per_expert / "adapter_model.safetensors")
+    config = json.loads((per_expert / "adapter_config.json").read_text())
+    (per_expert / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    refs = {"": model, **{n: PeftModel.from_pretrained(copy.deepcopy(model), root / n).eval() for n in ("dshared", "lora8")}}
+    c = cluster_of(module_loop_thread, (model, path), root, tmp_path / "store", 1, names=["dshared", "lora8"])
+    try:
+        assert {m.name: m.kind for m in c.store_client().list()} == {"dshared": "dora", "lora8": "lora"}
+        for group in (["dshared", "", "lora8"], ["lora8", "dshared"]):
+            jobs, resps = run_group(c.client(), group)
+            for (name, ids), resp in zip(jobs, resps):
+                check_against_reference(refs[name], ids, resp)
+        with pytest.raises(StatusError) as e:
+            c.store_client().register("dexperts", str(per_expert))
+        assert e.value.code.name == "INVALID_ARGUMENT"
+        assert "DoRA on MoE expert module 'model.layers.0.mlp.experts.0.down_proj' is not served" in e.value.message
+    finally:
+        c.close()

@@ -226,6 +226,31 @@ def test_adapters_in_a_mixed_batch_decode_greedily_like_peft(family, peft_ref, p
         outs = run.step([(name, ids[-1:]) for name, ids in seqs.items()], slots=list(rows.values()))
 
 
+@pytest.mark.parametrize("family", ["gemma", "gemma3"])
+def test_trainable_tokens_take_the_embedding_scale_like_peft(family, gemma, paged_runner, tmp_path):
+    """Trainable tokens alone on Gemma: a token's own embedding row is scaled by sqrt(hidden) as the
+    base rows are, and the tied lm_head takes the same rows; every row of a batch beside a base row
+    is PEFT's logits."""
+    from loraserve.adapter_store import pack, trainable_tokens, validate
+
+    base, path = gemma(family)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(copy.deepcopy(base), peft.TrainableTokensConfig(token_indices=[7, 40, 259]))
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "trainable_tokens_delta" in n:
+                p.normal_(0, 0.2)
+    ref.save_pretrained(tmp_path / "tok")
+    adapter = pack.load_adapter(tmp_path / "tok", None, validate.Limits())
+    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
+    load_shard_into_slot(model, 1, trainable_tokens.shard_tensors(adapter.tokens))
+    seqs = {"tok": [*_prompt(9, 5), 7, 259, 40, 7], "base": [*_prompt(9, 5), 7, 259, 40, 7]}
+    outs = paged_runner(model, block_size=4).step(list(seqs.items()), slots=[1, -1])
+    torch.testing.assert_close(outs[0], _peft_logits(ref.eval(), "default", seqs["tok"]), atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(outs[1], _hf_logits(base, seqs["base"]), atol=ATOL, rtol=1e-4)
+    assert (outs[0] - outs[1]).abs().max() > 0.1  # the rows changed the logits
+
+
 # ---- served: a store validating the adapters against the Gemma base model, tp 2 over gloo ----------
 
 

@@ -1,12 +1,14 @@
-"""Trainable tokens (PEFT's trainable_token_indices) served beside LoRA and DoRA: real store and
-executor on loopback (Llama with its own lm_head at tp 1, Qwen2 with tied embeddings at tp 2), each
-row of batches mixing trainable-token, DoRA, plain LoRA and base rows checked against
-transformers + PEFT alone, through loads and evictions; bad token ids refused with their status."""
+"""Trainable tokens served beside LoRA and DoRA (PEFT's trainable_token_indices) and alone (peft_type
+TRAINABLE_TOKENS): real store and executor on loopback (Llama with its own lm_head at tp 1, Qwen2
+with tied embeddings at tp 2), each row of batches mixing trainable-token, DoRA, plain LoRA and base
+rows checked against transformers + PEFT alone, through loads and evictions; bad token ids and
+malformed adapters refused with their status."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import json
 
 import pytest
 import torch
@@ -16,6 +18,16 @@ from loraserve.errors import StatusError
 from .conftest import Cluster, check_against_reference, generate
 
 CASES = {"llama-tp1": ("llama", 1, {}), "qwen2-tp2": ("qwen2", 2, dict(tie_word_embeddings=True))}
+# trainable tokens alone, TrainableTokensConfig fields per case: the untied Llama's embedding with its
+# own lm_head rows, and its embedding only (its lm_head keeps the base rows); the tied Qwen2's
+# embedding (PEFT ties the lm_head's rows to it) and its lm_head only (the embedding keeps the base rows)
+ALONE = {
+    "llama-tp1": {
+        "alone": dict(target_modules=["embed_tokens", "lm_head"], token_indices=[17, 200, 259]),
+        "alone2": dict(token_indices=[5, 42]),
+    },
+    "qwen2-tp2": {"alone": dict(token_indices=[17, 200, 259]), "alone2": dict(target_modules=["lm_head"], token_indices=[5, 42])},
+}
 BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
 TOKENS = [5, 17, 200, 259]  # 259: past the byte tokenizer's ids, as a chat format's new token is
 ADAPTERS = {  # name: LoraConfig fields
@@ -23,12 +35,31 @@ ADAPTERS = {  # name: LoraConfig fields
     "dora_tok": dict(r=8, lora_alpha=8, target_modules=["v_proj", "o_proj"], use_dora=True, trainable_token_indices=[17, 42]),
     "lora": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
 }
-GROUPS = (["tok", "lora", "", "dora_tok"], ["dora_tok", "", "tok", "lora"])
+# Four slots: the last two groups hold more adapters than slots, so adapters load, are evicted and
+# move between slots within a group, and a batch holds trainable tokens alone beside LoRA with
+# tokens, DoRA with tokens, plain LoRA and base rows.
+SLOTS = 4
+GROUPS = (
+    ["tok", "lora", "", "dora_tok"],
+    ["alone", "tok", "", "dora_tok", "alone2"],
+    ["lora", "alone2", "", "alone", "dora_tok", "tok"],
+    ["dora_tok", "", "alone", "lora", "tok", "alone2"],
+)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request):
-    return CASES[request.param]
+def case_name(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def case(case_name):
+    return CASES[case_name]
+
+
+@pytest.fixture(scope="module")
+def alone(case_name):
+    return ALONE[case_name]
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +74,13 @@ def base(hf_model, case, save_byte_tokenizer):
 
 
 def make_adapter(model, directory, seed: int, **config):
-    from peft import LoraConfig, get_peft_model
+    """A PEFT adapter with random trained values: LoraConfig's fields, or TrainableTokensConfig's
+    (token_indices: trainable tokens alone)."""
+    from peft import LoraConfig, TrainableTokensConfig, get_peft_model
 
     torch.manual_seed(seed)
-    peft = get_peft_model(copy.deepcopy(model), LoraConfig(**config))
+    peft_config = TrainableTokensConfig(**config) if "token_indices" in config else LoraConfig(**config)
+    peft = get_peft_model(copy.deepcopy(model), peft_config)
     with torch.no_grad():
         for n, p in peft.named_parameters():
             if "lora_B" in n:
@@ -59,19 +93,19 @@ def make_adapter(model, directory, seed: int, **config):
 
 
 @pytest.fixture(scope="module")
-def adapter_dirs(base, tmp_path_factory):
+def adapter_dirs(base, alone, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
-    for seed, (name, config) in enumerate(ADAPTERS.items()):
+    for seed, (name, config) in enumerate({**ADAPTERS, **alone}.items()):
         make_adapter(base[0], root / name, seed, **config)
     return root
 
 
 @pytest.fixture(scope="module")
-def references(base, adapter_dirs):
+def references(base, alone, adapter_dirs):
     from peft import PeftModel
 
     refs = {"": base[0]}
-    for name in ADAPTERS:
+    for name in [*ADAPTERS, *alone]:
         refs[name] = PeftModel.from_pretrained(copy.deepcopy(base[0]), adapter_dirs / name).eval()
     return refs
 
@@ -83,7 +117,7 @@ def prompt(i: int) -> list[int]:
 
 
 def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
-    case, base, adapter_dirs, references, module_loop_thread, tmp_path
+    case, base, alone, adapter_dirs, references, module_loop_thread, tmp_path
 ):
     _, tp, _ = case
     c = Cluster(
@@ -91,15 +125,22 @@ def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
         base[1],
         adapter_dirs,
         tmp_path / "store",
-        ADAPTERS,
+        [*ADAPTERS, *alone],
         tp_size=tp,
         cpu_threads=1,
         tp_timeout_s=60.0,
         enable_dora=True,
+        max_loras=SLOTS,
     )
     try:
-        kinds = {m.name: m.kind for m in c.store_client().list()}
-        assert kinds == {"tok": "lora+tokens", "dora_tok": "dora+tokens", "lora": "lora"}
+        listed = {m.name: (m.kind, m.rank) for m in c.store_client().list()}
+        assert listed == {
+            "tok": ("lora+tokens", 4),
+            "dora_tok": ("dora+tokens", 8),
+            "lora": ("lora", 8),
+            "alone": ("tokens", 0),
+            "alone2": ("tokens", 0),
+        }
         client = c.client()
         for group in GROUPS:
             jobs = [(name, prompt(i)) for i, name in enumerate(group)]
@@ -117,8 +158,61 @@ def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
             c.store_client().register("beyond", str(adapter_dirs / "beyond"))
         assert e.value.code.name == "INVALID_ARGUMENT"
         assert "token id 300 is beyond base model 'tiny''s vocabulary of 260" in e.value.message
+        # trainable tokens alone: an id past the vocabulary, and malformed files, refused naming the fault
+        for edit, message in ALONE_REFUSALS:
+            make_adapter(base[0], adapter_dirs / "bad", 9, token_indices=[3, 7])
+            edit(adapter_dirs / "bad")
+            with pytest.raises(StatusError) as e:
+                c.store_client().register("bad", str(adapter_dirs / "bad"))
+            assert e.value.code.name == "INVALID_ARGUMENT" and message in e.value.message, e.value.message
+        # refused as they enter a slot, Generate saying why: more token ids than a slot holds, and
+        # (tied model) lm_head rows unlike the embedding rows PEFT ties them to
+        make_adapter(base[0], adapter_dirs / "wide", 9, token_indices=list(range(65)))
+        refusals = {"wide": "a slot holds at most 64"}
+        if case[2].get("tie_word_embeddings"):
+            make_adapter(base[0], adapter_dirs / "untied_rows", 9, token_indices=[3, 7])
+            _set_tensor(HEAD_DELTA, torch.zeros(2, 64))(adapter_dirs / "untied_rows")
+            refusals["untied_rows"] = "the model ties lm_head to the embedding, but the shard's lm_head token ids / rows differ"
+        for name, message in refusals.items():
+            c.store_client().register(name, str(adapter_dirs / name))
+            with pytest.raises(StatusError) as e:
+                generate(client, name, prompt(0), 2)
+            assert e.value.code.name == "INVALID_ARGUMENT" and message in e.value.message, e.value.message
+        check_against_reference(references["alone"], prompt(1), generate(client, "alone", prompt(1), 4))  # still served
     finally:
         c.close()
+
+
+def _set_config(**fields):
+    def edit(directory):
+        path = directory / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+    return edit
+
+
+def _set_tensor(name, t):
+    def edit(directory):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(directory / "adapter_model.safetensors")
+        save_file({**tensors, name: t}, directory / "adapter_model.safetensors")
+
+    return edit
+
+
+HEAD_DELTA = "base_model.model.lm_head.trainable_tokens_delta"
+
+
+ALONE_REFUSALS = [
+    (_set_config(token_indices=[3, 300]), "token_indices: token id 300 is beyond base model 'tiny''s vocabulary of 260"),
+    (_set_config(token_indices=None), "token_indices of a TRAINABLE_TOKENS adapter must be a non-empty list"),
+    (_set_config(token_indices=[3]), "trainable_tokens_delta has shape [2, 64], token_indices lists 1 ids"),
+    (
+        _set_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(4, 64)),
+        "a TRAINABLE_TOKENS adapter holds only trainable_tokens_delta rows",
+    ),
+]
 
 
 def test_trainable_token_rows_that_do_not_fit_are_refused_before_any_slot_changes(hf_model):
@@ -150,8 +244,40 @@ def test_trainable_token_rows_that_do_not_fit_are_refused_before_any_slot_change
     assert rows.slots == [False, False] and (rows.table == -1).all()
 
 
+@pytest.mark.parametrize("scatter", ["per_tensor", "one_scatter"])
+def test_a_tokens_only_shard_leaves_the_slots_lora_buffers_zero(hf_model, scatter):
+    """Trainable tokens alone: a shard of token rows only, loaded over a LoRA adapter's slot (per-tensor
+    copies as on the CPU, or the one scatter a CUDA load runs), zeroes the slot's A and B in every
+    module, reads rank 0 and holds the rows."""
+    from loraserve.executor.lora import lora_modules
+    from loraserve.executor.model.loader import load_hf_checkpoint
+    from loraserve.executor.slot_layout import LoraSpec
+    from loraserve.executor.slot_load import load_shard_into_slot
+    from loraserve.kernels import copy_reference
+
+    _, path = hf_model("llama")
+    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
+    kw = {"scatter": copy_reference.slot_scatter} if scatter == "one_scatter" else {}
+    modules = lora_modules(model)
+    gen = torch.Generator().manual_seed(0)
+    lora = {}
+    for name, m in modules.items():
+        for part, buf in (("lora_a", m.lora_a), ("lora_b", m.lora_b)):
+            shape = list(buf.shape[1:])
+            shape[m.slot_rank_dim] = 8
+            lora[f"{name}.{part}"] = torch.randn(shape, generator=gen)
+    assert load_shard_into_slot(model, 1, lora, **kw) == 8
+    assert all(m.lora_a[1].abs().sum() > 0 for m in modules.values())
+    rows = torch.randn(2, model.cfg.hidden_size, generator=gen)
+    tokens = {"tokens.embed.ids": torch.tensor([3, 7], dtype=torch.int32), "tokens.embed.rows": rows}
+    assert load_shard_into_slot(model, 1, tokens, **kw) == 0
+    for m in modules.values():
+        assert not m.lora_a[1].any() and not m.lora_b[1].any() and m.slot_ranks[1] == 0
+    assert model.token_rows.slots == [False, True] and torch.equal(model.token_rows.embed[1, :2], rows)
+
+
 @pytest.mark.gpu
-def test_token_rows_on_cuda_through_the_graphs_in_bf16(case, base, adapter_dirs, references, loop_thread, tmp_path):
+def test_token_rows_on_cuda_through_the_graphs_in_bf16(case, base, alone, adapter_dirs, references, loop_thread, tmp_path):
     """The same batches on CUDA in bf16 (decode steps replay the CUDA graphs, which always apply
     the slots' token rows): every row within bf16 tolerance of its own float32 PEFT reference."""
     from .conftest import check_bf16_rows, need_cuda_devices
@@ -163,12 +289,13 @@ def test_token_rows_on_cuda_through_the_graphs_in_bf16(case, base, adapter_dirs,
         base[1],
         adapter_dirs,
         tmp_path / "store",
-        ADAPTERS,
+        [*ADAPTERS, *alone],
         tp_size=tp,
         device="cuda",
         dtype="bfloat16",
         tp_timeout_s=120.0,
         enable_dora=True,
+        max_loras=SLOTS,
     )
     try:
         client = c.client()
