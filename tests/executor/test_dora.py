@@ -420,3 +420,56 @@ def test_dora_on_a_moe_models_shared_expert_is_served_and_on_routed_experts_refu
         assert "DoRA on MoE expert module 'model.layers.0.mlp.experts.0.down_proj' is not served" in e.value.message
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dora_on_an_fp8_layer_scales_in_its_compute_dtype_by_the_dequantized_norm(dtype):
+    """An FP8 LinearWithLoRA (float8 weight, per-row weight_scale) with DoRA slots: the scale is held
+    in the layer's compute dtype (its output's, not float8), g is m over the row norm of the
+    dequantized W + s B A (weight.float() * weight_scale), and the layer's output is PEFT's
+    bias + g * (W x + s B A x) with W x the layer's own FP8 GEMM; base rows are the FP8 GEMM alone."""
+    from loraserve import kernels
+    from loraserve.executor.lora import LinearWithLoRA
+    from loraserve.executor.model import fp8
+    from loraserve.executor.slot_layout import LoraSpec
+    from loraserve.executor.slot_load import load_shard_into_slot
+    from loraserve.kernels import make_lora_meta
+
+    torch.manual_seed(0)
+    spec = LoraSpec(max_loras=2, max_rank=4, dtype=dtype, dora=True)
+    holder = torch.nn.Module()
+    holder.proj = layer = LinearWithLoRA(64, (32, 16), True, spec, dtype, "cpu", fp8=True)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.serves_dora
+    assert layer.dora_scale.dtype == dtype  # not float8: y * g runs
+    w = torch.randn(48, 64) * torch.linspace(0.1, 3.0, 48)[:, None]  # rows of unlike scales
+    q, s = fp8.quantize_rows(w)
+    layer.weight.copy_(q)
+    layer.weight_scale.copy_(s)
+    layer.bias.copy_(torch.randn(48).to(dtype))
+    a, b = torch.randn(2, 4, 64) * 0.3, torch.randn(48, 4) * 0.3  # two slices' A; B scaled (s folded in)
+    real = q.float() * s[:, None]  # the dequantized W
+    delta = torch.cat([b[:32] @ a[0], b[32:] @ a[1]])  # s B A [48, 64]
+    m = (real + delta).norm(dim=1) * (0.5 + torch.rand(48))  # PEFT's magnitude, moved off its init
+    load_shard_into_slot(holder, 1, {"proj.lora_a": a.to(dtype), "proj.lora_b": b.to(dtype), "proj.dora_m": m})
+
+    want_g = m / (real + delta.to(dtype).float()).norm(dim=1)  # the norm of the dequantized weight
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(layer.dora_scale[1].float(), want_g, **tol)
+    assert (layer.dora_scale[0] == 1).all() and (layer.dora_scale[2] == 1).all()
+    raw = m / (q.float() + delta).norm(dim=1)  # the norm of the float8 values alone: far off
+    assert (raw - want_g).abs().max() > 0.1
+
+    x = torch.randn(3, 64).to(dtype)
+    meta = make_lora_meta(torch.tensor([1, -1, 1]), 2, frozenset({1}), torch.tensor([0, 4], dtype=torch.int32))
+    y = layer(x, meta)
+    assert y.dtype == dtype
+    base = kernels.fp8_linear(x, layer.weight, layer.weight_scale, None).float()  # W x: the same FP8 GEMM
+    xa = x.float()
+    lora = torch.cat(
+        [xa @ a[0].to(dtype).float().T @ b[:32].to(dtype).float().T, xa @ a[1].to(dtype).float().T @ b[32:].to(dtype).float().T],
+        1,
+    )
+    bias = layer.bias.float()
+    want = torch.stack([bias + want_g * (base[0] + lora[0]), bias + base[1], bias + want_g * (base[2] + lora[2])])
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2**-6, atol=5e-2)
+    torch.testing.assert_close(y.float(), want, **tol)
