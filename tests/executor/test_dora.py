@@ -473,3 +473,39 @@ def test_dora_on_an_fp8_layer_scales_in_its_compute_dtype_by_the_dequantized_nor
     want = torch.stack([bias + want_g * (base[0] + lora[0]), bias + base[1], bias + want_g * (base[2] + lora[2])])
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2**-6, atol=5e-2)
     torch.testing.assert_close(y.float(), want, **tol)
+
+
+PHI3 = {  # DoRA on Phi-3's fused modules (one magnitude vector over qkv_proj's q|k|v, gate_up_proj's gate|up)
+    "phidora": (4, 8, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), False, True),
+    "phimlp": (8, 8, ("gate_up_proj",), True, True),
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dora_on_phi3_fused_modules_matches_transformers_peft(hf_model, save_byte_tokenizer, module_loop_thread, tmp_path, tp):
+    """Phi-3 DoRA adapters (fused qkv_proj / gate_up_proj: the store cuts each one's m over its
+    slices as B's rows) served with --enable-dora, alone and beside a base row: greedy tokens and
+    logprobs equal transformers + PEFT."""
+    from peft import PeftModel
+
+    from .conftest import generate, prompt_ids
+
+    model, path = hf_model(
+        "phi3", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
+    )
+    if not (path / "tokenizer.json").exists():
+        save_byte_tokenizer(path)
+    root = tmp_path / "adapters"
+    for seed, (name, spec) in enumerate(PHI3.items()):
+        make_adapter(model, root / name, seed, *spec)
+    refs = {"": model, **{n: PeftModel.from_pretrained(copy.deepcopy(model), root / n).eval() for n in PHI3}}
+    c = cluster_of(module_loop_thread, (model, path), root, tmp_path / "store", tp, PHI3)
+    try:
+        assert {m.name: m.kind for m in c.store_client().list()} == {n: "dora" for n in PHI3}
+        client = c.client()
+        check_against_reference(refs["phidora"], prompt_ids(0), generate(client, "phidora", prompt_ids(0)))
+        jobs, resps = run_group(client, ["phimlp", "", "phidora"])
+        for (name, ids), resp in zip(jobs, resps):
+            check_against_reference(refs[name], ids, resp)
+    finally:
+        c.close()
