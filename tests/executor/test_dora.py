@@ -422,12 +422,17 @@ def test_dora_on_a_moe_models_shared_expert_is_served_and_on_routed_experts_refu
         c.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dora_on_an_fp8_layer_scales_in_its_compute_dtype_by_the_dequantized_norm(dtype):
+@pytest.mark.parametrize(
+    "device, dtype",
+    [("cpu", torch.float32), ("cpu", torch.bfloat16), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)],
+    ids=["cpu-float32", "cpu-bf16", "cuda-bf16"],
+)
+def test_dora_on_an_fp8_layer_scales_in_its_compute_dtype_by_the_dequantized_norm(device, dtype):
     """An FP8 LinearWithLoRA (float8 weight, per-row weight_scale) with DoRA slots: the scale is held
     in the layer's compute dtype (its output's, not float8), g is m over the row norm of the
     dequantized W + s B A (weight.float() * weight_scale), and the layer's output is PEFT's
-    bias + g * (W x + s B A x) with W x the layer's own FP8 GEMM; base rows are the FP8 GEMM alone."""
+    bias + g * (W x + s B A x) with W x the layer's own FP8 GEMM; base rows are the FP8 GEMM alone.
+    On CUDA (FP8 GPUs) the same through torch._scaled_mm and the Triton LoRA kernels."""
     from loraserve import kernels
     from loraserve.executor.lora import LinearWithLoRA
     from loraserve.executor.model import fp8
@@ -435,16 +440,22 @@ def test_dora_on_an_fp8_layer_scales_in_its_compute_dtype_by_the_dequantized_nor
     from loraserve.executor.slot_load import load_shard_into_slot
     from loraserve.kernels import make_lora_meta
 
+    if device == "cuda":
+        from .conftest import need_cuda_devices
+
+        need_cuda_devices(1)
+        if fp8.fp8_compute_error("cuda", dtype) is not None:
+            pytest.skip(f"needs FP8 compute: {fp8.fp8_compute_error('cuda', dtype)}")
     torch.manual_seed(0)
-    spec = LoraSpec(max_loras=2, max_rank=4, dtype=dtype, dora=True)
+    spec = LoraSpec(max_loras=2, max_rank=8, dtype=dtype, dora=True)
     holder = torch.nn.Module()
-    holder.proj = layer = LinearWithLoRA(64, (32, 16), True, spec, dtype, "cpu", fp8=True)
+    holder.proj = layer = LinearWithLoRA(64, (32, 16), True, spec, dtype, device, fp8=True)
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.serves_dora
     assert layer.dora_scale.dtype == dtype  # not float8: y * g runs
     w = torch.randn(48, 64) * torch.linspace(0.1, 3.0, 48)[:, None]  # rows of unlike scales
     q, s = fp8.quantize_rows(w)
-    layer.weight.copy_(q)
-    layer.weight_scale.copy_(s)
+    layer.weight.copy_(q.to(device))
+    layer.weight_scale.copy_(s.to(device))
     layer.bias.copy_(torch.randn(48).to(dtype))
     a, b = torch.randn(2, 4, 64) * 0.3, torch.randn(48, 4) * 0.3  # two slices' A; B scaled (s folded in)
     real = q.float() * s[:, None]  # the dequantized W
@@ -454,22 +465,24 @@ def test_dora_on_an_fp8_layer_scales_in_its_compute_dtype_by_the_dequantized_nor
 
     want_g = m / (real + delta.to(dtype).float()).norm(dim=1)  # the norm of the dequantized weight
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-2)
-    torch.testing.assert_close(layer.dora_scale[1].float(), want_g, **tol)
+    torch.testing.assert_close(layer.dora_scale[1].float().cpu(), want_g, **tol)
     assert (layer.dora_scale[0] == 1).all() and (layer.dora_scale[2] == 1).all()
     raw = m / (q.float() + delta).norm(dim=1)  # the norm of the float8 values alone: far off
     assert (raw - want_g).abs().max() > 0.1
 
-    x = torch.randn(3, 64).to(dtype)
-    meta = make_lora_meta(torch.tensor([1, -1, 1]), 2, frozenset({1}), torch.tensor([0, 4], dtype=torch.int32))
+    x = torch.randn(3, 64).to(device, dtype)
+    slots, ranks = torch.tensor([1, -1, 1], device=device), torch.tensor([0, 4], dtype=torch.int32, device=device)
+    meta = make_lora_meta(slots, 2, frozenset({1}), ranks)
     y = layer(x, meta)
     assert y.dtype == dtype
-    base = kernels.fp8_linear(x, layer.weight, layer.weight_scale, None).float()  # W x: the same FP8 GEMM
+    base = kernels.fp8_linear(x, layer.weight, layer.weight_scale, None).float().cpu()  # W x: the same FP8 GEMM
+    y, x = y.cpu(), x.cpu()
     xa = x.float()
     lora = torch.cat(
         [xa @ a[0].to(dtype).float().T @ b[:32].to(dtype).float().T, xa @ a[1].to(dtype).float().T @ b[32:].to(dtype).float().T],
         1,
     )
-    bias = layer.bias.float()
+    bias = layer.bias.float().cpu()
     want = torch.stack([bias + want_g * (base[0] + lora[0]), bias + base[1], bias + want_g * (base[2] + lora[2])])
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2**-6, atol=5e-2)
     torch.testing.assert_close(y.float(), want, **tol)
