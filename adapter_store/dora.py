@@ -22,7 +22,7 @@ import torch
 from loraserve.errors import invalid, precondition
 from loraserve.v1 import common_pb2 as pb
 
-from .layout import COLUMN_LIKE, MOE, K, output_ranges
+from .layout import COLUMN_LIKE, MOE, K, output_ranges, peft_spans
 
 MAGNITUDE = "lora_magnitude_vector"
 SUFFIX = "." + MAGNITUDE
@@ -75,7 +75,8 @@ def check_magnitudes(
 
 def pack_magnitudes(magnitudes: dict[str, torch.Tensor], layout: pb.Layout, module_names) -> dict[str, torch.Tensor]:
     """Each targeted layout module's [N] float32 magnitude, NaN where a slice is not targeted.
-    module_names(m): the PEFT module of each of m's slices."""
+    module_names(m): the PEFT module of each of m's slices; a fused PEFT module named for several
+    slices (Phi-3's qkv_proj, gate_up_proj: layout.peft_spans) has one m over all their rows."""
     if not magnitudes:
         return {}
     if layout.fully_sharded and (layout.tp_size or 1) > 1:
@@ -92,11 +93,14 @@ def pack_magnitudes(magnitudes: dict[str, torch.Tensor], layout: pb.Layout, modu
         if not any(n in magnitudes for n in names):
             continue
         vec = torch.full((sum(m.output_sizes),), float("nan"))
-        offset = 0
-        for name, n in zip(names, m.output_sizes):
+        for name, _, rows in peft_spans(names, m.output_sizes):  # a fused module's m spans its slices, as B's rows
             if name in magnitudes:
-                vec[offset : offset + n] = magnitudes[name]
-            offset += n
+                if magnitudes[name].shape[0] != rows.stop - rows.start:
+                    raise precondition(
+                        f"module {name!r}: {MAGNITUDE} has {magnitudes[name].shape[0]} rows, "
+                        f"the executor's layout module {m.name!r} expects {rows.stop - rows.start}"
+                    )
+                vec[rows] = magnitudes[name]
         packed[m.name] = vec
     return packed
 

@@ -102,6 +102,7 @@ def build_engine(
         pin_memory=cfg.torch_device.type == "cuda",
         arena=arena,
         dora=model.lora_spec.dora,
+        tokens=model.lora_spec.trainable_tokens,
     )
     metrics = (
         ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters, compat=cfg.metrics_compat) if observer is None else None

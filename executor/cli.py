@@ -101,6 +101,12 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
         "in every decode step; off, DoRA adapters are refused with FAILED_PRECONDITION",
     )
     p.add_argument(
+        "--enable-trainable-tokens",
+        action="store_true",
+        help="serve adapters with trainable tokens (trainable_token_indices): per-slot embedding and lm_head rows "
+        "(a [slots + 1, vocab] table), applied in every decode step; off, such adapters are refused with FAILED_PRECONDITION",
+    )
+    p.add_argument(
         "--cpu-cache-bytes",
         type=int,
         default=int(env("cpu_cache_bytes", 0)),
@@ -277,6 +283,7 @@ def executor_config(a: argparse.Namespace):
         fully_sharded_loras=a.fully_sharded_loras,
         lora_embeddings=a.lora_embeddings,
         enable_dora=a.enable_dora,
+        enable_trainable_tokens=a.enable_trainable_tokens,
         max_rank=a.max_lora_rank,
         max_cpu_adapters=a.max_cpu_adapters,
         cpu_cache_bytes=a.cpu_cache_bytes,

@@ -44,6 +44,8 @@ class ExecutorConfig:
     lora_embeddings: bool = False  # also give embed_tokens and lm_head slots (vocab-sized: costly)
     enable_dora: bool = False  # serve DoRA adapters (executor/dora.py): a per-slot output scale in every dense
     # LoRA layer, applied in every captured decode step; off, DoRA adapters are refused with FAILED_PRECONDITION
+    enable_trainable_tokens: bool = False  # serve trainable tokens (executor/token_rows.py): per-slot embedding /
+    # lm_head rows, applied in every captured decode step; off, token adapters are refused with FAILED_PRECONDITION
     cpu_cache_bytes: int = 0  # packed shards kept in (pinned) host memory, in bytes; 0: half the host
     # memory available at start (executor/memory.py). Set to the resolved budget at start. The host arena
     # fetched shards land in is sized from it (executor/build.py `pinned_arena`).

@@ -8,7 +8,7 @@ executor's --enable-dora): without it no layer holds the buffers below and no st
 and a DoRA shard is refused (`check`; the store client refuses a DoRA adapter's fetch before that).
 Each LinearWithLoRA with slots made with DoRA keeps
 
-    dora_scale:  [max_loras + 1, N] in the layer's dtype: g of each slot, 1 for plain LoRA slots
+    dora_scale:  [max_loras + 1, N] in the layer's compute dtype: g of each slot, 1 for plain LoRA slots
                  and empty ones; the last row (what slot -1, the base model, indexes) is all 1
     dora_slots:  host list, whether each slot holds a DoRA adapter in this module (eager steps
                  skip the scale when none of theirs does; captured graphs always apply it)
@@ -39,7 +39,8 @@ _BLOCK = 1 << 24  # float32 elements of W + B A worked on at once (64 MiB)
 def create(m: nn.Module, max_loras: int) -> None:
     """The DoRA buffers of a LinearWithLoRA whose slots serve DoRA (called from its create_lora_weights)."""
     n, dev = m.lora_offsets[-1], m.weight.device
-    m.register_buffer("dora_scale", torch.ones(max_loras + 1, n, dtype=m.weight.dtype, device=dev), persistent=False)
+    # in the dtype of the layer's output (its compute dtype: an FP8 layer's weight is float8, its output not)
+    m.register_buffer("dora_scale", torch.ones(max_loras + 1, n, dtype=m.compute_dtype, device=dev), persistent=False)
     m.dora_slots = [False] * max_loras
     if m.row_parallel:
         m.register_buffer("dora_m", torch.full((max_loras, n), float("nan"), device=dev), persistent=False)
@@ -132,15 +133,19 @@ def _reset(m: nn.Module, slot: int) -> None:
 
 def _row_squares(m: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Sum over this rank's input columns of (W + B A)^2, per output row, in float32: [N].
-    a: [S, r, in], b: [N, r] (scaled), as the shard has them."""
-    dev = m.weight.device
+    a: [S, r, in], b: [N, r] (scaled), as the shard has them. W is the layer's real weight: an FP8
+    layer's float8 values times their per-row `weight_scale`."""
+    dev, scale = m.weight.device, getattr(m, "weight_scale", None)
     a, b = a.to(dev, torch.float32), b.to(dev, torch.float32)
     out = torch.empty(m.weight.shape[0], dtype=torch.float32, device=dev)
     step = max(1, _BLOCK // m.weight.shape[1])  # rows at a time: a bounded float32 temporary
     for s in range(len(m.output_sizes)):
         for lo in range(m.slice_offsets[s], m.slice_offsets[s + 1], step):
             hi = min(lo + step, m.slice_offsets[s + 1])
-            w = torch.addmm(m.weight[lo:hi].float(), b[lo:hi], a[s])  # out of place: float() of float32 is W itself
+            w = m.weight[lo:hi].float()  # float() of float32 is W itself: addmm below is out of place
+            if scale is not None:
+                w = w * scale[lo:hi, None]  # FP8: the dequantized rows
+            w = torch.addmm(w, b[lo:hi], a[s])
             out[lo:hi] = w.square().sum(1)
     return out
 

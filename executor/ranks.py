@@ -78,6 +78,7 @@ def lora_spec(cfg: ExecutorConfig) -> LoraSpec:
         targets_embeddings=cfg.lora_embeddings,
         fully_sharded=cfg.fully_sharded_loras,
         dora=cfg.enable_dora,
+        trainable_tokens=cfg.enable_trainable_tokens,
     )
 
 
@@ -416,6 +417,7 @@ class _Rank:
             tls=cfg.store_tls,
             pin_memory=self.device.type == "cuda",
             dora=spec.dora,
+            tokens=spec.trainable_tokens,
         )  # the slot copy reads the stream's own buffer
         self.slots: list[tuple[str, str]] = [("", "")] * cfg.max_loras  # (adapter, digest) in each slot
         self.shards: OrderedDict[tuple[str, str], dict[str, torch.Tensor]] = OrderedDict()  # host copies, LRU

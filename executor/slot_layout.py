@@ -29,6 +29,7 @@ class LoraSpec:
     targets_embeddings: bool = False  # also allocate slots for embed_tokens and lm_head (vocab-sized: costly)
     fully_sharded: bool = False  # under TP, also cut the adapter rank (column layers) / B's outputs (row layers)
     dora: bool = False  # dense layers also hold each slot's DoRA scale (executor/dora.py); off: no DoRA buffers, no step work
+    trainable_tokens: bool = False  # each slot's token rows (executor/token_rows.py); off: no tables, no step work
 
 
 def packs_b_on(device: torch.device) -> bool:

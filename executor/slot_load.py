@@ -29,7 +29,7 @@ from torch import nn
 from loraserve import kernels
 from loraserve.kernels.copy_reference import ScatterPlan, SlotCopy
 
-from . import dora
+from . import dora, token_rows
 from .lora import LORA_MODULE_TYPES, SlotWrites
 from .shard_tensors import LayoutKey, shard_signature
 from .slot_layout import packed_rank, slot_fit_error, written_rank
@@ -318,7 +318,12 @@ def load_shard_into_slot(
     staged: the shard's bytes on the device already (`queued_load`), else staged here.
     """
     rows = getattr(model, "token_rows", None)  # trainable tokens: executor/token_rows.py
-    tensors, tokens = rows.split(tensors) if rows is not None else (tensors, {})
+    tensors, tokens = token_rows.split(tensors)
+    if tokens and rows is None:
+        raise ValueError(
+            f"shard has trainable tokens ({sorted(tokens)[0]}, ...), but this model's slots were made without them "
+            "(LoraSpec.trainable_tokens)"
+        )
     tensors, magnitudes = dora.split(tensors)  # a DoRA shard's magnitudes: executor/dora.py
     key, offsets, storage, lo = shard_signature(tensors)
     if staged is None:

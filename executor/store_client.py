@@ -173,9 +173,11 @@ class StoreClient:
         arena: PinnedArena | None = None,
         busy_retry_s: float = BUSY_RETRY_S,
         dora: bool = False,
+        tokens: bool = False,
     ):
         self.address = address
         self.dora = dora  # DoRA adapters served (the executor's --enable-dora); False: their fetch is refused
+        self.tokens = tokens  # trainable tokens served (--enable-trainable-tokens); False: their fetch is refused
         self.tls = tls
         self.layout = layout
         self.rank = rank or pb.ShardRank()
@@ -318,9 +320,14 @@ class StoreClient:
 
     def _check_kind(self, name: str, manifest: pb.AdapterManifest) -> None:
         """FAILED_PRECONDITION for an adapter this executor does not serve the kind of (manifest.kind):
-        a DoRA adapter where DoRA is off."""
+        a DoRA adapter where DoRA is off, one with trainable tokens ("tokens", "<lora|dora>+tokens") where they are."""
         if manifest.kind.startswith("dora") and not self.dora:
             raise precondition(f"adapter {name!r} is a DoRA adapter (use_dora): this executor was started without --enable-dora")
+        if "tokens" in manifest.kind.split("+") and not self.tokens:
+            raise precondition(
+                f"adapter {name!r} has trainable tokens (trainable_token_indices): "
+                "this executor was started without --enable-trainable-tokens"
+            )
 
     async def _landing(self, nbytes: int, name: str) -> torch.Tensor:
         """Where a shard of nbytes lands: a block of the pinned arena, else a fresh host buffer."""

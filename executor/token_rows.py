@@ -3,8 +3,11 @@
 An adapter trained with PEFT's `trainable_token_indices` replaces the base weight's rows of its
 token ids with its own (adapter_store/trainable_tokens.py): the input embedding's, and the
 lm_head's where the model ties it to the embedding or the adapter has its own lm_head rows. Its
-shard carries "tokens.embed.ids" / "tokens.embed.rows" (and "tokens.lm_head.*"). A model with LoRA
-slots holds, in `model.token_rows` (a `TokenRows`):
+shard carries "tokens.embed.ids" / "tokens.embed.rows" (and "tokens.lm_head.*"). Trainable tokens
+are a capability the slots are made with (LoraSpec.trainable_tokens, the executor's
+--enable-trainable-tokens): without it `model.token_rows` is None, no step does token work, and a
+shard with them is refused (executor/slot_load.py; the store client refuses the adapter's fetch
+before that). With it the model holds, in `model.token_rows` (a `TokenRows`):
 
     table:     [max_loras + 1, vocab] int32: per slot, each token id's row in `embed`, -1 for the
                base row (the last row, which slot -1 reads, is all -1)
@@ -24,6 +27,15 @@ from torch import nn
 
 MAX_TOKENS = 64  # trainable tokens per adapter a slot holds
 PREFIX = "tokens."
+
+
+def split(tensors: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(the shard's other tensors, its "tokens.*" tensors); the shard itself when it has none."""
+    if not any(k.startswith(PREFIX) for k in tensors):
+        return tensors, {}
+    return {k: v for k, v in tensors.items() if not k.startswith(PREFIX)}, {
+        k: v for k, v in tensors.items() if k.startswith(PREFIX)
+    }
 
 
 class TokenRows(nn.Module):
@@ -67,14 +79,6 @@ class TokenRows(nn.Module):
         wide = torch.cat([logits, logits.new_zeros(logits.shape[0], 1)], 1)  # column vocab: where misses go
         wide.scatter_(1, torch.where(hit, ids, self.vocab), torch.where(hit, vals, 0.0))
         return wide[:, : self.vocab]
-
-    def split(self, tensors: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-        """(the shard's other tensors, its "tokens.*" tensors); the shard itself when it has none."""
-        if not any(k.startswith(PREFIX) for k in tensors):
-            return tensors, {}
-        return {k: v for k, v in tensors.items() if not k.startswith(PREFIX)}, {
-            k: v for k, v in tensors.items() if k.startswith(PREFIX)
-        }
 
     def check(self, tokens: dict[str, torch.Tensor]) -> None:
         """ValueError unless the shard's trainable tokens fit the slots (a tied model's lm_head rows,

@@ -123,6 +123,23 @@ def test_dora_is_off_unless_enable_dora_is_given(monkeypatch):
     assert executor_config(build_parser().parse_args(["executor", "--device", "cpu"])).enable_dora
 
 
+def test_trainable_tokens_are_off_unless_enable_trainable_tokens_is_given(monkeypatch):
+    """--enable-trainable-tokens (or LORASERVE_ENABLE_TRAINABLE_TOKENS) turns trainable-token serving
+    on: the config's enable_trainable_tokens and the slots' LoraSpec.trainable_tokens."""
+    from loraserve.cli import build_parser
+    from loraserve.executor.cli import executor_config
+    from loraserve.executor.ranks import lora_spec
+
+    monkeypatch.delenv("LORASERVE_ENABLE_TRAINABLE_TOKENS", raising=False)
+    for command in ("executor", "up"):
+        off = executor_config(build_parser().parse_args([command, "--device", "cpu"]))
+        assert not off.enable_trainable_tokens and not lora_spec(off).trainable_tokens
+        on = executor_config(build_parser().parse_args([command, "--device", "cpu", "--enable-trainable-tokens"]))
+        assert on.enable_trainable_tokens and lora_spec(on).trainable_tokens and not lora_spec(on).dora
+    monkeypatch.setenv("LORASERVE_ENABLE_TRAINABLE_TOKENS", "true")
+    assert executor_config(build_parser().parse_args(["executor", "--device", "cpu"])).enable_trainable_tokens
+
+
 def test_metrics_are_on_by_default_at_the_charts_ports_in_every_serving_command(monkeypatch):
     """One default for store, executor and up: /metrics on, at the Helm chart's ports (store 9091,
     executor 9090), on the service's host; 0 turns it off."""

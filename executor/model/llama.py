@@ -267,11 +267,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LinearWithLoRA(cfg.hidden_size, (cfg.vocab_size // tp.size,), False, head_lora, dtype, device, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # LoRA slots stay separate
-        # each slot's trainable-token rows (executor/token_rows.py)
+        # each slot's trainable-token rows (executor/token_rows.py), where the slots serve them (LoraSpec.trainable_tokens)
         self.token_rows = (
-            None
-            if lora is None
-            else TokenRows(lora.max_loras, cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings, dtype, device)
+            TokenRows(lora.max_loras, cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings, dtype, device)
+            if lora is not None and lora.trainable_tokens
+            else None
         )
 
     @torch.inference_mode()

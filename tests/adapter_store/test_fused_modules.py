@@ -227,3 +227,68 @@ def test_store_over_grpc_serves_fused_adapters_and_refuses_bad_rows(phi3, fused_
         assert e.value.code.name == "INVALID_ARGUMENT" and "self_attn.qkv_proj" in e.value.message
     finally:
         loop_thread.run(server.stop(0), 10)
+
+
+@pytest.fixture(scope="module")
+def fused_dora(phi3, tmp_path_factory):
+    """(adapter dir, its PEFT model): DoRA (use_dora) on every fused and plain linear module, its
+    magnitudes moved off their init value."""
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = phi3
+    torch.manual_seed(2)
+    cfg = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    peft = get_peft_model(copy.deepcopy(model), cfg)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+            elif "lora_magnitude_vector" in n:
+                p.mul_(0.5 + torch.rand_like(p))
+    path = tmp_path_factory.mktemp("fused-dora") / "adapter"
+    peft.save_pretrained(path)
+    return path, peft
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_dora_adapter_on_fused_modules_registers_and_each_rank_gets_its_rows_of_m(phi3, fused_dora, tmp_path, loop_thread, tp):
+    """A fused PEFT module's one magnitude vector spans its slices: registered through the store,
+    each rank's fetched shard holds, for every slice of qkv_proj / gate_up_proj, that rank's rows of
+    PEFT's m (as B's rows are cut), and o_proj / down_proj (row-parallel) keep m whole."""
+    from safetensors.torch import load as st_load
+
+    root = tmp_path / "adapters"
+    root.mkdir()
+    shutil.copytree(fused_dora[0], root / "dora")
+    cfg = StoreConfig(
+        listen="127.0.0.1:0", data_dir=tmp_path / "store", base_model="tiny-phi3", base_model_path=phi3[1],
+        sources=SourceConfig(local_roots=(root.resolve(),)), limits=validate.Limits(max_rank=16),
+    )  # fmt: skip
+    server, port = loop_thread.run(serve(cfg), 30)
+    try:
+        client = StoreClient(f"127.0.0.1:{port}", timeout_s=60)
+        client.register("dora", str(root / "dora"))
+        layout = _layout(phi3, tp, False)
+        layers = fused_dora[1].base_model.model.model.layers
+        for rank in range(tp):
+            shard = st_load(client.fetch_shard("dora", layout, tp_rank=rank)[1])
+            for i, layer in enumerate(layers):
+                for name, module, parts in (
+                    ("self_attn.qkv_proj", layer.self_attn.qkv_proj, [(0, Q), (Q, KVS), (Q + KVS, KVS)]),
+                    ("mlp.gate_up_proj", layer.mlp.gate_up_proj, [(0, I), (I, I)]),
+                ):
+                    m = module.lora_magnitude_vector["default"].weight.detach().float()
+                    want = torch.cat(
+                        [
+                            m[start:][_rows(n, tp, rank, kv=name.startswith("self_attn") and s > 0)]
+                            for s, (start, n) in enumerate(parts)
+                        ]
+                    )
+                    got = shard[f"model.layers.{i}.{name}.dora_m"]
+                    assert got.dtype == torch.float32 and torch.equal(got, want), (rank, i, name)
+                    assert got.shape[0] == shard[f"model.layers.{i}.{name}.lora_b"].shape[0]
+                for name, module in (("self_attn.o_proj", layer.self_attn.o_proj), ("mlp.down_proj", layer.mlp.down_proj)):
+                    m = module.lora_magnitude_vector["default"].weight.detach().float()
+                    assert torch.equal(shard[f"model.layers.{i}.{name}.dora_m"], m)
+    finally:
+        loop_thread.run(server.stop(0), 10)

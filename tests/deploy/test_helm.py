@@ -35,6 +35,7 @@ NON_DEFAULT = {
         "tpSize": 2,
         "fullyShardedLoras": True,
         "enableDora": True,
+        "enableTrainableTokens": True,
     },
     "model": {
         "name": "meta-llama/Llama-3.1-8B-Instruct",
@@ -210,12 +211,13 @@ def test_executor_http_port_and_eager_flag(manifests):
         assert "--no-prefix-caching" not in executor["args"]
         assert "--tp-size=1" in executor["args"] and "--fully-sharded-loras" not in executor["args"]
         assert "--ep-size=1" in executor["args"] and "--enable-dora" not in executor["args"]
+        assert "--enable-trainable-tokens" not in executor["args"]
     else:
         assert "http" not in pod_ports and "http" not in svc_ports
         assert "--http-port=0" in executor["args"] and "--enforce-eager" in executor["args"]
         assert "--no-prefix-caching" in executor["args"]
         assert "--tp-size=2" in executor["args"] and "--fully-sharded-loras" in executor["args"]
-        assert "--enable-dora" in executor["args"]
+        assert "--enable-dora" in executor["args"] and "--enable-trainable-tokens" in executor["args"]
 
 
 def test_executor_kernel_cache_is_an_emptydir_named_by_triton_cache_dir(manifests):

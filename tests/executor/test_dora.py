@@ -420,3 +420,105 @@ def test_dora_on_a_moe_models_shared_expert_is_served_and_on_routed_experts_refu
         assert "DoRA on MoE expert module 'model.layers.0.mlp.experts.0.down_proj' is not served" in e.value.message
     finally:
         c.close()
+
+
+@pytest.mark.parametrize(
+    "device, dtype",
+    [("cpu", torch.float32), ("cpu", torch.bfloat16), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)],
+    ids=["cpu-float32", "cpu-bf16", "cuda-bf16"],
+)
+def test_dora_on_an_fp8_layer_scales_in_its_compute_dtype_by_the_dequantized_norm(device, dtype):
+    """An FP8 LinearWithLoRA (float8 weight, per-row weight_scale) with DoRA slots: the scale is held
+    in the layer's compute dtype (its output's, not float8), g is m over the row norm of the
+    dequantized W + s B A (weight.float() * weight_scale), and the layer's output is PEFT's
+    bias + g * (W x + s B A x) with W x the layer's own FP8 GEMM; base rows are the FP8 GEMM alone.
+    On CUDA (FP8 GPUs) the same through torch._scaled_mm and the Triton LoRA kernels."""
+    from loraserve import kernels
+    from loraserve.executor.lora import LinearWithLoRA
+    from loraserve.executor.model import fp8
+    from loraserve.executor.slot_layout import LoraSpec
+    from loraserve.executor.slot_load import load_shard_into_slot
+    from loraserve.kernels import make_lora_meta
+
+    if device == "cuda":
+        from .conftest import need_cuda_devices
+
+        need_cuda_devices(1)
+        if fp8.fp8_compute_error("cuda", dtype) is not None:
+            pytest.skip(f"needs FP8 compute: {fp8.fp8_compute_error('cuda', dtype)}")
+    torch.manual_seed(0)
+    spec = LoraSpec(max_loras=2, max_rank=8, dtype=dtype, dora=True)
+    holder = torch.nn.Module()
+    holder.proj = layer = LinearWithLoRA(64, (32, 16), True, spec, dtype, device, fp8=True)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.serves_dora
+    assert layer.dora_scale.dtype == dtype  # not float8: y * g runs
+    w = torch.randn(48, 64) * torch.linspace(0.1, 3.0, 48)[:, None]  # rows of unlike scales
+    q, s = fp8.quantize_rows(w)
+    layer.weight.copy_(q.to(device))
+    layer.weight_scale.copy_(s.to(device))
+    layer.bias.copy_(torch.randn(48).to(dtype))
+    a, b = torch.randn(2, 4, 64) * 0.3, torch.randn(48, 4) * 0.3  # two slices' A; B scaled (s folded in)
+    real = q.float() * s[:, None]  # the dequantized W
+    delta = torch.cat([b[:32] @ a[0], b[32:] @ a[1]])  # s B A [48, 64]
+    m = (real + delta).norm(dim=1) * (0.5 + torch.rand(48))  # PEFT's magnitude, moved off its init
+    load_shard_into_slot(holder, 1, {"proj.lora_a": a.to(dtype), "proj.lora_b": b.to(dtype), "proj.dora_m": m})
+
+    want_g = m / (real + delta.to(dtype).float()).norm(dim=1)  # the norm of the dequantized weight
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(layer.dora_scale[1].float().cpu(), want_g, **tol)
+    assert (layer.dora_scale[0] == 1).all() and (layer.dora_scale[2] == 1).all()
+    raw = m / (q.float() + delta).norm(dim=1)  # the norm of the float8 values alone: far off
+    assert (raw - want_g).abs().max() > 0.1
+
+    x = torch.randn(3, 64).to(device, dtype)
+    slots, ranks = torch.tensor([1, -1, 1], device=device), torch.tensor([0, 4], dtype=torch.int32, device=device)
+    meta = make_lora_meta(slots, 2, frozenset({1}), ranks)
+    y = layer(x, meta)
+    assert y.dtype == dtype
+    base = kernels.fp8_linear(x, layer.weight, layer.weight_scale, None).float().cpu()  # W x: the same FP8 GEMM
+    y, x = y.cpu(), x.cpu()
+    xa = x.float()
+    lora = torch.cat(
+        [xa @ a[0].to(dtype).float().T @ b[:32].to(dtype).float().T, xa @ a[1].to(dtype).float().T @ b[32:].to(dtype).float().T],
+        1,
+    )
+    bias = layer.bias.float().cpu()
+    want = torch.stack([bias + want_g * (base[0] + lora[0]), bias + base[1], bias + want_g * (base[2] + lora[2])])
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2**-6, atol=5e-2)
+    torch.testing.assert_close(y.float(), want, **tol)
+
+
+PHI3 = {  # DoRA on Phi-3's fused modules (one magnitude vector over qkv_proj's q|k|v, gate_up_proj's gate|up)
+    "phidora": (4, 8, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), False, True),
+    "phimlp": (8, 8, ("gate_up_proj",), True, True),
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dora_on_phi3_fused_modules_matches_transformers_peft(hf_model, save_byte_tokenizer, module_loop_thread, tmp_path, tp):
+    """Phi-3 DoRA adapters (fused qkv_proj / gate_up_proj: the store cuts each one's m over its
+    slices as B's rows) served with --enable-dora, alone and beside a base row: greedy tokens and
+    logprobs equal transformers + PEFT."""
+    from peft import PeftModel
+
+    from .conftest import generate, prompt_ids
+
+    model, path = hf_model(
+        "phi3", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
+    )
+    if not (path / "tokenizer.json").exists():
+        save_byte_tokenizer(path)
+    root = tmp_path / "adapters"
+    for seed, (name, spec) in enumerate(PHI3.items()):
+        make_adapter(model, root / name, seed, *spec)
+    refs = {"": model, **{n: PeftModel.from_pretrained(copy.deepcopy(model), root / n).eval() for n in PHI3}}
+    c = cluster_of(module_loop_thread, (model, path), root, tmp_path / "store", tp, PHI3)
+    try:
+        assert {m.name: m.kind for m in c.store_client().list()} == {n: "dora" for n in PHI3}
+        client = c.client()
+        check_against_reference(refs["phidora"], prompt_ids(0), generate(client, "phidora", prompt_ids(0)))
+        jobs, resps = run_group(client, ["phimlp", "", "phidora"])
+        for (name, ids), resp in zip(jobs, resps):
+            check_against_reference(refs[name], ids, resp)
+    finally:
+        c.close()

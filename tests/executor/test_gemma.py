@@ -242,7 +242,7 @@ def test_trainable_tokens_take_the_embedding_scale_like_peft(family, gemma, page
                 p.normal_(0, 0.2)
     ref.save_pretrained(tmp_path / "tok")
     adapter = pack.load_adapter(tmp_path / "tok", None, validate.Limits())
-    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
+    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32, trainable_tokens=True))
     load_shard_into_slot(model, 1, trainable_tokens.shard_tensors(adapter.tokens))
     seqs = {"tok": [*_prompt(9, 5), 7, 259, 40, 7], "base": [*_prompt(9, 5), 7, 259, 40, 7]}
     outs = paged_runner(model, block_size=4).step(list(seqs.items()), slots=[1, -1])

@@ -130,6 +130,7 @@ def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
         cpu_threads=1,
         tp_timeout_s=60.0,
         enable_dora=True,
+        enable_trainable_tokens=True,
         max_loras=SLOTS,
     )
     try:
@@ -221,7 +222,7 @@ def test_trainable_token_rows_that_do_not_fit_are_refused_before_any_slot_change
     from loraserve.executor.slot_load import load_shard_into_slot
 
     _, path = hf_model("llama")
-    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
+    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32, trainable_tokens=True))
     rows, hidden, vocab = model.token_rows, model.cfg.hidden_size, model.cfg.vocab_size
     ok = {"tokens.embed.ids": torch.tensor([1, 2], dtype=torch.int32), "tokens.embed.rows": torch.ones(2, hidden)}
     bad = {
@@ -244,6 +245,75 @@ def test_trainable_token_rows_that_do_not_fit_are_refused_before_any_slot_change
     assert rows.slots == [False, False] and (rows.table == -1).all()
 
 
+def test_without_enable_trainable_tokens_token_adapters_are_refused_and_no_table_is_built(
+    case, base, alone, adapter_dirs, references, module_loop_thread, tmp_path
+):
+    """An executor started without --enable-trainable-tokens builds no token tables (no step does
+    token work) and refuses every adapter with trainable tokens ("tokens", "lora+tokens",
+    "dora+tokens") through LoadAdapter and Generate with FAILED_PRECONDITION naming the flag,
+    keeping nothing of it; plain LoRA and base rows are served."""
+    c = Cluster(
+        module_loop_thread,
+        base[1],
+        adapter_dirs,
+        tmp_path / "store",
+        [*ADAPTERS, *alone],
+        cpu_threads=1,
+        enable_dora=True,
+        max_loras=SLOTS,
+    )
+    try:
+        model = c.parts.engine.model
+        assert model.token_rows is None and not model.lora_spec.trainable_tokens
+        assert not any("token" in name for name, _ in model.named_buffers())
+        client = c.client()
+        kinds = {m.name: m.kind for m in c.store_client().list()}
+        for name in ("tok", "dora_tok", "alone"):
+            assert kinds[name] in ("lora+tokens", "dora+tokens", "tokens")
+            want = (
+                f"adapter {name!r} has trainable tokens (trainable_token_indices): "
+                "this executor was started without --enable-trainable-tokens"
+            )
+            for call in (lambda: client.load(name), lambda: generate(client, name, prompt(0), 2)):
+                with pytest.raises(StatusError) as e:
+                    call()
+                assert e.value.code.name == "FAILED_PRECONDITION", e.value
+                assert e.value.message == want
+        for i, name in enumerate(("lora", "")):
+            check_against_reference(references[name], prompt(i), generate(client, name, prompt(i), 4))
+        held = {a.name: a for a in client.list()}
+        for name in ("tok", "dora_tok", "alone"):
+            assert name not in held or (held[name].slot < 0 and not held[name].in_cpu_cache), held[name]
+    finally:
+        c.close()
+
+
+def test_slots_made_without_trainable_tokens_refuse_a_token_shard(hf_model):
+    """LoraSpec.trainable_tokens off: the model has no token rows, and a shard with them loaded
+    straight into the model is refused before any slot changes; a plain one loads."""
+    from loraserve.executor.lora import lora_modules
+    from loraserve.executor.model.loader import load_hf_checkpoint
+    from loraserve.executor.slot_layout import LoraSpec
+    from loraserve.executor.slot_load import load_shard_into_slot
+
+    _, path = hf_model("llama")
+    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
+    assert model.token_rows is None
+    modules = lora_modules(model)
+    name, m = next(iter(modules.items()))
+    lora = {
+        f"{name}.lora_a": torch.ones(m.lora_a.shape[1], 4, m.lora_a.shape[3]),
+        f"{name}.lora_b": torch.ones(m.lora_b.shape[1], 4),
+    }
+    tokens = {"tokens.embed.ids": torch.tensor([3], dtype=torch.int32), "tokens.embed.rows": torch.ones(1, model.cfg.hidden_size)}
+    with pytest.raises(
+        ValueError, match=r"shard has trainable tokens \(tokens.embed.ids, ...\), but this model's slots were made without them"
+    ):
+        load_shard_into_slot(model, 0, {**lora, **tokens})
+    assert not m.lora_a[0].any() and m.slot_ranks[0] == 0
+    assert load_shard_into_slot(model, 0, lora) == 4
+
+
 @pytest.mark.parametrize("scatter", ["per_tensor", "one_scatter"])
 def test_a_tokens_only_shard_leaves_the_slots_lora_buffers_zero(hf_model, scatter):
     """Trainable tokens alone: a shard of token rows only, loaded over a LoRA adapter's slot (per-tensor
@@ -256,7 +326,7 @@ def test_a_tokens_only_shard_leaves_the_slots_lora_buffers_zero(hf_model, scatte
     from loraserve.kernels import copy_reference
 
     _, path = hf_model("llama")
-    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
+    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32, trainable_tokens=True))
     kw = {"scatter": copy_reference.slot_scatter} if scatter == "one_scatter" else {}
     modules = lora_modules(model)
     gen = torch.Generator().manual_seed(0)
@@ -295,6 +365,7 @@ def test_token_rows_on_cuda_through_the_graphs_in_bf16(case, base, alone, adapte
         dtype="bfloat16",
         tp_timeout_s=120.0,
         enable_dora=True,
+        enable_trainable_tokens=True,
         max_loras=SLOTS,
     )
     try:
@@ -317,7 +388,7 @@ def test_token_rows_apply_alike_with_and_without_the_step_slots_on_the_host(hf_m
     from loraserve.kernels import make_lora_meta
 
     _, path = hf_model("llama")
-    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32))
+    model = load_hf_checkpoint(path, lora=LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32, trainable_tokens=True))
     hidden = model.cfg.hidden_size
     rows = torch.randn(2, hidden, generator=torch.Generator().manual_seed(0))
     load_shard_into_slot(model, 1, {"tokens.lm_head.ids": torch.tensor([4, 9], dtype=torch.int32), "tokens.lm_head.rows": rows})
