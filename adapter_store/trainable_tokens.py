@@ -24,6 +24,8 @@ from loraserve.errors import invalid
 
 from .base_model import BaseModelSpec
 
+MAX_TOKENS = 64  # trainable token ids per adapter an executor's slot holds (executor/token_rows.py)
+
 CONFIG_KEY = "trainable_token_indices"
 ALONE_KEY = "token_indices"  # peft_type TRAINABLE_TOKENS
 SUFFIX = ".token_adapter.trainable_tokens_delta"
@@ -70,6 +72,8 @@ def check(
         if any(m == module or m.startswith(module + ".") for m in lora_modules):
             raise invalid(f"module {module!r} has both LoRA and trainable tokens: not served")
         ids = _ids(indices, module, 1 if alone else len(rows), key)
+        if len(ids) > MAX_TOKENS:
+            raise invalid(f"{key} lists {len(ids)} token ids: at most {MAX_TOKENS} per adapter are served")
         if t.dim() != 2 or t.shape[0] != len(ids):
             raise invalid(f"module {module!r}: trainable_tokens_delta has shape {list(t.shape)}, {key} lists {len(ids)} ids")
         if spec is not None:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MAX_TOKENS = 64  # trainable tokens per adapter a slot holds
+from loraserve.adapter_store.trainable_tokens import MAX_TOKENS  # trainable tokens per adapter a slot holds
+
 PREFIX = "tokens."
 
 

@@ -166,10 +166,15 @@ def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
             with pytest.raises(StatusError) as e:
                 c.store_client().register("bad", str(adapter_dirs / "bad"))
             assert e.value.code.name == "INVALID_ARGUMENT" and message in e.value.message, e.value.message
-        # refused as they enter a slot, Generate saying why: more token ids than a slot holds, and
-        # (tied model) lm_head rows unlike the embedding rows PEFT ties them to
+        # more token ids than a slot holds: refused at registration
         make_adapter(base[0], adapter_dirs / "wide", 9, token_indices=list(range(65)))
-        refusals = {"wide": "a slot holds at most 64"}
+        with pytest.raises(StatusError) as e:
+            c.store_client().register("wide", str(adapter_dirs / "wide"))
+        assert e.value.code.name == "INVALID_ARGUMENT"
+        assert "token_indices lists 65 token ids: at most 64 per adapter are served" in e.value.message
+        # refused as it enters a slot, Generate saying why (tied model): lm_head rows unlike the
+        # embedding rows PEFT ties them to (the store does not know whether the base model ties them)
+        refusals = {}
         if case[2].get("tie_word_embeddings"):
             make_adapter(base[0], adapter_dirs / "untied_rows", 9, token_indices=[3, 7])
             _set_tensor(HEAD_DELTA, torch.zeros(2, 64))(adapter_dirs / "untied_rows")
