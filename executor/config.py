@@ -110,6 +110,12 @@ class ExecutorConfig:
             raise ValueError(f"ep_size must be at least 1, got {self.ep_size}")
         if (error := ep_with_tp_error(self.tp_size, self.ep_size)) is not None:
             raise ValueError(error)
+        if self.enable_dora and self.fully_sharded_loras and self.tp_size > 1:
+            # DoRA's norm needs each rank's whole rank dim, which fully sharded LoRA cuts (adapter_store/dora.py)
+            raise ValueError(
+                "--enable-dora is not served with --fully-sharded-loras under --tp-size > 1: "
+                "a DoRA norm needs each rank's whole LoRA rank (drop one of the two)"
+            )
         if min(self.max_loras, self.cpu_cache_bytes, self.max_cpu_adapters) < 0:
             raise ValueError("max_loras, cpu_cache_bytes and max_cpu_adapters must be 0 (automatic / no limit) or more")
         if self.max_concurrent_loads < 1:

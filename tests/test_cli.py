@@ -362,3 +362,23 @@ def test_a_negative_max_stream_wait_is_refused_with_its_value(tmp_path):
     bad = cli("store", "--max-stream-wait-s", "-0.5", "--data-dir", str(tmp_path / "store"), check=False)
     assert bad.returncode == 1 and "error: --max-stream-wait-s must be 0 or more seconds, got -0.5" in bad.stderr
     assert not (tmp_path / "store").exists()
+
+
+def test_dora_with_fully_sharded_loras_under_tp_is_refused_at_start(free_port, tmp_path):
+    """DoRA's norm needs each rank's whole LoRA rank, which --fully-sharded-loras cuts under
+    --tp-size > 1: the config refuses the three together (each pair alone is accepted), and the
+    executor command exits 1 naming them."""
+    from loraserve.executor.config import ExecutorConfig
+
+    message = "--enable-dora is not served with --fully-sharded-loras under --tp-size > 1"
+    with pytest.raises(ValueError, match=message):
+        ExecutorConfig(tp_size=2, fully_sharded_loras=True, enable_dora=True)
+    ExecutorConfig(tp_size=2, fully_sharded_loras=True)
+    ExecutorConfig(tp_size=2, enable_dora=True)
+    ExecutorConfig(tp_size=1, fully_sharded_loras=True, enable_dora=True)  # one rank holds the whole rank dim
+    # a model path that is not there: an executor that got past the flags would fail on it instead
+    args = ("--device", "cpu", "--model", str(tmp_path / "no-model"), "--executor-listen", f"127.0.0.1:{free_port()}")
+    bad = cli(
+        "executor", *args, "--executor-metrics-port", "0", "--tp-size", "2", "--fully-sharded-loras", "--enable-dora", check=False
+    )
+    assert bad.returncode == 1 and f"error: {message}" in bad.stderr, bad.stderr

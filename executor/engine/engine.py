@@ -98,6 +98,17 @@ def kv_events_publisher(config: ExecutorConfig, kv_cache: KVCache) -> KVEventPub
 
 class Engine:
     def __init__(self, model, tokenizer, kv_cache: KVCache, slot_manager: SlotManager, config: ExecutorConfig, ranks=None):
+        self.kv_events: KVEventPublisher | None = None
+        try:
+            self._init(model, tokenizer, kv_cache, slot_manager, config, ranks)
+        except BaseException:
+            # a start that fails past the publisher (warm-up, graph capture: CUDA OOM) leaves its
+            # port free, so that a retry in this process can bind it again
+            if self.kv_events is not None:
+                self.kv_events.close()
+            raise
+
+    def _init(self, model, tokenizer, kv_cache: KVCache, slot_manager: SlotManager, config: ExecutorConfig, ranks) -> None:
         self.model = model
         self.ranks = ranks  # executor/ranks.py's TPRanks under tensor parallelism, else None
         self.tokenizer = tokenizer
@@ -208,8 +219,8 @@ class Engine:
         self._release_deferred()
         for run in list(self._runs.values()):
             self.delivery.finish(run, "cancelled")
-        if self.kv_events is not None:
-            self.kv_events.close()
+        if self.kv_events is not None:  # joins the socket thread (up to seconds): off the event loop
+            await asyncio.to_thread(self.kv_events.close)
         if self._serving:  # the last serving engine puts start-up's objects and the interval back
             self._serving = False
             gc_pauses.engine_stopped()

@@ -22,12 +22,14 @@ of filed keys. AllBlocksCleared is never sent: the cache is never reset while th
 
 Replay (optional ROUTER socket): a request [identity, b"", start sequence (8 bytes big-endian)]
 is answered with [identity, b"", sequence, payload] for each kept batch from that sequence on
-(the last REPLAY_BATCHES), then [identity, b"", -1 (8 bytes, signed), b""].
+(the last REPLAY_BATCHES, kept only while a replay socket exists), then [identity, b"", -1 (8
+bytes, signed), b""].
 
 Sockets live in one background thread (ZMQ sockets are not thread-safe); the engine only appends
 events to a list and hands a finished batch to the thread. PUB drops messages past its high-water
 mark rather than stall the engine: a consumer that sees a gap in the sequence numbers asks the
-replay socket.
+replay socket. If the thread dies (a send or encode error, logged), the engine keeps serving and
+every later event is dropped: consumers see the stream stop.
 """
 
 from __future__ import annotations
@@ -102,8 +104,8 @@ class KVEventPublisher:
                 continue
             try:
                 sock.setsockopt(zmq.LINGER, 0)
-                if sock is self._pub:
-                    sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+                # PUB drops past its mark; a replay answers with up to REPLAY_BATCHES + 1 messages at once
+                sock.setsockopt(zmq.SNDHWM, SEND_HWM if sock is self._pub else REPLAY_BATCHES + 1)
                 (sock.bind if sock is self._replay or binds(value) else sock.connect)(value)
             except zmq.ZMQError as exc:
                 self._close_sockets()
@@ -112,7 +114,8 @@ class KVEventPublisher:
         self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay is not None else ""
         self._events: list[list] = []
         self._batches: queue.SimpleQueue = queue.SimpleQueue()
-        self._kept: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
+        # the last batches sent, for replay requests (None: no replay socket, nothing kept)
+        self._kept: deque[tuple[int, bytes]] | None = deque(maxlen=REPLAY_BATCHES) if self._replay is not None else None
         self.flushed = 0  # batches handed to the thread so far
         self.published = 0  # batches sent so far (the next one's sequence number)
         self._closed = False
@@ -139,11 +142,23 @@ class KVEventPublisher:
             self._events.append(["BlockRemoved", [block_hash], self.medium])
 
     def flush(self) -> None:
-        """Publishes the events since the last flush as one batch (nothing if there are none)."""
-        if self._events and not self._closed:
-            self._batches.put([time.time(), self._events, 0])
-            self.flushed += 1
+        """Publishes the events since the last flush as one batch (nothing if there are none). Once
+        the socket thread has died the batch is dropped and the publisher closes (later events are
+        dropped too): nothing queues for a thread that is gone."""
+        if not self._events or self._closed:
+            return
+        if not self._thread.is_alive():
+            self._closed = True
             self._events = []
+            log.error("KV-event publisher thread is gone: KV events are dropped from now on")
+            while True:  # what it left unsent
+                try:
+                    self._batches.get_nowait()
+                except queue.Empty:
+                    return
+        self._batches.put([time.time(), self._events, 0])
+        self.flushed += 1
+        self._events = []
 
     def close(self) -> None:
         """Publishes what is pending, stops the thread and closes the sockets; later events are dropped."""
@@ -173,7 +188,8 @@ class KVEventPublisher:
                 payload = self._encode(batch)
                 seq = self.published
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-                self._kept.append((seq, payload))
+                if self._kept is not None:
+                    self._kept.append((seq, payload))
                 self.published = seq + 1
         except Exception:  # the engine keeps serving; consumers see the stream stop
             log.exception("KV-event publisher stopped")

@@ -33,7 +33,7 @@ NON_DEFAULT = {
         "enforceEager": True,
         "prefixCaching": False,
         "tpSize": 2,
-        "fullyShardedLoras": True,
+        "fullyShardedLoras": False,  # with tpSize 2 and enableDora: refused (test_dora_with_fully_sharded_loras_...)
         "enableDora": True,
         "enableTrainableTokens": True,
     },
@@ -216,7 +216,7 @@ def test_executor_http_port_and_eager_flag(manifests):
         assert "http" not in pod_ports and "http" not in svc_ports
         assert "--http-port=0" in executor["args"] and "--enforce-eager" in executor["args"]
         assert "--no-prefix-caching" in executor["args"]
-        assert "--tp-size=2" in executor["args"] and "--fully-sharded-loras" in executor["args"]
+        assert "--tp-size=2" in executor["args"] and "--fully-sharded-loras" not in executor["args"]
         assert "--enable-dora" in executor["args"] and "--enable-trainable-tokens" in executor["args"]
 
 
@@ -397,3 +397,34 @@ def test_kv_events_publish_on_a_pod_port_under_the_indexers_topic():
         render({"executor": {"kvEvents": {"enabled": True}, "prefixCaching": False}})
     with pytest.raises(helm.HelmValuesError, match="additional properties 'endpoint' not allowed"):
         render({"executor": {"kvEvents": {"endpoint": "tcp://*:5557"}}})
+
+
+def test_dora_with_fully_sharded_loras_under_tp_fails_the_render():
+    """The executor refuses --enable-dora with --fully-sharded-loras under --tp-size > 1 (a DoRA norm
+    needs each rank's whole LoRA rank): the chart fails at install time instead of crash-looping."""
+    with pytest.raises(
+        helm.HelmRenderError,
+        match=r"executor.enableDora is not served with executor.fullyShardedLoras under executor.tpSize > 1",
+    ):
+        render({"executor": {"tpSize": 2, "gpu": {"count": 2}, "fullyShardedLoras": True, "enableDora": True}})
+    for executor in (
+        {"tpSize": 2, "gpu": {"count": 2}, "fullyShardedLoras": True},
+        {"tpSize": 2, "gpu": {"count": 2}, "enableDora": True},
+        {"tpSize": 1, "fullyShardedLoras": True, "enableDora": True},
+    ):
+        args = container(render({"executor": executor}), "executor")["args"]
+        parsed = build_parser().parse_args(args)
+        assert (parsed.tp_size, parsed.fully_sharded_loras, parsed.enable_dora) == (
+            executor["tpSize"],
+            executor.get("fullyShardedLoras", False),
+            executor.get("enableDora", False),
+        )
+
+
+def test_a_kv_events_replay_port_equal_to_the_pub_port_fails_the_render():
+    with pytest.raises(helm.HelmRenderError, match=r"executor.kvEvents.replayPort 5557 is executor.kvEvents.port"):
+        render({"executor": {"kvEvents": {"enabled": True, "replayPort": 5557}}})
+    with pytest.raises(helm.HelmRenderError, match=r"executor.kvEvents.replayPort 6000 is executor.kvEvents.port"):
+        render({"executor": {"kvEvents": {"enabled": True, "port": 6000, "replayPort": 6000}}})
+    args = container(render({"executor": {"kvEvents": {"enabled": True, "port": 6000, "replayPort": 5557}}}), "executor")["args"]
+    assert "--kv-events-endpoint=tcp://*:6000" in args and "--kv-events-replay-endpoint=tcp://*:5557" in args

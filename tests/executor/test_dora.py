@@ -165,14 +165,17 @@ def pair(hf_model, save_byte_tokenizer, tmp_path_factory):
 
 def test_dora_with_fully_sharded_lora_is_refused_through_the_executor(pair, module_loop_thread, tmp_path):
     """Fully sharded LoRA cuts a column layer's A over the ranks, so no rank could work out the norm:
-    the store refuses the DoRA adapter's shards with FAILED_PRECONDITION, which Generate returns;
-    plain LoRA rows are served as before."""
+    --enable-dora with it under tp 2 is refused at start (the config), and on an executor without
+    --enable-dora the store refuses the DoRA adapter's shards with FAILED_PRECONDITION, which Generate
+    returns; plain LoRA rows are served."""
     from loraserve.errors import StatusError
 
     from .conftest import generate, prompt_ids
 
     base, adapters, ref = pair
-    c = cluster_of(module_loop_thread, base, adapters, tmp_path / "store", 2, PAIR, fully_sharded_loras=True)
+    with pytest.raises(ValueError, match="--enable-dora is not served with --fully-sharded-loras under --tp-size > 1"):
+        cluster_of(module_loop_thread, base, adapters, tmp_path / "refused", 2, PAIR, fully_sharded_loras=True)
+    c = cluster_of(module_loop_thread, base, adapters, tmp_path / "store", 2, PAIR, fully_sharded_loras=True, enable_dora=False)
     try:
         client = c.client()
         with pytest.raises(StatusError) as e:

@@ -6,8 +6,10 @@ vLLM-compatible consumer declares them), and the stream is checked against the a
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import msgspec
@@ -16,7 +18,9 @@ import torch
 import zmq
 
 from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.engine import engine as engine_module
 from loraserve.executor.engine.graphs import DecodeGraphs
+from loraserve.executor.engine.kv_events import REPLAY_BATCHES, KVEventPublisher
 from loraserve.executor.engine.prefix_cache import extend_keys
 from loraserve.executor.model.loader import load_model
 from loraserve.executor.slot_layout import LoraSpec
@@ -240,3 +244,96 @@ def test_the_executor_command_refuses_a_bad_endpoint_before_loading_anything():
     ]
     bad = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "error: --kv-events-endpoint 'localhost:5557': want a ZMQ endpoint" in bad.stderr, bad.stderr
+
+
+def _publish(pub: KVEventPublisher, n: int) -> None:
+    for i in range(n):
+        pub.stored([i.to_bytes(16, "big")], None, [1, 2, 3, 4], None, None)
+        pub.flush()
+
+
+def _wait(condition, what: str, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not hold within {timeout_s:g}s"
+        time.sleep(0.001)
+
+
+def test_once_the_socket_thread_dies_batches_are_dropped_not_queued(caplog):
+    """A batch the thread cannot encode ends the thread (logged); the next flush drops its batch
+    and closes the publisher (logged once), and no later event is queued for a thread that is gone."""
+    pub = KVEventPublisher("tcp://127.0.0.1:*", block_size=4, medium="CPU")
+    with caplog.at_level(logging.ERROR, logger="loraserve.executor.engine.kv_events"):
+        _publish(pub, 3)
+        _wait(lambda: pub.published == 3, "three batches sent")
+        pub.stored([b"k" * 16], None, [object()], None, None)  # msgspec cannot encode an object()
+        pub.flush()
+        pub._thread.join(5.0)
+        assert not pub._thread.is_alive()
+        _publish(pub, 1000)
+    assert pub._batches.empty() and not pub._events and pub.flushed == 4 and pub.published == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "KV-event publisher stopped",
+        "KV-event publisher thread is gone: KV events are dropped from now on",
+    ]
+    pub.close()  # the sockets are already closed: nothing left to do
+
+
+def test_batches_are_kept_for_replay_only_with_a_replay_socket():
+    plain = KVEventPublisher("tcp://127.0.0.1:*", block_size=4, medium="CPU")
+    with_replay = KVEventPublisher("tcp://127.0.0.1:*", block_size=4, medium="GPU", replay_endpoint="tcp://127.0.0.1:*")
+    try:
+        for pub in (plain, with_replay):
+            _publish(pub, 50)
+            _wait(lambda: pub.published == 50, "every batch sent")
+        assert not plain._kept
+        assert [seq for seq, _ in with_replay._kept] == list(range(50))
+        # a whole replay (REPLAY_BATCHES batches and the end marker) fits under the ROUTER's high-water mark
+        assert with_replay._replay.getsockopt(zmq.SNDHWM) == REPLAY_BATCHES + 1
+    finally:
+        plain.close()
+        with_replay.close()
+
+
+async def test_an_engine_start_that_fails_after_binding_frees_the_port(model, monkeypatch, free_port):
+    """The publisher binds before the warm-up; a warm-up that raises (CUDA OOM on a GPU) closes it,
+    so a retry in the same process binds the same ports again."""
+    pub_port, replay_port = free_port(), free_port()
+    endpoints = {
+        "kv_events_endpoint": f"tcp://127.0.0.1:{pub_port}",
+        "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+    }
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (the test's)")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine_module, "warm_up_engine", out_of_memory)
+        with pytest.raises(RuntimeError, match="CUDA out of memory"):
+            _engine(model, **endpoints)
+    assert not [t for t in threading.enumerate() if t.name == "kv-events"]
+    engine = _engine(model, **endpoints)  # the retry
+    try:
+        assert engine.kv_events.endpoint == endpoints["kv_events_endpoint"]
+        assert engine.kv_events.replay_endpoint == endpoints["kv_events_replay_endpoint"]
+    finally:
+        await engine.stop()
+
+
+async def test_stop_closes_the_publisher_off_the_event_loop(model):
+    """close() joins the socket thread (up to seconds): stop() runs it in a worker thread, so the
+    event loop keeps serving meanwhile."""
+    engine = _engine(model, kv_events_endpoint="tcp://127.0.0.1:*")
+    pub = engine.kv_events
+    close, closed_on = pub.close, []
+
+    def recording_close():
+        closed_on.append(threading.current_thread())
+        close()
+
+    pub.close = recording_close
+    engine.start()
+    await engine.stop()
+    assert closed_on and closed_on[0] is not threading.main_thread() and not pub._thread.is_alive()

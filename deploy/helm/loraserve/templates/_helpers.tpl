@@ -97,6 +97,14 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if and (gt (int .Values.store.replicaCount) 1) (not (include "loraserve.storeRedis" .)) }}
 {{- fail "store.replicaCount > 1 needs a Redis (redis.enabled, redis.url or redis.existingSecret): the stores share their registry there" }}
 {{- end }}
+{{- if and .Values.executor.enableDora .Values.executor.fullyShardedLoras (gt (int .Values.executor.tpSize) 1) }}
+{{- fail "executor.enableDora is not served with executor.fullyShardedLoras under executor.tpSize > 1: a DoRA norm needs each rank's whole LoRA rank (drop one of the two)" }}
+{{- end }}
+{{- with .Values.executor.kvEvents }}
+{{- if and .enabled .replayPort (eq (int .replayPort) (int .port)) }}
+{{- fail (printf "executor.kvEvents.replayPort %d is executor.kvEvents.port: the replay socket needs a port of its own" (int .replayPort)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* The label the endpoint picker chooses an engine config by (loraserve/metrics.py ENGINE_TYPE_LABEL). */}}
