@@ -208,14 +208,20 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.constexp
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up: see ops_reference.silu_and_mul."""
+    return _act_and_mul(_silu_mul_kernel, ops_reference.silu_and_mul, gate_up)
+
+
+def _act_and_mul(kernel, reference, gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2n] (gate | up) -> [rows, n] by `kernel`, one program per row and 1,024 columns; a
+    tensor the kernel cannot take (not 2-D, or strided columns) goes to `reference`."""
     if gate_up.dim() != 2 or gate_up.stride(1) != 1:
-        return ops_reference.silu_and_mul(gate_up)
+        return reference(gate_up)
     rows, n2 = gate_up.shape
     n = n2 // 2
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = 1024
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
+        kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
     return out
 
 
@@ -234,15 +240,7 @@ def _gelu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.constexp
 
 def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up: see ops_reference.gelu_and_mul."""
-    if gate_up.dim() != 2 or gate_up.stride(1) != 1:
-        return ops_reference.gelu_and_mul(gate_up)
-    rows, n2 = gate_up.shape
-    n = n2 // 2
-    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
-    if rows:
-        block = 1024
-        _gelu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
-    return out
+    return _act_and_mul(_gelu_mul_kernel, ops_reference.gelu_and_mul, gate_up)
 
 
 @triton.jit
