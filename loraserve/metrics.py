@@ -149,7 +149,6 @@ class ExecutorMetrics:
             ["adapter"],
             registry=r,
         )
-        self.prefix_caching = False  # the engine's setting, from `attach`
         self.slot_hits = Counter("loraserve_executor_slot_hits", "Requests whose adapter was already in a GPU slot", registry=r)
         self.slot_misses = Counter(
             "loraserve_executor_slot_misses", "Requests whose adapter had to be loaded into a slot", registry=r
@@ -174,7 +173,6 @@ class ExecutorMetrics:
         )
 
     def attach(self, engine, slots, max_loras: int, model_name: str = "") -> None:
-        self.prefix_caching = engine.config.prefix_caching
         self.registry.register(_ExecutorState(engine, slots, max_loras, self.adapters, self.compat, model_name))
 
     def dtypes(self, weight_dtype: str, kv_cache_dtype: str) -> None:
@@ -194,6 +192,7 @@ class ExecutorMetrics:
         start = time.monotonic()
         first = last = None
         tokens = prompt_tokens = cached_tokens = 0
+        cacheable = False
         code = "OK"
         try:
             async with contextlib.aclosing(outputs):
@@ -202,7 +201,7 @@ class ExecutorMetrics:
                     if first is None and out.token_ids:
                         first = last
                     tokens += len(out.token_ids)
-                    prompt_tokens, cached_tokens = out.prompt_tokens, out.cached_tokens
+                    prompt_tokens, cached_tokens, cacheable = out.prompt_tokens, out.cached_tokens, out.prefix_cacheable
                     yield out
         except StatusError as exc:
             code = exc.code.name
@@ -222,7 +221,7 @@ class ExecutorMetrics:
                     self.tpot.labels(label).observe((last - first) / (tokens - 1))
             if prompt_tokens:
                 self.prompt_tokens.labels(label).inc(prompt_tokens)
-                if self.prefix_caching:
+                if cacheable:  # looked up in the prefix cache: caching on, the adapter's version known
                     self.prefix_cache_queries.labels(label).inc(prompt_tokens)
                     self.prefix_cache_hits.labels(label).inc(cached_tokens)
             if tokens:

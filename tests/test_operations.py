@@ -555,3 +555,38 @@ def test_every_dashboard_query_names_metrics_the_services_export(served):
         "store cache hits",
     ):
         assert what in titles, what
+
+
+def test_prefix_cache_queries_count_only_prompts_looked_up_in_the_cache():
+    """A request whose prompt was never looked up (caching off, or an adapter version without a
+    content digest) adds to neither prefix-cache counter; one looked up adds its prompt tokens to
+    the queries and its cached tokens to the hits."""
+    import asyncio
+
+    from prometheus_client import generate_latest
+
+    from loraserve.executor.engine.requests import GenerationOutput
+    from loraserve.metrics import ExecutorMetrics
+
+    m = ExecutorMetrics()
+
+    async def run(adapter: str, cacheable: bool) -> None:
+        async def outputs():
+            yield GenerationOutput(
+                "r", [5], "x", [], "length", 40, "", cached_tokens=32 if cacheable else 0, prefix_cacheable=cacheable
+            )
+
+        async for _ in m.track(outputs(), adapter):
+            pass
+
+    asyncio.run(run("looked-up", True))
+    asyncio.run(run("never-looked-up", False))
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(m.registry).decode())
+        for s in family.samples
+    }
+    assert value(samples, "loraserve_executor_prefix_cache_queries_total", adapter="looked-up") == 40
+    assert value(samples, "loraserve_executor_prefix_cache_hits_total", adapter="looked-up") == 32
+    assert ("loraserve_executor_prefix_cache_queries_total", (("adapter", "never-looked-up"),)) not in samples
+    assert value(samples, "loraserve_executor_prompt_tokens_total", adapter="never-looked-up") == 40

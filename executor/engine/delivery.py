@@ -126,6 +126,7 @@ class Delivery:
             prompt_tokens=seq.num_prompt_tokens,
             adapter_digest=run.lease.digest if run.lease else "",
             cached_tokens=seq.num_cached_tokens or 0,
+            prefix_cacheable=seq.cache_seed is not None,
         )
         run.emitted = end
         run.emitted_tokens += 1
@@ -150,6 +151,7 @@ class Delivery:
                 run.seq.num_prompt_tokens,
                 run.lease.digest if run.lease else "",
                 run.seq.num_cached_tokens or 0,
+                run.seq.cache_seed is not None,
             )  # fmt: skip
         )
 

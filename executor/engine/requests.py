@@ -49,6 +49,7 @@ class GenerationOutput:
     prompt_tokens: int
     adapter_digest: str
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (engine/prefix_cache.py)
+    prefix_cacheable: bool = False  # the prompt was looked up in the prefix cache (caching on, an adapter version known)
 
 
 def resolve_sampling(p: SamplingParams, default_max_tokens: int) -> SamplingParams:
