@@ -45,7 +45,7 @@ from ..diagnostics import gc_pauses, gil_handoff
 from ..diagnostics.builds import watch_builds
 from ..diagnostics.slow_steps import SlowSteps
 from ..slots import SlotLease, SlotManager
-from .batch import PENDING, Batch, flatten, step_kind
+from .batch import PENDING, Batch, flatten, long_rope_length, step_kind
 from .capture import capture_decode_graphs, capture_mixed_graphs
 from .delivery import Delivery, NewToken, Run
 from .kv_cache import BlockAllocator, KVCache
@@ -118,6 +118,7 @@ class Engine:
         self.device = config.torch_device
         cublas.without_workspace(str(self.device))  # in-process engines too (benchmarks), before the warm-up's GEMMs
         self.vocab_size = model.cfg.vocab_size
+        self._long_rope = long_rope_length(model.cfg)  # LongRoPE: prompts longer than this take the long factors
         spec = getattr(model, "lora_spec", None)
         self.max_loras = spec.max_loras if spec is not None else 0  # slot buffers' leading dim
         self.allocator = BlockAllocator(kv_cache.num_blocks)
@@ -270,7 +271,7 @@ class Engine:
             if req.adapter:
                 seq.is_ready = _not_landed
             else:
-                seq.cache_seed = self._cache_seed("", "")
+                seq.cache_seed = self._cache_seed("", "", self._long_prompt(ids))
             run = Run(
                 request_id=request_id,
                 seq=seq,
@@ -289,7 +290,7 @@ class Engine:
                 finally:
                     self._acquiring -= 1
                     unwant()
-                seq.cache_seed = self._cache_seed(lease.name, lease.digest)  # before it can be admitted
+                seq.cache_seed = self._cache_seed(lease.name, lease.digest, self._long_prompt(ids))  # before it can be admitted
                 seq.adapter = (lease.name, lora_id(lease.name, lease.digest))
                 run.lease, seq.slot, seq.is_ready = lease, lease.slot, lease.is_ready
             self._wakeup.set()
@@ -315,13 +316,20 @@ class Engine:
                 request_id, reason, run.emitted_tokens if run else 0, time.monotonic() - started,
             )  # fmt: skip
 
-    def _cache_seed(self, adapter: str, digest: str) -> bytes | None:
+    def _long_prompt(self, ids) -> bool:
+        """A LongRoPE model's prompt that passes the original length: its keys take the long factors
+        at every position (batch.long_rope_seqs)."""
+        return self._long_rope is not None and len(ids) > self._long_rope
+
+    def _cache_seed(self, adapter: str, digest: str, long_rope: bool = False) -> bytes | None:
         """The prefix cache's key chain seed of a sequence of this adapter version ("", "": the base
         model); None, never cached: caching off (config.prefix_caching, read as each request
-        arrives), or an adapter version without a content digest."""
+        arrives), or an adapter version without a content digest. long_rope: the sequence's keys
+        take LongRoPE's long factors below the original length too (_long_prompt), so its blocks
+        form chains of their own."""
         if not self.config.prefix_caching or (adapter and not digest):
             return None
-        model = f"{self.config.model}|{self.config.base_model}"
+        model = f"{self.config.model}|{self.config.base_model}" + ("|longrope-long" if long_rope else "")
         return chain_seed(model, str(self.kv_cache.dtype), self.kv_cache.block_size, adapter, digest)
 
     def _close(self, run: Run | None, lease: SlotLease | None) -> None:
@@ -500,7 +508,7 @@ class Engine:
         return following
 
     def _flatten(self, plan: SchedulePlan) -> Batch:
-        b = flatten(plan, self._runs, self._prev_rows, self.slots, tensor_parallel=self.ranks is not None)
+        b = flatten(plan, self._runs, self._prev_rows, self.slots, self.ranks is not None, self._long_rope)
         num_decode = sum(s.num_tokens == 1 for s in plan.seqs)
         log.debug(
             "step: %d seqs (%d prefill, %d decode), %d tokens, slots %s, %d waiting, %d free KV blocks",

@@ -1,8 +1,10 @@
 """Automatic prefix caching: the keys under which full KV blocks are filed and found again.
 
 A block's keys and values depend on every token up to its end, on the weights that computed them
-(the base model and the request's adapter version) and on how they are stored (the KV dtype, the
-block size). So a block's key is a hash chain:
+(the base model and the request's adapter version), on how they are stored (the KV dtype, the
+block size) and, for a LongRoPE model, on whether the prompt passes the original length (its keys
+then take the long factors at every position: the engine marks the model name). So a block's key
+is a hash chain:
 
     seed      = H(model, kv dtype, block size, adapter name, adapter content digest)  ("", "": base model)
     key[0]    = H(seed, token ids of block 0)

@@ -8,6 +8,7 @@ batches with base rows and at tp 2; unsupported variants refused by name.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -108,6 +109,46 @@ def test_longrope_short_then_long_factors_match_transformers_decoding(partial, e
             (ours, mine) = run.step([("a", [token]), ("o", [token])])
             _close(ours, out.logits[0], tol)
             _close(mine, ref(torch.tensor([other + list(range(7, 8 + i))])).logits[0, -1:], tol)
+
+
+@pytest.mark.parametrize("steps", ["eager", "graph-steps"])
+async def test_longrope_long_prompts_take_the_long_factors_at_every_position_as_transformers_generate(steps, hf_model):
+    """transformers picks one factor set per forward from its longest position: a prompt past the
+    original length 16 is prefilled with the long factors everywhere (here in 8-token chunks) and
+    decodes on with them. Through the engine: greedy tokens and logprobs equal generate's, alone and
+    in one batch with a short prompt that stays within 16 tokens, eager or through the graphs'
+    static buffers (uncaptured on the CPU); the long prompt finds none of the short one's cached
+    (short-rotated) blocks."""
+    from loraserve.executor.engine.graphs import DecodeGraphs, MixedGraphs
+
+    from .test_engine import _collect, _engine, _greedy, _hf_greedy
+
+    ref, path = hf_model("phi3", **NO_PAD, **longrope())
+    model = load_hf_checkpoint(path)
+    engine = _engine(model, max_num_batched_tokens=8, max_model_len=64, prefix_caching=True)
+    if steps == "graph-steps":
+        cfg = engine.config
+        engine.graphs = DecodeGraphs(model, engine.kv_cache, cfg.max_num_seqs, 64, 0, cfg.torch_device)
+        engine.mixed_graphs = MixedGraphs(model, engine.kv_cache, 8, cfg.max_num_seqs, 64, 0, cfg.torch_device)
+    engine.start()
+    short = (_prompt(12, 7), 5)  # 16 tokens at its last step: short factors throughout
+    long = (short[0] + _prompt(12, 8), 10)  # 24 tokens: three chunks, then decodes to position 32
+
+    async def check(*cases):
+        got = await asyncio.gather(*(_collect(engine, _greedy(p, n, return_logprobs=True)) for p, n in cases))
+        for (p, n), (ids, _, outs) in zip(cases, got):
+            want_ids, want_logprobs = _hf_greedy(ref, p, n)
+            assert ids == want_ids
+            _close(torch.tensor([lp for o in outs for lp in o.logprobs]), torch.tensor(want_logprobs))
+
+    try:
+        await check(short)  # files its blocks in the prefix cache: the long prompt's first three
+        await check(long)
+        await check(long, short)
+    finally:
+        await engine.stop()
+    kinds = {s.kind for s in engine.step_times}
+    assert kinds >= ({"decode-graph", "mixed-graph"} if steps == "graph-steps" else {"decode", "mixed"})
 
 
 def test_longrope_cos_sin_equal_transformers_short_and_long(hf_model):
