@@ -51,16 +51,11 @@ def long_rope_length(cfg) -> int | None:
 
 def long_rope_seqs(plan: SchedulePlan, original: int | None) -> list[bool] | None:
     """[B] LongRoPE (`original`: long_rope_length): whether each planned sequence's tokens take the
-    long factors below `original` too; None when no token of the step does (or not LongRoPE).
-
-    As transformers' generate picks one factor set per forward from its longest position, a
-    sequence whose prompt passes `original` is prefilled with the long factors at every position
-    (and decodes past it), while a shorter prompt keeps the short ones until its positions reach
-    `original`. The prompt is the request's own (Sequence.num_prompt_tokens), so a preempted
-    sequence's recompute rotates its keys as they were first rotated."""
+    long factors below `original` too (Sequence.long_rope: the scheduler marks a sequence longer
+    than `original`); None when no token of the step does (or not LongRoPE)."""
     if original is None:
         return None
-    flags = [s.seq.num_prompt_tokens > original and s.context_len < original for s in plan.seqs]
+    flags = [s.seq.long_rope and s.context_len < original for s in plan.seqs]
     return flags if any(flags) else None
 
 

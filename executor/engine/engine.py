@@ -118,7 +118,7 @@ class Engine:
         self.device = config.torch_device
         cublas.without_workspace(str(self.device))  # in-process engines too (benchmarks), before the warm-up's GEMMs
         self.vocab_size = model.cfg.vocab_size
-        self._long_rope = long_rope_length(model.cfg)  # LongRoPE: prompts longer than this take the long factors
+        self._long_rope = long_rope_length(model.cfg)  # LongRoPE: sequences longer than this take the long factors
         spec = getattr(model, "lora_spec", None)
         self.max_loras = spec.max_loras if spec is not None else 0  # slot buffers' leading dim
         self.allocator = BlockAllocator(kv_cache.num_blocks)
@@ -128,6 +128,7 @@ class Engine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             max_admit_delay=config.max_admit_delay_steps,
+            long_rope=self._long_rope,
         )
         # KV-block events for prefix-aware routing (kv_events.py): bound before the warm-up, so a
         # bad endpoint fails the start at once
@@ -271,7 +272,7 @@ class Engine:
             if req.adapter:
                 seq.is_ready = _not_landed
             else:
-                seq.cache_seed = self._cache_seed("", "", self._long_prompt(ids))
+                seq.cache_seed = self._cache_seed("", "")
             run = Run(
                 request_id=request_id,
                 seq=seq,
@@ -290,7 +291,7 @@ class Engine:
                 finally:
                     self._acquiring -= 1
                     unwant()
-                seq.cache_seed = self._cache_seed(lease.name, lease.digest, self._long_prompt(ids))  # before it can be admitted
+                seq.cache_seed = self._cache_seed(lease.name, lease.digest)  # before it can be admitted
                 seq.adapter = (lease.name, lora_id(lease.name, lease.digest))
                 run.lease, seq.slot, seq.is_ready = lease, lease.slot, lease.is_ready
             self._wakeup.set()
@@ -316,20 +317,13 @@ class Engine:
                 request_id, reason, run.emitted_tokens if run else 0, time.monotonic() - started,
             )  # fmt: skip
 
-    def _long_prompt(self, ids) -> bool:
-        """A LongRoPE model's prompt that passes the original length: its keys take the long factors
-        at every position (batch.long_rope_seqs)."""
-        return self._long_rope is not None and len(ids) > self._long_rope
-
-    def _cache_seed(self, adapter: str, digest: str, long_rope: bool = False) -> bytes | None:
+    def _cache_seed(self, adapter: str, digest: str) -> bytes | None:
         """The prefix cache's key chain seed of a sequence of this adapter version ("", "": the base
         model); None, never cached: caching off (config.prefix_caching, read as each request
-        arrives), or an adapter version without a content digest. long_rope: the sequence's keys
-        take LongRoPE's long factors below the original length too (_long_prompt), so its blocks
-        form chains of their own."""
+        arrives), or an adapter version without a content digest."""
         if not self.config.prefix_caching or (adapter and not digest):
             return None
-        model = f"{self.config.model}|{self.config.base_model}" + ("|longrope-long" if long_rope else "")
+        model = f"{self.config.model}|{self.config.base_model}"
         return chain_seed(model, str(self.kv_cache.dtype), self.kv_cache.block_size, adapter, digest)
 
     def _close(self, run: Run | None, lease: SlotLease | None) -> None:
@@ -471,7 +465,7 @@ class Engine:
     async def _launch_ahead(self, step: _InFlight) -> _InFlight | None:
         """Launches the next step before `step`'s sampled tokens reach the host, where that step is
         sure to be a graph decode step that reads them on the device: no waiting request could be
-        admitted, every running sequence decodes (at most one token to compute, its last one sampled
+        admitted, no sequence passes LongRoPE's original length (its recompute), every running sequence decodes (at most one token to compute, its last one sampled
         by `step` unless its id is on the host), and they fit the largest graph. Each sampled
         sequence that goes on gets a placeholder token (PENDING) for the graph to replace. The step
         admits nobody (`schedule(admit=False)`): a request whose adapter lands meanwhile waits one
@@ -493,6 +487,8 @@ class Engine:
             if run is None or run.done or len(seq.token_ids) != s.context_len + s.num_tokens:
                 continue
             if seq.num_output_tokens + 1 < run.params.max_tokens and len(seq.token_ids) + 1 < self.config.max_model_len:
+                if self._long_rope is not None and not seq.long_rope and len(seq.token_ids) + 1 > self._long_rope:
+                    return None  # the scheduler recomputes it with LongRoPE's long factors: a prefill, on real ids
                 goes_on.append(seq)
         if not goes_on:
             return None

@@ -112,13 +112,13 @@ def test_longrope_short_then_long_factors_match_transformers_decoding(partial, e
 
 
 @pytest.mark.parametrize("steps", ["eager", "graph-steps"])
-async def test_longrope_long_prompts_take_the_long_factors_at_every_position_as_transformers_generate(steps, hf_model):
-    """transformers picks one factor set per forward from its longest position: a prompt past the
-    original length 16 is prefilled with the long factors everywhere (here in 8-token chunks) and
-    decodes on with them. Through the engine: greedy tokens and logprobs equal generate's, alone and
-    in one batch with a short prompt that stays within 16 tokens, eager or through the graphs'
-    static buffers (uncaptured on the CPU); the long prompt finds none of the short one's cached
-    (short-rotated) blocks."""
+async def test_longrope_sequences_past_the_original_length_take_the_long_factors_everywhere_as_generate(steps, hf_model):
+    """transformers' generate picks one factor set per forward from the sequence's length: a prompt
+    past the original length 16 is prefilled with the long factors everywhere (here in 8-token
+    chunks), and a short prompt's cache is recomputed with them when its next token passes 16.
+    Through the engine: greedy tokens and logprobs equal generate's, alone and in one batch, eager
+    or through the graphs' static buffers (uncaptured on the CPU), with prefix caching on (short-
+    and long-factor blocks of the same tokens never meet)."""
     from loraserve.executor.engine.graphs import DecodeGraphs, MixedGraphs
 
     from .test_engine import _collect, _engine, _greedy, _hf_greedy
@@ -131,8 +131,9 @@ async def test_longrope_long_prompts_take_the_long_factors_at_every_position_as_
         engine.graphs = DecodeGraphs(model, engine.kv_cache, cfg.max_num_seqs, 64, 0, cfg.torch_device)
         engine.mixed_graphs = MixedGraphs(model, engine.kv_cache, 8, cfg.max_num_seqs, 64, 0, cfg.torch_device)
     engine.start()
-    short = (_prompt(12, 7), 5)  # 16 tokens at its last step: short factors throughout
-    long = (short[0] + _prompt(12, 8), 10)  # 24 tokens: three chunks, then decodes to position 32
+    within = (_prompt(12, 7), 5)  # 16 tokens at its last step: short factors throughout
+    past = (within[0], 10)  # recomputed with the long factors at 17 tokens
+    long = (within[0] + _prompt(12, 8), 10)  # 24 tokens: three chunks, then decodes to position 32
 
     async def check(*cases):
         got = await asyncio.gather(*(_collect(engine, _greedy(p, n, return_logprobs=True)) for p, n in cases))
@@ -142,9 +143,10 @@ async def test_longrope_long_prompts_take_the_long_factors_at_every_position_as_
             _close(torch.tensor([lp for o in outs for lp in o.logprobs]), torch.tensor(want_logprobs))
 
     try:
-        await check(short)  # files its blocks in the prefix cache: the long prompt's first three
+        await check(within)  # files its short-factor blocks: the long prompt's first three
         await check(long)
-        await check(long, short)
+        await check(past)
+        await check(long, past, within)
     finally:
         await engine.stop()
     kinds = {s.kind for s in engine.step_times}
