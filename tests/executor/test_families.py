@@ -153,6 +153,32 @@ async def test_longrope_sequences_past_the_original_length_take_the_long_factors
     assert kinds >= ({"decode-graph", "mixed-graph"} if steps == "graph-steps" else {"decode", "mixed"})
 
 
+def test_longrope_flag_reaches_the_rope_through_mixed_graphs_and_eager_steps(device, hf_model):
+    """One step of a 24-token prompt (long factors everywhere) and a 10-token one (short): the
+    mixed graph's static buffer (captured on CUDA) and the eager step both give transformers' logits."""
+    from loraserve.executor.engine.graphs import MixedBatch, MixedGraphs
+    from loraserve.executor.engine.kv_cache import KVCache
+    from loraserve.executor.engine.step import StepInputs, forward_step
+
+    ref, path = hf_model("phi3", **NO_PAD, **longrope())
+    model, tol = load_hf_checkpoint(path, device=device), _tol(device)
+    c = model.cfg
+    kv = KVCache(c.num_layers, 32, 4, c.num_kv_heads, c.head_dim, model.dtype, device)
+    mixed = MixedGraphs(model, kv, max_tokens=64, max_seqs=4, max_model_len=64, max_loras=0, device=device)
+    if device == "cuda":
+        mixed.capture()
+    long, short = _prompt(24, 9), _prompt(10, 10)
+    step = (long + short, [24, 10], [0, 0], [list(range(6)), list(range(6, 9))], [-1] * 34, [23, 33], [-1, -1])
+    with torch.no_grad():
+        want = torch.cat([ref(torch.tensor([p])).logits[0, -1:] for p in (long, short)])
+    graphed = mixed.run(MixedBatch(*step, None, [True, False])).clone()
+    eager = forward_step(model, kv, StepInputs(*step, long_rope=[True, False]), 0, torch.device(device))
+    _close(graphed, want, tol)
+    _close(eager, want, tol)
+    short_everywhere = mixed.run(MixedBatch(*step)).clone()  # no flag: the long prompt's first 16 turn short
+    assert (short_everywhere[0].cpu() - want[0]).abs().max() > 10 * tol
+
+
 def test_longrope_cos_sin_equal_transformers_short_and_long(hf_model):
     """Our per-token cos/sin: transformers' short-factor ones below the original length, its
     long-factor ones at and past it, both scaled by sqrt(1 + ln(128 / 16) / ln(16))."""
