@@ -44,7 +44,7 @@ class Batch:
 
 
 def long_rope_length(cfg) -> int | None:
-    """A LongRoPE model's original_max_position_embeddings (the prompt length past which a
+    """A LongRoPE model's original_max_position_embeddings (the sequence length past which a
     sequence takes the long factors at every position), None for any other model."""
     return cfg.rope_scaling["original_max_position_embeddings"] if cfg.rope_type == "longrope" else None
 
@@ -100,7 +100,7 @@ def step_kind(b: Batch, graphs, mixed_graphs) -> str:
     decode graph replays it (`graphs`: DecodeGraphs or None); a step with a prefill chunk replays a
     mixed graph (`mixed_graphs`: MixedGraphs or None) when one fits its tokens and sequences and no
     token is a placeholder; everything else runs eagerly. The decode graphs take no long_rope (a
-    decode token's position is past its prompt): a 1-token prompt chunk that needs it runs eagerly."""
+    long sequence's decode token sits past the original length): a 1-token chunk below it runs eagerly."""
     if b.is_decode:
         graphed = graphs is not None and len(b.query_lens) <= graphs.max_batch and b.long_rope is None
         return "decode-graph" if graphed else "decode"

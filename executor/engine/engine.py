@@ -465,8 +465,9 @@ class Engine:
     async def _launch_ahead(self, step: _InFlight) -> _InFlight | None:
         """Launches the next step before `step`'s sampled tokens reach the host, where that step is
         sure to be a graph decode step that reads them on the device: no waiting request could be
-        admitted, no sequence passes LongRoPE's original length (its recompute), every running sequence decodes (at most one token to compute, its last one sampled
-        by `step` unless its id is on the host), and they fit the largest graph. Each sampled
+        admitted, every running sequence decodes (at most one token to compute, its last one sampled
+        by `step` unless its id is on the host; none passes LongRoPE's original length, which
+        recomputes it: Scheduler), and they fit the largest graph. Each sampled
         sequence that goes on gets a placeholder token (PENDING) for the graph to replace. The step
         admits nobody (`schedule(admit=False)`): a request whose adapter lands meanwhile waits one
         step. Returns the launched step; None where none was launched."""

@@ -181,8 +181,8 @@ class AttentionMetadata:
     # [N, 2] int32 (sequence, query block) pairs for the prefill kernel (kernels/attention_plan.py):
     # set by captured mixed steps, whose grid is fixed by the bucket, not by max_query_len
     prefill_work: torch.Tensor | None = None
-    # [T] bool: the token takes LongRoPE's long factors whatever its position (a prompt token of a
-    # sequence whose prompt passes the original length, batch.long_rope_seqs); None: none does
+    # [T] bool: the token takes LongRoPE's long factors whatever its position (one of a sequence
+    # longer than the original length, batch.long_rope_seqs); None: none does
     rope_long: torch.Tensor | None = None
 
     @staticmethod

@@ -104,8 +104,8 @@ class RotaryEmbedding(nn.Module):
     (d, d + D/2) turned by one angle).
 
     longrope: a token at a position below original_max_position_embeddings turns by the short
-    factors' frequencies, one at or past it, or one that `long` marks (a prompt token of a
-    sequence whose prompt passes that length), by the long factors'; cos/sin carry the attention
+    factors' frequencies, one at or past it, or one that `long` marks (a token of a sequence
+    longer than that length), by the long factors'; cos/sin carry the attention
     factor. Per token, so a row never depends on its batch (docs/ARCHITECTURE.md, Model).
     Partial RoPE (rotary_dim < D): q and k are reordered by `order` before the kernel, and the
     pass-through dims get cos 1 and sin 0."""
