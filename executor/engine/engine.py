@@ -45,7 +45,7 @@ from ..diagnostics import gc_pauses, gil_handoff
 from ..diagnostics.builds import watch_builds
 from ..diagnostics.slow_steps import SlowSteps
 from ..slots import SlotLease, SlotManager
-from .batch import PENDING, Batch, flatten, step_kind
+from .batch import PENDING, Batch, flatten, long_rope_length, step_kind
 from .capture import capture_decode_graphs, capture_mixed_graphs
 from .delivery import Delivery, NewToken, Run
 from .kv_cache import BlockAllocator, KVCache
@@ -118,6 +118,7 @@ class Engine:
         self.device = config.torch_device
         cublas.without_workspace(str(self.device))  # in-process engines too (benchmarks), before the warm-up's GEMMs
         self.vocab_size = model.cfg.vocab_size
+        self._long_rope = long_rope_length(model.cfg)  # LongRoPE: sequences longer than this take the long factors
         spec = getattr(model, "lora_spec", None)
         self.max_loras = spec.max_loras if spec is not None else 0  # slot buffers' leading dim
         self.allocator = BlockAllocator(kv_cache.num_blocks)
@@ -127,6 +128,7 @@ class Engine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             max_admit_delay=config.max_admit_delay_steps,
+            long_rope=self._long_rope,
         )
         # KV-block events for prefix-aware routing (kv_events.py): bound before the warm-up, so a
         # bad endpoint fails the start at once
@@ -464,7 +466,8 @@ class Engine:
         """Launches the next step before `step`'s sampled tokens reach the host, where that step is
         sure to be a graph decode step that reads them on the device: no waiting request could be
         admitted, every running sequence decodes (at most one token to compute, its last one sampled
-        by `step` unless its id is on the host), and they fit the largest graph. Each sampled
+        by `step` unless its id is on the host; none passes LongRoPE's original length, which
+        recomputes it: Scheduler), and they fit the largest graph. Each sampled
         sequence that goes on gets a placeholder token (PENDING) for the graph to replace. The step
         admits nobody (`schedule(admit=False)`): a request whose adapter lands meanwhile waits one
         step. Returns the launched step; None where none was launched."""
@@ -485,6 +488,8 @@ class Engine:
             if run is None or run.done or len(seq.token_ids) != s.context_len + s.num_tokens:
                 continue
             if seq.num_output_tokens + 1 < run.params.max_tokens and len(seq.token_ids) + 1 < self.config.max_model_len:
+                if self._long_rope is not None and not seq.long_rope and len(seq.token_ids) + 1 > self._long_rope:
+                    return None  # the scheduler recomputes it with LongRoPE's long factors: a prefill, on real ids
                 goes_on.append(seq)
         if not goes_on:
             return None
@@ -500,7 +505,7 @@ class Engine:
         return following
 
     def _flatten(self, plan: SchedulePlan) -> Batch:
-        b = flatten(plan, self._runs, self._prev_rows, self.slots, tensor_parallel=self.ranks is not None)
+        b = flatten(plan, self._runs, self._prev_rows, self.slots, self.ranks is not None, self._long_rope)
         num_decode = sum(s.num_tokens == 1 for s in plan.seqs)
         log.debug(
             "step: %d seqs (%d prefill, %d decode), %d tokens, slots %s, %d waiting, %d free KV blocks",

@@ -283,13 +283,14 @@ class MixedBatch:
     sample_rows: list[int]  # index of the last token of each sequence that samples
     sample_slots: list[int]
     slot_ranks: list[int] | None = None  # [max_loras]; None: read slots whole
+    long_rope: list[bool] | None = None  # [B] LongRoPE's long factors at every token (batch.long_rope_seqs); None: none
 
 
 class MixedGraphs(_StepGraphs):
     """Graphs of mixed steps of up to max_tokens tokens of up to max_seqs sequences (see the module
     docstring). Static int32 buffer, T = max_tokens, S = max_seqs:
 
-        [ids | positions | slot mapping | LoRA slots]   each T long
+        [ids | positions | slot mapping | LoRA slots]   each T long, then [rope_long] T (LongRoPE models only)
         [seq_lens | sample rows | sample slots]        each S long, then [cu_query_lens] S + 1
         [work list]                                    2 x the largest bucket's capacity
         [slot ranks]                                   max_loras
@@ -309,7 +310,8 @@ class MixedGraphs(_StepGraphs):
         self.queries = {b: prefill_queries(b, heads, kv_heads, c.head_dim, model.dtype) for b in self.buckets}
         self.capacity = {b: -(-b // self.queries[b]) + min(max_seqs, b) for b in self.buckets}
         t, s_ = max_tokens, max_seqs
-        self._seqs_at = 4 * t
+        self._token_fields = 5 if c.rope_type == "longrope" else 4  # AttentionMetadata.rope_long: LongRoPE only
+        self._seqs_at = self._token_fields * t
         self._work_at = self._seqs_at + 4 * s_ + 1
         self._ranks_at = self._work_at + 2 * max(self.capacity.values())
         self._tables_at = self._ranks_at + max_loras
@@ -350,6 +352,7 @@ class MixedGraphs(_StepGraphs):
         at most as many sequences as tokens) into the shared buffer."""
         t, s_, dev = self.max_tokens, self.max_seqs, self._dev
         ids, positions, slot_mapping, token_slots = (dev[i * t : i * t + bucket] for i in range(4))
+        rope_long = dev[4 * t : 4 * t + bucket] != 0 if self._token_fields == 5 else None
         seq_lens, sample_rows, sample_slots = (dev[self._seqs_at + i * s_ : self._seqs_at + (i + 1) * s_] for i in range(3))
         cu = dev[self._seqs_at + 3 * s_ : self._work_at]
         work = dev[self._work_at : self._work_at + 2 * self.capacity[bucket]].view(-1, 2)
@@ -357,6 +360,7 @@ class MixedGraphs(_StepGraphs):
         attn = AttentionMetadata(
             slot_mapping=slot_mapping.long(), positions=positions.long(), block_tables=dev[self._tables_at :].view(s_, self.width),
             seq_lens=seq_lens, cu_query_lens=cu, max_query_len=bucket, is_decode=False, prefill_work=work,
+            rope_long=rope_long,
         )  # fmt: skip
         meta = make_lora_meta(token_slots, self.max_loras, slot_ranks=ranks) if lora else None
         hidden = self.model.forward(ids, attn.positions, attn, self.kv, meta)
@@ -403,6 +407,9 @@ class MixedGraphs(_StepGraphs):
         h[2 * t + n : 2 * t + bucket] = scratch  # padding tokens write only the scratch block
         h[3 * t : 3 * t + n] = batch.token_slots
         h[3 * t + n : 3 * t + bucket] = -1
+        if self._token_fields == 5:
+            h[4 * t : 4 * t + n] = 0 if batch.long_rope is None else np.repeat(np.asarray(batch.long_rope, dtype=np.int64), q)
+            h[4 * t + n : 4 * t + bucket] = 0
         o = self._seqs_at
         h[o : o + b] = ctx + q
         h[o + b : o + s_] = 0

@@ -181,12 +181,18 @@ class AttentionMetadata:
     # [N, 2] int32 (sequence, query block) pairs for the prefill kernel (kernels/attention_plan.py):
     # set by captured mixed steps, whose grid is fixed by the bucket, not by max_query_len
     prefill_work: torch.Tensor | None = None
+    # [T] bool: the token takes LongRoPE's long factors whatever its position (one of a sequence
+    # longer than the original length, batch.long_rope_seqs); None: none does
+    rope_long: torch.Tensor | None = None
 
     @staticmethod
-    def build(query_lens, context_lens, block_tables, block_size, device, width: int | None = None) -> "AttentionMetadata":
+    def build(
+        query_lens, context_lens, block_tables, block_size, device, width: int | None = None, long_rope: list[bool] | None = None
+    ) -> "AttentionMetadata":
         """Computed on the host with numpy once per step, then one host->device copy for everything.
 
         width: columns of the block table tensor (default: the longest table of the step).
+        long_rope: [B] whether each sequence's tokens take LongRoPE's long factors (-> rope_long); None: none.
         """
         num_seqs = len(query_lens)
         if not (num_seqs == len(context_lens) == len(block_tables)):
@@ -198,18 +204,23 @@ class AttentionMetadata:
         tables = np.zeros((num_seqs, width), dtype=np.int64)
         cu, positions, slots = place_tokens(q_lens, ctx, block_tables, tables, block_size)
         num_tokens = int(cu[-1])
-        # One copy: [slots T | positions T | seq_lens B | cu B + 1 | tables B * W], then views.
-        packed = torch.from_numpy(np.concatenate([slots, positions, seq_lens, cu, tables.ravel()])).to(device)
+        # One copy: [slots T | positions T | seq_lens B | cu B + 1 | tables B * W | rope_long T], then views.
+        parts = [slots, positions, seq_lens, cu, tables.ravel()]
+        if long_rope is not None:
+            parts.append(np.repeat(np.asarray(long_rope, dtype=np.int64), q_lens))
+        packed = torch.from_numpy(np.concatenate(parts)).to(device)
         t, b = num_tokens, num_seqs
+        tables_end = 2 * b + 1 + b * width  # rope_long, if any, follows the tables
         as_int = packed[2 * t :].to(torch.int32)
         return AttentionMetadata(
             slot_mapping=packed[:t],
             positions=packed[t : 2 * t],
-            block_tables=as_int[2 * b + 1 :].view(b, width),
+            block_tables=as_int[2 * b + 1 : tables_end].view(b, width),
             seq_lens=as_int[:b],
             cu_query_lens=as_int[b : 2 * b + 1],
             max_query_len=int(q_lens.max(initial=0)),
             is_decode=bool(num_seqs) and bool((q_lens == 1).all()),
+            rope_long=None if long_rope is None else as_int[tables_end:] != 0,
         )
 
 

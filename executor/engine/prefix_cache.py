@@ -1,8 +1,9 @@
 """Automatic prefix caching: the keys under which full KV blocks are filed and found again.
 
 A block's keys and values depend on every token up to its end, on the weights that computed them
-(the base model and the request's adapter version) and on how they are stored (the KV dtype, the
-block size). So a block's key is a hash chain:
+(the base model and the request's adapter version), on how they are stored (the KV dtype, the
+block size) and, for a LongRoPE model, on the factor set its sequence's keys took (long_rope_seed).
+So a block's key is a hash chain:
 
     seed      = H(model, kv dtype, block size, adapter name, adapter content digest)  ("", "": base model)
     key[0]    = H(seed, token ids of block 0)
@@ -38,6 +39,12 @@ def chain_seed(model: str, kv_dtype: str, block_size: int, adapter: str = "", di
     """The chain's seed for one model's KV cache and one adapter version ("", "": the base model)."""
     fields = (model, kv_dtype, str(block_size), adapter, digest)
     return _hash(b"loraserve-kv-v1", "\0".join(fields).encode("utf-8", "surrogatepass"))
+
+
+def long_rope_seed(seed: bytes) -> bytes:
+    """The chain seed of a LongRoPE sequence whose keys take the long factors at every position
+    (Sequence.long_rope), from its seed: their blocks never meet those of short-factor keys."""
+    return _hash(seed, b"longrope-long")
 
 
 def extend_keys(keys: list[bytes], seed: bytes, token_ids: list[int], block_size: int, num_blocks: int) -> None:

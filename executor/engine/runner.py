@@ -79,6 +79,7 @@ class StepRunner:
                     b.sample_rows,
                     b.sample_slots,
                     b.slot_ranks,
+                    b.long_rope,
                 )
             )
             if not b.sample_rows:  # prefill chunks only: nothing samples

@@ -25,6 +25,13 @@ preempted or finished sequence's blocks keep them until the allocator needs the 
 preempted sequence usually finds its own prefix again when it comes back. With `kv_events` set
 (kv_events.py), each run of blocks it files is told to it with the run's tokens and adapter.
 
+LongRoPE (`long_rope`: the original length): as transformers' generate picks one factor set per
+forward from the sequence's length, a sequence longer than the original length takes the long
+factors at every position (`Sequence.long_rope`; batch.long_rope_seqs carries it to the model). A
+prompt that long is admitted so; a shorter sequence whose next token passes the length drops its
+blocks and is recomputed from its first token (one prefill of about the original length, once),
+under a prefix-cache key chain of its own (prefix_cache.long_rope_seed).
+
 The scheduler only decides; it never runs the model. The engine turns a `SchedulePlan`
 into input_ids / positions / attention metadata and reports sampled tokens back through
 `append_token`.
@@ -38,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .prefix_cache import extend_keys
+from .prefix_cache import extend_keys, long_rope_seed
 
 if TYPE_CHECKING:
     from .kv_cache import BlockAllocator
@@ -64,6 +71,7 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # keys of its first full blocks
     num_keyed_blocks: int = 0  # leading blocks of block_table found in or filed into the cache
     num_cached_tokens: int | None = None  # prompt tokens found cached at its first admission; None: not admitted yet
+    long_rope: bool = False  # LongRoPE: its keys take the long factors at every position (Scheduler's long_rope)
 
     @property
     def num_uncomputed(self) -> int:
@@ -107,7 +115,9 @@ class Scheduler:
         max_num_batched_tokens: int,
         admit_ratio: float = 0.0,
         max_admit_delay: int = 0,
+        long_rope: int | None = None,
     ):
+        """long_rope: a LongRoPE model's original_max_position_embeddings (batch.long_rope_length), else None."""
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -121,6 +131,7 @@ class Scheduler:
         self.steps = 0  # schedule() calls
         self.deferred_steps = 0  # steps planned while pacing held ready requests back (planned-ahead ones too)
         self.kv_events: KVEventPublisher | None = None  # told of each run of filed blocks; None: nobody
+        self.long_rope = long_rope
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -153,6 +164,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._passes_long_rope(seq):  # its short-factor keys are recomputed with the long factors
+                self._free(seq)
+                seq.num_computed = 0
+                seq.preemptions += 1  # a step in flight files none of the freed blocks
+                self._go_long(seq)
             n = min(seq.num_uncomputed, budget)
             if n == 0:  # nothing new to compute (its sampled token was never appended)
                 i += 1
@@ -255,6 +271,8 @@ class Scheduler:
     def _take_blocks(self, seq: Sequence, budget: int) -> int | None:
         """Gives a waiting sequence (no blocks, nothing computed) its cached prefix and the blocks
         for its next chunk; the chunk's token count, or None (nothing changed) if the blocks are not there."""
+        if self._passes_long_rope(seq):
+            self._go_long(seq)
         hits = self._cached_prefix(seq)
         reused = len(hits) * self.block_size
         n = min(len(seq.token_ids) - reused, budget)
@@ -268,6 +286,17 @@ class Scheduler:
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = min(reused, seq.num_prompt_tokens)
         return n
+
+    def _passes_long_rope(self, seq: Sequence) -> bool:
+        """LongRoPE: seq has outgrown the original length with short-factor keys (or none yet)."""
+        return self.long_rope is not None and not seq.long_rope and len(seq.token_ids) > self.long_rope
+
+    def _go_long(self, seq: Sequence) -> None:
+        """From now on seq's keys take the long factors everywhere, under a key chain of their own."""
+        seq.long_rope = True
+        if seq.cache_seed is not None:
+            seq.cache_seed = long_rope_seed(seq.cache_seed)
+        seq.block_keys = []
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks of seq's longest cached run of full blocks, short of its last token."""

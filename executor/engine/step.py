@@ -33,6 +33,7 @@ class StepInputs:
     every_slot: bool = False
     slot_ranks: list[int] | None = None  # [max_loras] each slot's adapter rank (LoraMeta.slot_ranks); None: full
     dora_reduce: list[int] = field(default_factory=list)  # slots whose DoRA norms every rank sums first (executor/dora.py)
+    long_rope: list[bool] | None = None  # [B] sequences whose tokens take LongRoPE's long factors (batch.long_rope_seqs)
 
     @classmethod
     def of(cls, b) -> "StepInputs":
@@ -47,6 +48,7 @@ class StepInputs:
             b.slot_adapters,
             slot_ranks=b.slot_ranks,
             dora_reduce=b.dora_reduce,
+            long_rope=b.long_rope,
         )
 
 
@@ -74,7 +76,10 @@ def forward_step(model, kv_cache: KVCache, step, max_loras: int, device: torch.d
     ranks = getattr(step, "slot_ranks", None)
     dora.reduce_pending(model, getattr(step, "dora_reduce", ()))
     input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=device)
-    attn = AttentionMetadata.build(step.query_lens, step.context_lens, step.block_tables, kv_cache.block_size, device)
+    attn = AttentionMetadata.build(
+        step.query_lens, step.context_lens, step.block_tables, kv_cache.block_size, device,
+        long_rope=getattr(step, "long_rope", None),
+    )  # fmt: skip
     hidden = model.forward(
         input_ids, attn.positions, attn, kv_cache, lora_meta(step.token_slots, max_loras, device, every, ranks)
     )

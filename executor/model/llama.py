@@ -104,7 +104,8 @@ class RotaryEmbedding(nn.Module):
     (d, d + D/2) turned by one angle).
 
     longrope: a token at a position below original_max_position_embeddings turns by the short
-    factors' frequencies, one at or past it by the long factors', and cos/sin carry the attention
+    factors' frequencies, one at or past it, or one that `long` marks (a token of a sequence
+    longer than that length), by the long factors'; cos/sin carry the attention
     factor. Per token, so a row never depends on its batch (docs/ARCHITECTURE.md, Model).
     Partial RoPE (rotary_dim < D): q and k are reordered by `order` before the kernel, and the
     pass-through dims get cos 1 and sin 0."""
@@ -127,14 +128,19 @@ class RotaryEmbedding(nn.Module):
         order = partial_rotary_order(cfg.head_dim, cfg.rotary_dim).to(device) if cfg.rotary_dim < cfg.head_dim else None
         self.register_buffer("order", order, persistent=False)  # [D] partial RoPE's order of q and k dims, else None
 
-    def forward(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, D] in dtype (computed in float32, as transformers does)."""
+    def forward(self, positions: torch.Tensor, dtype, long: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, D] in dtype (computed in float32, as transformers does).
+        long: [T] bool, longrope's tokens that take the long factors below the original length too
+        (AttentionMetadata.rope_long); None: none."""
         c = self.cfg
         inv_freq = self.inv_freq
         if c.rope_type == "dynamic":  # depends on the step's longest sequence: a host sync
             inv_freq = rope_inv_freq(c, int(positions.max()) + 1, device=positions.device)
-        if self.long_inv_freq is not None:  # [T, rotary_dim/2]: each token's factors by its position
-            inv_freq = torch.where((positions >= self.original_max)[:, None], self.long_inv_freq, inv_freq)
+        if self.long_inv_freq is not None:  # [T, rotary_dim/2]: each token's factors by its position or `long`
+            use_long = positions >= self.original_max
+            if long is not None:
+                use_long = use_long | long
+            inv_freq = torch.where(use_long[:, None], self.long_inv_freq, inv_freq)
         freqs = positions.float()[:, None] * inv_freq  # [T, rotary_dim/2]
         pad = (c.head_dim - c.rotary_dim) // 2
         if pad:  # pass-through dims: angle 0
@@ -287,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids, lora_meta)  # [T, hidden]
         if self.token_rows is not None:
             h = self.token_rows.embed_rows(input_ids, h, lora_meta)
-        cos, sin = self.model.rotary_emb(positions, h.dtype)  # [T, D]
+        cos, sin = self.model.rotary_emb(positions, h.dtype, attn.rope_long)  # [T, D]
         residual, order = None, self.model.rotary_emb.order
         for i, layer in enumerate(self.model.layers):
             h, residual = layer(h, residual, cos, sin, attn, kv.k_cache[i], kv.v_cache[i], lora_meta, order)

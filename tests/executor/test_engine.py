@@ -691,11 +691,12 @@ def test_step_kind_picks_a_graph_only_where_one_takes_the_step():
         def fits(self, tokens, seqs):
             return tokens <= 96 and seqs <= 4
 
-    def batch(query_lens, sources=None):
+    def batch(query_lens, sources=None, long_rope=None):
         n = sum(query_lens)
         return SimpleNamespace(
-            is_decode=all(q == 1 for q in query_lens), query_lens=query_lens, input_ids=[0] * n, sources=sources or [-1] * n
-        )
+            is_decode=all(q == 1 for q in query_lens), query_lens=query_lens, input_ids=[0] * n, sources=sources or [-1] * n,
+            long_rope=long_rope,
+        )  # fmt: skip
 
     graphed = (SimpleNamespace(max_batch=4), Fits())
     kind = lambda graphs, b: step_kind(b, *graphs)  # noqa: E731
@@ -705,6 +706,8 @@ def test_step_kind_picks_a_graph_only_where_one_takes_the_step():
     assert kind(graphed, batch([1, 95, 1])) == "mixed"  # 97 tokens: past the largest bucket
     assert kind(graphed, batch([1, 2, 3, 4, 5])) == "mixed"  # more sequences than the graphs hold
     assert kind(graphed, batch([1, 7], [2, -1, -1, -1, -1, -1, -1, -1])) == "mixed"  # a placeholder id
+    assert kind(graphed, batch([1, 1], long_rope=[False, True])) == "decode"  # a 1-token LongRoPE prompt chunk
+    assert kind(graphed, batch([1, 7], long_rope=[False, True])) == "mixed-graph"
     eager = (None, None)
     assert kind(eager, batch([1, 1])) == "decode" and kind(eager, batch([1, 7])) == "mixed"
 

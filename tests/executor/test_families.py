@@ -8,6 +8,7 @@ batches with base rows and at tp 2; unsupported variants refused by name.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -108,6 +109,74 @@ def test_longrope_short_then_long_factors_match_transformers_decoding(partial, e
             (ours, mine) = run.step([("a", [token]), ("o", [token])])
             _close(ours, out.logits[0], tol)
             _close(mine, ref(torch.tensor([other + list(range(7, 8 + i))])).logits[0, -1:], tol)
+
+
+@pytest.mark.parametrize("steps", ["eager", "graph-steps"])
+async def test_longrope_sequences_past_the_original_length_take_the_long_factors_everywhere_as_generate(steps, hf_model):
+    """transformers' generate picks one factor set per forward from the sequence's length: a prompt
+    past the original length 16 is prefilled with the long factors everywhere (here in 8-token
+    chunks), and a short prompt's cache is recomputed with them when its next token passes 16.
+    Through the engine: greedy tokens and logprobs equal generate's, alone and in one batch, eager
+    or through the graphs' static buffers (uncaptured on the CPU), with prefix caching on (short-
+    and long-factor blocks of the same tokens never meet)."""
+    from loraserve.executor.engine.graphs import DecodeGraphs, MixedGraphs
+
+    from .test_engine import _collect, _engine, _greedy, _hf_greedy
+
+    ref, path = hf_model("phi3", **NO_PAD, **longrope())
+    model = load_hf_checkpoint(path)
+    engine = _engine(model, max_num_batched_tokens=8, max_model_len=64, prefix_caching=True)
+    if steps == "graph-steps":
+        cfg = engine.config
+        engine.graphs = DecodeGraphs(model, engine.kv_cache, cfg.max_num_seqs, 64, 0, cfg.torch_device)
+        engine.mixed_graphs = MixedGraphs(model, engine.kv_cache, 8, cfg.max_num_seqs, 64, 0, cfg.torch_device)
+    engine.start()
+    within = (_prompt(12, 7), 5)  # 16 tokens at its last step: short factors throughout
+    past = (within[0], 10)  # recomputed with the long factors at 17 tokens
+    long = (within[0] + _prompt(12, 8), 10)  # 24 tokens: three chunks, then decodes to position 32
+
+    async def check(*cases):
+        got = await asyncio.gather(*(_collect(engine, _greedy(p, n, return_logprobs=True)) for p, n in cases))
+        for (p, n), (ids, _, outs) in zip(cases, got):
+            want_ids, want_logprobs = _hf_greedy(ref, p, n)
+            assert ids == want_ids
+            _close(torch.tensor([lp for o in outs for lp in o.logprobs]), torch.tensor(want_logprobs))
+
+    try:
+        await check(within)  # files its short-factor blocks: the long prompt's first three
+        await check(long)
+        await check(past)
+        await check(long, past, within)
+    finally:
+        await engine.stop()
+    kinds = {s.kind for s in engine.step_times}
+    assert kinds >= ({"decode-graph", "mixed-graph"} if steps == "graph-steps" else {"decode", "mixed"})
+
+
+def test_longrope_flag_reaches_the_rope_through_mixed_graphs_and_eager_steps(device, hf_model):
+    """One step of a 24-token prompt (long factors everywhere) and a 10-token one (short): the
+    mixed graph's static buffer (captured on CUDA) and the eager step both give transformers' logits."""
+    from loraserve.executor.engine.graphs import MixedBatch, MixedGraphs
+    from loraserve.executor.engine.kv_cache import KVCache
+    from loraserve.executor.engine.step import StepInputs, forward_step
+
+    ref, path = hf_model("phi3", **NO_PAD, **longrope())
+    model, tol = load_hf_checkpoint(path, device=device), _tol(device)
+    c = model.cfg
+    kv = KVCache(c.num_layers, 32, 4, c.num_kv_heads, c.head_dim, model.dtype, device)
+    mixed = MixedGraphs(model, kv, max_tokens=64, max_seqs=4, max_model_len=64, max_loras=0, device=device)
+    if device == "cuda":
+        mixed.capture()
+    long, short = _prompt(24, 9), _prompt(10, 10)
+    step = (long + short, [24, 10], [0, 0], [list(range(6)), list(range(6, 9))], [-1] * 34, [23, 33], [-1, -1])
+    with torch.no_grad():
+        want = torch.cat([ref(torch.tensor([p])).logits[0, -1:] for p in (long, short)])
+    graphed = mixed.run(MixedBatch(*step, None, [True, False])).clone()
+    eager = forward_step(model, kv, StepInputs(*step, long_rope=[True, False]), 0, torch.device(device))
+    _close(graphed, want, tol)
+    _close(eager, want, tol)
+    short_everywhere = mixed.run(MixedBatch(*step)).clone()  # no flag: the long prompt's first 16 turn short
+    assert (short_everywhere[0].cpu() - want[0]).abs().max() > 10 * tol
 
 
 def test_longrope_cos_sin_equal_transformers_short_and_long(hf_model):

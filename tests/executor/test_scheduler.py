@@ -247,3 +247,30 @@ def test_admission_pacing_waits_for_free_seats_not_for_the_backlog():
         sched.finish(seq)  # four seats: 4 >= 0.25 x 12, four admitted in one step
     assert [s.seq for s in _step(sched).seqs] == running[4:] + backlog[:4]
     assert sched.deferred_steps == 1
+
+
+def test_longrope_sequence_past_the_original_length_is_recomputed_once_under_its_own_key_chain():
+    """LongRoPE, original length 8: a 6-token prompt decodes with short-factor keys; the step that
+    feeds its 9th token frees its blocks and recomputes all 9 with the long factors (once, under
+    the long chain's seed); a 10-token prompt is admitted long; a preempted long sequence stays long."""
+    from loraserve.executor.engine.batch import long_rope_seqs
+    from loraserve.executor.engine.prefix_cache import long_rope_seed
+
+    sched = Scheduler(BlockAllocator(64), BLOCK, 8, 32, long_rope=8)
+    a, b = _seq(6), _seq(10)
+    a.cache_seed = b.cache_seed = seed = b"s" * 16
+    sched.add(a)
+    for _ in range(3):  # prefill (6), then tokens at positions 6 and 7
+        plan = _step(sched)
+    assert (plan.seqs[0].context_len, a.long_rope, a.cache_seed, long_rope_seqs(plan, 8)) == (7, False, seed, None)
+    sched.add(b)
+    plan = _step(sched)  # a's 9th token: recomputed from position 0; b admitted long
+    assert [(s.seq, s.context_len, s.num_tokens, s.needs_sample) for s in plan.seqs] == [(a, 0, 9, True), (b, 0, 10, True)]
+    assert a.long_rope and b.long_rope and a.cache_seed == b.cache_seed == long_rope_seed(seed) != seed
+    assert long_rope_seqs(plan, 8) == [True, True]
+    plan = _step(sched)
+    assert [(s.context_len, s.num_tokens) for s in plan.seqs] == [(9, 1), (10, 1)] and long_rope_seqs(plan, 8) is None
+    sched._preempt(a, plan)
+    plan = _step(sched)
+    assert (plan.seqs[-1].seq, plan.seqs[-1].context_len, a.cache_seed) == (a, 0, long_rope_seed(seed))
+    assert long_rope_seqs(plan, 8) == [False, True] and long_rope_seqs(plan, None) is None
