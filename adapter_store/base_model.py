@@ -38,6 +38,7 @@ class BaseModelSpec:
     num_experts: int = 0
     vocab_size: int = 0
     hidden_size: int = 0
+    tied_embeddings: bool | None = None  # lm_head is the embedding (as the executor reads the model); None: unknown
 
     def matches(self, base_model_name: str) -> bool:
         """True when an adapter's base_model_name_or_path names this model (by repo id or basename)."""
@@ -103,7 +104,8 @@ def from_hf_config(name: str, cfg: dict, aliases: tuple[str, ...] = ()) -> BaseM
             mods.update(_moe_modules(p, cfg, hidden))
         else:
             mods.update(_mlp_modules(f"{p}.mlp", hidden, cfg["intermediate_size"]))
-    return BaseModelSpec(name, frozenset(aliases), mods, experts, vocab, hidden)
+    tied = bool(cfg.get("tie_word_embeddings", False))  # as executor/model/config.py reads it
+    return BaseModelSpec(name, frozenset(aliases), mods, experts, vocab, hidden, tied)
 
 
 def _mlp_modules(mlp: str, hidden: int, inter: int) -> dict[str, tuple[int, int]]:
@@ -159,5 +161,6 @@ def from_gguf(path: Path, name: str) -> BaseModelSpec:
         "num_hidden_layers": value(f"{arch}.block_count"),
         "intermediate_size": value(f"{arch}.feed_forward_length"),
         "vocab_size": value(f"{arch}.vocab_size") or (len(vocab_field.data) if vocab_field else 0),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),  # as the executor's GGUF loader
     }
     return from_hf_config(name, cfg, aliases=(str(path),))

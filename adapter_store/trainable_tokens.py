@@ -90,6 +90,13 @@ def check(
         if not torch.isfinite(t).all():
             raise invalid(f"module {module!r}: trainable_tokens_delta holds NaN or Inf values")
         out[target] = (ids, t.float())
+    if spec is not None and spec.tied_embeddings and len(out) == 2:  # PEFT ties them: one set of rows
+        (embed_ids, embed_rows), (head_ids, head_rows) = out["embed"], out["lm_head"]
+        if embed_ids != head_ids or not torch.equal(embed_rows, head_rows):
+            raise invalid(
+                f"base model {spec.name!r} ties lm_head to the embedding, but the adapter's lm_head trainable token ids / "
+                "rows differ from its embedding's"
+            )
     return out
 
 
