@@ -19,7 +19,7 @@ from torch import nn
 
 from loraserve.kernels import LoraMeta
 
-from ..engine.kv_cache import AttentionMetadata, KVCache
+from ..engine.kv_cache import AttentionMetadata
 from ..parallel import TPGroup
 from ..slot_layout import LoraSpec
 from .config import ModelConfig
@@ -44,9 +44,10 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(cfg, lora, dtype, device, tp)
         self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, residual, cos, sin, attn, k_cache, v_cache, lora_meta):
+    def forward(self, x, residual, cos, sin, attn, k_cache, v_cache, lora_meta, rotary_order=None):
         """As llama.DecoderLayer: (x, residual) in and out, their sum the residual stream; the
-        residual adds are fused into the input and pre-feed-forward norms."""
+        residual adds are fused into the input and pre-feed-forward norms. rotary_order: always None
+        (no Gemma has partial RoPE); taken for the decoder loop's one call."""
         x, residual = self.input_layernorm(x, residual)
         x = self.post_attention_layernorm(self.self_attn(x, cos, sin, attn, k_cache, v_cache, lora_meta))[0]
         x, residual = self.pre_feedforward_layernorm(x, residual)
@@ -69,27 +70,15 @@ class GemmaForCausalLM(LlamaForCausalLM):
             local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
             self.model.rotary_emb_local = RotaryEmbedding(local, device)
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] long
-        positions: torch.Tensor,  # [T] long
-        attn: AttentionMetadata,
-        kv: KVCache,
-        lora_meta: LoraMeta | None,
-    ) -> torch.Tensor:
-        """-> [T, hidden]: final-normed hidden states of every token of the step."""
-        h = self.model.embed_tokens(input_ids, lora_meta)  # [T, hidden]
-        if self.token_rows is not None:  # trainable tokens' own rows, scaled as the base rows are (as PEFT does)
-            h = self.token_rows.embed_rows(input_ids, h, lora_meta)
-        h = h * self.embed_scale
-        rope = self.model.rotary_emb(positions, h.dtype)  # [T, D] cos, sin
-        local = self.model.rotary_emb_local(positions, h.dtype) if any(self.local_layers) else rope
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            cos, sin = local if self.local_layers[i] else rope
-            h, residual = layer(h, residual, cos, sin, attn, kv.k_cache[i], kv.v_cache[i], lora_meta)
-        return self.model.norm(h, residual)[0]
+    def embed(self, input_ids: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
+        """The embedding, its LoRA and trainable-token rows, times sqrt(hidden) (as PEFT scales them)."""
+        return super().embed(input_ids, lora_meta) * self.embed_scale
+
+    def layer_rotary(self, positions: torch.Tensor, dtype, attn: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Gemma 3's sliding-window layers rotate with the local base, the others with the global RoPE."""
+        rope = self.model.rotary_emb(positions, dtype)  # [T, D] cos, sin
+        local = self.model.rotary_emb_local(positions, dtype) if any(self.local_layers) else rope
+        return [local if is_local else rope for is_local in self.local_layers]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:

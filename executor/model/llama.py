@@ -290,14 +290,24 @@ class LlamaForCausalLM(nn.Module):
         lora_meta: LoraMeta | None,
     ) -> torch.Tensor:
         """-> [T, hidden]: final-normed hidden states of every token of the step."""
-        h = self.model.embed_tokens(input_ids, lora_meta)  # [T, hidden]
-        if self.token_rows is not None:
-            h = self.token_rows.embed_rows(input_ids, h, lora_meta)
-        cos, sin = self.model.rotary_emb(positions, h.dtype, attn.rope_long)  # [T, D]
+        h = self.embed(input_ids, lora_meta)  # [T, hidden]
+        rotary = self.layer_rotary(positions, h.dtype, attn)
         residual, order = None, self.model.rotary_emb.order
         for i, layer in enumerate(self.model.layers):
+            cos, sin = rotary[i]
             h, residual = layer(h, residual, cos, sin, attn, kv.k_cache[i], kv.v_cache[i], lora_meta, order)
         return self.model.norm(h, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]: the embedding with its LoRA, and each slot's trainable-token rows."""
+        h = self.model.embed_tokens(input_ids, lora_meta)
+        if self.token_rows is not None:
+            h = self.token_rows.embed_rows(input_ids, h, lora_meta)
+        return h
+
+    def layer_rotary(self, positions: torch.Tensor, dtype, attn: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's RoPE (cos, sin) [T, D] of the step: one for every layer here."""
+        return [self.model.rotary_emb(positions, dtype, attn.rope_long)] * len(self.model.layers)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
