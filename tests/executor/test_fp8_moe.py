@@ -98,7 +98,9 @@ def test_without_fp8_compute_the_experts_are_dequantized(hf_model, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_quantization_fp8_runs_fp8_experts_like_transformers_on_their_dequantized_rows(family, hf_model, paged_runner, fp8_compute):
+def test_quantization_fp8_runs_fp8_experts_like_transformers_on_their_dequantized_rows(
+    family, hf_model, paged_runner, fp8_compute
+):
     """--quantization fp8 on a float MoE checkpoint: the experts are each row's quantization of the
     checkpoint's, and the logits are transformers' with every dense linear layer that holds FP8 on the
     FP8 math (per-row weight, per-token activation scales) and its experts on q * scale (weight-only:
