@@ -1,16 +1,19 @@
 """One MoE layer's experts with expert LoRA (kernels.fused_moe on CUDA) against its floor.
 
-    python benchmarks/bench_moe.py [--out DIR] [--quick]
+    python benchmarks/bench_moe.py [--out DIR] [--quick] [--fp8]
 
 Grid: expert shapes of real models (hidden, expert intermediate, experts, top-k) x tokens x
 adapters (0: no LoRA in the step; else every token has one, spread over that many slots, rank
 16 on w13 and w2 of every expert). Each case is timed eagerly (do_bench, L2 emptied before each
 call) and, up to 256 tokens, replayed in a CUDA graph (the decode path); before timing, each
-shape's output is checked against the PyTorch reference.
+shape's output is checked against the PyTorch reference. --fp8: the same cases with FP8 experts
+too (float8_e4m3fn, one scale per expert row; the kernel dequantizes in its tiles, W8A16), timed
+beside bf16 against their own floor.
 
 Floor, measured in the same run: max(bytes / copy bandwidth, FLOPs / bf16 matmul rate).
 Bytes: w13 and w2 of every expert the step routes to, A and B of every (slot, expert) pair it
-uses, x read, h [T*K, 2I] and act [T*K, I] and y [T*K, H] written and read once each, out written.
+uses, x read, h [T*K, 2I] and act [T*K, I] and y [T*K, H] written and read once each, out written;
+FP8 experts: their weights at one byte and a float32 scale per row.
 Prints one table (and writes it as markdown + JSON under --out); asserts nothing on time.
 """
 
@@ -27,6 +30,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import capture, measure_ceilings
 
+from loraserve.executor.model.fp8 import quantize_rows
 from loraserve.kernels import make_lora_meta, moe_reference, moe_route, triton_moe
 
 DEV, DTYPE, RANK, SLOTS = "cuda", torch.bfloat16, 16, 8
@@ -59,12 +63,14 @@ def step_inputs(tokens, adapters, hidden, router, top_k, gen):
     return x, weights, ids, meta if adapters else None
 
 
-def floor_us(shape, tokens, ids, meta, ceil) -> tuple[float, float]:
-    """(floor, bytes term alone) in microseconds; expert and (slot, expert) counts from the step's routing."""
+def floor_us(shape, tokens, ids, meta, ceil, fp8: bool = False) -> tuple[float, float]:
+    """(floor, bytes term alone) in microseconds; expert and (slot, expert) counts from the step's routing.
+    fp8: the experts' weights at one byte, plus a float32 scale per row."""
     hidden, inter, experts, top_k = shape
     pairs = tokens * top_k
     hit = ids.unique().numel()
-    moved = hit * 3 * hidden * inter * 2 + tokens * hidden * 2 * 2 + pairs * (2 * inter + inter + hidden) * 2 * 2
+    weights = hit * (3 * hidden * inter + (2 * inter + hidden) * 4) if fp8 else hit * 3 * hidden * inter * 2
+    moved = weights + tokens * hidden * 2 * 2 + pairs * (2 * inter + inter + hidden) * 2 * 2
     flops = pairs * 2 * 3 * hidden * inter
     if meta is not None:
         used = (meta.token_slots.long()[:, None] * experts + ids).unique().numel()
@@ -74,13 +80,28 @@ def floor_us(shape, tokens, ids, meta, ceil) -> tuple[float, float]:
     return max(bytes_us, flops / ceil["bf16_flops_per_s"] * 1e6), bytes_us
 
 
-def check(layer, shape, gen) -> float:
-    """Relative error of the Triton path against the reference on a 16-token mixed step."""
+def check(layer, shape, gen, fp8=None) -> float:
+    """Relative error of the Triton path against the reference on a 16-token mixed step; fp8: the FP8
+    experts (q13, s13, q2, s2) instead, the reference on the same operands."""
     w13, w2, l13, l2, router = layer
     x, w, ids, meta = step_inputs(16, 4, shape[0], router, shape[3], gen)
-    got = triton_moe.fused_moe(x, w, ids, w13, w2, l13, l2, meta).double()
-    want = moe_reference.fused_moe(x.float(), w, ids, w13.float(), w2.float(), _f32(l13), _f32(l2), meta).double()
+    if fp8 is None:
+        got = triton_moe.fused_moe(x, w, ids, w13, w2, l13, l2, meta).double()
+        want = moe_reference.fused_moe(x.float(), w, ids, w13.float(), w2.float(), _f32(l13), _f32(l2), meta).double()
+    else:
+        q13, s13, q2, s2 = fp8
+        got = triton_moe.fused_moe(x, w, ids, q13, q2, l13, l2, meta, s13, s2).double()
+        want = moe_reference.fused_moe(x.float(), w, ids, q13, q2, _f32(l13), _f32(l2), meta, s13, s2).double()
     return ((got - want).norm() / want.norm()).item()
+
+
+def time_us(fn, tokens) -> tuple[float, float | None]:
+    """(eager, CUDA-graph replay or None past GRAPH_MAX_TOKENS) median microseconds."""
+    eager_us = do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e3
+    if tokens > GRAPH_MAX_TOKENS:
+        return eager_us, None
+    graph = capture(fn)
+    return eager_us, do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3
 
 
 def _f32(lora):
@@ -98,6 +119,11 @@ def run(args):
         w13, w2, l13, l2, router = layer
         err = check(layer, shape, gen)
         print(f"{name}: triton vs reference relative error {err:.2e}", flush=True)
+        fp8 = None
+        if args.fp8:
+            (q13, s13), (q2, s2) = quantize_rows(w13), quantize_rows(w2)
+            fp8 = (q13.contiguous(), s13, q2.contiguous(), s2)
+            print(f"{name}: FP8 experts, triton vs reference relative error {check(layer, shape, gen, fp8):.2e}", flush=True)
         for tokens in tokens_list:
             for adapters in ADAPTERS:
                 x, w, ids, meta = step_inputs(tokens, adapters, hidden, router, top_k, gen)
@@ -106,50 +132,65 @@ def run(args):
                 def layer_fn():
                     return triton_moe.fused_moe(x, w, ids, w13, w2, lora13, lora2, meta)
 
-                eager_us = do_bench(layer_fn, warmup=5, rep=30, return_mode="median") * 1e3
-                graph_us = None
-                if tokens <= GRAPH_MAX_TOKENS:
-                    graph = capture(layer_fn)
-                    graph_us = do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3
+                eager_us, graph_us = time_us(layer_fn, tokens)
                 floor, bytes_us = floor_us(shape, tokens, ids, meta, ceil)
                 best = min(t for t in (eager_us, graph_us) if t is not None)
-                rows.append(
-                    dict(
-                        shape=name,
-                        tokens=tokens,
-                        adapters=adapters,
-                        eager_us=eager_us,
-                        graph_us=graph_us,
-                        floor_us=floor,
-                        bytes_us=bytes_us,
-                        x_floor=best / floor,
-                        check_rel_err=err,
-                    )
+                row = dict(
+                    shape=name,
+                    tokens=tokens,
+                    adapters=adapters,
+                    eager_us=eager_us,
+                    graph_us=graph_us,
+                    floor_us=floor,
+                    bytes_us=bytes_us,
+                    x_floor=best / floor,
+                    check_rel_err=err,
                 )
+                if fp8 is not None:
+
+                    def fp8_fn():
+                        return triton_moe.fused_moe(x, w, ids, q13, q2, lora13, lora2, meta, s13, s2)
+
+                    fp8_times = time_us(fp8_fn, tokens)
+                    fp8_floor, _ = floor_us(shape, tokens, ids, meta, ceil, fp8=True)
+                    fp8_best = min(t for t in fp8_times if t is not None)
+                    row.update(fp8_eager_us=fp8_times[0], fp8_graph_us=fp8_times[1], fp8_floor_us=fp8_floor)
+                    row.update(fp8_x_floor=fp8_best / fp8_floor, fp8_vs_bf16=fp8_best / best)
+                rows.append(row)
                 print(row_text(rows[-1]), flush=True)
-        layer = w13 = w2 = l13 = l2 = router = None  # frees this shape's weights (closures hold the names)
+        layer = w13 = w2 = l13 = l2 = router = fp8 = q13 = q2 = None  # frees this shape's weights (closures hold the names)
         torch.cuda.empty_cache()
     return ceil, rows
 
 
 def row_text(r) -> str:
     graph = f"{r['graph_us']:9.1f}" if r["graph_us"] is not None else f"{'-':>9}"
-    return (
+    text = (
         f"| {r['shape']:<14} | {r['tokens']:>5} | {r['adapters']:>2} | {r['eager_us']:9.1f} | {graph} "
         f"| {r['floor_us']:9.1f} | {r['x_floor']:6.2f} |"
     )
+    if "fp8_eager_us" in r:
+        best = min(t for t in (r["fp8_eager_us"], r["fp8_graph_us"]) if t is not None)
+        text += f" {best:9.1f} | {r['fp8_floor_us']:9.1f} | {r['fp8_x_floor']:6.2f} | {r['fp8_vs_bf16']:6.2f} |"
+    return text
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="folder for bench_moe.md / bench_moe.json")
     parser.add_argument("--quick", action="store_true", help="tokens 1, 64, 1024 only")
+    parser.add_argument("--fp8", action="store_true", help="FP8 experts too, timed beside bf16 (best of eager and graph)")
     args = parser.parse_args()
+    if args.fp8 and torch.cuda.get_device_capability() < (8, 9):
+        parser.error("--fp8: FP8 experts need a GPU of compute capability 8.9+")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {DTYPE}, rank {RANK}, {SLOTS} slots")
     header = [
         "| shape          | T     | A  | eager us  | graph us  | floor us  | x floor |",
         "|----------------|-------|----|-----------|-----------|-----------|---------|",
     ]
+    if args.fp8:
+        header[0] += " fp8 us    | fp8 floor | x floor | x bf16 |"
+        header[1] += "-----------|-----------|---------|--------|"
     print("\n".join(header), flush=True)
     ceil, rows = run(args)
     lines = header + [row_text(r) for r in rows]

@@ -18,6 +18,7 @@
 #   prefix:   bench_prefix.py: a chat workload of 100 adapters (Llama-3-8B shape), prefix caching off and on,
 #             and the time to first token of a cached 2,048-token prefix
 #   kernels:  bench_kernels.py on the real layer shapes, bench_skinny.py, bench_attention.py, bench_moe.py
+#             (FP8 experts beside bf16: needs compute capability 8.9+)
 #   tune:     tools/tune_kernels.py: a LoRA kernel table for this GPU (OUT_DIR/tuned.json; copy it into
 #             kernels/configs/ to ship it)
 # Everything a stage prints goes to OUT_DIR/<stage>.log; the header (GPU, versions, tree) to OUT_DIR/gpu.txt.
@@ -61,7 +62,7 @@ need_tok() { [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run 'make up' 
 if has test; then
   { pytest_q -m gpu tests/kernels tests/executor/test_graphs.py tests/executor/test_cublas.py tests/executor/test_lora.py \
       tests/executor/test_slot_scatter.py tests/executor/test_moe.py tests/executor/test_families.py tests/executor/test_gemma.py \
-      tests/executor/test_fp8_service.py tests/executor/test_dora.py tests/executor/test_trainable_tokens.py
+      tests/executor/test_fp8_service.py tests/executor/test_fp8_moe.py tests/executor/test_dora.py tests/executor/test_trainable_tokens.py
     pytest_q tests/executor/test_service.py tests/executor/test_moe_service.py -k "cuda or bf16"
   } >"$OUT/test.log" 2>&1
   grep -E "passed|failed|error" "$OUT/test.log" | tail -4
@@ -94,7 +95,7 @@ if has kernels; then
   { python3 benchmarks/bench_kernels.py --real --out "$OUT/kernels"
     python3 benchmarks/bench_skinny.py --greedy
     python3 benchmarks/bench_attention.py
-    python3 benchmarks/bench_moe.py --out "$OUT/moe"
+    python3 benchmarks/bench_moe.py --fp8 --out "$OUT/moe"
   } >"$OUT/kernels.log" 2>&1
   tail -40 "$OUT/kernels.log"
 fi

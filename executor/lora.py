@@ -399,16 +399,26 @@ class ExpertsWithLoRA(nn.Module):
     lora_b:  [max_loras, E, N, max_rank]  (scaling already folded in by the adapter store)
 
     Under expert parallelism E is this rank's block of experts (the store's EP shard has the same).
+
+    fp8: weight is float8_e4m3fn with `weight_scale` [E, N] float32, one scale per (expert, output
+    row) (executor/model/fp8.py fills both, as for LinearWithLoRA); the fused MoE kernel dequantizes
+    in its tiles. LoRA stays in dtype: it reads the unquantized input and adds into the output.
     """
 
     slot_rank_dim = 2  # one slot's lora_a [E, S, r, in], lora_b [E, N, r]
     rank_parts = 1  # experts are never tensor-parallel: LoRA's rank is whole
 
-    def __init__(self, num_experts, in_features, output_sizes, lora: LoraSpec | None, dtype, device):
+    def __init__(self, num_experts, in_features, output_sizes, lora: LoraSpec | None, dtype, device, fp8: bool = False):
         super().__init__()
         self.num_experts, self.in_features, self.output_sizes = num_experts, in_features, tuple(output_sizes)
+        self.compute_dtype = dtype
         n_out = sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(num_experts, n_out, in_features, dtype=dtype, device=device), requires_grad=False)
+        weight_dtype = torch.float8_e4m3fn if fp8 else dtype
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, n_out, in_features, dtype=weight_dtype, device=device), requires_grad=False
+        )
+        scale = torch.ones(num_experts, n_out, device=device) if fp8 else None
+        self.register_buffer("weight_scale", scale, persistent=False)
         self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
         self.register_buffer("lora_b", None, persistent=False)
         self.packed_b = False  # its B stays [.., R] rows (packing is for dense linear layers)
@@ -416,7 +426,7 @@ class ExpertsWithLoRA(nn.Module):
             self.create_lora_weights(lora.max_loras, lora.max_rank, lora.dtype)
 
     def create_lora_weights(self, max_loras: int, max_rank: int, dtype: torch.dtype | None = None) -> None:
-        dtype = dtype or self.weight.dtype
+        dtype = dtype or self.compute_dtype
         e, n_out, dev = self.num_experts, self.weight.shape[1], self.weight.device
         a = torch.zeros(max_loras, e, len(self.output_sizes), max_rank, self.in_features, dtype=dtype, device=dev)
         b = torch.zeros(max_loras, e, n_out, max_rank, dtype=dtype, device=dev)

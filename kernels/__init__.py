@@ -82,9 +82,11 @@ def moe_route(router_logits, top_k: int, renormalize: bool):
     return moe_reference.moe_route(router_logits, top_k, renormalize)
 
 
-def fused_moe(x, topk_weights, topk_ids, w13, w2, lora13, lora2, meta: LoraMeta | None):
-    """Routed experts with each token's expert LoRA: see kernels/moe_reference.py for the math and shapes."""
-    return _on_device(x, "triton_moe", moe_reference).fused_moe(x, topk_weights, topk_ids, w13, w2, lora13, lora2, meta)
+def fused_moe(x, topk_weights, topk_ids, w13, w2, lora13, lora2, meta: LoraMeta | None, w13_scale=None, w2_scale=None):
+    """Routed experts with each token's expert LoRA: see kernels/moe_reference.py for the math and shapes
+    (FP8 experts: w13_scale / w2_scale, one float32 scale per expert's output row)."""
+    impl = _on_device(x, "triton_moe", moe_reference)
+    return impl.fused_moe(x, topk_weights, topk_ids, w13, w2, lora13, lora2, meta, w13_scale, w2_scale)
 
 
 def _attention_impl(t: torch.Tensor):

@@ -11,6 +11,11 @@ slot on that expert's w13 (gate|up, two slices) and w2 (down):
     y   = act @ w2[e].T + (act @ A2[slot, e, 0].T) @ B2[slot, e].T                        [H]
     out[t] = sum_k topk_weights[t, k] * y(t, topk_ids[t, k])
 
+FP8 experts: w13 and w2 float8_e4m3fn with one float32 scale per (expert, output row),
+w13_scale [E, 2I] and w2_scale [E, H]; the real weight is w * scale[..., None]. Each expert's
+weights are dequantized to x's dtype, then the math above (kernels/triton_moe.py upcasts in the
+GEMM's tiles and scales its accumulator instead: the same up to rounding).
+
 Expert parallelism: a rank passes its own experts' weights (E = its block) and ids made local to
 them; an id outside [0, E) is another rank's expert, and its pair adds nothing here.
 
@@ -52,6 +57,8 @@ def fused_moe(
     lora13: ExpertLora | None,  # a [L, E, 2, R, H], b [L, E, 2I, R]
     lora2: ExpertLora | None,  # a [L, E, 1, R, I], b [L, E, H, R]
     meta: LoraMeta | None,  # token slots; None = no LoRA in this step
+    w13_scale: torch.Tensor | None = None,  # [E, 2I] float32: w13 is FP8
+    w2_scale: torch.Tensor | None = None,  # [E, H] float32: w2 is FP8
 ) -> torch.Tensor:
     """-> [T, H] in x's dtype: the experts' weighted sum for every token (see the module docstring)."""
     T, K = topk_ids.shape
@@ -72,15 +79,22 @@ def fused_moe(
         start += n
         tokens = pairs // K  # [n]
         xe = x.index_select(0, tokens)  # [n, H]
-        h = F.linear(xe, w13[e])  # [n, 2I]
+        h = F.linear(xe, _expert_weight(w13, w13_scale, e, x.dtype))  # [n, 2I]
         if lora13 is not None and slots is not None:
             h = _expert_lora(h, xe, lora13, e, slots.index_select(0, tokens), (0, inter, 2 * inter))
         act = F.silu(h[:, :inter]) * h[:, inter:]  # [n, I]
-        y = F.linear(act, w2[e])  # [n, H]
+        y = F.linear(act, _expert_weight(w2, w2_scale, e, x.dtype))  # [n, H]
         if lora2 is not None and slots is not None:
             y = _expert_lora(y, act, lora2, e, slots.index_select(0, tokens), (0, y.shape[1]))
         out.index_add_(0, tokens, y.float() * pair_weights.index_select(0, pairs)[:, None])
     return out.to(x.dtype)
+
+
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype) -> torch.Tensor:
+    """Expert e's weight [N, in]: as held, or FP8 dequantized (float32 product, then dtype)."""
+    if scale is None:
+        return w[e]
+    return (w[e].float() * scale[e].float()[:, None]).to(dtype)
 
 
 def _expert_lora(y, x, lora: ExpertLora, e: int, token_slots, offsets) -> torch.Tensor:

@@ -11,6 +11,11 @@ once per block of its own pairs. Every shape depends only on T, K, E and the slo
 nothing reads back to the host: safe inside a captured CUDA graph. Under expert parallelism ids
 outside [0, E) (other ranks' experts) are left out of the groups, their LoRA index is -1 and
 their rows count as zero in the sum.
+
+FP8 experts (w13_scale / w2_scale given) are read as float8_e4m3fn, upcast tile by tile to x's
+dtype and the accumulator scaled per (expert, output row): weight-only dequantization (W8A16),
+half the bytes of bf16 experts and no activation-quantization pass; the bf16 build is unchanged
+(the branch is a constexpr).
 """
 
 from __future__ import annotations
@@ -28,15 +33,19 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit(do_not_specialize=["num_pairs"])  # one build for every pair count
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, sorted_pairs_ptr, block_experts_ptr,
+    a_ptr, b_ptr, b_scale_ptr, c_ptr, sorted_pairs_ptr, block_experts_ptr,
     num_pairs, n, k, rows_per_a,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr, FP8_B: tl.constexpr,
 ):  # fmt: skip
     """c[p, :] = a[p // rows_per_a, :] @ b[expert(p)].T for the BLOCK_M pairs of this program's block.
 
     a: [rows, k]; b: [E, n, k]; c: [num_pairs, n]. sorted_pairs holds pair ids grouped by
     expert (num_pairs = padding); block_experts the expert of each BLOCK_M block (-1: unused).
+    FP8_B: b is float8_e4m3fn with b_scale [E, n] float32 (contiguous), one scale per row of b:
+    each tile is upcast to a's dtype before the dot (exact: e4m3 values are bf16/fp16 values) and
+    the accumulator scaled per output column, (a @ q.T) * s = a @ (q * s).T. Else b_scale is None
+    and the branch is compiled out.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -55,10 +64,15 @@ def _grouped_gemm_kernel(
             a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
             b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if FP8_B:
+                b = b.to(a.dtype)
             if FP32:
                 acc += tl.dot(a, b, input_precision="ieee")
             else:
                 acc += tl.dot(a, b)
+        if FP8_B:
+            scale = tl.load(b_scale_ptr + expert.to(tl.int64) * n + offs_n, mask=n_mask, other=0.0)
+            acc = acc * scale[None, :]
         c = c_ptr + tl.where(m_mask, pairs, 0).to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -94,17 +108,18 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     return sorted_pairs, block_experts
 
 
-def _grouped_gemm(a, w, sorted_pairs, block_experts, num_pairs, rows_per_a, block_m, out_dtype):
-    """[num_pairs, N] = per-pair a-row @ w[expert].T (w: [E, N, K])."""
+def _grouped_gemm(a, w, w_scale, sorted_pairs, block_experts, num_pairs, rows_per_a, block_m, out_dtype):
+    """[num_pairs, N] = per-pair a-row @ w[expert].T (w: [E, N, K]; FP8 with w_scale [E, N], or w_scale None)."""
     n, k = w.shape[1], w.shape[2]
     c = torch.empty(num_pairs, n, dtype=out_dtype, device=a.device)
     # Few pairs per expert (decode): thin row blocks, long K steps; many: tensor-core tiles. Untuned.
     block_n, block_k, warps = (64, 128, 4) if block_m <= 16 else (128, 64, 8)
     grid = (block_experts.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, w, c, sorted_pairs, block_experts, num_pairs, n, k, rows_per_a,
+        a, w, w_scale, c, sorted_pairs, block_experts, num_pairs, n, k, rows_per_a,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP32=a.dtype == torch.float32, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP32=a.dtype == torch.float32,
+        FP8_B=w_scale is not None, num_warps=warps,
     )  # fmt: skip
     return c
 
@@ -125,17 +140,22 @@ def _flat(lora):
     return a.flatten(0, 1), b.flatten(0, 1)
 
 
-def fused_moe(x, topk_weights, topk_ids, w13, w2, lora13, lora2, meta: LoraMeta | None) -> torch.Tensor:
-    """-> [T, H]; see kernels/moe_reference.py."""
+def fused_moe(
+    x, topk_weights, topk_ids, w13, w2, lora13, lora2, meta: LoraMeta | None, w13_scale=None, w2_scale=None
+) -> torch.Tensor:
+    """-> [T, H]; see kernels/moe_reference.py. FP8 experts (w13_scale, w2_scale given): weight-only
+    dequantization inside the grouped GEMMs (W8A16: the dot in x's dtype, float32 accumulation)."""
     if x.dtype not in _DTYPES or not (w13.stride(2) == 1 and w2.stride(2) == 1 and x.stride(1) == 1):
-        return moe_reference.fused_moe(x, topk_weights, topk_ids, w13, w2, lora13, lora2, meta)
+        return moe_reference.fused_moe(x, topk_weights, topk_ids, w13, w2, lora13, lora2, meta, w13_scale, w2_scale)
+    if w13_scale is not None:
+        w13_scale, w2_scale = w13_scale.float().contiguous(), w2_scale.float().contiguous()
     T, K = topk_ids.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     num_pairs = T * K
     block_m = 16 if num_pairs <= 64 * num_experts else 64
     sorted_pairs, block_experts = align_pairs(topk_ids, num_experts, block_m)
     # gate|up of every pair: [T*K, 2I] (the a-row of pair p is token p // K)
-    h = _grouped_gemm(x, w13, sorted_pairs, block_experts, num_pairs, K, block_m, x.dtype)
+    h = _grouped_gemm(x, w13, w13_scale, sorted_pairs, block_experts, num_pairs, K, block_m, x.dtype)
     pair_meta = _pair_meta(meta, topk_ids, num_experts) if meta is not None else None
     if lora13 is not None and pair_meta is not None:
         x_pairs = x.repeat_interleave(K, dim=0)  # [T*K, H]: shrink reads the rows of its pair ids
@@ -143,7 +163,7 @@ def fused_moe(x, topk_weights, topk_ids, w13, w2, lora13, lora2, meta: LoraMeta 
         buf = lora_kernels.lora_shrink(x_pairs, a, pair_meta, None)
         lora_kernels.lora_expand(h, buf, b, (0, inter, 2 * inter), pair_meta)
     act = _silu_and_mul(h)  # [T*K, I]
-    y = _grouped_gemm(act, w2, sorted_pairs, block_experts, num_pairs, 1, block_m, x.dtype)  # [T*K, H]
+    y = _grouped_gemm(act, w2, w2_scale, sorted_pairs, block_experts, num_pairs, 1, block_m, x.dtype)  # [T*K, H]
     if lora2 is not None and pair_meta is not None:
         a, b = _flat(lora2)
         buf = lora_kernels.lora_shrink(act, a, pair_meta, None)

@@ -14,8 +14,8 @@ the quantization's multiplier). Anything else is refused naming it.
 `Fp8Checkpoint.check` validates every FP8 tensor's scale (present, shaped for its weight, finite, not
 for an ignored module) from the files' metadata and the (small) scale tensors alone; `Fp8Checkpoint.read`
 returns one weight, cut to a tensor-parallel rank's rows or columns, as a `Quantized` (its scales cut
-with it). A model's linear layers either hold FP8 (`row_scaled`: weights and per-output-row scales,
-where the GPU computes in FP8) or the dequantized weights (`Quantized.dequantize`).
+with it). A model's linear layers and MoE experts either hold FP8 (`to_rows`: weights and
+per-output-row scales, where the GPU computes in FP8) or the dequantized weights (`Quantized.dequantize`).
 """
 
 from __future__ import annotations
@@ -396,7 +396,9 @@ def plan(scheme: Fp8Scheme | None, quantization: str | None, device, dtype: torc
     error = fp8_compute_error(device, dtype)
     if quantization:
         what = f"{scheme.describe()} checkpoint" if scheme else "weights"
-        log.info("%s: linear layers in FP8 (%s quantized per output channel at load where not already)", source, what)
+        log.info(
+            "%s: linear layers (and MoE experts) in FP8 (%s quantized per output channel at load where not already)", source, what
+        )
         return True
     if scheme is None:
         return False
@@ -411,10 +413,10 @@ def plan(scheme: Fp8Scheme | None, quantization: str | None, device, dtype: torc
         return False
     if scheme.block is not None:
         log.info(
-            "%s: %s checkpoint; linear layers in FP8 with the blocks' scales requantized per output channel at load",
+            "%s: %s checkpoint; linear layers (and MoE experts) in FP8, the blocks' scales requantized per output channel at load",
             source,
             scheme.describe(),
         )
     else:
-        log.info("%s: %s checkpoint; linear layers in FP8", source, scheme.describe())
+        log.info("%s: %s checkpoint; linear layers (and MoE experts) in FP8", source, scheme.describe())
     return True

@@ -7,8 +7,9 @@ slices lazily; a GGUF rank dequantizes only its rows, or, for a column cut, one 
 before cutting it), never the whole model. Under expert parallelism each rank reads only its
 block of experts (per-expert tensors of other experts are skipped, fused [E, ...] ones sliced).
 FP8 checkpoints (executor/model/fp8.py) are checked, scales included, before any weight is read;
-their weights reach `_WeightSink` with their scales cut to the rank's part, and go into FP8
-linear layers as they are or dequantized into the others.
+their weights reach `_WeightSink` with their scales cut to the rank's part (an expert-parallel
+rank's experts with their scales), and go into FP8 linear layers and experts as they are (block
+scales requantized per output row) or dequantized into the others.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import re
 from pathlib import Path
 
@@ -30,8 +30,6 @@ from . import fp8
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .moe import build_causal_lm
-
-log = logging.getLogger(__name__)
 
 # (dim, slice) of a checkpoint tensor that one TP rank keeps; None: all of it
 Cut = tuple[int, slice] | None
@@ -80,9 +78,12 @@ class _WeightSink:
         self.experts = model.ep.part(self.cfg.num_experts)  # the block of experts this rank keeps
         # tied lm_head appears once, as embed_tokens; experts' [E, N, in] weights are filled as [E * N, in] rows
         self.params = {n: p.data.flatten(0, -2) if p.dim() == 3 else p.data for n, p in model.named_parameters()}
-        # FP8 linear layers: their weight's per-output-row scales, filled row for row with it
+        # FP8 linear layers and experts: their weight's per-output-row scales, filled row for row with it
+        # (experts' [E, N] scales as the [E * N] rows of their flattened weight)
         self.row_scales = {
-            f"{n}.weight": m.weight_scale.data for n, m in model.named_modules() if getattr(m, "weight_scale", None) is not None
+            f"{n}.weight": m.weight_scale.data.view(-1)
+            for n, m in model.named_modules()
+            if getattr(m, "weight_scale", None) is not None
         }
         self.rows_filled = {name: 0 for name in self.params}
         c, tp = self.cfg, self.tp
@@ -204,6 +205,7 @@ class _WeightSink:
         scales = None
         if name in self.row_scales:
             tensor, scales = fp8.to_rows(tensor)
+            scales = scales.reshape(-1)  # fused experts' [E, N]: the rows of [E * N, in]
         elif isinstance(tensor, fp8.Quantized):
             tensor = tensor.dequantize(param.dtype)
         if tensor.dim() == 3 and param.dim() == 2:  # fused experts [E, N, in] into our flattened rows
@@ -253,7 +255,6 @@ def load_hf_checkpoint(
             checkpoint = fp8.Fp8Checkpoint(scheme, meta, lambda name: where[name].get_tensor(name))
         elif (fp8_name := next((n for n, (d, _) in meta.items() if d.startswith("F8_")), None)) is not None:
             raise ValueError(f"checkpoint tensor {fp8_name!r} is {meta[fp8_name][0]} but config.json has no quantization_config")
-        _log_dequantized_experts(cfg, fp8_linears, dtype)
         model = build_causal_lm(dataclasses.replace(cfg, fp8_linears=fp8_linears), lora, dtype, device, tp, ep)
         sink = _WeightSink(model)
         for name, f in where.items():
@@ -274,11 +275,6 @@ def load_hf_checkpoint(
                     sink.put(part_name, read(cut))
     sink.check_complete()
     return model.eval()
-
-
-def _log_dequantized_experts(cfg: ModelConfig, fp8_linears: bool, dtype: torch.dtype) -> None:
-    if fp8_linears and cfg.num_experts:
-        log.info("MoE experts held in %s (no FP8 fused-MoE kernel); the dense linear layers in FP8", fp8.dtype_name(dtype))
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

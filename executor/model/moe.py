@@ -45,15 +45,17 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """This rank's experts' gate|up (w13) and down (w2) projections, each with its expert-LoRA slots
-    (all E experts at ep 1; E / ep of them, from `first`, under expert parallelism)."""
+    (all E experts at ep 1; E / ep of them, from `first`, under expert parallelism). Where the
+    dense layers compute in FP8 (cfg.fp8_linears) both hold FP8 with per-(expert, row) scales."""
 
     def __init__(self, cfg: ModelConfig, lora: LoraSpec | None, dtype, device, ep: TPGroup):
         super().__init__()
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
         experts = ep.part(cfg.num_experts)
         self.first, e = experts.start, experts.stop - experts.start
-        self.gate_up_proj = ExpertsWithLoRA(e, h, (i, i), lora, dtype, device)  # weight [E / ep, 2I, H]
-        self.down_proj = ExpertsWithLoRA(e, i, (h,), lora, dtype, device)  # weight [E / ep, H, I]
+        fp8 = cfg.fp8_linears  # FP8 weights, scales [E / ep, N] (the kernel dequantizes in its tiles)
+        self.gate_up_proj = ExpertsWithLoRA(e, h, (i, i), lora, dtype, device, fp8)  # weight [E / ep, 2I, H]
+        self.down_proj = ExpertsWithLoRA(e, i, (h,), lora, dtype, device, fp8)  # weight [E / ep, H, I]
 
     def forward(self, x, topk_weights, topk_ids, lora_meta: LoraMeta | None) -> torch.Tensor:
         """-> [T, H]: the pairs on this rank's experts; under EP a partial sum the caller all-reduces."""
@@ -62,8 +64,9 @@ class Experts(nn.Module):
         meta = lora_meta if lora13 is not None or lora2 is not None else None
         if self.first:  # ids local to this rank's block; other ranks' experts fall outside [0, E / ep): skipped
             topk_ids = topk_ids - self.first
+        w13, w2 = self.gate_up_proj, self.down_proj
         return kernels.fused_moe(
-            x, topk_weights, topk_ids, self.gate_up_proj.weight, self.down_proj.weight, lora13, lora2, meta
+            x, topk_weights, topk_ids, w13.weight, w2.weight, lora13, lora2, meta, w13.weight_scale, w2.weight_scale
         )  # [T, H]
 
 

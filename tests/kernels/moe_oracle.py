@@ -65,3 +65,13 @@ def ep_rank_inputs(ids, w13, w2, lora13, lora2, first: int, n: int):
         return None if lora is None else (lora[0][:, block], lora[1][:, block])
 
     return ids - first, w13[block], w2[block], cut(lora13), cut(lora2)
+
+
+def fp8_experts(w13, w2):
+    """FP8 experts of float ones, one scale per (expert, output row): (q13, s13, q2, s2) for
+    kernels.fused_moe, and the dequantized w13, w2 (float32) the oracle takes."""
+    from loraserve.executor.model.fp8 import quantize_rows
+
+    q13, s13 = quantize_rows(w13.float())
+    q2, s2 = quantize_rows(w2.float())
+    return (q13, s13, q2, s2), (q13.float() * s13[..., None], q2.float() * s2[..., None])

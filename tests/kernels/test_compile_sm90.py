@@ -114,7 +114,10 @@ BASE_KERNELS = {
     "triton_meta": ("_group_kernel",),
     "triton_copy": ("_slot_scatter_kernel",),
     "triton_fp8": ("_quantize_per_token_kernel",),
+    "triton_moe": ("_grouped_gemm_kernel",),
 }
+# (hidden, expert intermediate, experts, top-k): Qwen3-30B-A3B's experts
+MOE_SHAPE = (2048, 768, 128, 8)
 # (heads, kv heads, head dim, hidden, intermediate, vocab): Llama-3-8B, SmolLM2-135M
 ATTENTION_SHAPES = ((32, 8, 128, 4096, 14336, 128256), (9, 3, 64, 576, 1536, 49152))
 BLOCK_SIZE = 16  # the KV cache's block (executor/config.py)
@@ -134,7 +137,8 @@ def base_built():
     decode attention with and without a window (several splits and their merge, and one split),
     prefill attention at query lengths that pick each row tile, per query block and from a work
     list, with and without a window; the norm (hidden and per head), RoPE + cache write,
-    SiLU-and-mul, greedy pick, an FP8 layer's per-token quantization, the token grouping and the slot-load scatter. Each call must launch a kernel (a wrapper
+    SiLU-and-mul, greedy pick, an FP8 layer's per-token quantization, the fused MoE's grouped GEMMs
+    (bf16 and FP8 experts, decode and prefill tiles), the token grouping and the slot-load scatter. Each call must launch a kernel (a wrapper
     that fell back to its reference would build nothing): returns the Built launches."""
     import importlib
 
@@ -197,6 +201,17 @@ def base_built():
                 for width in (hidden, inter):  # an FP8 layer's input, per token
                     built_by(modules["triton_fp8"].quantize_per_token, torch.empty(tokens, width, dtype=bf16))
             built_by(ops.greedy, torch.empty(64, vocab, dtype=torch.float32))
+        hidden, inter, experts, top_k = MOE_SHAPE
+        moe = modules["triton_moe"]
+        w13, w2 = torch.empty(experts, 2 * inter, hidden, dtype=bf16), torch.empty(experts, hidden, inter, dtype=bf16)
+        q13, q2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+        s13, s2 = torch.ones(experts, 2 * inter), torch.ones(experts, hidden)
+        for tokens in (1, 64, 1031):  # 16-row tiles at decode, 64-row ones past 64 pairs per expert
+            x = torch.empty(tokens, hidden, dtype=bf16)
+            ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
+            weights = torch.ones(tokens, top_k)
+            built_by(moe.fused_moe, x, weights, ids, w13, w2, None, None, None)
+            built_by(moe.fused_moe, x, weights, ids, q13, q2, None, None, None, s13, s2)
         for tokens, slots in ((1, 64), (64, 64), (128, 64)):
             grouped = built_by(
                 modules["triton_meta"].group_tokens,

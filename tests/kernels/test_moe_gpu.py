@@ -22,7 +22,7 @@ skip_unless_cuda_and_triton(interpreter=INTERPRET)
 
 from loraserve.kernels import make_lora_meta, moe_reference, triton_moe  # noqa: E402
 
-from .moe_oracle import ep_rank_inputs, oracle, random_moe  # noqa: E402
+from .moe_oracle import ep_rank_inputs, fp8_experts, oracle, random_moe  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -96,3 +96,39 @@ def test_triton_and_reference_agree_on_a_bf16_mixed_batch():
     got = triton_moe.fused_moe(x, w, ids, w13, w2, l13, l2, meta)
     ref = moe_reference.fused_moe(x, w, ids, w13, w2, l13, l2, meta)
     assert rel_err(got, ref.double()) < TOL[torch.bfloat16]
+
+
+# FP8 experts: the interpreter runs float32 activations (its bf16 dots are wrong), a GPU bf16.
+FP8_DTYPE = torch.float32 if INTERPRET else torch.bfloat16
+
+
+@pytest.mark.parametrize("T,K,E,H,I,L,R", [
+    (1, 2, 8, 64, 48, 4, 16),  # one decode token
+    (4, 4, 16, 64, 40, 3, 8),  # decode batch, top-4 of 16, ragged I
+    (33, 2, 4, 128, 96, 4, 16),  # a prefill chunk
+    (70, 2, 2, 64, 40, 2, 8),  # many pairs per expert: the large-tile path
+])  # fmt: skip
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "base"])
+def test_fp8_experts_match_the_reference_on_the_same_fp8_operands(T, K, E, H, I, L, R, lora):
+    """FP8 w13 / w2 with per-(expert, row) scales: the kernel (tiles upcast, accumulator scaled) against
+    kernels/moe_reference.py (weights dequantized first) on the same operands, and both against the
+    float64 oracle on the dequantized weights; expert LoRA on the unquantized input and activation."""
+    x, w, ids, w13, w2, l13, l2, slots = random_moe(T, K, E, H, I, L, R, FP8_DTYPE, DEV, seed=T + E)
+    (q13, s13, q2, s2), (d13, d2) = fp8_experts(w13, w2)
+    l13, l2, meta = (l13, l2, make_lora_meta(slots, L)) if lora else (None, None, None)
+    got = triton_moe.fused_moe(x, w, ids, q13, q2, l13, l2, meta, s13, s2)
+    ref = moe_reference.fused_moe(x, w, ids, q13, q2, l13, l2, meta, s13, s2)
+    want = oracle(x, w, ids, d13, d2, l13, l2, slots)
+    assert got.dtype == FP8_DTYPE and not got.isnan().any()
+    assert rel_err(got, ref.double()) < TOL[FP8_DTYPE]
+    assert rel_err(got, want) < TOL[FP8_DTYPE]
+
+
+def test_fp8_experts_of_an_expert_parallel_rank_take_their_own_scales():
+    """Rank 1 of 2 holds experts 2, 3 and their rows' scales: only its pairs, each scaled as its expert."""
+    E, L = 4, 3
+    x, w, ids, w13, w2, l13, l2, slots = random_moe(9, 2, E, 64, 40, L, 8, FP8_DTYPE, DEV, seed=5)
+    (q13, s13, q2, s2), (d13, d2) = fp8_experts(w13, w2)
+    local_ids, lq13, lq2, ll13, ll2 = ep_rank_inputs(ids, q13, q2, l13, l2, 2, 2)
+    got = triton_moe.fused_moe(x, w, local_ids, lq13, lq2, ll13, ll2, make_lora_meta(slots, L), s13[2:], s2[2:])
+    assert rel_err(got, oracle(x, w * (ids >= 2), ids, d13, d2, l13, l2, slots)) < TOL[FP8_DTYPE]

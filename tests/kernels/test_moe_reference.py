@@ -7,7 +7,7 @@ import torch
 
 from loraserve.kernels import fused_moe, make_lora_meta, moe_route
 
-from .moe_oracle import ep_rank_inputs, oracle, random_moe
+from .moe_oracle import ep_rank_inputs, fp8_experts, oracle, random_moe
 
 
 @pytest.mark.parametrize("T", [1, 5, 40])  # decode-sized (gathered LoRA) and prefill-sized (grouped) steps
@@ -47,3 +47,14 @@ def test_moe_route_is_softmax_top_k(renormalize):
     assert ids.tolist() == probs.topk(3).indices.tolist()
     want = probs.topk(3).values
     torch.testing.assert_close(weights, want / want.sum(-1, keepdim=True) if renormalize else want)
+
+
+@pytest.mark.parametrize("T", [1, 9])
+def test_fp8_experts_are_dequantized_per_expert_row(T):
+    """FP8 w13 / w2 with one scale per (expert, output row): the oracle on q * scale, with LoRA."""
+    x, w, ids, w13, w2, l13, l2, slots = random_moe(T, 2, 4, 32, 24, 3, 8, torch.float32, "cpu", seed=T)
+    (q13, s13, q2, s2), (d13, d2) = fp8_experts(w13, w2)
+    assert q13.dtype == torch.float8_e4m3fn and s13.shape == (4, 48) and s2.shape == (4, 32)
+    got = fused_moe(x, w, ids, q13, q2, l13, l2, make_lora_meta(slots, 3), s13, s2)
+    torch.testing.assert_close(got.double(), oracle(x, w, ids, d13, d2, l13, l2, slots), atol=1e-4, rtol=1e-4)
+    assert (got - fused_moe(x, w, ids, w13, w2, l13, l2, make_lora_meta(slots, 3))).abs().max() > 1e-4  # FP8 is not float
