@@ -1,0 +1,477 @@
+"""`--kv-cache-dtype fp8`: the paged KV cache in float8_e4m3fn with per-kv-head K and V scales.
+
+Tiny Llama and Qwen2 checkpoints carrying compressed-tensors' kv_cache_scheme (k_scale / v_scale per
+attention layer, written here with scales calibrated on the test prompts: max |K| or |V| / 448, per
+tensor or per kv head) are served on the CPU with an FP8 cache and compared with transformers + PEFT:
+- against the same model whose attention reads K and V quantized exactly as the cache holds them
+  (x / scale rounded to FP8, saturated at ±448, times scale): logits within 1e-4, greedy tokens equal,
+  as the float32 cache is held to without quantization (test_fp8.py). Every other difference
+  (RoPE, summation order) is float32 rounding; one key element crossing an FP8 rounding boundary
+  between the two moves the logits by ~1e-5 here.
+- against the unquantized model: logprobs within KV_LOGPROB_TOL = 0.2. FP8 K/V (3 mantissa bits: up to
+  2^-4 relative rounding of each element) moves these random models' greedy-token logprobs (about -3.5:
+  flat distributions, where a small score change moves them most) on PROMPT by up to 0.12 with
+  per-tensor scales (the adapter's rows of the Llama), 0.04-0.07 with per-head scales or scales 1.0.
+The checkpoint's scales are read (per layer, cut to each tensor-parallel rank's kv heads, a head
+replicated where ranks outnumber them); malformed ones, and a kv_cache_scheme the cache cannot take,
+are refused before any weight is loaded, naming the tensor or field. The served engine reports
+float8_e4m3fn (GetServerInfo, /metrics), and its prefix-cache chains never meet a float32 cache's.
+On a CUDA host the same checkpoint is served bf16 through the CUDA graphs with the FP8 cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.engine.kv_cache import KVCache
+from loraserve.executor.engine.prefix_cache import chain_seed
+from loraserve.executor.layout import declare_layout
+from loraserve.executor.model import kv_scales, loader
+from loraserve.executor.model.loader import load_model
+from loraserve.executor.parallel import TPGroup
+from loraserve.executor.slot_layout import LoraSpec
+from loraserve.executor.slot_load import load_shard_into_slot
+
+from .conftest import LORASERVE, TINY_MOE, Cluster, generate, prompt_ids
+from .test_lora import ADAPTERS, pack_shard
+
+peft = pytest.importorskip("peft")
+
+FP8 = torch.float8_e4m3fn
+KV_LOGPROB_TOL = 0.2  # FP8 K/V against the unquantized model (the module docstring: 0.12 measured)
+PROMPT = [5, 17, 99, 3, 42, 7, 200, 31, 64]
+SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+
+
+# ---- the reference: transformers' attention on K/V quantized as the cache holds them ------------
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [B, KVH, L, D] -> fp8(x / scale[head], saturated at ±448) * scale, in x's dtype."""
+    s = scale.to(x.device)[None, :, None, None]
+    return ((x.float() / s).clamp(-448, 448).to(FP8).float() * s).to(x.dtype)
+
+
+def _attention_of(model):
+    """The attention function `model` (transformers, PEFT-wrapped or not) runs now."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = model.config._attn_implementation
+    if impl == "eager":
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return sys.modules[type(base).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def _wrapped(model, name: str, wrap):
+    """A copy of `model` whose attention is wrap(module, query, key, value, mask, inner, **kwargs), with
+    the masks of its own implementation (an eager one takes additive float masks, SDPA boolean ones)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    inner = _attention_of(model)
+    AttentionInterface.register(name, lambda m, q, k, v, mask, **kw: wrap(m, q, k, v, mask, inner, **kw))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[model.config._attn_implementation])
+    model = copy.deepcopy(model)
+    model.set_attn_implementation(name)
+    return model
+
+
+def with_fp8_kv(model, scales: torch.Tensor | None, name: str):
+    """`model` (transformers) whose every attention layer reads K and V through fake_quant with
+    scales[layer] ([L, 2, KVH]; None: 1.0), registered as attention implementation `name`."""
+    c = model.config
+    scales = torch.ones(c.num_hidden_layers, 2, c.num_key_value_heads) if scales is None else scales
+
+    def attention(module, query, key, value, mask, inner, **kwargs):
+        s = scales[module.layer_idx]
+        return inner(module, query, fake_quant(key, s[0]), fake_quant(value, s[1]), mask, **kwargs)
+
+    return _wrapped(model, name, attention)
+
+
+def calibrate(model, prompts) -> torch.Tensor:
+    """[L, 2, KVH] max |K| (after RoPE) and max |V| of each kv head over `prompts`, / 448."""
+    c = model.config
+    amax = torch.zeros(c.num_hidden_layers, 2, c.num_key_value_heads)
+
+    def attention(module, query, key, value, mask, inner, **kwargs):
+        i = module.layer_idx
+        amax[i, 0] = torch.maximum(amax[i, 0], key.abs().amax(dim=(0, 2, 3)))
+        amax[i, 1] = torch.maximum(amax[i, 1], value.abs().amax(dim=(0, 2, 3)))
+        return inner(module, query, key, value, mask, **kwargs)
+
+    m = _wrapped(model, "loraserve_calibrate", attention)
+    with torch.no_grad():
+        for ids in prompts:
+            m(torch.tensor([ids]))
+    return amax / 448
+
+
+def write_kv_scales(src, dst, scales: torch.Tensor, strategy: str = "tensor", config_edit=None, tensors_edit=None):
+    """src (a save_pretrained dir) with compressed-tensors' kv_cache_scheme: k_scale / v_scale of each
+    layer ([1]: the max of the heads' scales, strategy "tensor"; [KVH]: "attn_head")."""
+    dst.mkdir(parents=True, exist_ok=True)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    for layer in range(scales.shape[0]):
+        for i, kind in enumerate("kv"):
+            s = scales[layer, i]
+            tensors[f"model.layers.{layer}.self_attn.{kind}_scale"] = s.amax()[None] if strategy == "tensor" else s.clone()
+    if tensors_edit:
+        tensors_edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    q = {"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": {**SCHEME, "strategy": strategy}}
+    if config_edit:
+        config_edit(q)
+    config["quantization_config"] = q
+    (dst / "config.json").write_text(json.dumps(config))
+    for extra in src.iterdir():  # a tokenizer, if any
+        if extra.name not in ("model.safetensors", "config.json") and extra.is_file():
+            shutil.copy(extra, dst / extra.name)
+    return dst
+
+
+def served_scales(scales: torch.Tensor, strategy: str) -> torch.Tensor:
+    """The [L, 2, KVH] scales the cache uses for what write_kv_scales wrote."""
+    return scales.amax(-1, keepdim=True).expand_as(scales).clone() if strategy == "tensor" else scales
+
+
+@pytest.fixture(scope="module")
+def kv_checkpoint(hf_model, tmp_path_factory):
+    """kv_checkpoint(family, strategy) -> (checkpoint dir with kv_cache_scheme, transformers model, scales served)."""
+    cache = {}
+
+    def make(family: str, strategy: str = "tensor"):
+        if (family, strategy) not in cache:
+            overrides = dict(attention_bias=True) if family == "llama" else TINY_MOE.get(family, {})
+            model, src = hf_model(family, **overrides)
+            scales = calibrate(model, [PROMPT] + [prompt_ids(i)[1:] for i in range(3)])
+            dst = write_kv_scales(src, tmp_path_factory.mktemp(f"kv-{family}-{strategy}"), scales, strategy)
+            cache[family, strategy] = (dst, model, served_scales(scales, strategy))
+        return cache[family, strategy]
+
+    return make
+
+
+def _adapter(base):
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**ADAPTERS["r4"]), adapter_name="r4")
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    return ref.eval()
+
+
+def _greedy(run, key, ids, steps, slot):
+    """Greedy tokens of one sequence through our paged model (prefill in two chunks, then decode steps),
+    and the logits of every position from the prompt's last on."""
+    half = len(ids) // 2
+    run.step([(key, ids[:half])], slots=[slot])
+    logits = [run.step([(key, ids[half:])], slots=[slot])[0][-1:]]
+    tokens = [int(logits[-1][-1].argmax())]
+    for _ in range(steps - 1):
+        logits.append(run.step([(key, [tokens[-1]])], slots=[slot])[0])
+        tokens.append(int(logits[-1][-1].argmax()))
+    return tokens, torch.cat(logits)
+
+
+def _hf_logits(model, ids, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :].float()
+
+
+# ---- the FP8 cache, served, against transformers + PEFT -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "family, strategy", [("llama", "tensor"), ("qwen2", "attn_head"), ("llama", "none"), ("mixtral", "attn_head")]
+)
+def test_fp8_cache_serves_like_transformers_on_the_same_quantized_kv(family, strategy, kv_checkpoint, hf_model, paged_runner):
+    """Base rows and an adapter's rows, prefill in chunks then decode: logits of transformers + PEFT
+    whose attention reads the same quantized K/V (1e-4), and logprobs of the unquantized model within
+    KV_LOGPROB_TOL. strategy "none": a checkpoint without scales, served at 1.0. The MoE model (Mixtral):
+    base rows only (its expert adapters are test_moe.py's)."""
+    if strategy == "none":
+        hf, path = hf_model(family, attention_bias=True)
+        scales = None
+    else:
+        path, hf, scales = kv_checkpoint(family, strategy)
+    spec = LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32)
+    ours = load_model(path, lora=spec)
+    assert ours.kv_scales is None if scales is None else torch.equal(ours.kv_scales, scales)
+    ref = _adapter(hf)
+    load_shard_into_slot(ours, 1, pack_shard(ref, "r4", declare_layout(ours.cfg, spec, "tiny")))
+    quantized = with_fp8_kv(ref, scales, f"loraserve_fp8_kv_{family}_{strategy}")
+    run = paged_runner(ours, block_size=4)
+    run.kv = KVCache.for_model(ours, 64, 4, FP8, "cpu")
+    assert run.kv.k_cache[0].dtype == FP8 and run.kv.k_cache[0].element_size() == 1
+    for key, slot in (("lora", 1), ("base", -1))[1 if family in TINY_MOE else 0 :]:
+        tokens, logits = _greedy(run, key, PROMPT, 5, slot)
+        with torch.no_grad():
+            if slot < 0:
+                with quantized.disable_adapter(), ref.disable_adapter():
+                    same, plain = _hf_logits(quantized, PROMPT, tokens), _hf_logits(ref, PROMPT, tokens)
+            else:
+                same, plain = _hf_logits(quantized, PROMPT, tokens), _hf_logits(ref, PROMPT, tokens)
+        torch.testing.assert_close(logits, same, atol=1e-4, rtol=0)
+        assert logits.argmax(-1).tolist() == tokens == same.argmax(-1).tolist()
+        got = torch.log_softmax(logits.double(), -1)[range(len(tokens)), tokens]
+        want = torch.log_softmax(plain.double(), -1)[range(len(tokens)), tokens]
+        assert (got - want).abs().max() < KV_LOGPROB_TOL
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_fp8_cache_under_gemmas_sliding_windows_and_soft_caps(family, paged_runner, tmp_path):
+    """Prompts longer than the windows, in chunks and a decode step (test_gemma.py's), side by side:
+    transformers' logits on the same quantized K/V (per-head scales) within test_gemma's 1e-4."""
+    from .test_gemma import _chunked, _hf, _prompt
+
+    ref = _hf(family)
+    ref.save_pretrained(tmp_path / "src")
+    prompts = {"a": _prompt(13, 1), "b": _prompt(13, 2)}
+    scales = calibrate(ref, prompts.values())
+    model = load_model(write_kv_scales(tmp_path / "src", tmp_path / "kv", scales, "attn_head"))
+    run = paged_runner(model, block_size=4)
+    run.kv = KVCache.for_model(model, 64, 4, FP8, "cpu")
+    outs = _chunked(run, prompts)
+    quantized = with_fp8_kv(ref, scales, f"loraserve_fp8_kv_{family}")
+    for name, ids in prompts.items():
+        with torch.no_grad():
+            want = quantized(torch.tensor([ids])).logits[0].float()
+        torch.testing.assert_close(outs[name], want, atol=1e-4, rtol=1e-4)
+
+
+def test_an_fp8_block_is_half_a_bf16_blocks_bytes():
+    """The same memory holds twice the FP8 blocks."""
+    args = (32, 16, 8, 128)
+    assert KVCache.bytes_per_block(*args, torch.bfloat16) == 2 * KVCache.bytes_per_block(*args, FP8)
+    kv = KVCache(2, 10, 4, 2, 8, FP8, "cpu")
+    bf16 = KVCache(2, 10, 4, 2, 8, torch.bfloat16, "cpu")
+    assert 2 * kv.k_cache[0].nbytes == bf16.k_cache[0].nbytes
+    assert [s.tolist() for s in kv.k_scale + kv.v_scale] == [[1.0, 1.0]] * 4  # no checkpoint scales: 1.0
+    assert bf16.k_scale == bf16.v_scale == [None, None]
+
+
+def test_each_tp_rank_keeps_its_kv_heads_scales(kv_checkpoint):
+    """Per-head scales cut with the heads: at tp 2 one kv head each; at tp 4 (more ranks than the
+    2 kv heads) each rank's replicated head's."""
+    path, _, scales = kv_checkpoint("qwen2", "attn_head")
+    for tp, head_of in ((2, [0, 1]), (4, [0, 0, 1, 1])):
+        for rank in range(tp):
+            got = load_model(path, tp=TPGroup(tp, rank)).kv_scales
+            assert torch.equal(got, scales[:, :, head_of[rank] : head_of[rank] + 1]), (tp, rank)
+
+
+def test_the_served_engine_reports_fp8_and_never_shares_prefix_blocks_with_a_float32_cache(
+    module_loop_thread, kv_checkpoint, save_byte_tokenizer, tmp_path
+):
+    path, hf, scales = kv_checkpoint("llama", "tensor")
+    save_byte_tokenizer(path)
+    (tmp_path / "adapters").mkdir()
+    c = Cluster(
+        module_loop_thread,
+        path,
+        tmp_path / "adapters",
+        tmp_path / "store",
+        [],
+        kv_cache_dtype="fp8",
+        cpu_threads=1,
+        max_model_len=128,
+    )
+    try:
+        engine = c.parts.engine
+        assert torch.equal(torch.stack(engine.kv_cache.k_scale), scales[:, 0])
+        client = c.client()
+        quantized = with_fp8_kv(hf, scales, "loraserve_fp8_kv_served")
+        for i in range(2):
+            ids = prompt_ids(i)[1:]  # the tiny vocabulary holds the bytes, not the tokenizer's BOS
+            resp = generate(client, "", ids)
+            out = list(resp.token_ids)
+            want = torch.log_softmax(_hf_logits(quantized, ids, out).double(), -1)[range(len(out)), out]
+            torch.testing.assert_close(torch.tensor(list(resp.logprobs), dtype=torch.float64), want, atol=2e-4, rtol=0)
+        assert client.info().kv_cache_dtype == "float8_e4m3fn"
+        labels = {"weight_dtype": "float32", "kv_cache_dtype": "float8_e4m3fn"}
+        assert c.parts.metrics.registry.get_sample_value("loraserve_executor_dtype_info", labels) == 1
+        model = f"{path}|tiny"  # the prefix cache's chains: the KV dtype is in every seed
+        for adapter, digest in (("", ""), ("a", "d1")):
+            seed = engine._cache_seed(adapter, digest)
+            assert seed == chain_seed(model, "torch.float8_e4m3fn", 4, adapter, digest)
+            assert seed != chain_seed(model, "torch.float32", 4, adapter, digest)
+    finally:
+        c.close()
+
+
+# ---- refusals, each before any weight is loaded ---------------------------------------------------
+
+
+@pytest.fixture
+def refuses(monkeypatch):
+    def never(*a, **k):
+        raise AssertionError("the model was built before the checkpoint was refused")
+
+    monkeypatch.setattr(loader, "build_causal_lm", never)
+
+    def check(path, match):
+        with pytest.raises(ValueError, match=match):
+            load_model(path)
+
+    return check
+
+
+K0 = "model.layers.0.self_attn.k_scale"
+V1 = "model.layers.1.self_attn.v_scale"
+
+
+def _set(name, value):
+    return lambda t: t.__setitem__(name, value)
+
+
+@pytest.mark.parametrize(
+    "config_edit, tensors_edit, match",
+    [
+        (lambda q: q["kv_cache_scheme"].update(num_bits=4), None, "kv_cache_scheme: num_bits 4 type 'float' is not supported"),
+        (lambda q: q["kv_cache_scheme"].update(type="int"), None, "kv_cache_scheme: num_bits 8 type 'int' is not supported"),
+        (lambda q: q["kv_cache_scheme"].update(strategy="token"), None, "kv_cache_scheme: strategy 'token' is not supported"),
+        (lambda q: q["kv_cache_scheme"].update(dynamic=True), None, "kv_cache_scheme: dynamic scales are not supported"),
+        (lambda q: q["kv_cache_scheme"].update(symmetric=False), None, "kv_cache_scheme: asymmetric scales"),
+        (None, lambda t: t.pop(K0), f"'{K0}' is missing"),
+        (None, _set(K0, torch.tensor([float("nan")])), f"'{K0}' holds NaN or infinite KV cache scales"),
+        (None, _set(V1, torch.tensor([float("inf")])), f"'{V1}' holds NaN or infinite KV cache scales"),
+        (None, _set(K0, torch.tensor([-0.5])), f"'{K0}' holds KV cache scales that are not positive"),
+        (None, _set(V1, torch.tensor([0.0])), f"'{V1}' holds KV cache scales that are not positive"),
+        (None, _set(K0, torch.ones(3)), rf"'{K0}' is \[3\]; a KV cache scale is one value or one per kv head \(2\)"),
+        (None, _set(K0, torch.ones(1, dtype=torch.int32)), f"'{K0}' is I32; KV cache scales must be floating point"),
+        (
+            None,
+            _set("model.layers.7.self_attn.k_scale", torch.ones(1)),
+            "'model.layers.7.self_attn.k_scale' is a KV cache scale of a layer the model does not have",
+        ),
+    ],
+    ids=[
+        "num_bits",
+        "type",
+        "strategy",
+        "dynamic",
+        "asymmetric",
+        "missing",
+        "nan",
+        "inf",
+        "negative",
+        "zero",
+        "shape",
+        "int",
+        "layer",
+    ],
+)
+def test_a_kv_cache_scheme_the_cache_cannot_take_is_refused_naming_it(
+    config_edit, tensors_edit, match, hf_model, refuses, tmp_path
+):
+    _, src = hf_model("llama")
+    scales = torch.full((2, 2, 2), 0.01)
+    refuses(write_kv_scales(src, tmp_path / "ckpt", scales, config_edit=config_edit, tensors_edit=tensors_edit), match)
+
+
+def test_kv_cache_dtype_is_checked_in_the_config_and_on_the_device(monkeypatch):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'\), got 'fp16'"):
+        ExecutorConfig(kv_cache_dtype="fp16")
+    assert ExecutorConfig(kv_cache_dtype="fp8").torch_kv_dtype == FP8
+    assert ExecutorConfig(dtype="bfloat16").torch_kv_dtype == torch.bfloat16
+    assert kv_scales.kv_cache_dtype_error("fp8", "cpu") is None  # torch converts float8_e4m3fn on the CPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert kv_scales.kv_cache_dtype_error("fp8", "cuda:0") == (
+        "--kv-cache-dtype fp8 needs a GPU with FP8 conversions: cuda:0 is compute capability 8.0 (8.9+ has them)"
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert kv_scales.kv_cache_dtype_error("fp8", "cuda:0") is None
+
+
+def test_fp8_kv_on_a_gpu_without_fp8_is_refused_at_start(hf_model, monkeypatch):
+    """build_executor refuses before the model is loaded (or any rank spawned)."""
+    from loraserve.executor import service
+
+    _, path = hf_model("llama")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(service, "load_model", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
+    cfg = ExecutorConfig(model=str(path), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=64)
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 needs a GPU with FP8 conversions: cuda is compute capability 8.0"):
+        service.build_executor(cfg)
+
+
+def test_executor_cli_exits_at_start_naming_a_malformed_scale(hf_model, tmp_path):
+    """`loraserve executor --kv-cache-dtype fp8` on a checkpoint with a NaN k_scale: exit 1, the tensor named."""
+    _, src = hf_model("llama")
+    path = write_kv_scales(
+        src, tmp_path / "ckpt", torch.full((2, 2, 2), 0.01), tensors_edit=_set(K0, torch.tensor([float("nan")]))
+    )
+    out = subprocess.run(
+        [LORASERVE, "executor", "--model", str(path), "--device", "cpu", "--kv-cache-dtype", "fp8",
+         "--executor-listen", "127.0.0.1:0", "--http-port", "0", "--executor-metrics-port", "0",
+         "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert f"error: checkpoint tensor '{K0}' holds NaN or infinite KV cache scales" in out.stderr, out.stderr
+
+
+def test_an_fp8_weight_checkpoint_with_a_kv_cache_scheme_loads_both(hf_model, tmp_path):
+    """llm-compressor's FP8 weights and FP8 KV in one checkpoint: the weights dequantized as without
+    the scheme, the K/V scales read beside them (not taken for weight scales)."""
+    from .test_fp8 import quantization_config, write_fp8
+
+    _, src = hf_model("llama")
+    ref_dir = write_fp8(src, tmp_path / "w8", "ct-channel")
+    scales = torch.rand(2, 2, 2) / 100 + 0.001
+    path = write_kv_scales(
+        tmp_path / "w8", tmp_path / "w8kv", scales, "attn_head",
+        config_edit=lambda q: q.update({k: v for k, v in quantization_config("ct-channel").items()}),
+    )  # fmt: skip
+    model = load_model(path)
+    assert torch.equal(model.kv_scales, scales)
+    for name, p in load_model(ref_dir).named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name], p, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_fp8_cache_on_cuda_through_the_graphs_scores_like_the_quantized_reference(
+    module_loop_thread, hf_model, save_byte_tokenizer, tmp_path
+):
+    """bf16 compute with the FP8 cache, decode replayed from the CUDA graphs, three requests at once:
+    each row's logprobs within 0.15 of the float32 transformers model on the same quantized K/V (the
+    bf16 rows' 0.1 of test_fp8_service.py, and room for bf16-rounded keys that round to another FP8
+    value)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a CUDA GPU with FP8 conversions (compute capability 8.9+)")
+    from .conftest import check_bf16_rows, run_group
+
+    hf, src = hf_model("llama", vocab_size=260, bos_token_id=256, eos_token_id=257, pad_token_id=258, max_position_embeddings=512)
+    scales = calibrate(hf, [prompt_ids(i) for i in range(3)])
+    path = write_kv_scales(src, tmp_path / "kv", scales, "attn_head")
+    save_byte_tokenizer(path)
+    (tmp_path / "adapters").mkdir()
+    c = Cluster(
+        module_loop_thread, path, tmp_path / "adapters", tmp_path / "store", [], device="cuda", dtype="bfloat16",
+        kv_cache_dtype="fp8",
+    )  # fmt: skip
+    try:
+        engine = c.parts.engine
+        assert engine.graphs is not None and engine.kv_cache.k_cache[0].dtype == FP8
+        client = c.client()
+        assert client.info().kv_cache_dtype == "float8_e4m3fn"
+        quantized = with_fp8_kv(hf, scales, "loraserve_fp8_kv_cuda")
+        check_bf16_rows({"": quantized}, *run_group(client, ["", "", ""], max_tokens=12), tol=0.15)
+    finally:
+        c.close()
