@@ -261,10 +261,13 @@ def test_an_fp8_block_is_half_a_bf16_blocks_bytes():
     assert bf16.k_scale == bf16.v_scale == [None, None]
 
 
+@pytest.mark.parametrize("tp, strategy", [(1, "tensor"), (2, "attn_head")])
 def test_the_served_engine_reports_fp8_and_never_shares_prefix_blocks_with_a_float32_cache(
-    module_loop_thread, kv_checkpoint, save_byte_tokenizer, tmp_path
+    tp, strategy, module_loop_thread, kv_checkpoint, save_byte_tokenizer, tmp_path
 ):
-    path, hf, scales = kv_checkpoint("llama", "tensor")
+    """Served through a real store and executor (at tp 2 over gloo, each rank with its kv head's
+    scales): logprobs of transformers on the same quantized K/V (2e-4, check_against_reference's)."""
+    path, hf, scales = kv_checkpoint("llama", strategy)
     save_byte_tokenizer(path)
     (tmp_path / "adapters").mkdir()
     c = Cluster(
@@ -276,12 +279,14 @@ def test_the_served_engine_reports_fp8_and_never_shares_prefix_blocks_with_a_flo
         kv_cache_dtype="fp8",
         cpu_threads=1,
         max_model_len=128,
+        tp_size=tp,
+        tp_timeout_s=60.0,
     )
     try:
         engine = c.parts.engine
-        assert torch.equal(torch.stack(engine.kv_cache.k_scale), scales[:, 0])
+        assert torch.equal(torch.stack(engine.kv_cache.k_scale), scales[:, 0, : 2 // tp])  # rank 0's heads
         client = c.client()
-        quantized = with_fp8_kv(hf, scales, "loraserve_fp8_kv_served")
+        quantized = with_fp8_kv(hf, scales, f"loraserve_fp8_kv_served_{strategy}")
         for i in range(2):
             ids = prompt_ids(i)[1:]  # the tiny vocabulary holds the bytes, not the tokenizer's BOS
             resp = generate(client, "", ids)
