@@ -6,7 +6,9 @@ Under Triton's interpreter (TRITON_INTERPRET=1, no GPU: `make test`'s second pas
 queries, against the float64 reference on the dequantized cache (fp8 * scale): relative error below
 1e-5, the float32 kernels' own bound (test_attention_interpreter.py). On a CUDA GPU with bf16 queries,
 against the bf16 kernel on the same dequantized values (rounded to bf16, 2^-9 relative): below 1e-2,
-the bf16 kernels' bound against float64 (test_attention_gpu.py).
+the bf16 kernels' bound against float64 (test_attention_gpu.py). Under the interpreter its float32 ->
+FP8 conversion is torch's round to nearest even, as the GPU's (conftest's interpreter_fp8_rounding:
+Triton 3.6's own loses the carry into the next power of two).
 """
 
 from __future__ import annotations
@@ -99,9 +101,10 @@ def test_the_fp8_kernels_run_in_triton_not_on_the_reference(monkeypatch):
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (32, 8, 128)])
 def test_rope_and_cache_quantizes_keys_and_values_into_an_fp8_cache(heads, kv_heads, head_dim):
-    """k: RoPE in float32, then / scale, rounded to nearest (one FP8 step of the reference at most: the
-    reference rounds the rotated key to k's dtype first); v: exactly the reference's. A value past
-    ±448 * scale saturates to ±448, never inf or NaN."""
+    """k: RoPE in float32, then / scale, rounded to nearest: one FP8 step of the reference at most (the
+    reference rounds the rotated key to k's dtype first); v: the reference's exactly under the
+    interpreter, within one FP8 step on a GPU (its float32 division may differ in the last bit). A
+    value past ±448 * scale saturates to ±448, never inf or NaN."""
     torch.manual_seed(1)
     tokens, num_blocks, block_size = 11, 6, 4
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=DEV, dtype=DTYPE)
@@ -121,7 +124,9 @@ def test_rope_and_cache_quantizes_keys_and_values_into_an_fp8_cache(heads, kv_he
     out = triton_ops.rope_and_cache(q, k, v, cos, sin, kc, vc, slots, k_scale, v_scale)
     ref = ops_reference.rope_and_cache(q, k, v, cos, sin, ref_kc, ref_vc, slots, k_scale, v_scale)
     assert _rel(out, ref) < (1e-6 if INTERPRET else 1e-2)
-    step = ref_kc.float().abs().clamp(min=2**-6) / 8  # one e4m3 step (3 mantissa bits; subnormals 2^-9)
-    assert ((kc.float() - ref_kc.float()).abs() <= step).all()
-    torch.testing.assert_close(vc.float(), ref_vc.float(), atol=0, rtol=0)
+    for got, want in ((kc, ref_kc), (vc, ref_vc)):
+        step = want.float().abs().clamp(min=2**-6) / 8  # one e4m3 step (3 mantissa bits; subnormals 2^-9)
+        assert ((got.float() - want.float()).abs() <= step).all()
+    if INTERPRET:
+        torch.testing.assert_close(vc.float(), ref_vc.float(), atol=0, rtol=0)
     assert torch.isfinite(vc.float()).all() and vc.float().abs().max() == 448
