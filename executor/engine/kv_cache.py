@@ -57,6 +57,8 @@ class KVCache:
             scales = scales.to(device=device, dtype=torch.float32)
             self.k_scale = [scales[i, 0].contiguous() for i in range(num_layers)]
             self.v_scale = [scales[i, 1].contiguous() for i in range(num_layers)]
+        # built once: the eager forward passes one per layer every step
+        self._layers = [LayerKV(*parts) for parts in zip(self.k_cache, self.v_cache, self.k_scale, self.v_scale)]
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int, dtype, device) -> KVCache:
@@ -66,7 +68,8 @@ class KVCache:
         return cls(c.num_layers, num_blocks, block_size, model.num_kv_heads, c.head_dim, dtype, device, model.kv_scales)
 
     def layer(self, i: int) -> LayerKV:
-        return LayerKV(self.k_cache[i], self.v_cache[i], self.k_scale[i], self.v_scale[i])
+        """Layer i's caches and scales."""
+        return self._layers[i]
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:

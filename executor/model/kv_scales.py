@@ -13,6 +13,7 @@ without them every scale is 1.0.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -89,10 +90,7 @@ def read_kv_scales(meta: dict[str, tuple[str, list[int]]], read_tensor, num_laye
             dtype, shape = meta[name]
             if dtype not in ("F32", "F16", "BF16", "F64"):
                 raise ValueError(f"checkpoint tensor {name!r} is {dtype}; KV cache scales must be floating point")
-            numel = 1
-            for n in shape:
-                numel *= n
-            if numel not in (1, num_kv_heads):
+            if math.prod(shape) not in (1, num_kv_heads):
                 raise ValueError(
                     f"checkpoint tensor {name!r} is {list(shape)}; a KV cache scale is one value or one per kv head "
                     f"({num_kv_heads})"
