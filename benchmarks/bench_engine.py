@@ -39,6 +39,9 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
   layer but lm_head quantized to FP8 at load (per output channel), so the bytes floor is the FP8
   weights' + K/V; a bf16 engine of the same shape runs its base decode and prefill cases first, and
   the FP8 rows give its tokens/s and FLOP rate beside theirs.
+- `--kv-cache-dtype fp8` (a GPU of compute capability 8.9+): the KV cache in float8_e4m3fn (scales
+  1.0: random weights carry none), for both engines of the run; the decode floor counts its K/V
+  bytes at 1 byte per element.
 EOS is ignored (random weights would end rows at random).
 """
 
@@ -64,6 +67,7 @@ from loraserve.executor.engine.sampler import SamplingParams
 from loraserve.executor.lora import lora_modules
 from loraserve.executor.model import fp8
 from loraserve.executor.model.config import ModelConfig
+from loraserve.executor.model.kv_scales import kv_cache_dtype_error
 from loraserve.executor.model.llama import LlamaForCausalLM
 from loraserve.executor.model.moe import build_causal_lm
 from loraserve.executor.model.tokenizer import Tokenizer
@@ -224,6 +228,7 @@ def build_engine(args, tokenizer: Tokenizer, quantization: str = "") -> tuple[bu
         max_num_seqs=max(*args.batches, args.streams, 16), max_num_batched_tokens=4096,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, admit_ratio=args.admit_ratio,
         store_address=NO_STORE, adapter_refresh_s=0, quantization=quantization, enable_dora=args.dora,
+        kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE, dora=cfg.enable_dora)  # --dora: slots with DoRA scales
     model = build_model(args.shape, args.vocab, spec, fp8_linears=quantization == "fp8")
@@ -552,7 +557,8 @@ async def run(args) -> list[tuple[str, str, str, str]]:
     engine.start()
     cfg = engine.model.cfg
     wbytes = weight_bytes(engine.model)
-    kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * DTYPE.itemsize  # k and v
+    kv_itemsize = engine.kv_cache.k_cache[0].element_size()  # 1 with --kv-cache-dtype fp8
+    kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_itemsize  # k and v
     rows = [
         ("copy bandwidth (read + write)", f"{bandwidth / 1e9:.0f} GB/s", "", ""),
         ("matmul peak (8192^3 bf16 on CUDA)", f"{peak / 1e12:.1f} TFLOP/s", "", ""),
@@ -694,6 +700,12 @@ def main() -> None:
         default="",
         help="fp8: the linear layers in FP8 (quantized at load), beside a bf16 engine's rates of the same run",
     )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="fp8: the KV cache in float8_e4m3fn (scales 1.0), its K/V bytes in the decode floor at 1 byte an element",
+    )
     ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.ranks = args.ranks or [args.rank]
@@ -707,6 +719,8 @@ def main() -> None:
         raise SystemExit("bench_engine.py needs a CUDA host (--device cpu: a smoke run of the script)")
     if args.quantization and (error := fp8.fp8_compute_error(DEVICE, DTYPE)) is not None:
         raise SystemExit(f"--quantization {args.quantization} needs FP8 compute: {error}")
+    if (error := kv_cache_dtype_error(args.kv_cache_dtype, DEVICE)) is not None:
+        raise SystemExit(error)
     if args.table is not None and DEVICE == "cuda":
         from loraserve.kernels import tuning
 
@@ -722,6 +736,7 @@ def main() -> None:
     print(
         f"\nengine benchmark - {args.shape} shape, random {str(DTYPE).removeprefix('torch.')} weights"
         f"{' quantized to FP8 at load (lm_head and embeddings not)' if args.quantization else ''}, "
+        f"{'FP8 KV cache, ' if args.kv_cache_dtype == 'fp8' else ''}"
         f"vocab {SHAPES[args.shape].get('vocab_size', args.vocab)}, "
         f"{where}, torch {torch.__version__}, "
         f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "

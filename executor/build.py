@@ -90,7 +90,14 @@ def build_engine(
     ExecutorParts.generate). writers: `slot_writers(model)` or wrappers of them. trace: SlotManager's."""
     mc = model.cfg
     resolve_max_model_len(cfg, mc)
-    kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
+    kv = KVCache.for_model(model, cfg.num_blocks, cfg.block_size, cfg.torch_kv_dtype, cfg.device)
+    if kv.dtype == torch.float8_e4m3fn:
+        scales = "the checkpoint's K/V scales" if model.kv_scales is not None else "K/V scales 1.0 (the checkpoint has none)"
+        log.info("KV cache: %d blocks in float8_e4m3fn, %s", cfg.num_blocks, scales)
+    elif model.kv_scales is not None:
+        log.info(
+            "KV cache in %s: the checkpoint's K/V scales go unused (--kv-cache-dtype fp8 uses them)", fp8.dtype_name(kv.dtype)
+        )
     modules = lora_modules(model)
     resolve_adapter_memory(cfg, model, modules)
     arena = pinned_arena(cfg, memory.lora_bytes_per_slot(modules))

@@ -128,6 +128,13 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
         "slot or the CPU cache never wait for one)",
     )
     p.add_argument("--num-blocks", type=int, default=int(env("num_blocks", 512)), help="KV cache blocks")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=env("kv_cache_dtype", "auto"),
+        choices=["auto", "fp8"],
+        help="auto: the KV cache in --dtype; fp8: float8_e4m3fn with per-kv-head scales (the checkpoint's "
+        "kv_cache_scheme, else 1.0), half a bf16 block's bytes (CPU, or a CUDA GPU of compute capability 8.9+)",
+    )
     p.add_argument("--block-size", type=int, default=int(env("block_size", 16)))
     p.add_argument("--max-num-seqs", type=int, default=int(env("max_num_seqs", 32)))
     p.add_argument("--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", 2048)))
@@ -289,6 +296,7 @@ def executor_config(a: argparse.Namespace):
         cpu_cache_bytes=a.cpu_cache_bytes,
         max_concurrent_loads=a.max_concurrent_loads,
         num_blocks=a.num_blocks,
+        kv_cache_dtype=a.kv_cache_dtype,
         block_size=a.block_size,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,

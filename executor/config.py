@@ -13,6 +13,7 @@ from loraserve.metrics import DEFAULT_MAX_ADAPTER_LABELS
 from loraserve.tls import ClientTls, ServerTls
 
 from .engine.kv_events import endpoint_error
+from .model.kv_scales import KV_CACHE_DTYPES, cache_dtype
 from .parallel import ep_with_tp_error
 
 # Tokens of real vocabularies rarely exceed 16 bytes; twice that leaves room for chat markup
@@ -57,6 +58,9 @@ class ExecutorConfig:
 
     # KV cache and batching.
     num_blocks: int = 1024  # KV blocks of block_size tokens each
+    # "auto": the KV cache in the compute dtype; "fp8": float8_e4m3fn with per-kv-head scales (the
+    # checkpoint's kv_cache_scheme, else 1.0; executor/model/kv_scales.py): half the bytes of a bf16 block
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 32  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens (prefill + decode) in one step
@@ -102,6 +106,8 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in ("", "fp8"):
             raise ValueError(f"quantization must be '' or 'fp8', got {self.quantization!r}")
         if self.tp_size < 1:
@@ -163,3 +169,8 @@ class ExecutorConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        """The KV cache tensors' dtype."""
+        return cache_dtype(self.kv_cache_dtype, self.torch_dtype)

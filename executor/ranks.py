@@ -403,9 +403,7 @@ class _Rank:
             cfg.model, cfg.torch_dtype, self.device, lora=spec, tp=self.tp, ep=self.ep, quantization=cfg.quantization
         )
         mc = self.model.cfg
-        self.kv = KVCache(
-            mc.num_layers, cfg.num_blocks, cfg.block_size, self.model.num_kv_heads, mc.head_dim, cfg.torch_dtype, self.device
-        )
+        self.kv = KVCache.for_model(self.model, cfg.num_blocks, cfg.block_size, cfg.torch_kv_dtype, self.device)
         self.modules = lora_modules(self.model)
         self.packed = any(m.packed_b for m in self.modules.values())
         layout = declare_layout(mc, spec, cfg.base_model, cfg.tp_size, cfg.ep_size)

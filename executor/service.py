@@ -32,6 +32,7 @@ from .http import serve_http
 from .layout import model_config
 from .lora import lora_modules
 from .model import fp8
+from .model.kv_scales import kv_cache_dtype_error
 from .model.loader import load_model
 from .model.tokenizer import Tokenizer
 from .parallel import ep_size_error, roles, tp_size_error
@@ -104,6 +105,8 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     resolve_max_model_len(cfg, mc)  # before the ranks are spawned: they get rank 0's length
     if (error := fp8.quantization_error(cfg.quantization, cfg.device, cfg.torch_dtype)) is not None:
         raise ValueError(error)  # before the ranks are spawned too
+    if (error := kv_cache_dtype_error(cfg.kv_cache_dtype, cfg.device)) is not None:
+        raise ValueError(error)
     ranks = None
     if cfg.world_size > 1:
         error = tp_size_error(mc, cfg.tp_size, cfg.max_rank, cfg.fully_sharded_loras) or ep_size_error(mc, cfg.ep_size)

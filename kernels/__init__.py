@@ -93,11 +93,14 @@ def _attention_impl(t: torch.Tensor):
     return _on_device(t, "triton_attention", attention_reference)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None, softcap=None):
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None, softcap=None, k_scale=None, v_scale=None
+):
     """One query per sequence over its paged K/V: see kernels/attention_reference.py for the shapes.
-    sliding_window, softcap: the layer's (host constants: a captured graph bakes them in)."""
+    sliding_window, softcap: the layer's (host constants: a captured graph bakes them in).
+    k_scale, v_scale: [KVH] float32 device tensors of a float8_e4m3fn cache; None otherwise."""
     return _attention_impl(q).paged_decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out, softcap=softcap
+        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out, softcap=softcap, k_scale=k_scale, v_scale=v_scale
     )
 
 
@@ -114,12 +117,15 @@ def paged_prefill_attention(
     out=None,
     work=None,
     softcap=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Variable-length causal queries over paged K/V: see kernels/attention_reference.py for the shapes.
-    work: the Triton kernel's work list (kernels/attention_plan.py), for captured steps."""
+    work: the Triton kernel's work list (kernels/attention_plan.py), for captured steps.
+    k_scale, v_scale: as in paged_decode_attention."""
     return _attention_impl(q).paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window, out, work,
-        softcap=softcap,
+        softcap=softcap, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 
@@ -138,9 +144,10 @@ def rms_norm(x, weight, eps: float, residual=None, unit_offset: bool = False):
     return _ops_impl(x).rms_norm(x, weight, eps, residual)
 
 
-def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
-    """RoPE on q and k; k and v written to the paged cache; returns the rotated q."""
-    return _ops_impl(q).rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    """RoPE on q and k; k and v written to the paged cache (an FP8 cache's quantized with its k_scale,
+    v_scale [KVH]: kernels/ops_reference.py); returns the rotated q."""
+    return _ops_impl(q).rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def silu_and_mul(gate_up):

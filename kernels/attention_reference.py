@@ -5,7 +5,8 @@ token p of sequence b is row `p % block_size` of block `block_tables[b, p // blo
 Both functions loop over sequences on the host, gather exactly the keys each one sees (the
 block table's tail and keys outside a sliding window are never read, so stale or NaN memory
 there cannot leak in through 0 * NaN), and make one 4-D SDPA call per sequence with the GQA
-group folded into the query length (no repeat of K/V). The lengths are read on the host, so
+group folded into the query length (no repeat of K/V). An FP8 cache (float8_e4m3fn, with k_scale and
+v_scale [KVH] float32: real value = fp8 * scale) is dequantized to q's dtype as it is gathered. The lengths are read on the host, so
 on CUDA this path synchronises and cannot be captured in a graph; there it is only the
 fallback when Triton is missing or a shape is unsupported (kernels/triton_attention.py).
 """
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 
 def paged_decode_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None, softcap=None
+    q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None, softcap=None, k_scale=None, v_scale=None
 ) -> torch.Tensor:
     """One query token per sequence over its paged keys/values.
 
@@ -29,6 +30,7 @@ def paged_decode_attention(
     sliding_window:  None or W: the query at p = seq_len - 1 sees keys at positions (p - W, p]
     out:             optional [B, H, D]
     softcap:         None or c: each score s = q.k * scale becomes c * tanh(s / c) before the softmax (Gemma 2)
+    k_scale/v_scale: [KVH] float32 for a float8_e4m3fn cache (k = fp8 * k_scale[head]); None otherwise
     -> out [B, H, D], dtype of q
     """
     if out is None:
@@ -38,7 +40,7 @@ def paged_decode_attention(
             out[b] = 0
             continue
         first = 0 if sliding_window is None else max(0, seq_len - sliding_window)
-        k, v = _gather(k_cache, v_cache, block_tables[b], first, seq_len)  # [KVH, L, D]
+        k, v = _gather(k_cache, v_cache, block_tables[b], first, seq_len, k_scale, v_scale, q.dtype)  # [KVH, L, D]
         out[b] = _attend(q[b][None], k, v, None, scale, softcap)[0]
     return out
 
@@ -56,6 +58,8 @@ def paged_prefill_attention(
     out=None,
     work=None,
     softcap=None,
+    k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """Variable-length causal queries (prefill chunks and decode tokens mixed) over cached + new keys.
 
@@ -65,7 +69,7 @@ def paged_prefill_attention(
     cu_query_lens: [B + 1] int32, sequence b owns q rows [cu[b], cu[b + 1])
     max_query_len: host int, the longest chunk (unused here: the Triton grid is sized by it)
     work:          the Triton kernel's work list (unused here)
-    softcap:       as in paged_decode_attention
+    softcap, k_scale, v_scale: as in paged_decode_attention
     Query j of sequence b sits at p = seq_len_b - q_len_b + j and sees keys at positions <= p
     (and > p - W with a sliding window W). Sequences with q_len 0 produce nothing.
     -> out [T, H, D], dtype of q
@@ -80,7 +84,7 @@ def paged_prefill_attention(
             continue
         ctx = seq_len - q_len  # keys cached before this chunk
         first = 0 if sliding_window is None else max(0, ctx - sliding_window + 1)  # the first query's window
-        k, v = _gather(k_cache, v_cache, block_tables[b], first, seq_len)
+        k, v = _gather(k_cache, v_cache, block_tables[b], first, seq_len, k_scale, v_scale, q.dtype)
         q_pos = torch.arange(ctx, seq_len, device=q.device)[:, None]  # [q_len, 1]
         k_pos = torch.arange(first, seq_len, device=q.device)[None, :]  # [1, L]
         mask = k_pos <= q_pos
@@ -90,13 +94,18 @@ def paged_prefill_attention(
     return out
 
 
-def _gather(k_cache, v_cache, table, first: int, last: int):
-    """Keys and values at positions [first, last) of one sequence -> two [KVH, last - first, D]."""
+def _gather(k_cache, v_cache, table, first: int, last: int, k_scale=None, v_scale=None, dtype=None):
+    """Keys and values at positions [first, last) of one sequence -> two [KVH, last - first, D]; an FP8
+    cache's dequantized (fp8 * scale in float32, then to dtype)."""
     block_size = k_cache.shape[1]
     pos = torch.arange(first, last, device=k_cache.device)
     blocks = table.to(torch.long)[pos // block_size]
     rows = pos % block_size
-    return k_cache[blocks, rows].transpose(0, 1), v_cache[blocks, rows].transpose(0, 1)
+    k, v = k_cache[blocks, rows].transpose(0, 1), v_cache[blocks, rows].transpose(0, 1)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k = (k.float() * k_scale[:, None, None]).to(dtype)
+        v = (v.float() * v_scale[:, None, None]).to(dtype)
+    return k, v
 
 
 def _attend(q, k, v, mask, scale, softcap=None):

@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, unit_offset: bool = False):
     """(norm(h) * weight, h) with h = x + residual (or x alone when residual is None).
@@ -26,18 +29,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return weight * hf.to(h.dtype), h
 
 
-def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> torch.Tensor:
     """Rotates q and k (RoPE) and writes k, v to the paged cache. Returns the rotated q [T, H, D].
 
     q: [T, H, D]; k, v: [T, KVH, D] (views of the fused qkv output are fine); cos, sin: [T, D];
     k_cache, v_cache: [num_blocks, block_size, KVH, D]; slot_mapping: [T] long cache slots.
+    A float8_e4m3fn cache with k_scale, v_scale [KVH] float32 gets quantize_kv(k, k_scale) and
+    quantize_kv(v, v_scale).
     """
     q = _rotate(q, cos, sin)
     k = _rotate(k, cos, sin)
+    if k_cache.dtype == FP8:  # copied as bytes: torch's index_copy_ has no float8 kernel on the CPU
+        k, v = quantize_kv(k, k_scale).view(torch.uint8), quantize_kv(v, v_scale).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
     return q
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, KVH, D] -> float8_e4m3fn x / scale[head] in float32, clamped to ±448 (saturating, never
+    inf or NaN for finite x), rounded to nearest."""
+    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

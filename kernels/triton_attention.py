@@ -17,6 +17,12 @@ synchronisation, so both capture in a CUDA graph. Softmax runs in base 2 with th
 folded in; accumulation is fp32, output in q's dtype. A layer's sliding window and score
 soft-cap (Gemma 2) are host constants: each (window or not, soft-cap or not) is a variant of
 the kernel, the values are scalar arguments.
+
+An FP8 cache (float8_e4m3fn, KV_FP8: a variant of each kernel, so the other dtypes compile as
+without it) holds k / k_scale and v / v_scale with one float32 scale per kv head, read from device
+memory (graph-safe). A program serves one kv head, so its K scale folds into the score scale and its V
+scale into the output; the FP8 values convert exactly to q's dtype for tl.dot. That is
+q.(fp8 * k_scale) and p.(fp8 * v_scale) computed in float32, the reference's dequantized cache.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from .attention_plan import prefill_config
 from .tuning import num_sms
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8 = torch.float8_e4m3fn  # the cache's, with per-kv-head scales
 _LOG2E = 1.4426950408889634
 _MIN_PARTITION = 64  # tokens per split at least (one BLOCK_N tile at D 128; H100 sweep, B 1 x ctx 1024: 11.3 us vs 13.5 at 128)
 _MAX_SPLITS = 64
@@ -55,6 +62,8 @@ def _decode_kernel(
     part_acc_ptr,
     part_m_ptr,
     part_l_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     window,
     softcap_log2,
@@ -77,6 +86,7 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Program (b, kv head, split): the GROUP query heads of one kv head over keys of one partition.
 
@@ -110,6 +120,8 @@ def _decode_kernel(
     table = tables_ptr + b.to(tl.int64) * stride_tb
     k_head = k_ptr + kvh * stride_kh
     v_head = v_ptr + kvh * stride_kh
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kvh)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -123,6 +135,8 @@ def _decode_kernel(
         rows = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_head + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
         if SOFTCAP:
             s = _soft_cap(s, softcap_log2)
@@ -132,8 +146,12 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kvh)
 
     if not SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (a batch's padding row): zeros
@@ -209,6 +227,7 @@ def _prefill_tiles(
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online softmax over key tiles starting in [start_lo, start_hi). MASKED: apply causal / window /
     [lo, hi) masks; otherwise every row sees every key of these tiles (the caller chose them so)."""
@@ -223,6 +242,8 @@ def _prefill_tiles(
             kv_mask = d_mask[None, :]
         rows = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks
         k = tl.load(k_head + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
             s = _soft_cap(s, softcap_log2)
@@ -237,6 +258,8 @@ def _prefill_tiles(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -256,6 +279,8 @@ def _prefill_kernel(
     cu_ptr,
     out_ptr,
     work_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     window,
     softcap_log2,
@@ -278,6 +303,7 @@ def _prefill_kernel(
     SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     WORK: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Program (query block, kv head, b): rows r = (query j0 + r // GROUP, head kvh * GROUP + r % GROUP).
 
@@ -324,6 +350,8 @@ def _prefill_kernel(
         table = tables_ptr + b.to(tl.int64) * stride_tb
         k_head = k_ptr + kvh * stride_kh
         v_head = v_ptr + kvh * stride_kh
+        if KV_FP8:
+            scale_log2 = scale_log2 * tl.load(k_scale_ptr + kvh)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -353,6 +381,7 @@ def _prefill_kernel(
             HAS_WINDOW,
             SOFTCAP,
             PRECISION,
+            KV_FP8,
         )
         acc, m_i, l_i = _prefill_tiles(
             acc,
@@ -380,6 +409,7 @@ def _prefill_kernel(
             HAS_WINDOW,
             SOFTCAP,
             PRECISION,
+            KV_FP8,
         )
         acc, m_i, l_i = _prefill_tiles(
             acc,
@@ -407,7 +437,10 @@ def _prefill_kernel(
             HAS_WINDOW,
             SOFTCAP,
             PRECISION,
+            KV_FP8,
         )
+        if KV_FP8:
+            acc = acc * tl.load(v_scale_ptr + kvh)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_rows = (q_start + j).to(tl.int64) * stride_ot + (kvh * GROUP + offs_m % GROUP) * stride_oh
         tl.store(
@@ -418,12 +451,13 @@ def _prefill_kernel(
 
 
 def paged_decode_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None, softcap=None
+    q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None, softcap=None, k_scale=None, v_scale=None
 ) -> torch.Tensor:
     """One query token per sequence over its paged keys/values (see attention_reference for the math).
 
     q:               [B, H, D] fp16 / bf16 / fp32, D contiguous
-    k_cache/v_cache: [num_blocks, block_size, KVH, D], same dtype and strides, D contiguous
+    k_cache/v_cache: [num_blocks, block_size, KVH, D], same dtype and strides, D contiguous: q's dtype,
+                     or float8_e4m3fn with k_scale/v_scale [KVH] float32 (dequantized as read)
     block_tables:    [B, max_blocks] int32
     seq_lens:        [B] int32, the current token's k/v already cached (0: a padding row, gets zeros)
     out:             optional [B, H, D], dtype of q
@@ -431,15 +465,17 @@ def paged_decode_attention(
     """
     if out is None:
         out = torch.empty_like(q)
-    if not _supported(q, k_cache, v_cache, out):
+    if not _supported(q, k_cache, v_cache, out, k_scale, v_scale):
         return reference.paged_decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out, softcap=softcap
-        )
+            q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out, softcap=softcap,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
+    fp8 = k_cache.dtype == _FP8
     d_pad = _d_pad(head_dim)
     block_n, num_warps, num_stages = decode_config(d_pad)
     splits, partition = decode_splits(
@@ -460,6 +496,8 @@ def paged_decode_attention(
         part_acc,
         part_m,
         part_l,
+        k_scale if fp8 else out,  # unread without FP8
+        v_scale if fp8 else out,
         scale * _LOG2E,
         sliding_window or 0,
         (softcap or 0.0) * _LOG2E,
@@ -482,6 +520,7 @@ def paged_decode_attention(
         HAS_WINDOW=sliding_window is not None,
         SOFTCAP=softcap is not None,
         PRECISION=_precision(q),
+        KV_FP8=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -531,6 +570,8 @@ def paged_prefill_attention(
     out=None,
     work=None,
     softcap=None,
+    k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """Variable-length causal queries over cached + new keys (see attention_reference for the math).
 
@@ -540,14 +581,14 @@ def paged_prefill_attention(
     max_query_len: host int >= every q_len (sizes the grid)
     work:          optional [N, 2] int32 work list (prefill_work_list, with prefill_queries of this
                    launch): N programs per kv head instead of one per (query block, sequence)
-    softcap:       as in paged_decode_attention
+    softcap, k_scale, v_scale: as in paged_decode_attention
     """
     if out is None:
         out = torch.empty_like(q)
-    if not _supported(q, k_cache, v_cache, out):
+    if not _supported(q, k_cache, v_cache, out, k_scale, v_scale):
         return reference.paged_prefill_attention(
             q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, scale, sliding_window, out,
-            softcap=softcap,
+            softcap=softcap, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     num_heads, head_dim = q.shape[1], q.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -559,6 +600,7 @@ def paged_prefill_attention(
     block_m, block_n, num_warps, num_stages = prefill_config(max_query_len * group, group, d_pad, q.dtype == torch.float32)
     queries = block_m // group  # rows are (query, head of the group) pairs
     grid = (_cdiv(max_query_len, queries), num_kv_heads, num_seqs)
+    fp8 = k_cache.dtype == _FP8
     if work is not None:
         grid = (work.shape[0], num_kv_heads, 1)
     _prefill_kernel[grid](
@@ -570,6 +612,8 @@ def paged_prefill_attention(
         cu_query_lens.contiguous(),
         out,
         work if work is not None else cu_query_lens,
+        k_scale if fp8 else out,  # unread without FP8
+        v_scale if fp8 else out,
         scale * _LOG2E,
         sliding_window or 0,
         (softcap or 0.0) * _LOG2E,
@@ -592,6 +636,7 @@ def paged_prefill_attention(
         SOFTCAP=softcap is not None,
         PRECISION=_precision(q),
         WORK=work is not None,
+        KV_FP8=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -606,12 +651,13 @@ def _precision(q) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; tf32 is unused for fp16/bf16
 
 
-def _supported(q, k_cache, v_cache, out) -> bool:
+def _supported(q, k_cache, v_cache, out, k_scale=None, v_scale=None) -> bool:
     """Shapes and layouts the kernels take; anything else runs on the reference (correct, not graph-safe)."""
+    fp8 = k_cache.dtype == _FP8 and k_scale is not None and v_scale is not None
     return (
         q.dtype in _DTYPES
-        and k_cache.dtype == q.dtype
-        and v_cache.dtype == q.dtype
+        and (k_cache.dtype == q.dtype or fp8)
+        and v_cache.dtype == k_cache.dtype
         and out.dtype == q.dtype
         and q.shape[-1] <= 256
         and q.shape[1] % k_cache.shape[2] == 0

@@ -79,11 +79,14 @@ def _rotate_rows(
     cos2,
     sin2,
     heads,
+    scale_ptr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    FP8_DST: tl.constexpr,
 ):
-    """dst[h] = RoPE(src[h]) for the heads of one token: [heads, 2 * HALF] through two halves."""
+    """dst[h] = RoPE(src[h]) for the heads of one token: [heads, 2 * HALF] through two halves.
+    FP8_DST: dst is an FP8 cache row, stored as RoPE(src[h]) / scale[h] (_quantize); else in src's dtype."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h < heads)[:, None] & (offs_d < HALF)[None, :]
@@ -92,8 +95,21 @@ def _rotate_rows(
     x2 = tl.load(src_rows + HALF, mask=mask, other=0.0)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     dst_rows = dst + offs_h[:, None] * stride_dst_h + offs_d[None, :]
-    tl.store(dst_rows, (f1 * cos1[None, :] - f2 * sin1[None, :]).to(x1.dtype), mask=mask)
-    tl.store(dst_rows + HALF, (f2 * cos2[None, :] + f1 * sin2[None, :]).to(x1.dtype), mask=mask)
+    if FP8_DST:
+        scale = tl.load(scale_ptr + offs_h, mask=offs_h < heads, other=1.0)
+        r1 = f1 * cos1[None, :] - f2 * sin1[None, :]
+        r2 = f2 * cos2[None, :] + f1 * sin2[None, :]
+        tl.store(dst_rows, _quantize(r1, scale, dst.dtype.element_ty), mask=mask)
+        tl.store(dst_rows + HALF, _quantize(r2, scale, dst.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dst_rows, (f1 * cos1[None, :] - f2 * sin1[None, :]).to(x1.dtype), mask=mask)
+        tl.store(dst_rows + HALF, (f2 * cos2[None, :] + f1 * sin2[None, :]).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _quantize(x, scale, dtype: tl.constexpr):
+    """x [heads, n] float32 / scale [heads] -> FP8, clamped to ±448 and rounded to nearest (ops_reference.quantize_kv)."""
+    return tl.clamp(x / scale[:, None], -448.0, 448.0).to(dtype)
 
 
 @triton.jit
@@ -107,6 +123,8 @@ def _rope_cache_kernel(
     vc_ptr,
     slot_ptr,
     q_out_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -122,7 +140,9 @@ def _rope_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KVH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
+    """KV_FP8: the cache is float8_e4m3fn, k and v quantized with their [KVH] scales."""
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
@@ -142,9 +162,11 @@ def _rope_cache_kernel(
         cos2,
         sin2,
         num_heads,
+        q_out_ptr,
         HALF,
         BLOCK_H,
         BLOCK_HALF,
+        False,
     )
     # The cache row of this token: [KVH, D] contiguous at slot * KVH * D.
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -160,37 +182,45 @@ def _rope_cache_kernel(
         cos2,
         sin2,
         num_kv_heads,
+        k_scale_ptr,
         HALF,
         BLOCK_KVH,
         BLOCK_HALF,
+        KV_FP8,
     )
     offs_h = tl.arange(0, BLOCK_KVH)
     offs_full = tl.arange(0, 2 * BLOCK_HALF)
     v_mask = (offs_h < num_kv_heads)[:, None] & (offs_full < head_dim)[None, :]
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_full[None, :], mask=v_mask, other=0.0)
+    if KV_FP8:
+        v_scale = tl.load(v_scale_ptr + offs_h, mask=offs_h < num_kv_heads, other=1.0)
+        v = _quantize(v.to(tl.float32), v_scale, vc_ptr.dtype.element_ty)
     tl.store(vc_ptr + row + offs_h[:, None] * head_dim + offs_full[None, :], v, mask=v_mask)
 
 
-def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
-    """RoPE on q and k, k and v into the paged cache: see ops_reference.rope_and_cache."""
+def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> torch.Tensor:
+    """RoPE on q and k, k and v into the paged cache: see ops_reference.rope_and_cache (an FP8 cache's
+    keys are quantized from the rotated float32 values, before any rounding to k's dtype)."""
     num_tokens, num_heads, head_dim = q.shape
+    fp8 = k_cache.dtype == ops_reference.FP8
     if (
         head_dim % 2
         or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1
         or not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
-        or k_cache.dtype != k.dtype
+        or (k_cache.dtype != k.dtype and not fp8)
     ):  # fmt: skip
-        return ops_reference.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return ops_reference.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens:
         num_kv_heads = k.shape[1]
         half = head_dim // 2
         _rope_cache_kernel[(num_tokens,)](
             q, k, v, cos, sin, k_cache, v_cache, slot_mapping, out,
+            k_scale if fp8 else out, v_scale if fp8 else out,  # unread without FP8
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), cos.stride(0), num_heads, num_kv_heads,
             HALF=half, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
-            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+            BLOCK_HALF=triton.next_power_of_2(half), KV_FP8=fp8, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -106,6 +106,23 @@ def test_prefix_caching_is_on_unless_no_prefix_caching_is_given(monkeypatch):
         assert not executor_config(parser.parse_args([command, "--device", "cpu", "--no-prefix-caching"])).prefix_caching
 
 
+def test_kv_cache_dtype_is_auto_unless_fp8_is_given(monkeypatch):
+    """--kv-cache-dtype fp8 (or LORASERVE_KV_CACHE_DTYPE) for `executor` and `up`: the cache's dtype."""
+    import torch
+
+    from loraserve.cli import build_parser
+    from loraserve.executor.cli import executor_config
+
+    monkeypatch.delenv("LORASERVE_KV_CACHE_DTYPE", raising=False)
+    for command in ("executor", "up"):
+        auto = executor_config(build_parser().parse_args([command, "--device", "cpu"]))
+        assert (auto.kv_cache_dtype, auto.torch_kv_dtype) == ("auto", torch.float32)
+        fp8 = executor_config(build_parser().parse_args([command, "--device", "cpu", "--kv-cache-dtype", "fp8"]))
+        assert (fp8.kv_cache_dtype, fp8.torch_kv_dtype) == ("fp8", torch.float8_e4m3fn)
+    monkeypatch.setenv("LORASERVE_KV_CACHE_DTYPE", "fp8")
+    assert executor_config(build_parser().parse_args(["executor", "--device", "cpu"])).kv_cache_dtype == "fp8"
+
+
 def test_dora_is_off_unless_enable_dora_is_given(monkeypatch):
     """--enable-dora (or LORASERVE_ENABLE_DORA) turns DoRA serving on: the config's enable_dora and
     the slots' LoraSpec.dora."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -17,14 +18,27 @@ from loraserve import kernels
 from loraserve.errors import exhausted
 
 
+class LayerKV(NamedTuple):
+    """One layer's cache tensors, as the attention layer passes them to the kernels."""
+
+    k_cache: torch.Tensor  # [num_blocks + 1, block_size, KVH, D]
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None  # [KVH] float32 on the cache's device: an FP8 cache's K scales; None otherwise
+    v_scale: torch.Tensor | None
+
+
 class KVCache:
     """k_cache[layer], v_cache[layer]: [num_blocks + 1, block_size, num_kv_heads, head_dim].
 
     Blocks 0 .. num_blocks - 1 belong to sequences (through the BlockAllocator); the last one,
     `scratch_block`, is nobody's: the padding rows of a CUDA-graph batch write their keys there.
+    dtype float8_e4m3fn (--kv-cache-dtype fp8, executor/model/kv_scales.py): k_scale[layer] and
+    v_scale[layer] are [num_kv_heads] float32 on the device (real value = fp8 * scale), from `scales`
+    ([num_layers, 2, num_kv_heads], the checkpoint's: model.kv_scales) or 1.0; device tensors, so a
+    captured graph reads them without a host sync. Other dtypes: no scales (None).
     """
 
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, scales=None):
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -33,10 +47,34 @@ class KVCache:
         shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_scale: list[torch.Tensor | None] = [None] * num_layers
+        self.v_scale: list[torch.Tensor | None] = [None] * num_layers
+        if dtype == torch.float8_e4m3fn:
+            if scales is None:
+                scales = torch.ones(num_layers, 2, num_kv_heads)
+            if tuple(scales.shape) != (num_layers, 2, num_kv_heads):
+                raise ValueError(f"KV cache scales are {list(scales.shape)}, expected {[num_layers, 2, num_kv_heads]}")
+            scales = scales.to(device=device, dtype=torch.float32)
+            self.k_scale = [scales[i, 0].contiguous() for i in range(num_layers)]
+            self.v_scale = [scales[i, 1].contiguous() for i in range(num_layers)]
+        # built once: the eager forward passes one per layer every step
+        self._layers = [LayerKV(*parts) for parts in zip(self.k_cache, self.v_cache, self.k_scale, self.v_scale)]
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int, dtype, device) -> KVCache:
+        """The cache of `model`'s layers and (this rank's) kv heads; an FP8 one with the checkpoint's
+        scales (model.kv_scales) where it has them."""
+        c = model.cfg
+        return cls(c.num_layers, num_blocks, block_size, model.num_kv_heads, c.head_dim, dtype, device, model.kv_scales)
+
+    def layer(self, i: int) -> LayerKV:
+        """Layer i's caches and scales."""
+        return self._layers[i]
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
-        """Memory of one block over all layers (k and v): for sizing num_blocks from free memory."""
+        """Memory of one block over all layers (k and v): for sizing num_blocks from free memory
+        (an FP8 cache's blocks are half a bf16 one's: twice the blocks in the same memory)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
@@ -226,8 +264,7 @@ class AttentionMetadata:
 
 def paged_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: LayerKV,
     attn: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
@@ -236,17 +273,20 @@ def paged_attention(
     """Attends each sequence's queries to its whole context in the cache (the step's keys included:
     `kernels.rope_and_cache` wrote them).
 
-    q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] -> [T, H, D]
+    q: [T, H, D]; kv: the layer's cache, [num_blocks, block_size, KVH, D] each (FP8 with its scales,
+    dequantized as they are read) -> [T, H, D]
     sliding_window, softcap: the layer's (None: off), host constants that a captured graph bakes in.
     A decode-only step is one paged decode call per layer; any other step (prefill chunks, mixed
     with decode tokens or not) one variable-length prefill call. Triton on CUDA, the plain-PyTorch
     reference elsewhere (kernels/attention_reference.py).
     """
+    k_cache, v_cache, k_scale, v_scale = kv
     if attn.is_decode:
         return kernels.paged_decode_attention(
-            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale, sliding_window, softcap=softcap
-        )
+            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale, sliding_window, softcap=softcap,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
     return kernels.paged_prefill_attention(
         q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.cu_query_lens, attn.max_query_len,
-        scale, sliding_window, work=attn.prefill_work, softcap=softcap,
+        scale, sliding_window, work=attn.prefill_work, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .kv_scales import is_kv_scale
+
 log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
@@ -70,7 +72,8 @@ class Fp8Scheme:
 
 
 def checkpoint_scheme(hf_config: dict[str, Any]) -> Fp8Scheme | None:
-    """The FP8 scheme of a config.json (None: no quantization_config); ValueError naming anything else."""
+    """The FP8 weight scheme of a config.json (None: no quantization_config, or a compressed-tensors one
+    that quantizes only the KV cache: executor/model/kv_scales.py); ValueError naming anything else."""
     q = hf_config.get("quantization_config")
     if q is None:
         return None
@@ -85,12 +88,12 @@ def checkpoint_scheme(hf_config: dict[str, Any]) -> Fp8Scheme | None:
     )
 
 
-def _compressed_tensors(q: dict[str, Any]) -> Fp8Scheme:
+def _compressed_tensors(q: dict[str, Any]) -> Fp8Scheme | None:
     where = "quantization_config (compressed-tensors)"
-    if q.get("kv_cache_scheme"):
-        raise ValueError(f"{where}: kv_cache_scheme is not supported (an FP8 KV cache from the checkpoint)")
     groups = q.get("config_groups") or {}
     if not groups:
+        if q.get("kv_cache_scheme"):
+            return None  # the KV cache's scales only (kv_scales.py reads them); the weights as they are
         raise ValueError(f"{where}: no config_groups")
     schemes = set()
     for name, group in groups.items():
@@ -260,8 +263,8 @@ class Fp8Checkpoint:
                     raise ValueError(
                         f"checkpoint tensor {input_name!r} is missing (static input_activations in quantization_config)"
                     )
-        for name, (dtype, shape) in meta.items():  # every scale belongs to an FP8 weight
-            if not self.is_scale(name):
+        for name, (dtype, shape) in meta.items():  # every scale belongs to an FP8 weight (or the KV cache)
+            if not self.is_scale(name) or is_kv_scale(name):
                 continue
             module = _module(name)
             if s.ignores(module):

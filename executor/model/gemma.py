@@ -44,12 +44,12 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(cfg, lora, dtype, device, tp)
         self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, residual, cos, sin, attn, k_cache, v_cache, lora_meta, rotary_order=None):
+    def forward(self, x, residual, cos, sin, attn, kv, lora_meta, rotary_order=None):
         """As llama.DecoderLayer: (x, residual) in and out, their sum the residual stream; the
         residual adds are fused into the input and pre-feed-forward norms. rotary_order: always None
         (no Gemma has partial RoPE); taken for the decoder loop's one call."""
         x, residual = self.input_layernorm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(x, cos, sin, attn, k_cache, v_cache, lora_meta))[0]
+        x = self.post_attention_layernorm(self.self_attn(x, cos, sin, attn, kv, lora_meta))[0]
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x, lora_meta))[0], residual
 

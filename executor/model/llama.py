@@ -16,7 +16,7 @@ from torch import nn
 from loraserve import kernels
 from loraserve.kernels import LoraMeta
 
-from ..engine.kv_cache import AttentionMetadata, KVCache, paged_attention
+from ..engine.kv_cache import AttentionMetadata, KVCache, LayerKV, paged_attention
 from ..lora import LinearWithLoRA, VocabEmbeddingWithLoRA
 from ..parallel import TPGroup
 from ..slot_layout import LoraSpec
@@ -174,8 +174,8 @@ class Attention(nn.Module):
         # host constants of this layer's attention kernels (captured graphs bake them in)
         self.sliding_window, self.softcap = cfg.layer_window(layer), cfg.attn_logit_softcap
 
-    def forward(self, x, cos, sin, attn: AttentionMetadata, k_cache, v_cache, lora_meta, rotary_order=None):
-        """rotary_order: partial RoPE's order of head dims (RotaryEmbedding.order), or None."""
+    def forward(self, x, cos, sin, attn: AttentionMetadata, kv: LayerKV, lora_meta, rotary_order=None):
+        """kv: this layer's cache; rotary_order: partial RoPE's order of head dims (RotaryEmbedding.order), or None."""
         c = self.cfg
         qkv = self.qkv_proj(x, lora_meta)  # [T, q + 2 * kv]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -187,9 +187,10 @@ class Attention(nn.Module):
             q, k = q[..., rotary_order], k[..., rotary_order]
         # RoPE on q and k, k and v into the cache, in one kernel on CUDA.
         q = kernels.rope_and_cache(
-            q, k, v.view(-1, self.num_kv_heads, c.head_dim), cos, sin, k_cache, v_cache, attn.slot_mapping,
+            q, k, v.view(-1, self.num_kv_heads, c.head_dim), cos, sin, kv.k_cache, kv.v_cache, attn.slot_mapping,
+            kv.k_scale, kv.v_scale,
         )  # [T, H, D]  # fmt: skip
-        o = paged_attention(q, k_cache, v_cache, attn, self.scale, self.sliding_window, self.softcap)  # [T, H, D]
+        o = paged_attention(q, kv, attn, self.scale, self.sliding_window, self.softcap)  # [T, H, D]
         return self.o_proj(o.reshape(-1, self.q_size), lora_meta)  # [T, hidden]
 
 
@@ -220,11 +221,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
         self.mlp = mlp if mlp is not None else MLP(cfg, lora, dtype, device, tp)
 
-    def forward(self, x, residual, cos, sin, attn, k_cache, v_cache, lora_meta, rotary_order=None):
-        """x: the previous layer's output, residual: the stream before it (None at layer 0).
-        Returns this layer's (output, residual); their sum is the residual stream after it."""
+    def forward(self, x, residual, cos, sin, attn, kv: LayerKV, lora_meta, rotary_order=None):
+        """x: the previous layer's output, residual: the stream before it (None at layer 0); kv: this
+        layer's cache. Returns this layer's (output, residual); their sum is the residual stream after it."""
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, attn, k_cache, v_cache, lora_meta, rotary_order)
+        x = self.self_attn(x, cos, sin, attn, kv, lora_meta, rotary_order)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x, lora_meta), residual
 
@@ -268,6 +269,9 @@ class LlamaForCausalLM(nn.Module):
         self.ep = ep or TPGroup()
         self.cfg, self.lora_spec, self.dtype = cfg, lora, dtype
         self.num_kv_heads = tp.kv_heads(cfg.num_kv_heads)  # this rank's: its KV cache's heads
+        # [num_layers, 2 (K, V), num_kv_heads] float32 on the CPU: the checkpoint's FP8 KV cache scales
+        # (model/kv_scales.py, set by the loader); None: the checkpoint has none
+        self.kv_scales: torch.Tensor | None = None
         self.model = LlamaModel(cfg, lora, dtype, device, tp, mlp_for_layer, self.layer_class)
         head_lora = lora if lora is not None and lora.targets_embeddings else None
         self.lm_head = LinearWithLoRA(cfg.hidden_size, (cfg.vocab_size // tp.size,), False, head_lora, dtype, device, tp)
@@ -295,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
         residual, order = None, self.model.rotary_emb.order
         for i, layer in enumerate(self.model.layers):
             cos, sin = rotary[i]
-            h, residual = layer(h, residual, cos, sin, attn, kv.k_cache[i], kv.v_cache[i], lora_meta, order)
+            h, residual = layer(h, residual, cos, sin, attn, kv.layer(i), lora_meta, order)
         return self.model.norm(h, residual)[0]
 
     def embed(self, input_ids: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:

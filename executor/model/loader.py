@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from ..parallel import TPGroup
 from ..slot_layout import LoraSpec
-from . import fp8
+from . import fp8, kv_scales
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .moe import build_causal_lm
@@ -249,6 +249,7 @@ def load_hf_checkpoint(
                     raise ValueError(f"checkpoint tensor {name!r} is in two of the model's safetensors files")
                 where[name] = f
         meta = {name: (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape()) for name, f in where.items()}
+        scales = _kv_cache_scales(hf_config, cfg, meta, lambda name: where[name].get_tensor(name), tp)
         fp8_linears = fp8.plan(scheme, quantization, device, dtype, str(model_dir))
         checkpoint = None
         if scheme is not None:  # every scale checked before any weight is read
@@ -256,9 +257,10 @@ def load_hf_checkpoint(
         elif (fp8_name := next((n for n, (d, _) in meta.items() if d.startswith("F8_")), None)) is not None:
             raise ValueError(f"checkpoint tensor {fp8_name!r} is {meta[fp8_name][0]} but config.json has no quantization_config")
         model = build_causal_lm(dataclasses.replace(cfg, fp8_linears=fp8_linears), lora, dtype, device, tp, ep)
+        model.kv_scales = scales
         sink = _WeightSink(model)
         for name, f in where.items():
-            if checkpoint is not None and checkpoint.is_scale(name):
+            if (checkpoint is not None and checkpoint.is_scale(name)) or (scales is not None and kv_scales.is_kv_scale(name)):
                 continue
 
             def read(cut: Cut, name=name, f=f) -> torch.Tensor:
@@ -275,6 +277,16 @@ def load_hf_checkpoint(
                     sink.put(part_name, read(cut))
     sink.check_complete()
     return model.eval()
+
+
+def _kv_cache_scales(hf_config: dict, cfg: ModelConfig, meta, read_tensor, tp: TPGroup | None) -> torch.Tensor | None:
+    """The checkpoint's KV cache scales (kv_scales.read_kv_scales), this rank's kv heads of each layer,
+    checked before any weight is read; None where the checkpoint has no kv_cache_scheme."""
+    if not kv_scales.kv_cache_scheme(hf_config.get("quantization_config")):
+        return None
+    rows = tp.qkv_rows(cfg)[1] if tp is not None else slice(0, cfg.kv_size)  # this rank's k_proj rows: whole heads
+    heads = slice(rows.start // cfg.head_dim, rows.stop // cfg.head_dim)
+    return kv_scales.read_kv_scales(meta, read_tensor, cfg.num_layers, cfg.num_kv_heads, heads)
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

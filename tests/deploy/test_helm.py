@@ -28,6 +28,7 @@ NON_DEFAULT = {
         "gpu": {"count": 0},
         "dtype": "bfloat16",
         "quantization": "fp8",
+        "kvCacheDtype": "fp8",
         "service": {"headless": True},
         "httpPort": 0,
         "enforceEager": True,
@@ -90,12 +91,13 @@ def container(docs, component: str) -> dict:
 
 
 def test_rendered_args_parse_with_the_real_cli(manifests):
-    _, docs = manifests
+    which, docs = manifests
     parser = build_parser()
     for component in ("store", "executor"):
         args = container(docs, component)["args"]
         parsed = parser.parse_args(args)
         assert parsed.command == component
+    assert parsed.kv_cache_dtype == ("auto" if which == "default" else "fp8")
 
 
 def test_metrics_ports_tls_pdb_and_service_monitor(manifests):

@@ -345,7 +345,7 @@ Q = "model.layers.0.self_attn.q_proj"
         (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4), "num_bits 4 type 'float' is not supported"),
         (lambda q: q["config_groups"]["group_0"]["weights"].update(type="int"), "num_bits 8 type 'int' is not supported"),
         (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group"), "weight strategy 'group' is not supported"),
-        (lambda q: q.update(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme is not supported"),
+        (lambda q: q.update(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme: num_bits 8 type None is not supported"),
         (
             lambda q: q["config_groups"]["group_0"]["input_activations"].update(strategy="tensor"),
             "input_activations dynamic=True strategy 'tensor' is not supported",

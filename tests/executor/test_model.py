@@ -212,7 +212,7 @@ def test_decode_path_equals_the_varlen_path(hf_model, paged_runner, monkeypatch)
 
 def test_batched_decode_never_reads_another_sequences_cache():
     """Padding must not pull other sequences' cache rows into a row: a NaN there would leak through."""
-    from loraserve.executor.engine.kv_cache import paged_attention
+    from loraserve.executor.engine.kv_cache import LayerKV, paged_attention
 
     torch.manual_seed(0)
     block_size, kvh, heads, dim = 4, 2, 4, 8
@@ -223,7 +223,8 @@ def test_batched_decode_never_reads_another_sequences_cache():
     attn = AttentionMetadata.build([1, 1], ctx, tables, block_size, "cpu")
     assert attn.is_decode
     q = torch.randn(2, heads, dim)
-    out = paged_attention(q, k_cache, v_cache, attn, dim**-0.5)
+    kv = LayerKV(k_cache, v_cache, None, None)
+    out = paged_attention(q, kv, attn, dim**-0.5)
     assert torch.isfinite(out).all()
     varlen = dataclasses.replace(attn, is_decode=False)  # the prefill kernel's path
-    torch.testing.assert_close(out, paged_attention(q, k_cache, v_cache, varlen, dim**-0.5))
+    torch.testing.assert_close(out, paged_attention(q, kv, varlen, dim**-0.5))

@@ -4,7 +4,7 @@ window and score soft-cap (Gemma) at head_dim 256, 128 and 32, decode and prefil
 tests/kernels/test_attention_gpu.py runs the same kernels on the GPU in every dtype instead.
 
 The interpreter (Triton 3.6) converts a loop bound loaded from memory with int() of a one-element
-array, which numpy 2 refuses; the fixture below converts it through its single element.
+array, which numpy 2 refuses; conftest's interpreter_attention converts it through its single element.
 """
 
 from __future__ import annotations
@@ -25,17 +25,8 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
-def interpreter_loop_bounds(monkeypatch):
-    import triton.runtime.interpreter as interpreter
-
-    patch = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
-    monkeypatch.setattr(triton_attention, "num_sms", lambda index: 4)  # no GPU to ask: a few programs
+def _interpreter(interpreter_attention):
+    """conftest's interpreter_attention: loop bounds and an SM count for the interpreter."""
 
 
 def _float64(args):

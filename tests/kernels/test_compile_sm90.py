@@ -136,7 +136,8 @@ def base_built():
     H100: `linear` at 1-64 tokens on every shape of the shipped skinny table (and one with a bias),
     decode attention with and without a window (several splits and their merge, and one split),
     prefill attention at query lengths that pick each row tile, per query block and from a work
-    list, with and without a window; the norm (hidden and per head), RoPE + cache write,
+    list, with and without a window; both over an FP8 cache (with a window and soft-cap or neither);
+    the norm (hidden and per head), RoPE + cache write (into an FP8 cache too),
     SiLU-and-mul, greedy pick, an FP8 layer's per-token quantization, the fused MoE's grouped GEMMs
     (bf16 and FP8 experts, decode and prefill tiles), the token grouping and the slot-load scatter. Each call must launch a kernel (a wrapper
     that fell back to its reference would build nothing): returns the Built launches."""
@@ -167,6 +168,21 @@ def base_built():
         built_by(linear.linear, torch.empty(1, k, dtype=bf16), torch.empty(n, k, dtype=bf16), torch.empty(n, dtype=bf16))
         for heads, kv_heads, dim, hidden, inter, vocab in ATTENTION_SHAPES:
             k_cache = torch.empty(64, BLOCK_SIZE, kv_heads, dim, dtype=bf16)
+            fp8_cache = torch.empty(64, BLOCK_SIZE, kv_heads, dim, dtype=torch.float8_e4m3fn)
+            fp8 = dict(k_scale=torch.empty(kv_heads), v_scale=torch.empty(kv_heads))  # --kv-cache-dtype fp8
+            for window, softcap in ((None, None), (4096, 50.0)):  # an FP8 cache: decode and prefill, Gemma's variants
+                lens, cu, tables = _step_ints(64, 4)
+                q = torch.empty(64, heads, dim, dtype=bf16)
+                built_by(
+                    attention.paged_decode_attention, q, fp8_cache, fp8_cache, tables, lens, 0.1, window, softcap=softcap, **fp8
+                )
+                lens, cu, tables = _step_ints(3, 80)
+                q = torch.empty(1031, heads, dim, dtype=bf16)
+                for max_query_len in (1, 500):
+                    built_by(
+                        attention.paged_prefill_attention, q, fp8_cache, fp8_cache, tables, lens, cu, max_query_len, 0.1, window,
+                        softcap=softcap, **fp8,
+                    )  # fmt: skip
             for window in (None, 4096):
                 for seqs, width in ((1, 256), (64, 4)):  # several splits (and the merge), one
                     lens, _, tables = _step_ints(seqs, width)
@@ -197,6 +213,8 @@ def base_built():
                 q, kv = torch.empty(tokens, heads, dim, dtype=bf16), torch.empty(tokens, kv_heads, dim, dtype=bf16)
                 cos = torch.empty(tokens, dim, dtype=bf16)  # the engine's cos / sin rows: [T, head dim]
                 built_by(ops.rope_and_cache, q, kv, kv, cos, cos, k_cache, k_cache, torch.zeros(tokens, dtype=torch.int64))
+                slots = torch.zeros(tokens, dtype=torch.int64)
+                built_by(ops.rope_and_cache, q, kv, kv, cos, cos, fp8_cache, fp8_cache, slots, fp8["k_scale"], fp8["v_scale"])
                 built_by(ops.silu_and_mul, torch.empty(tokens, 2 * inter, dtype=bf16))
                 for width in (hidden, inter):  # an FP8 layer's input, per token
                     built_by(modules["triton_fp8"].quantize_per_token, torch.empty(tokens, width, dtype=bf16))

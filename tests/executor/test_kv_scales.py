@@ -1,0 +1,162 @@
+"""The FP8 KV cache's scales from a checkpoint (executor/model/kv_scales.py): compressed-tensors'
+kv_cache_scheme read beside FP8 weights or alone, cut to each tensor-parallel rank's kv heads; every
+scheme and scale the cache cannot take refused before any weight is loaded, naming the field or the
+tensor (ValueError, and the executor's exit at start); --kv-cache-dtype checked in the config and
+against the device."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from loraserve.executor.config import ExecutorConfig
+from loraserve.executor.model import kv_scales, loader
+from loraserve.executor.model.loader import load_model
+from loraserve.executor.parallel import TPGroup
+
+from .conftest import LORASERVE
+from .test_kv_fp8 import FP8, write_kv_scales
+
+
+def test_each_tp_rank_keeps_its_kv_heads_scales(hf_model, tmp_path):
+    """Per-head scales cut with the heads: at tp 2 one kv head each; at tp 4 (more ranks than the
+    2 kv heads) each rank's replicated head's. Per-tensor scales: every head's."""
+    _, src = hf_model("qwen2")
+    scales = torch.rand(2, 2, 2) / 100 + 0.001
+    path = write_kv_scales(src, tmp_path / "head", scales, "attn_head")
+    assert torch.equal(load_model(path).kv_scales, scales)
+    per_tensor = load_model(write_kv_scales(src, tmp_path / "tensor", scales, "tensor")).kv_scales
+    assert torch.equal(per_tensor, scales.amax(-1, keepdim=True).expand(2, 2, 2))
+    for tp, head_of in ((2, [0, 1]), (4, [0, 0, 1, 1])):
+        for rank in range(tp):
+            got = load_model(path, tp=TPGroup(tp, rank)).kv_scales
+            assert torch.equal(got, scales[:, :, head_of[rank] : head_of[rank] + 1]), (tp, rank)
+
+
+@pytest.fixture
+def refuses(monkeypatch):
+    def never(*a, **k):
+        raise AssertionError("the model was built before the checkpoint was refused")
+
+    monkeypatch.setattr(loader, "build_causal_lm", never)
+
+    def check(path, match):
+        with pytest.raises(ValueError, match=match):
+            load_model(path)
+
+    return check
+
+
+K0 = "model.layers.0.self_attn.k_scale"
+V1 = "model.layers.1.self_attn.v_scale"
+
+
+def _set(name, value):
+    return lambda t: t.__setitem__(name, value)
+
+
+@pytest.mark.parametrize(
+    "config_edit, tensors_edit, match",
+    [
+        (lambda q: q["kv_cache_scheme"].update(num_bits=4), None, "kv_cache_scheme: num_bits 4 type 'float' is not supported"),
+        (lambda q: q["kv_cache_scheme"].update(type="int"), None, "kv_cache_scheme: num_bits 8 type 'int' is not supported"),
+        (lambda q: q["kv_cache_scheme"].update(strategy="token"), None, "kv_cache_scheme: strategy 'token' is not supported"),
+        (lambda q: q["kv_cache_scheme"].update(dynamic=True), None, "kv_cache_scheme: dynamic scales are not supported"),
+        (lambda q: q["kv_cache_scheme"].update(symmetric=False), None, "kv_cache_scheme: asymmetric scales"),
+        (None, lambda t: t.pop(K0), f"'{K0}' is missing"),
+        (None, _set(K0, torch.tensor([float("nan")])), f"'{K0}' holds NaN or infinite KV cache scales"),
+        (None, _set(V1, torch.tensor([float("inf")])), f"'{V1}' holds NaN or infinite KV cache scales"),
+        (None, _set(K0, torch.tensor([-0.5])), f"'{K0}' holds KV cache scales that are not positive"),
+        (None, _set(V1, torch.tensor([0.0])), f"'{V1}' holds KV cache scales that are not positive"),
+        (None, _set(K0, torch.ones(3)), rf"'{K0}' is \[3\]; a KV cache scale is one value or one per kv head \(2\)"),
+        (None, _set(K0, torch.ones(1, dtype=torch.int32)), f"'{K0}' is I32; KV cache scales must be floating point"),
+        (
+            None,
+            _set("model.layers.7.self_attn.k_scale", torch.ones(1)),
+            "'model.layers.7.self_attn.k_scale' is a KV cache scale of a layer the model does not have",
+        ),
+    ],
+    ids=[
+        "num_bits",
+        "type",
+        "strategy",
+        "dynamic",
+        "asymmetric",
+        "missing",
+        "nan",
+        "inf",
+        "negative",
+        "zero",
+        "shape",
+        "int",
+        "layer",
+    ],
+)
+def test_a_kv_cache_scheme_the_cache_cannot_take_is_refused_naming_it(
+    config_edit, tensors_edit, match, hf_model, refuses, tmp_path
+):
+    _, src = hf_model("llama")
+    scales = torch.full((2, 2, 2), 0.01)
+    refuses(write_kv_scales(src, tmp_path / "ckpt", scales, config_edit=config_edit, tensors_edit=tensors_edit), match)
+
+
+def test_kv_cache_dtype_is_checked_in_the_config_and_on_the_device(monkeypatch):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'\), got 'fp16'"):
+        ExecutorConfig(kv_cache_dtype="fp16")
+    assert ExecutorConfig(kv_cache_dtype="fp8").torch_kv_dtype == FP8
+    assert ExecutorConfig(dtype="bfloat16").torch_kv_dtype == torch.bfloat16
+    assert kv_scales.kv_cache_dtype_error("fp8", "cpu") is None  # torch converts float8_e4m3fn on the CPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert kv_scales.kv_cache_dtype_error("fp8", "cuda:0") == (
+        "--kv-cache-dtype fp8 needs a GPU with FP8 conversions: cuda:0 is compute capability 8.0 (8.9+ has them)"
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert kv_scales.kv_cache_dtype_error("fp8", "cuda:0") is None
+
+
+def test_fp8_kv_on_a_gpu_without_fp8_is_refused_at_start(hf_model, monkeypatch):
+    """build_executor refuses before the model is loaded (or any rank spawned)."""
+    from loraserve.executor import service
+
+    _, path = hf_model("llama")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(service, "load_model", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
+    cfg = ExecutorConfig(model=str(path), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=64)
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 needs a GPU with FP8 conversions: cuda is compute capability 8.0"):
+        service.build_executor(cfg)
+
+
+def test_executor_cli_exits_at_start_naming_a_malformed_scale(hf_model, tmp_path):
+    """`loraserve executor --kv-cache-dtype fp8` on a checkpoint with a NaN k_scale: exit 1, the tensor named."""
+    _, src = hf_model("llama")
+    path = write_kv_scales(
+        src, tmp_path / "ckpt", torch.full((2, 2, 2), 0.01), tensors_edit=_set(K0, torch.tensor([float("nan")]))
+    )
+    out = subprocess.run(
+        [LORASERVE, "executor", "--model", str(path), "--device", "cpu", "--kv-cache-dtype", "fp8",
+         "--executor-listen", "127.0.0.1:0", "--http-port", "0", "--executor-metrics-port", "0",
+         "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert f"error: checkpoint tensor '{K0}' holds NaN or infinite KV cache scales" in out.stderr, out.stderr
+
+
+def test_an_fp8_weight_checkpoint_with_a_kv_cache_scheme_loads_both(hf_model, tmp_path):
+    """llm-compressor's FP8 weights and FP8 KV in one checkpoint: the weights dequantized as without
+    the scheme, the K/V scales read beside them (not taken for weight scales)."""
+    from .test_fp8 import quantization_config, write_fp8
+
+    _, src = hf_model("llama")
+    ref_dir = write_fp8(src, tmp_path / "w8", "ct-channel")
+    scales = torch.rand(2, 2, 2) / 100 + 0.001
+    path = write_kv_scales(
+        tmp_path / "w8", tmp_path / "w8kv", scales, "attn_head",
+        config_edit=lambda q: q.update({k: v for k, v in quantization_config("ct-channel").items()}),
+    )  # fmt: skip
+    model = load_model(path)
+    assert torch.equal(model.kv_scales, scales)
+    for name, p in load_model(ref_dir).named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name], p, rtol=0, atol=0)
