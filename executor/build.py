@@ -93,7 +93,7 @@ def build_engine(
     kv = KVCache(mc.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads, mc.head_dim, cfg.torch_dtype, cfg.device)
     modules = lora_modules(model)
     resolve_adapter_memory(cfg, model, modules)
-    arena = pinned_arena(cfg, memory.lora_bytes_per_slot(modules))
+    arena = pinned_arena(cfg, memory.lora_shard_bytes(modules))
     store = StoreClient(
         cfg.store_address,
         declare_layout(mc, model.lora_spec, cfg.base_model, cfg.tp_size, cfg.ep_size),
@@ -180,7 +180,7 @@ def resolve_adapter_memory(cfg: ExecutorConfig, model, modules) -> None:
 def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | None:
     """The arena rank 0's fetched shards land in (executor/pinned_arena.py), sized for the CPU
     cache's budget (cfg.cpu_cache_bytes, resolved; under max_cpu_adapters no more than that many
-    adapters of adapter_bytes, a slot's bytes, plus the fetches in flight), at most a share of the
+    adapters of adapter_bytes, a full-rank shard's bytes, plus the fetches in flight), at most a share of the
     host memory available now (executor/memory.py). None, with a warning, where no memory is left or
     the host refuses the memory: shards then land in fresh buffers.
 
