@@ -16,7 +16,7 @@ import torch
 
 from loraserve.metrics import ExecutorMetrics, MetricsServer
 
-from . import memory
+from . import lora_fp8, memory
 from .config import ExecutorConfig
 from .cpu_cache import FetchShard
 from .engine.engine import Engine
@@ -130,7 +130,7 @@ def build_engine(
     engine = Engine(model, tokenizer, kv, slots, cfg, ranks)
     if metrics is not None:
         metrics.attach(engine, slots, cfg.max_loras, model_name=cfg.base_model or cfg.model)
-        metrics.dtypes(fp8.weight_dtype(model), fp8.dtype_name(kv.k_cache[0].dtype))
+        metrics.dtypes(fp8.weight_dtype(model), fp8.dtype_name(kv.k_cache[0].dtype), lora_fp8.slot_dtype(model))
     return ExecutorParts(engine, slots, store, cfg, metrics=metrics, ranks=ranks, arena=arena)
 
 

@@ -25,7 +25,7 @@ from .model.fp8 import FP8, quantize_rows
 LORA_DTYPES = ("auto", "fp8")  # --lora-dtype; auto: the adapter dtype (the executor's --dtype)
 _CHUNK_ELEMENTS = 1 << 24  # tensors quantized together hold at most this many elements (a float32 temporary of 64 MiB)
 
-__all__ = ["FP8", "LORA_DTYPES", "lora_dtype_error", "quantize_rows", "quantized"]
+__all__ = ["FP8", "LORA_DTYPES", "lora_dtype_error", "quantize_rows", "quantized", "slot_dtype"]
 
 
 def lora_dtype_error(lora_dtype: str, device) -> str | None:
@@ -42,6 +42,15 @@ def lora_dtype_error(lora_dtype: str, device) -> str | None:
                 "(drop --lora-dtype or use --lora-dtype auto)"
             )
     return None
+
+
+def slot_dtype(model) -> str:
+    """What the model's dense LoRA slots hold, as GetServerInfo and the dtype metric name it:
+    "float8_e4m3fn" under --lora-dtype fp8, else the adapter dtype (e.g. "bfloat16")."""
+    spec = getattr(model, "lora_spec", None)
+    if spec is None:
+        return ""
+    return str(FP8 if spec.fp8 else spec.dtype).removeprefix("torch.")
 
 
 def quantized(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -289,7 +289,7 @@ class ExecutorService(epb_grpc.ExecutorServicer):
             prefix_caching=c.prefix_caching,
             weight_dtype=fp8.weight_dtype(self.parts.engine.model),
             kv_cache_dtype=fp8.dtype_name(self.parts.engine.kv_cache.k_cache[0].dtype),
-            lora_dtype=fp8.dtype_name(lora_fp8.FP8) if c.lora_dtype == "fp8" else c.dtype,
+            lora_dtype=lora_fp8.slot_dtype(self.parts.engine.model),
         )
 
 

@@ -28,6 +28,7 @@ NON_DEFAULT = {
         "gpu": {"count": 0},
         "dtype": "bfloat16",
         "quantization": "fp8",
+        "loraDtype": "fp8",
         "service": {"headless": True},
         "httpPort": 0,
         "enforceEager": True,

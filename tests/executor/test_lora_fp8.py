@@ -157,7 +157,7 @@ def test_fp8_slots_serve_each_row_within_the_bound_of_transformers_peft(
 ):
     """Mixed batches (FP8 adapters, a DoRA one among them, and base rows) through loads and evictions:
     each adapter row within FP8_LOGPROB_BOUND of its float32 PEFT reference and its greedy tokens
-    equal; base rows as exact as without FP8; GetServerInfo names the slots' dtype."""
+    equal; base rows as exact as without FP8; GetServerInfo and the dtype metric name the slots' dtype."""
     _, tp, sharded = case
     groups, names = GROUPS, ADAPTERS
     if sharded:  # DoRA is not served with fully sharded LoRA (its own refusal): plain adapters only
@@ -176,6 +176,8 @@ def test_fp8_slots_serve_each_row_within_the_bound_of_transformers_peft(
     try:
         client = c.client()
         assert client.info().lora_dtype == "float8_e4m3fn"
+        labels = {"weight_dtype": "float32", "kv_cache_dtype": "float32", "lora_dtype": "float8_e4m3fn"}
+        assert c.parts.metrics.registry.get_sample_value("loraserve_executor_dtype_info", labels) == 1
         worst, shift, checked, tokens = 0.0, 0.0, 0, 0
         for group in groups:
             jobs, resps = run_group(client, group)
