@@ -51,6 +51,7 @@ def _step_weights(m: nn.Module, meta: LoraMeta | None, device: torch.device):
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_NO_SCALES: tuple[dict, dict] = ({}, {})  # the kernels' scale arguments of bf16 / fp16 / fp32 slots: none
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -80,12 +81,14 @@ class SlotWrites:
         self.zeros: list[torch.Tensor] = []
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.dtype == lora_fp8.FP8:  # FP8 slots' values as bytes: the multi-tensor ops take no float8 dtype everywhere
+            dst, src = dst.view(torch.uint8), src.view(torch.uint8)
         self.dst.append(dst)
         self.src.append(src)
 
     def zero(self, dst: torch.Tensor) -> None:
         if dst.numel():
-            self.zeros.append(dst)
+            self.zeros.append(dst.view(torch.uint8) if dst.dtype == lora_fp8.FP8 else dst)
 
     def flush(self) -> None:
         if self.dst:
@@ -321,7 +324,7 @@ class LinearWithLoRA(nn.Module):
         """The kernels' scale arguments of this step's (lora_a, lora_b): FP8 slots' A scales cut to
         lora_a's rank (the reference path's cut) and B's; none for bf16 / fp16 / fp32 slots."""
         if not self.fp8_slots:
-            return {}, {}
+            return _NO_SCALES
         a_scale = self.lora_a_scale
         if lora_a.shape[2] != a_scale.shape[2]:
             a_scale = a_scale.narrow(2, 0, lora_a.shape[2])

@@ -60,10 +60,9 @@ def lora_shrink(x, lora_a, meta: LoraMeta, out=None, ranked: bool = True, pdl: b
     """pdl: launch as a programmatic dependent at decode on CUDA (kernels/triton_lora.py says what
     the caller promises); the reference ignores it. scale: FP8 slots' A scales (reference.py)."""
     impl = _impl(x)
-    fp8 = {} if scale is None else {"scale": scale}
     if pdl and impl is not reference:
-        return impl.lora_shrink(x, lora_a, meta, out, ranked, pdl=True, **fp8)
-    return impl.lora_shrink(x, lora_a, meta, out, ranked, **fp8)
+        return impl.lora_shrink(x, lora_a, meta, out, ranked, pdl=True, scale=scale)
+    return impl.lora_shrink(x, lora_a, meta, out, ranked, scale=scale)
 
 
 def lora_expand(
@@ -72,10 +71,9 @@ def lora_expand(
     """pdl: as in lora_shrink. packed: each slot's B packed at its rank (triton_lora.lora_expand).
     scale: FP8 slots' B scales (reference.py)."""
     impl = _impl(y)
-    fp8 = {} if scale is None else {"scale": scale}
     if pdl and impl is not reference:
-        return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, pdl=True, packed=packed, **fp8)
-    return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, packed=packed, **fp8)
+        return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, pdl=True, packed=packed, scale=scale)
+    return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, packed=packed, scale=scale)
 
 
 def lora_embedding_shrink(token_ids, lora_a, meta: LoraMeta, out=None):
