@@ -329,3 +329,40 @@ def test_moe_expert_slots_stay_in_the_adapter_dtype_beside_fp8_dense_slots(hf_mo
                 check_against_reference(refs[name], ids, resp)
     finally:
         c.close()
+
+
+def test_trainable_token_rows_stay_in_the_adapter_dtype_beside_fp8_slots(llama, module_loop_thread, tmp_path):
+    """Under --lora-dtype fp8 trainable-token rows keep the adapter dtype: a tokens-only adapter's rows
+    equal transformers + PEFT as exactly as without FP8 (atol 2e-4), one with LoRA beside its tokens
+    lies within FP8_LOGPROB_BOUND of its float32 adapter and 3x closer to it than to the base model."""
+    from peft import LoraConfig, PeftModel, TrainableTokensConfig, get_peft_model
+
+    model, path = llama
+    root, tokens = tmp_path / "adapters", [5, 17, 200]
+    configs = {
+        "alone": TrainableTokensConfig(target_modules=["embed_tokens", "lm_head"], token_indices=tokens),
+        "lora_tok": LoraConfig(r=8, lora_alpha=16, target_modules=list(ATTN + MLP), trainable_token_indices=tokens),
+    }
+    refs = {"": model}
+    for seed, (name, config) in enumerate(configs.items()):
+        torch.manual_seed(seed)
+        peft = get_peft_model(copy.deepcopy(model), config)
+        with torch.no_grad():
+            for n, p in peft.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)
+                elif "trainable_tokens_delta" in n:
+                    p.normal_(0, 1.0)
+        peft.save_pretrained(root / name)
+        refs[name] = PeftModel.from_pretrained(copy.deepcopy(model), root / name).eval()
+    c = fp8_cluster(module_loop_thread, llama, root, tmp_path / "store", names=configs, enable_trainable_tokens=True)
+    try:
+        client = c.client()
+        jobs = [(name, [BOS, 65, 5, 17, 66, 200, 67 + i]) for i, name in enumerate(["alone", "lora_tok", ""])]
+        resps = [generate(client, name, ids) for name, ids in jobs]
+        check_bf16_rows(refs, jobs, resps, tol=FP8_LOGPROB_BOUND)
+        for (name, ids), resp in zip(jobs, resps):
+            if name != "lora_tok":
+                check_against_reference(refs[name], ids, resp)
+    finally:
+        c.close()
