@@ -42,6 +42,9 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
 - `--kv-cache-dtype fp8` (a GPU of compute capability 8.9+): the KV cache in float8_e4m3fn (scales
   1.0: random weights carry none), for both engines of the run; the decode floor counts its K/V
   bytes at 1 byte per element.
+- `--lora-dtype fp8` (a GPU of compute capability 8.9+): the adapters' slots hold A and B in FP8 with
+  float32 scales (executor/lora_fp8.py), so the adapters' bytes in the floors are 1 per element plus
+  4 per scale (one per rank row of A, one per output channel of B); the shards fetched stay bf16.
 EOS is ignored (random weights would end rows at random).
 """
 
@@ -59,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from loraserve.executor import build, cublas
+from loraserve.executor import build, cublas, lora_fp8
 from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.engine.engine import Engine
 from loraserve.executor.engine.requests import GenerationRequest
@@ -189,10 +192,11 @@ def build_model(shape: str, vocab: int, spec: LoraSpec, fp8_linears: bool = Fals
     return model
 
 
-def random_shard_fetcher(model, ranks: list[int], dora: bool = False):
+def random_shard_fetcher(model, ranks: list[int], dora: bool = False, fp8_slots: bool = False):
     """An in-process stand-in for the store's FetchShard: adapter "a{i}" is a rank-ranks[i % len]
     adapter on every linear layer (dora: a DoRA one, a magnitude per dense layer's output row).
-    -> (fetch, bytes of each rank)."""
+    -> (fetch, bytes a step reads of each rank's adapter: its shard's, or with fp8_slots its FP8 slots'
+    A and B at 1 byte per element and 4 per scale)."""
     modules = lora_modules(model)
     shapes = {name: (m.lora_a.shape[1:], m.lora_b.shape[1:]) for name, m in modules.items()}
     gen = torch.Generator().manual_seed(1)
@@ -207,12 +211,20 @@ def random_shard_fetcher(model, ranks: list[int], dora: bool = False):
                 tensors[f"{name}.dora_m"] = 0.5 + torch.rand(b_shape[0], generator=gen)
         by_rank[rank] = tensors
     nbytes = {r: sum(t.numel() * t.element_size() for t in ts.values()) for r, ts in by_rank.items()}
+    read = {r: sum(_slot_bytes(k, t, fp8_slots) for k, t in ts.items()) for r, ts in by_rank.items()}
 
     async def fetch(name: str):
         rank = ranks[int(name.removeprefix("a")) % len(ranks)]
         return f"random-{name}", rank, dict(by_rank[rank]), nbytes[rank]
 
-    return fetch, nbytes
+    return fetch, read
+
+
+def _slot_bytes(name: str, t: torch.Tensor, fp8_slots: bool) -> int:
+    """Bytes a shard tensor takes in its slot: an FP8 slot's A or B 1 per element plus a float32 scale per row."""
+    if fp8_slots and name.endswith((".lora_a", ".lora_b")):
+        return t.numel() + 4 * (t.numel() // t.shape[-1])
+    return t.numel() * t.element_size()
 
 
 def build_engine(args, tokenizer: Tokenizer, quantization: str = "") -> tuple[build.ExecutorParts, list[int]]:
@@ -229,10 +241,12 @@ def build_engine(args, tokenizer: Tokenizer, quantization: str = "") -> tuple[bu
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, admit_ratio=args.admit_ratio,
         store_address=NO_STORE, adapter_refresh_s=0, quantization=quantization, enable_dora=args.dora,
         kv_cache_dtype=args.kv_cache_dtype,
+        lora_dtype=args.lora_dtype,
     )  # fmt: skip
-    spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE, dora=cfg.enable_dora)  # --dora: slots with DoRA scales
+    fp8_slots = cfg.lora_dtype == "fp8"
+    spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE, dora=cfg.enable_dora, fp8=fp8_slots)  # --dora: slots with DoRA scales
     model = build_model(args.shape, args.vocab, spec, fp8_linears=quantization == "fp8")
-    fetch, by_rank = random_shard_fetcher(model, args.ranks, args.dora)
+    fetch, by_rank = random_shard_fetcher(model, args.ranks, args.dora, fp8_slots)
     adapter_bytes = [by_rank[args.ranks[i % len(args.ranks)]] for i in range(max(1, args.adapters))]  # of a0, a1, ...
     t0 = time.perf_counter()
     parts = build.build_engine(cfg, model, tokenizer, fetch=fetch, observer=SlotObserver())
@@ -706,6 +720,12 @@ def main() -> None:
         default="auto",
         help="fp8: the KV cache in float8_e4m3fn (scales 1.0), its K/V bytes in the decode floor at 1 byte an element",
     )
+    ap.add_argument(
+        "--lora-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="fp8: the adapters' slots in FP8 with per-row scales (--lora-dtype fp8); the floors count their bytes",
+    )
     ap.add_argument("--grpc-client", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.ranks = args.ranks or [args.rank]
@@ -720,6 +740,8 @@ def main() -> None:
     if args.quantization and (error := fp8.fp8_compute_error(DEVICE, DTYPE)) is not None:
         raise SystemExit(f"--quantization {args.quantization} needs FP8 compute: {error}")
     if (error := kv_cache_dtype_error(args.kv_cache_dtype, DEVICE)) is not None:
+        raise SystemExit(error)
+    if (error := lora_fp8.lora_dtype_error(args.lora_dtype, DEVICE)) is not None:
         raise SystemExit(error)
     if args.table is not None and DEVICE == "cuda":
         from loraserve.kernels import tuning
@@ -741,6 +763,7 @@ def main() -> None:
         f"{where}, torch {torch.__version__}, "
         f"{time.strftime('%Y-%m-%d')}; context {args.context}, {args.new_tokens} new tokens, "
         f"{'eager' if args.enforce_eager else 'CUDA graphs'}{', DoRA adapters' if args.dora else ''}"
+        f"{', adapters in FP8 slots (--lora-dtype fp8)' if args.lora_dtype == 'fp8' else ''}"
     )
     print("| case | time | rate | against the floor |")
     print("|---|---|---|---|")

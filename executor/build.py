@@ -16,7 +16,7 @@ import torch
 
 from loraserve.metrics import ExecutorMetrics, MetricsServer
 
-from . import memory
+from . import lora_fp8, memory
 from .config import ExecutorConfig
 from .cpu_cache import FetchShard
 from .engine.engine import Engine
@@ -100,7 +100,7 @@ def build_engine(
         )
     modules = lora_modules(model)
     resolve_adapter_memory(cfg, model, modules)
-    arena = pinned_arena(cfg, memory.lora_bytes_per_slot(modules))
+    arena = pinned_arena(cfg, memory.lora_shard_bytes(modules))
     store = StoreClient(
         cfg.store_address,
         declare_layout(mc, model.lora_spec, cfg.base_model, cfg.tp_size, cfg.ep_size),
@@ -137,7 +137,7 @@ def build_engine(
     engine = Engine(model, tokenizer, kv, slots, cfg, ranks)
     if metrics is not None:
         metrics.attach(engine, slots, cfg.max_loras, model_name=cfg.base_model or cfg.model)
-        metrics.dtypes(fp8.weight_dtype(model), fp8.dtype_name(kv.k_cache[0].dtype))
+        metrics.dtypes(fp8.weight_dtype(model), fp8.dtype_name(kv.k_cache[0].dtype), lora_fp8.slot_dtype(model))
     return ExecutorParts(engine, slots, store, cfg, metrics=metrics, ranks=ranks, arena=arena)
 
 
@@ -187,7 +187,7 @@ def resolve_adapter_memory(cfg: ExecutorConfig, model, modules) -> None:
 def pinned_arena(cfg: ExecutorConfig, adapter_bytes: int = 0) -> PinnedArena | None:
     """The arena rank 0's fetched shards land in (executor/pinned_arena.py), sized for the CPU
     cache's budget (cfg.cpu_cache_bytes, resolved; under max_cpu_adapters no more than that many
-    adapters of adapter_bytes, a slot's bytes, plus the fetches in flight), at most a share of the
+    adapters of adapter_bytes, a full-rank shard's bytes, plus the fetches in flight), at most a share of the
     host memory available now (executor/memory.py). None, with a warning, where no memory is left or
     the host refuses the memory: shards then land in fresh buffers.
 

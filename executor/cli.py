@@ -89,6 +89,13 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
     )
     p.add_argument("--max-lora-rank", type=int, default=int(env("max_lora_rank", 64)))
     p.add_argument(
+        "--lora-dtype",
+        default=env("lora_dtype", "auto"),
+        choices=["auto", "fp8"],
+        help="auto: LoRA slots in --dtype; fp8: dense layers' slots hold A and B as FP8 with per-row scales "
+        "(twice the slots in the same memory; a CUDA GPU needs compute capability 8.9+)",
+    )
+    p.add_argument(
         "--lora-embeddings",
         action="store_true",
         default=env("lora_embeddings", "") in ("1", "true"),
@@ -292,6 +299,7 @@ def executor_config(a: argparse.Namespace):
         enable_dora=a.enable_dora,
         enable_trainable_tokens=a.enable_trainable_tokens,
         max_rank=a.max_lora_rank,
+        lora_dtype=a.lora_dtype,
         max_cpu_adapters=a.max_cpu_adapters,
         cpu_cache_bytes=a.cpu_cache_bytes,
         max_concurrent_loads=a.max_concurrent_loads,

@@ -13,6 +13,7 @@ from loraserve.metrics import DEFAULT_MAX_ADAPTER_LABELS
 from loraserve.tls import ClientTls, ServerTls
 
 from .engine.kv_events import endpoint_error
+from .lora_fp8 import LORA_DTYPES
 from .model.kv_scales import KV_CACHE_DTYPES, cache_dtype
 from .parallel import ep_with_tp_error
 
@@ -42,6 +43,7 @@ class ExecutorConfig:
     max_loras: int = 0  # GPU slots: adapters usable in one batch; 0: from the GPU memory free once the
     # model and KV cache are in place (executor/memory.py), 8 on CPU. Set to the resolved count at start.
     max_rank: int = 64  # slot rank; larger adapters are refused by the store
+    lora_dtype: str = "auto"  # "auto": slots in dtype; "fp8": dense layers' slots in FP8 with scales (executor/lora_fp8.py)
     lora_embeddings: bool = False  # also give embed_tokens and lm_head slots (vocab-sized: costly)
     enable_dora: bool = False  # serve DoRA adapters (executor/dora.py): a per-slot output scale in every dense
     # LoRA layer, applied in every captured decode step; off, DoRA adapters are refused with FAILED_PRECONDITION
@@ -110,6 +112,8 @@ class ExecutorConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in ("", "fp8"):
             raise ValueError(f"quantization must be '' or 'fp8', got {self.quantization!r}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be at least 1, got {self.tp_size}")
         if self.ep_size < 1:

@@ -19,7 +19,7 @@ from torch import nn
 from loraserve import kernels
 from loraserve.kernels import LoraMeta
 
-from . import dora
+from . import dora, lora_fp8
 from .parallel import TPGroup
 from .slot_layout import LoraSpec, packed_rows, packs_b_on, slot_fit_error
 
@@ -51,6 +51,7 @@ def _step_weights(m: nn.Module, meta: LoraMeta | None, device: torch.device):
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_NO_SCALES: tuple[dict, dict] = ({}, {})  # the kernels' scale arguments of bf16 / fp16 / fp32 slots: none
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -80,12 +81,14 @@ class SlotWrites:
         self.zeros: list[torch.Tensor] = []
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.dtype == lora_fp8.FP8:  # FP8 slots' values as bytes: the multi-tensor ops take no float8 dtype everywhere
+            dst, src = dst.view(torch.uint8), src.view(torch.uint8)
         self.dst.append(dst)
         self.src.append(src)
 
     def zero(self, dst: torch.Tensor) -> None:
         if dst.numel():
-            self.zeros.append(dst)
+            self.zeros.append(dst.view(torch.uint8) if dst.dtype == lora_fp8.FP8 else dst)
 
     def flush(self) -> None:
         if self.dst:
@@ -120,11 +123,14 @@ def _set_slot(m: nn.Module, slot: int, lora_a: torch.Tensor, lora_b: torch.Tenso
     m.slot_ranks[slot] = lora_a.shape[m.slot_rank_dim]
 
 
-def _reset_slot(m: nn.Module, slot: int, writes: SlotWrites | None) -> None:
+def _reset_slot(m: nn.Module, slot: int, writes: SlotWrites | None, also: tuple = ()) -> None:
+    """Zeroes the slot of m's lora_a, lora_b and of each buffer in `also` (an FP8 slot's scales)."""
     own = writes is None
     writes = writes or SlotWrites()
     writes.zero(m.lora_a[slot])
     writes.zero(m.lora_b[slot])
+    for buf in also:
+        writes.zero(buf[slot])
     if own:
         writes.flush()
     m.slot_ranks[slot] = 0
@@ -150,6 +156,11 @@ class LinearWithLoRA(nn.Module):
     (executor/model/fp8.py fills both), and the base GEMM is kernels.fp8_linear (activations quantized
     per token); shapes the FP8 GEMM does not take (in or N not a multiple of 16) stay in dtype. LoRA is
     unchanged: it reads the layer's input in dtype and adds into the GEMM's output.
+
+    fp8_slots (LoraSpec.fp8, `--lora-dtype fp8`): lora_a and lora_b hold float8_e4m3fn, with
+    lora_a_scale [max_loras, S, max_rank / rank_parts] float32 (one per rank row of each slice) and
+    lora_b_scale [max_loras, N] float32 (one per output channel) beside them (executor/lora_fp8.py);
+    shards arrive in the adapter dtype (`shard_dtype`) and are quantized as they are loaded.
     """
 
     slot_rank_dim = 1  # rank's dim in one slot's lora_a [S, r, in] and lora_b [N, r]
@@ -190,6 +201,10 @@ class LinearWithLoRA(nn.Module):
         self.bias = nn.Parameter(torch.empty(n_out, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.register_buffer("lora_a", None, persistent=False)  # allocated by create_lora_weights
         self.register_buffer("lora_b", None, persistent=False)
+        self.fp8_slots = lora is not None and lora.fp8
+        self.shard_dtype = lora.dtype if self.fp8_slots else None  # a shard's dtype where it is not the slots'
+        self.register_buffer("lora_a_scale", None, persistent=False)  # FP8 slots only
+        self.register_buffer("lora_b_scale", None, persistent=False)
         # B packed at each slot's rank where the device takes it (packs_b_on): not where its rank dim
         # holds tp parts, nor for a fully sharded row layer's 1/tp of the output columns
         self.packed_b = (
@@ -209,6 +224,11 @@ class LinearWithLoRA(nn.Module):
         n_slices, n_out = len(self.output_sizes), self.lora_offsets[-1]
         if max_rank % self.rank_parts:
             raise ValueError(f"max LoRA rank {max_rank} does not split over {self.rank_parts} fully sharded ranks")
+        if self.fp8_slots:
+            dtype = lora_fp8.FP8
+            a_scale = torch.zeros(max_loras, n_slices, max_rank // self.rank_parts, dtype=torch.float32, device=dev)
+            self.register_buffer("lora_a_scale", a_scale, persistent=False)
+            self.register_buffer("lora_b_scale", torch.zeros(max_loras, n_out, dtype=torch.float32, device=dev), persistent=False)
         a = torch.zeros(max_loras, n_slices, max_rank // self.rank_parts, self.in_features, dtype=dtype, device=dev)
         b = torch.zeros(max_loras, n_out, max_rank, dtype=dtype, device=dev)
         self.register_buffer("lora_a", a, persistent=False)
@@ -224,14 +244,24 @@ class LinearWithLoRA(nn.Module):
         lora_b: torch.Tensor,
         writes: SlotWrites | None = None,
         slot_rank: int | None = None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """lora_a: [S, r, in], lora_b: [N, r] (a shard's tensors, already in the slot dtype).
         Fully sharded column layers: lora_a [S, r / tp, in], lora_b [N, r], r a multiple of tp.
         writes: record the copies there (see SlotWrites) instead of issuing them now.
         slot_rank: the adapter's largest rank over its modules (what the step's LoraMeta.slot_ranks
-        will say; default this module's), at which a packed B is laid out."""
+        will say; default this module's), at which a packed B is laid out.
+        scales: FP8 slots: (A's [S, r(/tp)], B's [N]) float32, lora_a / lora_b then quantized
+        (executor/lora_fp8.py `quantized`)."""
+        if self.fp8_slots != (scales is not None):
+            raise ValueError(
+                f"{'FP8' if self.fp8_slots else 'bf16/fp16/fp32'} slots take {'' if self.fp8_slots else 'no '}scales"
+            )
         own = writes is None
         writes = writes or SlotWrites()
+        if scales is not None:
+            _copy_into_slot(self.lora_a_scale[slot], scales[0], writes=writes)
+            writes.copy(self.lora_b_scale[slot], scales[1])
         _copy_into_slot(self.lora_a[slot], lora_a, writes=writes)
         if self.packed_b:
             if (err := slot_fit_error(self.lora_b[slot], lora_b)) is not None:
@@ -256,10 +286,15 @@ class LinearWithLoRA(nn.Module):
         reads it, and its A is zero); slot_rank (in a load of an adapter that does not target this
         module): its rows at that rank are, as the load's scatter plan writes them."""
         if not self.packed_b:
+            if self.fp8_slots:
+                _reset_slot(self, slot, writes, (self.lora_a_scale, self.lora_b_scale))
+                return
             return _reset_slot(self, slot, writes)
         own = writes is None
         writes = writes or SlotWrites()
         writes.zero(self.lora_a[slot])
+        if self.fp8_slots:
+            writes.zero(self.lora_a_scale[slot])
         if slot_rank:
             writes.zero(packed_rows(self.lora_b, slot, slot_rank))
         if own:
@@ -285,15 +320,26 @@ class LinearWithLoRA(nn.Module):
             return dora.apply(self, self._lora_sum(x, lora_a, lora_b, lora_meta, ranked, None), lora_meta, self.bias)
         return self._lora_sum(x, lora_a, lora_b, lora_meta, ranked, self.bias)
 
+    def _scales(self, lora_a: torch.Tensor) -> tuple[dict, dict]:
+        """The kernels' scale arguments of this step's (lora_a, lora_b): FP8 slots' A scales cut to
+        lora_a's rank (the reference path's cut) and B's; none for bf16 / fp16 / fp32 slots."""
+        if not self.fp8_slots:
+            return _NO_SCALES
+        a_scale = self.lora_a_scale
+        if lora_a.shape[2] != a_scale.shape[2]:
+            a_scale = a_scale.narrow(2, 0, lora_a.shape[2])
+        return {"scale": a_scale}, {"scale": self.lora_b_scale}
+
     def _lora_sum(self, x, lora_a, lora_b, lora_meta, ranked: bool, bias) -> torch.Tensor:
         """x @ W.T (+ bias) + the per-token LoRA delta."""
         side = _side_stream(x.device)
+        a_scale, b_scale = self._scales(lora_a)
         if side is None:
             y = self._base(x, bias)
-            buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)  # [S, T, rank] float32
+            buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked, **a_scale)  # [S, T, rank] float32
             if self.rank_parts > 1:
                 buf = self.tp.all_gather(buf)  # [S, T, max_rank]: every rank part of x @ A.T
-            return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked, packed=self.packed_b)
+            return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked, packed=self.packed_b, **b_scale)
         # CUDA: shrink (and its zeroing, unless the step's shrink workspace is zeroed already) runs on
         # a side stream beside the base GEMM, which is bandwidth-bound at decode and hides it; only
         # expand waits for both. Captured graphs keep the fork and join. Memory is safe: the side
@@ -302,12 +348,12 @@ class LinearWithLoRA(nn.Module):
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked)
+            buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked, **a_scale)
         y = self._base(x, bias)
         main.wait_stream(side)
         if self.rank_parts > 1:
             buf = self.tp.all_gather(buf)
-        return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked, packed=self.packed_b)
+        return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked, packed=self.packed_b, **b_scale)
 
     def _forward_row_parallel(self, x: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
         """x: [T, in / tp], this rank's input columns. Every term before the all-reduce is a
@@ -316,13 +362,14 @@ class LinearWithLoRA(nn.Module):
         weights = _step_weights(self, lora_meta, x.device)
         if weights is not None:
             lora_a, lora_b = weights
-            buf = kernels.lora_shrink(x, lora_a, lora_meta)  # [1, T, rank], partial
+            a_scale, b_scale = self._scales(lora_a)
+            buf = kernels.lora_shrink(x, lora_a, lora_meta, **a_scale)  # [1, T, rank], partial
             if self.lora_offsets is self.slice_offsets:
-                kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, packed=self.packed_b)
+                kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, packed=self.packed_b, **b_scale)
             else:  # fully sharded: the whole x @ A.T, times this rank's rows of B, into its columns
                 buf = self.tp.all_reduce(buf)
                 out = y.narrow(1, self.lora_out_start, self.lora_offsets[-1])
-                kernels.lora_expand(out, buf, lora_b, self.lora_offsets, lora_meta)
+                kernels.lora_expand(out, buf, lora_b, self.lora_offsets, lora_meta, **b_scale)
         y = self.tp.all_reduce(y)
         if weights is not None and dora.applies(self, lora_meta):
             return dora.apply(self, y, lora_meta, self.bias)
@@ -339,6 +386,7 @@ class VocabEmbeddingWithLoRA(nn.Module):
 
     slot_rank_dim = 1  # one slot's lora_a [vocab, r], lora_b [dim, r]
     rank_parts = 1
+    fp8_slots, shard_dtype = False, None  # its slots stay in the adapter dtype under --lora-dtype fp8
 
     def __init__(self, vocab_size, embed_dim, lora: LoraSpec | None, dtype, device, tp: TPGroup | None = None):
         super().__init__()
@@ -407,6 +455,7 @@ class ExpertsWithLoRA(nn.Module):
 
     slot_rank_dim = 2  # one slot's lora_a [E, S, r, in], lora_b [E, N, r]
     rank_parts = 1  # experts are never tensor-parallel: LoRA's rank is whole
+    fp8_slots, shard_dtype = False, None  # its slots stay in the adapter dtype under --lora-dtype fp8
 
     def __init__(self, num_experts, in_features, output_sizes, lora: LoraSpec | None, dtype, device, fp8: bool = False):
         super().__init__()

@@ -84,8 +84,26 @@ def _inactive_file_bytes(root: str) -> int:
 
 
 def lora_bytes_per_slot(modules) -> int:
-    """Bytes one slot takes across every LoRA module (their buffers' [max_loras, ...] leading dim)."""
-    return sum(m.lora_a[0].nbytes + m.lora_b[0].nbytes for m in modules.values() if m.lora_a is not None)
+    """Bytes one slot takes across every LoRA module (their buffers' [max_loras, ...] leading dim):
+    an FP8 slot's 1 byte per element and its float32 scales (executor/lora_fp8.py)."""
+    total = 0
+    for m in modules.values():
+        if m.lora_a is not None:
+            total += m.lora_a[0].nbytes + m.lora_b[0].nbytes
+            if m.fp8_slots:
+                total += m.lora_a_scale[0].nbytes + m.lora_b_scale[0].nbytes
+    return total
+
+
+def lora_shard_bytes(modules) -> int:
+    """Bytes of a full-rank adapter's shard across every LoRA module, as the store sends it and the
+    CPU cache holds it: a slot's elements in the adapter dtype (an FP8 slot's shard is not FP8)."""
+    total = 0
+    for m in modules.values():
+        if m.lora_a is not None:
+            itemsize = (m.shard_dtype or m.lora_a.dtype).itemsize
+            total += (m.lora_a[0].numel() + m.lora_b[0].numel()) * itemsize
+    return total
 
 
 def resize_slots(model, modules, max_loras: int) -> None:
@@ -95,6 +113,8 @@ def resize_slots(model, modules, max_loras: int) -> None:
     for m in modules.values():
         if m.lora_a is not None:
             m.lora_a = m.lora_b = None  # free the old buffers before the new ones are allocated
+            if m.fp8_slots:
+                m.lora_a_scale = m.lora_b_scale = None
             m.create_lora_weights(max_loras, spec.max_rank, spec.dtype)
     model.lora_spec = dataclasses.replace(spec, max_loras=max_loras)
     if getattr(model, "token_rows", None) is not None:

@@ -79,6 +79,7 @@ def lora_spec(cfg: ExecutorConfig) -> LoraSpec:
         fully_sharded=cfg.fully_sharded_loras,
         dora=cfg.enable_dora,
         trainable_tokens=cfg.enable_trainable_tokens,
+        fp8=cfg.lora_dtype == "fp8",
     )
 
 

@@ -23,7 +23,7 @@ from loraserve.serving import RunningServer, start_server
 from loraserve.v1 import executor_pb2 as epb
 from loraserve.v1 import executor_pb2_grpc as epb_grpc
 
-from . import cublas, memory
+from . import cublas, lora_fp8, memory
 from .build import ExecutorParts, build_engine, resolve_max_model_len
 from .config import ExecutorConfig
 from .engine.requests import GenerationOutput, GenerationRequest
@@ -107,6 +107,8 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
         raise ValueError(error)  # before the ranks are spawned too
     if (error := kv_cache_dtype_error(cfg.kv_cache_dtype, cfg.device)) is not None:
         raise ValueError(error)
+    if (error := lora_fp8.lora_dtype_error(cfg.lora_dtype, cfg.device)) is not None:
+        raise ValueError(error)
     ranks = None
     if cfg.world_size > 1:
         error = tp_size_error(mc, cfg.tp_size, cfg.max_rank, cfg.fully_sharded_loras) or ep_size_error(mc, cfg.ep_size)
@@ -132,7 +134,7 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
     packed = any(m.packed_b for m in lora_modules(model).values())
     parts = build_engine(cfg, model, tokenizer, ranks=ranks)
     log.info(
-        "executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d (B %s), %d KV blocks of %d%s",
+        "executor ready in %.1fs: %s on %s (%s), %d layers, %d slots of rank %d (%s, B %s), %d KV blocks of %d%s",
         time.perf_counter() - t0,
         cfg.model,
         cfg.device,
@@ -140,6 +142,7 @@ def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorPar
         model.cfg.num_layers,
         cfg.max_loras,
         cfg.max_rank,
+        "FP8 A and B with per-row scales" if cfg.lora_dtype == "fp8" else cfg.dtype,
         "packed at each slot's rank" if packed else "in rows",
         cfg.num_blocks,
         cfg.block_size,
@@ -289,6 +292,7 @@ class ExecutorService(epb_grpc.ExecutorServicer):
             prefix_caching=c.prefix_caching,
             weight_dtype=fp8.weight_dtype(self.parts.engine.model),
             kv_cache_dtype=fp8.dtype_name(self.parts.engine.kv_cache.k_cache[0].dtype),
+            lora_dtype=lora_fp8.slot_dtype(self.parts.engine.model),
         )
 
 

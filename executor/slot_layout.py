@@ -30,6 +30,7 @@ class LoraSpec:
     fully_sharded: bool = False  # under TP, also cut the adapter rank (column layers) / B's outputs (row layers)
     dora: bool = False  # dense layers also hold each slot's DoRA scale (executor/dora.py); off: no DoRA buffers, no step work
     trainable_tokens: bool = False  # each slot's token rows (executor/token_rows.py); off: no tables, no step work
+    fp8: bool = False  # dense layers' slots hold A and B as FP8 with float32 scales (executor/lora_fp8.py); shards stay in dtype
 
 
 def packs_b_on(device: torch.device) -> bool:
@@ -54,11 +55,12 @@ def packed_rows(lora_b: torch.Tensor, slot: int, rank: int) -> torch.Tensor:
     return lora_b[slot].view(-1)[: n * width].view(n, width)
 
 
-def slot_fit_error(slot_buf: torch.Tensor, src: torch.Tensor, rank_dim: int = 1) -> str | None:
+def slot_fit_error(slot_buf: torch.Tensor, src: torch.Tensor, rank_dim: int = 1, dtype: torch.dtype | None = None) -> str | None:
     """Why src cannot be copied into slot_buf's first r entries of rank_dim (1 for dense modules'
-    per-slot buffers, 2 for experts': their leading dim is the expert); None when it can."""
-    if src.dim() != slot_buf.dim() or src.dtype != slot_buf.dtype:
-        return f"shard tensor {tuple(src.shape)} {src.dtype} vs slot {tuple(slot_buf.shape)} {slot_buf.dtype}"
+    per-slot buffers, 2 for experts': their leading dim is the expert); None when it can. dtype: the
+    one src must have (default slot_buf's; an FP8 slot's shard comes in the adapter dtype)."""
+    if src.dim() != slot_buf.dim() or src.dtype != (dtype or slot_buf.dtype):
+        return f"shard tensor {tuple(src.shape)} {src.dtype} vs slot {tuple(slot_buf.shape)} {dtype or slot_buf.dtype}"
     r = src.shape[rank_dim]
     want = (*slot_buf.shape[:rank_dim], r, *slot_buf.shape[rank_dim + 1 :])
     if r > slot_buf.shape[rank_dim] or tuple(src.shape) != want:

@@ -9,6 +9,10 @@ which repeats across adapters, so both are worked out once per layout and kept b
 its tensor count. Elsewhere (the CPU, or a shard not in one host storage) the modules' set_lora
 copies go through SlotWrites. Every path keeps executor/slot_layout.py's invariant.
 
+FP8 slots (executor/lora_fp8.py) take the SlotWrites path on every device: the shard's bytes are
+staged on the device in one copy, as the scatter's are, quantized there, and the FP8 values and
+their scales copied into the slot; neither the one-launch scatter nor a clear's plan applies.
+
 What a model's loads work out is owned by the model (`_TARGETS_ATTR`), what a module list's
 clears do by its first module (`_CLEAR_PLAN_ATTR`); `forget_slot_plans` drops both before the
 slot buffers are replaced.
@@ -29,7 +33,7 @@ from torch import nn
 from loraserve import kernels
 from loraserve.kernels.copy_reference import ScatterPlan, SlotCopy
 
-from . import dora, token_rows
+from . import dora, lora_fp8, token_rows
 from .lora import LORA_MODULE_TYPES, SlotWrites
 from .shard_tensors import LayoutKey, shard_signature
 from .slot_layout import packed_rank, slot_fit_error, written_rank
@@ -66,7 +70,8 @@ class _SlotTargets:
         self.known = frozenset(f"{n}.{part}" for n in self.modules for part in ("lora_a", "lora_b"))
         slot_bufs = [b for b in self.buffers if b is not None]
         self.device = slot_bufs[0].device if slot_bufs else torch.device("cpu")
-        self.scatterable = len({b.dtype for b in slot_bufs}) == 1 and all(b.is_contiguous() for b in slot_bufs)
+        self.fp8 = any(m.fp8_slots for m in self.modules.values())
+        self.scatterable = not self.fp8 and len({b.dtype for b in slot_bufs}) == 1 and all(b.is_contiguous() for b in slot_bufs)
         self.layouts: OrderedDict[LayoutKey, _ShardLayout] = OrderedDict()
         self.lock = threading.Lock()
         # each module's slot_ranks list (replaced only with its slot buffers, which retires these
@@ -240,12 +245,37 @@ def _check_shard(modules: dict[str, nn.Module], known: frozenset, tensors: dict[
         if a is None:
             continue
         rank_dim = module.slot_rank_dim
+        dtype = module.shard_dtype  # an FP8 slot's shard: the adapter dtype
         for part, src, buf in (("lora_a", a, module.lora_a[0]), ("lora_b", b, module.lora_b[0])):
-            if (err := slot_fit_error(buf, src, rank_dim)) is not None:
+            if (err := slot_fit_error(buf, src, rank_dim, dtype)) is not None:
                 raise ValueError(f"{name}.{part}: {err}")
         if a.shape[rank_dim] * module.rank_parts != b.shape[rank_dim]:
             parts = f" x {module.rank_parts} rank parts" if module.rank_parts > 1 else ""
             raise ValueError(f"{name}: lora_a rank {a.shape[rank_dim]}{parts} != lora_b rank {b.shape[rank_dim]}")
+
+
+def _fp8_quantized(targets: _SlotTargets, tensors: dict[str, torch.Tensor], offsets, storage, lo: int) -> dict:
+    """The FP8 modules' A and B of the shard, quantized on the slots' device (lora_fp8.quantized). A
+    shard in one host storage is staged there in one copy (its tensors then views of it); else each
+    tensor is copied on its own."""
+    names = [
+        f"{n}.{part}"
+        for n, m in targets.modules.items()
+        if m.fp8_slots and f"{n}.lora_a" in tensors
+        for part in ("lora_a", "lora_b")
+    ]
+    if not names:
+        return {}
+    device, src = targets.device, {k: tensors[k] for k in names}
+    dtypes = {t.dtype for t in tensors.values()}
+    where = dict(zip(tensors, offsets))
+    one_piece = storage is not None and len(dtypes) == 1 and all(t.is_contiguous() for t in tensors.values())
+    if device.type == "cuda" and one_piece and all(where[k] % next(iter(dtypes)).itemsize == 0 for k in names):
+        staged = _staged(storage, lo, max(where[k] + tensors[k].nbytes for k in names), device, torch.uint8)
+        src = {k: staged[where[k] : where[k] + t.nbytes].view(t.dtype).view(t.shape) for k, t in src.items()}
+    elif src[names[0]].device != device:
+        src = {k: t.to(device, non_blocking=True) for k, t in src.items()}
+    return lora_fp8.quantized(src, names)
 
 
 def _default_scatter(device: torch.device):
@@ -258,7 +288,8 @@ def _clear_plan(modules: list[nn.Module], buffers: tuple) -> ScatterPlan | None:
     list's first module, checked against the buffers."""
     cached = getattr(modules[0], _CLEAR_PLAN_ATTR, None)
     if cached is None or len(cached[0]) != len(buffers) or not all(map(operator.is_, cached[0], buffers)):
-        ok = len({b.dtype for b in buffers}) == 1 and all(b.is_contiguous() for b in buffers)
+        fp8 = any(m.fp8_slots for m in modules)  # its scales too: reset_lora's
+        ok = not fp8 and len({b.dtype for b in buffers}) == 1 and all(b.is_contiguous() for b in buffers)
         plan = ScatterPlan(tuple(
             _slot_copy(buf, m.slot_rank_dim, None, 0, parts, m.rank_parts)
             for m in modules for buf, parts, part in ((m.lora_a, 1, "a"), (m.lora_b, m.rank_parts, "b"))
@@ -341,10 +372,14 @@ def load_shard_into_slot(
         # zeros only up to what the slot's previous adapter wrote: its tail past that is zero already
         scatter(layout.plan.clipped(targets.written_rank(slot)), staged, slot)
     else:
+        fp8 = _fp8_quantized(targets, tensors, offsets, storage, lo) if targets.fp8 else {}
         writes = SlotWrites()  # every module's copies and zero-fills issued together
         for name, module in targets.modules.items():
             rank = {"slot_rank": layout.max_rank} if module.packed_b else {}  # a packed B's row width
-            if f"{name}.lora_a" in tensors:
+            if f"{name}.lora_a" in tensors and module.fp8_slots:
+                (qa, sa), (qb, sb) = fp8[f"{name}.lora_a"], fp8[f"{name}.lora_b"]
+                module.set_lora(slot, qa, qb, writes, **rank, scales=(sa, sb))
+            elif f"{name}.lora_a" in tensors:
                 module.set_lora(slot, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"], writes, **rank)
             else:
                 module.reset_lora(slot, writes, **rank)

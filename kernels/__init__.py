@@ -56,21 +56,24 @@ def _impl(t: torch.Tensor):
     return _on_device(t, "triton_lora", reference)
 
 
-def lora_shrink(x, lora_a, meta: LoraMeta, out=None, ranked: bool = True, pdl: bool = False):
+def lora_shrink(x, lora_a, meta: LoraMeta, out=None, ranked: bool = True, pdl: bool = False, scale=None):
     """pdl: launch as a programmatic dependent at decode on CUDA (kernels/triton_lora.py says what
-    the caller promises); the reference ignores it."""
+    the caller promises); the reference ignores it. scale: FP8 slots' A scales (reference.py)."""
     impl = _impl(x)
     if pdl and impl is not reference:
-        return impl.lora_shrink(x, lora_a, meta, out, ranked, pdl=True)
-    return impl.lora_shrink(x, lora_a, meta, out, ranked)
+        return impl.lora_shrink(x, lora_a, meta, out, ranked, pdl=True, scale=scale)
+    return impl.lora_shrink(x, lora_a, meta, out, ranked, scale=scale)
 
 
-def lora_expand(y, buf, lora_b, slice_offsets, meta: LoraMeta, ranked: bool = True, pdl: bool = False, packed: bool = False):
-    """pdl: as in lora_shrink. packed: each slot's B packed at its rank (triton_lora.lora_expand)."""
+def lora_expand(
+    y, buf, lora_b, slice_offsets, meta: LoraMeta, ranked: bool = True, pdl: bool = False, packed: bool = False, scale=None
+):
+    """pdl: as in lora_shrink. packed: each slot's B packed at its rank (triton_lora.lora_expand).
+    scale: FP8 slots' B scales (reference.py)."""
     impl = _impl(y)
     if pdl and impl is not reference:
-        return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, pdl=True, packed=packed)
-    return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, packed=packed)
+        return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, pdl=True, packed=packed, scale=scale)
+    return impl.lora_expand(y, buf, lora_b, slice_offsets, meta, ranked, packed=packed, scale=scale)
 
 
 def lora_embedding_shrink(token_ids, lora_a, meta: LoraMeta, out=None):

@@ -161,10 +161,11 @@ class _Patches:
         self.stack.enter_context(mock.patch.dict(mapping, {key: value}))
 
 
-def launch_lora_layer(shape, tokens: int, rank: int, adapters: int = 2, pdl: bool = False) -> None:
+def launch_lora_layer(shape, tokens: int, rank: int, adapters: int = 2, pdl: bool = False, fp8: bool = False) -> None:
     """One layer's LoRA (a kernels.model_shapes.LayerShape) as the engine calls it, on CPU tensors
     left uninitialised (inside lora_builds_for_h100 nothing runs): `adapters` slots holding ranks
-    `rank` and lower (the slots' ranks read), one token in every adapters + 1 without an adapter."""
+    `rank` and lower (the slots' ranks read), one token in every adapters + 1 without an adapter.
+    fp8: a dense layer's slots in float8_e4m3fn with their float32 scales (`--lora-dtype fp8`)."""
     import torch
 
     from . import triton_lora
@@ -174,15 +175,20 @@ def launch_lora_layer(shape, tokens: int, rank: int, adapters: int = 2, pdl: boo
     ranks = torch.tensor([max(1, rank >> (2 * (i % 2))) for i in range(adapters)], dtype=torch.int32)
     meta = make_lora_meta(slots, adapters, slot_ranks=ranks)
     offsets = tuple(sum(shape.widths[:i]) for i in range(len(shape.widths) + 1))
-    lora_b = torch.empty(adapters, offsets[-1], rank, dtype=torch.bfloat16)
+    fp8 = fp8 and shape.kind != "embedding"  # (embedding slots stay in the adapter dtype)
+    slot_dtype = triton_lora.FP8 if fp8 else torch.bfloat16
+    lora_b = torch.empty(adapters, offsets[-1], rank, dtype=slot_dtype)
     y = torch.empty(tokens, offsets[-1], dtype=torch.bfloat16)
     if shape.kind == "embedding":
         lora_a = torch.empty(adapters, shape.in_features, rank, dtype=torch.bfloat16)
         buf = triton_lora.lora_embedding_shrink(torch.zeros(tokens, dtype=torch.int64), lora_a, meta)
     else:
-        lora_a = torch.empty(adapters, len(shape.widths), rank, shape.in_features, dtype=torch.bfloat16)
-        buf = triton_lora.lora_shrink(torch.empty(tokens, shape.in_features, dtype=torch.bfloat16), lora_a, meta, pdl=pdl)
-    triton_lora.lora_expand(y, buf, lora_b, offsets, meta, pdl=pdl)
+        lora_a = torch.empty(adapters, len(shape.widths), rank, shape.in_features, dtype=slot_dtype)
+        x = torch.empty(tokens, shape.in_features, dtype=torch.bfloat16)
+        scale = {"scale": torch.empty(lora_a.shape[:3])} if fp8 else {}
+        buf = triton_lora.lora_shrink(x, lora_a, meta, pdl=pdl, **scale)
+    scale = {"scale": torch.empty(lora_b.shape[:2])} if fp8 else {}
+    triton_lora.lora_expand(y, buf, lora_b, offsets, meta, pdl=pdl, **scale)
 
 
 @dataclass(frozen=True)

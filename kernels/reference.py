@@ -4,6 +4,11 @@ Signatures are shared with kernels/triton_lora.py. Slot buffers are zero beyond 
 adapter's rank, so computing over the full slot rank R is exact for mixed ranks (a packed B,
 lora_expand's `packed`, is unpacked at each slot's rank first).
 LoRA scaling is already folded into B by the adapter store.
+
+FP8 slots (`scale` given): lora_a / lora_b hold float8_e4m3fn values and the scales hold what each
+row is worth: A's weight is lora_a * scale[..., None] (one float32 per rank row of each slice), B's
+lora_b * scale[..., None] (one per output channel). Here they are dequantized to float32 before
+the products; the Triton kernels multiply the scales into their sums instead.
 """
 
 from __future__ import annotations
@@ -35,8 +40,18 @@ def _slot_groups(meta: LoraMeta):
             yield slot, meta.sorted_token_ids[start : start + n].long()
 
 
+def dequantized(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """w as float32, times its per-row scale where it is FP8 (scale: w's shape less its last dim)."""
+    return w.float() if scale is None else w.float() * scale.unsqueeze(-1)
+
+
 def lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta, out: torch.Tensor | None = None, ranked: bool = True
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    meta: LoraMeta,
+    out: torch.Tensor | None = None,
+    ranked: bool = True,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """buf[s, t, :] = x[t] @ lora_a[slot(t), s].T for every slice s; rows of no-adapter tokens are 0.
 
@@ -44,19 +59,20 @@ def lora_shrink(
     lora_a: [max_loras, S, R, in]
     out:    [S, T, R] float32 (allocated if None)
     ranked: unused here (see lora_expand)
+    scale:  FP8 slots: [max_loras, S, R] float32, one per rank row of each slice (module docstring)
     """
     num_slices, rank = lora_a.shape[1], lora_a.shape[2]
     out, _ = shrink_output(meta, out, num_slices, x.shape[0], rank, x.device)  # every element is written below
     gathered = _gathered(meta)
     if gathered is not None:
         slots, valid = gathered
-        a = lora_a.index_select(0, slots).float()  # [T, S, R, in]
+        a = dequantized(lora_a.index_select(0, slots), None if scale is None else scale.index_select(0, slots))  # [T, S, R, in]
         out.copy_(torch.einsum("ti,tsri->str", x.float(), a) * valid[None, :, None])
         return out
     out.zero_()
     for slot, idx in _slot_groups(meta):
         xs = x.index_select(0, idx).float()  # [n, in]
-        a = lora_a[slot].float()  # [S, R, in]
+        a = dequantized(lora_a[slot], None if scale is None else scale[slot])  # [S, R, in]
         out[:, idx] = torch.einsum("ti,sri->str", xs, a)
     return out
 
@@ -86,6 +102,7 @@ def lora_expand(
     meta: LoraMeta,
     ranked: bool = True,
     packed: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[t, off_s:off_s+n_s] += buf[s, t] @ lora_b[slot(t), off_s:off_s+n_s].T, in place.
 
@@ -95,13 +112,14 @@ def lora_expand(
     slice_offsets: S + 1 output offsets, e.g. (0, q, q + k, q + k + v)
     ranked:        unused here: slot buffers are zero past each adapter's rank (see triton_lora)
     packed:        each slot's B packed at its rank (triton_lora.lora_expand): unpacked here first
+    scale:         FP8 slots: [max_loras, N] float32, one per output channel (module docstring)
     """
-    if packed:
-        lora_b = unpacked(lora_b, meta, buf.shape[2])
+    if packed:  # (FP8 values widened first: the scales are per row of the unpacked [N, R])
+        lora_b = unpacked(lora_b if scale is None else lora_b.float(), meta, buf.shape[2])
     gathered = _gathered(meta)
     if gathered is not None:
         slots, valid = gathered
-        b = lora_b.index_select(0, slots).float()  # [T, N, R]
+        b = dequantized(lora_b.index_select(0, slots), None if scale is None else scale.index_select(0, slots))  # [T, N, R]
         delta = torch.cat(
             [
                 torch.einsum("tr,tnr->tn", buf[s], b[:, slice_offsets[s] : slice_offsets[s + 1]])
@@ -112,7 +130,7 @@ def lora_expand(
         y += (delta * valid[:, None]).to(y.dtype)
         return y
     for slot, idx in _slot_groups(meta):
-        b = lora_b[slot].float()  # [N, R]
+        b = dequantized(lora_b[slot], None if scale is None else scale[slot])  # [N, R]
         delta = torch.cat(
             [buf[s].index_select(0, idx) @ b[slice_offsets[s] : slice_offsets[s + 1]].T for s in range(len(slice_offsets) - 1)],
             dim=1,

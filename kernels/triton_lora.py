@@ -32,6 +32,7 @@ from .meta import LoraMeta, shrink_output
 from .tuning import DECODE_MAX_TOKENS, expand_config, num_sms, shrink_config
 
 _DTYPES = (torch.float16, torch.bfloat16)
+FP8 = torch.float8_e4m3fn  # FP8 slots' values (their scales: float32)
 _MAX_SLICES_PER_LAUNCH = 4
 
 
@@ -47,10 +48,12 @@ def _shrink_part(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """acc += x[rows, k_lo:k_hi] @ A[offs_j, k_lo:k_hi].T, BLOCK_K input columns per step.
 
-    STAGES: the loop's software-pipeline depth (None: the launch's num_stages)."""
+    STAGES: the loop's software-pipeline depth (None: the launch's num_stages). SCALED: A is FP8,
+    widened to x's dtype (exactly) before the product; its scales are the caller's."""
     for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         offs_k = k + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -60,6 +63,8 @@ def _shrink_part(
             k_mask = offs_k < k_hi
             xa = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             a = tl.load(a_rows + offs_k[:, None], mask=live[None, :] & k_mask[:, None], other=0.0)
+        if SCALED:
+            a = a.to(xa.dtype)
         acc = tl.dot(xa, a, acc)
     return acc
 
@@ -77,10 +82,12 @@ def _shrink_narrow(
     k_hi,
     num_tokens,
     stride_aj,
+    s_row,
     RANK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """A tile whose adapter's rank fits BN columns: those columns only, BK input columns per step.
 
@@ -92,7 +99,9 @@ def _shrink_narrow(
     acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
     # one buffer, no pipelining: the steps are few (often one), and num_stages copies of a 4x
     # longer x tile would take the shared memory every other tile's occupancy needs
-    acc = _shrink_part(acc, x_rows, m_mask, a_ptr + offs_j[None, :] * stride_aj, live, k_lo, k_hi, BK, False, 1)
+    acc = _shrink_part(acc, x_rows, m_mask, a_ptr + offs_j[None, :] * stride_aj, live, k_lo, k_hi, BK, False, 1, SCALED)
+    if SCALED:  # FP8 A: one scale per rank row (s_row: the slot's [S * RANK] scales)
+        acc = acc * tl.load(s_row + offs_j, mask=live, other=0.0)[None, :]
     out_ptrs = out_ptr + ((offs_j[None, :] // RANK) * num_tokens + tok[:, None]) * RANK + offs_j[None, :] % RANK
     tl.atomic_add(out_ptrs, acc, mask=m_mask[:, None] & live[None, :], sem="relaxed")
 
@@ -111,16 +120,20 @@ def _shrink_whole(
     k_hi,
     num_tokens,
     stride_aj,
+    s_row,
     RANK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """The tile's BLOCK_N columns, BLOCK_K input columns per step, stored (or added, K split) into buf."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _shrink_part(acc, x_rows, m_mask, a_slot + offs_j[None, :] * stride_aj, live, k_lo, k_hi, BLOCK_K, EVEN_K, None)
+    acc = _shrink_part(acc, x_rows, m_mask, a_slot + offs_j[None, :] * stride_aj, live, k_lo, k_hi, BLOCK_K, EVEN_K, None, SCALED)
+    if SCALED:  # FP8 A: one scale per rank row (s_row: the slot's [S * RANK] scales)
+        acc = acc * tl.load(s_row + offs_j, mask=live, other=0.0)[None, :]
     # buf is [S, T, RANK]: column j lands in slice j // RANK, rank position j % RANK.
     out_ptrs = out_ptr + ((offs_j[None, :] // RANK) * num_tokens + tok[:, None]) * RANK + offs_j[None, :] % RANK
     mask = m_mask[:, None] & j_mask[None, :]
@@ -146,6 +159,8 @@ def _shrink_tile(
     stride_xt,
     stride_al,
     stride_aj,
+    scale_ptr,
+    stride_sl,
     RANK: tl.constexpr,
     SR: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -157,6 +172,7 @@ def _shrink_tile(
     RANKED: tl.constexpr,
     NARROW: tl.constexpr,
     PDL: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """One tile: a block of one slot's tokens x BLOCK_N of the S * RANK columns x one K split.
 
@@ -191,6 +207,10 @@ def _shrink_tile(
 
         x_rows = x_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_xt
         a_slot = a_ptr + slot.to(tl.int64) * stride_al
+        if SCALED:  # the slot's A scales (the no-adapter group's slot, num_slots, reads the last slot's: its sums are 0)
+            s_row = scale_ptr + tl.minimum(slot, num_slots - 1).to(tl.int64) * stride_sl
+        else:
+            s_row = a_slot  # (unused)
         col0 = col_block * BLOCK_N
         if NARROW:
             # the host's rule (_narrow_shrink): atomic adds into a zeroed buf, one slice per column block
@@ -209,10 +229,12 @@ def _shrink_tile(
                         k_hi,
                         num_tokens,
                         stride_aj,
+                        s_row,
                         RANK,
                         BLOCK_M,
                         BLOCK_N // 4,
                         BLOCK_K * 4,
+                        SCALED,
                     )
                 elif rank <= BLOCK_N // 2:
                     _shrink_narrow(
@@ -227,10 +249,12 @@ def _shrink_tile(
                         k_hi,
                         num_tokens,
                         stride_aj,
+                        s_row,
                         RANK,
                         BLOCK_M,
                         BLOCK_N // 2,
                         BLOCK_K * 2,
+                        SCALED,
                     )
                 else:
                     _shrink_whole(
@@ -246,12 +270,14 @@ def _shrink_tile(
                         k_hi,
                         num_tokens,
                         stride_aj,
+                        s_row,
                         RANK,
                         BLOCK_M,
                         BLOCK_N,
                         BLOCK_K,
                         SPLIT_K,
                         EVEN_K,
+                        SCALED,
                     )
             else:
                 if rank <= BLOCK_N // 2:
@@ -267,10 +293,12 @@ def _shrink_tile(
                         k_hi,
                         num_tokens,
                         stride_aj,
+                        s_row,
                         RANK,
                         BLOCK_M,
                         BLOCK_N // 2,
                         BLOCK_K * 2,
+                        SCALED,
                     )
                 else:
                     _shrink_whole(
@@ -286,12 +314,14 @@ def _shrink_tile(
                         k_hi,
                         num_tokens,
                         stride_aj,
+                        s_row,
                         RANK,
                         BLOCK_M,
                         BLOCK_N,
                         BLOCK_K,
                         SPLIT_K,
                         EVEN_K,
+                        SCALED,
                     )
         else:
             _shrink_whole(
@@ -307,12 +337,14 @@ def _shrink_tile(
                 k_hi,
                 num_tokens,
                 stride_aj,
+                s_row,
                 RANK,
                 BLOCK_M,
                 BLOCK_N,
                 BLOCK_K,
                 SPLIT_K,
                 EVEN_K,
+                SCALED,
             )
 
 
@@ -332,6 +364,8 @@ def _shrink_kernel(
     stride_xt,
     stride_al,
     stride_aj,
+    scale_ptr,
+    stride_sl,
     RANK: tl.constexpr,
     SR: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -344,6 +378,7 @@ def _shrink_kernel(
     NARROW: tl.constexpr,
     ONE_TILE: tl.constexpr,
     PDL: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """out[s, t, r] = sum_k x[t, k] * a[slot(t), s * RANK + r, k], over the flattened j = s * RANK + r.
 
@@ -356,6 +391,10 @@ def _shrink_kernel(
     PDL (ONE_TILE only; launched with launch_pdl): a programmatic dependent of the stream's last
     kernel. Each program first lets the next kernel (the expand) start launching, reads its block
     list entry, then waits for the predecessor's grid before it reads x or writes out.
+
+    SCALED: a holds float8_e4m3fn and scale_ptr [max_loras, S * RANK] float32 (slot stride
+    stride_sl) one scale per rank row: out[s, t, r] is then multiplied by scale[slot(t), s * RANK + r].
+    Off, scale_ptr is None and the kernel is the bf16 / fp16 one.
     """
     pid = tl.program_id(0)
     if ONE_TILE:
@@ -376,6 +415,8 @@ def _shrink_kernel(
             stride_xt,
             stride_al,
             stride_aj,
+            scale_ptr,
+            stride_sl,
             RANK,
             SR,
             BLOCK_M,
@@ -387,6 +428,7 @@ def _shrink_kernel(
             RANKED,
             NARROW,
             PDL,
+            SCALED,
         )
     else:
         num_programs = tl.num_programs(0)
@@ -407,6 +449,8 @@ def _shrink_kernel(
                 stride_xt,
                 stride_al,
                 stride_aj,
+                scale_ptr,
+                stride_sl,
                 RANK,
                 SR,
                 BLOCK_M,
@@ -418,6 +462,7 @@ def _shrink_kernel(
                 RANKED,
                 NARROW,
                 False,
+                SCALED,
             )
 
 
@@ -465,15 +510,23 @@ def _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N: tl.constexpr)
 
 
 @triton.jit
-def _add_cols(y_rows, lhs, b, offs_n, m_mask, hi, EVEN_N: tl.constexpr):
-    """y[rows, offs_n] += lhs @ b."""
+def _add_cols(y_rows, lhs, b, offs_n, m_mask, hi, s_row, EVEN_N: tl.constexpr, SCALED: tl.constexpr):
+    """y[rows, offs_n] += lhs @ b. SCALED: b is FP8, widened to lhs's dtype (exactly), and each
+    column's product is multiplied by its scale (s_row: the slot's [N] scales)."""
     if EVEN_N:
         mask = m_mask[:, None]
     else:
         mask = m_mask[:, None] & (offs_n < hi)[None, :]
     y_tile = y_rows + offs_n[None, :]
     old = tl.load(y_tile, mask=mask, other=0.0)
+    if SCALED:
+        b = b.to(lhs.dtype)
     delta = tl.dot(lhs, b)
+    if SCALED:
+        if EVEN_N:
+            delta = delta * tl.load(s_row + offs_n)[None, :]
+        else:
+            delta = delta * tl.load(s_row + offs_n, mask=offs_n < hi, other=0.0)[None, :]
     tl.store(y_tile, (old.to(tl.float32) + delta).to(y_tile.dtype.element_ty), mask=mask)
 
 
@@ -490,6 +543,7 @@ def _expand_cols(
     hi,
     num_tokens,
     stride_bn,
+    s_row,
     RANK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -497,6 +551,7 @@ def _expand_cols(
     EVEN_N: tl.constexpr,
     RANKED: tl.constexpr,
     PDL: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """y[rows, n_start : n_start + BLOCK_N * N_ITERS] += buf[s, rows, :BLOCK_R] @ B[cols, :BLOCK_R].T.
 
@@ -514,12 +569,17 @@ def _expand_cols(
         buf_ptr + (s * num_tokens + tok[:, None]) * RANK + offs_r[None, :],
         mask=m_mask[:, None] & r_mask[None, :],
         other=0.0,
-    ).to(b_rows.dtype.element_ty)
+    )
+    if SCALED:  # FP8 B: the products in y's dtype
+        lhs = lhs.to(y_rows.dtype.element_ty)
+    else:
+        lhs = lhs.to(b_rows.dtype.element_ty)
     if PDL:
-        _add_cols(y_rows, lhs, first, n_start + tl.arange(0, BLOCK_N), m_mask, hi, EVEN_N)
+        _add_cols(y_rows, lhs, first, n_start + tl.arange(0, BLOCK_N), m_mask, hi, s_row, EVEN_N, SCALED)
     for i in range(1 if PDL else 0, N_ITERS):  # (a constexpr start: the first step is done under PDL)
         offs_n = n_start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        _add_cols(y_rows, lhs, _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N), offs_n, m_mask, hi, EVEN_N)
+        b = _b_cols(b_rows, offs_n, offs_r, r_mask, hi, stride_bn, EVEN_N)
+        _add_cols(y_rows, lhs, b, offs_n, m_mask, hi, s_row, EVEN_N, SCALED)
 
 
 @triton.jit
@@ -542,6 +602,8 @@ def _expand_tile(
     off2,
     off3,
     off4,
+    scale_ptr,
+    stride_sl,
     NUM_SLICES: tl.constexpr,
     RANK: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -555,6 +617,7 @@ def _expand_tile(
     WIDE4: tl.constexpr,
     PDL: tl.constexpr,
     PACKED: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """One tile: a block of one slot's tokens x BLOCK_N * N_ITERS columns of one slice.
 
@@ -576,6 +639,10 @@ def _expand_tile(
         s, lo, hi, local = _locate_slice(chunk, off0, off1, off2, off3, off4, NUM_SLICES, BLOCK_N * N_ITERS)
         m_mask = tok >= 0
         b_rows = b_ptr + slot.to(tl.int64) * stride_bl
+        if SCALED:  # the slot's B scales, one per output column
+            s_row = scale_ptr + slot.to(tl.int64) * stride_sl
+        else:
+            s_row = b_rows  # (unused)
         y_rows = y_ptr + tl.maximum(tok, 0)[:, None].to(tl.int64) * stride_yt
         n_start = lo + local * (BLOCK_N * N_ITERS)
         if NARROW:
@@ -593,6 +660,7 @@ def _expand_tile(
                         hi,
                         num_tokens,
                         stride_bn,
+                        s_row,
                         RANK,
                         BLOCK_R // 4,
                         BLOCK_N * WIDE4,
@@ -600,6 +668,7 @@ def _expand_tile(
                         EVEN_N,
                         RANKED,
                         PDL,
+                        SCALED,
                     )
                 elif rank <= BLOCK_R // 2:
                     _expand_cols(
@@ -614,6 +683,7 @@ def _expand_tile(
                         hi,
                         num_tokens,
                         stride_bn,
+                        s_row,
                         RANK,
                         BLOCK_R // 2,
                         BLOCK_N * WIDE2,
@@ -621,6 +691,7 @@ def _expand_tile(
                         EVEN_N,
                         RANKED,
                         PDL,
+                        SCALED,
                     )
                 else:
                     _expand_cols(
@@ -635,6 +706,7 @@ def _expand_tile(
                         hi,
                         num_tokens,
                         stride_bn,
+                        s_row,
                         RANK,
                         BLOCK_R,
                         BLOCK_N,
@@ -642,6 +714,7 @@ def _expand_tile(
                         EVEN_N,
                         RANKED,
                         PDL,
+                        SCALED,
                     )
             elif BLOCK_R >= 32:
                 if rank <= BLOCK_R // 2:
@@ -657,6 +730,7 @@ def _expand_tile(
                         hi,
                         num_tokens,
                         stride_bn,
+                        s_row,
                         RANK,
                         BLOCK_R // 2,
                         BLOCK_N * WIDE2,
@@ -664,6 +738,7 @@ def _expand_tile(
                         EVEN_N,
                         RANKED,
                         PDL,
+                        SCALED,
                     )
                 else:
                     _expand_cols(
@@ -678,6 +753,7 @@ def _expand_tile(
                         hi,
                         num_tokens,
                         stride_bn,
+                        s_row,
                         RANK,
                         BLOCK_R,
                         BLOCK_N,
@@ -685,6 +761,7 @@ def _expand_tile(
                         EVEN_N,
                         RANKED,
                         PDL,
+                        SCALED,
                     )
             else:
                 _expand_cols(
@@ -699,6 +776,7 @@ def _expand_tile(
                     hi,
                     num_tokens,
                     stride_bn,
+                    s_row,
                     RANK,
                     BLOCK_R,
                     BLOCK_N,
@@ -706,6 +784,7 @@ def _expand_tile(
                     EVEN_N,
                     RANKED,
                     PDL,
+                    SCALED,
                 )
         elif RANKED:
             _expand_cols(
@@ -720,6 +799,7 @@ def _expand_tile(
                 hi,
                 num_tokens,
                 stride_bn,
+                s_row,
                 RANK,
                 BLOCK_R,
                 BLOCK_N,
@@ -727,6 +807,7 @@ def _expand_tile(
                 EVEN_N,
                 RANKED,
                 PDL,
+                SCALED,
             )
         else:
             _expand_cols(
@@ -741,6 +822,7 @@ def _expand_tile(
                 hi,
                 num_tokens,
                 stride_bn,
+                s_row,
                 RANK,
                 BLOCK_R,
                 BLOCK_N,
@@ -748,6 +830,7 @@ def _expand_tile(
                 EVEN_N,
                 RANKED,
                 PDL,
+                SCALED,
             )
     elif PDL:  # every program waits: the grid ends only after the shrink's (and what it waited for)
         tl.extra.cuda.gdc_wait()
@@ -773,6 +856,8 @@ def _expand_kernel(
     off2,
     off3,
     off4,
+    scale_ptr,
+    stride_sl,
     NUM_SLICES: tl.constexpr,
     RANK: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -787,6 +872,7 @@ def _expand_kernel(
     ONE_TILE: tl.constexpr,
     PDL: tl.constexpr,
     PACKED: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """y[t, n] += sum_r buf[s(n), t, r] * b[slot(t), n, r] for the columns n of slice s(n).
 
@@ -796,6 +882,10 @@ def _expand_kernel(
     PDL (ONE_TILE only; launched with launch_pdl): a programmatic dependent of the shrink before
     it. Each program reads its block list entry and its first B columns while the shrink runs,
     then waits for the shrink's grid before it reads buf and y.
+
+    SCALED: b holds float8_e4m3fn and scale_ptr [max_loras, N] float32 (slot stride stride_sl) one
+    scale per output column: each column's sum is multiplied by scale[slot(t), n] before it is added.
+    Off, scale_ptr is None and the kernel is the bf16 / fp16 one.
     """
     pid = tl.program_id(0)
     if ONE_TILE:
@@ -820,6 +910,8 @@ def _expand_kernel(
             off2,
             off3,
             off4,
+            scale_ptr,
+            stride_sl,
             NUM_SLICES,
             RANK,
             BLOCK_R,
@@ -833,6 +925,7 @@ def _expand_kernel(
             WIDE4,
             PDL,
             PACKED,
+            SCALED,
         )
     else:
         num_programs = tl.num_programs(0)
@@ -857,6 +950,8 @@ def _expand_kernel(
                 off2,
                 off3,
                 off4,
+                scale_ptr,
+                stride_sl,
                 NUM_SLICES,
                 RANK,
                 BLOCK_R,
@@ -870,6 +965,7 @@ def _expand_kernel(
                 WIDE4,
                 False,
                 PACKED,
+                SCALED,
             )
 
 
@@ -949,11 +1045,12 @@ def lora_shrink(
     out: torch.Tensor | None = None,
     ranked: bool = True,
     pdl: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """buf[s, t, :] = x[t] @ lora_a[slot(t), s].T for every slice s; rows of no-adapter tokens are 0.
 
     x:      [T, in] fp16 / bf16
-    lora_a: [max_loras, S, R, in], same dtype
+    lora_a: [max_loras, S, R, in], same dtype (float8_e4m3fn where `scale` is given)
     out:    [S, T, R] float32 (allocated if None)
     ranked: read each slot only up to its adapter's rank (meta.slot_ranks; rank positions past it
             come out 0); False where the rank dim holds several parts (fully sharded TP layers)
@@ -961,12 +1058,13 @@ def lora_shrink(
             list read before x is ready). The caller's promise: the block list, lora_a and, when the
             K split adds into it, a zeroed out were written before the stream's last kernel launched
             without PDL; an expand launched with pdl=True after it then starts during this shrink
+    scale:  FP8 slots: [max_loras, S, R] float32, one per rank row of each slice (reference.py)
     """
     num_tokens, in_features = x.shape
     num_slots, num_slices, rank, _ = lora_a.shape
     out, zeroed = shrink_output(meta, out, num_slices, num_tokens, rank, x.device)  # zeroed: the step's workspace
-    if not _shrink_supported(x, lora_a, out):
-        return reference.lora_shrink(x, lora_a, meta, out)
+    if not _shrink_supported(x, lora_a, out, scale):
+        return reference.lora_shrink(x, lora_a, meta, out, scale=scale)
     if num_tokens == 0:
         return out
     sr = num_slices * rank
@@ -994,6 +1092,8 @@ def lora_shrink(
         x.stride(0),
         lora_a.stride(0),
         lora_a.stride(2),
+        scale,
+        0 if scale is None else scale.stride(0),
         RANK=rank,
         SR=sr,
         BLOCK_M=cfg.block_m,
@@ -1006,6 +1106,7 @@ def lora_shrink(
         NARROW=ranked and _narrow_shrink(cfg, rank),
         ONE_TILE=tiles <= programs,
         PDL=follow,
+        SCALED=scale is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **_regs(cfg),
@@ -1023,12 +1124,13 @@ def lora_expand(
     ranked: bool = True,
     pdl: bool = False,
     packed: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[t, off_s:off_s+n_s] += buf[s, t] @ lora_b[slot(t), off_s:off_s+n_s].T, in place.
 
     y:             [T, N] fp16 / bf16, N = slice_offsets[-1]
     buf:           [S, T, R] float32
-    lora_b:        [max_loras, N, R], dtype of y
+    lora_b:        [max_loras, N, R], dtype of y (float8_e4m3fn where `scale` is given)
     slice_offsets: S + 1 output offsets, e.g. (0, q, q + k, q + k + v)
     ranked:        as in lora_shrink
     pdl:           at decode, launch as a programmatic dependent of the stream's last kernel (the
@@ -1040,11 +1142,12 @@ def lora_expand(
                    rows contiguous (a low-rank adapter's rows are then not short pieces of the
                    slot's R-wide rows): the dense layers' slots of a CUDA executor
                    (executor/slot_layout.py's layout).
+    scale:         FP8 slots: [max_loras, N] float32, one per output channel (reference.py)
     """
     if packed and (not ranked or meta.slot_ranks is None):
         raise ValueError("a packed B is read at each slot's rank: ranked, with LoraMeta.slot_ranks")
-    if not _expand_supported(y, buf, lora_b):
-        return reference.lora_expand(y, buf, lora_b, slice_offsets, meta, packed=packed)
+    if not _expand_supported(y, buf, lora_b, scale):
+        return reference.lora_expand(y, buf, lora_b, slice_offsets, meta, packed=packed, scale=scale)
     num_tokens = y.shape[0]
     rank = buf.shape[2]
     if num_tokens == 0:
@@ -1070,6 +1173,8 @@ def lora_expand(
             lora_b.stride(0),
             lora_b.stride(1),
             *offsets,
+            scale,
+            0 if scale is None else scale.stride(0),
             NUM_SLICES=num_slices,
             RANK=rank,
             BLOCK_R=_block_r(rank),
@@ -1084,6 +1189,7 @@ def lora_expand(
             ONE_TILE=tiles <= programs,
             PDL=follow,
             PACKED=packed,
+            SCALED=scale is not None,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **_regs(cfg),
@@ -1147,11 +1253,17 @@ def lora_embedding_shrink(
     return out
 
 
-def _shrink_supported(x, lora_a, out) -> bool:
+def _scales_fit(w: torch.Tensor, scale: torch.Tensor) -> bool:
+    """w holds FP8 and `scale` float32 one per row of w (w's shape less its last dim), each slot's
+    rows contiguous (the kernels index a slot's scales as one flat row)."""
+    return w.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == w.shape[:-1] and scale[0].is_contiguous()
+
+
+def _shrink_supported(x, lora_a, out, scale=None) -> bool:
     rank = lora_a.shape[2]
     return (
         x.dtype in _DTYPES
-        and lora_a.dtype == x.dtype
+        and (lora_a.dtype == x.dtype if scale is None else _scales_fit(lora_a, scale))
         and x.stride(1) == 1
         and lora_a.stride(3) == 1
         and lora_a.stride(1) == rank * lora_a.stride(2)
@@ -1160,10 +1272,10 @@ def _shrink_supported(x, lora_a, out) -> bool:
     )
 
 
-def _expand_supported(y, buf, lora_b) -> bool:
+def _expand_supported(y, buf, lora_b, scale=None) -> bool:
     return (
         y.dtype in _DTYPES
-        and lora_b.dtype == y.dtype
+        and (lora_b.dtype == y.dtype if scale is None else _scales_fit(lora_b, scale))
         and y.stride(1) == 1
         and lora_b.stride(2) == 1
         and buf.dtype == torch.float32

@@ -175,16 +175,17 @@ class ExecutorMetrics:
     def attach(self, engine, slots, max_loras: int, model_name: str = "") -> None:
         self.registry.register(_ExecutorState(engine, slots, max_loras, self.adapters, self.compat, model_name))
 
-    def dtypes(self, weight_dtype: str, kv_cache_dtype: str) -> None:
-        """loraserve_executor_dtype_info{weight_dtype, kv_cache_dtype} = 1: what the base model's linear
-        layers and the KV cache hold (e.g. float8_e4m3fn, bfloat16)."""
+    def dtypes(self, weight_dtype: str, kv_cache_dtype: str, lora_dtype: str) -> None:
+        """loraserve_executor_dtype_info{weight_dtype, kv_cache_dtype, lora_dtype} = 1: what the base
+        model's linear layers, the KV cache and the dense layers' LoRA slots hold (e.g. float8_e4m3fn,
+        bfloat16)."""
         info = Gauge(
             "loraserve_executor_dtype_info",
-            "The dtypes of the base model's linear-layer weights and of the KV cache (value 1)",
-            ["weight_dtype", "kv_cache_dtype"],
+            "The dtypes of the base model's linear-layer weights, of the KV cache and of the LoRA slots (value 1)",
+            ["weight_dtype", "kv_cache_dtype", "lora_dtype"],
             registry=self.registry,
         )
-        info.labels(weight_dtype, kv_cache_dtype).set(1)
+        info.labels(weight_dtype, kv_cache_dtype, lora_dtype).set(1)
 
     async def track(self, outputs: AsyncIterator, adapter: str) -> AsyncIterator:
         """Yields `outputs` (Engine.generate's) and counts the request when it ends, however it ends."""

@@ -140,6 +140,26 @@ def test_dora_is_off_unless_enable_dora_is_given(monkeypatch):
     assert executor_config(build_parser().parse_args(["executor", "--device", "cpu"])).enable_dora
 
 
+def test_lora_slots_are_in_dtype_unless_lora_dtype_fp8_is_given(monkeypatch, capsys):
+    """--lora-dtype fp8 (or LORASERVE_LORA_DTYPE) puts the dense layers' slots in FP8: the config's
+    lora_dtype and the slots' LoraSpec.fp8; another value is refused by the parser, naming the choices."""
+    from loraserve.cli import build_parser
+    from loraserve.executor.cli import executor_config
+    from loraserve.executor.ranks import lora_spec
+
+    monkeypatch.delenv("LORASERVE_LORA_DTYPE", raising=False)
+    for command in ("executor", "up"):
+        off = executor_config(build_parser().parse_args([command, "--device", "cpu"]))
+        assert off.lora_dtype == "auto" and not lora_spec(off).fp8
+        on = executor_config(build_parser().parse_args([command, "--device", "cpu", "--lora-dtype", "fp8"]))
+        assert on.lora_dtype == "fp8" and lora_spec(on).fp8
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["executor", "--lora-dtype", "int8"])
+    assert "argument --lora-dtype: invalid choice: 'int8'" in capsys.readouterr().err
+    monkeypatch.setenv("LORASERVE_LORA_DTYPE", "fp8")
+    assert executor_config(build_parser().parse_args(["executor", "--device", "cpu"])).lora_dtype == "fp8"
+
+
 def test_trainable_tokens_are_off_unless_enable_trainable_tokens_is_given(monkeypatch):
     """--enable-trainable-tokens (or LORASERVE_ENABLE_TRAINABLE_TOKENS) turns trainable-token serving
     on: the config's enable_trainable_tokens and the slots' LoraSpec.trainable_tokens."""

@@ -29,6 +29,7 @@ NON_DEFAULT = {
         "dtype": "bfloat16",
         "quantization": "fp8",
         "kvCacheDtype": "fp8",
+        "loraDtype": "fp8",
         "service": {"headless": True},
         "httpPort": 0,
         "enforceEager": True,

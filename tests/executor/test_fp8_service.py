@@ -81,8 +81,8 @@ def test_fp8_checkpoint_at_tp2_serves_each_rows_adapter_and_reports_its_dtypes(
         for i, name in enumerate(["qv8", "", "all4"]):
             check_against_reference(references[name], prompt_ids(i), generate(client, name, prompt_ids(i)))
         info = client.info()
-        assert (info.tp_size, info.weight_dtype, info.kv_cache_dtype) == (2, "float32", "float32")
-        labels = {"weight_dtype": "float32", "kv_cache_dtype": "float32"}
+        assert (info.tp_size, info.weight_dtype, info.kv_cache_dtype, info.lora_dtype) == (2, "float32", "float32", "float32")
+        labels = {"weight_dtype": "float32", "kv_cache_dtype": "float32", "lora_dtype": "float32"}
         assert c.parts.metrics.registry.get_sample_value("loraserve_executor_dtype_info", labels) == 1
     finally:
         c.close()

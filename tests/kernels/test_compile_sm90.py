@@ -3,7 +3,7 @@ compiled for an H100 (sm90) by Triton's own compiler, on a machine without a GPU
 
 The wrappers (kernels/triton_lora.py) run as when serving, with the shipped H100 table, on two
 families' real layer shapes at decode and prefill token counts, slot ranks 16 and 128, plain and
-programmatic (PDL) launches; the base model's wrappers on every skinny GEMM entry of the H100
+programmatic (PDL) launches, slots in bf16 and in FP8 (`--lora-dtype fp8`); the base model's wrappers on every skinny GEMM entry of the H100
 table and on Llama-3-8B's and SmolLM2's attention and norm shapes at decode and prefill;
 each launch compiles its kernel variant through PTX to a cubin (Triton's bundled ptxas) instead of
 running it (kernels/offline_build.py). Checked per variant: a cubin for sm90, shared memory an H100
@@ -60,7 +60,8 @@ def built():
             for tokens in TOKENS:
                 for rank in RANKS:
                     for pdl in (False, True) if tokens <= tuning.DECODE_MAX_TOKENS else (False,):
-                        launch_lora_layer(shape, tokens, rank, pdl=pdl)
+                        for fp8 in (False, True):  # --lora-dtype fp8: the SCALED variants
+                            launch_lora_layer(shape, tokens, rank, pdl=pdl, fp8=fp8)
     variants = {id(b.compiled): (b.compiled, bool(b.kwargs.get("launch_pdl", False))) for b in launches}
     return list(variants.values())
 

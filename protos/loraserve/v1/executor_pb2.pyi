@@ -163,7 +163,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("base_model", "max_loras", "max_rank", "dtype", "device", "tp_size", "max_cpu_adapters", "version", "ep_size", "weight_dtype", "kv_cache_dtype", "prefix_caching")
+    __slots__ = ("base_model", "max_loras", "max_rank", "dtype", "device", "tp_size", "max_cpu_adapters", "version", "ep_size", "weight_dtype", "kv_cache_dtype", "prefix_caching", "lora_dtype")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class ServerInfo(_message.Message):
     WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    LORA_DTYPE_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     max_loras: int
     max_rank: int
@@ -188,4 +189,5 @@ class ServerInfo(_message.Message):
     weight_dtype: str
     kv_cache_dtype: str
     prefix_caching: bool
-    def __init__(self, base_model: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_cpu_adapters: _Optional[int] = ..., version: _Optional[str] = ..., ep_size: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    lora_dtype: str
+    def __init__(self, base_model: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_cpu_adapters: _Optional[int] = ..., version: _Optional[str] = ..., ep_size: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., lora_dtype: _Optional[str] = ...) -> None: ...
