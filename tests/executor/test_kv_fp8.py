@@ -294,7 +294,7 @@ def test_the_served_engine_reports_fp8_and_never_shares_prefix_blocks_with_a_flo
             want = torch.log_softmax(_hf_logits(quantized, ids, out).double(), -1)[range(len(out)), out]
             torch.testing.assert_close(torch.tensor(list(resp.logprobs), dtype=torch.float64), want, atol=2e-4, rtol=0)
         assert client.info().kv_cache_dtype == "float8_e4m3fn"
-        labels = {"weight_dtype": "float32", "kv_cache_dtype": "float8_e4m3fn"}
+        labels = {"weight_dtype": "float32", "kv_cache_dtype": "float8_e4m3fn", "lora_dtype": "float32"}
         assert c.parts.metrics.registry.get_sample_value("loraserve_executor_dtype_info", labels) == 1
         model = f"{path}|tiny"  # the prefix cache's chains: the KV dtype is in every seed
         for adapter, digest in (("", ""), ("a", "d1")):
