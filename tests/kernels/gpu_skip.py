@@ -16,8 +16,9 @@ DEV = "cpu" if INTERPRET else "cuda"
 def skip_unless_cuda_and_triton(interpreter: bool = False) -> None:
     """Skips the calling test module, with the reason, unless CUDA and Triton are here.
     interpreter: the module runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1)."""
-    if not interpreter and not torch.cuda.is_available():
-        pytest.skip("needs CUDA + Triton: no CUDA device here", allow_module_level=True)
+    if not torch.cuda.is_available() and not (interpreter and INTERPRET):
+        reason = " (or TRITON_INTERPRET=1 for Triton's interpreter)" if interpreter else ""
+        pytest.skip(f"needs CUDA + Triton{reason}: no CUDA device here", allow_module_level=True)
     try:
         import triton  # noqa: F401
     except ImportError:
