@@ -28,13 +28,21 @@ _CHUNK_ELEMENTS = 1 << 24  # tensors quantized together hold at most this many e
 __all__ = ["FP8", "LORA_DTYPES", "lora_dtype_error", "quantize_rows", "quantized", "slot_dtype"]
 
 
-def lora_dtype_error(lora_dtype: str, device) -> str | None:
-    """Why `--lora-dtype lora_dtype` cannot run on `device`; None where it can. FP8 slots need the
-    kernels' FP8 loads on CUDA (compute capability 8.9+); the CPU dequantizes them in PyTorch."""
+def lora_dtype_error(lora_dtype: str, device, dtype: torch.dtype | None = None) -> str | None:
+    """Why `--lora-dtype lora_dtype` cannot run on `device` at compute dtype `dtype` (the executor's
+    --dtype); None where it can. FP8 slots need the kernels' FP8 loads on CUDA (compute capability
+    8.9+) and a 16-bit --dtype there (the LoRA Triton kernels take float16 / bfloat16 only); the CPU
+    dequantizes them in PyTorch at any dtype."""
     if lora_dtype not in LORA_DTYPES:
         return f"--lora-dtype must be one of {LORA_DTYPES}, got {lora_dtype!r}"
     device = torch.device(device)
     if lora_dtype == "fp8" and device.type == "cuda":
+        if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+            name = str(dtype).removeprefix("torch.")
+            return (
+                f"--lora-dtype fp8 with --dtype {name} on CUDA: the FP8 LoRA kernels take float16 / bfloat16 "
+                "activations only (use --dtype bfloat16 or drop --lora-dtype)"
+            )
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             return (
