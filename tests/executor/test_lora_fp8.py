@@ -292,6 +292,25 @@ def test_fp8_is_refused_on_a_gpu_without_fp8(monkeypatch):
     assert lora_fp8.lora_dtype_error("fp8", "cuda:0") is None
 
 
+def test_set_lora_refuses_scales_that_do_not_match_the_slots():
+    """FP8 slots take A's and B's scales with the quantized values; slots in the adapter dtype take
+    none: either mismatch is a ValueError, the slot left as it was."""
+    from loraserve.executor.slot_layout import LoraSpec
+
+    spec = LoraSpec(2, 8, torch.float32, fp8=True)
+    fp8_layer = LinearWithLoRA(16, (16,), False, spec, torch.float32, "cpu")
+    plain = LinearWithLoRA(16, (16,), False, LoraSpec(2, 8, torch.float32), torch.float32, "cpu")
+    a, b = torch.randn(1, 4, 16), torch.randn(16, 4)
+    (qa, sa), (qb, sb) = lora_fp8.quantize_rows(a), lora_fp8.quantize_rows(b)
+    with pytest.raises(ValueError, match="^FP8 slots take scales$"):
+        fp8_layer.set_lora(0, qa, qb)
+    with pytest.raises(ValueError, match="^bf16/fp16/fp32 slots take no scales$"):
+        plain.set_lora(0, a, b, scales=(sa, sb))
+    assert not fp8_layer.lora_a.float().any() and not plain.lora_a.any() and fp8_layer.slot_ranks[0] == 0
+    fp8_layer.set_lora(0, qa, qb, scales=(sa, sb))
+    assert torch.equal(fp8_layer.lora_a_scale[0, :, :4], sa) and torch.equal(fp8_layer.lora_b_scale[0], sb)
+
+
 F32_REFUSAL = (
     "--lora-dtype fp8 with --dtype float32 on CUDA: the FP8 LoRA kernels take float16 / bfloat16 activations only "
     "(use --dtype bfloat16 or drop --lora-dtype)"
