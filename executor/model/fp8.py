@@ -391,17 +391,19 @@ def quantization_error(quantization: str | None, device, dtype: torch.dtype) -> 
     return None if error is None else f"--quantization {quantization} needs FP8 compute: {error}"
 
 
-def plan(scheme: Fp8Scheme | None, quantization: str | None, device, dtype: torch.dtype, source: str) -> bool:
-    """Whether the model's linear layers hold FP8 weights; logs the choice. ValueError for a
-    --quantization this device cannot run (before any weight is loaded)."""
+def plan(
+    scheme: Fp8Scheme | None, quantization: str | None, device, dtype: torch.dtype, source: str, experts: bool = False
+) -> bool:
+    """Whether the model's linear layers (and its MoE experts, `experts`: it has some) hold FP8
+    weights; logs the choice. ValueError for a --quantization this device cannot run (before any
+    weight is loaded)."""
     if (refused := quantization_error(quantization, device, dtype)) is not None:
         raise ValueError(refused)
     error = fp8_compute_error(device, dtype)
+    layers = "linear layers and MoE experts" if experts else "linear layers"
     if quantization:
         what = f"{scheme.describe()} checkpoint" if scheme else "weights"
-        log.info(
-            "%s: linear layers (and MoE experts) in FP8 (%s quantized per output channel at load where not already)", source, what
-        )
+        log.info("%s: %s in FP8 (%s quantized per output channel at load where not already)", source, layers, what)
         return True
     if scheme is None:
         return False
@@ -416,10 +418,11 @@ def plan(scheme: Fp8Scheme | None, quantization: str | None, device, dtype: torc
         return False
     if scheme.block is not None:
         log.info(
-            "%s: %s checkpoint; linear layers (and MoE experts) in FP8, the blocks' scales requantized per output channel at load",
+            "%s: %s checkpoint; %s in FP8, the blocks' scales requantized per output channel at load",
             source,
             scheme.describe(),
+            layers,
         )
     else:
-        log.info("%s: %s checkpoint; linear layers (and MoE experts) in FP8", source, scheme.describe())
+        log.info("%s: %s checkpoint; %s in FP8", source, scheme.describe(), layers)
     return True

@@ -250,7 +250,7 @@ def load_hf_checkpoint(
                 where[name] = f
         meta = {name: (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape()) for name, f in where.items()}
         scales = _kv_cache_scales(hf_config, cfg, meta, lambda name: where[name].get_tensor(name), tp)
-        fp8_linears = fp8.plan(scheme, quantization, device, dtype, str(model_dir))
+        fp8_linears = fp8.plan(scheme, quantization, device, dtype, str(model_dir), experts=cfg.num_experts > 0)
         checkpoint = None
         if scheme is not None:  # every scale checked before any weight is read
             checkpoint = fp8.Fp8Checkpoint(scheme, meta, lambda name: where[name].get_tensor(name))
