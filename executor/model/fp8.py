@@ -195,9 +195,10 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] float -> (q float8_e4m3fn, scale [..., N] float32) with one scale per output row:
     scale = max|row| / 448 (1 for an all-zero row), q = w / scale rounded to nearest."""
     w = w.float()
-    amax = w.abs().amax(dim=-1)
+    lo, hi = torch.aminmax(w, dim=-1)  # max|row| without a temporary the size of w
+    amax = torch.maximum(-lo, hi)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (w / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = torch.div(w, scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)  # one float32 temporary beside w
     return q, scale
 
 

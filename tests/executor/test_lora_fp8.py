@@ -311,6 +311,25 @@ def test_set_lora_refuses_scales_that_do_not_match_the_slots():
     assert torch.equal(fp8_layer.lora_a_scale[0, :, :4], sa) and torch.equal(fp8_layer.lora_b_scale[0], sb)
 
 
+def test_a_loads_quantization_is_bounded_per_launch_and_equal_to_each_tensors_own(monkeypatch):
+    """lora_fp8.quantized groups tensors of one shape, at most _CHUNK_ELEMENTS (2^22: a float32
+    temporary of 16 MiB) at a time (a larger tensor alone), each row's values and scale those of
+    quantize_rows on the tensor alone."""
+    sizes = []
+    real = lora_fp8.quantize_rows
+    monkeypatch.setattr(lora_fp8, "quantize_rows", lambda w: sizes.append(w.numel()) or real(w))
+    assert lora_fp8._CHUNK_ELEMENTS == 1 << 22
+    monkeypatch.setattr(lora_fp8, "_CHUNK_ELEMENTS", 1000)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"a{i}": torch.randn(1, 4, 60, generator=gen) for i in range(9)}  # 240 elements each
+    tensors |= {f"b{i}": torch.randn(50, 4, generator=gen) for i in range(3)} | {"big": torch.randn(40, 40, generator=gen)}
+    out = lora_fp8.quantized(tensors, list(tensors))
+    assert sorted(sizes) == sorted([960, 960, 240, 600, 1600])  # 4 + 4 + 1 A's, the B's together, the big one alone
+    for name, t in tensors.items():
+        q, scale = real(t)
+        assert torch.equal(out[name][0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(out[name][1], scale), name
+
+
 F32_REFUSAL = (
     "--lora-dtype fp8 with --dtype float32 on CUDA: the FP8 LoRA kernels take float16 / bfloat16 activations only "
     "(use --dtype bfloat16 or drop --lora-dtype)"
