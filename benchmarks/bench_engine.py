@@ -192,11 +192,11 @@ def build_model(shape: str, vocab: int, spec: LoraSpec, fp8_linears: bool = Fals
     return model
 
 
-def random_shard_fetcher(model, ranks: list[int], dora: bool = False, fp8_slots: bool = False):
+def random_shard_fetcher(model, ranks: list[int], dora: bool = False):
     """An in-process stand-in for the store's FetchShard: adapter "a{i}" is a rank-ranks[i % len]
     adapter on every linear layer (dora: a DoRA one, a magnitude per dense layer's output row).
-    -> (fetch, bytes a step reads of each rank's adapter: its shard's, or with fp8_slots its FP8 slots'
-    A and B at 1 byte per element and 4 per scale)."""
+    -> (fetch, bytes a step reads of each rank's adapter in its slots: each tensor at its slot's dtype,
+    an FP8 slot's A and B at 1 byte per element and 4 per scale)."""
     modules = lora_modules(model)
     shapes = {name: (m.lora_a.shape[1:], m.lora_b.shape[1:]) for name, m in modules.items()}
     gen = torch.Generator().manual_seed(1)
@@ -211,7 +211,7 @@ def random_shard_fetcher(model, ranks: list[int], dora: bool = False, fp8_slots:
                 tensors[f"{name}.dora_m"] = 0.5 + torch.rand(b_shape[0], generator=gen)
         by_rank[rank] = tensors
     nbytes = {r: sum(t.numel() * t.element_size() for t in ts.values()) for r, ts in by_rank.items()}
-    read = {r: sum(_slot_bytes(k, t, fp8_slots) for k, t in ts.items()) for r, ts in by_rank.items()}
+    read = {r: sum(_slot_bytes(modules[k.rpartition(".")[0]], k, t) for k, t in ts.items()) for r, ts in by_rank.items()}
 
     async def fetch(name: str):
         rank = ranks[int(name.removeprefix("a")) % len(ranks)]
@@ -220,11 +220,15 @@ def random_shard_fetcher(model, ranks: list[int], dora: bool = False, fp8_slots:
     return fetch, read
 
 
-def _slot_bytes(name: str, t: torch.Tensor, fp8_slots: bool) -> int:
-    """Bytes a shard tensor takes in its slot: an FP8 slot's A or B 1 per element plus a float32 scale per row."""
-    if fp8_slots and name.endswith((".lora_a", ".lora_b")):
+def _slot_bytes(module, name: str, t: torch.Tensor) -> int:
+    """Bytes shard tensor `name` of `module` takes in its slot: an A or B at the slot buffer's dtype
+    (an FP8 slot's 1 per element plus a float32 scale per row; embedding, lm_head and expert slots
+    stay in the adapter dtype), anything else (a DoRA magnitude) as the shard holds it."""
+    if not name.endswith((".lora_a", ".lora_b")):
+        return t.numel() * t.element_size()
+    if module.fp8_slots:
         return t.numel() + 4 * (t.numel() // t.shape[-1])
-    return t.numel() * t.element_size()
+    return t.numel() * module.lora_a.element_size()
 
 
 def build_engine(args, tokenizer: Tokenizer, quantization: str = "") -> tuple[build.ExecutorParts, list[int]]:
@@ -246,7 +250,7 @@ def build_engine(args, tokenizer: Tokenizer, quantization: str = "") -> tuple[bu
     fp8_slots = cfg.lora_dtype == "fp8"
     spec = LoraSpec(cfg.max_loras, cfg.max_rank, DTYPE, dora=cfg.enable_dora, fp8=fp8_slots)  # --dora: slots with DoRA scales
     model = build_model(args.shape, args.vocab, spec, fp8_linears=quantization == "fp8")
-    fetch, by_rank = random_shard_fetcher(model, args.ranks, args.dora, fp8_slots)
+    fetch, by_rank = random_shard_fetcher(model, args.ranks, args.dora)
     adapter_bytes = [by_rank[args.ranks[i % len(args.ranks)]] for i in range(max(1, args.adapters))]  # of a0, a1, ...
     t0 = time.perf_counter()
     parts = build.build_engine(cfg, model, tokenizer, fetch=fetch, observer=SlotObserver())
@@ -741,7 +745,7 @@ def main() -> None:
         raise SystemExit(f"--quantization {args.quantization} needs FP8 compute: {error}")
     if (error := kv_cache_dtype_error(args.kv_cache_dtype, DEVICE)) is not None:
         raise SystemExit(error)
-    if (error := lora_fp8.lora_dtype_error(args.lora_dtype, DEVICE)) is not None:
+    if (error := lora_fp8.lora_dtype_error(args.lora_dtype, DEVICE, DTYPE)) is not None:
         raise SystemExit(error)
     if args.table is not None and DEVICE == "cuda":
         from loraserve.kernels import tuning

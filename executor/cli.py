@@ -93,7 +93,7 @@ def add_executor_flags(p: argparse.ArgumentParser, with_base_model: bool = True)
         default=env("lora_dtype", "auto"),
         choices=["auto", "fp8"],
         help="auto: LoRA slots in --dtype; fp8: dense layers' slots hold A and B as FP8 with per-row scales "
-        "(twice the slots in the same memory; a CUDA GPU needs compute capability 8.9+)",
+        "(twice the slots in the same memory; on CUDA: compute capability 8.9+ and --dtype bfloat16 or float16)",
     )
     p.add_argument(
         "--lora-embeddings",

@@ -10,8 +10,10 @@ and trainable-token slots, and DoRA's scales, stay in the adapter dtype.
 
 Shards stay in the adapter dtype everywhere before the slot (the store, the CPU cache, the pinned
 arena): a load copies the shard's bytes to the device as it does for bf16 slots and quantizes them
-there (`quantized`), a few launches per group of equal shapes (every layer's q/k/v A, ...), into
-temporaries of the copy stream; the slot buffers are written in place, so captured graphs read them.
+there (`quantized`), a few launches per group of equal shapes (every layer's q/k/v A, ...) and at
+most _CHUNK_ELEMENTS a launch, into temporaries of the copy stream; the slot buffers are written in
+place, so captured graphs read them. The modules whose slots stay in the adapter dtype take the
+one-launch scatter from the same staged bytes (executor/slot_load.py).
 """
 
 from __future__ import annotations
@@ -23,18 +25,28 @@ import torch
 from .model.fp8 import FP8, quantize_rows
 
 LORA_DTYPES = ("auto", "fp8")  # --lora-dtype; auto: the adapter dtype (the executor's --dtype)
-_CHUNK_ELEMENTS = 1 << 24  # tensors quantized together hold at most this many elements (a float32 temporary of 64 MiB)
+# tensors quantized together hold at most this many elements: each float32 temporary of quantize_rows
+# 16 MiB, at most two live (the values and their quotient) beside the stacked input, per load
+_CHUNK_ELEMENTS = 1 << 22
 
 __all__ = ["FP8", "LORA_DTYPES", "lora_dtype_error", "quantize_rows", "quantized", "slot_dtype"]
 
 
-def lora_dtype_error(lora_dtype: str, device) -> str | None:
-    """Why `--lora-dtype lora_dtype` cannot run on `device`; None where it can. FP8 slots need the
-    kernels' FP8 loads on CUDA (compute capability 8.9+); the CPU dequantizes them in PyTorch."""
+def lora_dtype_error(lora_dtype: str, device, dtype: torch.dtype | None = None) -> str | None:
+    """Why `--lora-dtype lora_dtype` cannot run on `device` at compute dtype `dtype` (the executor's
+    --dtype); None where it can. FP8 slots need the kernels' FP8 loads on CUDA (compute capability
+    8.9+) and a 16-bit --dtype there (the LoRA Triton kernels take float16 / bfloat16 only); the CPU
+    dequantizes them in PyTorch at any dtype."""
     if lora_dtype not in LORA_DTYPES:
         return f"--lora-dtype must be one of {LORA_DTYPES}, got {lora_dtype!r}"
     device = torch.device(device)
     if lora_dtype == "fp8" and device.type == "cuda":
+        if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+            name = str(dtype).removeprefix("torch.")
+            return (
+                f"--lora-dtype fp8 with --dtype {name} on CUDA: the FP8 LoRA kernels take float16 / bfloat16 "
+                "activations only (use --dtype bfloat16 or drop --lora-dtype)"
+            )
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             return (

@@ -107,7 +107,7 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
         raise ValueError(error)  # before the ranks are spawned too
     if (error := kv_cache_dtype_error(cfg.kv_cache_dtype, cfg.device)) is not None:
         raise ValueError(error)
-    if (error := lora_fp8.lora_dtype_error(cfg.lora_dtype, cfg.device)) is not None:
+    if (error := lora_fp8.lora_dtype_error(cfg.lora_dtype, cfg.device, cfg.torch_dtype)) is not None:
         raise ValueError(error)
     ranks = None
     if cfg.world_size > 1:

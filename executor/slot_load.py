@@ -9,9 +9,13 @@ which repeats across adapters, so both are worked out once per layout and kept b
 its tensor count. Elsewhere (the CPU, or a shard not in one host storage) the modules' set_lora
 copies go through SlotWrites. Every path keeps executor/slot_layout.py's invariant.
 
-FP8 slots (executor/lora_fp8.py) take the SlotWrites path on every device: the shard's bytes are
-staged on the device in one copy, as the scatter's are, quantized there, and the FP8 values and
-their scales copied into the slot; neither the one-launch scatter nor a clear's plan applies.
+FP8 slots (executor/lora_fp8.py, the dense layers' under --lora-dtype fp8) take the SlotWrites
+path on every device: the shard's bytes are staged on the device in one copy, quantized there, and
+the FP8 values and their scales copied into the slot (a multi-tensor copy and zero-fill). The
+modules whose slots stay in the adapter dtype (embeddings, lm_head, MoE experts) keep the scatter
+from the same staged bytes: on CUDA such a load is one host -> device copy, one scatter launch for
+those modules, the quantization's few launches per group of equal shapes and the FP8 modules'
+copies; a clear is one scatter launch and the FP8 modules' zero-fills.
 
 What a model's loads work out is owned by the model (`_TARGETS_ATTR`), what a module list's
 clears do by its first module (`_CLEAR_PLAN_ATTR`); `forget_slot_plans` drops both before the
@@ -71,7 +75,10 @@ class _SlotTargets:
         slot_bufs = [b for b in self.buffers if b is not None]
         self.device = slot_bufs[0].device if slot_bufs else torch.device("cpu")
         self.fp8 = any(m.fp8_slots for m in self.modules.values())
-        self.scatterable = not self.fp8 and len({b.dtype for b in slot_bufs}) == 1 and all(b.is_contiguous() for b in slot_bufs)
+        # the scatter writes the modules whose slots hold the shard's dtype (not the FP8 ones)
+        self.scattered = [n for n, m in self.modules.items() if not m.fp8_slots]
+        bufs = [b for n in self.scattered for b in (self.modules[n].lora_a, self.modules[n].lora_b)]
+        self.scatterable = bool(bufs) and len({b.dtype for b in bufs}) == 1 and all(b.is_contiguous() for b in bufs)
         self.layouts: OrderedDict[LayoutKey, _ShardLayout] = OrderedDict()
         self.lock = threading.Lock()
         # each module's slot_ranks list (replaced only with its slot buffers, which retires these
@@ -111,7 +118,8 @@ class _SlotTargets:
             a = tensors.get(f"{name}.lora_a")
             ranks.append((m.slot_ranks, 0 if a is None else a.shape[m.slot_rank_dim]))
             top = max(top, ranks[-1][1] * m.rank_parts)  # the slot's rank: a packed B is laid out at it
-        for name, m in self.modules.items() if plannable else ():
+        for name in self.scattered if plannable else ():
+            m = self.modules[name]
             a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
             for buf, src, part, parts in ((m.lora_a, a, "lora_a", 1), (m.lora_b, b, "lora_b", m.rank_parts)):
                 offset = 0 if src is None else offsets[f"{name}.{part}"] // size
@@ -212,8 +220,8 @@ def queued_load(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor]) -
     if dora.split(tensors)[1] or any(k.startswith("tokens.") for k in tensors):
         return None  # a DoRA shard (its scales are worked out) or one with trainable tokens: load_shard_into_slot
     planned = _planned(model, signature[0])
-    if planned is None:
-        return None
+    if planned is None or planned[0].fp8:
+        return None  # FP8 slots: their quantization and copies are the copy thread's
     known, layout = planned
     clip = layout.plan.clips.get(known.written_rank(slot))
     if clip is None or str(known.device) not in clip.device_tables:
@@ -254,10 +262,13 @@ def _check_shard(modules: dict[str, nn.Module], known: frozenset, tensors: dict[
             raise ValueError(f"{name}: lora_a rank {a.shape[rank_dim]}{parts} != lora_b rank {b.shape[rank_dim]}")
 
 
-def _fp8_quantized(targets: _SlotTargets, tensors: dict[str, torch.Tensor], offsets, storage, lo: int) -> dict:
+def _fp8_quantized(
+    targets: _SlotTargets, tensors: dict[str, torch.Tensor], offsets, storage, lo: int, staged: torch.Tensor | None = None
+) -> dict:
     """The FP8 modules' A and B of the shard, quantized on the slots' device (lora_fp8.quantized). A
-    shard in one host storage is staged there in one copy (its tensors then views of it); else each
-    tensor is copied on its own."""
+    shard in one host storage is staged there in one copy (its tensors then views of it; `staged`:
+    the scatter's staging of it, from the same first byte, used as it is); else each tensor is
+    copied on its own."""
     names = [
         f"{n}.{part}"
         for n, m in targets.modules.items()
@@ -270,8 +281,12 @@ def _fp8_quantized(targets: _SlotTargets, tensors: dict[str, torch.Tensor], offs
     dtypes = {t.dtype for t in tensors.values()}
     where = dict(zip(tensors, offsets))
     one_piece = storage is not None and len(dtypes) == 1 and all(t.is_contiguous() for t in tensors.values())
-    if device.type == "cuda" and one_piece and all(where[k] % next(iter(dtypes)).itemsize == 0 for k in names):
-        staged = _staged(storage, lo, max(where[k] + tensors[k].nbytes for k in names), device, torch.uint8)
+    if staged is not None or (
+        device.type == "cuda" and one_piece and all(where[k] % next(iter(dtypes)).itemsize == 0 for k in names)
+    ):
+        if staged is None:
+            staged = _staged(storage, lo, max(where[k] + tensors[k].nbytes for k in names), device, torch.uint8)
+        staged = staged.view(torch.uint8)
         src = {k: staged[where[k] : where[k] + t.nbytes].view(t.dtype).view(t.shape) for k, t in src.items()}
     elif src[names[0]].device != device:
         src = {k: t.to(device, non_blocking=True) for k, t in src.items()}
@@ -283,16 +298,18 @@ def _default_scatter(device: torch.device):
 
 
 def _clear_plan(modules: list[nn.Module], buffers: tuple) -> ScatterPlan | None:
-    """Zeros over one slot of each of `buffers` (the modules'), row by row as a load writes them (so
-    `clipped` cuts them to a rank); None when they are not all contiguous of one dtype. Kept by the
-    list's first module, checked against the buffers."""
+    """Zeros over one slot of each of the non-FP8 modules' buffers (`buffers`: every module's), row by
+    row as a load writes them (so `clipped` cuts them to a rank); None when there are none, or they
+    are not all contiguous of one dtype. FP8 modules are left to reset_lora (their scales too). Kept
+    by the list's first module, checked against the buffers."""
     cached = getattr(modules[0], _CLEAR_PLAN_ATTR, None)
     if cached is None or len(cached[0]) != len(buffers) or not all(map(operator.is_, cached[0], buffers)):
-        fp8 = any(m.fp8_slots for m in modules)  # its scales too: reset_lora's
-        ok = not fp8 and len({b.dtype for b in buffers}) == 1 and all(b.is_contiguous() for b in buffers)
+        plain = [m for m in modules if not m.fp8_slots]
+        bufs = _buffers(plain)
+        ok = bool(bufs) and len({b.dtype for b in bufs}) == 1 and all(b.is_contiguous() for b in bufs)
         plan = ScatterPlan(tuple(
             _slot_copy(buf, m.slot_rank_dim, None, 0, parts, m.rank_parts)
-            for m in modules for buf, parts, part in ((m.lora_a, 1, "a"), (m.lora_b, m.rank_parts, "b"))
+            for m in plain for buf, parts, part in ((m.lora_a, 1, "a"), (m.lora_b, m.rank_parts, "b"))
             if not (part == "b" and m.packed_b)  # a packed B: not cleared, as reset_lora
         )) if ok else None  # fmt: skip
         cached = (buffers, plan)
@@ -319,20 +336,22 @@ def warm_slot_scatter(modules, slot: int = 0) -> None:
 
 def clear_slot(modules, slot: int, scatter=None) -> None:
     """Zeroes `slot` of every module (an iterable of LoRA modules, e.g. lora_modules(model).values()) in
-    one go: on CUDA one launch, over the rank positions its adapter wrote only. scatter: as in
-    load_shard_into_slot."""
+    one go: on CUDA one launch, over the rank positions its adapter wrote only (FP8 modules: their
+    values and scales zero-filled beside it, reset_lora). scatter: as in load_shard_into_slot."""
     modules = list(modules)
     dora.clear(modules, slot)
     scatter, plan = _clearing(modules, scatter)
-    if plan is None:
+    rest = modules if plan is None else [m for m in modules if m.fp8_slots]
+    if plan is not None:
+        plain = [m for m in modules if not m.fp8_slots]
+        scatter(plan.clipped(written_rank(plain, slot)), None, slot)
+        for m in plain:
+            m.slot_ranks[slot] = 0
+    if rest:
         writes = SlotWrites()
-        for m in modules:
+        for m in rest:
             m.reset_lora(slot, writes)
         writes.flush()
-        return
-    scatter(plan.clipped(written_rank(modules, slot)), None, slot)
-    for m in modules:
-        m.slot_ranks[slot] = 0
 
 
 def load_shard_into_slot(
@@ -365,16 +384,19 @@ def load_shard_into_slot(
     if rows is not None:
         rows.check(tokens)
     scatter = scatter or _default_scatter(targets.device)
-    if scatter is not None and layout.plan is not None:
+    scattered = scatter is not None and layout.plan is not None  # the scatter writes targets.scattered
+    if scattered:
         dtype = next(iter(tensors.values())).dtype if tensors else torch.uint8
         if staged is None or staged.device != targets.device:
             staged = _staged(storage, lo, layout.span, targets.device, dtype) if tensors else None
         # zeros only up to what the slot's previous adapter wrote: its tail past that is zero already
         scatter(layout.plan.clipped(targets.written_rank(slot)), staged, slot)
-    else:
-        fp8 = _fp8_quantized(targets, tensors, offsets, storage, lo) if targets.fp8 else {}
-        writes = SlotWrites()  # every module's copies and zero-fills issued together
+    if not scattered or targets.fp8:  # the FP8 modules (and, without the scatter, every module)
+        fp8 = _fp8_quantized(targets, tensors, offsets, storage, lo, staged if scattered else None) if targets.fp8 else {}
+        writes = SlotWrites()  # these modules' copies and zero-fills issued together
         for name, module in targets.modules.items():
+            if scattered and not module.fp8_slots:
+                continue
             rank = {"slot_rank": layout.max_rank} if module.packed_b else {}  # a packed B's row width
             if f"{name}.lora_a" in tensors and module.fp8_slots:
                 (qa, sa), (qb, sb) = fp8[f"{name}.lora_a"], fp8[f"{name}.lora_b"]

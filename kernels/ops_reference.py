@@ -14,6 +14,23 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 
 
+def kv_scale_error(k_cache: torch.Tensor, k_scale, v_scale) -> str | None:
+    """Why an FP8 cache's k_scale / v_scale cannot be what the Triton kernels read (each float32,
+    contiguous, [KVH] on the cache's device); None where they can, or the cache is not FP8."""
+    if k_cache.dtype != FP8:
+        return None
+    kvh = k_cache.shape[2]
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            return f"an FP8 KV cache needs {name} ([{kvh}] float32), got None"
+        if s.dtype != torch.float32 or tuple(s.shape) != (kvh,) or not s.is_contiguous() or s.device != k_cache.device:
+            return (
+                f"{name} is {s.dtype} {list(s.shape)} on {s.device}{'' if s.is_contiguous() else ' (not contiguous)'}; "
+                f"an FP8 KV cache's scales are contiguous float32 [{kvh}] (one per kv head) on {k_cache.device}"
+            )
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, unit_offset: bool = False):
     """(norm(h) * weight, h) with h = x + residual (or x alone when residual is None).
 

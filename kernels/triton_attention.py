@@ -34,6 +34,7 @@ import triton.language as tl
 from . import attention_reference as reference
 from .attention_plan import d_pad as _d_pad
 from .attention_plan import prefill_config
+from .ops_reference import kv_scale_error
 from .tuning import num_sms
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -652,8 +653,11 @@ def _precision(q) -> str:
 
 
 def _supported(q, k_cache, v_cache, out, k_scale=None, v_scale=None) -> bool:
-    """Shapes and layouts the kernels take; anything else runs on the reference (correct, not graph-safe)."""
-    fp8 = k_cache.dtype == _FP8 and k_scale is not None and v_scale is not None
+    """Shapes and layouts the kernels take; anything else runs on the reference (correct, not graph-safe).
+    ValueError for an FP8 cache's scales the kernels cannot read (ops_reference.kv_scale_error)."""
+    if (error := kv_scale_error(k_cache, k_scale, v_scale)) is not None:
+        raise ValueError(error)
+    fp8 = k_cache.dtype == _FP8
     return (
         q.dtype in _DTYPES
         and (k_cache.dtype == q.dtype or fp8)

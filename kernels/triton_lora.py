@@ -1064,6 +1064,8 @@ def lora_shrink(
     num_slots, num_slices, rank, _ = lora_a.shape
     out, zeroed = shrink_output(meta, out, num_slices, num_tokens, rank, x.device)  # zeroed: the step's workspace
     if not _shrink_supported(x, lora_a, out, scale):
+        if scale is not None:  # the reference's host reads and float8 gathers are no CUDA path
+            raise ValueError(_scaled_error(x, lora_a, scale, "lora_a"))
         return reference.lora_shrink(x, lora_a, meta, out, scale=scale)
     if num_tokens == 0:
         return out
@@ -1147,6 +1149,8 @@ def lora_expand(
     if packed and (not ranked or meta.slot_ranks is None):
         raise ValueError("a packed B is read at each slot's rank: ranked, with LoraMeta.slot_ranks")
     if not _expand_supported(y, buf, lora_b, scale):
+        if scale is not None:  # the reference's host reads and float8 gathers are no CUDA path
+            raise ValueError(_scaled_error(y, lora_b, scale, "lora_b"))
         return reference.lora_expand(y, buf, lora_b, slice_offsets, meta, packed=packed, scale=scale)
     num_tokens = y.shape[0]
     rank = buf.shape[2]
@@ -1257,6 +1261,22 @@ def _scales_fit(w: torch.Tensor, scale: torch.Tensor) -> bool:
     """w holds FP8 and `scale` float32 one per row of w (w's shape less its last dim), each slot's
     rows contiguous (the kernels index a slot's scales as one flat row)."""
     return w.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == w.shape[:-1] and scale[0].is_contiguous()
+
+
+def _scaled_error(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, name: str) -> str:
+    """Why FP8 slots `w` (`name`) with `scale` are not read by the kernel beside x: FP8 slots have no
+    fallback (the reference reads the host and gathers float8, neither graph-safe on CUDA)."""
+    want = f"float32 {list(w.shape[:-1])}, each slot's contiguous"
+    if w.dtype != FP8:
+        return f"{name} is {w.dtype} but a scale was given: scaled slots hold float8_e4m3fn"
+    if not _scales_fit(w, scale):
+        return f"{name}'s scale is {scale.dtype} {list(scale.shape)} (stride {scale.stride()}); FP8 slots' scales are {want}"
+    if x.dtype not in _DTYPES:
+        return f"FP8 LoRA slots take float16 / bfloat16 activations, got {x.dtype}"
+    return (
+        f"FP8 LoRA slots: {name} {list(w.shape)} stride {w.stride()}, the activations or the float32 buffer "
+        "laid out as the kernel does not take"
+    )
 
 
 def _shrink_supported(x, lora_a, out, scale=None) -> bool:

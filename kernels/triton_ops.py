@@ -200,7 +200,10 @@ def _rope_cache_kernel(
 
 def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> torch.Tensor:
     """RoPE on q and k, k and v into the paged cache: see ops_reference.rope_and_cache (an FP8 cache's
-    keys are quantized from the rotated float32 values, before any rounding to k's dtype)."""
+    keys are quantized from the rotated float32 values, before any rounding to k's dtype). ValueError
+    for an FP8 cache's scales the kernel cannot read (ops_reference.kv_scale_error)."""
+    if (error := ops_reference.kv_scale_error(k_cache, k_scale, v_scale)) is not None:
+        raise ValueError(error)
     num_tokens, num_heads, head_dim = q.shape
     fp8 = k_cache.dtype == ops_reference.FP8
     if (

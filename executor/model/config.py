@@ -85,8 +85,9 @@ class ModelConfig:
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-    # The dense linear layers but lm_head hold FP8 weights with per-output-row scales and compute in FP8
-    # (executor/model/fp8.py); set by the loader for the device it loads onto, never read from config.json.
+    # The dense linear layers but lm_head, and the MoE experts, hold FP8 weights with per-output-row scales
+    # and compute in FP8 (executor/model/fp8.py); set by the loader for the device it loads onto, never
+    # read from config.json.
     fp8_linears: bool = False
 
     @property

@@ -195,9 +195,10 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] float -> (q float8_e4m3fn, scale [..., N] float32) with one scale per output row:
     scale = max|row| / 448 (1 for an all-zero row), q = w / scale rounded to nearest."""
     w = w.float()
-    amax = w.abs().amax(dim=-1)
+    lo, hi = torch.aminmax(w, dim=-1)  # max|row| without a temporary the size of w
+    amax = torch.maximum(-lo, hi)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (w / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = torch.div(w, scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)  # one float32 temporary beside w
     return q, scale
 
 
@@ -391,17 +392,19 @@ def quantization_error(quantization: str | None, device, dtype: torch.dtype) -> 
     return None if error is None else f"--quantization {quantization} needs FP8 compute: {error}"
 
 
-def plan(scheme: Fp8Scheme | None, quantization: str | None, device, dtype: torch.dtype, source: str) -> bool:
-    """Whether the model's linear layers hold FP8 weights; logs the choice. ValueError for a
-    --quantization this device cannot run (before any weight is loaded)."""
+def plan(
+    scheme: Fp8Scheme | None, quantization: str | None, device, dtype: torch.dtype, source: str, experts: bool = False
+) -> bool:
+    """Whether the model's linear layers (and its MoE experts, `experts`: it has some) hold FP8
+    weights; logs the choice. ValueError for a --quantization this device cannot run (before any
+    weight is loaded)."""
     if (refused := quantization_error(quantization, device, dtype)) is not None:
         raise ValueError(refused)
     error = fp8_compute_error(device, dtype)
+    layers = "linear layers and MoE experts" if experts else "linear layers"
     if quantization:
         what = f"{scheme.describe()} checkpoint" if scheme else "weights"
-        log.info(
-            "%s: linear layers (and MoE experts) in FP8 (%s quantized per output channel at load where not already)", source, what
-        )
+        log.info("%s: %s in FP8 (%s quantized per output channel at load where not already)", source, layers, what)
         return True
     if scheme is None:
         return False
@@ -416,10 +419,11 @@ def plan(scheme: Fp8Scheme | None, quantization: str | None, device, dtype: torc
         return False
     if scheme.block is not None:
         log.info(
-            "%s: %s checkpoint; linear layers (and MoE experts) in FP8, the blocks' scales requantized per output channel at load",
+            "%s: %s checkpoint; %s in FP8, the blocks' scales requantized per output channel at load",
             source,
             scheme.describe(),
+            layers,
         )
     else:
-        log.info("%s: %s checkpoint; linear layers (and MoE experts) in FP8", source, scheme.describe())
+        log.info("%s: %s checkpoint; %s in FP8", source, scheme.describe(), layers)
     return True

@@ -7,8 +7,10 @@ the attention kernels (kernels/attention_reference.py, kernels/triton_attention.
 
 Scales come from the checkpoint where it carries them: compressed-tensors' `kv_cache_scheme` in
 config.json's quantization_config (llm-compressor writes `model.layers.N.self_attn.k_scale` and
-`v_scale` per attention layer, one value per tensor, broadcast over the heads, or one per kv head);
-without them every scale is 1.0.
+`v_scale` per attention layer, one value per tensor, broadcast over the heads, or one per kv head;
+its older releases named the same scales `k_proj.output_scale` / `v_proj.output_scale`, the K / V
+projections' outputs' scale, read alike; a multimodal checkpoint's language-model prefix is the
+loader's, checkpoint_names.text_model_name); without them every scale is 1.0.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from typing import Any
 
 import torch
 
+from .checkpoint_names import text_model_name
+
 FP8 = torch.float8_e4m3fn
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's compute dtype
-_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
+# a layer's K or V cache scale, as a text model's name: `k_scale`, or older releases' `k_proj.output_scale`
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)")
 _STRATEGIES = ("tensor", "attn_head")  # one scale per tensor, or one per kv head
 
 
@@ -69,23 +74,40 @@ def kv_cache_scheme(quantization_config: dict[str, Any] | None) -> bool:
     return True
 
 
+def kv_scale_of(name: str) -> tuple[int, int] | None:
+    """(layer, 0 for K / 1 for V) of a checkpoint tensor that is an attention layer's K or V cache
+    scale (`model.layers.N.self_attn.k_scale` or `...k_proj.output_scale`, under any language-model
+    prefix the loader takes); None for any other tensor."""
+    m = _KV_SCALE.fullmatch(text_model_name(name))
+    return None if m is None else (int(m.group(1)), "kv".index(m.group(2) or m.group(3)))
+
+
 def is_kv_scale(name: str) -> bool:
-    """A checkpoint tensor that is an attention layer's K or V cache scale."""
-    return _KV_SCALE.fullmatch(name) is not None
+    """A checkpoint tensor that is an attention layer's K or V cache scale (`kv_scale_of`)."""
+    return kv_scale_of(name) is not None
 
 
 def read_kv_scales(meta: dict[str, tuple[str, list[int]]], read_tensor, num_layers: int, num_kv_heads: int, heads: slice):
     """[num_layers, 2 (K, V), this rank's kv heads] float32 from the checkpoint's k_scale / v_scale:
     each one value (broadcast over the heads) or one per kv head, cut to `heads`. ValueError naming
-    the tensor that is missing, not floating point, shaped otherwise, not finite or not positive."""
-    stray = [n for n in meta if is_kv_scale(n) and int(_KV_SCALE.fullmatch(n).group(1)) >= num_layers]
-    if stray:
-        raise ValueError(f"checkpoint tensor {stray[0]!r} is a KV cache scale of a layer the model does not have")
+    the tensor that is missing, not floating point, shaped otherwise, not finite or not positive, or
+    given twice (under two names, `kv_scale_of`)."""
+    found: dict[tuple[int, int], str] = {}
+    for n in meta:
+        if (key := kv_scale_of(n)) is None:
+            continue
+        if key[0] >= num_layers:
+            raise ValueError(f"checkpoint tensor {n!r} is a KV cache scale of a layer the model does not have")
+        if key in found:
+            first, second = sorted((found[key], n))
+            raise ValueError(f"checkpoint tensors {first!r} and {second!r} are both layer {key[0]}'s {'KV'[key[1]]} cache scale")
+        found[key] = n
     out = torch.empty(num_layers, 2, heads.stop - heads.start, dtype=torch.float32)
     for layer in range(num_layers):
         for i, kind in enumerate("kv"):
-            name = f"model.layers.{layer}.self_attn.{kind}_scale"
-            if name not in meta:
+            name = found.get((layer, i))
+            if name is None:
+                name = f"model.layers.{layer}.self_attn.{kind}_scale"
                 raise ValueError(f"checkpoint tensor {name!r} is missing (kv_cache_scheme in quantization_config)")
             dtype, shape = meta[name]
             if dtype not in ("F32", "F16", "BF16", "F64"):

@@ -8,6 +8,7 @@ of heads, MLP columns and vocabulary: H / tp heads, KVH / tp kv heads (or one re
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -273,7 +274,8 @@ class LlamaForCausalLM(nn.Module):
         # (model/kv_scales.py, set by the loader); None: the checkpoint has none
         self.kv_scales: torch.Tensor | None = None
         self.model = LlamaModel(cfg, lora, dtype, device, tp, mlp_for_layer, self.layer_class)
-        head_lora = lora if lora is not None and lora.targets_embeddings else None
+        # lm_head's slots stay in the adapter dtype under --lora-dtype fp8, as the embedding's
+        head_lora = dataclasses.replace(lora, fp8=False) if lora is not None and lora.targets_embeddings else None
         self.lm_head = LinearWithLoRA(cfg.hidden_size, (cfg.vocab_size // tp.size,), False, head_lora, dtype, device, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # LoRA slots stay separate

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from ..parallel import TPGroup
 from ..slot_layout import LoraSpec
 from . import fp8, kv_scales
+from .checkpoint_names import text_model_name
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .moe import build_causal_lm
@@ -142,8 +143,7 @@ class _WeightSink:
                 f"only the language model (a checkpoint that holds just its tensors, e.g. Gemma3ForCausalLM's)"
             )
         # a multimodal checkpoint's language model (Gemma 3): transformers 5 and 4 names -> the text model's
-        hf_name = re.sub(r"^(model\.language_model\.|language_model\.model\.)", "model.", hf_name)
-        hf_name = re.sub(r"^language_model\.lm_head\.", "lm_head.", hf_name)
+        hf_name = text_model_name(hf_name)
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             return None
         hf_name = re.sub(r"^(model\.layers\.\d+\.)block_sparse_moe\.", r"\1mlp.", hf_name)  # Mixtral's old block name
@@ -250,7 +250,7 @@ def load_hf_checkpoint(
                 where[name] = f
         meta = {name: (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape()) for name, f in where.items()}
         scales = _kv_cache_scales(hf_config, cfg, meta, lambda name: where[name].get_tensor(name), tp)
-        fp8_linears = fp8.plan(scheme, quantization, device, dtype, str(model_dir))
+        fp8_linears = fp8.plan(scheme, quantization, device, dtype, str(model_dir), experts=cfg.num_experts > 0)
         checkpoint = None
         if scheme is not None:  # every scale checked before any weight is read
             checkpoint = fp8.Fp8Checkpoint(scheme, meta, lambda name: where[name].get_tensor(name))

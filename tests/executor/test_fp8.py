@@ -588,6 +588,16 @@ def test_fp8_compute_needs_compute_capability_8_9_and_bfloat16(monkeypatch):
     assert fp8.plan(scheme, "", "cuda:1", torch.bfloat16, "model") and not fp8.plan(scheme, "", "cuda:0", torch.bfloat16, "model")
 
 
+def test_the_fp8_plan_names_moe_experts_only_where_the_model_has_them(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    with caplog.at_level("INFO", logger="loraserve.executor.model.fp8"):
+        fp8.plan(None, "fp8", "cuda:0", torch.bfloat16, "dense")
+        fp8.plan(None, "fp8", "cuda:0", torch.bfloat16, "moe", experts=True)
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0] == "dense: linear layers in FP8 (weights quantized per output channel at load where not already)"
+    assert said[1] == "moe: linear layers and MoE experts in FP8 (weights quantized per output channel at load where not already)"
+
+
 def test_quantization_fp8_without_fp8_compute_is_refused_before_tp_ranks_are_spawned(hf_model, monkeypatch):
     from loraserve.executor import service
     from loraserve.executor.config import ExecutorConfig

@@ -261,6 +261,18 @@ def test_an_fp8_block_is_half_a_bf16_blocks_bytes():
     assert bf16.k_scale == bf16.v_scale == [None, None]
 
 
+def test_fp8_cache_scales_of_another_shape_are_refused_naming_both_shapes():
+    """KVCache's scales are [num_layers, 2 (K, V), num_kv_heads]: another shape (a model's scales
+    beside another cache's layers or heads) is a ValueError naming both shapes."""
+    with pytest.raises(ValueError, match=r"KV cache scales are \[2, 2, 4\], expected \[2, 2, 2\]"):
+        KVCache(2, 10, 4, 2, 8, FP8, "cpu", scales=torch.ones(2, 2, 4))
+    with pytest.raises(ValueError, match=r"KV cache scales are \[3, 2, 2\], expected \[2, 2, 2\]"):
+        KVCache(2, 10, 4, 2, 8, FP8, "cpu", scales=torch.ones(3, 2, 2))
+    scales = torch.rand(2, 2, 2) + 0.5
+    kv = KVCache(2, 10, 4, 2, 8, FP8, "cpu", scales=scales)
+    assert torch.equal(torch.stack([torch.stack(p) for p in zip(kv.k_scale, kv.v_scale)]), scales)
+
+
 @pytest.mark.parametrize("tp, strategy", [(1, "tensor"), (2, "attn_head")])
 def test_the_served_engine_reports_fp8_and_never_shares_prefix_blocks_with_a_float32_cache(
     tp, strategy, module_loop_thread, kv_checkpoint, save_byte_tokenizer, tmp_path

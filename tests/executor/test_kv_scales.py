@@ -160,3 +160,87 @@ def test_an_fp8_weight_checkpoint_with_a_kv_cache_scheme_loads_both(hf_model, tm
     assert torch.equal(model.kv_scales, scales)
     for name, p in load_model(ref_dir).named_parameters():
         torch.testing.assert_close(dict(model.named_parameters())[name], p, rtol=0, atol=0)
+
+
+def _renamed(rename):
+    """A tensors_edit that renames every checkpoint tensor with `rename`."""
+
+    def edit(tensors):
+        for name in list(tensors):
+            tensors[rename(name)] = tensors.pop(name)
+
+    return edit
+
+
+def _multimodal(prefix):
+    """A multimodal checkpoint's language-model names (Gemma 3's): transformers 5's `model.language_model.`,
+    4's `language_model.model.` (and `language_model.lm_head.`)."""
+    if prefix == "model.language_model.":
+        return lambda n: prefix + n.removeprefix("model.") if n.startswith("model.") else n
+    return lambda n: "language_model." + n
+
+
+_OLD_NAMES = {"k_scale": "k_proj.output_scale", "v_scale": "v_proj.output_scale"}
+
+
+def _output_scale(name):
+    """compressed-tensors' older name of a K / V cache scale: the K / V projection's output scale."""
+    head, _, last = name.rpartition(".")
+    return f"{head}.{_OLD_NAMES[last]}" if last in _OLD_NAMES else name
+
+
+@pytest.mark.parametrize(
+    "rename",
+    [_multimodal("model.language_model."), _multimodal("language_model.model."), _output_scale],
+    ids=["model.language_model", "language_model.model", "output_scale"],
+)
+def test_kv_scales_are_read_under_the_names_the_loader_takes(rename, hf_model, tmp_path):
+    """A multimodal checkpoint's language-model prefixes (the loader's renames, Gemma 3's) and the older
+    compressed-tensors name of the same scales (`k_proj.output_scale` / `v_proj.output_scale`) give the
+    scales as `model.layers.N.self_attn.k_scale` / `v_scale` do."""
+    _, src = hf_model("llama")
+    scales = torch.rand(2, 2, 2) / 100 + 0.001
+    path = write_kv_scales(src, tmp_path / "ckpt", scales, "attn_head", tensors_edit=_renamed(rename))
+    assert torch.equal(load_model(path).kv_scales, scales)
+
+
+def test_fp8_weights_and_kv_scales_under_a_multimodal_prefix_load_both(hf_model, tmp_path):
+    """FP8 weights and FP8 KV under Gemma 3's `model.language_model.` names: the FP8 checkpoint's
+    scale check does not take k_scale / v_scale for weight scales, and both load as without the prefix."""
+    from .test_fp8 import quantization_config, write_fp8
+
+    _, src = hf_model("llama")
+    ref_dir = write_fp8(src, tmp_path / "w8", "ct-channel")
+    scales = torch.rand(2, 2, 2) / 100 + 0.001
+    path = write_kv_scales(
+        tmp_path / "w8", tmp_path / "w8kv", scales, "attn_head",
+        config_edit=lambda q: q.update(quantization_config("ct-channel")),
+        tensors_edit=_renamed(_multimodal("model.language_model.")),
+    )  # fmt: skip
+    model = load_model(path)
+    assert torch.equal(model.kv_scales, scales)
+    for name, p in load_model(ref_dir).named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name], p, rtol=0, atol=0)
+
+
+def test_a_kv_scale_under_two_names_is_refused_naming_both(hf_model, refuses, tmp_path):
+    """A checkpoint with both `k_scale` and the older `k_proj.output_scale` for one layer is ambiguous:
+    refused before any weight is loaded, naming both tensors."""
+    _, src = hf_model("llama")
+    old = "model.layers.0.self_attn.k_proj.output_scale"
+    path = write_kv_scales(src, tmp_path / "ckpt", torch.full((2, 2, 2), 0.01), tensors_edit=_set(old, torch.ones(1)))
+    refuses(path, rf"checkpoint tensors '{old}' and '{K0}' are both layer 0's K cache scale")
+
+
+def test_kv_scale_names_are_the_loaders():
+    """kv_scale_of: (layer, K 0 / V 1) under every name the loader takes; None for the weights' scales."""
+    for name, want in (
+        ("model.layers.3.self_attn.k_scale", (3, 0)),
+        ("model.layers.3.self_attn.v_proj.output_scale", (3, 1)),
+        ("model.language_model.layers.1.self_attn.v_scale", (1, 1)),
+        ("language_model.model.layers.0.self_attn.k_proj.output_scale", (0, 0)),
+        ("model.layers.0.self_attn.k_proj.weight_scale", None),
+        ("model.layers.0.self_attn.q_proj.output_scale", None),
+        ("model.layers.0.mlp.k_scale", None),
+    ):
+        assert kv_scales.kv_scale_of(name) == want, name

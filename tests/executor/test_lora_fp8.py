@@ -245,21 +245,24 @@ def test_fp8_slots_take_one_byte_per_element_and_the_auto_slot_count_doubles(lla
     """Dense layers' slots hold float8_e4m3fn A and B with float32 scales (A per rank row of each
     slice, B per output channel); a slot's bytes are its elements plus 4 per scale, and the automatic
     slot count follows them (here, at hidden size 64 and rank 16, the scales are a larger share than at
-    a real model's widths: 34 FP8 slots where 20 bf16 ones fit); embedding slots stay in the adapter dtype."""
+    a real model's widths: 34 FP8 slots where 20 bf16 ones fit); embedding and lm_head slots stay in the
+    adapter dtype, and the slot bytes count them so."""
     c = fp8_cluster(module_loop_thread, llama, tmp_path, tmp_path / "store", names=(), lora_embeddings=True)
     try:
         modules = lora_modules(c.parts.engine.model)
-        dense = [m for m in modules.values() if isinstance(m, LinearWithLoRA)]
-        assert dense and all(m.lora_a.dtype == m.lora_b.dtype == lora_fp8.FP8 for m in dense)
+        dense = [m for n, m in modules.items() if isinstance(m, LinearWithLoRA) and n != "lm_head"]
+        assert dense and all(m.fp8_slots and m.lora_a.dtype == m.lora_b.dtype == lora_fp8.FP8 for m in dense)
         assert all(m.lora_a_scale.shape == m.lora_a.shape[:3] and m.lora_b_scale.shape == m.lora_b.shape[:2] for m in dense)
-        others = [m for m in modules.values() if not isinstance(m, LinearWithLoRA)]
-        assert others and all(m.lora_a.dtype == torch.float32 for m in others)
+        others = [m for n, m in modules.items() if not isinstance(m, LinearWithLoRA) or n == "lm_head"]
+        assert {"lm_head", "model.embed_tokens"} <= set(modules)
+        assert all(not m.fp8_slots and m.lora_a.dtype == m.lora_b.dtype == torch.float32 for m in others)
+        assert modules["lm_head"].lora_a_scale is None
         elements = sum(m.lora_a[0].numel() + m.lora_b[0].numel() for m in dense)
         scales = sum(m.lora_a_scale[0].numel() + m.lora_b_scale[0].numel() for m in dense)
         other_bytes = sum(m.lora_a[0].nbytes + m.lora_b[0].nbytes for m in others)
         per_slot = memory.lora_bytes_per_slot(modules)
         assert per_slot == elements + 4 * scales + other_bytes
-        dense_only = {n: m for n, m in modules.items() if isinstance(m, LinearWithLoRA)}
+        dense_only = {n: m for n, m in modules.items() if isinstance(m, LinearWithLoRA) and n != "lm_head"}
         bf16_bytes = 2 * elements  # the same slots in bfloat16
         free = 40 * bf16_bytes  # room for 20 bf16 slots at SLOT_SHARE 0.5
         fp8_slots = memory.default_max_loras(free, memory.lora_bytes_per_slot(dense_only))
@@ -287,6 +290,95 @@ def test_fp8_is_refused_on_a_gpu_without_fp8(monkeypatch):
     assert lora_fp8.lora_dtype_error("auto", "cuda:0") is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert lora_fp8.lora_dtype_error("fp8", "cuda:0") is None
+
+
+def test_set_lora_refuses_scales_that_do_not_match_the_slots():
+    """FP8 slots take A's and B's scales with the quantized values; slots in the adapter dtype take
+    none: either mismatch is a ValueError, the slot left as it was."""
+    from loraserve.executor.slot_layout import LoraSpec
+
+    spec = LoraSpec(2, 8, torch.float32, fp8=True)
+    fp8_layer = LinearWithLoRA(16, (16,), False, spec, torch.float32, "cpu")
+    plain = LinearWithLoRA(16, (16,), False, LoraSpec(2, 8, torch.float32), torch.float32, "cpu")
+    a, b = torch.randn(1, 4, 16), torch.randn(16, 4)
+    (qa, sa), (qb, sb) = lora_fp8.quantize_rows(a), lora_fp8.quantize_rows(b)
+    with pytest.raises(ValueError, match="^FP8 slots take scales$"):
+        fp8_layer.set_lora(0, qa, qb)
+    with pytest.raises(ValueError, match="^bf16/fp16/fp32 slots take no scales$"):
+        plain.set_lora(0, a, b, scales=(sa, sb))
+    assert not fp8_layer.lora_a.float().any() and not plain.lora_a.any() and fp8_layer.slot_ranks[0] == 0
+    fp8_layer.set_lora(0, qa, qb, scales=(sa, sb))
+    assert torch.equal(fp8_layer.lora_a_scale[0, :, :4], sa) and torch.equal(fp8_layer.lora_b_scale[0], sb)
+
+
+def test_a_loads_quantization_is_bounded_per_launch_and_equal_to_each_tensors_own(monkeypatch):
+    """lora_fp8.quantized groups tensors of one shape, at most _CHUNK_ELEMENTS (2^22: a float32
+    temporary of 16 MiB) at a time (a larger tensor alone), each row's values and scale those of
+    quantize_rows on the tensor alone."""
+    sizes = []
+    real = lora_fp8.quantize_rows
+    monkeypatch.setattr(lora_fp8, "quantize_rows", lambda w: sizes.append(w.numel()) or real(w))
+    assert lora_fp8._CHUNK_ELEMENTS == 1 << 22
+    monkeypatch.setattr(lora_fp8, "_CHUNK_ELEMENTS", 1000)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"a{i}": torch.randn(1, 4, 60, generator=gen) for i in range(9)}  # 240 elements each
+    tensors |= {f"b{i}": torch.randn(50, 4, generator=gen) for i in range(3)} | {"big": torch.randn(40, 40, generator=gen)}
+    out = lora_fp8.quantized(tensors, list(tensors))
+    assert sorted(sizes) == sorted([960, 960, 240, 600, 1600])  # 4 + 4 + 1 A's, the B's together, the big one alone
+    for name, t in tensors.items():
+        q, scale = real(t)
+        assert torch.equal(out[name][0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(out[name][1], scale), name
+
+
+F32_REFUSAL = (
+    "--lora-dtype fp8 with --dtype float32 on CUDA: the FP8 LoRA kernels take float16 / bfloat16 activations only "
+    "(use --dtype bfloat16 or drop --lora-dtype)"
+)
+
+
+def test_fp8_slots_with_float32_on_cuda_are_refused_naming_both_flags(monkeypatch):
+    """The LoRA Triton kernels take float16 / bfloat16 only: --dtype float32 with --lora-dtype fp8 on
+    CUDA is refused naming both flags (the device's answer stood in for: no such GPU here); the CPU
+    serves it, and 16-bit dtypes pass."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert lora_fp8.lora_dtype_error("fp8", "cuda:0", torch.float32) == F32_REFUSAL
+    assert lora_fp8.lora_dtype_error("fp8", "cuda:0", torch.bfloat16) is None
+    assert lora_fp8.lora_dtype_error("fp8", "cuda:0", torch.float16) is None
+    assert lora_fp8.lora_dtype_error("auto", "cuda:0", torch.float32) is None
+    assert lora_fp8.lora_dtype_error("fp8", "cpu", torch.float32) is None
+
+
+def test_fp8_slots_with_float32_on_cuda_are_refused_at_start(llama, monkeypatch):
+    """build_executor refuses before the model is loaded (or any rank spawned), naming both flags."""
+    from loraserve.executor import service
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(service, "load_model", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
+    cfg = ExecutorConfig(model=str(llama[1]), device="cuda", dtype="float32", lora_dtype="fp8", max_model_len=64)
+    with pytest.raises(ValueError) as err:
+        service.build_executor(cfg)
+    assert str(err.value) == F32_REFUSAL
+
+
+def test_bench_engine_counts_each_slot_tensor_at_its_slot_dtype(monkeypatch):
+    """bench_engine's bytes a step reads of a full-rank adapter equal the slots' bytes
+    (memory.lora_bytes_per_slot): FP8 dense slots at 1 byte per element plus their scales, embedding
+    and lm_head slots at the adapter dtype."""
+    import sys
+    from pathlib import Path
+
+    from loraserve.executor.slot_layout import LoraSpec
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_engine
+
+    monkeypatch.setattr(bench_engine, "DEVICE", "cpu")
+    monkeypatch.setattr(bench_engine, "DTYPE", torch.float32)
+    model = bench_engine.build_model("tiny", 256, LoraSpec(2, 8, torch.float32, targets_embeddings=True, fp8=True))
+    _, read = bench_engine.random_shard_fetcher(model, [8])
+    modules = lora_modules(model)
+    assert not modules["lm_head"].fp8_slots and not modules["model.embed_tokens"].fp8_slots
+    assert read[8] == memory.lora_bytes_per_slot(modules)
 
 
 MOE_NAMES = ("experts8", "attn4", "down2")  # conftest.MOE_ADAPTERS: experts only, attention only, both

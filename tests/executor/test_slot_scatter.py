@@ -45,9 +45,10 @@ STEPS = [
 ]
 
 
-def _modules(dtype, device, packed_b=False) -> nn.Module:
-    """packed_b: the dense layers' B packed at each slot's rank (CUDA's layout) on any device."""
-    spec = LoraSpec(max_loras=4, max_rank=16, dtype=dtype, fully_sharded=True)
+def _modules(dtype, device, packed_b=False, fp8=False) -> nn.Module:
+    """packed_b: the dense layers' B packed at each slot's rank (CUDA's layout) on any device.
+    fp8: the dense layers' slots in FP8 (--lora-dtype fp8), the embedding's and experts' in dtype."""
+    spec = LoraSpec(max_loras=4, max_rank=16, dtype=dtype, fully_sharded=True, fp8=fp8)
     tp2 = TPGroup(size=2, rank=0)  # only the slot buffers' shapes are used: no process group needed
     with b_packed(packed_b):
         model = nn.ModuleDict({
@@ -64,6 +65,9 @@ def _modules(dtype, device, packed_b=False) -> nn.Module:
     for m in lora_modules(model).values():  # stale contents: every write must be a copy or a zero
         m.lora_a.copy_(torch.randn(m.lora_a.shape))
         m.lora_b.copy_(torch.randn(m.lora_b.shape))
+        if m.fp8_slots:
+            m.lora_a_scale.copy_(torch.rand(m.lora_a_scale.shape))
+            m.lora_b_scale.copy_(torch.rand(m.lora_b_scale.shape))
         m.slot_ranks[:] = [m.lora_a.shape[m.slot_rank_dim + 1]] * len(m.slot_ranks)  # ... at every rank position
     return model
 
@@ -79,7 +83,7 @@ def _shard(model, rank: int, absent=(), seed=0) -> dict[str, torch.Tensor]:
         for part, buf, r in (("lora_a", m.lora_a, rank // m.rank_parts), ("lora_b", m.lora_b, rank)):
             shape = list(buf.shape[1:])
             shape[m.slot_rank_dim] = r
-            out[f"{name}.{part}"] = torch.randn(shape, generator=gen).to(buf.dtype)
+            out[f"{name}.{part}"] = torch.randn(shape, generator=gen).to(m.shard_dtype or buf.dtype)
     return out
 
 
@@ -98,17 +102,21 @@ def _one_buffer(tensors: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.
 
 
 def _assert_same(got, want):
+    """The same bytes in every slot buffer (an FP8 module's scales too) and the same slot ranks."""
     for (name, a), b in zip(lora_modules(got).items(), lora_modules(want).values()):
-        assert torch.equal(a.lora_a.cpu(), b.lora_a.cpu()), f"{name}.lora_a"
-        assert torch.equal(a.lora_b.cpu(), b.lora_b.cpu()), f"{name}.lora_b"
+        parts = ("lora_a", "lora_b", "lora_a_scale", "lora_b_scale") if a.fp8_slots else ("lora_a", "lora_b")
+        for part in parts:
+            x, y = getattr(a, part).cpu(), getattr(b, part).cpu()
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{name}.{part}"
         assert a.slot_ranks == b.slot_ranks, name
 
 
-def _check_against_per_tensor_copies(scatter, dtype, device, packed_b=False):
+def _check_against_per_tensor_copies(scatter, dtype, device, packed_b=False, fp8=False):
     """Every STEP into `new` (one buffer, scattered) and `old` (separate tensors, per-tensor copies).
     packed_b: q/k/v's and o's B packed at each slot's rank (CUDA's layout); the stale contents
-    past their packed rows must be left alike too."""
-    new, old = _modules(dtype, device, packed_b), _modules(dtype, device, packed_b)
+    past their packed rows must be left alike too. fp8: the dense layers' slots FP8 (quantized,
+    SlotWrites), the embedding's and experts' scattered."""
+    new, old = _modules(dtype, device, packed_b, fp8), _modules(dtype, device, packed_b, fp8)
     pin = torch.device(device).type == "cuda"
     for i, (slot, rank, absent) in enumerate(STEPS):
         shard = _shard(new, rank, absent, seed=i)
@@ -178,6 +186,28 @@ def test_cuda_slot_loads_are_one_scatter_and_match_per_tensor_copies(dtype, pack
     # loads fall back (device tensors), except its empty shard (step 5), a clear: one scatter too.
     loads = [slot for slot, _, _ in STEPS]
     assert calls == loads + [STEPS[-1][0], 2]
+
+
+@pytest.mark.parametrize("packed_b", [False, True], ids=["b-rows", "b-packed"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_slots_keep_the_scatter_for_the_modules_in_the_adapter_dtype(dtype, packed_b):
+    """--lora-dtype fp8: the dense layers' slots are quantized and copied (SlotWrites), the embedding's
+    and the experts' (adapter dtype) scattered from the same staged shard, one scatter per load and
+    per clear over their buffers only; the same bytes as per-tensor copies throughout."""
+    plans = []
+
+    def scatter(plan, src, slot):
+        plans.append(plan)
+        copy_reference.slot_scatter(plan, src, slot)
+
+    _check_against_per_tensor_copies(scatter, dtype, "cpu", packed_b, fp8=True)
+    assert len(plans) == len(STEPS) + 1  # every load and the clear
+    model = _modules(dtype, "cpu", packed_b, fp8=True)
+    plain = {id(b) for n in ("embed", "experts") for b in (model[n].lora_a, model[n].lora_b)}
+    load_shard_into_slot(model, 1, _one_buffer(_shard(model, 4), False), scatter=scatter)
+    clear_slot(lora_modules(model).values(), 1, scatter=scatter)
+    for plan in plans[-2:]:
+        assert {id(c.dst) for c in plan.copies} == plain
 
 
 def test_resizing_the_slots_drops_the_cached_plans_that_hold_the_old_buffers():

@@ -130,3 +130,38 @@ def test_rope_and_cache_quantizes_keys_and_values_into_an_fp8_cache(heads, kv_he
     if INTERPRET:
         torch.testing.assert_close(vc.float(), ref_vc.float(), atol=0, rtol=0)
     assert torch.isfinite(vc.float()).all() and vc.float().abs().max() == 448
+
+
+def _scale_cases(kv_heads):
+    """(label, bad k_scale, message) for an FP8 cache of kv_heads heads: scales the kernels cannot read."""
+    good = torch.full((kv_heads,), 0.01, device=DEV)
+    want = rf"an FP8 KV cache's scales are contiguous float32 \[{kv_heads}\]"
+    return [
+        ("none", None, rf"an FP8 KV cache needs k_scale \(\[{kv_heads}\] float32\), got None"),
+        ("dtype", good.half(), rf"k_scale is torch.float16 \[{kv_heads}\] .*; {want}"),
+        ("shape", torch.full((1,), 0.01, device=DEV), rf"k_scale is torch.float32 \[1\] .*; {want}"),
+        ("strided", torch.full((2 * kv_heads,), 0.01, device=DEV)[::2], rf"\(not contiguous\); {want}"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4), ids=["none", "dtype", "shape", "strided"])
+def test_fp8_cache_scales_the_kernels_cannot_read_are_refused_naming_them(case):
+    """k_scale / v_scale of an FP8 cache must be float32, contiguous, [KVH]: anything else is a
+    ValueError from the attention kernels and rope_and_cache, never a silent reference fallback."""
+    gen = torch.Generator().manual_seed(0)
+    c = _fp8_case(gen, [20, 33], [1, 1], 4, 2, 64, None)
+    _, bad, match = _scale_cases(2)[case]
+    args = (c["q"], c["k_fp8"], c["v_fp8"], c["block_tables"], c["seq_lens"])
+    with pytest.raises(ValueError, match=match):
+        triton_attention.paged_decode_attention(*args, 0.125, k_scale=bad, v_scale=c["v_scale"])
+    with pytest.raises(ValueError, match=match):
+        triton_attention.paged_prefill_attention(
+            *args, c["cu_query_lens"], c["max_query_len"], 0.125, k_scale=bad, v_scale=c["v_scale"]
+        )
+    q = torch.randn(3, 4, 64, device=DEV, dtype=DTYPE)
+    k = v = torch.randn(3, 2, 64, device=DEV, dtype=DTYPE)
+    cos = sin = torch.ones(3, 64, device=DEV, dtype=DTYPE)
+    slots = torch.arange(3, device=DEV)
+    kc, vc = torch.zeros(2, 4, 2, 64, device=DEV, dtype=FP8), torch.zeros(2, 4, 2, 64, device=DEV, dtype=FP8)
+    with pytest.raises(ValueError, match=match):
+        triton_ops.rope_and_cache(q, k, v, cos, sin, kc, vc, slots, bad, c["v_scale"])

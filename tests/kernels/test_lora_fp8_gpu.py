@@ -119,3 +119,45 @@ def test_fp8_slots_match_the_reference_on_dequantized_values(dtype, mode, tokens
     assert torch.equal(y.cpu()[none], y0.cpu()[none]), "expand touched no-adapter tokens"
     assert rel_err(buf.cpu(), want_buf) < TOL[dtype]
     assert rel_err(y.cpu(), want_y) < TOL[dtype]
+
+
+def _small_fp8_call(dtype=torch.float16):
+    """A decode-sized shrink and expand's operands over FP8 slots: (x, qa, sa, y, buf, qb, sb, meta, offsets)."""
+    gen = torch.Generator().manual_seed(3)
+    qa, sa, qb, sb, _, _ = fp8_layer(2, 32, (32,), 8, [8, 8], gen)
+    meta = make_lora_meta(torch.tensor([0, 1], dtype=torch.int32, device=DEV), 2)
+    x = torch.randn(2, 32, generator=gen).to(dtype).to(DEV)
+    y = torch.randn(2, 32, generator=gen).to(dtype).to(DEV)
+    buf = torch.zeros(1, 2, 8, device=DEV)
+    return x, qa.to(DEV), sa.to(DEV), y, buf, qb.to(DEV), sb.to(DEV), meta, (0, 32)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda s: s.to(torch.float16), r"'s scale is torch.float16 \[2, 1, 8\]"),
+        (lambda s: s[:, :, :4], r"'s scale is torch.float32 \[2, 1, 4\]"),
+        (lambda s: s.transpose(0, 2).contiguous().transpose(0, 2), r"'s scale is torch.float32 \[2, 1, 8\] \(stride"),
+    ],
+    ids=["dtype", "shape", "strided"],
+)
+def test_an_fp8_slot_scale_the_shrink_cannot_read_is_refused_not_run_on_the_reference(edit, match):
+    """A given A scale that is not float32, one per rank row, each slot's contiguous: ValueError naming
+    it (no fallback to the reference: it reads the host and gathers float8, neither graph-safe)."""
+    x, qa, sa, *_ = _small_fp8_call()
+    with pytest.raises(ValueError, match="lora_a" + match):
+        triton_lora.lora_shrink(x, qa, _small_fp8_call()[7], scale=edit(sa))
+
+
+def test_an_fp8_slot_scale_the_expand_cannot_read_is_refused():
+    """B's scale [max_loras, N] float32: a wrong one, or one beside slots that are not FP8, or beside
+    float32 activations, is a ValueError naming the fault."""
+    x, qa, sa, y, buf, qb, sb, meta, offsets = _small_fp8_call()
+    with pytest.raises(
+        ValueError, match=r"lora_b's scale is torch.float32 \[2, 16\] .*; FP8 slots' scales are float32 \[2, 32\]"
+    ):
+        triton_lora.lora_expand(y, buf, qb, offsets, meta, scale=sb[:, :16])
+    with pytest.raises(ValueError, match="lora_b is torch.float16 but a scale was given: scaled slots hold float8_e4m3fn"):
+        triton_lora.lora_expand(y, buf, qb.to(torch.float16), offsets, meta, scale=sb)
+    with pytest.raises(ValueError, match="FP8 LoRA slots take float16 / bfloat16 activations, got torch.float32"):
+        triton_lora.lora_shrink(x.float(), qa, meta, scale=sa)
