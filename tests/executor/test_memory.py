@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -10,9 +11,10 @@ import torch
 from loraserve.executor import memory, slot_layout
 from loraserve.executor.build import resolve_adapter_memory
 from loraserve.executor.config import ExecutorConfig
-from loraserve.executor.lora import lora_modules
+from loraserve.executor.lora import ExpertsWithLoRA, lora_modules
 from loraserve.executor.model.config import ModelConfig
 from loraserve.executor.model.llama import LlamaForCausalLM
+from loraserve.executor.model.moe import build_causal_lm
 from loraserve.executor.slot_layout import LoraSpec
 
 GIB = 2**30
@@ -50,8 +52,13 @@ TINY = ModelConfig(
 )
 
 
-def tiny_model(dtype=torch.float32, **spec) -> LlamaForCausalLM:
-    return LlamaForCausalLM(TINY, LoraSpec(1, 4, dtype, **spec), dtype=dtype, device="cpu")
+TINY_MOE = dataclasses.replace(
+    TINY, model_type="mixtral", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, moe_layers=(0,)
+)
+
+
+def tiny_model(dtype=torch.float32, cfg: ModelConfig = TINY, **spec) -> LlamaForCausalLM:
+    return build_causal_lm(cfg, LoraSpec(1, 4, dtype, **spec), dtype=dtype, device="cpu")
 
 
 def test_automatic_max_loras_on_cpu_resizes_the_slot_buffers():
@@ -79,6 +86,7 @@ SLOT_KINDS = {
     "dora+tokens": {"dora": True, "trainable_tokens": True},
     "fp8": {"fp8": True},
     "fp8+dora+tokens+embeddings": {"fp8": True, "dora": True, "trainable_tokens": True, "targets_embeddings": True},
+    "moe+fp8+dora+tokens": {"cfg": TINY_MOE, "fp8": True, "dora": True, "trainable_tokens": True},
 }
 
 
@@ -89,6 +97,7 @@ def test_slot_bytes_are_the_bytes_each_slot_allocates(kind):
     row of the [max_loras + 1, ...] buffers is allocated once, not per slot)."""
     model = tiny_model(torch.bfloat16, **SLOT_KINDS[kind])
     modules = lora_modules(model)
+    assert any(isinstance(m, ExpertsWithLoRA) for m in modules.values()) == ("moe" in kind)
     per_slot, one = memory.slot_bytes(model), allocated_bytes(model)
     memory.resize_slots(model, modules, 5)
     assert allocated_bytes(model) - one == 4 * per_slot
