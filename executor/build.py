@@ -166,19 +166,23 @@ def resolve_max_model_len(cfg: ExecutorConfig, mc: ModelConfig) -> None:
 
 def resolve_adapter_memory(cfg: ExecutorConfig, model, modules) -> None:
     """Fills in max_loras and cpu_cache_bytes left at 0 (automatic), from the memory free now: the
-    model is loaded with one slot per module and, on CUDA, re-created with as many as fit."""
+    model is loaded with one slot per module and, on CUDA, re-created with as many as fit, a slot
+    counted at every per-slot buffer the model allocates (memory.slot_bytes: LoRA A and B, FP8
+    scales, DoRA scales, trainable-token rows)."""
     if cfg.cpu_cache_bytes == 0:
         cfg.cpu_cache_bytes = memory.default_cpu_cache_bytes(memory.available_host_bytes())
+    parts = memory.slot_parts(model)
     if cfg.max_loras == 0:
         if cfg.torch_device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(cfg.torch_device)
-            cfg.max_loras = memory.default_max_loras(free, memory.lora_bytes_per_slot(modules))
+            cfg.max_loras = memory.default_max_loras(free, sum(parts.values()))
         else:
             cfg.max_loras = memory.CPU_MAX_LORAS
         memory.resize_slots(model, modules, cfg.max_loras)
     log.info(
-        "adapters: %d GPU slots, CPU cache of %.1f GiB%s",
+        "adapters: %d GPU slots of %s each, CPU cache of %.1f GiB%s",
         cfg.max_loras,
+        memory.describe_slot(parts),
         cfg.cpu_cache_bytes / 2**30,
         f" or {cfg.max_cpu_adapters} adapters" if cfg.max_cpu_adapters else "",
     )

@@ -30,6 +30,8 @@ import threading
 import torch
 from torch import nn
 
+from .slot_layout import DORA_SCALES, register_slot_buffer
+
 SUFFIX = ".dora_m"
 _PENDING_ATTR = "_dora_pending"  # rank 0's model: slots whose row-parallel norms await their reduce
 _LOCK = threading.Lock()
@@ -40,13 +42,11 @@ def create(m: nn.Module, max_loras: int) -> None:
     """The DoRA buffers of a LinearWithLoRA whose slots serve DoRA (called from its create_lora_weights)."""
     n, dev = m.lora_offsets[-1], m.weight.device
     # in the dtype of the layer's output (its compute dtype: an FP8 layer's weight is float8, its output not)
-    m.register_buffer("dora_scale", torch.ones(max_loras + 1, n, dtype=m.compute_dtype, device=dev), persistent=False)
+    register_slot_buffer(m, "dora_scale", torch.ones(max_loras + 1, n, dtype=m.compute_dtype, device=dev), DORA_SCALES)
     m.dora_slots = [False] * max_loras
-    if m.row_parallel:
-        m.register_buffer("dora_m", torch.full((max_loras, n), float("nan"), device=dev), persistent=False)
-        m.register_buffer("dora_sq", torch.zeros(max_loras, n, device=dev), persistent=False)
-    else:
-        m.dora_m = m.dora_sq = None
+    row = m.row_parallel
+    register_slot_buffer(m, "dora_m", torch.full((max_loras, n), float("nan"), device=dev) if row else None, DORA_SCALES)
+    register_slot_buffer(m, "dora_sq", torch.zeros(max_loras, n, device=dev) if row else None, DORA_SCALES)
 
 
 def applies(m: nn.Module, meta) -> bool:

@@ -21,7 +21,7 @@ from loraserve.kernels import LoraMeta
 
 from . import dora, lora_fp8
 from .parallel import TPGroup
-from .slot_layout import LoraSpec, packed_rows, packs_b_on, slot_fit_error
+from .slot_layout import FP8_SCALES, LORA_AB, LoraSpec, packed_rows, packs_b_on, register_slot_buffer, slot_fit_error
 
 
 def _step_weights(m: nn.Module, meta: LoraMeta | None, device: torch.device):
@@ -227,12 +227,12 @@ class LinearWithLoRA(nn.Module):
         if self.fp8_slots:
             dtype = lora_fp8.FP8
             a_scale = torch.zeros(max_loras, n_slices, max_rank // self.rank_parts, dtype=torch.float32, device=dev)
-            self.register_buffer("lora_a_scale", a_scale, persistent=False)
-            self.register_buffer("lora_b_scale", torch.zeros(max_loras, n_out, dtype=torch.float32, device=dev), persistent=False)
+            register_slot_buffer(self, "lora_a_scale", a_scale, FP8_SCALES)
+            register_slot_buffer(self, "lora_b_scale", torch.zeros(max_loras, n_out, dtype=torch.float32, device=dev), FP8_SCALES)
         a = torch.zeros(max_loras, n_slices, max_rank // self.rank_parts, self.in_features, dtype=dtype, device=dev)
         b = torch.zeros(max_loras, n_out, max_rank, dtype=dtype, device=dev)
-        self.register_buffer("lora_a", a, persistent=False)
-        self.register_buffer("lora_b", b, persistent=False)
+        register_slot_buffer(self, "lora_a", a, LORA_AB)
+        register_slot_buffer(self, "lora_b", b, LORA_AB)
         self.slot_ranks = [0] * max_loras  # host copy: each slot's rank in this module, 0 = not targeted
         if self.serves_dora:
             dora.create(self, max_loras)  # each slot's DoRA output scale (executor/dora.py)
@@ -409,8 +409,8 @@ class VocabEmbeddingWithLoRA(nn.Module):
         vocab, dim = self.vocab_size, self.weight.shape[1]
         a = torch.zeros(max_loras, vocab, max_rank, dtype=dtype, device=self.weight.device)
         b = torch.zeros(max_loras, dim, max_rank, dtype=dtype, device=self.weight.device)
-        self.register_buffer("lora_a", a, persistent=False)
-        self.register_buffer("lora_b", b, persistent=False)
+        register_slot_buffer(self, "lora_a", a, LORA_AB)
+        register_slot_buffer(self, "lora_b", b, LORA_AB)
         self.slot_ranks = [0] * max_loras  # as in LinearWithLoRA
 
     def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, writes: SlotWrites | None = None) -> None:
@@ -479,8 +479,8 @@ class ExpertsWithLoRA(nn.Module):
         e, n_out, dev = self.num_experts, self.weight.shape[1], self.weight.device
         a = torch.zeros(max_loras, e, len(self.output_sizes), max_rank, self.in_features, dtype=dtype, device=dev)
         b = torch.zeros(max_loras, e, n_out, max_rank, dtype=dtype, device=dev)
-        self.register_buffer("lora_a", a, persistent=False)
-        self.register_buffer("lora_b", b, persistent=False)
+        register_slot_buffer(self, "lora_a", a, LORA_AB)
+        register_slot_buffer(self, "lora_b", b, LORA_AB)
         self.slot_ranks = [0] * max_loras  # as in LinearWithLoRA
 
     def set_lora(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, writes: SlotWrites | None = None) -> None:

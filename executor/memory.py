@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 
+from . import slot_layout
 from .slot_load import forget_slot_plans
 
 log = logging.getLogger(__name__)
@@ -83,16 +84,33 @@ def _inactive_file_bytes(root: str) -> int:
     return 0
 
 
+def slot_parts(model) -> dict[str, int]:
+    """Device bytes one GPU slot takes, by part: every per-slot buffer the model allocates, read
+    from the buffers themselves (executor/slot_layout.py register_slot_buffer): LoRA A and B, an
+    FP8 slot's scales, DoRA's scales, trainable-token rows. What `default_max_loras` divides by."""
+    return slot_layout.slot_parts(model.modules())
+
+
+def slot_bytes(model) -> int:
+    """Device bytes one GPU slot takes (the sum of `slot_parts`)."""
+    return sum(slot_parts(model).values())
+
+
+def describe_slot(parts: dict[str, int]) -> str:
+    """What a slot costs, for the start-up log: its bytes, then each part's: "N MiB (LoRA A/B N MiB, DoRA scales N KiB)"."""
+    each = ", ".join(f"{part} {_size(n)}" for part, n in parts.items())
+    return f"{_size(sum(parts.values()))} ({each})" if parts else "0 bytes"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
 def lora_bytes_per_slot(modules) -> int:
-    """Bytes one slot takes across every LoRA module (their buffers' [max_loras, ...] leading dim):
-    an FP8 slot's 1 byte per element and its float32 scales (executor/lora_fp8.py)."""
-    total = 0
-    for m in modules.values():
-        if m.lora_a is not None:
-            total += m.lora_a[0].nbytes + m.lora_b[0].nbytes
-            if m.fp8_slots:
-                total += m.lora_a_scale[0].nbytes + m.lora_b_scale[0].nbytes
-    return total
+    """Bytes of one slot's A and B across `modules` (LoRA modules by name), an FP8 slot's scales
+    included: what the kernels read of a full-rank slot (no DoRA scales or token rows: `slot_bytes`)."""
+    parts = slot_layout.slot_parts(modules.values())
+    return parts.get(slot_layout.LORA_AB, 0) + parts.get(slot_layout.FP8_SCALES, 0)
 
 
 def lora_shard_bytes(modules) -> int:
@@ -107,15 +125,15 @@ def lora_shard_bytes(modules) -> int:
 
 
 def resize_slots(model, modules, max_loras: int) -> None:
-    """Re-creates every module's slot buffers with `max_loras` slots (they are empty at start-up)."""
+    """Re-creates every per-slot buffer of the model with `max_loras` slots (they are empty at
+    start-up): all of the old ones are freed before any new one is allocated."""
     spec = model.lora_spec
     forget_slot_plans(model)  # the slot-load caches hold the old buffers
+    for m in model.modules():
+        for name in slot_layout.slot_buffer_names(m):
+            setattr(m, name, None)
     for m in modules.values():
-        if m.lora_a is not None:
-            m.lora_a = m.lora_b = None  # free the old buffers before the new ones are allocated
-            if m.fp8_slots:
-                m.lora_a_scale = m.lora_b_scale = None
-            m.create_lora_weights(max_loras, spec.max_rank, spec.dtype)
+        m.create_lora_weights(max_loras, spec.max_rank, spec.dtype)
     model.lora_spec = dataclasses.replace(spec, max_loras=max_loras)
     if getattr(model, "token_rows", None) is not None:
         model.token_rows.allocate(max_loras)

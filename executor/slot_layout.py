@@ -12,6 +12,10 @@ The exception: where the slot buffers are on CUDA (`packs_b_on`), a dense layer'
 [N, r8] rows from its start (r8: the slot's adapter rank rounded up to 8, at most max_rank),
 written at each load and never zeroed past them or by a clear; it is read only as such rows
 (`packed_rows`), never as [N, R].
+
+Every per-slot buffer (LoRA A and B, FP8 scales, DoRA scales, trainable-token rows) is allocated
+through `register_slot_buffer`, so `slot_parts`, what one slot costs and what `--max-loras 0`
+divides the free memory by (executor/memory.py), counts exactly the buffers there are.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+# what each per-slot buffer holds, as the start-up log names it (the parts of a slot's bytes)
+LORA_AB, FP8_SCALES, DORA_SCALES, TOKEN_ROWS = SLOT_PARTS = ("LoRA A/B", "FP8 scales", "DoRA scales", "token rows")
+_SLOT_PARTS_ATTR = "slot_buffer_parts"  # a module's per-slot buffer names -> their part
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,32 @@ class LoraSpec:
     dora: bool = False  # dense layers also hold each slot's DoRA scale (executor/dora.py); off: no DoRA buffers, no step work
     trainable_tokens: bool = False  # each slot's token rows (executor/token_rows.py); off: no tables, no step work
     fp8: bool = False  # dense layers' slots hold A and B as FP8 with float32 scales (executor/lora_fp8.py); shards stay in dtype
+
+
+def register_slot_buffer(m: nn.Module, name: str, tensor: torch.Tensor | None, part: str) -> None:
+    """Registers `tensor` as m's non-persistent buffer `name` whose leading dim is the slot:
+    [max_loras, ...], or [max_loras + 1, ...] whose last row is the base model's (slot -1). Every
+    per-slot buffer is allocated through here, so what a slot costs (`slot_parts`) counts them all."""
+    m.register_buffer(name, tensor, persistent=False)
+    m.__dict__.setdefault(_SLOT_PARTS_ATTR, {})[name] = part
+
+
+def slot_buffer_names(m: nn.Module) -> tuple[str, ...]:
+    """The names of m's per-slot buffers (registered by `register_slot_buffer`; some may be None)."""
+    return tuple(m.__dict__.get(_SLOT_PARTS_ATTR, ()))
+
+
+def slot_parts(modules) -> dict[str, int]:
+    """Bytes one more slot takes, by part (SLOT_PARTS, in that order; none of 0 bytes), across
+    the per-slot buffers of `modules` (an iterable: a model's `modules()` for all of them): one
+    leading-dim row of each, so the base model's row of a [max_loras + 1, ...] buffer is not counted."""
+    parts = dict.fromkeys(SLOT_PARTS, 0)
+    for m in modules:
+        for name, part in m.__dict__.get(_SLOT_PARTS_ATTR, {}).items():
+            buf = m._buffers.get(name)
+            if buf is not None:
+                parts[part] += buf[0].nbytes
+    return {part: n for part, n in parts.items() if n}
 
 
 def packs_b_on(device: torch.device) -> bool:

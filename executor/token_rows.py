@@ -27,6 +27,8 @@ from torch import nn
 
 from loraserve.adapter_store.trainable_tokens import MAX_TOKENS  # trainable tokens per adapter a slot holds
 
+from .slot_layout import TOKEN_ROWS, register_slot_buffer
+
 PREFIX = "tokens."
 
 
@@ -49,12 +51,12 @@ class TokenRows(nn.Module):
     def allocate(self, max_loras: int) -> None:
         """(Re)creates the buffers for max_loras slots, all holding no tokens."""
         dev, k = self.device, self.max_tokens
-        self.register_buffer(
-            "table", torch.full((max_loras + 1, self.vocab), -1, dtype=torch.int32, device=dev), persistent=False
+        register_slot_buffer(
+            self, "table", torch.full((max_loras + 1, self.vocab), -1, dtype=torch.int32, device=dev), TOKEN_ROWS
         )
-        self.register_buffer("embed", torch.zeros(max_loras, k, self.hidden, dtype=self.dtype, device=dev), persistent=False)
-        self.register_buffer("head_ids", torch.full((max_loras + 1, k), -1, dtype=torch.int64, device=dev), persistent=False)
-        self.register_buffer("head", torch.zeros(max_loras, k, self.hidden, dtype=self.dtype, device=dev), persistent=False)
+        register_slot_buffer(self, "embed", torch.zeros(max_loras, k, self.hidden, dtype=self.dtype, device=dev), TOKEN_ROWS)
+        register_slot_buffer(self, "head_ids", torch.full((max_loras + 1, k), -1, dtype=torch.int64, device=dev), TOKEN_ROWS)
+        register_slot_buffer(self, "head", torch.zeros(max_loras, k, self.hidden, dtype=self.dtype, device=dev), TOKEN_ROWS)
         self.slots = [False] * max_loras
 
     def applies(self, meta) -> bool:

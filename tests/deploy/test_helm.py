@@ -38,6 +38,7 @@ NON_DEFAULT = {
         "fullyShardedLoras": False,  # with tpSize 2 and enableDora: refused (test_dora_with_fully_sharded_loras_...)
         "enableDora": True,
         "enableTrainableTokens": True,
+        "maxLoras": 16,
     },
     "model": {
         "name": "meta-llama/Llama-3.1-8B-Instruct",
@@ -99,6 +100,21 @@ def test_rendered_args_parse_with_the_real_cli(manifests):
         parsed = parser.parse_args(args)
         assert parsed.command == component
     assert parsed.kv_cache_dtype == ("auto" if which == "default" else "fp8")
+    assert parsed.max_loras == (0 if which == "default" else 16)
+
+
+def test_the_chart_sizes_the_gpu_slots_from_memory_as_the_executor_does(monkeypatch):
+    """By default the chart passes --max-loras 0, the executor's own default: as many slots as the
+    GPU memory left after the model and KV cache holds (docs/OPERATIONS.md)."""
+    monkeypatch.delenv("LORASERVE_MAX_LORAS", raising=False)
+    cli_default = build_parser().parse_args(["executor"]).max_loras
+    assert cli_default == 0
+    assert f"--max-loras={cli_default}" in container(render({}), "executor")["args"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["executor"]["maxLoras"] == cli_default
+    readme = (CHART.parents[1] / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `executor.maxLoras`"))
+    assert row.split(" | ")[1] == f"{cli_default}, {values['executor']['maxLoraRank']}"  # the values table's defaults
 
 
 def test_metrics_ports_tls_pdb_and_service_monitor(manifests):
@@ -187,6 +203,8 @@ def test_schema_refuses_wrong_values():
         render({"store": {"replicaCount": 0}})
     with pytest.raises(helm.HelmRenderError, match="tls.enabled needs tls.existingSecret"):
         render({"tls": {"enabled": True}})
+    with pytest.raises(helm.HelmValuesError, match="at '/executor/maxLoras': minimum: got -1, want 0"):
+        render({"executor": {"maxLoras": -1}})
     with pytest.raises(helm.HelmValuesError, match="at '/executor/epSize': minimum: got 0, want 1"):
         render({"executor": {"epSize": 0}})
     with pytest.raises(helm.HelmRenderError, match=r"executor.epSize > 1 needs executor.tpSize 1"):
