@@ -7,14 +7,22 @@
 #   (from the repo root; STAGES comma-separated, default: test; the flags go to the engine stage,
 #   e.g. "--prefill= --streams 0" for the decode rows alone)
 #
-#   test:     every single-GPU test (-m gpu and the CUDA cases of the service tests): kernels, attention,
-#             graphs, slot loads, the service on CUDA, MoE, Gemma
+#   test:     every single-GPU test: kernel-tests and executor-tests (each alone for a shorter run)
+#   kernel-tests:   -m gpu tests/kernels: LoRA, attention, ops, skinny GEMM, FP8, MoE kernels
+#   executor-tests: graphs, slot loads, MoE, the families, Gemma, FP8 (linears, MoE, KV cache, slots), DoRA,
+#             trainable tokens (-m gpu), and the CUDA cases of the service tests
 #   parallel: the tensor- and expert-parallel tests (NCCL, one GPU per rank; tp 4 needs 4 GPUs)
 #   engine:   bench_engine.py: decode / prefill / gRPC against the floors (Llama-3-8B shape); needs
 #             var/cache/tokenizers/*/, the tokenizer `make up` converts from the embedded GGUF
 #   serve:    serve.py: 1,000 adapters, Zipf 1.0, 64 slots, 64 clients, against the base model alone,
 #             the bytes ceiling and transformers + PEFT, in-process and through gRPC; then serve.py
 #             --probe: cold loads against their floor and the delay they put on other requests
+#   families: bench_engine.py --shape NAME (decode and prefill, no gRPC streams) for each family's
+#             target shape: qwen3-8b, gemma2-9b, gemma3-12b, mistral-7b, phi-3-mini, llama-3.2-3b, qwen2.5-14b
+#   fp8:      bench_engine.py with FP8 linears (--quantization fp8, beside its bf16 engine), then with an
+#             FP8 KV cache (--kv-cache-dtype fp8, context 4,096) and FP8 adapter slots (--lora-dtype fp8)
+#   dora:     bench_engine.py at B = 32 with 32 plain then 32 DoRA adapters, and serve.py --probe's cold
+#             slot loads of plain and DoRA adapters
 #   prefix:   bench_prefix.py: a chat workload of 100 adapters (Llama-3-8B shape), prefix caching off and on,
 #             and the time to first token of a cached 2,048-token prefix
 #   kernels:  bench_kernels.py on the real layer shapes, bench_skinny.py, bench_attention.py, bench_moe.py
@@ -59,14 +67,19 @@ pytest_q() { python3 -m pytest -p no:cacheprovider -o addopts="" --import-mode=i
 tok=$(ls -d var/cache/tokenizers/*/ 2>/dev/null | head -1)
 need_tok() { [ -n "$tok" ] || { echo "no var/cache/tokenizers/*/: run 'make up' once (it converts the GGUF's tokenizer)"; exit 1; }; }
 
-if has test; then
-  { pytest_q -m gpu tests/kernels tests/executor/test_graphs.py tests/executor/test_cublas.py tests/executor/test_lora.py \
+has test && stages+=",kernel-tests,executor-tests"
+if has kernel-tests; then
+  pytest_q -m gpu tests/kernels >"$OUT/kernel-tests.log" 2>&1
+  grep -E "passed|failed|error" "$OUT/kernel-tests.log" | tail -2
+fi
+if has executor-tests; then
+  { pytest_q -m gpu tests/executor/test_graphs.py tests/executor/test_cublas.py tests/executor/test_lora.py \
       tests/executor/test_slot_scatter.py tests/executor/test_moe.py tests/executor/test_families.py tests/executor/test_gemma.py \
       tests/executor/test_fp8_service.py tests/executor/test_fp8_moe.py tests/executor/test_dora.py tests/executor/test_trainable_tokens.py \
       tests/executor/test_kv_fp8.py tests/executor/test_lora_fp8.py
     pytest_q tests/executor/test_service.py tests/executor/test_moe_service.py -k "cuda or bf16"
-  } >"$OUT/test.log" 2>&1
-  grep -E "passed|failed|error" "$OUT/test.log" | tail -4
+  } >"$OUT/executor-tests.log" 2>&1
+  grep -E "passed|failed|error" "$OUT/executor-tests.log" | tail -4
 fi
 if has parallel; then
   # To a file as it comes: rank 0 ends its process when a rank dies, which would take pytest's summary with it.
@@ -87,6 +100,33 @@ if has serve; then
     2>"$OUT/serve.err" | tee "$OUT/serve.log" | tail -14 || tail -30 "$OUT/serve.err"
   python3 benchmarks/serve.py ${tok:+--tokenizer $tok} --shape llama3-8b --max-loras 64 --probe --cpu-cache-bytes $((16 << 30)) \
     2>"$OUT/probe.err" | tee "$OUT/probe.log" | tail -12 || tail -30 "$OUT/probe.err"
+fi
+engine() {  # engine LOG_NAME FLAGS...: one bench_engine.py run, its table appended to OUT/LOG_NAME.log
+  local name=$1; shift
+  python3 benchmarks/bench_engine.py --tokenizer "$tok" "$@" 2>>"$OUT/$name.err" | tee -a "$OUT/$name.log" | tail -14 \
+    || tail -20 "$OUT/$name.err"
+}
+if has families; then
+  need_tok
+  for shape in qwen3-8b gemma2-9b gemma3-12b mistral-7b phi-3-mini llama-3.2-3b qwen2.5-14b; do
+    engine families --shape "$shape" --streams 0
+  done
+fi
+if has fp8; then
+  need_tok
+  engine fp8 --quantization fp8 --streams 0
+  engine fp8 --kv-cache-dtype fp8 --context 4096 --streams 0 --prefill= --adapters 0
+  engine fp8 --context 4096 --streams 0 --prefill= --adapters 0
+  engine fp8 --lora-dtype fp8 --streams 0 --prefill=
+fi
+if has dora; then
+  need_tok
+  engine dora --batches 32 --adapters 32 --streams 0 --prefill=
+  engine dora --batches 32 --adapters 32 --streams 0 --prefill= --dora
+  for d in "" --dora; do
+    python3 benchmarks/serve.py --tokenizer "$tok" --shape llama3-8b --max-loras 64 --probe --probe-loads-only $d \
+      2>>"$OUT/dora.err" | tee -a "$OUT/dora.log" | tail -8 || tail -20 "$OUT/dora.err"
+  done
 fi
 if has prefix; then
   python3 benchmarks/bench_prefix.py --shape llama3-8b 2>"$OUT/prefix.err" | tee "$OUT/prefix.log" | tail -12 \
