@@ -4,7 +4,7 @@ compiled for an H100 (sm90) by Triton's own compiler, on a machine without a GPU
 The wrappers (kernels/triton_lora.py) run as when serving, with the shipped H100 table, on two
 families' real layer shapes at decode and prefill token counts, slot ranks 16 and 128, plain and
 programmatic (PDL) launches, slots in bf16 and in FP8 (`--lora-dtype fp8`); the base model's wrappers on every skinny GEMM entry of the H100
-table and on Llama-3-8B's and SmolLM2's attention and norm shapes at decode and prefill;
+table (its bf16 build, and its FP8 one with those entries as FP8 entries) and on Llama-3-8B's and SmolLM2's attention and norm shapes at decode and prefill;
 each launch compiles its kernel variant through PTX to a cubin (Triton's bundled ptxas) instead of
 running it (kernels/offline_build.py). Checked per variant: a cubin for sm90, shared memory an H100
 block can have, no register spilled to local memory, and grid dependency control instructions

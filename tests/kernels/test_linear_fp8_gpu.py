@@ -2,7 +2,7 @@
 dequantized weights, and kernels/triton_fp8.fp8_linear's choice between it and per-token
 quantization + torch._scaled_mm by the GPU's "skinny_fp8" table.
 
-Runs on a CUDA GPU (the _scaled_mm path on compute capability 8.9+; skips elsewhere); with
+Runs on a CUDA GPU of compute capability 8.9+ (skips elsewhere); with
 TRITON_INTERPRET=1 and no GPU, through Triton's interpreter on CPU tensors (where the
 interpreter's tl.dot cannot multiply bfloat16, multi-token tiles take float16 activations).
 Run: pytest -m gpu tests/kernels/test_linear_fp8_gpu.py
@@ -16,6 +16,8 @@ import torch
 from .gpu_skip import DEV, INTERPRET, skip_unless_cuda_and_triton
 
 skip_unless_cuda_and_triton(interpreter=INTERPRET)
+if not INTERPRET and torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("FP8 (Triton's float8e4nv, torch._scaled_mm) needs compute capability 8.9+", allow_module_level=True)
 
 from loraserve.executor.model import fp8  # noqa: E402
 from loraserve.kernels import triton_fp8, triton_linear, tuning  # noqa: E402
@@ -81,10 +83,9 @@ def test_fp8_skinny_linear_equals_float64_of_the_dequantized_weight(tokens, n, k
 
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_fp8_skinny_linear_reads_a_strided_x(tokens):
-    x_full, wq, ws, b = _operands(tokens, 64, 300, 7, True)
-    x = x_full[:, :256]  # row stride 300
-    wq, ws = fp8.quantize_rows(torch.randn(64, 256) / 16)
-    wq, ws = wq.to(DEV), ws.to(DEV)
+    x_wide, _, _, _ = _operands(tokens, 64, 300, 7, False)
+    x = x_wide[:, :256]  # row stride 300
+    _, wq, ws, b = _operands(tokens, 64, 256, 8, True)
     y = triton_linear.skinny_linear(x, wq, b, tuning.SkinnyConfig(16, 128, 4, 2), ws)
     _assert_w8a16(y, x, wq, ws, b)
 
@@ -102,29 +103,25 @@ def test_fp8_skinny_kernel_is_taken_only_for_what_it_supports():
     assert not triton_linear.supported(x.new_empty(65, 256), wq, None, ws)
 
 
-def _with_skinny_fp8_table(monkeypatch, entries: dict):
-    key = "test-gpu"
-    monkeypatch.setattr(tuning, "_device_key", lambda device: key)
-    tuning.set_table(key, {"skinny_fp8": entries})
-    return key
-
-
+TEST_GPU = "test-gpu"
 CFG = dict(block_n=32, block_k=128, num_warps=4, num_stages=2)
+
+
+def _with_skinny_fp8_table(monkeypatch, entries: dict) -> None:
+    """The device's table: these "skinny_fp8" entries only (emptied by the skinny_calls fixture)."""
+    monkeypatch.setattr(tuning, "_device_key", lambda device: TEST_GPU)
+    tuning.set_table(TEST_GPU, {"skinny_fp8": entries})
 
 
 @pytest.fixture
 def skinny_calls(monkeypatch):
-    """The configs of fp8_linear's skinny kernel launches (each call still runs)."""
+    """The configs of fp8_linear's skinny kernel launches (each call still runs); the test GPU's
+    table emptied after the test."""
     calls = []
     real = triton_linear.skinny_linear
     monkeypatch.setattr(triton_linear, "skinny_linear", lambda *a: calls.append(a[3]) or real(*a))
     yield calls
-    tuning.set_table("test-gpu", {})
-
-
-def _needs_scaled_mm():
-    if not INTERPRET and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("torch._scaled_mm's FP8 GEMM needs a CUDA GPU of compute capability 8.9+")
+    tuning.set_table(TEST_GPU, {})
 
 
 def test_fp8_linear_takes_the_skinny_kernel_only_where_the_table_lists_the_shape(
@@ -133,7 +130,6 @@ def test_fp8_linear_takes_the_skinny_kernel_only_where_the_table_lists_the_shape
     """The "skinny_fp8" entries, with the bf16 skinny GEMM's rule: the exact (N, K), the entry of the
     smallest tuned count >= T, a null entry or a larger T: quantization + _scaled_mm. Both paths hold
     FP8_LINEAR_ROW_TOL; the kernel's own, tighter bound too."""
-    _needs_scaled_mm()
     _with_skinny_fp8_table(monkeypatch, {"64x256": {"1": CFG, "4": None, "8": CFG}})
     assert tuning.skinny_config(torch.device(DEV), 1, 64, 256) is None  # the bf16 op's table: not this one
     for tokens, skinny in [(1, True), (2, False), (4, False), (5, True), (8, True), (9, False), (65, False)]:
