@@ -302,7 +302,8 @@ class LinearWithLoRA(nn.Module):
         self.slot_ranks[slot] = 0
 
     def _base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W.T (+ bias) [T, N] in x's dtype: the FP8 GEMM where the layer holds FP8 weights, else
+        """x @ W.T (+ bias) [T, N] in x's dtype: kernels.fp8_linear where the layer holds FP8 weights
+        (torch._scaled_mm, or the skinny GEMM's FP8 build where the GPU's table picks it), else
         kernels.linear (cuBLAS, or the skinny GEMM where the GPU's table picks it)."""
         if self.weight_scale is not None:
             return kernels.fp8_linear(x, self.weight, self.weight_scale, bias)
