@@ -2,6 +2,7 @@
 
     python benchmarks/bench_skinny.py [--model llama-3-8b] [--tokens 1,4,8,16,32,64] [--table-out FILE]
     python benchmarks/bench_skinny.py --greedy   # also: torch's argmax+logsumexp against the fused kernel
+    python benchmarks/bench_skinny.py --fp8 [--table-out FILE]   # FP8 layers: the W8A16 build against _scaled_mm
 
 Per layer shape of the model (q/k/v fused, o, gate/up fused, down, lm_head; tp 1 unless --tp)
 and token count: the floor (the weight's bytes at the measured copy bandwidth), cuBLAS
@@ -10,9 +11,17 @@ each as a multiple of the floor. Every kernel runs inside a CUDA graph over enou
 weight (>= 4x the L2 cache in all) that each call reads its weight from memory, as a model's
 layers do. Every configuration's output is checked against F.linear first.
 
---table-out FILE writes this GPU's kernel table (kernels/configs/<gpu>.json as loaded) plus a
-"skinny" entry per (N, K) and token count: the fastest configuration where it beats cuBLAS by at
-least --min-gain, else null (cuBLAS). Copy FILE over the table to use it.
+--fp8: the same layer shapes as FP8 layers (float8_e4m3fn weights, one float32 scale per output
+row; needs compute capability 8.9+): the FP8 path without a table entry, per-token quantization
++ torch._scaled_mm (kernels/triton_fp8.py, cuBLASLt), against the skinny
+kernel's FP8 build (weight-only, bf16 activations), each as a multiple of the FP8 bytes floor
+(one byte per weight plus the scales). Every configuration's output is checked against F.linear
+over the dequantized weight first.
+
+--table-out FILE writes this GPU's kernel table (kernels/configs/<gpu>.json as loaded, the other
+op's entries kept) plus a "skinny" entry (--fp8: "skinny_fp8") per (N, K) and token count: the
+fastest configuration where it beats cuBLAS (--fp8: quantization + _scaled_mm) by at least
+--min-gain, else null. Copy FILE over the table to use it.
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as `python -P`
 from bench_kernels import DEV, DTYPE, capture, env_info, measure_ceilings
 
-from loraserve.kernels import model_shapes, ops_reference, tuning
+from loraserve.executor.model.fp8 import quantize_rows
+from loraserve.kernels import model_shapes, ops_reference, triton_fp8, tuning
 from loraserve.kernels.triton_linear import skinny_linear
 from loraserve.kernels.triton_ops import greedy as fused_greedy
 
@@ -64,27 +74,39 @@ def timed(fn_per_copy, copies: int) -> float:
     return ms * 1e3 / copies
 
 
-def bench_shape(kind, n, k, tokens_list, configs, ceil, l2_bytes) -> list[dict]:
-    weight_bytes = n * k * 2
+def _weight(n: int, k: int, fp8: bool):
+    """A layer's weight: bf16 [n, k], or (fp8) float8_e4m3fn [n, k] with its row scales [n] float32."""
+    w = torch.randn(n, k, device=DEV, dtype=DTYPE) / k**0.5
+    return quantize_rows(w) if fp8 else (w, None)
+
+
+def bench_shape(kind, n, k, tokens_list, configs, ceil, l2_bytes, fp8: bool = False) -> list[dict]:
+    """fp8: the layer in FP8, quantization + torch._scaled_mm as the vendor GEMM, the kernel's FP8 build."""
+    weight_bytes = n * k + n * 4 if fp8 else n * k * 2
     copies = max(1, -(-L2_MULTIPLE * l2_bytes // weight_bytes))
-    weights = [torch.randn(n, k, device=DEV, dtype=DTYPE) / k**0.5 for _ in range(copies)]
+    weights = [_weight(n, k, fp8) for _ in range(copies)]
     floor_us = weight_bytes / ceil["copy_bytes_per_s"] * 1e6
+    w0, s0 = weights[0]
+    dense = w0 if s0 is None else (w0.float() * s0[:, None]).to(DTYPE)  # the dequantized weight
     rows = []
     for t in tokens_list:
         x = torch.randn(t, k, device=DEV, dtype=DTYPE)
-        want = F.linear(x, weights[0]).float()
-        cublas = timed(lambda i: F.linear(x, weights[i]), copies)
+        want = F.linear(x, dense).float()
+        if fp8:
+            cublas = timed(lambda i: triton_fp8.scaled_mm(*triton_fp8.quantize_per_token(x), *weights[i], DTYPE), copies)
+        else:
+            cublas = timed(lambda i: F.linear(x, weights[i][0]), copies)
         best, best_cfg, failed = None, None, 0
         for cfg in configs:
             try:
-                got = skinny_linear(x, weights[0], None, cfg).float()
+                got = skinny_linear(x, w0, None, cfg, s0).float()
             except Exception as e:  # a config the compiler rejects (e.g. out of shared memory)
                 print(f"  {kind} T={t} {cfg}: {type(e).__name__}", file=sys.stderr)
                 failed += 1
                 continue
             if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
                 raise AssertionError(f"{kind} {n}x{k} T={t} {cfg}: max error {(got - want).abs().max().item():.3g}")
-            us = timed(lambda i: skinny_linear(x, weights[i], None, cfg), copies)
+            us = timed(lambda i: skinny_linear(x, weights[i][0], None, cfg, weights[i][1]), copies)
             if best is None or us < best:
                 best, best_cfg = us, cfg
         rows.append(
@@ -101,12 +123,12 @@ def bench_shape(kind, n, k, tokens_list, configs, ceil, l2_bytes) -> list[dict]:
             )
         )
         print(
-            f"{kind} {n}x{k} T={t}: floor {floor_us:.1f} cuBLAS {cublas:.1f} skinny "
+            f"{kind} {n}x{k} T={t}: floor {floor_us:.1f} {'_scaled_mm' if fp8 else 'cuBLAS'} {cublas:.1f} skinny "
             f"{'-' if best is None else f'{best:.1f}'} us {best_cfg}",
             file=sys.stderr,
             flush=True,
         )
-    weights = None  # frees the copies (closures hold the name)
+    weights = w0 = s0 = dense = None  # frees the copies (closures hold the names)
     torch.cuda.empty_cache()
     return rows
 
@@ -124,10 +146,11 @@ def bench_greedy(vocabs, batches) -> list[str]:
     return lines
 
 
-def table_with_skinny(rows, min_gain: float) -> dict:
+def table_with_skinny(rows, min_gain: float, op: str = "skinny") -> dict:
+    """The table as loaded plus op's entries from rows (op: "skinny", or "skinny_fp8" for --fp8)."""
     key = tuning.gpu_key(torch.device(DEV))
     table = json.loads(json.dumps(tuning._table(key)))  # a copy of the table as loaded
-    skinny = table.setdefault("skinny", {})
+    skinny = table.setdefault(op, {})
     for r in rows:
         wins = r["skinny_us"] is not None and r["skinny_us"] * (1 + min_gain) <= r["cublas_us"]
         skinny.setdefault(tuning.skinny_key(r["n"], r["k"]), {})[str(r["tokens"])] = r["config"] if wins else None
@@ -145,9 +168,12 @@ def main() -> None:
     p.add_argument("--table-out", default=None)
     p.add_argument("--min-gain", type=float, default=0.02)
     p.add_argument("--greedy", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="FP8 layers: the W8A16 build against quantization + _scaled_mm")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_skinny.py times CUDA kernels: run it on a CUDA host")
+    if args.fp8 and torch.cuda.get_device_capability() < (8, 9):
+        sys.exit("bench_skinny.py --fp8 needs compute capability 8.9+ (torch._scaled_mm's FP8 GEMM)")
     torch.manual_seed(0)
     ceil = measure_ceilings()
     info = env_info(ceil)
@@ -159,10 +185,12 @@ def main() -> None:
     configs = candidates(args.grid)
     rows = []
     for kind, n, k in shapes:
-        rows += bench_shape(kind, n, k, tokens, configs, ceil, l2_bytes)
-    print(f"# skinny GEMM, {info['device']}, {info['date']}; torch {info['torch']}, triton {info['triton']}")
+        rows += bench_shape(kind, n, k, tokens, configs, ceil, l2_bytes, args.fp8)
+    vendor = "quant + _scaled_mm" if args.fp8 else "cuBLAS"
+    what = "FP8 layers (W8A16 skinny build; floor: FP8 weight + scales)" if args.fp8 else "bf16 layers"
+    print(f"# skinny GEMM, {what}, {info['device']}, {info['date']}; torch {info['torch']}, triton {info['triton']}")
     print(f"# {info['command']}; copy bandwidth {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s; {len(configs)} configs")
-    print("| layer | N x K | tokens | floor | cuBLAS | skinny (best) | skinny / cuBLAS | config (n, k, warps, stages) |")
+    print(f"| layer | N x K | tokens | floor | {vendor} | skinny (best) | skinny / {vendor} | config (n, k, warps, stages) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         c, us = r["config"], r["skinny_us"]
@@ -177,9 +205,9 @@ def main() -> None:
         print("\n".join(bench_greedy((49152, 128256), (1, 8, 64))))
     if args.table_out:
         with open(args.table_out, "w") as f:
-            json.dump(table_with_skinny(rows, args.min_gain), f, indent=1, sort_keys=True)
+            json.dump(table_with_skinny(rows, args.min_gain, "skinny_fp8" if args.fp8 else "skinny"), f, indent=1, sort_keys=True)
             f.write("\n")
-        print(f"# table with the skinny entries: {args.table_out}")
+        print(f"# table with the {'skinny_fp8' if args.fp8 else 'skinny'} entries: {args.table_out}")
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@
 #             slot loads of plain and DoRA adapters
 #   prefix:   bench_prefix.py: a chat workload of 100 adapters (Llama-3-8B shape), prefix caching off and on,
 #             and the time to first token of a cached 2,048-token prefix
-#   kernels:  bench_kernels.py on the real layer shapes, bench_skinny.py, bench_attention.py, bench_moe.py
-#             (FP8 experts beside bf16: needs compute capability 8.9+)
+#   kernels:  bench_kernels.py on the real layer shapes, bench_skinny.py (bf16, then --fp8: FP8 layers,
+#             the table with their skinny_fp8 entries in OUT_DIR/skinny_fp8.json), bench_attention.py,
+#             bench_moe.py (FP8 experts beside bf16; the FP8 runs need compute capability 8.9+)
 #   tune:     tools/tune_kernels.py: a LoRA kernel table for this GPU (OUT_DIR/tuned.json; copy it into
 #             kernels/configs/ to ship it)
 # Everything a stage prints goes to OUT_DIR/<stage>.log; the header (GPU, versions, tree) to OUT_DIR/gpu.txt.
@@ -135,6 +136,7 @@ fi
 if has kernels; then
   { python3 benchmarks/bench_kernels.py --real --out "$OUT/kernels"
     python3 benchmarks/bench_skinny.py --greedy
+    python3 benchmarks/bench_skinny.py --fp8 --table-out "$OUT/skinny_fp8.json"
     python3 benchmarks/bench_attention.py
     python3 benchmarks/bench_moe.py --fp8 --out "$OUT/moe"
   } >"$OUT/kernels.log" 2>&1

@@ -154,7 +154,7 @@ class LinearWithLoRA(nn.Module):
 
     fp8: the base weight is float8_e4m3fn with `weight_scale` [N] float32, one scale per output row
     (executor/model/fp8.py fills both), and the base GEMM is kernels.fp8_linear (activations quantized
-    per token); shapes the FP8 GEMM does not take (in or N not a multiple of 16) stay in dtype. LoRA is
+    per token, or at decode token counts weight-only where the GPU's table says so); shapes the FP8 GEMM does not take (in or N not a multiple of 16) stay in dtype. LoRA is
     unchanged: it reads the layer's input in dtype and adds into the GEMM's output.
 
     fp8_slots (LoraSpec.fp8, `--lora-dtype fp8`): lora_a and lora_b hold float8_e4m3fn, with
@@ -302,7 +302,8 @@ class LinearWithLoRA(nn.Module):
         self.slot_ranks[slot] = 0
 
     def _base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W.T (+ bias) [T, N] in x's dtype: the FP8 GEMM where the layer holds FP8 weights, else
+        """x @ W.T (+ bias) [T, N] in x's dtype: kernels.fp8_linear where the layer holds FP8 weights
+        (torch._scaled_mm, or the skinny GEMM's FP8 build where the GPU's table picks it), else
         kernels.linear (cuBLAS, or the skinny GEMM where the GPU's table picks it)."""
         if self.weight_scale is not None:
             return kernels.fp8_linear(x, self.weight, self.weight_scale, bias)

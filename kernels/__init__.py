@@ -171,8 +171,9 @@ def linear(x, weight, bias=None):
 
 def fp8_linear(x, weight, weight_scale, bias=None):
     """x [T, K] @ an FP8 weight [N, K].T with per-row weight_scale [N] float32 (+ bias), in x's dtype: x
-    quantized per token, float32 accumulation (kernels/fp8_reference.py); on CUDA torch._scaled_mm
-    (kernels/triton_fp8.py)."""
+    quantized per token, float32 accumulation (kernels/fp8_reference.py); on CUDA torch._scaled_mm, or
+    at 1-64 tokens where the GPU's table lists the shape the skinny GEMM's W8A16 build (x unquantized:
+    closer to x @ (W * scale).T; kernels/triton_fp8.py)."""
     return _on_device(x, "triton_fp8", fp8_reference).fp8_linear(x, weight, weight_scale, bias)
 
 

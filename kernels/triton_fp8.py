@@ -1,7 +1,17 @@
-"""The FP8 linear layer on CUDA (compute capability 8.9+): per-token activation quantization in one
-Triton kernel, then cuBLASLt's FP8 GEMM through torch._scaled_mm with row-wise scales (float32
-accumulation, bf16 out). The math is kernels/fp8_reference.py's; nothing here syncs with the host,
-so captured CUDA graphs hold it.
+"""The FP8 linear layer on CUDA (compute capability 8.9+), two paths:
+
+- per-token activation quantization in one Triton kernel, then cuBLASLt's FP8 GEMM through
+  torch._scaled_mm with row-wise scales (float32 accumulation, bf16 out): kernels/fp8_reference.py's
+  math (W8A8);
+- at 1-64 tokens, for the exact (N, K) where this GPU's table (kernels/configs/<gpu>.json, op
+  "skinny_fp8", `benchmarks/bench_skinny.py --fp8 --table-out`) says it beats the first: the skinny
+  GEMM's FP8 build (kernels/triton_linear.py), weight-only (W8A16): x stays bf16, each weight tile
+  is upcast, float32 accumulation, scaled per output column. One launch, no quantization pass.
+
+The two differ in numerics: W8A16 leaves out the activations' FP8 rounding (2^-4 relative per value),
+so it is the closer of the two to x @ (W * scale).T. Rows at decode token counts may take either
+path, by the table: a shape's result at T tokens depends on the GPU's table, not only on x and W.
+Nothing here syncs with the host, so captured CUDA graphs hold either path.
 """
 
 from __future__ import annotations
@@ -10,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_linear
 from .fp8_reference import FP8, FP8_MAX, MIN_AMAX
+from .tuning import skinny_fp8_config
 
 BLOCK_K = 1024  # columns of a row per pass (two passes: the row's max, then the quantized values)
 
@@ -62,7 +74,13 @@ def scaled_mm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weig
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [T, K] bf16 -> [T, N] bf16 (row-wise scaled FP8 GEMMs take bf16 out only)."""
+    """x [T, K] bf16 -> [T, N] bf16 (row-wise scaled FP8 GEMMs take bf16 out only): the skinny GEMM's
+    FP8 build (W8A16) where the GPU's "skinny_fp8" table lists (N, K) at T, else per-token
+    quantization + torch._scaled_mm (W8A8). See the module docstring for how the two differ."""
+    if triton_linear.supported(x, weight, bias, weight_scale):
+        cfg = skinny_fp8_config(x.device, x.shape[0], weight.shape[0], weight.shape[1])
+        if cfg is not None:
+            return triton_linear.skinny_linear(x, weight, bias, cfg, weight_scale)
     if x.stride(-1) != 1:
         x = x.contiguous()
     q, s = quantize_per_token(x)

@@ -12,6 +12,14 @@ Used only where this GPU's table (kernels/configs/<gpu>.json, op "skinny", writt
 beats cuBLAS (timed in bf16; fp16 layers of that shape take the same entries);
 every other shape or token count, and float32, stays on F.linear (kernels/tuning.py
 `skinny_config`). Nothing is tuned while serving.
+
+FP8 weights (`weight_scale` given: float8_e4m3fn [N, K] with one float32 scale per output row) take
+the same kernel's FP8 build: weight-only dequantization (W8A16), each tile of W upcast to x's dtype
+(exact: e4m3 values are bf16 / fp16 values), float32 accumulation, the accumulator scaled per output
+column, (x @ q.T) * s = x @ (q * s).T; x stays in its dtype, no quantization pass. Half the bytes
+of a bf16 weight, which is what a decode GEMM costs. kernels/triton_fp8.py takes it where the
+GPU's table has a "skinny_fp8" entry for the shape (`skinny_fp8_config`, the same rule). The
+branch is a constexpr: the bf16 / fp16 build compiles as it does without it.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ def _skinny_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
+    s_ptr,
     y_ptr,
     M,
     N,
@@ -39,6 +48,7 @@ def _skinny_kernel(
     stride_wn,
     stride_ym,
     HAS_BIAS: tl.constexpr,
+    FP8_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -83,10 +93,14 @@ def _skinny_kernel(
                 k_mask = (k0 + offs_k) < K
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if FP8_W:
+                w = w.to(x_ptr.dtype.element_ty)
             acc = tl.dot(x, tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         out = acc
+    if FP8_W:  # one scale per row of W: per output column
+        out = out * tl.load(s_ptr + rows)[None, :]
     if HAS_BIAS:
         out += tl.load(b_ptr + rows).to(tl.float32)[None, :]
     offs_m = tl.arange(0, BLOCK_M)
@@ -94,33 +108,55 @@ def _skinny_kernel(
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
 
 
-def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+FP8 = torch.float8_e4m3fn
+
+
+def supported(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None
+) -> bool:
     """Shapes and layouts the kernel takes: 2-D x of 1-64 rows, half-precision, unit column
-    strides, a contiguous bias of the same dtype. Anything else (a mismatched K included) goes
-    to F.linear, which also raises its own errors."""
+    strides, a contiguous bias of x's dtype, and a weight of x's dtype, or (weight_scale given) an
+    FP8 one with a contiguous float32 scale [N]. Anything else (a mismatched K included) goes to
+    the caller's other path, which also raises its own errors."""
+    if weight_scale is None:
+        weight_ok = weight.dtype == x.dtype
+    else:
+        weight_ok = (
+            weight.dtype == FP8
+            and weight_scale.dtype == torch.float32
+            and weight_scale.shape == weight.shape[:1]
+            and weight_scale.is_contiguous()
+        )
     return (
         x.dim() == 2
         and weight.dim() == 2
         and 0 < x.shape[0] <= MAX_TOKENS
         and x.shape[1] == weight.shape[1]
         and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
+        and weight_ok
         and x.stride(1) == 1
         and weight.stride(1) == 1
         and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.is_contiguous()))
     )
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M <= 64, K] through the skinny kernel with config cfg."""
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg: SkinnyConfig,
+    weight_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M <= 64, K] through the skinny kernel with config cfg; with
+    weight_scale [N] float32, weight is float8_e4m3fn and the product is F.linear(x, weight * scale)."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     _skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
+        x, weight, bias if bias is not None else weight, weight_scale, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, FP8_W=weight_scale is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

@@ -8,6 +8,8 @@ kernels/model_shapes.py). They are keyed by what each kernel sees:
   expand  "<w0>+<w1>+...x<rank>"          -> tokens -> ExpandConfig   (the output slice widths)
   skinny  "<N>x<K>"                        -> tokens -> SkinnyConfig   (the base model's linear layers at
           1-64 tokens, kernels/triton_linear.py; written by `benchmarks/bench_skinny.py --table-out`)
+  skinny_fp8  "<N>x<K>"                    -> tokens -> SkinnyConfig   (the same kernel's FP8 build: FP8
+          layers at 1-64 tokens, kernels/triton_fp8.py; `bench_skinny.py --fp8 --table-out`)
 
 A lookup for T tokens and a shape (the nearest-entry rule), among the entries tuned at decode
 token counts (<= DECODE_MAX_TOKENS) when T is itself a decode token count and that op's table has
@@ -24,7 +26,8 @@ such entries, else among all:
 
 The skinny GEMM has no nearest-entry rule: it replaces cuBLAS only for the exact (N, K) the
 table lists, at token counts up to the largest one measured there (the entry of the smallest
-tuned count >= T; a null entry: cuBLAS won there); anything else stays on cuBLAS.
+tuned count >= T; a null entry: cuBLAS won there); anything else stays on cuBLAS. Its FP8 build
+takes the same rule over "skinny_fp8" (a null entry there: torch._scaled_mm won).
 """
 
 from __future__ import annotations
@@ -267,11 +270,17 @@ def skinny_config(device: torch.device, num_tokens: int, n: int, k: int) -> Skin
     return _skinny_config(_device_key(device), num_tokens, n, k)
 
 
+def skinny_fp8_config(device: torch.device, num_tokens: int, n: int, k: int) -> SkinnyConfig | None:
+    """The skinny GEMM's FP8 build's config for y [T, n] = x [T, k] @ (W [n, k] FP8 * scale).T on
+    this GPU, or None: use torch._scaled_mm (kernels/triton_fp8.py)."""
+    return _skinny_config(_device_key(device), num_tokens, n, k, "skinny_fp8")
+
+
 @lru_cache(maxsize=1024)
-def _skinny_config(key: str, num_tokens: int, n: int, k: int) -> SkinnyConfig | None:
-    by_tokens = _table(key).get("skinny", {}).get(skinny_key(n, k), {})
+def _skinny_config(key: str, num_tokens: int, n: int, k: int, op: str = "skinny") -> SkinnyConfig | None:
+    by_tokens = _table(key).get(op, {}).get(skinny_key(n, k), {})
     tuned = sorted(int(t) for t in by_tokens if int(t) >= num_tokens)
-    entry = by_tokens[str(tuned[0])] if tuned else None  # null: cuBLAS is faster there
+    entry = by_tokens[str(tuned[0])] if tuned else None  # null: the vendor GEMM is faster there
     return SkinnyConfig(**entry) if entry else None
 
 

@@ -4,7 +4,7 @@ compiled for an H100 (sm90) by Triton's own compiler, on a machine without a GPU
 The wrappers (kernels/triton_lora.py) run as when serving, with the shipped H100 table, on two
 families' real layer shapes at decode and prefill token counts, slot ranks 16 and 128, plain and
 programmatic (PDL) launches, slots in bf16 and in FP8 (`--lora-dtype fp8`); the base model's wrappers on every skinny GEMM entry of the H100
-table and on Llama-3-8B's and SmolLM2's attention and norm shapes at decode and prefill;
+table (its bf16 build, and its FP8 one with those entries as FP8 entries) and on Llama-3-8B's and SmolLM2's attention and norm shapes at decode and prefill;
 each launch compiles its kernel variant through PTX to a cubin (Triton's bundled ptxas) instead of
 running it (kernels/offline_build.py). Checked per variant: a cubin for sm90, shared memory an H100
 block can have, no register spilled to local memory, and grid dependency control instructions
@@ -15,6 +15,7 @@ other CPU checks of these kernels) builds nothing. A CUDA host runs the kernels 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from unittest import mock
 
 import pytest
@@ -40,6 +41,7 @@ from loraserve.kernels.offline_build import (
 )
 
 H200_TABLE = "nvidia_h200"  # kernels/configs/: skinny entries only
+FP8 = torch.float8_e4m3fn
 
 # A sample that reaches every kind of variant (~1 s of compiling each: the whole grid of shapes,
 # token counts and ranks is ~300 of them for three models): two families' layers at tp 1, an even
@@ -138,7 +140,7 @@ def base_built():
     decode attention with and without a window (several splits and their merge, and one split),
     prefill attention at query lengths that pick each row tile, per query block and from a work
     list, with and without a window; both over an FP8 cache (with a window and soft-cap or neither);
-    the norm (hidden and per head), RoPE + cache write (into an FP8 cache too),
+    an FP8 layer's skinny GEMM (its FP8 build, on the same entries), the norm (hidden and per head), RoPE + cache write (into an FP8 cache too),
     SiLU-and-mul, greedy pick, an FP8 layer's per-token quantization, the fused MoE's grouped GEMMs
     (bf16 and FP8 experts, decode and prefill tiles), the token grouping and the slot-load scatter. Each call must launch a kernel (a wrapper
     that fell back to its reference would build nothing): returns the Built launches."""
@@ -156,17 +158,27 @@ def base_built():
     linear, attention, ops = modules["triton_linear"], modules["triton_attention"], modules["triton_ops"]
     bf16 = torch.bfloat16
     with builds_for_h100(launches, {modules[name]: names for name, names in BASE_KERNELS.items()}):
-        # the H100's skinny entries, then the H200's (the same sm90 chip, configs of its own)
+        # the H100's skinny entries, then the H200's (the same sm90 chip, configs of its own); and
+        # the FP8 build (an FP8 layer's, W8A16) on the same entries, as "skinny_fp8" ones: no FP8
+        # table ships, and a tuned one picks among the same candidate tiles
         for table in (H100_TABLE, H200_TABLE):
-            with mock.patch.dict(tuning._gpu_keys, {None: table}):
+            with mock.patch.dict(tuning._gpu_keys, {None: table}), _skinny_fp8_entries(table):
                 for shape in tuning._table(table)["skinny"]:
                     n, k = map(int, shape.split("x"))
-                    w = torch.empty(n, k, dtype=bf16)
+                    w, w8, scale = torch.empty(n, k, dtype=bf16), torch.empty(n, k, dtype=FP8), torch.empty(n)
                     for tokens in range(1, linear.MAX_TOKENS + 1):
+                        x = torch.empty(tokens, k, dtype=bf16)
                         if linear.skinny_config(torch.device("cpu"), tokens, n, k) is not None:
-                            built_by(linear.linear, torch.empty(tokens, k, dtype=bf16), w)
+                            built_by(linear.linear, x, w)
+                            built_by(modules["triton_fp8"].fp8_linear, x, w8, scale)
         n, k = map(int, next(iter(tuning._table(H100_TABLE)["skinny"])).split("x"))
         built_by(linear.linear, torch.empty(1, k, dtype=bf16), torch.empty(n, k, dtype=bf16), torch.empty(n, dtype=bf16))
+        # with a bias, at one token and at 64 (an H100 entry's tiles, listed for every count)
+        entry = next(e for by_tokens in tuning._table(H100_TABLE)["skinny"].values() for e in by_tokens.values() if e)
+        with _skinny_fp8_entries(H100_TABLE, {f"{n}x{k}": {"64": entry}}):
+            for tokens in (1, 64):
+                x, w8, bias = torch.empty(tokens, k, dtype=bf16), torch.empty(n, k, dtype=FP8), torch.empty(n, dtype=bf16)
+                built_by(modules["triton_fp8"].fp8_linear, x, w8, torch.empty(n), bias)
         for heads, kv_heads, dim, hidden, inter, vocab in ATTENTION_SHAPES:
             k_cache = torch.empty(64, BLOCK_SIZE, kv_heads, dim, dtype=bf16)
             fp8_cache = torch.empty(64, BLOCK_SIZE, kv_heads, dim, dtype=torch.float8_e4m3fn)
@@ -247,6 +259,27 @@ def base_built():
         plan = ScatterPlan(tuple(SlotCopy(slots[:, i], 64, 8, 64, 8, i * 512) for i in range(3)))
         built_by(modules["triton_copy"].slot_scatter, plan, torch.empty(1536, dtype=bf16), 1)
     return launches
+
+
+@contextmanager
+def _skinny_fp8_entries(table: str, entries: dict | None = None):
+    """Inside: GPU table `table` also holds "skinny_fp8" entries: `entries`, else its "skinny" ones."""
+    loaded = tuning._table(table)
+    tuning.set_table(table, dict(loaded, skinny_fp8=loaded["skinny"] if entries is None else entries))
+    try:
+        yield
+    finally:
+        tuning.set_table(table, loaded)
+
+
+def test_the_skinny_gemms_fp8_build_is_built_and_fits_an_h100_block(base_built):
+    """An FP8 layer's W8A16 variants (FP8_W), with and without a bias, at one token and at tl.dot's
+    tiles: shared memory an H100 block may have, no register spilled."""
+    fp8 = [b for b in base_built if b.name == "_skinny_kernel" and b.kwargs["FP8_W"]]
+    wanted = {(1, False), (16, False), (64, False), (1, True), (64, True)}  # (rows of x's tile, a bias)
+    assert {(b.kwargs["BLOCK_M"], b.kwargs["HAS_BIAS"]) for b in fp8} >= wanted
+    assert any(not b.kwargs["FP8_W"] for b in base_built if b.name == "_skinny_kernel")
+    _fits_an_h100_block({id(b.compiled): b.compiled for b in fp8}.values())
 
 
 def test_every_base_kernel_builds_a_cubin_for_sm90(base_built):

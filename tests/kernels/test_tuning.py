@@ -221,16 +221,17 @@ def test_the_h100_table_caps_registers_on_its_rank_128_prefill_expands_only():
 def test_shipped_config_tables_are_well_formed():
     for path in tuning.CONFIG_DIR.glob("*.json"):
         table = json.loads(path.read_text())
-        assert set(table) <= {"shrink", "expand", "skinny"}, path.name
-        for shape, by_tokens in table.get("skinny", {}).items():
-            n, k = (int(v) for v in shape.split("x"))
-            assert n > 0 and k > 0, (path.name, shape)
-            for tokens, entry in by_tokens.items():
-                assert 1 <= int(tokens) <= 64, (path.name, shape, tokens)  # triton_linear.MAX_TOKENS
-                if entry is not None:
-                    cfg = tuning.SkinnyConfig(**entry)
-                    for size in (cfg.block_n, cfg.block_k):
-                        assert size >= 16 and size & (size - 1) == 0, (path.name, "skinny", shape, tokens)
+        assert set(table) <= {"shrink", "expand", "skinny", "skinny_fp8"}, path.name
+        for op in ("skinny", "skinny_fp8"):
+            for shape, by_tokens in table.get(op, {}).items():
+                n, k = (int(v) for v in shape.split("x"))
+                assert n > 0 and k > 0, (path.name, op, shape)
+                for tokens, entry in by_tokens.items():
+                    assert 1 <= int(tokens) <= 64, (path.name, op, shape, tokens)  # triton_linear.MAX_TOKENS
+                    if entry is not None:
+                        cfg = tuning.SkinnyConfig(**entry)
+                        for size in (cfg.block_n, cfg.block_k):
+                            assert size >= 16 and size & (size - 1) == 0, (path.name, op, shape, tokens)
         for op, cls in (("shrink", tuning.ShrinkConfig), ("expand", tuning.ExpandConfig)):
             for shape, by_tokens in table.get(op, {}).items():
                 if op == "shrink":
@@ -315,6 +316,27 @@ def test_skinny_gemm_only_for_listed_shapes_and_token_counts():
 
     with_table(table, check)
     assert tuning._skinny_config("test_gpu", 1, 6144, 4096) is None  # an empty table: cuBLAS
+
+
+def test_skinny_fp8_entries_take_the_same_rule_apart_from_the_bf16_ones():
+    """The FP8 build's op ("skinny_fp8") by the bf16 skinny GEMM's rule (exact (N, K), the smallest
+    tuned count >= T, null: torch._scaled_mm); neither op's entries stand in for the other's."""
+    fp8 = dict(SKINNY, block_k=512)
+    table = {"skinny": {"6144x4096": {"64": SKINNY}}, "skinny_fp8": {"6144x4096": {"1": fp8, "8": None, "16": fp8}}}
+
+    def check():
+        got = [tuning._skinny_config("test_gpu", t, 6144, 4096, "skinny_fp8") for t in (1, 2, 8, 9, 16, 17)]
+        assert got == [tuning.SkinnyConfig(**fp8), None, None, tuning.SkinnyConfig(**fp8), tuning.SkinnyConfig(**fp8), None]
+        assert tuning._skinny_config("test_gpu", 17, 6144, 4096) == tuning.SkinnyConfig(**SKINNY)  # the bf16 op's own
+        assert tuning._skinny_config("test_gpu", 1, 4096, 6144, "skinny_fp8") is None  # no nearest-entry rule
+        assert tuning._skinny_config("test_gpu", 1, 4096, 4096, "skinny_fp8") is None
+
+    def bf16_entries_only():  # FP8 layers stay on torch._scaled_mm
+        for t in (1, 16, 64):
+            assert tuning._skinny_config("test_gpu", t, 6144, 4096, "skinny_fp8") is None
+
+    with_table(table, check)
+    with_table({"skinny": {"6144x4096": {"64": SKINNY}}}, bf16_entries_only)
 
 
 def test_shipped_h100_table_takes_the_skinny_gemm_where_it_was_measured_faster():
