@@ -77,7 +77,7 @@ if has executor-tests; then
   { pytest_q -m gpu tests/executor/test_graphs.py tests/executor/test_cublas.py tests/executor/test_lora.py \
       tests/executor/test_slot_scatter.py tests/executor/test_moe.py tests/executor/test_families.py tests/executor/test_gemma.py \
       tests/executor/test_fp8_service.py tests/executor/test_fp8_moe.py tests/executor/test_dora.py tests/executor/test_trainable_tokens.py \
-      tests/executor/test_kv_fp8.py tests/executor/test_lora_fp8.py
+      tests/executor/test_kv_fp8.py tests/executor/test_lora_fp8.py tests/executor/test_fp8_act_quant.py
     pytest_q tests/executor/test_service.py tests/executor/test_moe_service.py -k "cuda or bf16"
   } >"$OUT/executor-tests.log" 2>&1
   grep -E "passed|failed|error" "$OUT/executor-tests.log" | tail -4

@@ -301,25 +301,34 @@ class LinearWithLoRA(nn.Module):
             writes.flush()
         self.slot_ranks[slot] = 0
 
-    def _base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    @property
+    def takes_fp8_input(self) -> bool:
+        """Whether forward's x_fp8 is used: FP8 weights on CUDA (kernels.fp8_linear's x_fp8; the CPU
+        computes the FP8 math from x itself). The kernel writing this layer's input quantizes it
+        there (kernels.rms_norm's and the act-and-muls' `quantize`) only where this holds."""
+        return self.weight_scale is not None and self.weight.device.type == "cuda"
+
+    def _base(self, x: torch.Tensor, bias: torch.Tensor | None, x_fp8=None) -> torch.Tensor:
         """x @ W.T (+ bias) [T, N] in x's dtype: kernels.fp8_linear where the layer holds FP8 weights
-        (torch._scaled_mm, or the skinny GEMM's FP8 build where the GPU's table picks it), else
-        kernels.linear (cuBLAS, or the skinny GEMM where the GPU's table picks it)."""
+        (torch._scaled_mm, from x_fp8 where given, or the skinny GEMM's FP8 build where the GPU's table
+        picks it), else kernels.linear (cuBLAS, or the skinny GEMM where the GPU's table picks it)."""
         if self.weight_scale is not None:
-            return kernels.fp8_linear(x, self.weight, self.weight_scale, bias)
+            return kernels.fp8_linear(x, self.weight, self.weight_scale, bias, x_fp8)
         return kernels.linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None = None, x_fp8=None) -> torch.Tensor:
+        """x [T, in] -> [T, N]. x_fp8: x's per-token FP8 quantization (q, scale) where the kernel that
+        wrote x made it (takes_fp8_input): the FP8 GEMM's input; LoRA reads x."""
         if self.row_parallel:
-            return self._forward_row_parallel(x, lora_meta)
+            return self._forward_row_parallel(x, lora_meta, x_fp8)
         weights = _step_weights(self, lora_meta, x.device)
         if weights is None:
-            return self._base(x, self.bias)  # [T, N]
+            return self._base(x, self.bias, x_fp8)  # [T, N]
         lora_a, lora_b = weights
         ranked = self.rank_parts == 1  # a fully sharded column layer's rank dim holds tp parts
         if dora.applies(self, lora_meta):  # DoRA's scale goes between the LoRA sum and the bias
-            return dora.apply(self, self._lora_sum(x, lora_a, lora_b, lora_meta, ranked, None), lora_meta, self.bias)
-        return self._lora_sum(x, lora_a, lora_b, lora_meta, ranked, self.bias)
+            return dora.apply(self, self._lora_sum(x, lora_a, lora_b, lora_meta, ranked, None, x_fp8), lora_meta, self.bias)
+        return self._lora_sum(x, lora_a, lora_b, lora_meta, ranked, self.bias, x_fp8)
 
     def _scales(self, lora_a: torch.Tensor) -> tuple[dict, dict]:
         """The kernels' scale arguments of this step's (lora_a, lora_b): FP8 slots' A scales cut to
@@ -331,12 +340,12 @@ class LinearWithLoRA(nn.Module):
             a_scale = a_scale.narrow(2, 0, lora_a.shape[2])
         return {"scale": a_scale}, {"scale": self.lora_b_scale}
 
-    def _lora_sum(self, x, lora_a, lora_b, lora_meta, ranked: bool, bias) -> torch.Tensor:
+    def _lora_sum(self, x, lora_a, lora_b, lora_meta, ranked: bool, bias, x_fp8=None) -> torch.Tensor:
         """x @ W.T (+ bias) + the per-token LoRA delta."""
         side = _side_stream(x.device)
         a_scale, b_scale = self._scales(lora_a)
         if side is None:
-            y = self._base(x, bias)
+            y = self._base(x, bias, x_fp8)
             buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked, **a_scale)  # [S, T, rank] float32
             if self.rank_parts > 1:
                 buf = self.tp.all_gather(buf)  # [S, T, max_rank]: every rank part of x @ A.T
@@ -350,16 +359,16 @@ class LinearWithLoRA(nn.Module):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             buf = kernels.lora_shrink(x, lora_a, lora_meta, ranked=ranked, **a_scale)
-        y = self._base(x, bias)
+        y = self._base(x, bias, x_fp8)
         main.wait_stream(side)
         if self.rank_parts > 1:
             buf = self.tp.all_gather(buf)
         return kernels.lora_expand(y, buf, lora_b, self.slice_offsets, lora_meta, ranked, packed=self.packed_b, **b_scale)
 
-    def _forward_row_parallel(self, x: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
-        """x: [T, in / tp], this rank's input columns. Every term before the all-reduce is a
-        partial sum over them, LoRA's included (expand is linear in the shrink output)."""
-        y = self._base(x, None)  # [T, N], partial
+    def _forward_row_parallel(self, x: torch.Tensor, lora_meta: LoraMeta | None, x_fp8=None) -> torch.Tensor:
+        """x: [T, in / tp], this rank's input columns (x_fp8: their quantization). Every term before the
+        all-reduce is a partial sum over them, LoRA's included (expand is linear in the shrink output)."""
+        y = self._base(x, None, x_fp8)  # [T, N], partial
         weights = _step_weights(self, lora_meta, x.device)
         if weights is not None:
             lora_a, lora_b = weights

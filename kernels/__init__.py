@@ -139,12 +139,20 @@ def _ops_impl(t: torch.Tensor):
     return _on_device(t, "triton_ops", ops_reference)
 
 
-def rms_norm(x, weight, eps: float, residual=None, unit_offset: bool = False):
+def rms_norm(x, weight, eps: float, residual=None, unit_offset: bool = False, quantize: bool = False):
     """(norm(x + residual) * weight, x + residual): see kernels/ops_reference.py.
-    unit_offset: Gemma's norm, norm(h) * (1 + weight) in float32, rounded once."""
+    unit_offset: Gemma's norm, norm(h) * (1 + weight) in float32, rounded once.
+    quantize: also the output's per-token FP8 quantization (q, scale) (fp8_reference.quantize_per_token),
+    returned third: an FP8 layer's pre-quantized input (fp8_linear's x_fp8); on CUDA in the norm's kernel."""
+    impl = _ops_impl(x)
+    if quantize:
+        if impl is ops_reference:
+            out, h = ops_reference.rms_norm(x, weight, eps, residual, unit_offset)
+            return out, h, fp8_reference.quantize_per_token(out)
+        return impl.rms_norm(x, weight, eps, residual, unit_offset, quantize=True)
     if unit_offset:
-        return _ops_impl(x).rms_norm(x, weight, eps, residual, unit_offset=True)
-    return _ops_impl(x).rms_norm(x, weight, eps, residual)
+        return impl.rms_norm(x, weight, eps, residual, unit_offset=True)
+    return impl.rms_norm(x, weight, eps, residual)
 
 
 def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
@@ -153,14 +161,25 @@ def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=No
     return _ops_impl(q).rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def silu_and_mul(gate_up):
-    """[T, 2I] gate | up -> silu(gate) * up [T, I]."""
-    return _ops_impl(gate_up).silu_and_mul(gate_up)
+def silu_and_mul(gate_up, quantize: bool = False):
+    """[T, 2I] gate | up -> silu(gate) * up [T, I]; quantize: (that, its per-token FP8 quantization
+    (q, scale)), as rms_norm's."""
+    return _act_and_mul(gate_up, "silu_and_mul", quantize)
 
 
-def gelu_and_mul(gate_up):
-    """[T, 2I] gate | up -> gelu_tanh(gate) * up [T, I] (Gemma's GeGLU)."""
-    return _ops_impl(gate_up).gelu_and_mul(gate_up)
+def gelu_and_mul(gate_up, quantize: bool = False):
+    """[T, 2I] gate | up -> gelu_tanh(gate) * up [T, I] (Gemma's GeGLU); quantize as silu_and_mul's."""
+    return _act_and_mul(gate_up, "gelu_and_mul", quantize)
+
+
+def _act_and_mul(gate_up, name: str, quantize: bool):
+    impl = _ops_impl(gate_up)
+    if not quantize:
+        return getattr(impl, name)(gate_up)
+    if impl is ops_reference:
+        out = getattr(ops_reference, name)(gate_up)
+        return out, fp8_reference.quantize_per_token(out)
+    return getattr(impl, name)(gate_up, quantize=True)
 
 
 def linear(x, weight, bias=None):
@@ -169,12 +188,14 @@ def linear(x, weight, bias=None):
     return _on_device(x, "triton_linear", ops_reference).linear(x, weight, bias)
 
 
-def fp8_linear(x, weight, weight_scale, bias=None):
+def fp8_linear(x, weight, weight_scale, bias=None, x_fp8=None):
     """x [T, K] @ an FP8 weight [N, K].T with per-row weight_scale [N] float32 (+ bias), in x's dtype: x
     quantized per token, float32 accumulation (kernels/fp8_reference.py); on CUDA torch._scaled_mm, or
     at 1-64 tokens where the GPU's table lists the shape the skinny GEMM's W8A16 build (x unquantized:
-    closer to x @ (W * scale).T; kernels/triton_fp8.py)."""
-    return _on_device(x, "triton_fp8", fp8_reference).fp8_linear(x, weight, weight_scale, bias)
+    closer to x @ (W * scale).T; kernels/triton_fp8.py). x_fp8: x's per-token quantization (q [T, K]
+    float8_e4m3fn, scale [T, 1] float32) made already (rms_norm's or an act-and-mul's `quantize`):
+    used instead of quantizing x again (unused where the skinny build runs)."""
+    return _on_device(x, "triton_fp8", fp8_reference).fp8_linear(x, weight, weight_scale, bias, x_fp8)
 
 
 def greedy(logits):

@@ -28,8 +28,13 @@ def scaled_mm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weig
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    q, s = quantize_per_token(x)
+    """x_fp8: quantize_per_token(x) made already, used as given."""
+    q, s = x_fp8 if x_fp8 is not None else quantize_per_token(x)
     y = scaled_mm(q, s, weight, weight_scale, x.dtype)
     return y if bias is None else y + bias

@@ -72,17 +72,23 @@ def scaled_mm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weig
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, K] bf16 -> [T, N] bf16 (row-wise scaled FP8 GEMMs take bf16 out only): the skinny GEMM's
     FP8 build (W8A16) where the GPU's "skinny_fp8" table lists (N, K) at T, else per-token
-    quantization + torch._scaled_mm (W8A8). See the module docstring for how the two differ."""
+    quantization + torch._scaled_mm (W8A8). See the module docstring for how the two differ. x_fp8:
+    x's quantize_per_token (q, scale), made by the kernel that wrote x; x is quantized here without it."""
     if triton_linear.supported(x, weight, bias, weight_scale):
         cfg = skinny_fp8_config(x.device, x.shape[0], weight.shape[0], weight.shape[1])
         if cfg is not None:
             return triton_linear.skinny_linear(x, weight, bias, cfg, weight_scale)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    q, s = quantize_per_token(x)
+    if x_fp8 is not None:
+        q, s = x_fp8
+    else:
+        q, s = quantize_per_token(x if x.stride(-1) == 1 else x.contiguous())
     y = scaled_mm(q, s, weight, weight_scale, x.dtype)
     return y if bias is None else y.add_(bias)

@@ -13,7 +13,24 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ops_reference
+from . import fp8_reference, ops_reference
+from .fp8_reference import FP8, FP8_MAX, MIN_AMAX
+
+
+@triton.jit
+def _store_fp8_row(q_row, s_ptr, y, mask, MIN_AMAX: tl.constexpr, FP8_MAX: tl.constexpr):
+    """One row's per-token FP8 quantization (fp8_reference.quantize_per_token) of y (its float32
+    values, 0 where masked), whole in this program: scale = max(amax, MIN_AMAX) / 448 to s_ptr,
+    y / scale rounded to nearest and clamped to +-448 to q_row."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX) / FP8_MAX
+    tl.store(s_ptr, scale)
+    q = tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX, FP8_MAX)
+    tl.store(q_row, q.to(q_row.dtype.element_ty), mask=mask)
+
+
+def _fp8_outputs(rows: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [rows, n] float8_e4m3fn, scale [rows, 1] float32) to be written: an FP8 layer's pre-quantized input."""
+    return torch.empty((rows, n), dtype=FP8, device=device), torch.empty((rows, 1), dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -23,16 +40,24 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr,
     h_ptr,
+    q_ptr,
+    s_ptr,
     stride_x,
     stride_res,
     stride_out,
     stride_h,
+    stride_q,
     n,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
+    QUANT: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """QUANT: also the output's per-token FP8 quantization (q_ptr, s_ptr: _store_fp8_row); without it
+    q_ptr, s_ptr and stride_q are None (not kernel arguments)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -49,23 +74,37 @@ def _rms_norm_kernel(
     else:
         y = w * (hf * rstd).to(x.dtype).to(tl.float32)  # cast back before the weight, as transformers does
     tl.store(out_ptr + row * stride_out + offs, y.to(x.dtype), mask=mask)
+    if QUANT:  # of the output as stored (rounded to x's dtype), as quantize_per_token would read it
+        _store_fp8_row(q_ptr + row * stride_q + offs, s_ptr + row, y.to(x.dtype).to(tl.float32), mask, MIN_AMAX, FP8_MAX)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, unit_offset: bool = False):
-    """(norm(h) * weight, h), h = x + residual: see ops_reference.rms_norm."""
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
+    quantize: bool = False,
+):
+    """(norm(h) * weight, h), h = x + residual: see ops_reference.rms_norm. quantize: also the
+    output's per-token FP8 quantization (q, scale) (fp8_reference.quantize_per_token), written in the
+    same pass and returned third."""
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1) or x.dim() != 2:
-        return ops_reference.rms_norm(x, weight, eps, residual, unit_offset)
+        out, h = ops_reference.rms_norm(x, weight, eps, residual, unit_offset)
+        return (out, h, fp8_reference.quantize_per_token(out)) if quantize else (out, h)
     rows, n = x.shape
     out = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else x
+    q, s = _fp8_outputs(rows, n, x.device) if quantize else (None, None)
     if rows:
         res = residual if residual is not None else x
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](
-            x, res, weight, out, h, x.stride(0), res.stride(0), out.stride(0), h.stride(0), n, eps,
-            HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            x, res, weight, out, h, q, s, x.stride(0), res.stride(0), out.stride(0), h.stride(0),
+            q.stride(0) if quantize else None, n, eps, HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
+            QUANT=quantize, MIN_AMAX=MIN_AMAX, FP8_MAX=FP8_MAX, BLOCK=block, num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
-    return out, h
+    return (out, h, (q, s)) if quantize else (out, h)
 
 
 @triton.jit
@@ -229,51 +268,118 @@ def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=No
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
+def _silu_mul(gate, up):
+    """silu(gate) * up in float32 (the tiled branch of _silu_mul_kernel spells the same out)."""
     g = gate.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype), mask=mask)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up: see ops_reference.silu_and_mul."""
-    return _act_and_mul(_silu_mul_kernel, ops_reference.silu_and_mul, gate_up)
-
-
-def _act_and_mul(kernel, reference, gate_up: torch.Tensor) -> torch.Tensor:
-    """[rows, 2n] (gate | up) -> [rows, n] by `kernel`, one program per row and 1,024 columns; a
-    tensor the kernel cannot take (not 2-D, or strided columns) goes to `reference`."""
-    if gate_up.dim() != 2 or gate_up.stride(1) != 1:
-        return reference(gate_up)
-    rows, n2 = gate_up.shape
-    n = n2 // 2
-    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
-    if rows:
-        block = 1024
-        kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
-    return out
+    return g / (1.0 + tl.exp(-g)) * up.to(tl.float32)
 
 
 @triton.jit
-def _gelu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
+def _gelu_mul(gate, up):
+    """gelu_tanh(gate) * up in float32 (as the tiled branch of _gelu_mul_kernel)."""
     g = gate.to(tl.float32)
     inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
     tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 (exp's inf / 0) without NaN
-    tl.store(out_ptr + row * stride_out + offs, (0.5 * g * (1.0 + tanh) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    return 0.5 * g * (1.0 + tanh) * up.to(tl.float32)
 
 
-def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up: see ops_reference.gelu_and_mul."""
-    return _act_and_mul(_gelu_mul_kernel, ops_reference.gelu_and_mul, gate_up)
+@triton.jit
+def _act_mul_fp8_row(
+    x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_out, stride_q, n, GELU: tl.constexpr,
+    MIN_AMAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The whole row of program (row,): out = act(gate) * up rounded to the input dtype, its maximum
+    |value| kept on the way, then the row's per-token FP8 quantization (fp8_reference.quantize_per_token)
+    from out as stored."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, n, BLOCK):
+        mask = k0 + offs < n
+        gate = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * stride_x + n + k0 + offs, mask=mask, other=0.0)
+        y = (_gelu_mul(gate, up) if GELU else _silu_mul(gate, up)).to(gate.dtype)
+        tl.store(out_ptr + row * stride_out + k0 + offs, y, mask=mask)
+        amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))  # masked columns: act(0) * 0 = 0
+    scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
+    tl.store(s_ptr + row, scale)
+    tl.debug_barrier()  # the row's out, written by every thread of the program, read back below
+    for k0 in range(0, n, BLOCK):
+        mask = k0 + offs < n
+        y = tl.load(out_ptr + row * stride_out + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_out, stride_q, n,
+    QUANT: tl.constexpr, MIN_AMAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """QUANT: one program per row, the output's FP8 quantization too (_act_mul_fp8_row); else a
+    program per (row, column block), q_ptr, s_ptr and stride_q None (not kernel arguments)."""
+    if QUANT:
+        _act_mul_fp8_row(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_out, stride_q, n, False, MIN_AMAX, FP8_MAX, BLOCK)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        tl.store(out_ptr + row * stride_out + offs, (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+@triton.jit
+def _gelu_mul_kernel(
+    x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_out, stride_q, n,
+    QUANT: tl.constexpr, MIN_AMAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """As _silu_mul_kernel, with gelu_tanh."""
+    if QUANT:
+        _act_mul_fp8_row(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_out, stride_q, n, True, MIN_AMAX, FP8_MAX, BLOCK)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 (exp's inf / 0) without NaN
+        tl.store(out_ptr + row * stride_out + offs, (0.5 * g * (1.0 + tanh) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False):
+    """silu(gate) * up: see ops_reference.silu_and_mul. quantize: (out, its per-token FP8
+    quantization (q, scale)) from the same kernel (fp8_reference.quantize_per_token)."""
+    return _act_and_mul(_silu_mul_kernel, ops_reference.silu_and_mul, gate_up, quantize)
+
+
+def gelu_and_mul(gate_up: torch.Tensor, quantize: bool = False):
+    """gelu_tanh(gate) * up: see ops_reference.gelu_and_mul; quantize as in silu_and_mul."""
+    return _act_and_mul(_gelu_mul_kernel, ops_reference.gelu_and_mul, gate_up, quantize)
+
+
+def _act_and_mul(kernel, reference, gate_up: torch.Tensor, quantize: bool):
+    """[rows, 2n] (gate | up) -> [rows, n] by `kernel`, one program per row and 1,024 columns (with
+    quantize: per row, returning (out, (q, scale))); a tensor the kernel cannot take (not 2-D, or
+    strided columns) goes to `reference`."""
+    if gate_up.dim() != 2 or gate_up.stride(1) != 1:
+        out = reference(gate_up)
+        return (out, fp8_reference.quantize_per_token(out)) if quantize else out
+    rows, n2 = gate_up.shape
+    n = n2 // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    q, s = _fp8_outputs(rows, n, gate_up.device) if quantize else (None, None)
+    if rows:
+        block = 1024
+        grid = (rows,) if quantize else (rows, triton.cdiv(n, block))
+        kernel[grid](
+            gate_up, out, q, s, gate_up.stride(0), out.stride(0), q.stride(0) if quantize else None, n,
+            QUANT=quantize, MIN_AMAX=MIN_AMAX, FP8_MAX=FP8_MAX, BLOCK=block,
+        )  # fmt: skip
+    return (out, (q, s)) if quantize else out
 
 
 @triton.jit

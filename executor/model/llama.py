@@ -36,6 +36,14 @@ class RMSNorm(nn.Module):
         """(norm(h) * weight, h) with h = x + residual: the residual add is fused into the norm."""
         return kernels.rms_norm(x, self.weight, self.eps, residual, self.unit_offset)
 
+    def quantizing(self, x: torch.Tensor, residual: torch.Tensor | None, fp8: bool):
+        """(out, h, x_fp8): forward's, and where fp8 the output's per-token FP8 quantization (q, scale)
+        written by the norm's own kernel (kernels.rms_norm's quantize) for the FP8 layers that read
+        the output (LinearWithLoRA.takes_fp8_input); x_fp8 None otherwise."""
+        if fp8:
+            return kernels.rms_norm(x, self.weight, self.eps, residual, self.unit_offset, quantize=True)
+        return (*self(x, residual), None)
+
 
 def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None, device=None) -> torch.Tensor:
     """[rotary_dim/2] float32 inverse frequencies of RoPE with cfg's scaling (transformers' rope init
@@ -175,10 +183,16 @@ class Attention(nn.Module):
         # host constants of this layer's attention kernels (captured graphs bake them in)
         self.sliding_window, self.softcap = cfg.layer_window(layer), cfg.attn_logit_softcap
 
-    def forward(self, x, cos, sin, attn: AttentionMetadata, kv: LayerKV, lora_meta, rotary_order=None):
-        """kv: this layer's cache; rotary_order: partial RoPE's order of head dims (RotaryEmbedding.order), or None."""
+    @property
+    def takes_fp8_input(self) -> bool:
+        """forward's x_fp8 is used (q/k/v's FP8 GEMM: LinearWithLoRA.takes_fp8_input)."""
+        return self.qkv_proj.takes_fp8_input
+
+    def forward(self, x, cos, sin, attn: AttentionMetadata, kv: LayerKV, lora_meta, rotary_order=None, x_fp8=None):
+        """kv: this layer's cache; rotary_order: partial RoPE's order of head dims (RotaryEmbedding.order), or None.
+        x_fp8: x's per-token FP8 quantization (q, scale) where takes_fp8_input, made by the norm before."""
         c = self.cfg
-        qkv = self.qkv_proj(x, lora_meta)  # [T, q + 2 * kv]
+        qkv = self.qkv_proj(x, lora_meta, x_fp8)  # [T, q + 2 * kv]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q, k = q.view(-1, self.num_heads, c.head_dim), k.view(-1, self.num_kv_heads, c.head_dim)
         if c.qk_norm:  # the norm kernels take rows: one per head
@@ -205,9 +219,19 @@ class MLP(nn.Module):
         )
         self.act_and_mul = kernels.gelu_and_mul if cfg.hidden_act == "gelu_tanh" else kernels.silu_and_mul
 
-    def forward(self, x, lora_meta):
-        act = self.act_and_mul(self.gate_up_proj(x, lora_meta))  # [T, 2I] -> [T, I]
-        return self.down_proj(act, lora_meta)  # [T, hidden]
+    @property
+    def takes_fp8_input(self) -> bool:
+        """forward's x_fp8 is used (gate/up's FP8 GEMM: LinearWithLoRA.takes_fp8_input)."""
+        return self.gate_up_proj.takes_fp8_input
+
+    def forward(self, x, lora_meta, x_fp8=None):
+        """x_fp8: x's per-token FP8 quantization (q, scale) where takes_fp8_input. Where down's GEMM is
+        FP8 on CUDA the act-and-mul kernel quantizes its output for it in the same pass."""
+        gate_up = self.gate_up_proj(x, lora_meta, x_fp8)  # [T, 2I]
+        if self.down_proj.takes_fp8_input:
+            act, act_fp8 = self.act_and_mul(gate_up, quantize=True)  # [T, I], its (q, scale)
+            return self.down_proj(act, lora_meta, act_fp8)
+        return self.down_proj(self.act_and_mul(gate_up), lora_meta)  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -224,11 +248,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, cos, sin, attn, kv: LayerKV, lora_meta, rotary_order=None):
         """x: the previous layer's output, residual: the stream before it (None at layer 0); kv: this
-        layer's cache. Returns this layer's (output, residual); their sum is the residual stream after it."""
-        x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, attn, kv, lora_meta, rotary_order)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x, lora_meta), residual
+        layer's cache. Returns this layer's (output, residual); their sum is the residual stream after it.
+        Each norm quantizes its output for the FP8 layers reading it where they take it (RMSNorm.quantizing)."""
+        x, residual, x_fp8 = self.input_layernorm.quantizing(x, residual, self.self_attn.takes_fp8_input)
+        x = self.self_attn(x, cos, sin, attn, kv, lora_meta, rotary_order, x_fp8)
+        x, residual, x_fp8 = self.post_attention_layernorm.quantizing(x, residual, self.mlp.takes_fp8_input)
+        return self.mlp(x, lora_meta, x_fp8), residual
 
 
 class LlamaModel(nn.Module):

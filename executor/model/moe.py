@@ -84,7 +84,14 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=dtype, device=device)
             self.shared_expert_gate.weight.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None) -> torch.Tensor:
+    @property
+    def takes_fp8_input(self) -> bool:
+        """forward's x_fp8 is used: by the shared expert's FP8 gate/up (the router and the routed
+        experts read x in bf16)."""
+        return self.shared_expert is not None and self.shared_expert.takes_fp8_input
+
+    def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None, x_fp8=None) -> torch.Tensor:
+        """x_fp8: x's per-token FP8 quantization (q, scale) where takes_fp8_input."""
         topk_weights, topk_ids = self.gate(x)  # [T, K]
         if self.ep.size > 1:
             # Rank 0's routing on every rank: the ranks' copies of x agree only up to the order of
@@ -96,7 +103,7 @@ class SparseMoeBlock(nn.Module):
             topk_ids, topk_weights = routing[:, :k].to(topk_ids.dtype), routing[:, k:].to(topk_weights.dtype)
         out = self.ep.all_reduce(self.experts(x, topk_weights, topk_ids, lora_meta))  # [T, H]
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora_meta)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora_meta, x_fp8)
         return out
 
 

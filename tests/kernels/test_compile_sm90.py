@@ -113,7 +113,7 @@ def test_grid_dependency_control_is_in_the_programmatic_variants_only(built):
 BASE_KERNELS = {
     "triton_linear": ("_skinny_kernel",),
     "triton_attention": ("_decode_kernel", "_merge_splits_kernel", "_prefill_kernel"),
-    "triton_ops": ("_rms_norm_kernel", "_rope_cache_kernel", "_silu_mul_kernel", "_greedy_kernel"),
+    "triton_ops": ("_rms_norm_kernel", "_rope_cache_kernel", "_silu_mul_kernel", "_gelu_mul_kernel", "_greedy_kernel"),
     "triton_meta": ("_group_kernel",),
     "triton_copy": ("_slot_scatter_kernel",),
     "triton_fp8": ("_quantize_per_token_kernel",),
@@ -141,7 +141,7 @@ def base_built():
     prefill attention at query lengths that pick each row tile, per query block and from a work
     list, with and without a window; both over an FP8 cache (with a window and soft-cap or neither);
     an FP8 layer's skinny GEMM (its FP8 build, on the same entries), the norm (hidden and per head), RoPE + cache write (into an FP8 cache too),
-    SiLU-and-mul, greedy pick, an FP8 layer's per-token quantization, the fused MoE's grouped GEMMs
+    SiLU-and-mul, the norms and act-and-muls that also quantize their output for an FP8 layer, greedy pick, an FP8 layer's per-token quantization, the fused MoE's grouped GEMMs
     (bf16 and FP8 experts, decode and prefill tiles), the token grouping and the slot-load scatter. Each call must launch a kernel (a wrapper
     that fell back to its reference would build nothing): returns the Built launches."""
     import importlib
@@ -229,6 +229,11 @@ def base_built():
                 slots = torch.zeros(tokens, dtype=torch.int64)
                 built_by(ops.rope_and_cache, q, kv, kv, cos, cos, fp8_cache, fp8_cache, slots, fp8["k_scale"], fp8["v_scale"])
                 built_by(ops.silu_and_mul, torch.empty(tokens, 2 * inter, dtype=bf16))
+                # an FP8 layer's input quantized by the kernel writing it (Llama's and Gemma's norms, both act-and-muls)
+                built_by(ops.rms_norm, x, torch.empty(hidden, dtype=bf16), 1e-5, residual=x, quantize=True)
+                built_by(ops.rms_norm, x, torch.empty(hidden, dtype=bf16), 1e-6, residual=x, unit_offset=True, quantize=True)
+                built_by(ops.silu_and_mul, torch.empty(tokens, 2 * inter, dtype=bf16), quantize=True)
+                built_by(ops.gelu_and_mul, torch.empty(tokens, 2 * inter, dtype=bf16), quantize=True)
                 for width in (hidden, inter):  # an FP8 layer's input, per token
                     built_by(modules["triton_fp8"].quantize_per_token, torch.empty(tokens, width, dtype=bf16))
             built_by(ops.greedy, torch.empty(64, vocab, dtype=torch.float32))
