@@ -509,6 +509,9 @@ async def test_refresh_of_a_pinned_adapter_with_the_store_down_keeps_the_old_ver
     assert await mgr.refresh("adapter-0", new)
     lease = await mgr.acquire("adapter-0")  # waits for the failed reload, then serves the old version
     assert lease.slot == slot and lease.digest == "sha256:adapter-0" and slots.content[slot] == "adapter-0"
+    state = mgr.state("adapter-0")  # the version in the slot, not the one that failed
+    assert (state.digest, state.rank, state.bytes, state.slot, state.in_cpu_cache) == ("sha256:adapter-0", 8, 32, slot, False)
+    assert [r.rank for r in mgr.residency()] == [8]
     mgr.release(lease)
     store.down = False
     assert await mgr.refresh("adapter-0", new)  # the next round tries again
