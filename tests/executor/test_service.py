@@ -3,6 +3,7 @@ every row of mixed batches checked against transformers + PEFT; slot rules and e
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import copy
 import logging
@@ -378,6 +379,32 @@ def test_a_pinned_adapter_whose_new_version_fails_to_load_reports_the_version_it
         resp = generate(client, "qv8", prompt_ids(0))
         assert resp.adapter_digest == pinned.digest
         check_against_reference(references["qv8"], prompt_ids(0), resp)
+    finally:
+        c.close()
+
+
+def test_an_adapter_evicted_before_its_prefetch_begins_leaves_no_host_copy(loop_thread, base, adapter_dirs, tmp_path):
+    """A request announces its adapter (want: the prefetch is spawned) and an evict lands before the
+    prefetch task has run (an adapter in no slot is evicted without yielding to the loop): nothing is
+    fetched, and neither the host arena nor the CPU cache holds bytes for it; a later request loads it."""
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store")
+    try:
+        slots, arena = c.parts.slots, c.parts.arena
+        assert arena is not None and arena.live_blocks() == 0
+
+        async def evict_between_want_and_prefetch():
+            unwant = slots.want("qv8")
+            state = await slots.evict("qv8")
+            unwant()
+            while slots.cpu._tasks:  # the prefetch task, and any fetch it would start
+                await asyncio.wait(set(slots.cpu._tasks))
+            return state
+
+        state = loop_thread.run(evict_between_want_and_prefetch())
+        assert (state.slot, state.in_cpu_cache, state.loading) == (-1, False, False)
+        assert (arena.live_blocks(), slots.cpu_cache_state(), list(c.client().list())) == (0, (0, 0), [])
+        generate(c.client(), "qv8", prompt_ids(0))
+        assert arena.live_blocks() == 1 and slots.cpu_cache_state()[0] == 1  # where a fetched shard lands
     finally:
         c.close()
 
