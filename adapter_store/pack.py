@@ -37,6 +37,13 @@ class PeftAdapter:
     magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)  # DoRA: module -> m [out] float32
     # trainable tokens: "embed" | "lm_head" -> (token ids, rows [K, hidden]) (adapter_store/trainable_tokens.py)
     tokens: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
+    token_modules: tuple[str, ...] = ()  # the PEFT module names its token rows are saved under (no prefix)
+
+    @property
+    def target_modules(self) -> list[str]:
+        """What AdapterManifest.target_modules reports: every module it targets, its LoRA's and those
+        whose token rows it trains (the embedding, and lm_head where it has rows of its own), sorted."""
+        return sorted({*self.modules, *self.token_modules})
 
     @property
     def kind(self) -> str:
@@ -83,7 +90,8 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     magnitudes = dora.check_magnitudes(settings.use_dora, magnitudes, modules)
     tokens = trainable_tokens.check(config, token_rows, spec, modules)
     weights = path.read_bytes()
-    return PeftAdapter(settings, modules, content_digest(config, weights), len(weights), cast, magnitudes, tokens)
+    digest = content_digest(config, weights)
+    return PeftAdapter(settings, modules, digest, len(weights), cast, magnitudes, tokens, tuple(sorted(token_rows)))
 
 
 def _module_names(m: pb.ModuleLayout, e: int | None) -> list[str]:

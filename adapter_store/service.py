@@ -160,7 +160,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             rank=adapter.rank,
             lora_alpha=s.alpha,
             use_rslora=s.use_rslora,
-            target_modules=sorted(adapter.modules),
+            target_modules=adapter.target_modules,
             weight_bytes=adapter.weight_bytes,
             num_parameters=adapter.num_parameters,
             base_model=s.base_model,

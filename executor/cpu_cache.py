@@ -15,7 +15,8 @@ Rules this module guarantees:
   for; a fetch nobody waits on any more by its turn (its request ended) is not started, and one the
   store refuses as busy stops asking once nobody waits on it (the store client's STILL_WANTED). An
   adapter already held here never waits for a seat: a hot adapter's request is not queued behind
-  cold loads.
+  cold loads. A prefetch whose adapter nobody waits on by the time it begins (evicted, or its
+  request ended) fetches nothing, with or without a seat limit: no host copy outlives its holder's record.
 - A failed fetch leaves nothing behind (the caller's waiters get the error; the next call retries).
 - The cache is bounded in bytes (and optionally in adapters); over budget it drops copies by
   executor/eviction.py's rule: first those no request waits on, the coldest first (the lowest
@@ -95,6 +96,8 @@ class CpuCache:
             self._spawn(self._prefetch(c))
 
     async def _prefetch(self, c: HostCopy) -> None:
+        if not self._waited_on(c):  # let go before this task began (evicted, or its request ended)
+            return
         try:
             await self.ensure(c)
         except Exception:

@@ -87,7 +87,9 @@ class _Adapter:
     name: str
     host: HostCopy  # the CPU cache's record: the version last fetched and its host copy
     slot: int = -1
-    slot_digest: str = ""  # the version in the slot (a later refetch may have brought a newer one)
+    slot_digest: str = ""  # the version in the slot (a later refetch may have brought a newer one); "": none yet
+    slot_rank: int = 0  # that version's LoRA rank
+    slot_nbytes: int = 0  # and its shard's bytes
     event: torch.cuda.Event | None = None
     pinned: bool = False
     wanted: int = 0  # requests queued for it that hold no lease yet (`want`)
@@ -336,7 +338,7 @@ class SlotManager:
         for a in list(self._adapters.values()):
             ready = a.slot >= 0 and a.slot_task is None
             tier = "gpu" if ready else "cpu" if a.host.tensors is not None else "store"
-            out.append(Residency(a.name, tier, a.pinned, a.host.rank, (a.wanted > 0 or a.holds > 0) and not ready))
+            out.append(Residency(a.name, tier, a.pinned, self._version(a)[1], (a.wanted > 0 or a.holds > 0) and not ready))
         return out
 
     def cpu_cache_state(self) -> tuple[int, int]:
@@ -377,7 +379,7 @@ class SlotManager:
         if a.pinned and a.slot >= 0:
             a.slot_task = self._spawn(self._reload_in_place(a, old))
             return
-        a.slot_digest = ""
+        self._holds_version(a, "", 0, 0)
         slot = await self._free_slot(a)
         log.info("adapter %s: dropped version %s (slot %d) for the store's new one", a.name, old[:12], slot)
         self._forget_if_unused(a)
@@ -386,8 +388,9 @@ class SlotManager:
         """The slot task of a pinned adapter whose version changed in the store."""
         try:
             digest, tensors = await self.cpu.ensure(a.host)
+            rank, nbytes = a.host.rank, a.host.nbytes
             a.event = await self.copier.copy_in(a.slot, tensors)
-            a.slot_digest = digest
+            self._holds_version(a, digest, rank, nbytes)
             log.info("adapter %s (pinned): version %s replaced %s in slot %d", a.name, digest[:12], old[:12], a.slot)
         except Exception as exc:
             self.cpu.forget(a.host, digest=old)  # the next refresh round sees the difference and tries again
@@ -465,7 +468,7 @@ class SlotManager:
             try:
                 try:
                     a.event = copier.copied(slot, finish())
-                    a.slot_digest = digest
+                    self._holds_version(a, digest, a.host.rank, a.host.nbytes)
                 except BaseException as exc:
                     self._copy_failed(a, slot, exc)
             finally:
@@ -478,6 +481,7 @@ class SlotManager:
         t0, tier = time.perf_counter(), "cpu" if a.host.tensors is not None else "store"
         try:
             digest, tensors = await self.cpu.ensure(a.host)
+            rank, nbytes = a.host.rank, a.host.nbytes
             t_fetched = time.perf_counter()
             if not a.waited_on:  # every request for it ended during the fetch: keep the copy, take no slot
                 log.info("adapter %s: fetched for requests that have ended; kept in the CPU cache, no slot taken", a.name)
@@ -486,7 +490,7 @@ class SlotManager:
             t_slot = time.perf_counter()
             try:
                 a.event = await self.copier.copy_in(slot, tensors)
-                a.slot_digest = digest
+                self._holds_version(a, digest, rank, nbytes)
             except BaseException as exc:
                 self._copy_failed(a, slot, exc)
             self._loaded(a, slot, tier, t0, t_fetched, t_slot)
@@ -549,6 +553,7 @@ class SlotManager:
             old.slot, old.event = -1, None
             self._forget_if_unused(old)
         self._slots[slot], a.slot = a, slot
+        self._holds_version(a, "", 0, 0)  # until its copy is done: the slot holds no version of it yet
 
     async def _wait_for_change(self, deadline: float) -> bool:
         """Waits until slots or loads may have changed (`_notify`), or until the loop time
@@ -634,17 +639,30 @@ class SlotManager:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # mark errors as seen
         return task
 
+    @staticmethod
+    def _holds_version(a: _Adapter, digest: str, rank: int, nbytes: int) -> None:
+        """Records the version now in a's slot ("": none yet)."""
+        a.slot_digest, a.slot_rank, a.slot_nbytes = digest, rank, nbytes
+
+    @staticmethod
+    def _version(a: _Adapter) -> tuple[str, int, int]:
+        """(digest, rank, shard bytes) of the version a serves: its slot's where it is in one (also
+        while a pinned adapter's new version is fetched, or after that failed), else its host copy's."""
+        if a.slot >= 0 and a.slot_digest:
+            return a.slot_digest, a.slot_rank, a.slot_nbytes
+        return a.host.digest, a.host.rank, a.host.nbytes
+
     def _state(self, a: _Adapter) -> AdapterState:
-        h = a.host
+        digest, rank, nbytes = self._version(a)
         return AdapterState(
             name=a.name,
-            digest=h.digest,
-            rank=h.rank,
+            digest=digest,
+            rank=rank,
             slot=a.slot,
             pinned=a.pinned,
             in_use=a.in_use,
-            in_cpu_cache=h.tensors is not None,
+            in_cpu_cache=a.host.tensors is not None,
             last_used_unix_ms=a.last_used_unix_ms,
-            bytes=h.nbytes,
+            bytes=nbytes,
             loading=a.loading,
         )

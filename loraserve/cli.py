@@ -302,6 +302,16 @@ def _store(a):
     return StoreClient(a.store, token=a.token, tls=client_tls(a))
 
 
+def adapter_table(manifests) -> list[str]:
+    """`adapters list`'s lines, one per manifest: name, kind, rank, size in MiB, digest and URI,
+    each column as wide as its longest entry (numbers right-aligned), so mixed kinds line up."""
+    rows = [(m.name, m.kind or "lora", str(m.rank), f"{m.weight_bytes / 2**20:.2f}", m.digest[:12], m.uri) for m in manifests]
+    name, kind, rank, mib, digest = (max((len(r[i]) for r in rows), default=0) for i in range(5))
+    return [
+        f"{n:<{name}}  {k:<{kind}}  rank {r:>{rank}}  {b:>{mib}} MiB  {d:<{digest}}  {u}".rstrip() for n, k, r, b, d, u in rows
+    ]
+
+
 def _print_manifest(m) -> None:
     print(json_format.MessageToJson(m, indent=2))
 
@@ -320,10 +330,8 @@ def cmd_adapters(a) -> int:
     if a.action == "register":
         _print_manifest(store.register(a.name, a.uri, a.revision or ""))
     elif a.action == "list":
-        for m in store.list():
-            print(
-                f"{m.name:32s} {m.kind or 'lora':4s} rank {m.rank:4d}  {m.weight_bytes / 2**20:8.2f} MiB  {m.digest[:12]}  {m.uri}"
-            )
+        for line in adapter_table(store.list()):
+            print(line)
     elif a.action == "show":
         _print_manifest(store.get(a.name))
     elif a.action == "delete":

@@ -266,7 +266,11 @@ def store_process(tmp_path, tiny_llama_dir, s3_server, free_port):
     proc.wait(10)
 
 
-def test_register_from_disk_and_s3_then_fetch_tp2_shards(store_process, peft_adapter, s3_server, tiny_llama_dir, tmp_path):
+def test_register_from_disk_and_s3_then_fetch_tp2_shards(
+    store_process, peft_adapter, s3_server, tiny_llama_dir, tiny_llama_model, tmp_path
+):
+    from .adapter_store.test_trainable_tokens import make as make_with_tokens
+
     address, root = store_process
     src = peft_adapter(r=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"))
     shutil.copytree(src, root / "mine")
@@ -278,9 +282,18 @@ def test_register_from_disk_and_s3_then_fetch_tp2_shards(store_process, peft_ada
     for f in ("adapter_config.json", "adapter_model.safetensors"):
         s3.upload_file(str(src / f), "cli-bucket", f"loras/mine/{f}")
     cli("adapters", "--store", address, "register", "from-s3", "s3://cli-bucket/loras/mine")
-    listing = cli("adapters", "--store", address, "list").stdout
-    assert "from-disk" in listing and "from-s3" in listing
-    assert all(" lora rank " in line for line in listing.splitlines() if line.startswith("from-"))  # the adapter kind
+    make_with_tokens(tiny_llama_model, root / "tokens")
+    cli("adapters", "--store", address, "register", "with-tokens", str(root / "tokens"))
+    lines = [line for line in cli("adapters", "--store", address, "list").stdout.splitlines() if line.strip()]
+    assert {line.split()[0]: line.split()[1] for line in lines} == {
+        "from-disk": "lora",
+        "from-s3": "lora",
+        "with-tokens": "lora+tokens",
+    }
+    # name, kind, "rank", rank, size, "MiB", digest, uri: each word but the right-aligned numbers starts
+    # where it does on the other lines
+    starts = [[m.start() for m in re.finditer(r"\S+", line)] for line in lines]
+    assert len({(s[1], s[2], s[5], s[6], s[7]) for s in starts}) == 1, lines
 
     out = cli(
         "adapters",

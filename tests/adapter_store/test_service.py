@@ -143,6 +143,30 @@ def test_register_list_fetch_delete_from_local_disk(make_store, peft_adapter):
     assert list((store.cfg.data_dir / "cache").rglob("*.shard")) == []
 
 
+@pytest.mark.parametrize(
+    "which, targets",
+    [
+        ("alone", ["model.embed_tokens"]),
+        ("alone_with_lm_head", ["lm_head", "model.embed_tokens"]),
+        ("beside_lora", ["model.embed_tokens", "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]),
+    ],
+)
+def test_a_manifest_lists_the_modules_whose_trainable_tokens_it_holds(make_store, tiny_llama_model, tmp_path, which, targets):
+    from .test_trainable_tokens import make, make_alone
+
+    if which == "beside_lora":
+        directory, kind = make(tiny_llama_model, tmp_path / which), "lora+tokens"
+    else:
+        extra = {"target_modules": ["embed_tokens", "lm_head"]} if which == "alone_with_lm_head" else {}
+        directory, kind = make_alone(tiny_llama_model, tmp_path / which, **extra), "tokens"
+    store = make_store()
+    client = store.client()
+    m = client.register("t", str(place(directory, make_store.adapters_root, "t")))
+    assert (m.kind, list(m.target_modules)) == (kind, targets)
+    assert list(client.get("t").target_modules) == targets
+    assert [list(x.target_modules) for x in client.list()] == [targets]
+
+
 def test_list_pages_through_all_adapters(make_store, peft_adapter):
     store = make_store()
     client = store.client()

@@ -3,6 +3,7 @@ every row of mixed batches checked against transformers + PEFT; slot rules and e
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import copy
 import logging
@@ -337,6 +338,73 @@ def test_load_adapter_brings_the_new_version_of_a_re_registered_adapter(loop_thr
         resp = generate(client, "qv8", prompt_ids(1))
         assert resp.adapter_digest == new.digest
         check_against_reference(references["mlp16"], prompt_ids(1), resp)
+    finally:
+        c.close()
+
+
+def test_a_pinned_adapter_whose_new_version_fails_to_load_reports_the_version_it_serves(
+    loop_thread, base, adapter_dirs, tmp_path, references, caplog
+):
+    """The store's new version of a pinned adapter cannot be loaded here (DoRA, no --enable-dora):
+    the old version keeps its slot and serves, and LoadAdapter / ListAdapters report that version
+    (its digest, rank and bytes), not the one that failed."""
+    dora = adapter_dirs / "qv8-dora"
+    if not dora.exists():
+        peft = get_peft_model(copy.deepcopy(base[0]), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True))
+        peft.save_pretrained(dora)
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store", adapter_refresh_s=0)  # no refresh loop
+    try:
+        client, store = c.client(), c.store_client()
+        pinned = client.pin("qv8")
+        assert (pinned.rank, pinned.pinned, pinned.slot >= 0, pinned.bytes > 0) == (8, True, True, True)
+        assert store.register("qv8", str(dora)).kind == "dora"
+        with caplog.at_level(logging.WARNING, logger="loraserve.executor.slots"):
+            client.load("qv8")  # asks the store: the pinned slot's reload starts and fails
+            deadline = time.time() + 20
+            while "loading its new version failed" not in caplog.text:
+                assert time.time() < deadline, caplog.text
+                time.sleep(0.05)
+        want = (pinned.name, pinned.digest, 8, pinned.slot, True, False, pinned.bytes, False)
+        for state in (client.load("qv8"), *client.list()):
+            assert (
+                state.name,
+                state.digest,
+                state.rank,
+                state.slot,
+                state.pinned,
+                state.in_cpu_cache,
+                state.bytes,
+                state.loading,
+            ) == want
+        resp = generate(client, "qv8", prompt_ids(0))
+        assert resp.adapter_digest == pinned.digest
+        check_against_reference(references["qv8"], prompt_ids(0), resp)
+    finally:
+        c.close()
+
+
+def test_an_adapter_evicted_before_its_prefetch_begins_leaves_no_host_copy(loop_thread, base, adapter_dirs, tmp_path):
+    """A request announces its adapter (want: the prefetch is spawned) and an evict lands before the
+    prefetch task has run (an adapter in no slot is evicted without yielding to the loop): nothing is
+    fetched, and neither the host arena nor the CPU cache holds bytes for it; a later request loads it."""
+    c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store")
+    try:
+        slots, arena = c.parts.slots, c.parts.arena
+        assert arena is not None and arena.live_blocks() == 0
+
+        async def evict_between_want_and_prefetch():
+            unwant = slots.want("qv8")
+            state = await slots.evict("qv8")
+            unwant()
+            while slots.cpu._tasks:  # the prefetch task, and any fetch it would start
+                await asyncio.wait(set(slots.cpu._tasks))
+            return state
+
+        state = loop_thread.run(evict_between_want_and_prefetch())
+        assert (state.slot, state.in_cpu_cache, state.loading) == (-1, False, False)
+        assert (arena.live_blocks(), slots.cpu_cache_state(), list(c.client().list())) == (0, (0, 0), [])
+        generate(c.client(), "qv8", prompt_ids(0))
+        assert arena.live_blocks() == 1 and slots.cpu_cache_state()[0] == 1  # where a fetched shard lands
     finally:
         c.close()
 

@@ -509,6 +509,9 @@ async def test_refresh_of_a_pinned_adapter_with_the_store_down_keeps_the_old_ver
     assert await mgr.refresh("adapter-0", new)
     lease = await mgr.acquire("adapter-0")  # waits for the failed reload, then serves the old version
     assert lease.slot == slot and lease.digest == "sha256:adapter-0" and slots.content[slot] == "adapter-0"
+    state = mgr.state("adapter-0")  # the version in the slot, not the one that failed
+    assert (state.digest, state.rank, state.bytes, state.slot, state.in_cpu_cache) == ("sha256:adapter-0", 8, 32, slot, False)
+    assert [r.rank for r in mgr.residency()] == [8]
     mgr.release(lease)
     store.down = False
     assert await mgr.refresh("adapter-0", new)  # the next round tries again
@@ -794,12 +797,40 @@ async def test_a_wanted_adapter_is_prefetched_into_the_cpu_cache_before_its_acqu
     unwant()
     mgr.release(lease)
     assert store.fetches == {"adapter-3": 1}
-    mgr.want("adapter-9")()  # a failed prefetch leaves nothing behind; the acquire reports the error
+    unwant = mgr.want("adapter-9")  # a failed prefetch leaves nothing behind; the acquire reports the error
     await until(lambda: "adapter-9" in store.fetches, what="the prefetch of adapter-9")
-    await until(lambda: "adapter-9" not in {s.name for s in mgr.states()}, what="the failed prefetch's cleanup")
+    await until(lambda: not mgr.state("adapter-9").loading, what="the failed prefetch")
+    assert mgr.cpu_cache_state() == (1, 32)  # adapter-3's alone
+    unwant()
+    assert "adapter-9" not in {s.name for s in mgr.states()}
     with pytest.raises(StatusError) as e:
         await mgr.acquire("adapter-9")
     _status(e, grpc.StatusCode.NOT_FOUND, "adapter 'adapter-9' is not registered")
+
+
+async def _cpu_cache_settled(mgr) -> None:
+    """Waits until every CPU cache task (prefetches, fetches) has ended."""
+    while mgr.cpu._tasks:
+        await asyncio.wait(set(mgr.cpu._tasks))
+
+
+@pytest.mark.parametrize("seats", [None, 1])
+async def test_an_adapter_let_go_before_its_prefetch_begins_is_not_fetched(store, slots, seats):
+    """want() then evict() before the prefetch task has run (evict of an adapter in no slot does
+    not yield to the loop), or want() and its end at once: the prefetch fetches nothing, so no host
+    copy outlives the record."""
+    mgr = _manager(store, slots, max_concurrent_loads=seats)
+    unwant = mgr.want("adapter-3")
+    state = await mgr.evict("adapter-3")
+    assert (state.slot, state.in_cpu_cache, state.loading) == (-1, False, False)
+    unwant()
+    await _cpu_cache_settled(mgr)
+    assert store.fetches == {} and mgr.cpu_cache_state() == (0, 0) and mgr.states() == []
+    mgr.release(await mgr.acquire("adapter-3"))  # a later request fetches it as usual
+    assert store.fetches == {"adapter-3": 1} and mgr.cpu_cache_state() == (1, 32)
+    mgr.want("adapter-4")()  # its request ended before the prefetch began: nothing fetched either
+    await _cpu_cache_settled(mgr)
+    assert "adapter-4" not in store.fetches and mgr.cpu_cache_state() == (1, 32)
 
 
 async def test_an_adapter_waiting_for_a_slot_is_fetched_meanwhile(store, slots, until):
