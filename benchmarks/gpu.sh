@@ -20,7 +20,8 @@
 #   families: bench_engine.py --shape NAME (decode and prefill, no gRPC streams) for each family's
 #             target shape: qwen3-8b, gemma2-9b, gemma3-12b, mistral-7b, phi-3-mini, llama-3.2-3b, qwen2.5-14b
 #   fp8:      bench_engine.py with FP8 linears (--quantization fp8, beside its bf16 engine), then with an
-#             FP8 KV cache (--kv-cache-dtype fp8, context 4,096) and FP8 adapter slots (--lora-dtype fp8)
+#             FP8 KV cache (--kv-cache-dtype fp8, context 4,096) and FP8 adapter slots (--lora-dtype fp8),
+#             and serve.py --probe's slot loads with bf16 and FP8 slots
 #   dora:     bench_engine.py at B = 32 with 32 plain then 32 DoRA adapters, and serve.py --probe's cold
 #             slot loads of plain and DoRA adapters
 #   prefix:   bench_prefix.py: a chat workload of 100 adapters (Llama-3-8B shape), prefix caching off and on,
@@ -119,6 +120,10 @@ if has fp8; then
   engine fp8 --kv-cache-dtype fp8 --context 4096 --streams 0 --prefill= --adapters 0
   engine fp8 --context 4096 --streams 0 --prefill= --adapters 0
   engine fp8 --lora-dtype fp8 --streams 0 --prefill=
+  for d in auto fp8; do  # slot loads: bf16 slots, then FP8 slots (quantized on the device)
+    python3 benchmarks/serve.py --tokenizer "$tok" --shape llama3-8b --max-loras 64 --probe --probe-loads-only --lora-dtype $d \
+      2>>"$OUT/fp8.err" | tee -a "$OUT/fp8.log" | tail -8 || tail -20 "$OUT/fp8.err"
+  done
 fi
 if has dora; then
   need_tok

@@ -66,7 +66,7 @@ import bench_engine
 import step_trace
 
 from loraserve.executor import build as executor_build
-from loraserve.executor import cublas
+from loraserve.executor import cublas, lora_fp8
 from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.diagnostics import slow_steps
 from loraserve.executor.engine.engine import Engine
@@ -301,9 +301,10 @@ def build(args, tokenizer):
         max_num_batched_tokens=max(2048, longest), max_model_len=longest, adapter_refresh_s=0,
         max_concurrent_loads=args.max_concurrent_loads or max(1, args.adapters),  # 0: as many as there are adapters
         admit_ratio=args.admit_ratio, max_admit_delay_steps=args.max_admit_delay_steps, store_address=bench_engine.NO_STORE,
-        enable_dora=args.dora,
+        enable_dora=args.dora, lora_dtype=args.lora_dtype,
     )  # fmt: skip
-    spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE, dora=cfg.enable_dora)  # --dora: slots with DoRA scales
+    # --dora: slots with DoRA scales; --lora-dtype fp8: dense slots in FP8 (the shards fetched stay in dtype)
+    spec = LoraSpec(args.max_loras, max(RANKS), bench_engine.DTYPE, dora=cfg.enable_dora, fp8=cfg.lora_dtype == "fp8")
     model = bench_engine.build_model(args.shape, args.vocab, spec)
     adapters = RandomAdapters(model, bench_engine.DTYPE, dora=args.dora)
     counter, copy_calls = Counter(), CopyCalls(trace=bool(args.trace_load))
@@ -1100,6 +1101,13 @@ def main() -> None:
         help="DoRA adapters (their loads work out each slot's norm) instead of plain LoRA, the slots made with DoRA "
         "(--enable-dora)",
     )
+    ap.add_argument(
+        "--lora-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="fp8: the adapters' dense slots in FP8 with per-row scales (the executor's --lora-dtype fp8); "
+        "the probe then times loads that quantize on the device",
+    )
     ap.add_argument("--probe-loads", type=int, default=5, help="cold loads per rank in the probe (their median is reported)")
     ap.add_argument(
         "--probe-loads-only",
@@ -1150,6 +1158,8 @@ def main() -> None:
     bench_engine.DTYPE = torch.bfloat16 if args.device == "cuda" else torch.float32
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("serve.py runs on a CUDA host (--device cpu: a smoke run)")
+    if (error := lora_fp8.lora_dtype_error(args.lora_dtype, args.device, bench_engine.DTYPE)) is not None:
+        raise SystemExit(error)
     cublas.without_workspace(args.device)  # as the executor runs, from this process's first GEMM
     tokenizer = None
     if args.tokenizer:
@@ -1178,6 +1188,7 @@ def main() -> None:
         f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
         + (f"; sampled at temperature {TEMPERATURE:g}" if TEMPERATURE else "; greedy")
         + ("; DoRA adapters" if args.dora else "")
+        + ("; FP8 slots (--lora-dtype fp8)" if args.lora_dtype == "fp8" else "")
     )
     if args.probe:
         print("| case | time | size | note |\n|---|---|---|---|")
