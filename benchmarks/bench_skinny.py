@@ -12,8 +12,9 @@ weight (>= 4x the L2 cache in all) that each call reads its weight from memory, 
 layers do. Every configuration's output is checked against F.linear first.
 
 --fp8: the same layer shapes as FP8 layers (float8_e4m3fn weights, one float32 scale per output
-row; needs compute capability 8.9+): the FP8 path without a table entry, per-token quantization
-+ torch._scaled_mm (kernels/triton_fp8.py, cuBLASLt), against the skinny
+row; needs compute capability 8.9+; lm_head is never FP8): the FP8 path without a table entry,
+torch._scaled_mm (kernels/triton_fp8.py, cuBLASLt; for o after its per-token quantization, for
+q/k/v, gate/up and down on the input the preceding norm or act-and-mul quantized), against the skinny
 kernel's FP8 build (weight-only, bf16 activations), each as a multiple of the FP8 bytes floor
 (one byte per weight plus the scales). Every configuration's output is checked against F.linear
 over the dequantized weight first.
@@ -80,8 +81,14 @@ def _weight(n: int, k: int, fp8: bool):
     return quantize_rows(w) if fp8 else (w, None)
 
 
+# FP8 layers whose input the kernel writing it also quantizes (kernels.rms_norm's and the act-and-muls'
+# `quantize`): their vendor path is torch._scaled_mm alone; o's (and --extra shapes') quantizes first.
+PREQUANTIZED = ("qkv", "gate_up", "down")
+
+
 def bench_shape(kind, n, k, tokens_list, configs, ceil, l2_bytes, fp8: bool = False) -> list[dict]:
-    """fp8: the layer in FP8, quantization + torch._scaled_mm as the vendor GEMM, the kernel's FP8 build."""
+    """fp8: the layer in FP8, its vendor path torch._scaled_mm (after per-token quantization where the
+    layer quantizes its own input: PREQUANTIZED), against the kernel's FP8 build."""
     weight_bytes = n * k + n * 4 if fp8 else n * k * 2
     copies = max(1, -(-L2_MULTIPLE * l2_bytes // weight_bytes))
     weights = [_weight(n, k, fp8) for _ in range(copies)]
@@ -92,7 +99,10 @@ def bench_shape(kind, n, k, tokens_list, configs, ceil, l2_bytes, fp8: bool = Fa
     for t in tokens_list:
         x = torch.randn(t, k, device=DEV, dtype=DTYPE)
         want = F.linear(x, dense).float()
-        if fp8:
+        if fp8 and kind in PREQUANTIZED:  # its input comes quantized from the norm / act-and-mul that wrote it
+            q, s = triton_fp8.quantize_per_token(x)
+            cublas = timed(lambda i: triton_fp8.scaled_mm(q, s, *weights[i], DTYPE), copies)
+        elif fp8:  # o (its input comes from attention) quantizes its input itself
             cublas = timed(lambda i: triton_fp8.scaled_mm(*triton_fp8.quantize_per_token(x), *weights[i], DTYPE), copies)
         else:
             cublas = timed(lambda i: F.linear(x, weights[i][0]), copies)
@@ -162,7 +172,7 @@ def main() -> None:
     p.add_argument("--model", default="llama-3-8b", choices=[f.name for f in model_shapes.FAMILIES])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--tokens", default="1,4,8,16,32,64")
-    p.add_argument("--kinds", default="qkv,o,gate_up,down,lm_head")
+    p.add_argument("--kinds", help="layer kinds (default: qkv,o,gate_up,down,lm_head; --fp8: no lm_head, never FP8)")
     p.add_argument("--extra", default="", help="more N x K shapes, e.g. 49152x4096,6144x4096")
     p.add_argument("--grid", default="full", choices=("full", "small"))
     p.add_argument("--table-out", default=None)
@@ -178,7 +188,7 @@ def main() -> None:
     ceil = measure_ceilings()
     info = env_info(ceil)
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
-    kinds = args.kinds.split(",")
+    kinds = (args.kinds or ("qkv,o,gate_up,down" if args.fp8 else "qkv,o,gate_up,down,lm_head")).split(",")
     shapes = [s for s in layer_shapes(args.model, args.tp) if s[0] in kinds]
     shapes += [("extra", *(int(v) for v in e.split("x"))) for e in args.extra.split(",") if e]
     tokens = [int(t) for t in args.tokens.split(",")]

@@ -20,7 +20,8 @@
 #   families: bench_engine.py --shape NAME (decode and prefill, no gRPC streams) for each family's
 #             target shape: qwen3-8b, gemma2-9b, gemma3-12b, mistral-7b, phi-3-mini, llama-3.2-3b, qwen2.5-14b
 #   fp8:      bench_engine.py with FP8 linears (--quantization fp8, beside its bf16 engine), then with an
-#             FP8 KV cache (--kv-cache-dtype fp8, context 4,096) and FP8 adapter slots (--lora-dtype fp8),
+#             FP8 KV cache (--kv-cache-dtype fp8, context 4,096, beside bf16 KV) and FP8 adapter slots
+#             (--lora-dtype fp8, beside bf16 slots),
 #             and serve.py --probe's slot loads with bf16 and FP8 slots
 #   dora:     bench_engine.py at B = 32 with 32 plain then 32 DoRA adapters, and serve.py --probe's cold
 #             slot loads of plain and DoRA adapters
@@ -76,7 +77,7 @@ if has kernel-tests; then
 fi
 if has executor-tests; then
   { pytest_q -m gpu tests/executor/test_graphs.py tests/executor/test_cublas.py tests/executor/test_lora.py \
-      tests/executor/test_slot_scatter.py tests/executor/test_moe.py tests/executor/test_families.py tests/executor/test_gemma.py \
+      tests/executor/test_slot_scatter.py tests/executor/test_slot_copies.py tests/executor/test_moe.py tests/executor/test_families.py tests/executor/test_gemma.py \
       tests/executor/test_fp8_service.py tests/executor/test_fp8_moe.py tests/executor/test_dora.py tests/executor/test_trainable_tokens.py \
       tests/executor/test_kv_fp8.py tests/executor/test_lora_fp8.py tests/executor/test_fp8_act_quant.py
     pytest_q tests/executor/test_service.py tests/executor/test_moe_service.py -k "cuda or bf16"
@@ -103,22 +104,24 @@ if has serve; then
   python3 benchmarks/serve.py ${tok:+--tokenizer $tok} --shape llama3-8b --max-loras 64 --probe --cpu-cache-bytes $((16 << 30)) \
     2>"$OUT/probe.err" | tee "$OUT/probe.log" | tail -12 || tail -30 "$OUT/probe.err"
 fi
+fresh() { : >"$OUT/$1.log"; : >"$OUT/$1.err"; }  # a stage's logs, emptied once before its runs append
 engine() {  # engine LOG_NAME FLAGS...: one bench_engine.py run, its table appended to OUT/LOG_NAME.log
   local name=$1; shift
   python3 benchmarks/bench_engine.py --tokenizer "$tok" "$@" 2>>"$OUT/$name.err" | tee -a "$OUT/$name.log" | tail -14 \
     || tail -20 "$OUT/$name.err"
 }
 if has families; then
-  need_tok
+  need_tok; fresh families
   for shape in qwen3-8b gemma2-9b gemma3-12b mistral-7b phi-3-mini llama-3.2-3b qwen2.5-14b; do
     engine families --shape "$shape" --streams 0
   done
 fi
 if has fp8; then
-  need_tok
+  need_tok; fresh fp8
   engine fp8 --quantization fp8 --streams 0
   engine fp8 --kv-cache-dtype fp8 --context 4096 --streams 0 --prefill= --adapters 0
   engine fp8 --context 4096 --streams 0 --prefill= --adapters 0
+  engine fp8 --streams 0 --prefill=
   engine fp8 --lora-dtype fp8 --streams 0 --prefill=
   for d in auto fp8; do  # slot loads: bf16 slots, then FP8 slots (quantized on the device)
     python3 benchmarks/serve.py --tokenizer "$tok" --shape llama3-8b --max-loras 64 --probe --probe-loads-only --lora-dtype $d \
@@ -126,7 +129,7 @@ if has fp8; then
   done
 fi
 if has dora; then
-  need_tok
+  need_tok; fresh dora
   engine dora --batches 32 --adapters 32 --streams 0 --prefill=
   engine dora --batches 32 --adapters 32 --streams 0 --prefill= --dora
   for d in "" --dora; do

@@ -301,12 +301,15 @@ class LinearWithLoRA(nn.Module):
             writes.flush()
         self.slot_ranks[slot] = 0
 
-    @property
-    def takes_fp8_input(self) -> bool:
-        """Whether forward's x_fp8 is used: FP8 weights on CUDA (kernels.fp8_linear's x_fp8; the CPU
-        computes the FP8 math from x itself). The kernel writing this layer's input quantizes it
-        there (kernels.rms_norm's and the act-and-muls' `quantize`) only where this holds."""
-        return self.weight_scale is not None and self.weight.device.type == "cuda"
+    def takes_fp8_input(self, tokens: int) -> bool:
+        """Whether forward's x_fp8 is used for an input of `tokens` rows: FP8 weights on CUDA where the
+        GEMM quantizes its input (torch._scaled_mm; not the skinny GEMM's W8A16 build, which the GPU's
+        table picks at some decode token counts and which reads x as it is; the CPU computes the FP8
+        math from x itself). The kernel writing this layer's input quantizes it there
+        (kernels.rms_norm's and the act-and-muls' `quantize`) only where this holds."""
+        if self.weight_scale is None or self.weight.device.type != "cuda":
+            return False
+        return kernels.fp8_quantizes_input(tokens, self.compute_dtype, self.weight, self.weight_scale, self.bias)
 
     def _base(self, x: torch.Tensor, bias: torch.Tensor | None, x_fp8=None) -> torch.Tensor:
         """x @ W.T (+ bias) [T, N] in x's dtype: kernels.fp8_linear where the layer holds FP8 weights

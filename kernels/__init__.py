@@ -188,6 +188,16 @@ def linear(x, weight, bias=None):
     return _on_device(x, "triton_linear", ops_reference).linear(x, weight, bias)
 
 
+def fp8_quantizes_input(tokens: int, dtype: torch.dtype, weight, weight_scale, bias=None) -> bool:
+    """Whether fp8_linear quantizes a contiguous x [tokens, K] of `dtype` per token (so the kernel that
+    writes x should hand it x_fp8): on CUDA unless the GPU's table gives that call to the skinny GEMM's
+    W8A16 build (kernels/triton_fp8.py); elsewhere the reference quantizes x itself (True)."""
+    module = _on_device(weight, "triton_fp8", fp8_reference)
+    if module is fp8_reference:
+        return True
+    return module.quantizes_input(tokens, dtype, weight, weight_scale, bias)
+
+
 def fp8_linear(x, weight, weight_scale, bias=None, x_fp8=None):
     """x [T, K] @ an FP8 weight [N, K].T with per-row weight_scale [N] float32 (+ bias), in x's dtype: x
     quantized per token, float32 accumulation (kernels/fp8_reference.py); on CUDA torch._scaled_mm, or

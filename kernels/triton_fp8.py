@@ -71,6 +71,16 @@ def scaled_mm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weig
     return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=dtype)
 
 
+def quantizes_input(tokens: int, dtype: torch.dtype, weight, weight_scale, bias=None) -> bool:
+    """Whether fp8_linear of a contiguous x [tokens, K] of `dtype` quantizes x (torch._scaled_mm), not
+    the skinny GEMM's W8A16 build (which reads x as it is): where the kernel that writes x should also
+    write its quantization (x_fp8). Fixed per token count, so a captured graph's choice holds."""
+    x = torch.empty((tokens, weight.shape[1]), dtype=dtype, device="meta")  # a contiguous x's shape and layout
+    if not triton_linear.supported(x, weight, bias, weight_scale):
+        return True
+    return skinny_fp8_config(weight.device, tokens, weight.shape[0], weight.shape[1]) is None
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,

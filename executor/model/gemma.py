@@ -49,9 +49,9 @@ class GemmaDecoderLayer(nn.Module):
         residual adds are fused into the input and pre-feed-forward norms, and so is the FP8
         quantization of their output where the layers reading it take it (RMSNorm.quantizing).
         rotary_order: always None (no Gemma has partial RoPE); taken for the decoder loop's one call."""
-        x, residual, x_fp8 = self.input_layernorm.quantizing(x, residual, self.self_attn.takes_fp8_input)
+        x, residual, x_fp8 = self.input_layernorm.quantizing(x, residual, self.self_attn.takes_fp8_input(x.shape[0]))
         x = self.post_attention_layernorm(self.self_attn(x, cos, sin, attn, kv, lora_meta, x_fp8=x_fp8))[0]
-        x, residual, x_fp8 = self.pre_feedforward_layernorm.quantizing(x, residual, self.mlp.takes_fp8_input)
+        x, residual, x_fp8 = self.pre_feedforward_layernorm.quantizing(x, residual, self.mlp.takes_fp8_input(x.shape[0]))
         return self.post_feedforward_layernorm(self.mlp(x, lora_meta, x_fp8))[0], residual
 
 

@@ -183,10 +183,9 @@ class Attention(nn.Module):
         # host constants of this layer's attention kernels (captured graphs bake them in)
         self.sliding_window, self.softcap = cfg.layer_window(layer), cfg.attn_logit_softcap
 
-    @property
-    def takes_fp8_input(self) -> bool:
-        """forward's x_fp8 is used (q/k/v's FP8 GEMM: LinearWithLoRA.takes_fp8_input)."""
-        return self.qkv_proj.takes_fp8_input
+    def takes_fp8_input(self, tokens: int) -> bool:
+        """forward's x_fp8 is used at `tokens` rows (q/k/v's FP8 GEMM: LinearWithLoRA.takes_fp8_input)."""
+        return self.qkv_proj.takes_fp8_input(tokens)
 
     def forward(self, x, cos, sin, attn: AttentionMetadata, kv: LayerKV, lora_meta, rotary_order=None, x_fp8=None):
         """kv: this layer's cache; rotary_order: partial RoPE's order of head dims (RotaryEmbedding.order), or None.
@@ -219,16 +218,15 @@ class MLP(nn.Module):
         )
         self.act_and_mul = kernels.gelu_and_mul if cfg.hidden_act == "gelu_tanh" else kernels.silu_and_mul
 
-    @property
-    def takes_fp8_input(self) -> bool:
-        """forward's x_fp8 is used (gate/up's FP8 GEMM: LinearWithLoRA.takes_fp8_input)."""
-        return self.gate_up_proj.takes_fp8_input
+    def takes_fp8_input(self, tokens: int) -> bool:
+        """forward's x_fp8 is used at `tokens` rows (gate/up's FP8 GEMM: LinearWithLoRA.takes_fp8_input)."""
+        return self.gate_up_proj.takes_fp8_input(tokens)
 
     def forward(self, x, lora_meta, x_fp8=None):
         """x_fp8: x's per-token FP8 quantization (q, scale) where takes_fp8_input. Where down's GEMM is
         FP8 on CUDA the act-and-mul kernel quantizes its output for it in the same pass."""
         gate_up = self.gate_up_proj(x, lora_meta, x_fp8)  # [T, 2I]
-        if self.down_proj.takes_fp8_input:
+        if self.down_proj.takes_fp8_input(gate_up.shape[0]):
             act, act_fp8 = self.act_and_mul(gate_up, quantize=True)  # [T, I], its (q, scale)
             return self.down_proj(act, lora_meta, act_fp8)
         return self.down_proj(self.act_and_mul(gate_up), lora_meta)  # [T, hidden]
@@ -250,9 +248,9 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output, residual: the stream before it (None at layer 0); kv: this
         layer's cache. Returns this layer's (output, residual); their sum is the residual stream after it.
         Each norm quantizes its output for the FP8 layers reading it where they take it (RMSNorm.quantizing)."""
-        x, residual, x_fp8 = self.input_layernorm.quantizing(x, residual, self.self_attn.takes_fp8_input)
+        x, residual, x_fp8 = self.input_layernorm.quantizing(x, residual, self.self_attn.takes_fp8_input(x.shape[0]))
         x = self.self_attn(x, cos, sin, attn, kv, lora_meta, rotary_order, x_fp8)
-        x, residual, x_fp8 = self.post_attention_layernorm.quantizing(x, residual, self.mlp.takes_fp8_input)
+        x, residual, x_fp8 = self.post_attention_layernorm.quantizing(x, residual, self.mlp.takes_fp8_input(x.shape[0]))
         return self.mlp(x, lora_meta, x_fp8), residual
 
 

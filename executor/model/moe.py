@@ -84,11 +84,10 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=dtype, device=device)
             self.shared_expert_gate.weight.requires_grad_(False)
 
-    @property
-    def takes_fp8_input(self) -> bool:
-        """forward's x_fp8 is used: by the shared expert's FP8 gate/up (the router and the routed
-        experts read x in bf16)."""
-        return self.shared_expert is not None and self.shared_expert.takes_fp8_input
+    def takes_fp8_input(self, tokens: int) -> bool:
+        """forward's x_fp8 is used at `tokens` rows: by the shared expert's FP8 gate/up (the router and
+        the routed experts read x in bf16)."""
+        return self.shared_expert is not None and self.shared_expert.takes_fp8_input(tokens)
 
     def forward(self, x: torch.Tensor, lora_meta: LoraMeta | None, x_fp8=None) -> torch.Tensor:
         """x_fp8: x's per-token FP8 quantization (q, scale) where takes_fp8_input."""

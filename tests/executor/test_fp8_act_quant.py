@@ -68,8 +68,8 @@ def test_on_the_cpu_an_fp8_model_quantizes_no_input_ahead(hf_model, paged_runner
     _, path = hf_model("llama")
     ours = load_model(path, quantization="fp8")
     assert ours.cfg.fp8_linears and ours.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
-    assert not any(m.takes_fp8_input for m in ours.modules() if isinstance(m, LinearWithLoRA))
-    assert not any(layer.self_attn.takes_fp8_input or layer.mlp.takes_fp8_input for layer in ours.model.layers)
+    assert not any(m.takes_fp8_input(t) for m in ours.modules() if isinstance(m, LinearWithLoRA) for t in (1, 64, 300))
+    assert not any(layer.self_attn.takes_fp8_input(1) or layer.mlp.takes_fp8_input(1) for layer in ours.model.layers)
     paged_runner(ours).step([("a", PROMPT)])
     assert calls and not any(calls)
 
@@ -116,7 +116,7 @@ def _fused_and_unfused(ours, paged_runner, calls, monkeypatch):
     calls.clear()
     fused = run()
     assert True in calls and "x_fp8 taken" in calls
-    monkeypatch.setattr(LinearWithLoRA, "takes_fp8_input", property(lambda self: False))
+    monkeypatch.setattr(LinearWithLoRA, "takes_fp8_input", lambda self, tokens: False)
     calls.clear()
     unfused = run()
     assert calls and not any(calls)  # neither quantize nor "x_fp8 taken"
@@ -125,12 +125,12 @@ def _fused_and_unfused(ours, paged_runner, calls, monkeypatch):
 
 def _check_flags(ours, family):
     linears = [m for m in ours.modules() if isinstance(m, LinearWithLoRA)]
-    assert all(m.takes_fp8_input == (m.weight.dtype == torch.float8_e4m3fn) for m in linears)
-    assert any(m.takes_fp8_input for m in linears) and not ours.lm_head.takes_fp8_input
+    assert all(m.takes_fp8_input(1) == (m.weight.dtype == torch.float8_e4m3fn) for m in linears)
+    assert any(m.takes_fp8_input(1) for m in linears) and not ours.lm_head.takes_fp8_input(1)
     layer = ours.model.layers[0]
-    assert layer.self_attn.takes_fp8_input and layer.mlp.takes_fp8_input
+    assert layer.self_attn.takes_fp8_input(1) and layer.mlp.takes_fp8_input(1)
     if family == "qwen2_moe":  # the shared expert's down (56 inputs) is not FP8: its act-and-mul quantizes nothing
-        assert not layer.mlp.shared_expert.down_proj.takes_fp8_input
+        assert not layer.mlp.shared_expert.down_proj.takes_fp8_input(1)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -139,7 +139,7 @@ def test_the_plumbing_on_the_cpus_reference_math_gives_the_unfused_logits(family
     act-and-muls' reference quantization reaches each FP8 layer, which computes what it computes
     quantizing its float32 input itself."""
     monkeypatch.setattr(fp8, "fp8_compute_error", lambda device, dtype: None)
-    monkeypatch.setattr(LinearWithLoRA, "takes_fp8_input", property(lambda self: self.weight_scale is not None))
+    monkeypatch.setattr(LinearWithLoRA, "takes_fp8_input", lambda self, tokens: self.weight_scale is not None)
     calls = _quantize_calls(monkeypatch)
     ours = load_model(_model_dir(family, hf_model, tmp_path), quantization="fp8")
     _check_flags(ours, family)

@@ -149,6 +149,30 @@ def test_fp8_linear_takes_the_skinny_kernel_only_where_the_table_lists_the_shape
     assert _row_error(y, x, wq, ws, b) < FP8_LINEAR_ROW_TOL
 
 
+def test_an_input_is_quantized_ahead_only_where_the_gemm_quantizes_it(monkeypatch, skinny_calls):
+    """quantizes_input (what the norms and act-and-muls ask before writing an FP8 layer's input) agrees
+    with fp8_linear's own choice at every token count: False exactly where the table gives the call to
+    the W8A16 kernel, which reads x unquantized."""
+    _with_skinny_fp8_table(monkeypatch, {"64x256": {"1": CFG, "4": None, "8": CFG}})
+    for tokens, dtype in [
+        (1, torch.bfloat16),
+        (2, torch.bfloat16),
+        (4, torch.bfloat16),
+        (8, torch.bfloat16),
+        (9, torch.bfloat16),
+        (65, torch.bfloat16),
+        (8, torch.float32),
+    ]:
+        skinny_calls.clear()
+        x, wq, ws, b = _operands(tokens, 64, 256, tokens, True, dtype)
+        triton_fp8.fp8_linear(x, wq, ws, b if dtype != torch.float32 else None)
+        assert triton_fp8.quantizes_input(tokens, dtype, wq, ws, b if dtype != torch.float32 else None) == (not skinny_calls), (
+            tokens
+        )
+    _, wq, ws, b = _operands(1, 96, 256, 3, True, torch.bfloat16)  # a shape the table does not list
+    assert triton_fp8.quantizes_input(1, torch.bfloat16, wq, ws, b)
+
+
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs: a CUDA host")
 def test_fp8_skinny_linear_replays_from_a_captured_cuda_graph(monkeypatch, skinny_calls):
     """No host sync in the W8A16 path: captured once, replayed on new inputs, equal to eager."""
