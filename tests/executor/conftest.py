@@ -117,6 +117,43 @@ def hf_model(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def byte_model(hf_model, save_byte_tokenizer):
+    """make(family, **config_overrides) -> hf_model's (model, dir) sized for the byte tokenizer (vocab
+    260: bytes, <s> 256, </s> 257, <pad> 258; 512 positions), the tokenizer saved in dir."""
+
+    def make(family: str = "llama", **overrides):
+        model, path = hf_model(
+            family, vocab_size=260, bos_token_id=256, eos_token_id=257, pad_token_id=258, max_position_embeddings=512, **overrides
+        )
+        if not (path / "tokenizer.json").exists():
+            save_byte_tokenizer(path)
+        return model, path
+
+    return make
+
+
+def save_lora_adapters(model, root: Path, configs: dict, b_std: float) -> Path:
+    """Saves a peft adapter of `model` per name -> LoraConfig in root/name and returns root. The i-th
+    is made under torch.manual_seed(i): B (and embedding B) drawn with std b_std (peft inits them to 0),
+    DoRA magnitudes scaled by U(0.5, 1.5)."""
+    import copy
+
+    from peft import get_peft_model
+
+    for seed, (name, config) in enumerate(configs.items()):
+        torch.manual_seed(seed)
+        peft = get_peft_model(copy.deepcopy(model), config)
+        with torch.no_grad():
+            for n, p in peft.named_parameters():
+                if "lora_B" in n or "lora_embedding_B" in n:
+                    p.normal_(0, b_std)
+                elif "lora_magnitude_vector" in n:
+                    p.mul_(0.5 + torch.rand_like(p))
+        peft.save_pretrained(root / name)
+    return root
+
+
 class PagedRunner:
     """Drives our model the way the engine does: flattened steps over a paged KV cache.
 
@@ -402,6 +439,26 @@ class Cluster:
 
         self.lt.run(shutdown(self.server, self.parts))
         self.lt.run(self.store_server.stop(0))
+
+
+def cpu_cluster(lt, base_dir: Path, adapters: Path, data: Path, names, tp: int = 1, max_rank: int = 16, **overrides):
+    """A Cluster on the CPU, one thread a rank, at tp size `tp` (ranks 1.. as spawned processes; a
+    collective fails after 60 s), its store and executor taking adapter ranks up to max_rank; overrides: ExecutorConfig fields."""
+    from loraserve.adapter_store import validate
+
+    return Cluster(
+        lt,
+        base_dir,
+        adapters,
+        data,
+        names,
+        store_overrides=dict(limits=validate.Limits(max_rank=max_rank)),
+        tp_size=tp,
+        max_rank=max_rank,
+        cpu_threads=1,
+        tp_timeout_s=60.0,
+        **overrides,
+    )
 
 
 def run_group(client: ExecutorClient, group: list[str], max_tokens: int = 6):

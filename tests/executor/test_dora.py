@@ -13,7 +13,7 @@ import torch
 
 from loraserve.adapter_store import validate
 
-from .conftest import Cluster, check_against_reference, check_bf16_rows, run_group
+from .conftest import Cluster, check_against_reference, check_bf16_rows, cpu_cluster, run_group
 
 # (family, tp_size, config overrides): Llama with biases on every projection (o_proj and down_proj
 # are row-parallel under tp 2: their bias is added after the DoRA scale, after the reduce), Qwen2
@@ -42,14 +42,9 @@ def case(request):
 
 
 @pytest.fixture(scope="module")
-def base(hf_model, case, save_byte_tokenizer):
+def base(byte_model, case):
     family, _, overrides = case
-    model, path = hf_model(
-        family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512, **overrides
-    )
-    if not (path / "tokenizer.json").exists():
-        save_byte_tokenizer(path)
-    return model, path
+    return byte_model(family, **overrides)
 
 
 def make_adapter(model, directory, seed: int, r: int, alpha: float, targets, rslora: bool, use_dora: bool):
@@ -92,20 +87,7 @@ def references(base, adapter_dirs):
 
 def cluster_of(lt, base, adapter_dirs, data, tp: int, names=ADAPTERS, **overrides) -> Cluster:
     """A store and an executor started with DoRA on (enable_dora; overrides may turn it off)."""
-    overrides = {"enable_dora": True, **overrides}
-    return Cluster(
-        lt,
-        base[1],
-        adapter_dirs,
-        data,
-        names,
-        store_overrides=dict(limits=validate.Limits(max_rank=32)),
-        tp_size=tp,
-        max_rank=32,
-        cpu_threads=1,
-        tp_timeout_s=60.0,
-        **overrides,
-    )
+    return cpu_cluster(lt, base[1], adapter_dirs, data, names, tp, max_rank=32, **{"enable_dora": True, **overrides})
 
 
 def test_dora_rows_match_transformers_peft_in_mixed_batches_across_slots(

@@ -30,7 +30,7 @@ from loraserve.executor.slot_load import load_shard_into_slot
 from loraserve.kernels import fp8_reference
 
 from .conftest import LORASERVE, _hf_classes
-from .test_lora import ADAPTERS, pack_shard
+from .test_lora import ADAPTERS, pack_shard, random_peft
 from .test_tp import expected_part
 
 peft = pytest.importorskip("peft")
@@ -223,13 +223,7 @@ def test_fp8_checkpoint_serves_like_transformers_and_peft_on_its_dequantized_wei
     assert not ours.cfg.fp8_linears  # the CPU computes in float32: nothing is held in FP8
 
     base = _reference_model(family, ref_dir)
-    torch.manual_seed(3)
-    ref = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**ADAPTERS["r4"]), adapter_name="r4")
-    with torch.no_grad():
-        for n, p in ref.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.2)
-    ref.eval()
+    ref = random_peft(base, "r4")
     load_shard_into_slot(ours, 1, pack_shard(ref, "r4", declare_layout(ours.cfg, spec, "tiny")))
     run = paged_runner(ours, block_size=4)
     for key, slot in (("lora", 1), ("base", -1)):

@@ -37,7 +37,7 @@ from loraserve.executor.slot_layout import LoraSpec
 from loraserve.executor.slot_load import load_shard_into_slot
 
 from .conftest import TINY_MOE, Cluster, generate, prompt_ids
-from .test_lora import ADAPTERS, pack_shard
+from .test_lora import pack_shard, random_peft
 
 peft = pytest.importorskip("peft")
 
@@ -161,16 +161,6 @@ def kv_checkpoint(hf_model, tmp_path_factory):
     return make
 
 
-def _adapter(base):
-    torch.manual_seed(3)
-    ref = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**ADAPTERS["r4"]), adapter_name="r4")
-    with torch.no_grad():
-        for n, p in ref.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.2)
-    return ref.eval()
-
-
 def _greedy(run, key, ids, steps, slot):
     """Greedy tokens of one sequence through our paged model (prefill in two chunks, then decode steps),
     and the logits of every position from the prompt's last on."""
@@ -208,7 +198,7 @@ def test_fp8_cache_serves_like_transformers_on_the_same_quantized_kv(family, str
     spec = LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32)
     ours = load_model(path, lora=spec)
     assert ours.kv_scales is None if scales is None else torch.equal(ours.kv_scales, scales)
-    ref = _adapter(hf)
+    ref = random_peft(hf, "r4")
     load_shard_into_slot(ours, 1, pack_shard(ref, "r4", declare_layout(ours.cfg, spec, "tiny")))
     quantized = with_fp8_kv(ref, scales, f"loraserve_fp8_kv_{family}_{strategy}")
     run = paged_runner(ours, block_size=4)

@@ -61,6 +61,18 @@ def pack_shard(peft_model, name: str, layout, dtype=torch.float32) -> dict[str, 
     return shard
 
 
+def random_peft(base, name: str, seed: int = 3):
+    """A copy of `base` with ADAPTERS[name] as a peft adapter of that name, its B drawn with std 0.2
+    (peft inits it to 0) under torch.manual_seed(seed); in eval mode."""
+    torch.manual_seed(seed)
+    ref = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**ADAPTERS[name]), adapter_name=name)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    return ref.eval()
+
+
 @pytest.fixture(scope="module")
 def setup(hf_model):
     """(reference PeftModel with adapters r4, r8, emb; base checkpoint dir)."""

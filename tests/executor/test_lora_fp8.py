@@ -25,13 +25,21 @@ import copy
 import pytest
 import torch
 
-from loraserve.adapter_store import validate
 from loraserve.executor import lora_fp8, memory
 from loraserve.executor.config import ExecutorConfig
 from loraserve.executor.lora import LinearWithLoRA, lora_modules
 from loraserve.kernels import reference
 
-from .conftest import Cluster, check_against_reference, check_bf16_rows, generate, prompt_ids, run_group
+from .conftest import (
+    Cluster,
+    check_against_reference,
+    check_bf16_rows,
+    cpu_cluster,
+    generate,
+    prompt_ids,
+    run_group,
+    save_lora_adapters,
+)
 
 FP8_LOGPROB_BOUND = 0.1  # max |logprob(FP8 slots) - logprob(float32 adapter)| over every generated token
 FP8_MOE_BOUND = 0.15  # the MoE test's adapters (conftest.MOE_ADAPTERS, B drawn with std 0.2): it saw 0.071
@@ -56,34 +64,19 @@ def case(request):
 
 
 @pytest.fixture(scope="module")
-def base(hf_model, case, save_byte_tokenizer):
-    model, path = hf_model(
-        case[0], vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
-    )
-    if not (path / "tokenizer.json").exists():
-        save_byte_tokenizer(path)
-    return model, path
+def base(byte_model, case):
+    return byte_model(case[0])
 
 
 @pytest.fixture(scope="module")
 def adapter_dirs(base, tmp_path_factory):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
-    model, _ = base
-    root = tmp_path_factory.mktemp("fp8-adapters")
-    for seed, (name, (r, alpha, targets, dora)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(seed)
-        peft = get_peft_model(
-            copy.deepcopy(model), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_dora=dora)
-        )
-        with torch.no_grad():
-            for n, p in peft.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.05)
-                elif "lora_magnitude_vector" in n:
-                    p.mul_(0.5 + torch.rand_like(p))
-        peft.save_pretrained(root / name)
-    return root
+    configs = {
+        name: LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_dora=dora)
+        for name, (r, alpha, targets, dora) in ADAPTERS.items()
+    }
+    return save_lora_adapters(base[0], tmp_path_factory.mktemp("fp8-adapters"), configs, b_std=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +115,7 @@ def _row_parallel(model, module) -> bool:
 
 
 def fp8_cluster(lt, base, adapter_dirs, data, tp: int = 1, names=ADAPTERS, **overrides) -> Cluster:
-    return Cluster(
-        lt,
-        base[1],
-        adapter_dirs,
-        data,
-        names,
-        store_overrides=dict(limits=validate.Limits(max_rank=16)),
-        tp_size=tp,
-        cpu_threads=1,
-        tp_timeout_s=60.0,
-        **{"lora_dtype": "fp8", "enable_dora": True, **overrides},
-    )
+    return cpu_cluster(lt, base[1], adapter_dirs, data, names, tp, **{"lora_dtype": "fp8", "enable_dora": True, **overrides})
 
 
 def ref_logprobs(ref_model, ids: list[int], resp) -> torch.Tensor:
@@ -232,13 +214,8 @@ def test_fp8_slots_on_cuda_through_the_graphs_in_bf16(case, references, base, ad
 
 
 @pytest.fixture(scope="module")
-def llama(hf_model, save_byte_tokenizer):
-    model, path = hf_model(
-        "llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
-    )
-    if not (path / "tokenizer.json").exists():
-        save_byte_tokenizer(path)
-    return model, path
+def llama(byte_model):
+    return byte_model("llama")
 
 
 def test_fp8_slots_take_one_byte_per_element_and_the_auto_slot_count_doubles(llama, module_loop_thread, tmp_path):

@@ -27,7 +27,7 @@ from loraserve.executor.service import build_executor, shutdown
 from loraserve.executor.service import serve as serve_executor
 from loraserve.v1 import executor_pb2 as epb
 
-from .conftest import check_against_reference, check_bf16_rows, generate, prompt_ids
+from .conftest import check_against_reference, check_bf16_rows, generate, prompt_ids, save_lora_adapters
 
 BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
 ADAPTERS = {  # name: (r, alpha, targets, rslora)
@@ -45,30 +45,17 @@ def family(request):
 
 
 @pytest.fixture(scope="module")
-def base(hf_model, family, save_byte_tokenizer):
-    model, path = hf_model(
-        family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
-    )
-    if not (path / "tokenizer.json").exists():
-        save_byte_tokenizer(path)
-    return model, path
+def base(byte_model, family):
+    return byte_model(family)
 
 
 @pytest.fixture(scope="module")
 def adapter_dirs(base, tmp_path_factory):
-    model, _ = base
-    root = tmp_path_factory.mktemp("adapters")
-    for seed, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(seed)
-        peft = get_peft_model(
-            copy.deepcopy(model), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora)
-        )
-        with torch.no_grad():
-            for n, p in peft.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.2)
-        peft.save_pretrained(root / name)
-    return root
+    configs = {
+        name: LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora)
+        for name, (r, alpha, targets, rslora) in ADAPTERS.items()
+    }
+    return save_lora_adapters(base[0], tmp_path_factory.mktemp("adapters"), configs, b_std=0.2)
 
 
 class Cluster:

@@ -30,10 +30,12 @@ from .conftest import (
     ParallelExecutorProcess,
     check_against_reference,
     check_bf16_rows,
+    cpu_cluster,
     generate,
     need_cuda_devices,
     prompt_ids,
     run_group,
+    save_lora_adapters,
 )
 
 # (family, tp_size, fully sharded LoRA, config overrides): Llama with biases on o_proj and down_proj
@@ -64,35 +66,20 @@ def case(request):
 
 
 @pytest.fixture(scope="module")
-def base(hf_model, case, save_byte_tokenizer):
+def base(byte_model, case):
     family, _, _, overrides = case
-    model, path = hf_model(
-        family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512, **overrides
-    )
-    if not (path / "tokenizer.json").exists():
-        save_byte_tokenizer(path)
-    return model, path
+    return byte_model(family, **overrides)
 
 
 @pytest.fixture(scope="module")
 def adapter_dirs(base, tmp_path_factory):
-    import copy
+    from peft import LoraConfig
 
-    from peft import LoraConfig, get_peft_model
-
-    model, _ = base
-    root = tmp_path_factory.mktemp("adapters")
-    for seed, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(seed)
-        peft = get_peft_model(
-            copy.deepcopy(model), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora)
-        )
-        with torch.no_grad():
-            for n, p in peft.named_parameters():
-                if "lora_B" in n or "lora_embedding_B" in n:
-                    p.normal_(0, 0.2)
-        peft.save_pretrained(root / name)
-    return root
+    configs = {
+        name: LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora)
+        for name, (r, alpha, targets, rslora) in ADAPTERS.items()
+    }
+    return save_lora_adapters(base[0], tmp_path_factory.mktemp("adapters"), configs, b_std=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -111,17 +98,15 @@ def references(base, adapter_dirs):
 @pytest.fixture(scope="module")
 def cluster(module_loop_thread, base, adapter_dirs, case, tmp_path_factory):
     _, tp, sharded, _ = case
-    c = Cluster(
+    c = cpu_cluster(
         module_loop_thread,
         base[1],
         adapter_dirs,
         tmp_path_factory.mktemp("store"),
         ADAPTERS,
-        tp_size=tp,
+        tp,
         fully_sharded_loras=sharded,
         lora_embeddings=True,
-        cpu_threads=1,
-        tp_timeout_s=60.0,
     )
     yield c
     c.close()
@@ -322,12 +307,8 @@ def test_cli_refuses_a_tp_size_that_does_not_split_the_model(tmp_path):
 
 
 @pytest.fixture
-def tp_executor_process(hf_model, save_byte_tokenizer, closed_port, free_port):
-    _, path = hf_model(
-        "llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
-    )
-    if not (path / "tokenizer.json").exists():
-        save_byte_tokenizer(path)
+def tp_executor_process(byte_model, closed_port, free_port):
+    _, path = byte_model("llama")
     started = []
 
     def start() -> ParallelExecutorProcess:

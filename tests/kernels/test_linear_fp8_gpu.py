@@ -22,6 +22,8 @@ if not INTERPRET and torch.cuda.get_device_capability() < (8, 9):
 from loraserve.executor.model import fp8  # noqa: E402
 from loraserve.kernels import triton_fp8, triton_linear, tuning  # noqa: E402
 
+from .test_linear_gpu import TILES  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 # Either path of fp8_linear, against float64 of x @ (W * scale).T: each row within this share of its
@@ -66,14 +68,7 @@ def _row_error(y, x, wq, ws, b) -> float:
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 7, 16, 17, 33, 64])
-@pytest.mark.parametrize(
-    "n, k, block_n, block_k",
-    [
-        (96, 256, 32, 128),  # even tiles
-        (100, 200, 32, 128),  # N and K both off the tiles: clamped rows, masked K
-        (48, 64, 64, 128),  # one program wider than N, one K block longer than K
-    ],
-)
+@TILES
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_skinny_linear_equals_float64_of_the_dequantized_weight(tokens, n, k, block_n, block_k, bias):
     x, wq, ws, b = _operands(tokens, n, k, tokens * 1000 + n + k, bias)

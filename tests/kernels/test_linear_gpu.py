@@ -19,9 +19,8 @@ from loraserve.kernels import ops_reference, triton_linear, triton_ops, tuning  
 
 pytestmark = pytest.mark.gpu
 
-
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 13, 16, 17, 33, 64])
-@pytest.mark.parametrize(
+# The skinny GEMM's tile cases (its FP8 build's tests take them too)
+TILES = pytest.mark.parametrize(
     "n, k, block_n, block_k",
     [
         (96, 256, 32, 128),  # even tiles
@@ -29,6 +28,10 @@ pytestmark = pytest.mark.gpu
         (48, 64, 64, 128),  # one program wider than N, one K block longer than K
     ],
 )
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 13, 16, 17, 33, 64])
+@TILES
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_skinny_linear_equals_f_linear(tokens, n, k, block_n, block_k, bias, dtype):

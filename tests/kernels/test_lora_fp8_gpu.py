@@ -27,14 +27,10 @@ from loraserve.executor.lora_fp8 import quantize_rows  # noqa: E402
 from loraserve.kernels import make_lora_meta, reference, triton_lora  # noqa: E402
 from loraserve.kernels.meta import FULL_RANK  # noqa: E402
 
+from .test_triton_gpu import DTYPES, TOL  # noqa: E402  (the bf16 kernels' dtypes and tolerances)
+
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("interpreter_device", "no_reference_fallback")]
 
-TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
-DTYPES = pytest.mark.parametrize(
-    "dtype",
-    [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16],
-    ids=lambda d: {torch.bfloat16: "bf16", torch.float16: "fp16"}[d],
-)
 # (tokens, in_features, widths, rank): decode and prefill, fused q/k/v and gate/up, K not a block multiple
 CASES = (
     [(3, 96, (96, 32, 32), 16), (40, 160, (80, 80), 32), (5, 100, (64,), 8)]
