@@ -269,14 +269,14 @@ def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=No
 
 @triton.jit
 def _silu_mul(gate, up):
-    """silu(gate) * up in float32 (the tiled branch of _silu_mul_kernel spells the same out)."""
+    """silu(gate) * up in float32."""
     g = gate.to(tl.float32)
     return g / (1.0 + tl.exp(-g)) * up.to(tl.float32)
 
 
 @triton.jit
 def _gelu_mul(gate, up):
-    """gelu_tanh(gate) * up in float32 (as the tiled branch of _gelu_mul_kernel)."""
+    """gelu_tanh(gate) * up in float32."""
     g = gate.to(tl.float32)
     inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
     tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 (exp's inf / 0) without NaN
@@ -326,8 +326,7 @@ def _silu_mul_kernel(
         mask = offs < n
         gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        tl.store(out_ptr + row * stride_out + offs, (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+        tl.store(out_ptr + row * stride_out + offs, _silu_mul(gate, up).to(gate.dtype), mask=mask)
 
 
 @triton.jit
@@ -344,10 +343,7 @@ def _gelu_mul_kernel(
         mask = offs < n
         gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
-        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 (exp's inf / 0) without NaN
-        tl.store(out_ptr + row * stride_out + offs, (0.5 * g * (1.0 + tanh) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+        tl.store(out_ptr + row * stride_out + offs, _gelu_mul(gate, up).to(gate.dtype), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False):
