@@ -421,7 +421,7 @@ def expand_candidates(tokens):
 # Prefill expand tiles with registers capped (128 a thread, 4 blocks resident per SM; 168, 3) and
 # one stage, where the uncapped rank-128 tiles held 2 blocks (12.5% occupancy, latency-bound under a
 # profiler); in a sweep they took rank-128 expands at 1,024-4,096 tokens 10-18% faster with one
-# adapter (docs/BENCHMARKS.md, "Kernels on the real layer shapes", twenty-first pass)
+# adapter.
 CAPPED_EXPAND = [(64, 64, 4, 4, 1, 4, 128), (64, 64, 2, 4, 1, 4, 128), (64, 128, 1, 4, 1, 4, 128), (64, 128, 2, 4, 1, 3, 168)]
 
 

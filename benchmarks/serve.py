@@ -123,8 +123,7 @@ class RandomAdapters:
     def prepare(self) -> None:
         """Makes every rank's random set now, before anything is timed: made on first use instead,
         a set (40-320 MiB of torch.randn for a Llama-3-8B shape, ~1 s) held the event loop, and the
-        engine's steps with it, in the middle of the in-process run (four slow steps of 0.3-1.3 s,
-        docs/BENCHMARKS.md "Eleventh pass")."""
+        engine's steps with it, in the middle of the in-process run (four slow steps of 0.3-1.3 s)."""
         for rank in RANKS:
             self.tensors(rank)
 
@@ -140,8 +139,7 @@ class RandomAdapters:
             # One copy of the whole shard: a copy per tensor (~450 for a Llama-3-8B shape) gives the
             # interpreter lock back and waits to retake it ~450 times, each wait up to a switch interval
             # (5 ms) behind the serving loop: fetches of 47 ms to 2.7 s p50 by how busy a host's loop
-            # was (docs/BENCHMARKS.md, "Many adapters", twenty-seventh pass). The views are the store
-            # client's own (store_client.shard_tensors).
+            # was. The views are the store client's own (store_client.shard_tensors).
             buffer[:nbytes].copy_(src)
             out = shard_tensors(buffer[:nbytes])
             return self.arena.adopt(buffer, ArenaShard(out)) if arena_block else out

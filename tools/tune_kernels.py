@@ -146,7 +146,7 @@ WIDE_EXPAND = (
     (64, 64, 2, 4, 2, 8),
     (32, 128, 1, 4, 2, 8),
     # register caps and fewer stages beyond the prefill lists' own (bench_kernels.CAPPED_EXPAND):
-    # more blocks resident per SM (docs/BENCHMARKS.md, twenty-first pass)
+    # more blocks resident per SM
     (64, 128, 2, 4, 2, 3, 168),
     (64, 128, 2, 4, 1, 4, 128),
     (32, 128, 2, 4, 1, 4, 128),
@@ -169,11 +169,10 @@ WIDE_SHRINK = (  # (block_m, block_n, block_k, columns per K split (0: no split)
     (64, 128, 128, 0, 8, 3, 2),
     (32, 128, 64, 0, 4, 4, 4),
     # (Tiles over every slice of a q/k/v or gate/up (block_n 256-512, x read once per row block)
-    # with 4-8 K splits were timed on an H100 too and won no shape: docs/BENCHMARKS.md,
-    # twenty-third pass.)
+    # with 4-8 K splits were timed on an H100 too and won no shape.)
     # (Shared-memory-lean tiles of 2-3 stages, which leave room for the CTAs per SM the table's
     # rank-128 prefill shrinks ask for, were timed on an H100 and scored 1.1-3.8x worse (the
-    # worse of the two mixes) than the deeper pipelines: not kept. docs/BENCHMARKS.md, twenty-second pass.)
+    # worse of the two mixes) than the deeper pipelines: not kept.)
 )
 _wide = False
 

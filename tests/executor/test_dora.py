@@ -23,7 +23,6 @@ CASES = {
     "llama-tp2": ("llama", 2, dict(attention_bias=True, mlp_bias=True)),
     "qwen2-tp2": ("qwen2", 2, dict(tie_word_embeddings=True)),
 }
-BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
 ATTN, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
 ADAPTERS = {  # name: (r, alpha, targets, rslora, dora)
     "dora4": (4, 8, ATTN + MLP, False, True),
@@ -130,15 +129,11 @@ PAIR = {"dora4": ADAPTERS["dora4"], "lora8": ADAPTERS["lora8"]}
 
 
 @pytest.fixture(scope="module")
-def pair(hf_model, save_byte_tokenizer, tmp_path_factory):
+def pair(byte_model, tmp_path_factory):
     """(base, adapters dir, lora8's PeftModel reference): a plain Llama with a DoRA and a plain adapter."""
     from peft import PeftModel
 
-    model, path = hf_model(
-        "llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
-    )
-    if not (path / "tokenizer.json").exists():
-        save_byte_tokenizer(path)
+    model, path = byte_model()
     root = tmp_path_factory.mktemp("pair-adapters")
     for seed, (name, spec) in enumerate(PAIR.items()):
         make_adapter(model, root / name, seed, *spec)
@@ -352,9 +347,7 @@ def test_the_norm_worked_out_in_row_blocks_equals_one_pass(slot_setup, monkeypat
             assert torch.equal(a.weight, c.weight) and torch.equal(b.weight, c.weight)  # the pass leaves W as it was
 
 
-def test_dora_on_a_moe_models_shared_expert_is_served_and_on_routed_experts_refused(
-    hf_model, save_byte_tokenizer, module_loop_thread, tmp_path
-):
+def test_dora_on_a_moe_models_shared_expert_is_served_and_on_routed_experts_refused(byte_model, module_loop_thread, tmp_path):
     """Qwen2-MoE: PEFT writes DoRA for the shared expert's (dense) Linear layers, served exactly beside
     plain LoRA and base rows. It writes none for the routed experts (transformers holds them as fused
     parameters and PEFT's ParamWrapper refuses use_dora); the per-expert form PEFT wrote while experts
@@ -368,12 +361,7 @@ def test_dora_on_a_moe_models_shared_expert_is_served_and_on_routed_experts_refu
 
     from .conftest import TINY_MOE, _per_expert_adapter
 
-    model, path = hf_model(
-        "qwen2_moe", **TINY_MOE["qwen2_moe"], vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
-        max_position_embeddings=512,
-    )  # fmt: skip
-    if not (path / "tokenizer.json").exists():
-        save_byte_tokenizer(path)
+    model, path = byte_model("qwen2_moe", **TINY_MOE["qwen2_moe"])
     with pytest.raises(ValueError, match="does not work with use_dora=True"):
         get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"], use_dora=True))
     root = tmp_path / "adapters"
@@ -480,7 +468,7 @@ PHI3 = {  # DoRA on Phi-3's fused modules (one magnitude vector over qkv_proj's 
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_dora_on_phi3_fused_modules_matches_transformers_peft(hf_model, save_byte_tokenizer, module_loop_thread, tmp_path, tp):
+def test_dora_on_phi3_fused_modules_matches_transformers_peft(byte_model, module_loop_thread, tmp_path, tp):
     """Phi-3 DoRA adapters (fused qkv_proj / gate_up_proj: the store cuts each one's m over its
     slices as B's rows) served with --enable-dora, alone and beside a base row: greedy tokens and
     logprobs equal transformers + PEFT."""
@@ -488,11 +476,7 @@ def test_dora_on_phi3_fused_modules_matches_transformers_peft(hf_model, save_byt
 
     from .conftest import generate, prompt_ids
 
-    model, path = hf_model(
-        "phi3", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
-    )
-    if not (path / "tokenizer.json").exists():
-        save_byte_tokenizer(path)
+    model, path = byte_model("phi3")
     root = tmp_path / "adapters"
     for seed, (name, spec) in enumerate(PHI3.items()):
         make_adapter(model, root / name, seed, *spec)

@@ -282,7 +282,6 @@ def test_published_phi_configs_read_as_transformers_reads_them():
 
 # ---- served over gRPC with PEFT adapters: alone, mixed batches with base rows, tp 2 ----
 
-BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
 ADAPTERS = {  # family -> name: (r, alpha, targets, rslora, rank_pattern, alpha_pattern)
     "qwen3": {
         "attn8": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], False, {}, {}),
@@ -310,14 +309,9 @@ def served(request):
 
 
 @pytest.fixture(scope="module")
-def served_base(hf_model, served, save_byte_tokenizer):
+def served_base(byte_model, served):
     family, overrides, _ = served
-    model, path = hf_model(
-        family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512, **overrides
-    )
-    if not (path / "tokenizer.json").exists():
-        save_byte_tokenizer(path)
-    return model, path
+    return byte_model(family, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -247,7 +247,7 @@ def test_split_k_shrinks_in_the_graph_add_into_a_workspace_zeroed_each_replay(hf
     LoRA graph's shrinks add into the step's workspace, which each replay zeroes first, so the same
     batch replayed three times gives the eager step's logits, the same each time (a missed zeroing
     would add the previous replay's partial sums). Not run on a GPU yet (written after the last GPU
-    run of this change: docs/BENCHMARKS.md, "GPU test runs")."""
+    run of this change: docs/BENCHMARKS.md, "GPU test suites: their last run")."""
     _cuda_or_skip()
     from loraserve.kernels import triton_lora, tuning
 

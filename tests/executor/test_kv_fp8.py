@@ -308,9 +308,7 @@ def test_the_served_engine_reports_fp8_and_never_shares_prefix_blocks_with_a_flo
 
 
 @pytest.mark.gpu
-def test_fp8_cache_on_cuda_through_the_graphs_scores_like_the_quantized_reference(
-    module_loop_thread, hf_model, save_byte_tokenizer, tmp_path
-):
+def test_fp8_cache_on_cuda_through_the_graphs_scores_like_the_quantized_reference(module_loop_thread, byte_model, tmp_path):
     """bf16 compute with the FP8 cache, decode replayed from the CUDA graphs, three requests at once:
     each row's logprobs within 0.15 of the float32 transformers model on the same quantized K/V (the
     bf16 rows' 0.1 of test_fp8_service.py, and room for bf16-rounded keys that round to another FP8
@@ -319,10 +317,9 @@ def test_fp8_cache_on_cuda_through_the_graphs_scores_like_the_quantized_referenc
         pytest.skip("needs a CUDA GPU with FP8 conversions (compute capability 8.9+)")
     from .conftest import check_bf16_rows, run_group
 
-    hf, src = hf_model("llama", vocab_size=260, bos_token_id=256, eos_token_id=257, pad_token_id=258, max_position_embeddings=512)
+    hf, src = byte_model()
     scales = calibrate(hf, [prompt_ids(i) for i in range(3)])
-    path = write_kv_scales(src, tmp_path / "kv", scales, "attn_head")
-    save_byte_tokenizer(path)
+    path = write_kv_scales(src, tmp_path / "kv", scales, "attn_head")  # with src's tokenizer
     (tmp_path / "adapters").mkdir()
     c = Cluster(
         module_loop_thread, path, tmp_path / "adapters", tmp_path / "store", [], device="cuda", dtype="bfloat16",

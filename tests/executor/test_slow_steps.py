@@ -79,7 +79,7 @@ def test_the_window_forgets_old_steps():
 
 def test_a_stall_counts_once_not_once_per_step_in_flight_behind_it(caplog):
     """The step launched ahead of a stalled one waits for it: its own time starts at the stalled
-    step's tokens (the 1.3 s stall of the serve benchmark, BENCHMARKS "Eleventh pass")."""
+    step's tokens (as the serve benchmark's 1.3 s stall did)."""
     watch = slow_steps.SlowSteps(STEP_KINDS)
     at = feed(watch, "decode-graph", slow_steps.WARMUP_STEPS, 0.012)
     with caplog.at_level(logging.WARNING, logger=LOGGER):

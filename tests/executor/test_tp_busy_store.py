@@ -25,7 +25,7 @@ BUSY_WAIT_S = 0.3  # the store's --max-stream-wait-s here: a refused ask takes t
 
 
 @pytest.fixture
-def busy_cluster(request, loop_thread, hf_model, save_byte_tokenizer, tmp_path, monkeypatch):
+def busy_cluster(request, loop_thread, byte_model, tmp_path, monkeypatch):
     """tp 2 (or the tp size a test's indirect parameter gives) over a store that serves one stream
     at a time; while `held` is clear, a stream holds its turn before its trailer (a shard this small
     is otherwise sent whole at once)."""
@@ -33,11 +33,7 @@ def busy_cluster(request, loop_thread, hf_model, save_byte_tokenizer, tmp_path, 
 
     from loraserve.adapter_store import service
 
-    model, path = hf_model(
-        "llama", vocab_size=260, bos_token_id=256, eos_token_id=257, pad_token_id=258, max_position_embeddings=512
-    )
-    if not (path / "tokenizer.json").exists():
-        save_byte_tokenizer(path)
+    model, path = byte_model()
     adapters = tmp_path / "adapters"
     for seed, name in enumerate(("a", "b")):
         torch.manual_seed(seed)

@@ -28,7 +28,7 @@ ALONE = {
     },
     "qwen2-tp2": {"alone": dict(token_indices=[17, 200, 259]), "alone2": dict(target_modules=["lm_head"], token_indices=[5, 42])},
 }
-BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
+BOS = 256  # the byte tokenizer's <s>
 TOKENS = [5, 17, 200, 259]  # 259: past the byte tokenizer's ids, as a chat format's new token is
 ADAPTERS = {  # name: LoraConfig fields
     "tok": dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], trainable_token_indices=TOKENS),
@@ -63,14 +63,9 @@ def alone(case_name):
 
 
 @pytest.fixture(scope="module")
-def base(hf_model, case, save_byte_tokenizer):
+def base(byte_model, case):
     family, _, overrides = case
-    model, path = hf_model(
-        family, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512, **overrides
-    )
-    if not (path / "tokenizer.json").exists():
-        save_byte_tokenizer(path)
-    return model, path
+    return byte_model(family, **overrides)
 
 
 def make_adapter(model, directory, seed: int, **config):

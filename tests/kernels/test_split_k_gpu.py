@@ -194,10 +194,10 @@ def capped_prefill_expands() -> list:
 @pytest.mark.parametrize("mode", ["whole", "ranked"])
 @pytest.mark.parametrize("expand", capped_prefill_expands(), ids=lambda c: f"m{c.block_m}n{c.block_n}x{c.n_iters}r{c.maxnreg}")
 def test_the_tables_register_capped_prefill_expands_equal_the_oracle(expand, mode):
-    """The H100 table's prefill expand tiles with registers capped (more blocks per SM; docs/
-    BENCHMARKS.md, twenty-first pass), forced on a prefill case with slices their columns do not
-    divide, no-adapter rows and (ranked) adapters below their slots' rank. On a GPU the cap
-    applies; the interpreter checks the tiles' arithmetic."""
+    """The H100 table's prefill expand tiles with registers capped (more blocks resident per SM),
+    forced on a prefill case with slices their columns do not divide, no-adapter rows and (ranked)
+    adapters below their slots' rank. On a GPU the cap applies; the interpreter checks the tiles'
+    arithmetic."""
     gen = torch.Generator().manual_seed(19)
     tokens, widths, rank = (300 if INTERPRET else 1001), (200, 72, 40), 32
     with forced("expand", tuning.expand_key(widths, rank), expand, tokens=tokens):

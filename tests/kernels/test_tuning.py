@@ -154,8 +154,8 @@ def test_every_real_shape_lands_near_a_shipped_entry():
     """On the shipped tables, every real layer shape at decode gets a K split whose per-program
     reduction is within 2x of a tuned entry's, and never a prefill tile at decode. A table with no
     LoRA entries (the H200's: skinny only) gives the defaults (`_default_shrink` /
-    `_default_expand`), held to the same rule: decode tiles at every decode token count (before
-    the twenty-first pass they gave 64-row tiles from 65 tokens on; docs/BENCHMARKS.md)."""
+    `_default_expand`), held to the same rule: decode tiles (32 rows at most) at every decode token
+    count (<= DECODE_MAX_TOKENS)."""
     checked = 0
     for path in tuning.CONFIG_DIR.glob("*.json"):
         key = path.stem
@@ -178,11 +178,10 @@ def test_every_real_shape_lands_near_a_shipped_entry():
 
 
 def test_the_h200_table_takes_the_skinny_gemm_at_one_token_only():
-    """docs/BENCHMARKS.md, twentieth and twenty-first passes: on an H200 the skinny GEMM won the
-    decode step at batch 1; at batches 2-4 its 4-token entries made the base step 1.6-1.7% faster
-    and the step with adapters 0.6-1.3% slower, and at batch 8 it lost with adapters; a table tuned
-    there gave the LoRA kernels nothing over the defaults. So its table holds skinny entries at one
-    token and no LoRA entries."""
+    """The H200 table holds skinny entries at one token and no LoRA entries. On an H200 the skinny
+    GEMM won the decode step at batch 1; at batches 2-4 its 4-token entries made the base step
+    1.6-1.7% faster and the step with adapters 0.6-1.3% slower, and at batch 8 it lost with
+    adapters; a table tuned there gave the LoRA kernels nothing over the defaults."""
     table = json.loads((tuning.CONFIG_DIR / "nvidia_h200.json").read_text())
     assert set(table) == {"skinny"}
     # Llama-3-8B's decode linears (q/k/v, o, gate/up, down, lm_head) and a 49,152-row head
@@ -200,10 +199,10 @@ def test_the_h200_table_takes_the_skinny_gemm_at_one_token_only():
 
 
 def test_the_h100_table_caps_registers_on_its_rank_128_prefill_expands_only():
-    """docs/BENCHMARKS.md, "Kernels on the real layer shapes", twenty-first pass: register-capped
-    prefill expand tiles took the rank-128 layers from 1.65x to 1.49x their floor at the median.
-    Every capped entry is a rank-128 prefill expand, and there are such entries: the test of their
-    arithmetic (test_split_k_gpu.py) is parametrised by them and would otherwise go empty unnoticed."""
+    """Every register-capped entry of the H100 table is a rank-128 prefill expand (on an H100 such
+    tiles took the rank-128 layers from 1.65x to 1.49x their floor at the median), and there are
+    such entries: the test of their arithmetic (test_split_k_gpu.py) is parametrised by them and
+    would otherwise go empty unnoticed."""
     table = json.loads((tuning.CONFIG_DIR / "nvidia_h100_80gb_hbm3.json").read_text())
     capped = [
         (shape, int(t), entry["maxnreg"])
@@ -278,8 +277,8 @@ def test_defaults_give_decode_tiles_at_every_decode_token_count():
     """Up to DECODE_MAX_TOKENS the defaults take 16-row tiles and a K split of ~256 input columns
     per program: 16 rows is the decode graphs' own block size (one block list per step): a decode batch of
     128-256 sequences over a few dozen adapters holds a few tokens per adapter. With 64-row tiles
-    there (the defaults before the twenty-first pass) an H200's decode step at B=128 / 256 with 40
-    adapters took 20% / 12% longer (docs/BENCHMARKS.md, twenty-first pass). Past it, the prefill tiles."""
+    there an H200's decode step at B=128 / 256 with 40 adapters took 20% / 12% longer. Past it, the
+    prefill tiles."""
     from loraserve.executor.engine.graphs import DECODE_BLOCK_M
 
     for tokens in (1, 64, 65, 128, tuning.DECODE_MAX_TOKENS):
