@@ -42,7 +42,8 @@ class PeftAdapter:
     @property
     def target_modules(self) -> list[str]:
         """What AdapterManifest.target_modules reports: every module it targets, its LoRA's and those
-        whose token rows it trains (the embedding, and lm_head where it has rows of its own), sorted."""
+        whose token rows it trains (the embedding, and lm_head where PEFT saved rows for it, a tied
+        lm_head's included), sorted."""
         return sorted({*self.modules, *self.token_modules})
 
     @property

@@ -82,14 +82,17 @@ class SlotLease:
             torch.cuda.current_stream().wait_event(self.ready)
 
 
+NO_VERSION = ("", 0, 0)
+
+
 @dataclass(eq=False)
 class _Adapter:
     name: str
     host: HostCopy  # the CPU cache's record: the version last fetched and its host copy
     slot: int = -1
-    slot_digest: str = ""  # the version in the slot (a later refetch may have brought a newer one); "": none yet
-    slot_rank: int = 0  # that version's LoRA rank
-    slot_nbytes: int = 0  # and its shard's bytes
+    # the version in the slot: (digest, LoRA rank, shard bytes), one tuple assigned whole so a reader on
+    # another thread (/metrics) sees one version; ("", 0, 0): none (a later refetch may bring a newer one)
+    in_slot: tuple[str, int, int] = NO_VERSION
     event: torch.cuda.Event | None = None
     pinned: bool = False
     wanted: int = 0  # requests queued for it that hold no lease yet (`want`)
@@ -221,7 +224,7 @@ class SlotManager:
             self._forget_if_unused(a)
             self._notify()
         self._touch(a)
-        return SlotLease(name=name, slot=a.slot, digest=a.slot_digest, ready=a.event)
+        return SlotLease(name=name, slot=a.slot, digest=a.in_slot[0], ready=a.event)
 
     def release(self, lease: SlotLease) -> None:
         if lease.released:
@@ -306,7 +309,7 @@ class SlotManager:
         for n, a in self._adapters.items():
             held = self._held_versions(a)
             if held:
-                out[n] = a.slot_digest if a.slot >= 0 and a.slot_digest else a.host.digest
+                out[n] = self._version(a, a.slot)[0]
         return out
 
     @staticmethod
@@ -315,15 +318,15 @@ class SlotManager:
         held = set()
         if a.host.tensors is not None and a.host.digest:
             held.add(a.host.digest)
-        if a.slot >= 0 and a.slot_digest:
-            held.add(a.slot_digest)
+        if a.slot >= 0 and a.in_slot[0]:
+            held.add(a.in_slot[0])
         return held
 
     def slot_version(self, slot: int) -> tuple[str, str]:
         """(adapter name, digest) of the version in `slot`, ("", "") if none: what the other
         tensor-parallel ranks load into their own slot (executor/ranks.py)."""
         a = self._slots[slot]
-        return (a.name, a.slot_digest) if a is not None else ("", "")
+        return (a.name, a.in_slot[0]) if a is not None else ("", "")
 
     def states(self) -> list[AdapterState]:
         return [self._state(a) for _, a in sorted(self._adapters.items())]
@@ -336,9 +339,11 @@ class SlotManager:
         (/metrics; the record dict is copied first, each field read once)."""
         out = []
         for a in list(self._adapters.values()):
-            ready = a.slot >= 0 and a.slot_task is None
+            slot = a.slot
+            ready = slot >= 0 and a.slot_task is None
             tier = "gpu" if ready else "cpu" if a.host.tensors is not None else "store"
-            out.append(Residency(a.name, tier, a.pinned, self._version(a)[1], (a.wanted > 0 or a.holds > 0) and not ready))
+            rank = self._version(a, slot)[1]
+            out.append(Residency(a.name, tier, a.pinned, rank, (a.wanted > 0 or a.holds > 0) and not ready))
         return out
 
     def cpu_cache_state(self) -> tuple[int, int]:
@@ -373,13 +378,12 @@ class SlotManager:
         """
         if not a.stale or a.in_use or a.loading:
             return  # a concurrent switch did it already, or a request took it meanwhile
-        old = a.slot_digest if a.slot >= 0 else a.host.digest
+        old = a.in_slot[0] if a.slot >= 0 else a.host.digest
         self.cpu.forget(a.host)
         a.stale = False
         if a.pinned and a.slot >= 0:
             a.slot_task = self._spawn(self._reload_in_place(a, old))
             return
-        self._holds_version(a, "", 0, 0)
         slot = await self._free_slot(a)
         log.info("adapter %s: dropped version %s (slot %d) for the store's new one", a.name, old[:12], slot)
         self._forget_if_unused(a)
@@ -390,7 +394,7 @@ class SlotManager:
             digest, tensors = await self.cpu.ensure(a.host)
             rank, nbytes = a.host.rank, a.host.nbytes
             a.event = await self.copier.copy_in(a.slot, tensors)
-            self._holds_version(a, digest, rank, nbytes)
+            a.in_slot = (digest, rank, nbytes)
             log.info("adapter %s (pinned): version %s replaced %s in slot %d", a.name, digest[:12], old[:12], a.slot)
         except Exception as exc:
             self.cpu.forget(a.host, digest=old)  # the next refresh round sees the difference and tries again
@@ -407,7 +411,7 @@ class SlotManager:
         The slot stays out of reach (`_clearing`) until the zeroing has finished, even if the
         caller is cancelled meanwhile (a request's deadline): otherwise another adapter could be
         copied into it and then zeroed by the clear still running."""
-        slot, a.slot, a.event = a.slot, -1, None
+        slot, a.slot, a.event, a.in_slot = a.slot, -1, None, NO_VERSION
         if slot >= 0:
             self._slots[slot] = None
             self._clearing.add(slot)
@@ -468,7 +472,7 @@ class SlotManager:
             try:
                 try:
                     a.event = copier.copied(slot, finish())
-                    self._holds_version(a, digest, a.host.rank, a.host.nbytes)
+                    a.in_slot = (digest, a.host.rank, a.host.nbytes)
                 except BaseException as exc:
                     self._copy_failed(a, slot, exc)
             finally:
@@ -490,7 +494,7 @@ class SlotManager:
             t_slot = time.perf_counter()
             try:
                 a.event = await self.copier.copy_in(slot, tensors)
-                self._holds_version(a, digest, rank, nbytes)
+                a.in_slot = (digest, rank, nbytes)
             except BaseException as exc:
                 self._copy_failed(a, slot, exc)
             self._loaded(a, slot, tier, t0, t_fetched, t_slot)
@@ -550,10 +554,10 @@ class SlotManager:
                 a.name,
             )
             self.observer.slot_eviction(old.name)
-            old.slot, old.event = -1, None
+            old.slot, old.event, old.in_slot = -1, None, NO_VERSION
             self._forget_if_unused(old)
+        a.in_slot = NO_VERSION  # until its copy is done: the slot holds no version of it yet
         self._slots[slot], a.slot = a, slot
-        self._holds_version(a, "", 0, 0)  # until its copy is done: the slot holds no version of it yet
 
     async def _wait_for_change(self, deadline: float) -> bool:
         """Waits until slots or loads may have changed (`_notify`), or until the loop time
@@ -640,20 +644,17 @@ class SlotManager:
         return task
 
     @staticmethod
-    def _holds_version(a: _Adapter, digest: str, rank: int, nbytes: int) -> None:
-        """Records the version now in a's slot ("": none yet)."""
-        a.slot_digest, a.slot_rank, a.slot_nbytes = digest, rank, nbytes
-
-    @staticmethod
-    def _version(a: _Adapter) -> tuple[str, int, int]:
-        """(digest, rank, shard bytes) of the version a serves: its slot's where it is in one (also
-        while a pinned adapter's new version is fetched, or after that failed), else its host copy's."""
-        if a.slot >= 0 and a.slot_digest:
-            return a.slot_digest, a.slot_rank, a.slot_nbytes
+    def _version(a: _Adapter, slot: int) -> tuple[str, int, int]:
+        """(digest, rank, shard bytes) of the version a serves, given a.slot as read once (`slot`): its
+        slot's where it is in one (also while a pinned adapter's new version is fetched, or after that
+        failed), else its host copy's."""
+        in_slot = a.in_slot
+        if slot >= 0 and in_slot[0]:
+            return in_slot
         return a.host.digest, a.host.rank, a.host.nbytes
 
     def _state(self, a: _Adapter) -> AdapterState:
-        digest, rank, nbytes = self._version(a)
+        digest, rank, nbytes = self._version(a, a.slot)
         return AdapterState(
             name=a.name,
             digest=digest,
@@ -661,7 +662,7 @@ class SlotManager:
             slot=a.slot,
             pinned=a.pinned,
             in_use=a.in_use,
-            in_cpu_cache=a.host.tensors is not None,
+            in_cpu_cache=a.host.tensors is not None and a.host.digest == digest,  # the version reported
             last_used_unix_ms=a.last_used_unix_ms,
             bytes=nbytes,
             loading=a.loading,

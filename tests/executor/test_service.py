@@ -370,10 +370,11 @@ def test_a_pinned_adapter_whose_new_version_fails_to_load_reports_the_version_it
         c.close()
 
 
-def test_an_adapter_evicted_before_its_prefetch_begins_leaves_no_host_copy(loop_thread, base, adapter_dirs, tmp_path):
+def test_an_adapter_evicted_before_its_prefetch_begins_leaves_no_host_copy(loop_thread, base, adapter_dirs, tmp_path, caplog):
     """A request announces its adapter (want: the prefetch is spawned) and an evict lands before the
-    prefetch task has run (an adapter in no slot is evicted without yielding to the loop): nothing is
-    fetched, and neither the host arena nor the CPU cache holds bytes for it; a later request loads it."""
+    prefetch task has run (an adapter in no slot is evicted without yielding to the loop): no fetch is
+    started (not even one the fetch limit's seat check then cancels), and neither the host arena nor the
+    CPU cache holds bytes for it; a later request loads it."""
     c = Cluster(loop_thread, base[1], adapter_dirs, tmp_path / "store")
     try:
         slots, arena = c.parts.slots, c.parts.arena
@@ -387,7 +388,9 @@ def test_an_adapter_evicted_before_its_prefetch_begins_leaves_no_host_copy(loop_
                 await asyncio.wait(set(slots.cpu._tasks))
             return state
 
-        state = loop_thread.run(evict_between_want_and_prefetch())
+        with caplog.at_level(logging.INFO, logger="loraserve.executor.cpu_cache"):
+            state = loop_thread.run(evict_between_want_and_prefetch())
+        assert not [r for r in caplog.records if "fetching adapter qv8" in r.getMessage()]  # not started at all
         assert (state.slot, state.in_cpu_cache, state.loading) == (-1, False, False)
         assert (arena.live_blocks(), slots.cpu_cache_state(), list(c.client().list())) == (0, (0, 0), [])
         generate(c.client(), "qv8", prompt_ids(0))
