@@ -75,6 +75,8 @@ def quantizes_input(tokens: int, dtype: torch.dtype, weight, weight_scale, bias=
     """Whether fp8_linear of a contiguous x [tokens, K] of `dtype` quantizes x (torch._scaled_mm), not
     the skinny GEMM's W8A16 build (which reads x as it is): where the kernel that writes x should also
     write its quantization (x_fp8). Fixed per token count, so a captured graph's choice holds."""
+    if tokens > triton_linear.MAX_TOKENS:  # prefill steps: never the skinny build (asked per layer and step)
+        return True
     x = torch.empty((tokens, weight.shape[1]), dtype=dtype, device="meta")  # a contiguous x's shape and layout
     if not triton_linear.supported(x, weight, bias, weight_scale):
         return True

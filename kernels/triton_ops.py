@@ -312,53 +312,38 @@ def _act_mul_fp8_row(
 
 
 @triton.jit
-def _silu_mul_kernel(
-    x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_out, stride_q, n,
+def _act_mul_kernel(
+    x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_out, stride_q, n, GELU: tl.constexpr,
     QUANT: tl.constexpr, MIN_AMAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """QUANT: one program per row, the output's FP8 quantization too (_act_mul_fp8_row); else a
-    program per (row, column block), q_ptr, s_ptr and stride_q None (not kernel arguments)."""
+    """act(gate) * up, act gelu_tanh (GELU) or silu. QUANT: one program per row, the output's FP8
+    quantization too (_act_mul_fp8_row); else a program per (row, column block), q_ptr, s_ptr and
+    stride_q None (not kernel arguments)."""
     if QUANT:
-        _act_mul_fp8_row(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_out, stride_q, n, False, MIN_AMAX, FP8_MAX, BLOCK)
+        _act_mul_fp8_row(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_out, stride_q, n, GELU, MIN_AMAX, FP8_MAX, BLOCK)
     else:
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + row * stride_out + offs, _silu_mul(gate, up).to(gate.dtype), mask=mask)
-
-
-@triton.jit
-def _gelu_mul_kernel(
-    x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_out, stride_q, n,
-    QUANT: tl.constexpr, MIN_AMAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """As _silu_mul_kernel, with gelu_tanh."""
-    if QUANT:
-        _act_mul_fp8_row(x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_out, stride_q, n, True, MIN_AMAX, FP8_MAX, BLOCK)
-    else:
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-        up = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + row * stride_out + offs, _gelu_mul(gate, up).to(gate.dtype), mask=mask)
+        y = _gelu_mul(gate, up) if GELU else _silu_mul(gate, up)
+        tl.store(out_ptr + row * stride_out + offs, y.to(gate.dtype), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False):
     """silu(gate) * up: see ops_reference.silu_and_mul. quantize: (out, its per-token FP8
     quantization (q, scale)) from the same kernel (fp8_reference.quantize_per_token)."""
-    return _act_and_mul(_silu_mul_kernel, ops_reference.silu_and_mul, gate_up, quantize)
+    return _act_and_mul(False, ops_reference.silu_and_mul, gate_up, quantize)
 
 
 def gelu_and_mul(gate_up: torch.Tensor, quantize: bool = False):
     """gelu_tanh(gate) * up: see ops_reference.gelu_and_mul; quantize as in silu_and_mul."""
-    return _act_and_mul(_gelu_mul_kernel, ops_reference.gelu_and_mul, gate_up, quantize)
+    return _act_and_mul(True, ops_reference.gelu_and_mul, gate_up, quantize)
 
 
-def _act_and_mul(kernel, reference, gate_up: torch.Tensor, quantize: bool):
-    """[rows, 2n] (gate | up) -> [rows, n] by `kernel`, one program per row and 1,024 columns (with
+def _act_and_mul(gelu: bool, reference, gate_up: torch.Tensor, quantize: bool):
+    """[rows, 2n] (gate | up) -> [rows, n] by _act_mul_kernel, one program per row and 1,024 columns (with
     quantize: per row, returning (out, (q, scale))); a tensor the kernel cannot take (not 2-D, or
     strided columns) goes to `reference`."""
     if gate_up.dim() != 2 or gate_up.stride(1) != 1:
@@ -371,9 +356,9 @@ def _act_and_mul(kernel, reference, gate_up: torch.Tensor, quantize: bool):
     if rows:
         block = 1024
         grid = (rows,) if quantize else (rows, triton.cdiv(n, block))
-        kernel[grid](
+        _act_mul_kernel[grid](
             gate_up, out, q, s, gate_up.stride(0), out.stride(0), q.stride(0) if quantize else None, n,
-            QUANT=quantize, MIN_AMAX=MIN_AMAX, FP8_MAX=FP8_MAX, BLOCK=block,
+            GELU=gelu, QUANT=quantize, MIN_AMAX=MIN_AMAX, FP8_MAX=FP8_MAX, BLOCK=block,
         )  # fmt: skip
     return (out, (q, s)) if quantize else out
 

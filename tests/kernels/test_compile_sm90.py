@@ -113,7 +113,7 @@ def test_grid_dependency_control_is_in_the_programmatic_variants_only(built):
 BASE_KERNELS = {
     "triton_linear": ("_skinny_kernel",),
     "triton_attention": ("_decode_kernel", "_merge_splits_kernel", "_prefill_kernel"),
-    "triton_ops": ("_rms_norm_kernel", "_rope_cache_kernel", "_silu_mul_kernel", "_gelu_mul_kernel", "_greedy_kernel"),
+    "triton_ops": ("_rms_norm_kernel", "_rope_cache_kernel", "_act_mul_kernel", "_greedy_kernel"),
     "triton_meta": ("_group_kernel",),
     "triton_copy": ("_slot_scatter_kernel",),
     "triton_fp8": ("_quantize_per_token_kernel",),
