@@ -129,6 +129,7 @@ class Engine:
             config.max_num_batched_tokens,
             max_admit_delay=config.max_admit_delay_steps,
             long_rope=self._long_rope,
+            dynamic_rope=model.cfg.max_position_embeddings if model.cfg.rope_type == "dynamic" else None,
         )
         # KV-block events for prefix-aware routing (kv_events.py): bound before the warm-up, so a
         # bad endpoint fails the start at once

@@ -3,6 +3,8 @@
 A block's keys and values depend on every token up to its end, on the weights that computed them
 (the base model and the request's adapter version), on how they are stored (the KV dtype, the
 block size) and, for a LongRoPE model, on the factor set its sequence's keys took (long_rope_seed).
+Under dynamic (NTK) RoPE they also depend on the longest sequence of the step that wrote them, past
+max_position_embeddings: such blocks are never filed (scheduler.py's `dynamic_rope`).
 So a block's key is a hash chain:
 
     seed      = H(model, kv dtype, block size, adapter name, adapter content digest)  ("", "": base model)

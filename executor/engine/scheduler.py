@@ -32,6 +32,12 @@ prompt that long is admitted so; a shorter sequence whose next token passes the 
 blocks and is recomputed from its first token (one prefill of about the original length, once),
 under a prefix-cache key chain of its own (prefix_cache.long_rope_seed).
 
+Dynamic (NTK) RoPE (`dynamic_rope`: max_position_embeddings): a step whose longest sequence passes
+that length rotates every key it writes with a base grown for that length, and every later key of
+those sequences attends to them. So a sequence in such a step never files a block from the one that
+step wrote on (`Sequence.num_fileable_blocks`, until it is recomputed), and a sequence longer than
+the length takes no cached blocks (without the cache its whole prefix would take the grown base).
+
 The scheduler only decides; it never runs the model. The engine turns a `SchedulePlan`
 into input_ids / positions / attention metadata and reports sampled tokens back through
 `append_token`.
@@ -72,6 +78,8 @@ class Sequence:
     num_keyed_blocks: int = 0  # leading blocks of block_table found in or filed into the cache
     num_cached_tokens: int | None = None  # prompt tokens found cached at its first admission; None: not admitted yet
     long_rope: bool = False  # LongRoPE: its keys take the long factors at every position (Scheduler's long_rope)
+    # dynamic RoPE: leading blocks it may file; those after took a grown base (Scheduler's dynamic_rope). None: all
+    num_fileable_blocks: int | None = None
 
     @property
     def num_uncomputed(self) -> int:
@@ -116,8 +124,10 @@ class Scheduler:
         admit_ratio: float = 0.0,
         max_admit_delay: int = 0,
         long_rope: int | None = None,
+        dynamic_rope: int | None = None,
     ):
-        """long_rope: a LongRoPE model's original_max_position_embeddings (batch.long_rope_length), else None."""
+        """long_rope: a LongRoPE model's original_max_position_embeddings (batch.long_rope_length), else None.
+        dynamic_rope: a dynamic-RoPE model's max_position_embeddings (its base grows past it), else None."""
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -132,6 +142,7 @@ class Scheduler:
         self.deferred_steps = 0  # steps planned while pacing held ready requests back (planned-ahead ones too)
         self.kv_events: KVEventPublisher | None = None  # told of each run of filed blocks; None: nobody
         self.long_rope = long_rope
+        self.dynamic_rope = dynamic_rope
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -238,11 +249,17 @@ class Scheduler:
         caching), for sequences still holding the blocks it was planned with. Call it after the
         step's device work is done and before its sampled tokens are appended."""
         bs = self.block_size
+        grown = self.dynamic_rope is not None and max(s.context_len + s.num_tokens for s in plan.seqs) > self.dynamic_rope
         for s in plan.seqs:
             seq = s.seq
             if seq.cache_seed is None or seq.finished or seq.preemptions != s.preemptions:
                 continue
+            if grown:  # the step's keys took a base grown past dynamic_rope: from its first block on, none is filed
+                first = s.context_len // bs
+                seq.num_fileable_blocks = first if seq.num_fileable_blocks is None else min(seq.num_fileable_blocks, first)
             full = min((s.context_len + s.num_tokens) // bs, len(seq.block_table))
+            if seq.num_fileable_blocks is not None:
+                full = min(full, seq.num_fileable_blocks)
             if full <= seq.num_keyed_blocks:
                 continue
             extend_keys(seq.block_keys, seq.cache_seed, seq.token_ids, bs, full)
@@ -300,7 +317,7 @@ class Scheduler:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks of seq's longest cached run of full blocks, short of its last token."""
-        if seq.cache_seed is None:
+        if seq.cache_seed is None or (self.dynamic_rope is not None and len(seq.token_ids) > self.dynamic_rope):
             return []
         limit = (len(seq.token_ids) - 1) // self.block_size
         extend_keys(seq.block_keys, seq.cache_seed, seq.token_ids, self.block_size, limit)
@@ -336,3 +353,4 @@ class Scheduler:
             self.allocator.free(seq.block_table)
             seq.block_table = []
         seq.num_keyed_blocks = 0
+        seq.num_fileable_blocks = None  # what it computes again is judged afresh

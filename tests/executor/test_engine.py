@@ -798,3 +798,32 @@ async def test_a_thousand_short_requests_cancelled_preempted_or_not_leave_no_blo
     assert hits > 100 and cancelled > 100
     assert any("preempted seq" in r.getMessage() for r in caplog.records)
     assert _no_block_held(engine) and engine.allocator.num_free == 12
+
+
+async def test_dynamic_rope_never_shares_blocks_written_with_a_grown_base(hf_model):
+    """Dynamic (NTK) RoPE grows its base in a step whose longest sequence passes max_position_embeddings
+    (16 here): a longer prompt takes no cached prefix (computed whole, its prefix would take the grown
+    base), and blocks written with a grown base are never filed; prompts within the length still share.
+    Caching off is the reference (transformers' dynamic RoPE keeps the base of its longest call so far)."""
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0}
+    _, path = hf_model("llama", rope_parameters=rope, max_position_embeddings=16)
+    model = load_model(path)
+    cases = []
+    for seed, short_first in ((3, True), (6, False)):
+        prefix = _prompt(12, seed)
+        short, long = (prefix + _prompt(1, seed + 1), 3), (prefix + _prompt(8, seed + 2), 4)  # 13 + 3 tokens; 20 tokens
+        cases += [short, long] if short_first else [long, short]
+    cases.append(cases[0])  # within the length: the plain-base blocks are shared
+    results = {}
+    for caching in (False, True):
+        engine = _engine(model, max_model_len=32, prefix_caching=caching)
+        engine.start()
+        try:
+            results[caching] = [await _collect(engine, _greedy(p, n, return_logprobs=True)) for p, n in cases]
+            _assert_idle(engine)
+        finally:
+            await engine.stop()
+    for (ids, _, outs), (want_ids, _, want_outs) in zip(results[True], results[False]):
+        assert ids == want_ids
+        assert [lp for o in outs for lp in o.logprobs] == pytest.approx([lp for o in want_outs for lp in o.logprobs], abs=1e-5)
+    assert [outs[-1].cached_tokens for _, _, outs in results[True]] == [0, 0, 0, 0, 12]

@@ -243,3 +243,39 @@ def test_a_thousand_mixed_requests_with_cancels_and_preemptions_leave_no_block_h
     assert sched.allocator.num_held == 0 and sched.allocator.num_free == 24
     assert all(sched.allocator.refs(b) == 0 for b in range(24))
     assert not sched.has_work()
+
+
+def test_dynamic_rope_files_no_block_a_grown_base_wrote_and_a_longer_prompt_takes_none():
+    sched = Scheduler(BlockAllocator(32), BLOCK, 8, 64, dynamic_rope=16)
+    prompt = list(range(1, 10))  # 2 full blocks + 1 token
+    short, long = _seq(prompt), _seq(list(range(100, 118)))  # 18 tokens > 16: its step grows the base
+    sched.add(short)
+    plan = sched.schedule()
+    sched.cache_computed(plan)  # alone, within the length: its blocks are filed
+    assert sched.allocator.num_cached == 2
+    sched.append_token(short, 7)
+    sched.add(long)
+    mixed = _seq(list(range(40, 52)))  # 3 full blocks, computed beside the long one
+    sched.add(mixed)
+    plan = sched.schedule()
+    assert {s.seq for s in plan.seqs} == {short, long, mixed}
+    sched.cache_computed(plan)
+    assert sched.allocator.num_cached == 2 and mixed.num_fileable_blocks == 0 and short.num_fileable_blocks == 2
+    sched.finish(long)
+    for s in plan.seqs:  # later steps within the length file nothing past the grown step's first block
+        if s.seq is not long:
+            sched.append_token(s.seq, 7)
+    for _ in range(4):  # up to 16 tokens: steps of the unchanged base, completing blocks 2 and 3
+        plan = sched.schedule()
+        assert max(s.context_len + s.num_tokens for s in plan.seqs) <= 16
+        sched.cache_computed(plan)
+        for s in plan.seqs:
+            sched.append_token(s.seq, 7)
+    assert len(short.token_ids) == 15 and len(mixed.token_ids) == 17
+    assert sched.allocator.num_cached == 2
+    again = _seq(prompt[:8] + list(range(200, 210)))  # 18 tokens: the cached 2 blocks are not taken
+    sched.add(again)
+    sched.finish(short)
+    sched.finish(mixed)
+    (s,) = sched.schedule().seqs
+    assert again.num_cached_tokens == 0 and s.context_len == 0
