@@ -164,19 +164,26 @@ def test_each_gemma_feature_changes_the_logits(family, feature, gemma, paged_run
     assert (logits - _hf_logits(ref, ids)).abs().max() > 1e-2
 
 
+FULL, LOCAL = "full_attention", "sliding_attention"
 CONFIG_EDITS = {
-    # name: (family, model overrides, config.json keys removed): configs transformers reads its own way
+    # name: (family, model overrides, config.json keys removed): the forms published configs take, and
+    # those transformers reads its own way
     "gemma-no-tie-key": ("gemma", {}, ["tie_word_embeddings"]),  # the published Gemma 1/2, Gemma-3-1B configs
     "gemma2-no-tie-key": ("gemma2", {}, ["tie_word_embeddings"]),
     "gemma3-no-tie-key": ("gemma3", {}, ["tie_word_embeddings"]),
     "gemma3-attn-softcap": ("gemma3", dict(attn_logit_softcapping=1.5), []),  # read by transformers, never applied
-}
+    "gemma2-no-softcaps": ("gemma2", dict(attn_logit_softcapping=None, final_logit_softcapping=None), []),
+    # Gemma-3 4B+'s linear factor 8 on the global layers; windows of 3 in an irregular layer pattern
+    "gemma3-linear8-layer-types": ("gemma3", dict(rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=3,
+                                                  layer_types=[FULL, LOCAL, LOCAL, FULL]), []),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CONFIG_EDITS))
 def test_config_json_reads_as_transformers_reads_it(case, paged_runner, tmp_path):
     """The edited config.json loaded by transformers and by us: the same tied lm_head (Gemma's
-    classes tie where the key is absent), the store's base model too, and the same logits."""
+    classes tie where the key is absent), the store's base model too, and the same logits of a
+    13-token prompt (past every window)."""
     import transformers
 
     family, overrides, removed = CONFIG_EDITS[case]
