@@ -66,6 +66,16 @@ GEMMA3_TEXT_DEFAULTS = dict(
 )  # fmt: skip
 
 
+# Families whose transformers config class ties lm_head to the embedding where config.json does not say
+# (the published Gemma 1, Gemma 2 and Gemma-3-1B configs omit the key); the other families' classes untie.
+TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3_text")
+
+
+def tie_word_embeddings(cfg: dict) -> bool:
+    """A config.json's tie_word_embeddings as transformers reads it: its value, else its family's default."""
+    return bool(cfg.get("tie_word_embeddings", cfg.get("model_type") in TIED_BY_DEFAULT))
+
+
 def gemma3_text_config(cfg: dict) -> dict:
     """A multimodal Gemma 3 config.json ("gemma3") -> its language model's config ("gemma3_text"): the
     text_config over Gemma3TextConfig's defaults, with the top level's token ids and tie_word_embeddings.
@@ -104,7 +114,7 @@ def from_hf_config(name: str, cfg: dict, aliases: tuple[str, ...] = ()) -> BaseM
             mods.update(_moe_modules(p, cfg, hidden))
         else:
             mods.update(_mlp_modules(f"{p}.mlp", hidden, cfg["intermediate_size"]))
-    tied = bool(cfg.get("tie_word_embeddings", False))  # as executor/model/config.py reads it
+    tied = tie_word_embeddings(cfg)  # as executor/model/config.py reads it
     return BaseModelSpec(name, frozenset(aliases), mods, experts, vocab, hidden, tied)
 
 

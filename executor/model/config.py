@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraserve.adapter_store.base_model import gemma3_text_config
+from loraserve.adapter_store.base_model import gemma3_text_config, tie_word_embeddings
 
 # Families that share the Llama block (RMSNorm, RoPE, GQA, SiLU-gated MLP). SmolLM2 ships as "llama".
 # The MoE families swap the MLP of their sparse layers for routed experts (executor/model/moe.py).
@@ -68,7 +68,7 @@ class ModelConfig:
     scale_embeddings: bool = False  # embeddings (and their LoRA) times sqrt(hidden_size), cast to the model dtype
     sandwich_norms: bool = False  # Gemma 2/3: post-attention, pre- and post-feed-forward norms around each block
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim ** -0.5)
-    attn_logit_softcap: float | None = None  # attention scores become c * tanh(s / c) before the softmax
+    attn_logit_softcap: float | None = None  # Gemma 2: attention scores become c * tanh(s / c) before the softmax
     final_logit_softcap: float | None = None  # logits become c * tanh(l / c)
     layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: global); empty: sliding_window
     rope_local_theta: float | None = None  # Gemma 3: RoPE base (unscaled) of the sliding-window layers
@@ -183,7 +183,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=tie_word_embeddings(cfg),
             attention_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -246,7 +246,8 @@ def _gemma_from_hf(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     fields.update(
         sandwich_norms=True,
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),  # transformers' default where a config has none
-        attn_logit_softcap=cfg.get("attn_logit_softcapping") or None,
+        # Gemma 3's attention takes no soft-cap: transformers reads attn_logit_softcapping and never applies it
+        attn_logit_softcap=(cfg.get("attn_logit_softcapping") or None) if model_type == "gemma2" else None,
         final_logit_softcap=cfg.get("final_logit_softcapping") or None,
         layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
     )

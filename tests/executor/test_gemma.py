@@ -164,6 +164,40 @@ def test_each_gemma_feature_changes_the_logits(family, feature, gemma, paged_run
     assert (logits - _hf_logits(ref, ids)).abs().max() > 1e-2
 
 
+FULL, LOCAL = "full_attention", "sliding_attention"
+CONFIG_EDITS = {
+    # name: (family, model overrides, config.json keys removed): the forms published configs take, and
+    # those transformers reads its own way
+    "gemma-no-tie-key": ("gemma", {}, ["tie_word_embeddings"]),  # the published Gemma 1/2, Gemma-3-1B configs
+    "gemma2-no-tie-key": ("gemma2", {}, ["tie_word_embeddings"]),
+    "gemma3-no-tie-key": ("gemma3", {}, ["tie_word_embeddings"]),
+    "gemma3-attn-softcap": ("gemma3", dict(attn_logit_softcapping=1.5), []),  # read by transformers, never applied
+    "gemma2-no-softcaps": ("gemma2", dict(attn_logit_softcapping=None, final_logit_softcapping=None), []),
+    # Gemma-3 4B+'s linear factor 8 on the global layers; windows of 3 in an irregular layer pattern
+    "gemma3-linear8-layer-types": ("gemma3", dict(rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=3,
+                                                  layer_types=[FULL, LOCAL, LOCAL, FULL]), []),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CONFIG_EDITS))
+def test_config_json_reads_as_transformers_reads_it(case, paged_runner, tmp_path):
+    """The edited config.json loaded by transformers and by us: the same tied lm_head (Gemma's
+    classes tie where the key is absent), the store's base model too, and the same logits of a
+    13-token prompt (past every window)."""
+    import transformers
+
+    family, overrides, removed = CONFIG_EDITS[case]
+    _hf(family, **overrides).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in removed}))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    model = load_hf_checkpoint(tmp_path)
+    assert model.cfg.tie_word_embeddings and base_model.from_hf_dir(tmp_path, family).tied_embeddings
+    ids = _prompt(13, 1)
+    (logits,) = paged_runner(model, block_size=4).step([("a", ids)])
+    torch.testing.assert_close(logits, _hf_logits(ref, ids), atol=ATOL, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def peft_ref(gemma):
     """peft_ref(family) -> (PeftModel holding every adapter of ADAPTERS, the base dir)."""
@@ -449,6 +483,7 @@ def test_published_v4_configs_read_as_their_models():
     ))  # fmt: skip
     assert g2.layer_windows[:3] == (4096, None, 4096) and g2.layer_windows.count(None) == 21
     assert (g2.attn_logit_softcap, g2.final_logit_softcap, g2.rope_local_theta) == (50.0, 30.0, None)
+    assert g2.tie_word_embeddings  # no tie_word_embeddings key: Gemma2Config's default
     g3 = ModelConfig.from_hf_config(dict(
         model_type="gemma3", eos_token_id=[1, 106], vision_config={"hidden_size": 1152},
         text_config=dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
