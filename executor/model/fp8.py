@@ -1,14 +1,17 @@
 """FP8 base weights: the published checkpoint formats, their scales, and FP8 <-> float conversion.
 
 Formats (read from config.json's `quantization_config` before any weight is loaded):
-- compressed-tensors "float-quantized" (llm-compressor's FP8 / FP8_DYNAMIC / FP8_BLOCK): float8_e4m3fn
+- compressed-tensors "float-quantized" (llm-compressor's FP8 / FP8_DYNAMIC / FP8_BLOCK; its earlier
+  releases' "naive-quantized", the same FP8 values under another name): float8_e4m3fn
   `<module>.weight` with `<module>.weight_scale` per tensor ([1]), per output channel ([N, 1]) or per
   block ([ceil(N/bn), ceil(K/bk)]); activations dynamic per token, or static per tensor
   (`<module>.input_scale`, [1]); modules in `ignore` are unquantized;
 - block-wise "fp8" (Qwen3 / DeepSeek FP8): `<module>.weight_scale_inv` per `weight_block_size` block
   (fused experts `experts.gate_up_proj` / `experts.down_proj`: `<name>_scale_inv`, [E, ...]);
-  modules in `modules_to_not_convert` are unquantized.
-In both, the real weight is q * scale (block-wise: the block's scale; the `_inv` names the inverse of
+  modules in `modules_to_not_convert` or `ignored_layers` are unquantized;
+- per-tensor "fp8" (AutoFP8's, no `weight_block_size`): `<module>.weight_scale` per tensor, a static
+  `<module>.input_scale` where `activation_scheme` is "static"; modules in `ignored_layers` unquantized.
+In all, the real weight is q * scale (block-wise: the block's scale; the `_inv` names the inverse of
 the quantization's multiplier). Anything else is refused naming it.
 
 `Fp8Checkpoint.check` validates every FP8 tensor's scale (present, shaped for its weight, finite, not
@@ -37,6 +40,7 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 QUANTIZATIONS = ("fp8",)  # --quantization: quantize a bf16/fp16 checkpoint's linear layers at load
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
 _STRATEGIES = ("tensor", "channel", "block")
+_CT_FORMATS = ("float-quantized", "naive-quantized")
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class Fp8Scheme:
     ("tensor", "channel" or "block" of `block` = (rows, columns)); static_input: every quantized module
     carries a per-tensor `input_scale` (validated; activations are quantized per token whatever it says)."""
 
-    method: str  # "compressed-tensors" | "fp8"
+    method: str  # "compressed-tensors" | "fp8" (block-wise, or per tensor without a block)
     strategy: str
     block: tuple[int, int] | None
     ignore: tuple[str, ...]
@@ -53,11 +57,13 @@ class Fp8Scheme:
 
     @property
     def scale_suffix(self) -> str:
-        return "weight_scale_inv" if self.method == "fp8" else "weight_scale"
+        return "weight_scale_inv" if self.method == "fp8" and self.block else "weight_scale"
 
     def describe(self) -> str:
         layout = f"{self.block[0]}x{self.block[1]}-block" if self.block else f"per-{self.strategy}"
-        return f"{'block-wise fp8' if self.method == 'fp8' else self.method} FP8 ({layout} weight scales)"
+        if self.method == "fp8":
+            return f"block-wise fp8 FP8 ({layout} weight scales)" if self.block else f"fp8 ({layout} weight scales)"
+        return f"{self.method} FP8 ({layout} weight scales)"
 
     def ignores(self, module: str) -> bool:
         """Whether `module` (a dotted path) is left unquantized: an entry naming it (or a parent, or its
@@ -81,15 +87,20 @@ def checkpoint_scheme(hf_config: dict[str, Any]) -> Fp8Scheme | None:
     if method == "compressed-tensors":
         return _compressed_tensors(q)
     if method == "fp8":
-        return _block_fp8(q)
+        return _fp8(q)
     raise ValueError(
         f"quantization_config quant_method {method!r} is not supported; supported: compressed-tensors "
-        "(format float-quantized, FP8 weights) and fp8 (block-wise, weight_block_size)"
+        "(format float-quantized, FP8 weights) and fp8 (block-wise with weight_block_size, or per tensor)"
     )
 
 
 def _compressed_tensors(q: dict[str, Any]) -> Fp8Scheme | None:
     where = "quantization_config (compressed-tensors)"
+    sparsity = (q.get("sparsity_config") or {}).get("format")
+    if sparsity not in (None, "dense"):  # e.g. sparse-24-bitmask: the weights are stored compressed
+        raise ValueError(f"{where}: sparsity_config format {sparsity!r} is not supported; only dense weights")
+    if q.get("transform_config"):  # rotations the model would have to apply at run time
+        raise ValueError(f"{where}: transform_config (weight and activation transforms) is not supported")
     groups = q.get("config_groups") or {}
     if not groups:
         if q.get("kv_cache_scheme"):
@@ -98,8 +109,11 @@ def _compressed_tensors(q: dict[str, Any]) -> Fp8Scheme | None:
     schemes = set()
     for name, group in groups.items():
         fmt = group.get("format") or q.get("format")
-        if fmt != "float-quantized":
-            raise ValueError(f"{where}: format {fmt!r} of config group {name!r} is not supported; only float-quantized (FP8)")
+        if fmt not in _CT_FORMATS:  # with FP8 arguments (checked next) both store float8_e4m3fn values
+            raise ValueError(
+                f"{where}: format {fmt!r} of config group {name!r} is not supported; only float-quantized (FP8) "
+                "or naive-quantized with FP8 weights"
+            )
         w, a = group.get("weights") or {}, group.get("input_activations")
         _check_fp8_args(w, f"{where} group {name!r} weights")
         strategy = w.get("strategy")
@@ -138,19 +152,23 @@ def _check_fp8_args(args: dict[str, Any], where: str) -> None:
         )
 
 
-def _block_fp8(q: dict[str, Any]) -> Fp8Scheme:
+def _fp8(q: dict[str, Any]) -> Fp8Scheme:
     where = "quantization_config (fp8)"
-    if q.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(f"{where}: activation_scheme {q.get('activation_scheme')!r} is not supported; only dynamic")
+    activations = q.get("activation_scheme", "dynamic")
+    block = q.get("weight_block_size")
+    if activations not in ("dynamic", "static") or (block is not None and activations != "dynamic"):
+        supported = "dynamic" if block is not None else "dynamic or static"
+        raise ValueError(f"{where}: activation_scheme {activations!r} is not supported; only {supported}")
     if q.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"{where}: fmt {q.get('fmt')!r} is not supported; only e4m3")
     if q.get("scale_fmt", "float") != "float":
         raise ValueError(f"{where}: scale_fmt {q.get('scale_fmt')!r} is not supported; only float scales")
     if q.get("expert_dtype", "fp8") != "fp8":
         raise ValueError(f"{where}: expert_dtype {q.get('expert_dtype')!r} is not supported; only fp8")
-    block = _block_size(q.get("weight_block_size"), f"{where} weight_block_size")
-    ignore = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
-    return Fp8Scheme("fp8", "block", block, tuple(ignore), False)
+    ignore = (*(q.get("modules_to_not_convert") or ()), *(q.get("ignored_layers") or ()))
+    if block is None:  # AutoFP8's per-tensor format
+        return Fp8Scheme("fp8", "tensor", None, ignore, activations == "static")
+    return Fp8Scheme("fp8", "block", _block_size(block, f"{where} weight_block_size"), ignore, False)
 
 
 def _block_size(value, where: str) -> tuple[int, int]:

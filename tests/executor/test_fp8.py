@@ -38,7 +38,8 @@ peft = pytest.importorskip("peft")
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 QUANTIZED = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight$")  # every linear layer but lm_head and routers
-FORMATS = ("ct-channel", "ct-tensor", "ct-block", "block")  # compressed-tensors' three strategies, block-wise fp8
+# compressed-tensors' three strategies, block-wise fp8, per-tensor fp8 (AutoFP8's)
+FORMATS = ("ct-channel", "ct-tensor", "ct-block", "block", "fp8-tensor")
 
 
 # ---- the tests' own quantizer and checkpoint writer ----------------------------------------------
@@ -73,23 +74,28 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, strategy: str, block=(16, 1
     return q.float() * full
 
 
-def write_fp8(src, dst, fmt: str, block=(16, 16), fuse_experts: bool = False, static_input: bool = False):
+def write_fp8(src, dst, fmt: str, block=(16, 16), fuse_experts=False, static_input=False, stored_scale=None, quantized=QUANTIZED):
     """Writes src (a save_pretrained dir) as an FP8 checkpoint in `fmt` at dst, and its dequantized
-    weights as a float checkpoint at dst/reference; returns that reference dir."""
-    strategy = {"ct-channel": "channel", "ct-tensor": "tensor", "ct-block": "block", "block": "block"}[fmt]
+    weights as a float checkpoint at dst/reference; returns that reference dir. stored_scale(scale):
+    the scale as the checkpoint stores it (another dtype or shape of the same values; the weights
+    dequantize with the values stored). quantized: the names of the weights to quantize (and experts')."""
+    strategy = {"block": "block", "fp8-tensor": "tensor"}.get(fmt) or fmt.removeprefix("ct-")
     with safe_open(str(src / "model.safetensors"), "pt") as f:
         tensors = {n: f.get_tensor(n) for n in f.keys()}
     out, ref = {}, dict(tensors)
     if fuse_experts:  # transformers 5's [E, ...] experts: gate|up rows fused, as the block format ships them
         tensors = _fused_experts(tensors)
     for name, w in tensors.items():
-        if not (QUANTIZED.fullmatch(name) or name.endswith(("experts.gate_up_proj", "experts.down_proj"))):
+        if not (quantized.fullmatch(name) or name.endswith(("experts.gate_up_proj", "experts.down_proj"))):
             out[name] = w
             continue
         q, scale = quantize(w, strategy, block)
         out[name] = q
         suffix = "_scale_inv" if fmt == "block" else "_scale"
-        out[f"{name}{suffix}" if not name.endswith(".weight") else f"{name}{suffix}"] = scale
+        if stored_scale is not None:
+            stored = stored_scale(scale)
+            scale = stored.float().reshape(scale.shape)
+        out[f"{name}{suffix}"] = scale if stored_scale is None else stored
         if static_input:
             out[f"{name.removesuffix('.weight')}.input_scale"] = torch.tensor([0.05])
         deq = dequantize(q, scale, strategy, block)
@@ -120,6 +126,12 @@ def quantization_config(fmt: str, block=(16, 16), static_input: bool = False) ->
             "activation_scheme": "dynamic",
             "weight_block_size": list(block),
             "modules_to_not_convert": ["lm_head"],
+        }
+    if fmt == "fp8-tensor":  # AutoFP8's
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "static" if static_input else "dynamic",
+            "ignored_layers": ["lm_head"],
         }
     inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
     if static_input:
@@ -285,9 +297,10 @@ def test_a_sharded_fp8_checkpoint_finds_each_scale_in_another_file(fp8_checkpoin
     _assert_same_params(load_model(sharded), load_model(ref_dir))
 
 
-def test_a_checkpoint_with_static_input_scales_loads(fp8_checkpoint):
+@pytest.mark.parametrize("fmt", ["ct-tensor", "fp8-tensor"])
+def test_a_checkpoint_with_static_input_scales_loads(fmt, fp8_checkpoint):
     """Static per-tensor input_scale (checked, one value, finite): the weights load as the dequantized ones."""
-    path, ref_dir = fp8_checkpoint("llama", "ct-tensor", static_input=True)
+    path, ref_dir = fp8_checkpoint("llama", fmt, static_input=True)
     _assert_same_params(load_model(path), load_model(ref_dir))
 
 
@@ -344,8 +357,16 @@ Q = "model.layers.0.self_attn.q_proj"
             lambda q: q["config_groups"]["group_0"]["input_activations"].update(strategy="tensor"),
             "input_activations dynamic=True strategy 'tensor' is not supported",
         ),
+        (
+            lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}),
+            "sparsity_config format 'sparse-24-bitmask' is not supported; only dense weights",
+        ),
+        (
+            lambda q: q.update(transform_config={"config_groups": {"R1": {"type": "hadamard"}}}),
+            r"transform_config \(weight and activation transforms\) is not supported",
+        ),
     ],
-    ids=["method", "format", "num_bits", "type", "strategy", "kv-cache", "activations"],
+    ids=["method", "format", "num_bits", "type", "strategy", "kv-cache", "activations", "sparse", "transforms"],
 )
 def test_unsupported_compressed_tensors_configs_are_refused_naming_them(edit, match, fp8_checkpoint, refuses, tmp_path):
     path, _ = fp8_checkpoint("llama", "ct-channel")
