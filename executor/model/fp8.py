@@ -5,7 +5,8 @@ Formats (read from config.json's `quantization_config` before any weight is load
   releases' "naive-quantized", the same FP8 values under another name): float8_e4m3fn
   `<module>.weight` with `<module>.weight_scale` per tensor ([1]), per output channel ([N, 1]) or per
   block ([ceil(N/bn), ceil(K/bk)]); activations dynamic per token, or static per tensor
-  (`<module>.input_scale`, [1]); modules in `ignore` are unquantized;
+  (`<module>.input_scale`, [1]); modules in `ignore` are unquantized; config groups may each use
+  their own strategy (a weight's scale shape says which; one block size at most);
 - block-wise "fp8" (Qwen3 / DeepSeek FP8): `<module>.weight_scale_inv` per `weight_block_size` block
   (fused experts `experts.gate_up_proj` / `experts.down_proj`: `<name>_scale_inv`, [E, ...]);
   modules in `modules_to_not_convert` or `ignored_layers` are unquantized;
@@ -45,22 +46,28 @@ _CT_FORMATS = ("float-quantized", "naive-quantized")
 
 @dataclass(frozen=True)
 class Fp8Scheme:
-    """What a checkpoint's quantization_config says. strategy: how weight scales are laid out
-    ("tensor", "channel" or "block" of `block` = (rows, columns)); static_input: every quantized module
-    carries a per-tensor `input_scale` (validated; activations are quantized per token whatever it says)."""
+    """What a checkpoint's quantization_config says. layouts: how its weight scales are laid out, each
+    (strategy, block): ("tensor" | "channel", None) or ("block", (rows, columns)); config groups may
+    each use their own, a weight's being the one its scale's shape fits (blocks first, then channels,
+    then one per tensor; at most one block size). static_input: every quantized module carries a
+    per-tensor `input_scale` (validated; activations are quantized per token whatever it says)."""
 
     method: str  # "compressed-tensors" | "fp8" (block-wise, or per tensor without a block)
-    strategy: str
-    block: tuple[int, int] | None
+    layouts: tuple[tuple[str, tuple[int, int] | None], ...]
     ignore: tuple[str, ...]
     static_input: bool
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        """The block size of the block layout, if the scheme has one."""
+        return next((block for _, block in self.layouts if block is not None), None)
 
     @property
     def scale_suffix(self) -> str:
         return "weight_scale_inv" if self.method == "fp8" and self.block else "weight_scale"
 
     def describe(self) -> str:
-        layout = f"{self.block[0]}x{self.block[1]}-block" if self.block else f"per-{self.strategy}"
+        layout = " and ".join(f"{b[0]}x{b[1]}-block" if b else f"per-{strategy}" for strategy, b in self.layouts)
         if self.method == "fp8":
             return f"block-wise fp8 FP8 ({layout} weight scales)" if self.block else f"fp8 ({layout} weight scales)"
         return f"{self.method} FP8 ({layout} weight scales)"
@@ -139,10 +146,12 @@ def _compressed_tensors(q: dict[str, Any]) -> Fp8Scheme | None:
         if group.get("output_activations"):
             raise ValueError(f"{where} group {name!r}: output_activations quantization is not supported")
         schemes.add((strategy, block, static))
-    if len(schemes) > 1:
-        raise ValueError(f"{where}: config groups with different weight schemes are not supported: {sorted(map(str, schemes))}")
-    strategy, block, static = schemes.pop()
-    return Fp8Scheme("compressed-tensors", strategy, block, tuple(q.get("ignore") or ()), static)
+    blocks = sorted({block for _, block, _ in schemes if block is not None})
+    if len(blocks) > 1:  # a scale grid could fit two of them
+        raise ValueError(f"{where}: config groups with different block sizes are not supported: {blocks}")
+    layouts = sorted({(strategy, block) for strategy, block, _ in schemes}, key=lambda x: _STRATEGIES.index(x[0]), reverse=True)
+    static = all(static for _, _, static in schemes)  # else each present input_scale is still checked
+    return Fp8Scheme("compressed-tensors", tuple(layouts), tuple(q.get("ignore") or ()), static)
 
 
 def _check_fp8_args(args: dict[str, Any], where: str) -> None:
@@ -167,8 +176,8 @@ def _fp8(q: dict[str, Any]) -> Fp8Scheme:
         raise ValueError(f"{where}: expert_dtype {q.get('expert_dtype')!r} is not supported; only fp8")
     ignore = (*(q.get("modules_to_not_convert") or ()), *(q.get("ignored_layers") or ()))
     if block is None:  # AutoFP8's per-tensor format
-        return Fp8Scheme("fp8", "tensor", None, ignore, activations == "static")
-    return Fp8Scheme("fp8", "block", _block_size(block, f"{where} weight_block_size"), ignore, False)
+        return Fp8Scheme("fp8", (("tensor", None),), ignore, activations == "static")
+    return Fp8Scheme("fp8", (("block", _block_size(block, f"{where} weight_block_size")),), ignore, False)
 
 
 def _block_size(value, where: str) -> tuple[int, int]:
@@ -243,6 +252,7 @@ class Fp8Checkpoint:
     def __init__(self, scheme: Fp8Scheme, meta: dict[str, tuple[str, list[int]]], read_tensor):
         self.scheme = scheme
         self.scales: dict[str, torch.Tensor] = {}  # weight name -> scale in Quantized's layout, float32
+        self.blocks: dict[str, tuple[int, int] | None] = {}  # weight name -> its scales' block (None: per tensor / row)
         self._check(meta, read_tensor)
 
     def is_scale(self, name: str) -> bool:
@@ -275,7 +285,7 @@ class Fp8Checkpoint:
             scale_name = self.scale_name(name)
             if scale_name not in meta:
                 raise ValueError(f"checkpoint tensor {name!r} is FP8 but its scale {scale_name!r} is missing")
-            self.scales[name] = self._scale(scale_name, meta[scale_name], shape, read_tensor)
+            self.scales[name], self.blocks[name] = self._scale(scale_name, meta[scale_name], shape, read_tensor)
             if s.static_input:
                 input_name = f"{module}.input_scale"
                 if input_name not in meta:
@@ -297,26 +307,31 @@ class Fp8Checkpoint:
             if weight is None:
                 raise ValueError(f"checkpoint tensor {name!r} is a scale, but no FP8 weight of this format uses it")
 
-    def _scale(self, name: str, meta: tuple[str, list[int]], weight_shape: list[int], read_tensor) -> torch.Tensor:
-        """The scale of a weight of weight_shape [..., N, K], validated, in Quantized's layout."""
+    def _scale(self, name: str, meta: tuple[str, list[int]], weight_shape: list[int], read_tensor):
+        """(the scale of a weight of weight_shape [..., N, K], validated, in Quantized's layout, its block):
+        the first of the scheme's layouts its shape fits."""
         s, (dtype, shape) = self.scheme, meta
         lead, (n, k) = list(weight_shape[:-2]), weight_shape[-2:]
-        if s.block is not None:
-            want = [*lead, math.ceil(n / s.block[0]), math.ceil(k / s.block[1])]
-            ok = list(shape) == want
-        elif s.strategy == "channel":
-            want = [*lead, n, 1]
-            ok = list(shape) in (want, [*lead, n])
-        else:  # one scale per tensor (per expert of a fused [E, N, K] tensor)
-            want = [*lead, 1, 1]
-            ok = math.prod(shape) == math.prod(lead) and (not lead or list(shape[: len(lead)]) == lead)
-        if not ok:
-            raise ValueError(
-                f"checkpoint tensor {name!r} is {list(shape)}; {s.describe()} of a {list(weight_shape)} weight take {want}"
-            )
-        value = _float_tensor(name, dtype, read_tensor)
-        _check_values(name, value)
-        return value.reshape(want)
+        wants = []
+        for strategy, block in s.layouts:
+            if block is not None:
+                want = [*lead, math.ceil(n / block[0]), math.ceil(k / block[1])]
+                ok = list(shape) == want
+            elif strategy == "channel":
+                want = [*lead, n, 1]
+                ok = list(shape) in (want, [*lead, n])
+            else:  # one scale per tensor (per expert of a fused [E, N, K] tensor)
+                want = [*lead, 1, 1]
+                ok = math.prod(shape) == math.prod(lead) and (not lead or list(shape[: len(lead)]) == lead)
+            if ok:
+                value = _float_tensor(name, dtype, read_tensor)
+                _check_values(name, value)
+                return value.reshape(want), block
+            wants.append(str(want))
+        raise ValueError(
+            f"checkpoint tensor {name!r} is {list(shape)}; {s.describe()} of a {list(weight_shape)} weight take "
+            + " or ".join(wants)
+        )
 
     def read(self, name: str, full_shape: list[int], read_part, cut) -> Quantized:
         """The FP8 weight `name`, cut to `cut` = (dim, slice) or None (all of it), with its scales cut to
@@ -325,15 +340,16 @@ class Fp8Checkpoint:
         if cut is not None:
             dim, part = cut
             scale = self._cut_scale(name, scale, full_shape, dim, part)
-        return Quantized(read_part(cut), scale, self.scheme.block)
+        return Quantized(read_part(cut), scale, self.blocks[name])
 
     def _cut_scale(self, name: str, scale: torch.Tensor, full_shape: list[int], dim: int, part: slice) -> torch.Tensor:
         ndim = len(full_shape)
         if scale.shape[dim] == 1:  # per tensor, or a row-parallel cut of per-row scales: whole
             return scale
-        if self.scheme.block is None or dim < ndim - 2:  # per-row scales, or experts (dim 0 of [E, ...])
+        block = self.blocks[name]
+        if block is None or dim < ndim - 2:  # per-row scales, or experts (dim 0 of [E, ...])
             return scale[(slice(None),) * dim + (part,)]
-        b = self.scheme.block[dim - (ndim - 2)]
+        b = block[dim - (ndim - 2)]
         size = full_shape[dim]
         if part.start % b or (part.stop % b and part.stop != size):
             what = "rows" if dim == ndim - 2 else "columns"

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from loraserve import kernels
 from loraserve.executor.layout import declare_layout
 from loraserve.executor.lora import LinearWithLoRA
-from loraserve.executor.model import fp8, loader
+from loraserve.executor.model import fp8
 from loraserve.executor.model.loader import load_model
 from loraserve.executor.parallel import TPGroup
 from loraserve.executor.slot_layout import LoraSpec
@@ -305,23 +305,6 @@ def test_a_checkpoint_with_static_input_scales_loads(fmt, fp8_checkpoint):
 
 
 # ---- refusals, each before any weight is loaded ---------------------------------------------------
-
-
-@pytest.fixture
-def refuses(monkeypatch):
-    """refuses(path, match, **load_model kwargs): load_model raises ValueError matching `match`
-    before the model is even built."""
-
-    def never(*a, **k):
-        raise AssertionError("the model was built before the checkpoint was refused")
-
-    monkeypatch.setattr(loader, "build_causal_lm", never)
-
-    def check(path, match, **kwargs):
-        with pytest.raises(ValueError, match=match):
-            load_model(path, **kwargs)
-
-    return check
 
 
 def _edited(path, tmp_path, config=None, tensors=None):

@@ -148,3 +148,69 @@ def test_an_fp8_lm_head_not_in_the_ignore_list_loads(tied, fmt, hf_model, tmp_pa
             tensors = {n: f.get_tensor(n) for n in f.keys() if n != "lm_head.weight"}
         save_file(tensors, str(ref_dir / "model.safetensors"))
     _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+
+
+def _mixed(src, dst, attention_fmt: str, mlp_fmt: str, block=(16, 16)):
+    """An FP8 checkpoint at dst whose attention layers are quantized as attention_fmt and MLP layers as
+    mlp_fmt (compressed-tensors strategies), one config group each; returns its reference dir."""
+    parts = {fmt: write_fp8(src, dst.parent / f"{dst.name}-{fmt}", fmt, block=block) for fmt in (attention_fmt, mlp_fmt)}
+    tensors, ref = {}, {}
+    for fmt, ref_dir in parts.items():
+        keep = "self_attn." if fmt == attention_fmt else "mlp."
+        with (
+            safe_open(str(ref_dir.parent / "model.safetensors"), "pt") as f,
+            safe_open(str(ref_dir / "model.safetensors"), "pt") as r,
+        ):
+            for n in f.keys():
+                if keep in n or n not in tensors:
+                    tensors[n] = f.get_tensor(n)
+            for n in r.keys():
+                if keep in n or n not in ref:
+                    ref[n] = r.get_tensor(n)
+    shutil.copytree(parts[attention_fmt], dst / "reference")
+    save_file(ref, str(dst / "reference" / "model.safetensors"))
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((parts[attention_fmt].parent / "config.json").read_text())
+    groups = {}
+    for fmt, targets in ((attention_fmt, "re:.*self_attn\\..*_proj$"), (mlp_fmt, "re:.*mlp\\..*_proj$")):
+        group = json.loads((parts[fmt].parent / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+        groups[f"group_{len(groups)}"] = dict(group, targets=[targets])
+    cfg["quantization_config"]["config_groups"] = groups
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst / "reference"
+
+
+@pytest.mark.parametrize("attention_fmt, mlp_fmt", [("ct-tensor", "ct-channel"), ("ct-channel", "ct-block")])
+def test_config_groups_of_different_strategies_load(attention_fmt, mlp_fmt, hf_model, tmp_path, paged_runner):
+    """llm-compressor's config groups, each with its own weight strategy: every weight dequantizes with
+    the layout its scale's shape has."""
+    _, src = hf_model("llama")
+    ref_dir = _mixed(src, tmp_path / "fp8", attention_fmt, mlp_fmt)
+    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+
+
+def test_mixed_strategies_refuse_a_scale_that_fits_none_and_two_block_sizes(hf_model, tmp_path, refuses):
+    """Before the model is built: a scale of no group's layout, naming each; two block sizes (a grid
+    could fit both)."""
+    _, src = hf_model("llama")
+    _mixed(src, tmp_path / "fp8", "ct-tensor", "ct-channel")
+    down = "model.layers.0.mlp.down_proj.weight_scale"
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    tensors[down] = torch.ones(3, 1)
+    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+    refuses(tmp_path / "fp8", rf"'{down}' is \[3, 1\]; .*per-channel and per-tensor .* take \[64, 1\] or \[1, 1\]")
+    _edit_config(
+        tmp_path / "fp8",
+        lambda q: q["config_groups"].update(
+            group_2={
+                "targets": ["re:.*lm_head$"],
+                "weights": dict(q["config_groups"]["group_1"]["weights"], strategy="block", block_structure=[32, 32]),
+            },
+            group_3={
+                "targets": ["re:.*embed.*"],
+                "weights": dict(q["config_groups"]["group_1"]["weights"], strategy="block", block_structure=[64, 64]),
+            },
+        ),
+    )
+    refuses(tmp_path / "fp8", r"config groups with different block sizes are not supported: \[\(32, 32\), \(64, 64\)\]")
