@@ -279,6 +279,16 @@ def load_hf_checkpoint(
     return model.eval()
 
 
+def check_quantization_config(path) -> None:
+    """ValueError for an HF checkpoint whose config.json has a quantization_config the loader refuses
+    (fp8.checkpoint_scheme, kv_scales.kv_cache_scheme), from config.json alone; nothing for a GGUF."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        q = json.loads((p / "config.json").read_text()).get("quantization_config")
+        fp8.checkpoint_scheme({"quantization_config": q})
+        kv_scales.kv_cache_scheme(q)
+
+
 def _kv_cache_scales(hf_config: dict, cfg: ModelConfig, meta, read_tensor, tp: TPGroup | None) -> torch.Tensor | None:
     """The checkpoint's KV cache scales (kv_scales.read_kv_scales), this rank's kv heads of each layer,
     checked before any weight is read; None where the checkpoint has no kv_cache_scheme."""

@@ -596,7 +596,9 @@ def test_the_fp8_plan_names_moe_experts_only_where_the_model_has_them(monkeypatc
     assert said[1] == "moe: linear layers and MoE experts in FP8 (weights quantized per output channel at load where not already)"
 
 
-def test_quantization_fp8_without_fp8_compute_is_refused_before_tp_ranks_are_spawned(hf_model, monkeypatch):
+def test_quantization_fp8_or_an_unsupported_checkpoint_is_refused_before_tp_ranks_are_spawned(
+    hf_model, fp8_checkpoint, tmp_path, monkeypatch
+):
     from loraserve.executor import service
     from loraserve.executor.config import ExecutorConfig
 
@@ -607,3 +609,6 @@ def test_quantization_fp8_without_fp8_compute_is_refused_before_tp_ranks_are_spa
     cfg = ExecutorConfig(model=str(hf_model("llama")[1]), tp_size=2, quantization="fp8")
     with pytest.raises(ValueError, match="--quantization fp8 needs FP8 compute: cpu has no FP8 compute"):
         service.build_executor(cfg)
+    gptq = _edited(fp8_checkpoint("llama", "ct-channel")[0], tmp_path, config=lambda q: q.update(quant_method="gptq"))
+    with pytest.raises(ValueError, match="quantization_config quant_method 'gptq' is not supported"):
+        service.build_executor(ExecutorConfig(model=str(gptq), tp_size=2))
