@@ -427,7 +427,15 @@ def test_missing_or_malformed_input_scales_and_fp8_without_a_config_are_refused(
     cfg = json.loads((no_config / "config.json").read_text())
     del cfg["quantization_config"]
     (no_config / "config.json").write_text(json.dumps(cfg))
-    refuses(no_config, "is F8_E4M3 but config.json has no quantization_config")
+    refuses(no_config, "is F8_E4M3 but config.json's quantization_config is missing")
+    kv_scales = {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor(0.01) for i in range(2) for kv in "kv"}
+    kv_only = _edited(  # compressed-tensors with the KV cache's scheme alone
+        path,
+        tmp_path,
+        config=lambda q: [q.pop("config_groups"), q.update(kv_cache_scheme={"num_bits": 8, "type": "float"})],
+        tensors=lambda t: t.update(kv_scales),
+    )
+    refuses(kv_only, "is F8_E4M3 but config.json's quantization_config quantizes no weights")
 
 
 def test_a_tp_cut_off_the_scale_blocks_is_refused_naming_the_tensor(fp8_checkpoint, monkeypatch):
