@@ -194,11 +194,14 @@ class Quantized:
     """FP8 values and their scales, possibly a rank's cut of the checkpoint's tensor.
 
     q: [..., N, K] float8_e4m3fn. scale: float32, broadcastable by blocks: [..., 1, 1] (per tensor),
-    [..., N, 1] (per output row) or [..., ceil(N/bn), ceil(K/bk)] with block = (bn, bk)."""
+    [..., N, 1] (per output row) or, with block = (bn, bk), the blocks q touches: q's first row and
+    column lie `offset` rows and columns into its first block (a cut may start inside one), so
+    [..., ceil((offset[0] + N) / bn), ceil((offset[1] + K) / bk)]."""
 
     q: torch.Tensor
     scale: torch.Tensor
     block: tuple[int, int] | None = None
+    offset: tuple[int, int] = (0, 0)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """q * scale in float32, then cast to dtype."""
@@ -207,9 +210,8 @@ class Quantized:
     def _expanded_scale(self) -> torch.Tensor:
         if self.block is None:
             return self.scale
-        n, k = self.q.shape[-2:]
-        bn, bk = self.block
-        return self.scale.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)[..., :n, :k]
+        (n, k), (bn, bk), (on, ok) = self.q.shape[-2:], self.block, self.offset
+        return self.scale.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)[..., on : on + n, ok : ok + k]
 
     def row_scaled(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q [..., N, K], scale [..., N] float32) where every output row has one scale; None for blocks."""
@@ -336,28 +338,22 @@ class Fp8Checkpoint:
     def read(self, name: str, full_shape: list[int], read_part, cut) -> Quantized:
         """The FP8 weight `name`, cut to `cut` = (dim, slice) or None (all of it), with its scales cut to
         match. read_part(cut) -> the FP8 tensor's part."""
-        scale = self.scales[name]
+        scale, offset = self.scales[name], (0, 0)
         if cut is not None:
-            dim, part = cut
-            scale = self._cut_scale(name, scale, full_shape, dim, part)
-        return Quantized(read_part(cut), scale, self.blocks[name])
+            scale, offset = self._cut_scale(name, scale, len(full_shape), *cut)
+        return Quantized(read_part(cut), scale, self.blocks[name], offset)
 
-    def _cut_scale(self, name: str, scale: torch.Tensor, full_shape: list[int], dim: int, part: slice) -> torch.Tensor:
-        ndim = len(full_shape)
-        if scale.shape[dim] == 1:  # per tensor, or a row-parallel cut of per-row scales: whole
-            return scale
+    def _cut_scale(self, name: str, scale: torch.Tensor, ndim: int, dim: int, part: slice):
+        """(the scales of the part `part` of dim `dim`, the part's (row, column) offset in its first block)."""
         block = self.blocks[name]
-        if block is None or dim < ndim - 2:  # per-row scales, or experts (dim 0 of [E, ...])
-            return scale[(slice(None),) * dim + (part,)]
-        b = block[dim - (ndim - 2)]
-        size = full_shape[dim]
-        if part.start % b or (part.stop % b and part.stop != size):
-            what = "rows" if dim == ndim - 2 else "columns"
-            raise ValueError(
-                f"checkpoint tensor {name!r}: this rank's {what} [{part.start}, {part.stop}) of {size} do not fall on "
-                f"the {b}-wide scale blocks ({self.scheme.describe()}); use a tensor-parallel size that cuts on block boundaries"
-            )
-        return scale[(slice(None),) * dim + (slice(part.start // b, math.ceil(part.stop / b)),)]
+        if block is not None and dim >= ndim - 2:  # the blocks the part touches: it may start or end inside one
+            b = block[dim - (ndim - 2)]
+            first, into = divmod(part.start, b)
+            offset = (into, 0) if dim == ndim - 2 else (0, into)
+            return scale[(slice(None),) * dim + (slice(first, math.ceil(part.stop / b)),)], offset
+        if scale.shape[dim] == 1:  # per tensor, or a row-parallel cut of per-row scales: whole
+            return scale, (0, 0)
+        return scale[(slice(None),) * dim + (part,)], (0, 0)  # per-row scales, or experts (dim 0 of [E, ...])
 
 
 def _module(name: str) -> str:

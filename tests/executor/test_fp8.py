@@ -438,14 +438,18 @@ def test_missing_or_malformed_input_scales_and_fp8_without_a_config_are_refused(
     refuses(kv_only, "is F8_E4M3 but config.json's quantization_config quantizes no weights")
 
 
-def test_a_tp_cut_off_the_scale_blocks_is_refused_naming_the_tensor(fp8_checkpoint, monkeypatch):
-    """32-wide blocks: at tp 2 a rank's 56 of down_proj's 112 input columns end inside a block."""
-    path, _ = fp8_checkpoint("llama", "block", block=(32, 32))
-    with pytest.raises(
-        ValueError,
-        match=r"'model.layers.0.mlp.down_proj.weight': this rank's columns \[0, 56\) of 112 do not fall on the 32-wide",
-    ):
-        load_model(path, tp=TPGroup(2, 0))
+@pytest.mark.parametrize("fmt", ["block", "ct-block"])
+def test_a_tp_cut_inside_the_scale_blocks_dequantizes_with_the_blocks_it_touches(fmt, fp8_checkpoint):
+    """32-wide blocks at tp 2: a rank's 56 of gate/up's 112 rows and of down_proj's 112 input columns,
+    and its 16 of k/v's 32 rows, start or end inside a block; each rank's parameters are still its cut
+    of the one-rank dequantized model's."""
+    path, _ = fp8_checkpoint("llama", fmt, block=(32, 32))
+    whole = load_model(path)
+    params = dict(whole.named_parameters())
+    for rank in range(2):
+        tp = TPGroup(2, rank)
+        for name, p in load_model(path, tp=tp).named_parameters():
+            torch.testing.assert_close(p, expected_part(name, params[name], tp, whole.cfg), rtol=0, atol=0, msg=name)
 
 
 def test_quantization_fp8_is_refused_without_fp8_compute(hf_model, refuses):

@@ -214,3 +214,13 @@ def test_mixed_strategies_refuse_a_scale_that_fits_none_and_two_block_sizes(hf_m
         ),
     )
     refuses(tmp_path / "fp8", r"config groups with different block sizes are not supported: \[\(32, 32\), \(64, 64\)\]")
+
+
+@pytest.mark.parametrize("fmt", ["block", "ct-block"])
+def test_phi3_fused_projections_with_blocks_across_their_parts_load(fmt, hf_model, tmp_path, paged_runner):
+    """Phi-3's fused qkv_proj (64 | 32 | 32 rows) and gate_up_proj (112 | 112) under 128x128 blocks: k, v
+    and up start inside a block, read with the blocks they touch."""
+    _, src = hf_model("phi3", pad_token_id=0)
+    fused = re.compile(r".*\.(qkv|o|gate_up|down)_proj\.weight$")
+    ref_dir = write_fp8(src, tmp_path / "fp8", fmt, block=(128, 128), quantized=fused)
+    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "phi3", paged_runner)
