@@ -33,7 +33,7 @@ from .layout import model_config
 from .lora import lora_modules
 from .model import fp8
 from .model.kv_scales import kv_cache_dtype_error
-from .model.loader import load_model
+from .model.loader import check_quantization_config, load_model
 from .model.tokenizer import Tokenizer
 from .parallel import ep_size_error, roles, tp_size_error
 from .ranks import TPRanks, lora_spec
@@ -105,6 +105,7 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
     resolve_max_model_len(cfg, mc)  # before the ranks are spawned: they get rank 0's length
     if (error := fp8.quantization_error(cfg.quantization, cfg.device, cfg.torch_dtype)) is not None:
         raise ValueError(error)  # before the ranks are spawned too
+    check_quantization_config(cfg.model)  # and the checkpoint's quantization_config
     if (error := kv_cache_dtype_error(cfg.kv_cache_dtype, cfg.device)) is not None:
         raise ValueError(error)
     if (error := lora_fp8.lora_dtype_error(cfg.lora_dtype, cfg.device, cfg.torch_dtype)) is not None:

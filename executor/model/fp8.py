@@ -1,14 +1,18 @@
 """FP8 base weights: the published checkpoint formats, their scales, and FP8 <-> float conversion.
 
 Formats (read from config.json's `quantization_config` before any weight is loaded):
-- compressed-tensors "float-quantized" (llm-compressor's FP8 / FP8_DYNAMIC / FP8_BLOCK): float8_e4m3fn
+- compressed-tensors "float-quantized" (llm-compressor's FP8 / FP8_DYNAMIC / FP8_BLOCK; its earlier
+  releases' "naive-quantized", the same FP8 values under another name): float8_e4m3fn
   `<module>.weight` with `<module>.weight_scale` per tensor ([1]), per output channel ([N, 1]) or per
   block ([ceil(N/bn), ceil(K/bk)]); activations dynamic per token, or static per tensor
-  (`<module>.input_scale`, [1]); modules in `ignore` are unquantized;
+  (`<module>.input_scale`, [1]); modules in `ignore` are unquantized; config groups may each use
+  their own strategy (a weight's scale shape says which; one block size at most);
 - block-wise "fp8" (Qwen3 / DeepSeek FP8): `<module>.weight_scale_inv` per `weight_block_size` block
   (fused experts `experts.gate_up_proj` / `experts.down_proj`: `<name>_scale_inv`, [E, ...]);
-  modules in `modules_to_not_convert` are unquantized.
-In both, the real weight is q * scale (block-wise: the block's scale; the `_inv` names the inverse of
+  modules in `modules_to_not_convert` or `ignored_layers` are unquantized;
+- per-tensor "fp8" (AutoFP8's, no `weight_block_size`): `<module>.weight_scale` per tensor, a static
+  `<module>.input_scale` where `activation_scheme` is "static"; modules in `ignored_layers` unquantized.
+In all, the real weight is q * scale (block-wise: the block's scale; the `_inv` names the inverse of
 the quantization's multiplier). Anything else is refused naming it.
 
 `Fp8Checkpoint.check` validates every FP8 tensor's scale (present, shaped for its weight, finite, not
@@ -37,27 +41,36 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 QUANTIZATIONS = ("fp8",)  # --quantization: quantize a bf16/fp16 checkpoint's linear layers at load
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
 _STRATEGIES = ("tensor", "channel", "block")
+_CT_FORMATS = ("float-quantized", "naive-quantized")
 
 
 @dataclass(frozen=True)
 class Fp8Scheme:
-    """What a checkpoint's quantization_config says. strategy: how weight scales are laid out
-    ("tensor", "channel" or "block" of `block` = (rows, columns)); static_input: every quantized module
-    carries a per-tensor `input_scale` (validated; activations are quantized per token whatever it says)."""
+    """What a checkpoint's quantization_config says. layouts: how its weight scales are laid out, each
+    (strategy, block): ("tensor" | "channel", None) or ("block", (rows, columns)); config groups may
+    each use their own, a weight's being the one its scale's shape fits (blocks first, then channels,
+    then one per tensor; at most one block size). static_input: every quantized module carries a
+    per-tensor `input_scale` (validated; activations are quantized per token whatever it says)."""
 
-    method: str  # "compressed-tensors" | "fp8"
-    strategy: str
-    block: tuple[int, int] | None
+    method: str  # "compressed-tensors" | "fp8" (block-wise, or per tensor without a block)
+    layouts: tuple[tuple[str, tuple[int, int] | None], ...]
     ignore: tuple[str, ...]
     static_input: bool
 
     @property
+    def block(self) -> tuple[int, int] | None:
+        """The block size of the block layout, if the scheme has one."""
+        return next((block for _, block in self.layouts if block is not None), None)
+
+    @property
     def scale_suffix(self) -> str:
-        return "weight_scale_inv" if self.method == "fp8" else "weight_scale"
+        return "weight_scale_inv" if self.method == "fp8" and self.block else "weight_scale"
 
     def describe(self) -> str:
-        layout = f"{self.block[0]}x{self.block[1]}-block" if self.block else f"per-{self.strategy}"
-        return f"{'block-wise fp8' if self.method == 'fp8' else self.method} FP8 ({layout} weight scales)"
+        layout = " and ".join(f"{b[0]}x{b[1]}-block" if b else f"per-{strategy}" for strategy, b in self.layouts)
+        if self.method == "fp8":
+            return f"block-wise fp8 FP8 ({layout} weight scales)" if self.block else f"fp8 ({layout} weight scales)"
+        return f"{self.method} FP8 ({layout} weight scales)"
 
     def ignores(self, module: str) -> bool:
         """Whether `module` (a dotted path) is left unquantized: an entry naming it (or a parent, or its
@@ -81,15 +94,20 @@ def checkpoint_scheme(hf_config: dict[str, Any]) -> Fp8Scheme | None:
     if method == "compressed-tensors":
         return _compressed_tensors(q)
     if method == "fp8":
-        return _block_fp8(q)
+        return _fp8(q)
     raise ValueError(
         f"quantization_config quant_method {method!r} is not supported; supported: compressed-tensors "
-        "(format float-quantized, FP8 weights) and fp8 (block-wise, weight_block_size)"
+        "(format float-quantized, FP8 weights) and fp8 (block-wise with weight_block_size, or per tensor)"
     )
 
 
 def _compressed_tensors(q: dict[str, Any]) -> Fp8Scheme | None:
     where = "quantization_config (compressed-tensors)"
+    sparsity = (q.get("sparsity_config") or {}).get("format")
+    if sparsity not in (None, "dense"):  # e.g. sparse-24-bitmask: the weights are stored compressed
+        raise ValueError(f"{where}: sparsity_config format {sparsity!r} is not supported; only dense weights")
+    if q.get("transform_config"):  # rotations the model would have to apply at run time
+        raise ValueError(f"{where}: transform_config (weight and activation transforms) is not supported")
     groups = q.get("config_groups") or {}
     if not groups:
         if q.get("kv_cache_scheme"):
@@ -98,8 +116,11 @@ def _compressed_tensors(q: dict[str, Any]) -> Fp8Scheme | None:
     schemes = set()
     for name, group in groups.items():
         fmt = group.get("format") or q.get("format")
-        if fmt != "float-quantized":
-            raise ValueError(f"{where}: format {fmt!r} of config group {name!r} is not supported; only float-quantized (FP8)")
+        if fmt not in _CT_FORMATS:  # with FP8 arguments (checked next) both store float8_e4m3fn values
+            raise ValueError(
+                f"{where}: format {fmt!r} of config group {name!r} is not supported; only float-quantized (FP8) "
+                "or naive-quantized with FP8 weights"
+            )
         w, a = group.get("weights") or {}, group.get("input_activations")
         _check_fp8_args(w, f"{where} group {name!r} weights")
         strategy = w.get("strategy")
@@ -125,10 +146,12 @@ def _compressed_tensors(q: dict[str, Any]) -> Fp8Scheme | None:
         if group.get("output_activations"):
             raise ValueError(f"{where} group {name!r}: output_activations quantization is not supported")
         schemes.add((strategy, block, static))
-    if len(schemes) > 1:
-        raise ValueError(f"{where}: config groups with different weight schemes are not supported: {sorted(map(str, schemes))}")
-    strategy, block, static = schemes.pop()
-    return Fp8Scheme("compressed-tensors", strategy, block, tuple(q.get("ignore") or ()), static)
+    blocks = sorted({block for _, block, _ in schemes if block is not None})
+    if len(blocks) > 1:  # a scale grid could fit two of them
+        raise ValueError(f"{where}: config groups with different block sizes are not supported: {blocks}")
+    layouts = sorted({(strategy, block) for strategy, block, _ in schemes}, key=lambda x: _STRATEGIES.index(x[0]), reverse=True)
+    static = all(static for _, _, static in schemes)  # else each present input_scale is still checked
+    return Fp8Scheme("compressed-tensors", tuple(layouts), tuple(q.get("ignore") or ()), static)
 
 
 def _check_fp8_args(args: dict[str, Any], where: str) -> None:
@@ -138,19 +161,23 @@ def _check_fp8_args(args: dict[str, Any], where: str) -> None:
         )
 
 
-def _block_fp8(q: dict[str, Any]) -> Fp8Scheme:
+def _fp8(q: dict[str, Any]) -> Fp8Scheme:
     where = "quantization_config (fp8)"
-    if q.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(f"{where}: activation_scheme {q.get('activation_scheme')!r} is not supported; only dynamic")
+    activations = q.get("activation_scheme", "dynamic")
+    block = q.get("weight_block_size")
+    if activations not in ("dynamic", "static") or (block is not None and activations != "dynamic"):
+        supported = "dynamic" if block is not None else "dynamic or static"
+        raise ValueError(f"{where}: activation_scheme {activations!r} is not supported; only {supported}")
     if q.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"{where}: fmt {q.get('fmt')!r} is not supported; only e4m3")
     if q.get("scale_fmt", "float") != "float":
         raise ValueError(f"{where}: scale_fmt {q.get('scale_fmt')!r} is not supported; only float scales")
     if q.get("expert_dtype", "fp8") != "fp8":
         raise ValueError(f"{where}: expert_dtype {q.get('expert_dtype')!r} is not supported; only fp8")
-    block = _block_size(q.get("weight_block_size"), f"{where} weight_block_size")
-    ignore = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
-    return Fp8Scheme("fp8", "block", block, tuple(ignore), False)
+    ignore = (*(q.get("modules_to_not_convert") or ()), *(q.get("ignored_layers") or ()))
+    if block is None:  # AutoFP8's per-tensor format
+        return Fp8Scheme("fp8", (("tensor", None),), ignore, activations == "static")
+    return Fp8Scheme("fp8", (("block", _block_size(block, f"{where} weight_block_size")),), ignore, False)
 
 
 def _block_size(value, where: str) -> tuple[int, int]:
@@ -167,11 +194,14 @@ class Quantized:
     """FP8 values and their scales, possibly a rank's cut of the checkpoint's tensor.
 
     q: [..., N, K] float8_e4m3fn. scale: float32, broadcastable by blocks: [..., 1, 1] (per tensor),
-    [..., N, 1] (per output row) or [..., ceil(N/bn), ceil(K/bk)] with block = (bn, bk)."""
+    [..., N, 1] (per output row) or, with block = (bn, bk), the blocks q touches: q's first row and
+    column lie `offset` rows and columns into its first block (a cut may start inside one), so
+    [..., ceil((offset[0] + N) / bn), ceil((offset[1] + K) / bk)]."""
 
     q: torch.Tensor
     scale: torch.Tensor
     block: tuple[int, int] | None = None
+    offset: tuple[int, int] = (0, 0)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """q * scale in float32, then cast to dtype."""
@@ -180,9 +210,8 @@ class Quantized:
     def _expanded_scale(self) -> torch.Tensor:
         if self.block is None:
             return self.scale
-        n, k = self.q.shape[-2:]
-        bn, bk = self.block
-        return self.scale.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)[..., :n, :k]
+        (n, k), (bn, bk), (on, ok) = self.q.shape[-2:], self.block, self.offset
+        return self.scale.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)[..., on : on + n, ok : ok + k]
 
     def row_scaled(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q [..., N, K], scale [..., N] float32) where every output row has one scale; None for blocks."""
@@ -225,6 +254,7 @@ class Fp8Checkpoint:
     def __init__(self, scheme: Fp8Scheme, meta: dict[str, tuple[str, list[int]]], read_tensor):
         self.scheme = scheme
         self.scales: dict[str, torch.Tensor] = {}  # weight name -> scale in Quantized's layout, float32
+        self.blocks: dict[str, tuple[int, int] | None] = {}  # weight name -> its scales' block (None: per tensor / row)
         self._check(meta, read_tensor)
 
     def is_scale(self, name: str) -> bool:
@@ -257,7 +287,7 @@ class Fp8Checkpoint:
             scale_name = self.scale_name(name)
             if scale_name not in meta:
                 raise ValueError(f"checkpoint tensor {name!r} is FP8 but its scale {scale_name!r} is missing")
-            self.scales[name] = self._scale(scale_name, meta[scale_name], shape, read_tensor)
+            self.scales[name], self.blocks[name] = self._scale(scale_name, meta[scale_name], shape, read_tensor)
             if s.static_input:
                 input_name = f"{module}.input_scale"
                 if input_name not in meta:
@@ -279,51 +309,51 @@ class Fp8Checkpoint:
             if weight is None:
                 raise ValueError(f"checkpoint tensor {name!r} is a scale, but no FP8 weight of this format uses it")
 
-    def _scale(self, name: str, meta: tuple[str, list[int]], weight_shape: list[int], read_tensor) -> torch.Tensor:
-        """The scale of a weight of weight_shape [..., N, K], validated, in Quantized's layout."""
+    def _scale(self, name: str, meta: tuple[str, list[int]], weight_shape: list[int], read_tensor):
+        """(the scale of a weight of weight_shape [..., N, K], validated, in Quantized's layout, its block):
+        the first of the scheme's layouts its shape fits."""
         s, (dtype, shape) = self.scheme, meta
         lead, (n, k) = list(weight_shape[:-2]), weight_shape[-2:]
-        if s.block is not None:
-            want = [*lead, math.ceil(n / s.block[0]), math.ceil(k / s.block[1])]
-            ok = list(shape) == want
-        elif s.strategy == "channel":
-            want = [*lead, n, 1]
-            ok = list(shape) in (want, [*lead, n])
-        else:  # one scale per tensor (per expert of a fused [E, N, K] tensor)
-            want = [*lead, 1, 1]
-            ok = math.prod(shape) == math.prod(lead) and (not lead or list(shape[: len(lead)]) == lead)
-        if not ok:
-            raise ValueError(
-                f"checkpoint tensor {name!r} is {list(shape)}; {s.describe()} of a {list(weight_shape)} weight take {want}"
-            )
-        value = _float_tensor(name, dtype, read_tensor)
-        _check_values(name, value)
-        return value.reshape(want)
+        wants = []
+        for strategy, block in s.layouts:
+            if block is not None:
+                want = [*lead, math.ceil(n / block[0]), math.ceil(k / block[1])]
+                ok = list(shape) == want
+            elif strategy == "channel":
+                want = [*lead, n, 1]
+                ok = list(shape) in (want, [*lead, n])
+            else:  # one scale per tensor (per expert of a fused [E, N, K] tensor)
+                want = [*lead, 1, 1]
+                ok = math.prod(shape) == math.prod(lead) and (not lead or list(shape[: len(lead)]) == lead)
+            if ok:
+                value = _float_tensor(name, dtype, read_tensor)
+                _check_values(name, value)
+                return value.reshape(want), block
+            wants.append(str(want))
+        raise ValueError(
+            f"checkpoint tensor {name!r} is {list(shape)}; {s.describe()} of a {list(weight_shape)} weight take "
+            + " or ".join(wants)
+        )
 
     def read(self, name: str, full_shape: list[int], read_part, cut) -> Quantized:
         """The FP8 weight `name`, cut to `cut` = (dim, slice) or None (all of it), with its scales cut to
         match. read_part(cut) -> the FP8 tensor's part."""
-        scale = self.scales[name]
+        scale, offset = self.scales[name], (0, 0)
         if cut is not None:
-            dim, part = cut
-            scale = self._cut_scale(name, scale, full_shape, dim, part)
-        return Quantized(read_part(cut), scale, self.scheme.block)
+            scale, offset = self._cut_scale(name, scale, len(full_shape), *cut)
+        return Quantized(read_part(cut), scale, self.blocks[name], offset)
 
-    def _cut_scale(self, name: str, scale: torch.Tensor, full_shape: list[int], dim: int, part: slice) -> torch.Tensor:
-        ndim = len(full_shape)
+    def _cut_scale(self, name: str, scale: torch.Tensor, ndim: int, dim: int, part: slice):
+        """(the scales of the part `part` of dim `dim`, the part's (row, column) offset in its first block)."""
+        block = self.blocks[name]
+        if block is not None and dim >= ndim - 2:  # the blocks the part touches: it may start or end inside one
+            b = block[dim - (ndim - 2)]
+            first, into = divmod(part.start, b)
+            offset = (into, 0) if dim == ndim - 2 else (0, into)
+            return scale[(slice(None),) * dim + (slice(first, math.ceil(part.stop / b)),)], offset
         if scale.shape[dim] == 1:  # per tensor, or a row-parallel cut of per-row scales: whole
-            return scale
-        if self.scheme.block is None or dim < ndim - 2:  # per-row scales, or experts (dim 0 of [E, ...])
-            return scale[(slice(None),) * dim + (part,)]
-        b = self.scheme.block[dim - (ndim - 2)]
-        size = full_shape[dim]
-        if part.start % b or (part.stop % b and part.stop != size):
-            what = "rows" if dim == ndim - 2 else "columns"
-            raise ValueError(
-                f"checkpoint tensor {name!r}: this rank's {what} [{part.start}, {part.stop}) of {size} do not fall on "
-                f"the {b}-wide scale blocks ({self.scheme.describe()}); use a tensor-parallel size that cuts on block boundaries"
-            )
-        return scale[(slice(None),) * dim + (slice(part.start // b, math.ceil(part.stop / b)),)]
+            return scale, (0, 0)
+        return scale[(slice(None),) * dim + (part,)], (0, 0)  # per-row scales, or experts (dim 0 of [E, ...])
 
 
 def _module(name: str) -> str:

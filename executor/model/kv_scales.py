@@ -9,7 +9,8 @@ Scales come from the checkpoint where it carries them: compressed-tensors' `kv_c
 config.json's quantization_config (llm-compressor writes `model.layers.N.self_attn.k_scale` and
 `v_scale` per attention layer, one value per tensor, broadcast over the heads, or one per kv head;
 its older releases named the same scales `k_proj.output_scale` / `v_proj.output_scale`, the K / V
-projections' outputs' scale, read alike; a multimodal checkpoint's language-model prefix is the
+projections' outputs' scale, read alike; AutoFP8's `"kv_cache_scheme": "static"` names the same
+per-layer `k_scale` / `v_scale`; a multimodal checkpoint's language-model prefix is the
 loader's, checkpoint_names.text_model_name); without them every scale is 1.0.
 """
 
@@ -52,11 +53,14 @@ def kv_cache_dtype_error(kv_cache_dtype: str, device) -> str | None:
 
 
 def kv_cache_scheme(quantization_config: dict[str, Any] | None) -> bool:
-    """Whether a compressed-tensors quantization_config carries a kv_cache_scheme (K/V scales in the
-    checkpoint); ValueError naming any field of it the FP8 cache cannot take."""
+    """Whether a quantization_config carries a kv_cache_scheme (K/V scales in the checkpoint):
+    compressed-tensors' object, or AutoFP8's "static" (quant_method fp8: FP8, one scale per tensor);
+    ValueError naming any field of it the FP8 cache cannot take."""
     scheme = (quantization_config or {}).get("kv_cache_scheme")
     if not scheme:
         return False
+    if scheme == "static":
+        return True
     where = "quantization_config kv_cache_scheme"
     if not isinstance(scheme, dict):
         raise ValueError(f"{where} {scheme!r}: expected an object (num_bits, type, strategy, ...)")

@@ -255,7 +255,8 @@ def load_hf_checkpoint(
         if scheme is not None:  # every scale checked before any weight is read
             checkpoint = fp8.Fp8Checkpoint(scheme, meta, lambda name: where[name].get_tensor(name))
         elif (fp8_name := next((n for n, (d, _) in meta.items() if d.startswith("F8_")), None)) is not None:
-            raise ValueError(f"checkpoint tensor {fp8_name!r} is {meta[fp8_name][0]} but config.json has no quantization_config")
+            why = "quantizes no weights" if hf_config.get("quantization_config") else "is missing"  # e.g. kv_cache_scheme only
+            raise ValueError(f"checkpoint tensor {fp8_name!r} is {meta[fp8_name][0]} but config.json's quantization_config {why}")
         model = build_causal_lm(dataclasses.replace(cfg, fp8_linears=fp8_linears), lora, dtype, device, tp, ep)
         model.kv_scales = scales
         sink = _WeightSink(model)
@@ -277,6 +278,16 @@ def load_hf_checkpoint(
                     sink.put(part_name, read(cut))
     sink.check_complete()
     return model.eval()
+
+
+def check_quantization_config(path) -> None:
+    """ValueError for an HF checkpoint whose config.json has a quantization_config the loader refuses
+    (fp8.checkpoint_scheme, kv_scales.kv_cache_scheme), from config.json alone; nothing for a GGUF."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        q = json.loads((p / "config.json").read_text()).get("quantization_config")
+        fp8.checkpoint_scheme({"quantization_config": q})
+        kv_scales.kv_cache_scheme(q)
 
 
 def _kv_cache_scales(hf_config: dict, cfg: ModelConfig, meta, read_tensor, tp: TPGroup | None) -> torch.Tensor | None:

@@ -88,6 +88,24 @@ TINY_MOE = {
 }  # fmt: skip
 
 
+@pytest.fixture
+def refuses(monkeypatch):
+    """refuses(path, match, **load_model kwargs): load_model raises ValueError matching `match`
+    before the model is even built."""
+    from loraserve.executor.model import loader
+
+    def never(*a, **k):
+        raise AssertionError("the model was built before the checkpoint was refused")
+
+    monkeypatch.setattr(loader, "build_causal_lm", never)
+
+    def check(path, match, **kwargs):
+        with pytest.raises(ValueError, match=match):
+            loader.load_model(path, **kwargs)
+
+    return check
+
+
 @pytest.fixture(scope="session")
 def hf_model(tmp_path_factory):
     """make(family, **config_overrides) -> (transformers model in eval mode, its save_pretrained dir).

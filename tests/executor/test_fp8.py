@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from loraserve import kernels
 from loraserve.executor.layout import declare_layout
 from loraserve.executor.lora import LinearWithLoRA
-from loraserve.executor.model import fp8, loader
+from loraserve.executor.model import fp8
 from loraserve.executor.model.loader import load_model
 from loraserve.executor.parallel import TPGroup
 from loraserve.executor.slot_layout import LoraSpec
@@ -38,7 +38,8 @@ peft = pytest.importorskip("peft")
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 QUANTIZED = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight$")  # every linear layer but lm_head and routers
-FORMATS = ("ct-channel", "ct-tensor", "ct-block", "block")  # compressed-tensors' three strategies, block-wise fp8
+# compressed-tensors' three strategies, block-wise fp8, per-tensor fp8 (AutoFP8's)
+FORMATS = ("ct-channel", "ct-tensor", "ct-block", "block", "fp8-tensor")
 
 
 # ---- the tests' own quantizer and checkpoint writer ----------------------------------------------
@@ -73,23 +74,28 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, strategy: str, block=(16, 1
     return q.float() * full
 
 
-def write_fp8(src, dst, fmt: str, block=(16, 16), fuse_experts: bool = False, static_input: bool = False):
+def write_fp8(src, dst, fmt: str, block=(16, 16), fuse_experts=False, static_input=False, stored_scale=None, quantized=QUANTIZED):
     """Writes src (a save_pretrained dir) as an FP8 checkpoint in `fmt` at dst, and its dequantized
-    weights as a float checkpoint at dst/reference; returns that reference dir."""
-    strategy = {"ct-channel": "channel", "ct-tensor": "tensor", "ct-block": "block", "block": "block"}[fmt]
+    weights as a float checkpoint at dst/reference; returns that reference dir. stored_scale(scale):
+    the scale as the checkpoint stores it (another dtype or shape of the same values; the weights
+    dequantize with the values stored). quantized: the names of the weights to quantize (and experts')."""
+    strategy = {"block": "block", "fp8-tensor": "tensor"}.get(fmt) or fmt.removeprefix("ct-")
     with safe_open(str(src / "model.safetensors"), "pt") as f:
         tensors = {n: f.get_tensor(n) for n in f.keys()}
     out, ref = {}, dict(tensors)
     if fuse_experts:  # transformers 5's [E, ...] experts: gate|up rows fused, as the block format ships them
         tensors = _fused_experts(tensors)
     for name, w in tensors.items():
-        if not (QUANTIZED.fullmatch(name) or name.endswith(("experts.gate_up_proj", "experts.down_proj"))):
+        if not (quantized.fullmatch(name) or name.endswith(("experts.gate_up_proj", "experts.down_proj"))):
             out[name] = w
             continue
         q, scale = quantize(w, strategy, block)
         out[name] = q
         suffix = "_scale_inv" if fmt == "block" else "_scale"
-        out[f"{name}{suffix}" if not name.endswith(".weight") else f"{name}{suffix}"] = scale
+        if stored_scale is not None:
+            stored = stored_scale(scale)
+            scale = stored.float().reshape(scale.shape)
+        out[f"{name}{suffix}"] = scale if stored_scale is None else stored
         if static_input:
             out[f"{name.removesuffix('.weight')}.input_scale"] = torch.tensor([0.05])
         deq = dequantize(q, scale, strategy, block)
@@ -120,6 +126,12 @@ def quantization_config(fmt: str, block=(16, 16), static_input: bool = False) ->
             "activation_scheme": "dynamic",
             "weight_block_size": list(block),
             "modules_to_not_convert": ["lm_head"],
+        }
+    if fmt == "fp8-tensor":  # AutoFP8's
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "static" if static_input else "dynamic",
+            "ignored_layers": ["lm_head"],
         }
     inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
     if static_input:
@@ -285,30 +297,14 @@ def test_a_sharded_fp8_checkpoint_finds_each_scale_in_another_file(fp8_checkpoin
     _assert_same_params(load_model(sharded), load_model(ref_dir))
 
 
-def test_a_checkpoint_with_static_input_scales_loads(fp8_checkpoint):
+@pytest.mark.parametrize("fmt", ["ct-tensor", "fp8-tensor"])
+def test_a_checkpoint_with_static_input_scales_loads(fmt, fp8_checkpoint):
     """Static per-tensor input_scale (checked, one value, finite): the weights load as the dequantized ones."""
-    path, ref_dir = fp8_checkpoint("llama", "ct-tensor", static_input=True)
+    path, ref_dir = fp8_checkpoint("llama", fmt, static_input=True)
     _assert_same_params(load_model(path), load_model(ref_dir))
 
 
 # ---- refusals, each before any weight is loaded ---------------------------------------------------
-
-
-@pytest.fixture
-def refuses(monkeypatch):
-    """refuses(path, match, **load_model kwargs): load_model raises ValueError matching `match`
-    before the model is even built."""
-
-    def never(*a, **k):
-        raise AssertionError("the model was built before the checkpoint was refused")
-
-    monkeypatch.setattr(loader, "build_causal_lm", never)
-
-    def check(path, match, **kwargs):
-        with pytest.raises(ValueError, match=match):
-            load_model(path, **kwargs)
-
-    return check
 
 
 def _edited(path, tmp_path, config=None, tensors=None):
@@ -344,8 +340,16 @@ Q = "model.layers.0.self_attn.q_proj"
             lambda q: q["config_groups"]["group_0"]["input_activations"].update(strategy="tensor"),
             "input_activations dynamic=True strategy 'tensor' is not supported",
         ),
+        (
+            lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}),
+            "sparsity_config format 'sparse-24-bitmask' is not supported; only dense weights",
+        ),
+        (
+            lambda q: q.update(transform_config={"config_groups": {"R1": {"type": "hadamard"}}}),
+            r"transform_config \(weight and activation transforms\) is not supported",
+        ),
     ],
-    ids=["method", "format", "num_bits", "type", "strategy", "kv-cache", "activations"],
+    ids=["method", "format", "num_bits", "type", "strategy", "kv-cache", "activations", "sparse", "transforms"],
 )
 def test_unsupported_compressed_tensors_configs_are_refused_naming_them(edit, match, fp8_checkpoint, refuses, tmp_path):
     path, _ = fp8_checkpoint("llama", "ct-channel")
@@ -423,17 +427,29 @@ def test_missing_or_malformed_input_scales_and_fp8_without_a_config_are_refused(
     cfg = json.loads((no_config / "config.json").read_text())
     del cfg["quantization_config"]
     (no_config / "config.json").write_text(json.dumps(cfg))
-    refuses(no_config, "is F8_E4M3 but config.json has no quantization_config")
+    refuses(no_config, "is F8_E4M3 but config.json's quantization_config is missing")
+    kv_scales = {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor(0.01) for i in range(2) for kv in "kv"}
+    kv_only = _edited(  # compressed-tensors with the KV cache's scheme alone
+        path,
+        tmp_path,
+        config=lambda q: [q.pop("config_groups"), q.update(kv_cache_scheme={"num_bits": 8, "type": "float"})],
+        tensors=lambda t: t.update(kv_scales),
+    )
+    refuses(kv_only, "is F8_E4M3 but config.json's quantization_config quantizes no weights")
 
 
-def test_a_tp_cut_off_the_scale_blocks_is_refused_naming_the_tensor(fp8_checkpoint, monkeypatch):
-    """32-wide blocks: at tp 2 a rank's 56 of down_proj's 112 input columns end inside a block."""
-    path, _ = fp8_checkpoint("llama", "block", block=(32, 32))
-    with pytest.raises(
-        ValueError,
-        match=r"'model.layers.0.mlp.down_proj.weight': this rank's columns \[0, 56\) of 112 do not fall on the 32-wide",
-    ):
-        load_model(path, tp=TPGroup(2, 0))
+@pytest.mark.parametrize("fmt", ["block", "ct-block"])
+def test_a_tp_cut_inside_the_scale_blocks_dequantizes_with_the_blocks_it_touches(fmt, fp8_checkpoint):
+    """32-wide blocks at tp 2: a rank's 56 of gate/up's 112 rows and of down_proj's 112 input columns,
+    and its 16 of k/v's 32 rows, start or end inside a block; each rank's parameters are still its cut
+    of the one-rank dequantized model's."""
+    path, _ = fp8_checkpoint("llama", fmt, block=(32, 32))
+    whole = load_model(path)
+    params = dict(whole.named_parameters())
+    for rank in range(2):
+        tp = TPGroup(2, rank)
+        for name, p in load_model(path, tp=tp).named_parameters():
+            torch.testing.assert_close(p, expected_part(name, params[name], tp, whole.cfg), rtol=0, atol=0, msg=name)
 
 
 def test_quantization_fp8_is_refused_without_fp8_compute(hf_model, refuses):
@@ -592,7 +608,9 @@ def test_the_fp8_plan_names_moe_experts_only_where_the_model_has_them(monkeypatc
     assert said[1] == "moe: linear layers and MoE experts in FP8 (weights quantized per output channel at load where not already)"
 
 
-def test_quantization_fp8_without_fp8_compute_is_refused_before_tp_ranks_are_spawned(hf_model, monkeypatch):
+def test_quantization_fp8_or_an_unsupported_checkpoint_is_refused_before_tp_ranks_are_spawned(
+    hf_model, fp8_checkpoint, tmp_path, monkeypatch
+):
     from loraserve.executor import service
     from loraserve.executor.config import ExecutorConfig
 
@@ -603,3 +621,6 @@ def test_quantization_fp8_without_fp8_compute_is_refused_before_tp_ranks_are_spa
     cfg = ExecutorConfig(model=str(hf_model("llama")[1]), tp_size=2, quantization="fp8")
     with pytest.raises(ValueError, match="--quantization fp8 needs FP8 compute: cpu has no FP8 compute"):
         service.build_executor(cfg)
+    gptq = _edited(fp8_checkpoint("llama", "ct-channel")[0], tmp_path, config=lambda q: q.update(quant_method="gptq"))
+    with pytest.raises(ValueError, match="quantization_config quant_method 'gptq' is not supported"):
+        service.build_executor(ExecutorConfig(model=str(gptq), tp_size=2))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loraserve.executor.config import ExecutorConfig
-from loraserve.executor.model import kv_scales, loader
+from loraserve.executor.model import kv_scales
 from loraserve.executor.model.loader import load_model
 from loraserve.executor.parallel import TPGroup
 
@@ -33,20 +33,6 @@ def test_each_tp_rank_keeps_its_kv_heads_scales(hf_model, tmp_path):
         for rank in range(tp):
             got = load_model(path, tp=TPGroup(tp, rank)).kv_scales
             assert torch.equal(got, scales[:, :, head_of[rank] : head_of[rank] + 1]), (tp, rank)
-
-
-@pytest.fixture
-def refuses(monkeypatch):
-    def never(*a, **k):
-        raise AssertionError("the model was built before the checkpoint was refused")
-
-    monkeypatch.setattr(loader, "build_causal_lm", never)
-
-    def check(path, match):
-        with pytest.raises(ValueError, match=match):
-            load_model(path)
-
-    return check
 
 
 K0 = "model.layers.0.self_attn.k_scale"

@@ -1,0 +1,226 @@
+"""FP8 checkpoints as their publishers' tools write them, beyond the tests' writer's defaults: scales
+stored as bf16, per-tensor scales as [] and per-channel as [N]; llm-compressor's earlier
+`naive-quantized` format and `frozen` status, several config groups, ignore entries that match
+nothing, a kv_cache_scheme beside the weights' (AutoFP8's "static" too), a dense sparsity_config;
+block-wise fp8 with both ignore lists; an FP8 lm_head, tied or not; Qwen3 dense and Qwen3-MoE with 128x128 blocks over dims that are not multiples of 128 (ceil-div scale grids). Each
+loads, dequantized on the CPU, as the dequantized weights: every parameter exact, the logits and
+greedy tokens those of transformers on them."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from loraserve.executor.model.loader import load_model
+
+from .conftest import TINY_MOE
+from .test_fp8 import PROMPT, QUANTIZED, _assert_same_params, _greedy, _hf_greedy, _reference_model, write_fp8
+
+# Qwen3 with hidden 96, head_dim 24, intermediate 200 and tied embeddings: no dim a multiple of 128
+ODD_QWEN3 = dict(hidden_size=96, intermediate_size=200, head_dim=24, tie_word_embeddings=True)
+
+
+def _serves_as_dequantized(path, ref_dir, family, paged_runner):
+    ours = load_model(path)
+    _assert_same_params(ours, load_model(ref_dir))
+    tokens, logits = _greedy(paged_runner(ours, block_size=4), "s", PROMPT, 4, None)
+    want_tokens, want_logits = _hf_greedy(_reference_model(family, ref_dir), PROMPT, 4)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
+def _edit_config(path, edit):
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "fmt, stored",
+    [
+        ("ct-tensor", lambda s: s.reshape(())),
+        ("fp8-tensor", lambda s: s.reshape(())),
+        ("ct-channel", lambda s: s.reshape(-1)),
+        ("ct-channel", lambda s: s.to(torch.bfloat16)),
+        ("block", lambda s: s.to(torch.bfloat16)),
+    ],
+    ids=["tensor-0d", "fp8-tensor-0d", "channel-1d", "channel-bf16", "block-bf16"],
+)
+def test_scales_stored_in_another_shape_or_dtype_load(fmt, stored, hf_model, tmp_path, paged_runner):
+    _, src = hf_model("llama")
+    ref_dir = write_fp8(src, tmp_path / "fp8", fmt, stored_scale=stored)
+    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+
+
+def _groups(q):
+    group = q["config_groups"]["group_0"]
+    q["config_groups"] = {
+        "group_0": dict(group, targets=["re:.*self_attn\\..*_proj$"]),
+        "group_1": dict(group, targets=["re:.*mlp\\..*_proj$"]),
+    }
+
+
+def _kv_cache_scheme(q):
+    q["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def _static_kv_cache_scheme(q):  # AutoFP8's
+    q["kv_cache_scheme"] = "static"
+
+
+@pytest.mark.parametrize(
+    "fmt, edit",
+    [
+        ("ct-tensor", lambda q: q.update(format="naive-quantized", quantization_status="frozen")),
+        ("ct-channel", _groups),
+        ("ct-channel", lambda q: q.update(ignore=["lm_head", "model.layers.7.mlp.gate", "re:.*vision_tower.*"])),
+        ("ct-channel", _kv_cache_scheme),
+        ("fp8-tensor", _static_kv_cache_scheme),
+        ("ct-channel", lambda q: q.update(sparsity_config={"format": "dense", "sparsity_structure": "unstructured"})),
+        ("block", lambda q: q.update(modules_to_not_convert=["model.layers.0.mlp.gate"], ignored_layers=["lm_head"])),
+    ],
+    ids=[
+        "naive-quantized-frozen",
+        "two-groups",
+        "ignore-matching-nothing",
+        "kv-cache-scheme",
+        "autofp8-static-kv",
+        "dense-sparsity",
+        "both-ignore-lists",
+    ],
+)
+def test_published_config_variants_load(fmt, edit, hf_model, tmp_path, paged_runner):
+    _, src = hf_model("llama")
+    ref_dir = write_fp8(src, tmp_path / "fp8", fmt)
+    _edit_config(tmp_path / "fp8", edit)
+    if edit in (_kv_cache_scheme, _static_kv_cache_scheme):  # per-layer K / V scales beside the weights'
+        with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+            tensors = {n: f.get_tensor(n) for n in f.keys()}
+        for i in range(2):
+            tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.02)
+            tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.03)
+        save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+        kv = load_model(tmp_path / "fp8").kv_scales  # [layers, K/V, kv heads]
+        assert torch.equal(kv, torch.tensor([0.02, 0.03])[None, :, None].expand(2, 2, 2))
+    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+
+
+@pytest.mark.parametrize("fmt", ["block", "ct-block"])
+def test_qwen3_with_dims_off_the_128_blocks_loads(fmt, hf_model, tmp_path, paged_runner):
+    _, src = hf_model("qwen3", **ODD_QWEN3)
+    ref_dir = write_fp8(src, tmp_path / "fp8", fmt, block=(128, 128))
+    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "qwen3", paged_runner)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+def test_qwen3_moe_block_wise_with_128_blocks_loads(fused, hf_model, tmp_path, paged_runner):
+    _, src = hf_model("qwen3_moe", **TINY_MOE["qwen3_moe"])
+    ref_dir = write_fp8(src, tmp_path / "fp8", "block", block=(128, 128), fuse_experts=fused)
+    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "qwen3_moe", paged_runner)
+
+
+@pytest.mark.parametrize("fmt", ["ct-channel", "block"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_an_fp8_lm_head_not_in_the_ignore_list_loads(tied, fmt, hf_model, tmp_path, paged_runner):
+    """Untied: lm_head's FP8 weight dequantized like the others'. Tied: the checkpoint's FP8 copy of the
+    embeddings as lm_head is dropped (the model's lm_head is its embeddings)."""
+    _, src = hf_model("llama", tie_word_embeddings=tied)
+    if tied:  # a tied checkpoint that stores lm_head too
+        with safe_open(str(src / "model.safetensors"), "pt") as f:
+            tensors = {n: f.get_tensor(n) for n in f.keys()}
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        shutil.copytree(src, tmp_path / "src")
+        save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
+        src = tmp_path / "src"
+    with_head = re.compile(f"{QUANTIZED.pattern}|lm_head\\.weight")
+    ref_dir = write_fp8(src, tmp_path / "fp8", fmt, quantized=with_head)
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+        assert f.get_slice("lm_head.weight").get_dtype() == "F8_E4M3"
+    _edit_config(tmp_path / "fp8", lambda q: q.update(ignore=[], modules_to_not_convert=[]))
+    if tied:  # the reference keeps the embeddings: drop its dequantized lm_head copy
+        with safe_open(str(ref_dir / "model.safetensors"), "pt") as f:
+            tensors = {n: f.get_tensor(n) for n in f.keys() if n != "lm_head.weight"}
+        save_file(tensors, str(ref_dir / "model.safetensors"))
+    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+
+
+def _mixed(src, dst, attention_fmt: str, mlp_fmt: str, block=(16, 16)):
+    """An FP8 checkpoint at dst whose attention layers are quantized as attention_fmt and MLP layers as
+    mlp_fmt (compressed-tensors strategies), one config group each; returns its reference dir."""
+    parts = {fmt: write_fp8(src, dst.parent / f"{dst.name}-{fmt}", fmt, block=block) for fmt in (attention_fmt, mlp_fmt)}
+    tensors, ref = {}, {}
+    for fmt, ref_dir in parts.items():
+        keep = "self_attn." if fmt == attention_fmt else "mlp."
+        with (
+            safe_open(str(ref_dir.parent / "model.safetensors"), "pt") as f,
+            safe_open(str(ref_dir / "model.safetensors"), "pt") as r,
+        ):
+            for n in f.keys():
+                if keep in n or n not in tensors:
+                    tensors[n] = f.get_tensor(n)
+            for n in r.keys():
+                if keep in n or n not in ref:
+                    ref[n] = r.get_tensor(n)
+    shutil.copytree(parts[attention_fmt], dst / "reference")
+    save_file(ref, str(dst / "reference" / "model.safetensors"))
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((parts[attention_fmt].parent / "config.json").read_text())
+    groups = {}
+    for fmt, targets in ((attention_fmt, "re:.*self_attn\\..*_proj$"), (mlp_fmt, "re:.*mlp\\..*_proj$")):
+        group = json.loads((parts[fmt].parent / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+        groups[f"group_{len(groups)}"] = dict(group, targets=[targets])
+    cfg["quantization_config"]["config_groups"] = groups
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst / "reference"
+
+
+@pytest.mark.parametrize("attention_fmt, mlp_fmt", [("ct-tensor", "ct-channel"), ("ct-channel", "ct-block")])
+def test_config_groups_of_different_strategies_load(attention_fmt, mlp_fmt, hf_model, tmp_path, paged_runner):
+    """llm-compressor's config groups, each with its own weight strategy: every weight dequantizes with
+    the layout its scale's shape has."""
+    _, src = hf_model("llama")
+    ref_dir = _mixed(src, tmp_path / "fp8", attention_fmt, mlp_fmt)
+    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+
+
+def test_mixed_strategies_refuse_a_scale_that_fits_none_and_two_block_sizes(hf_model, tmp_path, refuses):
+    """Before the model is built: a scale of no group's layout, naming each; two block sizes (a grid
+    could fit both)."""
+    _, src = hf_model("llama")
+    _mixed(src, tmp_path / "fp8", "ct-tensor", "ct-channel")
+    down = "model.layers.0.mlp.down_proj.weight_scale"
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    tensors[down] = torch.ones(3, 1)
+    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+    refuses(tmp_path / "fp8", rf"'{down}' is \[3, 1\]; .*per-channel and per-tensor .* take \[64, 1\] or \[1, 1\]")
+    _edit_config(
+        tmp_path / "fp8",
+        lambda q: q["config_groups"].update(
+            group_2={
+                "targets": ["re:.*lm_head$"],
+                "weights": dict(q["config_groups"]["group_1"]["weights"], strategy="block", block_structure=[32, 32]),
+            },
+            group_3={
+                "targets": ["re:.*embed.*"],
+                "weights": dict(q["config_groups"]["group_1"]["weights"], strategy="block", block_structure=[64, 64]),
+            },
+        ),
+    )
+    refuses(tmp_path / "fp8", r"config groups with different block sizes are not supported: \[\(32, 32\), \(64, 64\)\]")
+
+
+@pytest.mark.parametrize("fmt", ["block", "ct-block"])
+def test_phi3_fused_projections_with_blocks_across_their_parts_load(fmt, hf_model, tmp_path, paged_runner):
+    """Phi-3's fused qkv_proj (64 | 32 | 32 rows) and gate_up_proj (112 | 112) under 128x128 blocks: k, v
+    and up start inside a block, read with the blocks they touch."""
+    _, src = hf_model("phi3", pad_token_id=0)
+    fused = re.compile(r".*\.(qkv|o|gate_up|down)_proj\.weight$")
+    ref_dir = write_fp8(src, tmp_path / "fp8", fmt, block=(128, 128), quantized=fused)
+    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "phi3", paged_runner)
