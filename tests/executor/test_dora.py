@@ -521,3 +521,32 @@ def test_dora_on_a_tied_lm_head_and_with_dropout_and_patterns_matches_transforme
             check_against_reference(refs[name], ids, resp)
     finally:
         c.close()
+
+
+def test_a_dora_adapter_re_registered_under_its_name_is_served_with_the_new_versions_norm(
+    byte_model, module_loop_thread, tmp_path
+):
+    """One name re-registered with other DoRA weights (other B and magnitudes), then a plain LoRA,
+    then the first again, at tp 2 (row-parallel norms summed over the ranks): each version, loaded
+    into a slot another version held, is served with its own scale, as transformers + PEFT computes it."""
+    from peft import PeftModel
+
+    from .conftest import generate, prompt_ids
+
+    model, path = byte_model()
+    root = tmp_path / "adapters"
+    versions = {"dora4": ADAPTERS["dora4"], "dora4b": ADAPTERS["dora4"], "lora8": ADAPTERS["lora8"]}
+    for seed, (name, spec) in enumerate(versions.items()):
+        make_adapter(model, root / name, seed, *spec)
+    refs = {n: PeftModel.from_pretrained(copy.deepcopy(model), root / n).eval() for n in versions}
+    c = cluster_of(module_loop_thread, (model, path), root, tmp_path / "store", 2, names=[], adapter_refresh_s=0)
+    try:
+        client, store = c.client(), c.store_client()
+        for i, version in enumerate(["dora4", "dora4b", "lora8", "dora4"]):
+            digest = store.register("v", str(root / version)).digest
+            assert client.load("v").digest == digest
+            resp = generate(client, "v", prompt_ids(i))
+            assert resp.adapter_digest == digest
+            check_against_reference(refs[version], prompt_ids(i), resp)
+    finally:
+        c.close()
