@@ -42,10 +42,14 @@ def split_magnitudes(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.
 
 
 def check_magnitudes(
-    use_dora: bool, magnitudes: dict[str, torch.Tensor], modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    use_dora: bool,
+    magnitudes: dict[str, torch.Tensor],
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    embeddings: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
     """A DoRA adapter has a finite [out_features] magnitude for every module it targets, and a
-    plain one none; returns them as float32."""
+    plain one none; returns them as float32. embeddings: the modules whose LoRA is PEFT's
+    lora_embedding_A / B (DoRA on them is refused, whatever the executor's layout)."""
     if not use_dora:
         if magnitudes:
             raise invalid(f"module {sorted(magnitudes)[0]!r} has a {MAGNITUDE} but adapter_config.json does not set use_dora")
@@ -53,6 +57,9 @@ def check_magnitudes(
     experts = sorted(n for n in magnitudes if EXPERT_RE.search(n))
     if experts:
         raise invalid(f"DoRA on MoE expert module {experts[0]!r} is not served (only dense linear layers)")
+    embedded = sorted(set(magnitudes) & embeddings)
+    if embedded:
+        raise invalid(f"DoRA on embedding module {embedded[0]!r} is not served (only dense linear layers)")
     unknown = sorted(set(magnitudes) - set(modules))
     if unknown:
         raise invalid(f"{MAGNITUDE} of module {unknown[0]!r}, which has no lora_A / lora_B")

@@ -88,7 +88,7 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     experts.check_complete(modules, spec)
     validate.check_finite(modules)
     modules, cast = validate.cast_float64(modules)
-    magnitudes = dora.check_magnitudes(settings.use_dora, magnitudes, modules)
+    magnitudes = dora.check_magnitudes(settings.use_dora, magnitudes, modules, validate.embedding_modules(tensors))
     tokens = trainable_tokens.check(config, token_rows, spec, modules)
     weights = path.read_bytes()
     digest = content_digest(config, weights)

@@ -90,14 +90,29 @@ def check(
         if not torch.isfinite(t).all():
             raise invalid(f"module {module!r}: trainable_tokens_delta holds NaN or Inf values")
         out[target] = (ids, t.float())
-    if spec is not None and spec.tied_embeddings and len(out) == 2:  # PEFT ties them: one set of rows
-        (embed_ids, embed_rows), (head_ids, head_rows) = out["embed"], out["lm_head"]
-        if embed_ids != head_ids or not torch.equal(embed_rows, head_rows):
-            raise invalid(
-                f"base model {spec.name!r} ties lm_head to the embedding, but the adapter's lm_head trainable token ids / "
-                "rows differ from its embedding's"
-            )
+    if spec is not None and spec.tied_embeddings:
+        _check_tied(out, spec, lora_modules)
     return out
+
+
+def _check_tied(out: dict[str, tuple[list[int], torch.Tensor]], spec: BaseModelSpec, lora_modules) -> None:
+    """A tied model's lm_head takes the embedding's rows, as PEFT ties them, unless the adapter has
+    lm_head rows for other ids (PEFT ties neither then: each keeps its own). Tied rows must equal the
+    embedding's, and an lm_head with LoRA cannot take them: PEFT adds the LoRA to the logits of
+    the replaced rows, while a slot's lm_head rows replace those logits whole (executor/token_rows.py)."""
+    if "embed" not in out or ("lm_head" in out and out["lm_head"][0] != out["embed"][0]):
+        return
+    if "lm_head" in out and not torch.equal(out["embed"][1], out["lm_head"][1]):
+        raise invalid(
+            f"base model {spec.name!r} ties lm_head to the embedding, but the adapter's lm_head trainable token rows "
+            "differ from its embedding's for the same ids"
+        )
+    head = sorted(m for m in lora_modules if TARGETS["lm_head"].search(m))
+    if head:
+        raise invalid(
+            f"module {head[0]!r} has LoRA and base model {spec.name!r} ties it to the embedding, whose trainable token "
+            "rows it would take: LoRA on a tied lm_head with trainable tokens is not served"
+        )
 
 
 def _ids(indices, module: str, num_modules: int, key: str) -> list[int]:

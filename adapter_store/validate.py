@@ -160,7 +160,11 @@ def _refuse_features(cfg: dict) -> None:
         )
     if cfg.get("bias", "none") != "none":
         raise invalid(f"{CONFIG_FILE}: bias {cfg['bias']!r} is not supported (only 'none')")
-    for key in ("lora_bias", "layer_replication", "use_qalora", "alora_invocation_tokens"):
+    # LoRA variants whose forward or saved tensors differ from plain LoRA's (BD-LoRA's block-diagonal
+    # factors, KaSA's truncated base weight and singular values, MonteCLoRA's and VeLoRA's extra
+    # tensors, Arrow's routing over several adapters)
+    variants = ("use_bdlora", "kasa_config", "monteclora_config", "velora_config", "arrow_config")
+    for key in ("lora_bias", "layer_replication", "use_qalora", "alora_invocation_tokens", *variants):
         if cfg.get(key):
             raise invalid(f"{CONFIG_FILE}: {key} is not supported")
 
@@ -279,6 +283,12 @@ def group_modules(
         _check_shapes(module, a, b, settings.module_rank(module), spec, settings.module_sources.get(module))
         modules[module] = (a, b)
     return modules
+
+
+def embedding_modules(tensors: dict[str, torch.Tensor]) -> frozenset[str]:
+    """The modules whose LoRA tensors are PEFT's embedding ones (lora_embedding_A / B)."""
+    suffix = ".lora_embedding_A"
+    return frozenset(n[len(PREFIX) : -len(suffix)] for n in tensors if n.startswith(PREFIX) and n.endswith(suffix))
 
 
 def _check_shapes(

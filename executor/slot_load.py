@@ -382,7 +382,7 @@ def load_shard_into_slot(
     layout = targets.layout(tensors, key, offsets)
     dora.check(targets.modules, tensors, magnitudes)
     if rows is not None:
-        rows.check(tokens)
+        rows.check(tokens, head_lora="lm_head.lora_a" in tensors)
     scatter = scatter or _default_scatter(targets.device)
     scattered = scatter is not None and layout.plan is not None  # the scatter writes targets.scattered
     if scattered:

@@ -83,9 +83,11 @@ class TokenRows(nn.Module):
         wide.scatter_(1, torch.where(hit, ids, self.vocab), torch.where(hit, vals, 0.0))
         return wide[:, : self.vocab]
 
-    def check(self, tokens: dict[str, torch.Tensor]) -> None:
-        """ValueError unless the shard's trainable tokens fit the slots (a tied model's lm_head rows,
-        where the shard has them, are its embedding rows)."""
+    def check(self, tokens: dict[str, torch.Tensor], head_lora: bool = False) -> None:
+        """ValueError unless the shard's trainable tokens fit the slots. A tied model's lm_head takes
+        the embedding rows (its own rows for the same ids must equal them; for other ids they are its
+        own, as PEFT then ties neither). No lm_head rows beside lm_head LoRA (head_lora): PEFT adds
+        that LoRA to the replaced rows' logits, which `logits` replaces whole."""
         unknown = sorted(set(tokens) - {f"{PREFIX}{t}.{p}" for t in ("embed", "lm_head") for p in ("ids", "rows")})
         if unknown:
             raise ValueError(f"shard has unknown trainable-token tensors {unknown}")
@@ -104,12 +106,16 @@ class TokenRows(nn.Module):
             if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.vocab:
                 raise ValueError(f"{PREFIX}{target}: token ids must lie in the vocabulary of {self.vocab}")
         embed, head = tokens.get(f"{PREFIX}embed.ids"), tokens.get(f"{PREFIX}lm_head.ids")
-        if self.tied and embed is not None and head is not None:  # PEFT ties them: one set of rows
-            same = torch.equal(embed, head) and torch.equal(tokens[f"{PREFIX}embed.rows"], tokens[f"{PREFIX}lm_head.rows"])
-            if not same:
-                raise ValueError(
-                    "the model ties lm_head to the embedding, but the shard's lm_head token ids / rows differ from its embedding's"
-                )
+        tied = self.tied and embed is not None and (head is None or torch.equal(embed, head))  # the lm_head takes embed's rows
+        if tied and head is not None and not torch.equal(tokens[f"{PREFIX}embed.rows"], tokens[f"{PREFIX}lm_head.rows"]):
+            raise ValueError(
+                "the model ties lm_head to the embedding, but the shard's lm_head token rows differ from its embedding's "
+                "for the same ids"
+            )
+        if head_lora and (tied or head is not None):
+            raise ValueError(
+                "shard has lm_head LoRA and lm_head trainable token rows (its own, or the embedding's the model ties to it)"
+            )
 
     def load(self, slot: int, tokens: dict[str, torch.Tensor]) -> None:
         """Sets `slot`'s rows from the shard's trainable tokens (none: the slot holds none)."""

@@ -152,14 +152,25 @@ def test_dora_on_moe_experts_is_refused_naming_the_module(tmp_path):
     assert "DoRA on MoE expert module 'model.layers.0.mlp.experts." in e.value.message
 
 
-def test_dora_with_fully_sharded_lora_or_on_embeddings_is_failed_precondition(tiny_llama_model, tmp_path):
+def test_dora_with_fully_sharded_lora_is_failed_precondition(tiny_llama_model, tmp_path):
     adapter = load(make_dora(tiny_llama_model, tmp_path / "a"))
     with pytest.raises(StatusError) as e:
         pack.pack_magnitudes(adapter, dense_layout(2, True))
     assert e.value.code.name == "FAILED_PRECONDITION" and "not served with fully sharded LoRA" in e.value.message
     assert pack.pack_magnitudes(adapter, dense_layout(1, True))  # tp 1: nothing is sharded
-    emb = load(make_dora(tiny_llama_model, tmp_path / "b", targets=["embed_tokens", "q_proj"]))
+
+
+def test_dora_on_embeddings_is_refused_when_read_naming_the_module(tiny_llama_model, tmp_path):
+    """PEFT writes DoRA for an embedding (a magnitude beside lora_embedding_A / B): no layout serves
+    it, so it is refused as the adapter is read (at registration), not at its first load; DoRA on
+    the lm_head (a linear layer) is read."""
     with pytest.raises(StatusError) as e:
-        pack.pack_magnitudes(emb, dense_layout(1, False))
-    assert e.value.code.name == "FAILED_PRECONDITION"
-    assert "DoRA on embedding module 'model.embed_tokens' is not served" in e.value.message
+        load(make_dora(tiny_llama_model, tmp_path / "b", targets=["embed_tokens", "q_proj"]))
+    assert e.value.code.name == "INVALID_ARGUMENT"
+    assert e.value.message == "DoRA on embedding module 'model.embed_tokens' is not served (only dense linear layers)"
+    head = load(make_dora(tiny_llama_model, tmp_path / "c", targets=["lm_head", "q_proj"]))
+    assert head.kind == "dora" and set(head.magnitudes) == {
+        "lm_head",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.self_attn.q_proj",
+    }

@@ -20,9 +20,8 @@ DELTA = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delt
 
 def make(model, directory, ids=(3, 7, 100), **config):
     torch.manual_seed(4)
-    peft = get_peft_model(
-        copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=list(ids), **config)
-    )
+    config = {"target_modules": ["q_proj"], "trainable_token_indices": list(ids), **config}
+    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, **config))
     with torch.no_grad():
         for n, p in peft.named_parameters():
             if "trainable_tokens_delta" in n or "lora_B" in n:
@@ -107,6 +106,50 @@ def test_lora_and_trainable_tokens_on_one_embedding_are_refused(tiny_llama_model
         load(directory, spec)
     assert e.value.code.name == "INVALID_ARGUMENT"
     assert "module 'model.embed_tokens' has both LoRA and trainable tokens: not served" in e.value.message
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tiny_llama_model):
+    """(the tiny Llama with lm_head tied to its embedding, its spec)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**tiny_llama_model.config.to_dict(), "tie_word_embeddings": True})).eval()
+    return model, base_model.from_hf_config("tiny", model.config.to_dict())
+
+
+def test_a_tied_lm_head_with_rows_for_other_ids_keeps_its_own(tied_llama, tmp_path):
+    """trainable_token_indices per module, the embedding's and the tied lm_head's ids unlike: PEFT ties
+    neither and saves both, and so each keeps its own rows; for the same ids it saves the embedding's alone."""
+    model, spec = tied_llama
+    both = load(
+        make(model, tmp_path / "a", ids=(), trainable_token_indices={"embed_tokens": [3, 7], "lm_head": [7, 9, 100]}), spec
+    )
+    saved = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    assert both.tokens["embed"][0] == [3, 7] and torch.equal(both.tokens["embed"][1], saved[DELTA])
+    assert both.tokens["lm_head"][0] == [7, 9, 100]
+    assert torch.equal(both.tokens["lm_head"][1], saved["base_model.model.lm_head.token_adapter.trainable_tokens_delta"])
+    same = load(make(model, tmp_path / "b", ids=(), trainable_token_indices={"embed_tokens": [3, 7], "lm_head": [3, 7]}), spec)
+    assert set(same.tokens) == {"embed"}  # the executor ties the lm_head's rows to these
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_lora_on_an_lm_head_tied_to_trainable_token_rows_is_refused(tiny_llama_model, tied_llama, tmp_path, spec, tied):
+    """PEFT applies an lm_head's LoRA on top of the embedding's token rows it ties the lm_head to
+    (a served slot's lm_head rows replace those logits whole): refused naming the module on a tied
+    model; untied, the lm_head keeps its base rows and the adapter is read."""
+    model, spec = tied_llama if tied else (tiny_llama_model, spec)
+    directory = make(model, tmp_path / "a", target_modules=["q_proj", "lm_head"])
+    if not tied:
+        assert load(directory, spec).kind == "lora+tokens"
+        return
+    with pytest.raises(StatusError) as e:
+        load(directory, spec)
+    assert e.value.code.name == "INVALID_ARGUMENT"
+    assert e.value.message == (
+        "module 'lm_head' has LoRA and base model 'tiny' ties it to the embedding, whose trainable token rows it would "
+        "take: LoRA on a tied lm_head with trainable tokens is not served"
+    )
 
 
 ALONE_DELTA = "base_model.model.model.embed_tokens.trainable_tokens_delta"
@@ -214,3 +257,32 @@ def test_other_peft_types_are_refused_naming_what_is_served(tiny_llama_model, tm
         load(tmp_path / "a", spec)
     assert e.value.code.name == "INVALID_ARGUMENT"
     assert "peft_type is 'IA3', only 'LORA' and 'TRAINABLE_TOKENS' adapters are served" in e.value.message
+
+
+def _variants():
+    from peft.tuners.lora.config import BdLoraConfig, KasaConfig, MontecloraConfig, VeloraConfig
+
+    return {
+        "use_bdlora": dict(use_bdlora=BdLoraConfig(target_modules_bd_b=["q_proj", "v_proj"], nblocks=2)),
+        "kasa_config": dict(kasa_config=KasaConfig()),
+        "monteclora_config": dict(monteclora_config=MontecloraConfig()),
+        "velora_config": dict(velora_config=VeloraConfig(num_groups=4)),
+        "lora_bias": dict(lora_bias=True),
+        "alora_invocation_tokens": dict(alora_invocation_tokens=[3, 5]),
+    }
+
+
+@pytest.mark.parametrize(
+    "key", ["use_bdlora", "kasa_config", "monteclora_config", "velora_config", "lora_bias", "alora_invocation_tokens"]
+)
+def test_lora_variants_are_refused_naming_the_config_field(tiny_llama_model, tmp_path, spec, key):
+    """LoRA adapters PEFT writes whose forward or tensors differ from plain LoRA's (BD-LoRA's
+    block-diagonal factors, KaSA's truncated base weight, MonteCLoRA's and VeLoRA's extra tensors,
+    LoRA biases, aLoRA's invocation tokens): refused naming the adapter_config.json field."""
+    get_peft_model(
+        copy.deepcopy(tiny_llama_model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **_variants()[key])
+    ).save_pretrained(tmp_path / "a")
+    with pytest.raises(StatusError) as e:
+        load(tmp_path / "a", spec)
+    assert e.value.code.name == "INVALID_ARGUMENT"
+    assert e.value.message == f"adapter_config.json: {key} is not supported"

@@ -154,7 +154,8 @@ def byte_model(hf_model, save_byte_tokenizer):
 def save_lora_adapters(model, root: Path, configs: dict, b_std: float) -> Path:
     """Saves a peft adapter of `model` per name -> LoraConfig in root/name and returns root. The i-th
     is made under torch.manual_seed(i): B (and embedding B) drawn with std b_std (peft inits them to 0),
-    DoRA magnitudes scaled by U(0.5, 1.5)."""
+    DoRA magnitudes scaled by U(0.5, 1.5), trainable token rows drawn with std 1 (peft starts them at
+    the base rows)."""
     import copy
 
     from peft import get_peft_model
@@ -168,6 +169,8 @@ def save_lora_adapters(model, root: Path, configs: dict, b_std: float) -> Path:
                     p.normal_(0, b_std)
                 elif "lora_magnitude_vector" in n:
                     p.mul_(0.5 + torch.rand_like(p))
+                elif "trainable_tokens_delta" in n:
+                    p.normal_(0, 1.0)
         peft.save_pretrained(root / name)
     return root
 

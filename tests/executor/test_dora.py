@@ -491,3 +491,62 @@ def test_dora_on_phi3_fused_modules_matches_transformers_peft(byte_model, module
             check_against_reference(refs[name], ids, resp)
     finally:
         c.close()
+
+
+def test_dora_on_a_tied_lm_head_and_with_dropout_and_patterns_matches_transformers_peft(byte_model, module_loop_thread, tmp_path):
+    """Qwen2 with tied embeddings at tp 2 (--lora-embeddings): DoRA on the lm_head (a column-parallel
+    layer over the vocabulary, its weight the embedding's), and DoRA with lora_dropout (not applied
+    at inference, as PEFT in eval) and rank / alpha patterns (each module's own scale in its norm):
+    each row of one batch beside plain LoRA and base rows is PEFT's."""
+    from peft import LoraConfig, PeftModel
+
+    from .conftest import save_lora_adapters
+
+    model, path = byte_model("qwen2", tie_word_embeddings=True)
+    configs = {
+        "dhead": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], use_dora=True),
+        "dpattern": LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], use_dora=True, lora_dropout=0.1,
+            rank_pattern={"v_proj": 4}, alpha_pattern={"down_proj": 3}, use_rslora=True,
+        ),
+        "lora8": LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "o_proj"]),
+    }  # fmt: skip
+    root = save_lora_adapters(model, tmp_path / "adapters", configs, b_std=0.2)
+    refs = {"": model, **{n: PeftModel.from_pretrained(copy.deepcopy(model), root / n).eval() for n in configs}}
+    c = cluster_of(module_loop_thread, (model, path), root, tmp_path / "store", 2, configs, lora_embeddings=True, max_loras=3)
+    try:
+        assert {m.name: m.kind for m in c.store_client().list()} == {"dhead": "dora", "dpattern": "dora", "lora8": "lora"}
+        jobs, resps = run_group(c.client(), ["dhead", "", "dpattern", "lora8"])
+        for (name, ids), resp in zip(jobs, resps):
+            check_against_reference(refs[name], ids, resp)
+    finally:
+        c.close()
+
+
+def test_a_dora_adapter_re_registered_under_its_name_is_served_with_the_new_versions_norm(
+    byte_model, module_loop_thread, tmp_path
+):
+    """One name re-registered with other DoRA weights (other B and magnitudes), then a plain LoRA,
+    then the first again, at tp 2 (row-parallel norms summed over the ranks): each version, loaded
+    into a slot another version held, is served with its own scale, as transformers + PEFT computes it."""
+    from peft import PeftModel
+
+    from .conftest import generate, prompt_ids
+
+    model, path = byte_model()
+    root = tmp_path / "adapters"
+    versions = {"dora4": ADAPTERS["dora4"], "dora4b": ADAPTERS["dora4"], "lora8": ADAPTERS["lora8"]}
+    for seed, (name, spec) in enumerate(versions.items()):
+        make_adapter(model, root / name, seed, *spec)
+    refs = {n: PeftModel.from_pretrained(copy.deepcopy(model), root / n).eval() for n in versions}
+    c = cluster_of(module_loop_thread, (model, path), root, tmp_path / "store", 2, names=[], adapter_refresh_s=0)
+    try:
+        client, store = c.client(), c.store_client()
+        for i, version in enumerate(["dora4", "dora4b", "lora8", "dora4"]):
+            digest = store.register("v", str(root / version)).digest
+            assert client.load("v").digest == digest
+            resp = generate(client, "v", prompt_ids(i))
+            assert resp.adapter_digest == digest
+            check_against_reference(refs[version], prompt_ids(i), resp)
+    finally:
+        c.close()

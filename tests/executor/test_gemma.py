@@ -345,6 +345,43 @@ def test_served_at_tp2_match_transformers_peft(family, gemma, adapter_dirs, modu
         c.close()
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_dora_and_trainable_tokens_served_at_tp2_match_transformers_peft(family, gemma, module_loop_thread, tmp_path):
+    """DoRA on every linear layer (rsLoRA), and DoRA beside trainable tokens (the embedding's rows, which
+    Gemma scales by sqrt(hidden), and the tied lm_head's under the final soft-cap), served at tp 2
+    beside a base row: each row is PEFT's greedy output with its logprobs."""
+    import concurrent.futures as cf
+
+    from .conftest import generate, save_lora_adapters
+
+    model, path = gemma(family)
+    configs = {
+        "dora": peft.LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR, use_dora=True, use_rslora=True),
+        "dora_tok": peft.LoraConfig(
+            r=6,
+            lora_alpha=6,
+            target_modules=["v_proj", "o_proj", "down_proj"],
+            use_dora=True,
+            trainable_token_indices=[7, 40, 259],
+        ),
+    }
+    root = save_lora_adapters(model, tmp_path / "adapters", configs, b_std=0.2)
+    refs = {"": model, **{name: peft.PeftModel.from_pretrained(copy.deepcopy(model), root / name).eval() for name in configs}}
+    c = Cluster(
+        module_loop_thread, path, root, tmp_path / "store", configs, tp_size=2, cpu_threads=1, tp_timeout_s=60.0,
+        enable_dora=True, enable_trainable_tokens=True,
+    )  # fmt: skip
+    try:
+        assert {m.name: m.kind for m in c.store_client().list()} == {"dora": "dora", "dora_tok": "dora+tokens"}
+        jobs = [(name, [BOS, *_prompt(5 + i, 40 + i), 7, 259, 40]) for i, name in enumerate(["dora", "", "dora_tok", "dora_tok"])]
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            resps = list(pool.map(lambda j: generate(c.client(), *j, 8), jobs))
+        for (name, ids), resp in zip(jobs, resps):
+            check_against_reference(refs[name], ids, resp)
+    finally:
+        c.close()
+
+
 def _vision_lora() -> dict:
     """LoRA tensors (PEFT's names) on a SigLIP vision tower's first attention layer."""
     key = "base_model.model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj"

@@ -174,7 +174,7 @@ def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
             with pytest.raises(StatusError) as e:
                 c.store_client().register("untied_rows", str(adapter_dirs / "untied_rows"))
             assert e.value.code.name == "INVALID_ARGUMENT"
-            assert "ties lm_head to the embedding, but the adapter's lm_head trainable token ids / rows differ" in e.value.message
+            assert "ties lm_head to the embedding, but the adapter's lm_head trainable token rows differ" in e.value.message
         check_against_reference(references["alone"], prompt(1), generate(client, "alone", prompt(1), 4))  # still served
     finally:
         c.close()
@@ -400,3 +400,82 @@ def test_token_rows_apply_alike_with_and_without_the_step_slots_on_the_host(hf_m
         want = plain.clone()
         want[[1, 3], 4], want[[1, 3], 9] = h[[1, 3]] @ rows[0], h[[1, 3]] @ rows[1]
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+
+
+TIED = {  # on the tied Qwen2: LoraConfig fields
+    "split": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "down_proj"],
+        trainable_token_indices={"embed_tokens": [5, 17], "lm_head": [17, 42, 259]},
+    ),
+    "tok": ADAPTERS["tok"],
+    "head_lora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], trainable_token_indices=[5, 17]),
+}
+
+
+def test_a_tied_lm_head_serves_its_own_rows_for_other_ids_and_lora_on_it_is_refused(byte_model, module_loop_thread, tmp_path):
+    """Qwen2 with tied embeddings at tp 2. trainable_token_indices per module with the lm_head's ids
+    unlike the embedding's: PEFT ties neither, and each row of a batch beside tied-token, plain and
+    base rows is PEFT's. LoRA on the lm_head with the embedding's rows tied to it (PEFT adds the LoRA
+    to the replaced rows' logits): refused at registration naming the module."""
+    from peft import PeftModel
+
+    model, path = byte_model("qwen2", tie_word_embeddings=True)
+    root = tmp_path / "adapters"
+    for seed, (name, config) in enumerate(TIED.items()):
+        make_adapter(model, root / name, seed, **config)
+    refs = {"": model, **{n: PeftModel.from_pretrained(copy.deepcopy(model), root / n).eval() for n in ("split", "tok")}}
+    c = Cluster(
+        module_loop_thread, path, root, tmp_path / "store", ["split", "tok"], tp_size=2, cpu_threads=1, tp_timeout_s=60.0,
+        enable_trainable_tokens=True, max_loras=2,
+    )  # fmt: skip
+    try:
+        assert {m.name: m.kind for m in c.store_client().list()} == {"split": "lora+tokens", "tok": "lora+tokens"}
+        jobs = [(name, prompt(i)) for i, name in enumerate(["split", "", "tok", "split"])]
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            resps = list(pool.map(lambda j: generate(c.client(), *j, 6), jobs))
+        for (name, ids), resp in zip(jobs, resps):
+            check_against_reference(refs[name], ids, resp)
+        with pytest.raises(StatusError) as e:
+            c.store_client().register("head_lora", str(root / "head_lora"))
+        assert e.value.code.name == "INVALID_ARGUMENT"
+        assert "module 'lm_head' has LoRA and base model 'tiny' ties it to the embedding" in e.value.message
+    finally:
+        c.close()
+
+
+def test_a_tied_models_slots_take_lm_head_rows_for_other_ids_and_refuse_lm_head_lora_under_tied_rows(hf_model):
+    """Loaded straight into a tied model: a shard's lm_head rows for ids unlike its embedding's are the
+    lm_head's own; lm_head LoRA beside lm_head rows (its own or the embedding's tied to it), and lm_head
+    rows unlike the embedding's for the same ids, are refused before any slot changes."""
+    from loraserve.executor.lora import lora_modules
+    from loraserve.executor.model.loader import load_hf_checkpoint
+    from loraserve.executor.slot_layout import LoraSpec
+    from loraserve.executor.slot_load import load_shard_into_slot
+
+    _, path = hf_model("qwen2", tie_word_embeddings=True)
+    spec = LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32, trainable_tokens=True, targets_embeddings=True)
+    model = load_hf_checkpoint(path, lora=spec)
+    rows, hidden = model.token_rows, model.cfg.hidden_size
+    head = lora_modules(model)["lm_head"]
+    lora = {
+        "lm_head.lora_a": torch.ones(head.lora_a.shape[1], 4, head.lora_a.shape[3]),
+        "lm_head.lora_b": torch.ones(head.lora_b.shape[1], 4),
+    }
+    embed = {"tokens.embed.ids": torch.tensor([3, 7], dtype=torch.int32), "tokens.embed.rows": torch.ones(2, hidden)}
+    own = {"tokens.lm_head.ids": torch.tensor([7, 9], dtype=torch.int32), "tokens.lm_head.rows": torch.zeros(2, hidden)}
+    bad = {
+        r"lm_head LoRA and lm_head trainable token rows \(its own, or the embedding's the model ties to it\)": {**embed, **lora},
+        "lm_head LoRA and lm_head trainable token rows": {**embed, **own, **lora},
+        "lm_head token rows differ from its embedding's for the same ids": {
+            **embed, "tokens.lm_head.ids": embed["tokens.embed.ids"], "tokens.lm_head.rows": torch.zeros(2, hidden)
+        },
+    }  # fmt: skip
+    for message, tensors in bad.items():
+        with pytest.raises(ValueError, match=message):
+            load_shard_into_slot(model, 0, tensors)
+    assert rows.slots == [False, False] and not head.lora_a[0].any()
+    load_shard_into_slot(model, 0, {**embed, **own})
+    assert rows.table[0, [3, 7, 9]].tolist() == [0, 1, -1] and rows.head_ids[0, :3].tolist() == [7, 9, -1]
+    assert torch.equal(rows.head[0, :2], own["tokens.lm_head.rows"])
