@@ -397,7 +397,8 @@ def need_cuda_devices(n: int) -> None:
     """Skips (with the reason) unless this host has n CUDA devices."""
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < n:
-        pytest.skip(f"needs {n} CUDA devices, {have} here: run benchmarks/gpu.sh OUT parallel on a CUDA host with {n} GPUs")
+        stage = "parallel" if n > 1 else "executor-tests"
+        pytest.skip(f"needs {n} CUDA device(s), {have} here: run benchmarks/gpu.sh OUT {stage} on a CUDA host with {n} GPU(s)")
 
 
 class Cluster:
