@@ -67,8 +67,9 @@ GEMMA3_TEXT_DEFAULTS = dict(
 
 
 # Families whose transformers config class ties lm_head to the embedding where config.json does not say
-# (the published Gemma 1, Gemma 2 and Gemma-3-1B configs omit the key); the other families' classes untie.
-TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3_text")
+# (the published Gemma 1, Gemma 2 and Gemma-3-1B configs omit the key; multimodal Gemma 3's Gemma3Config
+# ties too); the other families' classes untie.
+TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3", "gemma3_text")
 
 
 def tie_word_embeddings(cfg: dict) -> bool:

@@ -36,7 +36,10 @@ Dynamic (NTK) RoPE (`dynamic_rope`: max_position_embeddings): a step whose longe
 that length rotates every key it writes with a base grown for that length, and every later key of
 those sequences attends to them. So a sequence in such a step never files a block from the one that
 step wrote on (`Sequence.num_fileable_blocks`, until it is recomputed), and a sequence longer than
-the length takes no cached blocks (without the cache its whole prefix would take the grown base).
+the length takes no cached blocks. That rule is conservative: a cached block holds keys rotated with
+the original base, while recomputing the prefix gives keys of whatever base each prefill step has (under
+chunked prefill the early chunks run in steps that do not grow it), so refusing the cache never
+serves keys a recomputation could not have.
 
 The scheduler only decides; it never runs the model. The engine turns a `SchedulePlan`
 into input_ids / positions / attention metadata and reports sampled tokens back through
@@ -249,7 +252,10 @@ class Scheduler:
         caching), for sequences still holding the blocks it was planned with. Call it after the
         step's device work is done and before its sampled tokens are appended."""
         bs = self.block_size
-        grown = self.dynamic_rope is not None and max(s.context_len + s.num_tokens for s in plan.seqs) > self.dynamic_rope
+        grown = (
+            self.dynamic_rope is not None
+            and max((s.context_len + s.num_tokens for s in plan.seqs), default=0) > self.dynamic_rope
+        )
         for s in plan.seqs:
             seq = s.seq
             if seq.cache_seed is None or seq.finished or seq.preemptions != s.preemptions:

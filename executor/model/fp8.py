@@ -1,19 +1,8 @@
-"""FP8 base weights: the published checkpoint formats, their scales, and FP8 <-> float conversion.
+"""FP8 base weights: a checkpoint's FP8 tensors and their scales, and FP8 <-> float conversion.
 
-Formats (read from config.json's `quantization_config` before any weight is loaded):
-- compressed-tensors "float-quantized" (llm-compressor's FP8 / FP8_DYNAMIC / FP8_BLOCK; its earlier
-  releases' "naive-quantized", the same FP8 values under another name): float8_e4m3fn
-  `<module>.weight` with `<module>.weight_scale` per tensor ([1]), per output channel ([N, 1]) or per
-  block ([ceil(N/bn), ceil(K/bk)]); activations dynamic per token, or static per tensor
-  (`<module>.input_scale`, [1]); modules in `ignore` are unquantized; config groups may each use
-  their own strategy (a weight's scale shape says which; one block size at most);
-- block-wise "fp8" (Qwen3 / DeepSeek FP8): `<module>.weight_scale_inv` per `weight_block_size` block
-  (fused experts `experts.gate_up_proj` / `experts.down_proj`: `<name>_scale_inv`, [E, ...]);
-  modules in `modules_to_not_convert` or `ignored_layers` are unquantized;
-- per-tensor "fp8" (AutoFP8's, no `weight_block_size`): `<module>.weight_scale` per tensor, a static
-  `<module>.input_scale` where `activation_scheme` is "static"; modules in `ignored_layers` unquantized.
-In all, the real weight is q * scale (block-wise: the block's scale; the `_inv` names the inverse of
-the quantization's multiplier). Anything else is refused naming it.
+The formats and which tensors each stores: executor/model/fp8_scheme.py (config.json's
+quantization_config read into an `Fp8Scheme`). In all, the real weight is q * scale (block-wise: the
+block's scale; the `_inv` names the inverse of the quantization's multiplier).
 
 `Fp8Checkpoint.check` validates every FP8 tensor's scale (present, shaped for its weight, finite, not
 for an ignored module) from the files' metadata and the (small) scale tensors alone; `Fp8Checkpoint.read`
@@ -26,12 +15,11 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from .fp8_scheme import Fp8Scheme
 from .kv_scales import is_kv_scale
 
 log = logging.getLogger(__name__)
@@ -40,150 +28,6 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 QUANTIZATIONS = ("fp8",)  # --quantization: quantize a bf16/fp16 checkpoint's linear layers at load
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
-_STRATEGIES = ("tensor", "channel", "block")
-_CT_FORMATS = ("float-quantized", "naive-quantized")
-
-
-@dataclass(frozen=True)
-class Fp8Scheme:
-    """What a checkpoint's quantization_config says. layouts: how its weight scales are laid out, each
-    (strategy, block): ("tensor" | "channel", None) or ("block", (rows, columns)); config groups may
-    each use their own, a weight's being the one its scale's shape fits (blocks first, then channels,
-    then one per tensor; at most one block size). static_input: every quantized module carries a
-    per-tensor `input_scale` (validated; activations are quantized per token whatever it says)."""
-
-    method: str  # "compressed-tensors" | "fp8" (block-wise, or per tensor without a block)
-    layouts: tuple[tuple[str, tuple[int, int] | None], ...]
-    ignore: tuple[str, ...]
-    static_input: bool
-
-    @property
-    def block(self) -> tuple[int, int] | None:
-        """The block size of the block layout, if the scheme has one."""
-        return next((block for _, block in self.layouts if block is not None), None)
-
-    @property
-    def scale_suffix(self) -> str:
-        return "weight_scale_inv" if self.method == "fp8" and self.block else "weight_scale"
-
-    def describe(self) -> str:
-        layout = " and ".join(f"{b[0]}x{b[1]}-block" if b else f"per-{strategy}" for strategy, b in self.layouts)
-        if self.method == "fp8":
-            return f"block-wise fp8 FP8 ({layout} weight scales)" if self.block else f"fp8 ({layout} weight scales)"
-        return f"{self.method} FP8 ({layout} weight scales)"
-
-    def ignores(self, module: str) -> bool:
-        """Whether `module` (a dotted path) is left unquantized: an entry naming it (or a parent, or its
-        tail, as transformers' modules_to_not_convert does), or a `re:` pattern matching it."""
-        for p in self.ignore:
-            if p.startswith("re:"):
-                if re.match(p[3:], module):
-                    return True
-            elif module == p or module.startswith(p + ".") or module.endswith("." + p):
-                return True
-        return False
-
-
-def checkpoint_scheme(hf_config: dict[str, Any]) -> Fp8Scheme | None:
-    """The FP8 weight scheme of a config.json (None: no quantization_config, or a compressed-tensors one
-    that quantizes only the KV cache: executor/model/kv_scales.py); ValueError naming anything else."""
-    q = hf_config.get("quantization_config")
-    if q is None:
-        return None
-    method = q.get("quant_method")
-    if method == "compressed-tensors":
-        return _compressed_tensors(q)
-    if method == "fp8":
-        return _fp8(q)
-    raise ValueError(
-        f"quantization_config quant_method {method!r} is not supported; supported: compressed-tensors "
-        "(format float-quantized, FP8 weights) and fp8 (block-wise with weight_block_size, or per tensor)"
-    )
-
-
-def _compressed_tensors(q: dict[str, Any]) -> Fp8Scheme | None:
-    where = "quantization_config (compressed-tensors)"
-    sparsity = (q.get("sparsity_config") or {}).get("format")
-    if sparsity not in (None, "dense"):  # e.g. sparse-24-bitmask: the weights are stored compressed
-        raise ValueError(f"{where}: sparsity_config format {sparsity!r} is not supported; only dense weights")
-    if q.get("transform_config"):  # rotations the model would have to apply at run time
-        raise ValueError(f"{where}: transform_config (weight and activation transforms) is not supported")
-    groups = q.get("config_groups") or {}
-    if not groups:
-        if q.get("kv_cache_scheme"):
-            return None  # the KV cache's scales only (kv_scales.py reads them); the weights as they are
-        raise ValueError(f"{where}: no config_groups")
-    schemes = set()
-    for name, group in groups.items():
-        fmt = group.get("format") or q.get("format")
-        if fmt not in _CT_FORMATS:  # with FP8 arguments (checked next) both store float8_e4m3fn values
-            raise ValueError(
-                f"{where}: format {fmt!r} of config group {name!r} is not supported; only float-quantized (FP8) "
-                "or naive-quantized with FP8 weights"
-            )
-        w, a = group.get("weights") or {}, group.get("input_activations")
-        _check_fp8_args(w, f"{where} group {name!r} weights")
-        strategy = w.get("strategy")
-        if strategy not in _STRATEGIES:
-            raise ValueError(f"{where} group {name!r}: weight strategy {strategy!r} is not supported; supported: {_STRATEGIES}")
-        if w.get("dynamic"):
-            raise ValueError(f"{where} group {name!r}: dynamic weight scales are not supported")
-        if not w.get("symmetric", True):
-            raise ValueError(f"{where} group {name!r}: asymmetric weights (zero points) are not supported")
-        block = None
-        if strategy == "block":
-            block = _block_size(w.get("block_structure"), f"{where} group {name!r} weights block_structure")
-        static = False
-        if a is not None:
-            _check_fp8_args(a, f"{where} group {name!r} input_activations")
-            kind = (bool(a.get("dynamic")), a.get("strategy"))
-            if kind not in ((True, "token"), (False, "tensor"), (True, "group")):
-                raise ValueError(
-                    f"{where} group {name!r}: input_activations dynamic={kind[0]} strategy {kind[1]!r} is not supported; "
-                    "supported: dynamic per token (or group), static per tensor"
-                )
-            static = not kind[0]
-        if group.get("output_activations"):
-            raise ValueError(f"{where} group {name!r}: output_activations quantization is not supported")
-        schemes.add((strategy, block, static))
-    blocks = sorted({block for _, block, _ in schemes if block is not None})
-    if len(blocks) > 1:  # a scale grid could fit two of them
-        raise ValueError(f"{where}: config groups with different block sizes are not supported: {blocks}")
-    layouts = sorted({(strategy, block) for strategy, block, _ in schemes}, key=lambda x: _STRATEGIES.index(x[0]), reverse=True)
-    static = all(static for _, _, static in schemes)  # else each present input_scale is still checked
-    return Fp8Scheme("compressed-tensors", tuple(layouts), tuple(q.get("ignore") or ()), static)
-
-
-def _check_fp8_args(args: dict[str, Any], where: str) -> None:
-    if (args.get("num_bits"), args.get("type")) != (8, "float"):
-        raise ValueError(
-            f"{where}: num_bits {args.get('num_bits')!r} type {args.get('type')!r} is not supported; only num_bits 8 type float (FP8)"
-        )
-
-
-def _fp8(q: dict[str, Any]) -> Fp8Scheme:
-    where = "quantization_config (fp8)"
-    activations = q.get("activation_scheme", "dynamic")
-    block = q.get("weight_block_size")
-    if activations not in ("dynamic", "static") or (block is not None and activations != "dynamic"):
-        supported = "dynamic" if block is not None else "dynamic or static"
-        raise ValueError(f"{where}: activation_scheme {activations!r} is not supported; only {supported}")
-    if q.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"{where}: fmt {q.get('fmt')!r} is not supported; only e4m3")
-    if q.get("scale_fmt", "float") != "float":
-        raise ValueError(f"{where}: scale_fmt {q.get('scale_fmt')!r} is not supported; only float scales")
-    if q.get("expert_dtype", "fp8") != "fp8":
-        raise ValueError(f"{where}: expert_dtype {q.get('expert_dtype')!r} is not supported; only fp8")
-    ignore = (*(q.get("modules_to_not_convert") or ()), *(q.get("ignored_layers") or ()))
-    if block is None:  # AutoFP8's per-tensor format
-        return Fp8Scheme("fp8", (("tensor", None),), ignore, activations == "static")
-    return Fp8Scheme("fp8", (("block", _block_size(block, f"{where} weight_block_size")),), ignore, False)
-
-
-def _block_size(value, where: str) -> tuple[int, int]:
-    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value)):
-        raise ValueError(f"{where} {value!r}: expected two positive integers, e.g. [128, 128]")
-    return int(value[0]), int(value[1])
 
 
 # ---------------------------------------------------------------- one quantized tensor
@@ -287,8 +131,9 @@ class Fp8Checkpoint:
             scale_name = self.scale_name(name)
             if scale_name not in meta:
                 raise ValueError(f"checkpoint tensor {name!r} is FP8 but its scale {scale_name!r} is missing")
-            self.scales[name], self.blocks[name] = self._scale(scale_name, meta[scale_name], shape, read_tensor)
-            if s.static_input:
+            self.scales[name], layout = self._scale(scale_name, meta[scale_name], shape, read_tensor)
+            self.blocks[name] = layout[1]
+            if layout in s.static_input:  # its config group's activations are static: the scale must be there
                 input_name = f"{module}.input_scale"
                 if input_name not in meta:
                     raise ValueError(
@@ -310,8 +155,8 @@ class Fp8Checkpoint:
                 raise ValueError(f"checkpoint tensor {name!r} is a scale, but no FP8 weight of this format uses it")
 
     def _scale(self, name: str, meta: tuple[str, list[int]], weight_shape: list[int], read_tensor):
-        """(the scale of a weight of weight_shape [..., N, K], validated, in Quantized's layout, its block):
-        the first of the scheme's layouts its shape fits."""
+        """(the scale of a weight of weight_shape [..., N, K], validated, in Quantized's layout, its
+        (strategy, block)): the first of the scheme's layouts its shape fits."""
         s, (dtype, shape) = self.scheme, meta
         lead, (n, k) = list(weight_shape[:-2]), weight_shape[-2:]
         wants = []
@@ -328,7 +173,7 @@ class Fp8Checkpoint:
             if ok:
                 value = _float_tensor(name, dtype, read_tensor)
                 _check_values(name, value)
-                return value.reshape(want), block
+                return value.reshape(want), (strategy, block)
             wants.append(str(want))
         raise ValueError(
             f"checkpoint tensor {name!r} is {list(shape)}; {s.describe()} of a {list(weight_shape)} weight take "

@@ -9,9 +9,10 @@ Scales come from the checkpoint where it carries them: compressed-tensors' `kv_c
 config.json's quantization_config (llm-compressor writes `model.layers.N.self_attn.k_scale` and
 `v_scale` per attention layer, one value per tensor, broadcast over the heads, or one per kv head;
 its older releases named the same scales `k_proj.output_scale` / `v_proj.output_scale`, the K / V
-projections' outputs' scale, read alike; AutoFP8's `"kv_cache_scheme": "static"` names the same
-per-layer `k_scale` / `v_scale`; a multimodal checkpoint's language-model prefix is the
-loader's, checkpoint_names.text_model_name); without them every scale is 1.0.
+projections' outputs' scale, read alike), or AutoFP8's `"kv_cache_scheme": "static"` (quant_method
+fp8 only; it stores each layer's scales as `k_proj.output_scale` / `v_proj.output_scale`, one value
+per tensor); a multimodal checkpoint's language-model prefix is the loader's,
+checkpoint_names.text_model_name. Without them every scale is 1.0.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .checkpoint_names import text_model_name
 
 FP8 = torch.float8_e4m3fn
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's compute dtype
-# a layer's K or V cache scale, as a text model's name: `k_scale`, or older releases' `k_proj.output_scale`
+# a layer's K or V cache scale, as a text model's name: `k_scale`, or `k_proj.output_scale` (AutoFP8's, llm-compressor's older releases')
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)")
 _STRATEGIES = ("tensor", "attn_head")  # one scale per tensor, or one per kv head
 
@@ -54,14 +55,20 @@ def kv_cache_dtype_error(kv_cache_dtype: str, device) -> str | None:
 
 def kv_cache_scheme(quantization_config: dict[str, Any] | None) -> bool:
     """Whether a quantization_config carries a kv_cache_scheme (K/V scales in the checkpoint):
-    compressed-tensors' object, or AutoFP8's "static" (quant_method fp8: FP8, one scale per tensor);
-    ValueError naming any field of it the FP8 cache cannot take."""
-    scheme = (quantization_config or {}).get("kv_cache_scheme")
+    compressed-tensors' object, or AutoFP8's "static" (quant_method fp8 only: FP8, one scale per
+    tensor); ValueError naming any field of it the FP8 cache cannot take."""
+    q = quantization_config or {}
+    scheme = q.get("kv_cache_scheme")
     if not scheme:
         return False
-    if scheme == "static":
-        return True
     where = "quantization_config kv_cache_scheme"
+    if scheme == "static":
+        if q.get("quant_method") != "fp8":
+            raise ValueError(
+                f"{where} 'static' is AutoFP8's and needs quant_method fp8, not {q.get('quant_method')!r}; "
+                "compressed-tensors writes kv_cache_scheme as an object (num_bits, type, strategy, ...)"
+            )
+        return True
     if not isinstance(scheme, dict):
         raise ValueError(f"{where} {scheme!r}: expected an object (num_bits, type, strategy, ...)")
     if (scheme.get("num_bits"), scheme.get("type")) != (8, "float"):
@@ -92,7 +99,8 @@ def is_kv_scale(name: str) -> bool:
 
 
 def read_kv_scales(meta: dict[str, tuple[str, list[int]]], read_tensor, num_layers: int, num_kv_heads: int, heads: slice):
-    """[num_layers, 2 (K, V), this rank's kv heads] float32 from the checkpoint's k_scale / v_scale:
+    """[num_layers, 2 (K, V), this rank's kv heads] float32 from the checkpoint's k_scale / v_scale
+    (or k_proj / v_proj.output_scale):
     each one value (broadcast over the heads) or one per kv head, cut to `heads`. ValueError naming
     the tensor that is missing, not floating point, shaped otherwise, not finite or not positive, or
     given twice (under two names, `kv_scale_of`)."""
@@ -111,8 +119,13 @@ def read_kv_scales(meta: dict[str, tuple[str, list[int]]], read_tensor, num_laye
         for i, kind in enumerate("kv"):
             name = found.get((layer, i))
             if name is None:
-                name = f"model.layers.{layer}.self_attn.{kind}_scale"
-                raise ValueError(f"checkpoint tensor {name!r} is missing (kv_cache_scheme in quantization_config)")
+                names = (
+                    f"model.layers.{layer}.self_attn.{kind}_scale",
+                    f"model.layers.{layer}.self_attn.{kind}_proj.output_scale",
+                )
+                raise ValueError(
+                    f"checkpoint tensor {names[0]!r} (or {names[1]!r}) is missing (kv_cache_scheme in quantization_config)"
+                )
             dtype, shape = meta[name]
             if dtype not in ("F32", "F16", "BF16", "F64"):
                 raise ValueError(f"checkpoint tensor {name!r} is {dtype}; KV cache scales must be floating point")

@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from ..parallel import TPGroup
 from ..slot_layout import LoraSpec
-from . import fp8, kv_scales
+from . import fp8, fp8_scheme, kv_scales
 from .checkpoint_names import text_model_name
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
@@ -239,7 +239,7 @@ def load_hf_checkpoint(
     model_dir = Path(model_dir)
     hf_config = json.loads((model_dir / "config.json").read_text())
     cfg = ModelConfig.from_hf_config(hf_config)
-    scheme = fp8.checkpoint_scheme(hf_config)  # an unsupported quantization_config is refused here
+    scheme = fp8_scheme.checkpoint_scheme(hf_config)  # an unsupported quantization_config is refused here
     with contextlib.ExitStack() as files:
         opened = [files.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in _safetensors_files(model_dir)]
         where = {}  # tensor -> its file
@@ -282,11 +282,11 @@ def load_hf_checkpoint(
 
 def check_quantization_config(path) -> None:
     """ValueError for an HF checkpoint whose config.json has a quantization_config the loader refuses
-    (fp8.checkpoint_scheme, kv_scales.kv_cache_scheme), from config.json alone; nothing for a GGUF."""
+    (fp8_scheme.checkpoint_scheme, kv_scales.kv_cache_scheme), from config.json alone; nothing for a GGUF."""
     p = Path(path)
     if (p / "config.json").is_file():
         q = json.loads((p / "config.json").read_text()).get("quantization_config")
-        fp8.checkpoint_scheme({"quantization_config": q})
+        fp8_scheme.checkpoint_scheme({"quantization_config": q})
         kv_scales.kv_cache_scheme(q)
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from loraserve import kernels
 from loraserve.executor.layout import declare_layout
 from loraserve.executor.lora import LinearWithLoRA
-from loraserve.executor.model import fp8
+from loraserve.executor.model import fp8, fp8_scheme
 from loraserve.executor.model.loader import load_model
 from loraserve.executor.parallel import TPGroup
 from loraserve.executor.slot_layout import LoraSpec
@@ -330,7 +330,13 @@ Q = "model.layers.0.self_attn.q_proj"
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda q: q.update(quant_method="gptq"), "quant_method 'gptq' is not supported"),
+        (
+            lambda q: q.update(quant_method="gptq"),
+            re.escape(
+                "quantization_config quant_method 'gptq' is not supported; supported: compressed-tensors (format "
+                "float-quantized, or naive-quantized, with FP8 weights) and fp8 (block-wise with weight_block_size, or per tensor)"
+            ),
+        ),
         (lambda q: q.update(format="pack-quantized"), "format 'pack-quantized' of config group 'group_0' is not supported"),
         (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4), "num_bits 4 type 'float' is not supported"),
         (lambda q: q["config_groups"]["group_0"]["weights"].update(type="int"), "num_bits 8 type 'int' is not supported"),
@@ -359,7 +365,10 @@ def test_unsupported_compressed_tensors_configs_are_refused_naming_them(edit, ma
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda q: q.update(activation_scheme="static"), "activation_scheme 'static' is not supported"),
+        (
+            lambda q: q.update(activation_scheme="static"),
+            r"^quantization_config \(fp8\): activation_scheme 'static' is not supported; only dynamic$",
+        ),
         (lambda q: q.update(weight_block_size=[128]), r"weight_block_size \[128\]: expected two positive integers"),
         (lambda q: q.update(scale_fmt="ue8m0"), "scale_fmt 'ue8m0' is not supported"),
     ],
@@ -368,6 +377,14 @@ def test_unsupported_compressed_tensors_configs_are_refused_naming_them(edit, ma
 def test_unsupported_block_fp8_configs_are_refused_naming_them(edit, match, fp8_checkpoint, refuses, tmp_path):
     path, _ = fp8_checkpoint("llama", "block")
     refuses(_edited(path, tmp_path, config=edit), match)
+
+
+def test_unsupported_per_tensor_fp8_activations_are_refused_naming_them(fp8_checkpoint, refuses, tmp_path):
+    path, _ = fp8_checkpoint("llama", "fp8-tensor")
+    refuses(
+        _edited(path, tmp_path, config=lambda q: q.update(activation_scheme="dynamic_per_token")),
+        r"^quantization_config \(fp8\): activation_scheme 'dynamic_per_token' is not supported; only dynamic or static$",
+    )
 
 
 def _set(name, value):
@@ -594,7 +611,7 @@ def test_fp8_compute_needs_compute_capability_8_9_and_bfloat16(monkeypatch):
     assert fp8.fp8_compute_error("cuda:1", torch.bfloat16) is None
     with pytest.raises(ValueError, match="--quantization fp8 needs FP8 compute: cuda:0 is compute capability 8.0"):
         fp8.plan(None, "fp8", "cuda:0", torch.bfloat16, "model")
-    scheme = fp8.checkpoint_scheme({"quantization_config": quantization_config("block")})
+    scheme = fp8_scheme.checkpoint_scheme({"quantization_config": quantization_config("block")})
     assert fp8.plan(scheme, "", "cuda:1", torch.bfloat16, "model") and not fp8.plan(scheme, "", "cuda:0", torch.bfloat16, "model")
 
 

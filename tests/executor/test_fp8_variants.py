@@ -1,7 +1,7 @@
 """FP8 checkpoints as their publishers' tools write them, beyond the tests' writer's defaults: scales
 stored as bf16, per-tensor scales as [] and per-channel as [N]; llm-compressor's earlier
 `naive-quantized` format and `frozen` status, several config groups, ignore entries that match
-nothing, a kv_cache_scheme beside the weights' (AutoFP8's "static" too), a dense sparsity_config;
+nothing, a kv_cache_scheme beside the weights', AutoFP8's static activations and KV cache, a dense sparsity_config;
 block-wise fp8 with both ignore lists; an FP8 lm_head, tied or not; Qwen3 dense and Qwen3-MoE with 128x128 blocks over dims that are not multiples of 128 (ceil-div scale grids). Each
 loads, dequantized on the CPU, as the dequantized weights: every parameter exact, the logits and
 greedy tokens those of transformers on them."""
@@ -70,10 +70,6 @@ def _kv_cache_scheme(q):
     q["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
-def _static_kv_cache_scheme(q):  # AutoFP8's
-    q["kv_cache_scheme"] = "static"
-
-
 @pytest.mark.parametrize(
     "fmt, edit",
     [
@@ -81,7 +77,6 @@ def _static_kv_cache_scheme(q):  # AutoFP8's
         ("ct-channel", _groups),
         ("ct-channel", lambda q: q.update(ignore=["lm_head", "model.layers.7.mlp.gate", "re:.*vision_tower.*"])),
         ("ct-channel", _kv_cache_scheme),
-        ("fp8-tensor", _static_kv_cache_scheme),
         ("ct-channel", lambda q: q.update(sparsity_config={"format": "dense", "sparsity_structure": "unstructured"})),
         ("block", lambda q: q.update(modules_to_not_convert=["model.layers.0.mlp.gate"], ignored_layers=["lm_head"])),
     ],
@@ -90,7 +85,6 @@ def _static_kv_cache_scheme(q):  # AutoFP8's
         "two-groups",
         "ignore-matching-nothing",
         "kv-cache-scheme",
-        "autofp8-static-kv",
         "dense-sparsity",
         "both-ignore-lists",
     ],
@@ -99,15 +93,33 @@ def test_published_config_variants_load(fmt, edit, hf_model, tmp_path, paged_run
     _, src = hf_model("llama")
     ref_dir = write_fp8(src, tmp_path / "fp8", fmt)
     _edit_config(tmp_path / "fp8", edit)
-    if edit in (_kv_cache_scheme, _static_kv_cache_scheme):  # per-layer K / V scales beside the weights'
-        with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
-            tensors = {n: f.get_tensor(n) for n in f.keys()}
-        for i in range(2):
-            tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.02)
-            tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.03)
-        save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
-        kv = load_model(tmp_path / "fp8").kv_scales  # [layers, K/V, kv heads]
-        assert torch.equal(kv, torch.tensor([0.02, 0.03])[None, :, None].expand(2, 2, 2))
+    if edit is _kv_cache_scheme:  # llm-compressor's per-layer K / V scales beside the weights'
+        _add_kv_scales(tmp_path / "fp8", "{}_scale")
+    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+
+
+def _add_kv_scales(path, name: str):
+    """Adds K scales 0.02 and V scales 0.03 to both layers of the checkpoint at path, as
+    `model.layers.N.self_attn.` + name.format("k" | "v"); checks the loaded model's [layers, K/V, kv heads]."""
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.{name.format('k')}"] = torch.tensor(0.02)
+        tensors[f"model.layers.{i}.self_attn.{name.format('v')}"] = torch.tensor(0.03)
+    save_file(tensors, str(path / "model.safetensors"))
+    assert torch.equal(load_model(path).kv_scales, torch.tensor([0.02, 0.03])[None, :, None].expand(2, 2, 2))
+
+
+def test_an_autofp8_checkpoint_with_static_activations_and_kv_cache_loads(hf_model, tmp_path, paged_runner):
+    """AutoFP8's save_quantized_model with static activations and KV cache: activation_scheme "static"
+    (each module's input_scale beside its weight_scale), kv_cache_scheme "static" and the K / V
+    scales as the K / V projections' output_scale."""
+    _, src = hf_model("llama")
+    ref_dir = write_fp8(src, tmp_path / "fp8", "fp8-tensor", static_input=True)
+    _edit_config(tmp_path / "fp8", lambda q: q.update(kv_cache_scheme="static"))
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.self_attn.q_proj.input_scale" in f.keys()
+    _add_kv_scales(tmp_path / "fp8", "{}_proj.output_scale")
     _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
 
 
@@ -150,10 +162,14 @@ def test_an_fp8_lm_head_not_in_the_ignore_list_loads(tied, fmt, hf_model, tmp_pa
     _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
 
 
-def _mixed(src, dst, attention_fmt: str, mlp_fmt: str, block=(16, 16)):
+def _mixed(src, dst, attention_fmt: str, mlp_fmt: str, block=(16, 16), static_mlp=False):
     """An FP8 checkpoint at dst whose attention layers are quantized as attention_fmt and MLP layers as
-    mlp_fmt (compressed-tensors strategies), one config group each; returns its reference dir."""
-    parts = {fmt: write_fp8(src, dst.parent / f"{dst.name}-{fmt}", fmt, block=block) for fmt in (attention_fmt, mlp_fmt)}
+    mlp_fmt (compressed-tensors strategies), one config group each (static_mlp: the MLP group's
+    activations static per tensor, each MLP module with its input_scale); returns its reference dir."""
+    parts = {
+        fmt: write_fp8(src, dst.parent / f"{dst.name}-{fmt}", fmt, block=block, static_input=static_mlp and fmt == mlp_fmt)
+        for fmt in (attention_fmt, mlp_fmt)
+    }
     tensors, ref = {}, {}
     for fmt, ref_dir in parts.items():
         keep = "self_attn." if fmt == attention_fmt else "mlp."
@@ -161,8 +177,8 @@ def _mixed(src, dst, attention_fmt: str, mlp_fmt: str, block=(16, 16)):
             safe_open(str(ref_dir.parent / "model.safetensors"), "pt") as f,
             safe_open(str(ref_dir / "model.safetensors"), "pt") as r,
         ):
-            for n in f.keys():
-                if keep in n or n not in tensors:
+            for n in f.keys():  # an input_scale only for the modules its part quantizes
+                if keep in n or (n not in tensors and not n.endswith(".input_scale")):
                     tensors[n] = f.get_tensor(n)
             for n in r.keys():
                 if keep in n or n not in ref:
@@ -187,6 +203,32 @@ def test_config_groups_of_different_strategies_load(attention_fmt, mlp_fmt, hf_m
     _, src = hf_model("llama")
     ref_dir = _mixed(src, tmp_path / "fp8", attention_fmt, mlp_fmt)
     _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+
+
+def test_a_static_group_with_a_dynamic_one_loads_its_input_scales_required_alone(hf_model, tmp_path, paged_runner):
+    """Attention per tensor with dynamic activations (no input_scale), MLP per channel with static ones."""
+    _, src = hf_model("llama")
+    ref_dir = _mixed(src, tmp_path / "fp8", "ct-tensor", "ct-channel", static_mlp=True)
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.down_proj.input_scale" in names
+    assert not any(n.endswith("input_scale") and "self_attn" in n for n in names)
+    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+
+
+def test_a_static_group_s_module_without_its_input_scale_is_refused_beside_a_dynamic_group(hf_model, tmp_path, refuses):
+    """As above, less one MLP module's input_scale: required, as its layout's only group is static."""
+    _, src = hf_model("llama")
+    _mixed(src, tmp_path / "fp8", "ct-tensor", "ct-channel", static_mlp=True)
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    down = "model.layers.0.mlp.down_proj.input_scale"
+    del tensors[down]
+    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+    refuses(
+        tmp_path / "fp8",
+        re.escape(f"checkpoint tensor '{down}' is missing (static input_activations in quantization_config)"),
+    )
 
 
 def test_mixed_strategies_refuse_a_scale_that_fits_none_and_two_block_sizes(hf_model, tmp_path, refuses):

@@ -179,6 +179,14 @@ CONFIG_EDITS = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3", "gemma3_text", "llama", "qwen2", "qwen3", "mistral"])
+def test_tie_default_without_the_key_is_transformers_config_class_default(model_type):
+    import transformers
+
+    want = transformers.AutoConfig.for_model(model_type).tie_word_embeddings
+    assert base_model.tie_word_embeddings({"model_type": model_type}) == want
+
+
 @pytest.mark.parametrize("case", list(CONFIG_EDITS))
 def test_config_json_reads_as_transformers_reads_it(case, paged_runner, tmp_path):
     """The edited config.json loaded by transformers and by us: the same tied lm_head (Gemma's

@@ -6,6 +6,7 @@ against the device."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -51,7 +52,22 @@ def _set(name, value):
         (lambda q: q["kv_cache_scheme"].update(strategy="token"), None, "kv_cache_scheme: strategy 'token' is not supported"),
         (lambda q: q["kv_cache_scheme"].update(dynamic=True), None, "kv_cache_scheme: dynamic scales are not supported"),
         (lambda q: q["kv_cache_scheme"].update(symmetric=False), None, "kv_cache_scheme: asymmetric scales"),
-        (None, lambda t: t.pop(K0), f"'{K0}' is missing"),
+        (
+            lambda q: q.update(kv_cache_scheme="static"),
+            None,
+            re.escape(
+                "quantization_config kv_cache_scheme 'static' is AutoFP8's and needs quant_method fp8, not "
+                "'compressed-tensors'; compressed-tensors writes kv_cache_scheme as an object (num_bits, type, strategy, ...)"
+            ),
+        ),
+        (
+            None,
+            lambda t: t.pop(K0),
+            re.escape(
+                f"checkpoint tensor '{K0}' (or 'model.layers.0.self_attn.k_proj.output_scale') is missing "
+                "(kv_cache_scheme in quantization_config)"
+            ),
+        ),
         (None, _set(K0, torch.tensor([float("nan")])), f"'{K0}' holds NaN or infinite KV cache scales"),
         (None, _set(V1, torch.tensor([float("inf")])), f"'{V1}' holds NaN or infinite KV cache scales"),
         (None, _set(K0, torch.tensor([-0.5])), f"'{K0}' holds KV cache scales that are not positive"),
@@ -70,6 +86,7 @@ def _set(name, value):
         "strategy",
         "dynamic",
         "asymmetric",
+        "static-string",
         "missing",
         "nan",
         "inf",

@@ -247,6 +247,10 @@ def test_a_thousand_mixed_requests_with_cancels_and_preemptions_leave_no_block_h
 
 def test_dynamic_rope_files_no_block_a_grown_base_wrote_and_a_longer_prompt_takes_none():
     sched = Scheduler(BlockAllocator(32), BLOCK, 8, 64, dynamic_rope=16)
+    empty = sched.schedule()
+    assert not empty.seqs
+    sched.cache_computed(empty)  # nothing to run: nothing filed, no error
+    assert sched.allocator.num_cached == 0
     prompt = list(range(1, 10))  # 2 full blocks + 1 token
     short, long = _seq(prompt), _seq(list(range(100, 118)))  # 18 tokens > 16: its step grows the base
     sched.add(short)
