@@ -18,7 +18,7 @@ from safetensors.torch import save as st_save
 from loraserve.errors import invalid, precondition
 from loraserve.v1 import common_pb2 as pb
 
-from . import dora, experts, trainable_tokens, validate
+from . import dora, experts, multimodal, trainable_tokens, validate
 from .base_model import BaseModelSpec
 from .layout import DTYPES, MOE, K, check_layout, layout_hash, peft_spans, slice_module
 
@@ -80,8 +80,10 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     """Reads an adapter directory through every check in validate.py, in order."""
     config = validate.read_config(directory)
     settings = validate.check_config(config, spec, limits)
+    multimodal.check_targets(config)
     path = validate.check_weights_file(directory, limits)
-    tensors, magnitudes = dora.split_magnitudes(validate.load_tensors(path, limits))
+    tensors, settings = multimodal.text_model_tensors(validate.load_tensors(path, limits), settings)
+    tensors, magnitudes = dora.split_magnitudes(tensors)
     tensors, token_rows = trainable_tokens.split(tensors, alone=settings.tokens_only)
     tensors, settings = experts.canonical_tensors(tensors, settings, spec)
     modules = validate.group_modules(tensors, settings, spec)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
+import math
 import re
 from pathlib import Path
 
@@ -27,10 +29,13 @@ from safetensors import safe_open
 from ..parallel import TPGroup
 from ..slot_layout import LoraSpec
 from . import fp8, fp8_scheme, kv_scales
-from .checkpoint_names import text_model_name
+from .checkpoint_names import is_vision_name, text_model_name
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .moe import build_causal_lm
+
+log = logging.getLogger(__name__)
+_DTYPE_BYTES = dict(F64=8, F32=4, F16=2, BF16=2, F8_E4M3=1, F8_E5M2=1, I64=8, I32=4, I16=2, I8=1, U8=1, BOOL=1)  # safetensors'
 
 # (dim, slice) of a checkpoint tensor that one TP rank keeps; None: all of it
 Cut = tuple[int, slice] | None
@@ -137,7 +142,7 @@ class _WeightSink:
             return None  # some checkpoints store the tied copy too
         if hf_name.endswith("rotary_emb.inv_freq"):
             return None  # recomputed from the config
-        if re.match(r"(model\.)?(vision_tower|multi_modal_projector)\.", hf_name):
+        if is_vision_name(hf_name):  # a multimodal Gemma 3 checkpoint's are skipped before (_language_model_only)
             raise ValueError(
                 f"checkpoint tensor {hf_name!r} belongs to a vision tower: multimodal checkpoints are not supported, "
                 f"only the language model (a checkpoint that holds just its tensors, e.g. Gemma3ForCausalLM's)"
@@ -248,6 +253,8 @@ def load_hf_checkpoint(
                 if name in where:
                     raise ValueError(f"checkpoint tensor {name!r} is in two of the model's safetensors files")
                 where[name] = f
+        if hf_config.get("model_type") == "gemma3":
+            where = _language_model_only(where)
         meta = {name: (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape()) for name, f in where.items()}
         scales = _kv_cache_scales(hf_config, cfg, meta, lambda name: where[name].get_tensor(name), tp)
         fp8_linears = fp8.plan(scheme, quantization, device, dtype, str(model_dir), experts=cfg.num_experts > 0)
@@ -278,6 +285,21 @@ def load_hf_checkpoint(
                     sink.put(part_name, read(cut))
     sink.check_complete()
     return model.eval()
+
+
+def _language_model_only(where: dict) -> dict:
+    """A multimodal Gemma 3 checkpoint's tensors (name -> its file) without its vision tower and
+    multi-modal projector: the executor serves the language model, to text-only requests."""
+    skipped = [(name, f.get_slice(name)) for name, f in where.items() if is_vision_name(name)]
+    if skipped:
+        size = sum(math.prod(s.get_shape()) * _DTYPE_BYTES.get(s.get_dtype(), 0) for _, s in skipped)
+        log.info(
+            "multimodal Gemma 3 checkpoint: serving its language model only (text-only requests); "
+            "skipped %d vision-tower and projector tensors (%d bytes)",
+            len(skipped),
+            size,
+        )
+    return {name: f for name, f in where.items() if not is_vision_name(name)}
 
 
 def check_quantization_config(path) -> None:

@@ -339,7 +339,7 @@ def test_served_at_tp2_match_transformers_peft(family, gemma, adapter_dirs, modu
         # other Gemma generation's attention (Gemma 2's heads of 64 against Gemma 3's of 32, and back)
         other = adapter_dirs["gemma3" if family == "gemma2" else "gemma2"] / "all4"
         for name, src, extra, words in (
-            ("vision", adapter_dirs[family] / "all4", _vision_lora(), "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj' does not exist"),
+            ("vision", adapter_dirs[family] / "all4", _vision_lora(), "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj' is of the vision tower"),
             ("other-generation", other, {}, "self_attn.k_proj': adapter maps 48 -> "),
         ):  # fmt: skip
             bad = adapter_dirs[family] / f"hostile-{name}"  # under the store's allowed root
@@ -458,36 +458,142 @@ def _multimodal(tmp_path):
     return model
 
 
-def test_multimodal_gemma3_is_refused_naming_the_vision_tower_and_its_language_model_alone_served(tmp_path, paged_runner):
+_MM_NAMES = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+             ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))  # fmt: skip
+
+
+def _names(tensors: dict, version: int) -> dict:
+    """A multimodal Gemma 3 checkpoint's (or PEFT adapter's) tensors under transformers `version`'s
+    names: 5's `model.language_model.`, `model.vision_tower.`, `lm_head.`; 4's `language_model.model.`,
+    `vision_tower.`, `language_model.lm_head.`."""
+    out = {}
+    for k, v in tensors.items():
+        lead = "base_model.model." if k.startswith("base_model.model.") else ""
+        rest = k[len(lead) :]
+        for v5, v4 in _MM_NAMES:
+            old, new = (v5, v4) if version == 4 else (v4, v5)
+            if rest.startswith(old):
+                rest = new + rest[len(old) :]
+        out[lead + rest] = v
+    return out
+
+
+def test_multimodal_gemma3_serves_its_language_model_skipping_the_vision_tower(tmp_path, paged_runner, caplog):
+    """A Gemma3ForConditionalGeneration checkpoint, under transformers 5's names and 4's: its language
+    model is served (equal to the multimodal model on text), its vision tower and projector skipped
+    with one log line; the store validates adapters against the language model's modules."""
+    import logging
+
     model = _multimodal(tmp_path / "mm")
-    with pytest.raises(ValueError, match="vision tower: multimodal checkpoints are not supported"):
-        load_hf_checkpoint(tmp_path / "mm")
-    # the same checkpoint holding just the language model: served, equal to the multimodal model on
-    # text, under the names transformers 4 writes (language_model.model.*) and those of 5 (model.language_model.*)
     tensors = load_file(str(tmp_path / "mm" / "model.safetensors"))
-    kept = {k: v for k, v in tensors.items() if "vision_tower" not in k and "multi_modal_projector" not in k}
-    assert len(kept) < len(tensors) and all(k.startswith(("language_model.", "model.language_model.")) for k in kept)
+    vision = {k: v for k, v in tensors.items() if "vision_tower" in k or "multi_modal_projector" in k}
+    assert vision and len(vision) < len(tensors)
+    for version in (4, 5):
+        (tmp_path / f"v{version}").mkdir()
+        (tmp_path / f"v{version}" / "config.json").write_text((tmp_path / "mm" / "config.json").read_text())
+        save_file(_names(tensors, version), str(tmp_path / f"v{version}" / "model.safetensors"))
+    assert all(k.startswith(("model.language_model.", "model.vision_tower.", "model.multi_modal_projector."))
+               for k in load_file(str(tmp_path / "v5" / "model.safetensors")))  # fmt: skip
     ids = _prompt(12, 3)
     with torch.no_grad():
         want = model(input_ids=torch.tensor([ids])).logits[0]
-    for naming, (old, new) in {
-        "v4": ("model.language_model.", "language_model.model."),
-        "v5": ("language_model.model.", "model.language_model."),
-    }.items():
-        text_only = tmp_path / naming
-        text_only.mkdir()
-        (text_only / "config.json").write_text((tmp_path / "mm" / "config.json").read_text())
-        save_file(
-            {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in kept.items()}, str(text_only / "model.safetensors")
-        )
-        ours = load_hf_checkpoint(text_only)
+    size = sum(v.numel() * v.element_size() for v in vision.values())
+    for naming in ("v5", "v4"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="loraserve.executor.model.loader"):
+            ours = load_hf_checkpoint(tmp_path / naming)
+        lines = [r.getMessage() for r in caplog.records if "language model only" in r.getMessage()]
+        assert lines == [
+            f"multimodal Gemma 3 checkpoint: serving its language model only (text-only requests); "
+            f"skipped {len(vision)} vision-tower and projector tensors ({size} bytes)"
+        ], naming
         assert ours.cfg.model_type == "gemma3_text" and ours.cfg.layer_windows == (5, None, 5, None)
         (logits,) = paged_runner(ours, block_size=4).step([("a", ids)])
         torch.testing.assert_close(logits, want, atol=ATOL, rtol=1e-4, msg=naming)
-    # the store validates adapters against the language model's modules
-    spec = base_model.from_hf_dir(text_only, "gemma3-mm")
+    spec = base_model.from_hf_dir(tmp_path / "v4", "gemma3-mm")
     assert spec.module_shape("model.layers.3.self_attn.q_proj") == (48, 4 * 32)
     assert spec.module_shape("model.layers.0.mlp.down_proj") == (112, 48) and spec.vocab_size == VOCAB
+
+
+def test_vision_tensors_beside_a_text_only_config_are_refused(tmp_path):
+    """Only a multimodal Gemma 3 config ("gemma3") has its vision tower skipped: the same tensors in a
+    checkpoint whose config.json is the text model's are refused, naming the tensor."""
+    _multimodal(tmp_path / "mm")
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "config.json").write_text(json.dumps(json.loads((tmp_path / "mm" / "config.json").read_text())["text_config"]))
+    save_file(load_file(str(tmp_path / "mm" / "model.safetensors")), str(text / "model.safetensors"))
+    with pytest.raises(ValueError, match="'(vision_tower|multi_modal_projector).* belongs to a vision tower"):
+        load_hf_checkpoint(text)
+
+
+LM_LINEAR = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def test_multimodal_gemma3_adapters_served_match_transformers_peft(module_loop_thread, tmp_path):
+    """PEFT adapters made on a Gemma3ForConditionalGeneration (module names under the language model's
+    prefix, transformers 5's and 4's), registered through the store and served by the executor from
+    the multimodal checkpoint: each row is the PeftModel's greedy output with its logprobs on text
+    alone. LoRA on the vision tower is refused, naming the module."""
+    from .conftest import save_lora_adapters
+
+    model = _multimodal(tmp_path / "mm")
+    configs = {
+        "lm4": peft.LoraConfig(r=4, lora_alpha=8, target_modules=LM_LINEAR),
+        # a per-module rank keyed by PEFT's own (prefixed) name; rsLoRA
+        "qvo8": peft.LoraConfig(
+            r=8, lora_alpha=16, use_rslora=True, target_modules=r".*language_model.*\.(q_proj|v_proj|o_proj)",
+            rank_pattern={"model.language_model.layers.1.self_attn.v_proj": 2},
+        ),
+        "emb6": peft.LoraConfig(r=6, lora_alpha=6, target_modules=r".*language_model.*\.(embed_tokens|q_proj)|lm_head"),
+        "with-vision": peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),  # SigLIP's q_proj too
+    }  # fmt: skip
+    root = save_lora_adapters(model, tmp_path / "adapters", configs, b_std=0.2)
+    keys = load_file(str(root / "qvo8" / "adapter_model.safetensors"))
+    assert keys["base_model.model.model.language_model.layers.1.self_attn.v_proj.lora_A.weight"].shape[0] == 2
+    assert any(k.startswith("base_model.model.model.language_model.") for k in keys)
+    emb = load_file(str(root / "emb6" / "adapter_model.safetensors"))
+    assert {
+        "base_model.model.lm_head.lora_A.weight",
+        "base_model.model.model.language_model.embed_tokens.lora_embedding_B",
+    } <= set(emb)
+    for name in ("lm4", "emb6"):  # the same adapters as transformers 4 names them
+        v4 = root / f"{name}-v4"
+        v4.mkdir()
+        (v4 / "adapter_config.json").write_text((root / name / "adapter_config.json").read_text())
+        save_file(_names(load_file(str(root / name / "adapter_model.safetensors")), 4), str(v4 / "adapter_model.safetensors"))
+    served = ("lm4", "qvo8", "emb6")
+    refs = {"": model, **{n: peft.PeftModel.from_pretrained(copy.deepcopy(model), root / n).eval() for n in served}}
+    refs["lm4-v4"], refs["emb6-v4"] = refs["lm4"], refs["emb6"]
+    c = Cluster(module_loop_thread, tmp_path / "mm", root, tmp_path / "store", [*served, "lm4-v4", "emb6-v4"],
+                cpu_threads=1, lora_embeddings=True)  # fmt: skip
+    try:
+        manifests = {m.name: m for m in c.store_client().list()}
+        assert "model.layers.0.self_attn.q_proj" in manifests["lm4-v4"].target_modules
+        assert manifests["lm4"].target_modules == manifests["lm4-v4"].target_modules
+        assert {"model.embed_tokens", "lm_head"} <= set(manifests["emb6-v4"].target_modules)
+        for group in (["lm4", "", "qvo8"], ["emb6", "emb6-v4", ""], ["lm4-v4", "qvo8"]):
+            jobs, resps = run_group(c.client(), group, max_tokens=8)
+            for (name, ids), resp in zip(jobs, resps):
+                check_against_reference(refs[name], ids, resp)
+        vision = load_file(str(root / "with-vision" / "adapter_model.safetensors"))
+        vision_modules = sorted({k[len("base_model.model.") :].rsplit(".lora_", 1)[0] for k in vision if "vision_tower" in k})
+        vision_q = vision_modules[0]
+        assert vision_q.startswith("model.vision_tower.") and vision_q.endswith(".self_attn.q_proj"), vision_q
+        listed = root / "listed-vision"  # target_modules names a vision-tower module
+        listed.mkdir()
+        cfg = json.loads((root / "lm4" / "adapter_config.json").read_text())
+        (listed / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj", vision_q]}))
+        save_file(load_file(str(root / "lm4" / "adapter_model.safetensors")), str(listed / "adapter_model.safetensors"))
+        for name, words in (
+            ("with-vision", f"module {vision_q!r} (and {len(vision_modules) - 1} more) is of the vision tower or multi-modal projector; LoRA on a vision tower is not served"),
+            ("listed-vision", f"target_modules names {vision_q!r}, a vision-tower or projector module"),
+        ):  # fmt: skip
+            with pytest.raises(StatusError) as e:
+                c.store_client().register(name, str(root / name))
+            assert e.value.code.name == "INVALID_ARGUMENT" and words in e.value.message, e.value
+    finally:
+        c.close()
 
 
 def _config(family, **overrides) -> dict:
@@ -539,3 +645,18 @@ def test_published_v4_configs_read_as_their_models():
     assert (g3.rope_theta, g3.rope_local_theta, g3.rope_scaling) == (1e6, 1e4, {"rope_type": "linear", "factor": 8.0})
     assert g3.qk_norm and g3.attention_scale == 256**-0.5 and g3.tie_word_embeddings
     assert g3.max_context_len == 131072 and g2.max_context_len == 8192  # Gemma 3's is the scaled length already
+
+
+def test_an_adapter_naming_one_module_under_both_prefixes_is_refused():
+    """transformers 4's and 5's names of one language-model module in one adapter file: refused,
+    naming the tensor, rather than one silently replacing the other."""
+    from loraserve.adapter_store import multimodal, validate
+
+    q = "self_attn.q_proj.lora_A.weight"
+    tensors = {f"base_model.model.model.language_model.layers.0.{q}": torch.zeros(2, 48),
+               f"base_model.model.language_model.model.layers.0.{q}": torch.zeros(2, 48)}  # fmt: skip
+    settings = validate.LoraSettings(2, 2.0, False, (), "")
+    with pytest.raises(StatusError) as e:
+        multimodal.text_model_tensors(tensors, settings)
+    assert e.value.code.name == "INVALID_ARGUMENT"
+    assert f"tensor 'base_model.model.language_model.model.layers.0.{q}' names the text model's" in e.value.message
