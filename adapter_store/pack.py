@@ -38,6 +38,7 @@ class PeftAdapter:
     # trainable tokens: "embed" | "lm_head" -> (token ids, rows [K, hidden]) (adapter_store/trainable_tokens.py)
     tokens: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
     token_modules: tuple[str, ...] = ()  # the PEFT module names its token rows are saved under (no prefix)
+    vision_dropped: int = 0  # vision-tower / projector modules whose LoRA was dropped (adapter_store/multimodal.py)
 
     @property
     def target_modules(self) -> list[str]:
@@ -80,9 +81,8 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     """Reads an adapter directory through every check in validate.py, in order."""
     config = validate.read_config(directory)
     settings = validate.check_config(config, spec, limits)
-    multimodal.check_targets(config)
     path = validate.check_weights_file(directory, limits)
-    tensors, settings = multimodal.text_model_tensors(validate.load_tensors(path, limits), settings)
+    tensors, settings, vision_dropped = multimodal.text_model_tensors(validate.load_tensors(path, limits), settings, spec)
     tensors, magnitudes = dora.split_magnitudes(tensors)
     tensors, token_rows = trainable_tokens.split(tensors, alone=settings.tokens_only)
     tensors, settings = experts.canonical_tensors(tensors, settings, spec)
@@ -91,10 +91,12 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     validate.check_finite(modules)
     modules, cast = validate.cast_float64(modules)
     magnitudes = dora.check_magnitudes(settings.use_dora, magnitudes, modules, validate.embedding_modules(tensors))
-    tokens = trainable_tokens.check(config, token_rows, spec, modules)
+    tokens = trainable_tokens.check(config, token_rows, spec, modules, settings.module_sources)
     weights = path.read_bytes()
     digest = content_digest(config, weights)
-    return PeftAdapter(settings, modules, digest, len(weights), cast, magnitudes, tokens, tuple(sorted(token_rows)))
+    return PeftAdapter(
+        settings, modules, digest, len(weights), cast, magnitudes, tokens, tuple(sorted(token_rows)), vision_dropped
+    )
 
 
 def _module_names(m: pb.ModuleLayout, e: int | None) -> list[str]:
