@@ -23,6 +23,10 @@ from .base_model import BaseModelSpec
 from .layout import DTYPES, MOE, K, check_layout, layout_hash, peft_spans, slice_module
 
 FORMAT = "loraserve.shard.v1"
+# The packer's version, part of every shard's cache key: raised whenever this store would pack or refuse
+# an adapter differently from an older one (tensors, names, scaling, metadata, a new refusal), so that
+# an upgraded store repacks instead of serving shards an older one left in the cache.
+PACKER_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -220,5 +224,7 @@ def shard_blob(adapter: PeftAdapter, tensors: dict[str, torch.Tensor], layout: p
 
 
 def shard_key(digest: str, layout: pb.Layout, rank: pb.ShardRank) -> str:
-    """Content-addressed cache key of one shard."""
-    return f"{digest}/{layout_hash(layout)}/tp{rank.tp_rank}-ep{rank.ep_rank}"
+    """Content-addressed cache key of one shard: `<adapter digest>/<packing hash>/tp<N>-ep<N>`, the
+    packing hash covering the layout and PACKER_VERSION."""
+    packing = hashlib.sha256(f"packer{PACKER_VERSION}/{layout_hash(layout)}".encode()).hexdigest()[:32]
+    return f"{digest}/{packing}/tp{rank.tp_rank}-ep{rank.ep_rank}"

@@ -101,8 +101,9 @@ def check(
 def _check_tied(out: dict[str, tuple[list[int], torch.Tensor]], spec: BaseModelSpec, lora_modules) -> None:
     """A tied model's lm_head takes the embedding's rows, as PEFT ties them, unless the adapter has
     lm_head rows for other ids (PEFT ties neither then: each keeps its own). Tied rows must equal the
-    embedding's, and an lm_head with LoRA cannot take them: PEFT adds the LoRA to the logits of
-    the replaced rows, while a slot's lm_head rows replace those logits whole (executor/token_rows.py)."""
+    embedding's, and an lm_head with LoRA cannot take them: PEFT wraps the token rows inside the
+    lm_head's LoRA layer, so its logits for those ids are the replaced rows' plus the LoRA's, while a
+    slot's lm_head rows replace those logits whole (executor/token_rows.py)."""
     if "embed" not in out or ("lm_head" in out and out["lm_head"][0] != out["embed"][0]):
         return
     if "lm_head" in out and not torch.equal(out["embed"][1], out["lm_head"][1]):
