@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -523,7 +524,13 @@ def test_vision_tensors_beside_a_text_only_config_are_refused(tmp_path):
     text.mkdir()
     (text / "config.json").write_text(json.dumps(json.loads((tmp_path / "mm" / "config.json").read_text())["text_config"]))
     save_file(load_file(str(tmp_path / "mm" / "model.safetensors")), str(text / "model.safetensors"))
-    with pytest.raises(ValueError, match="'(vision_tower|multi_modal_projector).* belongs to a vision tower"):
+    tail = (
+        "' belongs to a vision tower, but config.json's model_type is 'gemma3_text': only Gemma 3 (\"gemma3\") "
+        "multimodal checkpoints are served (their language model)"
+    )
+    with pytest.raises(
+        ValueError, match=r"^checkpoint tensor '(model\.)?(vision_tower|multi_modal_projector)\.[\w.]+" + re.escape(tail) + "$"
+    ):
         load_hf_checkpoint(text)
 
 
