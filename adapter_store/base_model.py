@@ -39,6 +39,9 @@ class BaseModelSpec:
     vocab_size: int = 0
     hidden_size: int = 0
     tied_embeddings: bool | None = None  # lm_head is the embedding (as the executor reads the model); None: unknown
+    # the language model of a multimodal checkpoint (Gemma 3, "gemma3"): adapters made on the whole model
+    # name its modules under the language model's prefix and may hold vision-tower LoRA (adapter_store/multimodal.py)
+    multimodal: bool = False
 
     def matches(self, base_model_name: str) -> bool:
         """True when an adapter's base_model_name_or_path names this model (by repo id or basename)."""
@@ -88,8 +91,10 @@ def gemma3_text_config(cfg: dict) -> dict:
     return {**GEMMA3_TEXT_DEFAULTS, **top, **text, "model_type": "gemma3_text"}
 
 
-def from_hf_config(name: str, cfg: dict, aliases: tuple[str, ...] = ()) -> BaseModelSpec:
+def from_hf_config(name: str, cfg: dict, aliases: tuple[str, ...] = (), multimodal: bool = False) -> BaseModelSpec:
+    """multimodal: the config is a multimodal checkpoint's language model (a "gemma3" config is, itself)."""
     if cfg.get("model_type") == "gemma3":
+        multimodal = True
         cfg = gemma3_text_config(cfg)  # the language model is what the executor serves (and adapters target)
     hidden = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]
@@ -116,7 +121,7 @@ def from_hf_config(name: str, cfg: dict, aliases: tuple[str, ...] = ()) -> BaseM
         else:
             mods.update(_mlp_modules(f"{p}.mlp", hidden, cfg["intermediate_size"]))
     tied = tie_word_embeddings(cfg)  # as executor/model/config.py reads it
-    return BaseModelSpec(name, frozenset(aliases), mods, experts, vocab, hidden, tied)
+    return BaseModelSpec(name, frozenset(aliases), mods, experts, vocab, hidden, tied, multimodal)
 
 
 def _mlp_modules(mlp: str, hidden: int, inter: int) -> dict[str, tuple[int, int]]:
@@ -150,7 +155,8 @@ def from_hf_dir(path: Path, name: str | None = None) -> BaseModelSpec:
 
 def from_gguf(path: Path, name: str) -> BaseModelSpec:
     """Reads only the GGUF metadata (`<arch>.*` keys; phi3's modules are fused as in its HF form; a
-    gemma3 GGUF holds Gemma 3's language model, whose modules are gemma3_text's)."""
+    gemma3 GGUF holds Gemma 3's language model, whose modules are gemma3_text's, and takes adapters made
+    on the multimodal model: multimodal)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -174,4 +180,4 @@ def from_gguf(path: Path, name: str) -> BaseModelSpec:
         "vocab_size": value(f"{arch}.vocab_size") or (len(vocab_field.data) if vocab_field else 0),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),  # as the executor's GGUF loader
     }
-    return from_hf_config(name, cfg, aliases=(str(path),))
+    return from_hf_config(name, cfg, aliases=(str(path),), multimodal=arch == "gemma3")

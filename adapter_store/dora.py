@@ -91,11 +91,7 @@ def pack_magnitudes(magnitudes: dict[str, torch.Tensor], layout: pb.Layout, modu
     packed = {}
     for m in layout.modules:
         if m.kind in MOE or m.kind == K.EMBEDDING:
-            names = _layout_names(m)
-            if any(n in magnitudes for n in names):
-                what = "expert" if m.kind in MOE else "embedding"
-                raise precondition(f"DoRA on {what} module {m.name!r} is not served (only dense linear layers)")
-            continue
+            continue  # never DoRA: check_magnitudes refused it at registration
         names = module_names(m)
         if not any(n in magnitudes for n in names):
             continue
@@ -110,12 +106,6 @@ def pack_magnitudes(magnitudes: dict[str, torch.Tensor], layout: pb.Layout, modu
                 vec[rows] = magnitudes[name]
         packed[m.name] = vec
     return packed
-
-
-def _layout_names(m: pb.ModuleLayout) -> list[str]:
-    if m.kind in MOE:
-        return [p.format(e=e) for e in range(m.num_experts) for p in m.peft_modules]
-    return list(m.peft_modules)
 
 
 def slice_magnitude(m: pb.ModuleLayout, vec: torch.Tensor, layout: pb.Layout, tp_rank: int) -> torch.Tensor:

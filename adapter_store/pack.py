@@ -23,6 +23,10 @@ from .base_model import BaseModelSpec
 from .layout import DTYPES, MOE, K, check_layout, layout_hash, peft_spans, slice_module
 
 FORMAT = "loraserve.shard.v1"
+# The packer's version, part of every shard's cache key: raised whenever this store would pack or refuse
+# an adapter differently from an older one (tensors, names, scaling, metadata, a new refusal), so that
+# an upgraded store repacks instead of serving shards an older one left in the cache.
+PACKER_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class PeftAdapter:
     # trainable tokens: "embed" | "lm_head" -> (token ids, rows [K, hidden]) (adapter_store/trainable_tokens.py)
     tokens: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
     token_modules: tuple[str, ...] = ()  # the PEFT module names its token rows are saved under (no prefix)
+    vision_dropped: int = 0  # vision-tower / projector modules whose LoRA was dropped (adapter_store/multimodal.py)
 
     @property
     def target_modules(self) -> list[str]:
@@ -80,9 +85,8 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     """Reads an adapter directory through every check in validate.py, in order."""
     config = validate.read_config(directory)
     settings = validate.check_config(config, spec, limits)
-    multimodal.check_targets(config)
     path = validate.check_weights_file(directory, limits)
-    tensors, settings = multimodal.text_model_tensors(validate.load_tensors(path, limits), settings)
+    tensors, settings, vision_dropped = multimodal.text_model_tensors(validate.load_tensors(path, limits), settings, spec)
     tensors, magnitudes = dora.split_magnitudes(tensors)
     tensors, token_rows = trainable_tokens.split(tensors, alone=settings.tokens_only)
     tensors, settings = experts.canonical_tensors(tensors, settings, spec)
@@ -91,10 +95,12 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     validate.check_finite(modules)
     modules, cast = validate.cast_float64(modules)
     magnitudes = dora.check_magnitudes(settings.use_dora, magnitudes, modules, validate.embedding_modules(tensors))
-    tokens = trainable_tokens.check(config, token_rows, spec, modules)
+    tokens = trainable_tokens.check(config, token_rows, spec, modules, settings.module_sources)
     weights = path.read_bytes()
     digest = content_digest(config, weights)
-    return PeftAdapter(settings, modules, digest, len(weights), cast, magnitudes, tokens, tuple(sorted(token_rows)))
+    return PeftAdapter(
+        settings, modules, digest, len(weights), cast, magnitudes, tokens, tuple(sorted(token_rows)), vision_dropped
+    )
 
 
 def _module_names(m: pb.ModuleLayout, e: int | None) -> list[str]:
@@ -218,5 +224,7 @@ def shard_blob(adapter: PeftAdapter, tensors: dict[str, torch.Tensor], layout: p
 
 
 def shard_key(digest: str, layout: pb.Layout, rank: pb.ShardRank) -> str:
-    """Content-addressed cache key of one shard."""
-    return f"{digest}/{layout_hash(layout)}/tp{rank.tp_rank}-ep{rank.ep_rank}"
+    """Content-addressed cache key of one shard: `<adapter digest>/<packing hash>/tp<N>-ep<N>`, the
+    packing hash covering the layout and PACKER_VERSION."""
+    packing = hashlib.sha256(f"packer{PACKER_VERSION}/{layout_hash(layout)}".encode()).hexdigest()[:32]
+    return f"{digest}/{packing}/tp{rank.tp_rank}-ep{rank.ep_rank}"

@@ -137,7 +137,7 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         log.info(
-            "registered %s from %s: digest %s, rank %d, %d modules, %d bytes%s (fetch %.2fs, total %.2fs)",
+            "registered %s from %s: digest %s, rank %d, %d modules, %d bytes%s%s (fetch %.2fs, total %.2fs)",
             name,
             fetched.uri,
             adapter.digest[:12],
@@ -145,6 +145,9 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
             len(adapter.modules),
             adapter.weight_bytes,
             f", weights cast {adapter.weights_cast}" if adapter.weights_cast else "",
+            f", LoRA of {adapter.vision_dropped} vision-tower/projector modules dropped (text-only requests)"
+            if adapter.vision_dropped
+            else "",
             t_fetch,
             time.perf_counter() - t0,
         )

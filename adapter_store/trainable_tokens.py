@@ -48,9 +48,12 @@ def split(tensors: dict[str, torch.Tensor], alone: bool = False) -> tuple[dict[s
 
 
 def check(
-    cfg: dict, rows: dict[str, torch.Tensor], spec: BaseModelSpec | None, lora_modules
+    cfg: dict, rows: dict[str, torch.Tensor], spec: BaseModelSpec | None, lora_modules, sources: dict | None = None
 ) -> dict[str, tuple[list[int], torch.Tensor]]:
-    """{"embed" | "lm_head": (token ids, rows [K, hidden] float32)} of an adapter; {} without trainable tokens."""
+    """{"embed" | "lm_head": (token ids, rows [K, hidden] float32)} of an adapter; {} without trainable tokens.
+    sources: a renamed module -> the adapter file's name for it (LoraSettings.module_sources), which the
+    config's per-module keys match, as PEFT matched them."""
+    sources = sources or {}
     alone = cfg.get("peft_type") == "TRAINABLE_TOKENS"
     key = ALONE_KEY if alone else CONFIG_KEY
     indices = cfg.get(key)
@@ -71,7 +74,7 @@ def check(
             raise invalid(f"trainable tokens on two {target} modules: {module!r} and another")
         if any(m == module or m.startswith(module + ".") for m in lora_modules):
             raise invalid(f"module {module!r} has both LoRA and trainable tokens: not served")
-        ids = _ids(indices, module, 1 if alone else len(rows), key)
+        ids = _ids(indices, sources.get(module, module), 1 if alone else len(rows), key)
         if len(ids) > MAX_TOKENS:
             raise invalid(f"{key} lists {len(ids)} token ids: at most {MAX_TOKENS} per adapter are served")
         if t.dim() != 2 or t.shape[0] != len(ids):
@@ -98,8 +101,9 @@ def check(
 def _check_tied(out: dict[str, tuple[list[int], torch.Tensor]], spec: BaseModelSpec, lora_modules) -> None:
     """A tied model's lm_head takes the embedding's rows, as PEFT ties them, unless the adapter has
     lm_head rows for other ids (PEFT ties neither then: each keeps its own). Tied rows must equal the
-    embedding's, and an lm_head with LoRA cannot take them: PEFT adds the LoRA to the logits of
-    the replaced rows, while a slot's lm_head rows replace those logits whole (executor/token_rows.py)."""
+    embedding's, and an lm_head with LoRA cannot take them: PEFT wraps the token rows inside the
+    lm_head's LoRA layer, so its logits for those ids are the replaced rows' plus the LoRA's, while a
+    slot's lm_head rows replace those logits whole (executor/token_rows.py)."""
     if "embed" not in out or ("lm_head" in out and out["lm_head"][0] != out["embed"][0]):
         return
     if "lm_head" in out and not torch.equal(out["embed"][1], out["lm_head"][1]):

@@ -109,6 +109,7 @@ def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraS
             f"{CONFIG_FILE}: peft_type is {cfg.get('peft_type')!r}, only 'LORA' and 'TRAINABLE_TOKENS' adapters are served"
         )
     _refuse_features(cfg)
+    check_init(cfg.get("init_lora_weights", True))
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise invalid(f"{CONFIG_FILE}: r must be a positive integer, got {r!r}")
@@ -167,6 +168,33 @@ def _refuse_features(cfg: dict) -> None:
     for key in ("lora_bias", "layer_replication", "use_qalora", "alora_invocation_tokens", *variants):
         if cfg.get(key):
             raise invalid(f"{CONFIG_FILE}: {key} is not supported")
+
+
+# init_lora_weights values whose PEFT init rewrites the base weight (W - B A, or LoftQ's quantized W):
+# such an adapter applies to that changed weight, not to the base model the executor serves.
+# PiSSA, CorDA, Astra, OLoRA and LoRA-GA adapters saved with
+# save_pretrained(path_initial_model_for_weight_conversion=...) are plain LoRA (init_lora_weights true).
+_BASE_CHANGING_INITS = ("pissa", "corda", "astra", "olora", "lora_ga")
+
+
+def check_init(init) -> None:
+    """INVALID_ARGUMENT for an init_lora_weights whose PEFT init changed the base weight the adapter
+    was trained on (PiSSA, CorDA, Astra, OLoRA, LoRA-GA, LoftQ); inits that leave the base weight
+    alone (true, false, "gaussian", "eva", "orthogonal", "mica", "nora") load as plain LoRA."""
+    if not isinstance(init, str):
+        return
+    value = init.lower()
+    if value == "loftq":
+        raise invalid(
+            f"{CONFIG_FILE}: init_lora_weights 'loftq' is not served: the adapter applies to LoftQ's quantized base "
+            "weights, not to the base model this server serves"
+        )
+    if value.startswith(_BASE_CHANGING_INITS):
+        raise invalid(
+            f"{CONFIG_FILE}: init_lora_weights {init!r} is not served: its init changed the base weights the adapter "
+            "applies to; convert it to a plain LoRA adapter of the original base with PEFT's "
+            "save_pretrained(..., path_initial_model_for_weight_conversion=<the initial adapter>) and register that"
+        )
 
 
 def check_weights_file(directory: Path, limits: Limits) -> Path:

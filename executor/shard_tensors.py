@@ -1,10 +1,32 @@
 """The dict a shard's tensors travel in, from where its bytes land to the slot loads that read them,
-and the signature a slot load finds its shard's layout by."""
+and the signature a slot load finds its shard's layout by; the safetensors dtype table every reader
+of a safetensors header (a shard's, a checkpoint's) sizes its tensors by."""
 
 from __future__ import annotations
 
 import threading
 import weakref
+
+import torch
+
+# every safetensors dtype torch holds, by its header name
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu, "I16": torch.int16, "U16": torch.uint16,
+    "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+    "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64, "C64": torch.complex64,
+}  # fmt: skip
+_SUB_BYTE_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}  # safetensors' packed dtypes torch has no element type for
+# what a packed shard's tensors may be (adapter_store/pack.py writes F32 / F16 / BF16 and I32 token ids)
+SHARD_DTYPES = {k: SAFETENSORS_DTYPES[k] for k in ("F32", "F16", "BF16", "F64", "I64", "I32", "I16", "I8", "U8")}
+
+
+def safetensors_nbytes(dtype: str, numel: int) -> int | None:
+    """Bytes of `numel` elements of a safetensors dtype (packed sub-byte ones rounded up); None if unknown."""
+    if dtype in SAFETENSORS_DTYPES:
+        return numel * SAFETENSORS_DTYPES[dtype].itemsize
+    bits = _SUB_BYTE_BITS.get(dtype)
+    return None if bits is None else -(-numel * bits // 8)
 
 
 class ShardTensors(dict):

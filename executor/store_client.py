@@ -35,7 +35,7 @@ from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import common_pb2 as pb
 
 from .pinned_arena import ArenaShard, PinnedArena
-from .shard_tensors import ShardTensors
+from .shard_tensors import SHARD_DTYPES, ShardTensors
 
 log = logging.getLogger(__name__)
 DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -56,17 +56,6 @@ CHUNK_BYTES = 1 << 20  # FetchShard's chunk size asked for
 # with a `why` (a string, once it says no) names the reason in the CANCELLED error and the log.
 STILL_WANTED: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("fetch_still_wanted", default=None)
 HUGE_PAGE_MIN = 4 << 20
-_ST_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-}
 
 
 def host_buffer(nbytes: int, pin_memory: bool) -> torch.Tensor:
@@ -123,7 +112,7 @@ def shard_tensors(blob: torch.Tensor) -> ShardTensors:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = _ST_DTYPES.get(info.get("dtype"))
+        dtype = SHARD_DTYPES.get(info.get("dtype"))
         begin, end = (base + o for o in info["data_offsets"])
         if dtype is None or not base <= begin <= end <= len(raw):
             raise StatusError(

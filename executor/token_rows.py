@@ -86,8 +86,9 @@ class TokenRows(nn.Module):
     def check(self, tokens: dict[str, torch.Tensor], head_lora: bool = False) -> None:
         """ValueError unless the shard's trainable tokens fit the slots. A tied model's lm_head takes
         the embedding rows (its own rows for the same ids must equal them; for other ids they are its
-        own, as PEFT then ties neither). No lm_head rows beside lm_head LoRA (head_lora): PEFT adds
-        that LoRA to the replaced rows' logits, which `logits` replaces whole."""
+        own, as PEFT then ties neither). No lm_head rows beside lm_head LoRA (head_lora): PEFT wraps the
+        token rows inside the LoRA layer, so its logits are the replaced rows' plus the LoRA's, while
+        `logits` replaces those ids' logits whole; the store refuses such an adapter at registration."""
         unknown = sorted(set(tokens) - {f"{PREFIX}{t}.{p}" for t in ("embed", "lm_head") for p in ("ids", "rows")})
         if unknown:
             raise ValueError(f"shard has unknown trainable-token tensors {unknown}")
@@ -114,7 +115,9 @@ class TokenRows(nn.Module):
             )
         if head_lora and (tied or head is not None):
             raise ValueError(
-                "shard has lm_head LoRA and lm_head trainable token rows (its own, or the embedding's the model ties to it)"
+                "shard has lm_head LoRA and lm_head trainable token rows (its own, or the embedding's the model ties to it), "
+                "which are not served: it was packed by an older store; register the adapter again (the store now refuses "
+                "it, naming the fault)"
             )
 
     def load(self, slot: int, tokens: dict[str, torch.Tensor]) -> None:

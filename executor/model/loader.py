@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from ..parallel import TPGroup
+from ..shard_tensors import safetensors_nbytes
 from ..slot_layout import LoraSpec
 from . import fp8, fp8_scheme, kv_scales
 from .checkpoint_names import is_vision_name, text_model_name
@@ -35,7 +36,6 @@ from .llama import LlamaForCausalLM
 from .moe import build_causal_lm
 
 log = logging.getLogger(__name__)
-_DTYPE_BYTES = dict(F64=8, F32=4, F16=2, BF16=2, F8_E4M3=1, F8_E5M2=1, I64=8, I32=4, I16=2, I8=1, U8=1, BOOL=1)  # safetensors'
 
 # (dim, slice) of a checkpoint tensor that one TP rank keeps; None: all of it
 Cut = tuple[int, slice] | None
@@ -144,8 +144,8 @@ class _WeightSink:
             return None  # recomputed from the config
         if is_vision_name(hf_name):  # a multimodal Gemma 3 checkpoint's are skipped before (_language_model_only)
             raise ValueError(
-                f"checkpoint tensor {hf_name!r} belongs to a vision tower: multimodal checkpoints are not supported, "
-                f"only the language model (a checkpoint that holds just its tensors, e.g. Gemma3ForCausalLM's)"
+                f"checkpoint tensor {hf_name!r} belongs to a vision tower, but config.json's model_type is "
+                f'{c.model_type!r}: only Gemma 3 ("gemma3") multimodal checkpoints are served (their language model)'
             )
         # a multimodal checkpoint's language model (Gemma 3): transformers 5 and 4 names -> the text model's
         hf_name = text_model_name(hf_name)
@@ -292,7 +292,7 @@ def _language_model_only(where: dict) -> dict:
     multi-modal projector: the executor serves the language model, to text-only requests."""
     skipped = [(name, f.get_slice(name)) for name, f in where.items() if is_vision_name(name)]
     if skipped:
-        size = sum(math.prod(s.get_shape()) * _DTYPE_BYTES.get(s.get_dtype(), 0) for _, s in skipped)
+        size = sum(safetensors_nbytes(s.get_dtype(), math.prod(s.get_shape())) or 0 for _, s in skipped)
         log.info(
             "multimodal Gemma 3 checkpoint: serving its language model only (text-only requests); "
             "skipped %d vision-tower and projector tensors (%d bytes)",

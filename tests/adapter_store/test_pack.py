@@ -317,3 +317,17 @@ def test_adapter_rank_above_layout_max_rank_is_failed_precondition(peft_adapter)
     with pytest.raises(StatusError) as e:
         pack.pack_full(adapter, layout)
     assert e.value.code.name == "FAILED_PRECONDITION" and "rank 16" in e.value.message
+
+
+def test_shard_keys_change_with_the_packer_version_and_the_layout(monkeypatch):
+    """A shard an older packer left in a cache is never found by a newer store (it repacks): the
+    key's middle part covers the packer's version beside the layout, in the cache's key form."""
+    from loraserve.adapter_store.cache_tier import KEY_RE
+
+    digest, rank = "ab" * 32, pb.ShardRank(tp_rank=1, ep_rank=0)
+    key = pack.shard_key(digest, dense_layout(2, False), rank)
+    assert KEY_RE.fullmatch(key) and key.startswith(f"{digest}/") and key.endswith("/tp1-ep0")
+    assert pack.shard_key(digest, dense_layout(2, True), rank) != key
+    monkeypatch.setattr(pack, "PACKER_VERSION", pack.PACKER_VERSION - 1)
+    older = pack.shard_key(digest, dense_layout(2, False), rank)
+    assert KEY_RE.fullmatch(older) and older != key

@@ -286,3 +286,18 @@ def test_lora_variants_are_refused_naming_the_config_field(tiny_llama_model, tmp
         load(tmp_path / "a", spec)
     assert e.value.code.name == "INVALID_ARGUMENT"
     assert e.value.message == f"adapter_config.json: {key} is not supported"
+
+
+def test_an_arrow_adapter_is_refused_naming_arrow_config(tiny_llama_model, tmp_path, spec):
+    """Arrow routes each token over several task adapters (PEFT builds it with create_arrow_model):
+    its config, as PEFT writes it beside LoRA weights, is refused naming arrow_config."""
+    from peft.tuners.lora.config import ArrowConfig
+
+    config = dict(r=4, target_modules=["q_proj", "v_proj"])
+    get_peft_model(copy.deepcopy(tiny_llama_model), LoraConfig(**config)).save_pretrained(tmp_path / "a")
+    LoraConfig(**config, arrow_config=ArrowConfig(top_k=2)).save_pretrained(tmp_path / "a")
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["arrow_config"]["top_k"] == 2
+    with pytest.raises(StatusError) as e:
+        load(tmp_path / "a", spec)
+    assert e.value.code.name == "INVALID_ARGUMENT"
+    assert e.value.message == "adapter_config.json: arrow_config is not supported"

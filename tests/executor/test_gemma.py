@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -335,11 +336,11 @@ def test_served_at_tp2_match_transformers_peft(family, gemma, adapter_dirs, modu
             jobs, resps = run_group(client, group, max_tokens=8)
             for (name, ids), resp in zip(jobs, resps):
                 check_against_reference(refs[name], ids, resp)
-        # the store refuses what the Gemma base model does not have: a vision tower's module, and the
-        # other Gemma generation's attention (Gemma 2's heads of 64 against Gemma 3's of 32, and back)
+        # the store refuses what the Gemma base model does not have: a vision tower's module (a text-only
+        # base: no multimodal checkpoint's vision tower to drop), and the other Gemma generation's attention (Gemma 2's heads of 64 against Gemma 3's of 32, and back)
         other = adapter_dirs["gemma3" if family == "gemma2" else "gemma2"] / "all4"
         for name, src, extra, words in (
-            ("vision", adapter_dirs[family] / "all4", _vision_lora(), "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj' is of the vision tower"),
+            ("vision", adapter_dirs[family] / "all4", _vision_lora(), "module 'model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj' does not exist in base model"),
             ("other-generation", other, {}, "self_attn.k_proj': adapter maps 48 -> "),
         ):  # fmt: skip
             bad = adapter_dirs[family] / f"hostile-{name}"  # under the store's allowed root
@@ -523,21 +524,34 @@ def test_vision_tensors_beside_a_text_only_config_are_refused(tmp_path):
     text.mkdir()
     (text / "config.json").write_text(json.dumps(json.loads((tmp_path / "mm" / "config.json").read_text())["text_config"]))
     save_file(load_file(str(tmp_path / "mm" / "model.safetensors")), str(text / "model.safetensors"))
-    with pytest.raises(ValueError, match="'(vision_tower|multi_modal_projector).* belongs to a vision tower"):
+    tail = (
+        "' belongs to a vision tower, but config.json's model_type is 'gemma3_text': only Gemma 3 (\"gemma3\") "
+        "multimodal checkpoints are served (their language model)"
+    )
+    with pytest.raises(
+        ValueError, match=r"^checkpoint tensor '(model\.)?(vision_tower|multi_modal_projector)\.[\w.]+" + re.escape(tail) + "$"
+    ):
         load_hf_checkpoint(text)
 
 
 LM_LINEAR = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
-def test_multimodal_gemma3_adapters_served_match_transformers_peft(module_loop_thread, tmp_path):
+def test_multimodal_gemma3_adapters_served_match_transformers_peft(module_loop_thread, tmp_path, caplog):
     """PEFT adapters made on a Gemma3ForConditionalGeneration (module names under the language model's
     prefix, transformers 5's and 4's), registered through the store and served by the executor from
     the multimodal checkpoint: each row is the PeftModel's greedy output with its logprobs on text
-    alone. LoRA on the vision tower is refused, naming the module."""
-    from .conftest import save_lora_adapters
+    alone. LoRA that also hits the vision tower (target_modules ["q_proj", "v_proj"]) has its vision
+    modules dropped, logged; trainable tokens keyed by PEFT's own module names (the tied lm_head taking
+    the embedding's rows, or lm_head rows of its own) are served; an adapter of the vision tower alone
+    is refused, naming a module."""
+    import concurrent.futures as cf
+    import logging
+
+    from .conftest import generate, save_lora_adapters
 
     model = _multimodal(tmp_path / "mm")
+    q_lm = r".*language_model.*\.q_proj"
     configs = {
         "lm4": peft.LoraConfig(r=4, lora_alpha=8, target_modules=LM_LINEAR),
         # a per-module rank keyed by PEFT's own (prefixed) name; rsLoRA
@@ -547,6 +561,13 @@ def test_multimodal_gemma3_adapters_served_match_transformers_peft(module_loop_t
         ),
         "emb6": peft.LoraConfig(r=6, lora_alpha=6, target_modules=r".*language_model.*\.(embed_tokens|q_proj)|lm_head"),
         "with-vision": peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),  # SigLIP's q_proj too
+        # the embedding's rows, which the tied lm_head takes, keyed by a suffix of PEFT's name
+        "tok-tied": peft.LoraConfig(r=4, lora_alpha=8, target_modules=q_lm,
+                                    trainable_token_indices={"language_model.embed_tokens": [7, 40, 200]}),
+        # the embedding's rows and lm_head rows of other ids, keyed by PEFT's full names
+        "tok-head": peft.LoraConfig(r=4, lora_alpha=8, target_modules=q_lm,
+                                    trainable_token_indices={"model.language_model.embed_tokens": [7, 40], "lm_head": [5, 9]}),
+        "vision-only": peft.LoraConfig(r=4, lora_alpha=8, target_modules=r".*vision_tower.*\.(q_proj|v_proj)"),
     }  # fmt: skip
     root = save_lora_adapters(model, tmp_path / "adapters", configs, b_std=0.2)
     keys = load_file(str(root / "qvo8" / "adapter_model.safetensors"))
@@ -557,41 +578,57 @@ def test_multimodal_gemma3_adapters_served_match_transformers_peft(module_loop_t
         "base_model.model.lm_head.lora_A.weight",
         "base_model.model.model.language_model.embed_tokens.lora_embedding_B",
     } <= set(emb)
-    for name in ("lm4", "emb6"):  # the same adapters as transformers 4 names them
+    vision = load_file(str(root / "with-vision" / "adapter_model.safetensors"))
+    vision_modules = sorted({k[len("base_model.model.") :].rsplit(".lora_", 1)[0] for k in vision if "vision_tower" in k})
+    assert vision_modules and vision_modules[0].startswith("model.vision_tower."), vision_modules
+    head = load_file(str(root / "tok-head" / "adapter_model.safetensors"))
+    assert "base_model.model.lm_head.token_adapter.trainable_tokens_delta" in head
+    for name in ("lm4", "emb6", "tok-head"):  # the same adapters as transformers 4 names them
         v4 = root / f"{name}-v4"
         v4.mkdir()
-        (v4 / "adapter_config.json").write_text((root / name / "adapter_config.json").read_text())
+        cfg = json.loads((root / name / "adapter_config.json").read_text())
+        if cfg.get("trainable_token_indices"):
+            cfg["trainable_token_indices"] = {"language_model.model.embed_tokens": [7, 40], "language_model.lm_head": [5, 9]}
+        (v4 / "adapter_config.json").write_text(json.dumps(cfg))
         save_file(_names(load_file(str(root / name / "adapter_model.safetensors")), 4), str(v4 / "adapter_model.safetensors"))
-    served = ("lm4", "qvo8", "emb6")
+    served = ("lm4", "qvo8", "emb6", "with-vision", "tok-tied", "tok-head")
     refs = {"": model, **{n: peft.PeftModel.from_pretrained(copy.deepcopy(model), root / n).eval() for n in served}}
-    refs["lm4-v4"], refs["emb6-v4"] = refs["lm4"], refs["emb6"]
-    c = Cluster(module_loop_thread, tmp_path / "mm", root, tmp_path / "store", [*served, "lm4-v4", "emb6-v4"],
-                cpu_threads=1, lora_embeddings=True)  # fmt: skip
+    refs["lm4-v4"], refs["emb6-v4"], refs["tok-head-v4"] = refs["lm4"], refs["emb6"], refs["tok-head"]
+    with caplog.at_level(logging.INFO, logger="loraserve.adapter_store.service"):
+        c = Cluster(module_loop_thread, tmp_path / "mm", root, tmp_path / "store",
+                    [*served, "lm4-v4", "emb6-v4", "tok-head-v4"], cpu_threads=1, lora_embeddings=True,
+                    enable_trainable_tokens=True)  # fmt: skip
     try:
+        dropped = [r.getMessage() for r in caplog.records if "vision-tower/projector modules dropped" in r.getMessage()]
+        assert len(dropped) == 1 and dropped[0].startswith("registered with-vision "), dropped
+        assert f"LoRA of {len(vision_modules)} vision-tower/projector modules dropped (text-only requests)" in dropped[0]
         manifests = {m.name: m for m in c.store_client().list()}
         assert "model.layers.0.self_attn.q_proj" in manifests["lm4-v4"].target_modules
         assert manifests["lm4"].target_modules == manifests["lm4-v4"].target_modules
         assert {"model.embed_tokens", "lm_head"} <= set(manifests["emb6-v4"].target_modules)
-        for group in (["lm4", "", "qvo8"], ["emb6", "emb6-v4", ""], ["lm4-v4", "qvo8"]):
+        assert not any("vision" in t for t in manifests["with-vision"].target_modules)
+        assert manifests["tok-head"].kind == manifests["tok-head-v4"].kind == "lora+tokens"
+        for group in (["lm4", "", "qvo8"], ["emb6", "emb6-v4", ""], ["lm4-v4", "qvo8"], ["with-vision", ""]):
             jobs, resps = run_group(c.client(), group, max_tokens=8)
             for (name, ids), resp in zip(jobs, resps):
                 check_against_reference(refs[name], ids, resp)
-        vision = load_file(str(root / "with-vision" / "adapter_model.safetensors"))
-        vision_modules = sorted({k[len("base_model.model.") :].rsplit(".lora_", 1)[0] for k in vision if "vision_tower" in k})
-        vision_q = vision_modules[0]
-        assert vision_q.startswith("model.vision_tower.") and vision_q.endswith(".self_attn.q_proj"), vision_q
-        listed = root / "listed-vision"  # target_modules names a vision-tower module
-        listed.mkdir()
-        cfg = json.loads((root / "lm4" / "adapter_config.json").read_text())
-        (listed / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj", vision_q]}))
-        save_file(load_file(str(root / "lm4" / "adapter_model.safetensors")), str(listed / "adapter_model.safetensors"))
-        for name, words in (
-            ("with-vision", f"module {vision_q!r} (and {len(vision_modules) - 1} more) is of the vision tower or multi-modal projector; LoRA on a vision tower is not served"),
-            ("listed-vision", f"target_modules names {vision_q!r}, a vision-tower or projector module"),
-        ):  # fmt: skip
-            with pytest.raises(StatusError) as e:
-                c.store_client().register(name, str(root / name))
-            assert e.value.code.name == "INVALID_ARGUMENT" and words in e.value.message, e.value
+        jobs = [
+            (n, [BOS, *_prompt(5 + i, 50 + i), 7, 200, 40]) for i, n in enumerate(["tok-tied", "tok-head", "", "tok-head-v4"])
+        ]
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            resps = list(pool.map(lambda j: generate(c.client(), *j, 8), jobs))
+        for (name, ids), resp in zip(jobs, resps):
+            check_against_reference(refs[name], ids, resp)
+        only = sorted({k[len("base_model.model.") :].rsplit(".lora_", 1)[0]
+                       for k in load_file(str(root / "vision-only" / "adapter_model.safetensors"))})  # fmt: skip
+        with pytest.raises(StatusError) as e:
+            c.store_client().register("vision-only", str(root / "vision-only"))
+        assert e.value.code.name == "INVALID_ARGUMENT"
+        assert e.value.message == (
+            f"the adapter's modules are all of the vision tower or multi-modal projector ({only[0]!r} (and {len(only) - 1} "
+            "more)): the executor serves a multimodal checkpoint's language model, to text-only requests, and none of them "
+            "applies"
+        )
     finally:
         c.close()
 
@@ -657,6 +694,6 @@ def test_an_adapter_naming_one_module_under_both_prefixes_is_refused():
                f"base_model.model.language_model.model.layers.0.{q}": torch.zeros(2, 48)}  # fmt: skip
     settings = validate.LoraSettings(2, 2.0, False, (), "")
     with pytest.raises(StatusError) as e:
-        multimodal.text_model_tensors(tensors, settings)
+        multimodal.text_model_tensors(tensors, settings, None)
     assert e.value.code.name == "INVALID_ARGUMENT"
     assert f"tensor 'base_model.model.language_model.model.layers.0.{q}' names the text model's" in e.value.message

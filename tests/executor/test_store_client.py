@@ -73,3 +73,14 @@ def test_a_malformed_shard_is_data_loss(blob, message):
     with pytest.raises(StatusError) as e:
         shard_tensors(_buffer(blob))
     assert e.value.code == grpc.StatusCode.DATA_LOSS and e.value.message == message
+
+
+def test_safetensors_sizes_cover_every_dtype_of_the_format():
+    """One table sizes shards' and checkpoints' tensors: 8-bit scales (F8_E8M0), unsigned ints and
+    the packed 4/6-bit floats count their bytes; an unknown name is None, not 0."""
+    from loraserve.executor.shard_tensors import SHARD_DTYPES, safetensors_nbytes
+
+    sizes = {"F8_E8M0": 10, "F8_E4M3": 10, "U16": 20, "U32": 40, "U64": 80, "BOOL": 10, "BF16": 20, "F4": 5, "F6_E3M2": 8}
+    assert {d: safetensors_nbytes(d, 10) for d in sizes} == sizes
+    assert safetensors_nbytes("F4", 3) == 2 and safetensors_nbytes("X9", 10) is None
+    assert "F8_E8M0" not in SHARD_DTYPES and SHARD_DTYPES["BF16"] is torch.bfloat16
