@@ -9,13 +9,14 @@ import weakref
 
 import torch
 
-# every safetensors dtype torch holds, by its header name
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu, "I16": torch.int16, "U16": torch.uint16,
-    "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
-    "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64, "C64": torch.complex64,
+# every safetensors dtype this torch holds, by its header name (float8_e8m0fnu: torch 2.7 and later)
+_TORCH_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu", "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16",
+    "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64",
+    "C64": "complex64",
 }  # fmt: skip
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, n) for k, n in _TORCH_NAMES.items() if hasattr(torch, n)}
 _SUB_BYTE_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}  # safetensors' packed dtypes torch has no element type for
 # what a packed shard's tensors may be (adapter_store/pack.py writes F32 / F16 / BF16 and I32 token ids)
 SHARD_DTYPES = {k: SAFETENSORS_DTYPES[k] for k in ("F32", "F16", "BF16", "F64", "I64", "I32", "I16", "I8", "U8")}
