@@ -39,8 +39,9 @@ class BaseModelSpec:
     vocab_size: int = 0
     hidden_size: int = 0
     tied_embeddings: bool | None = None  # lm_head is the embedding (as the executor reads the model); None: unknown
-    # the language model of a multimodal checkpoint (Gemma 3, "gemma3"): adapters made on the whole model
-    # name its modules under the language model's prefix and may hold vision-tower LoRA (adapter_store/multimodal.py)
+    # the language model of a multimodal checkpoint (Gemma 3, "gemma3"): adapters made on the whole model may
+    # hold vision-tower / projector LoRA, which is dropped here and refused on a text-only base (adapter_store/
+    # multimodal.py; the language model's prefixes are renamed on either)
     multimodal: bool = False
 
     def matches(self, base_model_name: str) -> bool:
@@ -154,9 +155,12 @@ def from_hf_dir(path: Path, name: str | None = None) -> BaseModelSpec:
 
 
 def from_gguf(path: Path, name: str) -> BaseModelSpec:
-    """Reads only the GGUF metadata (`<arch>.*` keys; phi3's modules are fused as in its HF form; a
-    gemma3 GGUF holds Gemma 3's language model, whose modules are gemma3_text's, and takes adapters made
-    on the multimodal model: multimodal)."""
+    """Reads only the GGUF metadata (`<arch>.*` keys; phi3's modules are fused as in its HF form).
+
+    A gemma3 GGUF holds Gemma 3's language model, whose modules are gemma3_text's: llama.cpp writes
+    arch "gemma3" for the text-only 1B and for the larger models' language model alike (their vision
+    tower goes to a separate mmproj file). It is read as multimodal: an adapter made on a multimodal
+    Gemma 3 has its vision-tower LoRA dropped, and one made on the 1B has none to drop."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))

@@ -1,7 +1,7 @@
 """What every tier of the shard cache keeps: the key format, the budget check, the outage error,
 and the methods the tiering calls (`CacheTier`).
 
-Keys are content-addressed, `<adapter sha256>/<layout hash>/tp<R>-ep<E>`, so a blob under
+Keys are content-addressed, `<adapter sha256>/<packing hash>/tp<R>-ep<E>` (pack.shard_key), so a blob under
 a key never changes: any copy is as good as another, and a corrupted one is simply
 dropped and rebuilt by the caller. Every method of a tier is synchronous (the service runs
 them with asyncio.to_thread) and safe to call from several threads.
@@ -25,7 +25,7 @@ class CacheUnavailable(Exception):
 
 def check_key(key: str) -> str:
     if not KEY_RE.fullmatch(key):
-        raise invalid(f"cache key {key!r} is not of the form <sha256 hex>/<layout hash hex>/tp<N>-ep<N>")
+        raise invalid(f"cache key {key!r} is not of the form <sha256 hex>/<packing hash hex>/tp<N>-ep<N>")
     return key
 
 

@@ -45,7 +45,7 @@ def _read_head(f) -> tuple[int, Checksums] | None:
 
 
 class DiskCache:
-    """Blobs as files `<root>/<digest>/<layout>/<tp-ep>.shard`; LRU by mtime, bounded by bytes.
+    """Blobs as files `<root>/<digest>/<packing>/<tp-ep>.shard` (pack.shard_key); LRU by mtime, bounded by bytes.
 
     One process owns a root: the LRU index lives in memory and is rebuilt from the files'
     mtimes on start (get() touches them, so the order survives restarts).

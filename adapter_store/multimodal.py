@@ -4,10 +4,13 @@ executor serves its language model, to text-only requests, under the text model'
 PEFT names such an adapter's modules under the language model's prefix (transformers 5's
 `model.language_model.layers.0.self_attn.q_proj`, 4's `language_model.model.layers.0...` and
 `language_model.lm_head`); the store reads them as the text model's (`model.layers.0...`,
-`lm_head`), the names the loader gives the checkpoint's tensors (checkpoint_names.text_model_name).
-LoRA on the vision tower or the multi-modal projector (what target_modules such as
-["q_proj", "v_proj"] or "all-linear" also hit) changes no output of a text-only request: its
-tensors are dropped, and an adapter with nothing else is refused.
+`lm_head`), the names the loader gives the checkpoint's tensors (checkpoint_names.text_model_name),
+on any base: no text model has such names, and a multimodal checkpoint's language model may be served
+from a text-only checkpoint (a "gemma3_text" config.json).
+On a multimodal base, LoRA on the vision tower or the multi-modal projector (what target_modules
+such as ["q_proj", "v_proj"] or "all-linear" also hit) changes no output of a text-only request: its
+tensors are dropped, and an adapter with nothing else is refused. A text-only base has no vision
+tower: such modules stay, and the base model's module check refuses them.
 """
 
 from __future__ import annotations
@@ -33,13 +36,14 @@ def text_model_tensors(tensors: dict[str, torch.Tensor], settings, spec: BaseMod
     module to the file's name, which rank_pattern / alpha_pattern / trainable_token_indices keys
     match, the number of vision-tower and projector modules whose tensors were dropped).
 
-    Only for a multimodal base (spec.multimodal) or an unknown one (spec None); on another base the
-    names are left as they are, for the base model's module check to name. INVALID_ARGUMENT for an
-    adapter of nothing but vision-tower / projector modules, or two tensors that name the same
-    text-model tensor."""
-    if spec is not None and not spec.multimodal:
-        return tensors, settings, 0
-    vision = sorted({_module(n[len(PREFIX) :]) for n in tensors if n.startswith(PREFIX) and is_vision_name(n[len(PREFIX) :])})
+    The language-model prefixes are renamed on any base. Vision-tower / projector tensors are dropped
+    only on a multimodal base (spec.multimodal) or an unknown one (spec None); on a text-only base
+    they are kept, for the base model's module check to name. INVALID_ARGUMENT for an adapter of
+    nothing but dropped modules, or two tensors that name the same text-model tensor."""
+    drop = spec is None or spec.multimodal
+    vision = sorted(
+        {_module(n[len(PREFIX) :]) for n in tensors if drop and n.startswith(PREFIX) and is_vision_name(n[len(PREFIX) :])}
+    )
     out: dict[str, torch.Tensor] = {}
     sources: dict[str, str] = {}
     for name, t in tensors.items():
@@ -47,7 +51,7 @@ def text_model_tensors(tensors: dict[str, torch.Tensor], settings, spec: BaseMod
             out[name] = t
             continue
         rest = name[len(PREFIX) :]
-        if is_vision_name(rest):
+        if drop and is_vision_name(rest):
             continue
         renamed = PREFIX + text_model_name(rest)
         if renamed in out:

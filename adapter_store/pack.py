@@ -90,6 +90,7 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     tensors, magnitudes = dora.split_magnitudes(tensors)
     tensors, token_rows = trainable_tokens.split(tensors, alone=settings.tokens_only)
     tensors, settings = experts.canonical_tensors(tensors, settings, spec)
+    validate.check_rank(tensors, settings, limits)
     modules = validate.group_modules(tensors, settings, spec)
     experts.check_complete(modules, spec)
     validate.check_finite(modules)
@@ -223,8 +224,12 @@ def shard_blob(adapter: PeftAdapter, tensors: dict[str, torch.Tensor], layout: p
     return st_save(tensors, metadata=meta)
 
 
+def packing_hash(layout: pb.Layout) -> str:
+    """32 hex digits over PACKER_VERSION and the layout's hash: what a shard's packing depends on
+    besides the adapter."""
+    return hashlib.sha256(f"packer{PACKER_VERSION}/{layout_hash(layout)}".encode()).hexdigest()[:32]
+
+
 def shard_key(digest: str, layout: pb.Layout, rank: pb.ShardRank) -> str:
-    """Content-addressed cache key of one shard: `<adapter digest>/<packing hash>/tp<N>-ep<N>`, the
-    packing hash covering the layout and PACKER_VERSION."""
-    packing = hashlib.sha256(f"packer{PACKER_VERSION}/{layout_hash(layout)}".encode()).hexdigest()[:32]
-    return f"{digest}/{packing}/tp{rank.tp_rank}-ep{rank.ep_rank}"
+    """Content-addressed cache key of one shard: `<adapter digest>/<packing hash>/tp<N>-ep<N>`."""
+    return f"{digest}/{packing_hash(layout)}/tp{rank.tp_rank}-ep{rank.ep_rank}"

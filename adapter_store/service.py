@@ -350,9 +350,9 @@ class AdapterStoreService(spb_grpc.AdapterStoreServicer):
         seconds = time.perf_counter() - t0
         self.metrics.pack.observe(seconds)
         log.info(
-            "packed %s for layout %s, %d rank(s), %d bytes in %.2fs",
+            "packed %s for packing %s, %d rank(s), %d bytes in %.2fs",
             manifest.name,
-            layout_hash(layout)[:12],
+            pack.packing_hash(layout)[:12],
             len(ranks),
             sum(len(b) for b, _ in blobs),
             seconds,

@@ -122,8 +122,6 @@ def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraS
     ranks = [r, *rank_pattern.values()]
     if any(not isinstance(x, int) or x < 1 for x in ranks):
         raise invalid(f"{CONFIG_FILE}: rank_pattern values must be positive integers")
-    if max(ranks) > limits.max_rank:
-        raise precondition(f"adapter rank {max(ranks)} is above this store's maximum rank {limits.max_rank}")
     targets = cfg.get("target_modules") or ()
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     base = _base_model(cfg, spec)
@@ -311,6 +309,16 @@ def group_modules(
         _check_shapes(module, a, b, settings.module_rank(module), spec, settings.module_sources.get(module))
         modules[module] = (a, b)
     return modules
+
+
+def check_rank(tensors: dict[str, torch.Tensor], settings: LoraSettings, limits: Limits) -> None:
+    """The rank of each module the adapter's LoRA tensors name (r, or its rank_pattern value) is at most
+    the store's maximum: FAILED_PRECONDITION. Run on the tensors that are served (after vision-tower
+    modules are dropped and expert modules renamed), before their shapes are checked against the rank."""
+    modules = {m["module"][len(PREFIX) :] for n in tensors if (m := TENSOR_RE.match(n)) and n.startswith(PREFIX)}
+    rank = max((settings.module_rank(m) for m in modules), default=0)
+    if rank > limits.max_rank:
+        raise precondition(f"adapter rank {rank} is above this store's maximum rank {limits.max_rank}")
 
 
 def embedding_modules(tensors: dict[str, torch.Tensor]) -> frozenset[str]:

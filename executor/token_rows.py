@@ -116,8 +116,9 @@ class TokenRows(nn.Module):
         if head_lora and (tied or head is not None):
             raise ValueError(
                 "shard has lm_head LoRA and lm_head trainable token rows (its own, or the embedding's the model ties to it), "
-                "which are not served: it was packed by an older store; register the adapter again (the store now refuses "
-                "it, naming the fault)"
+                "which are not served (PEFT adds the LoRA to those ids' logits; a slot's rows replace them whole). The store "
+                "refuses such an adapter at registration only when it knows the base model: this shard came from a store "
+                "started without --base-model-path (start it with one) or from an older store (upgrade it)"
             )
 
     def load(self, slot: int, tokens: dict[str, torch.Tensor]) -> None:

@@ -633,6 +633,124 @@ def test_multimodal_gemma3_adapters_served_match_transformers_peft(module_loop_t
         c.close()
 
 
+def _language_model_names(tensors: dict, version: int) -> dict:
+    """A text model's PEFT tensors (`model.layers...`, `lm_head`) under a multimodal Gemma 3's names for
+    its language model, as transformers `version` writes them."""
+    v5 = {}
+    for k, v in tensors.items():
+        rest = k[len("base_model.model.") :]
+        v5["base_model.model." + ("model.language_model." + rest[len("model.") :] if rest.startswith("model.") else rest)] = v
+    return _names(v5, version)
+
+
+def test_multimodal_adapters_serve_on_a_text_only_gemma3_like_peft_on_the_text_model(
+    gemma, adapter_dirs, module_loop_thread, tmp_path
+):
+    """Adapters under a multimodal Gemma 3's language-model names (transformers 5's `model.language_model.`,
+    4's `language_model.model.` and `language_model.lm_head`) register on a text-only Gemma 3 base
+    (gemma3_text) as the text model's modules, a rank_pattern keyed by the file's name included: each
+    row is PEFT's output with the same adapter under the text model's names."""
+    model, path = gemma("gemma3")
+    src = adapter_dirs["gemma3"]
+    root, refs_root = tmp_path / "adapters", tmp_path / "refs"
+    refs = {"": model}
+    for name in ("qvgd8", "emb6"):
+        cfg = json.loads((src / name / "adapter_config.json").read_text())
+        text = load_file(str(src / name / "adapter_model.safetensors"))
+        if name == "qvgd8":  # layer 1's v_proj at rank 2
+            key = "base_model.model.model.layers.1.self_attn.v_proj"
+            text[f"{key}.lora_A.weight"] = text[f"{key}.lora_A.weight"][:2].contiguous()
+            text[f"{key}.lora_B.weight"] = text[f"{key}.lora_B.weight"][:, :2].contiguous()
+            (refs_root / name).mkdir(parents=True)
+            (refs_root / name / "adapter_config.json").write_text(
+                json.dumps({**cfg, "rank_pattern": {key[len("base_model.model.") :]: 2}})
+            )
+            save_file(text, str(refs_root / name / "adapter_model.safetensors"))
+        ref = peft.PeftModel.from_pretrained(copy.deepcopy(model), refs_root / name if name == "qvgd8" else src / name).eval()
+        for version in (5, 4):
+            d = root / f"{name}-v{version}"
+            d.mkdir(parents=True)
+            if name == "qvgd8":  # keyed by the file's (multimodal) name
+                lm = "model.language_model." if version == 5 else "language_model.model."
+                cfg["rank_pattern"] = {f"{lm}layers.1.self_attn.v_proj": 2}
+            (d / "adapter_config.json").write_text(json.dumps(cfg))
+            save_file(_language_model_names(text, version), str(d / "adapter_model.safetensors"))
+            refs[d.name] = ref
+    assert "base_model.model.language_model.lm_head.lora_A.weight" in load_file(
+        str(root / "emb6-v4" / "adapter_model.safetensors")
+    )
+    served = [n for n in refs if n]
+    c = Cluster(module_loop_thread, path, root, tmp_path / "store", served, cpu_threads=1, lora_embeddings=True)
+    try:
+        manifests = {m.name: m for m in c.store_client().list()}
+        assert "model.layers.0.self_attn.q_proj" in manifests["qvgd8-v4"].target_modules
+        assert {"model.embed_tokens", "lm_head"} <= set(manifests["emb6-v4"].target_modules)
+        assert manifests["emb6-v5"].target_modules == manifests["emb6-v4"].target_modules
+        for group in (["qvgd8-v5", "", "emb6-v4"], ["emb6-v5", "qvgd8-v4"]):
+            jobs, resps = run_group(c.client(), group, max_tokens=8)
+            for (name, ids), resp in zip(jobs, resps):
+                check_against_reference(refs[name], ids, resp)
+    finally:
+        c.close()
+
+
+def test_vision_tower_rank_and_dora_magnitudes_are_dropped_with_its_lora(tmp_path):
+    """On a multimodal Gemma 3 base, a vision-tower module's rank (rank_pattern) is not held against the
+    store's maximum rank, and a DoRA adapter's vision-tower magnitudes go with its LoRA; on the text-only
+    base the same adapter is refused, naming a vision-tower module."""
+    from loraserve.adapter_store import dora as dora_names
+    from loraserve.adapter_store import pack, validate
+
+    from .conftest import save_lora_adapters
+
+    model = _multimodal(tmp_path / "mm")
+    vq = next(n for n, _ in model.named_modules() if "vision_tower" in n and n.endswith("layers.0.self_attn.q_proj"))
+    configs = {
+        "high-vision-rank": peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], rank_pattern={vq: 16}),
+        "dora": peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True),
+    }
+    root = save_lora_adapters(model, tmp_path / "adapters", configs, b_std=0.2)
+    high = load_file(str(root / "high-vision-rank" / "adapter_model.safetensors"))
+    assert high[f"base_model.model.{vq}.lora_A.weight"].shape[0] == 16
+    spec = base_model.from_hf_dir(tmp_path / "mm", "gemma3-mm")
+    limits = validate.Limits(max_rank=8)
+    adapter = pack.load_adapter(root / "high-vision-rank", spec, limits)
+    assert adapter.rank == 4 and adapter.vision_dropped > 0
+    assert not any("vision" in m for m in adapter.modules)
+    # the same rank on a language-model module is held against it
+    cfg = json.loads((root / "high-vision-rank" / "adapter_config.json").read_text())
+    lm = root / "high-lm-rank"
+    lm.mkdir()
+    (lm / "adapter_config.json").write_text(
+        json.dumps({**cfg, "rank_pattern": {"model.language_model.layers.0.self_attn.q_proj": 16}})
+    )
+    (lm / "adapter_model.safetensors").write_bytes((root / "high-vision-rank" / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(StatusError) as e:
+        pack.load_adapter(lm, spec, limits)
+    assert e.value.code.name == "FAILED_PRECONDITION"
+    assert e.value.message == "adapter rank 16 is above this store's maximum rank 8"
+
+    dora = pack.load_adapter(root / "dora", spec, limits)
+    saved = load_file(str(root / "dora" / "adapter_model.safetensors"))
+    vision = {k for k in saved if "vision_tower" in k and "lora_magnitude_vector" in k}
+    assert vision and dora.vision_dropped == len(vision) and dora.kind == "dora"
+    assert sorted(dora.magnitudes) == sorted(dora.modules) and not any("vision" in m for m in dora.magnitudes)
+    for module, m in dora.magnitudes.items():
+        key = "base_model.model." + module.replace("model.", "model.language_model.", 1) + dora_names.SUFFIX
+        torch.testing.assert_close(m, saved[key].float(), atol=0, rtol=0)
+
+    text = base_model.from_hf_config(
+        "gemma3-text", base_model.gemma3_text_config(json.loads((tmp_path / "mm" / "config.json").read_text()))
+    )
+    assert not text.multimodal
+    with pytest.raises(StatusError) as e:
+        pack.load_adapter(root / "dora", text, validate.Limits())
+    assert e.value.code.name == "INVALID_ARGUMENT"
+    assert re.fullmatch(r"module 'model\.vision_tower\.[\w.]+' does not exist in base model 'gemma3-text'", e.value.message), (
+        e.value
+    )
+
+
 def _config(family, **overrides) -> dict:
     cfg = json.loads(_hf(family).config.to_json_string())
     return {**cfg, **overrides}

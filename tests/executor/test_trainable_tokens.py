@@ -469,8 +469,9 @@ def test_a_tied_models_slots_take_lm_head_rows_for_other_ids_and_refuse_lm_head_
     bad = {
         re.escape(
             "shard has lm_head LoRA and lm_head trainable token rows (its own, or the embedding's the model ties to it), "
-            "which are not served: it was packed by an older store; register the adapter again (the store now refuses "
-            "it, naming the fault)"
+            "which are not served (PEFT adds the LoRA to those ids' logits; a slot's rows replace them whole). The store "
+            "refuses such an adapter at registration only when it knows the base model: this shard came from a store "
+            "started without --base-model-path (start it with one) or from an older store (upgrade it)"
         ): {**embed, **lora},
         "lm_head LoRA and lm_head trainable token rows": {**embed, **own, **lora},
         "lm_head token rows differ from its embedding's for the same ids": {
