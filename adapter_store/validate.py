@@ -122,6 +122,8 @@ def check_config(cfg: dict, spec: BaseModelSpec | None, limits: Limits) -> LoraS
     ranks = [r, *rank_pattern.values()]
     if any(not isinstance(x, int) or x < 1 for x in ranks):
         raise invalid(f"{CONFIG_FILE}: rank_pattern values must be positive integers")
+    if not rank_pattern and r > limits.max_rank:  # every module takes r: refused before the weights are read
+        raise precondition(f"adapter rank {r} is above this store's maximum rank {limits.max_rank}")
     targets = cfg.get("target_modules") or ()
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     base = _base_model(cfg, spec)

@@ -266,6 +266,14 @@ CASES = {
         "made for base model 'meta-llama/Llama-3-8B'",
     ),
     "rank_too_big": (lambda d: _edit_config(d, rank_pattern={"q_proj": 64}), "FAILED_PRECONDITION", "maximum rank 32"),
+    "r_too_big_before_the_weights_are_read": (  # the weights are garbage: r alone refuses it first
+        lambda d: (
+            _edit_config(d, r=64),
+            (d / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 10) + b"not json!!"),
+        ),
+        "FAILED_PRECONDITION",
+        "adapter rank 64 is above this store's maximum rank 32",
+    ),
     "config_not_json": (lambda d: (d / "adapter_config.json").write_text("{nope"), "INVALID_ARGUMENT", "not valid JSON"),
     "no_weights": (lambda d: (d / "adapter_model.safetensors").unlink(), "NOT_FOUND", "adapter_model.safetensors"),
     "no_config": (
