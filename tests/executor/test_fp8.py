@@ -259,6 +259,12 @@ def test_fp8_moe_checkpoint_matches_transformers_on_its_dequantized_weights(fami
     from .conftest import TINY_MOE
 
     path, ref_dir = fp8_checkpoint(family, fmt, TINY_MOE[family], fuse_experts=fused)
+    serves_as_dequantized(path, ref_dir, family, paged_runner)
+
+
+def serves_as_dequantized(path, ref_dir, family, paged_runner):
+    """The FP8 checkpoint at `path` loads to exactly the parameters of its dequantized copy `ref_dir`,
+    and serves its greedy tokens and logits as transformers runs that copy."""
     ours = load_model(path)
     _assert_same_params(ours, load_model(ref_dir))
     tokens, logits = _greedy(paged_runner(ours, block_size=4), "s", PROMPT, 4, None)

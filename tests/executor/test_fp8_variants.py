@@ -20,19 +20,10 @@ from safetensors.torch import save_file
 from loraserve.executor.model.loader import load_model
 
 from .conftest import TINY_MOE
-from .test_fp8 import PROMPT, QUANTIZED, _assert_same_params, _greedy, _hf_greedy, _reference_model, write_fp8
+from .test_fp8 import QUANTIZED, serves_as_dequantized, write_fp8
 
 # Qwen3 with hidden 96, head_dim 24, intermediate 200 and tied embeddings: no dim a multiple of 128
 ODD_QWEN3 = dict(hidden_size=96, intermediate_size=200, head_dim=24, tie_word_embeddings=True)
-
-
-def _serves_as_dequantized(path, ref_dir, family, paged_runner):
-    ours = load_model(path)
-    _assert_same_params(ours, load_model(ref_dir))
-    tokens, logits = _greedy(paged_runner(ours, block_size=4), "s", PROMPT, 4, None)
-    want_tokens, want_logits = _hf_greedy(_reference_model(family, ref_dir), PROMPT, 4)
-    assert tokens == want_tokens
-    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
 
 
 def _edit_config(path, edit):
@@ -55,7 +46,7 @@ def _edit_config(path, edit):
 def test_scales_stored_in_another_shape_or_dtype_load(fmt, stored, hf_model, tmp_path, paged_runner):
     _, src = hf_model("llama")
     ref_dir = write_fp8(src, tmp_path / "fp8", fmt, stored_scale=stored)
-    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+    serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
 
 
 def _groups(q):
@@ -95,7 +86,7 @@ def test_published_config_variants_load(fmt, edit, hf_model, tmp_path, paged_run
     _edit_config(tmp_path / "fp8", edit)
     if edit is _kv_cache_scheme:  # llm-compressor's per-layer K / V scales beside the weights'
         _add_kv_scales(tmp_path / "fp8", "{}_scale")
-    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+    serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
 
 
 def _add_kv_scales(path, name: str):
@@ -120,21 +111,21 @@ def test_an_autofp8_checkpoint_with_static_activations_and_kv_cache_loads(hf_mod
     with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
         assert "model.layers.0.self_attn.q_proj.input_scale" in f.keys()
     _add_kv_scales(tmp_path / "fp8", "{}_proj.output_scale")
-    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+    serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
 
 
 @pytest.mark.parametrize("fmt", ["block", "ct-block"])
 def test_qwen3_with_dims_off_the_128_blocks_loads(fmt, hf_model, tmp_path, paged_runner):
     _, src = hf_model("qwen3", **ODD_QWEN3)
     ref_dir = write_fp8(src, tmp_path / "fp8", fmt, block=(128, 128))
-    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "qwen3", paged_runner)
+    serves_as_dequantized(tmp_path / "fp8", ref_dir, "qwen3", paged_runner)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
 def test_qwen3_moe_block_wise_with_128_blocks_loads(fused, hf_model, tmp_path, paged_runner):
     _, src = hf_model("qwen3_moe", **TINY_MOE["qwen3_moe"])
     ref_dir = write_fp8(src, tmp_path / "fp8", "block", block=(128, 128), fuse_experts=fused)
-    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "qwen3_moe", paged_runner)
+    serves_as_dequantized(tmp_path / "fp8", ref_dir, "qwen3_moe", paged_runner)
 
 
 @pytest.mark.parametrize("fmt", ["ct-channel", "block"])
@@ -159,7 +150,7 @@ def test_an_fp8_lm_head_not_in_the_ignore_list_loads(tied, fmt, hf_model, tmp_pa
         with safe_open(str(ref_dir / "model.safetensors"), "pt") as f:
             tensors = {n: f.get_tensor(n) for n in f.keys() if n != "lm_head.weight"}
         save_file(tensors, str(ref_dir / "model.safetensors"))
-    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+    serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
 
 
 def _mixed(src, dst, attention_fmt: str, mlp_fmt: str, block=(16, 16), static_mlp=False):
@@ -202,7 +193,7 @@ def test_config_groups_of_different_strategies_load(attention_fmt, mlp_fmt, hf_m
     the layout its scale's shape has."""
     _, src = hf_model("llama")
     ref_dir = _mixed(src, tmp_path / "fp8", attention_fmt, mlp_fmt)
-    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+    serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
 
 
 def test_a_static_group_with_a_dynamic_one_loads_its_input_scales_required_alone(hf_model, tmp_path, paged_runner):
@@ -213,7 +204,7 @@ def test_a_static_group_with_a_dynamic_one_loads_its_input_scales_required_alone
         names = set(f.keys())
     assert "model.layers.0.mlp.down_proj.input_scale" in names
     assert not any(n.endswith("input_scale") and "self_attn" in n for n in names)
-    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+    serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
 
 
 def test_a_static_group_s_module_without_its_input_scale_is_refused_beside_a_dynamic_group(hf_model, tmp_path, refuses):
@@ -265,4 +256,4 @@ def test_phi3_fused_projections_with_blocks_across_their_parts_load(fmt, hf_mode
     _, src = hf_model("phi3", pad_token_id=0)
     fused = re.compile(r".*\.(qkv|o|gate_up|down)_proj\.weight$")
     ref_dir = write_fp8(src, tmp_path / "fp8", fmt, block=(128, 128), quantized=fused)
-    _serves_as_dequantized(tmp_path / "fp8", ref_dir, "phi3", paged_runner)
+    serves_as_dequantized(tmp_path / "fp8", ref_dir, "phi3", paged_runner)
