@@ -25,7 +25,7 @@
 #             and serve.py --probe's slot loads with bf16 and FP8 slots
 #   dora:     bench_engine.py at B = 32 with 32 plain then 32 DoRA adapters, and serve.py --probe's cold
 #             slot loads of plain and DoRA adapters
-#   prefix:   bench_prefix.py: a chat workload of 100 adapters (Llama-3-8B shape), prefix caching off and on,
+#   prefix:   bench_prefix.py: a chat workload of 100 adapters, 128 conversations (Llama-3-8B shape), prefix caching off and on,
 #             and the time to first token of a cached 2,048-token prefix
 #   kernels:  bench_kernels.py on the real layer shapes, bench_skinny.py (bf16, then --fp8: FP8 layers,
 #             the table with their skinny_fp8 entries in OUT_DIR/skinny_fp8.json), bench_attention.py,
@@ -138,7 +138,7 @@ if has dora; then
   done
 fi
 if has prefix; then
-  python3 benchmarks/bench_prefix.py --shape llama3-8b 2>"$OUT/prefix.err" | tee "$OUT/prefix.log" | tail -12 \
+  python3 benchmarks/bench_prefix.py --shape llama3-8b --conversations 128 2>"$OUT/prefix.err" | tee "$OUT/prefix.log" | tail -12 \
     || tail -30 "$OUT/prefix.err"
 fi
 if has kernels; then
