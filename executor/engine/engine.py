@@ -39,18 +39,19 @@ import torch
 
 from loraserve.errors import StatusError, exhausted, unavailable
 
-from .. import cublas
+from .. import cublas, lora_fp8
 from ..config import ExecutorConfig
 from ..diagnostics import gc_pauses, gil_handoff
 from ..diagnostics.builds import watch_builds
 from ..diagnostics.slow_steps import SlowSteps
+from ..model import fp8
 from ..slots import SlotLease, SlotManager
 from .batch import PENDING, Batch, flatten, long_rope_length, step_kind
 from .capture import capture_decode_graphs, capture_mixed_graphs
 from .delivery import Delivery, NewToken, Run
 from .kv_cache import BlockAllocator, KVCache
 from .kv_events import KVEventPublisher, lora_id
-from .prefix_cache import chain_seed
+from .prefix_cache import KVFormat, chain_seed
 from .requests import GenerationOutput, GenerationRequest, check_prompt_size, prompt_ids, resolve_sampling, within
 from .runner import Launched, StepRunner
 from .sampler import make_generator, validate_request
@@ -96,6 +97,23 @@ def kv_events_publisher(config: ExecutorConfig, kv_cache: KVCache) -> KVEventPub
     )
 
 
+def kv_format(model, config: ExecutorConfig, kv_cache: KVCache) -> KVFormat:
+    """The prefix cache's executor-wide key fields (prefix_cache.KVFormat), from what the loaded model
+    and its cache hold. An FP8 cache names its scales: the checkpoint's, or 1.0 where it has none."""
+    kv_dtype = fp8.dtype_name(kv_cache.dtype)
+    if kv_cache.dtype == fp8.FP8:
+        kv_dtype += " with the checkpoint's scales" if model.kv_scales is not None else " with scales 1.0"
+    return KVFormat(
+        model=config.model,
+        base_model=config.base_model,
+        dtype=fp8.dtype_name(model.dtype),
+        weights=fp8.weight_format(model),
+        lora_dtype=lora_fp8.slot_dtype(model),
+        kv_dtype=kv_dtype,
+        block_size=kv_cache.block_size,
+    )
+
+
 class Engine:
     def __init__(self, model, tokenizer, kv_cache: KVCache, slot_manager: SlotManager, config: ExecutorConfig, ranks=None):
         self.kv_events: KVEventPublisher | None = None
@@ -137,6 +155,7 @@ class Engine:
         if self.kv_events is not None:
             self.allocator.on_evict = self.kv_events.removed
             self.scheduler.kv_events = self.kv_events
+        self.kv_format = kv_format(model, config, kv_cache)  # every prefix-cache seed's executor-wide fields
         self.delivery = Delivery(self.scheduler, tokenizer, config.max_model_len)
         self._runs: dict[int, Run] = self.delivery.runs  # seq_id -> run
         self._seq_ids = itertools.count()
@@ -324,8 +343,7 @@ class Engine:
         arrives), or an adapter version without a content digest."""
         if not self.config.prefix_caching or (adapter and not digest):
             return None
-        model = f"{self.config.model}|{self.config.base_model}"
-        return chain_seed(model, str(self.kv_cache.dtype), self.kv_cache.block_size, adapter, digest)
+        return chain_seed(self.kv_format, adapter, digest)
 
     def _close(self, run: Run | None, lease: SlotLease | None) -> None:
         """Frees what a request holds, however it ended. The lease waits for the step in flight."""

@@ -12,7 +12,8 @@ it, its older versions only it): a ZMQ PUB socket sends one multipart message pe
             | ["BlockRemoved", block_hashes, medium]
 
 block_hashes are the prefix cache's keys (prefix_cache.py: 16-byte blake2b chain keys over the
-model, KV dtype, block size, adapter name and content digest, and the tokens), sent as msgpack
+executor's KV format (prefix_cache.KVFormat: model, compute dtype, weights' format, LoRA slots' dtype,
+KV dtype and scales, block size), the adapter name and content digest, and the tokens), sent as msgpack
 bin; parent_block_hash is the key of the block before the first one (nil: the sequence's first
 block); token_ids the stored blocks' tokens, block_size of them per block; lora_name the adapter
 (nil: the base model); lora_id a 63-bit id of the adapter version (`lora_id`; nil: the base

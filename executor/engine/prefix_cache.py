@@ -1,15 +1,20 @@
 """Automatic prefix caching: the keys under which full KV blocks are filed and found again.
 
 A block's keys and values depend on every token up to its end, on the weights that computed them
-(the base model and the request's adapter version), on how they are stored (the KV dtype, the
-block size) and, for a LongRoPE model, on the factor set its sequence's keys took (long_rope_seed).
-Under dynamic (NTK) RoPE they also depend on the longest sequence of the step that wrote them, past
-max_position_embeddings: such blocks are never filed (scheduler.py's `dynamic_rope`).
+and how they are held (the base model, its weights' numeric format, the compute dtype, the request's
+adapter version and the dtype of its LoRA slots), on how they are stored (the KV dtype and its
+scales, the block size) and, for a LongRoPE model, on the factor set its sequence's keys took
+(long_rope_seed). Under dynamic (NTK) RoPE they also depend on the longest sequence of the step that
+wrote them, past max_position_embeddings: such blocks are never filed (scheduler.py's `dynamic_rope`).
 So a block's key is a hash chain:
 
-    seed      = H(model, kv dtype, block size, adapter name, adapter content digest)  ("", "": base model)
+    seed      = H(KVFormat's fields, adapter name, adapter content digest)  ("", "": the base model)
     key[0]    = H(seed, token ids of block 0)
     key[i]    = H(key[i - 1], token ids of block i)
+
+KVFormat names every executor-wide field (one process's constants); they are in the seed because
+the keys also leave the process as KV events (kv_events.py): two executors of the same model whose
+weights, LoRA slots or caches differ in format never publish the same key for a block.
 
 Two requests share block i only if everything before its end is the same, under the same adapter
 version: the store's digest is a sha256 over the adapter's config and weights, so a re-registered
@@ -26,6 +31,7 @@ into a block it shares.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import numpy as np
@@ -37,10 +43,26 @@ def _hash(parent: bytes, payload: bytes) -> bytes:
     return hashlib.blake2b(parent + payload, digest_size=KEY_BYTES).digest()
 
 
-def chain_seed(model: str, kv_dtype: str, block_size: int, adapter: str = "", digest: str = "") -> bytes:
-    """The chain's seed for one model's KV cache and one adapter version ("", "": the base model)."""
-    fields = (model, kv_dtype, str(block_size), adapter, digest)
-    return _hash(b"loraserve-kv-v1", "\0".join(fields).encode("utf-8", "surrogatepass"))
+@dataclasses.dataclass(frozen=True)
+class KVFormat:
+    """What, besides the tokens and the adapter version, decides the KV a block holds: one executor's
+    constants (engine.py `kv_format` fills them from the loaded model and its cache)."""
+
+    model: str  # --model: the checkpoint's path (or file)
+    base_model: str  # the name adapters are trained on
+    dtype: str  # the compute dtype ("bfloat16"): activations, and K/V before the cache stores them
+    weights: str  # the base linear layers' numeric format (model/fp8.py `weight_format`)
+    lora_dtype: str  # the dense LoRA slots' dtype (lora_fp8.slot_dtype); in adapters' seeds only
+    kv_dtype: str  # the KV cache's dtype, and for FP8 whose scales (engine.py `kv_format`)
+    block_size: int  # tokens per block
+
+
+def chain_seed(fmt: KVFormat, adapter: str = "", digest: str = "") -> bytes:
+    """The chain's seed for one executor's KV format and one adapter version ("", "": the base model,
+    whose KV never passes through a LoRA slot: its seed leaves the slots' dtype out)."""
+    fields = dataclasses.replace(fmt, lora_dtype=fmt.lora_dtype if adapter else "")
+    names = [str(v) for v in dataclasses.astuple(fields)] + [adapter, digest]
+    return _hash(b"loraserve-kv-v2", "\0".join(names).encode("utf-8", "surrogatepass"))
 
 
 def long_rope_seed(seed: bytes) -> bytes:

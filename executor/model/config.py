@@ -89,6 +89,9 @@ class ModelConfig:
     # and compute in FP8 (executor/model/fp8.py); set by the loader for the device it loads onto, never
     # read from config.json.
     fp8_linears: bool = False
+    # The checkpoint's FP8 weight scheme (fp8_scheme.Fp8Scheme.describe()), whether its layers hold FP8 or
+    # its dequantized weights; set by the loader; "": a float (or GGUF) checkpoint.
+    fp8_checkpoint: str = ""
 
     @property
     def q_size(self) -> int:

@@ -243,6 +243,15 @@ def weight_dtype(model) -> str:
     return dtype_name(FP8) if model.cfg.fp8_linears else dtype_name(model.dtype)
 
 
+def weight_format(model) -> str:
+    """The base linear layers' numeric format, as the prefix cache's keys name it (engine.py `kv_format`):
+    `weight_dtype`, and the FP8 checkpoint's scheme where the weights came from one, held in FP8 or
+    dequantized ("float8_e4m3fn", "float8_e4m3fn of compressed-tensors FP8 (per-channel weight scales)",
+    "bfloat16 of fp8 (per-tensor weight scales)")."""
+    scheme = model.cfg.fp8_checkpoint
+    return f"{weight_dtype(model)} of {scheme}" if scheme else weight_dtype(model)
+
+
 def fp8_compute_error(device, dtype: torch.dtype) -> str | None:
     """Why the linear layers cannot compute in FP8 on `device` at `dtype`; None where they can
     (a CUDA GPU of compute capability 8.9 or more, bfloat16 activations)."""

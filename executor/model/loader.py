@@ -264,7 +264,8 @@ def load_hf_checkpoint(
         elif (fp8_name := next((n for n, (d, _) in meta.items() if d.startswith("F8_")), None)) is not None:
             why = "quantizes no weights" if hf_config.get("quantization_config") else "is missing"  # e.g. kv_cache_scheme only
             raise ValueError(f"checkpoint tensor {fp8_name!r} is {meta[fp8_name][0]} but config.json's quantization_config {why}")
-        model = build_causal_lm(dataclasses.replace(cfg, fp8_linears=fp8_linears), lora, dtype, device, tp, ep)
+        cfg = dataclasses.replace(cfg, fp8_linears=fp8_linears, fp8_checkpoint=scheme.describe() if scheme else "")
+        model = build_causal_lm(cfg, lora, dtype, device, tp, ep)
         model.kv_scales = scales
         sink = _WeightSink(model)
         for name, f in where.items():

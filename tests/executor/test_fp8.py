@@ -589,6 +589,19 @@ def test_quantization_fp8_quantizes_linear_layers_per_row_and_runs_lora_beside_t
     assert (lora_out[:5] - base_out).abs().max() > 1e-2  # nor is the adapter's row the base row
 
 
+def test_the_weight_format_names_fp8_layers_and_the_fp8_checkpoint_they_came_from(hf_model, fp8_checkpoint, monkeypatch):
+    """fp8.weight_format, the prefix cache's name for the base weights (engine.py `kv_format`): the
+    weights' dtype, and the FP8 checkpoint's scheme whether its layers hold FP8 or were dequantized."""
+    _, path = hf_model("llama")
+    fp8_dir, _ = fp8_checkpoint("llama", "ct-channel")
+    scheme = "compressed-tensors FP8 (per-channel weight scales)"
+    assert fp8.weight_format(load_model(path)) == "float32"
+    assert fp8.weight_format(load_model(fp8_dir)) == f"float32 of {scheme}"  # the CPU dequantizes it
+    monkeypatch.setattr(fp8, "fp8_compute_error", lambda device, dtype: None)  # FP8 compute passed, as above
+    assert fp8.weight_format(load_model(path, quantization="fp8")) == "float8_e4m3fn"
+    assert fp8.weight_format(load_model(fp8_dir)) == f"float8_e4m3fn of {scheme}"
+
+
 def test_the_cuda_paths_scaled_mm_call_on_the_cpu_matches_float32():
     """kernels/triton_fp8.scaled_mm's torch._scaled_mm call (row-wise scales, the weight's transpose as
     the column-major operand), run where torch has it on the CPU: the float32 result rounded to bf16."""

@@ -6,6 +6,7 @@ vLLM-compatible consumer declares them), and the stream is checked against the a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from loraserve.executor.model.loader import load_model
 from loraserve.executor.slot_layout import LoraSpec
 
 from .test_engine import Store, _collect, _engine, _greedy, _idle, _prompt
+from .test_fp8 import write_fp8
 
 BLOCK = 4
 TOPIC = "kv@pod-a@tiny-llama"
@@ -192,6 +194,65 @@ async def test_the_event_stream_matches_the_prefix_cache_under_two_adapters_the_
     assert None not in lora_ids["a1"] | lora_ids["a2"]
     # The same prompts under the three identities never share a key: the adapter digest is in the hash.
     assert len({a for a in filed.values()}) == 3
+
+
+async def _published_blocks(model, prompts, until, **flags) -> dict[str | None, dict[bytes, list[int]]]:
+    """Runs `prompts` ((tokens, adapter) pairs; one new token each, so only prompt blocks are filed)
+    through an engine of `model` publishing KV events; returns, from the replayed stream, each
+    lora_name's stored keys and their blocks' tokens."""
+    engine = _engine(
+        model, store=Store(model, ["a1"]), kv_events_endpoint="tcp://127.0.0.1:*", kv_events_topic=TOPIC,
+        kv_events_replay_endpoint="tcp://127.0.0.1:*", **flags,
+    )  # fmt: skip
+    pub, ctx = engine.kv_events, zmq.Context()
+    engine.start()
+    try:
+        for tokens, adapter in prompts:
+            await _collect(engine, _greedy(tokens, 1, adapter=adapter))
+        await until(lambda: _idle(engine))
+        await until(lambda: pub.published == pub.flushed, what="every batch sent")
+        replayed = await asyncio.to_thread(_replay, ctx, pub.replay_endpoint, 0)
+    finally:
+        await engine.stop()
+        ctx.term()
+    blocks: dict[str | None, dict[bytes, list[int]]] = {}
+    for seq in sorted(replayed):
+        for ev in DECODE(replayed[seq]).events:
+            assert isinstance(ev, BlockStored)  # 64 blocks: nothing is evicted
+            for i, h in enumerate(ev.block_hashes):
+                blocks.setdefault(ev.lora_name, {})[h] = ev.token_ids[i * BLOCK : (i + 1) * BLOCK]
+    return blocks
+
+
+async def test_executors_alike_but_for_weight_format_or_lora_dtype_publish_different_keys(until, hf_model, tmp_path):
+    """Three executors of one model under one set of flags but for its LoRA slots in FP8 (--lora-dtype
+    fp8: dequantized on the CPU) or its weights from an FP8 checkpoint of it (compressed-tensors,
+    dequantized on the CPU) file the same prompt blocks under the base model and one adapter version,
+    and publish them under keys of their own: an indexer never takes one's blocks for another's. The
+    base model's KV never passes a LoRA slot, so FP8 slots keep the float executor's base-model keys."""
+    _, src = hf_model("llama")
+    write_fp8(src, tmp_path / "fp8", "ct-channel")
+    spec = LoraSpec(max_loras=2, max_rank=8, dtype=torch.float32)
+    texts = [_prompt(9, 500 + i) for i in range(2)]
+    prompts = [(tokens, adapter) for tokens in texts for adapter in ("", "a1")]
+    float_model = load_model(src, lora=spec)
+    published = {
+        "float": await _published_blocks(float_model, prompts, until),
+        "fp8 slots": await _published_blocks(
+            load_model(src, lora=dataclasses.replace(spec, fp8=True)), prompts, until, lora_dtype="fp8"
+        ),
+        "fp8 checkpoint": await _published_blocks(load_model(tmp_path / "fp8", lora=spec), prompts, until),
+    }
+    for blocks in published.values():  # the same blocks filed by each: both full blocks of each prompt, per identity
+        assert blocks.keys() == {None, "a1"}
+        for name in (None, "a1"):
+            assert sorted(blocks[name].values()) == sorted(tokens[i : i + BLOCK] for tokens in texts for i in (0, BLOCK))
+    plain, slots, checkpoint = published.values()
+    assert not plain["a1"].keys() & slots["a1"].keys()
+    assert plain[None] == slots[None]
+    for name in (None, "a1"):
+        assert not plain[name].keys() & checkpoint[name].keys()
+        assert not slots[name].keys() & checkpoint[name].keys()
 
 
 async def test_without_the_flag_nothing_listens(model):

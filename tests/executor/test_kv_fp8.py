@@ -21,6 +21,7 @@ cache (gpu-marked; benchmarks/gpu.sh's test stage).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 
@@ -30,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from loraserve.executor.engine.kv_cache import KVCache
-from loraserve.executor.engine.prefix_cache import chain_seed
+from loraserve.executor.engine.prefix_cache import KVFormat, chain_seed
 from loraserve.executor.layout import declare_layout
 from loraserve.executor.model.loader import load_model
 from loraserve.executor.slot_layout import LoraSpec
@@ -298,11 +299,13 @@ def test_the_served_engine_reports_fp8_and_never_shares_prefix_blocks_with_a_flo
         assert client.info().kv_cache_dtype == "float8_e4m3fn"
         labels = {"weight_dtype": "float32", "kv_cache_dtype": "float8_e4m3fn", "lora_dtype": "float32"}
         assert c.parts.metrics.registry.get_sample_value("loraserve_executor_dtype_info", labels) == 1
-        model = f"{path}|tiny"  # the prefix cache's chains: the KV dtype is in every seed
+        # the prefix cache's chains: the KV dtype and its scales are in every seed
+        fmt = KVFormat(str(path), "tiny", "float32", "float32", "float32", "float8_e4m3fn with the checkpoint's scales", 4)
+        assert engine.kv_format == fmt
         for adapter, digest in (("", ""), ("a", "d1")):
             seed = engine._cache_seed(adapter, digest)
-            assert seed == chain_seed(model, "torch.float8_e4m3fn", 4, adapter, digest)
-            assert seed != chain_seed(model, "torch.float32", 4, adapter, digest)
+            assert seed == chain_seed(fmt, adapter, digest)
+            assert seed != chain_seed(dataclasses.replace(fmt, kv_dtype="float32"), adapter, digest)
     finally:
         c.close()
 

@@ -3,6 +3,7 @@ cached blocks, and the scheduler's admissions after a cached prefix."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -10,12 +11,13 @@ import pytest
 
 from loraserve.errors import StatusError
 from loraserve.executor.engine.kv_cache import BlockAllocator
-from loraserve.executor.engine.prefix_cache import chain_seed, extend_keys
+from loraserve.executor.engine.prefix_cache import KVFormat, chain_seed, extend_keys
 from loraserve.executor.engine.scheduler import Scheduler, Sequence
 
 BLOCK = 4
-BASE = chain_seed("llama", "torch.float32", BLOCK)
-A1 = chain_seed("llama", "torch.float32", BLOCK, "a1", "sha256:1111")
+FMT = KVFormat("llama", "tiny", "bfloat16", "bfloat16", "bfloat16", "bfloat16", BLOCK)
+BASE = chain_seed(FMT)
+A1 = chain_seed(FMT, "a1", "sha256:1111")
 _ids = itertools.count()
 
 
@@ -36,20 +38,46 @@ def test_keys_chain_over_full_blocks_and_depend_on_everything_before():
     assert _keys(BASE, tokens, num_blocks=1) == keys[:1]
 
 
-def test_keys_differ_by_adapter_version_model_dtype_and_block_size():
+def _with(**fields) -> KVFormat:
+    return dataclasses.replace(FMT, **fields)
+
+
+def test_keys_differ_by_adapter_version_and_every_format_field():
     tokens = list(range(1, 9))
     seeds = [
         BASE,
         A1,
-        chain_seed("llama", "torch.float32", BLOCK, "a2", "sha256:1111"),  # same content, another name
-        chain_seed("llama", "torch.float32", BLOCK, "a1", "sha256:2222"),  # a1 re-registered: new content
-        chain_seed("mistral", "torch.float32", BLOCK),
-        chain_seed("llama", "torch.bfloat16", BLOCK),
-        chain_seed("llama", "torch.float32", 8),
+        chain_seed(FMT, "a2", "sha256:1111"),  # same content, another name
+        chain_seed(FMT, "a1", "sha256:2222"),  # a1 re-registered: new content
+        chain_seed(_with(model="/models/mistral")),
+        chain_seed(_with(base_model="mistral")),
+        chain_seed(_with(dtype="float16")),  # the compute dtype, under an FP8 cache not seen in kv_dtype
+        chain_seed(_with(weights="float8_e4m3fn")),  # --quantization fp8
+        chain_seed(_with(weights="float8_e4m3fn of fp8 (per-tensor weight scales)")),  # an FP8 checkpoint
+        chain_seed(_with(weights="bfloat16 of fp8 (per-tensor weight scales)")),  # the same, dequantized
+        chain_seed(_with(lora_dtype="float8_e4m3fn"), "a1", "sha256:1111"),  # --lora-dtype fp8
+        chain_seed(_with(kv_dtype="float8_e4m3fn with scales 1.0")),
+        chain_seed(_with(kv_dtype="float8_e4m3fn with the checkpoint's scales")),
+        chain_seed(_with(block_size=8)),
     ]
+    assert {f.name for f in dataclasses.fields(KVFormat)} == {
+        "model", "base_model", "dtype", "weights", "lora_dtype", "kv_dtype", "block_size"
+    }  # fmt: skip
     chains = [_keys(seed, tokens) for seed in seeds]
     assert len({k for chain in chains for k in chain}) == 2 * len(seeds)
     assert _keys(A1, tokens) == chains[1]  # and the same inputs give the same keys
+
+
+def test_only_the_weight_format_or_only_the_lora_dtype_changes_the_seed():
+    """Executors alike but for their base weights' format, or their LoRA slots' dtype, never publish
+    the same keys (kv_events.py); the slots' dtype leaves the base model's seed alone: its KV never
+    passes through a slot."""
+    fp8_weights = _with(weights="float8_e4m3fn")
+    fp8_slots = _with(lora_dtype="float8_e4m3fn")
+    assert chain_seed(fp8_weights) != BASE
+    assert chain_seed(fp8_weights, "a1", "sha256:1111") != A1
+    assert chain_seed(fp8_slots, "a1", "sha256:1111") != A1
+    assert chain_seed(fp8_slots) == BASE
 
 
 def test_a_placeholder_token_stops_the_keys_before_its_block():
@@ -167,7 +195,7 @@ def test_a_block_aligned_prompt_computes_its_last_block_again_into_a_block_of_it
 def test_other_adapters_and_versions_never_share_blocks():
     sched = Scheduler(BlockAllocator(64), BLOCK, 8, 64)
     prompt = list(range(1, 14))
-    a2 = chain_seed("llama", "torch.float32", BLOCK, "a1", "sha256:2222")
+    a2 = chain_seed(FMT, "a1", "sha256:2222")
     seqs = [_seq(prompt, seed) for seed in (BASE, A1, a2)]
     for seq in seqs:
         sched.add(seq)
