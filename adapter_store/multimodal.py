@@ -10,7 +10,8 @@ from a text-only checkpoint (a "gemma3_text" config.json).
 On a multimodal base, LoRA on the vision tower or the multi-modal projector (what target_modules
 such as ["q_proj", "v_proj"] or "all-linear" also hit) changes no output of a text-only request: its
 tensors are dropped, and an adapter with nothing else is refused. A text-only base has no vision
-tower: such modules stay, and the base model's module check refuses them.
+tower: such modules stay, and the base model's module check refuses them, naming one (the maximum
+rank is held against the base's modules alone, so a vision module's rank_pattern does not hide that).
 """
 
 from __future__ import annotations

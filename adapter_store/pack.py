@@ -90,7 +90,7 @@ def load_adapter(directory: Path, spec: BaseModelSpec | None, limits: validate.L
     tensors, magnitudes = dora.split_magnitudes(tensors)
     tensors, token_rows = trainable_tokens.split(tensors, alone=settings.tokens_only)
     tensors, settings = experts.canonical_tensors(tensors, settings, spec)
-    validate.check_rank(tensors, settings, limits)
+    validate.check_rank(tensors, settings, limits, spec)
     modules = validate.group_modules(tensors, settings, spec)
     experts.check_complete(modules, spec)
     validate.check_finite(modules)

@@ -313,12 +313,14 @@ def group_modules(
     return modules
 
 
-def check_rank(tensors: dict[str, torch.Tensor], settings: LoraSettings, limits: Limits) -> None:
+def check_rank(tensors: dict[str, torch.Tensor], settings: LoraSettings, limits: Limits, spec: BaseModelSpec | None) -> None:
     """The rank of each module the adapter's LoRA tensors name (r, or its rank_pattern value) is at most
     the store's maximum: FAILED_PRECONDITION. Run on the tensors that are served (after vision-tower
-    modules are dropped and expert modules renamed), before their shapes are checked against the rank."""
+    modules are dropped and expert modules renamed), before their shapes are checked against the rank.
+    A module the base model (spec) lacks is not counted: group_modules refuses it, naming it."""
     modules = {m["module"][len(PREFIX) :] for n in tensors if (m := TENSOR_RE.match(n)) and n.startswith(PREFIX)}
-    rank = max((settings.module_rank(m) for m in modules), default=0)
+    served = (m for m in modules if spec is None or spec.module_shape(m) is not None)
+    rank = max((settings.module_rank(m) for m in served), default=0)
     if rank > limits.max_rank:
         raise precondition(f"adapter rank {rank} is above this store's maximum rank {limits.max_rank}")
 

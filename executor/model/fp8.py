@@ -133,12 +133,12 @@ class Fp8Checkpoint:
                 raise ValueError(f"checkpoint tensor {name!r} is FP8 but its scale {scale_name!r} is missing")
             self.scales[name], layout = self._scale(scale_name, meta[scale_name], shape, read_tensor)
             self.blocks[name] = layout[1]
-            if layout in s.static_input:  # its config group's activations are static: the scale must be there
-                input_name = f"{module}.input_scale"
-                if input_name not in meta:
-                    raise ValueError(
-                        f"checkpoint tensor {input_name!r} is missing (static input_activations in quantization_config)"
-                    )
+            group, input_name = s.static_group(module, layout), f"{module}.input_scale"
+            if group is not None and input_name not in meta:
+                raise ValueError(
+                    f"checkpoint tensor {input_name!r} is missing: {group.where} quantizes the input activations "
+                    f"of {module!r} statically (per tensor, by this scale)"
+                )
         for name, (dtype, shape) in meta.items():  # every scale belongs to an FP8 weight (or the KV cache)
             if not self.is_scale(name) or is_kv_scale(name):
                 continue

@@ -5,7 +5,8 @@ weight is loaded (executor/model/fp8.py checks and reads the tensors it describe
   `<module>.weight` with `<module>.weight_scale` per tensor ([1]), per output channel ([N, 1]) or per
   block ([ceil(N/bn), ceil(K/bk)]); activations dynamic per token, or static per tensor
   (`<module>.input_scale`, [1]); modules in `ignore` are unquantized; config groups may each use
-  their own strategy (a weight's scale shape says which; one block size at most);
+  their own strategy (a weight's scale shape says which; one block size at most) and activations
+  (a module's group: the one whose targets name it, else one targeting "Linear");
 - block-wise "fp8" (Qwen3 / DeepSeek FP8): `<module>.weight_scale_inv` per `weight_block_size` block
   (fused experts `experts.gate_up_proj` / `experts.down_proj`: `<name>_scale_inv`, [E, ...]);
   modules in `modules_to_not_convert` or `ignored_layers` are unquantized;
@@ -25,21 +26,51 @@ _STRATEGIES = ("tensor", "channel", "block")  # weight scales per tensor, per ou
 _CT_FORMATS = ("float-quantized", "naive-quantized")
 
 
+Layout = tuple[str, tuple[int, int] | None]  # ("tensor" | "channel", None) or ("block", (rows, columns))
+LINEAR = "Linear"  # the class of every module whose weight a checkpoint stores in FP8
+
+
+@dataclass(frozen=True)
+class Fp8Group:
+    """One config group: the modules it quantizes (targets: a module's name, `re:` + a pattern its name
+    matches from the start, or a class name, e.g. "Linear"), their weights' layout, and whether it
+    quantizes their input activations statically (a per-tensor `<module>.input_scale` each). where:
+    how an error names it."""
+
+    where: str
+    targets: tuple[str, ...]
+    layout: Layout
+    static_input: bool
+
+    def names(self, module: str) -> bool:
+        return any(module == t or (t.startswith("re:") and re.match(t[3:], module)) for t in self.targets)
+
+
 @dataclass(frozen=True)
 class Fp8Scheme:
     """What a checkpoint's quantization_config says. layouts: how its weight scales are laid out, each
     (strategy, block): ("tensor" | "channel", None) or ("block", (rows, columns)); config groups may
     each use their own, a weight's being the one its scale's shape fits (blocks first, then channels,
-    then one per tensor; at most one block size). static_input: the layouts whose every config group
-    quantizes activations statically: a weight of such a layout must have a per-tensor `input_scale`
-    beside it (validated; activations are quantized per token whatever it says). Config groups' targets
-    are not matched here, so where two groups share a layout but not the activation scheme, an
-    `input_scale` is checked where present and not required."""
+    then one per tensor; at most one block size). groups: its config groups (one for the fp8 formats,
+    targeting every Linear), for `static_group`."""
 
     method: str  # "compressed-tensors" | "fp8" (block-wise, or per tensor without a block)
-    layouts: tuple[tuple[str, tuple[int, int] | None], ...]
+    layouts: tuple[Layout, ...]
     ignore: tuple[str, ...]
-    static_input: frozenset[tuple[str, tuple[int, int] | None]] = frozenset()
+    groups: tuple[Fp8Group, ...] = ()
+
+    def static_group(self, module: str, layout: Layout) -> Fp8Group | None:
+        """The config group that quantizes `module`'s input activations statically, so its per-tensor
+        `input_scale` is required (validated; activations are quantized per token whatever it says);
+        None where they are dynamic. The module's group is, among those of its weight's layout, the first
+        whose targets name it, else the first that targets "Linear" (names before class names, as
+        compressed-tensors and vLLM match them); where none does, the first of that layout if all of
+        them are static."""
+        groups = [g for g in self.groups if g.layout == layout]
+        group = next((g for g in groups if g.names(module)), None) or next((g for g in groups if LINEAR in g.targets), None)
+        if group is None:
+            return groups[0] if groups and all(g.static_input for g in groups) else None
+        return group if group.static_input else None
 
     @property
     def block(self) -> tuple[int, int] | None:
@@ -98,7 +129,7 @@ def _compressed_tensors(q: dict[str, Any]) -> Fp8Scheme | None:
         if q.get("kv_cache_scheme"):
             return None  # the KV cache's scales only (kv_scales.py reads them); the weights as they are
         raise ValueError(f"{where}: no config_groups")
-    schemes = set()
+    schemes = []
     for name, group in groups.items():
         fmt = group.get("format") or q.get("format")
         if fmt not in _CT_FORMATS:  # with FP8 arguments (checked next) both store float8_e4m3fn values
@@ -130,14 +161,13 @@ def _compressed_tensors(q: dict[str, Any]) -> Fp8Scheme | None:
             static = not kind[0]
         if group.get("output_activations"):
             raise ValueError(f"{where} group {name!r}: output_activations quantization is not supported")
-        schemes.add((strategy, block, static))
-    blocks = sorted({block for _, block, _ in schemes if block is not None})
+        targets = tuple(group.get("targets") or ())
+        schemes.append(Fp8Group(f"quantization_config config group {name!r}", targets, (strategy, block), static))
+    blocks = sorted({g.layout[1] for g in schemes if g.layout[1] is not None})
     if len(blocks) > 1:  # a scale grid could fit two of them
         raise ValueError(f"{where}: config groups with different block sizes are not supported: {blocks}")
-    layouts = sorted({(strategy, block) for strategy, block, _ in schemes}, key=lambda x: _STRATEGIES.index(x[0]), reverse=True)
-    dynamic = {(strategy, block) for strategy, block, static in schemes if not static}
-    static = frozenset(layout for layout in layouts if layout not in dynamic)  # every group of it static
-    return Fp8Scheme("compressed-tensors", tuple(layouts), tuple(q.get("ignore") or ()), static)
+    layouts = sorted({g.layout for g in schemes}, key=lambda x: _STRATEGIES.index(x[0]), reverse=True)
+    return Fp8Scheme("compressed-tensors", tuple(layouts), tuple(q.get("ignore") or ()), tuple(schemes))
 
 
 def _check_fp8_args(args: dict[str, Any], where: str) -> None:
@@ -161,10 +191,9 @@ def _fp8(q: dict[str, Any]) -> Fp8Scheme:
     if q.get("expert_dtype", "fp8") != "fp8":
         raise ValueError(f"{where}: expert_dtype {q.get('expert_dtype')!r} is not supported; only fp8")
     ignore = (*(q.get("modules_to_not_convert") or ()), *(q.get("ignored_layers") or ()))
-    if block is None:  # AutoFP8's per-tensor format
-        layout = ("tensor", None)
-        return Fp8Scheme("fp8", (layout,), ignore, frozenset([layout]) if activations == "static" else frozenset())
-    return Fp8Scheme("fp8", (("block", _block_size(block, f"{where} weight_block_size")),), ignore)
+    layout = ("tensor", None) if block is None else ("block", _block_size(block, f"{where} weight_block_size"))
+    group = Fp8Group(f"quantization_config activation_scheme {activations!r}", (LINEAR,), layout, activations == "static")
+    return Fp8Scheme("fp8", (layout,), ignore, (group,))  # no block: AutoFP8's per-tensor format
 
 
 def _block_size(value, where: str) -> tuple[int, int]:

@@ -379,6 +379,50 @@ def test_oversized_weights_are_refused_before_download(make_store, peft_adapter)
     assert_nothing_kept(store)
 
 
+def _gemma3_adapter_and_text_base(tmp_path: Path, rank_pattern) -> tuple[Path, Path, str]:
+    """(a PEFT adapter on q_proj / v_proj of a tiny Gemma3ForConditionalGeneration, its language model's
+    and its SigLIP vision tower's both, r 4 but for rank_pattern (a function of the vision tower's first
+    q_proj); a text-only Gemma 3 base (Gemma3ForCausalLM) of the same language model; that q_proj)."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    text = dict(vocab_size=260, hidden_size=48, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=256, bos_token_id=256, eos_token_id=257)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    mm = tf.Gemma3ForConditionalGeneration(
+        tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=259)
+    )
+    tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**text)).save_pretrained(tmp_path / "gemma3-text")
+    vq = next(n for n, _ in mm.named_modules() if "vision_tower" in n and n.endswith("layers.0.self_attn.q_proj"))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], rank_pattern=rank_pattern(vq))
+    get_peft_model(mm, config).save_pretrained(tmp_path / "adapter")
+    return tmp_path / "adapter", tmp_path / "gemma3-text", vq
+
+
+def test_vision_tower_modules_on_a_text_only_gemma3_are_refused_as_missing_before_their_rank(make_store, tmp_path):
+    """An adapter made on a multimodal Gemma 3 whose rank_pattern puts a vision-tower module above the
+    store's maximum rank: on a text-only Gemma 3 base, which has no vision tower, RegisterAdapter names
+    the module the base lacks (INVALID_ARGUMENT), not the rank; a language-model module's rank above it
+    is still FAILED_PRECONDITION."""
+    adapter, base, vq = _gemma3_adapter_and_text_base(tmp_path, lambda vq: {vq: 16})
+    tensors = st_load((adapter / "adapter_model.safetensors").read_bytes())
+    assert tensors[f"base_model.model.{vq}.lora_A.weight"].shape[0] == 16
+    vision = sorted({n[len("base_model.model.") :].rsplit(".lora_", 1)[0] for n in tensors if "vision_tower" in n})
+    store = make_store(base_model="gemma3-text", base_model_path=base, limits=validate.Limits(max_rank=8))
+    with pytest.raises(StatusError) as e:
+        store.client().register("mm", str(place(adapter, make_store.adapters_root, "mm")))
+    assert e.value.code.name == "INVALID_ARGUMENT", e.value.message
+    assert e.value.message == f"module {vision[0]!r} does not exist in base model 'gemma3-text'"
+    lm = place(adapter, make_store.adapters_root, "lm-rank")
+    _edit_config(lm, rank_pattern={"model.language_model.layers.0.self_attn.q_proj": 16})
+    with pytest.raises(StatusError) as e:
+        store.client().register("lm-rank", str(lm))
+    assert e.value.code.name == "FAILED_PRECONDITION", e.value.message
+    assert e.value.message == "adapter rank 16 is above this store's maximum rank 8"
+    assert_nothing_kept(store)
+
+
 @pytest.mark.parametrize(
     "name,uri,code,fragment",
     [

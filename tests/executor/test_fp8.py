@@ -436,7 +436,16 @@ def test_malformed_scales_are_refused_naming_the_tensor(fmt, edit, match, fp8_ch
 
 def test_missing_or_malformed_input_scales_and_fp8_without_a_config_are_refused(fp8_checkpoint, refuses, tmp_path):
     path, _ = fp8_checkpoint("llama", "ct-tensor", static_input=True)
-    refuses(_edited(path, tmp_path, tensors=lambda t: t.pop(f"{Q}.input_scale")), f"'{Q}.input_scale' is missing")
+    refuses(
+        _edited(path, tmp_path, tensors=lambda t: t.pop(f"{Q}.input_scale")),
+        f"'{Q}.input_scale' is missing: quantization_config config group 'group_0' quantizes",
+    )
+    path, _ = fp8_checkpoint("llama", "fp8-tensor", static_input=True)
+    refuses(
+        _edited(path, tmp_path, tensors=lambda t: t.pop(f"{Q}.input_scale")),
+        f"'{Q}.input_scale' is missing: quantization_config activation_scheme 'static' quantizes",
+    )
+    path, _ = fp8_checkpoint("llama", "ct-tensor", static_input=True)
     refuses(
         _edited(path, tmp_path, tensors=_set(f"{Q}.input_scale", torch.tensor([float("nan")]))), f"'{Q}.input_scale' holds NaN"
     )
@@ -481,7 +490,23 @@ def test_quantization_fp8_is_refused_without_fp8_compute(hf_model, refuses):
     refuses(path, r"quantization 'int4' is not supported", quantization="int4")
 
 
-@pytest.mark.parametrize("case", ["quantization-on-cpu", "gptq-checkpoint"])
+def _static_mlp_group_without_down_proj_input_scale(path, tmp_path):
+    """A copy of the per-channel static checkpoint at path with a second config group of the same layout,
+    attention's, dynamic (its input_scales dropped), and layer 0's down_proj input_scale missing."""
+
+    def groups(q):
+        static = q["config_groups"]["group_0"]
+        dynamic = dict(static["input_activations"], dynamic=True, strategy="token")
+        q["config_groups"]["group_1"] = dict(static, targets=["re:.*self_attn\\."], input_activations=dynamic)
+
+    def tensors(t):
+        for n in [n for n in t if n.endswith(".input_scale") and ("self_attn" in n or "layers.0.mlp.down_proj" in n)]:
+            del t[n]
+
+    return _edited(path, tmp_path, config=groups, tensors=tensors)
+
+
+@pytest.mark.parametrize("case", ["quantization-on-cpu", "gptq-checkpoint", "static-group-input-scale"])
 def test_executor_cli_exits_at_start_naming_the_refusal(case, hf_model, fp8_checkpoint, tmp_path):
     if case == "quantization-on-cpu":
         model, flags, message = (
@@ -489,6 +514,11 @@ def test_executor_cli_exits_at_start_naming_the_refusal(case, hf_model, fp8_chec
             ["--quantization", "fp8"],
             "--quantization fp8 needs FP8 compute: cpu has no",
         )
+    elif case == "static-group-input-scale":  # the static "Linear" group's, beside a dynamic one of its layout
+        model = _static_mlp_group_without_down_proj_input_scale(
+            fp8_checkpoint("llama", "ct-channel", static_input=True)[0], tmp_path
+        )
+        flags, message = [], "'model.layers.0.mlp.down_proj.input_scale' is missing: quantization_config config group 'group_0'"
     else:
         model = _edited(fp8_checkpoint("llama", "ct-channel")[0], tmp_path, config=lambda q: q.update(quant_method="gptq"))
         flags, message = [], "quantization_config quant_method 'gptq' is not supported"

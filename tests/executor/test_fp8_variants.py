@@ -208,17 +208,73 @@ def test_a_static_group_with_a_dynamic_one_loads_its_input_scales_required_alone
 
 
 def test_a_static_group_s_module_without_its_input_scale_is_refused_beside_a_dynamic_group(hf_model, tmp_path, refuses):
-    """As above, less one MLP module's input_scale: required, as its layout's only group is static."""
+    """As above, less one MLP module's input_scale: required, as its config group is static."""
     _, src = hf_model("llama")
     _mixed(src, tmp_path / "fp8", "ct-tensor", "ct-channel", static_mlp=True)
     with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
         tensors = {n: f.get_tensor(n) for n in f.keys()}
-    down = "model.layers.0.mlp.down_proj.input_scale"
-    del tensors[down]
+    down = "model.layers.0.mlp.down_proj"
+    del tensors[f"{down}.input_scale"]
     save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
     refuses(
         tmp_path / "fp8",
-        re.escape(f"checkpoint tensor '{down}' is missing (static input_activations in quantization_config)"),
+        re.escape(
+            f"checkpoint tensor '{down}.input_scale' is missing: quantization_config config group 'group_1' "
+            f"quantizes the input activations of '{down}' statically (per tensor, by this scale)"
+        ),
+    )
+
+
+ATTENTION = "re:.*self_attn\\..*_proj$"
+# the static group's targets: the MLP by a regex; every layer by class, attention's regex outranking it
+STATIC_TARGETS = [["re:.*mlp\\..*_proj$"], ["Linear"]]
+
+
+def _one_layout_static_and_dynamic(path, static_targets):
+    """Splits the per-channel static checkpoint at path into two config groups of its one layout: group
+    "static" (targets static_targets, listed first) and "dynamic" (attention, activations per token,
+    its input_scales dropped); returns its tensors."""
+    group = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    dynamic = dict(group, targets=[ATTENTION], input_activations=dict(group["input_activations"], dynamic=True, strategy="token"))
+    _edit_config(path, lambda q: q.update(config_groups={"static": dict(group, targets=static_targets), "dynamic": dynamic}))
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys() if not (n.endswith(".input_scale") and "self_attn" in n)}
+    save_file(tensors, str(path / "model.safetensors"))
+    return tensors
+
+
+@pytest.mark.parametrize("static_targets", STATIC_TARGETS, ids=["regex", "class-name"])
+def test_a_static_and_a_dynamic_group_of_one_layout_load_input_scales_required_by_target(
+    static_targets, hf_model, tmp_path, paged_runner
+):
+    """Both groups per channel: each module's group is the one its targets name (a name or regex
+    before a class name), so attention needs no input_scale even where "Linear" is the static group's."""
+    _, src = hf_model("llama")
+    ref_dir = write_fp8(src, tmp_path / "fp8", "ct-channel", static_input=True)
+    names = _one_layout_static_and_dynamic(tmp_path / "fp8", static_targets)
+    assert "model.layers.0.mlp.down_proj.input_scale" in names
+    assert not any(n.endswith("input_scale") and "self_attn" in n for n in names)
+    serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+
+
+@pytest.mark.parametrize("static_targets", STATIC_TARGETS, ids=["regex", "class-name"])
+def test_a_static_group_s_module_without_its_input_scale_is_refused_beside_a_dynamic_group_of_its_layout(
+    static_targets, hf_model, tmp_path, refuses
+):
+    """As above, less one MLP module's input_scale: its group (by target) is static, though its layout's
+    other group is not."""
+    _, src = hf_model("llama")
+    write_fp8(src, tmp_path / "fp8", "ct-channel", static_input=True)
+    tensors = _one_layout_static_and_dynamic(tmp_path / "fp8", static_targets)
+    down = "model.layers.0.mlp.down_proj"
+    del tensors[f"{down}.input_scale"]
+    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+    refuses(
+        tmp_path / "fp8",
+        re.escape(
+            f"checkpoint tensor '{down}.input_scale' is missing: quantization_config config group 'static' "
+            f"quantizes the input activations of '{down}' statically (per tensor, by this scale)"
+        ),
     )
 
 
