@@ -131,8 +131,11 @@ def layout_for_model(
     fully_sharded: bool = False,
     base_model: str | None = None,
     ep_size: int = 1,
+    lora_embeddings: bool = False,
 ) -> pb.Layout:
-    """None: the embedded SmolLM2 default. Sizes the executor would refuse (tp and ep both > 1, a tp
+    """The layout an executor of these flags declares (its --model, --base-model, --tp-size,
+    --ep-size, --max-lora-rank, --dtype, --fully-sharded-loras, --lora-embeddings), so shards packed
+    for it are the ones that executor fetches. None: the embedded SmolLM2 default. Sizes the executor would refuse (tp and ep both > 1, a tp
     or ep that does not split the model) are a ValueError with the executor's message."""
     if model is None:
         model, base_model = smollm2_gguf_path(), base_model or DEFAULT_BASE_MODEL
@@ -144,6 +147,8 @@ def layout_for_model(
     ):
         if error is not None:
             raise ValueError(error)
-    layout = declare_layout(cfg, LoraSpec(1, max_rank, DTYPES[dtype]), base_model or "", tp_size, ep_size)
+    layout = declare_layout(
+        cfg, LoraSpec(1, max_rank, DTYPES[dtype], targets_embeddings=lora_embeddings), base_model or "", tp_size, ep_size
+    )
     layout.fully_sharded = fully_sharded and tp_size > 1  # as the executor declares it: one rank shards nothing
     return layout

@@ -321,8 +321,9 @@ def _layout(a):
     from loraserve.executor.layout import layout_for_model
 
     return layout_for_model(
-        a.model, tp_size=a.tp_size, max_rank=a.max_rank, dtype=a.dtype, fully_sharded=a.fully_sharded, ep_size=a.ep_size
-    )
+        a.model, tp_size=a.tp_size, max_rank=a.max_rank, dtype=a.dtype, fully_sharded=a.fully_sharded, ep_size=a.ep_size,
+        base_model=a.base_model, lora_embeddings=a.lora_embeddings,
+    )  # fmt: skip
 
 
 def cmd_adapters(a) -> int:
@@ -360,12 +361,20 @@ def cmd_adapters(a) -> int:
 
 
 def add_layout_flags(p: argparse.ArgumentParser) -> None:
+    """The executor's flags that shape its layout (executor/layout.py `layout_for_model`), with its defaults."""
     p.add_argument("--model", type=Path, default=None, help="HF model dir or .gguf (default: the embedded SmolLM2 GGUF)")
+    p.add_argument("--base-model", default=env("base_model"), help="the executor's --base-model (declared in its layout)")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks of an MoE executor (with --tp-size 1)")
     p.add_argument("--max-rank", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--fully-sharded", action="store_true")
+    p.add_argument(
+        "--lora-embeddings",
+        action="store_true",
+        default=env("lora_embeddings", "") in ("1", "true"),
+        help="the executor serves LoRA on embed_tokens and lm_head (its --lora-embeddings)",
+    )
     p.add_argument("--out", type=Path, default=Path("shards"), help="fetch: directory for the shard files")
 
 

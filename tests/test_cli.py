@@ -432,3 +432,30 @@ def test_dora_with_fully_sharded_loras_under_tp_is_refused_at_start(free_port, t
         "executor", *args, "--executor-metrics-port", "0", "--tp-size", "2", "--fully-sharded-loras", "--enable-dora", check=False
     )
     assert bad.returncode == 1 and f"error: {message}" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("embeddings", [False, True])
+def test_prefetch_flags_describe_the_layout_the_executor_of_the_same_flags_declares(tiny_llama_dir, embeddings):
+    """`adapters prefetch|fetch` pack for the layout an executor started with the same --model,
+    --base-model, --tp-size, --max-rank (its --max-lora-rank), --dtype and --lora-embeddings declares:
+    the same packing hash, so the shards it warms are the ones that executor fetches."""
+    from loraserve.adapter_store.pack import packing_hash
+    from loraserve.cli import _layout, build_parser
+    from loraserve.executor.layout import declare_layout, model_config
+    from loraserve.executor.ranks import lora_spec
+
+    flags = ["--model", str(tiny_llama_dir), "--base-model", "tiny-llama", "--tp-size", "2", "--dtype", "bfloat16"]
+    flags += ["--lora-embeddings"] if embeddings else []
+    parser = build_parser()
+    cfg = executor_config_of(parser, ["executor", *flags, "--max-lora-rank", "32"])
+    declared = declare_layout(model_config(tiny_llama_dir), lora_spec(cfg), cfg.base_model, cfg.tp_size, cfg.ep_size)
+    described = _layout(parser.parse_args(["adapters", "prefetch", "my-lora", *flags, "--max-rank", "32"]))
+    assert described.base_model == "tiny-llama" and described.max_rank == 32
+    assert ("model.embed_tokens" in {m.name for m in described.modules}) is embeddings
+    assert packing_hash(described) == packing_hash(declared)
+
+
+def executor_config_of(parser, argv: list[str]):
+    from loraserve.executor.cli import executor_config
+
+    return executor_config(parser.parse_args(argv))
