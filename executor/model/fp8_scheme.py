@@ -6,7 +6,8 @@ weight is loaded (executor/model/fp8.py checks and reads the tensors it describe
   block ([ceil(N/bn), ceil(K/bk)]); activations dynamic per token, or static per tensor
   (`<module>.input_scale`, [1]); modules in `ignore` are unquantized; config groups may each use
   their own strategy (a weight's scale shape says which; one block size at most) and activations
-  (a module's group: the one whose targets name it, else one targeting "Linear");
+  (a module's group: the one of the first target naming it in compressed-tensors' order, exact names
+  before `re:` patterns, else one targeting "Linear");
 - block-wise "fp8" (Qwen3 / DeepSeek FP8): `<module>.weight_scale_inv` per `weight_block_size` block
   (fused experts `experts.gate_up_proj` / `experts.down_proj`: `<name>_scale_inv`, [E, ...]);
   modules in `modules_to_not_convert` or `ignored_layers` are unquantized;
@@ -30,6 +31,22 @@ Layout = tuple[str, tuple[int, int] | None]  # ("tensor" | "channel", None) or (
 LINEAR = "Linear"  # the class of every module whose weight a checkpoint stores in FP8
 
 
+def _names(target: str, module: str) -> bool:
+    """Whether a config group's target names `module`: its name, or a `re:` pattern matching it from the start."""
+    return module == target or (target.startswith("re:") and re.match(target[3:], module) is not None)
+
+
+def _patterns(entries, where: str) -> tuple[str, ...]:
+    """A list of module names and `re:` patterns, each pattern checked to compile (ValueError naming it)."""
+    for entry in entries or ():
+        if str(entry).startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as exc:
+                raise ValueError(f"{where}: {entry!r} is not a valid regular expression ({exc})") from None
+    return tuple(entries or ())
+
+
 @dataclass(frozen=True)
 class Fp8Group:
     """One config group: the modules it quantizes (targets: a module's name, `re:` + a pattern its name
@@ -41,9 +58,6 @@ class Fp8Group:
     targets: tuple[str, ...]
     layout: Layout
     static_input: bool
-
-    def names(self, module: str) -> bool:
-        return any(module == t or (t.startswith("re:") and re.match(t[3:], module)) for t in self.targets)
 
 
 @dataclass(frozen=True)
@@ -62,12 +76,13 @@ class Fp8Scheme:
     def static_group(self, module: str, layout: Layout) -> Fp8Group | None:
         """The config group that quantizes `module`'s input activations statically, so its per-tensor
         `input_scale` is required (validated; activations are quantized per token whatever it says);
-        None where they are dynamic. The module's group is, among those of its weight's layout, the first
-        whose targets name it, else the first that targets "Linear" (names before class names, as
-        compressed-tensors and vLLM match them); where none does, the first of that layout if all of
-        them are static."""
+        None where they are dynamic. The module's group is, among those of its weight's layout, the one
+        of the first target naming it in compressed-tensors' order (the one that wrote the checkpoint:
+        exact names, then `re:` patterns sorted as strings), else one that targets "Linear"; where none
+        does, the first of that layout if all of them are static."""
         groups = [g for g in self.groups if g.layout == layout]
-        group = next((g for g in groups if g.names(module)), None) or next((g for g in groups if LINEAR in g.targets), None)
+        ranked = sorted(((t, g) for g in groups for t in g.targets), key=lambda tg: ("re:" in tg[0], tg[0]))
+        group = next((g for t, g in ranked if _names(t, module)), None) or next((g for t, g in ranked if t == LINEAR), None)
         if group is None:
             return groups[0] if groups and all(g.static_input for g in groups) else None
         return group if group.static_input else None
@@ -161,13 +176,13 @@ def _compressed_tensors(q: dict[str, Any]) -> Fp8Scheme | None:
             static = not kind[0]
         if group.get("output_activations"):
             raise ValueError(f"{where} group {name!r}: output_activations quantization is not supported")
-        targets = tuple(group.get("targets") or ())
+        targets = _patterns(group.get("targets"), f"{where} group {name!r} targets")
         schemes.append(Fp8Group(f"quantization_config config group {name!r}", targets, (strategy, block), static))
     blocks = sorted({g.layout[1] for g in schemes if g.layout[1] is not None})
     if len(blocks) > 1:  # a scale grid could fit two of them
         raise ValueError(f"{where}: config groups with different block sizes are not supported: {blocks}")
     layouts = sorted({g.layout for g in schemes}, key=lambda x: _STRATEGIES.index(x[0]), reverse=True)
-    return Fp8Scheme("compressed-tensors", tuple(layouts), tuple(q.get("ignore") or ()), tuple(schemes))
+    return Fp8Scheme("compressed-tensors", tuple(layouts), _patterns(q.get("ignore"), f"{where} ignore"), tuple(schemes))
 
 
 def _check_fp8_args(args: dict[str, Any], where: str) -> None:
@@ -190,7 +205,7 @@ def _fp8(q: dict[str, Any]) -> Fp8Scheme:
         raise ValueError(f"{where}: scale_fmt {q.get('scale_fmt')!r} is not supported; only float scales")
     if q.get("expert_dtype", "fp8") != "fp8":
         raise ValueError(f"{where}: expert_dtype {q.get('expert_dtype')!r} is not supported; only fp8")
-    ignore = (*(q.get("modules_to_not_convert") or ()), *(q.get("ignored_layers") or ()))
+    ignore = _patterns([*(q.get("modules_to_not_convert") or ()), *(q.get("ignored_layers") or ())], f"{where} ignore lists")
     layout = ("tensor", None) if block is None else ("block", _block_size(block, f"{where} weight_block_size"))
     group = Fp8Group(f"quantization_config activation_scheme {activations!r}", (LINEAR,), layout, activations == "static")
     return Fp8Scheme("fp8", (layout,), ignore, (group,))  # no block: AutoFP8's per-tensor format

@@ -230,12 +230,13 @@ ATTENTION = "re:.*self_attn\\..*_proj$"
 STATIC_TARGETS = [["re:.*mlp\\..*_proj$"], ["Linear"]]
 
 
-def _one_layout_static_and_dynamic(path, static_targets):
+def _one_layout_static_and_dynamic(path, static_targets, dynamic_targets=(ATTENTION,)):
     """Splits the per-channel static checkpoint at path into two config groups of its one layout: group
-    "static" (targets static_targets, listed first) and "dynamic" (attention, activations per token,
-    its input_scales dropped); returns its tensors."""
+    "static" (targets static_targets, listed first) and "dynamic" (dynamic_targets: attention,
+    activations per token, its input_scales dropped); returns its tensors."""
     group = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
-    dynamic = dict(group, targets=[ATTENTION], input_activations=dict(group["input_activations"], dynamic=True, strategy="token"))
+    activations = dict(group["input_activations"], dynamic=True, strategy="token")
+    dynamic = dict(group, targets=list(dynamic_targets), input_activations=activations)
     _edit_config(path, lambda q: q.update(config_groups={"static": dict(group, targets=static_targets), "dynamic": dynamic}))
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         tensors = {n: f.get_tensor(n) for n in f.keys() if not (n.endswith(".input_scale") and "self_attn" in n)}
@@ -276,6 +277,48 @@ def test_a_static_group_s_module_without_its_input_scale_is_refused_beside_a_dyn
             f"quantizes the input activations of '{down}' statically (per tensor, by this scale)"
         ),
     )
+
+
+def test_a_module_named_by_its_dynamic_group_takes_it_before_a_static_group_s_regex(hf_model, tmp_path, paged_runner):
+    """compressed-tensors (which writes the checkpoint) matches exact names before `re:` patterns, whatever
+    the groups' order: attention named one by one in the dynamic group has no input_scale, though the
+    static group listed first matches every projection by a regex."""
+    _, src = hf_model("llama")
+    ref_dir = write_fp8(src, tmp_path / "fp8", "ct-channel", static_input=True)
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    attention = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(layers) for p in "qkvo"]
+    names = _one_layout_static_and_dynamic(tmp_path / "fp8", ["re:.*_proj$"], attention)
+    assert not any(n.endswith("input_scale") and "self_attn" in n for n in names)
+    serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
+
+
+def test_competing_regexes_pick_the_group_in_compressed_tensors_order_and_bad_ones_are_refused():
+    """Two `re:` targets naming one module: the first in string order wins (compressed-tensors sorts
+    them), not the first group listed. A target or ignore entry that is no regular expression is
+    refused naming it, before any weight is read."""
+    from loraserve.executor.model.fp8_scheme import checkpoint_scheme
+
+    def config(static_targets, dynamic_targets, ignore=()):
+        weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+        acts = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
+        groups = {
+            "static": {"targets": static_targets, "weights": weights, "input_activations": dict(acts, dynamic=False)},
+            "dynamic": {"targets": dynamic_targets, "weights": weights, "input_activations": dict(acts, dynamic=True, strategy="token")},
+        }  # fmt: skip
+        q = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": groups, "ignore": list(ignore)}
+        return {"quantization_config": q}
+
+    scheme = checkpoint_scheme(config(["re:.*self_attn.*"], ["re:.*layers\\.0\\..*"]))
+    layout = ("channel", None)
+    assert scheme.static_group("model.layers.0.self_attn.q_proj", layout) is None  # "re:.*l" sorts before "re:.*s"
+    assert scheme.static_group("model.layers.1.self_attn.q_proj", layout).where == "quantization_config config group 'static'"
+    where = "quantization_config (compressed-tensors)"
+    with pytest.raises(
+        ValueError, match=re.escape(f"{where} group 'dynamic' targets: 're:.*(mlp' is not a valid regular expression")
+    ):
+        checkpoint_scheme(config(["Linear"], ["re:.*(mlp"]))
+    with pytest.raises(ValueError, match=re.escape(f"{where} ignore: 're:lm_head[' is not a valid regular expression")):
+        checkpoint_scheme(config(["Linear"], ["re:.*mlp.*"], ignore=["re:lm_head["]))
 
 
 def test_mixed_strategies_refuse_a_scale_that_fits_none_and_two_block_sizes(hf_model, tmp_path, refuses):
