@@ -330,7 +330,7 @@ def test_fp8_slots_with_float32_on_cuda_are_refused_at_start(llama, monkeypatch)
     from loraserve.executor import service
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(service, "load_model", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
+    monkeypatch.setattr(service, "load_served_model", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
     cfg = ExecutorConfig(model=str(llama[1]), device="cuda", dtype="float32", lora_dtype="fp8", max_model_len=64)
     with pytest.raises(ValueError) as err:
         service.build_executor(cfg)
