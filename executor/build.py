@@ -2,6 +2,11 @@
 arena, the store client, the slot manager and the engine (`build_engine`). The one assembly the
 service (executor/service.py `build_executor`, which loads the model and spawns any ranks) and the
 benchmarks (random-weight models, in-process fetches) share.
+
+The parts every rank of a tensor- or expert-parallel executor holds (its shard of the model, its KV
+cache, its store client) are built by `load_served_model`, `kv_cache` and `store_client`, which
+rank 0 (service.py, `build_engine`) and ranks 1..N-1 (executor/ranks.py) both call. Rank 0 alone
+sizes the adapters' memory and holds the host arena, the slot manager and the engine.
 """
 
 from __future__ import annotations
@@ -26,16 +31,21 @@ from .layout import declare_layout
 from .lora import lora_modules
 from .model import fp8
 from .model.config import ModelConfig
+from .model.loader import load_model
 from .pinned_arena import PinnedArena, stream_fence
-from .ranks import TPRanks
 from .slot_copies import CopyIntoSlot, QueuedCopy
+from .slot_layout import LoraSpec
 from .slot_load import clear_slot, load_shard_into_slot, queued_load
 from .slot_reports import SlotObserver
 from .slots import SlotManager
 from .store_client import StoreClient
 
 if TYPE_CHECKING:
+    from loraserve.v1 import common_pb2 as pb
+
     from .http import HttpFront  # the OpenAI front (fastapi) is imported only where it is served
+    from .parallel import TPGroup
+    from .ranks import TPRanks  # which builds its ranks' parts with the functions here
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +98,8 @@ def build_engine(
     (default: the store client's; under `ranks`, every rank's shard of each version). observer: told
     of slot events (default: the executor's metrics, which then also count requests in
     ExecutorParts.generate). writers: `slot_writers(model)` or wrappers of them. trace: SlotManager's."""
-    mc = model.cfg
-    resolve_max_model_len(cfg, mc)
-    kv = KVCache.for_model(model, cfg.num_blocks, cfg.block_size, cfg.torch_kv_dtype, cfg.device)
+    resolve_max_model_len(cfg, model.cfg)
+    kv = kv_cache(cfg, model, cfg.device)
     if kv.dtype == torch.float8_e4m3fn:
         scales = "the checkpoint's K/V scales" if model.kv_scales is not None else "K/V scales 1.0 (the checkpoint has none)"
         log.info("KV cache: %d blocks in float8_e4m3fn, %s", cfg.num_blocks, scales)
@@ -101,16 +110,7 @@ def build_engine(
     modules = lora_modules(model)
     resolve_adapter_memory(cfg, model, modules)
     arena = pinned_arena(cfg, memory.lora_shard_bytes(modules))
-    store = StoreClient(
-        cfg.store_address,
-        declare_layout(mc, model.lora_spec, cfg.base_model, cfg.tp_size, cfg.ep_size),
-        timeout_s=cfg.store_timeout_s,
-        tls=cfg.store_tls,
-        pin_memory=cfg.torch_device.type == "cuda",
-        arena=arena,
-        dora=model.lora_spec.dora,
-        tokens=model.lora_spec.trainable_tokens,
-    )
+    store = store_client(cfg, model, cfg.torch_device, arena=arena)
     metrics = (
         ExecutorMetrics(max_adapter_labels=cfg.metrics_max_adapters, compat=cfg.metrics_compat) if observer is None else None
     )
@@ -139,6 +139,52 @@ def build_engine(
         metrics.attach(engine, slots, cfg.max_loras, model_name=cfg.base_model or cfg.model)
         metrics.dtypes(fp8.weight_dtype(model), fp8.dtype_name(kv.k_cache[0].dtype), lora_fp8.slot_dtype(model))
     return ExecutorParts(engine, slots, store, cfg, metrics=metrics, ranks=ranks, arena=arena)
+
+
+def lora_spec(cfg: ExecutorConfig) -> LoraSpec:
+    """max_loras 0 (automatic, one rank only): one slot until the KV cache is in place (resolve_adapter_memory)."""
+    return LoraSpec(
+        cfg.max_loras or 1,
+        cfg.max_rank,
+        cfg.torch_dtype,
+        targets_embeddings=cfg.lora_embeddings,
+        fully_sharded=cfg.fully_sharded_loras,
+        dora=cfg.enable_dora,
+        trainable_tokens=cfg.enable_trainable_tokens,
+        fp8=cfg.lora_dtype == "fp8",
+    )
+
+
+def load_served_model(cfg: ExecutorConfig, device, tp: TPGroup | None = None, ep: TPGroup | None = None):
+    """cfg's model on `device` with its LoRA slot buffers (`lora_spec`); under tp / ep this rank's
+    shard of it. What rank 0 (service.py) and each of ranks 1..N-1 load."""
+    return load_model(cfg.model, cfg.torch_dtype, device, lora=lora_spec(cfg), tp=tp, ep=ep, quantization=cfg.quantization)
+
+
+def kv_cache(cfg: ExecutorConfig, model, device) -> KVCache:
+    """`model`'s KV cache on `device`: cfg.num_blocks blocks of cfg.block_size tokens in cfg's KV dtype
+    (on every rank the same blocks, of its own kv heads)."""
+    return KVCache.for_model(model, cfg.num_blocks, cfg.block_size, cfg.torch_kv_dtype, device)
+
+
+def store_client(
+    cfg: ExecutorConfig, model, device, *, rank: pb.ShardRank | None = None, arena: PinnedArena | None = None
+) -> StoreClient:
+    """A store client that declares the layout of `model`'s slot buffers (the whole model's, as every
+    rank does: executor/layout.py) and fetches the shards of `rank` (None: rank 0's), landing them in
+    `arena` when given, in pinned host memory when `device` is CUDA."""
+    spec = model.lora_spec
+    return StoreClient(
+        cfg.store_address,
+        declare_layout(model.cfg, spec, cfg.base_model, cfg.tp_size, cfg.ep_size),
+        rank=rank,
+        timeout_s=cfg.store_timeout_s,
+        tls=cfg.store_tls,
+        pin_memory=torch.device(device).type == "cuda",
+        arena=arena,
+        dora=spec.dora,
+        tokens=spec.trainable_tokens,
+    )
 
 
 def resolve_max_model_len(cfg: ExecutorConfig, mc: ModelConfig) -> None:

@@ -50,37 +50,20 @@ import torch
 from loraserve.errors import StatusError
 from loraserve.v1 import common_pb2 as pb
 
+from .build import kv_cache, load_served_model, store_client
 from .config import ExecutorConfig
 from .diagnostics import gc_pauses, gil_handoff
-from .engine.kv_cache import KVCache
 from .engine.step import StepInputs, forward_step
-from .layout import declare_layout
 from .lora import lora_modules
-from .model.loader import load_model
 from .model.moe import Experts
 from .parallel import TPGroup, make_group, open_store, roles
-from .slot_layout import LoraSpec
 from .slot_load import clear_slot, load_shard_into_slot
-from .store_client import STILL_WANTED, StoreClient
+from .store_client import STILL_WANTED
 
 log = logging.getLogger(__name__)
 STORE_HOST = "127.0.0.1"  # the ranks of one executor share a host
 STOP_GRACE_S = 10.0
 WANTED_POLL_S = 0.1  # how often rank 0 asks STILL_WANTED while ranks 1..N-1 fetch
-
-
-def lora_spec(cfg: ExecutorConfig) -> LoraSpec:
-    """max_loras 0 (automatic, one rank only): one slot until the KV cache is in place (resolve_adapter_memory)."""
-    return LoraSpec(
-        cfg.max_loras or 1,
-        cfg.max_rank,
-        cfg.torch_dtype,
-        targets_embeddings=cfg.lora_embeddings,
-        fully_sharded=cfg.fully_sharded_loras,
-        dora=cfg.enable_dora,
-        trainable_tokens=cfg.enable_trainable_tokens,
-        fp8=cfg.lora_dtype == "fp8",
-    )
 
 
 def role(cfg: ExecutorConfig) -> str:
@@ -399,25 +382,14 @@ class _Rank:
         store = open_store(STORE_HOST, store_port, cfg.world_size, False, cfg.tp_timeout_s)
         group = make_group(store, rank, cfg.world_size, backend(cfg.device), cfg.tp_timeout_s)
         self.tp, self.ep = roles(group, cfg.ep_size)
-        spec = lora_spec(cfg)
-        self.model = load_model(
-            cfg.model, cfg.torch_dtype, self.device, lora=spec, tp=self.tp, ep=self.ep, quantization=cfg.quantization
-        )
+        # The parts rank 0 builds too (executor/build.py); max_loras and max_model_len come resolved
+        # from rank 0's cfg. No host arena: the slot copy reads the stream's own buffer.
+        self.model = load_served_model(cfg, self.device, self.tp, self.ep)
         mc = self.model.cfg
-        self.kv = KVCache.for_model(self.model, cfg.num_blocks, cfg.block_size, cfg.torch_kv_dtype, self.device)
+        self.kv = kv_cache(cfg, self.model, self.device)
         self.modules = lora_modules(self.model)
         self.packed = any(m.packed_b for m in self.modules.values())
-        layout = declare_layout(mc, spec, cfg.base_model, cfg.tp_size, cfg.ep_size)
-        self.store = StoreClient(
-            cfg.store_address,
-            layout,
-            rank=pb.ShardRank(tp_rank=self.tp.rank, ep_rank=self.ep.rank),
-            timeout_s=cfg.store_timeout_s,
-            tls=cfg.store_tls,
-            pin_memory=self.device.type == "cuda",
-            dora=spec.dora,
-            tokens=spec.trainable_tokens,
-        )  # the slot copy reads the stream's own buffer
+        self.store = store_client(cfg, self.model, self.device, rank=pb.ShardRank(tp_rank=self.tp.rank, ep_rank=self.ep.rank))
         self.slots: list[tuple[str, str]] = [("", "")] * cfg.max_loras  # (adapter, digest) in each slot
         self.shards: OrderedDict[tuple[str, str], dict[str, torch.Tensor]] = OrderedDict()  # host copies, LRU
         self.shards_lock = threading.Lock()

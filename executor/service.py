@@ -24,7 +24,7 @@ from loraserve.v1 import executor_pb2 as epb
 from loraserve.v1 import executor_pb2_grpc as epb_grpc
 
 from . import cublas, lora_fp8, memory
-from .build import ExecutorParts, build_engine, resolve_max_model_len
+from .build import ExecutorParts, build_engine, load_served_model, resolve_max_model_len
 from .config import ExecutorConfig
 from .engine.requests import GenerationOutput, GenerationRequest
 from .engine.sampler import SamplingParams
@@ -33,10 +33,10 @@ from .layout import model_config
 from .lora import lora_modules
 from .model import fp8
 from .model.kv_scales import kv_cache_dtype_error
-from .model.loader import check_quantization_config, load_model
+from .model.loader import check_quantization_config
 from .model.tokenizer import Tokenizer
 from .parallel import ep_size_error, roles, tp_size_error
-from .ranks import TPRanks, lora_spec
+from .ranks import TPRanks
 from .refresh import LoadChecks, refresh_loop
 from .slot_reports import AdapterState
 from .slots import SlotManager
@@ -130,7 +130,7 @@ def build_executor(cfg: ExecutorConfig) -> ExecutorParts:
 def _build(cfg: ExecutorConfig, ranks: TPRanks | None, t0: float) -> ExecutorParts:
     # max_loras 0 (automatic): one slot until the KV cache is in place, then as many as fit
     tp, ep = roles(ranks.start(), cfg.ep_size) if ranks is not None else (None, None)
-    model = load_model(cfg.model, cfg.torch_dtype, cfg.device, lora=lora_spec(cfg), tp=tp, ep=ep, quantization=cfg.quantization)
+    model = load_served_model(cfg, cfg.device, tp, ep)
     tokenizer = load_tokenizer(cfg.model, cfg.cache_dir)
     packed = any(m.packed_b for m in lora_modules(model).values())
     parts = build_engine(cfg, model, tokenizer, ranks=ranks)

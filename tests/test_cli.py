@@ -127,8 +127,8 @@ def test_dora_is_off_unless_enable_dora_is_given(monkeypatch):
     """--enable-dora (or LORASERVE_ENABLE_DORA) turns DoRA serving on: the config's enable_dora and
     the slots' LoraSpec.dora."""
     from loraserve.cli import build_parser
+    from loraserve.executor.build import lora_spec
     from loraserve.executor.cli import executor_config
-    from loraserve.executor.ranks import lora_spec
 
     monkeypatch.delenv("LORASERVE_ENABLE_DORA", raising=False)
     for command in ("executor", "up"):
@@ -144,8 +144,8 @@ def test_lora_slots_are_in_dtype_unless_lora_dtype_fp8_is_given(monkeypatch, cap
     """--lora-dtype fp8 (or LORASERVE_LORA_DTYPE) puts the dense layers' slots in FP8: the config's
     lora_dtype and the slots' LoraSpec.fp8; another value is refused by the parser, naming the choices."""
     from loraserve.cli import build_parser
+    from loraserve.executor.build import lora_spec
     from loraserve.executor.cli import executor_config
-    from loraserve.executor.ranks import lora_spec
 
     monkeypatch.delenv("LORASERVE_LORA_DTYPE", raising=False)
     for command in ("executor", "up"):
@@ -164,8 +164,8 @@ def test_trainable_tokens_are_off_unless_enable_trainable_tokens_is_given(monkey
     """--enable-trainable-tokens (or LORASERVE_ENABLE_TRAINABLE_TOKENS) turns trainable-token serving
     on: the config's enable_trainable_tokens and the slots' LoraSpec.trainable_tokens."""
     from loraserve.cli import build_parser
+    from loraserve.executor.build import lora_spec
     from loraserve.executor.cli import executor_config
-    from loraserve.executor.ranks import lora_spec
 
     monkeypatch.delenv("LORASERVE_ENABLE_TRAINABLE_TOKENS", raising=False)
     for command in ("executor", "up"):

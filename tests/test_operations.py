@@ -390,6 +390,10 @@ def test_the_engine_configs_fields_on_the_http_port_while_requests_wait_for_slot
     running, asked, max_lora, _ = lora_info_of(one_sample(idle, ENGINE_CONFIG["loraSpec"]))
     assert one_sample(idle, ENGINE_CONFIG["runningRequestsSpec"]).value == 0
     assert len(running) == 2 and set(running) <= {"qv8", "o2", "mlp4", "all4"} and asked == [] and max_lora == "2"
+    # residency is read anew at each scrape: an adapter that left its slot since is no longer labelled gpu
+    now = [(s.labels["adapter"], s.labels["tier"]) for s in idle["loraserve_executor_adapter_residency"].samples]
+    assert len({name for name, _ in now}) == len(now)  # one series an adapter
+    assert sorted(name for name, tier in now if tier == "gpu") == sorted(running)
 
 
 def lora_info_of(sample) -> tuple[list[str], list[str], str, float]:

@@ -135,14 +135,25 @@ def hf_model(tmp_path_factory):
     return make
 
 
+# The byte tokenizer's ids (tests/conftest.py write_byte_tokenizer): 0..255 are bytes, then <s>,
+# </s>, <pad>; a vocab of 260 (which splits over 2 and 4 tensor-parallel ranks).
+BYTE_BOS, BYTE_EOS, BYTE_PAD, BYTE_VOCAB = 256, 257, 258, 260
+
+
 @pytest.fixture(scope="session")
 def byte_model(hf_model, save_byte_tokenizer):
     """make(family, **config_overrides) -> hf_model's (model, dir) sized for the byte tokenizer (vocab
-    260: bytes, <s> 256, </s> 257, <pad> 258; 512 positions), the tokenizer saved in dir."""
+    BYTE_VOCAB, <s> BYTE_BOS, </s> BYTE_EOS, <pad> BYTE_PAD; 512 positions), the tokenizer saved in dir."""
 
     def make(family: str = "llama", **overrides):
         model, path = hf_model(
-            family, vocab_size=260, bos_token_id=256, eos_token_id=257, pad_token_id=258, max_position_embeddings=512, **overrides
+            family,
+            vocab_size=BYTE_VOCAB,
+            bos_token_id=BYTE_BOS,
+            eos_token_id=BYTE_EOS,
+            pad_token_id=BYTE_PAD,
+            max_position_embeddings=512,
+            **overrides,
         )
         if not (path / "tokenizer.json").exists():
             save_byte_tokenizer(path)
@@ -345,7 +356,6 @@ def device(request):
 # ---- a served byte-tokenizer model over gRPC, checked against its transformers (+ PEFT) oracle ----
 
 LORASERVE = str(Path(sys.executable).parent / "loraserve")
-BYTE_BOS = 256  # the byte tokenizer's <s> (ids 0..255 are bytes)
 
 
 def prompt_ids(i: int) -> list[int]:

@@ -31,6 +31,9 @@ from loraserve.executor.service import build_executor
 from loraserve.executor.slot_layout import LoraSpec
 
 from .conftest import (
+    BYTE_BOS,
+    BYTE_EOS,
+    BYTE_VOCAB,
     LORASERVE,
     TINY_MOE,
     Cluster,
@@ -43,7 +46,6 @@ from .conftest import (
     run_group,
 )
 
-BOS, EOS, VOCAB = 256, 257, 260  # the byte ids of conftest.prompt_ids
 # experts only (PEFT's target_parameters), attention only, one expert projection + dense modules,
 # and the per-expert form of transformers-4 adapters (conftest.MOE_ADAPTERS)
 NAMES = ("experts8", "attn4", "down2", "per_expert6")
@@ -58,7 +60,14 @@ def family(request):
 
 @pytest.fixture(scope="module")
 def base(hf_model, family):
-    return hf_model(family, **TINY_MOE[family], vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, max_position_embeddings=512)
+    return hf_model(
+        family,
+        **TINY_MOE[family],
+        vocab_size=BYTE_VOCAB,
+        bos_token_id=BYTE_BOS,
+        eos_token_id=BYTE_EOS,
+        max_position_embeddings=512,
+    )
 
 
 @pytest.fixture(scope="module")

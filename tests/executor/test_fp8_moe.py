@@ -22,14 +22,22 @@ from loraserve.executor.model.loader import load_model
 from loraserve.executor.parallel import TPGroup
 from loraserve.kernels import fp8_reference
 
-from .conftest import TINY_MOE, Cluster, _hf_classes, check_against_reference, check_bf16_rows, generate, prompt_ids, run_group
+from .conftest import (
+    TINY_MOE,
+    Cluster,
+    _hf_classes,
+    check_against_reference,
+    check_bf16_rows,
+    generate,
+    prompt_ids,
+    run_group,
+)
 from .test_fp8 import QUANTIZED, write_fp8
 from .test_fp8_service import FP8_LOGPROB_TOL
 
 peft = pytest.importorskip("peft")
 
 E4M3 = torch.float8_e4m3fn
-BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
 PROMPT = [5, 17, 99, 3, 42, 7, 200, 31, 64]
 # (family, format, experts fused [E, ...] in the checkpoint, the experts' FP8 values kept as they are).
 # The tests' writer quantizes transformers' expert names only: Mixtral's w1/w3/w2 stay float (quantized at load).
@@ -139,13 +147,10 @@ ADAPTERS = ("experts8", "attn4")  # conftest.MOE_ADAPTERS: experts only, attenti
 
 
 @pytest.fixture(scope="module")
-def served_base(hf_model, save_byte_tokenizer, moe_adapter, tmp_path_factory):
+def served_base(byte_model, save_byte_tokenizer, moe_adapter, tmp_path_factory):
     """(FP8 Qwen2-MoE dir (per-channel experts, shared expert, a dense layer) with the byte tokenizer,
     adapters dir, {adapter: transformers + PEFT on the dequantized weights})."""
-    model, src = hf_model(
-        "qwen2_moe", **TINY_MOE["qwen2_moe"], vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
-        max_position_embeddings=512,
-    )  # fmt: skip
+    model, src = byte_model("qwen2_moe", **TINY_MOE["qwen2_moe"])
     dst = tmp_path_factory.mktemp("fp8-qwen2-moe")
     ref_dir = write_fp8(src, dst, "ct-channel")
     save_byte_tokenizer(dst)

@@ -12,12 +12,18 @@ import json
 import pytest
 import torch
 
-from .conftest import Cluster, check_against_reference, check_bf16_rows, generate, prompt_ids, run_group
+from .conftest import (
+    Cluster,
+    check_against_reference,
+    check_bf16_rows,
+    generate,
+    prompt_ids,
+    run_group,
+)
 from .test_fp8 import write_fp8
 
 peft = pytest.importorskip("peft")
 
-BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
 ADAPTERS = {  # name: (r, alpha, targets)
     "qv8": (8, 16, ("q_proj", "v_proj")),
     "all4": (4, 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
@@ -30,14 +36,11 @@ FP8_LOGPROB_TOL = 0.3
 
 
 @pytest.fixture(scope="module")
-def fp8_base(hf_model, save_byte_tokenizer, tmp_path_factory):
+def fp8_base(byte_model, save_byte_tokenizer, tmp_path_factory):
     """(FP8 checkpoint dir with the byte tokenizer, the transformers model on its dequantized weights)."""
     from transformers import LlamaForCausalLM
 
-    _, src = hf_model(
-        "llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512,
-        intermediate_size=128,
-    )  # fmt: skip
+    _, src = byte_model("llama", intermediate_size=128)
     dst = tmp_path_factory.mktemp("fp8-llama")
     ref_dir = write_fp8(src, dst, "ct-channel")
     save_byte_tokenizer(dst)

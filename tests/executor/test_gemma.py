@@ -23,17 +23,26 @@ from loraserve.executor.model.loader import load_hf_checkpoint
 from loraserve.executor.slot_layout import LoraSpec
 from loraserve.executor.slot_load import load_shard_into_slot
 
-from .conftest import Cluster, check_against_reference, check_bf16_rows, need_cuda_devices, run_group
+from .conftest import (
+    BYTE_BOS,
+    BYTE_EOS,
+    BYTE_PAD,
+    BYTE_VOCAB,
+    Cluster,
+    check_against_reference,
+    check_bf16_rows,
+    need_cuda_devices,
+    run_group,
+)
 from .test_lora import pack_shard
 
 peft = pytest.importorskip("peft")
 
 ATOL = 1e-4  # float32, logits of magnitude ~1-10
-BOS, EOS, PAD, VOCAB = 256, 257, 258, 260  # a byte tokenizer's ids
 TINY = dict(
-    vocab_size=VOCAB, hidden_size=48, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
+    vocab_size=BYTE_VOCAB, hidden_size=48, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1,
-    bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+    bos_token_id=BYTE_BOS, eos_token_id=BYTE_EOS, pad_token_id=BYTE_PAD,
 )  # fmt: skip
 # Gemma 2: windows of 4 on layers 0 and 2, both soft-caps low enough to bite, head_dim 64 != hidden / heads.
 # Gemma 3: windows of 5 on layers 0 and 2, a local RoPE base far from the global one, linear scaling on the global.
@@ -382,7 +391,9 @@ def test_dora_and_trainable_tokens_served_at_tp2_match_transformers_peft(family,
     )  # fmt: skip
     try:
         assert {m.name: m.kind for m in c.store_client().list()} == {"dora": "dora", "dora_tok": "dora+tokens"}
-        jobs = [(name, [BOS, *_prompt(5 + i, 40 + i), 7, 259, 40]) for i, name in enumerate(["dora", "", "dora_tok", "dora_tok"])]
+        jobs = [
+            (name, [BYTE_BOS, *_prompt(5 + i, 40 + i), 7, 259, 40]) for i, name in enumerate(["dora", "", "dora_tok", "dora_tok"])
+        ]
         with cf.ThreadPoolExecutor(len(jobs)) as pool:
             resps = list(pool.map(lambda j: generate(c.client(), *j, 8), jobs))
         for (name, ids), resp in zip(jobs, resps):
@@ -513,7 +524,7 @@ def test_multimodal_gemma3_serves_its_language_model_skipping_the_vision_tower(t
         torch.testing.assert_close(logits, want, atol=ATOL, rtol=1e-4, msg=naming)
     spec = base_model.from_hf_dir(tmp_path / "v4", "gemma3-mm")
     assert spec.module_shape("model.layers.3.self_attn.q_proj") == (48, 4 * 32)
-    assert spec.module_shape("model.layers.0.mlp.down_proj") == (112, 48) and spec.vocab_size == VOCAB
+    assert spec.module_shape("model.layers.0.mlp.down_proj") == (112, 48) and spec.vocab_size == BYTE_VOCAB
 
 
 def test_vision_tensors_beside_a_text_only_config_are_refused(tmp_path):
@@ -613,7 +624,8 @@ def test_multimodal_gemma3_adapters_served_match_transformers_peft(module_loop_t
             for (name, ids), resp in zip(jobs, resps):
                 check_against_reference(refs[name], ids, resp)
         jobs = [
-            (n, [BOS, *_prompt(5 + i, 50 + i), 7, 200, 40]) for i, n in enumerate(["tok-tied", "tok-head", "", "tok-head-v4"])
+            (n, [BYTE_BOS, *_prompt(5 + i, 50 + i), 7, 200, 40])
+            for i, n in enumerate(["tok-tied", "tok-head", "", "tok-head-v4"])
         ]
         with cf.ThreadPoolExecutor(len(jobs)) as pool:
             resps = list(pool.map(lambda j: generate(c.client(), *j, 8), jobs))

@@ -27,7 +27,8 @@ from loraserve.executor.service import build_executor, shutdown
 from loraserve.executor.service import serve as serve_executor
 from loraserve.v1 import executor_pb2 as epb
 
-BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
+from .conftest import BYTE_BOS
+
 BASE = "tiny"  # the base model's name: `model` for no adapter
 TOKEN = "admin-secret"  # guards gRPC admin calls; the HTTP front needs none
 ADAPTERS = {  # name: (r, alpha, targets); "cold" is first used by the store-down test
@@ -92,12 +93,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(module_loop_thread, hf_model, save_byte_tokenizer, tmp_path_factory):
-    model, base_dir = hf_model(
-        "llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512
-    )
-    if not (base_dir / "tokenizer.json").exists():
-        save_byte_tokenizer(base_dir)
+def served(module_loop_thread, byte_model, tmp_path_factory):
+    model, base_dir = byte_model("llama")
     root = tmp_path_factory.mktemp("http-adapters")
     for seed, (name, (r, alpha, targets)) in enumerate(ADAPTERS.items()):
         torch.manual_seed(seed)
@@ -114,7 +111,7 @@ def served(module_loop_thread, hf_model, save_byte_tokenizer, tmp_path_factory):
 
 def prompt_ids(i: int) -> list[int]:
     g = torch.Generator().manual_seed(200 + i)
-    return [BOS] + torch.randint(0, 256, (3 + 2 * i,), generator=g).tolist()
+    return [BYTE_BOS] + torch.randint(0, 256, (3 + 2 * i,), generator=g).tolist()
 
 
 def grpc_generate(served, adapter: str, req: epb.GenerateRequest) -> epb.GenerateResponse:

@@ -125,7 +125,7 @@ def test_fp8_kv_on_a_gpu_without_fp8_is_refused_at_start(hf_model, monkeypatch):
 
     _, path = hf_model("llama")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
-    monkeypatch.setattr(service, "load_model", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
+    monkeypatch.setattr(service, "load_served_model", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
     cfg = ExecutorConfig(model=str(path), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=64)
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8 needs a GPU with FP8 conversions: cuda is compute capability 8.0"):
         service.build_executor(cfg)

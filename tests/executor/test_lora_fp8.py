@@ -31,6 +31,9 @@ from loraserve.executor.lora import LinearWithLoRA, lora_modules
 from loraserve.kernels import reference
 
 from .conftest import (
+    BYTE_BOS,
+    BYTE_EOS,
+    BYTE_VOCAB,
     Cluster,
     check_against_reference,
     check_bf16_rows,
@@ -43,7 +46,6 @@ from .conftest import (
 
 FP8_LOGPROB_BOUND = 0.1  # max |logprob(FP8 slots) - logprob(float32 adapter)| over every generated token
 FP8_MOE_BOUND = 0.15  # the MoE test's adapters (conftest.MOE_ADAPTERS, B drawn with std 0.2): it saw 0.071
-BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
 ATTN, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
 ADAPTERS = {  # name: (r, alpha, targets, use_dora)
     "all8": (8, 16, ATTN + MLP, False),
@@ -330,7 +332,7 @@ def test_fp8_slots_with_float32_on_cuda_are_refused_at_start(llama, monkeypatch)
     from loraserve.executor import service
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(service, "load_model", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
+    monkeypatch.setattr(service, "load_served_model", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
     cfg = ExecutorConfig(model=str(llama[1]), device="cuda", dtype="float32", lora_dtype="fp8", max_model_len=64)
     with pytest.raises(ValueError) as err:
         service.build_executor(cfg)
@@ -371,8 +373,8 @@ def test_moe_expert_slots_stay_in_the_adapter_dtype_beside_fp8_dense_slots(hf_mo
 
     from .conftest import TINY_MOE
 
-    model, path = hf_model("qwen2_moe", **TINY_MOE["qwen2_moe"], vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS,
-                           max_position_embeddings=256)  # fmt: skip
+    model, path = hf_model("qwen2_moe", **TINY_MOE["qwen2_moe"], vocab_size=BYTE_VOCAB, bos_token_id=BYTE_BOS,
+                           eos_token_id=BYTE_EOS, max_position_embeddings=256)  # fmt: skip
     root = tmp_path / "adapters"
     refs = {"": model}
     for name in MOE_NAMES:
@@ -427,7 +429,7 @@ def test_trainable_token_rows_stay_in_the_adapter_dtype_beside_fp8_slots(llama, 
     c = fp8_cluster(module_loop_thread, llama, root, tmp_path / "store", names=configs, enable_trainable_tokens=True)
     try:
         client = c.client()
-        jobs = [(name, [BOS, 65, 5, 17, 66, 200, 67 + i]) for i, name in enumerate(["alone", "lora_tok", ""])]
+        jobs = [(name, [BYTE_BOS, 65, 5, 17, 66, 200, 67 + i]) for i, name in enumerate(["alone", "lora_tok", ""])]
         resps = [generate(client, name, ids) for name, ids in jobs]
         check_bf16_rows(refs, jobs, resps, tol=FP8_LOGPROB_BOUND)
         for (name, ids), resp in zip(jobs, resps):

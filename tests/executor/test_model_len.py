@@ -20,14 +20,15 @@ from loraserve.executor.model.config import ModelConfig
 from loraserve.executor.service import build_executor, serve, shutdown
 from loraserve.v1 import executor_pb2 as epb
 
+from .conftest import BYTE_BOS, BYTE_VOCAB
+
 LORASERVE = str(Path(sys.executable).parent / "loraserve")
-BOS, VOCAB = 256, 260
 
 
 @pytest.fixture(scope="module")
 def model_512(hf_model):
     """A tiny Llama trained (by its config) for 512 positions, without an EOS (every request runs to its length)."""
-    _, path = hf_model("llama", vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=None, max_position_embeddings=512)
+    _, path = hf_model("llama", vocab_size=BYTE_VOCAB, bos_token_id=BYTE_BOS, eos_token_id=None, max_position_embeddings=512)
     return path
 
 
@@ -77,7 +78,7 @@ class Executor:
 
 
 def prompt(n: int) -> list[int]:
-    return [BOS] + [i % 250 for i in range(n - 1)]
+    return [BYTE_BOS] + [i % 250 for i in range(n - 1)]
 
 
 def test_max_model_len_defaults_to_the_models_positions_and_longer_requests_are_refused(loop_thread, model_512):
@@ -145,7 +146,7 @@ def test_rope_scaling_that_covers_it_lets_a_larger_max_model_len_serve(loop_thre
         ex.close()
 
 
-HF = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4)
+HF = dict(vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4)
 
 
 @pytest.mark.parametrize(

@@ -25,9 +25,8 @@ from loraserve.executor.service import build_executor, shutdown
 from loraserve.executor.service import serve as serve_executor
 from loraserve.v1 import executor_pb2 as epb
 
-from .conftest import TINY_MOE, merge_per_expert_adapter
+from .conftest import BYTE_BOS, BYTE_EOS, BYTE_VOCAB, TINY_MOE, merge_per_expert_adapter
 
-BOS, EOS, VOCAB = 256, 257, 260
 NAMES = ("experts8", "attn4", "down2", "per_expert6")
 
 
@@ -39,7 +38,7 @@ def family(request):
 @pytest.fixture(scope="module")
 def served(family, device, hf_model, moe_adapter, tmp_path_factory, module_loop_thread):
     """(store client, executor client, {name: oracle}) over one store + executor for the module's family."""
-    model, path = hf_model(family, **TINY_MOE[family], vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS,
+    model, path = hf_model(family, **TINY_MOE[family], vocab_size=BYTE_VOCAB, bos_token_id=BYTE_BOS, eos_token_id=BYTE_EOS,
                            max_position_embeddings=256)  # fmt: skip
     root = tmp_path_factory.mktemp(f"moe-served-{family}-{device}")
     refs = {"": model}
@@ -91,7 +90,7 @@ def _generate(client, adapter, ids, max_tokens=6):
 
 def _prompt(i: int) -> list[int]:
     g = torch.Generator().manual_seed(300 + i)
-    return [BOS] + torch.randint(0, 256, (4 + 2 * i,), generator=g).tolist()
+    return [BYTE_BOS] + torch.randint(0, 256, (4 + 2 * i,), generator=g).tolist()
 
 
 def test_mixed_moe_batches_over_grpc_match_transformers_peft(served):
@@ -122,7 +121,7 @@ def test_bf16_moe_decode_replays_cuda_graphs_like_the_eager_steps(served, family
     if device != "cuda":
         pytest.skip("the CUDA run of the module's services only (its adapters are reused)")
     _, _, _, root = served
-    _, path = hf_model(family, **TINY_MOE[family], vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS,
+    _, path = hf_model(family, **TINY_MOE[family], vocab_size=BYTE_VOCAB, bos_token_id=BYTE_BOS, eos_token_id=BYTE_EOS,
                        max_position_embeddings=256)  # fmt: skip
     group = ["experts8", "attn4", "", "down2", "experts8"]
     out = {}

@@ -29,7 +29,6 @@ from loraserve.v1 import executor_pb2 as epb
 
 from .conftest import check_against_reference, check_bf16_rows, generate, prompt_ids, save_lora_adapters
 
-BOS, EOS, PAD, VOCAB = 256, 257, 258, 260
 ADAPTERS = {  # name: (r, alpha, targets, rslora)
     "qv8": (8, 16, ("q_proj", "v_proj"), False),
     "all4": (4, 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False),

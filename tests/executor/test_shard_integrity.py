@@ -33,7 +33,8 @@ from loraserve.v1 import adapter_store_pb2 as spb
 from loraserve.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraserve.v1 import executor_pb2 as epb
 
-BOS = 256
+from .conftest import BYTE_BOS
+
 ADAPTER = "qv8"
 
 
@@ -171,7 +172,7 @@ def test_python_client_refuses_a_damaged_stream_with_data_loss(honest_after, mod
 def test_executor_never_puts_a_damaged_shard_in_a_slot(honest_after, tiny_chat_llama, chat_adapters):
     setup = honest_after
     total = shard_bytes(setup)
-    prompt = [BOS, 72, 105, 33, 10]
+    prompt = [BYTE_BOS, 72, 105, 33, 10]
     request = epb.GenerateRequest(
         adapter=ADAPTER, token_ids=epb.TokenIds(ids=prompt), sampling=epb.SamplingParams(max_tokens=6), return_logprobs=True
     )

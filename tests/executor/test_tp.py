@@ -47,7 +47,6 @@ CASES = {
     "qwen2-tp2": ("qwen2", 2, False, dict(tie_word_embeddings=True)),
     "qwen2-tp4-fully-sharded": ("qwen2", 4, True, dict(tie_word_embeddings=True)),
 }
-BOS, EOS, PAD, VOCAB = 256, 257, 258, 260  # a byte tokenizer's ids; 260 splits over 2 and 4 ranks
 ADAPTERS = {  # name: (r, alpha, targets, rslora)
     "qv8": (8, 16, ("q_proj", "v_proj"), False),
     "all4": (4, 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False),

@@ -16,7 +16,7 @@ import torch
 
 from loraserve.errors import StatusError
 
-from .conftest import Cluster, check_against_reference, generate
+from .conftest import BYTE_BOS, Cluster, check_against_reference, generate
 
 CASES = {"llama-tp1": ("llama", 1, {}), "qwen2-tp2": ("qwen2", 2, dict(tie_word_embeddings=True))}
 # trainable tokens alone, TrainableTokensConfig fields per case: the untied Llama's embedding with its
@@ -29,7 +29,6 @@ ALONE = {
     },
     "qwen2-tp2": {"alone": dict(token_indices=[17, 200, 259]), "alone2": dict(target_modules=["lm_head"], token_indices=[5, 42])},
 }
-BOS = 256  # the byte tokenizer's <s>
 TOKENS = [5, 17, 200, 259]  # 259: past the byte tokenizer's ids, as a chat format's new token is
 ADAPTERS = {  # name: LoraConfig fields
     "tok": dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], trainable_token_indices=TOKENS),
@@ -109,7 +108,7 @@ def references(base, alone, adapter_dirs):
 def prompt(i: int) -> list[int]:
     """Bytes with the trainable tokens among them."""
     g = torch.Generator().manual_seed(200 + i)
-    return [BOS, *torch.randint(0, 256, (3 + i,), generator=g).tolist(), 5, 17, 259, 42, 200]
+    return [BYTE_BOS, *torch.randint(0, 256, (3 + i,), generator=g).tolist(), 5, 17, 259, 42, 200]
 
 
 def test_token_rows_match_transformers_peft_in_mixed_batches_across_slots(
