@@ -15,7 +15,8 @@ Each LinearWithLoRA with slots made with DoRA keeps
 
 and, when row-parallel under TP (each rank holds 1/tp of the input dim), dora_m and dora_sq
 [max_loras, N] float32: m and this rank's partial sum of squares. The norm is computed in one
-pass over the slot's weight on its device as the shard is loaded (`load`); a column-parallel
+pass over the layer's weight on its device as the shard is loaded (`load`, through
+kernels.dora_norm: on CUDA one Triton launch per slice, writing g itself); a column-parallel
 layer's rows are whole on every rank, so g is final then. A row-parallel layer's partial sums are
 summed over the ranks by `reduce_pending` at the first step that uses the slot: rank 0 names the
 slots to reduce in the step (StepInputs.dora_reduce, from `take_pending`), so every rank meets in
@@ -26,16 +27,18 @@ one multiply-add over the layer's [T, N] output (bias added after the scale, as 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from loraserve import kernels
 
 from .slot_layout import DORA_SCALES, register_slot_buffer
 
 SUFFIX = ".dora_m"
 _PENDING_ATTR = "_dora_pending"  # rank 0's model: slots whose row-parallel norms await their reduce
 _LOCK = threading.Lock()
-_BLOCK = 1 << 24  # float32 elements of W + B A worked on at once (64 MiB)
 
 
 def create(m: nn.Module, max_loras: int) -> None:
@@ -90,10 +93,19 @@ def check(modules: dict[str, nn.Module], tensors: dict, magnitudes: dict[str, to
             raise ValueError(f"{name}{SUFFIX}: shape {tuple(vec.shape)}, the layer has {m.dora_scale.shape[1]} output rows")
 
 
-def load(model: nn.Module, modules: dict[str, nn.Module], slot: int, tensors: dict, magnitudes: dict[str, torch.Tensor]) -> None:
+def load(
+    model: nn.Module,
+    modules: dict[str, nn.Module],
+    slot: int,
+    tensors: dict,
+    magnitudes: dict[str, torch.Tensor],
+    on_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
     """Sets `slot`'s scale in every dense LoRA layer, after its A and B were written: g from the
-    shard's magnitudes (the norm over the layer's weight on its device), 1 where it has none.
-    Row-parallel layers under TP keep m and their partial sums and leave g to `reduce_pending`."""
+    shard's magnitudes (the norm over the layer's weight on its device: kernels.dora_norm, one pass
+    over it), 1 where it has none. Row-parallel layers under TP keep m and their partial sums and
+    leave g to `reduce_pending`. on_device: one of the shard's tensors on the layers' device (the
+    staged copy of its bytes, slot_load.py); by default copied there."""
     pending = False
     for name, m in modules.items():
         if getattr(m, "dora_scale", None) is None:
@@ -103,18 +115,23 @@ def load(model: nn.Module, modules: dict[str, nn.Module], slot: int, tensors: di
             if m.dora_slots[slot]:
                 _reset(m, slot)
             continue
-        vec = vec.to(m.dora_scale.device, torch.float32)
-        sq = _row_squares(m, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"])
+        dev = m.dora_scale.device
+        vec, a, b = ((on_device or _copied(dev))(t) for t in (vec, tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"]))
+        vec, scale = vec.float(), getattr(m, "weight_scale", None)
         if m.dora_m is not None:
             m.dora_m[slot].copy_(vec)
-            m.dora_sq[slot].copy_(sq)
+            kernels.dora_norm(m.weight, scale, a, b, m.slice_offsets, vec, sq_out=m.dora_sq[slot])
             pending = True
         else:
-            m.dora_scale[slot].copy_(_scale(vec, sq))
+            kernels.dora_norm(m.weight, scale, a, b, m.slice_offsets, vec, scale_out=m.dora_scale[slot])
         m.dora_slots[slot] = True
     if pending:
         with _LOCK:
             model.__dict__.setdefault(_PENDING_ATTR, set()).add(slot)
+
+
+def _copied(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t.to(device, non_blocking=True)
 
 
 def clear(modules, slot: int) -> None:
@@ -129,25 +146,6 @@ def _reset(m: nn.Module, slot: int) -> None:
     if m.dora_m is not None:
         m.dora_m[slot].fill_(float("nan"))
     m.dora_slots[slot] = False
-
-
-def _row_squares(m: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Sum over this rank's input columns of (W + B A)^2, per output row, in float32: [N].
-    a: [S, r, in], b: [N, r] (scaled), as the shard has them. W is the layer's real weight: an FP8
-    layer's float8 values times their per-row `weight_scale`."""
-    dev, scale = m.weight.device, getattr(m, "weight_scale", None)
-    a, b = a.to(dev, torch.float32), b.to(dev, torch.float32)
-    out = torch.empty(m.weight.shape[0], dtype=torch.float32, device=dev)
-    step = max(1, _BLOCK // m.weight.shape[1])  # rows at a time: a bounded float32 temporary
-    for s in range(len(m.output_sizes)):
-        for lo in range(m.slice_offsets[s], m.slice_offsets[s + 1], step):
-            hi = min(lo + step, m.slice_offsets[s + 1])
-            w = m.weight[lo:hi].float()  # float() of float32 is W itself: addmm below is out of place
-            if scale is not None:
-                w = w * scale[lo:hi, None]  # FP8: the dequantized rows
-            w = torch.addmm(w, b[lo:hi], a[s])
-            out[lo:hi] = w.square().sum(1)
-    return out
 
 
 def _scale(vec: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:

@@ -193,6 +193,20 @@ def _staged(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.d
     return dev.view(dtype)
 
 
+def _staged_views(staged: torch.Tensor | None, lo: int, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One of the shard's host tensors -> its bytes in `staged` (the shard's span from host address lo,
+    on the device) where they lie inside it, else a copy queued there."""
+    raw = staged.view(torch.uint8) if staged is not None else None
+
+    def view(t: torch.Tensor) -> torch.Tensor:
+        start, size = t.data_ptr() - lo, t.numel() * t.element_size()
+        if raw is not None and t.is_contiguous() and 0 <= start and start + size <= raw.numel() and start % t.element_size() == 0:
+            return raw[start : start + size].view(t.dtype).view(t.shape)
+        return t.to(device, non_blocking=True)
+
+    return view
+
+
 def _planned(model: nn.Module, key: LayoutKey):
     """(targets, layout) of a layout already planned for `model`'s CUDA slot buffers (no check that
     they are current: what a caller does with them stays valid for any buffers of that device; their
@@ -408,7 +422,7 @@ def load_shard_into_slot(
         writes.flush()
     for ranks, r in layout.ranks:
         ranks[slot] = r
-    dora.load(model, targets.modules, slot, tensors, magnitudes)
+    dora.load(model, targets.modules, slot, tensors, magnitudes, _staged_views(staged, lo, targets.device) if scattered else None)
     if rows is not None:
         rows.load(slot, tokens)
     return layout.max_rank

@@ -11,7 +11,7 @@ import importlib
 
 import torch
 
-from . import attention_reference, copy_reference, fp8_reference, moe_reference, ops_reference, reference
+from . import attention_reference, copy_reference, dora_reference, fp8_reference, moe_reference, ops_reference, reference
 from .meta import LoraMeta, make_lora_meta
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "fp8_linear",
     "greedy",
     "slot_scatter",
+    "dora_norm",
 ]
 
 _CUDA_MODULES: dict[str, object] = {}  # fast-path module name -> the module (or its reference)
@@ -78,6 +79,13 @@ def lora_expand(
 
 def lora_embedding_shrink(token_ids, lora_a, meta: LoraMeta, out=None):
     return _impl(lora_a).lora_embedding_shrink(token_ids, lora_a, meta, out)
+
+
+def dora_norm(weight, weight_scale, a, b, offsets, magnitude, scale_out=None, sq_out=None) -> None:
+    """DoRA's per-slot output scale (or a row-parallel layer's partial sums) from a layer's weight and
+    an adapter's A and B: see kernels/dora_reference.py for the math and shapes."""
+    impl = _on_device(weight, "triton_dora", dora_reference)
+    impl.dora_norm(weight, weight_scale, a, b, offsets, magnitude, scale_out, sq_out)
 
 
 def moe_route(router_logits, top_k: int, renormalize: bool):

@@ -330,13 +330,13 @@ def test_slots_made_without_dora_hold_no_scale_and_refuse_a_dora_shard(slot_setu
 
 def test_the_norm_worked_out_in_row_blocks_equals_one_pass(slot_setup, monkeypatch):
     """The load's norm pass bounds its float32 temporary by working on blocks of rows."""
-    from loraserve.executor import dora
     from loraserve.executor.slot_load import load_shard_into_slot
+    from loraserve.kernels import dora_reference
 
     path, spec, adapters = slot_setup
     whole = _served(path, spec, False)
     load_shard_into_slot(whole, 0, adapters["dora16rs"][1])
-    monkeypatch.setattr(dora, "_BLOCK", 3 * 64)  # a few rows at a time
+    monkeypatch.setattr(dora_reference, "_BLOCK", 3 * 64)  # a few rows at a time
     blocks = _served(path, spec, False)
     load_shard_into_slot(blocks, 0, adapters["dora16rs"][1])
     fresh = _served(path, spec, False)
