@@ -749,6 +749,47 @@ async def test_prefix_caching_keeps_greedy_outputs_of_the_base_model_and_adapter
     assert engine._cache_seed("a1", "") is None  # a version without a content digest is never cached
 
 
+async def test_a_prompt_cached_but_its_last_token_runs_as_a_decode_row_with_the_outputs_of_caching_off(tiny, make_engine):
+    """A prompt whose full blocks are cached and one token is left computes that token alone at
+    its last position: its first step is decode-shaped (batch.step_kind: one query token a
+    sequence), a step a decode graph replays where the engine has graphs. Its tokens and logprobs
+    (greedy, base model and adapter, and seeded sampling), alone and beside other requests, are
+    those of caching off."""
+    _, model = tiny
+    store = Store(model, ["a1"])
+
+    def req(prompt, adapter="", sampling=None):
+        sampling = sampling or SamplingParams(max_tokens=5)
+        return GenerationRequest(prompt_token_ids=prompt, adapter=adapter, sampling=sampling, return_logprobs=True)
+
+    cases = [(SYSTEM, ""), (SYSTEM, "a1"), (SYSTEM, "", SamplingParams(temperature=1.0, max_tokens=5, seed=7))]
+    others = [(_prompt(9, 41), ""), (_prompt(6, 42), "a1"), (SYSTEM + _prompt(5, 44), "a1")]
+    results = {}
+    for caching in (False, True):
+        engine = make_engine(store=store, prefix_caching=caching)
+        for adapter in ("", "a1"):  # files SYSTEM's 3 full blocks under both chains (caching on)
+            await _collect(engine, req(SYSTEM + _prompt(2, 43), adapter))
+        alone = []
+        for case in cases:
+            before = len(engine.step_times)
+            alone.append(await _collect(engine, req(*case)))
+            first = engine.step_times[before]
+            if caching:  # 12 of 13 prompt tokens cached: one token at position 12, as a decode row
+                assert (first.num_seqs, first.num_tokens) == (1, 1)
+                assert first.kind == ("decode-graph" if engine.graphs is not None else "decode")
+            else:
+                assert (first.num_tokens, first.kind) == (13, "mixed")
+        together = await asyncio.gather(*(_collect(engine, req(*c)) for c in cases + others))
+        results[caching] = alone + together
+        assert [outs[-1].cached_tokens for _, _, outs in alone] == [12 if caching else 0] * 3
+        assert [outs[-1].cached_tokens for _, _, outs in together] == ([12, 12, 12, 0, 0, 12] if caching else [0] * 6)
+        _assert_idle(engine)
+        await engine.stop()  # the engines share the model's slot buffers: one at a time
+    for (ids, _, outs), (want_ids, _, want_outs) in zip(results[True], results[False]):
+        assert ids == want_ids
+        assert [lp for o in outs for lp in o.logprobs] == pytest.approx([lp for o in want_outs for lp in o.logprobs], abs=1e-5)
+
+
 async def test_prefix_caching_under_eviction_and_preemption_keeps_outputs(tiny, make_engine, caplog):
     ref_model, model = tiny
     # 16 blocks of 4: six 10 + 8 token sequences at once preempt; 12 prefixes cannot all stay cached.
