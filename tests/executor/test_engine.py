@@ -790,6 +790,25 @@ async def test_a_prompt_cached_but_its_last_token_runs_as_a_decode_row_with_the_
         assert [lp for o in outs for lp in o.logprobs] == pytest.approx([lp for o in want_outs for lp in o.logprobs], abs=1e-5)
 
 
+async def test_admission_pacing_admits_a_request_cached_but_for_its_last_token_at_once(tiny, make_engine):
+    """Pacing holds a request that needs a prefill (test_admission_pacing_holds_a_late_request_back...);
+    one whose prompt is cached but for its last token joins the decoding batch as a decode row at once."""
+    ref_model, _ = tiny
+    engine = make_engine(admit_ratio=0.5, max_admit_delay_steps=16)
+    await _collect(engine, _greedy(SYSTEM, 1))  # files SYSTEM's 3 full blocks
+    prompts = [_prompt(n, seed) for seed, n in enumerate([5, 7, 6, 8])]
+    first = [asyncio.ensure_future(_collect(engine, _greedy(p, 24))) for p in prompts]
+    while not (len(engine.scheduler.running) == 4 and all(s.num_uncomputed <= 1 for s in engine.scheduler.running)):
+        await asyncio.sleep(0.001)  # all four decode now
+    late = SYSTEM[:12] + _prompt(1, 45)
+    ids, _, outs = await _collect(engine, _greedy(late, 6))  # 1 ready < 0.5 x 4 running, but a decode row
+    assert ids == _hf_greedy(ref_model, late, 6)[0] and outs[-1].cached_tokens == 12
+    assert engine.scheduler.deferred_steps == 0
+    for prompt, (ids, _, _) in zip(prompts, await asyncio.gather(*first)):
+        assert ids == _hf_greedy(ref_model, prompt, 24)[0]
+    _assert_idle(engine)
+
+
 async def test_prefix_caching_under_eviction_and_preemption_keeps_outputs(tiny, make_engine, caplog):
     ref_model, model = tiny
     # 16 blocks of 4: six 10 + 8 token sequences at once preempt; 12 prefixes cannot all stay cached.
