@@ -72,7 +72,8 @@ class ExecutorConfig:
     # Admission pacing (executor/engine/scheduler.py), CUDA graphs only: while every running
     # sequence decodes, ready requests wait until those with a free seat number admit_ratio x the
     # running ones or the hold has lasted max_admit_delay_steps steps, so that one eager (prefill) step admits
-    # them all instead of one eager step each. admit_ratio 0: admit each at once.
+    # them all instead of one eager step each (a request whose prompt is cached but for its last token is
+    # no prefill: admitted at once). admit_ratio 0: admit each at once.
     admit_ratio: float = 0.125
     max_admit_delay_steps: int = 16
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying CUDA graphs

@@ -15,7 +15,10 @@ running sequence decodes, ready requests wait until those that fit (ready, and s
 `admit_ratio` x the running ones, or the hold has lasted `max_admit_delay` steps (the clock starts
 when a hold starts and stops at every admission, so a backlog does not use it up); then they are
 admitted together, one eager step for all of them. Decode steps run a little smaller meanwhile (decode is bound by reading the
-weights, so a step of 56 costs about what one of 64 does).
+weights, so a step of 56 costs about what one of 64 does). A request whose prompt is cached but for
+its last token (prefix caching, below) is admitted even while a hold lasts, where the batch stays
+within the largest graph: it adds one decode row, so the step stays a decode step (`_decode_row`);
+its admission leaves the hold's clock running.
 
 Prefix caching (prefix_cache.py), for sequences that carry a key chain seed: an admitted
 sequence first takes the longest run of its full blocks that the allocator has cached (held by
@@ -169,8 +172,8 @@ class Scheduler:
         """The next step: running sequences first, then (if admit) waiting ones, unless admission
         pacing holds them back (`admits_now`)."""
         self.steps += 1
-        if self.admit_ratio > 0 and self._pacing_holds():  # (a step planned ahead counts too)
-            admit = False
+        holding = self.admit_ratio > 0 and self._pacing_holds()  # (a step planned ahead counts too)
+        if holding:
             self.deferred_steps += 1
         plan = SchedulePlan(seqs=[], failed=[], preempted=[])
         budget = self.max_num_batched_tokens
@@ -206,7 +209,7 @@ class Scheduler:
         for seq in list(self.waiting) if admit else ():
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if seq in plan.preempted or not seq.is_ready():
+            if seq in plan.preempted or (holding and not self._decode_row(seq)) or not seq.is_ready():
                 continue
             n = self._take_blocks(seq, budget)
             if n is None:
@@ -215,14 +218,26 @@ class Scheduler:
             self.running.append(seq)
             plan.seqs.append(self._plan_one(seq, n))
             budget -= n
-            self._hold_since = None  # an admission ends the hold
+            if not holding:
+                self._hold_since = None  # an admission ends the hold
         return plan
 
     def admits_now(self) -> bool:
         """Whether the next step would admit a request (one is ready, there is room, no pacing holds it)."""
         if len(self.running) >= self.max_num_seqs or not any(seq.is_ready() for seq in self.waiting):
             return False
-        return not (self.admit_ratio > 0 and self._pacing_holds(peek=True))
+        if not (self.admit_ratio > 0 and self._pacing_holds(peek=True)):
+            return True
+        return any(self._decode_row(seq) and seq.is_ready() for seq in self.waiting)
+
+    def _decode_row(self, seq: Sequence) -> bool:
+        """Admitting waiting `seq` now adds one decode row to a batch of decoding sequences that stays
+        within the largest graph (`pace_max_running`): its prompt is cached but for its last token."""
+        if len(self.running) >= self.pace_max_running or (len(seq.token_ids) - 1) % self.block_size:
+            return False  # (only a sequence one token past a block boundary can be one: no keys made for others)
+        if self._passes_long_rope(seq):  # its admission changes its key chain (`_go_long`): not looked up before
+            return False
+        return len(self._cached_prefix(seq)) * self.block_size == len(seq.token_ids) - 1
 
     def _pacing_holds(self, peek: bool = False) -> bool:
         """Admission pacing (module doc) holds the ready requests back this step. Starts the hold's
@@ -232,11 +247,11 @@ class Scheduler:
             seq.num_uncomputed > 1 for seq in self.running
         ):
             return False  # an idle batch, one too large for a graph, or a prefill step anyway: admit
-        fit = 0  # ready requests the batch has seats for
+        fit = 0  # ready requests the batch has seats for, but those admitted as decode rows (`_decode_row`)
         for seq in self.waiting:
             if fit >= free:
                 break
-            fit += bool(seq.is_ready())
+            fit += not self._decode_row(seq) and bool(seq.is_ready())
         if fit == 0:
             if not peek:
                 self._hold_since = None  # nobody held

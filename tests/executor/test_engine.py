@@ -749,6 +749,66 @@ async def test_prefix_caching_keeps_greedy_outputs_of_the_base_model_and_adapter
     assert engine._cache_seed("a1", "") is None  # a version without a content digest is never cached
 
 
+async def test_a_prompt_cached_but_its_last_token_runs_as_a_decode_row_with_the_outputs_of_caching_off(tiny, make_engine):
+    """A prompt whose full blocks are cached and one token is left computes that token alone at
+    its last position: its first step is decode-shaped (batch.step_kind: one query token a
+    sequence), a step a decode graph replays where the engine has graphs. Its tokens and logprobs
+    (greedy, base model and adapter, and seeded sampling), alone and beside other requests, are
+    those of caching off."""
+    _, model = tiny
+    store = Store(model, ["a1"])
+
+    def req(prompt, adapter="", sampling=None):
+        sampling = sampling or SamplingParams(max_tokens=5)
+        return GenerationRequest(prompt_token_ids=prompt, adapter=adapter, sampling=sampling, return_logprobs=True)
+
+    cases = [(SYSTEM, ""), (SYSTEM, "a1"), (SYSTEM, "", SamplingParams(temperature=1.0, max_tokens=5, seed=7))]
+    others = [(_prompt(9, 41), ""), (_prompt(6, 42), "a1"), (SYSTEM + _prompt(5, 44), "a1")]
+    results = {}
+    for caching in (False, True):
+        engine = make_engine(store=store, prefix_caching=caching)
+        for adapter in ("", "a1"):  # files SYSTEM's 3 full blocks under both chains (caching on)
+            await _collect(engine, req(SYSTEM + _prompt(2, 43), adapter))
+        alone = []
+        for case in cases:
+            before = len(engine.step_times)
+            alone.append(await _collect(engine, req(*case)))
+            first = engine.step_times[before]
+            if caching:  # 12 of 13 prompt tokens cached: one token at position 12, as a decode row
+                assert (first.num_seqs, first.num_tokens) == (1, 1)
+                assert first.kind == ("decode-graph" if engine.graphs is not None else "decode")
+            else:
+                assert (first.num_tokens, first.kind) == (13, "mixed")
+        together = await asyncio.gather(*(_collect(engine, req(*c)) for c in cases + others))
+        results[caching] = alone + together
+        assert [outs[-1].cached_tokens for _, _, outs in alone] == [12 if caching else 0] * 3
+        assert [outs[-1].cached_tokens for _, _, outs in together] == ([12, 12, 12, 0, 0, 12] if caching else [0] * 6)
+        _assert_idle(engine)
+        await engine.stop()  # the engines share the model's slot buffers: one at a time
+    for (ids, _, outs), (want_ids, _, want_outs) in zip(results[True], results[False]):
+        assert ids == want_ids
+        assert [lp for o in outs for lp in o.logprobs] == pytest.approx([lp for o in want_outs for lp in o.logprobs], abs=1e-5)
+
+
+async def test_admission_pacing_admits_a_request_cached_but_for_its_last_token_at_once(tiny, make_engine):
+    """Pacing holds a request that needs a prefill (test_admission_pacing_holds_a_late_request_back...);
+    one whose prompt is cached but for its last token joins the decoding batch as a decode row at once."""
+    ref_model, _ = tiny
+    engine = make_engine(admit_ratio=0.5, max_admit_delay_steps=16)
+    await _collect(engine, _greedy(SYSTEM, 1))  # files SYSTEM's 3 full blocks
+    prompts = [_prompt(n, seed) for seed, n in enumerate([5, 7, 6, 8])]
+    first = [asyncio.ensure_future(_collect(engine, _greedy(p, 24))) for p in prompts]
+    while not (len(engine.scheduler.running) == 4 and all(s.num_uncomputed <= 1 for s in engine.scheduler.running)):
+        await asyncio.sleep(0.001)  # all four decode now
+    late = SYSTEM[:12] + _prompt(1, 45)
+    ids, _, outs = await _collect(engine, _greedy(late, 6))  # 1 ready < 0.5 x 4 running, but a decode row
+    assert ids == _hf_greedy(ref_model, late, 6)[0] and outs[-1].cached_tokens == 12
+    assert engine.scheduler.deferred_steps == 0
+    for prompt, (ids, _, _) in zip(prompts, await asyncio.gather(*first)):
+        assert ids == _hf_greedy(ref_model, prompt, 24)[0]
+    _assert_idle(engine)
+
+
 async def test_prefix_caching_under_eviction_and_preemption_keeps_outputs(tiny, make_engine, caplog):
     ref_model, model = tiny
     # 16 blocks of 4: six 10 + 8 token sequences at once preempt; 12 prefixes cannot all stay cached.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 from loraserve.executor.engine.kv_cache import BlockAllocator
+from loraserve.executor.engine.prefix_cache import KVFormat, chain_seed
 from loraserve.executor.engine.scheduler import Scheduler, Sequence
 
 BLOCK = 4
@@ -247,6 +248,42 @@ def test_admission_pacing_waits_for_free_seats_not_for_the_backlog():
         sched.finish(seq)  # four seats: 4 >= 0.25 x 12, four admitted in one step
     assert [s.seq for s in _step(sched).seqs] == running[4:] + backlog[:4]
     assert sched.deferred_steps == 1
+
+
+def test_admission_pacing_admits_at_once_a_request_cached_but_for_its_last_token():
+    """Its admission adds one decode row (one token at its last position), so the step stays a
+    decode step: pacing holds it back only where the batch is at the largest graph. A request that
+    needs a prefill is still held, its hold's clock running."""
+    seed = chain_seed(KVFormat("llama", "tiny", "bfloat16", "bfloat16", "bfloat16", "bfloat16", BLOCK))
+    sched = _scheduler(max_num_seqs=16, max_tokens=64)
+    sched.admit_ratio, sched.max_admit_delay = 0.5, 3
+    prompt = list(range(1, 14))  # 3 full blocks of 4 and a token
+    first = Sequence(next(_ids), list(prompt), 13, cache_seed=seed)
+    sched.add(first)
+    sched.cache_computed(sched.schedule())
+    sched.finish(first)  # its 3 full blocks stay cached
+    running = _decoding(sched, 8)
+
+    def cached() -> Sequence:
+        return Sequence(next(_ids), prompt[:12] + [99], 13, cache_seed=seed)
+
+    held, late = _seq(5), cached()
+    sched.add(held)
+    sched.add(late)
+    assert sched.admits_now()
+    plan = _step(sched)  # held: 1 ready to prefill < 0.5 x 8 running; late: a decode row, admitted
+    assert [(s.seq, s.context_len, s.num_tokens) for s in plan.seqs] == [(s, 3, 1) for s in running] + [(late, 12, 1)]
+    assert sched.deferred_steps == 1 and not sched.admits_now()
+    sched.pace_max_running = 9  # 9 running: the largest graph is full, one more row would decode eagerly
+    at_max = cached()
+    sched.add(at_max)
+    assert not sched.admits_now()
+    assert at_max not in [s.seq for s in _step(sched).seqs] and sched.deferred_steps == 2
+    sched.pace_max_running = 16
+    seqs = [s.seq for s in _step(sched).seqs]  # the hold's 3rd step: at_max admitted, held still waits
+    assert at_max in seqs and held not in seqs and sched.deferred_steps == 3
+    seqs = [s.seq for s in _step(sched).seqs]  # admissions of decode rows did not restart the clock
+    assert held in seqs and sched.deferred_steps == 3
 
 
 def test_longrope_sequence_past_the_original_length_is_recomputed_once_under_its_own_key_chain():
