@@ -441,8 +441,8 @@ def test_prefetch_flags_describe_the_layout_the_executor_of_the_same_flags_decla
     the same packing hash, so the shards it warms are the ones that executor fetches."""
     from loraserve.adapter_store.pack import packing_hash
     from loraserve.cli import _layout, build_parser
-    from loraserve.executor.layout import declare_layout, model_config
     from loraserve.executor.build import lora_spec
+    from loraserve.executor.layout import declare_layout, model_config
 
     flags = ["--model", str(tiny_llama_dir), "--base-model", "tiny-llama", "--tp-size", "2", "--dtype", "bfloat16"]
     flags += ["--lora-embeddings"] if embeddings else []
