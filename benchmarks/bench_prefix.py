@@ -15,7 +15,8 @@ Usage (on a CUDA host, from the repo root, with `loraserve` importable):
   first, so each run with caching on starts without the blocks of its own workload.
 - Cached prefix: a request whose `--cached-prefix`-token prefix was just cached by another request
   of the same adapter (a different last block), beside the same request cold; time to first token,
-  median of 3 prefixes.
+  median of 3 prefixes, and the cached request's one step (its kind, launch to tokens on the host, the
+  device's span of it on CUDA): the rest of its time to first token is the host's.
 - Chat: `--conversations` conversations, each with one adapter drawn by Zipf (`--alpha`) over
   `--adapters`; an adapter's system prompt is fixed (length uniform in `--system-len`), each turn
   adds a user message (`--user-len`) and the conversation so far includes the answers the engine
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import statistics
 import sys
@@ -152,18 +154,29 @@ async def no_reuse(engine: Engine, requests, concurrency: int, run: Run) -> None
     run.seconds = time.perf_counter() - t0
 
 
-async def cached_prefix(engine: Engine, args) -> tuple[float, float]:
+async def cached_prefix(engine: Engine, args) -> tuple[float, float, str]:
     """Median seconds to first token of (a cold request with a --cached-prefix prefix, the same
-    prefix cached), each of one token more, over 3 prefixes of adapter a0."""
+    prefix cached), each of one token more, over 3 prefixes of adapter a0; and what the cached
+    requests' one step was: its kind, its time from launch to tokens on the host, and of that the
+    device's span (CUDA), medians (the rest of the time to first token is the host's)."""
     rng = random.Random(args.seed + 2)
     cold, warm = Run("cold"), Run("warm")
+    steps: list[tuple[str, float, float]] = []
     for _ in range(3):
         prefix = [rng.randrange(3, args.vocab) for _ in range(args.cached_prefix)]
         await ask(engine, cold, "a0", prefix + [rng.randrange(3, args.vocab)], 1)
+        before = {k: dataclasses.replace(v) for k, v in engine.step_totals.items()}
         await ask(engine, warm, "a0", prefix + [rng.randrange(3, args.vocab)], 1)
+        for kind, now in engine.step_totals.items():
+            step = now.minus(before[kind])
+            if step.steps:
+                steps.append((kind, step.seconds / step.steps, step.device_seconds / step.steps))
     if warm.cached_tokens < 3 * (args.cached_prefix // 16 * 16):
         print(f"note: the warm requests found {warm.cached_tokens} tokens cached", file=sys.stderr)
-    return statistics.median(cold.ttft), statistics.median(warm.ttft)
+    kinds = "/".join(sorted({k for k, _, _ in steps}))
+    step = f"its step: {kinds}, {statistics.median(s for _, s, _ in steps) * 1e3:.1f} ms"
+    step += f" (device {statistics.median(d for _, _, d in steps) * 1e3:.1f})" if any(d for _, _, d in steps) else ""
+    return statistics.median(cold.ttft), statistics.median(warm.ttft), step
 
 
 def build(args) -> Engine:
@@ -204,14 +217,14 @@ async def run(args) -> list[tuple[str, ...]]:
             await ask(engine, warm_up, f"a{a}", chat.tokens(rng, 32), 2)
         rows = []
         engine.config.prefix_caching = True
-        cold, warm = await cached_prefix(engine, args)
+        cold, warm, step = await cached_prefix(engine, args)
         rows.append(
             (
                 f"{args.cached_prefix}-token prefix cached (cold -> cached)",
                 "3",
                 "",
                 f"{cold * 1e3:.1f} -> {warm * 1e3:.1f}",
-                f"TTFT cached / cold = {warm / cold:.2f}",
+                f"TTFT cached / cold = {warm / cold:.2f}; {step}",
             )
         )
         requests = chat.no_reuse()
