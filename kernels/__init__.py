@@ -1,5 +1,5 @@
-"""LoRA shrink/expand, paged attention, fused MoE and slot-load kernels: Triton on CUDA, the
-plain-PyTorch reference elsewhere.
+"""LoRA shrink/expand, paged attention, fused MoE, slot-load and DoRA-norm kernels: Triton on CUDA,
+the plain-PyTorch reference elsewhere.
 
 `import loraserve.kernels` works with no GPU and no Triton installed: Triton is imported
 only when a CUDA tensor first asks for it.
