@@ -209,7 +209,7 @@ class Scheduler:
         for seq in list(self.waiting) if admit else ():
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if seq in plan.preempted or (holding and not self._decode_row(seq)) or not seq.is_ready():
+            if seq in plan.preempted or not seq.is_ready() or (holding and not self._decode_row(seq)):
                 continue
             n = self._take_blocks(seq, budget)
             if n is None:
@@ -228,7 +228,7 @@ class Scheduler:
             return False
         if not (self.admit_ratio > 0 and self._pacing_holds(peek=True)):
             return True
-        return any(self._decode_row(seq) and seq.is_ready() for seq in self.waiting)
+        return any(seq.is_ready() and self._decode_row(seq) for seq in self.waiting)
 
     def _decode_row(self, seq: Sequence) -> bool:
         """Admitting waiting `seq` now adds one decode row to a batch of decoding sequences that stays
@@ -251,7 +251,7 @@ class Scheduler:
         for seq in self.waiting:
             if fit >= free:
                 break
-            fit += not self._decode_row(seq) and bool(seq.is_ready())
+            fit += bool(seq.is_ready() and not self._decode_row(seq))
         if fit == 0:
             if not peek:
                 self._hold_since = None  # nobody held
