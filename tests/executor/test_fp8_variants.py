@@ -207,22 +207,28 @@ def test_a_static_group_with_a_dynamic_one_loads_its_input_scales_required_alone
     serves_as_dequantized(tmp_path / "fp8", ref_dir, "llama", paged_runner)
 
 
+def _refused_without_an_input_scale(path, tensors: dict, group: str, refuses) -> None:
+    """The checkpoint at path written with `tensors` less layer 0's down_proj.input_scale: refused naming
+    the tensor and its static config group."""
+    down = "model.layers.0.mlp.down_proj"
+    del tensors[f"{down}.input_scale"]
+    save_file(tensors, str(path / "model.safetensors"))
+    refuses(
+        path,
+        re.escape(
+            f"checkpoint tensor '{down}.input_scale' is missing: quantization_config config group {group!r} "
+            f"quantizes the input activations of '{down}' statically (per tensor, by this scale)"
+        ),
+    )
+
+
 def test_a_static_group_s_module_without_its_input_scale_is_refused_beside_a_dynamic_group(hf_model, tmp_path, refuses):
     """As above, less one MLP module's input_scale: required, as its config group is static."""
     _, src = hf_model("llama")
     _mixed(src, tmp_path / "fp8", "ct-tensor", "ct-channel", static_mlp=True)
     with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
         tensors = {n: f.get_tensor(n) for n in f.keys()}
-    down = "model.layers.0.mlp.down_proj"
-    del tensors[f"{down}.input_scale"]
-    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
-    refuses(
-        tmp_path / "fp8",
-        re.escape(
-            f"checkpoint tensor '{down}.input_scale' is missing: quantization_config config group 'group_1' "
-            f"quantizes the input activations of '{down}' statically (per tensor, by this scale)"
-        ),
-    )
+    _refused_without_an_input_scale(tmp_path / "fp8", tensors, "group_1", refuses)
 
 
 ATTENTION = "re:.*self_attn\\..*_proj$"
@@ -267,16 +273,7 @@ def test_a_static_group_s_module_without_its_input_scale_is_refused_beside_a_dyn
     _, src = hf_model("llama")
     write_fp8(src, tmp_path / "fp8", "ct-channel", static_input=True)
     tensors = _one_layout_static_and_dynamic(tmp_path / "fp8", static_targets)
-    down = "model.layers.0.mlp.down_proj"
-    del tensors[f"{down}.input_scale"]
-    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
-    refuses(
-        tmp_path / "fp8",
-        re.escape(
-            f"checkpoint tensor '{down}.input_scale' is missing: quantization_config config group 'static' "
-            f"quantizes the input activations of '{down}' statically (per tensor, by this scale)"
-        ),
-    )
+    _refused_without_an_input_scale(tmp_path / "fp8", tensors, "static", refuses)
 
 
 def test_a_module_named_by_its_dynamic_group_takes_it_before_a_static_group_s_regex(hf_model, tmp_path, paged_runner):
